@@ -1,0 +1,239 @@
+"""The ensure contract compiled with numba, for replaying many calls at once.
+
+    ids [C, rows, k] int32, layers [C] -> for each call, exactly HostCache.ensure:
+    query, hits, victims (empty suffix first, then lowest (score, slot)), installs,
+    counters [L, 3] and a miss histogram [L, Q + 1] (calls with m misses, per layer).
+
+The state arrays are the HostCache's own (slot_of, key_of, policy state, clock,
+counters), updated in place, so a replay can be interleaved with reference calls and
+compared bit for bit. The policy enters as its `FastVerbs`; numba compiles one kernel per
+policy and caches it on disk. Arguments are validated by `validate_calls` first: the
+kernel trusts them.
+
+Cost per call: O(n^2) to sort n <= rows * k routed ids (n is small), O(1) per hit, and
+one O(S) scoring pass when the misses outnumber the empty slots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from expertcache.errors import EnsureError
+from expertcache.geometry import CacheGeometry
+from expertcache.policies.base import (
+    CLK_EXPERTS,
+    CLK_LAYER,
+    CLK_LAYERS,
+    CLK_STEP,
+    CLK_TOK,
+    CLOCK_LEN,
+)
+
+_BIG = np.iinfo(np.int64).max
+
+
+@njit(cache=True)
+def _sorted_distinct(q, n):
+    """Insertion-sort q[:n] in place and drop duplicates; return the distinct count."""
+    for i in range(1, n):
+        v = q[i]
+        j = i - 1
+        while j >= 0 and q[j] > v:
+            q[j + 1] = q[j]
+            j -= 1
+        q[j + 1] = v
+    d = 0
+    for i in range(n):
+        if d == 0 or q[i] != q[d - 1]:
+            q[d] = q[i]
+            d += 1
+    return d
+
+
+@njit(cache=True)
+def _select(need, step, pin, key_of, kst, sst, gst, prm, clk, score, vslot, vscore):
+    """The `need` lowest (score, slot) among slots not pinned at `step`, ascending."""
+    cnt = 0
+    for s in range(key_of.shape[0]):
+        if pin[s] == step:
+            continue
+        sc = score(kst, sst, gst, prm, clk, np.int64(key_of[s]), np.int64(s))
+        if cnt == need and sc >= vscore[need - 1]:
+            continue  # slots come in ascending order, so a tie loses
+        j = cnt if cnt < need else need - 1
+        while j > 0 and vscore[j - 1] > sc:
+            vscore[j] = vscore[j - 1]
+            vslot[j] = vslot[j - 1]
+            j -= 1
+        vscore[j] = sc
+        vslot[j] = s
+        if cnt < need:
+            cnt += 1
+
+
+@njit(cache=True)
+def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
+                 slot_of, key_of, kst, sst, gst, prm, fprm, aux, clock, counters, hist,
+                 out_slots, plan, touch, score, evicted, refresh):
+    """Run every call of ids [C, rows, k] through the contract; see the module docstring.
+
+    out_slots int32 [rows, k] and plan int32 [rows * k, 2] receive the last call's
+    result; the return value is that call's miss count.
+    """
+    C, rows, k = ids.shape
+    S = key_of.shape[0]
+    L = counters.shape[0]
+    Q = rows * k
+    q = np.empty(Q, dtype=np.int64)
+    qslot = np.empty(Q, dtype=np.int64)
+    miss_pos = np.empty(Q, dtype=np.int64)
+    vslot = np.empty(Q, dtype=np.int64)
+    vscore = np.empty(Q, dtype=np.int64)
+    pin = np.zeros(S, dtype=np.int64)
+    clk = np.zeros(CLOCK_LEN, dtype=np.int64)
+    clk[CLK_LAYERS] = L
+    clk[CLK_EXPERTS] = num_experts
+    filled = 0
+    while filled < S and key_of[filled] >= 0:
+        filled += 1
+    access = counters[:, 1].sum()
+    m = 0
+    for c in range(C):
+        layer = np.int64(layers[c])
+        clock[0] += 1
+        if layer == 0:
+            clock[1] += 1
+        step = clock[0]
+        clk[CLK_STEP] = step
+        clk[CLK_TOK] = clock[1]
+        clk[CLK_LAYER] = layer
+        n = 0
+        for r in range(rows):
+            for j in range(k):
+                e = ids[c, r, j]
+                if e >= 0:
+                    q[n] = layer * num_experts + e
+                    n += 1
+        n = _sorted_distinct(q, n)
+        if has_logits:
+            refresh(kst, sst, gst, prm, fprm, clk, logit_idx[c], logit_val[c], k)
+        m = 0
+        for i in range(n):
+            s = slot_of[q[i]]
+            if s >= 0:
+                touch(kst, sst, gst, prm, clk, aux, q[i], np.int64(s), access + i, False)
+                pin[s] = step
+                qslot[i] = s
+            else:
+                miss_pos[m] = i
+                m += 1
+        ne = min(m, S - filled)
+        for j in range(ne):
+            vslot[j] = filled + j
+            vscore[j] = 0
+            pin[filled + j] = step
+        if m > ne:
+            _select(m - ne, step, pin, key_of, kst, sst, gst, prm, clk, score,
+                    vslot[ne:], vscore[ne:])
+        filled += ne
+        for j in range(m):
+            i = miss_pos[j]
+            s = vslot[j]
+            old = key_of[s]
+            if old >= 0:
+                slot_of[old] = -1
+                evicted(kst, sst, gst, prm, clk, np.int64(old), s, vscore[j])
+            key_of[s] = q[i]
+            slot_of[q[i]] = s
+            touch(kst, sst, gst, prm, clk, aux, q[i], s, access + i, True)
+            pin[s] = step
+            qslot[i] = s
+            plan[j, 0] = q[i]
+            plan[j, 1] = s
+        access += n
+        counters[layer, 0] += 1
+        counters[layer, 1] += n
+        counters[layer, 2] += m
+        hist[layer, m] += 1
+        if c == C - 1:
+            for r in range(rows):
+                for j in range(k):
+                    e = ids[c, r, j]
+                    out_slots[r, j] = -1
+                    if e >= 0:
+                        key = layer * num_experts + e
+                        out_slots[r, j] = slot_of[key]
+    return m
+
+
+def validate_calls(geometry: CacheGeometry, ids: np.ndarray, layers: np.ndarray,
+                   logit_idx: np.ndarray | None = None, logit_val: np.ndarray | None = None) -> None:
+    """Check a batch of calls as HostCache.ensure checks one; raise EnsureError if any fails.
+
+    ids int32 [C, rows, k]; layers int [C]; logits int32 / float32 [C, rows, T] or None.
+    Nothing is run when this raises.
+    """
+    L, E, S = geometry.num_layers, geometry.num_experts, geometry.num_slots
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.int32 or ids.ndim != 3:
+        raise EnsureError(f"ids must be an int32 array [calls, rows, k], got "
+                          f"{getattr(ids, 'dtype', type(ids))} {getattr(ids, 'shape', None)}")
+    if min(ids.shape) < 1:
+        raise EnsureError(f"ids needs at least one call, row and column, got {ids.shape}")
+    layers = np.asarray(layers)
+    if layers.shape != ids.shape[:1] or layers.dtype.kind not in "iu":
+        raise EnsureError(f"layers must be ints of shape [{ids.shape[0]}], got {layers.shape}")
+    if ((layers < 0) | (layers >= L)).any():
+        raise EnsureError(f"a layer is outside [0, {L}) (num_layers)")
+    bad = (ids < -1) | (ids >= E)
+    if bad.any():
+        c = int(np.argwhere(bad)[0][0])
+        raise EnsureError(f"call {c}: expert id {int(ids[bad][0])} outside [0, {E}) "
+                          "(num_experts); use -1 for padding")
+    flat = np.sort(ids.reshape(ids.shape[0], -1), axis=1)
+    distinct = ((flat >= 0) & np.concatenate(
+        [np.ones((flat.shape[0], 1), bool), flat[:, 1:] != flat[:, :-1]], axis=1)).sum(axis=1)
+    if distinct.max() > S:
+        c = int(distinct.argmax())
+        raise EnsureError(f"call {c} asks for {int(distinct[c])} distinct experts but the pool "
+                          f"has {S} slots (--moe-slots): raise the slot count")
+    if (logit_idx is None) != (logit_val is None):
+        raise EnsureError("logit_idx and logit_val come together: pass both or neither")
+    if logit_idx is not None:
+        if (logit_idx.dtype != np.int32 or logit_val.dtype != np.float32 or logit_idx.ndim != 3
+                or logit_idx.shape != logit_val.shape or logit_idx.shape[:2] != ids.shape[:2]):
+            raise EnsureError(f"logit_idx int32 / logit_val float32 must both be [{ids.shape[0]}, "
+                              f"{ids.shape[1]}, T]; got {logit_idx.shape} {logit_idx.dtype}, "
+                              f"{logit_val.shape} {logit_val.dtype}")
+        if ((logit_idx < -1) | (logit_idx >= E)).any():
+            raise EnsureError(f"logit_idx holds an expert id outside [0, {E}); use -1 for padding")
+
+
+def run_calls(cache, ids: np.ndarray, layers, logit_idx: np.ndarray | None = None,
+              logit_val: np.ndarray | None = None, hist: np.ndarray | None = None):
+    """Replay calls through `cache` (a HostCache) in place with the compiled kernel.
+
+    ids int32 [C, rows, k]; layers int [C]; logits [C, rows, T] or None; hist int64
+    [L, >= rows * k + 1] accumulates calls by miss count. Returns the last call's
+    (slots int32 [rows, k], plan int32 [m, 2]). Raises EnsureError before running anything.
+    """
+    g = cache.geometry
+    validate_calls(g, ids, layers, logit_idx, logit_val)
+    layers = np.ascontiguousarray(layers, dtype=np.int64)
+    rows, k = ids.shape[1:]
+    if hist is None:
+        hist = np.zeros((g.num_layers, rows * k + 1), dtype=np.int64)
+    elif hist.dtype != np.int64 or hist.shape[0] != g.num_layers or hist.shape[1] < rows * k + 1:
+        raise ValueError(f"hist must be int64 [{g.num_layers}, >= {rows * k + 1}]")
+    has_logits = logit_idx is not None and cache.policy.uses_logits
+    if not has_logits:
+        logit_idx = np.full((1, 1, 1), -1, dtype=np.int32)
+        logit_val = np.zeros((1, 1, 1), dtype=np.float32)
+    out = np.empty((rows, k), dtype=np.int32)
+    plan = np.empty((rows * k, 2), dtype=np.int32)
+    pol, st = cache.policy, cache.state
+    m = replay_calls(np.ascontiguousarray(ids), layers, logit_idx, logit_val, has_logits,
+                     g.num_experts, cache.slot_of, cache.key_of, st.key, st.slot, st.glob,
+                     pol.params(), pol.fparams(), pol.aux(), cache.clock, cache.counters, hist,
+                     out, plan, *pol.fast)
+    return out, plan[:m].copy()

@@ -1,0 +1,47 @@
+"""Cache geometry: how many MoE layers, experts per layer and slots one pool has.
+
+A key names one expert of one layer: `key = layer * num_experts + expert`. Expert ids,
+keys and slots are never mixed; `NO_SLOT` marks an absent key, `NO_KEY` an empty slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NO_SLOT = -1
+NO_KEY = -1
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Shape of one slot pool shared by all MoE layers.
+
+    num_layers: MoE layers L (layer ids 0..L-1 in decode order).
+    num_experts: routed experts per layer E (expert ids 0..E-1).
+    num_slots: slots S in the pool (`--moe-slots`).
+    """
+
+    num_layers: int
+    num_experts: int
+    num_slots: int
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_experts", "num_slots"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        if self.num_keys >= 2**31:
+            raise ValueError(
+                f"num_layers * num_experts = {self.num_keys} keys do not fit int32 keys"
+            )
+
+    @property
+    def num_keys(self) -> int:
+        """L * E: every (layer, expert) pair."""
+        return self.num_layers * self.num_experts
+
+    def key(self, layer: int, expert: int) -> int:
+        return layer * self.num_experts + expert
+
+    def layer_of(self, key: int) -> int:
+        return key // self.num_experts

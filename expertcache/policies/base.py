@@ -1,0 +1,161 @@
+"""The policy interface: integer state arrays, their update on hit and on install, and a score.
+
+Every policy keeps its state in three int64 arrays whose layout is the same on the host
+(numpy), in the compiled replay (numba) and on the device (torch):
+
+    key  [nk, K]   per-key fields (survive eviction), K = L * E keys
+    slot [ns, S]   per-slot fields (belong to whichever key the slot holds)
+    glob [ng]      policy-wide fields
+
+A policy implements the contract's verbs twice, over the same arrays:
+
+* the reference verbs (`on_hit`, `on_install`, `scores`, `on_evict`, `refresh`): numpy,
+  vectorised over the keys of one call, written to be read;
+* the fast verbs (`FastVerbs`): numba scalar functions the compiled replay calls per key
+  and per slot. Tests hold the two to bit-for-bit agreement.
+
+Scores are int64; the lowest `(score, slot index)` among evictable slots is evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar, NamedTuple
+
+import numpy as np
+
+from expertcache.geometry import CacheGeometry
+
+# Clock vector handed to the fast verbs, int64 [CLOCK_LEN].
+CLK_STEP, CLK_TOK, CLK_LAYER, CLK_LAYERS, CLK_EXPERTS = range(5)
+CLOCK_LEN = 5
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Where one ensure call stands: its call clock, token clock and layer.
+
+    step: calls so far, this one included. tok: decode steps so far, this one included.
+    access_base: distinct-key accesses before this call (oracles index their future by it).
+    """
+
+    step: int
+    tok: int
+    layer: int
+    num_layers: int
+    num_experts: int
+    access_base: int = 0
+
+
+@dataclass
+class PolicyState:
+    """A policy's integer state: key [nk, K], slot [ns, S], glob [ng], all int64."""
+
+    key: np.ndarray
+    slot: np.ndarray
+    glob: np.ndarray
+
+    def copy(self) -> "PolicyState":
+        return PolicyState(self.key.copy(), self.slot.copy(), self.glob.copy())
+
+    def equals(self, other: "PolicyState") -> bool:
+        return (
+            np.array_equal(self.key, other.key)
+            and np.array_equal(self.slot, other.slot)
+            and np.array_equal(self.glob, other.glob)
+        )
+
+
+class FastVerbs(NamedTuple):
+    """numba `@njit` functions over (key, slot, glob, params, fparams, clock, aux) arrays.
+
+    touch(kst, sst, gst, prm, clk, aux, key, slot, access, installed) -> None
+    score(kst, sst, gst, prm, clk, key, slot) -> int64
+    evicted(kst, sst, gst, prm, clk, key, slot, score) -> None
+    refresh(kst, sst, gst, prm, fprm, clk, logit_idx [rows, T], logit_val [rows, T], k) -> None
+    """
+
+    touch: Callable
+    score: Callable
+    evicted: Callable
+    refresh: Callable
+
+
+class Policy:
+    """Base of every eviction policy. Subclasses set the ClassVars and the verbs."""
+
+    name: ClassVar[str]
+    key_fields: ClassVar[tuple[str, ...]] = ()
+    slot_fields: ClassVar[tuple[str, ...]] = ()
+    glob_fields: ClassVar[tuple[str, ...]] = ()
+    # Initial value of every field, by name (0 where absent).
+    initial: ClassVar[dict[str, int]] = {}
+    uses_logits: ClassVar[bool] = False
+    # Oracles see the future and exist in the simulator only.
+    oracle: ClassVar[bool] = False
+    fast: ClassVar[FastVerbs]
+
+    def __init__(self, geometry: CacheGeometry) -> None:
+        self.geometry = geometry
+
+    # ---- state ---------------------------------------------------------------------------
+    def init_state(self) -> PolicyState:
+        g = self.geometry
+
+        def block(fields: tuple[str, ...], n: int) -> np.ndarray:
+            arr = np.zeros((len(fields), n), dtype=np.int64)
+            for i, f in enumerate(fields):
+                arr[i] = self.initial.get(f, 0)
+            return arr
+
+        glob = np.array([self.initial.get(f, 0) for f in self.glob_fields], dtype=np.int64)
+        return PolicyState(
+            block(self.key_fields, g.num_keys), block(self.slot_fields, g.num_slots), glob
+        )
+
+    def params(self) -> np.ndarray:
+        """Integer constants for the fast verbs and the device kernels, int64 [P]."""
+        return np.zeros(1, dtype=np.int64)
+
+    def fparams(self) -> np.ndarray:
+        """Floating constants (only for comparing router logits), float32 [P]."""
+        return np.zeros(1, dtype=np.float32)
+
+    def aux(self) -> np.ndarray:
+        """Read-only side input of the fast verbs (an oracle's future), int64 [A]."""
+        return np.zeros(1, dtype=np.int64)
+
+    # ---- reference verbs (numpy, one call's keys at a time) ------------------------------
+    def refresh(
+        self, st: PolicyState, clk: Clock, logit_idx: np.ndarray, logit_val: np.ndarray, k: int
+    ) -> None:
+        """Near-miss refresh from router logits, before victims are chosen. Default: none."""
+
+    def on_hit(self, st: PolicyState, clk: Clock, keys: np.ndarray, slots: np.ndarray,
+               access: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def on_install(self, st: PolicyState, clk: Clock, keys: np.ndarray, slots: np.ndarray,
+                   access: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def scores(self, st: PolicyState, clk: Clock, keys: np.ndarray,
+               slots: np.ndarray) -> np.ndarray:
+        """int64 eviction score of each resident (key, slot); the lowest is evicted first."""
+        raise NotImplementedError
+
+    def on_evict(self, st: PolicyState, clk: Clock, key: int, slot: int, score: int) -> None:
+        """The resident `key` leaves `slot` (its score was `score`). Default: nothing."""
+
+    def describe(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class PolicyInfo:
+    """One registry entry: how to build the policy, and what it is."""
+
+    name: str
+    factory: Callable[..., Policy]
+    summary: str
+    oracle: bool = False

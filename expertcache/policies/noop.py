@@ -1,0 +1,13 @@
+"""Fast verbs shared by policies that have nothing to do at a step of the contract."""
+
+from numba import njit
+
+
+@njit(cache=True)
+def no_evicted(kst, sst, gst, prm, clk, key, slot, score):  # noqa: ARG001
+    return None
+
+
+@njit(cache=True)
+def no_refresh(kst, sst, gst, prm, fprm, clk, logit_idx, logit_val, k):  # noqa: ARG001
+    return None

@@ -1,0 +1,211 @@
+"""`rule`: cycle-aware recency plus decayed frequency, with a near-miss refresh.
+
+In a decode sweep a layer's experts are next needed when that layer runs again, so
+plain LRU across layers evicts exactly the layer about to run. `rule` scores a resident
+key by how many tokens ago it was used *and* how many layer calls remain until its layer
+runs again, plus a log-count frequency that halves every HALFLIFE tokens.
+
+Everything is Q16 fixed point (ONE = 2**16), int64. With L MoE layers, current layer l,
+`now = tok * L + l`, and per-key state (survives eviction)
+
+    key[LAST_TOK]  token of the last use (-1: never)
+    key[LC]        log2 use count, Q16, as of key[CT]
+    key[CT]        `now` of the last use (-1: never)
+
+the score of a resident key of layer lk is
+
+    tok_eff = tok - 1 if lk > l else tok         # layers after l have not run this step
+    k       = clamp(tok_eff - LAST_TOK, 0, K_MAX)
+    d       = lk - l if lk > l else L - l + lk    # layer calls until lk runs again
+    lcv     = max(LC - ((now - CT) * ONE) // (HALFLIFE * L), LC_FLOOR)
+    score   = -(k * ONE + d * round(BETA * ONE / L)) + ((round(W * 16) * lcv) >> 4)
+
+On a use (hit or install) LC becomes log2(2**lcv + 1), that is
+`max(lcv, 0) + T[min(|lcv| >> 10, 1920)]` with the fixed table
+`T[i] = round(log2(1 + 2**(-i / 64)) * ONE)`; a first use sets LC = 0; CT = now,
+LAST_TOK = tok.
+
+Near-miss refresh (with router logits): in each row, every expert of layer l whose logit
+is >= (the row's k-th largest logit) - NEAR gets LAST_TOK = max(LAST_TOK, tok - 1). It is
+applied before victims are chosen and pins nothing. Logit entries with index -1 are
+padding; a row with fewer than k real entries uses its smallest.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from expertcache.errors import PolicyError
+from expertcache.geometry import CacheGeometry
+from expertcache.policies.base import (
+    CLK_EXPERTS,
+    CLK_LAYER,
+    CLK_LAYERS,
+    CLK_TOK,
+    Clock,
+    FastVerbs,
+    Policy,
+    PolicyState,
+)
+from expertcache.policies.noop import no_evicted
+
+ONE_SHIFT = 16
+ONE = 1 << ONE_SHIFT
+TABLE_SHIFT = 10  # table step = 2**-6 in log2 units (Q16 >> 10)
+TABLE_LEN = 30 * 64 + 1
+# T[i] = round(log2(1 + 2^(-i/64)) * ONE); ties cannot occur (the values are irrational).
+LOG2_1P_TABLE = np.floor(np.log2(1.0 + 2.0 ** (-np.arange(TABLE_LEN) / 64.0)) * ONE + 0.5).astype(
+    np.int64
+)
+
+LAST_TOK, LC, CT = 0, 1, 2
+# Integer parameter vector (followed by the table).
+P_BETA_Q, P_W_Q, P_DECAY_DIV, P_K_MAX, P_LC_FLOOR, P_TABLE = 0, 1, 2, 3, 4, 5
+F_NEAR = 0
+
+
+@njit(cache=True, inline="always")
+def _decayed(lc, ct, now, prm):
+    v = lc - ((now - ct) << ONE_SHIFT) // prm[P_DECAY_DIV]
+    return max(v, prm[P_LC_FLOOR])
+
+
+@njit(cache=True)
+def _touch(kst, sst, gst, prm, clk, aux, key, slot, access, installed):  # noqa: ARG001
+    tok = clk[CLK_TOK]
+    now = tok * clk[CLK_LAYERS] + clk[CLK_LAYER]
+    if kst[CT, key] < 0:
+        lc = 0
+    else:
+        x = _decayed(kst[LC, key], kst[CT, key], now, prm)
+        i = abs(x) >> TABLE_SHIFT
+        if i > TABLE_LEN - 1:
+            i = TABLE_LEN - 1
+        lc = max(x, 0) + prm[P_TABLE + i]
+    kst[LC, key] = lc
+    kst[CT, key] = now
+    kst[LAST_TOK, key] = tok
+
+
+@njit(cache=True)
+def _score(kst, sst, gst, prm, clk, key, slot):  # noqa: ARG001
+    num_layers = clk[CLK_LAYERS]
+    layer = clk[CLK_LAYER]
+    tok = clk[CLK_TOK]
+    lk = key // clk[CLK_EXPERTS]
+    if lk > layer:
+        k = tok - 1 - kst[LAST_TOK, key]
+        d = lk - layer
+    else:
+        k = tok - kst[LAST_TOK, key]
+        d = num_layers - layer + lk
+    k = min(max(k, 0), prm[P_K_MAX])
+    lcv = _decayed(kst[LC, key], kst[CT, key], tok * num_layers + layer, prm)
+    return -((k << ONE_SHIFT) + d * prm[P_BETA_Q]) + ((prm[P_W_Q] * lcv) >> 4)
+
+
+@njit(cache=True)
+def _refresh(kst, sst, gst, prm, fprm, clk, logit_idx, logit_val, k):  # noqa: ARG001
+    base = clk[CLK_LAYER] * clk[CLK_EXPERTS]
+    seen = clk[CLK_TOK] - 1
+    vals = np.empty(logit_idx.shape[1], dtype=np.float32)
+    for r in range(logit_idx.shape[0]):
+        n = 0
+        for t in range(logit_idx.shape[1]):
+            if logit_idx[r, t] >= 0:
+                vals[n] = logit_val[r, t]
+                n += 1
+        if n == 0:
+            continue
+        srt = np.sort(vals[:n])
+        kth = srt[n - min(k, n)]
+        thr = kth - fprm[F_NEAR]
+        for t in range(logit_idx.shape[1]):
+            if logit_idx[r, t] >= 0 and logit_val[r, t] >= thr:
+                key = base + logit_idx[r, t]
+                if kst[LAST_TOK, key] < seen:
+                    kst[LAST_TOK, key] = seen
+
+
+class Rule(Policy):
+    name = "rule"
+    key_fields = ("last_tok", "lc", "ct")
+    initial = {"last_tok": -1, "lc": 0, "ct": -1}
+    uses_logits = True
+    fast = FastVerbs(_touch, _score, no_evicted, _refresh)
+
+    def __init__(
+        self,
+        geometry: CacheGeometry,
+        beta: float = 4.0,
+        w: float = 3.0,
+        halflife: int = 64,
+        k_max: int = 16384,
+        lc_floor: int = -30,
+        near: float = 0.25,
+    ) -> None:
+        super().__init__(geometry)
+        if halflife < 1:
+            raise PolicyError(f"rule halflife must be >= 1 token, got {halflife}")
+        if k_max < 0 or lc_floor > 0 or near < 0 or beta < 0 or w < 0:
+            raise PolicyError(
+                "rule constants need beta >= 0, w >= 0, k_max >= 0, lc_floor <= 0, near >= 0; "
+                f"got beta={beta}, w={w}, k_max={k_max}, lc_floor={lc_floor}, near={near}"
+            )
+        L = geometry.num_layers
+        self.beta_q = int(np.floor(beta * ONE / L + 0.5))
+        self.w_q = int(np.floor(w * 16 + 0.5))
+        self.decay_div = halflife * L
+        self.k_max = int(k_max)
+        self.lc_floor = int(lc_floor) * ONE
+        self.near = np.float32(near)
+        self.constants = dict(beta=beta, w=w, halflife=halflife, k_max=k_max,
+                              lc_floor=lc_floor, near=near)
+
+    def params(self) -> np.ndarray:
+        head = [self.beta_q, self.w_q, self.decay_div, self.k_max, self.lc_floor]
+        return np.concatenate([np.array(head, dtype=np.int64), LOG2_1P_TABLE])
+
+    def fparams(self) -> np.ndarray:
+        return np.array([self.near], dtype=np.float32)
+
+    def _lcv(self, st: PolicyState, keys: np.ndarray, now: int) -> np.ndarray:
+        v = st.key[LC, keys] - ((now - st.key[CT, keys]) << ONE_SHIFT) // self.decay_div
+        return np.maximum(v, self.lc_floor)
+
+    def refresh(self, st, clk: Clock, logit_idx, logit_val, k) -> None:
+        for idx_row, val_row in zip(logit_idx, logit_val):
+            real = idx_row >= 0
+            if not real.any():
+                continue
+            vals = np.sort(val_row[real])[::-1]
+            kth = vals[min(k, len(vals)) - 1]
+            near = real & (val_row >= kth - self.near)
+            keys = clk.layer * clk.num_experts + idx_row[near].astype(np.int64)
+            st.key[LAST_TOK, keys] = np.maximum(st.key[LAST_TOK, keys], clk.tok - 1)
+
+    def on_hit(self, st: PolicyState, clk: Clock, keys, slots, access) -> None:
+        now = clk.tok * clk.num_layers + clk.layer
+        x = self._lcv(st, keys, now)
+        grown = np.maximum(x, 0) + LOG2_1P_TABLE[np.minimum(np.abs(x) >> TABLE_SHIFT, TABLE_LEN - 1)]
+        st.key[LC, keys] = np.where(st.key[CT, keys] < 0, 0, grown)
+        st.key[CT, keys] = now
+        st.key[LAST_TOK, keys] = clk.tok
+
+    on_install = on_hit
+
+    def scores(self, st: PolicyState, clk: Clock, keys, slots) -> np.ndarray:
+        L, l, tok = clk.num_layers, clk.layer, clk.tok
+        lk = keys // clk.num_experts
+        later = lk > l
+        k = np.where(later, tok - 1, tok) - st.key[LAST_TOK, keys]
+        k = np.clip(k, 0, self.k_max)
+        d = np.where(later, lk - l, L - l + lk)
+        lcv = self._lcv(st, keys, tok * L + l)
+        return -((k << ONE_SHIFT) + d * self.beta_q) + ((self.w_q * lcv) >> 4)
+
+    def describe(self) -> str:
+        c = self.constants
+        return (f"rule(beta={c['beta']}, w={c['w']}, halflife={c['halflife']}, "
+                f"near={c['near']})")
