@@ -1,0 +1,32 @@
+"""The `expertcache` command: one entry point, one subcommand per job.
+
+    expertcache sim [TRACE ...]   replay routing traces through cache policies (sim.cli)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from expertcache import __version__
+from sim import cli as sim_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="expertcache",
+        description="Serve MoE models whose routed experts do not fit in GPU memory, "
+        "and choose the cache policy and slot count from routing traces.")
+    parser.add_argument("--version", action="version", version=f"expertcache {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sim_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Replay a routing trace through the ensure contract, in decode order, from a cold start.
+
+    Trace experts [N, L, B, k] -> calls: token-major, layers 0..L-1 (ids [N*L, B, k])
+    -> one HostCache per (policy, slots), driven by the compiled kernel (expertcache.fast)
+    -> ReplayResult: per-layer accesses and misses, miss histogram [L, B*k + 1]
+
+`sweep` runs many (policy, slots) replays in parallel processes with a progress bar.
+Policies come from the expertcache registry plus the simulator's oracles (`belady`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from expertcache import CacheGeometry, HostCache, get_policy, policy_names
+from expertcache.errors import PolicyError
+from expertcache.fast import run_calls
+from expertcache.host import ACCESSES, MISSES
+from sim.belady import Belady
+from sim.trace import Trace
+
+ORACLES = ("belady",)
+
+
+def sim_policy_names() -> list[str]:
+    """Every policy the simulator can replay: the registry's and the oracles."""
+    return sorted(set(policy_names()) | set(ORACLES))
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """Outcome of one replay. Arrays: layer_accesses / layer_misses int64 [L], hist int64
+    [L, B*k + 1] (calls of each layer by miss count)."""
+
+    policy: str
+    slots: int
+    tokens: int
+    calls: int
+    layer_accesses: np.ndarray = field(repr=False)
+    layer_misses: np.ndarray = field(repr=False)
+    hist: np.ndarray = field(repr=False)
+
+    @property
+    def accesses(self) -> int:
+        return int(self.layer_accesses.sum())
+
+    @property
+    def misses(self) -> int:
+        return int(self.layer_misses.sum())
+
+    @property
+    def hit_rate(self) -> float:
+        return 1.0 - self.misses / self.accesses if self.accesses else 0.0
+
+    @property
+    def misses_per_token(self) -> float:
+        return self.misses / self.tokens
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy,
+            "slots": self.slots,
+            "tokens": self.tokens,
+            "calls": self.calls,
+            "accesses": self.accesses,
+            "misses": self.misses,
+            "hit_rate": self.hit_rate,
+            "misses_per_token": self.misses_per_token,
+            "layer_accesses": self.layer_accesses.tolist(),
+            "layer_misses": self.layer_misses.tolist(),
+        }
+
+
+def trace_calls(trace: Trace):
+    """A trace's ensure calls in decode order.
+
+    Returns ids int32 [N*L, B, k], layers int64 [N*L], and logit_idx int32 / logit_val
+    float32 [N*L, B, T] (or None, None).
+    """
+    N, L, B, k = trace.experts.shape
+    ids = np.ascontiguousarray(trace.experts.reshape(N * L, B, k))
+    layers = np.tile(np.arange(L, dtype=np.int64), N)
+    if trace.logit_idx is None:
+        return ids, layers, None, None
+    T = trace.logit_idx.shape[-1]
+    return (ids, layers, np.ascontiguousarray(trace.logit_idx.reshape(N * L, B, T)),
+            np.ascontiguousarray(trace.logit_val.reshape(N * L, B, T)))
+
+
+def make_policy(name: str, geometry: CacheGeometry, ids, layers, **constants):
+    """A registry policy, or an oracle built from the calls it will see."""
+    if name == "belady":
+        if constants:
+            raise PolicyError("belady takes no constants")
+        return Belady.for_calls(geometry, ids, layers)
+    if name not in sim_policy_names():
+        raise PolicyError(f"unknown policy {name!r} (--policies): choose from "
+                          + ", ".join(sim_policy_names()))
+    return get_policy(name, geometry, **constants)
+
+
+def replay(trace: Trace, policy: str, slots: int, *, use_logits: bool = True,
+           **constants) -> ReplayResult:
+    """Replay `trace` through `policy` with `slots` slots (cold start). Cost: O(calls * S)
+    in the worst case, usually far less (one scoring pass per call with evictions)."""
+    ids, layers, lidx, lval = trace_calls(trace)
+    if not use_logits:
+        lidx = lval = None
+    geometry = CacheGeometry(trace.num_layers, trace.num_experts, int(slots))
+    cache = HostCache(geometry, make_policy(policy, geometry, ids, layers, **constants))
+    hist = np.zeros((geometry.num_layers, ids.shape[1] * ids.shape[2] + 1), dtype=np.int64)
+    run_calls(cache, ids, layers, lidx, lval, hist=hist)
+    return ReplayResult(policy, int(slots), trace.num_tokens, int(ids.shape[0]),
+                        cache.counters[:, ACCESSES].copy(), cache.counters[:, MISSES].copy(), hist)
+
+
+_WORKER_TRACE: Trace | None = None
+
+
+def _init_worker(trace: Trace) -> None:
+    global _WORKER_TRACE
+    _WORKER_TRACE = trace
+
+
+def _run_one(args: tuple[str, int, bool]) -> ReplayResult:
+    policy, slots, use_logits = args
+    assert _WORKER_TRACE is not None
+    return replay(_WORKER_TRACE, policy, slots, use_logits=use_logits)
+
+
+def sweep(trace: Trace, policies: list[str], slots: list[int], *, workers: int | None = None,
+          progress: bool = True, use_logits: bool = True) -> list[ReplayResult]:
+    """Replay every (policy, slots) pair; results ordered by policy, then slots.
+
+    workers: processes (default: the CPU count, at most the number of jobs); 1 runs in
+    this process. Raises PolicyError / EnsureError before any work for a bad policy name
+    or a slot count below the largest call.
+    """
+    for p in policies:
+        if p not in sim_policy_names():
+            raise PolicyError(f"unknown policy {p!r} (--policies): choose from "
+                              + ", ".join(sim_policy_names()))
+    jobs = [(p, int(s), use_logits) for p in policies for s in slots]
+    workers = min(workers or os.cpu_count() or 1, len(jobs))
+    bar = tqdm(total=len(jobs), desc="replay", unit="run", disable=not progress, leave=False)
+    results: dict[tuple[str, int], ReplayResult] = {}
+    if workers <= 1:
+        for job in jobs:
+            results[job[:2]] = replay(trace, job[0], job[1], use_logits=use_logits)
+            bar.update()
+    else:
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        with ProcessPoolExecutor(workers, mp.get_context(method), _init_worker, (trace,)) as ex:
+            futures = {ex.submit(_run_one, job): job for job in jobs}
+            for fut in as_completed(futures):
+                results[futures[fut][:2]] = fut.result()
+                bar.update()
+    bar.close()
+    return [results[(p, int(s))] for p in policies for s in slots]

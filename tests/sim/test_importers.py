@@ -1,0 +1,281 @@
+"""Tests of sim.importers: FreeToken directories and JSONL logs to and from Trace.
+
+Random B == 1 traces round-trip losslessly through both layouts; malformed inputs raise
+TraceError naming the file (and line and field); the real mixtral-gsm8k.raw.jsonl imports to
+exactly the experts, weights and req_index of mixtral-gsm8k.npz.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.importers import (export_freetoken_dir, export_jsonl, import_freetoken_dir,
+                           import_jsonl)
+from sim.trace import Trace, TraceError, TraceMeta, load_trace
+
+TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+
+
+def make_trace(seed: int, n: int = 6, layers: int = 3, k: int = 2, num_experts: int = 8, *,
+               weights: bool = True, req: bool = True, logits: int = 0, batch: int = 1) -> Trace:
+    """A random valid trace; req_index numbers request runs 0, 1, 2, ... in order."""
+    rng = np.random.default_rng(seed)
+    order = np.argsort(rng.random((n, layers, batch, num_experts)), axis=-1)
+    experts = order[..., :k].astype(np.int32)
+    experts[rng.random(experts.shape) < 0.1] = -1
+    meta = TraceMeta(model=f"moe-{seed}", num_layers=layers, num_experts=num_experts, top_k=k,
+                     expert_bytes=int(rng.integers(1, 1 << 30)), phase="decode",
+                     source="generated", license="test", extra={"seed": seed, "note": "x"})
+    w = (rng.random(experts.shape) + 0.01).astype(np.float32) if weights else None
+    r = None
+    if req:
+        r = np.cumsum(rng.random((n, batch)) < 0.4, axis=0)
+        r = (r - r[0]).astype(np.int32)
+    li = lv = None
+    if logits:
+        li = rng.integers(-1, num_experts, (n, layers, batch, logits)).astype(np.int32)
+        lv = rng.standard_normal(li.shape).astype(np.float32)
+    return Trace(experts=experts, meta=meta, weights=w, req_index=r, logit_idx=li, logit_val=lv)
+
+
+trace_args = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**31), "n": st.integers(1, 7), "layers": st.integers(1, 4),
+    "k": st.integers(1, 3), "num_experts": st.integers(3, 10), "weights": st.booleans(),
+    "req": st.booleans(), "logits": st.integers(0, 3)})
+
+
+@settings(max_examples=25, deadline=None)
+@given(trace_args)
+def test_freetoken_round_trip(args: dict) -> None:
+    t = make_trace(**args)
+    with tempfile.TemporaryDirectory() as d:
+        export_freetoken_dir(t, d)
+        assert import_freetoken_dir(d) == t
+
+
+@settings(max_examples=25, deadline=None)
+@given(trace_args, st.sampled_from([None, "gsm8k"]))
+def test_jsonl_round_trip(args: dict, dataset: str | None) -> None:
+    t = make_trace(**args)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "t.jsonl"
+        export_jsonl(t, path, dataset=dataset)
+        assert import_jsonl(path) == t
+
+
+def test_exports_refuse_batch_two(tmp_path: Path) -> None:
+    t = make_trace(1, batch=2)
+    with pytest.raises(TraceError, match="batch"):
+        export_freetoken_dir(t, tmp_path / "ft")
+    with pytest.raises(TraceError, match="batch"):
+        export_jsonl(t, tmp_path / "t.jsonl")
+
+
+def test_jsonl_export_refuses_split_request(tmp_path: Path) -> None:
+    t = make_trace(2, n=4)
+    t = replace(t, req_index=np.array([[0], [1], [1], [0]], dtype=np.int32))
+    with pytest.raises(TraceError, match="req_index"):
+        export_jsonl(t, tmp_path / "t.jsonl")
+
+
+def test_jsonl_custom_keys_and_shuffled_lines(tmp_path: Path) -> None:
+    t = make_trace(3, n=8, logits=2)
+    keys = dict(request_key="req", layer_key="l", token_key="pos", experts_key="ids",
+                weights_key="w", logit_idx_key="li", logit_val_key="lv")
+    export_jsonl(t, tmp_path / "t.jsonl", write_meta=False, **keys)
+    blocks: dict[int, list[str]] = {}
+    for line in (tmp_path / "t.jsonl").read_text().splitlines():
+        blocks.setdefault(json.loads(line)["req"], []).append(line)
+    for block in blocks.values():  # requests stay in order; lines within each are shuffled
+        random.Random(0).shuffle(block)
+    text = "\n".join(line for block in blocks.values() for line in block)
+    (tmp_path / "s.jsonl").write_text(text + "\n\n")
+    meta = t.meta
+    u = import_jsonl(tmp_path / "s.jsonl", model=meta.model, num_experts=meta.num_experts,
+                     expert_bytes=meta.expert_bytes, source=meta.source, license=meta.license,
+                     **keys)
+    assert u == replace(t, meta=replace(meta, extra={}))
+
+
+def jsonl_records(tokens: dict[int, int], k: int = 2) -> list[dict]:
+    """Records for one request; tokens maps layer -> number of tokens recorded."""
+    return [{"problem_id": 0, "layer": layer, "experts": [(tok + layer) % 4, 4 + tok % 3][:k],
+             "token_idx": tok} for layer, count in tokens.items() for tok in range(count)]
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n"
+                            for r in records))
+    return path
+
+
+def test_jsonl_drops_tokens_missing_from_a_layer(tmp_path: Path) -> None:
+    records = jsonl_records({0: 5, 1: 4, 2: 5})
+    records = [r for r in records if not (r["layer"] == 2 and r["token_idx"] == 1)]
+    t = import_jsonl(write_jsonl(tmp_path / "t.jsonl", records), model="m")
+    assert t.num_tokens == 3 and t.meta.extra["dropped_tokens"] == 2
+    assert t.experts[:, 0, 0].tolist() == [[0, 4], [2, 6], [3, 4]]
+    assert t.meta.num_experts == 7 and t.meta.extra["num_experts_inferred"] is True
+    assert t.weights is None and t.req_index.tolist() == [[0], [0], [0]]
+
+
+def test_jsonl_dataset_makes_requests_distinct(tmp_path: Path) -> None:
+    records = ([dict(r, dataset="a") for r in jsonl_records({0: 2, 1: 2})]
+               + [dict(r, dataset="b") for r in jsonl_records({0: 3, 1: 3})])
+    t = import_jsonl(write_jsonl(tmp_path / "t.jsonl", records), model="m", num_experts=8)
+    assert t.req_index[:, 0].tolist() == [0, 0, 1, 1, 1]
+
+
+GOOD = {"problem_id": 0, "layer": 0, "experts": [1, 2], "gating_probs": [0.6, 0.4],
+        "token_idx": 0}
+JSONL_ERRORS = [
+    ("line 2", [GOOD, "{oops"], ":2:"),
+    ("not object", [GOOD, "[1, 2]"], ":2:"),
+    ("no layer", [GOOD, {k: v for k, v in GOOD.items() if k != "layer"}], "'layer'"),
+    ("bad token", [GOOD, dict(GOOD, token_idx=-1)], "'token_idx'"),
+    ("bad experts", [GOOD, dict(GOOD, token_idx=1, experts="1,2")], "'experts'"),
+    ("float id", [GOOD, dict(GOOD, token_idx=1, experts=[1.0, 2])], "'experts'"),
+    ("id < -1", [GOOD, dict(GOOD, token_idx=1, experts=[-2, 2])], "'experts'"),
+    ("repeat id", [GOOD, dict(GOOD, token_idx=1, experts=[2, 2])], "'experts'"),
+    ("k differs", [GOOD, dict(GOOD, token_idx=1, experts=[1, 2, 3],
+                              gating_probs=[0.1, 0.2, 0.7])], "'experts'"),
+    ("weights len", [GOOD, dict(GOOD, token_idx=1, gating_probs=[1.0])], "'gating_probs'"),
+    ("weights mixed", [GOOD, {k: v for k, v in dict(GOOD, token_idx=1).items()
+                              if k != "gating_probs"}], "'gating_probs'"),
+    ("request mixed", [GOOD, {k: v for k, v in dict(GOOD, token_idx=1).items()
+                              if k != "problem_id"}], "'problem_id'"),
+    ("request type", [GOOD, dict(GOOD, token_idx=1, problem_id=[0])], "'problem_id'"),
+    ("duplicate", [GOOD, GOOD], "line 1"),
+    ("logit half", [GOOD, dict(GOOD, token_idx=1, logit_idx=[1])], "'logit_val'"),
+    ("logit len", [dict(GOOD, logit_idx=[1, 2], logit_val=[0.5])], "'logit_val'"),
+    ("id range", [GOOD, dict(GOOD, token_idx=1, experts=[9, 2])], "num_experts"),
+    ("missing layer", [GOOD, dict(GOOD, layer=2)], "layer(s) [1]"),
+    ("empty", [], "no records"),
+]
+
+
+@pytest.mark.parametrize("name, records, needle", JSONL_ERRORS,
+                         ids=[case[0] for case in JSONL_ERRORS])
+def test_jsonl_errors_name_line_and_field(tmp_path: Path, name: str, records: list,
+                                          needle: str) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", records)
+    kwargs = {"num_experts": 8} if name == "id range" else {}
+    with pytest.raises(TraceError) as err:
+        import_jsonl(path, model="m", **kwargs)
+    message = str(err.value)
+    assert str(path) in message and needle in message
+    if name not in ("missing layer", "empty"):
+        assert f"{path}:" in message  # names a line
+
+
+def test_jsonl_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="no such file"):
+        import_jsonl(tmp_path / "absent.jsonl", model="m")
+    path = write_jsonl(tmp_path / "t.jsonl", [GOOD])
+    with pytest.raises(TraceError, match="model"):
+        import_jsonl(path)
+    (tmp_path / "t.jsonl.meta.json").write_text("[1]")
+    with pytest.raises(TraceError, match="meta.json"):
+        import_jsonl(path, model="m")
+    (tmp_path / "b.jsonl").write_bytes(b"\xff\xfe{}\n")
+    with pytest.raises(TraceError, match="UTF-8"):
+        import_jsonl(tmp_path / "b.jsonl", model="m")
+
+
+def test_freetoken_import_converts_and_infers(tmp_path: Path) -> None:
+    experts = np.array([[[0, 5], [2, -1]], [[3, 1], [4, 0]]], dtype=np.int64)
+    np.save(tmp_path / "experts.npy", experts)
+    np.save(tmp_path / "req_index.npy", np.array([0, 0], dtype=np.int16))
+    t = import_freetoken_dir(tmp_path, model="m", source="s")
+    assert t.experts.dtype == np.int32 and t.experts[:, :, 0].tolist() == experts.tolist()
+    assert t.meta.num_experts == 6 and t.meta.extra == {"num_experts_inferred": True}
+    assert t.meta.phase == "decode" and t.req_index.dtype == np.int32
+    (tmp_path / "meta.json").write_text(json.dumps(
+        {"model": "stored", "num_experts": 16, "license": "MIT", "notes": "kept"}))
+    t = import_freetoken_dir(tmp_path, num_experts=8, license="unknown")
+    assert (t.meta.model, t.meta.num_experts, t.meta.license) == ("stored", 8, "MIT")
+    assert t.meta.extra == {"notes": "kept"}
+    assert import_freetoken_dir(tmp_path, license="CC-BY").meta.license == "CC-BY"
+
+
+FT_ERRORS = [
+    ("experts.npy", {"experts": np.zeros((2, 2, 2), dtype=np.float32)}),
+    ("experts.npy", {"experts": np.zeros((2, 2), dtype=np.int32)}),
+    ("experts.npy", {"experts": np.full((2, 2, 2), 2**40, dtype=np.int64)}),
+    ("experts.npy", {"experts": np.array([[[1, 1]]], dtype=np.int32)}),
+    ("experts.npy", {"experts": np.array([[[1, 9]]], dtype=np.int32)}),
+    ("weights.npy", {"weights": np.ones((1, 1, 3), dtype=np.float32)}),
+    ("weights.npy", {"weights": np.ones((1, 1, 2), dtype=np.int32)}),
+    ("req_index.npy", {"req_index": np.zeros(2, dtype=np.int32)}),
+    ("req_index.npy", {"req_index": np.zeros(1, dtype=np.float32)}),
+    ("logit_val.npy", {"logit_idx": np.zeros((1, 1, 2), dtype=np.int32)}),
+    ("logit_idx.npy", {"logit_val": np.zeros((1, 1, 2), dtype=np.float32)}),
+    ("logit_idx.npy", {"logit_idx": np.full((1, 1, 2), 9, dtype=np.int32),
+                       "logit_val": np.zeros((1, 1, 2), dtype=np.float32)}),
+    ("logit_val.npy", {"logit_idx": np.zeros((1, 1, 2), dtype=np.int32),
+                       "logit_val": np.zeros((1, 1, 3), dtype=np.float32)}),
+    ("logit_idx.npy", {"logit_idx": np.zeros((2, 1, 2), dtype=np.int32),
+                       "logit_val": np.zeros((2, 1, 2), dtype=np.float32)}),
+]
+
+
+@pytest.mark.parametrize("name, files", FT_ERRORS, ids=[f"{n}-{i}" for i, (n, _) in
+                                                         enumerate(FT_ERRORS)])
+def test_freetoken_errors_name_the_file(tmp_path: Path, name: str, files: dict) -> None:
+    files = {"experts": np.array([[[1, 2]]], dtype=np.int32), **files}
+    for key, array in files.items():
+        np.save(tmp_path / f"{key}.npy", array)
+    with pytest.raises(TraceError, match=name):
+        import_freetoken_dir(tmp_path, model="m", num_experts=8)
+
+
+def test_freetoken_dir_errors(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="not a directory"):
+        import_freetoken_dir(tmp_path / "absent")
+    with pytest.raises(TraceError, match="experts.npy"):
+        import_freetoken_dir(tmp_path)
+    np.save(tmp_path / "experts.npy", np.array([[[1, 2]]], dtype=np.int32))
+    with pytest.raises(TraceError, match="model"):
+        import_freetoken_dir(tmp_path)
+    (tmp_path / "meta.json").write_text("{bad")
+    with pytest.raises(TraceError, match="meta.json"):
+        import_freetoken_dir(tmp_path, model="m")
+    (tmp_path / "meta.json").write_text(json.dumps({"model": "m", "num_layers": 2}))
+    with pytest.raises(TraceError, match="num_layers"):
+        import_freetoken_dir(tmp_path)
+    (tmp_path / "meta.json").unlink()
+    np.save(tmp_path / "experts.npy", np.full((1, 1, 2), -1, dtype=np.int32))
+    with pytest.raises(TraceError, match="num_experts"):
+        import_freetoken_dir(tmp_path, model="m")
+
+
+def test_freetoken_export_removes_stale_files(tmp_path: Path) -> None:
+    export_freetoken_dir(make_trace(4, logits=2), tmp_path)
+    t = make_trace(5, weights=False, req=False)
+    export_freetoken_dir(t, tmp_path)
+    assert import_freetoken_dir(tmp_path) == t
+
+
+def real(name: str) -> Path:
+    path = TRACES / name
+    if not path.exists():
+        pytest.skip(f"real trace {path} not present (it lives beside the checkout, not in it)")
+    return path
+
+
+def test_real_jsonl_reproduces_real_npz() -> None:
+    raw, ref = real("mixtral-gsm8k.raw.jsonl"), load_trace(real("mixtral-gsm8k.npz"))
+    t = import_jsonl(raw, model=ref.meta.model, num_experts=8)
+    assert t.experts.shape == (244, 32, 1, 2) and t.meta.extra["dropped_tokens"] == 3
+    assert np.array_equal(t.experts, ref.experts)
+    assert np.array_equal(t.weights, ref.weights)
+    assert np.array_equal(t.req_index, ref.req_index)
