@@ -10,8 +10,11 @@ compared bit for bit. The policy enters as its `FastVerbs`; numba compiles one k
 policy and caches it on disk. Arguments are validated by `validate_calls` first: the
 kernel trusts them.
 
-Cost per call: O(n^2) to sort n <= rows * k routed ids (n is small), O(1) per hit, and
-one O(S) scoring pass when the misses outnumber the empty slots.
+Victims come from an index, not a scan of the pool: per layer, the resident slots sorted
+by the policy's `order` (FastVerbs), merged across layers in increasing lower bound of
+the score until no lower score can remain. Cost per call: O(n^2) to sort n <= rows * k
+routed ids, O(E) per index update (a sorted insert within one layer, usually far less),
+and O(L) per visited candidate; a few candidates per miss for the registered policies.
 """
 
 from __future__ import annotations
@@ -52,17 +55,113 @@ def _sorted_distinct(q, n):
 
 
 @njit(cache=True)
-def _select(need, step, pin, key_of, kst, sst, gst, prm, clk, score, vslot, vscore):
-    """The `need` lowest (score, slot) among slots not pinned at `step`, ascending."""
+def _ix_find(ia, isl, n, layer, a, s):
+    """First position in layer's list whose (order, slot) is not below (a, s)."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if ia[layer, mid] < a or (ia[layer, mid] == a and isl[layer, mid] < s):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(cache=True)
+def _ix_insert(ia, isl, inn, layer, a, s):
+    n = inn[layer]
+    p = _ix_find(ia, isl, n, layer, a, s)
+    for j in range(n, p, -1):
+        ia[layer, j] = ia[layer, j - 1]
+        isl[layer, j] = isl[layer, j - 1]
+    ia[layer, p] = a
+    isl[layer, p] = s
+    inn[layer] = n + 1
+
+
+@njit(cache=True)
+def _ix_remove(ia, isl, inn, layer, a, s):
+    n = inn[layer]
+    p = _ix_find(ia, isl, n, layer, a, s)
+    for j in range(p, n - 1):
+        ia[layer, j] = ia[layer, j + 1]
+        isl[layer, j] = isl[layer, j + 1]
+    inn[layer] = n - 1
+
+
+@njit(cache=True, inline="always")
+def _before(v1, s1, v2, s2):
+    return v1 < v2 or (v1 == v2 and s1 < s2)
+
+
+@njit(cache=True)
+def _heap_down(hv, hs, hl, h, i):
+    """Restore the min-heap of (value, slot) below position i; hl rides along."""
+    while True:
+        lo = i
+        for c in (2 * i + 1, 2 * i + 2):
+            if c < h and _before(hv[c], hs[c], hv[lo], hs[lo]):
+                lo = c
+        if lo == i:
+            return
+        hv[i], hv[lo] = hv[lo], hv[i]
+        hs[i], hs[lo] = hs[lo], hs[i]
+        hl[i], hl[lo] = hl[lo], hl[i]
+        i = lo
+
+
+@njit(cache=True)
+def _head(lk, cur, step, pin, ia, isl, inn):
+    """Advance layer lk's cursor past pinned slots; True if it still has a candidate."""
+    c = cur[lk]
+    while c < inn[lk] and pin[isl[lk, c]] == step:
+        c += 1
+    cur[lk] = c
+    return c < inn[lk]
+
+
+@njit(cache=True)
+def _select(need, step, pin, ia, isl, inn, off, shift, key_of, kst, sst, gst, prm, clk,
+            score, vslot, vscore, cur, hv, hs, hl):
+    """The `need` lowest (score, slot) among slots not pinned at `step`, ascending.
+
+    Merges the per-layer lists in increasing (order + off, slot) through a heap of layer
+    heads; stops once no unvisited slot can beat the worst one kept: its lower bound
+    (order + off) >> shift is above that score (or equal, with a higher slot, when
+    shift == 0 and so the bound order is the score order). cur, hv, hs, hl: int64 [L]
+    scratch.
+    """
+    L = inn.shape[0]
+    cur[:] = 0
+    h = 0
+    for lk in range(L):
+        if _head(lk, cur, step, pin, ia, isl, inn):
+            hv[h] = ia[lk, cur[lk]] + off[lk]
+            hs[h] = isl[lk, cur[lk]]
+            hl[h] = lk
+            h += 1
+    for i in range(h // 2 - 1, -1, -1):
+        _heap_down(hv, hs, hl, h, i)
     cnt = 0
-    for s in range(key_of.shape[0]):
-        if pin[s] == step:
+    while h > 0:
+        v, s, lk = hv[0], hs[0], hl[0]
+        if cnt == need:
+            lb = v >> shift
+            if lb > vscore[need - 1] or (shift == 0 and lb == vscore[need - 1] and s > vslot[need - 1]):
+                break
+        cur[lk] += 1
+        if _head(lk, cur, step, pin, ia, isl, inn):
+            hv[0] = ia[lk, cur[lk]] + off[lk]
+            hs[0] = isl[lk, cur[lk]]
+        else:
+            h -= 1
+            hv[0], hs[0], hl[0] = hv[h], hs[h], hl[h]
+        _heap_down(hv, hs, hl, h, 0)
+        sc = score(kst, sst, gst, prm, clk, np.int64(key_of[s]), s)
+        if cnt == need and not _before(sc, s, vscore[need - 1], vslot[need - 1]):
             continue
-        sc = score(kst, sst, gst, prm, clk, np.int64(key_of[s]), np.int64(s))
-        if cnt == need and sc >= vscore[need - 1]:
-            continue  # slots come in ascending order, so a tie loses
         j = cnt if cnt < need else need - 1
-        while j > 0 and vscore[j - 1] > sc:
+        while j > 0 and _before(sc, s, vscore[j - 1], vslot[j - 1]):
             vscore[j] = vscore[j - 1]
             vslot[j] = vslot[j - 1]
             j -= 1
@@ -73,9 +172,18 @@ def _select(need, step, pin, key_of, kst, sst, gst, prm, clk, score, vslot, vsco
 
 
 @njit(cache=True)
+def _reindex(s, layer, key, ia, isl, inn, slot_a, kst, sst, gst, prm, clk, order):
+    """Move slot s (holding `key` of `layer`) to its current order in the index."""
+    _ix_remove(ia, isl, inn, layer, slot_a[s], s)
+    a = order(kst, sst, gst, prm, clk, key, s)
+    slot_a[s] = a
+    _ix_insert(ia, isl, inn, layer, a, s)
+
+
+@njit(cache=True)
 def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
                  slot_of, key_of, kst, sst, gst, prm, fprm, aux, clock, counters, hist,
-                 out_slots, plan, touch, score, evicted, refresh):
+                 out_slots, plan, touch, score, evicted, refresh, order, offsets):
     """Run every call of ids [C, rows, k] through the contract; see the module docstring.
 
     out_slots int32 [rows, k] and plan int32 [rows * k, 2] receive the last call's
@@ -86,16 +194,32 @@ def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
     L = counters.shape[0]
     Q = rows * k
     q = np.empty(Q, dtype=np.int64)
-    qslot = np.empty(Q, dtype=np.int64)
     miss_pos = np.empty(Q, dtype=np.int64)
     vslot = np.empty(Q, dtype=np.int64)
     vscore = np.empty(Q, dtype=np.int64)
+    changed = np.empty(logit_idx.shape[1] * logit_idx.shape[2], dtype=np.int64)
     pin = np.zeros(S, dtype=np.int64)
     clk = np.zeros(CLOCK_LEN, dtype=np.int64)
     clk[CLK_LAYERS] = L
     clk[CLK_EXPERTS] = num_experts
+    off = np.zeros(L, dtype=np.int64)
+    cur = np.empty(L, dtype=np.int64)
+    hv = np.empty(L, dtype=np.int64)
+    hs = np.empty(L, dtype=np.int64)
+    hl = np.empty(L, dtype=np.int64)
+    # Victim index: per layer, its resident slots sorted by (order, slot).
+    cap = min(num_experts, S)
+    ia = np.empty((L, cap), dtype=np.int64)
+    isl = np.empty((L, cap), dtype=np.int64)
+    inn = np.zeros(L, dtype=np.int64)
+    slot_a = np.zeros(S, dtype=np.int64)
+    clk[CLK_STEP] = clock[0]
+    clk[CLK_TOK] = clock[1]
     filled = 0
     while filled < S and key_of[filled] >= 0:
+        key = np.int64(key_of[filled])
+        slot_a[filled] = order(kst, sst, gst, prm, clk, key, np.int64(filled))
+        _ix_insert(ia, isl, inn, key // num_experts, slot_a[filled], filled)
         filled += 1
     access = counters[:, 1].sum()
     m = 0
@@ -117,14 +241,19 @@ def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
                     n += 1
         n = _sorted_distinct(q, n)
         if has_logits:
-            refresh(kst, sst, gst, prm, fprm, clk, logit_idx[c], logit_val[c], k)
+            nch = refresh(kst, sst, gst, prm, fprm, clk, logit_idx[c], logit_val[c], k, changed)
+            for i in range(nch):
+                s = slot_of[changed[i]]
+                if s >= 0:
+                    _reindex(s, layer, changed[i], ia, isl, inn, slot_a, kst, sst, gst, prm,
+                             clk, order)
         m = 0
         for i in range(n):
             s = slot_of[q[i]]
             if s >= 0:
                 touch(kst, sst, gst, prm, clk, aux, q[i], np.int64(s), access + i, False)
+                _reindex(s, layer, q[i], ia, isl, inn, slot_a, kst, sst, gst, prm, clk, order)
                 pin[s] = step
-                qslot[i] = s
             else:
                 miss_pos[m] = i
                 m += 1
@@ -132,10 +261,10 @@ def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
         for j in range(ne):
             vslot[j] = filled + j
             vscore[j] = 0
-            pin[filled + j] = step
         if m > ne:
-            _select(m - ne, step, pin, key_of, kst, sst, gst, prm, clk, score,
-                    vslot[ne:], vscore[ne:])
+            shift = offsets(prm, clk, off)
+            _select(m - ne, step, pin, ia, isl, inn, off, shift, key_of, kst, sst, gst, prm,
+                    clk, score, vslot[ne:], vscore[ne:], cur, hv, hs, hl)
         filled += ne
         for j in range(m):
             i = miss_pos[j]
@@ -143,12 +272,14 @@ def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
             old = key_of[s]
             if old >= 0:
                 slot_of[old] = -1
+                _ix_remove(ia, isl, inn, old // num_experts, slot_a[s], s)
                 evicted(kst, sst, gst, prm, clk, np.int64(old), s, vscore[j])
             key_of[s] = q[i]
             slot_of[q[i]] = s
             touch(kst, sst, gst, prm, clk, aux, q[i], s, access + i, True)
+            slot_a[s] = order(kst, sst, gst, prm, clk, q[i], s)
+            _ix_insert(ia, isl, inn, layer, slot_a[s], s)
             pin[s] = step
-            qslot[i] = s
             plan[j, 0] = q[i]
             plan[j, 1] = s
         access += n
@@ -162,8 +293,7 @@ def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
                     e = ids[c, r, j]
                     out_slots[r, j] = -1
                     if e >= 0:
-                        key = layer * num_experts + e
-                        out_slots[r, j] = slot_of[key]
+                        out_slots[r, j] = slot_of[layer * num_experts + e]
     return m
 
 

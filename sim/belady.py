@@ -15,7 +15,7 @@ from numba import njit
 
 from expertcache.geometry import CacheGeometry
 from expertcache.policies.base import Clock, FastVerbs, Policy, PolicyState
-from expertcache.policies.noop import no_evicted, no_refresh
+from expertcache.policies.noop import no_evicted, no_refresh, zero_offsets
 
 NEXT = 0
 NEVER = np.int64(2**62)
@@ -63,7 +63,7 @@ class Belady(Policy):
     key_fields = ("next",)
     initial = {"next": int(NEVER)}
     oracle = True
-    fast = FastVerbs(_touch, _score, no_evicted, no_refresh)
+    fast = FastVerbs(_touch, _score, no_evicted, no_refresh, _score, zero_offsets)
 
     def __init__(self, geometry: CacheGeometry, next_use: np.ndarray) -> None:
         super().__init__(geometry)

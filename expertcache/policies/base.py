@@ -72,13 +72,23 @@ class FastVerbs(NamedTuple):
     touch(kst, sst, gst, prm, clk, aux, key, slot, access, installed) -> None
     score(kst, sst, gst, prm, clk, key, slot) -> int64
     evicted(kst, sst, gst, prm, clk, key, slot, score) -> None
-    refresh(kst, sst, gst, prm, fprm, clk, logit_idx [rows, T], logit_val [rows, T], k) -> None
+    refresh(kst, sst, gst, prm, fprm, clk, logit_idx [rows, T], logit_val [rows, T], k,
+            changed [rows * T]) -> int64: keys whose state changed, written to `changed`
+    order(kst, sst, gst, prm, clk, key, slot) -> int64 and offsets(prm, clk, off [L]) -> shift:
+        the victim index. For every resident key of layer lk, at every clock,
+        score >= (order + off[lk]) >> shift, and order changes only when the key's state
+        does. The compiled replay keeps resident slots sorted by order within each layer
+        and visits them in increasing (order + off) until no lower score can remain, so
+        the bound decides speed, never the result. Policies whose score changes only on a
+        touch use order = score, off = 0, shift = 0 (`zero_offsets`).
     """
 
     touch: Callable
     score: Callable
     evicted: Callable
     refresh: Callable
+    order: Callable
+    offsets: Callable
 
 
 class Policy:

@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit
 
 from expertcache.policies.base import Clock, FastVerbs, Policy, PolicyState
-from expertcache.policies.noop import no_refresh
+from expertcache.policies.noop import no_refresh, zero_offsets
 
 FREQ, PRIO = 0, 1
 AGE = 0
@@ -49,7 +49,7 @@ class LFUDA(Policy):
     name = "lfuda"
     slot_fields = ("freq", "prio")
     glob_fields = ("age",)
-    fast = FastVerbs(_touch, _score, _evicted, no_refresh)
+    fast = FastVerbs(_touch, _score, _evicted, no_refresh, _score, zero_offsets)
 
     def on_hit(self, st: PolicyState, clk: Clock, keys, slots, access) -> None:
         st.slot[FREQ, slots] += 1

@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit
 
 from expertcache.policies.base import CLK_STEP, Clock, FastVerbs, Policy, PolicyState
-from expertcache.policies.noop import no_evicted, no_refresh
+from expertcache.policies.noop import no_evicted, no_refresh, zero_offsets
 
 LAST = 0
 
@@ -28,7 +28,7 @@ def _score(kst, sst, gst, prm, clk, key, slot):  # noqa: ARG001
 class LRU(Policy):
     name = "lru"
     slot_fields = ("last",)
-    fast = FastVerbs(_touch, _score, no_evicted, no_refresh)
+    fast = FastVerbs(_touch, _score, no_evicted, no_refresh, _score, zero_offsets)
 
     def on_hit(self, st: PolicyState, clk: Clock, keys, slots, access) -> None:
         st.slot[LAST, slots] = clk.step

@@ -6,7 +6,8 @@ key by how many tokens ago it was used *and* how many layer calls remain until i
 runs again, plus a log-count frequency that halves every HALFLIFE tokens.
 
 Everything is Q16 fixed point (ONE = 2**16), int64. With L MoE layers, current layer l,
-`now = tok * L + l`, and per-key state (survives eviction)
+`now = tok * L + l`, the decay clock `DC(t) = (t * ONE) // (HALFLIFE * L)` (half-lives
+since t = 0, Q16), and per-key state (survives eviction)
 
     key[LAST_TOK]  token of the last use (-1: never)
     key[LC]        log2 use count, Q16, as of key[CT]
@@ -17,7 +18,7 @@ the score of a resident key of layer lk is
     tok_eff = tok - 1 if lk > l else tok         # layers after l have not run this step
     k       = clamp(tok_eff - LAST_TOK, 0, K_MAX)
     d       = lk - l if lk > l else L - l + lk    # layer calls until lk runs again
-    lcv     = max(LC - ((now - CT) * ONE) // (HALFLIFE * L), LC_FLOOR)
+    lcv     = max(LC - (DC(now) - DC(CT)), LC_FLOOR)
     score   = -(k * ONE + d * round(BETA * ONE / L)) + ((round(W * 16) * lcv) >> 4)
 
 On a use (hit or install) LC becomes log2(2**lcv + 1), that is
@@ -29,6 +30,12 @@ Near-miss refresh (with router logits): in each row, every expert of layer l who
 is >= (the row's k-th largest logit) - NEAR gets LAST_TOK = max(LAST_TOK, tok - 1). It is
 applied before victims are chosen and pins nothing. Logit entries with index -1 are
 padding; a row with fewer than k real entries uses its smallest.
+
+Decay is a difference of the global clock DC, so the score splits exactly: without the
+clamps, 16 * score + (16 * score's fraction) = ORDER(key) + OFF(lk, clock) with
+`ORDER = 16 * LAST_TOK * ONE + W16 * (LC + DC(CT))` fixed between uses, and
+score = (ORDER + OFF) >> 4; the clamps only raise the score. The compiled replay uses
+this as its victim index (see FastVerbs), so it visits a few keys per miss, not the pool.
 """
 
 from __future__ import annotations
@@ -66,9 +73,16 @@ F_NEAR = 0
 
 
 @njit(cache=True, inline="always")
+def _dc(t, prm):
+    # Equals (t << 16) // div: both are exact in float64 below 2**52, and a quotient
+    # n / div with n < 2**52 is never rounded up to the next integer. Far cheaper than
+    # an int64 division on a CPU.
+    return np.int64(np.floor(np.float64(t << ONE_SHIFT) / np.float64(prm[P_DECAY_DIV])))
+
+
+@njit(cache=True, inline="always")
 def _decayed(lc, ct, now, prm):
-    v = lc - ((now - ct) << ONE_SHIFT) // prm[P_DECAY_DIV]
-    return max(v, prm[P_LC_FLOOR])
+    return max(lc - (_dc(now, prm) - _dc(ct, prm)), prm[P_LC_FLOOR])
 
 
 @njit(cache=True)
@@ -106,10 +120,31 @@ def _score(kst, sst, gst, prm, clk, key, slot):  # noqa: ARG001
 
 
 @njit(cache=True)
-def _refresh(kst, sst, gst, prm, fprm, clk, logit_idx, logit_val, k):  # noqa: ARG001
+def _order(kst, sst, gst, prm, clk, key, slot):  # noqa: ARG001
+    return ((kst[LAST_TOK, key] << ONE_SHIFT) << 4) + prm[P_W_Q] * (
+        kst[LC, key] + _dc(kst[CT, key], prm))
+
+
+@njit(cache=True)
+def _offsets(prm, clk, off):
+    num_layers = clk[CLK_LAYERS]
+    layer = clk[CLK_LAYER]
+    tok = clk[CLK_TOK]
+    common = -prm[P_W_Q] * _dc(tok * num_layers + layer, prm)
+    for lk in range(num_layers):
+        if lk > layer:
+            off[lk] = common - (((tok - 1) << ONE_SHIFT) << 4) - 16 * (lk - layer) * prm[P_BETA_Q]
+        else:
+            off[lk] = common - ((tok << ONE_SHIFT) << 4) - 16 * (num_layers - layer + lk) * prm[P_BETA_Q]
+    return 4
+
+
+@njit(cache=True)
+def _refresh(kst, sst, gst, prm, fprm, clk, logit_idx, logit_val, k, changed):  # noqa: ARG001
     base = clk[CLK_LAYER] * clk[CLK_EXPERTS]
     seen = clk[CLK_TOK] - 1
     vals = np.empty(logit_idx.shape[1], dtype=np.float32)
+    nchanged = 0
     for r in range(logit_idx.shape[0]):
         n = 0
         for t in range(logit_idx.shape[1]):
@@ -126,6 +161,9 @@ def _refresh(kst, sst, gst, prm, fprm, clk, logit_idx, logit_val, k):  # noqa: A
                 key = base + logit_idx[r, t]
                 if kst[LAST_TOK, key] < seen:
                     kst[LAST_TOK, key] = seen
+                    changed[nchanged] = key
+                    nchanged += 1
+    return nchanged
 
 
 class Rule(Policy):
@@ -133,7 +171,7 @@ class Rule(Policy):
     key_fields = ("last_tok", "lc", "ct")
     initial = {"last_tok": -1, "lc": 0, "ct": -1}
     uses_logits = True
-    fast = FastVerbs(_touch, _score, no_evicted, _refresh)
+    fast = FastVerbs(_touch, _score, no_evicted, _refresh, _order, _offsets)
 
     def __init__(
         self,
@@ -171,8 +209,9 @@ class Rule(Policy):
         return np.array([self.near], dtype=np.float32)
 
     def _lcv(self, st: PolicyState, keys: np.ndarray, now: int) -> np.ndarray:
-        v = st.key[LC, keys] - ((now - st.key[CT, keys]) << ONE_SHIFT) // self.decay_div
-        return np.maximum(v, self.lc_floor)
+        dc_now = (now << ONE_SHIFT) // self.decay_div
+        dc_ct = (st.key[CT, keys] << ONE_SHIFT) // self.decay_div
+        return np.maximum(st.key[LC, keys] - (dc_now - dc_ct), self.lc_floor)
 
     def refresh(self, st, clk: Clock, logit_idx, logit_val, k) -> None:
         for idx_row, val_row in zip(logit_idx, logit_val):
