@@ -10,11 +10,11 @@ compared bit for bit. The policy enters as its `FastVerbs`; numba compiles one k
 policy and caches it on disk. Arguments are validated by `validate_calls` first: the
 kernel trusts them.
 
-Victims come from an index, not a scan of the pool: per layer, the resident slots sorted
-by the policy's `order` (FastVerbs), merged across layers in increasing lower bound of
-the score until no lower score can remain. Cost per call: O(n^2) to sort n <= rows * k
-routed ids, O(E) per index update (a sorted insert within one layer, usually far less),
-and O(L) per visited candidate; a few candidates per miss for the registered policies.
+Victims come from an index (expertcache.victim_index), not a scan of the pool: per layer
+a tournament tree over the resident keys' `order` (FastVerbs), visited across layers in
+increasing lower bound of the score until no lower score can remain. Cost per call:
+O(n^2) to sort n <= rows * k routed ids, O(log E) per key touched, and O(L + log E) per
+candidate visited: a few per miss for the registered policies, never the whole pool.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from numba import njit
 
 from expertcache.errors import EnsureError
 from expertcache.geometry import CacheGeometry
+from expertcache.victim_index import FREE, ix_best, ix_new, ix_set
 from expertcache.policies.base import (
     CLK_EXPERTS,
     CLK_LAYER,
@@ -33,7 +34,6 @@ from expertcache.policies.base import (
     CLOCK_LEN,
 )
 
-_BIG = np.iinfo(np.int64).max
 
 
 @njit(cache=True)
@@ -54,110 +54,39 @@ def _sorted_distinct(q, n):
     return d
 
 
-@njit(cache=True)
-def _ix_find(ia, isl, n, layer, a, s):
-    """First position in layer's list whose (order, slot) is not below (a, s)."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if ia[layer, mid] < a or (ia[layer, mid] == a and isl[layer, mid] < s):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-@njit(cache=True)
-def _ix_insert(ia, isl, inn, layer, a, s):
-    n = inn[layer]
-    p = _ix_find(ia, isl, n, layer, a, s)
-    for j in range(n, p, -1):
-        ia[layer, j] = ia[layer, j - 1]
-        isl[layer, j] = isl[layer, j - 1]
-    ia[layer, p] = a
-    isl[layer, p] = s
-    inn[layer] = n + 1
-
-
-@njit(cache=True)
-def _ix_remove(ia, isl, inn, layer, a, s):
-    n = inn[layer]
-    p = _ix_find(ia, isl, n, layer, a, s)
-    for j in range(p, n - 1):
-        ia[layer, j] = ia[layer, j + 1]
-        isl[layer, j] = isl[layer, j + 1]
-    inn[layer] = n - 1
-
-
 @njit(cache=True, inline="always")
 def _before(v1, s1, v2, s2):
     return v1 < v2 or (v1 == v2 and s1 < s2)
 
 
 @njit(cache=True)
-def _heap_down(hv, hs, hl, h, i):
-    """Restore the min-heap of (value, slot) below position i; hl rides along."""
-    while True:
-        lo = i
-        for c in (2 * i + 1, 2 * i + 2):
-            if c < h and _before(hv[c], hs[c], hv[lo], hs[lo]):
-                lo = c
-        if lo == i:
-            return
-        hv[i], hv[lo] = hv[lo], hv[i]
-        hs[i], hs[lo] = hs[lo], hs[i]
-        hl[i], hl[lo] = hl[lo], hl[i]
-        i = lo
+def _select(need, tv, ts, mv, ms, off, shift, key_of, num_experts, kst, sst, gst, prm, clk,
+            score, vslot, vscore, taken_s, taken_v):
+    """The `need` lowest (score, slot) among indexed slots, ascending, into vslot/vscore.
 
-
-@njit(cache=True)
-def _head(lk, cur, step, pin, ia, isl, inn):
-    """Advance layer lk's cursor past pinned slots; True if it still has a candidate."""
-    c = cur[lk]
-    while c < inn[lk] and pin[isl[lk, c]] == step:
-        c += 1
-    cur[lk] = c
-    return c < inn[lk]
-
-
-@njit(cache=True)
-def _select(need, step, pin, ia, isl, inn, off, shift, key_of, kst, sst, gst, prm, clk,
-            score, vslot, vscore, cur, hv, hs, hl):
-    """The `need` lowest (score, slot) among slots not pinned at `step`, ascending.
-
-    Merges the per-layer lists in increasing (order + off, slot) through a heap of layer
-    heads; stops once no unvisited slot can beat the worst one kept: its lower bound
-    (order + off) >> shift is above that score (or equal, with a higher slot, when
-    shift == 0 and so the bound order is the score order). cur, hv, hs, hl: int64 [L]
-    scratch.
+    Takes candidates out of the index in increasing (order + off, slot) and scores each;
+    stops once no remaining slot can beat the worst one kept: its lower bound
+    (order + off) >> shift is above that score (or equal with a higher slot when shift
+    is 0, where the bound order is the score order). Candidates not kept go back in;
+    the kept ones stay out. taken_s, taken_v: int64 [S] scratch.
     """
-    L = inn.shape[0]
-    cur[:] = 0
-    h = 0
-    for lk in range(L):
-        if _head(lk, cur, step, pin, ia, isl, inn):
-            hv[h] = ia[lk, cur[lk]] + off[lk]
-            hs[h] = isl[lk, cur[lk]]
-            hl[h] = lk
-            h += 1
-    for i in range(h // 2 - 1, -1, -1):
-        _heap_down(hv, hs, hl, h, i)
     cnt = 0
-    while h > 0:
-        v, s, lk = hv[0], hs[0], hl[0]
+    nt = 0
+    while True:
+        lk = ix_best(mv, ms, off)
+        if lk < 0:
+            break
+        s = ms[lk]
         if cnt == need:
-            lb = v >> shift
+            lb = (mv[lk] + off[lk]) >> shift
             if lb > vscore[need - 1] or (shift == 0 and lb == vscore[need - 1] and s > vslot[need - 1]):
                 break
-        cur[lk] += 1
-        if _head(lk, cur, step, pin, ia, isl, inn):
-            hv[0] = ia[lk, cur[lk]] + off[lk]
-            hs[0] = isl[lk, cur[lk]]
-        else:
-            h -= 1
-            hv[0], hs[0], hl[0] = hv[h], hs[h], hl[h]
-        _heap_down(hv, hs, hl, h, 0)
-        sc = score(kst, sst, gst, prm, clk, np.int64(key_of[s]), s)
+        key = np.int64(key_of[s])
+        taken_s[nt] = s
+        taken_v[nt] = mv[lk]
+        nt += 1
+        ix_set(tv, ts, mv, ms, lk, key - lk * num_experts, FREE, FREE)
+        sc = score(kst, sst, gst, prm, clk, key, s)
         if cnt == need and not _before(sc, s, vscore[need - 1], vslot[need - 1]):
             continue
         j = cnt if cnt < need else need - 1
@@ -169,57 +98,53 @@ def _select(need, step, pin, ia, isl, inn, off, shift, key_of, kst, sst, gst, pr
         vslot[j] = s
         if cnt < need:
             cnt += 1
-
-
-@njit(cache=True)
-def _reindex(s, layer, key, ia, isl, inn, slot_a, kst, sst, gst, prm, clk, order):
-    """Move slot s (holding `key` of `layer`) to its current order in the index."""
-    _ix_remove(ia, isl, inn, layer, slot_a[s], s)
-    a = order(kst, sst, gst, prm, clk, key, s)
-    slot_a[s] = a
-    _ix_insert(ia, isl, inn, layer, a, s)
+    for i in range(nt):  # put back what was visited but not kept
+        s = taken_s[i]
+        kept = False
+        for j in range(need):
+            if vslot[j] == s:
+                kept = True
+        if not kept:
+            key = np.int64(key_of[s])
+            lk = key // num_experts
+            ix_set(tv, ts, mv, ms, lk, key - lk * num_experts, taken_v[i], s)
 
 
 @njit(cache=True)
 def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
                  slot_of, key_of, kst, sst, gst, prm, fprm, aux, clock, counters, hist,
-                 out_slots, plan, touch, score, evicted, refresh, order, offsets):
+                 out_slots, plan, tv, ts, mv, ms, touch, score, evicted, refresh, order, offsets):
     """Run every call of ids [C, rows, k] through the contract; see the module docstring.
 
     out_slots int32 [rows, k] and plan int32 [rows * k, 2] receive the last call's
-    result; the return value is that call's miss count.
+    result; the return value is that call's miss count. tv, ts, mv, ms: an empty victim
+    index (victim_index.ix_new), filled here from the slot map.
     """
     C, rows, k = ids.shape
     S = key_of.shape[0]
     L = counters.shape[0]
     Q = rows * k
+    E = num_experts
     q = np.empty(Q, dtype=np.int64)
+    qslot = np.empty(Q, dtype=np.int64)
     miss_pos = np.empty(Q, dtype=np.int64)
     vslot = np.empty(Q, dtype=np.int64)
     vscore = np.empty(Q, dtype=np.int64)
     changed = np.empty(logit_idx.shape[1] * logit_idx.shape[2], dtype=np.int64)
-    pin = np.zeros(S, dtype=np.int64)
+    buf = np.empty(logit_idx.shape[2], dtype=np.float32)
+    taken_s = np.empty(S, dtype=np.int64)
+    taken_v = np.empty(S, dtype=np.int64)
     clk = np.zeros(CLOCK_LEN, dtype=np.int64)
     clk[CLK_LAYERS] = L
-    clk[CLK_EXPERTS] = num_experts
-    off = np.zeros(L, dtype=np.int64)
-    cur = np.empty(L, dtype=np.int64)
-    hv = np.empty(L, dtype=np.int64)
-    hs = np.empty(L, dtype=np.int64)
-    hl = np.empty(L, dtype=np.int64)
-    # Victim index: per layer, its resident slots sorted by (order, slot).
-    cap = min(num_experts, S)
-    ia = np.empty((L, cap), dtype=np.int64)
-    isl = np.empty((L, cap), dtype=np.int64)
-    inn = np.zeros(L, dtype=np.int64)
-    slot_a = np.zeros(S, dtype=np.int64)
+    clk[CLK_EXPERTS] = E
     clk[CLK_STEP] = clock[0]
     clk[CLK_TOK] = clock[1]
+    off = np.zeros(L, dtype=np.int64)
     filled = 0
     while filled < S and key_of[filled] >= 0:
         key = np.int64(key_of[filled])
-        slot_a[filled] = order(kst, sst, gst, prm, clk, key, np.int64(filled))
-        _ix_insert(ia, isl, inn, key // num_experts, slot_a[filled], filled)
+        ix_set(tv, ts, mv, ms, key // E, key % E, order(kst, sst, gst, prm, clk, key, np.int64(filled)),
+               np.int64(filled))
         filled += 1
     access = counters[:, 1].sum()
     m = 0
@@ -228,8 +153,7 @@ def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
         clock[0] += 1
         if layer == 0:
             clock[1] += 1
-        step = clock[0]
-        clk[CLK_STEP] = step
+        clk[CLK_STEP] = clock[0]
         clk[CLK_TOK] = clock[1]
         clk[CLK_LAYER] = layer
         n = 0
@@ -237,23 +161,23 @@ def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
             for j in range(k):
                 e = ids[c, r, j]
                 if e >= 0:
-                    q[n] = layer * num_experts + e
+                    q[n] = layer * E + e
                     n += 1
         n = _sorted_distinct(q, n)
         if has_logits:
-            nch = refresh(kst, sst, gst, prm, fprm, clk, logit_idx[c], logit_val[c], k, changed)
+            nch = refresh(kst, sst, gst, prm, fprm, clk, logit_idx[c], logit_val[c], k, changed, buf)
             for i in range(nch):
                 s = slot_of[changed[i]]
                 if s >= 0:
-                    _reindex(s, layer, changed[i], ia, isl, inn, slot_a, kst, sst, gst, prm,
-                             clk, order)
+                    ix_set(tv, ts, mv, ms, layer, changed[i] - layer * E,
+                           order(kst, sst, gst, prm, clk, changed[i], np.int64(s)), np.int64(s))
         m = 0
-        for i in range(n):
+        for i in range(n):  # hits: touch and pin (out of the index for this call)
             s = slot_of[q[i]]
+            qslot[i] = s
             if s >= 0:
                 touch(kst, sst, gst, prm, clk, aux, q[i], np.int64(s), access + i, False)
-                _reindex(s, layer, q[i], ia, isl, inn, slot_a, kst, sst, gst, prm, clk, order)
-                pin[s] = step
+                ix_set(tv, ts, mv, ms, layer, q[i] - layer * E, FREE, FREE)
             else:
                 miss_pos[m] = i
                 m += 1
@@ -263,25 +187,25 @@ def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
             vscore[j] = 0
         if m > ne:
             shift = offsets(prm, clk, off)
-            _select(m - ne, step, pin, ia, isl, inn, off, shift, key_of, kst, sst, gst, prm,
-                    clk, score, vslot[ne:], vscore[ne:], cur, hv, hs, hl)
+            _select(m - ne, tv, ts, mv, ms, off, shift, key_of, E, kst, sst, gst, prm, clk,
+                    score, vslot[ne:], vscore[ne:], taken_s, taken_v)
         filled += ne
-        for j in range(m):
+        for j in range(m):  # evict and install, in ascending key order
             i = miss_pos[j]
             s = vslot[j]
             old = key_of[s]
             if old >= 0:
                 slot_of[old] = -1
-                _ix_remove(ia, isl, inn, old // num_experts, slot_a[s], s)
                 evicted(kst, sst, gst, prm, clk, np.int64(old), s, vscore[j])
             key_of[s] = q[i]
             slot_of[q[i]] = s
+            qslot[i] = s
             touch(kst, sst, gst, prm, clk, aux, q[i], s, access + i, True)
-            slot_a[s] = order(kst, sst, gst, prm, clk, q[i], s)
-            _ix_insert(ia, isl, inn, layer, slot_a[s], s)
-            pin[s] = step
             plan[j, 0] = q[i]
             plan[j, 1] = s
+        for i in range(n):  # unpin: every key of the call back in the index
+            ix_set(tv, ts, mv, ms, layer, q[i] - layer * E,
+                   order(kst, sst, gst, prm, clk, q[i], qslot[i]), qslot[i])
         access += n
         counters[layer, 0] += 1
         counters[layer, 1] += n
@@ -293,7 +217,7 @@ def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
                     e = ids[c, r, j]
                     out_slots[r, j] = -1
                     if e >= 0:
-                        out_slots[r, j] = slot_of[layer * num_experts + e]
+                        out_slots[r, j] = slot_of[layer * E + e]
     return m
 
 
@@ -337,6 +261,8 @@ def validate_calls(geometry: CacheGeometry, ids: np.ndarray, layers: np.ndarray,
                               f"{logit_val.shape} {logit_val.dtype}")
         if ((logit_idx < -1) | (logit_idx >= E)).any():
             raise EnsureError(f"logit_idx holds an expert id outside [0, {E}); use -1 for padding")
+        if not np.isfinite(logit_val).all():
+            raise EnsureError("logit_val holds NaN or infinity: pass finite router logits")
 
 
 def run_calls(cache, ids: np.ndarray, layers, logit_idx: np.ndarray | None = None,
@@ -365,5 +291,5 @@ def run_calls(cache, ids: np.ndarray, layers, logit_idx: np.ndarray | None = Non
     m = replay_calls(np.ascontiguousarray(ids), layers, logit_idx, logit_val, has_logits,
                      g.num_experts, cache.slot_of, cache.key_of, st.key, st.slot, st.glob,
                      pol.params(), pol.fparams(), pol.aux(), cache.clock, cache.counters, hist,
-                     out, plan, *pol.fast)
+                     out, plan, *ix_new(g.num_layers, g.num_experts), *pol.fast)
     return out, plan[:m].copy()

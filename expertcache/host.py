@@ -113,6 +113,8 @@ def _validate_logits(E: int, rows: int, logit_idx, logit_val) -> None:
         raise EnsureError(f"logit_idx {logit_idx.shape} and logit_val {logit_val.shape} differ")
     if ((logit_idx < -1) | (logit_idx >= E)).any():
         raise EnsureError(f"logit_idx holds an expert id outside [0, {E}); use -1 for padding")
+    if not np.isfinite(logit_val).all():
+        raise EnsureError("logit_val holds NaN or infinity: pass finite router logits")
 
 
 class HostCache:

@@ -73,14 +73,16 @@ class FastVerbs(NamedTuple):
     score(kst, sst, gst, prm, clk, key, slot) -> int64
     evicted(kst, sst, gst, prm, clk, key, slot, score) -> None
     refresh(kst, sst, gst, prm, fprm, clk, logit_idx [rows, T], logit_val [rows, T], k,
-            changed [rows * T]) -> int64: keys whose state changed, written to `changed`
+            changed int64 [rows * T], buf float32 [T]) -> int64: the keys whose state
+            changed, written to `changed`; buf is scratch
     order(kst, sst, gst, prm, clk, key, slot) -> int64 and offsets(prm, clk, off [L]) -> shift:
         the victim index. For every resident key of layer lk, at every clock,
         score >= (order + off[lk]) >> shift, and order changes only when the key's state
-        does. The compiled replay keeps resident slots sorted by order within each layer
-        and visits them in increasing (order + off) until no lower score can remain, so
-        the bound decides speed, never the result. Policies whose score changes only on a
-        touch use order = score, off = 0, shift = 0 (`zero_offsets`).
+        does (a touch, or a refresh that reports the key). The compiled replay keeps the
+        resident keys of each layer in a tree by order and visits them in increasing
+        (order + off) until no lower score can remain, so the bound decides speed, never
+        the result. Policies whose score changes only on a touch use order = score,
+        off = 0, shift = 0 (`zero_offsets`).
     """
 
     touch: Callable

@@ -9,7 +9,7 @@ def no_evicted(kst, sst, gst, prm, clk, key, slot, score):  # noqa: ARG001
 
 
 @njit(cache=True)
-def no_refresh(kst, sst, gst, prm, fprm, clk, logit_idx, logit_val, k, changed):  # noqa: ARG001
+def no_refresh(kst, sst, gst, prm, fprm, clk, logit_idx, logit_val, k, changed, buf):  # noqa: ARG001
     return 0
 
 

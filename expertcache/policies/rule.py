@@ -140,21 +140,33 @@ def _offsets(prm, clk, off):
 
 
 @njit(cache=True)
-def _refresh(kst, sst, gst, prm, fprm, clk, logit_idx, logit_val, k, changed):  # noqa: ARG001
+def _kth_largest(idx, val, k, buf):
+    """The min(k, n)-th largest of the n real (idx >= 0) values of one row; NaN if n is 0.
+    buf: float32 [>= T] scratch (an insertion sort, descending)."""
+    n = 0
+    for t in range(idx.shape[0]):
+        if idx[t] >= 0:
+            v = val[t]
+            j = n
+            while j > 0 and buf[j - 1] < v:
+                buf[j] = buf[j - 1]
+                j -= 1
+            buf[j] = v
+            n += 1
+    if n == 0:
+        return np.float32(np.nan)
+    return buf[min(k, n) - 1]
+
+
+@njit(cache=True)
+def _refresh(kst, sst, gst, prm, fprm, clk, logit_idx, logit_val, k, changed, buf):  # noqa: ARG001
     base = clk[CLK_LAYER] * clk[CLK_EXPERTS]
     seen = clk[CLK_TOK] - 1
-    vals = np.empty(logit_idx.shape[1], dtype=np.float32)
     nchanged = 0
     for r in range(logit_idx.shape[0]):
-        n = 0
-        for t in range(logit_idx.shape[1]):
-            if logit_idx[r, t] >= 0:
-                vals[n] = logit_val[r, t]
-                n += 1
-        if n == 0:
+        kth = _kth_largest(logit_idx[r], logit_val[r], k, buf)
+        if np.isnan(kth):
             continue
-        srt = np.sort(vals[:n])
-        kth = srt[n - min(k, n)]
         thr = kth - fprm[F_NEAR]
         for t in range(logit_idx.shape[1]):
             if logit_idx[r, t] >= 0 and logit_val[r, t] >= thr:

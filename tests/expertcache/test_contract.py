@@ -90,6 +90,7 @@ def test_full_pool_of_one_call_evicts_everything_else(policy):
         (0, ids_of([0]), (np.zeros((2, 1), np.int32), np.zeros((2, 1), np.float32)), "logit_idx"),
         (0, ids_of([0]), (np.zeros((1, 1), np.int32), None), "both"),
         (0, ids_of([0]), (np.full((1, 1), 4, np.int32), np.zeros((1, 1), np.float32)), "logit_idx"),
+        (0, ids_of([0]), (np.zeros((1, 1), np.int32), np.full((1, 1), np.nan, np.float32)), "finite"),
     ],
 )
 def test_refused_calls_name_the_field_and_change_nothing(policy, layer, ids, logits, field):

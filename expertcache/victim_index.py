@@ -1,0 +1,64 @@
+"""The compiled replay's victim index: one tournament tree per layer over its experts.
+
+    tv, ts int64 [L, 2P]: node (order value, slot) of layer lk's tree, P = pow2 >= E;
+                          leaf P + e is expert e: its key's order if resident and
+                          evictable, else (FREE, FREE); node i holds the lower of
+                          children 2i and 2i+1 by (value, slot)
+    mv, ms int64 [L]:     each tree's root, kept contiguous for the scan across layers
+
+Setting a leaf is O(log E). The lowest candidate overall is the lowest (mv + off, ms)
+over the layers, an O(L) scan of two short arrays; taking it out sets its leaf to FREE.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+FREE = np.int64(2**62)
+
+
+def ix_new(num_layers: int, num_experts: int):
+    """An empty index: (tv, ts, mv, ms)."""
+    p = 1
+    while p < num_experts:
+        p *= 2
+    return (np.full((num_layers, 2 * p), FREE, dtype=np.int64),
+            np.full((num_layers, 2 * p), FREE, dtype=np.int64),
+            np.full(num_layers, FREE, dtype=np.int64), np.full(num_layers, FREE, dtype=np.int64))
+
+
+@njit(cache=True, inline="always")
+def ix_set(tv, ts, mv, ms, layer, expert, v, s):
+    """Leaf `expert` of `layer` becomes (v, s); (FREE, FREE) takes it out."""
+    i = (tv.shape[1] >> 1) + expert
+    tv[layer, i] = v
+    ts[layer, i] = s
+    i >>= 1
+    while i >= 1:
+        a = 2 * i
+        b = a + 1
+        if tv[layer, b] < tv[layer, a] or (tv[layer, b] == tv[layer, a] and ts[layer, b] < ts[layer, a]):
+            a = b
+        tv[layer, i] = tv[layer, a]
+        ts[layer, i] = ts[layer, a]
+        i >>= 1
+    mv[layer] = tv[layer, 1]
+    ms[layer] = ts[layer, 1]
+
+
+@njit(cache=True, inline="always")
+def ix_best(mv, ms, off):
+    """The layer whose root has the lowest (value + off, slot); -1 if every tree is empty."""
+    best = -1
+    bv = FREE
+    bs = FREE
+    for lk in range(mv.shape[0]):
+        if mv[lk] == FREE:
+            continue
+        v = mv[lk] + off[lk]
+        if best < 0 or v < bv or (v == bv and ms[lk] < bs):
+            best = lk
+            bv = v
+            bs = ms[lk]
+    return best
