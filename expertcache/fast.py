@@ -6,12 +6,14 @@
 
 The state arrays are the HostCache's own (slot_of, key_of, policy state, clock,
 counters), updated in place, so a replay can be interleaved with reference calls and
-compared bit for bit. The policy enters as its `FastVerbs`; numba compiles one kernel per
-policy and caches it on disk. Arguments are validated by `validate_calls` first: the
-kernel trusts them.
+compared bit for bit. The policy's verbs are plain calls into its module, dispatched on
+`Policy.kind`, so one compiled kernel serves every policy and numba caches it on disk
+(passing the verbs as function arguments breaks numba's cache across processes). A new
+policy adds its branch to the dispatch functions below. Arguments are validated by
+`validate_calls` first: the kernel trusts them.
 
 Victims come from an index (expertcache.victim_index), not a scan of the pool: per layer
-a tournament tree over the resident keys' `order` (FastVerbs), visited across layers in
+a tournament tree over the resident keys' `order` (policies.base), visited across layers in
 increasing lower bound of the score until no lower score can remain. Cost per call:
 O(n^2) to sort n <= rows * k routed ids, O(log E) per key touched, and O(L + log E) per
 candidate visited: a few per miss for the registered policies, never the whole pool.
@@ -19,12 +21,16 @@ candidate visited: a few per miss for the registered policies, never the whole p
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+from pathlib import Path
+
 import numpy as np
 from numba import njit
 
 from expertcache.errors import EnsureError
 from expertcache.geometry import CacheGeometry
-from expertcache.victim_index import FREE, ix_best, ix_new, ix_set
+from expertcache.policies import lfuda, lru, oracle, rule
 from expertcache.policies.base import (
     CLK_EXPERTS,
     CLK_LAYER,
@@ -32,8 +38,38 @@ from expertcache.policies.base import (
     CLK_STEP,
     CLK_TOK,
     CLOCK_LEN,
+    KIND_LFUDA,
+    KIND_LRU,
+    KIND_ORACLE,
+    KIND_RULE,
 )
+from expertcache import victim_index
+from expertcache.policies import base
+from expertcache.victim_index import FREE, ix_best, ix_new, ix_set
 
+
+
+def _drop_stale_kernels() -> None:
+    """numba revalidates a cached kernel by this file's timestamp only, but the kernels
+    inline the policy modules and the victim index: when one of those changes, drop this
+    file's cached kernels so they are compiled again. (With NUMBA_CACHE_DIR set, numba
+    keeps its cache elsewhere and this does nothing.)"""
+    cache = Path(__file__).with_name("__pycache__")
+    deps = (lfuda, lru, oracle, rule, victim_index, base)
+    digest = hashlib.sha256(b"".join(inspect.getsource(m).encode() for m in deps)).hexdigest()
+    stamp = cache / "fast.kernel-deps.sha256"
+    try:
+        if stamp.exists() and stamp.read_text() == digest:
+            return
+        for f in cache.glob("fast.*.nb[ic]"):
+            f.unlink(missing_ok=True)
+        cache.mkdir(exist_ok=True)
+        stamp.write_text(digest)
+    except OSError:
+        pass  # a read-only install: numba cannot cache there either
+
+
+_drop_stale_kernels()
 
 
 @njit(cache=True)
@@ -59,9 +95,61 @@ def _before(v1, s1, v2, s2):
     return v1 < v2 or (v1 == v2 and s1 < s2)
 
 
+# ---- policy verbs, dispatched on Policy.kind (a new policy adds its branch here) ----------
+# The kind travels as the number of dimensions of an empty array (`kind_tag`): a
+# compile-time constant, so numba compiles (and caches) one kernel per kind with the other
+# kinds' branches folded away, and the cache keys hold array types only.
+def kind_tag(kind: int) -> np.ndarray:
+    """An empty int8 array of kind + 1 dimensions."""
+    return np.empty((0,) * (kind + 1), dtype=np.int8)
+
+
+
+@njit(cache=True, inline="always")
+def _touch(tag, kst, sst, gst, prm, clk, aux, key, slot, access, installed):
+    kind = tag.ndim - 1
+    if kind == KIND_LRU:
+        lru.touch(sst, clk, slot)
+    elif kind == KIND_RULE:
+        rule.touch(kst, prm, clk, key)
+    elif kind == KIND_LFUDA:
+        lfuda.touch(sst, gst, slot, installed)
+    else:
+        oracle.touch(kst, aux, key, access)
+
+
+@njit(cache=True, inline="always")
+def _score(tag, kst, sst, prm, clk, key, slot):
+    kind = tag.ndim - 1
+    if kind == KIND_LRU:
+        return lru.score(sst, slot)
+    if kind == KIND_RULE:
+        return rule.score(kst, prm, clk, key)
+    if kind == KIND_LFUDA:
+        return lfuda.score(sst, slot)
+    return oracle.score(kst, key)
+
+
+@njit(cache=True, inline="always")
+def _order(tag, kst, sst, prm, clk, key, slot):
+    """The victim index's order (see policies.base): the score, except for `rule`."""
+    if tag.ndim - 1 == KIND_RULE:
+        return rule.order(kst, prm, key)
+    return _score(tag, kst, sst, prm, clk, key, slot)
+
+
+@njit(cache=True, inline="always")
+def _offsets(tag, prm, clk, off):
+    """Fill off [L] and return the shift of the victim index's lower bound."""
+    if tag.ndim - 1 == KIND_RULE:
+        return rule.offsets(prm, clk, off)
+    off[:] = 0
+    return 0
+
+
 @njit(cache=True)
-def _select(need, tv, ts, mv, ms, off, shift, key_of, num_experts, kst, sst, gst, prm, clk,
-            score, vslot, vscore, taken_s, taken_v):
+def _select(tag, need, tv, ts, mv, ms, off, shift, key_of, num_experts, kst, sst, prm, clk,
+            vslot, vscore, taken_s, taken_v):
     """The `need` lowest (score, slot) among indexed slots, ascending, into vslot/vscore.
 
     Takes candidates out of the index in increasing (order + off, slot) and scores each;
@@ -86,7 +174,7 @@ def _select(need, tv, ts, mv, ms, off, shift, key_of, num_experts, kst, sst, gst
         taken_v[nt] = mv[lk]
         nt += 1
         ix_set(tv, ts, mv, ms, lk, key - lk * num_experts, FREE, FREE)
-        sc = score(kst, sst, gst, prm, clk, key, s)
+        sc = _score(tag, kst, sst, prm, clk, key, s)
         if cnt == need and not _before(sc, s, vscore[need - 1], vslot[need - 1]):
             continue
         j = cnt if cnt < need else need - 1
@@ -111,9 +199,9 @@ def _select(need, tv, ts, mv, ms, off, shift, key_of, num_experts, kst, sst, gst
 
 
 @njit(cache=True)
-def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
+def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts,
                  slot_of, key_of, kst, sst, gst, prm, fprm, aux, clock, counters, hist,
-                 out_slots, plan, tv, ts, mv, ms, touch, score, evicted, refresh, order, offsets):
+                 out_slots, plan, tv, ts, mv, ms):
     """Run every call of ids [C, rows, k] through the contract; see the module docstring.
 
     out_slots int32 [rows, k] and plan int32 [rows * k, 2] receive the last call's
@@ -143,8 +231,8 @@ def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
     filled = 0
     while filled < S and key_of[filled] >= 0:
         key = np.int64(key_of[filled])
-        ix_set(tv, ts, mv, ms, key // E, key % E, order(kst, sst, gst, prm, clk, key, np.int64(filled)),
-               np.int64(filled))
+        a = _order(tag, kst, sst, prm, clk, key, np.int64(filled))
+        ix_set(tv, ts, mv, ms, key // E, key % E, a, np.int64(filled))
         filled += 1
     access = counters[:, 1].sum()
     m = 0
@@ -165,18 +253,20 @@ def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
                     n += 1
         n = _sorted_distinct(q, n)
         if has_logits:
-            nch = refresh(kst, sst, gst, prm, fprm, clk, logit_idx[c], logit_val[c], k, changed, buf)
+            nch = 0
+            if tag.ndim - 1 == KIND_RULE:
+                nch = rule.refresh(kst, fprm, clk, logit_idx[c], logit_val[c], k, changed, buf)
             for i in range(nch):
                 s = slot_of[changed[i]]
                 if s >= 0:
                     ix_set(tv, ts, mv, ms, layer, changed[i] - layer * E,
-                           order(kst, sst, gst, prm, clk, changed[i], np.int64(s)), np.int64(s))
+                           _order(tag, kst, sst, prm, clk, changed[i], np.int64(s)), np.int64(s))
         m = 0
         for i in range(n):  # hits: touch and pin (out of the index for this call)
             s = slot_of[q[i]]
             qslot[i] = s
             if s >= 0:
-                touch(kst, sst, gst, prm, clk, aux, q[i], np.int64(s), access + i, False)
+                _touch(tag, kst, sst, gst, prm, clk, aux, q[i], np.int64(s), access + i, False)
                 ix_set(tv, ts, mv, ms, layer, q[i] - layer * E, FREE, FREE)
             else:
                 miss_pos[m] = i
@@ -186,9 +276,9 @@ def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
             vslot[j] = filled + j
             vscore[j] = 0
         if m > ne:
-            shift = offsets(prm, clk, off)
-            _select(m - ne, tv, ts, mv, ms, off, shift, key_of, E, kst, sst, gst, prm, clk,
-                    score, vslot[ne:], vscore[ne:], taken_s, taken_v)
+            shift = _offsets(tag, prm, clk, off)
+            _select(tag, m - ne, tv, ts, mv, ms, off, shift, key_of, E, kst, sst, prm, clk,
+                    vslot[ne:], vscore[ne:], taken_s, taken_v)
         filled += ne
         for j in range(m):  # evict and install, in ascending key order
             i = miss_pos[j]
@@ -196,16 +286,17 @@ def replay_calls(ids, layers, logit_idx, logit_val, has_logits, num_experts,
             old = key_of[s]
             if old >= 0:
                 slot_of[old] = -1
-                evicted(kst, sst, gst, prm, clk, np.int64(old), s, vscore[j])
+                if tag.ndim - 1 == KIND_LFUDA:
+                    lfuda.evicted(gst, vscore[j])
             key_of[s] = q[i]
             slot_of[q[i]] = s
             qslot[i] = s
-            touch(kst, sst, gst, prm, clk, aux, q[i], s, access + i, True)
+            _touch(tag, kst, sst, gst, prm, clk, aux, q[i], s, access + i, True)
             plan[j, 0] = q[i]
             plan[j, 1] = s
         for i in range(n):  # unpin: every key of the call back in the index
             ix_set(tv, ts, mv, ms, layer, q[i] - layer * E,
-                   order(kst, sst, gst, prm, clk, q[i], qslot[i]), qslot[i])
+                   _order(tag, kst, sst, prm, clk, q[i], qslot[i]), qslot[i])
         access += n
         counters[layer, 0] += 1
         counters[layer, 1] += n
@@ -288,8 +379,8 @@ def run_calls(cache, ids: np.ndarray, layers, logit_idx: np.ndarray | None = Non
     out = np.empty((rows, k), dtype=np.int32)
     plan = np.empty((rows * k, 2), dtype=np.int32)
     pol, st = cache.policy, cache.state
-    m = replay_calls(np.ascontiguousarray(ids), layers, logit_idx, logit_val, has_logits,
+    m = replay_calls(kind_tag(pol.kind), np.ascontiguousarray(ids), layers, logit_idx, logit_val, has_logits,
                      g.num_experts, cache.slot_of, cache.key_of, st.key, st.slot, st.glob,
                      pol.params(), pol.fparams(), pol.aux(), cache.clock, cache.counters, hist,
-                     out, plan, *ix_new(g.num_layers, g.num_experts), *pol.fast)
+                     out, plan, *ix_new(g.num_layers, g.num_experts))
     return out, plan[:m].copy()

@@ -11,13 +11,10 @@ never used again (NEVER) goes first, then the furthest. Under the ensure contrac
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
-
 from expertcache.geometry import CacheGeometry
-from expertcache.policies.base import Clock, FastVerbs, Policy, PolicyState
-from expertcache.policies.noop import no_evicted, no_refresh, zero_offsets
+from expertcache.policies.base import KIND_ORACLE, Clock, Policy, PolicyState
+from expertcache.policies.oracle import NEXT
 
-NEXT = 0
 NEVER = np.int64(2**62)
 
 
@@ -46,16 +43,6 @@ def next_use(call: np.ndarray, key: np.ndarray) -> np.ndarray:
     return nxt
 
 
-@njit(cache=True)
-def _touch(kst, sst, gst, prm, clk, aux, key, slot, access, installed):  # noqa: ARG001
-    kst[NEXT, key] = aux[access]
-
-
-@njit(cache=True)
-def _score(kst, sst, gst, prm, clk, key, slot):  # noqa: ARG001
-    return -kst[NEXT, key]
-
-
 class Belady(Policy):
     """Built from the whole replay's accesses; valid only for that replay, from a cold start."""
 
@@ -63,7 +50,7 @@ class Belady(Policy):
     key_fields = ("next",)
     initial = {"next": int(NEVER)}
     oracle = True
-    fast = FastVerbs(_touch, _score, no_evicted, no_refresh, _score, zero_offsets)
+    kind = KIND_ORACLE
 
     def __init__(self, geometry: CacheGeometry, next_use: np.ndarray) -> None:
         super().__init__(geometry)

@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from expertcache.errors import EnsureError, PolicyError
 from sim.costmodel import H200, format_profile
 from sim.replay import sim_policy_names, sweep
 from sim.report import build_rows, format_per_layer, format_table, plot_hit_rate
@@ -113,15 +114,19 @@ def run(args: argparse.Namespace) -> int:
     out_json: list[dict] = []
     for name, trace in traces:
         slots = _slots_for(trace, args)
-        results = sweep(trace, policies + refs, slots, workers=args.workers,
-                        progress=not args.no_progress and sys.stderr.isatty(),
-                        use_logits=not args.no_logits)
+        try:
+            results = sweep(trace, policies + refs, slots, workers=args.workers,
+                            progress=not args.no_progress and sys.stderr.isatty(),
+                            use_logits=not args.no_logits)
+        except (EnsureError, PolicyError) as exc:
+            raise SystemExit(f"error: {name}: {exc}") from None
         rows = [r for r in build_rows(trace, results) if r.result.policy in policies]
         if args.json:
             out_json += [dict(trace=name, **r.to_dict()) for r in rows]
             continue
         m = trace.meta
-        title = (f"{name}: {m.model}, {trace.num_tokens} tokens, {m.num_layers} layers x "
+        label = name if name.endswith(m.model) else f"{name}: {m.model}"
+        title = (f"{label}, {trace.num_tokens} tokens, {m.num_layers} layers x "
                  f"{m.num_experts} experts, top-{m.top_k}, batch {trace.batch}, "
                  f"{trace.accesses} accesses\ncost model: {format_profile(H200)}")
         print(format_table(rows, title))

@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from expertcache import CacheGeometry, HostCache, get_policy, policy_names
-from expertcache.errors import PolicyError
+from expertcache.errors import EnsureError, PolicyError
 from expertcache.fast import run_calls
 from expertcache.host import ACCESSES, MISSES
 from sim.belady import Belady
@@ -93,6 +93,15 @@ def trace_calls(trace: Trace):
             np.ascontiguousarray(trace.logit_val.reshape(N * L, B, T)))
 
 
+def min_slots(trace: Trace) -> int:
+    """The most distinct experts one call of the trace asks for: the fewest slots it runs on."""
+    N, L, B, k = trace.experts.shape
+    flat = np.sort(trace.experts.reshape(N * L, B * k), axis=1)
+    new = np.ones(flat.shape, dtype=bool)
+    new[:, 1:] = flat[:, 1:] != flat[:, :-1]
+    return int(((flat >= 0) & new).sum(axis=1).max())
+
+
 def make_policy(name: str, geometry: CacheGeometry, ids, layers, **constants):
     """A registry policy, or an oracle built from the calls it will see."""
     if name == "belady":
@@ -140,12 +149,16 @@ def sweep(trace: Trace, policies: list[str], slots: list[int], *, workers: int |
 
     workers: processes (default: the CPU count, at most the number of jobs); 1 runs in
     this process. Raises PolicyError / EnsureError before any work for a bad policy name
-    or a slot count below the largest call.
+    or a slot count below the largest call (`min_slots`).
     """
     for p in policies:
         if p not in sim_policy_names():
             raise PolicyError(f"unknown policy {p!r} (--policies): choose from "
                               + ", ".join(sim_policy_names()))
+    need = min_slots(trace)
+    if min(slots) < need:
+        raise EnsureError(f"{min(slots)} slots is too few (--slots): one call of this trace asks "
+                          f"for {need} distinct experts")
     jobs = [(p, int(s), use_logits) for p in policies for s in slots]
     workers = min(workers or os.cpu_count() or 1, len(jobs))
     bar = tqdm(total=len(jobs), desc="replay", unit="run", disable=not progress, leave=False)

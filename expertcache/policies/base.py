@@ -11,8 +11,16 @@ A policy implements the contract's verbs twice, over the same arrays:
 
 * the reference verbs (`on_hit`, `on_install`, `scores`, `on_evict`, `refresh`): numpy,
   vectorised over the keys of one call, written to be read;
-* the fast verbs (`FastVerbs`): numba scalar functions the compiled replay calls per key
-  and per slot. Tests hold the two to bit-for-bit agreement.
+* the fast verbs: numba `@njit` scalar functions in the policy's module (`touch`, `score`,
+  and where the policy needs them `evicted`, `refresh`, `order`, `offsets`), which the
+  compiled replay calls per key and per slot through a dispatch on `Policy.kind`
+  (expertcache.fast). Tests hold the two to bit-for-bit agreement.
+
+The victim index of the compiled replay needs, for every resident key of layer lk at
+every clock, a lower bound `score >= (order(key) + offsets[lk]) >> shift` where `order`
+changes only when the key's state does (a touch, or a refresh that reports the key).
+Policies whose score changes only on a touch use order = score and no offsets; `rule`
+gives an order and offsets that make the bound exact while no clamp is active.
 
 Scores are int64; the lowest `(score, slot index)` among evictable slots is evicted.
 """
@@ -20,7 +28,7 @@ Scores are int64; the lowest `(score, slot index)` among evictable slots is evic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, NamedTuple
+from typing import Callable, ClassVar
 
 import numpy as np
 
@@ -66,31 +74,8 @@ class PolicyState:
         )
 
 
-class FastVerbs(NamedTuple):
-    """numba `@njit` functions over (key, slot, glob, params, fparams, clock, aux) arrays.
-
-    touch(kst, sst, gst, prm, clk, aux, key, slot, access, installed) -> None
-    score(kst, sst, gst, prm, clk, key, slot) -> int64
-    evicted(kst, sst, gst, prm, clk, key, slot, score) -> None
-    refresh(kst, sst, gst, prm, fprm, clk, logit_idx [rows, T], logit_val [rows, T], k,
-            changed int64 [rows * T], buf float32 [T]) -> int64: the keys whose state
-            changed, written to `changed`; buf is scratch
-    order(kst, sst, gst, prm, clk, key, slot) -> int64 and offsets(prm, clk, off [L]) -> shift:
-        the victim index. For every resident key of layer lk, at every clock,
-        score >= (order + off[lk]) >> shift, and order changes only when the key's state
-        does (a touch, or a refresh that reports the key). The compiled replay keeps the
-        resident keys of each layer in a tree by order and visits them in increasing
-        (order + off) until no lower score can remain, so the bound decides speed, never
-        the result. Policies whose score changes only on a touch use order = score,
-        off = 0, shift = 0 (`zero_offsets`).
-    """
-
-    touch: Callable
-    score: Callable
-    evicted: Callable
-    refresh: Callable
-    order: Callable
-    offsets: Callable
+# Policy kinds: the compiled replay (expertcache.fast) dispatches its verbs on these.
+KIND_LRU, KIND_RULE, KIND_LFUDA, KIND_ORACLE = 0, 1, 2, 3
 
 
 class Policy:
@@ -105,7 +90,7 @@ class Policy:
     uses_logits: ClassVar[bool] = False
     # Oracles see the future and exist in the simulator only.
     oracle: ClassVar[bool] = False
-    fast: ClassVar[FastVerbs]
+    kind: ClassVar[int]
 
     def __init__(self, geometry: CacheGeometry) -> None:
         self.geometry = geometry

@@ -18,15 +18,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from expertcache.policies.base import Clock, FastVerbs, Policy, PolicyState
-from expertcache.policies.noop import no_refresh, zero_offsets
+from expertcache.policies.base import KIND_LFUDA, Clock, Policy, PolicyState
 
 FREQ, PRIO = 0, 1
 AGE = 0
 
 
-@njit(cache=True)
-def _touch(kst, sst, gst, prm, clk, aux, key, slot, access, installed):  # noqa: ARG001
+@njit(cache=True, inline="always")
+def touch(sst, gst, slot, installed):
     if installed:
         sst[FREQ, slot] = 1
     else:
@@ -34,22 +33,22 @@ def _touch(kst, sst, gst, prm, clk, aux, key, slot, access, installed):  # noqa:
     sst[PRIO, slot] = gst[AGE] + sst[FREQ, slot]
 
 
-@njit(cache=True)
-def _score(kst, sst, gst, prm, clk, key, slot):  # noqa: ARG001
+@njit(cache=True, inline="always")
+def score(sst, slot):
     return sst[PRIO, slot]
 
 
-@njit(cache=True)
-def _evicted(kst, sst, gst, prm, clk, key, slot, score):  # noqa: ARG001
-    if score > gst[AGE]:
-        gst[AGE] = score
+@njit(cache=True, inline="always")
+def evicted(gst, victim_score):
+    if victim_score > gst[AGE]:
+        gst[AGE] = victim_score
 
 
 class LFUDA(Policy):
     name = "lfuda"
     slot_fields = ("freq", "prio")
     glob_fields = ("age",)
-    fast = FastVerbs(_touch, _score, _evicted, no_refresh, _score, zero_offsets)
+    kind = KIND_LFUDA
 
     def on_hit(self, st: PolicyState, clk: Clock, keys, slots, access) -> None:
         st.slot[FREQ, slots] += 1

@@ -9,26 +9,25 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from expertcache.policies.base import CLK_STEP, Clock, FastVerbs, Policy, PolicyState
-from expertcache.policies.noop import no_evicted, no_refresh, zero_offsets
+from expertcache.policies.base import CLK_STEP, KIND_LRU, Clock, Policy, PolicyState
 
 LAST = 0
 
 
-@njit(cache=True)
-def _touch(kst, sst, gst, prm, clk, aux, key, slot, access, installed):  # noqa: ARG001
+@njit(cache=True, inline="always")
+def touch(sst, clk, slot):
     sst[LAST, slot] = clk[CLK_STEP]
 
 
-@njit(cache=True)
-def _score(kst, sst, gst, prm, clk, key, slot):  # noqa: ARG001
+@njit(cache=True, inline="always")
+def score(sst, slot):
     return sst[LAST, slot]
 
 
 class LRU(Policy):
     name = "lru"
     slot_fields = ("last",)
-    fast = FastVerbs(_touch, _score, no_evicted, no_refresh, _score, zero_offsets)
+    kind = KIND_LRU
 
     def on_hit(self, st: PolicyState, clk: Clock, keys, slots, access) -> None:
         st.slot[LAST, slots] = clk.step

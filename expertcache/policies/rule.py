@@ -35,7 +35,7 @@ Decay is a difference of the global clock DC, so the score splits exactly: witho
 clamps, 16 * score + (16 * score's fraction) = ORDER(key) + OFF(lk, clock) with
 `ORDER = 16 * LAST_TOK * ONE + W16 * (LC + DC(CT))` fixed between uses, and
 score = (ORDER + OFF) >> 4; the clamps only raise the score. The compiled replay uses
-this as its victim index (see FastVerbs), so it visits a few keys per miss, not the pool.
+this as its victim index (see policies.base), so it visits a few keys per miss.
 """
 
 from __future__ import annotations
@@ -51,11 +51,10 @@ from expertcache.policies.base import (
     CLK_LAYERS,
     CLK_TOK,
     Clock,
-    FastVerbs,
+    KIND_RULE,
     Policy,
     PolicyState,
 )
-from expertcache.policies.noop import no_evicted
 
 ONE_SHIFT = 16
 ONE = 1 << ONE_SHIFT
@@ -85,8 +84,8 @@ def _decayed(lc, ct, now, prm):
     return max(lc - (_dc(now, prm) - _dc(ct, prm)), prm[P_LC_FLOOR])
 
 
-@njit(cache=True)
-def _touch(kst, sst, gst, prm, clk, aux, key, slot, access, installed):  # noqa: ARG001
+@njit(cache=True, inline="always")
+def touch(kst, prm, clk, key):
     tok = clk[CLK_TOK]
     now = tok * clk[CLK_LAYERS] + clk[CLK_LAYER]
     if kst[CT, key] < 0:
@@ -102,8 +101,8 @@ def _touch(kst, sst, gst, prm, clk, aux, key, slot, access, installed):  # noqa:
     kst[LAST_TOK, key] = tok
 
 
-@njit(cache=True)
-def _score(kst, sst, gst, prm, clk, key, slot):  # noqa: ARG001
+@njit(cache=True, inline="always")
+def score(kst, prm, clk, key):
     num_layers = clk[CLK_LAYERS]
     layer = clk[CLK_LAYER]
     tok = clk[CLK_TOK]
@@ -119,14 +118,14 @@ def _score(kst, sst, gst, prm, clk, key, slot):  # noqa: ARG001
     return -((k << ONE_SHIFT) + d * prm[P_BETA_Q]) + ((prm[P_W_Q] * lcv) >> 4)
 
 
-@njit(cache=True)
-def _order(kst, sst, gst, prm, clk, key, slot):  # noqa: ARG001
+@njit(cache=True, inline="always")
+def order(kst, prm, key):
     return ((kst[LAST_TOK, key] << ONE_SHIFT) << 4) + prm[P_W_Q] * (
         kst[LC, key] + _dc(kst[CT, key], prm))
 
 
 @njit(cache=True)
-def _offsets(prm, clk, off):
+def offsets(prm, clk, off):
     num_layers = clk[CLK_LAYERS]
     layer = clk[CLK_LAYER]
     tok = clk[CLK_TOK]
@@ -159,7 +158,7 @@ def _kth_largest(idx, val, k, buf):
 
 
 @njit(cache=True)
-def _refresh(kst, sst, gst, prm, fprm, clk, logit_idx, logit_val, k, changed, buf):  # noqa: ARG001
+def refresh(kst, fprm, clk, logit_idx, logit_val, k, changed, buf):
     base = clk[CLK_LAYER] * clk[CLK_EXPERTS]
     seen = clk[CLK_TOK] - 1
     nchanged = 0
@@ -183,7 +182,7 @@ class Rule(Policy):
     key_fields = ("last_tok", "lc", "ct")
     initial = {"last_tok": -1, "lc": 0, "ct": -1}
     uses_logits = True
-    fast = FastVerbs(_touch, _score, no_evicted, _refresh, _order, _offsets)
+    kind = KIND_RULE
 
     def __init__(
         self,
