@@ -40,7 +40,6 @@ from expertcache.policies.base import (
     CLOCK_LEN,
     KIND_LFUDA,
     KIND_LRU,
-    KIND_ORACLE,
     KIND_RULE,
 )
 from expertcache import victim_index

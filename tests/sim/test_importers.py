@@ -20,31 +20,17 @@ from hypothesis import strategies as st
 
 from sim.importers import (export_freetoken_dir, export_jsonl, import_freetoken_dir,
                            import_jsonl)
-from sim.trace import Trace, TraceError, TraceMeta, load_trace
+from tests.sim.gen import random_trace
+from sim.trace import Trace, TraceError, load_trace
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 
 
-def make_trace(seed: int, n: int = 6, layers: int = 3, k: int = 2, num_experts: int = 8, *,
-               weights: bool = True, req: bool = True, logits: int = 0, batch: int = 1) -> Trace:
-    """A random valid trace; req_index numbers request runs 0, 1, 2, ... in order."""
-    rng = np.random.default_rng(seed)
-    order = np.argsort(rng.random((n, layers, batch, num_experts)), axis=-1)
-    experts = order[..., :k].astype(np.int32)
-    experts[rng.random(experts.shape) < 0.1] = -1
-    meta = TraceMeta(model=f"moe-{seed}", num_layers=layers, num_experts=num_experts, top_k=k,
-                     expert_bytes=int(rng.integers(1, 1 << 30)), phase="decode",
-                     source="generated", license="test", extra={"seed": seed, "note": "x"})
-    w = (rng.random(experts.shape) + 0.01).astype(np.float32) if weights else None
-    r = None
-    if req:
-        r = np.cumsum(rng.random((n, batch)) < 0.4, axis=0)
-        r = (r - r[0]).astype(np.int32)
-    li = lv = None
-    if logits:
-        li = rng.integers(-1, num_experts, (n, layers, batch, logits)).astype(np.int32)
-        lv = rng.standard_normal(li.shape).astype(np.float32)
-    return Trace(experts=experts, meta=meta, weights=w, req_index=r, logit_idx=li, logit_val=lv)
+def make_trace(seed: int, n: int = 6, layers: int = 3, k: int = 2, num_experts: int = 8,
+               **kw) -> Trace:
+    """A random B == 1 (unless asked) trace with an extra meta key to carry through."""
+    return random_trace(seed, n, layers, kw.pop("batch", 1), k, num_experts,
+                        extra={"seed": seed, "note": "x"}, **kw)
 
 
 trace_args = st.fixed_dictionaries({

@@ -17,30 +17,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.sim.gen import random_trace
 from sim.trace import (FORMAT, REQUIRED_META_KEYS, Trace, TraceError, TraceMeta, concat_traces,
                        load_trace, save_trace)
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 
 
-def make_trace(seed: int, n: int = 6, layers: int = 3, batch: int = 1, k: int = 2,
-               num_experts: int = 8, *, weights: bool = True, req: bool = True,
-               logits: int = 0, extra: dict | None = None) -> Trace:
-    """A random valid trace: distinct ids per row, some -1 padding, nonzero weights."""
-    rng = np.random.default_rng(seed)
-    order = np.argsort(rng.random((n, layers, batch, num_experts)), axis=-1)
-    experts = order[..., :k].astype(np.int32)
-    experts[rng.random(experts.shape) < 0.1] = -1
-    meta = TraceMeta(model=f"test-moe-{seed}", num_layers=layers, num_experts=num_experts,
-                     top_k=k, expert_bytes=int(rng.integers(1, 1 << 30)), phase="decode",
-                     source="generated", license="test", extra=extra or {"seed": seed})
-    w = (rng.random(experts.shape) + 0.01).astype(np.float32) if weights else None
-    r = np.sort(rng.integers(0, 3, (n, batch)), axis=0).astype(np.int32) if req else None
-    li = lv = None
-    if logits:
-        li = rng.integers(-1, num_experts, (n, layers, batch, logits)).astype(np.int32)
-        lv = rng.standard_normal(li.shape).astype(np.float32)
-    return Trace(experts=experts, meta=meta, weights=w, req_index=r, logit_idx=li, logit_val=lv)
+make_trace = random_trace
 
 
 trace_args = st.fixed_dictionaries({
