@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
             print(format_per_layer(rows))
         if args.plot:
             path = args.plot if len(traces) == 1 else f"{Path(args.plot).stem}-{len(out_json)}.png"
-            plot_hit_rate(rows, path, title=f"{name} ({m.model})")
+            plot_hit_rate(rows, path, title=f"{Path(name).name}\n{m.model}")
             print(f"plot: {path}")
         print()
     if args.json:

@@ -127,7 +127,7 @@ def plot_hit_rate(rows: list[Row], path: str, title: str = "") -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title(title or "hit rate against slots")
+    ax.set_title(title or "hit rate against slots", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
