@@ -7,6 +7,14 @@ HYPOTHESIS_PROFILE=long runs them for much longer locally.
 import os
 from pathlib import Path
 
+try:  # without a GPU, Triton kernels run in Triton's interpreter on CPU tensors
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    torch = None
+
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -20,6 +28,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Real routing traces are read from beside the checkout and never copied into it.
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+def device_or_skip():
+    """(device, is_gpu): CUDA when present, else CPU under Triton's interpreter."""
+    if torch is None:
+        pytest.skip("torch is not installed")
+    if torch.cuda.is_available():
+        return torch.device("cuda"), True
+    return torch.device("cpu"), False
 
 
 def real_trace(name: str) -> Path:

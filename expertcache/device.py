@@ -1,0 +1,145 @@
+"""The slot map and policy state on the device, and the ensure call that drives them.
+
+    DeviceCache(geometry, policy, device)
+      state: slot_of int32 [L*E], key_of int32 [S], policy key/slot/glob int64,
+             clock int64 [2], counters int64 [L, 3], status int32 [1]   (torch, on device)
+      ensure(layer, ids [rows, k] int32 on device[, logit_idx, logit_val [rows, T]])
+        -> EnsureBuffers: slots int32 [rows, k], plan int32 [BLOCK_Q, 2], count int32 [1]
+
+Same layout as HostCache, so `snapshot()` compares bit for bit. Output buffers are fixed
+per (rows, k, T) and reused, so a captured CUDA graph keeps reading the same memory. The
+call does no host sync: a refused call (id out of range, more distinct keys than slots)
+only sets `status`; `check()` reads it (a sync) and raises EnsureError. Shapes and
+dtypes are checked on the host at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+
+from expertcache.device_ensure import MAX_SLOTS, ST_BAD_ID, ST_TOO_MANY, ensure_kernel
+from expertcache.errors import EnsureError
+from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
+from expertcache.host import Snapshot
+from expertcache.policies import Policy, get_policy
+from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_RULE, PolicyState
+
+DEVICE_KINDS = {KIND_LRU: 0, KIND_RULE: 1, KIND_LFUDA: 2}
+CHUNK = 512  # slots scored per program
+
+
+@dataclass
+class EnsureBuffers:
+    """Outputs of one ensure shape: slots int32 [rows, k], plan int32 [BLOCK_Q, 2] (the
+    first `count` rows are this call's (key, slot) pairs), count int32 [1]."""
+
+    slots: torch.Tensor
+    plan: torch.Tensor
+    count: torch.Tensor
+    block_q: int
+
+
+class DeviceCache:
+    """One slot pool's maps on a device, under one policy (not an oracle)."""
+
+    def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
+                 chunk: int = CHUNK, **constants) -> None:
+        self.geometry = geometry
+        self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
+        if self.policy.oracle or self.policy.kind not in DEVICE_KINDS:
+            raise EnsureError(f"policy {self.policy.name!r} has no device ensure "
+                              "(--moe-cache-policy): oracles run in the simulator only")
+        if geometry.num_slots >= MAX_SLOTS:
+            raise EnsureError(f"{geometry.num_slots} slots (--moe-slots): the device ensure "
+                              f"handles fewer than {MAX_SLOTS}")
+        self.device = torch.device(device)
+        st = self.policy.init_state()
+        t = lambda a: torch.as_tensor(np.ascontiguousarray(a), device=self.device)  # noqa: E731
+        self.slot_of = t(np.full(geometry.num_keys, NO_SLOT, np.int32))
+        self.key_of = t(np.full(geometry.num_slots, NO_KEY, np.int32))
+        self.kst, self.sst = t(st.key), t(st.slot)
+        self.gst = t(st.glob if st.glob.size else np.zeros(1, np.int64))
+        self.prm, self.fprm = t(self.policy.params()), t(self.policy.fparams())
+        self.clock = t(np.zeros(2, np.int64))
+        self.counters = t(np.zeros((geometry.num_layers, 3), np.int64))
+        self.status = t(np.zeros(1, np.int32))
+        self.arrive = t(np.zeros(1, np.int32))
+        if chunk < 1 or chunk & (chunk - 1):
+            raise ValueError(f"chunk must be a power of two, got {chunk}")
+        self.chunk = chunk  # slots scored per program; the grid is ceil(S / chunk)
+        self.grid = triton.cdiv(geometry.num_slots, chunk)
+        self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
+        self._cand: dict[int, torch.Tensor] = {}
+
+    def buffers(self, rows: int, k: int) -> EnsureBuffers:
+        """The fixed output buffers of calls with ids [rows, k]."""
+        if (rows, k) not in self._buffers:
+            bq = triton.next_power_of_2(rows * k)
+            self._buffers[(rows, k)] = EnsureBuffers(
+                torch.full((rows, k), NO_SLOT, dtype=torch.int32, device=self.device),
+                torch.zeros((bq, 2), dtype=torch.int32, device=self.device),
+                torch.zeros(1, dtype=torch.int32, device=self.device), bq)
+        return self._buffers[(rows, k)]
+
+    def _check_args(self, layer, ids, logit_idx, logit_val) -> None:
+        L = self.geometry.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < L:
+            raise EnsureError(f"layer must be an int in [0, {L}), got {layer!r}")
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32 or ids.dim() != 2:
+            raise EnsureError("ids must be an int32 tensor [rows, k]")
+        if ids.device != self.device or not ids.is_contiguous():
+            raise EnsureError(f"ids must be contiguous on {self.device}")
+        if (logit_idx is None) != (logit_val is None):
+            raise EnsureError("logit_idx and logit_val come together: pass both or neither")
+        if logit_idx is not None:
+            if (logit_idx.dtype != torch.int32 or logit_val.dtype != torch.float32
+                    or logit_idx.shape != logit_val.shape or logit_idx.dim() != 2
+                    or logit_idx.shape[0] != ids.shape[0]):
+                raise EnsureError(f"logit_idx int32 / logit_val float32 must both be "
+                                  f"[{ids.shape[0]}, T] on {self.device}")
+
+    def ensure(self, layer: int, ids: torch.Tensor, logit_idx: torch.Tensor | None = None,
+               logit_val: torch.Tensor | None = None) -> EnsureBuffers:
+        """Launch one ensure on the current stream (no sync; capturable). See the module."""
+        self._check_args(layer, ids, logit_idx, logit_val)
+        rows, k = ids.shape
+        buf = self.buffers(rows, k)
+        has_logits = logit_idx is not None and self.policy.uses_logits
+        T = logit_idx.shape[1] if has_logits else 1
+        lidx = logit_idx if has_logits else buf.count
+        lval = logit_val if has_logits else self.fprm
+        block_c = triton.next_power_of_2(self.grid * buf.block_q)
+        if block_c not in self._cand:
+            self._cand[block_c] = torch.zeros(block_c, dtype=torch.int64, device=self.device)
+        g = self.geometry
+        ensure_kernel[(self.grid,)](
+            ids, lidx, lval, self.slot_of, self.key_of, self.kst, self.sst, self.gst,
+            self.prm, self.fprm, self.clock, self.counters, buf.slots, buf.plan, buf.count,
+            self._cand[block_c], self.arrive, self.status, layer, g.num_experts,
+            g.num_layers, g.num_slots, rows * k, k, rows, T,
+            POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
+            BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
+            BLOCK_L=triton.next_power_of_2(g.num_layers), num_warps=4)
+        return buf
+
+    def check(self) -> None:
+        """Raise EnsureError if a call was refused since the last check (syncs)."""
+        code = int(self.status.item())
+        if code:
+            self.status.zero_()
+            why = {ST_BAD_ID: f"an expert id outside [0, {self.geometry.num_experts}) "
+                              "(num_experts); use -1 for padding",
+                   ST_TOO_MANY: "more distinct experts in one call than slots (--moe-slots)"}
+            raise EnsureError("a device ensure call was refused and changed nothing: "
+                              + why.get(code, f"code {code}"))
+
+    def snapshot(self) -> Snapshot:
+        """The state as numpy arrays, comparable with HostCache.snapshot() (syncs)."""
+        h = lambda x: x.detach().cpu().numpy().copy()  # noqa: E731
+        glob = h(self.gst)[: len(self.policy.glob_fields)]
+        return Snapshot(h(self.slot_of), h(self.key_of), PolicyState(h(self.kst), h(self.sst), glob),
+                        h(self.clock), h(self.counters))

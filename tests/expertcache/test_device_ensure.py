@@ -1,0 +1,171 @@
+"""The device ensure against the host reference, bit for bit after every call.
+
+Without a GPU the kernel runs in Triton's interpreter on CPU tensors (small cases); the
+`gpu` tests run the full grid of slot counts, k, rows and logits, eager and in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from expertcache import CacheGeometry, EnsureError, HostCache, policy_names
+from tests.conftest import device_or_skip, real_trace
+
+torch = pytest.importorskip("torch")
+from expertcache.device import DeviceCache  # noqa: E402
+
+
+def random_calls(rng, C, L, E, rows, k, T=0):
+    """C calls in decode order: ids int32 [C, rows, k] (distinct per row, some padding)
+    and, with T > 0, top-T logits [C, rows, T] whose first k entries are the ids."""
+    ids = np.argsort(rng.random((C, rows, E)), axis=-1)[..., :k].astype(np.int32)
+    ids[rng.random(ids.shape) < 0.1] = -1
+    layers = np.arange(C) % L
+    if not T:
+        return ids, layers, None, None
+    extra = np.argsort(rng.random((C, rows, E)), axis=-1)[..., : T - k].astype(np.int32)
+    lidx = np.concatenate([ids, extra], axis=-1)
+    lval = np.sort(rng.standard_normal((C, rows, T)).astype(np.float32), axis=-1)[..., ::-1]
+    lval = np.round(lval * 8) / 8  # coarse values: ties and exact near-miss margins happen
+    return ids, layers, lidx.astype(np.int32), np.ascontiguousarray(lval, dtype=np.float32)
+
+
+def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, chunk=512):
+    device, _ = device_or_skip()
+    g = CacheGeometry(L, E, S)
+    ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, chunk=chunk)
+    rng = np.random.default_rng(seed)
+    ids, layers, lidx, lval = random_calls(rng, C, L, E, rows, k, T)
+    for c in range(C):
+        li = None if lidx is None else lidx[c]
+        lv = None if lval is None else lval[c]
+        res = ref.ensure(int(layers[c]), ids[c], li, lv)
+        t = lambda a: None if a is None else torch.as_tensor(a, device=device)  # noqa: E731
+        buf = dev.ensure(int(layers[c]), t(ids[c]), t(li), t(lv))
+        m = int(buf.count.item())
+        assert m == res.misses, (policy, c)
+        assert np.array_equal(buf.plan[:m].cpu().numpy(), res.plan), (policy, c)
+        assert np.array_equal(buf.slots.cpu().numpy(), res.slots), (policy, c)
+        assert dev.snapshot().equals(ref.snapshot()), (policy, c)
+    dev.check()
+    return ref
+
+
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("E, S, rows, k, T", [(8, 5, 1, 2, 0), (8, 12, 2, 3, 5), (16, 40, 1, 4, 6)])
+def test_device_matches_host_small(policy, E, S, rows, k, T):
+    """Several programs (chunk 8) score and merge, as on a large pool."""
+    ref = run_parity(policy, L=3, E=E, S=S, rows=rows, k=k, C=30, T=T, seed=S, chunk=8)
+    assert ref.counters[:, 2].sum() > S, "the case must evict"
+
+
+def test_refused_calls_change_nothing_and_are_reported():
+    device, _ = device_or_skip()
+    g = CacheGeometry(2, 8, 3)
+    dev = DeviceCache(g, "lru", device=device)
+    dev.ensure(0, torch.tensor([[1, 2]], dtype=torch.int32, device=device))
+    before = dev.snapshot()
+    dev.ensure(1, torch.tensor([[9, 1]], dtype=torch.int32, device=device))
+    assert dev.snapshot().equals(before)
+    with pytest.raises(EnsureError, match="num_experts"):
+        dev.check()
+    dev.ensure(1, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device))
+    assert dev.snapshot().equals(before)
+    with pytest.raises(EnsureError, match="--moe-slots"):
+        dev.check()
+    with pytest.raises(EnsureError, match="int32"):
+        dev.ensure(0, torch.tensor([[1]], dtype=torch.int64, device=device))
+    with pytest.raises(EnsureError, match="layer"):
+        dev.ensure(2, torch.tensor([[1]], dtype=torch.int32, device=device))
+    with pytest.raises(EnsureError, match="oracles"):
+        from sim.belady import Belady
+        DeviceCache(g, Belady(g, np.zeros(1, np.int64)), device=device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("S", [8, 64, 512, 1650, 4096, 16384])
+def test_device_parity_grid(policy, S):
+    device, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
+    E = max(16, S // 8)
+    for rows, k, T in ((1, 1, 0), (1, 10, 20), (2, 8, 0), (4, 16, 24)):
+        if rows * k > min(S, E):
+            continue
+        run_parity(policy, L=8, E=E, S=S, rows=rows, k=k, C=120, T=T, seed=S + k)
+
+
+def _gpu():
+    device, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA")
+    return device
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("with_logits", [False, True])
+def test_graph_replay_matches_host(policy, with_logits):
+    """A decode step of 4 layers captured once; new routing copied in before each replay."""
+    device = _gpu()
+    L, E, S, rows, k, T = 4, 64, 48, 2, 6, 10
+    g = CacheGeometry(L, E, S)
+    ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, chunk=16)
+    rng = np.random.default_rng(3)
+    ids_buf = torch.zeros((L, rows, k), dtype=torch.int32, device=device)
+    lidx_buf = torch.full((L, rows, T), -1, dtype=torch.int32, device=device)
+    lval_buf = torch.zeros((L, rows, T), dtype=torch.float32, device=device)
+
+    def step():
+        for layer in range(L):
+            if with_logits:
+                dev.ensure(layer, ids_buf[layer], lidx_buf[layer], lval_buf[layer])
+            else:
+                dev.ensure(layer, ids_buf[layer])
+
+    def feed():
+        ids, _, lidx, lval = random_calls(rng, L, L, E, rows, k, T if with_logits else 0)
+        ids_buf.copy_(torch.as_tensor(ids))
+        if with_logits:
+            lidx_buf.copy_(torch.as_tensor(lidx))
+            lval_buf.copy_(torch.as_tensor(lval))
+        for layer in range(L):
+            ref.ensure(layer, ids[layer], None if lidx is None else lidx[layer],
+                       None if lval is None else lval[layer])
+
+    feed()
+    step()  # eager: compiles every specialisation before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(40):
+        feed()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert dev.snapshot().equals(ref.snapshot())
+    dev.check()
+    assert ref.counters[:, 2].sum() > S
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("slots", [64, 160])
+def test_device_parity_on_the_real_trace(policy, slots):
+    device = _gpu()
+    from sim.replay import trace_calls
+    from sim.trace import load_trace
+
+    trace = load_trace(real_trace("mixtral-gsm8k.npz"))
+    ids, layers, _, _ = trace_calls(trace)
+    g = CacheGeometry(trace.num_layers, trace.num_experts, slots)
+    ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, chunk=32)
+    dids = torch.as_tensor(ids, device=device)
+    for c in range(ids.shape[0]):
+        ref.ensure(int(layers[c]), ids[c])
+        dev.ensure(int(layers[c]), dids[c])
+        if c % 997 == 0:
+            assert dev.snapshot().equals(ref.snapshot()), c
+    assert dev.snapshot().equals(ref.snapshot())
