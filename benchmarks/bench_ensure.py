@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -113,8 +114,9 @@ def flashlib_lru(S, warm, calls, E, reps):
 
 
 def meta() -> dict:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent, check=False).stdout.strip()
+    commit = os.environ.get("EXPERTCACHE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+        cwd=Path(__file__).parent, check=False).stdout.strip()
     try:
         import flashlib
         fl = getattr(flashlib, "__version__", "0.4.0")

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One GPU session: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
+# Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
+# parts: any of env tests ensure copy sanitize (default: all). Wheels for packages the
+# image lacks (flashlib) are read from .whl/ when present.
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+parts=${*:-env tests ensure copy sanitize}
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+for part in $parts; do
+  case $part in
+    env)
+      { nvidia-smi; python3 -c "import torch, triton, numba, numpy; print(torch.__version__, triton.__version__, numba.__version__, numpy.__version__, torch.cuda.get_device_name())"; git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1
+      tail -3 "$OUT/env.txt" ;;
+    tests)
+      timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/expertcache \
+        -k "device or copy or pool" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
+    ensure)
+      timeout 400 python3 benchmarks/bench_ensure.py --out "$OUT/ensure.json" 2>&1 | tee "$OUT/ensure.log" | tail -22 ;;
+    copy)
+      timeout 300 python3 benchmarks/bench_copy.py --out "$OUT/copy.json" 2>&1 | tee "$OUT/copy.log" | tail -20 ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        timeout 240 compute-sanitizer --tool $tool --error-exitcode 3 python3 benchmarks/sanitize_step.py \
+          > "$OUT/sanitize-$tool.log" 2>&1; echo "compute-sanitizer $tool: exit $?"; tail -3 "$OUT/sanitize-$tool.log"
+      done ;;
+  esac
+done
