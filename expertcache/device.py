@@ -57,6 +57,8 @@ class DeviceCache:
             raise EnsureError(f"{geometry.num_slots} slots (--moe-slots): the device ensure "
                               f"handles fewer than {MAX_SLOTS}")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         st = self.policy.init_state()
         t = lambda a: torch.as_tensor(np.ascontiguousarray(a), device=self.device)  # noqa: E731
         self.slot_of = t(np.full(geometry.num_keys, NO_SLOT, np.int32))
