@@ -125,7 +125,7 @@ class DeviceCache:
             g.num_layers, g.num_slots, rows * k, k, rows, T,
             POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
-            BLOCK_L=triton.next_power_of_2(g.num_layers), num_warps=4)
+            BLOCK_L=triton.next_power_of_2(g.num_layers), SINGLE=self.grid == 1, num_warps=4)
         return buf
 
     def check(self) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+SEQ_MAX: tl.constexpr = tl.constexpr(4)  # up to this many victims: successive minima, else a sort
 SLOT_BITS = 20  # packed key = score * 2**20 + slot: slots < 2**20, |score| < 2**43
 MAX_SLOTS = 1 << SLOT_BITS
 ST_BAD_ID, ST_TOO_MANY = 1, 2  # status codes
@@ -89,7 +90,7 @@ def _rule_score(key, lt, lc, ct, layer, tok, num_layers, num_experts, prm_ptr):
 
 
 @triton.jit
-def _chunk_candidates(pid, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr, slot, hit,
+def _chunk_candidates(pid, need, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr, slot, hit,
                       rkey, near, layer, tok, num_layers, num_experts, num_slots, num_keys,
                       POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK_Q: tl.constexpr):
@@ -113,17 +114,34 @@ def _chunk_candidates(pid, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr, slot
         ct = tl.load(kst_ptr + 2 * num_keys + kq, mask=ev, other=0)
         score = _rule_score(kq, lt, lc, ct, layer, tok, num_layers, num_experts, prm_ptr)
     packed = tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
-    best = tl.sort(packed)
-    j = tl.arange(0, CHUNK)
-    tl.store(cand_ptr + pid * BLOCK_Q + j, best, mask=j < BLOCK_Q)
+    _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q)
 
 
 @triton.jit
-def _merge(cand_ptr, G, BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Sort the programs' candidates into cand[0:BLOCK_C], ascending."""
+def _lowest(packed, need, out_ptr, N: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """The `need` (<= BLOCK_Q) lowest of packed [N] (distinct values) ascending into
+    out[0:BLOCK_Q], the rest padded with INT64_MAX: by successive minima over registers
+    when few are needed, else one sort."""
+    j = tl.arange(0, BLOCK_Q)
+    if need <= SEQ_MAX:
+        tl.store(out_ptr + j, tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64))
+        tl.debug_barrier()
+        for i in range(need):
+            v = tl.min(packed, axis=0)
+            tl.store(out_ptr + i, v)
+            packed = tl.where(packed == v, 0x7FFFFFFFFFFFFFFF, packed)
+    else:
+        i = tl.arange(0, N)
+        tl.store(out_ptr + i, tl.sort(packed), mask=i < BLOCK_Q)
+
+
+@triton.jit
+def _merge(cand_ptr, G, need, BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The programs' candidates, merged: the `need` lowest ascending at cand[0:]."""
     j = tl.arange(0, BLOCK_C)
     c = tl.load(cand_ptr + j, mask=j < G * BLOCK_Q, other=0x7FFFFFFFFFFFFFFF)
-    tl.store(cand_ptr + j, tl.sort(c))
+    tl.debug_barrier()  # all read before cand[0:] is rewritten
+    _lowest(c, need, cand_ptr, BLOCK_C, BLOCK_Q)
 
 
 @triton.jit
@@ -197,7 +215,8 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
     tl.store(clock_ptr + 1, tok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k",
+                               "rows", "T"])
 def ensure_kernel(
     ids_ptr,        # int32 [n_ids]: routed expert ids of this call (rows * k), -1 = padding
     lidx_ptr,       # int32 [rows * T]: top-T router logit expert ids (read if HAS_LOGITS)
@@ -223,14 +242,14 @@ def ensure_kernel(
     rows, T,        # logit rows and entries per row
     POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_L: tl.constexpr,
+    BLOCK_L: tl.constexpr, SINGLE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_keys = num_layers * num_experts
     valid, key, first, slot, hit, fmiss, mrank, n, m, bad = _query(
         ids_ptr, slot_of_ptr, layer, num_experts, n_ids, BLOCK_Q)
     step = tl.load(clock_ptr) + 1
-    tok = tl.load(clock_ptr + 1) + (layer == 0).to(tl.int64)
+    tok = tl.load(clock_ptr + 1) + tl.where(layer == 0, 1, 0).to(tl.int64)
     li = tl.arange(0, BLOCK_L)
     missed = tl.sum(tl.load(counters_ptr + li * 3 + 2, mask=li < num_layers, other=0), axis=0)
     filled = tl.minimum(missed, num_slots)
@@ -242,17 +261,22 @@ def ensure_kernel(
         rkey = tl.zeros([BLOCK_R], dtype=tl.int64)
         near = rkey != 0
     if ok & (m > ne):
-        _chunk_candidates(pid, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr, slot, hit,
+        _chunk_candidates(pid, m - ne, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr, slot, hit,
                           rkey, near, layer, tok, num_layers, num_experts, num_slots,
                           num_keys, POLICY, HAS_LOGITS, CHUNK, BLOCK_Q)
     tl.debug_barrier()
-    arrived = tl.atomic_add(arrive_ptr, 1)
+    if SINGLE:
+        arrived = 0  # one program: nothing to wait for
+    else:
+        arrived = tl.atomic_add(arrive_ptr, 1)
     if arrived == tl.num_programs(0) - 1:
         tl.debug_barrier()
-        tl.store(arrive_ptr, 0)
+        if not SINGLE:
+            tl.store(arrive_ptr, 0)
         if ok:
             if m > ne:
-                _merge(cand_ptr, tl.num_programs(0), BLOCK_Q, BLOCK_C)
+                if not SINGLE:
+                    _merge(cand_ptr, tl.num_programs(0), m - ne, BLOCK_Q, BLOCK_C)
                 tl.debug_barrier()
             _commit(n_ids, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr,
                     cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
