@@ -126,10 +126,12 @@ def _lowest(packed, need, out_ptr, N: tl.constexpr, BLOCK_Q: tl.constexpr):
     if need <= SEQ_MAX:
         tl.store(out_ptr + j, tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64))
         tl.debug_barrier()
-        for i in range(need):
+        i = 0
+        while i < need:  # a while loop: Triton's interpreter cannot range() a tensor
             v = tl.min(packed, axis=0)
             tl.store(out_ptr + i, v)
             packed = tl.where(packed == v, 0x7FFFFFFFFFFFFFFF, packed)
+            i += 1
     else:
         i = tl.arange(0, N)
         tl.store(out_ptr + i, tl.sort(packed), mask=i < BLOCK_Q)
