@@ -133,8 +133,8 @@ def _lowest(packed, need, out_ptr, N: tl.constexpr, BLOCK_Q: tl.constexpr):
             packed = tl.where(packed == v, 0x7FFFFFFFFFFFFFFF, packed)
             i += 1
     else:
-        i = tl.arange(0, N)
-        tl.store(out_ptr + i, tl.sort(packed), mask=i < BLOCK_Q)
+        n = tl.arange(0, N)
+        tl.store(out_ptr + n, tl.sort(packed), mask=n < BLOCK_Q)
 
 
 @triton.jit
