@@ -19,7 +19,7 @@ for part in $parts; do
       tail -3 "$OUT/env.txt" ;;
     tests)
       timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/expertcache \
-        -k "device or copy or pool" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
+        -k "${TESTS_K:-device or copy or pool}" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
     ensure)
       timeout 400 python3 benchmarks/bench_ensure.py --out "$OUT/ensure.json" 2>&1 | tee "$OUT/ensure.log" | tail -22 ;;
     copy)
