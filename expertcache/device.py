@@ -29,7 +29,7 @@ from expertcache.policies import Policy, get_policy
 from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_RULE, PolicyState
 
 DEVICE_KINDS = {KIND_LRU: 0, KIND_RULE: 1, KIND_LFUDA: 2}
-CHUNK = 1024  # slots scored per program
+CHUNK = 512  # slots scored per program
 
 
 @dataclass
@@ -70,8 +70,6 @@ class DeviceCache:
         self.counters = t(np.zeros((geometry.num_layers, 3), np.int64))
         self.status = t(np.zeros(1, np.int32))
         self.arrive = t(np.zeros(1, np.int32))
-        self.pin = t(np.zeros(geometry.num_slots, np.int64))  # kernel scratch (stamps)
-        self.hot = t(np.zeros(geometry.num_keys, np.int64))
         if chunk < 1 or chunk & (chunk - 1):
             raise ValueError(f"chunk must be a power of two, got {chunk}")
         self.chunk = chunk  # slots scored per program; the grid is ceil(S / chunk)
@@ -123,11 +121,11 @@ class DeviceCache:
         ensure_kernel[(self.grid,)](
             ids, lidx, lval, self.slot_of, self.key_of, self.kst, self.sst, self.gst,
             self.prm, self.fprm, self.clock, self.counters, buf.slots, buf.plan, buf.count,
-            self._cand[block_c], self.pin, self.hot, self.arrive, self.status, layer, g.num_experts,
+            self._cand[block_c], self.arrive, self.status, layer, g.num_experts,
             g.num_layers, g.num_slots, rows * k, k, rows, T,
             POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
-            BLOCK_L=triton.next_power_of_2(g.num_layers), SINGLE=self.grid == 1, num_warps=8)
+            BLOCK_L=triton.next_power_of_2(g.num_layers), SINGLE=self.grid == 1, num_warps=4)
         return buf
 
     def check(self) -> None:

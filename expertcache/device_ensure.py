@@ -73,11 +73,8 @@ def _near(lidx_ptr, lval_ptr, fprm_ptr, layer, num_experts, rows, T, k,
 
 @triton.jit
 def _dc(t, prm_ptr):
-    # decay clock (t << 16) // (HALFLIFE * L) for t >= 0, through float64: both operands
-    # are exact below 2**52 and a correctly rounded quotient n / d (n < 2**52) never rounds
-    # up to the next integer, so the floor is exact; far cheaper than an int64 division.
-    q = (t << 16).to(tl.float64) / tl.load(prm_ptr + 2).to(tl.float64)
-    return tl.floor(q).to(tl.int64)
+    # decay clock (t << 16) // (HALFLIFE * L); t >= 0 here, so truncation is the floor
+    return (t << 16) // tl.load(prm_ptr + 2)
 
 
 @triton.jit
@@ -93,25 +90,15 @@ def _rule_score(key, lt, lc, ct, layer, tok, num_layers, num_experts, prm_ptr):
 
 
 @triton.jit
-def _chunk_candidates(pid, need, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr, pin_ptr,
-                      hot_ptr, step, slot, hit, rkey, near, layer, tok, num_layers,
-                      num_experts, num_slots, num_keys,
+def _chunk_candidates(pid, need, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr, slot, hit,
+                      rkey, near, layer, tok, num_layers, num_experts, num_slots, num_keys,
                       POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK_Q: tl.constexpr):
-    """Score this program's slots and keep its `need` lowest packed keys in scratch.
-
-    Pinned slots and refreshed keys are found through stamps (pin [S], hot [L*E], int64):
-    this program writes the call's step at its hit slots and near-miss keys, then reads
-    them back for its chunk; every program writes the same values, so no program needs
-    another's writes."""
-    tl.store(pin_ptr + slot, step + 0 * slot, mask=hit)
-    if HAS_LOGITS:
-        tl.store(hot_ptr + rkey, step + 0 * rkey, mask=near)
-    tl.debug_barrier()
+    """Score this program's slots and keep its BLOCK_Q lowest packed keys in scratch."""
     c = pid * CHUNK + tl.arange(0, CHUNK)
     cm = c < num_slots
     key = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
-    pinned = tl.load(pin_ptr + c, mask=cm, other=0) == step
+    pinned = tl.sum(((c[:, None] == slot[None, :]) & hit[None, :]).to(tl.int32), axis=1) > 0
     ev = cm & (key >= 0) & (~pinned)
     if POLICY == 0:
         score = tl.load(sst_ptr + c, mask=ev, other=0)
@@ -121,7 +108,7 @@ def _chunk_candidates(pid, need, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr
         kq = tl.where(ev, key, 0)
         lt = tl.load(kst_ptr + kq, mask=ev, other=0)
         if HAS_LOGITS:
-            hot = tl.load(hot_ptr + kq, mask=ev, other=0) == step
+            hot = tl.sum(((kq[:, None] == rkey[None, :]) & near[None, :]).to(tl.int32), axis=1) > 0
             lt = tl.where(hot, tl.maximum(lt, tok - 1), lt)
         lc = tl.load(kst_ptr + num_keys + kq, mask=ev, other=0)
         ct = tl.load(kst_ptr + 2 * num_keys + kq, mask=ev, other=0)
@@ -222,10 +209,10 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
     i = tl.arange(0, BLOCK_Q)
     tl.store(out_ptr + i, tl.where(valid, sl, -1).to(tl.int32), mask=i < ids_n)
     tl.store(count_ptr, m)
-    c = counters_ptr + layer * 3  # atomics: no load-then-store round trip on the way out
-    tl.atomic_add(c, 1)
-    tl.atomic_add(c + 1, n.to(tl.int64))
-    tl.atomic_add(c + 2, m.to(tl.int64))
+    c = counters_ptr + layer * 3
+    tl.store(c, tl.load(c) + 1)
+    tl.store(c + 1, tl.load(c + 1) + n)
+    tl.store(c + 2, tl.load(c + 2) + m)
     tl.store(clock_ptr, step)
     tl.store(clock_ptr + 1, tok)
 
@@ -249,8 +236,6 @@ def ensure_kernel(
     plan_ptr,       # int32 [BLOCK_Q, 2]: out: (key, slot) per miss, ascending key
     count_ptr,      # int32 [1]: out: misses of this call = rows of the plan in use
     cand_ptr,       # int64 [BLOCK_C]: scratch: candidates per program, then merged
-    pin_ptr,        # int64 [S]: scratch: step of the call that last pinned each slot
-    hot_ptr,        # int64 [L * E]: scratch: step of the call that last refreshed each key
     arrive_ptr,     # int32 [1]: scratch: programs arrived (zero between calls)
     status_ptr,     # int32 [1]: 0, or the code of the last refused call
     layer,          # this call's MoE layer
@@ -278,10 +263,9 @@ def ensure_kernel(
         rkey = tl.zeros([BLOCK_R], dtype=tl.int64)
         near = rkey != 0
     if ok & (m > ne):
-        _chunk_candidates(pid, m - ne, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr,
-                          pin_ptr, hot_ptr, step, slot, hit, rkey, near, layer, tok,
-                          num_layers, num_experts, num_slots, num_keys, POLICY, HAS_LOGITS,
-                          CHUNK, BLOCK_Q)
+        _chunk_candidates(pid, m - ne, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr, slot, hit,
+                          rkey, near, layer, tok, num_layers, num_experts, num_slots,
+                          num_keys, POLICY, HAS_LOGITS, CHUNK, BLOCK_Q)
     tl.debug_barrier()
     if SINGLE:
         arrived = 0  # one program: nothing to wait for
