@@ -139,6 +139,24 @@ class DeviceCache:
             raise EnsureError("a device ensure call was refused and changed nothing: "
                               + why.get(code, f"code {code}"))
 
+    def stats(self, bytes_per_expert: int | None = None) -> dict:
+        """Counters so far, read from the device (one sync: call it off the hot path).
+
+        Returns calls, accesses and misses per layer (int64 [L] each), their totals, the
+        hit rate, misses per decode step (`clock[1]` steps), and with `bytes_per_expert`
+        (HostStore.bytes_per_expert) the bytes copied in.
+        """
+        c = self.counters.cpu().numpy()
+        tok = max(int(self.clock[1].item()), 1)
+        acc, miss = int(c[:, 1].sum()), int(c[:, 2].sum())
+        out = {"calls": c[:, 0].copy(), "accesses": c[:, 1].copy(), "misses": c[:, 2].copy(),
+               "total_accesses": acc, "total_misses": miss,
+               "hit_rate": 1.0 - miss / acc if acc else 0.0,
+               "misses_per_layer_per_token": c[:, 2] / tok}
+        if bytes_per_expert is not None:
+            out["bytes_copied"] = miss * int(bytes_per_expert)
+        return out
+
     def snapshot(self) -> Snapshot:
         """The state as numpy arrays, comparable with HostCache.snapshot() (syncs)."""
         h = lambda x: x.detach().cpu().numpy().copy()  # noqa: E731

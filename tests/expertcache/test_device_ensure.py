@@ -60,6 +60,19 @@ def test_device_matches_host_small(policy, E, S, rows, k, T):
     assert ref.counters[:, 2].sum() > S, "the case must evict"
 
 
+def test_stats_follow_the_counters():
+    device, _ = device_or_skip()
+    g = CacheGeometry(2, 8, 4)
+    dev = DeviceCache(g, "lru", device=device)
+    for layer, ids in ((0, [1, 2]), (1, [1, 2]), (0, [1, 3]), (1, [2, 5])):
+        dev.ensure(layer, torch.tensor([ids], dtype=torch.int32, device=device))
+    st = dev.stats(bytes_per_expert=100)
+    assert st["calls"].tolist() == [2, 2] and st["accesses"].tolist() == [4, 4]
+    assert st["misses"].tolist() == [3, 3] and st["total_misses"] == 6  # 2 cold + 1 each
+    assert st["hit_rate"] == pytest.approx(1 - 6 / 8) and st["bytes_copied"] == 600
+    assert st["misses_per_layer_per_token"].tolist() == [1.5, 1.5]
+
+
 def test_refused_calls_change_nothing_and_are_reported():
     device, _ = device_or_skip()
     g = CacheGeometry(2, 8, 3)
