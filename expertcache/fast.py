@@ -7,9 +7,9 @@
 The state arrays are the HostCache's own (slot_of, key_of, policy state, clock,
 counters), updated in place, so a replay can be interleaved with reference calls and
 compared bit for bit. The policy's verbs are plain calls into its module, dispatched on
-`Policy.kind`, so one compiled kernel serves every policy and numba caches it on disk
-(passing the verbs as function arguments breaks numba's cache across processes). A new
-policy adds its branch to the dispatch functions below. Arguments are validated by
+`Policy.kind`; numba compiles one specialisation per kind (see `kind_tag`) and caches it
+on disk (passing the verbs as function arguments breaks numba's cache across processes).
+A new policy adds its branch to the dispatch functions below. Arguments are validated by
 `validate_calls` first: the kernel trusts them.
 
 Victims come from an index (expertcache.victim_index), not a scan of the pool: per layer
