@@ -1,0 +1,124 @@
+"""MoE block configuration: a checkpoint's config.json dict -> one validated, frozen MoEConfig.
+
+    config.json (dict) ──from_hf──► MoEConfig ──► plan.make_routed_plan / reference.moe_reference
+    EXPERTCACHE_MOE_COPY_OVERLAP ──copy_overlap_from_env──► MoEConfig.copy_overlap
+
+Families read by `MoEConfig.from_hf` (chosen by `model_type`, or by the keys present when it is absent):
+
+| family                    | experts             | expert MLP width        | shared expert                      | top-k renormalised |
+|---------------------------|---------------------|-------------------------|------------------------------------|--------------------|
+| qwen2_moe, qwen3_next     | `num_experts`       | `moe_intermediate_size` | `shared_expert_intermediate_size`  | `norm_topk_prob`   |
+| qwen3_moe                 | `num_experts`       | `moe_intermediate_size` | none                               | `norm_topk_prob`   |
+| mixtral                   | `num_local_experts` | `intermediate_size`     | none                               | always             |
+
+All families read `hidden_size` and `num_experts_per_tok`. `norm_topk_prob` defaults to False when
+absent (the transformers default for the Qwen configs). Mixtral takes the softmax over its top-k
+logits, which equals the full softmax's top-k renormalised to sum to 1, so it maps to
+`norm_topk_prob=True`. The dtype comes from `torch_dtype` (or `dtype`), default "bfloat16".
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+COPY_OVERLAP_ENV = "EXPERTCACHE_MOE_COPY_OVERLAP"
+DTYPES = ("float32", "float16", "bfloat16")
+SHARED_FAMILIES = ("qwen2_moe", "qwen3_next")
+FAMILIES = SHARED_FAMILIES + ("qwen3_moe", "mixtral")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Shape and routing of one MoE block.
+
+    hidden: model width H. num_experts: routed experts E. top_k: experts per token k.
+    expert_intermediate: routed expert MLP width I. shared_intermediate: shared expert width Is
+    (0 = no shared expert). norm_topk_prob: renormalise the top-k weights to sum to 1.
+    dtype: weight/activation dtype name ("float32", "float16", "bfloat16").
+    copy_overlap: run the shared expert on a side stream while the miss copy is in flight.
+
+    Raises ValueError naming the field on any invalid value.
+    """
+
+    hidden: int
+    num_experts: int
+    top_k: int
+    expert_intermediate: int
+    shared_intermediate: int = 0
+    norm_topk_prob: bool = False
+    dtype: str = "bfloat16"
+    copy_overlap: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "num_experts", "top_k", "expert_intermediate"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("shared_intermediate", self.shared_intermediate, minimum=0)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        for name in ("norm_topk_prob", "copy_overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"MoEConfig.dtype={self.dtype!r} is not one of {DTYPES}")
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_intermediate > 0
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any], *, copy_overlap: bool = False) -> "MoEConfig":
+        """Read a Qwen2-MoE / Qwen3-Next / Qwen3-MoE / Mixtral config.json dict.
+
+        Raises KeyError naming the missing key, ValueError for an unknown `model_type` or an invalid value.
+        """
+        family = _family(config)
+        mixtral = family == "mixtral"
+        shared = _require(config, "shared_expert_intermediate_size") if family in SHARED_FAMILIES else 0
+        return cls(
+            hidden=_require(config, "hidden_size"),
+            num_experts=_require(config, "num_local_experts" if mixtral else "num_experts"),
+            top_k=_require(config, "num_experts_per_tok"),
+            expert_intermediate=_require(config, "intermediate_size" if mixtral else "moe_intermediate_size"),
+            shared_intermediate=shared,
+            norm_topk_prob=True if mixtral else bool(config.get("norm_topk_prob", False)),
+            dtype=str(config.get("torch_dtype", config.get("dtype", "bfloat16"))),
+            copy_overlap=copy_overlap,
+        )
+
+
+def copy_overlap_from_env(default: bool = False) -> bool:
+    """EXPERTCACHE_MOE_COPY_OVERLAP: "1" -> True, "0" -> False, unset or "" -> `default`.
+
+    The variable, when set, wins over the config field. Raises ValueError naming the variable otherwise.
+    """
+    value = os.environ.get(COPY_OVERLAP_ENV, "").strip()
+    if value == "":
+        return default
+    if value in ("0", "1"):
+        return value == "1"
+    raise ValueError(f"{COPY_OVERLAP_ENV}={value!r}: set it to 1 (overlap on) or 0 (off), or unset it")
+
+
+def _family(config: Mapping[str, Any]) -> str:
+    """The config's family: `model_type` when present, else guessed from the keys."""
+    family = config.get("model_type")
+    if family is None:
+        if "num_local_experts" in config:
+            return "mixtral"
+        return "qwen2_moe" if "shared_expert_intermediate_size" in config else "qwen3_moe"
+    if family not in FAMILIES:
+        raise ValueError(f"config.json model_type={family!r} is not one of {FAMILIES}")
+    return family
+
+
+def _require(config: Mapping[str, Any], key: str) -> Any:
+    if key not in config:
+        raise KeyError(f"config.json is missing {key!r}, which this model_type needs")
+    return config[key]
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"MoEConfig.{name} must be an int >= {minimum}, got {value!r}")

@@ -1,0 +1,130 @@
+"""Torch reference of one MoE block, from the full expert tensors (any device, float32 accumulate).
+
+    hidden [T, H] ──route──► weights [T, k] float32, ids [T, k] int32
+           │                        │
+           ├──► routed: Σ_j weights[t, j] * expert_mlp(hidden[t], experts[ids[t, j]])   (float32)
+           ├──► shared: sigmoid(hidden @ gate_wᵀ) * expert_mlp(hidden, shared)           (float32)
+           └──► out [T, H] = routed + shared, cast once to hidden's dtype
+
+Legend: T = tokens, H = hidden, E = routed experts, k = top_k, I = routed expert width,
+Is = shared expert width. A gate_up weight stacks gate_proj over up_proj: rows [0, I) are gate, rows
+[I, 2I) are up (the vLLM w13 layout). down is [H, I].
+
+Math, as transformers' Qwen2MoeSparseMoeBlock: logits = hidden @ router_wᵀ; probs = softmax(logits) in
+float32; (weights, ids) = topk(probs, k) sorted by weight descending; if norm_topk_prob, weights /=
+weights.sum(-1); expert MLP = down(silu(gate(x)) * up(x)); out = Σ routed + sigmoid(shared_gate(x)) *
+shared(x). Precision differs on purpose: every product here is in float32 and rounded once at the end,
+whereas transformers rounds after each linear (and the routing weights) to the model dtype. Mixtral
+(softmax over the top-k logits) equals this with norm_topk_prob=True and no shared expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe.config import MoEConfig
+
+SharedWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (gate_up [2Is, H], down [H, Is], gate_w [1, H])
+
+
+def route(
+    hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: hidden [T, H], router_w [E, H] -> (weights [T, k] float32, ids [T, k] int32).
+
+    Softmax in float32 over all E logits, top-k ordered by weight descending, optionally renormalised
+    to sum to 1 per row. Cost O(T * E * H). Raises ValueError naming `top_k` or `router_w` on bad shapes.
+    """
+    if router_w.dim() != 2 or router_w.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"route: router_w must be [E, {hidden.shape[-1]}], got {tuple(router_w.shape)}")
+    if not 1 <= top_k <= router_w.shape[0]:
+        raise ValueError(f"route: top_k={top_k} must be in [1, E={router_w.shape[0]}]")
+    logits = hidden.float() @ router_w.float().T  # [T, E]
+    probs = torch.softmax(logits, dim=-1)  # [T, E] float32
+    weights, ids = torch.topk(probs, top_k, dim=-1, sorted=True)  # [T, k]
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """SiLU-gated MLP: x [T, H], w_gate_up [2I, H], w_down [H, I] -> [T, H] float32.
+
+    down(silu(gate(x)) * up(x)) in float32. Cost O(T * 3 * I * H). Raises ValueError naming the weight
+    whose shape does not match.
+    """
+    hidden = x.shape[-1]
+    if w_gate_up.dim() != 2 or w_gate_up.shape[0] % 2 or w_gate_up.shape[1] != hidden:
+        raise ValueError(f"expert_mlp: w_gate_up must be [2I, {hidden}], got {tuple(w_gate_up.shape)}")
+    inter = w_gate_up.shape[0] // 2
+    if tuple(w_down.shape) != (hidden, inter):
+        raise ValueError(f"expert_mlp: w_down must be [{hidden}, {inter}], got {tuple(w_down.shape)}")
+    gate_up = x.float() @ w_gate_up.float().T  # [T, 2I]
+    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [T, I]
+    return act @ w_down.float().T  # [T, H]
+
+
+def shared_expert(x: torch.Tensor, shared: SharedWeights) -> torch.Tensor:
+    """Gated shared expert: x [T, H] -> sigmoid(x @ gate_wᵀ) * expert_mlp(x, gate_up, down), [T, H] float32."""
+    gate_up, down, gate_w = shared
+    if tuple(gate_w.shape) != (1, x.shape[-1]):
+        raise ValueError(f"shared: gate_w must be [1, {x.shape[-1]}], got {tuple(gate_w.shape)}")
+    gate = torch.sigmoid(x.float() @ gate_w.float().T)  # [T, 1]
+    return gate * expert_mlp(x, gate_up, down)
+
+
+def moe_reference(
+    hidden: torch.Tensor,
+    router_w: torch.Tensor,
+    experts_gate_up: torch.Tensor,
+    experts_down: torch.Tensor,
+    cfg: MoEConfig,
+    shared: SharedWeights | None = None,
+) -> torch.Tensor:
+    """One MoE block: hidden [T, H] -> out [T, H] in hidden's dtype.
+
+    router_w [E, H], experts_gate_up [E, 2I, H], experts_down [E, H, I], shared as `SharedWeights`
+    (required exactly when cfg.shared_intermediate > 0). Cost O(T * k * 3 * I * H + T * E * H).
+    Raises ValueError naming the argument whose shape or presence disagrees with `cfg`.
+    """
+    _check_shapes(hidden, router_w, experts_gate_up, experts_down, cfg, shared)
+    weights, ids = route(hidden, router_w, cfg.top_k, cfg.norm_topk_prob)  # [T, k] float32, int32
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
+    for expert in torch.unique(ids).tolist():
+        rows, cols = torch.nonzero(ids == expert, as_tuple=True)  # tokens routed to `expert`
+        y = expert_mlp(hidden[rows], experts_gate_up[expert], experts_down[expert])  # [n, H]
+        out.index_add_(0, rows, y * weights[rows, cols, None])
+    if shared is not None:
+        out += shared_expert(hidden, shared)
+    return out.to(hidden.dtype)
+
+
+def _check_shapes(
+    hidden: torch.Tensor,
+    router_w: torch.Tensor,
+    experts_gate_up: torch.Tensor,
+    experts_down: torch.Tensor,
+    cfg: MoEConfig,
+    shared: SharedWeights | None,
+) -> None:
+    """Raise ValueError naming the first argument whose shape disagrees with cfg."""
+    h, e, i = cfg.hidden, cfg.num_experts, cfg.expert_intermediate
+    expected = {
+        "hidden": (hidden, (hidden.shape[0] if hidden.dim() == 2 else -1, h)),
+        "router_w": (router_w, (e, h)),
+        "experts_gate_up": (experts_gate_up, (e, 2 * i, h)),
+        "experts_down": (experts_down, (e, h, i)),
+    }
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"moe_reference: {name} must be {list(shape)} (T, H, E, I from MoEConfig), "
+                             f"got {list(tensor.shape)}")
+    if (shared is None) == cfg.has_shared_expert:
+        raise ValueError(f"moe_reference: shared must be given exactly when MoEConfig.shared_intermediate > 0 "
+                         f"(it is {cfg.shared_intermediate}, shared is {'absent' if shared is None else 'given'})")
+    if shared is not None:
+        s = cfg.shared_intermediate
+        if tuple(shared[0].shape) != (2 * s, h) or tuple(shared[1].shape) != (h, s):
+            raise ValueError(f"moe_reference: shared gate_up/down must be [{2 * s}, {h}] / [{h}, {s}], "
+                             f"got {list(shared[0].shape)} / {list(shared[1].shape)}")
