@@ -134,11 +134,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--policies", default="lru,rule,lfuda")
+    ap.add_argument("--slots", default=",".join(map(str, SLOTS)))
+    ap.add_argument("--misses", default=",".join(map(str, MISSES)))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
-    for S in SLOTS:
-        for m in MISSES:
+    slots = [int(x) for x in args.slots.split(",")]
+    misses = [int(x) for x in args.misses.split(",")]
+    for S in slots:
+        for m in misses:
             for policy in args.policies.split(",") + ["flashlib-lru"]:
                 base = "lru" if policy == "flashlib-lru" else policy
                 warm, calls, E = sequence(base, S, m, args.calls, seed=S + m)
@@ -162,11 +166,11 @@ def main() -> None:
     by = {(r["policy"], r["slots"], r["m"]): r["us_median"] for r in rows}
     print(f"\nus per ensure call, CUDA-graph replay, median of {args.reps} ({info['gpu']}); "
           "ratio = policy / flashlib-lru")
-    print(f"{'policy':>13} {'slots':>6} " + " ".join(f"{'m=' + str(m):>14}" for m in MISSES))
+    print(f"{'policy':>13} {'slots':>6} " + " ".join(f"{'m=' + str(m):>14}" for m in misses))
     for policy in args.policies.split(",") + ["flashlib-lru"]:
-        for S in SLOTS:
+        for S in slots:
             cells = []
-            for m in MISSES:
+            for m in misses:
                 v, f = by.get((policy, S, m)), by.get(("flashlib-lru", S, m))
                 cells.append("-" if v is None else f"{v:6.2f}" + (f" ({v / f:4.2f}x)" if f else ""))
             print(f"{policy:>13} {S:>6} " + " ".join(f"{c:>14}" for c in cells))

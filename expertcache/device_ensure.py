@@ -177,7 +177,7 @@ def _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots):
 def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, cand_ptr,
             out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid, key, first, slot,
             hit, fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, layer, num_layers,
-            num_slots, num_keys, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
+            num_slots, num_keys, mine, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
             BLOCK_Q: tl.constexpr):
     """Apply one call: refresh, evictions and installs in ascending key order, touches,
     plan, slots, counters and clock. Runs in one program."""
@@ -209,10 +209,10 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
     i = tl.arange(0, BLOCK_Q)
     tl.store(out_ptr + i, tl.where(valid, sl, -1).to(tl.int32), mask=i < ids_n)
     tl.store(count_ptr, m)
-    c = counters_ptr + layer * 3
-    tl.store(c, tl.load(c) + 1)
-    tl.store(c + 1, tl.load(c + 1) + n)
-    tl.store(c + 2, tl.load(c + 2) + m)
+    # `mine` [4]: this layer's counters, read at the start of the launch (no round trip here)
+    j = tl.arange(0, 4)
+    tl.store(counters_ptr + layer * 3 + j, mine + tl.where(j == 0, 1, tl.where(j == 1, n, m)),
+             mask=j < 3)
     tl.store(clock_ptr, step)
     tl.store(clock_ptr + 1, tok)
 
@@ -254,6 +254,8 @@ def ensure_kernel(
     tok = tl.load(clock_ptr + 1) + tl.where(layer == 0, 1, 0).to(tl.int64)
     li = tl.arange(0, BLOCK_L)
     missed = tl.sum(tl.load(counters_ptr + li * 3 + 2, mask=li < num_layers, other=0), axis=0)
+    j4 = tl.arange(0, 4)
+    mine = tl.load(counters_ptr + layer * 3 + j4, mask=j4 < 3, other=0)
     filled = tl.minimum(missed, num_slots)
     ne = tl.minimum(m, num_slots - filled)
     ok = (bad == 0) & (n <= num_slots)
@@ -283,6 +285,7 @@ def ensure_kernel(
             _commit(n_ids, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr,
                     cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
                     key, first, slot, hit, fmiss, mrank, n, m, ne, filled, rkey, near, step,
-                    tok, layer, num_layers, num_slots, num_keys, POLICY, HAS_LOGITS, BLOCK_Q)
+                    tok, layer, num_layers, num_slots, num_keys, mine, POLICY, HAS_LOGITS,
+                    BLOCK_Q)
         else:
             tl.store(status_ptr, tl.where(bad > 0, 1, 2))
