@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit
 
 from expertcache.errors import EnsureError
-from expertcache.geometry import CacheGeometry
+from expertcache.geometry import CacheGeometry, distinct_counts
 from expertcache.policies import lfuda, lru, oracle, rule
 from expertcache.policies.base import (
     CLK_EXPERTS,
@@ -334,9 +334,7 @@ def validate_calls(geometry: CacheGeometry, ids: np.ndarray, layers: np.ndarray,
         c = int(np.argwhere(bad)[0][0])
         raise EnsureError(f"call {c}: expert id {int(ids[bad][0])} outside [0, {E}) "
                           "(num_experts); use -1 for padding")
-    flat = np.sort(ids.reshape(ids.shape[0], -1), axis=1)
-    distinct = ((flat >= 0) & np.concatenate(
-        [np.ones((flat.shape[0], 1), bool), flat[:, 1:] != flat[:, :-1]], axis=1)).sum(axis=1)
+    distinct = distinct_counts(ids)
     if distinct.max() > S:
         c = int(distinct.argmax())
         raise EnsureError(f"call {c} asks for {int(distinct[c])} distinct experts but the pool "

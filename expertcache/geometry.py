@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 NO_SLOT = -1
 NO_KEY = -1
 
@@ -45,3 +47,11 @@ class CacheGeometry:
 
     def layer_of(self, key: int) -> int:
         return key // self.num_experts
+
+
+def distinct_counts(ids: np.ndarray) -> np.ndarray:
+    """Distinct valid (>= 0) ids per call: ids int [C, ...] -> int64 [C]. O(C q log q)."""
+    flat = np.sort(ids.reshape(ids.shape[0], -1), axis=1)
+    new = np.ones(flat.shape, dtype=bool)
+    new[:, 1:] = flat[:, 1:] != flat[:, :-1]
+    return ((flat >= 0) & new).sum(axis=1)

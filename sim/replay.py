@@ -21,6 +21,7 @@ from tqdm import tqdm
 from expertcache import CacheGeometry, HostCache, get_policy, policy_names
 from expertcache.errors import EnsureError, PolicyError
 from expertcache.fast import run_calls
+from expertcache.geometry import distinct_counts
 from expertcache.host import ACCESSES, MISSES
 from sim.belady import Belady
 from sim.trace import Trace
@@ -95,11 +96,8 @@ def trace_calls(trace: Trace):
 
 def min_slots(trace: Trace) -> int:
     """The most distinct experts one call of the trace asks for: the fewest slots it runs on."""
-    N, L, B, k = trace.experts.shape
-    flat = np.sort(trace.experts.reshape(N * L, B * k), axis=1)
-    new = np.ones(flat.shape, dtype=bool)
-    new[:, 1:] = flat[:, 1:] != flat[:, :-1]
-    return int(((flat >= 0) & new).sum(axis=1).max())
+    N, L = trace.experts.shape[:2]
+    return int(distinct_counts(trace.experts.reshape(N * L, -1)).max())
 
 
 def make_policy(name: str, geometry: CacheGeometry, ids, layers, **constants):

@@ -30,6 +30,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from expertcache.geometry import distinct_counts
+
 FORMAT = "expertcache-trace/1"
 REQUIRED_META_KEYS = ("format", "model", "num_layers", "num_experts", "top_k", "expert_bytes",
                       "phase", "source", "license")
@@ -245,11 +247,8 @@ class Trace:
     @property
     def accesses(self) -> int:
         """Sum over (token, layer) of the number of distinct valid ids among its B*k entries."""
-        n, l, b, k = self.experts.shape
-        s = np.sort(self.experts.reshape(n * l, b * k), axis=1)
-        new = np.ones(s.shape, dtype=bool)
-        new[:, 1:] = s[:, 1:] != s[:, :-1]
-        return int((new & (s >= 0)).sum())
+        n, layers = self.experts.shape[:2]
+        return int(distinct_counts(self.experts.reshape(n * layers, -1)).sum())
 
     def validate(self) -> None:
         """Check dtypes, shapes, id ranges, distinct choices and meta. Raises TraceError."""
