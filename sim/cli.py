@@ -16,7 +16,7 @@ from pathlib import Path
 
 from expertcache.errors import EnsureError, PolicyError
 from sim.costmodel import H200, format_profile
-from sim.replay import sim_policy_names, sweep
+from sim.replay import check_policies, sim_policy_names, sweep
 from sim.report import build_rows, format_per_layer, format_table, plot_hit_rate
 from sim.trace import Trace, TraceError, load_trace
 
@@ -102,10 +102,10 @@ def _traces(args: argparse.Namespace) -> list[tuple[str, Trace]]:
 
 def run(args: argparse.Namespace) -> int:
     policies = [p for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in sim_policy_names()]
-    if unknown:
-        raise SystemExit(f"error: unknown policy {unknown[0]!r} in --policies; choose from "
-                         + ", ".join(sim_policy_names()))
+    try:
+        check_policies(policies)
+    except PolicyError as exc:
+        raise SystemExit(f"error: {exc}") from None
     try:
         traces = _traces(args)
     except (TraceError, OSError) as exc:

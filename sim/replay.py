@@ -94,6 +94,14 @@ def trace_calls(trace: Trace):
             np.ascontiguousarray(trace.logit_val.reshape(N * L, B, T)))
 
 
+def check_policies(names: list[str]) -> None:
+    """Raise PolicyError naming --policies and the choices for the first unknown name."""
+    for name in names:
+        if name not in sim_policy_names():
+            raise PolicyError(f"unknown policy {name!r} (--policies): choose from "
+                              + ", ".join(sim_policy_names()))
+
+
 def min_slots(trace: Trace) -> int:
     """The most distinct experts one call of the trace asks for: the fewest slots it runs on."""
     N, L = trace.experts.shape[:2]
@@ -106,9 +114,7 @@ def make_policy(name: str, geometry: CacheGeometry, ids, layers, **constants):
         if constants:
             raise PolicyError("belady takes no constants")
         return Belady.for_calls(geometry, ids, layers)
-    if name not in sim_policy_names():
-        raise PolicyError(f"unknown policy {name!r} (--policies): choose from "
-                          + ", ".join(sim_policy_names()))
+    check_policies([name])
     return get_policy(name, geometry, **constants)
 
 
@@ -149,10 +155,7 @@ def sweep(trace: Trace, policies: list[str], slots: list[int], *, workers: int |
     this process. Raises PolicyError / EnsureError before any work for a bad policy name
     or a slot count below the largest call (`min_slots`).
     """
-    for p in policies:
-        if p not in sim_policy_names():
-            raise PolicyError(f"unknown policy {p!r} (--policies): choose from "
-                              + ", ".join(sim_policy_names()))
+    check_policies(policies)
     need = min_slots(trace)
     if min(slots) < need:
         raise EnsureError(f"{min(slots)} slots is too few (--slots): one call of this trace asks "
