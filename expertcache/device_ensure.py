@@ -3,17 +3,28 @@
     ids [Q] int32 (rows * k, -1 = padding) + the slot map and policy state on the device
       every program: query (distinct keys ascending, hits, misses m, empty slots)
       if m > empty slots, every program scores its CHUNK of slots (pinned ones excluded)
-        and writes its BLOCK_Q lowest packed keys (score << SLOT_BITS | slot) to scratch
-      the last program to arrive (an atomic counter, reset by it): merges the candidates,
-        commits refresh, evictions, installs and policy updates, and writes
-        plan [Q, 2] (key, slot), count [1], slots [Q], counters [L, 3], clock [2]
+        and keeps its BLOCK_Q lowest packed keys (score << SLOT_BITS | slot) in registers
+      programs 0..G-2 write theirs to scratch and publish a flag (a release store)
+      program G-1 commits: when it needs victims it publishes its own, waits for every
+        flag of this launch (acquire loads) and merges; else it waits for no one. It
+        writes refresh, evictions, installs, policy updates, plan [Q, 2] (key, slot),
+        count [1], slots [Q], counters [L, 3], clock [3]
 
-No host sync and fixed shapes: the miss count only ever lives in device memory. Every
-program arrives, scoring or not, so the committing program runs only after every other
-program has read the pre-call state. A refused call (an id outside [-1, E), more
-distinct keys than slots) sets `status` and changes nothing else.
-Victim selection costs one pass over the pool split across programs plus one sort per
-program and one merge: never a pass per miss.
+No host sync and fixed shapes: the miss count only ever lives in device memory. A refused
+call (an id outside [-1, E), more distinct keys than slots) sets `status` and changes
+nothing else.
+
+Why this is safe. The committer changes state only (a) after every other program has
+published this launch's flag, which each does after its last read of the state, or (b)
+when the call needs no victims, in which case no one's candidates are read: a late
+program that sees part of the commit may score garbage, but it only writes scratch.
+Each program counts its own launches in flags[pid] (read at its start, published at its
+end; the committer's own entry is its epoch), so a flag can never be mistaken for one of
+another launch, and restoring the clock or the maps (benchmarks do) cannot confuse it.
+The committer spins only on programs of its own grid with lower index, which the GPU
+dispatches no later than it; the grid is small (S / CHUNK programs), so all fit at once.
+Victim selection costs one pass over the pool split across programs plus one sort (or a
+few minima) per program and one merge: never a pass per miss.
 """
 
 from __future__ import annotations
@@ -72,29 +83,32 @@ def _near(lidx_ptr, lval_ptr, fprm_ptr, layer, num_experts, rows, T, k,
 
 
 @triton.jit
-def _dc(t, prm_ptr):
-    # decay clock (t << 16) // (HALFLIFE * L); t >= 0 here, so truncation is the floor
-    return (t << 16) // tl.load(prm_ptr + 2)
+def _log2_1p_q16(i):
+    """T[i] = round(log2(1 + 2**(-i / 64)) * 2**16) for int64 i in [0, 1920]: rule's
+    growth table, computed in float64 (every entry is at least 2e-4 from a rounding
+    boundary, far beyond float64's error; tests compare all 1921 entries with the host
+    table), so no dependent load of a table."""
+    u = -(i.to(tl.float64) / 64.0)
+    return tl.floor(tl.log2(1.0 + tl.exp2(u)) * 65536.0 + 0.5).to(tl.int64)
 
 
 @triton.jit
-def _rule_score(key, lt, lc, ct, layer, tok, num_layers, num_experts, prm_ptr):
-    lk = key // num_experts
+def _rule_score(key, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, prm_ptr):
+    lk = key.to(tl.int32) // num_experts  # keys < 2**31: a 32-bit division
     later = lk > layer
     kk = tl.where(later, tok - 1, tok) - lt
     kk = tl.minimum(tl.maximum(kk, 0), tl.load(prm_ptr + 3))
-    d = tl.where(later, lk - layer, num_layers - layer + lk)
-    now = tok * num_layers + layer
-    lcv = tl.maximum(lc - (_dc(now, prm_ptr) - _dc(ct, prm_ptr)), tl.load(prm_ptr + 4))
+    d = tl.where(later, lk - layer, num_layers - layer + lk).to(tl.int64)
+    lcv = tl.maximum(lc - (dc_now - dct), tl.load(prm_ptr + 4))
     return -((kk << 16) + d * tl.load(prm_ptr)) + ((tl.load(prm_ptr + 1) * lcv) >> 4)
 
 
 @triton.jit
-def _chunk_candidates(pid, need, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr, slot, hit,
-                      rkey, near, layer, tok, num_layers, num_experts, num_slots, num_keys,
-                      POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
-                      BLOCK_Q: tl.constexpr):
-    """Score this program's slots and keep its BLOCK_Q lowest packed keys in scratch."""
+def _chunk_scores(pid, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, slot, hit, rkey, near, layer,
+                  tok, dc_now, num_layers, num_experts, num_slots, num_keys,
+                  POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr):
+    """Packed keys (score << 20 | slot) of this program's slots; INT64_MAX for slots
+    that are empty, pinned (hit by this call) or past the pool."""
     c = pid * CHUNK + tl.arange(0, CHUNK)
     cm = c < num_slots
     key = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
@@ -111,53 +125,48 @@ def _chunk_candidates(pid, need, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr
             hot = tl.sum(((kq[:, None] == rkey[None, :]) & near[None, :]).to(tl.int32), axis=1) > 0
             lt = tl.where(hot, tl.maximum(lt, tok - 1), lt)
         lc = tl.load(kst_ptr + num_keys + kq, mask=ev, other=0)
-        ct = tl.load(kst_ptr + 2 * num_keys + kq, mask=ev, other=0)
-        score = _rule_score(kq, lt, lc, ct, layer, tok, num_layers, num_experts, prm_ptr)
-    packed = tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
-    _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q)
+        dct = tl.load(kst_ptr + 2 * num_keys + kq, mask=ev, other=0)
+        score = _rule_score(kq, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, prm_ptr)
+    return tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
 
 
 @triton.jit
-def _lowest(packed, need, out_ptr, N: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """The `need` (<= BLOCK_Q) lowest of packed [N] (distinct values) ascending into
-    out[0:BLOCK_Q], the rest padded with INT64_MAX: by successive minima over registers
-    when few are needed, else one sort."""
+def _seq_lowest(packed, need, BLOCK_Q: tl.constexpr):
     j = tl.arange(0, BLOCK_Q)
-    if need <= SEQ_MAX:
-        tl.store(out_ptr + j, tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64))
-        tl.debug_barrier()
-        i = 0
-        while i < need:  # a while loop: Triton's interpreter cannot range() a tensor
-            v = tl.min(packed, axis=0)
-            tl.store(out_ptr + i, v)
-            packed = tl.where(packed == v, 0x7FFFFFFFFFFFFFFF, packed)
-            i += 1
+    sel = tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64)
+    i = 0
+    while i < need:  # a while loop: Triton's interpreter cannot range() a tensor
+        v = tl.min(packed, axis=0)
+        sel = tl.where(j == i, v, sel)
+        packed = tl.where(packed == v, 0x7FFFFFFFFFFFFFFF, packed)
+        i += 1
+    return sel
+
+
+@triton.jit
+def _lowest(packed, need, N: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """The `need` (<= BLOCK_Q) lowest of packed [N] (distinct values), ascending, in a
+    register vector [BLOCK_Q] padded with INT64_MAX: successive minima when few are
+    needed, else one sort whose first BLOCK_Q entries are the column minima of the sorted
+    vector folded to [N / BLOCK_Q, BLOCK_Q]."""
+    if N < BLOCK_Q:
+        sel = _seq_lowest(packed, need, BLOCK_Q)
+    elif need <= SEQ_MAX:
+        sel = _seq_lowest(packed, need, BLOCK_Q)
     else:
-        n = tl.arange(0, N)
-        tl.store(out_ptr + n, tl.sort(packed), mask=n < BLOCK_Q)
+        sel = tl.min(tl.reshape(tl.sort(packed), [N // BLOCK_Q, BLOCK_Q]), axis=0)
+    return sel
 
 
 @triton.jit
-def _merge(cand_ptr, G, need, BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The programs' candidates, merged: the `need` lowest ascending at cand[0:]."""
-    j = tl.arange(0, BLOCK_C)
-    c = tl.load(cand_ptr + j, mask=j < G * BLOCK_Q, other=0x7FFFFFFFFFFFFFFF)
-    tl.debug_barrier()  # all read before cand[0:] is rewritten
-    _lowest(c, need, cand_ptr, BLOCK_C, BLOCK_Q)
-
-
-@triton.jit
-def _touch_rule(kst_ptr, prm_ptr, key, first, layer, tok, num_layers, num_keys):
+def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys):
     """rule's use of every key of the call (hits and installs alike)."""
     lc = tl.load(kst_ptr + num_keys + key, mask=first, other=0)
-    ct = tl.load(kst_ptr + 2 * num_keys + key, mask=first, other=-1)
-    now = tok * num_layers + layer
-    ctp = tl.maximum(ct, 0)
-    x = tl.maximum(lc - (_dc(now, prm_ptr) - _dc(ctp, prm_ptr)), tl.load(prm_ptr + 4))
-    ti = tl.minimum(tl.abs(x) >> 10, 1920)
-    grown = tl.maximum(x, 0) + tl.load(prm_ptr + 5 + ti, mask=first, other=0)
-    tl.store(kst_ptr + num_keys + key, tl.where(ct < 0, 0, grown), mask=first)
-    tl.store(kst_ptr + 2 * num_keys + key, now + 0 * key, mask=first)
+    dct = tl.load(kst_ptr + 2 * num_keys + key, mask=first, other=-1)
+    x = tl.maximum(lc - (dc_now - tl.maximum(dct, 0)), tl.load(prm_ptr + 4))
+    grown = tl.maximum(x, 0) + _log2_1p_q16(tl.minimum(tl.abs(x) >> 10, 1920))
+    tl.store(kst_ptr + num_keys + key, tl.where(dct < 0, 0, grown), mask=first)
+    tl.store(kst_ptr + 2 * num_keys + key, dc_now + 0 * key, mask=first)
     tl.store(kst_ptr + key, tok + 0 * key, mask=first)
 
 
@@ -174,13 +183,14 @@ def _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots):
 
 
 @triton.jit
-def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, cand_ptr,
-            out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid, key, first, slot,
-            hit, fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, layer, num_layers,
-            num_slots, num_keys, mine, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
+def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, out_ptr,
+            plan_ptr, count_ptr, counters_ptr, clock_ptr, sel, valid, key, first, slot, hit,
+            fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, dc_now, layer, num_slots,
+            num_keys, mine, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
             BLOCK_Q: tl.constexpr):
     """Apply one call: refresh, evictions and installs in ascending key order, touches,
-    plan, slots, counters and clock. Runs in one program."""
+    plan, slots, counters and clock. Runs in one program; `sel` [BLOCK_Q] holds the
+    victims (packed keys, ascending) in registers."""
     if POLICY == 1:
         if HAS_LOGITS:
             lt = tl.load(kst_ptr + rkey, mask=near, other=0)
@@ -188,7 +198,9 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
             tl.debug_barrier()
     miss = valid & (slot < 0)
     from_cand = miss & (mrank >= ne)
-    cand = tl.load(cand_ptr + tl.where(from_cand, mrank - ne, 0), mask=from_cand, other=0)
+    j = tl.arange(0, BLOCK_Q)
+    pick = (j[None, :] == (mrank - ne)[:, None]) & from_cand[:, None]
+    cand = tl.sum(tl.where(pick, sel[None, :], 0), axis=1)
     vslot = tl.where(from_cand, cand & ((1 << 20) - 1), filled + mrank)
     vscore = cand >> 20
     evict = fmiss & from_cand
@@ -205,16 +217,35 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
     elif POLICY == 2:
         _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots)
     else:
-        _touch_rule(kst_ptr, prm_ptr, key, first, layer, tok, num_layers, num_keys)
-    i = tl.arange(0, BLOCK_Q)
-    tl.store(out_ptr + i, tl.where(valid, sl, -1).to(tl.int32), mask=i < ids_n)
+        _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys)
+    tl.store(out_ptr + j, tl.where(valid, sl, -1).to(tl.int32), mask=j < ids_n)
     tl.store(count_ptr, m)
     # `mine` [4]: this layer's counters, read at the start of the launch (no round trip here)
-    j = tl.arange(0, 4)
-    tl.store(counters_ptr + layer * 3 + j, mine + tl.where(j == 0, 1, tl.where(j == 1, n, m)),
-             mask=j < 3)
-    tl.store(clock_ptr, step)
-    tl.store(clock_ptr + 1, tok)
+    j4 = tl.arange(0, 4)
+    tl.store(counters_ptr + layer * 3 + j4, mine + tl.where(j4 == 0, 1, tl.where(j4 == 1, n, m)),
+             mask=j4 < 3)
+    tl.store(clock_ptr + j4, tl.where(j4 == 0, step, tl.where(j4 == 1, tok, filled + ne)),
+             mask=j4 < 3)
+
+
+@triton.jit
+def _gather_candidates(cand_ptr, flags_ptr, sel, need, epoch, pid, BLOCK_Q: tl.constexpr,
+                       BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The committing program (the last one): publish its own candidates, wait until
+    every other program has published this launch's (flag == epoch), merge them all."""
+    j = tl.arange(0, BLOCK_Q)
+    tl.store(cand_ptr + pid * BLOCK_Q + j, sel)
+    g = tl.arange(0, BLOCK_G)
+    gm = g < pid
+    seen = tl.min(tl.where(gm, tl.atomic_add(flags_ptr + g, 0, mask=gm, sem="acquire"), epoch), axis=0)
+    while seen < epoch:
+        seen = tl.min(tl.where(gm, tl.atomic_add(flags_ptr + g, 0, mask=gm, sem="acquire"), epoch),
+                      axis=0)
+    tl.debug_barrier()
+    c = tl.arange(0, BLOCK_C)
+    every = tl.load(cand_ptr + c, mask=c < (pid + 1) * BLOCK_Q, other=0x7FFFFFFFFFFFFFFF,
+                    volatile=True)
+    return _lowest(every, need, BLOCK_C, BLOCK_Q)
 
 
 @triton.jit(do_not_specialize=["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k",
@@ -230,13 +261,13 @@ def ensure_kernel(
     gst_ptr,        # int64 [NG]: policy-wide state
     prm_ptr,        # int64 [P]: integer policy constants (Policy.params)
     fprm_ptr,       # float32 [F]: float policy constants (Policy.fparams)
-    clock_ptr,      # int64 [2]: step, tok
+    clock_ptr,      # int64 [3]: step, tok, filled slots (the last is device-only)
     counters_ptr,   # int64 [L, 3]: calls, accesses, misses per layer
     out_ptr,        # int32 [n_ids]: out: slot of each id, -1 for padding
     plan_ptr,       # int32 [BLOCK_Q, 2]: out: (key, slot) per miss, ascending key
     count_ptr,      # int32 [1]: out: misses of this call = rows of the plan in use
-    cand_ptr,       # int64 [BLOCK_C]: scratch: candidates per program, then merged
-    arrive_ptr,     # int32 [1]: scratch: programs arrived (zero between calls)
+    cand_ptr,       # int64 [BLOCK_C]: scratch: BLOCK_Q candidates per program
+    flags_ptr,      # int64 [G]: launches each program has finished publishing (never reset)
     status_ptr,     # int32 [1]: 0, or the code of the last refused call
     layer,          # this call's MoE layer
     num_experts, num_layers, num_slots, n_ids,
@@ -244,48 +275,54 @@ def ensure_kernel(
     rows, T,        # logit rows and entries per row
     POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_L: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK_G: tl.constexpr, SINGLE: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    last = tl.num_programs(0) - 1  # the committing program
     num_keys = num_layers * num_experts
+    epoch = tl.load(flags_ptr + pid) + 1  # this launch's number, as this program counts
     valid, key, first, slot, hit, fmiss, mrank, n, m, bad = _query(
         ids_ptr, slot_of_ptr, layer, num_experts, n_ids, BLOCK_Q)
     step = tl.load(clock_ptr) + 1
     tok = tl.load(clock_ptr + 1) + tl.where(layer == 0, 1, 0).to(tl.int64)
-    li = tl.arange(0, BLOCK_L)
-    missed = tl.sum(tl.load(counters_ptr + li * 3 + 2, mask=li < num_layers, other=0), axis=0)
+    filled = tl.load(clock_ptr + 2)
     j4 = tl.arange(0, 4)
     mine = tl.load(counters_ptr + layer * 3 + j4, mask=j4 < 3, other=0)
-    filled = tl.minimum(missed, num_slots)
+    dc_now = 0
+    if POLICY == 1:
+        dc_now = ((tok * num_layers + layer) << 16) // tl.load(prm_ptr + 2)
     ne = tl.minimum(m, num_slots - filled)
+    need = m - ne
     ok = (bad == 0) & (n <= num_slots)
     if HAS_LOGITS:
         rkey, near = _near(lidx_ptr, lval_ptr, fprm_ptr, layer, num_experts, rows, T, k, BLOCK_R)
     else:
         rkey = tl.zeros([BLOCK_R], dtype=tl.int64)
         near = rkey != 0
-    if ok & (m > ne):
-        _chunk_candidates(pid, m - ne, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr, slot, hit,
-                          rkey, near, layer, tok, num_layers, num_experts, num_slots,
-                          num_keys, POLICY, HAS_LOGITS, CHUNK, BLOCK_Q)
-    tl.debug_barrier()
-    if SINGLE:
-        arrived = 0  # one program: nothing to wait for
-    else:
-        arrived = tl.atomic_add(arrive_ptr, 1)
-    if arrived == tl.num_programs(0) - 1:
-        tl.debug_barrier()
+    sel = tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64)
+    if ok & (need > 0):
+        packed = _chunk_scores(pid, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, slot, hit, rkey, near,
+                               layer, tok, dc_now, num_layers, num_experts, num_slots, num_keys,
+                               POLICY, HAS_LOGITS, CHUNK)
+        sel = _lowest(packed, need, CHUNK, BLOCK_Q)
         if not SINGLE:
-            tl.store(arrive_ptr, 0)
+            if pid == last:
+                sel = _gather_candidates(cand_ptr, flags_ptr, sel, need, epoch, pid, BLOCK_Q,
+                                         BLOCK_C, BLOCK_G)
+            else:
+                tl.store(cand_ptr + pid * BLOCK_Q + tl.arange(0, BLOCK_Q), sel)
+    if pid == last:
+        if not SINGLE:
+            tl.store(flags_ptr + pid, epoch)
         if ok:
-            if m > ne:
-                if not SINGLE:
-                    _merge(cand_ptr, tl.num_programs(0), m - ne, BLOCK_Q, BLOCK_C)
-                tl.debug_barrier()
-            _commit(n_ids, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr,
-                    cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
-                    key, first, slot, hit, fmiss, mrank, n, m, ne, filled, rkey, near, step,
-                    tok, layer, num_layers, num_slots, num_keys, mine, POLICY, HAS_LOGITS,
-                    BLOCK_Q)
+            _commit(n_ids, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, out_ptr,
+                    plan_ptr, count_ptr, counters_ptr, clock_ptr, sel, valid, key, first, slot,
+                    hit, fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, dc_now, layer,
+                    num_slots, num_keys, mine, POLICY, HAS_LOGITS, BLOCK_Q)
         else:
             tl.store(status_ptr, tl.where(bad > 0, 1, 2))
+    else:
+        # Every other program publishes every launch, scoring or not; the committer waits
+        # for these only when it needs candidates, so a call without evictions waits for no one.
+        tl.debug_barrier()  # this program's candidates stored before its flag
+        tl.atomic_xchg(flags_ptr + pid, epoch, sem="release")

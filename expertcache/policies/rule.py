@@ -10,21 +10,23 @@ Everything is Q16 fixed point (ONE = 2**16), int64. With L MoE layers, current l
 since t = 0, Q16), and per-key state (survives eviction)
 
     key[LAST_TOK]  token of the last use (-1: never)
-    key[LC]        log2 use count, Q16, as of key[CT]
-    key[CT]        `now` of the last use (-1: never)
+    key[LC]        log2 use count, Q16, as of key[DCT]
+    key[DCT]       DC(now) at the last use (-1: never)
 
 the score of a resident key of layer lk is
 
     tok_eff = tok - 1 if lk > l else tok         # layers after l have not run this step
     k       = clamp(tok_eff - LAST_TOK, 0, K_MAX)
     d       = lk - l if lk > l else L - l + lk    # layer calls until lk runs again
-    lcv     = max(LC - (DC(now) - DC(CT)), LC_FLOOR)
+    lcv     = max(LC - (DC(now) - DCT), LC_FLOOR)
     score   = -(k * ONE + d * round(BETA * ONE / L)) + ((round(W * 16) * lcv) >> 4)
 
 On a use (hit or install) LC becomes log2(2**lcv + 1), that is
 `max(lcv, 0) + T[min(|lcv| >> 10, 1920)]` with the fixed table
-`T[i] = round(log2(1 + 2**(-i / 64)) * ONE)`; a first use sets LC = 0; CT = now,
-LAST_TOK = tok.
+`T[i] = round(log2(1 + 2**(-i / 64)) * ONE)`; a first use sets LC = 0; DCT = DC(now),
+LAST_TOK = tok. The decay clock is kept per key as DC(now), not `now`: a score then needs
+no division per key (one per call, for DC(now)), which is what a device kernel scoring
+thousands of slots per call wants (docs/policies.md).
 
 Near-miss refresh (with router logits): in each row, every expert of layer l whose logit
 is >= (the row's k-th largest logit) - NEAR gets LAST_TOK = max(LAST_TOK, tok - 1). It is
@@ -33,7 +35,7 @@ padding; a row with fewer than k real entries uses its smallest.
 
 Decay is a difference of the global clock DC, so the score splits exactly: without the
 clamps, 16 * score + (16 * score's fraction) = ORDER(key) + OFF(lk, clock) with
-`ORDER = 16 * LAST_TOK * ONE + W16 * (LC + DC(CT))` fixed between uses, and
+`ORDER = 16 * LAST_TOK * ONE + W16 * (LC + DCT)` fixed between uses, and
 score = (ORDER + OFF) >> 4; the clamps only raise the score. The compiled replay uses
 this as its victim index (see policies.base), so it visits a few keys per miss.
 """
@@ -65,7 +67,7 @@ LOG2_1P_TABLE = np.floor(np.log2(1.0 + 2.0 ** (-np.arange(TABLE_LEN) / 64.0)) * 
     np.int64
 )
 
-LAST_TOK, LC, CT = 0, 1, 2
+LAST_TOK, LC, DCT = 0, 1, 2
 # Integer parameter vector (followed by the table).
 P_BETA_Q, P_W_Q, P_DECAY_DIV, P_K_MAX, P_LC_FLOOR, P_TABLE = 0, 1, 2, 3, 4, 5
 F_NEAR = 0
@@ -80,24 +82,24 @@ def _dc(t, prm):
 
 
 @njit(cache=True, inline="always")
-def _decayed(lc, ct, now, prm):
-    return max(lc - (_dc(now, prm) - _dc(ct, prm)), prm[P_LC_FLOOR])
+def _decayed(lc, dct, dc_now, prm):
+    return max(lc - (dc_now - dct), prm[P_LC_FLOOR])
 
 
 @njit(cache=True, inline="always")
 def touch(kst, prm, clk, key):
     tok = clk[CLK_TOK]
-    now = tok * clk[CLK_LAYERS] + clk[CLK_LAYER]
-    if kst[CT, key] < 0:
+    dc_now = _dc(tok * clk[CLK_LAYERS] + clk[CLK_LAYER], prm)
+    if kst[DCT, key] < 0:
         lc = 0
     else:
-        x = _decayed(kst[LC, key], kst[CT, key], now, prm)
+        x = _decayed(kst[LC, key], kst[DCT, key], dc_now, prm)
         i = abs(x) >> TABLE_SHIFT
         if i > TABLE_LEN - 1:
             i = TABLE_LEN - 1
         lc = max(x, 0) + prm[P_TABLE + i]
     kst[LC, key] = lc
-    kst[CT, key] = now
+    kst[DCT, key] = dc_now
     kst[LAST_TOK, key] = tok
 
 
@@ -114,14 +116,14 @@ def score(kst, prm, clk, key):
         k = tok - kst[LAST_TOK, key]
         d = num_layers - layer + lk
     k = min(max(k, 0), prm[P_K_MAX])
-    lcv = _decayed(kst[LC, key], kst[CT, key], tok * num_layers + layer, prm)
+    lcv = _decayed(kst[LC, key], kst[DCT, key], _dc(tok * num_layers + layer, prm), prm)
     return -((k << ONE_SHIFT) + d * prm[P_BETA_Q]) + ((prm[P_W_Q] * lcv) >> 4)
 
 
 @njit(cache=True, inline="always")
 def order(kst, prm, key):
     return ((kst[LAST_TOK, key] << ONE_SHIFT) << 4) + prm[P_W_Q] * (
-        kst[LC, key] + _dc(kst[CT, key], prm))
+        kst[LC, key] + kst[DCT, key])
 
 
 @njit(cache=True)
@@ -179,8 +181,8 @@ def refresh(kst, fprm, clk, logit_idx, logit_val, k, changed, buf):
 
 class Rule(Policy):
     name = "rule"
-    key_fields = ("last_tok", "lc", "ct")
-    initial = {"last_tok": -1, "lc": 0, "ct": -1}
+    key_fields = ("last_tok", "lc", "dct")
+    initial = {"last_tok": -1, "lc": 0, "dct": -1}
     uses_logits = True
     kind = KIND_RULE
 
@@ -221,8 +223,7 @@ class Rule(Policy):
 
     def _lcv(self, st: PolicyState, keys: np.ndarray, now: int) -> np.ndarray:
         dc_now = (now << ONE_SHIFT) // self.decay_div
-        dc_ct = (st.key[CT, keys] << ONE_SHIFT) // self.decay_div
-        return np.maximum(st.key[LC, keys] - (dc_now - dc_ct), self.lc_floor)
+        return np.maximum(st.key[LC, keys] - (dc_now - st.key[DCT, keys]), self.lc_floor)
 
     def refresh(self, st, clk: Clock, logit_idx, logit_val, k) -> None:
         for idx_row, val_row in zip(logit_idx, logit_val):
@@ -239,8 +240,8 @@ class Rule(Policy):
         now = clk.tok * clk.num_layers + clk.layer
         x = self._lcv(st, keys, now)
         grown = np.maximum(x, 0) + LOG2_1P_TABLE[np.minimum(np.abs(x) >> TABLE_SHIFT, TABLE_LEN - 1)]
-        st.key[LC, keys] = np.where(st.key[CT, keys] < 0, 0, grown)
-        st.key[CT, keys] = now
+        st.key[LC, keys] = np.where(st.key[DCT, keys] < 0, 0, grown)
+        st.key[DCT, keys] = (now << ONE_SHIFT) // self.decay_div
         st.key[LAST_TOK, keys] = clk.tok
 
     on_install = on_hit

@@ -13,7 +13,18 @@ from expertcache import CacheGeometry, EnsureError, HostCache, policy_names
 from tests.conftest import device_or_skip, real_trace
 
 torch = pytest.importorskip("torch")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from expertcache.device import DeviceCache  # noqa: E402
+from expertcache.device_ensure import _log2_1p_q16  # noqa: E402
+from expertcache.policies.rule import LOG2_1P_TABLE  # noqa: E402
+
+
+@triton.jit
+def table_kernel(out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, _log2_1p_q16(i.to(tl.int64)), mask=i < 1921)
 
 
 def random_calls(rng, C, L, E, rows, k, T=0):
@@ -58,6 +69,23 @@ def test_device_matches_host_small(policy, E, S, rows, k, T):
     """Several programs (chunk 8) score and merge, as on a large pool."""
     ref = run_parity(policy, L=3, E=E, S=S, rows=rows, k=k, C=30, T=T, seed=S, chunk=8)
     assert ref.counters[:, 2].sum() > S, "the case must evict"
+
+
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_device_matches_host_many_victims(policy, chunk):
+    """Calls needing more victims than successive minima take (a sort per program and in
+    the merge), on two programs (chunk 16) and on one (chunk 64)."""
+    ref = run_parity(policy, L=2, E=32, S=20, rows=2, k=8, C=12, T=12, seed=chunk, chunk=chunk)
+    assert ref.counters[:, 2].sum() > 60
+
+
+def test_rule_growth_table_computed_on_the_device_equals_the_host_table():
+    """rule's log2(1 + 2**-u) table is computed in float64 on the device: every entry."""
+    device, _ = device_or_skip()
+    out = torch.zeros(2048, dtype=torch.int64, device=device)
+    table_kernel[(1,)](out, N=2048)
+    assert np.array_equal(out[:1921].cpu().numpy(), LOG2_1P_TABLE)
 
 
 def test_stats_follow_the_counters():

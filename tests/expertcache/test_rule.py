@@ -9,19 +9,19 @@ import pytest
 
 from expertcache import CacheGeometry, HostCache, PolicyError, get_policy
 from expertcache.policies.base import Clock
-from expertcache.policies.rule import CT, LAST_TOK, LC, LOG2_1P_TABLE
+from expertcache.policies.rule import DCT, LAST_TOK, LC, LOG2_1P_TABLE
 
 ONE = 1 << 16
 
 
-def rule_score(L, E, layer, tok, key, last_tok, lc, ct, beta=4, w=3, halflife=64):
+def rule_score(L, E, layer, tok, key, last_tok, lc, dct, beta=4, w=3, halflife=64):
     lk = key // E
     later = lk > layer
     k = min(max((tok - 1 if later else tok) - last_tok, 0), 16384)
     d = lk - layer if later else L - layer + lk
     now = tok * L + layer
     dc = lambda t: (t * ONE) // (halflife * L)  # noqa: E731
-    lcv = max(lc - (dc(now) - dc(ct)), -30 * ONE)
+    lcv = max(lc - (dc(now) - dct), -30 * ONE)
     return -(k * ONE + d * math.floor(beta * ONE / L + 0.5)) + ((math.floor(w * 16 + 0.5) * lcv) >> 4)
 
 
@@ -44,8 +44,24 @@ def test_rule_state_and_scores_follow_the_formulas():
     clk = Clock(cache.step, cache.tok, 1, 4, 8)
     got = cache.policy.scores(st, clk, keys, cache.slot_of[keys])
     want = [rule_score(4, 8, 1, cache.tok, int(key), int(st.key[LAST_TOK, key]),
-                       int(st.key[LC, key]), int(st.key[CT, key])) for key in keys]
+                       int(st.key[LC, key]), int(st.key[DCT, key])) for key in keys]
     assert got.tolist() == want
+
+
+def test_rule_keeps_the_decay_clock_of_the_last_use():
+    """DCT = DC(now) = ((tok * L + layer) << 16) // (HALFLIFE * L) of the key's last use."""
+    g = CacheGeometry(3, 8, 16)
+    cache = HostCache(g, "rule", halflife=5)
+    last = {}
+    rng = np.random.default_rng(11)
+    for c in range(90):
+        layer = c % 3
+        ids = rng.choice(8, 2, replace=False).astype(np.int32)[None]
+        cache.ensure(layer, ids)
+        for e in ids[0]:
+            last[layer * 8 + int(e)] = ((cache.tok * 3 + layer) << 16) // (5 * 3)
+    for key in range(g.num_keys):
+        assert cache.state.key[DCT, key] == last.get(key, -1), key
 
 
 def test_rule_use_count_grows_as_log2_of_count_without_decay():
