@@ -78,8 +78,16 @@ def time_graph(launch, state: list[torch.Tensor], reps: int) -> np.ndarray:
     return np.array(out)
 
 
-def ours(policy, S, warm, calls, E, reps):
-    dev = DeviceCache(CacheGeometry(1, E, S), policy)
+def variant(label: str) -> tuple[str, dict]:
+    """"rule" -> ("rule", {}); "rule:w2:c1024" -> ("rule", num_warps=2, chunk=1024)."""
+    name, *opts = label.split(":")
+    keys = {"w": "num_warps", "c": "chunk"}
+    return name, {keys[o[0]]: int(o[1:]) for o in opts}
+
+
+def ours(label, S, warm, calls, E, reps):
+    policy, options = variant(label)
+    dev = DeviceCache(CacheGeometry(1, E, S), policy, **options)
     for w in torch.as_tensor(warm, device="cuda"):
         dev.ensure(0, w)
     ids = torch.as_tensor(calls, device="cuda")
@@ -133,7 +141,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--calls", type=int, default=64)
-    ap.add_argument("--policies", default="lru,rule,lfuda")
+    ap.add_argument("--policies", default="lru,rule,lfuda",
+                    help="policies, each optionally with :wN (warps) and :cN (chunk), e.g. lru:w2")
     ap.add_argument("--slots", default=",".join(map(str, SLOTS)))
     ap.add_argument("--misses", default=",".join(map(str, MISSES)))
     ap.add_argument("--out", default=None)
@@ -144,7 +153,7 @@ def main() -> None:
     for S in slots:
         for m in misses:
             for policy in args.policies.split(",") + ["flashlib-lru"]:
-                base = "lru" if policy == "flashlib-lru" else policy
+                base = "lru" if policy == "flashlib-lru" else variant(policy)[0]
                 warm, calls, E = sequence(base, S, m, args.calls, seed=S + m)
                 if policy == "flashlib-lru":
                     try:

@@ -31,6 +31,7 @@ from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_RULE, PolicySta
 
 DEVICE_KINDS = {KIND_LRU: 0, KIND_RULE: 1, KIND_LFUDA: 2}
 CHUNK = 512  # slots scored per program
+NUM_WARPS = 4  # warps per program
 
 
 @dataclass
@@ -48,7 +49,7 @@ class DeviceCache:
     """One slot pool's maps on a device, under one policy (not an oracle)."""
 
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
-                 chunk: int = CHUNK, **constants) -> None:
+                 chunk: int = CHUNK, num_warps: int = NUM_WARPS, **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
         if self.policy.oracle or self.policy.kind not in DEVICE_KINDS:
@@ -73,6 +74,9 @@ class DeviceCache:
         if chunk < 1 or chunk & (chunk - 1):
             raise ValueError(f"chunk must be a power of two, got {chunk}")
         self.chunk = chunk  # slots scored per program; the grid is ceil(S / chunk)
+        if num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
+        self.num_warps = num_warps
         self.grid = triton.cdiv(geometry.num_slots, chunk)
         # launches each program has published (device_ensure): never reset, never restored
         self.flags = torch.zeros(self.grid, dtype=torch.int64, device=self.device)
@@ -118,7 +122,7 @@ class DeviceCache:
         lval = logit_val if has_logits else self.fprm
         block_c = triton.next_power_of_2(self.grid * buf.block_q)
         if block_c not in self._cand:
-            self._cand[block_c] = torch.zeros(block_c, dtype=torch.int64, device=self.device)
+            self._cand[block_c] = torch.zeros(2 * block_c, dtype=torch.int64, device=self.device)
         g = self.geometry
         ensure_kernel[(self.grid,)](
             ids, lidx, lval, self.slot_of, self.key_of, self.kst, self.sst, self.gst,
@@ -127,7 +131,8 @@ class DeviceCache:
             g.num_layers, g.num_slots, rows * k, k, rows, T,
             POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
-            BLOCK_G=triton.next_power_of_2(self.grid), SINGLE=self.grid == 1, num_warps=4)
+            BLOCK_G=triton.next_power_of_2(self.grid), SINGLE=self.grid == 1,
+            num_warps=self.num_warps)
         return buf
 
     def check(self) -> None:

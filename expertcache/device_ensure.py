@@ -104,30 +104,56 @@ def _rule_score(key, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, p
 
 
 @triton.jit
-def _chunk_scores(pid, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, slot, hit, rkey, near, layer,
-                  tok, dc_now, num_layers, num_experts, num_slots, num_keys,
-                  POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr):
-    """Packed keys (score << 20 | slot) of this program's slots; INT64_MAX for slots
-    that are empty, pinned (hit by this call) or past the pool."""
+def _chunk_state(pid, key_of_ptr, kst_ptr, sst_ptr, num_slots, num_keys, POLICY: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """This program's slots and what their scores need, loaded at the start of the launch
+    beside the query (so scoring waits on no further load): slot c [CHUNK], its key, and
+    the policy's inputs (lru: step of last touch; lfuda: priority; rule: the key's
+    last_tok, lc, dct)."""
     c = pid * CHUNK + tl.arange(0, CHUNK)
     cm = c < num_slots
-    key = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
-    pinned = tl.sum(((c[:, None] == slot[None, :]) & hit[None, :]).to(tl.int32), axis=1) > 0
-    ev = cm & (key >= 0) & (~pinned)
+    ckey = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
     if POLICY == 0:
-        score = tl.load(sst_ptr + c, mask=ev, other=0)
+        a = tl.load(sst_ptr + c, mask=cm, other=0)
+        b = a
+        d = a
     elif POLICY == 2:
-        score = tl.load(sst_ptr + num_slots + c, mask=ev, other=0)
+        a = tl.load(sst_ptr + num_slots + c, mask=cm, other=0)
+        b = a
+        d = a
     else:
-        kq = tl.where(ev, key, 0)
-        lt = tl.load(kst_ptr + kq, mask=ev, other=0)
+        live = ckey >= 0
+        kq = tl.where(live, ckey, 0)
+        a = tl.load(kst_ptr + kq, mask=live, other=0)
+        b = tl.load(kst_ptr + num_keys + kq, mask=live, other=0)
+        d = tl.load(kst_ptr + 2 * num_keys + kq, mask=live, other=0)
+    return c, ckey, a, b, d
+
+
+@triton.jit
+def _chunk_scores(c, ckey, a, b, d, prm_ptr, slot, hit, rkey, near, layer, tok, dc_now,
+                  num_layers, num_experts, num_slots, POLICY: tl.constexpr,
+                  HAS_LOGITS: tl.constexpr):
+    """Packed keys (score << 20 | slot) of this program's slots; INT64_MAX for slots
+    that are empty, pinned (hit by this call) or past the pool."""
+    pinned = tl.sum(((c[:, None] == slot[None, :]) & hit[None, :]).to(tl.int32), axis=1) > 0
+    ev = (c < num_slots) & (ckey >= 0) & (~pinned)
+    if POLICY == 1:
+        lt = a
         if HAS_LOGITS:
-            hot = tl.sum(((kq[:, None] == rkey[None, :]) & near[None, :]).to(tl.int32), axis=1) > 0
+            hot = tl.sum(((ckey[:, None] == rkey[None, :]) & near[None, :]).to(tl.int32), axis=1) > 0
             lt = tl.where(hot, tl.maximum(lt, tok - 1), lt)
-        lc = tl.load(kst_ptr + num_keys + kq, mask=ev, other=0)
-        dct = tl.load(kst_ptr + 2 * num_keys + kq, mask=ev, other=0)
-        score = _rule_score(kq, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, prm_ptr)
+        score = _rule_score(tl.where(ev, ckey, 0), lt, b, d, layer, tok, dc_now, num_layers,
+                            num_experts, prm_ptr)
+    else:
+        score = a
     return tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
+
+
+@triton.jit
+def _keys_of(sel, packed, keys):
+    """The key beside each of sel [BLOCK_Q] in (packed, keys) [N] (packed values distinct)."""
+    return tl.sum(tl.where(packed[None, :] == sel[:, None], keys[None, :], 0), axis=1)
 
 
 @triton.jit
@@ -184,13 +210,13 @@ def _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots):
 
 @triton.jit
 def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, out_ptr,
-            plan_ptr, count_ptr, counters_ptr, clock_ptr, sel, valid, key, first, slot, hit,
+            plan_ptr, count_ptr, counters_ptr, clock_ptr, sel, selkey, valid, key, first, slot, hit,
             fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, dc_now, layer, num_slots,
             num_keys, mine, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
             BLOCK_Q: tl.constexpr):
     """Apply one call: refresh, evictions and installs in ascending key order, touches,
     plan, slots, counters and clock. Runs in one program; `sel` [BLOCK_Q] holds the
-    victims (packed keys, ascending) in registers."""
+    victims (packed keys, ascending) and `selkey` their keys, in registers."""
     if POLICY == 1:
         if HAS_LOGITS:
             lt = tl.load(kst_ptr + rkey, mask=near, other=0)
@@ -201,11 +227,10 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
     j = tl.arange(0, BLOCK_Q)
     pick = (j[None, :] == (mrank - ne)[:, None]) & from_cand[:, None]
     cand = tl.sum(tl.where(pick, sel[None, :], 0), axis=1)
+    old = tl.sum(tl.where(pick, selkey[None, :], 0), axis=1)
     vslot = tl.where(from_cand, cand & ((1 << 20) - 1), filled + mrank)
     vscore = cand >> 20
     evict = fmiss & from_cand
-    old = tl.load(key_of_ptr + vslot, mask=evict, other=-1)
-    tl.debug_barrier()  # every old owner read before any slot is rewritten
     tl.store(slot_of_ptr + old, -1, mask=evict & (old >= 0))
     tl.store(key_of_ptr + vslot, key.to(tl.int32), mask=fmiss)
     tl.store(slot_of_ptr + key, vslot.to(tl.int32), mask=fmiss)
@@ -229,12 +254,14 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
 
 
 @triton.jit
-def _gather_candidates(cand_ptr, flags_ptr, sel, need, epoch, pid, BLOCK_Q: tl.constexpr,
-                       BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
+def _gather_candidates(cand_ptr, flags_ptr, sel, selkey, need, epoch, pid,
+                       BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
     """The committing program (the last one): publish its own candidates, wait until
-    every other program has published this launch's (flag == epoch), merge them all."""
+    every other program has published this launch's (flag == epoch), merge them all.
+    Returns the `need` lowest packed keys [BLOCK_Q] and their keys."""
     j = tl.arange(0, BLOCK_Q)
     tl.store(cand_ptr + pid * BLOCK_Q + j, sel)
+    tl.store(cand_ptr + BLOCK_C + pid * BLOCK_Q + j, selkey)
     g = tl.arange(0, BLOCK_G)
     gm = g < pid
     seen = tl.min(tl.where(gm, tl.atomic_add(flags_ptr + g, 0, mask=gm, sem="acquire"), epoch), axis=0)
@@ -243,9 +270,11 @@ def _gather_candidates(cand_ptr, flags_ptr, sel, need, epoch, pid, BLOCK_Q: tl.c
                       axis=0)
     tl.debug_barrier()
     c = tl.arange(0, BLOCK_C)
-    every = tl.load(cand_ptr + c, mask=c < (pid + 1) * BLOCK_Q, other=0x7FFFFFFFFFFFFFFF,
-                    volatile=True)
-    return _lowest(every, need, BLOCK_C, BLOCK_Q)
+    cm = c < (pid + 1) * BLOCK_Q
+    every = tl.load(cand_ptr + c, mask=cm, other=0x7FFFFFFFFFFFFFFF, volatile=True)
+    keys = tl.load(cand_ptr + BLOCK_C + c, mask=cm, other=-1, volatile=True)
+    sel = _lowest(every, need, BLOCK_C, BLOCK_Q)
+    return sel, _keys_of(sel, every, keys)
 
 
 @triton.jit(do_not_specialize=["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k",
@@ -266,7 +295,7 @@ def ensure_kernel(
     out_ptr,        # int32 [n_ids]: out: slot of each id, -1 for padding
     plan_ptr,       # int32 [BLOCK_Q, 2]: out: (key, slot) per miss, ascending key
     count_ptr,      # int32 [1]: out: misses of this call = rows of the plan in use
-    cand_ptr,       # int64 [BLOCK_C]: scratch: BLOCK_Q candidates per program
+    cand_ptr,       # int64 [2, BLOCK_C]: scratch: BLOCK_Q candidates per program, their keys
     flags_ptr,      # int64 [G]: launches each program has finished publishing (never reset)
     status_ptr,     # int32 [1]: 0, or the code of the last refused call
     layer,          # this call's MoE layer
@@ -283,6 +312,8 @@ def ensure_kernel(
     epoch = tl.load(flags_ptr + pid) + 1  # this launch's number, as this program counts
     valid, key, first, slot, hit, fmiss, mrank, n, m, bad = _query(
         ids_ptr, slot_of_ptr, layer, num_experts, n_ids, BLOCK_Q)
+    c, ckey, ca, cb, cd = _chunk_state(pid, key_of_ptr, kst_ptr, sst_ptr, num_slots, num_keys,
+                                       POLICY, CHUNK)
     step = tl.load(clock_ptr) + 1
     tok = tl.load(clock_ptr + 1) + tl.where(layer == 0, 1, 0).to(tl.int64)
     filled = tl.load(clock_ptr + 2)
@@ -300,23 +331,26 @@ def ensure_kernel(
         rkey = tl.zeros([BLOCK_R], dtype=tl.int64)
         near = rkey != 0
     sel = tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64)
+    selkey = tl.full([BLOCK_Q], -1, tl.int64)
     if ok & (need > 0):
-        packed = _chunk_scores(pid, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, slot, hit, rkey, near,
-                               layer, tok, dc_now, num_layers, num_experts, num_slots, num_keys,
-                               POLICY, HAS_LOGITS, CHUNK)
+        packed = _chunk_scores(c, ckey, ca, cb, cd, prm_ptr, slot, hit, rkey, near, layer, tok,
+                               dc_now, num_layers, num_experts, num_slots, POLICY, HAS_LOGITS)
         sel = _lowest(packed, need, CHUNK, BLOCK_Q)
+        selkey = _keys_of(sel, packed, ckey)
         if not SINGLE:
             if pid == last:
-                sel = _gather_candidates(cand_ptr, flags_ptr, sel, need, epoch, pid, BLOCK_Q,
-                                         BLOCK_C, BLOCK_G)
+                sel, selkey = _gather_candidates(cand_ptr, flags_ptr, sel, selkey, need, epoch,
+                                                 pid, BLOCK_Q, BLOCK_C, BLOCK_G)
             else:
-                tl.store(cand_ptr + pid * BLOCK_Q + tl.arange(0, BLOCK_Q), sel)
+                j = tl.arange(0, BLOCK_Q)
+                tl.store(cand_ptr + pid * BLOCK_Q + j, sel)
+                tl.store(cand_ptr + BLOCK_C + pid * BLOCK_Q + j, selkey)
     if pid == last:
         if not SINGLE:
             tl.store(flags_ptr + pid, epoch)
         if ok:
             _commit(n_ids, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, out_ptr,
-                    plan_ptr, count_ptr, counters_ptr, clock_ptr, sel, valid, key, first, slot,
+                    plan_ptr, count_ptr, counters_ptr, clock_ptr, sel, selkey, valid, key, first, slot,
                     hit, fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, dc_now, layer,
                     num_slots, num_keys, mine, POLICY, HAS_LOGITS, BLOCK_Q)
         else:
