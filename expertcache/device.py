@@ -2,8 +2,7 @@
 
     DeviceCache(geometry, policy, device)
       state: slot_of int32 [L*E], key_of int32 [S], policy key/slot/glob int64,
-             clock int64 [3] (step, tok, filled slots), counters int64 [L, 3],
-             status int32 [1]   (torch, on device)
+             clock int64 [2], counters int64 [L, 3], status int32 [1]   (torch, on device)
       ensure(layer, ids [rows, k] int32 on device[, logit_idx, logit_val [rows, T]])
         -> EnsureBuffers: slots int32 [rows, k], plan int32 [BLOCK_Q, 2], count int32 [1]
 
@@ -68,9 +67,10 @@ class DeviceCache:
         self.kst, self.sst = t(st.key), t(st.slot)
         self.gst = t(st.glob if st.glob.size else np.zeros(1, np.int64))
         self.prm, self.fprm = t(self.policy.params()), t(self.policy.fparams())
-        self.clock = t(np.zeros(3, np.int64))  # step, tok, filled (device-only)
+        self.clock = t(np.zeros(2, np.int64))
         self.counters = t(np.zeros((geometry.num_layers, 3), np.int64))
         self.status = t(np.zeros(1, np.int32))
+        self.arrive = t(np.zeros(1, np.int32))
         if chunk < 1 or chunk & (chunk - 1):
             raise ValueError(f"chunk must be a power of two, got {chunk}")
         self.chunk = chunk  # slots scored per program; the grid is ceil(S / chunk)
@@ -78,8 +78,6 @@ class DeviceCache:
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
         self.num_warps = num_warps
         self.grid = triton.cdiv(geometry.num_slots, chunk)
-        # launches each program has published (device_ensure): never reset, never restored
-        self.flags = torch.zeros(self.grid, dtype=torch.int64, device=self.device)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
         self._cand: dict[int, torch.Tensor] = {}
 
@@ -122,16 +120,16 @@ class DeviceCache:
         lval = logit_val if has_logits else self.fprm
         block_c = triton.next_power_of_2(self.grid * buf.block_q)
         if block_c not in self._cand:
-            self._cand[block_c] = torch.zeros(2 * block_c, dtype=torch.int64, device=self.device)
+            self._cand[block_c] = torch.zeros(block_c, dtype=torch.int64, device=self.device)
         g = self.geometry
         ensure_kernel[(self.grid,)](
             ids, lidx, lval, self.slot_of, self.key_of, self.kst, self.sst, self.gst,
             self.prm, self.fprm, self.clock, self.counters, buf.slots, buf.plan, buf.count,
-            self._cand[block_c], self.flags, self.status, layer, g.num_experts,
+            self._cand[block_c], self.arrive, self.status, layer, g.num_experts,
             g.num_layers, g.num_slots, rows * k, k, rows, T,
             POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
-            BLOCK_G=triton.next_power_of_2(self.grid), SINGLE=self.grid == 1,
+            BLOCK_L=triton.next_power_of_2(g.num_layers), SINGLE=self.grid == 1,
             num_warps=self.num_warps)
         return buf
 
@@ -169,4 +167,4 @@ class DeviceCache:
         h = lambda x: x.detach().cpu().numpy().copy()  # noqa: E731
         glob = h(self.gst)[: len(self.policy.glob_fields)]
         return Snapshot(h(self.slot_of), h(self.key_of), PolicyState(h(self.kst), h(self.sst), glob),
-                        h(self.clock)[:2], h(self.counters))
+                        h(self.clock), h(self.counters))

@@ -3,28 +3,17 @@
     ids [Q] int32 (rows * k, -1 = padding) + the slot map and policy state on the device
       every program: query (distinct keys ascending, hits, misses m, empty slots)
       if m > empty slots, every program scores its CHUNK of slots (pinned ones excluded)
-        and keeps its BLOCK_Q lowest packed keys (score << SLOT_BITS | slot) in registers
-      programs 0..G-2 write theirs to scratch and publish a flag (a release store)
-      program G-1 commits: when it needs victims it publishes its own, waits for every
-        flag of this launch (acquire loads) and merges; else it waits for no one. It
-        writes refresh, evictions, installs, policy updates, plan [Q, 2] (key, slot),
-        count [1], slots [Q], counters [L, 3], clock [3]
+        and writes its BLOCK_Q lowest packed keys (score << SLOT_BITS | slot) to scratch
+      the last program to arrive (an atomic counter, reset by it): merges the candidates,
+        commits refresh, evictions, installs and policy updates, and writes
+        plan [Q, 2] (key, slot), count [1], slots [Q], counters [L, 3], clock [2]
 
-No host sync and fixed shapes: the miss count only ever lives in device memory. A refused
-call (an id outside [-1, E), more distinct keys than slots) sets `status` and changes
-nothing else.
-
-Why this is safe. The committer changes state only (a) after every other program has
-published this launch's flag, which each does after its last read of the state, or (b)
-when the call needs no victims, in which case no one's candidates are read: a late
-program that sees part of the commit may score garbage, but it only writes scratch.
-Each program counts its own launches in flags[pid] (read at its start, published at its
-end; the committer's own entry is its epoch), so a flag can never be mistaken for one of
-another launch, and restoring the clock or the maps (benchmarks do) cannot confuse it.
-The committer spins only on programs of its own grid with lower index, which the GPU
-dispatches no later than it; the grid is small (S / CHUNK programs), so all fit at once.
-Victim selection costs one pass over the pool split across programs plus one sort (or a
-few minima) per program and one merge: never a pass per miss.
+No host sync and fixed shapes: the miss count only ever lives in device memory. Every
+program arrives, scoring or not, so the committing program runs only after every other
+program has read the pre-call state. A refused call (an id outside [-1, E), more
+distinct keys than slots) sets `status` and changes nothing else.
+Victim selection costs one pass over the pool split across programs plus one sort per
+program and one merge: never a pass per miss.
 """
 
 from __future__ import annotations
@@ -99,89 +88,65 @@ def _rule_score(key, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, p
     kk = tl.where(later, tok - 1, tok) - lt
     kk = tl.minimum(tl.maximum(kk, 0), tl.load(prm_ptr + 3))
     d = tl.where(later, lk - layer, num_layers - layer + lk).to(tl.int64)
-    lcv = tl.maximum(lc - (dc_now - dct), tl.load(prm_ptr + 4))
+    lcv = tl.maximum(lc - (dc_now - dct), tl.load(prm_ptr + 4))  # no division per key
     return -((kk << 16) + d * tl.load(prm_ptr)) + ((tl.load(prm_ptr + 1) * lcv) >> 4)
 
 
 @triton.jit
-def _chunk_state(pid, key_of_ptr, kst_ptr, sst_ptr, num_slots, num_keys, POLICY: tl.constexpr,
-                 CHUNK: tl.constexpr):
-    """This program's slots and what their scores need, loaded at the start of the launch
-    beside the query (so scoring waits on no further load): slot c [CHUNK], its key, and
-    the policy's inputs (lru: step of last touch; lfuda: priority; rule: the key's
-    last_tok, lc, dct)."""
+def _chunk_candidates(pid, need, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr, slot, hit,
+                      rkey, near, layer, tok, dc_now, num_layers, num_experts, num_slots, num_keys,
+                      POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
+                      BLOCK_Q: tl.constexpr):
+    """Score this program's slots and keep its BLOCK_Q lowest packed keys in scratch."""
     c = pid * CHUNK + tl.arange(0, CHUNK)
     cm = c < num_slots
-    ckey = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
-    if POLICY == 0:
-        a = tl.load(sst_ptr + c, mask=cm, other=0)
-        b = a
-        d = a
-    elif POLICY == 2:
-        a = tl.load(sst_ptr + num_slots + c, mask=cm, other=0)
-        b = a
-        d = a
-    else:
-        live = ckey >= 0
-        kq = tl.where(live, ckey, 0)
-        a = tl.load(kst_ptr + kq, mask=live, other=0)
-        b = tl.load(kst_ptr + num_keys + kq, mask=live, other=0)
-        d = tl.load(kst_ptr + 2 * num_keys + kq, mask=live, other=0)
-    return c, ckey, a, b, d
-
-
-@triton.jit
-def _chunk_scores(c, ckey, a, b, d, prm_ptr, slot, hit, rkey, near, layer, tok, dc_now,
-                  num_layers, num_experts, num_slots, POLICY: tl.constexpr,
-                  HAS_LOGITS: tl.constexpr):
-    """Packed keys (score << 20 | slot) of this program's slots; INT64_MAX for slots
-    that are empty, pinned (hit by this call) or past the pool."""
+    key = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
     pinned = tl.sum(((c[:, None] == slot[None, :]) & hit[None, :]).to(tl.int32), axis=1) > 0
-    ev = (c < num_slots) & (ckey >= 0) & (~pinned)
-    if POLICY == 1:
-        lt = a
+    ev = cm & (key >= 0) & (~pinned)
+    if POLICY == 0:
+        score = tl.load(sst_ptr + c, mask=ev, other=0)
+    elif POLICY == 2:
+        score = tl.load(sst_ptr + num_slots + c, mask=ev, other=0)
+    else:
+        kq = tl.where(ev, key, 0)
+        lt = tl.load(kst_ptr + kq, mask=ev, other=0)
         if HAS_LOGITS:
-            hot = tl.sum(((ckey[:, None] == rkey[None, :]) & near[None, :]).to(tl.int32), axis=1) > 0
+            hot = tl.sum(((kq[:, None] == rkey[None, :]) & near[None, :]).to(tl.int32), axis=1) > 0
             lt = tl.where(hot, tl.maximum(lt, tok - 1), lt)
-        score = _rule_score(tl.where(ev, ckey, 0), lt, b, d, layer, tok, dc_now, num_layers,
-                            num_experts, prm_ptr)
-    else:
-        score = a
-    return tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
+        lc = tl.load(kst_ptr + num_keys + kq, mask=ev, other=0)
+        dct = tl.load(kst_ptr + 2 * num_keys + kq, mask=ev, other=0)
+        score = _rule_score(kq, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, prm_ptr)
+    packed = tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
+    _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q)
 
 
 @triton.jit
-def _keys_of(sel, packed, keys):
-    """The key beside each of sel [BLOCK_Q] in (packed, keys) [N] (packed values distinct)."""
-    return tl.sum(tl.where(packed[None, :] == sel[:, None], keys[None, :], 0), axis=1)
-
-
-@triton.jit
-def _seq_lowest(packed, need, BLOCK_Q: tl.constexpr):
+def _lowest(packed, need, out_ptr, N: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """The `need` (<= BLOCK_Q) lowest of packed [N] (distinct values) ascending into
+    out[0:BLOCK_Q], the rest padded with INT64_MAX: by successive minima over registers
+    when few are needed, else one sort."""
     j = tl.arange(0, BLOCK_Q)
-    sel = tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64)
-    i = 0
-    while i < need:  # a while loop: Triton's interpreter cannot range() a tensor
-        v = tl.min(packed, axis=0)
-        sel = tl.where(j == i, v, sel)
-        packed = tl.where(packed == v, 0x7FFFFFFFFFFFFFFF, packed)
-        i += 1
-    return sel
+    if need <= SEQ_MAX:
+        tl.store(out_ptr + j, tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64))
+        tl.debug_barrier()
+        i = 0
+        while i < need:  # a while loop: Triton's interpreter cannot range() a tensor
+            v = tl.min(packed, axis=0)
+            tl.store(out_ptr + i, v)
+            packed = tl.where(packed == v, 0x7FFFFFFFFFFFFFFF, packed)
+            i += 1
+    else:
+        n = tl.arange(0, N)
+        tl.store(out_ptr + n, tl.sort(packed), mask=n < BLOCK_Q)
 
 
 @triton.jit
-def _lowest(packed, need, N: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """The `need` (<= BLOCK_Q) lowest of packed [N] (distinct values), ascending, in a
-    register vector [BLOCK_Q] padded with INT64_MAX: successive minima when few are
-    needed, else one sort whose first BLOCK_Q entries are the column minima of the sorted
-    vector folded to [N / BLOCK_Q, BLOCK_Q]."""
-    if N < BLOCK_Q:
-        sel = _seq_lowest(packed, need, BLOCK_Q)
-    elif need <= SEQ_MAX:
-        sel = _seq_lowest(packed, need, BLOCK_Q)
-    else:
-        sel = tl.min(tl.reshape(tl.sort(packed), [N // BLOCK_Q, BLOCK_Q]), axis=0)
-    return sel
+def _merge(cand_ptr, G, need, BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The programs' candidates, merged: the `need` lowest ascending at cand[0:]."""
+    j = tl.arange(0, BLOCK_C)
+    c = tl.load(cand_ptr + j, mask=j < G * BLOCK_Q, other=0x7FFFFFFFFFFFFFFF)
+    tl.debug_barrier()  # all read before cand[0:] is rewritten
+    _lowest(c, need, cand_ptr, BLOCK_C, BLOCK_Q)
 
 
 @triton.jit
@@ -209,14 +174,13 @@ def _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots):
 
 
 @triton.jit
-def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, out_ptr,
-            plan_ptr, count_ptr, counters_ptr, clock_ptr, sel, selkey, valid, key, first, slot, hit,
-            fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, dc_now, layer, num_slots,
-            num_keys, mine, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
+def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, cand_ptr,
+            out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid, key, first, slot,
+            hit, fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, dc_now, layer, num_layers,
+            num_slots, num_keys, mine, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
             BLOCK_Q: tl.constexpr):
     """Apply one call: refresh, evictions and installs in ascending key order, touches,
-    plan, slots, counters and clock. Runs in one program; `sel` [BLOCK_Q] holds the
-    victims (packed keys, ascending) and `selkey` their keys, in registers."""
+    plan, slots, counters and clock. Runs in one program."""
     if POLICY == 1:
         if HAS_LOGITS:
             lt = tl.load(kst_ptr + rkey, mask=near, other=0)
@@ -224,13 +188,12 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
             tl.debug_barrier()
     miss = valid & (slot < 0)
     from_cand = miss & (mrank >= ne)
-    j = tl.arange(0, BLOCK_Q)
-    pick = (j[None, :] == (mrank - ne)[:, None]) & from_cand[:, None]
-    cand = tl.sum(tl.where(pick, sel[None, :], 0), axis=1)
-    old = tl.sum(tl.where(pick, selkey[None, :], 0), axis=1)
+    cand = tl.load(cand_ptr + tl.where(from_cand, mrank - ne, 0), mask=from_cand, other=0)
     vslot = tl.where(from_cand, cand & ((1 << 20) - 1), filled + mrank)
     vscore = cand >> 20
     evict = fmiss & from_cand
+    old = tl.load(key_of_ptr + vslot, mask=evict, other=-1)
+    tl.debug_barrier()  # every old owner read before any slot is rewritten
     tl.store(slot_of_ptr + old, -1, mask=evict & (old >= 0))
     tl.store(key_of_ptr + vslot, key.to(tl.int32), mask=fmiss)
     tl.store(slot_of_ptr + key, vslot.to(tl.int32), mask=fmiss)
@@ -243,38 +206,15 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
         _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots)
     else:
         _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys)
-    tl.store(out_ptr + j, tl.where(valid, sl, -1).to(tl.int32), mask=j < ids_n)
+    i = tl.arange(0, BLOCK_Q)
+    tl.store(out_ptr + i, tl.where(valid, sl, -1).to(tl.int32), mask=i < ids_n)
     tl.store(count_ptr, m)
     # `mine` [4]: this layer's counters, read at the start of the launch (no round trip here)
-    j4 = tl.arange(0, 4)
-    tl.store(counters_ptr + layer * 3 + j4, mine + tl.where(j4 == 0, 1, tl.where(j4 == 1, n, m)),
-             mask=j4 < 3)
-    tl.store(clock_ptr + j4, tl.where(j4 == 0, step, tl.where(j4 == 1, tok, filled + ne)),
-             mask=j4 < 3)
-
-
-@triton.jit
-def _gather_candidates(cand_ptr, flags_ptr, sel, selkey, need, epoch, pid,
-                       BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
-    """The committing program (the last one): publish its own candidates, wait until
-    every other program has published this launch's (flag == epoch), merge them all.
-    Returns the `need` lowest packed keys [BLOCK_Q] and their keys."""
-    j = tl.arange(0, BLOCK_Q)
-    tl.store(cand_ptr + pid * BLOCK_Q + j, sel)
-    tl.store(cand_ptr + BLOCK_C + pid * BLOCK_Q + j, selkey)
-    g = tl.arange(0, BLOCK_G)
-    gm = g < pid
-    seen = tl.min(tl.where(gm, tl.atomic_add(flags_ptr + g, 0, mask=gm, sem="acquire"), epoch), axis=0)
-    while seen < epoch:
-        seen = tl.min(tl.where(gm, tl.atomic_add(flags_ptr + g, 0, mask=gm, sem="acquire"), epoch),
-                      axis=0)
-    tl.debug_barrier()
-    c = tl.arange(0, BLOCK_C)
-    cm = c < (pid + 1) * BLOCK_Q
-    every = tl.load(cand_ptr + c, mask=cm, other=0x7FFFFFFFFFFFFFFF, volatile=True)
-    keys = tl.load(cand_ptr + BLOCK_C + c, mask=cm, other=-1, volatile=True)
-    sel = _lowest(every, need, BLOCK_C, BLOCK_Q)
-    return sel, _keys_of(sel, every, keys)
+    j = tl.arange(0, 4)
+    tl.store(counters_ptr + layer * 3 + j, mine + tl.where(j == 0, 1, tl.where(j == 1, n, m)),
+             mask=j < 3)
+    tl.store(clock_ptr, step)
+    tl.store(clock_ptr + 1, tok)
 
 
 @triton.jit(do_not_specialize=["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k",
@@ -290,13 +230,13 @@ def ensure_kernel(
     gst_ptr,        # int64 [NG]: policy-wide state
     prm_ptr,        # int64 [P]: integer policy constants (Policy.params)
     fprm_ptr,       # float32 [F]: float policy constants (Policy.fparams)
-    clock_ptr,      # int64 [3]: step, tok, filled slots (the last is device-only)
+    clock_ptr,      # int64 [2]: step, tok
     counters_ptr,   # int64 [L, 3]: calls, accesses, misses per layer
     out_ptr,        # int32 [n_ids]: out: slot of each id, -1 for padding
     plan_ptr,       # int32 [BLOCK_Q, 2]: out: (key, slot) per miss, ascending key
     count_ptr,      # int32 [1]: out: misses of this call = rows of the plan in use
-    cand_ptr,       # int64 [2, BLOCK_C]: scratch: BLOCK_Q candidates per program, their keys
-    flags_ptr,      # int64 [G]: launches each program has finished publishing (never reset)
+    cand_ptr,       # int64 [BLOCK_C]: scratch: candidates per program, then merged
+    arrive_ptr,     # int32 [1]: scratch: programs arrived (zero between calls)
     status_ptr,     # int32 [1]: 0, or the code of the last refused call
     layer,          # this call's MoE layer
     num_experts, num_layers, num_slots, n_ids,
@@ -304,59 +244,51 @@ def ensure_kernel(
     rows, T,        # logit rows and entries per row
     POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_G: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK_L: tl.constexpr, SINGLE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    last = tl.num_programs(0) - 1  # the committing program
     num_keys = num_layers * num_experts
-    epoch = tl.load(flags_ptr + pid) + 1  # this launch's number, as this program counts
     valid, key, first, slot, hit, fmiss, mrank, n, m, bad = _query(
         ids_ptr, slot_of_ptr, layer, num_experts, n_ids, BLOCK_Q)
-    c, ckey, ca, cb, cd = _chunk_state(pid, key_of_ptr, kst_ptr, sst_ptr, num_slots, num_keys,
-                                       POLICY, CHUNK)
     step = tl.load(clock_ptr) + 1
     tok = tl.load(clock_ptr + 1) + tl.where(layer == 0, 1, 0).to(tl.int64)
-    filled = tl.load(clock_ptr + 2)
+    li = tl.arange(0, BLOCK_L)
+    missed = tl.sum(tl.load(counters_ptr + li * 3 + 2, mask=li < num_layers, other=0), axis=0)
     j4 = tl.arange(0, 4)
     mine = tl.load(counters_ptr + layer * 3 + j4, mask=j4 < 3, other=0)
+    filled = tl.minimum(missed, num_slots)
     dc_now = 0
-    if POLICY == 1:
+    if POLICY == 1:  # rule's decay clock DC(now): one division per program
         dc_now = ((tok * num_layers + layer) << 16) // tl.load(prm_ptr + 2)
     ne = tl.minimum(m, num_slots - filled)
-    need = m - ne
     ok = (bad == 0) & (n <= num_slots)
     if HAS_LOGITS:
         rkey, near = _near(lidx_ptr, lval_ptr, fprm_ptr, layer, num_experts, rows, T, k, BLOCK_R)
     else:
         rkey = tl.zeros([BLOCK_R], dtype=tl.int64)
         near = rkey != 0
-    sel = tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64)
-    selkey = tl.full([BLOCK_Q], -1, tl.int64)
-    if ok & (need > 0):
-        packed = _chunk_scores(c, ckey, ca, cb, cd, prm_ptr, slot, hit, rkey, near, layer, tok,
-                               dc_now, num_layers, num_experts, num_slots, POLICY, HAS_LOGITS)
-        sel = _lowest(packed, need, CHUNK, BLOCK_Q)
-        selkey = _keys_of(sel, packed, ckey)
+    if ok & (m > ne):
+        _chunk_candidates(pid, m - ne, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr, slot, hit,
+                          rkey, near, layer, tok, dc_now, num_layers, num_experts, num_slots,
+                          num_keys, POLICY, HAS_LOGITS, CHUNK, BLOCK_Q)
+    tl.debug_barrier()
+    if SINGLE:
+        arrived = 0  # one program: nothing to wait for
+    else:
+        arrived = tl.atomic_add(arrive_ptr, 1)
+    if arrived == tl.num_programs(0) - 1:
+        tl.debug_barrier()
         if not SINGLE:
-            if pid == last:
-                sel, selkey = _gather_candidates(cand_ptr, flags_ptr, sel, selkey, need, epoch,
-                                                 pid, BLOCK_Q, BLOCK_C, BLOCK_G)
-            else:
-                j = tl.arange(0, BLOCK_Q)
-                tl.store(cand_ptr + pid * BLOCK_Q + j, sel)
-                tl.store(cand_ptr + BLOCK_C + pid * BLOCK_Q + j, selkey)
-    if pid == last:
-        if not SINGLE:
-            tl.store(flags_ptr + pid, epoch)
+            tl.store(arrive_ptr, 0)
         if ok:
-            _commit(n_ids, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, out_ptr,
-                    plan_ptr, count_ptr, counters_ptr, clock_ptr, sel, selkey, valid, key, first, slot,
-                    hit, fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, dc_now, layer,
-                    num_slots, num_keys, mine, POLICY, HAS_LOGITS, BLOCK_Q)
+            if m > ne:
+                if not SINGLE:
+                    _merge(cand_ptr, tl.num_programs(0), m - ne, BLOCK_Q, BLOCK_C)
+                tl.debug_barrier()
+            _commit(n_ids, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr,
+                    cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
+                    key, first, slot, hit, fmiss, mrank, n, m, ne, filled, rkey, near, step,
+                    tok, dc_now, layer, num_layers, num_slots, num_keys, mine, POLICY, HAS_LOGITS,
+                    BLOCK_Q)
         else:
             tl.store(status_ptr, tl.where(bad > 0, 1, 2))
-    else:
-        # Every other program publishes every launch, scoring or not; the committer waits
-        # for these only when it needs candidates, so a call without evictions waits for no one.
-        tl.debug_barrier()  # this program's candidates stored before its flag
-        tl.atomic_xchg(flags_ptr + pid, epoch, sem="release")
