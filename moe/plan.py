@@ -7,9 +7,12 @@
 
 Routed GEMM families (the routed kernels receive slot ids, never expert ids):
 
-* "gemv-slots" (1..GEMV_MAX_TOKENS tokens): one CTA per (expert in the call, output tile of
-  TILE_N rows). grid = (min(tokens * k, E), ceil(max(2I, H) / TILE_N)). CTAs are independent
-  (no grid-wide barrier), so the grid needs no co-residency and side work may hold SMs.
+* "gemv-slots" (1..GEMV_MAX_TOKENS tokens, `moe.routed.routed_experts`): two launches of
+  independent CTAs. gate_up: one CTA per (token, routed slot j, GEMV_BLOCK_I rows of gate and of
+  up), grid = (tokens * k, ceil(I / GEMV_BLOCK_I)), the plan's `grid`; a slot routed by several
+  tokens is read once per token (the repeats meet in L2). down: one CTA per (token, GEMV_BLOCK_H
+  output rows), grid = (tokens, ceil(H / GEMV_BLOCK_H)). No grid-wide barrier, so neither
+  launch needs co-residency and side work may hold SMs.
 * "grouped-persistent" (more tokens): a persistent grouped GEMM, grid = (min(num_sms, tiles),),
   each CTA looping over (expert, M tile, N tile) work items on its own; no grid-wide barrier.
 
@@ -29,7 +32,9 @@ from dataclasses import dataclass
 from moe.config import COPY_OVERLAP_ENV, MoEConfig
 
 GEMV_MAX_TOKENS = 8
-TILE_N = 128  # output rows per CTA tile
+GEMV_BLOCK_I = 4  # gemv-slots gate_up launch: rows of gate (and as many of up) per CTA
+GEMV_BLOCK_H = 4  # gemv-slots down launch: output rows per CTA
+TILE_N = 128  # output rows per CTA tile (grouped-persistent)
 TILE_M = 64  # token rows per CTA tile (grouped-persistent)
 PHASES = ("decode", "prefill")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -98,10 +103,11 @@ def make_routed_plan(tokens: int, cfg: MoEConfig, num_sms: int = 132) -> RoutedP
         raise ValueError(f"make_routed_plan: tokens must be an int >= 1, got {tokens!r}")
     if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
         raise ValueError(f"make_routed_plan: num_sms must be an int >= 1, got {num_sms!r}")
+    if tokens <= GEMV_MAX_TOKENS:
+        grid = (tokens * cfg.top_k, -(-cfg.expert_intermediate // GEMV_BLOCK_I))  # gate_up launch
+        return RoutedPlan("gemv-slots", tokens, grid, False, False)
     experts_in_call = min(tokens * cfg.top_k, cfg.num_experts)
     n_tiles = -(-max(2 * cfg.expert_intermediate, cfg.hidden) // TILE_N)
-    if tokens <= GEMV_MAX_TOKENS:
-        return RoutedPlan("gemv-slots", tokens, (experts_in_call, n_tiles), False, False)
     m_tiles = -(-(tokens * cfg.top_k) // TILE_M) + experts_in_call  # upper bound over the expert split
     work = m_tiles * n_tiles
     return RoutedPlan("grouped-persistent", tokens, (min(num_sms, work),), False, False)

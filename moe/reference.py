@@ -120,11 +120,19 @@ def _check_shapes(
         if tuple(tensor.shape) != shape:
             raise ValueError(f"moe_reference: {name} must be {list(shape)} (T, H, E, I from MoEConfig), "
                              f"got {list(tensor.shape)}")
+    check_shared(cfg, shared, "moe_reference")
+
+
+def check_shared(cfg: MoEConfig, shared: SharedWeights | None, who: str, dtype: torch.dtype | None = None) -> None:
+    """Raise ValueError (prefixed by `who`) unless `shared` is given exactly when cfg has a shared
+    expert, with gate_up [2Is, H], down [H, Is], gate_w [1, H] (and `dtype`, when given)."""
     if (shared is None) == cfg.has_shared_expert:
-        raise ValueError(f"moe_reference: shared must be given exactly when MoEConfig.shared_intermediate > 0 "
+        raise ValueError(f"{who}: shared weights must be given exactly when MoEConfig.shared_intermediate > 0 "
                          f"(it is {cfg.shared_intermediate}, shared is {'absent' if shared is None else 'given'})")
-    if shared is not None:
-        s = cfg.shared_intermediate
-        if tuple(shared[0].shape) != (2 * s, h) or tuple(shared[1].shape) != (h, s):
-            raise ValueError(f"moe_reference: shared gate_up/down must be [{2 * s}, {h}] / [{h}, {s}], "
-                             f"got {list(shared[0].shape)} / {list(shared[1].shape)}")
+    if shared is None:
+        return
+    h, s = cfg.hidden, cfg.shared_intermediate
+    for name, w, shape in zip(("gate_up", "down", "gate_w"), shared, ((2 * s, h), (h, s), (1, h))):
+        if tuple(w.shape) != shape or (dtype is not None and w.dtype != dtype):
+            raise ValueError(f"{who}: shared {name} must be {list(shape)}{'' if dtype is None else f' {dtype}'}, "
+                             f"got {list(w.shape)} {w.dtype}")

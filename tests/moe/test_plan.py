@@ -6,6 +6,7 @@ import pytest
 
 from moe.config import COPY_OVERLAP_ENV, MoEConfig, copy_overlap_from_env
 from moe.plan import (
+    GEMV_BLOCK_I,
     GEMV_MAX_TOKENS,
     OverlapMode,
     RoutedPlan,
@@ -140,15 +141,15 @@ def test_overlap_decision_table(coresident, cooperative, supported):
 @pytest.mark.parametrize("tokens", range(1, GEMV_MAX_TOKENS + 1))
 def test_make_plan_gemv_slots(tokens):
     plan = make_routed_plan(tokens, CFG)
-    experts = min(tokens * CFG.top_k, CFG.num_experts)
     assert plan.family == "gemv-slots" and plan.tokens == tokens
-    assert plan.grid == (experts, -(-max(2 * 1408, 2048) // 128))
+    assert plan.grid == (tokens * CFG.top_k, -(-1408 // GEMV_BLOCK_I))  # (token, j) x gate rows tiles
     assert plan_supports_aux_stream_overlap(plan)
 
 
-def test_make_plan_caps_experts_at_num_experts():
-    small = MoEConfig(hidden=64, num_experts=8, top_k=2, expert_intermediate=32)
-    assert make_routed_plan(8, small).grid[0] == 8
+def test_make_plan_gemv_reads_repeated_slots_per_token():
+    # gemv-slots does not deduplicate: 8 tokens x top-2 of 8 experts launch 16 (token, j) rows
+    small = MoEConfig(hidden=64, num_experts=8, top_k=2, expert_intermediate=30)
+    assert make_routed_plan(8, small).grid == (16, -(-30 // GEMV_BLOCK_I))
 
 
 @pytest.mark.parametrize("tokens, num_sms", [(9, 132), (512, 132), (4096, 78), (9, 1)])

@@ -1,0 +1,336 @@
+"""What the shared-expert side stream saves while the miss copy runs, and the whole layer vs the HBM floor.
+
+    4 synthetic layers at Qwen3-Next geometry (H 2048, I 512, E 512, top-10, shared Is 512, bf16; one
+    pinned HostStore of 12 GiB shared by every model), batch --tokens, random hidden each step
+    -> miss mode: two models, overlap off and on, over pools of --slots (default 1650 of the 2048
+       keys: ~2 misses per layer and step once warm, so every step copies)
+       1. bitwise check: outputs, slot maps and filled slots equal, eager then CUDA graph
+       2. calibration: one eager step under the profiler; the shared expert's kernels (inside a
+          record_function range) must run on the side stream, ensure / copy / routed GEMM on another
+       3. ABAB timing: each round replays both step graphs on the same input (same misses), order
+          alternating, CUDA events behind a sleep kernel; saving = median paired difference / L
+       4. profiler trace of --profile replays per mode: copy start slip (ensure end -> copy start),
+          share of missing layers whose shared expert ends inside the copy, copy duration on vs off
+    -> resident mode: pools of L*E slots, every expert made resident first; ABAB timing of the
+       whole layer vs the HBM floor (weights read per layer / device-to-device bandwidth measured now)
+    -> Chrome traces (open in Perfetto): step_{off,on}.json (one decode step), replays_{off,on}.json;
+       results.json with everything; a table printed last.
+
+Run: python benchmarks/bench_moe_copy_overlap.py --out-dir OUT [--slots 1650] [--tokens 1] [--reps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moe.config import MoEConfig
+from moe.kernel_trace import kernels, kernels_in_range, load_trace, named
+from moe.synthetic import SyntheticModel, random_weights
+
+CFG = MoEConfig(hidden=2048, num_experts=512, top_k=10, expert_intermediate=512, shared_intermediate=512,
+                norm_topk_prob=True)
+SLEEP_CYCLES = 200_000  # ~100 us: longer than the host takes to launch one step graph
+FAST_LINK = 100e9  # bytes/s, above any PCIe 5 x16 link: a copy longer than one expert at this speed missed
+RANGE = "bench.shared_expert"
+TARGET = "target: whole layer (all experts resident, graph replay) <= 1.5x the HBM floor"
+
+
+def machine() -> dict:
+    import triton
+
+    commit = os.environ.get("EXPERTCACHE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent,
+        check=False).stdout.strip()
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda,
+            "commit": commit if len(commit) == 40 else "unknown",
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+class Graph:
+    """One captured decode step (all layers) of a model, static input copied in per replay."""
+
+    def __init__(self, model: SyntheticModel, tokens: int) -> None:
+        self.model = model
+        self.x = torch.zeros(tokens, CFG.hidden, dtype=torch.bfloat16, device="cuda")
+        model.step(self.x)  # compiles and allocates before capture
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = model.step(self.x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.x.copy_(x)
+        self.graph.replay()
+        return self.out
+
+
+def same_state(a: SyntheticModel, b: SyntheticModel, slots_too: bool) -> bool:
+    ca, cb = a.slots.cache, b.slots.cache
+    ok = torch.equal(ca.slot_of, cb.slot_of) and torch.equal(ca.key_of, cb.key_of)
+    if ok and slots_too:
+        filled = torch.nonzero(ca.key_of >= 0).flatten()
+        for bank in ("gate_up", "down"):
+            ta, tb = a.slots.pool.tensor(bank), b.slots.pool.tensor(bank)
+            ok = ok and torch.equal(ta[filled].view(torch.int16), tb[filled].view(torch.int16))
+    return ok
+
+
+def bitwise(models: dict, graphs: dict | None, xs: list[torch.Tensor]) -> bool:
+    """Run both models on xs (eager, or graph replays) and compare outputs and state bit for bit."""
+    ok = True
+    for x in xs:
+        outs = {m: (graphs[m](x) if graphs else models[m].step(x)).view(torch.int16).clone() for m in models}
+        ok = ok and torch.equal(outs["off"], outs["on"]) and same_state(models["off"], models["on"], False)
+    return ok and same_state(models["off"], models["on"], True)
+
+
+def calibrate(models: dict, x: torch.Tensor, out_dir: Path) -> dict:
+    """One eager step per mode under the profiler, shared expert in RANGE: its kernel names and streams."""
+    info = {}
+    for mode, model in models.items():
+        for layer in model.layers:
+            inner = layer.shared_expert
+            layer.shared_expert = lambda h, inner=inner: _ranged(inner, h)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            model.step(x)
+            torch.cuda.synchronize()
+        for layer in model.layers:
+            del layer.shared_expert  # back to the method
+        path = out_dir / f"eager_step_{mode}.json"
+        prof.export_chrome_trace(str(path))
+        events = load_trace(path)
+        shared, every = kernels_in_range(events, RANGE), kernels(events)
+        compute = {k.stream for k in named(every, "_miss_copy_kernel") + named(every, "ensure_kernel")}
+        info[mode] = {"shared_names": sorted({k.name for k in shared}), "shared_kernels": [k.name for k in shared],
+                      "shared_streams": sorted({k.stream for k in shared}), "compute_streams": sorted(compute),
+                      "other_names": sorted({k.name for k in every} - {k.name for k in shared})}
+    on = info["on"]
+    on["side_stream_ok"] = not set(on["shared_streams"]) & set(on["compute_streams"]) and len(on["compute_streams"]) == 1
+    on["ambiguous_names"] = sorted(set(on["shared_names"]) & set(on["other_names"]))
+    on["per_layer_exclusive"] = sum(n not in on["ambiguous_names"] for n in on["shared_kernels"]) // len(
+        models["on"].layers)
+    return info
+
+
+def _ranged(fn, h):
+    with torch.profiler.record_function(RANGE):
+        return fn(h)
+
+
+def timed(fn, x) -> tuple:
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(x)
+    end.record()
+    return start, end
+
+
+def abab(graphs: dict, xs: list[torch.Tensor], counters: torch.Tensor) -> dict:
+    """Round r replays off and on with xs[r], order alternating; per-mode and paired times in us.
+
+    counters: the on model's DeviceCache counters [L, 3], read after each round (outside the timing)
+    to count the misses of each step."""
+    times, misses = {"off": [], "on": []}, []
+    seen = int(counters[:, 2].sum())
+    for r, x in enumerate(xs):
+        order = ("off", "on") if r % 2 == 0 else ("on", "off")
+        for mode in order:
+            graphs[mode].x.copy_(x)  # untimed
+        events = {mode: timed(lambda _, m=mode: graphs[m].graph.replay(), None) for mode in order}
+        torch.cuda.synchronize()
+        for mode, (s, e) in events.items():
+            times[mode].append(s.elapsed_time(e) * 1e3)
+        now = int(counters[:, 2].sum())
+        misses.append(now - seen)
+        seen = now
+    diff = np.array(times["off"]) - np.array(times["on"])
+    stat = lambda t: {"median_us": float(np.median(t)), "p10_us": float(np.percentile(t, 10)),
+                      "p90_us": float(np.percentile(t, 90))}
+    return {"off": stat(times["off"]), "on": stat(times["on"]), "paired_saving": stat(diff), "rounds": len(xs),
+            "misses_per_step_mean": float(np.mean(misses)), "steps_without_miss": int(np.sum(np.array(misses) == 0))}
+
+
+def replay_metrics(graph: Graph, xs: list[torch.Tensor], path: Path, shared_names: set, per_layer: int,
+                   expert_bytes: int) -> dict:
+    """Profile replays of one mode; per layer: copy slip, copy duration, shared-end-inside-copy."""
+    graph(xs[0])
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for x in xs:
+            graph(x)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    ks = kernels(load_trace(path))
+    ensures, copies = named(ks, "ensure_kernel"), named(ks, "_miss_copy_kernel")
+    missed_us = expert_bytes / FAST_LINK * 1e6
+    out = {"layers": len(copies), "slip_us": [c.start - e.end for e, c in zip(ensures, copies)],
+           "copy_us": [c.duration for c in copies], "missed": [c.duration > missed_us for c in copies]}
+    shared = [k for k in ks if k.name in shared_names]
+    if shared_names and per_layer and len(shared) == per_layer * len(copies):
+        ends = [max(k.end for k in shared[i * per_layer:(i + 1) * per_layer]) for i in range(len(copies))]
+        out["shared_inside_copy"] = [c.start <= e <= c.end for c, e in zip(copies, ends)]
+    return out
+
+
+def summarize(m: dict) -> dict:
+    miss = np.array(m["missed"], dtype=bool)
+    copy = np.array(m["copy_us"])
+    out = {"layers": m["layers"], "layers_missed": int(miss.sum()),
+           "median_slip_us": float(np.median(m["slip_us"])),
+           "copy_us_median_missed": float(np.median(copy[miss])) if miss.any() else None}
+    if "shared_inside_copy" in m:
+        inside = np.array(m["shared_inside_copy"], dtype=bool)
+        out["shared_inside_copy_share_missed"] = float(inside[miss].mean()) if miss.any() else None
+        out["shared_inside_copy_share_all"] = float(inside.mean())
+    return out
+
+
+def step_trace(graph: Graph, x: torch.Tensor, path: Path) -> None:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph(x)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+
+
+def d2d_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy, bytes read plus written per second (median)."""
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    out = []
+    for _ in range(reps + 3):
+        s, e = timed(lambda _: dst.copy_(src), None)
+        torch.cuda.synchronize()
+        out.append(2 * nbytes / (s.elapsed_time(e) * 1e-3))
+    return float(np.median(out[3:]))
+
+
+def miss_mode(weights, args, xs, out_dir: Path) -> dict:
+    models = {m: SyntheticModel(weights, args.slots, "cuda", copy_overlap=m == "on") for m in ("off", "on")}
+    if models["on"].layers[0].side is None:
+        raise SystemExit(f"overlap did not apply: {models['on'].layers[0].overlap_reason}")
+    n = args.bitwise_steps
+    eager_ok = bitwise(models, None, xs[:n])
+    calib = calibrate(models, xs[n], out_dir)
+    graphs = {m: Graph(models[m], args.tokens) for m in models}  # one more step each (zeros)
+    graph_ok = bitwise(models, graphs, xs[n + 1:2 * n + 1])
+    pos = 2 * n + 1
+    for x in xs[pos:pos + args.warmup]:  # fill the pool to steady state
+        for graph in graphs.values():
+            graph(x)
+    pos += args.warmup
+    timing = abab(graphs, xs[pos:pos + args.reps], models["on"].slots.cache.counters)
+    pos += args.reps
+    prof = {}
+    names = set(calib["on"]["shared_names"]) - set(calib["on"]["ambiguous_names"])
+    for mode, graph in graphs.items():
+        raw = replay_metrics(graph, xs[pos:pos + args.profile], out_dir / f"replays_{mode}.json",
+                             names if mode == "on" else set(), calib["on"]["per_layer_exclusive"],
+                             weights.store.bytes_per_expert)
+        prof[mode] = summarize(raw)
+        step_trace(graph, xs[pos + args.profile], out_dir / f"step_{mode}.json")
+    for m in models.values():
+        m.close()
+    return {"bitwise_eager": eager_ok, "bitwise_graph": graph_ok, "calibration": calib, "timing": timing,
+            "saving_per_layer_us": timing["paired_saving"]["median_us"] / len(weights.router),
+            "profile": prof, "misses_per_layer_per_step": timing["misses_per_step_mean"] / len(weights.router)}
+
+
+def resident_mode(weights, args, xs) -> dict:
+    L, E = weights.num_layers, CFG.num_experts
+    models = {m: SyntheticModel(weights, L * E, "cuda", copy_overlap=m == "on") for m in ("off", "on")}
+    for m in models.values():
+        m.warm_all()
+    graphs = {m: Graph(models[m], args.tokens) for m in models}
+    timing = abab(graphs, xs[: args.reps], models["on"].slots.cache.counters)
+    new_misses = int(timing["misses_per_step_mean"] * timing["rounds"])
+    bw = d2d_bandwidth()
+    h, i, s = CFG.hidden, CFG.expert_intermediate, CFG.shared_intermediate
+    experts = min(args.tokens * CFG.top_k, E)  # distinct experts read at most
+    weight_bytes = 2 * (E * h + experts * 3 * i * h + 3 * s * h + h)  # bf16 router, experts, shared + gate
+    floor_us = weight_bytes / bw * 1e6
+    per_layer = {m: timing[m]["median_us"] / L for m in ("off", "on")}
+    for m in models.values():
+        m.close()
+    return {"timing": timing, "misses_during_timing": new_misses, "d2d_bytes_per_s": bw,
+            "weight_bytes_per_layer": weight_bytes, "hbm_floor_us": floor_us, "layer_us": per_layer,
+            "ratio_to_floor": {m: per_layer[m] / floor_us for m in per_layer},
+            "note": "the router runs from a float32 copy (2 MiB more than the bf16 weights counted here)"}
+
+
+def table(res: dict) -> str:
+    miss, resi = res["miss_mode"], res["resident_mode"]
+    t, p = miss["timing"], miss["profile"]
+    fmt = lambda v, spec=".1f": "n/a" if v is None else format(v, spec)
+    lines = [(f"bitwise on == off: eager {miss['bitwise_eager']}, graph {miss['bitwise_graph']}; "
+             f"side stream separate: {miss['calibration']['on']['side_stream_ok']}"),
+             f"miss mode ({res['settings']['slots']} slots, {miss['misses_per_layer_per_step']:.2f} misses/layer/step)",
+             (f"  step median off {t['off']['median_us']:.1f} us, on {t['on']['median_us']:.1f} us; paired saving "
+             f"{t['paired_saving']['median_us']:.1f} us [p10 {t['paired_saving']['p10_us']:.1f}, "
+             f"p90 {t['paired_saving']['p90_us']:.1f}] = {miss['saving_per_layer_us']:.2f} us per layer"),
+             (f"  copy start slip (median): off {fmt(p['off']['median_slip_us'], '.2f')} us, "
+             f"on {fmt(p['on']['median_slip_us'], '.2f')} us"),
+             (f"  copy duration (median, missing layers): off {fmt(p['off']['copy_us_median_missed'])} us, "
+             f"on {fmt(p['on']['copy_us_median_missed'])} us"),
+             (f"  shared expert ends inside the copy: {fmt(p['on'].get('shared_inside_copy_share_missed'), '.0%')} "
+             f"of missing layers ({fmt(p['on'].get('shared_inside_copy_share_all'), '.0%')} of all)"),
+             TARGET,
+             (f"  HBM floor {resi['hbm_floor_us']:.1f} us/layer ({resi['weight_bytes_per_layer'] / 1e6:.1f} MB at "
+             f"{resi['d2d_bytes_per_s'] / 1e12:.2f} TB/s); layer off {resi['layer_us']['off']:.1f} us "
+             f"({resi['ratio_to_floor']['off']:.2f}x), on {resi['layer_us']['on']:.1f} us "
+             f"({resi['ratio_to_floor']['on']:.2f}x); misses while timing: {resi['misses_during_timing']}")]
+    return "\n".join(lines)
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", required=True, help="folder for results.json and the Chrome traces")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--slots", type=int, default=1650, help="pool slots in miss mode (of layers * 512 keys)")
+    ap.add_argument("--tokens", type=int, default=1, help="batch: tokens per decode step (1..8)")
+    ap.add_argument("--reps", type=int, default=300, help="ABAB rounds")
+    ap.add_argument("--warmup", type=int, default=80, help="graph steps before timing (fill the pool)")
+    ap.add_argument("--bitwise-steps", type=int, default=4)
+    ap.add_argument("--profile", type=int, default=40, help="replays under the profiler per mode")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    if not torch.cuda.is_available():
+        print("bench_moe_copy_overlap needs a CUDA GPU; see --help", file=sys.stderr)
+        sys.exit(2)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    weights = random_weights(CFG, args.layers, "cuda", seed=args.seed)
+    gen = torch.Generator("cuda").manual_seed(args.seed + 1)
+    count = 2 * args.bitwise_steps + 2 + args.warmup + args.reps + args.profile + 1
+    xs = [torch.randn(args.tokens, CFG.hidden, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(count)]
+    res = {"machine": machine(), "settings": vars(args), "config": CFG.__dict__}
+    res["miss_mode"] = miss_mode(weights, args, xs, out_dir)
+    torch.cuda.empty_cache()
+    res["resident_mode"] = resident_mode(weights, args, xs)
+    res["seconds"] = time.time() - t0
+    (out_dir / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    print(f"wrote {out_dir / 'results.json'} and Chrome traces step_*.json / replays_*.json ({res['seconds']:.0f} s)")
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Random MoE models at a given geometry, for tests and benchmarks.
+
+    MoEConfig, L layers, seed ──random_weights──► SyntheticWeights
+        router [L, E, H], shared [(gate_up [2Is, H], down [H, Is], gate_w [1, H])] * L (or None),
+        HostStore banks gate_up [L*E, 2I, H], down [L*E, H, I]   (pinned where CUDA is present)
+    SyntheticWeights, S slots, device ──SyntheticModel──► SlotCache(store, SlotPool(S), DeviceCache)
+        + L MoELayers; step(hidden [T, H]) runs layers 0..L-1, each on the previous one's output
+
+Weights are made on `device` (fast on a GPU) and the experts copied into the host store, so a model at
+a real geometry (4 layers of 512 experts of 6 MiB: 12 GiB) builds in seconds. Several models may share
+one SyntheticWeights (one host store, separate pools and slot maps), e.g. overlap on and off side by side.
+Every weight is N(0, 1/fan_in), which keeps activations within a small factor of order one through
+a few layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from expertcache.copy import miss_copy
+from expertcache.pool import Bank, HostStore, SlotPool
+from moe.config import MoEConfig, copy_overlap_from_env
+from moe.layer import DTYPES, MoELayer, SlotCache
+from moe.reference import SharedWeights, moe_reference
+
+CHUNK_EXPERTS = 64  # experts generated on the device per host copy
+
+
+@dataclass
+class SyntheticWeights:
+    """router [L, E, H] on the device; shared: per layer SharedWeights on the device, or None; store:
+    every routed expert, key = layer * E + expert."""
+
+    cfg: MoEConfig
+    router: torch.Tensor
+    shared: list[SharedWeights] | None
+    store: HostStore
+
+    @property
+    def num_layers(self) -> int:
+        return self.router.shape[0]
+
+
+def _randn(shape, std: float, dtype, device, gen) -> torch.Tensor:
+    return (torch.randn(shape, dtype=torch.float32, device=device, generator=gen) * std).to(dtype)
+
+
+def random_weights(cfg: MoEConfig, num_layers: int, device: str | torch.device = "cuda", seed: int = 0,
+                   pin: bool | None = None) -> SyntheticWeights:
+    """Random weights of `num_layers` layers of `cfg` (deterministic for a seed and device).
+
+    pin: pin the host store (default: when CUDA is available). Cost: one device randn and one
+    host copy per CHUNK_EXPERTS experts; host memory L * E * 3 * I * H * itemsize bytes.
+    """
+    device = torch.device(device)
+    dtype = DTYPES[cfg.dtype]
+    gen = torch.Generator(device).manual_seed(seed)
+    h, e, i, s = cfg.hidden, cfg.num_experts, cfg.expert_intermediate, cfg.shared_intermediate
+    router = _randn((num_layers, e, h), h ** -0.5, dtype, device, gen)
+    shared = None
+    if cfg.has_shared_expert:
+        shared = [(_randn((2 * s, h), h ** -0.5, dtype, device, gen),
+                   _randn((h, s), s ** -0.5, dtype, device, gen),
+                   _randn((1, h), h ** -0.5, dtype, device, gen)) for _ in range(num_layers)]
+    banks = (Bank("gate_up", (2 * i, h), dtype), Bank("down", (h, i), dtype))  # moe.layer.BANKS
+    store = HostStore.empty(banks, num_layers * e, pin=pin)
+    for first in range(0, num_layers * e, CHUNK_EXPERTS):
+        n = min(CHUNK_EXPERTS, num_layers * e - first)
+        store.tensor("gate_up")[first:first + n].copy_(_randn((n, 2 * i, h), h ** -0.5, dtype, device, gen))
+        store.tensor("down")[first:first + n].copy_(_randn((n, h, i), i ** -0.5, dtype, device, gen))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return SyntheticWeights(cfg, router, shared, store)
+
+
+class SyntheticModel:
+    """L MoE layers over one SlotCache of `num_slots` slots on `device`.
+
+    copy_overlap: None reads EXPERTCACHE_MOE_COPY_OVERLAP (default weights.cfg.copy_overlap);
+    a bool sets MoEConfig.copy_overlap. policy: eviction policy name (--moe-cache-policy).
+    Raises PoolError when the slots do not fit, RuntimeError when overlap is asked for on a GPU
+    without cuda-python.
+    """
+
+    def __init__(self, weights: SyntheticWeights, num_slots: int, device: str | torch.device = "cuda", *,
+                 copy_overlap: bool | None = None, policy: str = "lru") -> None:
+        overlap = copy_overlap_from_env(weights.cfg.copy_overlap) if copy_overlap is None else copy_overlap
+        self.cfg = dataclasses.replace(weights.cfg, copy_overlap=overlap)
+        self.weights = weights
+        pool = SlotPool(weights.store.banks, num_slots, device)
+        self.slots = SlotCache(weights.store, pool, weights.num_layers, self.cfg.num_experts, policy)
+        self.layers = [
+            MoELayer(self.cfg, layer, weights.router[layer], self.slots,
+                     None if weights.shared is None else weights.shared[layer])
+            for layer in range(weights.num_layers)
+        ]
+
+    @property
+    def device(self) -> torch.device:
+        return self.slots.pool.device
+
+    def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        """One decode step: hidden [T, H] through layers 0..L-1 -> [T, H]."""
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return hidden
+
+    def step_layers(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """Like step, returning every layer's output [T, H] (layer l's input is output l - 1)."""
+        outs = []
+        for layer in self.layers:
+            hidden = layer(hidden)
+            outs.append(hidden)
+        return outs
+
+    def layer_experts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full expert tensors of one layer, host views: gate_up [E, 2I, H], down [E, H, I]."""
+        e = self.cfg.num_experts
+        keys = slice(layer * e, (layer + 1) * e)
+        return self.weights.store.tensor("gate_up")[keys], self.weights.store.tensor("down")[keys]
+
+    def reference(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """moe.reference.moe_reference of one layer on hidden's device, from the full expert tensors."""
+        gate_up, down = (w.to(hidden.device) for w in self.layer_experts(layer))
+        mod = self.layers[layer]
+        return moe_reference(hidden, mod.router_w, gate_up, down, self.cfg, mod.shared)
+
+    def warm_all(self) -> None:
+        """Make every expert of every layer resident (needs num_slots >= L * E): one ensure of all E
+        ids and one miss copy per layer. Raises ValueError when the pool is too small."""
+        e, pool = self.cfg.num_experts, self.slots.pool
+        if pool.num_slots < len(self.layers) * e:
+            raise ValueError(f"warm_all needs num_slots >= L * E = {len(self.layers) * e}, "
+                             f"the pool has {pool.num_slots} (--slots)")
+        ids = torch.arange(e, dtype=torch.int32, device=self.device).reshape(1, e)
+        for layer in range(len(self.layers)):
+            buf = self.slots.cache.ensure(layer, ids)
+            miss_copy(self.slots.store, pool, buf.plan, buf.count)
+
+    def rebuild(self, num_slots: int) -> None:
+        """Pool of `num_slots`, cold slot map, same side stream; every layer re-decides its overlap."""
+        self.slots.rebuild(num_slots)
+        for layer in self.layers:
+            layer.refresh()
+
+    def close(self) -> None:
+        self.slots.close()

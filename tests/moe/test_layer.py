@@ -1,0 +1,242 @@
+"""The MoE decode layer against the torch reference, and the side-stream overlap against the
+single-stream sequence, bit for bit.
+
+CPU (Triton's interpreter, tiny shapes): layer vs moe.reference over steps that evict every time,
+with and without a shared expert; the overlap decision and its reasons; rebuild; argument errors.
+GPU (`gpu`): flag on vs off bitwise (outputs, slot map, filled slots) for batch 1 and 2, eager and
+CUDA graph; kernel placement from a profiler trace; the side stream across a pool rebuild.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moe.config import MoEConfig
+from moe.kernel_trace import kernels, kernels_in_range, load_trace, named
+from moe.plan import OverlapMode
+from moe.synthetic import SyntheticModel, random_weights
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# The CPU model runs its Triton kernels in the interpreter, which is on only where CUDA is absent
+# (tests/conftest.py); on a GPU machine the gpu tests below cover the same checks.
+interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="runs Triton's interpreter (no CUDA)")
+BF16 = torch.bfloat16
+# H, E, I, k, Is; L layers over S slots: every step asks for more keys than the pool holds
+CPU_CFG = MoEConfig(hidden=64, num_experts=16, top_k=4, expert_intermediate=32, shared_intermediate=32,
+                    norm_topk_prob=True)
+CPU_L, CPU_S = 2, 10
+GPU_CFG = MoEConfig(hidden=512, num_experts=64, top_k=6, expert_intermediate=256, shared_intermediate=256)
+GPU_L, GPU_S = 3, 16
+
+
+def close_to_reference(model: SyntheticModel, x: torch.Tensor) -> None:
+    """One step; every layer's output within bf16 tolerance of moe_reference on its own input."""
+    inp = x
+    for layer, out in enumerate(model.step_layers(x)):
+        ref = model.reference(layer, inp).float()
+        tol = 2e-2 * max(1.0, float(ref.abs().max()))
+        err = float((out.float() - ref).abs().max())
+        assert err <= tol, (layer, err, tol)
+        inp = out
+
+
+def misses(model: SyntheticModel) -> int:
+    return int(model.slots.cache.stats()["total_misses"])
+
+
+@interpreter
+@pytest.mark.parametrize("shared, norm", [(32, True), (0, False)], ids=["shared", "no-shared"])
+def test_layer_matches_reference_cpu(shared, norm):
+    cfg = dataclasses.replace(CPU_CFG, shared_intermediate=shared, norm_topk_prob=norm)
+    model = SyntheticModel(random_weights(cfg, CPU_L, "cpu", seed=7), CPU_S, "cpu", copy_overlap=True)
+    assert model.layers[0].overlap_mode is OverlapMode.NONE
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        before = misses(model)
+        close_to_reference(model, torch.randn(2, cfg.hidden, generator=gen).to(BF16))
+        assert misses(model) > before, "every step must miss (and evict)"
+
+
+def test_overlap_decision_and_reasons_cpu(monkeypatch):
+    monkeypatch.delenv("EXPERTCACHE_MOE_COPY_OVERLAP", raising=False)
+    weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=0)
+    off = SyntheticModel(weights, CPU_S, "cpu")
+    assert off.cfg.copy_overlap is False and "EXPERTCACHE_MOE_COPY_OVERLAP" in off.layers[0].overlap_reason
+    monkeypatch.setenv("EXPERTCACHE_MOE_COPY_OVERLAP", "1")
+    on = SyntheticModel(weights, CPU_S, "cpu")
+    assert on.cfg.copy_overlap is True and "cpu" in on.layers[0].overlap_reason
+    assert on.layers[0].side is None and on.slots.side is None
+    plain = SyntheticModel(random_weights(dataclasses.replace(CPU_CFG, shared_intermediate=0), CPU_L, "cpu"),
+                           CPU_S, "cpu")
+    assert "no shared expert" in plain.layers[0].overlap_reason
+
+
+@interpreter
+def test_rebuild_cold_starts_and_stays_correct_cpu():
+    model = SyntheticModel(random_weights(CPU_CFG, CPU_L, "cpu", seed=2), CPU_S, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    model.step(torch.randn(1, CPU_CFG.hidden, generator=gen).to(BF16))
+    old = model.slots.cache
+    model.rebuild(CPU_S + 3)
+    assert model.slots.cache is not old and model.slots.pool.num_slots == CPU_S + 3
+    assert misses(model) == 0 and bool((model.slots.cache.key_of == -1).all())
+    close_to_reference(model, torch.randn(2, CPU_CFG.hidden, generator=gen).to(BF16))
+
+
+def test_bad_arguments_name_the_field():
+    weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=0)
+    model = SyntheticModel(weights, CPU_S, "cpu")
+    with pytest.raises(ValueError, match="hidden must be"):
+        model.layers[0](torch.zeros(9, CPU_CFG.hidden, dtype=BF16))
+    with pytest.raises(ValueError, match="MoEConfig.dtype"):
+        model.layers[0](torch.zeros(1, CPU_CFG.hidden))
+    before = model.slots.cache.snapshot()
+    with pytest.raises(ValueError, match="--moe-slots"):  # 3 tokens * top-4 > 10 slots
+        model.layers[0](torch.zeros(3, CPU_CFG.hidden, dtype=BF16))
+    assert model.slots.cache.snapshot().equals(before)
+    with pytest.raises(ValueError, match="shared_intermediate"):
+        type(model.layers[0])(CPU_CFG, 0, weights.router[0], model.slots, None)
+    with pytest.raises(ValueError, match="router_w"):
+        type(model.layers[0])(CPU_CFG, 0, weights.router[0][:, :8], model.slots, weights.shared[0])
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.fixture(scope="module")
+def gpu_weights():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return random_weights(GPU_CFG, GPU_L, "cuda", seed=11)
+
+
+class Runner:
+    """A model's step, eager or as one captured CUDA graph of all layers (static input, new data copied in)."""
+
+    def __init__(self, model: SyntheticModel, graph: bool, tokens: int, warm: list[torch.Tensor]) -> None:
+        self.model, self.graph = model, None
+        for x in warm:  # compiles every kernel and makes every buffer before capture
+            model.step(x)
+        torch.cuda.synchronize()
+        if graph:
+            self.static_in = torch.zeros(tokens, GPU_CFG.hidden, dtype=BF16, device="cuda")
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.static_out = model.step(self.static_in)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.graph is None:
+            return self.model.step(x)
+        self.static_in.copy_(x)
+        self.graph.replay()
+        return self.static_out.clone()
+
+
+def state(model: SyntheticModel) -> dict[str, torch.Tensor]:
+    """slot_of, key_of and the bytes of every filled slot."""
+    cache, pool = model.slots.cache, model.slots.pool
+    filled = torch.nonzero(cache.key_of >= 0).flatten()
+    out = {"slot_of": cache.slot_of.clone(), "key_of": cache.key_of.clone()}
+    for bank in ("gate_up", "down"):
+        out[bank] = pool.tensor(bank)[filled].view(torch.int16).clone()
+    return out
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_overlap_on_off_bitwise(gpu_weights, graph, tokens):
+    off = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False)
+    on = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=True)
+    assert off.layers[0].overlap_mode is OverlapMode.NONE
+    assert on.layers[0].overlap_mode is OverlapMode.SIDE_STREAM, on.layers[0].overlap_reason
+    gen = torch.Generator("cuda").manual_seed(tokens)
+    xs = [torch.randn(tokens, GPU_CFG.hidden, generator=gen, device="cuda").to(BF16) for _ in range(8)]
+    run_off, run_on = Runner(off, graph, tokens, xs[:2]), Runner(on, graph, tokens, xs[:2])
+    for x in xs[2:]:
+        before = misses(on)
+        a, b = run_off(x), run_on(x)
+        torch.cuda.synchronize()
+        assert misses(on) > before, "every step must miss (and evict)"
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        sa, sb = state(off), state(on)
+        for name in sa:
+            assert torch.equal(sa[name], sb[name]), name
+    on.close()
+
+
+def profile_step(model: SyntheticModel, x: torch.Tensor, path) -> list:
+    """One eager step under the profiler with the shared expert inside record_function ranges."""
+    for layer in model.layers:
+        inner = layer.shared_expert
+
+        def wrapped(h, inner=inner):
+            with torch.profiler.record_function("test.shared_expert"):
+                return inner(h)
+        layer.shared_expert = wrapped
+    model.step(x)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        model.step(x)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    return load_trace(path)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("overlap", [True, False], ids=["on", "off"])
+def test_copy_on_compute_stream_shared_on_side_stream(gpu_weights, overlap, tmp_path):
+    model = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap)
+    x = torch.randn(2, GPU_CFG.hidden, device="cuda").to(BF16)
+    events = profile_step(model, x, tmp_path / "trace.json")
+    ks = kernels(events)
+    copies, ensures = named(ks, "_miss_copy_kernel"), named(ks, "ensure_kernel")
+    routed = named(ks, "_gate_up_kernel") + named(ks, "_down_kernel")
+    shared = kernels_in_range(events, "test.shared_expert")
+    assert len(copies) == len(ensures) == GPU_L and len(routed) == 2 * GPU_L and shared
+    compute = {k.stream for k in copies + ensures + routed}
+    assert len(compute) == 1, "router path, ensure, copy and routed GEMM share the compute stream"
+    side = {k.stream for k in shared}
+    if overlap:
+        assert side.isdisjoint(compute) and len(side) == 1
+    else:
+        assert side == compute
+    model.close()
+
+
+@gpu
+@needs_cuda
+def test_side_stream_survives_rebuild(gpu_weights):
+    on = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=True)
+    off = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False)
+    gen = torch.Generator("cuda").manual_seed(5)
+    xs = [torch.randn(2, GPU_CFG.hidden, generator=gen, device="cuda").to(BF16) for _ in range(6)]
+    Runner(on, True, 2, xs[:2])
+    side = on.slots.side
+    for model in (on, off):
+        model.rebuild(GPU_S + 8)
+    assert on.slots.side is side and not side.closed
+    assert all(layer.side is side for layer in on.layers)
+    close_to_reference(on, xs[2])
+    close_to_reference(off, xs[2])
+    run_on, run_off = Runner(on, True, 2, xs[3:4]), Runner(off, True, 2, xs[3:4])
+    for x in xs[4:]:
+        assert torch.equal(run_on(x).view(torch.int16), run_off(x).view(torch.int16))
+    on.close()
+
+
+@gpu
+@needs_cuda
+def test_layer_matches_reference_gpu(gpu_weights):
+    model = SyntheticModel(gpu_weights, 8 * GPU_CFG.top_k, "cuda", copy_overlap=True)  # 8 tokens fit
+    gen = torch.Generator("cuda").manual_seed(9)
+    for tokens in (1, 2, 8):
+        close_to_reference(model, torch.randn(tokens, GPU_CFG.hidden, generator=gen, device="cuda").to(BF16))
+    model.close()

@@ -1,0 +1,299 @@
+"""routed_experts (Triton, from the slot pool by slot id) against torch references built from the same pool.
+
+Legend: T = tokens, H = hidden, I = expert width, k = top_k, S = pool slots. CPU runs use Triton's
+interpreter (tests/conftest.py), so their shapes are tiny; the `gpu` tests use the Qwen3-Next shape.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe.config import MoEConfig
+from moe.plan import GEMV_MAX_TOKENS, make_routed_plan
+from moe.reference import expert_mlp, moe_reference, route
+from moe.routed import (
+    NO_SLOT,
+    RoutedConfig,
+    routed_experts,
+    routed_grids,
+    routed_plan,
+    routed_reference,
+    routed_scratch,
+)
+from tests.conftest import device_or_skip
+
+QWEN3_NEXT = {"hidden": 2048, "inter": 512, "top_k": 10}  # H, I, k of the Qwen3-Next-like layer
+
+
+def make_pool(slots: int, hidden: int, inter: int, dtype: torch.dtype, device, seed: int):
+    """(gate_up [S, 2I, H], down [S, H, I]) of random, never-zero weights with unit-variance linears."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, fan_in):
+        w = torch.randn(*shape, generator=g) / math.sqrt(fan_in)
+        return torch.where(w == 0, 1e-3, w).to(dtype).to(device)
+
+    return rnd(slots, 2 * inter, hidden, fan_in=hidden), rnd(slots, hidden, inter, fan_in=inter)
+
+
+def make_route(tokens: int, top_k: int, num_slots: int, device, seed: int, pad: int = 1):
+    """slots [T, k] int32 (k distinct per token, repeats across tokens, `pad` entries NO_SLOT) and
+    weights [T, k] float32 in [0.05, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.stack([torch.randperm(num_slots, generator=g)[:top_k] for _ in range(tokens)])
+    flat = slots.view(-1)
+    flat[torch.randperm(flat.numel(), generator=g)[:pad]] = NO_SLOT
+    weights = 0.05 + 0.95 * torch.rand(tokens, top_k, generator=g)
+    return slots.to(torch.int32).to(device), weights.to(device)
+
+
+def per_pair_reference(hidden, slots, weights, gate_up, down) -> torch.Tensor:
+    """Σ_j weights[t, j] * expert_mlp(hidden[t], pool[slots[t, j]]) in float32, one (t, j) at a time."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for t in range(hidden.shape[0]):
+        for j in range(slots.shape[1]):
+            s = int(slots[t, j])
+            if 0 <= s < gate_up.shape[0]:
+                out[t] += float(weights[t, j]) * expert_mlp(hidden[t:t + 1], gate_up[s], down[s])[0]
+    return out
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    """|got - want| <= rel * max|want| elementwise (float32 sums of the same products, any order)."""
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    scale = want.abs().max().item()
+    assert scale > 0
+    err = (got - want).abs().max().item()
+    assert err <= rel * scale, f"max error {err:.3g} > {rel} * {scale:.3g}"
+
+
+# ---------------------------------------------------------------- correctness (CPU interpreter or GPU)
+
+
+@pytest.mark.parametrize("dtype, tokens, top_k", [
+    (torch.bfloat16, 1, 2), (torch.bfloat16, 8, 4), (torch.float16, 3, 3), (torch.float32, 5, 2),
+])
+def test_matches_per_pair_reference(dtype, tokens, top_k):
+    device, _ = device_or_skip()
+    gate_up, down = make_pool(12, 64, 32, dtype, device, seed=tokens)
+    slots, weights = make_route(tokens, top_k, 12, device, seed=top_k, pad=1)
+    flat = slots.view(-1).tolist()
+    live = [s for s in flat if s != NO_SLOT]
+    assert NO_SLOT in flat and (tokens < 3 or len(set(live)) < len(live))  # padding and repeats covered
+    hidden = torch.randn(tokens, 64).to(dtype).to(device)
+    got = routed_experts(hidden, slots, weights, gate_up, down)
+    assert_close(got, per_pair_reference(hidden, slots, weights, gate_up, down), 1e-4)
+    assert_close(got, routed_reference(hidden, slots, weights, gate_up, down), 1e-4)
+
+
+@pytest.mark.parametrize("config", [
+    RoutedConfig(block_i=8, chunk_h=32, warps_gate_up=2, block_h=32, chunk_i=16, warps_down=1),
+    RoutedConfig(block_i=64, chunk_h=64, block_h=1, chunk_i=8),
+])
+def test_uneven_shapes_and_other_tiles(config):
+    """H and I that no tile divides: every row and column mask is exercised."""
+    device, _ = device_or_skip()
+    gate_up, down = make_pool(7, 48, 20, torch.bfloat16, device, seed=3)
+    slots, weights = make_route(4, 3, 7, device, seed=4, pad=2)
+    hidden = torch.randn(4, 48).bfloat16().to(device)
+    got = routed_experts(hidden, slots, weights, gate_up, down, config=config)
+    assert_close(got, per_pair_reference(hidden, slots, weights, gate_up, down), 1e-4)
+
+
+def test_matches_moe_reference_through_a_slot_map():
+    """moe_reference on the expert tensors == routed_experts on a pool holding them at permuted slots."""
+    device, _ = device_or_skip()
+    cfg = MoEConfig(hidden=64, num_experts=10, top_k=3, expert_intermediate=32, norm_topk_prob=True)
+    gate_up_e, down_e = make_pool(cfg.num_experts, 64, 32, torch.bfloat16, device, seed=5)  # by expert
+    router_w = (torch.randn(cfg.num_experts, 64) / 4).bfloat16().to(device)
+    hidden = torch.randn(6, 64).bfloat16().to(device)
+    slot_of = torch.randperm(16, generator=torch.Generator().manual_seed(6))[:cfg.num_experts].to(device)
+    gate_up = torch.zeros(16, 64, 64, dtype=torch.bfloat16, device=device)  # S = 16 > E: spare slots
+    down = torch.zeros(16, 64, 32, dtype=torch.bfloat16, device=device)
+    gate_up[slot_of], down[slot_of] = gate_up_e, down_e
+    weights, ids = route(hidden, router_w, cfg.top_k, cfg.norm_topk_prob)
+    slots = slot_of[ids.long()].to(torch.int32)
+    got = routed_experts(hidden, slots, weights, gate_up, down)
+    want = moe_reference(hidden, router_w, gate_up_e, down_e, cfg)  # bf16, rounded once
+    assert_close(got.bfloat16().float(), want.float(), 1e-2)
+
+
+def test_empty_and_out_of_range_slots_add_nothing():
+    device, _ = device_or_skip()
+    gate_up, down = make_pool(6, 64, 32, torch.bfloat16, device, seed=7)
+    hidden = torch.randn(2, 64).bfloat16().to(device)
+    weights = torch.rand(2, 3, device=device)
+    empty = torch.full((2, 3), NO_SLOT, dtype=torch.int32, device=device)
+    assert torch.equal(routed_experts(hidden, empty, weights, gate_up, down), torch.zeros(2, 64, device=device))
+    slots = torch.tensor([[1, NO_SLOT, 4], [2, 3, 5]], dtype=torch.int32, device=device)
+    odd = slots.clone()
+    odd[0, 1], odd[1, 2] = 6, 1 << 30  # ids >= S, like NO_SLOT, contribute nothing
+    dropped = slots.clone()
+    dropped[1, 2] = NO_SLOT
+    assert torch.equal(routed_experts(hidden, odd, weights, gate_up, down),
+                       routed_experts(hidden, dropped, weights, gate_up, down))
+
+
+def test_bitwise_repeatable_and_out_reuse():
+    device, _ = device_or_skip()
+    gate_up, down = make_pool(12, 64, 32, torch.bfloat16, device, seed=8)
+    slots, weights = make_route(4, 4, 12, device, seed=9)
+    hidden = torch.randn(4, 64).bfloat16().to(device)
+    first = routed_experts(hidden, slots, weights, gate_up, down)
+    out = torch.full((4, 64), float("nan"), device=device)
+    again = routed_experts(hidden, slots, weights, gate_up, down, out=out)
+    assert again is out and torch.equal(first, out)
+    slots2, weights2 = make_route(4, 4, 12, device, seed=10)
+    routed_experts(hidden, slots2, weights2, gate_up, down, out=out)  # same out, new route
+    assert_close(out, per_pair_reference(hidden, slots2, weights2, gate_up, down), 1e-4)
+    assert not torch.equal(out, first)
+
+
+# ---------------------------------------------------------------- validation, plan, scratch
+
+
+def _args():
+    gate_up, down = make_pool(4, 16, 8, torch.bfloat16, "cpu", seed=0)
+    slots = torch.zeros(2, 2, dtype=torch.int32)
+    return {"hidden": torch.zeros(2, 16, dtype=torch.bfloat16), "slots": slots, "weights": torch.ones(2, 2),
+            "gate_up": gate_up, "down": down}
+
+
+@pytest.mark.parametrize("name, bad", [
+    ("hidden", torch.zeros(16, dtype=torch.bfloat16)),
+    ("hidden", torch.zeros(GEMV_MAX_TOKENS + 1, 16, dtype=torch.bfloat16)),
+    ("hidden", torch.zeros(2, 16, dtype=torch.int32)),
+    ("hidden", torch.zeros(16, 2, dtype=torch.bfloat16).T),
+    ("slots", torch.zeros(2, 2, dtype=torch.int64)),
+    ("slots", torch.zeros(3, 2, dtype=torch.int32)),
+    ("weights", torch.ones(2, 2, dtype=torch.float16)),
+    ("weights", torch.ones(2, 3)),
+    ("gate_up", torch.zeros(4, 16, 16)),
+    ("gate_up", torch.zeros(4, 16, 8, dtype=torch.bfloat16)),
+    ("gate_up", torch.zeros(4, 15, 16, dtype=torch.bfloat16)),
+    ("gate_up", torch.zeros(4, 16, 16, dtype=torch.bfloat16)[:, ::2]),
+    ("down", torch.zeros(4, 16, 4, dtype=torch.bfloat16)),
+    ("down", torch.zeros(3, 16, 8, dtype=torch.bfloat16)),
+    ("out", torch.zeros(2, 16, dtype=torch.bfloat16)),
+    ("out", torch.zeros(1, 16)),
+    ("config", "default"),
+])
+def test_bad_arguments_are_named(name, bad):
+    args = {**_args(), name: bad}
+    with pytest.raises(ValueError, match=name):
+        routed_experts(**args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for a second device")
+def test_device_mismatch_is_named():
+    args = _args()
+    args["slots"] = args["slots"].cuda()
+    with pytest.raises(ValueError, match="slots"):
+        routed_experts(**args)
+
+
+@pytest.mark.parametrize("field, value", [("block_i", 3), ("chunk_h", 0), ("block_h", True),
+                                          ("chunk_i", 2.0), ("warps_down", 32), ("warps_gate_up", 6)])
+def test_config_validation_names_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        RoutedConfig(**{field: value})
+
+
+@pytest.mark.parametrize("tokens", range(1, GEMV_MAX_TOKENS + 1))
+def test_plan_grid_is_the_launched_grid(tokens):
+    cfg = MoEConfig(hidden=2048, num_experts=512, top_k=10, expert_intermediate=512)
+    assert routed_plan(tokens, cfg) == make_routed_plan(tokens, cfg)  # default tiles = plan.py's
+    other = RoutedConfig(block_i=16, block_h=8)
+    plan = routed_plan(tokens, cfg, config=other)
+    assert plan.grid == routed_grids(tokens, 10, 2048, 512, other)[0] == (tokens * 10, 32)
+    assert routed_grids(tokens, 10, 2048, 512, other)[1] == (tokens, 256)
+    assert not plan.needs_coresident_grid
+
+
+def test_plan_rejects_prefill_sized_calls():
+    cfg = MoEConfig(hidden=64, num_experts=8, top_k=2, expert_intermediate=32)
+    with pytest.raises(ValueError, match="tokens"):
+        routed_plan(GEMV_MAX_TOKENS + 1, cfg)
+
+
+def test_scratch_is_made_once_per_device_and_shape():
+    a = routed_scratch("cpu", 3, 40)
+    assert a is routed_scratch(torch.device("cpu"), 3, 40)
+    assert a.shape == (GEMV_MAX_TOKENS * 3, 40) and a.dtype == torch.float32
+    assert routed_scratch("cpu", 4, 40) is not a
+
+
+SM90_CHECK = r"""
+import json, re
+from moe.routed import compile_for_target
+asm = compile_for_target(10, 2048, 512, "bf16")
+print(json.dumps({name: [bool(a.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", a["ptx"]))]
+                  for name, a in asm.items()}))
+"""
+
+
+def test_compiles_for_sm90_with_16_byte_loads():
+    """The default tiles at the Qwen3-Next shape compile for sm_90 (T only sizes the grid, so one
+    binary serves T = 1..8) and stream the weights with 16-byte vector loads. Runs in a child
+    process without TRITON_INTERPRET, which would replace the compiler's language hooks."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", SM90_CHECK], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=600, check=False)
+    if proc.returncode and "ptxas" in proc.stderr.lower():
+        pytest.skip(f"no CUDA toolchain for the ahead-of-time compile: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"_gate_up_kernel": [True, True], "_down_kernel": [True, True]}
+
+
+# ---------------------------------------------------------------- GPU: the Qwen3-Next shape
+
+
+def _qwen_case(tokens: int, seed: int):
+    gate_up, down = make_pool(96, QWEN3_NEXT["hidden"], QWEN3_NEXT["inter"], torch.bfloat16, "cuda", seed)
+    slots, weights = make_route(tokens, QWEN3_NEXT["top_k"], 96, "cuda", seed + 1, pad=tokens // 2)
+    hidden = torch.randn(tokens, QWEN3_NEXT["hidden"], device="cuda").bfloat16()
+    return hidden, slots, weights, gate_up, down
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_gpu_qwen3_next_shape(tokens):
+    _, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA")
+    args = _qwen_case(tokens, seed=tokens)
+    got = routed_experts(*args)
+    assert_close(got, routed_reference(*args), 1e-3)
+    assert torch.equal(got, routed_experts(*args))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_follows_slots_and_weights():
+    _, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA")
+    hidden, slots, weights, gate_up, down = _qwen_case(4, seed=11)
+    out = torch.empty(4, QWEN3_NEXT["hidden"], device="cuda")
+    routed_experts(hidden, slots, weights, gate_up, down, out=out)  # compile, make the scratch
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        routed_experts(hidden, slots, weights, gate_up, down, out=out)
+    for seed in (12, 13):
+        new_slots, new_weights = make_route(4, QWEN3_NEXT["top_k"], 96, "cuda", seed, pad=3)
+        slots.copy_(new_slots)
+        weights.copy_(new_weights)
+        hidden.copy_(torch.randn_like(hidden))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, routed_reference(hidden, slots, weights, gate_up, down), 1e-3)
+        assert torch.equal(out, routed_experts(hidden, slots, weights, gate_up, down))
