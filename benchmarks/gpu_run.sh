@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One GPU session: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
-# parts: any of env tests ensure copy sanitize (default: all). Wheels for packages the
-# image lacks (flashlib) are read from .whl/ when present.
+# parts: any of env tests ensure copy sanitize moe routed overlap (default: all). Wheels for
+# packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
+# back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
-parts=${*:-env tests ensure copy sanitize}
+parts=${*:-env tests ensure copy sanitize moe routed overlap}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -29,5 +30,15 @@ for part in $parts; do
         timeout 240 compute-sanitizer --tool $tool --error-exitcode 3 python3 benchmarks/sanitize_step.py \
           > "$OUT/sanitize-$tool.log" 2>&1; echo "compute-sanitizer $tool: exit $?"; tail -3 "$OUT/sanitize-$tool.log"
       done ;;
+    moe)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe tests/expertcache/test_streams.py \
+        2>&1 | tee "$OUT/gpu-tests-moe.log" | tail -6 ;;
+    routed)
+      timeout 300 python3 benchmarks/bench_routed.py --configs sweep --tokens 1,2,4,8 --out "$OUT/routed.json" \
+        2>&1 | tee "$OUT/routed.log" | tail -12 ;;
+    overlap)
+      mkdir -p "$OUT/moe"
+      timeout 400 python3 benchmarks/bench_moe_copy_overlap.py --out-dir "$OUT/moe" 2>&1 | tee "$OUT/moe/bench.log" | tail -14
+      (cd "$OUT/moe" && tar czf traces.tgz replays_*.json eager_step_*.json && rm -f replays_*.json eager_step_*.json) ;;
   esac
 done

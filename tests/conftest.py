@@ -26,8 +26,10 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-# Real routing traces are read from beside the checkout and never copied into it.
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+# Real routing traces are read from beside the checkout and never committed to it;
+# EXPERTCACHE_TRACES names another folder (e.g. a git-ignored copy taken to a GPU machine).
+TRACES = Path(os.environ.get("EXPERTCACHE_TRACES")
+              or Path(__file__).resolve().parents[1].parent / "shared" / "traces")
 
 
 def device_or_skip():

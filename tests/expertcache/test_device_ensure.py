@@ -193,13 +193,14 @@ def test_graph_replay_matches_host(policy, with_logits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", policy_names())
-@pytest.mark.parametrize("slots", [64, 160])
-def test_device_parity_on_the_real_trace(policy, slots):
+@pytest.mark.parametrize("name, slots", [("mixtral-gsm8k.npz", 64), ("mixtral-gsm8k.npz", 160),
+                                         ("flame-290m-a.npz", 51), ("flame-290m-a.npz", 256)])
+def test_device_parity_on_the_real_trace(policy, name, slots):
     device = _gpu()
     from sim.replay import trace_calls
     from sim.trace import load_trace
 
-    trace = load_trace(real_trace("mixtral-gsm8k.npz"))
+    trace = load_trace(real_trace(name))
     ids, layers, _, _ = trace_calls(trace)
     g = CacheGeometry(trace.num_layers, trace.num_experts, slots)
     ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, chunk=32)
