@@ -1,0 +1,121 @@
+"""Attention of the decoder: RMSNorm, RoPE, GQA attention over a static per-sequence KV cache.
+
+    x [T, H] ─q/k/v proj (+bias)─► q [T, Hq, D], k / v [T, Hkv, D]
+             ─(qwen3) per-head RMSNorm of q, k─► RoPE at the tokens' positions
+             ─► write k, v into KVCache row b at positions [pos, pos + T)
+             ─► softmax(q kᵀ / √D + causal / length mask) v ─► [T, Hq * D] ─o proj─► [T, H]
+
+    prefill: one sequence (row b), T prompt tokens at positions 0..T-1, causal.
+    decode:  B sequences (rows 0..B-1), one token each at position lengths[b], attending to
+             cache positions 0..lengths[b]; lengths may differ per row, so no padding is needed.
+
+KVCache holds k, v per decoder layer as [B, Hkv, max_len, D] in the model dtype, allocated once;
+decode writes with index tensors and masks by `lengths` (a device tensor), so a decode step has fixed
+shapes and reads nothing back to the host (CUDA-graph capturable). The arithmetic follows
+transformers' Qwen2-MoE / Qwen3-MoE: RMSNorm in float32 then cast and scaled by the weight, RoPE
+cos/sin from float32 inverse frequencies cast to the model dtype, softmax in float32.
+Legend: T = tokens, B = sequences, H = hidden, Hq / Hkv = query / kv heads, D = head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe.checkpoint import AttentionWeights
+from moe.spec import ModelSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N] -> weight * (x / rms(x)) in x's dtype, the statistic in float32 (transformers' RMSNorm)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class Rope:
+    """Rotary embedding of head_dim D and base theta: cos / sin [T, D] for integer positions [T]."""
+
+    def __init__(self, head_dim: int, theta: float, device: torch.device) -> None:
+        exps = torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim
+        self.inv_freq = 1.0 / (theta ** exps)  # [D/2] float32
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by cos / sin [T, D] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class KVCache:
+    """Per decoder layer k, v [B, Hkv, max_len, D]; `lengths` int64 [B] tokens cached per row.
+
+    Cost: 2 * layers * B * Hkv * max_len * D elements of the model dtype, allocated at construction.
+    """
+
+    def __init__(self, spec: ModelSpec, batch: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.batch, self.max_len = batch, max_len
+
+
+def _project(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, positions: torch.Tensor,
+             rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H] -> q [T, Hq, D], k [T, Hkv, D] (normed, rotated), v [T, Hkv, D]."""
+    t, d = x.shape[0], spec.head_dim
+    q = F.linear(x, w.q, w.q_bias).view(t, spec.num_heads, d)
+    k = F.linear(x, w.k, w.k_bias).view(t, spec.num_kv_heads, d)
+    v = F.linear(x, w.v, w.v_bias).view(t, spec.num_kv_heads, d)
+    if spec.qk_norm:
+        q, k = rms_norm(q, w.q_norm, spec.rms_eps), rms_norm(k, w.k_norm, spec.rms_eps)
+    cos, sin = rope.cos_sin(positions, x.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_prefill(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope: Rope, cache: KVCache,
+                      layer: int, row: int) -> torch.Tensor:
+    """Prompt x [T, H] of sequence `row` at positions 0..T-1 -> [T, H]; fills cache row `row`.
+
+    Cost O(T * H * (Hq + 2 Hkv) * D / H + T² * Hq * D). Raises ValueError naming max_seq_len when the
+    prompt does not fit the cache.
+    """
+    t = x.shape[0]
+    if t > cache.max_len:
+        raise ValueError(f"a prompt of {t} tokens exceeds max_seq_len={cache.max_len}: raise max_seq_len")
+    q, k, v = _project(x, w, spec, torch.arange(t, device=x.device), rope)
+    cache.k[layer][row, :, :t] = k.transpose(0, 1)
+    cache.v[layer][row, :, :t] = v.transpose(0, 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], is_causal=True,
+                                         enable_gqa=spec.num_heads != spec.num_kv_heads)  # [1, Hq, T, D]
+    return F.linear(out[0].transpose(0, 1).reshape(t, -1), w.o, w.o_bias)
+
+
+def attention_decode(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope: Rope, cache: KVCache,
+                     layer: int, batch: int) -> torch.Tensor:
+    """One token for each of cache rows 0..B-1 (B = batch), x [B, H], at positions cache.lengths[:B]
+    -> [B, H]; writes the new k, v.
+
+    The caller advances cache.lengths after the last layer. Fixed shapes, no host reads.
+    Cost O(B * H * (Hq + 2 Hkv) * D / H + B * Hq * max_len * D).
+    """
+    b = batch
+    pos = cache.lengths[:b]  # [B]
+    q, k, v = _project(x, w, spec, pos, rope)  # [B, Hq, D], [B, Hkv, D] x2
+    rows = torch.arange(b, device=x.device)
+    cache.k[layer][rows, :, pos] = k
+    cache.v[layer][rows, :, pos] = v
+    live = torch.arange(cache.max_len, device=x.device)[None, :] <= pos[:, None]  # [B, max_len]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], cache.k[layer][:b], cache.v[layer][:b],
+                                         attn_mask=live[:, None, None, :],
+                                         enable_gqa=spec.num_heads != spec.num_kv_heads)  # [B, Hq, 1, D]
+    return F.linear(out.reshape(b, -1), w.o, w.o_bias)

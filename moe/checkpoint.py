@@ -1,0 +1,230 @@
+"""Checkpoint loading: a Hugging Face directory -> ModelWeights (device tensors) + HostStore (routed experts).
+
+    <dir>/config.json ──ModelSpec.from_hf──► spec
+    <dir>/model.safetensors.index.json | <dir>/*.safetensors ──TensorReader──► name -> file
+        per decoder layer l (tqdm):
+            attention, norms, router, shared expert, dense MLP ──► torch tensors on `device` (model dtype)
+            routed experts e of MoE layer m ──► HostStore rows key = m * E + e:
+                 "gate_up" [2I, H] = gate_proj [I, H] stacked over up_proj [I, H];  "down" [H, I]
+        embed_tokens, norm, lm_head (the embedding when tie_word_embeddings) ──► device
+
+Routed experts are read in either layout transformers writes: per expert
+(`mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I]; what
+`save_pretrained` writes) or fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
+[E, H, I]; transformers >= 5's in-memory layout). Every tensor's shape is checked against the spec
+before it is converted; a missing or misshapen tensor raises CheckpointError naming it.
+Legend: H = hidden, E = routed experts, I / Is = routed / shared expert width, Id = dense MLP width,
+Hq / Hkv = query / kv heads, D = head_dim, V = vocab.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from expertcache.pool import Bank, HostStore
+from moe.reference import SharedWeights
+from moe.spec import CheckpointError, ModelSpec, read_config
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+BANKS = ("gate_up", "down")
+
+
+@dataclass
+class AttentionWeights:
+    """q [Hq*D, H], k / v [Hkv*D, H], o [H, Hq*D]; biases [rows] or None; q_norm / k_norm [D] or None."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class MoEWeights:
+    """One MoE block's device weights: router [E, H], shared (gate_up [2Is, H], down [H, Is], gate_w
+    [1, H]) or None. Its routed experts live in the HostStore at keys index * E .. index * E + E - 1."""
+
+    index: int
+    router: torch.Tensor
+    shared: SharedWeights | None
+
+
+@dataclass
+class DenseWeights:
+    """A dense MLP (mlp_only / non-sparse layer): gate_up [2Id, H], down [H, Id]."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    attn: AttentionWeights
+    mlp: MoEWeights | DenseWeights
+
+
+@dataclass
+class ModelWeights:
+    """A loaded checkpoint: spec, device tensors, and the routed experts in `store`."""
+
+    spec: ModelSpec
+    embed: torch.Tensor  # [V, H]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
+    layers: list[LayerWeights]
+    store: HostStore  # banks "gate_up" [L_moe*E, 2I, H], "down" [L_moe*E, H, I]
+    device: torch.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.spec.dtype]
+
+
+class TensorReader:
+    """Checked reads from a checkpoint's safetensors files: name -> tensor of the expected shape."""
+
+    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+        self.path, self.dtype, self.device = path, dtype, device
+        self.files = _tensor_files(path)
+        self._handles = {f: safe_open(str(f), framework="pt") for f in set(self.files.values())}
+
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The CPU tensor `name` in the file's dtype. Raises CheckpointError naming a missing tensor
+        (and the files searched) or a wrong shape (expected and got)."""
+        if name not in self.files:
+            where = sorted({f.name for f in self.files.values()})
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing (searched {where}); the "
+                                  "checkpoint does not match its config.json")
+        handle = self._handles[self.files[name]]
+        got = tuple(handle.get_slice(name).get_shape())
+        if got != tuple(shape):
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(got)}, expected "
+                                  f"{list(shape)} from config.json")
+        return handle.get_tensor(name)
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """`name` converted to the model dtype on the device."""
+        return self.raw(name, shape).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def optional(self, name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
+        return self.get(name, shape) if present else None
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """name -> safetensors file, from model.safetensors.index.json or else every *.safetensors file."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map' object")
+        return {name: path / file for name, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} holds no *.safetensors file (nor model.safetensors.index.json)")
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            out.update(dict.fromkeys(handle.keys(), f))
+    return out
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", *, dtype: str | None = None,
+                    pin: bool | None = None, progress: bool = True, copy_overlap: bool = False) -> ModelWeights:
+    """Load a qwen2_moe / qwen3_moe checkpoint directory.
+
+    device: where everything but the routed experts goes. dtype: "float32" / "float16" / "bfloat16"
+    (default: the config's). pin: pin the HostStore (default: when CUDA is available). progress: a
+    tqdm bar over the layers. Cost: reads every tensor once; host memory = all routed experts.
+    Raises CheckpointError naming the config key, file or tensor that is missing or wrong.
+    """
+    path, device = Path(path), torch.device(device)
+    spec = ModelSpec.from_hf(read_config(path), dtype=dtype, copy_overlap=copy_overlap)
+    reader = TensorReader(path, TORCH_DTYPES[spec.dtype], device)
+    cfg = spec.moe
+    banks = (Bank("gate_up", (2 * cfg.expert_intermediate, cfg.hidden), reader.dtype),
+             Bank("down", (cfg.hidden, cfg.expert_intermediate), reader.dtype))
+    store = HostStore.empty(banks, spec.num_moe_layers * cfg.num_experts, pin=pin)
+    h, v = spec.hidden, spec.vocab_size
+    embed = reader.get("model.embed_tokens.weight", (v, h))
+    layers = [_load_layer(reader, spec, store, i)
+              for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}", disable=not progress)]
+    lm_head = embed if spec.tie_word_embeddings else reader.get("lm_head.weight", (v, h))
+    return ModelWeights(spec, embed, reader.get("model.norm.weight", (h,)), lm_head, layers, store, device)
+
+
+def _load_layer(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: int) -> LayerWeights:
+    p, h = f"model.layers.{layer}.", spec.hidden
+    if spec.sparse[layer]:
+        mlp = _load_moe(reader, spec, store, layer)
+    else:
+        i = spec.dense_intermediate
+        gate_up = torch.cat([reader.get(p + "mlp.gate_proj.weight", (i, h)),
+                             reader.get(p + "mlp.up_proj.weight", (i, h))])
+        mlp = DenseWeights(gate_up, reader.get(p + "mlp.down_proj.weight", (h, i)))
+    return LayerWeights(reader.get(p + "input_layernorm.weight", (h,)),
+                        reader.get(p + "post_attention_layernorm.weight", (h,)),
+                        _load_attention(reader, spec, p + "self_attn."), mlp)
+
+
+def _load_attention(reader: TensorReader, spec: ModelSpec, p: str) -> AttentionWeights:
+    h, d = spec.hidden, spec.head_dim
+    q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
+    bias, norm = spec.qkv_bias, spec.qk_norm
+    return AttentionWeights(
+        q=reader.get(p + "q_proj.weight", (q_rows, h)), k=reader.get(p + "k_proj.weight", (kv_rows, h)),
+        v=reader.get(p + "v_proj.weight", (kv_rows, h)), o=reader.get(p + "o_proj.weight", (h, q_rows)),
+        q_bias=reader.optional(p + "q_proj.bias", (q_rows,), bias),
+        k_bias=reader.optional(p + "k_proj.bias", (kv_rows,), bias),
+        v_bias=reader.optional(p + "v_proj.bias", (kv_rows,), bias),
+        o_bias=reader.optional(p + "o_proj.bias", (h,), spec.o_bias),
+        q_norm=reader.optional(p + "q_norm.weight", (d,), norm),
+        k_norm=reader.optional(p + "k_norm.weight", (d,), norm),
+    )
+
+
+def _load_moe(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: int) -> MoEWeights:
+    cfg, p = spec.moe, f"model.layers.{layer}.mlp."
+    h, e, s = cfg.hidden, cfg.num_experts, cfg.shared_intermediate
+    index = spec.moe_index(layer)
+    _load_experts(reader, spec, store, p + "experts.", index)
+    shared = None
+    if cfg.has_shared_expert:
+        gate_up = torch.cat([reader.get(p + "shared_expert.gate_proj.weight", (s, h)),
+                             reader.get(p + "shared_expert.up_proj.weight", (s, h))])
+        shared = (gate_up, reader.get(p + "shared_expert.down_proj.weight", (h, s)),
+                  reader.get(p + "shared_expert_gate.weight", (1, h)))
+    return MoEWeights(index, reader.get(p + "gate.weight", (e, h)), shared)
+
+
+def _load_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p: str, index: int) -> None:
+    """Fill HostStore rows index * E .. index * E + E - 1 from the per-expert or the fused layout."""
+    cfg = spec.moe
+    h, e, i = cfg.hidden, cfg.num_experts, cfg.expert_intermediate
+    gate_up, down = store.tensor("gate_up"), store.tensor("down")  # [K, 2I, H], [K, H, I]
+    base = index * e
+    if reader.has(p + "gate_up_proj") and not reader.has(p + "0.gate_proj.weight"):
+        gate_up[base:base + e] = reader.raw(p + "gate_up_proj", (e, 2 * i, h))
+        down[base:base + e] = reader.raw(p + "down_proj", (e, h, i))
+        return
+    for x in range(e):
+        q = f"{p}{x}."
+        gate_up[base + x, :i] = reader.raw(q + "gate_proj.weight", (i, h))
+        gate_up[base + x, i:] = reader.raw(q + "up_proj.weight", (i, h))
+        down[base + x] = reader.raw(q + "down_proj.weight", (h, i))

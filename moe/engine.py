@@ -1,0 +1,167 @@
+"""The decode engine: a loaded MoE checkpoint, a KV cache and an MoE backend -> logits and greedy tokens.
+
+    prompts (B lists of ids) ──prefill──► per sequence b, all its tokens at once:
+        embed [T, H] ─► per decoder layer: x += attn(rms(x)) (fills KV row b); x += mlp(rms(x))
+        ─► rms(x) @ lm_headᵀ ─► logits [T, V]          (MoE layers: backend.prefill, cache bypassed)
+    tokens [B] ──decode_step──► all B sequences together, one token each:
+        embed [B, H] ─► per decoder layer: x += attn(rms(x)) at each row's own position;
+                        x += mlp(rms(x))   (MoE layers: backend.decode → ensure, miss copy, routed)
+        ─► logits [B, V]; KV lengths += 1;   with record_routing: ids [L_moe, B, k] kept per step
+    generate = prefill, then argmax → decode_step → argmax ... (greedy)
+
+Batching: sequences step together. Each row keeps its own length in the KV cache and attends only to
+its own cached positions, so prompts of different lengths need no padding and no pad token; prefill
+runs the prompts one after another (its attention is per sequence anyway), and every decode step
+advances all B rows by one token. A batch is replaced by the next `prefill`; the expert cache
+(the backend's) persists across batches, so a new batch starts from the previous decode working set.
+Legend: B = sequences, T = prompt tokens, H = hidden, V = vocab, L_moe = MoE layers, k = top_k.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from moe.attention import KVCache, Rope, attention_decode, attention_prefill, rms_norm
+from moe.backends import MoEBackend
+from moe.checkpoint import DenseWeights, LayerWeights, ModelWeights, MoEWeights
+
+
+class Engine:
+    """Runs a ModelWeights with `moe` (CpuCachedMoE or GpuMoE) for up to `max_batch` sequences of at
+    most `max_seq_len` tokens (prompt + generated). record_routing: keep each decode step's routed
+    expert ids (`routing()`), for an expertcache-trace/1 file.
+    Raises ValueError naming max_batch / max_seq_len when a batch or a sequence does not fit.
+    """
+
+    def __init__(self, weights: ModelWeights, moe: MoEBackend, *, max_batch: int = 1, max_seq_len: int = 2048,
+                 record_routing: bool = False) -> None:
+        if max_batch < 1 or max_seq_len < 1:
+            raise ValueError(f"max_batch={max_batch} and max_seq_len={max_seq_len} must be >= 1")
+        self.weights, self.spec, self.moe = weights, weights.spec, moe
+        self.rope = Rope(self.spec.head_dim, self.spec.rope_theta, weights.device)
+        self.kv = KVCache(self.spec, max_batch, max_seq_len, weights.dtype, weights.device)
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.record_routing = record_routing
+        self._routing: list[torch.Tensor] = []  # per decode step: int32 [L_moe, B, k]
+        self._lengths: list[int] = []  # host mirror of kv.lengths for the active batch
+
+    @property
+    def batch(self) -> int:
+        """Sequences in the active batch (0 before the first prefill)."""
+        return len(self._lengths)
+
+    def prefill(self, prompts: Sequence[Sequence[int]], *, all_logits: bool = False):
+        """Start a batch: prompts (B lists of token ids, lengths may differ) -> logits.
+
+        Returns float32 [B, V], each row the logits after its prompt's last token; with all_logits, a
+        list of B tensors [T_b, V], the logits after every prompt token. Resets the KV cache; leaves
+        the expert cache untouched. Raises ValueError naming max_batch, max_seq_len or the token id.
+        """
+        prompts = [list(p) for p in prompts]
+        if not 1 <= len(prompts) <= self.max_batch:
+            raise ValueError(f"prefill got {len(prompts)} prompts; 1..max_batch={self.max_batch} fit")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("prefill got an empty prompt: every prompt needs at least one token")
+        self.kv.lengths.zero_()
+        self._lengths = [0] * len(prompts)
+        out = []
+        for row, prompt in enumerate(prompts):
+            tokens = self._tokens(prompt)
+            out.append(self._prefill_row(tokens, row, all_logits))
+            self._lengths[row] = len(prompt)
+        self.kv.lengths[: len(prompts)] = torch.tensor(self._lengths, device=self.weights.device)
+        return out if all_logits else torch.stack(out)
+
+    def _prefill_row(self, tokens: torch.Tensor, row: int, all_logits: bool) -> torch.Tensor:
+        x = self.weights.embed[tokens]  # [T, H]
+        for i, lw in enumerate(self.weights.layers):
+            x = x + attention_prefill(rms_norm(x, lw.input_norm, self.spec.rms_eps), lw.attn, self.spec,
+                                      self.rope, self.kv, i, row)
+            h = rms_norm(x, lw.post_norm, self.spec.rms_eps)
+            x = x + (self.moe.prefill(lw.mlp, h) if isinstance(lw.mlp, MoEWeights) else _dense(lw.mlp, h))
+        if all_logits:
+            return self._logits(x)  # [T, V]
+        return self._logits(x[-1:])[0]  # [V]
+
+    def decode_step(self, tokens) -> torch.Tensor:
+        """One token for every sequence of the active batch: tokens [B] ids -> logits float32 [B, V].
+
+        Appends each token at its row's position. Raises ValueError naming max_seq_len when a row is
+        full, or when no batch was started (call prefill first).
+        """
+        b = self.batch
+        tokens = self._tokens(tokens)
+        if b == 0 or tokens.shape != (b,):
+            raise ValueError(f"decode_step needs one token per sequence of the active batch ({b}; call "
+                             f"prefill first), got shape {list(tokens.shape)}")
+        if max(self._lengths) >= self.max_seq_len:
+            raise ValueError(f"a sequence reached max_seq_len={self.max_seq_len}: raise max_seq_len")
+        x = self.weights.embed[tokens]  # [B, H]
+        step_ids = []
+        for i, lw in enumerate(self.weights.layers):
+            x = x + attention_decode(rms_norm(x, lw.input_norm, self.spec.rms_eps), lw.attn, self.spec,
+                                     self.rope, self.kv, i, b)
+            x = x + self._decode_mlp(lw, rms_norm(x, lw.post_norm, self.spec.rms_eps), step_ids)
+        self.kv.lengths[:b] += 1
+        self._lengths = [n + 1 for n in self._lengths]
+        if self.record_routing:
+            self._routing.append(torch.stack(step_ids))  # [L_moe, B, k]
+        return self._logits(x)
+
+    def _decode_mlp(self, lw: LayerWeights, h: torch.Tensor, step_ids: list) -> torch.Tensor:
+        if isinstance(lw.mlp, DenseWeights):
+            return _dense(lw.mlp, h)
+        out, ids = self.moe.decode(lw.mlp, h, self.record_routing)
+        if self.record_routing:
+            step_ids.append(ids)
+        return out
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy decoding: B prompts -> B lists of exactly max_new_tokens new token ids.
+
+        One prefill and max_new_tokens - 1 decode steps (no stop tokens: every row runs to the end).
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        tokens = self.prefill(prompts).argmax(dim=-1)  # [B]
+        out = [tokens]
+        for _ in range(max_new_tokens - 1):
+            tokens = self.decode_step(tokens).argmax(dim=-1)
+            out.append(tokens)
+        return torch.stack(out, dim=1).tolist()
+
+    def routing(self) -> np.ndarray:
+        """Recorded decode routing, int32 [N, L_moe, B, k]: N decode steps in token-major decode order, as
+        sim.trace's `experts`. B is the largest batch recorded; rows a smaller batch lacked are -1
+        (the trace format's padding). Empty [0, L_moe, 0, k] before any recorded step. One host copy."""
+        spec = self.spec
+        rows = max((ids.shape[1] for ids in self._routing), default=0)
+        out = np.full((len(self._routing), spec.num_moe_layers, rows, spec.moe.top_k), -1, dtype=np.int32)
+        for n, ids in enumerate(self._routing):
+            out[n, :, : ids.shape[1]] = ids.cpu().numpy()
+        return out
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, H] -> float32 [N, V]: final RMSNorm, then lm_head in the model dtype."""
+        return F.linear(rms_norm(x, self.weights.norm, self.spec.rms_eps), self.weights.lm_head).float()
+
+    def _tokens(self, ids) -> torch.Tensor:
+        """Token ids -> int64 tensor on the model's device. Host ids (lists, CPU tensors) are checked,
+        raising ValueError naming an id outside [0, vocab_size); device tensors (the engine's own argmax)
+        are trusted, so a GPU decode step reads nothing back."""
+        t = torch.as_tensor(ids, dtype=torch.int64)
+        if t.device.type == "cpu" and t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.spec.vocab_size):
+            raise ValueError(f"token ids must be in [0, vocab_size={self.spec.vocab_size}), got "
+                             f"{int(t.min())}..{int(t.max())}")
+        return t.to(self.weights.device)
+
+
+def _dense(w: DenseWeights, h: torch.Tensor) -> torch.Tensor:
+    """Dense SiLU MLP in the model dtype: h [N, H] -> down(silu(gate(h)) * up(h)) [N, H]."""
+    inter = w.down.shape[1]
+    gu = F.linear(h, w.gate_up)  # [N, 2Id]
+    return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w.down)

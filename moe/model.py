@@ -1,0 +1,43 @@
+"""Load a Hugging Face MoE checkpoint into a ready decode Engine.
+
+    <dir> (config.json, *.safetensors) ──load_checkpoint──► ModelWeights (device tensors + HostStore)
+        ──make_backend──► CpuCachedMoE (device "cpu") | GpuMoE (CUDA): the expert cache of num_slots
+        ──Engine──► prefill / decode_step / generate
+
+Supported `model_type`s: moe.spec.FAMILIES (qwen2_moe, qwen3_moe). The pieces are public for callers
+that need them apart: moe.spec (config), moe.checkpoint (tensors), moe.backends (MoE blocks),
+moe.engine (decoder). EXPERTCACHE_MOE_COPY_OVERLAP, when set, decides the GPU side-stream overlap.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moe.backends import CpuCachedMoE, GpuMoE, make_backend
+from moe.checkpoint import ModelWeights, load_checkpoint
+from moe.config import copy_overlap_from_env
+from moe.engine import Engine
+from moe.spec import FAMILIES, CheckpointError, ModelSpec
+
+__all__ = ["CheckpointError", "CpuCachedMoE", "Engine", "FAMILIES", "GpuMoE", "ModelSpec", "ModelWeights",
+           "load_checkpoint", "load_model"]
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slots: int, policy: str = "lru",
+               dtype: str | None = None, max_batch: int = 1, max_seq_len: int = 2048,
+               record_routing: bool = False, progress: bool = True, **constants) -> Engine:
+    """Load checkpoint directory `path` and build an Engine over an expert cache of `num_slots` slots.
+
+    device: "cpu" (HostCache reference backend) or a CUDA device (MoELayer backend, pinned HostStore).
+    policy: the eviction policy (--moe-cache-policy), constants: its overrides. dtype: model dtype
+    (default: config.json's). max_batch / max_seq_len: the KV cache size. record_routing: keep decode
+    routing (Engine.routing()). Cost: reads the checkpoint once; host memory holds every routed expert.
+    Raises CheckpointError (config key, file, tensor), ValueError (num_slots below max_batch * top_k,
+    an unknown policy), PoolError (slots that do not fit on the device).
+    """
+    weights = load_checkpoint(path, device, dtype=dtype, progress=progress,
+                              copy_overlap=copy_overlap_from_env())
+    backend = make_backend(weights, num_slots, policy, max_batch=max_batch, **constants)
+    return Engine(weights, backend, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=record_routing)

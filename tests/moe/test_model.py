@@ -1,0 +1,235 @@
+"""The loader and decode engine against Hugging Face transformers, on the CPU.
+
+    transformers Qwen2MoeForCausalLM / Qwen3MoeForCausalLM (tiny, random, every weight and bias drawn)
+        ─save_pretrained─► tmp dir ─moe.model.load_model─► Engine (CpuCachedMoE: HostCache + CPU pool)
+    compared: logits of prefill and of teacher-forced decode steps (float32 tight, bfloat16 loose),
+    greedy tokens, recorded routing vs transformers' router; and the loader's error messages.
+
+qwen2: 3 layers (layer 1 dense via mlp_only_layers), 8 experts top-2, shared expert, q/k/v bias, GQA 4/2.
+qwen3: 3 layers, 16 experts top-4, norm_topk_prob, q/k norms, attention bias, head_dim 32 != H / heads,
+tied embeddings. Slot counts of top_k (or batch * top_k) make every decode call evict.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from expertcache.host import ACCESSES, CALLS, MISSES
+from moe.model import CheckpointError, load_model
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+FAMILIES = {
+    "qwen2": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
+              dict(num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    "qwen3": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+              dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, head_dim=32, attention_bias=True,
+                   tie_word_embeddings=True)),
+}
+EXPERT = "model.layers.0.mlp.experts.3.up_proj.weight"
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Draw every parameter (norm weights around 1, biases too) so no term of the math is trivial."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * noise if "norm" in name else 0.3 * noise)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    """(family name, transformers model in eval mode, saved checkpoint directory)."""
+    config_cls, model_cls, extra = FAMILIES[request.param]
+    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    _randomize(model, seed=len(request.param) + sorted(FAMILIES).index(request.param))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path, safe_serialization=True)
+    return request.param, model, path
+
+
+def _hf_logits(model, tokens: list[int], **kw):
+    with torch.no_grad():
+        return model(torch.tensor([tokens]), **kw)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, COMMON["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
+    """Elementwise |got - ref| <= rel * (|ref| + max|ref|)."""
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(got, ref, rtol=rel, atol=rel * scale)
+
+
+def _teacher_forced(engine, seq: list[int], prompt_len: int) -> torch.Tensor:
+    """Engine logits after every token of seq: prefill seq[:prompt_len], decode the rest one at a time."""
+    out = [engine.prefill([seq[:prompt_len]], all_logits=True)[0]]
+    out += [engine.decode_step([t]) for t in seq[prompt_len:]]
+    return torch.cat(out)
+
+
+def test_float32_logits_match_transformers_through_evicting_decode(checkpoint):
+    name, model, path = checkpoint
+    top_k = model.config.num_experts_per_tok
+    engine = load_model(path, "cpu", num_slots=top_k, max_seq_len=32, progress=False)
+    seq = _tokens(12, seed=1)
+    ref = _hf_logits(model, seq).logits[0]  # [12, V]
+    got = _teacher_forced(engine, seq, prompt_len=7)
+    _close(got, ref, rel=1e-4)
+    counters = engine.moe.cache.counters  # [L_moe, 3]: decode calls only (prefill bypasses the cache)
+    assert (counters[:, CALLS] == 5).all()
+    assert (counters[:, MISSES] == counters[:, ACCESSES]).all() and counters[:, MISSES].sum() > 0
+
+
+def test_bfloat16_logits_within_bf16_tolerance(checkpoint):
+    name, model, path = checkpoint
+    engine = load_model(path, "cpu", num_slots=2 * model.config.num_experts_per_tok, dtype="bfloat16",
+                        max_seq_len=32, progress=False)
+    seq = _tokens(10, seed=2)
+    ref32 = _hf_logits(model, seq).logits[0]
+    ref16 = _hf_logits(copy.deepcopy(model).to(torch.bfloat16), seq).logits[0].float()
+    got = _teacher_forced(engine, seq, prompt_len=6)
+    assert got.dtype == torch.float32 and engine.weights.embed.dtype == torch.bfloat16
+    _close(got, ref16, rel=0.06)
+    # as close to the float32 truth as transformers' own bf16 run is (with bf16 rounding slack)
+    own, theirs = (got - ref32).abs().mean().item(), (ref16 - ref32).abs().mean().item()
+    assert own <= 1.5 * theirs + 2**-8 * ref32.abs().mean().item()
+
+
+def test_greedy_generation_token_identical_while_evicting(checkpoint):
+    name, model, path = checkpoint
+    top_k = model.config.num_experts_per_tok
+    engine = load_model(path, "cpu", num_slots=top_k, max_seq_len=32, progress=False)
+    prompt = _tokens(6, seed=3)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+    got = engine.generate([prompt], max_new_tokens=8)
+    assert got == [ref]
+    counters = engine.moe.cache.counters
+    assert (counters[:, CALLS] == 7).all()  # 7 decode steps after the prefill's token
+    assert (counters[:, MISSES] == counters[:, ACCESSES]).all()  # num_slots = top_k: every call evicts
+
+
+def test_batch_of_unequal_prompts_decodes_like_single_sequences(checkpoint):
+    name, model, path = checkpoint
+    engine = load_model(path, "cpu", num_slots=2 * model.config.num_experts_per_tok, max_batch=2,
+                        max_seq_len=32, progress=False)
+    seqs = [_tokens(9, seed=4), _tokens(13, seed=5)]  # prompts of 5 and 9 tokens, 4 decode steps each
+    prompts = [seqs[0][:5], seqs[1][:9]]
+    first = engine.prefill(prompts)  # [2, V]
+    steps = [engine.decode_step([seqs[0][5 + j], seqs[1][9 + j]]) for j in range(4)]  # 4 x [2, V]
+    for row, seq in enumerate(seqs):
+        ref = _hf_logits(model, seq).logits[0]
+        got = torch.stack([first[row]] + [s[row] for s in steps])
+        _close(got, ref[len(prompts[row]) - 1:], rel=1e-4)
+    assert engine.moe.cache.counters[:, MISSES].sum() > 0
+
+
+def test_prefill_touching_every_expert_keeps_the_decode_working_set(checkpoint):
+    name, model, path = checkpoint
+    cfg = model.config
+    engine = load_model(path, "cpu", num_slots=cfg.num_experts_per_tok + 1, max_seq_len=128, progress=False)
+    engine.generate([_tokens(5, seed=6)], max_new_tokens=4)
+    before = engine.moe.cache.snapshot()
+    long = _tokens(120, seed=7)
+    out = _hf_logits(model, long, output_router_logits=True)
+    for logits in out.router_logits:  # [T, E] per MoE layer: the prompt routes to every expert
+        assert torch.unique(logits.topk(cfg.num_experts_per_tok, dim=-1).indices).numel() == cfg.num_experts
+    _close(engine.prefill([long], all_logits=True)[0], out.logits[0], rel=1e-4)
+    assert engine.moe.cache.snapshot().equals(before)
+
+
+def test_recorded_routing_is_transformers_router_topk(checkpoint):
+    name, model, path = checkpoint
+    k = model.config.num_experts_per_tok
+    engine = load_model(path, "cpu", num_slots=k, max_seq_len=32, record_routing=True, progress=False)
+    seq = _tokens(10, seed=8)
+    _teacher_forced(engine, seq, prompt_len=6)
+    routing = engine.routing()  # [N, L_moe, B, k]
+    assert routing.dtype == np.int32 and routing.shape == (4, engine.spec.num_moe_layers, 1, k)
+    router = _hf_logits(model, seq, output_router_logits=True).router_logits  # L_moe x [T, E]
+    ref = np.stack([r[6:].topk(k, dim=-1).indices.numpy() for r in router], axis=1)  # [N, L_moe, k]
+    np.testing.assert_array_equal(routing[:, :, 0], ref)
+
+
+def test_recorded_routing_pads_smaller_batches(checkpoint):
+    name, model, path = checkpoint
+    k = model.config.num_experts_per_tok
+    engine = load_model(path, "cpu", num_slots=2 * k, max_batch=2, max_seq_len=16, record_routing=True,
+                        progress=False)
+    assert engine.routing().shape == (0, engine.spec.num_moe_layers, 0, k)
+    engine.generate([_tokens(3, seed=10)], max_new_tokens=2)  # one decode step of one row
+    engine.generate([_tokens(3, seed=11), _tokens(4, seed=12)], max_new_tokens=2)  # one step of two rows
+    routing = engine.routing()
+    assert routing.shape == (2, engine.spec.num_moe_layers, 2, k)
+    assert (routing[0, :, 1] == -1).all() and (routing[0, :, 0] >= 0).all() and (routing[1] >= 0).all()
+
+
+def test_fused_expert_layout_and_sharded_index_load_identically(checkpoint, tmp_path):
+    name, model, path = checkpoint
+    seq = _tokens(8, seed=9)
+
+    def logits(p):
+        return load_model(p, "cpu", num_slots=16, max_seq_len=16, progress=False).prefill([seq], all_logits=True)[0]
+
+    fused = tmp_path / "fused"  # transformers >= 5's in-memory names: mlp.experts.gate_up_proj [E, 2I, H]
+    fused.mkdir()
+    shutil.copy(path / "config.json", fused)
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(fused / "model.safetensors"))
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, safe_serialization=True, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    base = logits(path)
+    assert torch.equal(logits(fused), base) and torch.equal(logits(sharded), base)
+
+
+def _broken_copy(path, tmp_path, edit_tensors=None, edit_config=None):
+    out = tmp_path / "broken"
+    shutil.copytree(path, out)
+    if edit_tensors is not None:
+        tensors = load_file(str(out / "model.safetensors"))
+        edit_tensors(tensors)
+        save_file(tensors, str(out / "model.safetensors"))
+    if edit_config is not None:
+        config = json.loads((out / "config.json").read_text())
+        edit_config(config)
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("case, edit_tensors, edit_config, pattern", [
+    ("missing tensor", lambda t: t.pop(EXPERT), None, rf"tensor '{EXPERT}' is missing"),
+    ("wrong shape", lambda t: t.update({"model.layers.2.self_attn.k_proj.weight": torch.zeros(16, 64)}), None,
+     r"'model\.layers\.2\.self_attn\.k_proj\.weight' has shape \[16, 64\], expected \[\d+, 64\]"),
+    ("unsupported model_type", None, lambda c: c.update(model_type="llama"),
+     r"model_type='llama' is not supported; supported: \['qwen2_moe', 'qwen3_moe'\]"),
+    ("missing config key", None, lambda c: c.pop("num_attention_heads"), r"missing 'num_attention_heads'"),
+    ("scaled rope", None, lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
+     r"rope_type='yarn'"),
+])
+def test_load_errors_name_the_culprit(checkpoint, tmp_path, case, edit_tensors, edit_config, pattern):
+    name, model, path = checkpoint
+    broken = _broken_copy(path, tmp_path, edit_tensors, edit_config)
+    with pytest.raises(CheckpointError, match=pattern):
+        load_model(broken, "cpu", num_slots=16, progress=False)
+
+
+def test_too_few_slots_for_the_batch_names_the_flag(checkpoint):
+    name, model, path = checkpoint
+    k = model.config.num_experts_per_tok
+    with pytest.raises(ValueError, match="--moe-slots"):
+        load_model(path, "cpu", num_slots=2 * k - 1, max_batch=2, progress=False)
