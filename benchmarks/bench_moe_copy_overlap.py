@@ -10,7 +10,8 @@
        3. ABAB timing: each round replays both step graphs on the same input (same misses), order
           alternating, CUDA events behind a sleep kernel; saving = median paired difference / L
        4. profiler trace of --profile replays per mode: copy start slip (ensure end -> copy start),
-          share of missing layers whose shared expert ends inside the copy, copy duration on vs off
+          share of missing layers whose shared expert ends inside the copy, copy duration on vs off,
+          kernels per layer (every kernel of the replays / (replays * L); the eager step's count too)
     -> resident mode: pools of L*E slots, every expert made resident first; ABAB timing of the
        whole layer vs the HBM floor (weights read per layer / device-to-device bandwidth measured now)
     -> Chrome traces (open in Perfetto): step_{off,on}.json (one decode step), replays_{off,on}.json;
@@ -114,7 +115,9 @@ def calibrate(models: dict, x: torch.Tensor, out_dir: Path) -> dict:
         events = load_trace(path)
         shared, every = kernels_in_range(events, RANGE), kernels(events)
         compute = {k.stream for k in named(every, "_miss_copy_kernel") + named(every, "ensure_kernel")}
-        info[mode] = {"shared_names": sorted({k.name for k in shared}), "shared_kernels": [k.name for k in shared],
+        info[mode] = {"kernels_per_layer": len(every) / len(model.layers),
+                      "kernel_names": sorted({k.name for k in every}),
+                      "shared_names": sorted({k.name for k in shared}), "shared_kernels": [k.name for k in shared],
                       "shared_streams": sorted({k.stream for k in shared}), "compute_streams": sorted(compute),
                       "other_names": sorted({k.name for k in every} - {k.name for k in shared})}
     on = info["on"]
@@ -177,7 +180,8 @@ def replay_metrics(graph: Graph, xs: list[torch.Tensor], path: Path, shared_name
     ks = kernels(load_trace(path))
     ensures, copies = named(ks, "ensure_kernel"), named(ks, "_miss_copy_kernel")
     missed_us = expert_bytes / FAST_LINK * 1e6
-    out = {"layers": len(copies), "slip_us": [c.start - e.end for e, c in zip(ensures, copies)],
+    out = {"layers": len(copies), "kernels": len(ks),
+           "slip_us": [c.start - e.end for e, c in zip(ensures, copies)],
            "copy_us": [c.duration for c in copies], "missed": [c.duration > missed_us for c in copies]}
     shared = [k for k in ks if k.name in shared_names]
     if shared_names and per_layer and len(shared) == per_layer * len(copies):
@@ -190,6 +194,7 @@ def summarize(m: dict) -> dict:
     miss = np.array(m["missed"], dtype=bool)
     copy = np.array(m["copy_us"])
     out = {"layers": m["layers"], "layers_missed": int(miss.sum()),
+           "kernels_per_layer": m["kernels"] / m["layers"] if m["layers"] else None,
            "median_slip_us": float(np.median(m["slip_us"])),
            "copy_us_median_missed": float(np.median(copy[miss])) if miss.any() else None}
     if "shared_inside_copy" in m:
@@ -269,7 +274,7 @@ def resident_mode(weights, args, xs) -> dict:
     return {"timing": timing, "misses_during_timing": new_misses, "d2d_bytes_per_s": bw,
             "weight_bytes_per_layer": weight_bytes, "hbm_floor_us": floor_us, "layer_us": per_layer,
             "ratio_to_floor": {m: per_layer[m] / floor_us for m in per_layer},
-            "note": "the router runs from a float32 copy (2 MiB more than the bf16 weights counted here)"}
+            "note": "router, experts and shared expert all read in bf16, as counted here"}
 
 
 def table(res: dict) -> str:
@@ -288,6 +293,9 @@ def table(res: dict) -> str:
              f"on {fmt(p['on']['copy_us_median_missed'])} us"),
              (f"  shared expert ends inside the copy: {fmt(p['on'].get('shared_inside_copy_share_missed'), '.0%')} "
              f"of missing layers ({fmt(p['on'].get('shared_inside_copy_share_all'), '.0%')} of all)"),
+             (f"  kernels per layer: eager step off {miss['calibration']['off']['kernels_per_layer']:.1f}, "
+              f"on {miss['calibration']['on']['kernels_per_layer']:.1f}; graph replays off "
+              f"{fmt(p['off']['kernels_per_layer'])}, on {fmt(p['on']['kernels_per_layer'])}"),
              TARGET,
              (f"  HBM floor {resi['hbm_floor_us']:.1f} us/layer ({resi['weight_bytes_per_layer'] / 1e6:.1f} MB at "
              f"{resi['d2d_bytes_per_s'] / 1e12:.2f} TB/s); layer off {resi['layer_us']['off']:.1f} us "

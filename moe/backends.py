@@ -132,8 +132,9 @@ class GpuMoE:
 
     def decode(self, w: MoEWeights, hidden: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         layer = self.layers[w.index]
-        ids = route(hidden, layer.router_w, self.cfg.top_k, self.cfg.norm_topk_prob)[1] if record else None
-        return layer.forward(hidden.contiguous()), ids
+        out = layer.forward(hidden.contiguous())
+        ids = layer.last_routing(hidden.shape[0])[1].clone() if record else None  # what it routed with
+        return out, ids
 
     def prefill(self, w: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
         return moe_prefill(self.store, self.cfg, w, hidden)

@@ -1,32 +1,34 @@
 """One MoE decode layer over the shared slot cache, with the shared expert optionally on the side stream.
 
-    hidden [T, H] ──fork──► side stream: shared = sigmoid(x @ gate_wᵀ) * down(silu(gate(x)) * up(x))  ─┐
-       │                                                                                              │
-       └─► route (router GEMV f32, softmax, top-k, renorm) → ids [T, k] int32, weights [T, k] f32     │
-           → cache.ensure(layer, ids) → slots [T, k], plan [Q, 2], count [1]                          │
-           → miss_copy(store, pool, plan, count)            (on the compute stream, right behind ensure)
-           → routed_experts(hidden, slots, weights, pool gate_up, pool down) → routed [T, H] f32 ──join─► out
-
-    out [T, H] = (routed + shared) cast to hidden's dtype.
+    hidden [T, H] ─fork─► side stream (or first, in line): the shared expert as a one-slot routed call
+       │     1 _shared_gate_up: act_s [T, Is] = sigmoid(x · gate_w) * silu(gate(x)) * up(x)
+       │     2 _shared_down:    shared [T, H] f32 = down(act_s)                                  ─┐
+       │                                                                                         │
+       └─► 3 _router_kernel: ids [T, k] int32, weights [T, k] f32 (bf16 weights, f32 accumulate)  │
+           4 ensure_kernel: slots [T, k], plan [Q, 2], count [1]                                 │
+           5 _miss_copy_kernel(store, pool, plan, count)   (compute stream, right behind ensure) │
+           6 _gate_up_kernel: act [T * k, I] f32                                                 │
+           ─────────────────────────────────────────────────────────────────────────── join ◄───┘
+           7 _down_kernel: out [T, H] = cast(Σ_j (in order) down[slots[t, j]] · act + shared)
 
 Legend: T = tokens (1..GEMV_MAX_TOKENS), H = hidden, E = experts, k = top_k, I / Is = routed / shared
-width, S = pool slots. One `SlotCache` per model: every layer shares its HostStore (banks "gate_up"
-[L*E, 2I, H] and "down" [L*E, H, I], rows indexed by key = layer * E + expert), SlotPool, DeviceCache
-and SideStream.
+width, S = pool slots. Seven launches per layer with a shared expert (five without). One `SlotCache`
+per model: every layer shares its HostStore (banks "gate_up" [L*E, 2I, H] and "down" [L*E, H, I],
+rows indexed by key = layer * E + expert), SlotPool, DeviceCache and SideStream.
 
-Overlap off (`OverlapMode.NONE`) launches everything on the current (compute) stream: the routed path,
-then the shared expert, then the combine. Overlap on launches the same kernels with the same
-arithmetic, the shared expert on the side stream: fork before the router, join before the combine.
-Nothing on the compute stream writes `hidden` before the join (the routed path only reads it), and
-the shared output made on the side stream is `record_stream`ed onto the compute stream, so the caching
-allocator never hands its memory out before the combine has read it. The outputs are therefore
-bitwise equal with the flag on and off. `forward` reads nothing back to the host: capturable.
+Overlap off (`OverlapMode.NONE`) launches 1..7 in that order on the current (compute) stream. Overlap
+on launches the same kernels with the same arguments, 1-2 on the side stream: fork before the router,
+join before launch 7, whose addend is the shared output; the combine (routed + shared in float32, one
+rounding to the model dtype) happens inside launch 7. Nothing on the compute stream writes `hidden`
+or the shared expert's buffers (per layer: slots, act_s, shared), and every side-stream write lands
+before the join, so the outputs, slot map and pool are bitwise equal with the flag on and off. The
+layer's buffers are made at construction and reused (one per layer, rows [0, T) used), so a call
+allocates only its output; `forward` reads nothing back to the host: capturable.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from expertcache.copy import miss_copy
 from expertcache.device import DeviceCache
@@ -35,8 +37,9 @@ from expertcache.pool import HostStore, SlotPool
 from expertcache.streams import SideStream
 from moe.config import MoEConfig
 from moe.plan import GEMV_MAX_TOKENS, OverlapMode, make_routed_plan, select_overlap_mode
-from moe.reference import SharedWeights, check_shared, route
-from moe.routed import routed_experts
+from moe.reference import SharedWeights, check_shared
+from moe.routed import routed_down, routed_experts, routed_gate_up, routed_scratch
+from moe.router import ROUTER_MAX_EXPERTS, router_scratch, router_topk
 
 BANKS = ("gate_up", "down")  # the HostStore / SlotPool banks a layer reads, in this order
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -94,7 +97,7 @@ class SlotCache:
 class MoELayer:
     """One MoE block of layer `layer` (0..L-1) reading its routed experts through `slots`.
 
-    router_w: [E, H] (kept as a float32 copy: the router runs in float32, as moe.reference.route).
+    router_w: [E, H], kept in the config's dtype (the router kernel accumulates in float32).
     shared: (gate_up [2Is, H], down [H, Is], gate_w [1, H]) in the config's dtype, exactly when
     cfg.shared_intermediate > 0. `cfg.copy_overlap` picks the side stream; resolve
     EXPERTCACHE_MOE_COPY_OVERLAP into it (moe.config.copy_overlap_from_env) before building.
@@ -108,11 +111,26 @@ class MoELayer:
         self.dtype = DTYPES[cfg.dtype]
         self.device = slots.pool.device
         _check_weights(cfg, layer, router_w, shared, slots, self.dtype)
-        self.router_w = router_w.to(self.device, torch.float32).contiguous()  # [E, H] f32
+        self.router_w = router_w.to(self.device, self.dtype).contiguous()  # [E, H] model dtype
         self.shared = None if shared is None else tuple(w.to(self.device).contiguous() for w in shared)
-        self._routed_out: dict[int, torch.Tensor] = {}  # T -> [T, H] f32, reused so graphs keep it
+        self._make_buffers()
         self.side: SideStream | None = None
         self.refresh()
+
+    def _make_buffers(self) -> None:
+        """Per-layer buffers of GEMV_MAX_TOKENS rows (rows [0, T) used), made once outside any capture."""
+        cfg, n, dev = self.cfg, GEMV_MAX_TOKENS, self.device
+        self._weights = torch.empty((n, cfg.top_k), dtype=torch.float32, device=dev)  # router out
+        self._ids = torch.empty((n, cfg.top_k), dtype=torch.int32, device=dev)
+        self._routed_out = torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)  # routed() only
+        router_scratch(dev, cfg.num_experts)
+        routed_scratch(dev, cfg.top_k, cfg.expert_intermediate)
+        if self.shared is not None:  # the shared expert as a one-slot pool, written only by its launches
+            gate_up, down, _ = self.shared
+            self._shared_pool = (gate_up[None], down[None])  # [1, 2Is, H], [1, H, Is]
+            self._shared_slots = torch.zeros((n, 1), dtype=torch.int32, device=dev)
+            self._shared_act = torch.empty((n, cfg.shared_intermediate), dtype=torch.float32, device=dev)
+            self._shared_out = torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)
 
     def refresh(self) -> None:
         """Decide the overlap mode (once per build or rebuild) and fetch the side stream if it applies.
@@ -134,59 +152,64 @@ class MoELayer:
         return self.forward(hidden)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H] (cfg dtype, contiguous, on the pool's device) -> out [T, H] same dtype.
+        """hidden [T, H] (cfg dtype, contiguous, on the pool's device) -> out [T, H] same dtype (new).
 
-        Launches on the current stream (plus the side stream when overlapping); no host sync.
-        Raises ValueError naming `hidden` for a wrong shape, dtype or device, and naming
-        --moe-slots when T * top_k exceeds the pool's slots (a call could ask for more distinct
-        experts than slots, which ensure refuses).
+        Seven launches (five without a shared expert) on the current stream, two of them on the
+        side stream when overlapping; no host sync. Raises ValueError naming `hidden` for a wrong
+        shape, dtype or device, and naming --moe-slots when T * top_k exceeds the pool's slots (a
+        call could ask for more distinct experts than slots, which ensure refuses).
         """
         self._check_hidden(hidden)
-        if self.overlap_mode is OverlapMode.SIDE_STREAM:
-            return self._forward_overlap(hidden)
-        routed = self.routed(hidden)
-        shared = None if self.shared is None else self.shared_expert(hidden)
-        return self._combine(routed, shared)
+        out = torch.empty(hidden.shape, dtype=self.dtype, device=self.device)
+        side = self.side if self.overlap_mode is OverlapMode.SIDE_STREAM else None
+        shared = None
+        if side is not None:
+            compute = torch.cuda.current_stream(self.device)
+            side.fork(compute)  # the side stream sees hidden as the compute stream left it
+            with torch.cuda.stream(side.stream):
+                shared = self.shared_expert(hidden)  # [T, H] f32, a buffer of this layer
+        elif self.shared is not None:
+            shared = self.shared_expert(hidden)
+        act, slots = self._routed_front(hidden)  # router, ensure, miss copy, gate_up: back to back
+        if side is not None:
+            side.join(compute)  # the down launch below reads `shared`
+        routed_down(act, slots, self.slots.pool.tensor("down"), addend=shared, out_cast=out)
+        return out
 
-    def _forward_overlap(self, hidden: torch.Tensor) -> torch.Tensor:
-        compute = torch.cuda.current_stream(self.device)
-        self.side.fork(compute)  # the side stream sees hidden as the compute stream left it
-        with torch.cuda.stream(self.side.stream):
-            shared = self.shared_expert(hidden)  # [T, H], allocated on the side stream
-        shared.record_stream(compute)  # read by the combine below, on the compute stream
-        routed = self.routed(hidden)  # router, ensure, miss copy, routed GEMM: back to back
-        self.side.join(compute)
-        return self._combine(routed, shared)
-
-    def routed(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The routed half: hidden [T, H] -> [T, H] float32 (a buffer reused per T). See the module."""
-        cfg, slots = self.cfg, self.slots
-        weights, ids = route(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob)  # [T, k] f32 / i32
+    def _routed_front(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launches 3-6: hidden [T, H] -> (act [T * k, I] f32, slots [T, k] int32) for routed_down."""
+        cfg, slots, tokens = self.cfg, self.slots, hidden.shape[0]
+        weights, ids = router_topk(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob,
+                                   weights=self._weights[:tokens], ids=self._ids[:tokens])
         buf = slots.cache.ensure(self.layer, ids)  # slots [T, k], plan [Q, 2], count [1]
         miss_copy(slots.store, slots.pool, buf.plan, buf.count)
-        tokens = hidden.shape[0]
-        if tokens not in self._routed_out:
-            self._routed_out[tokens] = torch.empty((tokens, cfg.hidden), dtype=torch.float32,
-                                                   device=self.device)
-        return routed_experts(hidden, buf.slots, weights, slots.pool.tensor("gate_up"),
-                              slots.pool.tensor("down"), out=self._routed_out[tokens])
+        act = routed_gate_up(hidden, buf.slots, weights, slots.pool.tensor("gate_up"))
+        return act, buf.slots
+
+    def last_routing(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, ids [T, k] int32) that the last forward / routed call of T tokens
+        routed with: views of this layer's buffers, valid until its next call (read them after it,
+        on its stream). Raises ValueError naming `tokens` outside 1..GEMV_MAX_TOKENS."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= GEMV_MAX_TOKENS:
+            raise ValueError(f"MoELayer.last_routing: tokens must be an int in 1..{GEMV_MAX_TOKENS}, got {tokens!r}")
+        return self._weights[:tokens], self._ids[:tokens]
+
+    def routed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The routed half alone: hidden [T, H] -> [T, H] float32 (a buffer of this layer, reused)."""
+        act, slots = self._routed_front(hidden)
+        return routed_down(act, slots, self.slots.pool.tensor("down"), out=self._routed_out[:hidden.shape[0]])
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> sigmoid(x @ gate_wᵀ) * down(silu(gate(x)) * up(x)), [T, H] in x's dtype.
+        """x [T, H] -> sigmoid(x · gate_w) * down(silu(gate(x)) * up(x)), [T, H] float32.
 
-        Matmuls in the weights' dtype with float32 accumulation (cuBLAS / CPU BLAS). Cost
+        Two launches (moe.routed_experts over the one-slot pool, gate computed inside the first);
+        float32 accumulation. Returns a buffer of this layer, overwritten by the next call. Cost
         O(T * (3 * Is + 1) * H).
         """
-        gate_up, down, gate_w = self.shared
-        inter = down.shape[1]
-        gu = x @ gate_up.T  # [T, 2Is]
-        act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, Is]
-        return torch.sigmoid(x @ gate_w.T) * (act @ down.T)  # [T, 1] * [T, H]
-
-    def _combine(self, routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
-        """routed [T, H] f32 (+ shared [T, H]) -> [T, H] in the layer's dtype."""
-        out = routed if shared is None else routed + shared  # float32
-        return out.to(self.dtype)
+        gate_up, down = self._shared_pool
+        tokens = x.shape[0]
+        return routed_experts(x, self._shared_slots[:tokens], None, gate_up, down, gate_w=self.shared[2],
+                              out=self._shared_out[:tokens], act=self._shared_act)
 
     def _check_hidden(self, hidden: torch.Tensor) -> None:
         ok = (isinstance(hidden, torch.Tensor) and hidden.dim() == 2
@@ -218,5 +241,8 @@ def _check_weights(cfg: MoEConfig, layer: int, router_w: torch.Tensor, shared: S
         if b.row_shape != shape or b.dtype != dtype:
             raise ValueError(f"MoELayer: bank {bank!r} rows must be {list(shape)} {dtype} (MoEConfig "
                              f"hidden/expert_intermediate/dtype), got {list(b.row_shape)} {b.dtype}")
+    if cfg.num_experts > ROUTER_MAX_EXPERTS:
+        raise ValueError(f"MoELayer: MoEConfig.num_experts={cfg.num_experts} exceeds the router kernel's "
+                         f"ROUTER_MAX_EXPERTS={ROUTER_MAX_EXPERTS}")
     check_shared(cfg, shared, "MoELayer", dtype)
 

@@ -13,6 +13,14 @@ Routed GEMM families (the routed kernels receive slot ids, never expert ids):
   tokens is read once per token (the repeats meet in L2). down: one CTA per (token, GEMV_BLOCK_H
   output rows), grid = (tokens, ceil(H / GEMV_BLOCK_H)). No grid-wide barrier, so neither
   launch needs co-residency and side work may hold SMs.
+  The shared expert runs through the same two kernels as a one-slot pool (k = 1, slots all 0,
+  its gate computed inside the gate_up launch): grids (tokens, ceil(Is / GEMV_BLOCK_I)) and
+  (tokens, ceil(H / GEMV_BLOCK_H)); the routed down launch adds its output and writes the layer's
+  output in the model dtype (the combine). The router before them (`moe.router`) is one launch of
+  grid (tokens, ceil(E / block_e)) whose last-arriving program per token selects the top-k: an
+  arrival counter, but no program ever waits for another, so it needs no co-residency either.
+  A decode layer is 7 launches: router, ensure, miss copy, routed gate_up, routed down (+ combine),
+  and the shared expert's 2 (on the side stream when overlapping).
 * "grouped-persistent" (more tokens): a persistent grouped GEMM, grid = (min(num_sms, tiles),),
   each CTA looping over (expert, M tile, N tile) work items on its own; no grid-wide barrier.
 

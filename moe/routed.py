@@ -1,36 +1,39 @@
 """The routed-expert GEMM of a decode step (1..GEMV_MAX_TOKENS tokens), read from the slot pool by slot id.
 
-    hidden [T, H], slots [T, k] int32, weights [T, k] float32
+    hidden [T, H], slots [T, k] int32, weights [T, k] float32 (or gate_w [1, H]: the shared expert)
     pool banks gate_up [S, 2I, H], down [S, H, I]        (expertcache.pool.SlotPool, indexed by slot)
         │
-        ├─ launch 1, _gate_up_kernel, grid (T * k, ceil(I / block_i)): program (t * k + j, tile)
-        │     reads gate rows [tile) and up rows [I + tile) of slot slots[t, j], both · hidden[t]
-        │     -> act [T * k, I] float32 = weights[t, j] * silu(gate) * up   (0 when no expert)
+        ├─ routed_gate_up: 1 launch, grid (T * k, ceil(I / block_i))
+        │     -> act [T * k, I] float32 = weight[t, j] * silu(gate) * up   (0 when no expert)
+        │        weight = weights[t, j], or sigmoid(hidden[t] · gate_w) when gate_w is given
         │
-        └─ launch 2, _down_kernel, grid (T, ceil(H / block_h)): program (t, tile)
-              for j = 0 .. k-1 in order: acc += down[slots[t, j]][tile, :] * act[t * k + j, :]
-              -> out [T, H] float32 = Σ_j weights[t, j] * down(silu(gate(x)) * up(x))
+        └─ routed_down: 1 launch, grid (T, ceil(H / block_h))
+              y[t] = Σ_{j = 0..k-1 in order} down[slots[t, j]] · act[t * k + j]   (+ addend[t])
+              -> out [T, H] float32 and / or out_cast [T, H] = cast(y) in the pool's dtype
+
+    routed_experts = routed_gate_up then routed_down; a caller that must wait for other work between
+    the two (the layer joins its side stream there) calls them one by one.
 
 Legend: T = tokens, H = hidden, I = expert width, k = top_k, S = pool slots. A slot id outside
 [0, S) (NO_SLOT = -1 in particular) contributes nothing. No expert weights are gathered or copied:
-every program streams whole rows of one slot with 16-byte loads and accumulates in float32.
-Both launches have independent programs (no atomics, no grid barrier), so the result is bitwise
-repeatable for a fixed RoutedConfig and any side-stream work may hold SMs meanwhile. A slot that
-several tokens route to is read once per token; the repeats run side by side and meet in L2.
-Nothing reads a device value on the host, so a call is CUDA-graph capturable once compiled.
+every program streams whole rows of one slot with 16-byte loads and accumulates in float32 (kernels:
+moe.routed_kernels). The shared expert is the one-slot case: gate_up[None], down[None], slots all 0,
+gate_w given; its launches use separately named entry kernels with the same code, so traces tell
+them apart. `addend` + `out_cast` fuse an MoE layer's combine (routed + shared, one rounding) into
+the down launch. Both launches have independent programs (no atomics, no grid barrier), so the
+result is bitwise repeatable for a fixed RoutedConfig and any side-stream work may hold SMs
+meanwhile. Nothing reads a device value on the host, so a call is CUDA-graph capturable once compiled.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 from moe.config import MoEConfig
 from moe.plan import (
@@ -40,10 +43,11 @@ from moe.plan import (
     RoutedPlan,
     make_routed_plan,
 )
+from moe.routed_kernels import DOWN_ENTRIES, GATE_UP_ENTRIES, JIT_OPTIONS
+from moe.triton_launch import compile_for_sm, kernel_for
 
 NO_SLOT = -1
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_JIT_OPTIONS = {"do_not_specialize": ["num_slots"]}  # a pool rebuilt with new S keeps its kernels
 
 
 @dataclass(frozen=True)
@@ -83,111 +87,6 @@ class RoutedConfig:
 DEFAULT_CONFIG = RoutedConfig()
 
 
-@triton.jit(**_JIT_OPTIONS)
-def _gate_up_kernel(
-    x_ptr,  # [T, H] hidden (bf16 / f16 / f32), row-major
-    slots_ptr,  # *i32 [T * K]: slot of (token, j); outside [0, num_slots) = no expert
-    weights_ptr,  # *fp32 [T * K]: routing weight of (token, j)
-    w13_ptr,  # [S, 2I, H] gate_up bank: rows [0, I) gate, [I, 2I) up
-    act_ptr,  # *fp32 [T * K, I] out: weight * silu(gate . x) * (up . x); 0 for no expert
-    num_slots,  # i32: S
-    K: tl.constexpr,  # top_k
-    H: tl.constexpr,  # hidden
-    I: tl.constexpr,  # expert width
-    BLOCK_I: tl.constexpr,  # gate rows per program
-    CHUNK_H: tl.constexpr,  # hidden columns per load step
-    EVEN: tl.constexpr,  # I % BLOCK_I == 0 and H % CHUNK_H == 0: no row / column masks
-):
-    pair = tl.program_id(0)  # t * K + j
-    token = pair // K
-    slot = tl.load(slots_ptr + pair)
-    live = (slot >= 0) & (slot < num_slots)
-    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] gate rows
-    base = w13_ptr + tl.where(live, slot, 0).to(tl.int64) * (2 * I * H)
-    gate_ptrs = base + rows[:, None] * H  # [BLOCK_I, 1]; up rows are I * H further
-    acc_gate = tl.zeros([BLOCK_I, CHUNK_H], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_I, CHUNK_H], dtype=tl.float32)
-    for h0 in tl.static_range(0, H, CHUNK_H):  # unrolled: every step's loads are independent
-        cols = h0 + tl.arange(0, CHUNK_H)  # [CHUNK_H]
-        if EVEN:
-            x = tl.load(x_ptr + token * H + cols)
-            mask = live
-        else:
-            x = tl.load(x_ptr + token * H + cols, mask=cols < H, other=0.0)
-            mask = live & (rows[:, None] < I) & (cols[None, :] < H)
-        gate = tl.load(gate_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_I, CHUNK_H]
-        up = tl.load(gate_ptrs + I * H + cols[None, :], mask=mask, other=0.0)
-        xf = x.to(tl.float32)[None, :]
-        acc_gate += gate.to(tl.float32) * xf
-        acc_up += up.to(tl.float32) * xf
-    gate_dot = tl.sum(acc_gate, axis=1)  # [BLOCK_I]
-    up_dot = tl.sum(acc_up, axis=1)
-    weight = tl.load(weights_ptr + pair)
-    act = tl.where(live, weight * gate_dot * tl.sigmoid(gate_dot) * up_dot, 0.0)
-    tl.store(act_ptr + pair * I + rows, act, mask=rows < I)
-
-
-@triton.jit(**_JIT_OPTIONS)
-def _down_kernel(
-    act_ptr,  # *fp32 [T * K, I]: from _gate_up_kernel, routing weight folded in
-    slots_ptr,  # *i32 [T * K]: slot of (token, j); outside [0, num_slots) = no expert
-    w2_ptr,  # [S, H, I] down bank
-    out_ptr,  # *fp32 [T, H] out
-    num_slots,  # i32: S
-    K: tl.constexpr,  # top_k
-    H: tl.constexpr,  # hidden
-    I: tl.constexpr,  # expert width
-    BLOCK_H: tl.constexpr,  # output rows per program
-    CHUNK_I: tl.constexpr,  # intermediate columns per load step
-    EVEN: tl.constexpr,  # H % BLOCK_H == 0 and I % CHUNK_I == 0: no row / column masks
-):
-    token = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
-    acc = tl.zeros([BLOCK_H, CHUNK_I], dtype=tl.float32)
-    for j in tl.static_range(K):  # ordered combine: j = 0, 1, ..., K-1 into one accumulator
-        slot = tl.load(slots_ptr + token * K + j)
-        live = (slot >= 0) & (slot < num_slots)
-        down_ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I
-        for i0 in tl.static_range(0, I, CHUNK_I):
-            cols = i0 + tl.arange(0, CHUNK_I)  # [CHUNK_I]
-            if EVEN:
-                a = tl.load(act_ptr + (token * K + j) * I + cols)
-                mask = live
-            else:
-                a = tl.load(act_ptr + (token * K + j) * I + cols, mask=cols < I, other=0.0)
-                mask = live & (rows[:, None] < H) & (cols[None, :] < I)
-            d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
-            acc += d.to(tl.float32) * a[None, :]
-    tl.store(out_ptr + token * H + rows, tl.sum(acc, axis=1), mask=rows < H)
-
-
-_TWINS: dict[tuple[str, str], object] = {}
-
-
-def _kernel_for(kernel, device: torch.device):
-    """`kernel` compiled for a CUDA device, interpreted for CPU tensors (TRITON_INTERPRET=1).
-
-    Triton fixes the mode at decoration time; this builds the other mode's twin from the same
-    source, as expertcache.copy does. Raises RuntimeError for CPU tensors without the interpreter.
-    """
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    if device.type == "cuda":
-        cls = JITFunction
-    elif os.environ.get("TRITON_INTERPRET", "0") == "1":
-        cls = InterpretedFunction
-    else:
-        raise RuntimeError("routed_experts runs Triton kernels on CUDA tensors; for CPU tensors set "
-                           "TRITON_INTERPRET=1 (Triton's interpreter) before importing triton")
-    if isinstance(kernel, cls):
-        return kernel
-    key = (kernel.fn.__name__, cls.__name__)
-    if key not in _TWINS:
-        _TWINS[key] = cls(kernel.fn, **_JIT_OPTIONS)
-    return _TWINS[key]
-
-
 def _tiles(hidden: int, inter: int, config: RoutedConfig) -> tuple[int, int, int, int]:
     """(block_i, chunk_h, block_h, chunk_i) of `config`, each capped at its dimension's power of two."""
     h2, i2 = triton.next_power_of_2(hidden), triton.next_power_of_2(inter)
@@ -217,35 +116,46 @@ def routed_plan(tokens: int, cfg: MoEConfig, num_sms: int = 132,
     return dataclasses.replace(plan, grid=grid)
 
 
-def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
-                       config: RoutedConfig = DEFAULT_CONFIG, arch: int = 90) -> dict[str, dict]:
-    """Compile both kernels ahead of time for CUDA sm_<arch> (no GPU needed; needs ptxas).
+def _even(hidden: int, inter: int, config: RoutedConfig) -> tuple[bool, bool]:
+    """(gate_up EVEN, down EVEN): no row / column masks needed at these tiles."""
+    block_i, chunk_h, block_h, chunk_i = _tiles(hidden, inter, config)
+    return inter % block_i == 0 and hidden % chunk_h == 0, hidden % block_h == 0 and inter % chunk_i == 0
 
-    dtype: Triton's name of the weight dtype ("bf16", "fp16", "fp32"). T is not compiled in (it only
-    sizes the grids), so one binary per kernel serves T = 1..GEMV_MAX_TOKENS. Returns
-    {kernel name: Triton's asm dict (ttir, ttgir, llir, ptx, cubin)}. Run it in a process without
+
+def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
+                       config: RoutedConfig = DEFAULT_CONFIG, arch: int = 90,
+                       shared_inter: int | None = None) -> dict[str, dict]:
+    """Compile every variant MoELayer launches, ahead of time for CUDA sm_<arch> (no GPU; needs ptxas).
+
+    dtype: Triton's name of the weight dtype ("bf16", "fp16", "fp32"). shared_inter: the shared
+    expert's width Is (default I). T is not compiled in (it only sizes the grids), so one binary per
+    variant serves T = 1..GEMV_MAX_TOKENS. Returns {variant: Triton's asm dict (ttir .. cubin)} for
+    "_gate_up_kernel", "_down_kernel" (f32 out), "_down_kernel+combine" (addend, cast out),
+    "_shared_gate_up" (k = 1, gate computed) and "_shared_down" (k = 1). Run it in a process without
     TRITON_INTERPRET=1 (the interpreter replaces the compiler's language hooks).
     """
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    block_i, chunk_h, block_h, chunk_i = _tiles(hidden, inter, config)
-    shape = {"K": top_k, "H": hidden, "I": inter}
-    launches = (
-        (_gate_up_kernel, (f"*{dtype}", "*i32", "*fp32", f"*{dtype}", "*fp32", "i32"), config.warps_gate_up,
-         dict(shape, BLOCK_I=block_i, CHUNK_H=chunk_h, EVEN=inter % block_i == 0 and hidden % chunk_h == 0)),
-        (_down_kernel, ("*fp32", "*i32", f"*{dtype}", "*fp32", "i32"), config.warps_down,
-         dict(shape, BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=hidden % block_h == 0 and inter % chunk_i == 0)),
-    )
+    shared_inter = inter if shared_inter is None else shared_inter
+    p = f"*{dtype}"
+    gate_up_types = (p, "*i32", "*fp32", p, p, "*fp32", "i32")
     result = {}
-    for kernel, types, warps, constexprs in launches:
-        fn = JITFunction(kernel.fn, **_JIT_OPTIONS)
-        signature = {**dict(zip(fn.arg_names, types)), **{c: "constexpr" for c in constexprs}}
-        aligned = {(n,): [["tt.divisibility", 16]] for n, ty in enumerate(types) if ty.startswith("*")}
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-        result[kernel.fn.__name__] = compiled.asm
+    for name, k, width, is_shared, down_flags in (
+            ("_gate_up_kernel", top_k, inter, False, None),
+            ("_down_kernel", top_k, inter, False, (False, True, False)),
+            ("_down_kernel+combine", top_k, inter, False, (True, False, True)),
+            ("_shared_gate_up", 1, shared_inter, True, None),
+            ("_shared_down", 1, shared_inter, True, (False, True, False))):
+        block_i, chunk_h, block_h, chunk_i = _tiles(hidden, width, config)
+        even_a, even_b = _even(hidden, width, config)
+        shape = {"K": k, "H": hidden, "I": width}
+        if down_flags is None:
+            kernel, types, warps = GATE_UP_ENTRIES[is_shared], gate_up_types, config.warps_gate_up
+            constexprs = dict(shape, BLOCK_I=block_i, CHUNK_H=chunk_h, EVEN=even_a, GATED=is_shared)
+        else:
+            kernel, warps = DOWN_ENTRIES[is_shared], config.warps_down
+            types = ("*fp32", "*i32", p, "*fp32", "*fp32", p, "i32")
+            constexprs = dict(shape, BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=even_b,
+                              ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2])
+        result[name] = compile_for_sm(kernel, types, constexprs, warps, arch, JIT_OPTIONS)
     return result
 
 
@@ -257,7 +167,8 @@ def routed_scratch(device: torch.device | str, top_k: int, inter: int) -> torch.
 
     One buffer per (device, k, I), made on first use and kept: call this (or routed_experts)
     once before CUDA-graph capture so the captured call allocates nothing. Calls that share it
-    must be ordered (one stream, or joined by events). Cost: one allocation on first use.
+    must be ordered (one stream, or joined by events); work on another stream passes its own `act`.
+    Cost: one allocation on first use.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -268,93 +179,182 @@ def routed_scratch(device: torch.device | str, top_k: int, inter: int) -> torch.
     return _SCRATCH[key]
 
 
-def _check_tensor(name: str, t, dtypes: tuple[torch.dtype, ...], ndim: int, device) -> None:
+def _check_tensor(who: str, name: str, t, dtypes: tuple[torch.dtype, ...], ndim: int, device) -> None:
     """Raise ValueError naming `name` unless t is a contiguous `ndim`-d tensor of `dtypes` on `device`."""
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"routed_experts: {name} must be a torch.Tensor, "  # noqa: TRY004 (house: ValueError)
+        raise ValueError(f"{who}: {name} must be a torch.Tensor, "  # noqa: TRY004 (house: ValueError)
                          f"got {type(t).__name__}")
     if t.dim() != ndim:
-        raise ValueError(f"routed_experts: {name} must have {ndim} dims, got shape {list(t.shape)}")
+        raise ValueError(f"{who}: {name} must have {ndim} dims, got shape {list(t.shape)}")
     if t.dtype not in dtypes:
-        raise ValueError(f"routed_experts: {name} dtype must be one of {list(dtypes)}, got {t.dtype}")
+        raise ValueError(f"{who}: {name} dtype must be one of {list(dtypes)}, got {t.dtype}")
     if device is not None and t.device != device:
-        raise ValueError(f"routed_experts: {name} is on {t.device}, hidden is on {device}")
+        raise ValueError(f"{who}: {name} is on {t.device}, expected {device} (hidden's / slots' device)")
     if not t.is_contiguous():
-        raise ValueError(f"routed_experts: {name} must be contiguous (call .contiguous())")
+        raise ValueError(f"{who}: {name} must be contiguous (call .contiguous())")
 
 
-def _check_args(hidden, slots, weights, gate_up, down, out) -> tuple[int, int, int, int, int]:
-    """Validate every argument on the host (no device reads); return (T, k, S, H, I)."""
-    _check_tensor("hidden", hidden, DTYPES, 2, None)
+def _check_slots(who: str, slots, device) -> tuple[int, int]:
+    _check_tensor(who, "slots", slots, (torch.int32,), 2, device)
+    tokens, top_k = slots.shape
+    if not 1 <= tokens <= GEMV_MAX_TOKENS or top_k < 1:
+        raise ValueError(f"{who}: slots must be [T, k >= 1] with T in 1..{GEMV_MAX_TOKENS} "
+                         f"(moe.plan.GEMV_MAX_TOKENS), got {list(slots.shape)}")
+    return tokens, top_k
+
+
+def _check_gate_up(who, hidden, slots, weights, gate_up, gate_w, act) -> tuple[int, int, int, int, int]:
+    """Validate routed_gate_up's arguments on the host (no device reads); return (T, k, S, H, I)."""
+    _check_tensor(who, "hidden", hidden, DTYPES, 2, None)
     dev, (tokens, hid) = hidden.device, hidden.shape
     if not 1 <= tokens <= GEMV_MAX_TOKENS:
-        raise ValueError(f"routed_experts: hidden has {tokens} tokens; 1..{GEMV_MAX_TOKENS} "
+        raise ValueError(f"{who}: hidden has {tokens} tokens; 1..{GEMV_MAX_TOKENS} "
                          "(moe.plan.GEMV_MAX_TOKENS) are served here")
-    _check_tensor("slots", slots, (torch.int32,), 2, dev)
-    _check_tensor("weights", weights, (torch.float32,), 2, dev)
-    _check_tensor("gate_up", gate_up, (hidden.dtype,), 3, dev)
-    _check_tensor("down", down, (hidden.dtype,), 3, dev)
-    top_k = slots.shape[1]
-    if slots.shape[0] != tokens or top_k < 1:
-        raise ValueError(f"routed_experts: slots must be [{tokens}, k >= 1], got {list(slots.shape)}")
-    if tuple(weights.shape) != tuple(slots.shape):
-        raise ValueError(f"routed_experts: weights must be {list(slots.shape)} like slots, "
-                         f"got {list(weights.shape)}")
+    _, top_k = _check_slots(who, slots, dev)
+    if slots.shape[0] != tokens:
+        raise ValueError(f"{who}: slots must be [{tokens}, k >= 1] (T of hidden), got {list(slots.shape)}")
+    if gate_w is None:
+        _check_tensor(who, "weights", weights, (torch.float32,), 2, dev)
+        if tuple(weights.shape) != tuple(slots.shape):
+            raise ValueError(f"{who}: weights must be {list(slots.shape)} like slots, got {list(weights.shape)}")
+    else:
+        if weights is not None:
+            raise ValueError(f"{who}: pass weights=None with gate_w (sigmoid(hidden · gate_w) is the weight)")
+        _check_tensor(who, "gate_w", gate_w, (hidden.dtype,), 2, dev)
+        if tuple(gate_w.shape) != (1, hid):
+            raise ValueError(f"{who}: gate_w must be [1, {hid}], got {list(gate_w.shape)}")
+    _check_tensor(who, "gate_up", gate_up, (hidden.dtype,), 3, dev)
     num_slots, two_i, gate_h = gate_up.shape
     if two_i % 2 or gate_h != hid or num_slots < 1:
-        raise ValueError(f"routed_experts: gate_up must be [S, 2I, {hid}], got {list(gate_up.shape)}")
-    inter = two_i // 2
-    if tuple(down.shape) != (num_slots, hid, inter):
-        raise ValueError(f"routed_experts: down must be [{num_slots}, {hid}, {inter}] (S, H, I of gate_up), "
-                         f"got {list(down.shape)}")
-    if out is not None:
-        _check_tensor("out", out, (torch.float32,), 2, dev)
-        if tuple(out.shape) != (tokens, hid):
-            raise ValueError(f"routed_experts: out must be [{tokens}, {hid}], got {list(out.shape)}")
+        raise ValueError(f"{who}: gate_up must be [S, 2I, {hid}], got {list(gate_up.shape)}")
+    if act is not None:
+        _check_tensor(who, "act", act, (torch.float32,), 2, dev)
+        if act.shape[0] < tokens * top_k or act.shape[1] != two_i // 2:
+            raise ValueError(f"{who}: act must be float32 [>= {tokens * top_k}, {two_i // 2}] (T * k, I), "
+                             f"got {list(act.shape)}")
+    return tokens, top_k, num_slots, hid, two_i // 2
+
+
+def _check_down(who, act, slots, down, out, addend, out_cast) -> tuple[int, int, int, int, int]:
+    """Validate routed_down's arguments on the host; return (T, k, S, H, I)."""
+    _check_tensor(who, "down", down, DTYPES, 3, None)
+    dev, (num_slots, hid, inter) = down.device, down.shape
+    tokens, top_k = _check_slots(who, slots, dev)
+    _check_tensor(who, "act", act, (torch.float32,), 2, dev)
+    if act.shape[0] < tokens * top_k or act.shape[1] != inter:
+        raise ValueError(f"{who}: act must be float32 [>= {tokens * top_k}, {inter}] (T * k, I of down), "
+                         f"got {list(act.shape)}")
+    for name, t, dtype in (("out", out, torch.float32), ("addend", addend, torch.float32),
+                           ("out_cast", out_cast, down.dtype)):
+        if t is not None:
+            _check_tensor(who, name, t, (dtype,), 2, dev)
+            if tuple(t.shape) != (tokens, hid):
+                raise ValueError(f"{who}: {name} must be [{tokens}, {hid}], got {list(t.shape)}")
     return tokens, top_k, num_slots, hid, inter
 
 
-def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+def _device_ctx(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config) -> torch.Tensor:
+    tokens, top_k, num_slots, hid, inter = dims
+    block_i, chunk_h, _, _ = _tiles(hid, inter, config)
+    grid, _ = routed_grids(tokens, top_k, hid, inter, config)
+    gated = gate_w is not None
+    kernel = kernel_for(GATE_UP_ENTRIES[gated], hidden.device, JIT_OPTIONS, "routed_experts")
+    with _device_ctx(hidden.device):
+        kernel[grid](hidden, slots, act if gated else weights, gate_w if gated else hidden, gate_up, act,
+                     num_slots, K=top_k, H=hid, I=inter, BLOCK_I=block_i, CHUNK_H=chunk_h,
+                     EVEN=_even(hid, inter, config)[0], GATED=gated, num_warps=config.warps_gate_up)
+    return act[:tokens * top_k]
+
+
+def _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config) -> torch.Tensor:
+    tokens, top_k, num_slots, hid, inter = dims
+    _, _, block_h, chunk_i = _tiles(hid, inter, config)
+    _, grid = routed_grids(tokens, top_k, hid, inter, config)
+    if out is None and out_cast is None:
+        out = torch.empty((tokens, hid), dtype=torch.float32, device=down.device)
+    kernel = kernel_for(DOWN_ENTRIES[bool(shared)], down.device, JIT_OPTIONS, "routed_experts")
+    with _device_ctx(down.device):
+        kernel[grid](act, slots, down, act if addend is None else addend, act if out is None else out,
+                     act if out_cast is None else out_cast, num_slots, K=top_k, H=hid, I=inter,
+                     BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=_even(hid, inter, config)[1],
+                     ADDEND=addend is not None, WRITE_OUT=out is not None, WRITE_CAST=out_cast is not None,
+                     num_warps=config.warps_down)
+    return out_cast if out is None else out
+
+
+def _config(who: str, config) -> RoutedConfig:
+    config = DEFAULT_CONFIG if config is None else config
+    if not isinstance(config, RoutedConfig):
+        raise ValueError(f"{who}: config must be a RoutedConfig, "  # noqa: TRY004 (house: ValueError)
+                         f"got {type(config).__name__}")
+    return config
+
+
+def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None,
+                   gate_up: torch.Tensor, *, gate_w: torch.Tensor | None = None,
+                   act: torch.Tensor | None = None, config: RoutedConfig | None = None) -> torch.Tensor:
+    """The first launch of routed_experts (same arguments): returns act [T * k, I] float32, rows
+    [0, T * k) of `act` (default routed_scratch(device, k, I)), to pass to routed_down."""
+    config = _config("routed_gate_up", config)
+    dims = _check_gate_up("routed_gate_up", hidden, slots, weights, gate_up, gate_w, act)
+    act = routed_scratch(hidden.device, dims[1], dims[4]) if act is None else act
+    return _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config)
+
+
+def routed_down(act: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, *,
+                out: torch.Tensor | None = None, addend: torch.Tensor | None = None,
+                out_cast: torch.Tensor | None = None, shared: bool = False,
+                config: RoutedConfig | None = None) -> torch.Tensor:
+    """The second launch of routed_experts: act [>= T * k, I] float32 from routed_gate_up, slots
+    [T, k], down [S, H, I]; out / addend / out_cast as routed_experts. shared: launch the shared
+    expert's entry kernel (same code, another name in traces). Returns out, else out_cast."""
+    config = _config("routed_down", config)
+    dims = _check_down("routed_down", act, slots, down, out, addend, out_cast)
+    return _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config)
+
+
+def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None,
                    gate_up: torch.Tensor, down: torch.Tensor, *, out: torch.Tensor | None = None,
-                   config: RoutedConfig | None = None) -> torch.Tensor:
-    """Σ_j weights[t, j] * down(silu(gate(x_t)) * up(x_t)) over the experts in slots[t, j].
+                   config: RoutedConfig | None = None, gate_w: torch.Tensor | None = None,
+                   addend: torch.Tensor | None = None, out_cast: torch.Tensor | None = None,
+                   act: torch.Tensor | None = None) -> torch.Tensor:
+    """addend[t] + Σ_j weights[t, j] * down(silu(gate(x_t)) * up(x_t)) over the experts in slots[t, j].
 
     hidden:  [T, H] bf16 / f16 / f32, contiguous, 1 <= T <= GEMV_MAX_TOKENS.
     slots:   [T, k] int32 slot ids into the pool; -1 (or any id outside [0, S)) adds nothing.
-    weights: [T, k] float32 routing weights.
+    weights: [T, k] float32 routing weights; None when gate_w is given.
     gate_up: [S, 2I, H] pool bank, rows [0, I) gate and [I, 2I) up; down: [S, H, I]; hidden's dtype.
-    out:     optional float32 [T, H] to write into (for CUDA graphs); else a new tensor.
+    out:     optional float32 [T, H] to write into (for CUDA graphs).
+    gate_w:  optional [1, H] in hidden's dtype: every weight is sigmoid(hidden[t] · gate_w) (float32
+             dot, computed inside the gate_up launch): the gated shared expert, called with
+             gate_up[None], down[None] and slots all 0. Launches the shared entry kernels.
+    addend:  optional float32 [T, H] added to the sum (after the ordered sum over j, in float32).
+    out_cast: optional [T, H] in hidden's dtype: receives cast(addend + sum), the layer's output.
+    act:     optional float32 [>= T * k, I] activation buffer; default routed_scratch(device, k, I).
     config:  tiles and warps (RoutedConfig; default DEFAULT_CONFIG).
-    Returns out, [T, H] float32, accumulated in float32; the sum over j runs in order j = 0..k-1
-    and the result is bitwise repeatable. All tensors on one device: CUDA, or CPU under
-    TRITON_INTERPRET=1. Two launches on the current stream, no host sync; with `out` given and
-    the scratch made (routed_scratch) it allocates nothing, so it can be captured in a CUDA graph.
-    Cost: reads T * k * 3 * I * H weight elements (none for empty slots) plus T * k * I * 8
-    activation bytes, writes T * H * 4. Raises ValueError naming the argument whose shape, dtype,
-    device or layout is wrong; RuntimeError for CPU tensors without Triton's interpreter.
+    Returns out when given; else out_cast when given; else a new float32 [T, H]. Without out and
+    with out_cast, no float32 result is written. The sum over j runs in order j = 0..k-1 and the
+    result is bitwise repeatable. All tensors on one device: CUDA, or CPU under TRITON_INTERPRET=1.
+    Two launches on the current stream, no host sync; with out / out_cast given and the scratch made
+    it allocates nothing, so it can be captured in a CUDA graph. Cost: reads T * k * 3 * I * H
+    weight elements (none for empty slots) plus T * k * I * 8 activation bytes (+ T * H * 4 of
+    addend), writes T * H * (4 or the dtype's size). Raises ValueError naming the argument whose
+    shape, dtype, device or layout is wrong; RuntimeError for CPU tensors without Triton's interpreter.
     """
-    config = DEFAULT_CONFIG if config is None else config
-    if not isinstance(config, RoutedConfig):
-        raise ValueError(f"routed_experts: config must be a RoutedConfig, "  # noqa: TRY004 (house: ValueError)
-                         f"got {type(config).__name__}")
-    tokens, top_k, num_slots, hid, inter = _check_args(hidden, slots, weights, gate_up, down, out)
-    device = hidden.device
-    if out is None:
-        out = torch.empty((tokens, hid), dtype=torch.float32, device=device)
-    act = routed_scratch(device, top_k, inter)  # [GEMV_MAX_TOKENS * k, I]; the first T * k rows used
-    block_i, chunk_h, block_h, chunk_i = _tiles(hid, inter, config)
-    grid_a, grid_b = routed_grids(tokens, top_k, hid, inter, config)
-    gate_up_kernel, down_kernel = _kernel_for(_gate_up_kernel, device), _kernel_for(_down_kernel, device)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        gate_up_kernel[grid_a](
-            hidden, slots, weights, gate_up, act, num_slots, K=top_k, H=hid, I=inter,
-            BLOCK_I=block_i, CHUNK_H=chunk_h, EVEN=inter % block_i == 0 and hid % chunk_h == 0,
-            num_warps=config.warps_gate_up)
-        down_kernel[grid_b](
-            act, slots, down, out, num_slots, K=top_k, H=hid, I=inter,
-            BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=hid % block_h == 0 and inter % chunk_i == 0,
-            num_warps=config.warps_down)
-    return out
+    config = _config("routed_experts", config)
+    dims = _check_gate_up("routed_experts", hidden, slots, weights, gate_up, gate_w, act)
+    _check_tensor("routed_experts", "down", down, (hidden.dtype,), 3, hidden.device)
+    if tuple(down.shape) != (dims[2], dims[3], dims[4]):
+        raise ValueError(f"routed_experts: down must be {[dims[2], dims[3], dims[4]]} (S, H, I of gate_up), "
+                         f"got {list(down.shape)}")
+    act = routed_scratch(hidden.device, dims[1], dims[4]) if act is None else act
+    _check_down("routed_experts", act, slots, down, out, addend, out_cast)
+    act = _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config)
+    return _launch_down(act, slots, down, out, addend, out_cast, gate_w is not None, dims, config)
 
 
 def routed_reference(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,

@@ -16,11 +16,13 @@ import torch
 
 from moe.config import MoEConfig
 from moe.plan import GEMV_MAX_TOKENS, make_routed_plan
-from moe.reference import expert_mlp, moe_reference, route
+from moe.reference import expert_mlp, moe_reference, route, shared_expert
 from moe.routed import (
     NO_SLOT,
     RoutedConfig,
+    routed_down,
     routed_experts,
+    routed_gate_up,
     routed_grids,
     routed_plan,
     routed_reference,
@@ -155,6 +157,75 @@ def test_bitwise_repeatable_and_out_reuse():
     assert not torch.equal(out, first)
 
 
+# ---------------------------------------------------------------- the layer's options: combine, shared gate
+
+
+def test_addend_and_out_cast_fuse_the_combine():
+    """out = addend + routed sum (float32, after the ordered sum), out_cast = its one rounding."""
+    device, gpu = device_or_skip()
+    gate_up, down = make_pool(12, 64, 32, torch.bfloat16, device, seed=14)
+    slots, weights = make_route(3, 4, 12, device, seed=15)
+    hidden = torch.randn(3, 64).bfloat16().to(device)
+    addend = torch.randn(3, 64, generator=torch.Generator().manual_seed(16)).to(device)
+    plain = routed_experts(hidden, slots, weights, gate_up, down)
+    out, cast = torch.empty(3, 64, device=device), torch.empty(3, 64, dtype=torch.bfloat16, device=device)
+    got = routed_experts(hidden, slots, weights, gate_up, down, out=out, addend=addend, out_cast=cast)
+    assert got is out
+    assert torch.equal(out, plain + addend)  # same float32 add as the old torch combine
+    want = (plain + addend).to(torch.bfloat16)
+    if gpu:  # cvt.rn.bf16.f32: torch's round to nearest even (the sm_90 check below looks for it)
+        assert torch.equal(cast, want)
+    else:  # Triton's interpreter truncates its float32 -> bf16 casts: within one bf16 step
+        step = want.float().abs() * 2.0 ** -7
+        assert bool(((cast.float() - want.float()).abs() <= step).all())
+    only = torch.full((3, 64), float("nan"), dtype=torch.bfloat16, device=device)
+    assert routed_experts(hidden, slots, weights, gate_up, down, addend=addend, out_cast=only) is only
+    assert torch.equal(only, cast)
+
+
+def test_two_phase_calls_equal_one_call():
+    device, _ = device_or_skip()
+    gate_up, down = make_pool(12, 64, 32, torch.bfloat16, device, seed=17)
+    slots, weights = make_route(2, 3, 12, device, seed=18)
+    hidden = torch.randn(2, 64).bfloat16().to(device)
+    act = routed_gate_up(hidden, slots, weights, gate_up)
+    assert act.shape == (6, 32) and act.dtype == torch.float32
+    assert torch.equal(routed_down(act, slots, down), routed_experts(hidden, slots, weights, gate_up, down))
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_gated_one_slot_call_is_the_shared_expert(tokens):
+    """gate_w: every weight is sigmoid(hidden · gate_w), computed in the gate_up launch."""
+    device, _ = device_or_skip()
+    gate_up, down = make_pool(1, 64, 24, torch.bfloat16, device, seed=19)
+    gate_w = (torch.randn(1, 64, generator=torch.Generator().manual_seed(20)) / 8).bfloat16().to(device)
+    hidden = torch.randn(tokens, 64).bfloat16().to(device)
+    zeros = torch.zeros(tokens, 1, dtype=torch.int32, device=device)
+    act = torch.empty(GEMV_MAX_TOKENS, 24, device=device)
+    got = routed_experts(hidden, zeros, None, gate_up, down, gate_w=gate_w, act=act)
+    assert_close(got, shared_expert(hidden, (gate_up[0], down[0], gate_w)), 1e-4)
+    weights = torch.sigmoid(hidden.float() @ gate_w.float().T)  # [T, 1]
+    assert_close(got, routed_experts(hidden, zeros, weights, gate_up, down), 1e-5)
+    flipped = routed_experts(hidden, zeros, None, gate_up, down, gate_w=-gate_w, act=act)
+    assert_close(got - flipped, (2 * weights - 1) * routed_experts(hidden, zeros, torch.ones_like(weights),
+                                                                   gate_up, down), 1e-4)
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("weights", {"gate_w": torch.zeros(1, 16, dtype=torch.bfloat16)}),  # weights given too
+    ("gate_w", {"weights": None, "gate_w": torch.zeros(1, 8, dtype=torch.bfloat16)}),
+    ("gate_w", {"weights": None, "gate_w": torch.zeros(1, 16)}),
+    ("addend", {"addend": torch.zeros(2, 16, dtype=torch.bfloat16)}),
+    ("addend", {"addend": torch.zeros(1, 16)}),
+    ("out_cast", {"out_cast": torch.zeros(2, 16)}),
+    ("act", {"act": torch.zeros(3, 8)}),
+    ("act", {"act": torch.zeros(4, 4)}),
+])
+def test_bad_options_are_named(name, kwargs):
+    with pytest.raises(ValueError, match=name):
+        routed_experts(**{**_args(), **kwargs})
+
+
 # ---------------------------------------------------------------- validation, plan, scratch
 
 
@@ -233,14 +304,17 @@ SM90_CHECK = r"""
 import json, re
 from moe.routed import compile_for_target
 asm = compile_for_target(10, 2048, 512, "bf16")
-print(json.dumps({name: [bool(a.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", a["ptx"]))]
-                  for name, a in asm.items()}))
+out = {name: [bool(a.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", a["ptx"]))]
+       for name, a in asm.items()}
+out["combine_rounds_to_nearest_even"] = "cvt.rn.bf16.f32" in asm["_down_kernel+combine"]["ptx"]
+print(json.dumps(out))
 """
 
 
 def test_compiles_for_sm90_with_16_byte_loads():
-    """The default tiles at the Qwen3-Next shape compile for sm_90 (T only sizes the grid, so one
-    binary serves T = 1..8) and stream the weights with 16-byte vector loads. Runs in a child
+    """Every variant the layer launches (routed, fused combine, shared expert with its gate), default
+    tiles, Qwen3-Next shape, compiles for sm_90 (T only sizes the grid, so one binary serves
+    T = 1..8) and streams the weights with 16-byte vector loads. Runs in a child
     process without TRITON_INTERPRET, which would replace the compiler's language hooks."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
@@ -250,7 +324,9 @@ def test_compiles_for_sm90_with_16_byte_loads():
         pytest.skip(f"no CUDA toolchain for the ahead-of-time compile: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == {"_gate_up_kernel": [True, True], "_down_kernel": [True, True]}
+    assert result == {name: [True, True] for name in ("_gate_up_kernel", "_down_kernel", "_down_kernel+combine",
+                                                      "_shared_gate_up", "_shared_down")} | {
+        "combine_rounds_to_nearest_even": True}
 
 
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
@@ -297,3 +373,21 @@ def test_gpu_cuda_graph_replay_follows_slots_and_weights():
         torch.cuda.synchronize()
         assert_close(out, routed_reference(hidden, slots, weights, gate_up, down), 1e-3)
         assert torch.equal(out, routed_experts(hidden, slots, weights, gate_up, down))
+
+
+@pytest.mark.gpu
+def test_gpu_qwen3_next_shared_expert_and_combine():
+    """The layer's shared expert (one-slot pool, gate in the gate_up launch) and the fused combine."""
+    _, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA")
+    hidden, slots, weights, gate_up, down = _qwen_case(2, seed=31)
+    s_up, s_down = make_pool(1, QWEN3_NEXT["hidden"], 512, torch.bfloat16, "cuda", seed=32)
+    gate_w = (torch.randn(1, QWEN3_NEXT["hidden"], device="cuda") / 45).bfloat16()
+    zeros = torch.zeros(2, 1, dtype=torch.int32, device="cuda")
+    shared = routed_experts(hidden, zeros, None, s_up, s_down, gate_w=gate_w,
+                            act=torch.empty(GEMV_MAX_TOKENS, 512, device="cuda"))
+    assert_close(shared, shared_expert(hidden, (s_up[0], s_down[0], gate_w)), 1e-3)
+    cast = torch.empty(2, QWEN3_NEXT["hidden"], dtype=torch.bfloat16, device="cuda")
+    routed_experts(hidden, slots, weights, gate_up, down, addend=shared, out_cast=cast)
+    assert torch.equal(cast, (routed_experts(hidden, slots, weights, gate_up, down) + shared).bfloat16())

@@ -1,0 +1,147 @@
+"""Triton kernels of the routed-expert GEMM (host wrappers: moe.routed).
+
+    gate_up body, grid (T * K, ceil(I / BLOCK_I)): program (t * K + j, tile)
+        hidden [T, H] · gate rows [tile) and up rows [I + tile) of slot slots[t, j]   (pool [S, 2I, H])
+        weight = weights[t, j]                      (GATED=False: the router's weight)
+               = sigmoid(hidden[t] · gate_w)        (GATED=True: the shared expert's gate, computed in
+                                                     the same pass over hidden by every program)
+        -> act [T * K, I] f32 = weight * silu(gate) * up   (0 when slots[t, j] is outside [0, S))
+    down body, grid (T, ceil(H / BLOCK_H)): program (t, tile)
+        for j = 0 .. K-1 in order: acc += down[slots[t, j]][tile, :] * act[t * K + j, :]  (pool [S, H, I])
+        y = Σ acc (+ addend[t, tile] when ADDEND)  -> out f32 (WRITE_OUT) and/or cast(y) (WRITE_CAST)
+
+Legend: T = tokens, H = hidden, I = expert width, K = top_k (1 for the shared expert), S = pool slots.
+Each body has two entry kernels with identical arguments: `_gate_up_kernel` / `_down_kernel` for the
+routed experts and `_shared_gate_up` / `_shared_down` for the shared expert. They compile to the same
+code; only the name differs, so a profiler trace of a CUDA-graph replay (which carries names and
+times, not call sites) tells the shared expert's launches from the routed ones. No atomics and no
+grid barrier: bitwise repeatable for fixed tiles, and side-stream work may hold SMs meanwhile.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+JIT_OPTIONS = {"do_not_specialize": ["num_slots"]}  # a pool rebuilt with new S keeps its kernels
+
+
+@triton.jit
+def _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
+                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
+                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
+    pair = tl.program_id(0)  # t * K + j
+    token = pair // K
+    slot = tl.load(slots_ptr + pair)
+    live = (slot >= 0) & (slot < num_slots)
+    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] gate rows
+    base = w13_ptr + tl.where(live, slot, 0).to(tl.int64) * (2 * I * H)
+    gate_ptrs = base + rows[:, None] * H  # [BLOCK_I, 1]; up rows are I * H further
+    acc_gate = tl.zeros([BLOCK_I, CHUNK_H], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_I, CHUNK_H], dtype=tl.float32)
+    acc_g = tl.zeros([CHUNK_H], dtype=tl.float32)  # GATED only: hidden · gate_w
+    for h0 in tl.static_range(0, H, CHUNK_H):  # unrolled: every step's loads are independent
+        cols = h0 + tl.arange(0, CHUNK_H)  # [CHUNK_H]
+        if EVEN:
+            x = tl.load(x_ptr + token * H + cols)
+            mask = live
+        else:
+            x = tl.load(x_ptr + token * H + cols, mask=cols < H, other=0.0)
+            mask = live & (rows[:, None] < I) & (cols[None, :] < H)
+        gate = tl.load(gate_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_I, CHUNK_H]
+        up = tl.load(gate_ptrs + I * H + cols[None, :], mask=mask, other=0.0)
+        xf = x.to(tl.float32)
+        acc_gate += gate.to(tl.float32) * xf[None, :]
+        acc_up += up.to(tl.float32) * xf[None, :]
+        if GATED:
+            if EVEN:
+                gw = tl.load(gate_w_ptr + cols)
+            else:
+                gw = tl.load(gate_w_ptr + cols, mask=cols < H, other=0.0)
+            acc_g += gw.to(tl.float32) * xf
+    gate_dot = tl.sum(acc_gate, axis=1)  # [BLOCK_I]
+    up_dot = tl.sum(acc_up, axis=1)
+    if GATED:
+        weight = tl.sigmoid(tl.sum(acc_g, axis=0))  # the same value in every program of the token
+    else:
+        weight = tl.load(weights_ptr + pair)
+    act = tl.where(live, weight * gate_dot * tl.sigmoid(gate_dot) * up_dot, 0.0)
+    tl.store(act_ptr + pair * I + rows, act, mask=rows < I)
+
+
+@triton.jit
+def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
+               K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
+               CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
+               WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr):
+    token = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
+    acc = tl.zeros([BLOCK_H, CHUNK_I], dtype=tl.float32)
+    for j in tl.static_range(K):  # ordered combine: j = 0, 1, ..., K-1 into one accumulator
+        slot = tl.load(slots_ptr + token * K + j)
+        live = (slot >= 0) & (slot < num_slots)
+        down_ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I
+        for i0 in tl.static_range(0, I, CHUNK_I):
+            cols = i0 + tl.arange(0, CHUNK_I)  # [CHUNK_I]
+            if EVEN:
+                a = tl.load(act_ptr + (token * K + j) * I + cols)
+                mask = live
+            else:
+                a = tl.load(act_ptr + (token * K + j) * I + cols, mask=cols < I, other=0.0)
+                mask = live & (rows[:, None] < H) & (cols[None, :] < I)
+            d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
+            acc += d.to(tl.float32) * a[None, :]
+    y = tl.sum(acc, axis=1)  # [BLOCK_H] routed sum, fixed order
+    if ADDEND:  # the combine: routed + addend in float32, then (below) one rounding to the model dtype
+        y = y + tl.load(addend_ptr + token * H + rows, mask=rows < H, other=0.0)
+    if WRITE_OUT:
+        tl.store(out_ptr + token * H + rows, y, mask=rows < H)
+    if WRITE_CAST:
+        tl.store(cast_ptr + token * H + rows, y.to(cast_ptr.dtype.element_ty), mask=rows < H)
+
+
+# Entry kernels. Arguments of the gate_up entries:
+#   x_ptr [T, H] hidden; slots_ptr *i32 [T * K]; weights_ptr *fp32 [T * K] (unread when GATED);
+#   gate_w_ptr [H] shared gate (read only when GATED); w13_ptr [S, 2I, H]; act_ptr *fp32 [T * K, I] out;
+#   num_slots i32 S; constexprs as the body.
+# Arguments of the down entries:
+#   act_ptr *fp32 [T * K, I]; slots_ptr *i32 [T * K]; w2_ptr [S, H, I]; addend_ptr *fp32 [T, H] (read
+#   when ADDEND); out_ptr *fp32 [T, H] (written when WRITE_OUT); cast_ptr [T, H] model dtype (written
+#   when WRITE_CAST); num_slots i32 S; constexprs as the body.
+
+@triton.jit(**JIT_OPTIONS)
+def _gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
+                    K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
+                    CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
+    _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
+                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED)
+
+
+@triton.jit(**JIT_OPTIONS)
+def _shared_gate_up(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
+                    K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
+                    CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
+    _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
+                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED)
+
+
+@triton.jit(**JIT_OPTIONS)
+def _down_kernel(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
+                 K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
+                 CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
+                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr):
+    _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
+               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST)
+
+
+@triton.jit(**JIT_OPTIONS)
+def _shared_down(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
+                 K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
+                 CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
+                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr):
+    _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
+               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST)
+
+
+GATE_UP_ENTRIES = {False: _gate_up_kernel, True: _shared_gate_up}  # keyed by "is the shared expert"
+DOWN_ENTRIES = {False: _down_kernel, True: _shared_down}

@@ -1,0 +1,251 @@
+"""The MoE router of a decode step as one Triton launch: logits, softmax, top-k, renormalisation.
+
+    hidden [T, H], router_w [E, H] (both the model dtype)
+        │  grid (T, ceil(E / block_e)): program (t, b)
+        ├─ every program: logits[t, b * block_e + i] = Σ_h hidden[t, h] * router_w[e, h]   (f32 accumulate)
+        │     -> scratch logits [T, E] float32; then one atomic arrival on counter[t]
+        └─ the last program of token t to arrive (it resets counter[t] to 0):
+              probs = softmax(logits[t]) in float32 over all E
+              k times: the largest remaining prob (ties: the lower expert id), removed after
+              (weights [t, k] float32 descending, ids [t, k] int32); weights /= Σ weights when norm
+    -> weights [T, k] float32, ids [T, k] int32 (the order of moe.reference.route)
+
+Legend: T = tokens (1..GEMV_MAX_TOKENS), H = hidden, E = experts (<= ROUTER_MAX_EXPERTS), k = top_k.
+
+Why one launch with an arrival counter (as expertcache.device_ensure) rather than two launches
+(logits, then one program per token for softmax + top-k): at decode size the router reads
+E * H * 2 bytes (2 MiB at Qwen3-Next: about 0.5 us of HBM time), while each extra kernel in a
+CUDA graph costs a few microseconds of launch gap; the logits GEMV must be spread over ~E / block_e
+programs to reach bandwidth, and the arrival counter lets the last of them do the tiny O(k * E)
+selection without a second launch. The result stays deterministic: every logit is made by one
+program in a fixed order, and one program reads them all. The counters are zero between calls
+(the last program resets its token's), so the launch is CUDA-graph capturable and replayable.
+The weights stay in the model dtype: no float32 copy of router_w is kept anywhere.
+
+`router_reference` is the same math in torch (weights upcast, float32, a stable sort so ties go to
+the lower id) for the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moe.plan import GEMV_MAX_TOKENS
+from moe.triton_launch import compile_for_sm, kernel_for
+
+ROUTER_MAX_EXPERTS = 4096  # the selecting program holds all E probabilities in registers
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_JIT_OPTIONS: dict = {}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Tiles of the router launch; every field a power of two >= 1 (warps: 1..16).
+
+    block_e: experts (rows of router_w) per program. chunk_h: hidden columns per load step.
+    warps: num_warps. Raises ValueError naming the field.
+    """
+
+    block_e: int = 4  # 128 programs at E = 512, T = 1: about one per SM of an H200
+    chunk_h: int = 1024
+    warps: int = 4
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"RouterConfig.{f.name} must be a power of two >= 1, got {v!r}")
+        if self.warps > 16:
+            raise ValueError(f"RouterConfig.warps must be <= 16, got {self.warps}")
+
+
+DEFAULT_ROUTER = RouterConfig()
+
+
+@triton.jit
+def _select_topk(row_ptr, ids_ptr, weights_ptr, E: tl.constexpr, K: tl.constexpr,
+                 BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+    """Softmax over the E logits at row_ptr, then the top K (ties: lower id) into ids / weights."""
+    e = tl.arange(0, BLOCK_ALL)
+    logit = tl.load(row_ptr + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")  # other programs' writes
+    p = tl.exp(logit - tl.max(logit, axis=0))  # 0 past E
+    probs = tl.where(e < E, p / tl.sum(p, axis=0), -1.0)  # -1: never selected
+    kk = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    ws = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for j in tl.static_range(K):
+        best, idx = tl.max(probs, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        ids = tl.where(kk == j, idx, ids)
+        ws = tl.where(kk == j, best, ws)
+        probs = tl.where(e == idx, -1.0, probs)
+    if NORM:
+        ws = ws / tl.sum(ws, axis=0)
+    tl.store(ids_ptr + kk, ids, mask=kk < K)
+    tl.store(weights_ptr + kk, ws, mask=kk < K)
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr,  # [T, H] hidden (model dtype), row-major
+    w_ptr,  # [E, H] router weight (model dtype), row-major
+    logits_ptr,  # *fp32 [T, E] scratch
+    arrive_ptr,  # *i32 [T] arrival counters: 0 before and after every call
+    ids_ptr,  # *i32 [T, K] out: expert ids, by weight descending
+    weights_ptr,  # *fp32 [T, K] out: routing weights
+    E: tl.constexpr,  # experts
+    H: tl.constexpr,  # hidden
+    K: tl.constexpr,  # top_k
+    BLOCK_E: tl.constexpr,  # experts per program
+    CHUNK_H: tl.constexpr,  # hidden columns per load step
+    BLOCK_ALL: tl.constexpr,  # next power of two >= E
+    BLOCK_K: tl.constexpr,  # next power of two >= K
+    NORM: tl.constexpr,  # renormalise the top-k weights to sum to 1
+    EVEN: tl.constexpr,  # E % BLOCK_E == 0 and H % CHUNK_H == 0: no masks
+):
+    token = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] experts
+    acc = tl.zeros([BLOCK_E, CHUNK_H], dtype=tl.float32)
+    for h0 in tl.static_range(0, H, CHUNK_H):
+        cols = h0 + tl.arange(0, CHUNK_H)
+        if EVEN:
+            x = tl.load(x_ptr + token * H + cols)
+            w = tl.load(w_ptr + rows[:, None] * H + cols[None, :])  # [BLOCK_E, CHUNK_H]
+        else:
+            x = tl.load(x_ptr + token * H + cols, mask=cols < H, other=0.0)
+            w = tl.load(w_ptr + rows[:, None] * H + cols[None, :],
+                        mask=(rows[:, None] < E) & (cols[None, :] < H), other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(logits_ptr + token * E + rows, tl.sum(acc, axis=1), mask=rows < E)
+    tl.debug_barrier()  # every thread's logits stored before the arrival
+    arrived = tl.atomic_add(arrive_ptr + token, 1)  # acq_rel, gpu scope
+    if arrived == tl.num_programs(1) - 1:
+        tl.debug_barrier()
+        tl.store(arrive_ptr + token, 0)
+        _select_topk(logits_ptr + token * E, ids_ptr + token * K, weights_ptr + token * K,
+                     E, K, BLOCK_ALL, BLOCK_K, NORM)
+
+
+def _constexprs(num_experts: int, hidden: int, top_k: int, norm: bool, config: RouterConfig) -> dict:
+    block_e = min(config.block_e, triton.next_power_of_2(num_experts))
+    chunk_h = min(config.chunk_h, triton.next_power_of_2(hidden))
+    return {"E": num_experts, "H": hidden, "K": top_k, "BLOCK_E": block_e, "CHUNK_H": chunk_h,
+            "BLOCK_ALL": triton.next_power_of_2(num_experts), "BLOCK_K": triton.next_power_of_2(top_k),
+            "NORM": bool(norm), "EVEN": num_experts % block_e == 0 and hidden % chunk_h == 0}
+
+
+_SCRATCH: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def router_scratch(device: torch.device | str, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits float32 [GEMV_MAX_TOKENS, E], counters int32 [GEMV_MAX_TOKENS] zeros) on `device`.
+
+    One pair per (device, E), made on first use and kept: call this (or router_topk) once before
+    CUDA-graph capture so the captured call allocates nothing. Calls that share it must be ordered
+    (one stream, or joined by events). Cost: one allocation and one zero fill on first use.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, num_experts)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (torch.empty((GEMV_MAX_TOKENS, num_experts), dtype=torch.float32, device=device),
+                         torch.zeros(GEMV_MAX_TOKENS, dtype=torch.int32, device=device))
+    return _SCRATCH[key]
+
+
+def _check(name: str, t, dtypes, shape: tuple[int, ...] | None, device) -> None:
+    """Raise ValueError naming `name` unless t is a contiguous tensor of `dtypes` and `shape` on `device`."""
+    ok = isinstance(t, torch.Tensor) and t.dtype in dtypes and (shape is None or tuple(t.shape) == shape)
+    if not ok or (device is not None and t.device != device) or not t.is_contiguous():
+        got = f"{list(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"router_topk: {name} must be a contiguous {'/'.join(str(d) for d in dtypes)} "
+                         f"tensor{'' if shape is None else f' of shape {list(shape)}'}"
+                         f"{'' if device is None else f' on {device}'}, got {got}")
+
+
+def _check_args(hidden, router_w, top_k, weights, ids) -> tuple[int, int, int]:
+    """Validate on the host; return (T, E, H)."""
+    _check("hidden", hidden, DTYPES, None, None)
+    if hidden.dim() != 2 or not 1 <= hidden.shape[0] <= GEMV_MAX_TOKENS:
+        raise ValueError(f"router_topk: hidden must be [T, H] with T in 1..{GEMV_MAX_TOKENS} "
+                         f"(moe.plan.GEMV_MAX_TOKENS), got {list(hidden.shape)}")
+    tokens, hid = hidden.shape
+    if not isinstance(router_w, torch.Tensor) or router_w.dim() != 2:
+        raise ValueError(f"router_topk: router_w must be [E, {hid}], got {getattr(router_w, 'shape', router_w)}")
+    num_experts = router_w.shape[0]
+    _check("router_w", router_w, (hidden.dtype,), (num_experts, hid), hidden.device)
+    if not 1 <= num_experts <= ROUTER_MAX_EXPERTS:
+        raise ValueError(f"router_topk: router_w has {num_experts} experts; 1..{ROUTER_MAX_EXPERTS} "
+                         "(moe.router.ROUTER_MAX_EXPERTS) are served")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"router_topk: top_k={top_k!r} must be an int in [1, E={num_experts}]")
+    if weights is not None:
+        _check("weights", weights, (torch.float32,), (tokens, top_k), hidden.device)
+    if ids is not None:
+        _check("ids", ids, (torch.int32,), (tokens, top_k), hidden.device)
+    return tokens, num_experts, hid
+
+
+def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, *,
+                weights: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+                config: RouterConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: hidden [T, H], router_w [E, H] -> (weights [T, k] float32, ids [T, k] int32).
+
+    hidden and router_w share one dtype (bf16 / f16 / f32), contiguous; 1 <= T <= GEMV_MAX_TOKENS,
+    E <= ROUTER_MAX_EXPERTS. Logits accumulate in float32; softmax in float32 over all E; top-k by
+    weight descending, ties to the lower expert id; renormalised to sum 1 when norm_topk_prob.
+    weights / ids: optional outputs to write into (for CUDA graphs). One launch on the current stream,
+    no host sync; with the outputs given and router_scratch made it allocates nothing (capturable).
+    Cost: reads E * H weight elements once per token (repeat tokens meet in L2), O(k * E) to select.
+    Raises ValueError naming the argument whose shape, dtype, device or value is wrong;
+    RuntimeError for CPU tensors without Triton's interpreter.
+    """
+    config = DEFAULT_ROUTER if config is None else config
+    if not isinstance(config, RouterConfig):
+        raise ValueError(f"router_topk: config must be a RouterConfig, "  # noqa: TRY004 (house: ValueError)
+                         f"got {type(config).__name__}")
+    tokens, num_experts, hid = _check_args(hidden, router_w, top_k, weights, ids)
+    device = hidden.device
+    if weights is None:
+        weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
+    if ids is None:
+        ids = torch.empty((tokens, top_k), dtype=torch.int32, device=device)
+    logits, arrive = router_scratch(device, num_experts)
+    meta = _constexprs(num_experts, hid, top_k, norm_topk_prob, config)
+    grid = (tokens, triton.cdiv(num_experts, meta["BLOCK_E"]))
+    kernel = kernel_for(_router_kernel, device, _JIT_OPTIONS, "router_topk")
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        kernel[grid](hidden, router_w, logits, arrive, ids, weights, **meta, num_warps=config.warps)
+    return weights, ids
+
+
+def router_reference(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int,
+                     norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_topk's math in torch: (weights [T, k] float32, ids [T, k] int32), weights upcast,
+    float32 logits and softmax, a stable descending sort (ties: lower id), renormalised when asked."""
+    probs = torch.softmax(hidden.float() @ router_w.float().T, dim=-1)  # [T, E]
+    values, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights = values[:, :top_k]
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, order[:, :top_k].to(torch.int32)
+
+
+def compile_router_for_target(num_experts: int, hidden: int, top_k: int, dtype: str = "bf16",
+                              norm_topk_prob: bool = True, config: RouterConfig = DEFAULT_ROUTER,
+                              arch: int = 90) -> dict:
+    """Compile the router ahead of time for CUDA sm_<arch> (no GPU; needs ptxas); Triton's asm dict.
+
+    T only sizes the grid, so one binary serves T = 1..GEMV_MAX_TOKENS. Run it without
+    TRITON_INTERPRET=1.
+    """
+    p = f"*{dtype}"
+    types = (p, p, "*fp32", "*i32", "*i32", "*fp32")
+    meta = _constexprs(num_experts, hidden, top_k, norm_topk_prob, config)
+    return compile_for_sm(_router_kernel, types, meta, config.warps, arch, _JIT_OPTIONS)

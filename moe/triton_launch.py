@@ -1,0 +1,60 @@
+"""Where a Triton kernel of the MoE layer runs, and its ahead-of-time compile for a CUDA target.
+
+    @triton.jit kernel, tensor device ──kernel_for──► JITFunction (CUDA) or InterpretedFunction (CPU
+                                                      under TRITON_INTERPRET=1), built once per mode
+    @triton.jit kernel, arg types, constexprs ──compile_for_sm──► Triton's asm dict (ttir .. cubin)
+
+Triton fixes the mode at decoration time; `kernel_for` builds the other mode's twin from the same
+source, as expertcache.copy does, so one module serves GPU runs and CPU tests. Shared by
+moe.routed and moe.router (no forked copy of this logic per kernel module).
+"""
+
+from __future__ import annotations
+
+import os
+
+_TWINS: dict[tuple[str, str, str], object] = {}
+
+
+def kernel_for(kernel, device, jit_options: dict, who: str):
+    """`kernel` compiled for a CUDA device, interpreted for CPU tensors (TRITON_INTERPRET=1).
+
+    jit_options: the decorator's options (do_not_specialize), reused for the twin. who: the
+    public function named in the error. Raises RuntimeError for CPU tensors without the interpreter.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if device.type == "cuda":
+        cls = JITFunction
+    elif os.environ.get("TRITON_INTERPRET", "0") == "1":
+        cls = InterpretedFunction
+    else:
+        raise RuntimeError(f"{who} runs Triton kernels on CUDA tensors; for CPU tensors set "
+                           "TRITON_INTERPRET=1 (Triton's interpreter) before importing triton")
+    if isinstance(kernel, cls):
+        return kernel
+    key = (kernel.fn.__module__, kernel.fn.__name__, cls.__name__)
+    if key not in _TWINS:
+        _TWINS[key] = cls(kernel.fn, **jit_options)
+    return _TWINS[key]
+
+
+def compile_for_sm(kernel, types: tuple[str, ...], constexprs: dict, warps: int, arch: int,
+                   jit_options: dict) -> dict:
+    """Compile one kernel for CUDA sm_<arch> without a GPU (needs ptxas); returns its asm dict.
+
+    types: Triton's type string of each runtime argument in order ("*bf16", "*fp32", "i32", ...);
+    pointers are declared 16-byte aligned. constexprs: every constexpr argument's value. Run it in a
+    process without TRITON_INTERPRET=1 (the interpreter replaces the compiler's language hooks).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    fn = JITFunction(kernel.fn, **jit_options)
+    signature = {**dict(zip(fn.arg_names, types)), **{c: "constexpr" for c in constexprs}}
+    aligned = {(n,): [["tt.divisibility", 16]] for n, ty in enumerate(types) if ty.startswith("*")}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm

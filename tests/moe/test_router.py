@@ -1,0 +1,196 @@
+"""router_topk (one Triton launch) against router_reference and moe.reference.route.
+
+Legend: T = tokens, H = hidden, E = experts, k = top_k. CPU runs use Triton's interpreter
+(tests/conftest.py), so their shapes are tiny; the `gpu` tests use the Qwen3-Next shape (H 2048,
+E 512, k 10). The kernel's float32 sums run in another order than torch's, so where two
+probabilities nearly tie the order may differ: ids are compared exactly on the rows whose first
+k + 1 sorted probabilities are separated by a clear margin (most rows must be), weights everywhere.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe.plan import GEMV_MAX_TOKENS
+from moe.reference import route
+from moe.router import RouterConfig, router_reference, router_scratch, router_topk
+from tests.conftest import device_or_skip
+
+MARGIN = 1e-4  # relative gap between neighbouring sorted probabilities that summation order cannot close
+
+
+def make_inputs(tokens: int, experts: int, hidden: int, dtype, device, seed: int):
+    """hidden [T, H], router_w [E, H] with unit-variance logits, both in `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(device)
+    w = (torch.randn(experts, hidden, generator=g) / hidden ** 0.5).to(dtype).to(device)
+    return x, w
+
+
+def decisive(x: torch.Tensor, w: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T] bool: the first k + 1 sorted probabilities pairwise apart by more than MARGIN (relative)."""
+    probs = torch.softmax(x.float() @ w.float().T, dim=-1)
+    top = torch.sort(probs, dim=-1, descending=True).values[:, :top_k + 1]
+    gaps = top[:, :-1] - top[:, 1:]
+    return (gaps > MARGIN * top[:, :-1]).all(dim=-1)
+
+
+def check_against(got: tuple, want: tuple, keep: torch.Tensor) -> None:
+    """ids equal on the `keep` rows, weights within float32 rounding everywhere (as sorted values)."""
+    (gw, gi), (ww, wi) = got, want
+    assert gw.dtype == torch.float32 and gi.dtype == torch.int32 and gi.shape == wi.shape
+    assert torch.equal(gi[keep].cpu(), wi[keep].cpu())
+    assert torch.allclose(gw.cpu(), ww.cpu(), rtol=1e-5, atol=1e-6)
+    assert bool((gw[:, :-1] >= gw[:, 1:]).all()), "weights must descend"
+    assert int(keep.sum()) >= 0.9 * keep.numel(), f"only {int(keep.sum())} of {keep.numel()} rows decisive"
+
+
+@pytest.mark.parametrize("dtype, tokens, experts, hidden, top_k, norm", [
+    (torch.bfloat16, 1, 16, 64, 4, True), (torch.bfloat16, 8, 64, 64, 8, True),
+    (torch.float16, 3, 20, 48, 3, False), (torch.float32, 5, 12, 32, 12, True),
+])
+def test_matches_reference(dtype, tokens, experts, hidden, top_k, norm):
+    device, _ = device_or_skip()
+    x, w = make_inputs(tokens, experts, hidden, dtype, device, seed=tokens * experts)
+    got = router_topk(x, w, top_k, norm)
+    check_against(got, router_reference(x, w, top_k, norm), decisive(x, w, top_k))
+    ref_w, ref_i = route(x, w, top_k, norm)  # the layer's torch reference agrees too
+    check_against(got, (ref_w, ref_i), decisive(x, w, top_k))
+    sums = got[0].sum(dim=-1)
+    assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5) if norm else bool((sums < 1).all())
+    assert not router_scratch(device, experts)[1].any(), "every arrival counter must be reset to 0"
+
+
+def test_uneven_tiles_and_outputs_reused():
+    """E and H that no tile divides (every mask used); outputs given are the ones returned and rewritten."""
+    device, _ = device_or_skip()
+    x, w = make_inputs(4, 37, 80, torch.bfloat16, device, seed=3)
+    config = RouterConfig(block_e=8, chunk_h=32, warps=2)
+    weights = torch.full((4, 5), float("nan"), device=device)
+    ids = torch.full((4, 5), -7, dtype=torch.int32, device=device)
+    got = router_topk(x, w, 5, True, weights=weights, ids=ids, config=config)
+    assert got[0] is weights and got[1] is ids
+    check_against(got, router_reference(x, w, 5, True), decisive(x, w, 5))
+    x2, _ = make_inputs(4, 37, 80, torch.bfloat16, device, seed=4)
+    router_topk(x2, w, 5, True, weights=weights, ids=ids, config=config)  # same buffers, new tokens
+    check_against((weights, ids), router_reference(x2, w, 5, True), decisive(x2, w, 5))
+
+
+def test_exact_ties_go_to_the_lower_id():
+    """Identical router rows give bit-identical logits: the lower expert id must come first."""
+    device, _ = device_or_skip()
+    x, w = make_inputs(2, 12, 64, torch.bfloat16, device, seed=5)
+    w = w.clone()
+    along = (x[0].float() + x[1].float()) / x.shape[1]  # logit ~ 1 for both tokens
+    w[9] = w[2] = (4 * along).to(w.dtype)  # experts 2 and 9 tie, far above the rest (logits ~ N(0, 1))
+    w[6] = w[11] = (3 * along).to(w.dtype)  # experts 6 and 11 tie just below them
+    weights, ids = router_topk(x, w, 4, False)
+    want_w, want_i = router_reference(x, w, 4, False)
+    assert torch.equal(ids.cpu(), want_i.cpu()), (ids, want_i)
+    assert ids.tolist() == [[2, 9, 6, 11], [2, 9, 6, 11]]  # each tie: the lower id first
+    assert torch.equal(weights[:, 0], weights[:, 1]) and torch.equal(weights[:, 2], weights[:, 3])
+    assert torch.allclose(weights.cpu(), want_w.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_deterministic():
+    device, _ = device_or_skip()
+    x, w = make_inputs(3, 24, 64, torch.bfloat16, device, seed=6)
+    a, b = router_topk(x, w, 6, True), router_topk(x, w, 6, True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def _args():
+    x, w = make_inputs(2, 8, 16, torch.bfloat16, "cpu", seed=0)
+    return {"hidden": x, "router_w": w, "top_k": 2, "norm_topk_prob": True}
+
+
+@pytest.mark.parametrize("name, bad", [
+    ("hidden", torch.zeros(16, dtype=torch.bfloat16)),
+    ("hidden", torch.zeros(GEMV_MAX_TOKENS + 1, 16, dtype=torch.bfloat16)),
+    ("hidden", torch.zeros(2, 16, dtype=torch.int32)),
+    ("router_w", torch.zeros(8, 16)),
+    ("router_w", torch.zeros(8, 12, dtype=torch.bfloat16)),
+    ("router_w", torch.zeros(16, 8, dtype=torch.bfloat16).T),
+    ("top_k", 0), ("top_k", 9), ("top_k", True),
+    ("weights", torch.zeros(2, 3)), ("weights", torch.zeros(2, 2, dtype=torch.float64)),
+    ("ids", torch.zeros(2, 2, dtype=torch.int64)),
+    ("config", "default"),
+])
+def test_bad_arguments_are_named(name, bad):
+    args = {**_args(), name: bad}
+    with pytest.raises(ValueError, match=name):
+        router_topk(**args)
+
+
+@pytest.mark.parametrize("field, value", [("block_e", 3), ("chunk_h", 0), ("warps", 32), ("warps", True)])
+def test_config_validation_names_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        RouterConfig(**{field: value})
+
+
+SM90_CHECK = r"""
+import json, re
+from moe.router import compile_router_for_target
+asm = compile_router_for_target(512, 2048, 10, "bf16", True)
+ptx = asm["ptx"]
+print(json.dumps([bool(asm.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)),
+                  "atom.global" in ptx, ".local" not in ptx]))
+"""
+
+
+def test_compiles_for_sm90():
+    """The router at the Qwen3-Next shape compiles for sm_90: 16-byte weight loads, the arrival atomic,
+    no register spills. A child process without TRITON_INTERPRET (which replaces the compiler's hooks)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", SM90_CHECK], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=600, check=False)
+    if proc.returncode and "ptxas" in proc.stderr.lower():
+        pytest.skip(f"no CUDA toolchain for the ahead-of-time compile: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, True, True, True]
+
+
+# ---------------------------------------------------------------- GPU: the Qwen3-Next shape
+
+
+def _gpu_or_skip():
+    _, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_gpu_qwen3_next_shape(tokens):
+    _gpu_or_skip()
+    x, w = make_inputs(tokens, 512, 2048, torch.bfloat16, "cuda", seed=tokens)
+    got = router_topk(x, w, 10, True)
+    check_against(got, router_reference(x, w, 10, True), decisive(x, w, 10))
+    again = router_topk(x, w, 10, True)
+    assert torch.equal(got[0], again[0]) and torch.equal(got[1], again[1])
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_resets_counters():
+    _gpu_or_skip()
+    x, w = make_inputs(4, 512, 2048, torch.bfloat16, "cuda", seed=21)
+    weights = torch.empty(4, 10, device="cuda")
+    ids = torch.empty(4, 10, dtype=torch.int32, device="cuda")
+    router_topk(x, w, 10, True, weights=weights, ids=ids)  # compile, make the scratch
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        router_topk(x, w, 10, True, weights=weights, ids=ids)
+    for seed in (22, 23, 24):
+        x.copy_(make_inputs(4, 512, 2048, torch.bfloat16, "cuda", seed=seed)[0])
+        ids.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_against((weights, ids), router_reference(x, w, 10, True), decisive(x, w, 10))
+        assert not router_scratch("cuda", 512)[1].any()
