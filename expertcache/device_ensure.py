@@ -8,9 +8,11 @@
         commits refresh, evictions, installs and policy updates, and writes
         plan [Q, 2] (key, slot), count [1], slots [Q], counters [L, 3], clock [2]
 
-No host sync and fixed shapes: the miss count only ever lives in device memory. Every
-program arrives, scoring or not, so the committing program runs only after every other
-program has read the pre-call state. A refused call (an id outside [-1, E), more
+No host sync and fixed shapes: the miss count only ever lives in device memory. A call
+with misses has every program arrive, scoring or not, so the committing program runs only
+after every other program has read the pre-call state; a call without misses (or a refused
+one) is committed by program 0 at once, since its commit leaves slot_of and key_of, the only
+state the decision reads, as they were. A refused call (an id outside [-1, E), more
 distinct keys than slots) sets `status` and changes nothing else.
 Victim selection costs one pass over the pool split across programs plus one sort per
 program and one merge: never a pass per miss.
@@ -38,10 +40,10 @@ def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, BLOCK_Q: tl.constexp
     e = tl.load(ids_ptr + i, mask=im, other=-1)
     bad = tl.sum((im & ((e < -1) | (e >= num_experts))).to(tl.int32), axis=0)
     valid = im & (e >= 0) & (e < num_experts)
-    key = tl.where(valid, layer * num_experts + e, 0).to(tl.int64)
+    key = tl.where(valid, layer * num_experts + e, 0)  # int32: keys < 2**31 (L * E)
     earlier = (key[:, None] == key[None, :]) & valid[None, :] & (i[None, :] < i[:, None])
     first = valid & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
-    slot = tl.load(slot_of_ptr + key, mask=valid, other=-1).to(tl.int64)
+    slot = tl.load(slot_of_ptr + key, mask=valid, other=-1)
     hit = first & (slot >= 0)
     fmiss = first & (slot < 0)
     smaller = key[None, :] < key[:, None]
@@ -272,14 +274,20 @@ def ensure_kernel(
                           rkey, near, layer, tok, dc_now, num_layers, num_experts, num_slots,
                           num_keys, POLICY, HAS_LOGITS, CHUNK, BLOCK_Q)
     tl.debug_barrier()
+    # A call without a miss (or a refused one) changes neither slot_of nor key_of, so every program,
+    # however late it reads them, finds the same m == 0 (or the same refusal): program 0 commits it
+    # at once and no one arrives. Any other call: every program arrives; the last one commits.
+    quick = (m == 0) | (~ok)
     if SINGLE:
-        arrived = 0  # one program: nothing to wait for
+        commits = pid == 0  # one program: nothing to wait for
+    elif quick:
+        commits = pid == 0
     else:
-        arrived = tl.atomic_add(arrive_ptr, 1)
-    if arrived == tl.num_programs(0) - 1:
-        tl.debug_barrier()
-        if not SINGLE:
+        commits = tl.atomic_add(arrive_ptr, 1) == tl.num_programs(0) - 1
+        if commits:
             tl.store(arrive_ptr, 0)
+    if commits:
+        tl.debug_barrier()
         if ok:
             if m > ne:
                 if not SINGLE:
