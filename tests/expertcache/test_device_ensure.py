@@ -80,6 +80,29 @@ def test_device_matches_host_many_victims(policy, chunk):
     assert ref.counters[:, 2].sum() > 60
 
 
+@pytest.mark.parametrize("policy", policy_names())
+def test_calls_without_misses_commit_at_once_on_many_programs(policy):
+    """A call without misses is committed by program 0 with no arrival; the interpreter runs the
+    other programs after that commit, so they read the committed state (the late-reader case)."""
+    device, _ = device_or_skip()
+    g = CacheGeometry(2, 16, 40)
+    ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, chunk=8)  # 5 programs
+    calls = [(0, [[1, 2, 3]]), (0, [[3, 2, 1]]), (1, [[4, 5]]), (0, [[2, -1, 1]]), (1, [[5, 4]]),
+             (0, [[9, 1]]), (0, [[1, 9]])]
+    quick = 0
+    for layer, ids in calls:
+        a = np.array(ids, dtype=np.int32)
+        res = ref.ensure(layer, a)
+        buf = dev.ensure(layer, torch.as_tensor(a, device=device))
+        quick += res.misses == 0
+        assert int(buf.count.item()) == res.misses
+        assert np.array_equal(buf.slots.cpu().numpy(), res.slots)
+        assert dev.snapshot().equals(ref.snapshot())
+        assert int(dev.arrive.item()) == 0  # nobody left an arrival behind
+    assert quick == 4
+    dev.check()
+
+
 def test_rule_growth_table_computed_on_the_device_equals_the_host_table():
     """rule's log2(1 + 2**-u) table is computed in float64 on the device: every entry."""
     device, _ = device_or_skip()
