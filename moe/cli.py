@@ -1,6 +1,7 @@
 """The `expertcache` command: one entry point, one subcommand per job.
 
     expertcache sim [TRACE ...]   replay routing traces through cache policies (sim.cli)
+    expertcache serve --model DIR  serve a checkpoint over an OpenAI-compatible HTTP API (moe.serve_cli)
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import argparse
 import sys
 
 from expertcache import __version__
+from moe import serve_cli
 from sim import cli as sim_cli
 
 
@@ -20,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"expertcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sim_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     return parser
 
 

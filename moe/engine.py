@@ -9,11 +9,18 @@
         ─► logits [B, V]; KV lengths += 1;   with record_routing: ids [L_moe, B, k] kept per step
     generate = prefill, then argmax → decode_step → argmax ... (greedy)
 
+    prompt ──join──► prefill into row B (the next free row) while rows 0..B-1 keep their state; B += 1
+    row ──leave──► swap-remove: the last row's KV (its cached positions only) moves into `row`; B -= 1
+
 Batching: sequences step together. Each row keeps its own length in the KV cache and attends only to
 its own cached positions, so prompts of different lengths need no padding and no pad token; prefill
 runs the prompts one after another (its attention is per sequence anyway), and every decode step
-advances all B rows by one token. A batch is replaced by the next `prefill`; the expert cache
-(the backend's) persists across batches, so a new batch starts from the previous decode working set.
+advances all B rows by one token. `prefill` replaces the whole batch; `join` / `leave` change it one
+sequence at a time between decode steps (continuous batching, moe.scheduler). The live rows are always
+0..B-1: `leave` compacts by moving the last row into the freed one, so a decode step never computes a
+dead row (whose routing would pollute the expert cache) and attention keeps its fixed row range.
+The expert cache (the backend's) persists across batches, so a new sequence starts from the current
+decode working set.
 Legend: B = sequences, T = prompt tokens, H = hidden, V = vocab, L_moe = MoE layers, k = top_k.
 """
 
@@ -64,17 +71,66 @@ class Engine:
         prompts = [list(p) for p in prompts]
         if not 1 <= len(prompts) <= self.max_batch:
             raise ValueError(f"prefill got {len(prompts)} prompts; 1..max_batch={self.max_batch} fit")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("prefill got an empty prompt: every prompt needs at least one token")
+        for prompt in prompts:
+            self._check_prompt(prompt)
         self.kv.lengths.zero_()
-        self._lengths = [0] * len(prompts)
-        out = []
-        for row, prompt in enumerate(prompts):
-            tokens = self._tokens(prompt)
-            out.append(self._prefill_row(tokens, row, all_logits))
-            self._lengths[row] = len(prompt)
-        self.kv.lengths[: len(prompts)] = torch.tensor(self._lengths, device=self.weights.device)
+        self._lengths = []
+        out = [self._join(prompt, all_logits)[1] for prompt in prompts]
         return out if all_logits else torch.stack(out)
+
+    def join(self, prompt: Sequence[int]) -> tuple[int, torch.Tensor]:
+        """Add one sequence to the running batch: prefill `prompt` into row B (the next free row).
+
+        Returns (row, logits float32 [V] after the prompt's last token). The other rows' KV and
+        lengths are untouched, so they keep decoding in the next step together with the new one.
+        Cost: one prefill of len(prompt) tokens (the expert cache is bypassed). Raises ValueError
+        naming max_batch (no free row), max_seq_len (prompt too long) or an out-of-range token id.
+        """
+        prompt = list(prompt)
+        if self.batch >= self.max_batch:
+            raise ValueError(f"join: all max_batch={self.max_batch} rows are in use; leave a row first "
+                             "or raise max_batch")
+        self._check_prompt(prompt)
+        return self._join(prompt, False)
+
+    def leave(self, row: int) -> int | None:
+        """Free `row` by swap-remove: the last row's sequence moves into `row`; B -= 1.
+
+        Returns the old index of the moved row (B - 1 before the call), or None when `row` was the
+        last one. Callers that track sequences by row mirror it: seqs[row] = seqs.pop() (or pop).
+        Cost: per decoder layer, a copy of the moved row's cached k, v (its length only).
+        Raises ValueError when `row` is not in 0..B-1.
+        """
+        last = self.batch - 1
+        if not 0 <= row <= last:
+            raise ValueError(f"leave: row {row} is not an active row (0..{last})")
+        n = self._lengths.pop()
+        if row == last:
+            return None
+        for k, v in zip(self.kv.k, self.kv.v):  # each [max_batch, Hkv, max_len, D]
+            k[row, :, :n] = k[last, :, :n]
+            v[row, :, :n] = v[last, :, :n]
+        self.kv.lengths[row] = n
+        self._lengths[row] = n
+        return last
+
+    def lengths(self) -> list[int]:
+        """Tokens cached per active row (prompt + decoded tokens fed back), a host copy [B]."""
+        return list(self._lengths)
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        if len(prompt) == 0:
+            raise ValueError("prefill got an empty prompt: every prompt needs at least one token")
+        if len(prompt) > self.max_seq_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens exceeds max_seq_len={self.max_seq_len}: "
+                             "raise max_seq_len")
+
+    def _join(self, prompt: list[int], all_logits: bool) -> tuple[int, torch.Tensor]:
+        row = self.batch
+        logits = self._prefill_row(self._tokens(prompt), row, all_logits)
+        self._lengths.append(len(prompt))
+        self.kv.lengths[row] = len(prompt)
+        return row, logits
 
     def _prefill_row(self, tokens: torch.Tensor, row: int, all_logits: bool) -> torch.Tensor:
         x = self.weights.embed[tokens]  # [T, H]

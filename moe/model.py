@@ -6,7 +6,8 @@
 
 Supported `model_type`s: moe.spec.FAMILIES (qwen2_moe, qwen3_moe). The pieces are public for callers
 that need them apart: moe.spec (config), moe.checkpoint (tensors), moe.backends (MoE blocks),
-moe.engine (decoder). EXPERTCACHE_MOE_COPY_OVERLAP, when set, decides the GPU side-stream overlap.
+moe.engine (decoder). The GPU side-stream overlap is load_model's `copy_overlap`, or when that is None
+EXPERTCACHE_MOE_COPY_OVERLAP.
 """
 
 from __future__ import annotations
@@ -27,17 +28,20 @@ __all__ = ["CheckpointError", "CpuCachedMoE", "Engine", "FAMILIES", "GpuMoE", "M
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slots: int, policy: str = "lru",
                dtype: str | None = None, max_batch: int = 1, max_seq_len: int = 2048,
-               record_routing: bool = False, progress: bool = True, **constants) -> Engine:
+               record_routing: bool = False, progress: bool = True, copy_overlap: bool | None = None,
+               **constants) -> Engine:
     """Load checkpoint directory `path` and build an Engine over an expert cache of `num_slots` slots.
 
     device: "cpu" (HostCache reference backend) or a CUDA device (MoELayer backend, pinned HostStore).
     policy: the eviction policy (--moe-cache-policy), constants: its overrides. dtype: model dtype
     (default: config.json's). max_batch / max_seq_len: the KV cache size. record_routing: keep decode
-    routing (Engine.routing()). Cost: reads the checkpoint once; host memory holds every routed expert.
+    routing (Engine.routing()). copy_overlap: the GPU side-stream overlap (--moe-copy-overlap); None
+    leaves it to EXPERTCACHE_MOE_COPY_OVERLAP (off when unset). Cost: reads the checkpoint once; host
+    memory holds every routed expert.
     Raises CheckpointError (config key, file, tensor), ValueError (num_slots below max_batch * top_k,
     an unknown policy), PoolError (slots that do not fit on the device).
     """
     weights = load_checkpoint(path, device, dtype=dtype, progress=progress,
-                              copy_overlap=copy_overlap_from_env())
+                              copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap)
     backend = make_backend(weights, num_slots, policy, max_batch=max_batch, **constants)
     return Engine(weights, backend, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=record_routing)

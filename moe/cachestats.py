@@ -1,0 +1,78 @@
+"""One view of the expert cache's counters for either backend (for /metrics and the trace check).
+
+    CpuCachedMoE.cache (expertcache.host.HostCache): counters int64 [L, 3], clock, key_of   ─┐
+    GpuMoE.slots.cache (expertcache.device.DeviceCache): .stats(bytes_per_expert), key_of  ─┴► CacheStats
+
+Only decode steps reach the cache: prefill reads experts straight from the HostStore and leaves the
+slot map, policy state, clocks and counters untouched (moe.backends explains why). So `calls[l]` is
+the number of decode steps so far (every step calls every MoE layer once, whatever the batch), and
+"per token" below means per decode step, as the simulator's `misses_per_token` (a trace's N steps).
+Legend: L = MoE layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from expertcache.geometry import NO_KEY
+from expertcache.host import ACCESSES, CALLS, MISSES
+from moe.backends import CpuCachedMoE, GpuMoE
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters since the cache was built. calls / accesses / misses: int64 [L] per MoE layer
+    (accesses = distinct experts a step asked of that layer). steps: decode steps. slots_in_use:
+    slots holding an expert, of num_slots. bytes_per_expert: HostStore.bytes_per_expert."""
+
+    calls: np.ndarray
+    accesses: np.ndarray
+    misses: np.ndarray
+    steps: int
+    slots_in_use: int
+    num_slots: int
+    bytes_per_expert: int
+
+    @property
+    def total_accesses(self) -> int:
+        return int(self.accesses.sum())
+
+    @property
+    def total_misses(self) -> int:
+        return int(self.misses.sum())
+
+    @property
+    def hit_rate(self) -> float:
+        """1 - misses / accesses over every layer and decode step (0 before any access)."""
+        acc = self.total_accesses
+        return 1.0 - self.total_misses / acc if acc else 0.0
+
+    @property
+    def bytes_copied(self) -> int:
+        """Bytes moved host -> slots by miss copies (each miss copies one expert's rows)."""
+        return self.total_misses * self.bytes_per_expert
+
+    @property
+    def misses_per_layer_per_token(self) -> np.ndarray:
+        """float64 [L]: misses of each layer per decode step."""
+        return self.misses / max(self.steps, 1)
+
+
+def cache_stats(backend: CpuCachedMoE | GpuMoE) -> CacheStats:
+    """The counters of `backend`'s expert cache. On a GPU: one device sync (call it between steps).
+
+    Raises TypeError for a backend that is neither CpuCachedMoE nor GpuMoE.
+    """
+    bpe = backend.store.bytes_per_expert
+    if isinstance(backend, CpuCachedMoE):
+        c = backend.cache.counters
+        return CacheStats(c[:, CALLS].copy(), c[:, ACCESSES].copy(), c[:, MISSES].copy(), backend.cache.tok,
+                          int((backend.cache.key_of != NO_KEY).sum()), backend.cache.geometry.num_slots, bpe)
+    if isinstance(backend, GpuMoE):
+        cache = backend.slots.cache
+        s = cache.stats(bpe)
+        return CacheStats(s["calls"], s["accesses"], s["misses"], int(cache.clock[1].item()),
+                          int((cache.key_of != NO_KEY).sum().item()), cache.geometry.num_slots, bpe)
+    raise TypeError(f"cache_stats needs a CpuCachedMoE or GpuMoE backend, got {type(backend).__name__}")

@@ -1,0 +1,128 @@
+"""/metrics: the expert cache's and the scheduler's counters in Prometheus' text format.
+
+    scheduler thread: snapshot(scheduler) ─► Snapshot (CacheStats + scheduler counters, one consistent read)
+    HTTP side:        ServerMetrics.render(snapshot) ─► prometheus_client.generate_latest ─► text/plain
+
+Metrics (every counter is since the server started; "token" = one decode step, as in the simulator):
+
+| name                                             | kind    | what                                                      |
+|--------------------------------------------------|---------|-----------------------------------------------------------|
+| expertcache_hit_rate                             | gauge   | 1 - misses / accesses over all decode steps and MoE layers |
+| expertcache_misses_per_layer_per_token{layer}    | gauge   | misses of MoE layer `layer` / decode steps                 |
+| expertcache_cache_accesses_total{layer}          | counter | distinct experts asked of the cache                        |
+| expertcache_cache_misses_total{layer}            | counter | experts copied in                                          |
+| expertcache_bytes_copied_total                   | counter | misses x HostStore.bytes_per_expert                        |
+| expertcache_slots_in_use / expertcache_slots     | gauge   | slots holding an expert / all slots                        |
+| expertcache_decode_tokens_per_second             | gauge   | tokens of the last 64 decode steps / their wall time       |
+| expertcache_decode_steps_total{batch}            | counter | decode steps, by batch size                                |
+| expertcache_decode_tokens_total                  | counter | tokens produced by decode steps (steps x batch)            |
+| expertcache_decode_seconds_total                 | counter | wall time of decode steps (with sampling)                  |
+| expertcache_prefill_tokens_total                 | counter | prompt tokens prefilled                                    |
+| expertcache_active_sequences / _waiting_requests | gauge   | sequences in batch rows / requests queued for a row        |
+| expertcache_requests_finished_total{reason}      | counter | stop, length, cancelled, error                             |
+| expertcache_requests_total{endpoint, status}     | counter | HTTP requests answered                                     |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from moe.cachestats import CacheStats, cache_stats
+from moe.scheduler import Scheduler
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One consistent read of the cache and scheduler counters (taken on the scheduler thread)."""
+
+    cache: CacheStats
+    tokens_per_second: float
+    decode_tokens: int
+    decode_seconds: float
+    prefill_tokens: int
+    batch_steps: dict[int, int]
+    finished: dict[str, int]
+    active: int
+    waiting: int
+
+
+def snapshot(scheduler: Scheduler) -> Snapshot:
+    """Read every counter; run it on the scheduler thread (Scheduler.call) or after stop()."""
+    st = scheduler.stats
+    return Snapshot(cache_stats(scheduler.engine.moe), st.tokens_per_second(), st.decode_tokens,
+                    st.decode_seconds, st.prefill_tokens, dict(st.batch_steps), dict(st.finished),
+                    scheduler.active, scheduler.waiting)
+
+
+class _SnapshotCollector:
+    """Yields the metric families of the snapshot set just before a scrape."""
+
+    def __init__(self) -> None:
+        self.snapshot: Snapshot | None = None
+
+    def collect(self):
+        s = self.snapshot
+        if s is None:
+            return
+        c = s.cache
+        yield _gauge("expertcache_hit_rate", "1 - misses / accesses of the expert cache (decode steps)", c.hit_rate)
+        per_layer = GaugeMetricFamily("expertcache_misses_per_layer_per_token",
+                                      "misses per decode step of each MoE layer", labels=["layer"])
+        acc = CounterMetricFamily("expertcache_cache_accesses", "distinct experts asked of the cache",
+                                  labels=["layer"])
+        miss = CounterMetricFamily("expertcache_cache_misses", "experts copied into slots", labels=["layer"])
+        for layer, value in enumerate(c.misses_per_layer_per_token):
+            per_layer.add_metric([str(layer)], float(value))
+            acc.add_metric([str(layer)], int(c.accesses[layer]))
+            miss.add_metric([str(layer)], int(c.misses[layer]))
+        yield from (per_layer, acc, miss)
+        yield CounterMetricFamily("expertcache_bytes_copied", "bytes copied host -> slots by misses",
+                                  value=c.bytes_copied)
+        yield _gauge("expertcache_slots_in_use", "slots holding an expert", c.slots_in_use)
+        yield _gauge("expertcache_slots", "slots of the pool (--moe-slots)", c.num_slots)
+        yield _gauge("expertcache_decode_tokens_per_second", "decode tokens per second, last 64 steps",
+                     s.tokens_per_second)
+        yield from self._scheduler_families(s)
+
+    @staticmethod
+    def _scheduler_families(s: Snapshot):
+        steps = CounterMetricFamily("expertcache_decode_steps", "decode steps by batch size", labels=["batch"])
+        for batch, n in sorted(s.batch_steps.items()):
+            steps.add_metric([str(batch)], n)
+        yield steps
+        yield CounterMetricFamily("expertcache_decode_tokens", "tokens produced by decode steps",
+                                  value=s.decode_tokens)
+        yield CounterMetricFamily("expertcache_decode_seconds", "wall time of decode steps",
+                                  value=s.decode_seconds)
+        yield CounterMetricFamily("expertcache_prefill_tokens", "prompt tokens prefilled", value=s.prefill_tokens)
+        yield _gauge("expertcache_active_sequences", "sequences in batch rows", s.active)
+        yield _gauge("expertcache_waiting_requests", "requests waiting for a batch row", s.waiting)
+        done = CounterMetricFamily("expertcache_requests_finished", "requests by outcome", labels=["reason"])
+        for reason, n in sorted(s.finished.items()):
+            done.add_metric([reason], n)
+        yield done
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=float(value))
+
+
+class ServerMetrics:
+    """The server's registry: the HTTP request counter and the snapshot collector."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("expertcache_requests", "HTTP requests answered", ["endpoint", "status"],
+                                registry=self.registry)
+        self._collector = _SnapshotCollector()
+        self.registry.register(self._collector)
+
+    def render(self, snap: Snapshot) -> bytes:
+        """The exposition text of every metric, the cache and scheduler ones read from `snap`."""
+        self._collector.snapshot = snap
+        return generate_latest(self.registry)

@@ -1,0 +1,341 @@
+"""Continuous batching: one thread owns the Engine and steps every active sequence together.
+
+    any thread (the HTTP server)           the scheduler thread (the only one touching the Engine)
+    submit(Request) ─┐                      loop:
+    call(fn) ────────┴─► inbox ──────────►   run queued calls (metrics snapshot, trace write)
+                        (queue.Queue)        drop cancelled sequences: engine.leave(row)
+                                             admit waiting requests while a row is free:
+                                                 engine.join(prompt) → logits [V] → first token
+                                             decode_step(every row's last token) → logits [B, V]
+                                                 → choose (greedy / seeded top-p) → B tokens
+                                                 → per row: eos? TextStream (stop strings)? length?
+                                             finished rows: engine.leave(row) (descending rows)
+    Request.emit(Event) ◄── one Event per token (text delta), the last one with finish_reason
+
+A request joins between decode steps and runs in the same steps as every other active sequence
+(rows 0..B-1 of the engine, B <= max_batch); requests beyond max_batch wait in FIFO order. A request
+whose consumer went away (`cancel()`, or an `emit` that raises) leaves at the next loop turn and
+frees its row. `emit` runs on the scheduler thread: it must be quick and thread-safe (the server's
+puts onto an asyncio queue with loop.call_soon_threadsafe). Token accounting: completion_tokens counts
+every sampled token, an eos included; the eos itself adds no text.
+Legend: B = active sequences, V = vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from moe.engine import Engine
+from moe.sampling import Sampler, SamplingParams, choose
+from moe.tokenizer import TextStream, TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerClosed(RuntimeError):
+    """submit() after stop(): the server is shutting down."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request's consumer receives: a text delta, and on the last event the finish_reason
+    ("stop": eos or a stop string; "length": max_tokens or max_seq_len) or an error message."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class Request:
+    """One generation request: prompt token ids, sampling params, and `emit` for its Events.
+    `number` (set by submit) is its index in submission order, the trace's req_index."""
+
+    def __init__(self, prompt: Sequence[int], params: SamplingParams, emit: Callable[[Event], Any]) -> None:
+        self.prompt, self.params, self.emit = list(prompt), params, emit
+        self.number = -1
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this request (thread-safe, idempotent; no-op once finished)."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass
+class SchedulerStats:
+    """Counters of the scheduler thread. batch_steps: decode steps by batch size; finished:
+    requests by outcome ("stop", "length", "cancelled", "error"). Decode time is the wall time of
+    decode_step plus sampling and detokenization; prefill is not in it."""
+
+    steps: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    prefill_tokens: int = 0
+    batch_steps: Counter = field(default_factory=Counter)
+    finished: Counter = field(default_factory=Counter)
+    window: deque = field(default_factory=lambda: deque(maxlen=64))  # (tokens, seconds) per step
+
+    def tokens_per_second(self) -> float:
+        """Decode tokens per second over the last 64 decode steps (0 before any)."""
+        seconds = sum(s for _, s in self.window)
+        return sum(t for t, _ in self.window) / seconds if seconds > 0 else 0.0
+
+
+@dataclass(eq=False)
+class _Seq:
+    request: Request
+    sampler: Sampler
+    stream: TextStream
+    generated: int = 0
+    last: int = -1
+
+
+class _Call:
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn, self.future = fn, Future()
+
+    def run(self) -> None:
+        if self.future.set_running_or_notify_cancel():
+            try:
+                self.future.set_result(self.fn())
+            except BaseException as e:  # handed to the caller through the future
+                self.future.set_exception(e)
+
+
+class Scheduler:
+    """Owns `engine` (max_batch rows) and generates for submitted Requests in one background thread.
+
+    eos_ids: token ids that end a sequence (default: the tokenizer's). `rows` mirrors the engine's
+    rows: rows[b] is the sequence in row b. With engine.record_routing, `req_rows` keeps the request
+    number of every row of every decode step (the trace's req_index). Counters are in `stats`.
+    """
+
+    def __init__(self, engine: Engine, tokenizer: TextTokenizer, *, eos_ids: Sequence[int] | None = None,
+                 poll_s: float = 0.1) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+        self.eos_ids = frozenset(tokenizer.eos_ids if eos_ids is None else eos_ids)
+        self.poll_s = poll_s
+        self.stats = SchedulerStats()
+        self.rows: list[_Seq] = []
+        self.req_rows: list[list[int]] = []
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: deque[Request] = deque()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closing = self._stopped = False
+        self._deadline = 0.0
+        self._submitted = self._queued = 0  # requests numbered / in the inbox
+
+    @property
+    def active(self) -> int:
+        """Sequences in the engine's rows now."""
+        return len(self.rows)
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted but not yet in a row."""
+        return len(self._waiting) + self._queued
+
+    @property
+    def closing(self) -> bool:
+        """True once stop() was called: submit() refuses new requests."""
+        return self._closing
+
+    def start(self) -> None:
+        """Start the scheduler thread (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="expertcache-scheduler", daemon=True)
+            self._thread.start()
+
+    def submit(self, request: Request) -> int:
+        """Queue `request`; returns its number. Thread-safe. Raises SchedulerClosed after stop()."""
+        with self._lock:
+            if self._closing:
+                raise SchedulerClosed("the server is shutting down: retry on another replica")
+            request.number = self._submitted
+            self._submitted += 1
+            self._queued += 1
+            self._inbox.put(request)
+        return request.number
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run fn() on the scheduler thread between two steps (inline when the thread is not running);
+        its result or exception arrives in the returned Future. Thread-safe."""
+        item = _Call(fn)
+        with self._lock:
+            inline = self._thread is None or self._stopped
+            if not inline:
+                self._inbox.put(item)
+        if inline:
+            item.run()
+        return item.future
+
+    def stop(self, timeout: float = 0.0) -> None:
+        """Stop taking requests, let the active and waiting ones run for up to `timeout` seconds,
+        end the rest with an error Event ("server shutting down"), and join the thread."""
+        with self._lock:
+            self._closing = True
+            self._deadline = time.monotonic() + timeout
+        self._inbox.put(None)  # wake an idle loop
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def running(self) -> bool:
+        """True while the scheduler thread runs (False before start(), after stop() or a failure)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopped
+
+    def _run(self) -> None:
+        message = "server shutting down"
+        try:
+            self._loop()
+        except Exception as e:  # a bug: end every request with it rather than leave them hanging
+            logger.exception("the scheduler thread failed")
+            message = f"the scheduler failed: {e!r}"
+            with self._lock:
+                self._closing = True
+        finally:
+            self._abort_all(message)
+            with self._lock:
+                self._stopped = True
+            self._drain_inbox(block=False)
+
+    def _loop(self) -> None:
+        while True:
+            self._drain_inbox(block=not self.rows and not self._waiting)
+            if self._closing and (time.monotonic() >= self._deadline or not (self.rows or self._waiting)):
+                return
+            self._drop_cancelled()
+            self._admit()
+            if self.rows:
+                self._step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._inbox.get(timeout=self.poll_s) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if isinstance(item, _Call):
+                item.run()
+            elif isinstance(item, Request):
+                if self._stopped:
+                    _emit(item, Event(error="server shutting down"))
+                else:
+                    self._waiting.append(item)
+                with self._lock:
+                    self._queued -= 1
+
+    def _drop_cancelled(self) -> None:
+        for row in reversed(range(len(self.rows))):
+            if self.rows[row].request.cancelled:
+                self._leave(row)
+                self.stats.finished["cancelled"] += 1
+        kept = [r for r in self._waiting if not r.cancelled]
+        if len(kept) < len(self._waiting):
+            self.stats.finished["cancelled"] += len(self._waiting) - len(kept)
+            self._waiting = deque(kept)
+
+    def _admit(self) -> None:
+        engine = self.engine
+        while self._waiting and engine.batch < engine.max_batch:
+            req = self._waiting.popleft()
+            try:
+                row, logits = engine.join(req.prompt)  # logits [V]
+            except ValueError as e:
+                self.stats.finished["error"] += 1
+                _emit(req, Event(error=str(e), prompt_tokens=len(req.prompt)))
+                continue
+            seq = _Seq(req, Sampler(req.params), TextStream(self.tokenizer, req.params.stop))
+            self.rows.append(seq)
+            self.stats.prefill_tokens += len(req.prompt)
+            token = choose([seq.sampler], logits[None])[0]
+            if self._advance(seq, token, engine.lengths()[row]):
+                self._leave(row)
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        seqs = list(self.rows)
+        try:
+            logits = self.engine.decode_step([s.last for s in seqs])  # [B, V]
+        except Exception as e:  # an engine failure ends every active request with its message
+            self._abort_all(f"decode step failed: {e}", reason="error")
+            return
+        if self.engine.record_routing:
+            self.req_rows.append([s.request.number for s in seqs])
+        tokens = choose([s.sampler for s in seqs], logits)
+        lengths = self.engine.lengths()
+        done = [row for row, (s, t) in enumerate(zip(seqs, tokens)) if self._advance(s, t, lengths[row])]
+        seconds = time.perf_counter() - start
+        st = self.stats
+        st.steps += 1
+        st.decode_tokens += len(seqs)
+        st.decode_seconds += seconds
+        st.batch_steps[len(seqs)] += 1
+        st.window.append((len(seqs), seconds))
+        for row in reversed(done):
+            self._leave(row)
+
+    def _advance(self, seq: _Seq, token: int, length: int) -> bool:
+        """Take one sampled token of `seq` (whose row caches `length` tokens); emit; True when done."""
+        seq.generated += 1
+        seq.last = token
+        if token in self.eos_ids:
+            reason, text = "stop", seq.stream.finish()
+        else:
+            text, stopped = seq.stream.push(token)
+            full = seq.generated >= seq.request.params.max_tokens or length >= self.engine.max_seq_len
+            reason = "stop" if stopped else "length" if full else None
+            if reason == "length":
+                text += seq.stream.finish()
+        ok = _emit(seq.request, Event(text, reason, len(seq.request.prompt), seq.generated))
+        if reason is not None:
+            self.stats.finished[reason] += 1
+        elif not ok:
+            seq.request.cancel()
+        return reason is not None
+
+    def _leave(self, row: int) -> None:
+        moved = self.engine.leave(row)
+        last = self.rows.pop()
+        if moved is not None:
+            self.rows[row] = last
+
+    def _abort_all(self, message: str, reason: str = "cancelled") -> None:
+        """End every active and waiting request with an error Event carrying `message`."""
+        for row in reversed(range(len(self.rows))):
+            seq = self.rows[row]
+            self._leave(row)
+            self.stats.finished[reason] += 1
+            _emit(seq.request, Event(error=message, prompt_tokens=len(seq.request.prompt),
+                                     completion_tokens=seq.generated))
+        while self._waiting:
+            req = self._waiting.popleft()
+            self.stats.finished[reason] += 1
+            _emit(req, Event(error=message, prompt_tokens=len(req.prompt)))
+
+
+def _emit(request: Request, event: Event) -> bool:
+    """Deliver `event`; False when the consumer's sink raised (it went away)."""
+    try:
+        request.emit(event)
+        return True
+    except Exception:
+        return False

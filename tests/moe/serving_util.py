@@ -1,0 +1,91 @@
+"""Helpers of the serving tests: a tiny servable checkpoint, a scheduler hold, polling.
+
+    transformers Qwen2MoeForCausalLM (as tests/moe/test_model.py builds it) ─save_pretrained─► dir
+    tokenizers WordLevel over the model's 128 ids ─► dir/tokenizer.json
+    dir/tokenizer_config.json: eos_token <|im_end|>, a ChatML-like chat_template
+
+Vocabulary: 0 <unk>, 1 <|endoftext|>, 2 <|im_start|>, 3 <|im_end|> (special), 4 user, 5 assistant,
+6 system, 7..127 the words w7..w127. Decoding joins words with spaces. The lm_head rows of the
+special tokens are zero, so their logit is 0 while the words' spread over about ±6: greedy decoding
+never picks eos, and every greedy request runs to max_tokens (tests of eos pass eos ids explicitly).
+Model: 3 layers (layer 1 dense), 8 experts top-2, shared expert: 2 MoE layers, 16 cache keys.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+VOCAB = 128
+SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+WORDS = ["user", "assistant", "system"] + [f"w{i}" for i in range(7, VOCAB)]
+EOS = 3
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=48, mlp_only_layers=[1])
+
+
+def write_tokenizer(path) -> None:
+    """tokenizer.json (WordLevel, whitespace split, specials added) and tokenizer_config.json."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
+
+
+def make_tiny_checkpoint(path: Path) -> Path:
+    """Write the tiny random Qwen2-MoE checkpoint with its tokenizer into `path`; returns it."""
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**CONFIG)).eval()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * noise if "norm" in name else 0.3 * noise)
+        model.lm_head.weight[: len(SPECIALS)] = 0
+    model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
+    return path
+
+
+def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `predicate` every 5 ms; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+@contextmanager
+def held(scheduler):
+    """Block `scheduler`'s thread between two steps (through Scheduler.call) for the with-block, so
+    that requests submitted inside it are all waiting when it resumes and join the same steps."""
+    entered, release = threading.Event(), threading.Event()
+
+    def block() -> None:
+        entered.set()
+        release.wait(30)
+
+    scheduler.call(block)
+    assert entered.wait(10), "the scheduler thread did not reach the hold"
+    try:
+        yield
+    finally:
+        release.set()
+
+
+def words(*ids: int) -> str:
+    """The text of word ids (7..127), as the tiny tokenizer decodes them."""
+    return " ".join(f"w{i}" for i in ids)

@@ -1,0 +1,236 @@
+"""Continuous batching without HTTP: engine rows that join and leave, the scheduler, sampling, text.
+
+    tiny checkpoint (tests/moe/serving_util.py) ─load_model─► Engine(max_batch 3) ─► Scheduler thread
+    checked against a second Engine that runs every sequence alone (Engine.generate / decode_step):
+    logits of rows that join and leave mid-decode, greedy outputs under batching and queueing,
+    eos / stop-string / max_tokens ends, cancellation, seeded sampling, tokenizer and chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import pytest
+import torch
+
+from moe.model import load_model
+from moe.sampling import Sampler, SamplingParams
+from moe.scheduler import Request, Scheduler, SchedulerClosed
+from moe.tokenizer import TextStream, TextTokenizer, TokenizerError
+from tests.moe.serving_util import EOS, held, wait_until
+
+
+def _engine(path, max_batch=3, **kw):
+    return load_model(path, "cpu", num_slots=2 * max_batch, max_batch=max_batch, max_seq_len=64,
+                      progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_dir):
+    """An engine that runs one sequence at a time: the reference of every batched result."""
+    return _engine(tiny_dir, max_batch=1)
+
+
+@pytest.fixture
+def sched(tiny_dir):
+    s = Scheduler(_engine(tiny_dir), TextTokenizer(tiny_dir))
+    s.start()
+    yield s
+    s.stop()
+
+
+class Sink:
+    """Collects a request's Events (the scheduler calls it on its thread)."""
+
+    def __init__(self) -> None:
+        self.events, self.done = [], threading.Event()
+
+    def __call__(self, ev) -> None:
+        self.events.append(ev)
+        if ev.final:
+            self.done.set()
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events)
+
+    def wait(self):
+        assert self.done.wait(20), "the request did not finish"
+        return self.events[-1]
+
+
+def _run(sched, prompt, **params) -> Sink:
+    sink = Sink()
+    sched.submit(Request(prompt, SamplingParams(**params), sink))
+    sink.wait()
+    return sink
+
+
+def test_rows_that_join_and_leave_decode_like_single_sequences(tiny_dir, ref):
+    eng = _engine(tiny_dir)
+    seqs = {"a": list(range(10, 17)), "b": list(range(20, 27)), "c": list(range(30, 36))}
+    start = {"a": 3, "b": 2, "c": 3}  # prompt lengths
+    got = {name: [] for name in seqs}  # logits after each fed token, from the batched engine
+    rows = []  # names by engine row
+    pos = dict(start)
+
+    def join(name):
+        row, logits = eng.join(seqs[name][: start[name]])
+        assert row == len(rows)
+        rows.append(name)
+        got[name].append(logits)
+
+    def step():
+        logits = eng.decode_step([seqs[n][pos[n]] for n in rows])
+        for r, n in enumerate(rows):
+            got[n].append(logits[r])
+            pos[n] += 1
+
+    join("a"), step(), step()
+    join("b"), step(), step()
+    assert eng.leave(0) == 1 and eng.lengths() == [4]  # a leaves; b moves from row 1 to row 0
+    rows[0] = rows.pop()
+    join("c"), step(), step(), step()
+    assert eng.leave(1) is None and eng.batch == 1  # c (the last row) leaves: nothing moves
+    for name, seq in seqs.items():
+        want = [ref.prefill([seq[: start[name]]])[0]] + [ref.decode_step([t])[0] for t in
+                                                         seq[start[name]: start[name] + len(got[name]) - 1]]
+        torch.testing.assert_close(torch.stack(got[name]), torch.stack(want), rtol=1e-4, atol=1e-4)
+
+
+def test_engine_join_and_leave_refuse_bad_rows(tiny_dir):
+    eng = _engine(tiny_dir, max_batch=1)
+    eng.join([5, 6])
+    with pytest.raises(ValueError, match="max_batch=1"):
+        eng.join([7])
+    with pytest.raises(ValueError, match="row 1 is not an active row"):
+        eng.leave(1)
+    with pytest.raises(ValueError, match="max_seq_len=64"):
+        _engine(tiny_dir).join(list(range(10, 75)))
+
+
+def test_queued_and_batched_requests_equal_generate(sched, ref):
+    prompts = [[10 + i, 40, 70 + i] for i in range(5)]  # 5 requests, 3 rows: two wait for a row
+    sinks = [Sink() for _ in prompts]
+    with held(sched):
+        for prompt, sink, n in zip(prompts, sinks, range(5)):
+            sched.submit(Request(prompt, SamplingParams(max_tokens=4 + n), sink))
+        wait_until(lambda: sched.waiting == 5, what="5 waiting requests")
+    for prompt, sink, n in zip(prompts, sinks, range(5)):
+        last = sink.wait()
+        assert sink.text == sched.tokenizer.decode(ref.generate([prompt], 4 + n)[0])
+        assert (last.finish_reason, last.prompt_tokens, last.completion_tokens) == ("length", 3, 4 + n)
+    wait_until(lambda: sched.active == 0, what="free rows")
+    assert max(sched.stats.batch_steps) == 3 and sched.stats.finished["length"] == 5
+    assert sched.stats.decode_tokens == sum(b * n for b, n in sched.stats.batch_steps.items())
+
+
+def test_eos_stop_string_and_max_tokens_end_a_sequence(tiny_dir, ref):
+    tok = TextTokenizer(tiny_dir)
+    prompt = [15, 25, 35]
+    tokens = ref.generate([prompt], 6)[0]
+    end = next(i for i in range(2, 6) if tokens[i] not in tokens[:i])  # eos: the first new token from 2 on
+    s = Scheduler(_engine(tiny_dir), tok, eos_ids=[tokens[end]])
+    s.start()
+    try:
+        eos = _run(s, prompt, max_tokens=6)
+        assert eos.text == tok.decode(tokens[:end]) and eos.events[-1].finish_reason == "stop"
+        assert eos.events[-1].completion_tokens == end + 1  # the eos counts, adds no text
+        full, stop_word = tok.decode(tokens[:end]), tok.decode(tokens[end - 1:end])
+        by_stop = _run(s, prompt, max_tokens=6, stop=("zzz", stop_word))
+        assert by_stop.text == full[: full.index(stop_word)] and by_stop.events[-1].finish_reason == "stop"
+        one = _run(s, prompt, max_tokens=1)
+        assert one.text == tok.decode(tokens[:1]) and one.events[-1].finish_reason == "length"
+    finally:
+        s.stop()
+    assert s.stats.finished == {"stop": 2, "length": 1}
+
+
+def test_cancel_frees_the_row_and_shutdown_ends_waiting_requests(sched):
+    first = threading.Event()
+    sink = Sink()
+    req = Request([10, 20], SamplingParams(max_tokens=60), lambda ev: (sink(ev), first.set()))
+    sched.submit(req)
+    assert first.wait(10)
+    req.cancel()
+    wait_until(lambda: sched.active == 0, what="the cancelled row to be freed")
+    assert sched.stats.finished["cancelled"] == 1 and not sink.done.is_set()
+    late = [Sink() for _ in range(4)]
+    with held(sched):
+        for s in late:
+            sched.submit(Request([10, 20], SamplingParams(max_tokens=60), s))
+        threading.Thread(target=sched.stop).start()
+        wait_until(lambda: sched.closing, what="stop() to start")
+    for s in late:
+        assert s.wait().error == "server shutting down"
+    with pytest.raises(SchedulerClosed):
+        sched.submit(Request([1], SamplingParams(max_tokens=1), Sink()))
+
+
+def test_stop_with_a_timeout_lets_running_requests_finish(sched):
+    sinks = [Sink() for _ in range(4)]  # 3 rows and one waiting request, all finish within the timeout
+    with held(sched):
+        for s in sinks:
+            sched.submit(Request([10, 20], SamplingParams(max_tokens=5), s))
+        threading.Thread(target=sched.stop, kwargs={"timeout": 30}).start()
+        wait_until(lambda: sched.closing, what="stop() to start")
+    assert [s.wait().finish_reason for s in sinks] == ["length"] * 4
+    wait_until(lambda: not sched.running, what="the thread to end")
+    assert sched.call(lambda: sched.active).result() == 0  # runs inline once stopped
+
+
+def test_seeded_sampling_repeats_and_tiny_top_p_is_greedy(sched, ref):
+    prompt = [12, 13, 14]
+    a = _run(sched, prompt, max_tokens=8, temperature=1.0, seed=5).text
+    b = _run(sched, prompt, max_tokens=8, temperature=1.0, seed=5).text
+    assert a == b
+    assert _run(sched, prompt, max_tokens=8, temperature=1.0, top_p=1e-6).text == \
+        sched.tokenizer.decode(ref.generate([prompt], 8)[0])
+    gen = Sampler(SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9, seed=1))
+    logits = torch.tensor([2.0, 1.9, -5.0, 0.0])  # probabilities .52, .45, 0, .03: top_p .9 keeps 0 and 1
+    assert {gen.sample(logits) for _ in range(200)} == {0, 1}
+
+
+@pytest.mark.parametrize("field, kw", [("max_tokens", dict(max_tokens=0)), ("temperature", dict(temperature=3.0)),
+                                       ("top_p", dict(top_p=0.0)), ("seed", dict(seed=-1))])
+def test_sampling_params_name_the_bad_field(field, kw):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{"max_tokens": 4, **kw})
+
+
+def test_text_stream_holds_back_stop_prefixes(tiny_dir):
+    tok = TextTokenizer(tiny_dir)
+    stream = TextStream(tok, stop=["w9 w1"])
+    ids = [tok.encode(w)[0] for w in ("w8", "w9", "w10")]
+    assert stream.push(ids[0]) == ("w8", False)
+    assert stream.push(ids[1]) == (" ", False)  # "w9" could start "w9 w1": held back
+    assert stream.push(ids[2]) == ("", True)  # "w8 w9 w10" holds the stop string at 3
+    assert stream.text == "w8 "
+
+
+def test_tokenizer_chat_template_and_eos_sources(tiny_dir, tmp_path):
+    tok = TextTokenizer(tiny_dir)
+    assert tok.eos_ids == {EOS}
+    messages = [{"role": "system", "content": "w7"}, {"role": "user", "content": "w8 w9"}]
+    assert tok.render_chat(messages) == ("<|im_start|>system w7<|im_end|> <|im_start|>user w8 w9<|im_end|> "
+                                         "<|im_start|>assistant ")
+    assert tok.encode_chat(messages) == [2, 6, 7, 3, 2, 4, 8, 9, 3, 2, 5]
+    other = tmp_path / "other"
+    shutil.copytree(tiny_dir, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 9]}))
+    (other / "chat_template.jinja").write_text("{{ raise_exception('only ' + bos_token) }}")
+    tok2 = TextTokenizer(other)
+    assert tok2.eos_ids == {1, 3, 9}
+    with pytest.raises(TokenizerError, match="refused the messages: only"):
+        tok2.render_chat(messages)
+    (other / "chat_template.jinja").unlink()
+    with pytest.raises(TokenizerError, match="no chat template"):
+        TextTokenizer(other).render_chat(messages)
+    (other / "tokenizer.json").unlink()
+    with pytest.raises(TokenizerError, match="tokenizer.json does not exist"):
+        TextTokenizer(other)
