@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +32,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmeta import machine  # noqa: E402
 from moe.config import MoEConfig
 from moe.kernel_trace import kernels, kernels_in_range, load_trace, named
 from moe.synthetic import SyntheticModel, random_weights
@@ -44,19 +44,6 @@ SLEEP_CYCLES = 200_000  # ~100 us: longer than the host takes to launch one step
 FAST_LINK = 100e9  # bytes/s, above any PCIe 5 x16 link: a copy longer than one expert at this speed missed
 RANGE = "bench.shared_expert"
 TARGET = "target: whole layer (all experts resident, graph replay) <= 1.5x the HBM floor"
-
-
-def machine() -> dict:
-    import triton
-
-    commit = os.environ.get("EXPERTCACHE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent,
-        check=False).stdout.strip()
-    props = torch.cuda.get_device_properties(0)
-    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda,
-            "commit": commit if len(commit) == 40 else "unknown",
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 class Graph:

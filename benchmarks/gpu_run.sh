@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
-# parts: any of env tests ensure copy sanitize moe routed overlap (default: all). Wheels for
+# parts: any of env tests ensure copy sanitize moe routed overlap engine decode (default: all but
+# engine and decode: the decode engine's GPU tests and bench_decode.py, run by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -31,7 +32,9 @@ for part in $parts; do
           > "$OUT/sanitize-$tool.log" 2>&1; echo "compute-sanitizer $tool: exit $?"; tail -3 "$OUT/sanitize-$tool.log"
       done ;;
     moe)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe tests/expertcache/test_streams.py \
+      # files named: the server tests import fastapi, which the GPU image lacks
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_layer.py tests/moe/test_router.py \
+        tests/moe/test_routed.py tests/moe/test_kernel_trace.py tests/expertcache/test_streams.py \
         2>&1 | tee "$OUT/gpu-tests-moe.log" | tail -6 ;;
     routed)
       timeout 300 python3 benchmarks/bench_routed.py --configs sweep --tokens 1,2,4,8 --out "$OUT/routed.json" \
@@ -40,5 +43,10 @@ for part in $parts; do
       mkdir -p "$OUT/moe"
       timeout 400 python3 benchmarks/bench_moe_copy_overlap.py --out-dir "$OUT/moe" 2>&1 | tee "$OUT/moe/bench.log" | tail -14
       (cd "$OUT/moe" && tar czf traces.tgz replays_*.json eager_step_*.json && rm -f replays_*.json eager_step_*.json) ;;
+    engine)
+      timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/moe/test_engine_gpu.py \
+        2>&1 | tee "$OUT/gpu-tests-engine.log" | tail -8 ;;
+    decode)
+      timeout 540 python3 benchmarks/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -12 ;;
   esac
 done

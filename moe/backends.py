@@ -4,7 +4,9 @@
       CpuCachedMoE: route (f32) → HostCache.ensure(m, ids) → reference_copy(plan: store rows → CPU SlotPool)
                     → routed_reference(hidden, slots, weights, pool) (f32) + shared_expert (f32) → cast
       GpuMoE:       moe.layer.MoELayer.forward over one moe.layer.SlotCache (device ensure, miss copy,
-                    routed GEMM by slot id, shared expert on the side stream when copy_overlap is on)
+                    routed GEMM by slot id, shared expert on the side stream when copy_overlap is on);
+                    no host sync, so the engine captures whole decode steps (moe.graphs); with
+                    forced_routing the ids / weights come from static buffers (set_routing), not the router
     prefill, hidden [T, H] (any T): moe_prefill for both — the cache is bypassed (below).
 
 Legend: B = decode rows, T = prompt tokens, H = hidden, E = experts, k = top_k, S = slots, m = MoE layer.
@@ -115,25 +117,58 @@ class CpuCachedMoE:
 class GpuMoE:
     """The GPU backend: one moe.layer.MoELayer per MoE layer over one shared moe.layer.SlotCache.
 
-    Built from the public constructors only. With `record`, the routed ids come from a second router
-    GEMV (moe.reference.route on the layer's float32 router, the same call MoELayer makes, hence the
-    same ids); decode steps that record are not meant for CUDA-graph capture.
+    Built from the public constructors only. With `record`, the routed ids are a copy of what the
+    layer routed with (MoELayer.last_routing, or the forced ids), made on the device, so a decode
+    step that records stays capturable (moe.graphs).
+    forced_routing: route every decode call from static buffers instead of the router (benchmarks
+    replaying a trace): `routing_buffers` ids int32 / weights float32 [L_moe, max_batch, k], filled per
+    step with `set_routing` (ids -1 = no expert until then); prefill still uses the router.
     Raises what SlotPool (PoolError: the slots do not fit), SlotCache and MoELayer raise.
     """
 
     def __init__(self, weights: ModelWeights, num_slots: int, policy: str = "lru", *, max_batch: int = 1,
-                 **constants) -> None:
+                 forced_routing: bool = False, **constants) -> None:
         geometry = _geometry(weights, num_slots, max_batch)
         self.cfg, self.store = weights.spec.moe, weights.store
         pool = SlotPool(self.store.banks, num_slots, device=weights.device)
         self.slots = SlotCache(self.store, pool, geometry.num_layers, geometry.num_experts, policy, **constants)
         self.layers = {lw.mlp.index: MoELayer(self.cfg, lw.mlp.index, lw.mlp.router, self.slots, lw.mlp.shared)
                        for lw in weights.layers if isinstance(lw.mlp, MoEWeights)}
+        self.routing_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        if forced_routing:
+            shape, dev = (geometry.num_layers, max_batch, self.cfg.top_k), weights.device
+            self.routing_buffers = (torch.full(shape, -1, dtype=torch.int32, device=dev),
+                                    torch.zeros(shape, dtype=torch.float32, device=dev))
+
+    def set_routing(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Forced routing of the next decode step: ids int32, weights float32 [L_moe, B, k] (any device;
+        on the model's device no host sync) into rows 0..B-1 of `routing_buffers`. Rows B.. keep
+        theirs. Raises ValueError naming forced_routing (not enabled) or ids / weights (shape, dtype)."""
+        if self.routing_buffers is None:
+            raise ValueError("set_routing needs GpuMoE(..., forced_routing=True)")
+        bids, bweights = self.routing_buffers
+        for name, t, dtype in (("ids", ids, torch.int32), ("weights", weights, torch.float32)):
+            ok = isinstance(t, torch.Tensor) and t.dtype == dtype and t.dim() == 3
+            ok = ok and t.shape[0] == bids.shape[0] and 1 <= t.shape[1] <= bids.shape[1] and t.shape[2] == bids.shape[2]
+            if not ok:
+                raise ValueError(f"set_routing: {name} must be {dtype} [L_moe={bids.shape[0]}, B <= "
+                                 f"max_batch={bids.shape[1]}, k={bids.shape[2]}], got "
+                                 f"{list(getattr(t, 'shape', []))} {getattr(t, 'dtype', type(t).__name__)}")
+        if ids.shape != weights.shape:
+            raise ValueError(f"set_routing: ids {list(ids.shape)} and weights {list(weights.shape)} differ in shape")
+        b = ids.shape[1]
+        bids[:, :b].copy_(ids, non_blocking=True)
+        bweights[:, :b].copy_(weights, non_blocking=True)
 
     def decode(self, w: MoEWeights, hidden: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        layer = self.layers[w.index]
-        out = layer.forward(hidden.contiguous())
-        ids = layer.last_routing(hidden.shape[0])[1].clone() if record else None  # what it routed with
+        layer, b = self.layers[w.index], hidden.shape[0]
+        routing = None
+        if self.routing_buffers is not None:  # [b, k] views of [L_moe, max_batch, k]: contiguous
+            routing = (self.routing_buffers[0][w.index, :b], self.routing_buffers[1][w.index, :b])
+        out = layer.forward(hidden.contiguous(), routing)
+        ids = None
+        if record:  # what it routed with, copied on the device
+            ids = (layer.last_routing(b)[1] if routing is None else routing[0]).clone()
         return out, ids
 
     def prefill(self, w: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@
                         x += mlp(rms(x))   (MoE layers: backend.decode → ensure, miss copy, routed)
         ─► logits [B, V]; KV lengths += 1;   with record_routing: ids [L_moe, B, k] kept per step
     generate = prefill, then argmax → decode_step → argmax ... (greedy)
+    on a CUDA device decode_step replays one captured CUDA graph per batch size B (moe.graphs): the
+    tokens go into a static buffer, every per-row state (KV, lengths) is read from device buffers
 
     prompt ──join──► prefill into row B (the next free row) while rows 0..B-1 keep their state; B += 1
     row ──leave──► swap-remove: the last row's KV (its cached positions only) moves into `row`; B -= 1
@@ -35,19 +37,26 @@ import torch.nn.functional as F
 from moe.attention import KVCache, Rope, attention_decode, attention_prefill, rms_norm
 from moe.backends import MoEBackend
 from moe.checkpoint import DenseWeights, LayerWeights, ModelWeights, MoEWeights
+from moe.graphs import DecodeGraphs
 
 
 class Engine:
     """Runs a ModelWeights with `moe` (CpuCachedMoE or GpuMoE) for up to `max_batch` sequences of at
     most `max_seq_len` tokens (prompt + generated). record_routing: keep each decode step's routed
-    expert ids (`routing()`), for an expertcache-trace/1 file.
-    Raises ValueError naming max_batch / max_seq_len when a batch or a sequence does not fit.
+    expert ids (`routing()`), for an expertcache-trace/1 file. cuda_graphs: capture and replay decode
+    steps per batch size (moe.graphs; `graphs` holds them); None = on for a CUDA device, off on the
+    CPU; False = eager GPU decode (debugging).
+    Raises ValueError naming max_batch / max_seq_len when a batch or a sequence does not fit, and
+    cuda_graphs when it is True for a CPU model.
     """
 
     def __init__(self, weights: ModelWeights, moe: MoEBackend, *, max_batch: int = 1, max_seq_len: int = 2048,
-                 record_routing: bool = False) -> None:
+                 record_routing: bool = False, cuda_graphs: bool | None = None) -> None:
         if max_batch < 1 or max_seq_len < 1:
             raise ValueError(f"max_batch={max_batch} and max_seq_len={max_seq_len} must be >= 1")
+        on_cuda = weights.device.type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, the model is on {weights.device}")
         self.weights, self.spec, self.moe = weights, weights.spec, moe
         self.rope = Rope(self.spec.head_dim, self.spec.rope_theta, weights.device)
         self.kv = KVCache(self.spec, max_batch, max_seq_len, weights.dtype, weights.device)
@@ -55,6 +64,8 @@ class Engine:
         self.record_routing = record_routing
         self._routing: list[torch.Tensor] = []  # per decode step: int32 [L_moe, B, k]
         self._lengths: list[int] = []  # host mirror of kv.lengths for the active batch
+        use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        self.graphs = DecodeGraphs(self._decode_body, max_batch, weights.device) if use_graphs else None
 
     @property
     def batch(self) -> int:
@@ -156,6 +167,17 @@ class Engine:
                              f"prefill first), got shape {list(tokens.shape)}")
         if max(self._lengths) >= self.max_seq_len:
             raise ValueError(f"a sequence reached max_seq_len={self.max_seq_len}: raise max_seq_len")
+        logits, routing = self._decode_body(tokens) if self.graphs is None else self.graphs.run(tokens)
+        self._lengths = [n + 1 for n in self._lengths]
+        if self.record_routing:
+            self._routing.append(routing)  # [L_moe, B, k]
+        return logits
+
+    def _decode_body(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The device work of one decode step (what moe.graphs captures): tokens int64 [B] on the device
+        -> (logits float32 [B, V], routed ids int32 [L_moe, B, k] when recording, else None). Writes
+        each row's k, v at its position and advances kv.lengths[:B]; no host sync, no host state."""
+        b = tokens.shape[0]
         x = self.weights.embed[tokens]  # [B, H]
         step_ids = []
         for i, lw in enumerate(self.weights.layers):
@@ -163,10 +185,7 @@ class Engine:
                                      self.rope, self.kv, i, b)
             x = x + self._decode_mlp(lw, rms_norm(x, lw.post_norm, self.spec.rms_eps), step_ids)
         self.kv.lengths[:b] += 1
-        self._lengths = [n + 1 for n in self._lengths]
-        if self.record_routing:
-            self._routing.append(torch.stack(step_ids))  # [L_moe, B, k]
-        return self._logits(x)
+        return self._logits(x), torch.stack(step_ids) if self.record_routing else None
 
     def _decode_mlp(self, lw: LayerWeights, h: torch.Tensor, step_ids: list) -> torch.Tensor:
         if isinstance(lw.mlp, DenseWeights):

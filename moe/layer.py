@@ -15,6 +15,8 @@ Legend: T = tokens (1..GEMV_MAX_TOKENS), H = hidden, E = experts, k = top_k, I /
 width, S = pool slots. Seven launches per layer with a shared expert (five without). One `SlotCache`
 per model: every layer shares its HostStore (banks "gate_up" [L*E, 2I, H] and "down" [L*E, H, I],
 rows indexed by key = layer * E + expert), SlotPool, DeviceCache and SideStream.
+`forward(hidden, routing=(ids, weights))` skips launch 3 and routes as given (forced routing: the
+decode benchmark replays a trace's routing through it; the default path is unchanged).
 
 Overlap off (`OverlapMode.NONE`) launches 1..7 in that order on the current (compute) stream. Overlap
 on launches the same kernels with the same arguments, 1-2 on the side stream: fork before the router,
@@ -151,15 +153,25 @@ class MoELayer:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.forward(hidden)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor,
+                routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """hidden [T, H] (cfg dtype, contiguous, on the pool's device) -> out [T, H] same dtype (new).
 
         Seven launches (five without a shared expert) on the current stream, two of them on the
         side stream when overlapping; no host sync. Raises ValueError naming `hidden` for a wrong
         shape, dtype or device, and naming --moe-slots when T * top_k exceeds the pool's slots (a
         call could ask for more distinct experts than slots, which ensure refuses).
+
+        routing: forced routing (benchmarks that replay a recorded trace): (ids [T, k] int32 expert
+        ids in [0, E) or -1, weights [T, k] float32), contiguous on the pool's device. The router
+        launch is skipped and ensure / the routed GEMM read these tensors as they are when the
+        launches run, so static buffers refilled before each CUDA-graph replay stay capturable.
+        `last_routing` is not written then (it keeps the router's last output). None (default):
+        the router decides. Raises ValueError naming `routing` for a wrong shape, dtype or device.
         """
         self._check_hidden(hidden)
+        if routing is not None:
+            self._check_routing(routing, hidden.shape[0])
         out = torch.empty(hidden.shape, dtype=self.dtype, device=self.device)
         side = self.side if self.overlap_mode is OverlapMode.SIDE_STREAM else None
         shared = None
@@ -170,17 +182,22 @@ class MoELayer:
                 shared = self.shared_expert(hidden)  # [T, H] f32, a buffer of this layer
         elif self.shared is not None:
             shared = self.shared_expert(hidden)
-        act, slots = self._routed_front(hidden)  # router, ensure, miss copy, gate_up: back to back
+        act, slots = self._routed_front(hidden, routing)  # router, ensure, miss copy, gate_up: back to back
         if side is not None:
             side.join(compute)  # the down launch below reads `shared`
         routed_down(act, slots, self.slots.pool.tensor("down"), addend=shared, out_cast=out)
         return out
 
-    def _routed_front(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Launches 3-6: hidden [T, H] -> (act [T * k, I] f32, slots [T, k] int32) for routed_down."""
+    def _routed_front(self, hidden: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launches 3-6: hidden [T, H] -> (act [T * k, I] f32, slots [T, k] int32) for routed_down.
+        With `routing` (ids, weights) given, launch 3 (the router) is skipped."""
         cfg, slots, tokens = self.cfg, self.slots, hidden.shape[0]
-        weights, ids = router_topk(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob,
-                                   weights=self._weights[:tokens], ids=self._ids[:tokens])
+        if routing is None:
+            weights, ids = router_topk(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob,
+                                       weights=self._weights[:tokens], ids=self._ids[:tokens])
+        else:
+            ids, weights = routing
         buf = slots.cache.ensure(self.layer, ids)  # slots [T, k], plan [Q, 2], count [1]
         miss_copy(slots.store, slots.pool, buf.plan, buf.count)
         act = routed_gate_up(hidden, buf.slots, weights, slots.pool.tensor("gate_up"))
@@ -211,6 +228,9 @@ class MoELayer:
         return routed_experts(x, self._shared_slots[:tokens], None, gate_up, down, gate_w=self.shared[2],
                               out=self._shared_out[:tokens], act=self._shared_act)
 
+    def _check_routing(self, routing, tokens: int) -> None:
+        _check_routing_pair(routing, tokens, self.cfg.top_k, self.device)
+
     def _check_hidden(self, hidden: torch.Tensor) -> None:
         ok = (isinstance(hidden, torch.Tensor) and hidden.dim() == 2
               and 1 <= hidden.shape[0] <= GEMV_MAX_TOKENS and hidden.shape[1] == self.cfg.hidden)
@@ -225,6 +245,20 @@ class MoELayer:
         if hidden.dtype != self.dtype or hidden.device != self.device or not hidden.is_contiguous():
             raise ValueError(f"MoELayer: hidden must be contiguous {self.dtype} on {self.device} "
                              f"(MoEConfig.dtype, the pool's device), got {hidden.dtype} on {hidden.device}")
+
+
+def _check_routing_pair(routing, tokens: int, top_k: int, device: torch.device) -> None:
+    """Raise ValueError naming `routing` unless it is (ids int32 [T, k], weights float32 [T, k]),
+    both contiguous on `device`."""
+    ok = isinstance(routing, tuple) and len(routing) == 2
+    for t, dtype in zip(routing if ok else (), (torch.int32, torch.float32)):
+        ok = ok and isinstance(t, torch.Tensor) and t.dtype == dtype and tuple(t.shape) == (tokens, top_k)
+        ok = ok and t.device == device and t.is_contiguous()
+    if not ok:
+        got = [f"{list(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+               for t in (routing if isinstance(routing, tuple) else (routing,))]
+        raise ValueError(f"MoELayer: routing must be (ids int32 [{tokens}, {top_k}], weights float32 "
+                         f"[{tokens}, {top_k}]), contiguous on {device}, got {got}")
 
 
 def _check_weights(cfg: MoEConfig, layer: int, router_w: torch.Tensor, shared: SharedWeights | None,

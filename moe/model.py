@@ -7,11 +7,13 @@
 Supported `model_type`s: moe.spec.FAMILIES (qwen2_moe, qwen3_moe). The pieces are public for callers
 that need them apart: moe.spec (config), moe.checkpoint (tensors), moe.backends (MoE blocks),
 moe.engine (decoder). The GPU side-stream overlap is load_model's `copy_overlap`, or when that is None
-EXPERTCACHE_MOE_COPY_OVERLAP.
+EXPERTCACHE_MOE_COPY_OVERLAP; CUDA-graph decode is load_model's `cuda_graphs`, or when that is None
+EXPERTCACHE_CUDA_GRAPHS (default: on for a CUDA device).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -22,6 +24,7 @@ from moe.config import copy_overlap_from_env
 from moe.engine import Engine
 from moe.spec import FAMILIES, CheckpointError, ModelSpec
 
+CUDA_GRAPHS_ENV = "EXPERTCACHE_CUDA_GRAPHS"
 __all__ = ["CheckpointError", "CpuCachedMoE", "Engine", "FAMILIES", "GpuMoE", "ModelSpec", "ModelWeights",
            "load_checkpoint", "load_model"]
 
@@ -29,14 +32,16 @@ __all__ = ["CheckpointError", "CpuCachedMoE", "Engine", "FAMILIES", "GpuMoE", "M
 def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slots: int, policy: str = "lru",
                dtype: str | None = None, max_batch: int = 1, max_seq_len: int = 2048,
                record_routing: bool = False, progress: bool = True, copy_overlap: bool | None = None,
-               **constants) -> Engine:
+               cuda_graphs: bool | None = None, **constants) -> Engine:
     """Load checkpoint directory `path` and build an Engine over an expert cache of `num_slots` slots.
 
     device: "cpu" (HostCache reference backend) or a CUDA device (MoELayer backend, pinned HostStore).
     policy: the eviction policy (--moe-cache-policy), constants: its overrides. dtype: model dtype
     (default: config.json's). max_batch / max_seq_len: the KV cache size. record_routing: keep decode
     routing (Engine.routing()). copy_overlap: the GPU side-stream overlap (--moe-copy-overlap); None
-    leaves it to EXPERTCACHE_MOE_COPY_OVERLAP (off when unset). Cost: reads the checkpoint once; host
+    leaves it to EXPERTCACHE_MOE_COPY_OVERLAP (off when unset). cuda_graphs: replay decode steps as CUDA
+    graphs (moe.graphs); None leaves it to EXPERTCACHE_CUDA_GRAPHS ("0": eager GPU decode, for
+    debugging), else on for a CUDA device and off on the CPU. Cost: reads the checkpoint once; host
     memory holds every routed expert.
     Raises CheckpointError (config key, file, tensor), ValueError (num_slots below max_batch * top_k,
     an unknown policy), PoolError (slots that do not fit on the device).
@@ -44,4 +49,18 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     weights = load_checkpoint(path, device, dtype=dtype, progress=progress,
                               copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap)
     backend = make_backend(weights, num_slots, policy, max_batch=max_batch, **constants)
-    return Engine(weights, backend, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=record_routing)
+    if cuda_graphs is None:
+        cuda_graphs = cuda_graphs_from_env(weights.device)
+    return Engine(weights, backend, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=record_routing,
+                  cuda_graphs=cuda_graphs)
+
+
+def cuda_graphs_from_env(device: torch.device) -> bool:
+    """EXPERTCACHE_CUDA_GRAPHS: "0" -> False, "1" -> True, unset or "" -> whether `device` is CUDA.
+    Raises ValueError naming the variable for any other value."""
+    value = os.environ.get(CUDA_GRAPHS_ENV, "").strip()
+    if value == "":
+        return torch.device(device).type == "cuda"
+    if value in ("0", "1"):
+        return value == "1"
+    raise ValueError(f"{CUDA_GRAPHS_ENV}={value!r}: set it to 1 (CUDA-graph decode) or 0 (eager), or unset it")

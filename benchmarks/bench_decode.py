@@ -1,0 +1,232 @@
+"""Decode tokens/s of the engine (CUDA-graph replay) beside the simulator's prediction for the same trace.
+
+    --layers L decoder layers at the Qwen3-Next MoE geometry (moe.random_decoder.qwen3_next_like: H 2048,
+    512 experts of I 512, top-10, shared expert 512, bf16; attention 16 / 2 heads of 128; --vocab),
+    random weights; one pinned HostStore of every routed expert (L * 512 * 6 MiB: 25.8 GB at L = 8)
+    trace, per batch B: sim.synthetic preset qwen3-next (L layers, B rows, warmup + steps tokens), or
+    --trace (its first L layers, B rows, warmup + steps tokens)
+    -> per config (lru, rule, rule+overlap) and B, GPU:
+         GpuMoE(forced_routing=True) over --slots slots, Engine (CUDA graphs), prefill B short prompts;
+         step n: set_routing(trace step n) (device copy) -> decode_step (eager + capture at n = 0, graph
+         replay after) -> argmax; --warmup steps, then --steps timed with a CUDA event between steps;
+         cache counters read before and after the timed window (outside it); memory after the build
+         (idle) and after the run (peak: max allocated; device used from mem_get_info)
+    -> simulator, same trace slice and slots: sim.replay from a cold start without router logits (as
+       the engine's ensure); the timed window = replay(warmup + steps) - replay(warmup);
+       sim.costmodel.estimate_decode(window histogram, H200) -> predicted us / step, tokens/s;
+       implied layer overhead = H200.layer_overhead_us + (measured - predicted) us per step / L
+    -> --out JSON (GPU name, torch / triton versions, commit), a table printed last.
+    --dry-run: the simulator's half only (no GPU).
+
+Measured tokens/s = B * steps / (time from the first to the last event): the mean over the window,
+which is what the simulator predicts. The step times' median and p10 / p90, and tokens/s per chunk of
+the window (--chunks), give the spread. The engine's counters must equal the simulator's replay
+exactly (same calls, same policy; `misses_equal`): the device ensure is bit-exact with the host one.
+
+Run: python benchmarks/bench_decode.py --out decode.json [--layers 8] [--slots-frac 0.5] [--batches 1,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmeta import machine  # noqa: E402
+from sim.costmodel import H200, SHAPES, estimate_decode  # noqa: E402
+from sim.replay import replay  # noqa: E402
+from sim.trace import Trace  # noqa: E402
+
+NUM_EXPERTS, TOP_K = 512, 10  # the geometry's; a --trace must match
+DEVICE_POLICIES = ("lru", "rule", "lfuda")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8, help="decoder (= MoE) layers")
+    ap.add_argument("--slots", type=int, help="pool slots (default: --slots-frac of layers * 512)")
+    ap.add_argument("--slots-frac", type=float, default=0.5, help="slots as a fraction of all experts")
+    ap.add_argument("--batches", default="1,2", help="comma-separated batch sizes")
+    ap.add_argument("--configs", default="lru,rule,rule+overlap",
+                    help="comma-separated POLICY or POLICY+overlap, POLICY in " + ", ".join(DEVICE_POLICIES))
+    ap.add_argument("--trace", help="routing trace (.npz, .jsonl, FreeToken dir) instead of the synthetic preset")
+    ap.add_argument("--warmup", type=int, default=300, help="decode steps before timing (the first captures)")
+    ap.add_argument("--steps", type=int, default=500, help="timed decode steps")
+    ap.add_argument("--chunks", type=int, default=5, help="chunks of the timed window for the tokens/s spread")
+    ap.add_argument("--vocab", type=int, default=32768, help="vocabulary size (Qwen3-Next: 151936)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eager", action="store_true", help="eager decode instead of CUDA-graph replay")
+    ap.add_argument("--dry-run", action="store_true", help="simulator only (no GPU)")
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    _check_args(args)
+    return args
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for flag in ("layers", "warmup", "steps", "chunks", "vocab"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"error: --{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.chunks > args.steps:
+        raise SystemExit(f"error: --chunks {args.chunks} exceeds --steps {args.steps}")
+    try:
+        args.batches = sorted({int(b) for b in args.batches.split(",") if b.strip()})
+    except ValueError:
+        raise SystemExit(f"error: --batches takes comma-separated ints, got {args.batches!r}") from None
+    if not args.batches or min(args.batches) < 1 or max(args.batches) > 8:
+        raise SystemExit(f"error: --batches must be in 1..8 (moe.plan.GEMV_MAX_TOKENS), got {args.batches}")
+    args.configs = [_config(c) for c in args.configs.split(",") if c.strip()]
+    if not args.configs:
+        raise SystemExit("error: --configs is empty")
+    keys = args.layers * NUM_EXPERTS
+    if args.slots is None:
+        if not 0 < args.slots_frac <= 1:
+            raise SystemExit(f"error: --slots-frac must be in (0, 1], got {args.slots_frac}")
+        args.slots = max(1, round(args.slots_frac * keys))
+    if not max(args.batches) * TOP_K <= args.slots <= keys:
+        raise SystemExit(f"error: --slots {args.slots} must be in [max batch * {TOP_K}, layers * {NUM_EXPERTS} "
+                         f"= {keys}]")
+
+
+def _config(text: str) -> tuple[str, bool]:
+    policy, _, extra = text.strip().partition("+")
+    if policy not in DEVICE_POLICIES or extra not in ("", "overlap"):
+        raise SystemExit(f"error: --configs entry {text!r}: use POLICY or POLICY+overlap, POLICY in "
+                         + ", ".join(DEVICE_POLICIES))
+    return policy, extra == "overlap"
+
+
+def config_name(policy: str, overlap: bool) -> str:
+    return policy + ("+overlap" if overlap else "")
+
+
+def make_trace(args: argparse.Namespace, batch: int) -> Trace:
+    """The decode trace of one batch size: [warmup + steps, layers, batch, k] ids and their weights.
+
+    Synthetic (qwen3-next preset, calibrated on real traces; docs/synthetic.md) unless --trace.
+    Raises SystemExit naming --trace / --layers / --steps when a trace file is too small or of another model.
+    """
+    tokens = args.warmup + args.steps
+    if args.trace is None:
+        from sim.synthetic import generate, preset
+
+        return generate(preset("qwen3-next", num_layers=args.layers, num_tokens=tokens, batch=batch,
+                               seed=args.seed))
+    from sim.cli import load_any
+
+    full = load_any(args.trace)
+    n, layers, rows, k = full.experts.shape
+    if (full.num_experts, k) != (NUM_EXPERTS, TOP_K):
+        raise SystemExit(f"error: --trace has {full.num_experts} experts, top-{k}; the bench's geometry "
+                         f"needs {NUM_EXPERTS}, top-{TOP_K}")
+    if n < tokens or layers < args.layers or rows < batch:
+        raise SystemExit(f"error: --trace holds {n} tokens x {layers} layers x {rows} rows; the run needs "
+                         f"{tokens} (--warmup + --steps) x {args.layers} (--layers) x {batch} (--batches)")
+    weights = full.weights[:tokens, :args.layers, :batch] if full.weights is not None else None
+    if weights is None:
+        weights = np.full((tokens, args.layers, batch, k), 1.0 / k, dtype=np.float32)
+    return Trace(experts=np.ascontiguousarray(full.experts[:tokens, :args.layers, :batch]),
+                 meta=dataclasses.replace(full.meta, num_layers=args.layers),
+                 weights=np.ascontiguousarray(weights, dtype=np.float32))
+
+
+def head(trace: Trace, tokens: int) -> Trace:
+    """The first `tokens` decode steps of a trace (ids only)."""
+    return Trace(experts=np.ascontiguousarray(trace.experts[:tokens]), meta=trace.meta)
+
+
+def simulate(trace: Trace, policy: str, slots: int, warmup: int, overlap: bool) -> dict:
+    """The simulator on the timed window (decode steps warmup..end) of `trace`, from a cold start at step 0.
+
+    Returns hit rate, per-layer misses of the whole run and of the window, and the cost model's
+    predicted us per step and tokens/s for the window (H200 profile, MoE blocks only)."""
+    n, layers, batch, _ = trace.experts.shape
+    full = replay(trace, policy, slots, use_logits=False)
+    warm = replay(head(trace, warmup), policy, slots, use_logits=False)
+    hist = full.hist - warm.hist  # [L, B*k + 1] calls of the window by miss count
+    acc = int((full.layer_accesses - warm.layer_accesses).sum())
+    miss = full.layer_misses - warm.layer_misses
+    shape = dataclasses.replace(SHAPES["qwen3-next"], num_layers=layers)
+    est = estimate_decode(hist, n - warmup, shape, H200, batch=batch, overlap=overlap)
+    return {"hit_rate": 1.0 - int(miss.sum()) / acc if acc else 0.0,
+            "misses_per_layer_per_step": float(miss.sum()) / layers / (n - warmup),
+            "layer_misses_all": full.layer_misses.tolist(), "layer_misses_window": miss.tolist(),
+            "us_per_step": est.us_per_token, "tokens_per_s": est.tokens_per_s,
+            "compute_us_per_step": est.compute_us_per_token,
+            "exposed_copy_us_per_step": est.exposed_copy_us_per_token,
+            "layer_overhead_us": H200.layer_overhead_us}
+
+
+def implied_overhead(measured_us: float, predicted_us: float, layers: int) -> float:
+    """The per-MoE-layer overhead (us) that would make the cost model predict `measured_us` per step:
+    its prediction is linear in the overhead, with `layers` calls per step."""
+    return H200.layer_overhead_us + (measured_us - predicted_us) / layers
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    t0 = time.time()
+    res: dict = {"settings": {k: v for k, v in vars(args).items()}, "rows": []}
+    traces = {b: make_trace(args, b) for b in args.batches}
+    if not args.dry_run:
+        from decode_gpu import build_weights, measure
+
+        res["machine"] = machine()
+        weights, res["build"] = build_weights(args)
+    for batch in args.batches:
+        for policy, overlap in args.configs:
+            row = {"config": config_name(policy, overlap), "batch": batch, "slots": args.slots,
+                   "sim": simulate(traces[batch], policy, args.slots, args.warmup, overlap)}
+            if not args.dry_run:
+                row["gpu"] = measure(weights, traces[batch], args, policy, overlap, batch)
+                row["misses_equal"] = row["gpu"]["layer_misses_all"] == row["sim"]["layer_misses_all"]
+                row["tps_ratio"] = row["gpu"]["tokens_per_s"] / row["sim"]["tokens_per_s"]
+                row["implied_layer_overhead_us"] = implied_overhead(
+                    row["gpu"]["us_per_step"], row["sim"]["us_per_step"], args.layers)
+            res["rows"].append(row)
+    res["seconds"] = time.time() - t0
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+        print(f"wrote {args.out} ({res['seconds']:.0f} s)")
+    print(table(res))
+    return res
+
+
+def table(res: dict) -> str:
+    s = res["settings"]
+    lines = [f"decode, {s['layers']} layers x {NUM_EXPERTS} experts (top-{TOP_K}, Qwen3-Next MoE geometry), "
+             f"{s['slots']} slots, trace {s['trace'] or 'synthetic:qwen3-next'}, {s['steps']} timed steps after "
+             f"{s['warmup']}; sim = sim.costmodel H200 (MoE blocks only, layer overhead "
+             f"{H200.layer_overhead_us:g} us); target |measured / sim - 1| <= 15 %",
+             "| config | B | hit meas | hit sim | miss/layer/step | step us med [p10, p90] | tok/s meas "
+             "[chunk min, max] | tok/s sim | meas/sim | implied overhead us | GB idle / peak alloc | "
+             "GB device used idle / peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        sim, g = r["sim"], r.get("gpu")
+        if g is None:
+            lines.append(f"| {r['config']} | {r['batch']} | n/a | {sim['hit_rate']:.4f} | "
+                         f"{sim['misses_per_layer_per_step']:.2f} | n/a | n/a | {sim['tokens_per_s']:.1f} | "
+                         "n/a | n/a | n/a | n/a |")
+            continue
+        m = g["memory"]
+        lines.append(
+            f"| {r['config']} | {r['batch']} | {g['hit_rate']:.4f}{'' if r['misses_equal'] else ' (!= sim)'} | "
+            f"{sim['hit_rate']:.4f} | {g['misses_per_layer_per_step']:.2f} | {g['step_us']['median']:.0f} "
+            f"[{g['step_us']['p10']:.0f}, {g['step_us']['p90']:.0f}] | {g['tokens_per_s']:.1f} "
+            f"[{min(g['chunk_tokens_per_s']):.1f}, {max(g['chunk_tokens_per_s']):.1f}] | "
+            f"{sim['tokens_per_s']:.1f} | {r['tps_ratio']:.3f} | {r['implied_layer_overhead_us']:.1f} | "
+            f"{m['idle_allocated_gb']:.2f} / {m['peak_allocated_gb']:.2f} | "
+            f"{m['idle_device_used_gb']:.2f} / {m['peak_device_used_gb']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

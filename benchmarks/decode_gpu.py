@@ -1,0 +1,132 @@
+"""The GPU half of benchmarks/bench_decode.py: build the random decoder once, time one configuration.
+
+    build_weights(args) -> ModelWeights on cuda (moe.random_decoder.qwen3_next_like(--layers, --vocab)),
+                           routed experts in one pinned HostStore shared by every configuration
+    measure(weights, trace, args, policy, overlap, B):
+        weights with MoEConfig.copy_overlap = overlap ─► GpuMoE(forced_routing) of --slots slots ─► Engine
+        memory idle ─► prefill B prompts ─► warm-up steps ─► counters ─► timed steps (events) ─► counters
+        ─► memory peak; every step: set_routing(trace ids / weights of step n, on the device) ─►
+        decode_step(previous argmax) ─► argmax (no host sync inside the loop)
+
+Legend: B = batch rows, L = layers, k = top_k, N = warmup + steps decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import time
+
+import numpy as np
+import torch
+
+from moe.backends import GpuMoE
+from moe.checkpoint import ModelWeights
+from moe.engine import Engine
+from moe.plan import OverlapMode
+from moe.random_decoder import qwen3_next_like, random_decoder
+from sim.trace import Trace
+
+GB = 1e9
+PROMPT = 4  # prompt tokens per row (prefill bypasses the cache)
+
+
+def build_weights(args: argparse.Namespace) -> tuple[ModelWeights, dict]:
+    """The decoder of every configuration, and how long building (and pinning) it took."""
+    t0 = time.time()
+    weights = random_decoder(qwen3_next_like(args.layers, vocab_size=args.vocab), "cuda", seed=args.seed)
+    torch.cuda.synchronize()
+    return weights, {"seconds": time.time() - t0, "host_store_gb": weights.store.nbytes / GB,
+                     "pinned": bool(weights.store.tensor("down").is_pinned())}
+
+
+def _memory(peak: bool) -> dict:
+    free, total = torch.cuda.mem_get_info()
+    key = "peak" if peak else "idle"
+    alloc = torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
+    return {f"{key}_allocated_gb": alloc / GB, f"{key}_device_used_gb": (total - free) / GB}
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": float(np.median(values)), "p10": float(np.percentile(values, 10)),
+            "p90": float(np.percentile(values, 90))}
+
+
+class Runner:
+    """One configuration's engine, fed the trace's routing step by step."""
+
+    def __init__(self, weights: ModelWeights, trace: Trace, args: argparse.Namespace, policy: str,
+                 overlap: bool, batch: int) -> None:
+        moe_cfg = dataclasses.replace(weights.spec.moe, copy_overlap=overlap)
+        weights = dataclasses.replace(weights, spec=dataclasses.replace(weights.spec, moe=moe_cfg))
+        self.backend = GpuMoE(weights, args.slots, policy, max_batch=batch, forced_routing=True)
+        modes = {layer.overlap_mode for layer in self.backend.layers.values()}
+        want = OverlapMode.SIDE_STREAM if overlap else OverlapMode.NONE
+        if modes != {want}:
+            reason = next(iter(self.backend.layers.values())).overlap_reason
+            raise SystemExit(f"overlap {'on' if overlap else 'off'} did not apply: {reason}")
+        steps = args.warmup + args.steps
+        self.engine = Engine(weights, self.backend, max_batch=batch, max_seq_len=PROMPT + steps + 1,
+                             cuda_graphs=not args.eager)
+        # [N, L, B, k] on the device: each step's routing is a device-to-device copy
+        self.ids = torch.from_numpy(np.ascontiguousarray(trace.experts)).cuda()
+        self.route_weights = torch.from_numpy(np.ascontiguousarray(trace.weights, dtype=np.float32)).cuda()
+        self.batch, self.vocab = batch, weights.spec.vocab_size
+
+    def prefill(self, seed: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        prompts = torch.randint(0, self.vocab, (self.batch, PROMPT), generator=gen).tolist()
+        return self.engine.prefill(prompts).argmax(dim=-1)
+
+    def step(self, n: int, tokens: torch.Tensor) -> torch.Tensor:
+        self.backend.set_routing(self.ids[n], self.route_weights[n])  # [L, B, k]
+        return self.engine.decode_step(tokens).argmax(dim=-1)
+
+    def counters(self) -> np.ndarray:
+        """int64 [L, 3]: calls, accesses, misses per layer (a sync)."""
+        return self.backend.slots.cache.counters.cpu().numpy().copy()
+
+    def close(self) -> None:
+        self.backend.slots.close()
+
+
+def measure(weights: ModelWeights, trace: Trace, args: argparse.Namespace, policy: str, overlap: bool,
+            batch: int) -> dict:
+    """Time `args.steps` decode steps after `args.warmup` for one configuration. See the module."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    run = Runner(weights, trace, args, policy, overlap, batch)
+    torch.cuda.synchronize()
+    memory = _memory(peak=False)
+    tokens = run.prefill(args.seed)
+    for n in range(args.warmup):
+        tokens = run.step(n, tokens)
+    torch.cuda.synchronize()
+    before = run.counters()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
+    events[0].record()
+    for j in range(args.steps):
+        tokens = run.step(args.warmup + j, tokens)
+        events[j + 1].record()
+    torch.cuda.synchronize()
+    after = run.counters()
+    run.backend.slots.cache.check()  # raises EnsureError if any call was refused
+    memory.update(_memory(peak=True))
+    step_us = [events[j].elapsed_time(events[j + 1]) * 1e3 for j in range(args.steps)]
+    chunks = np.array_split(np.array(step_us), args.chunks)
+    window = after - before
+    layers = window.shape[0]
+    out = {"us_per_step": float(np.sum(step_us)) / args.steps,
+           "tokens_per_s": batch * args.steps / (float(np.sum(step_us)) * 1e-6),
+           "step_us": _spread(step_us),
+           "chunk_tokens_per_s": [batch * len(c) / (float(c.sum()) * 1e-6) for c in chunks],
+           "hit_rate": 1.0 - int(window[:, 2].sum()) / max(int(window[:, 1].sum()), 1),
+           "misses_per_layer_per_step": float(window[:, 2].sum()) / layers / args.steps,
+           "layer_misses_all": after[:, 2].tolist(), "layer_misses_window": window[:, 2].tolist(),
+           "graphs": [] if run.engine.graphs is None else run.engine.graphs.batch_sizes,
+           "memory": memory}
+    run.close()
+    del run
+    return out

@@ -1,0 +1,86 @@
+"""A random-weight decoder at a given geometry, ready for moe.engine.Engine (benchmarks, tests).
+
+    config.json-like dict ──ModelSpec.from_hf──► spec (qwen2_moe family: RMSNorm, RoPE, GQA attention,
+                                                       sigmoid-gated shared expert)
+    spec, device, seed ──random_decoder──► ModelWeights
+        MoE blocks: moe.synthetic.random_weights (router [L_moe, E, H], shared experts, HostStore of
+                    every routed expert, pinned where CUDA is present)
+        attention q / k / v / o, embedding, lm_head: N(0, 1/fan_in) on `device` (embedding N(0, 1));
+        norms 1
+
+`qwen3_next_like(num_layers)` is the MoE geometry of Qwen3-Next-80B-A3B (H 2048, 512 experts of
+I 512, top-10, one shared expert of 512, bf16) with standard attention (16 query heads, 2 KV heads,
+head_dim 128) in place of its hybrid linear / gated attention, and every layer an MoE layer. The
+vocabulary defaults to 32768 rather than 151936 so the lm_head GEMV (V * H * 2 bytes per step) stays
+small next to the MoE layers the simulator models; pass vocab_size to change it.
+Legend: L_moe = MoE layers, E = experts, H = hidden, I = expert width, V = vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moe.checkpoint import TORCH_DTYPES, AttentionWeights, DenseWeights, LayerWeights, ModelWeights, MoEWeights
+from moe.spec import ModelSpec
+from moe.synthetic import random_weights
+
+
+def qwen3_next_like(num_layers: int = 8, *, vocab_size: int = 32768, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A config.json dict of the Qwen3-Next-like decoder described in the module docstring."""
+    return {"model_type": "qwen2_moe", "num_hidden_layers": num_layers, "hidden_size": 2048,
+            "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "intermediate_size": 5120,
+            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "qkv_bias": False,
+            "vocab_size": vocab_size, "rope_theta": 1e7, "rms_norm_eps": 1e-6, "torch_dtype": dtype,
+            "tie_word_embeddings": False}
+
+
+def _randn(shape, std: float, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    return (torch.randn(shape, dtype=torch.float32, device=device, generator=gen) * std).to(dtype)
+
+
+def _attention(spec: ModelSpec, dtype, device, gen) -> AttentionWeights:
+    h, d = spec.hidden, spec.head_dim
+    q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
+    bias = (lambda n: _randn((n,), 0.02, dtype, device, gen)) if spec.qkv_bias else (lambda n: None)
+    ones = torch.ones(d, dtype=dtype, device=device) if spec.qk_norm else None
+    return AttentionWeights(
+        q=_randn((q_rows, h), h ** -0.5, dtype, device, gen),
+        k=_randn((kv_rows, h), h ** -0.5, dtype, device, gen),
+        v=_randn((kv_rows, h), h ** -0.5, dtype, device, gen),
+        o=_randn((h, q_rows), q_rows ** -0.5, dtype, device, gen),
+        q_bias=bias(q_rows), k_bias=bias(kv_rows), v_bias=bias(kv_rows),
+        o_bias=bias(h) if spec.o_bias else None, q_norm=ones, k_norm=None if ones is None else ones.clone())
+
+
+def random_decoder(config: dict[str, Any], device: str | torch.device = "cuda", *, seed: int = 0,
+                   pin: bool | None = None, copy_overlap: bool = False) -> ModelWeights:
+    """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe keys; see moe.spec).
+
+    device: where everything but the routed experts goes; the routed experts go to a HostStore
+    (pinned when `pin`, default: when CUDA is available). Deterministic for (config, device, seed).
+    Cost: one device randn per tensor, one host copy per 64 experts; host memory L_moe * E * 3 * I * H
+    elements. Raises CheckpointError naming a bad config key (ModelSpec.from_hf).
+    """
+    device = torch.device(device)
+    spec = ModelSpec.from_hf(config, copy_overlap=copy_overlap)
+    dtype = TORCH_DTYPES[spec.dtype]
+    moe = random_weights(spec.moe, spec.num_moe_layers, device, seed=seed, pin=pin)
+    gen = torch.Generator(device).manual_seed(seed + 1)
+    h, v = spec.hidden, spec.vocab_size
+    layers = []
+    for layer in range(spec.num_layers):
+        if spec.sparse[layer]:
+            m = spec.moe_index(layer)
+            mlp = MoEWeights(m, moe.router[m], None if moe.shared is None else moe.shared[m])
+        else:
+            i = spec.dense_intermediate
+            mlp = DenseWeights(_randn((2 * i, h), h ** -0.5, dtype, device, gen),
+                               _randn((h, i), i ** -0.5, dtype, device, gen))
+        norm = torch.ones(h, dtype=dtype, device=device)
+        layers.append(LayerWeights(norm, norm.clone(), _attention(spec, dtype, device, gen), mlp))
+    embed = _randn((v, h), 1.0, dtype, device, gen)
+    lm_head = embed if spec.tie_word_embeddings else _randn((v, h), h ** -0.5, dtype, device, gen)
+    return ModelWeights(spec, embed, torch.ones(h, dtype=dtype, device=device), lm_head, layers, moe.store, device)

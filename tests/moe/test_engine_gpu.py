@@ -1,0 +1,197 @@
+"""The decode engine on a GPU (GpuMoE + CUDA-graph decode) against Hugging Face transformers on the GPU.
+
+    tiny random transformers checkpoints (tests/moe/test_model.py's, both families) ─save─► dir
+        ─load_model(dir, "cuda", dtype)─► Engine: MoELayer per MoE layer, decode steps as CUDA graphs
+    compared, at slot counts that make every decode step miss and evict (asserted from the counters),
+    for every policy (lru, rule, lfuda) with the copy overlap off and on (qwen3 has no shared expert, so
+its "on" runs single-stream; asserted):
+      float32: greedy tokens identical for 8 steps (batch 2, unequal prompts) and every logit within
+               1e-4 (relative to the largest) of transformers' float32
+      bfloat16: teacher-forced logits within bf16 tolerance of transformers' own bf16 (the approach of
+               test_model.py: 6 % of the largest logit, and no further from the float32 truth than
+               transformers' bf16 run is)
+    graph replay against eager decode (cuda_graphs=False): bitwise equal logits, slot maps and recorded
+    routing at batch 1 and 2, rows leaving and joining in between; recorded routing = the layers' own.
+
+Why token identity is checked in float32: the engine's MoE kernels accumulate in float32 and round once,
+while transformers rounds after every bf16 linear, so bf16 logits differ by up to a few per cent and
+greedy choices between near-tied tokens would flip for reasons that are not bugs. In float32 both sides
+are exact to ~1e-6, so any token mismatch is a real error, and the result does not depend on luck.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from expertcache.host import MISSES
+from moe.model import load_model
+from moe.plan import OverlapMode
+from tests.moe.test_model import COMMON, FAMILIES, _close, _randomize, _tokens
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+POLICIES = ("lru", "rule", "lfuda")
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
+POLICY = pytest.mark.parametrize("policy", POLICIES)
+STEPS = 8
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, {"float32": HF model on cuda, "bfloat16": its bf16 copy}, checkpoint dir), built once."""
+    config_cls, model_cls, extra = FAMILIES[request.param]
+    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    _randomize(model, seed=len(request.param) + sorted(FAMILIES).index(request.param))
+    path = tmp_path_factory.mktemp(f"gpu-{request.param}")
+    model.save_pretrained(path, safe_serialization=True)
+    models = {"float32": model.to("cuda"), "bfloat16": copy.deepcopy(model).to("cuda", torch.bfloat16)}
+    return request.param, models, path
+
+
+def _engine(path, k: int, dtype: str, policy: str, overlap: bool, batch: int = 2, **kw):
+    """A GPU engine whose pool holds batch * top_k slots: every decode step misses and evicts."""
+    return load_model(path, "cuda", num_slots=batch * k, policy=policy, dtype=dtype, max_batch=batch,
+                      max_seq_len=64, progress=False, copy_overlap=overlap, **kw)
+
+
+def _check_overlap(engine, overlap: bool) -> None:
+    """The side stream is used exactly when asked for and the model has a shared expert (qwen2)."""
+    want = OverlapMode.SIDE_STREAM if overlap and engine.spec.moe.has_shared_expert else OverlapMode.NONE
+    for layer in engine.moe.layers.values():
+        assert layer.overlap_mode is want, layer.overlap_reason
+
+
+def _misses(engine) -> int:
+    return int(engine.moe.slots.cache.stats()["total_misses"])
+
+
+def _hf_logits(model, seq: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([seq], device="cuda")).logits[0].float()  # [T, V]
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@POLICY
+@OVERLAP
+def test_float32_greedy_tokens_and_logits_match_transformers(family, policy, overlap):
+    name, models, path = family
+    hf, k = models["float32"], models["float32"].config.num_experts_per_tok
+    engine = _engine(path, k, "float32", policy, overlap)
+    assert engine.graphs is not None
+    _check_overlap(engine, overlap)
+    prompts = [_tokens(5, seed=20), _tokens(7, seed=21)]
+    logits = [engine.prefill(prompts)]  # [2, V] per step
+    tokens = [logits[0].argmax(dim=-1)]
+    for _ in range(STEPS - 1):
+        before = _misses(engine)
+        logits.append(engine.decode_step(tokens[-1]))
+        tokens.append(logits[-1].argmax(dim=-1))
+        assert _misses(engine) > before, "every decode step must miss (and evict: the pool is full)"
+    assert engine.graphs.batch_sizes == [2]
+    got = torch.stack(tokens, dim=1).tolist()  # [2, STEPS]
+    for row, prompt in enumerate(prompts):
+        assert got[row] == _hf_greedy(hf, prompt, STEPS), f"row {row}"
+        ref = _hf_logits(hf, prompt + got[row][:-1])[len(prompt) - 1:]  # [STEPS, V]
+        _close(torch.stack([step[row] for step in logits]), ref, rel=1e-4)
+
+
+@POLICY
+@OVERLAP
+def test_bfloat16_logits_within_bf16_tolerance(family, policy, overlap):
+    name, models, path = family
+    k = models["float32"].config.num_experts_per_tok
+    engine = _engine(path, k, "bfloat16", policy, overlap)
+    _check_overlap(engine, overlap)
+    seqs = [_tokens(10, seed=30), _tokens(12, seed=31)]
+    plen = [5, 7]  # then 5 teacher-forced decode steps per row
+    first = engine.prefill([s[:n] for s, n in zip(seqs, plen)], all_logits=True)  # 2 x [T_b, V]
+    steps = []
+    for j in range(5):
+        before = _misses(engine)
+        steps.append(engine.decode_step([seqs[0][plen[0] + j], seqs[1][plen[1] + j]]))
+        assert _misses(engine) > before, "every decode step must miss (and evict: the pool is full)"
+    for row, seq in enumerate(seqs):
+        got = torch.cat([first[row], torch.stack([s[row] for s in steps])])  # [T, V]
+        ref32, ref16 = _hf_logits(models["float32"], seq), _hf_logits(models["bfloat16"], seq)
+        _close(got, ref16, rel=0.06)
+        own, theirs = (got - ref32).abs().mean().item(), (ref16 - ref32).abs().mean().item()
+        assert own <= 1.5 * theirs + 2**-8 * ref32.abs().mean().item(), (row, own, theirs)
+
+
+def _run_script(engine, family_tokens: list[list[int]]) -> list[torch.Tensor]:
+    """Prefill two prompts, 3 steps at batch 2, row 0 leaves, 2 steps at batch 1, a third prompt joins,
+    3 steps at batch 2; teacher-forced from family_tokens (3 sequences). Returns every step's logits."""
+    a, b, c = family_tokens
+    out = [engine.prefill([a[:4], b[:6]])]
+    feed = {"a": 4, "b": 6, "c": 5}
+
+    def step(rows):
+        toks = [{"a": a, "b": b, "c": c}[r][feed[r]] for r in rows]
+        for r in rows:
+            feed[r] += 1
+        out.append(engine.decode_step(toks))
+
+    for _ in range(3):
+        step(["a", "b"])
+    assert engine.leave(0) == 1  # b moves into row 0
+    for _ in range(2):
+        step(["b"])
+    row, first = engine.join(c[:5])
+    assert row == 1
+    out.append(first[None])
+    for _ in range(3):
+        step(["b", "c"])
+    return out
+
+
+@OVERLAP
+def test_graph_replay_bitwise_equals_eager_through_leave_and_join(family, overlap):
+    name, models, path = family
+    k = models["float32"].config.num_experts_per_tok
+    seqs = [_tokens(12, seed=40), _tokens(14, seed=41), _tokens(12, seed=42)]
+    runs = {}
+    for graphs in (False, True):
+        engine = _engine(path, k, "bfloat16", "rule", overlap, cuda_graphs=graphs, record_routing=True)
+        assert (engine.graphs is not None) == graphs
+        runs[graphs] = (engine, _run_script(engine, seqs))
+    (eager, out_e), (graph, out_g) = runs[False], runs[True]
+    assert graph.graphs.batch_sizes == [1, 2]
+    assert len(out_e) == len(out_g)
+    for n, (x, y) in enumerate(zip(out_e, out_g)):
+        assert torch.equal(x, y), f"step {n}: graph replay differs from eager decode"
+    ce, cg = eager.moe.slots.cache, graph.moe.slots.cache
+    assert torch.equal(ce.slot_of, cg.slot_of) and torch.equal(ce.key_of, cg.key_of)
+    assert torch.equal(ce.counters, cg.counters)
+    assert (cg.counters[:, MISSES] > 0).all(), "the pool of batch * top_k slots must miss in every layer"
+    assert (eager.routing() == graph.routing()).all()
+
+
+@OVERLAP
+def test_recorded_routing_is_the_layers_routing(family, overlap):
+    name, models, path = family
+    k = models["float32"].config.num_experts_per_tok
+    engine = _engine(path, k, "float32", "lru", overlap, record_routing=True)
+    seqs = [_tokens(9, seed=50), _tokens(11, seed=51)]
+    engine.prefill([seqs[0][:5], seqs[1][:7]])
+    for j in range(4):
+        engine.decode_step([seqs[0][5 + j], seqs[1][7 + j]])
+        last = engine.routing()[-1]  # [L_moe, 2, k], a clone taken after the replay
+        for m, layer in sorted(engine.moe.layers.items()):
+            assert last[m].tolist() == layer.last_routing(2)[1].tolist(), (j, m)
+    routing = engine.routing()
+    assert routing.shape == (4, engine.spec.num_moe_layers, 2, k)
+    with torch.no_grad():  # and they are transformers' router top-k (float32: no near ties at this size)
+        for row, (seq, plen) in enumerate(zip(seqs, (5, 7))):
+            out = models["float32"](torch.tensor([seq], device="cuda"), output_router_logits=True)
+            for m, logits in enumerate(out.router_logits):  # [T, E] per MoE layer
+                ref = logits[plen:plen + 4].topk(k, dim=-1).indices.cpu().numpy()
+                assert (routing[:, m, row] == ref).all(), (row, m)
