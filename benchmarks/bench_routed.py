@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe.routed import DEFAULT_CONFIG, RoutedConfig, routed_experts, routed_reference
+from moe.routed import (DEFAULT_CONFIG, RoutedConfig, routed_down, routed_experts, routed_gate_up,
+                        routed_reference, routed_scratch)
 
 TARGET = "target: routed_experts <= 1.3x the HBM floor at qwen3-next, T=1"
 SHAPES = {  # name: (H, I, k, default slots)
@@ -104,6 +105,13 @@ class Case:
     def call(self, variant, c: int) -> torch.Tensor:
         if variant == "torch":
             return routed_reference(*self.inputs[c], self.gate_up, self.down, compute_dtype=torch.bfloat16)
+        if isinstance(variant, tuple):  # (config, "gate_up" | "down"): one of the two launches alone
+            cfg, part = variant
+            hidden, slots, weights = self.inputs[c]
+            if part == "gate_up":
+                return routed_gate_up(hidden, slots, weights, self.gate_up, config=cfg)
+            return routed_down(routed_scratch(hidden.device, slots.shape[1], self.down.shape[2]), slots,
+                               self.down, out=self.outs[c], config=cfg)
         return routed_experts(*self.inputs[c], self.gate_up, self.down, out=self.outs[c], config=variant)
 
     def check(self, variant) -> dict:
@@ -162,8 +170,14 @@ def run_case(pool, shape: str, tokens: int, configs: list[RoutedConfig], bandwid
     for name, t in timed.items():
         t.update(checks[name], ratio_to_floor=t["us_median"] / floor_us,
                  gbps=case.bytes_per_call / (t["us_median"] * 1e-6) / 1e9)
+    # each launch alone (gate_up reads 2/3 of the bytes, down 1/3): which one is far from its floor
+    parts = {f"{cfg.name}/{part}": (cfg, part) for cfg in configs for part in ("gate_up", "down")}
+    alone = time_variants({n: case.graph(v) for n, v in parts.items()}, args.calls, args.reps, args.warmup)
+    for name, t in alone.items():
+        share = 2 / 3 if name.endswith("/gate_up") else 1 / 3
+        t["ratio_to_floor"] = t["us_median"] / (floor_us * share)
     return {"shape": shape, "tokens": tokens, "slots": pool[0].shape[0], "distinct_slots_per_call": case.distinct,
-            "bytes_per_call": case.bytes_per_call, "floor_us": floor_us, "variants": timed}
+            "bytes_per_call": case.bytes_per_call, "floor_us": floor_us, "variants": timed, "launches": alone}
 
 
 def make_pool(shape: str, num_slots: int):
@@ -182,6 +196,10 @@ def table(rows: list[dict]) -> str:
               "d2d copy bandwidth; ratio = median / floor"),
              (f"{'shape':>10} {'T':>2} {'variant':>22} {'median':>8} {'min..max':>15} {'floor':>7} "
               f"{'ratio':>6} {'GB/s':>6} {'vs torch':>8}")]
+    for r in rows:
+        for name, v in sorted(r.get("launches", {}).items()):
+            lines.append(f"{r['shape']:>10} {r['tokens']:>2} {name:>30} alone {v['us_median']:8.2f} us, "
+                         f"{v['ratio_to_floor']:5.2f}x its share of the floor")
     for r in rows:
         torch_us = r["variants"]["torch"]["us_median"]
         for name, v in sorted(r["variants"].items(), key=lambda kv: kv[1]["us_median"]):
