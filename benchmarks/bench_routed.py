@@ -42,6 +42,8 @@ SHAPES = {  # name: (H, I, k, default slots)
 SWEEP = (  # RoutedConfig names: i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_i>w<warps>
     DEFAULT_CONFIG.name, "i8x512w8-h8x512w8", "i8x256w4-h8x256w4", "i2x1024w4-h2x512w2",
     "i16x256w8-h16x128w4", "i4x1024w8-h4x512w4", "i4x512w4-h8x512w8",
+    # the down launch alone was 2.3x its share of the floor (1.3 waves at 4 rows a program):
+    "i4x1024w8-h8x512w4", "i4x1024w8-h2x512w4", "i4x1024w8-h8x256w8", "i4x1024w8-h16x256w8",
 )
 NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)$")
 
