@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
+# One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env tests ensure copy sanitize moe routed overlap engine decode (default: all but
 # engine and decode: the decode engine's GPU tests and bench_decode.py, run by name). Wheels for
