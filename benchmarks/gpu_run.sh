@@ -20,7 +20,10 @@ for part in $parts; do
       { nvidia-smi; python3 -c "import torch, triton, numba, numpy; print(torch.__version__, triton.__version__, numba.__version__, numpy.__version__, torch.cuda.get_device_name())"; git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1
       tail -3 "$OUT/env.txt" ;;
     tests)
-      timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/expertcache \
+      # the real traces, when a git-ignored copy was carried along as .traces/
+      if [ -d .traces ]; then export EXPERTCACHE_TRACES=$PWD/.traces; fi
+      # Triton compiles dominate: spread the tests over GPU_TEST_WORKERS processes (pytest-xdist)
+      timeout 420 python3 -m pytest -q -x -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" tests/expertcache \
         -k "${TESTS_K:-device or copy or pool}" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
     ensure)
       timeout 400 python3 benchmarks/bench_ensure.py --out "$OUT/ensure.json" 2>&1 | tee "$OUT/ensure.log" | tail -22 ;;
