@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+import benchmeta
 import numpy as np
 import torch
 
@@ -49,17 +47,9 @@ NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)$")
 
 
 def machine() -> dict:
-    import triton
-
-    commit = os.environ.get("EXPERTCACHE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-        cwd=Path(__file__).parent, check=False).stdout.strip()
+    """benchmeta.machine() and the L2 size (a pool that fits in L2 would flatter the weights' reads)."""
     props = torch.cuda.get_device_properties(0)
-    return {"gpu": props.name, "sms": props.multi_processor_count,
-            "l2_bytes": getattr(props, "L2_cache_size", None), "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda,
-            "commit": commit if len(commit) == 40 else "unknown",
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return benchmeta.machine() | {"l2_bytes": getattr(props, "L2_cache_size", None)}
 
 
 def parse_config(name: str) -> RoutedConfig:

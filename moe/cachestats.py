@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from expertcache.geometry import NO_KEY
 from expertcache.host import ACCESSES, CALLS, MISSES
 from moe.backends import CpuCachedMoE, GpuMoE
 
@@ -24,14 +23,13 @@ from moe.backends import CpuCachedMoE, GpuMoE
 @dataclass(frozen=True)
 class CacheStats:
     """Counters since the cache was built. calls / accesses / misses: int64 [L] per MoE layer
-    (accesses = distinct experts a step asked of that layer). steps: decode steps. slots_in_use:
-    slots holding an expert, of num_slots. bytes_per_expert: HostStore.bytes_per_expert."""
+    (accesses = distinct experts a step asked of that layer). steps: decode steps. num_slots: the
+    pool's slots. bytes_per_expert: HostStore.bytes_per_expert."""
 
     calls: np.ndarray
     accesses: np.ndarray
     misses: np.ndarray
     steps: int
-    slots_in_use: int
     num_slots: int
     bytes_per_expert: int
 
@@ -42,6 +40,12 @@ class CacheStats:
     @property
     def total_misses(self) -> int:
         return int(self.misses.sum())
+
+    @property
+    def slots_in_use(self) -> int:
+        """Slots holding an expert. Slots fill in order and are never emptied (the ensure contract),
+        so that is every miss so far until the pool is full."""
+        return min(self.total_misses, self.num_slots)
 
     @property
     def hit_rate(self) -> float:
@@ -69,10 +73,10 @@ def cache_stats(backend: CpuCachedMoE | GpuMoE) -> CacheStats:
     if isinstance(backend, CpuCachedMoE):
         c = backend.cache.counters
         return CacheStats(c[:, CALLS].copy(), c[:, ACCESSES].copy(), c[:, MISSES].copy(), backend.cache.tok,
-                          int((backend.cache.key_of != NO_KEY).sum()), backend.cache.geometry.num_slots, bpe)
+                          backend.cache.geometry.num_slots, bpe)
     if isinstance(backend, GpuMoE):
         cache = backend.slots.cache
         s = cache.stats(bpe)
         return CacheStats(s["calls"], s["accesses"], s["misses"], int(cache.clock[1].item()),
-                          int((cache.key_of != NO_KEY).sum().item()), cache.geometry.num_slots, bpe)
+                          cache.geometry.num_slots, bpe)
     raise TypeError(f"cache_stats needs a CpuCachedMoE or GpuMoE backend, got {type(backend).__name__}")

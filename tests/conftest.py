@@ -47,3 +47,20 @@ def real_trace(name: str) -> Path:
     if not path.exists():
         pytest.skip(f"real trace {path} not present (it lives beside the checkout, not in it)")
     return path
+
+
+def compile_check(script: str):
+    """Run `script` (Python source that prints JSON on its last line) in a child process without
+    TRITON_INTERPRET, which would replace the compiler's language hooks; return the parsed JSON.
+    Skips when there is no CUDA toolchain (ptxas) for the ahead-of-time compile."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[1], timeout=600, check=False)
+    if proc.returncode and "ptxas" in proc.stderr.lower():
+        pytest.skip(f"no CUDA toolchain for the ahead-of-time compile: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

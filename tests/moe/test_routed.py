@@ -4,12 +4,7 @@ Legend: T = tokens, H = hidden, I = expert width, k = top_k, S = pool slots. CPU
 interpreter (tests/conftest.py), so their shapes are tiny; the `gpu` tests use the Qwen3-Next shape.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +23,7 @@ from moe.routed import (
     routed_reference,
     routed_scratch,
 )
-from tests.conftest import device_or_skip
+from tests.conftest import compile_check, device_or_skip
 
 QWEN3_NEXT = {"hidden": 2048, "inter": 512, "top_k": 10}  # H, I, k of the Qwen3-Next-like layer
 
@@ -316,14 +311,7 @@ def test_compiles_for_sm90_with_16_byte_loads():
     tiles, Qwen3-Next shape, compiles for sm_90 (T only sizes the grid, so one binary serves
     T = 1..8) and streams the weights with 16-byte vector loads. Runs in a child
     process without TRITON_INTERPRET, which would replace the compiler's language hooks."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", SM90_CHECK], capture_output=True, text=True, env=env,
-                          cwd=root, timeout=600, check=False)
-    if proc.returncode and "ptxas" in proc.stderr.lower():
-        pytest.skip(f"no CUDA toolchain for the ahead-of-time compile: {proc.stderr[-300:]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = compile_check(SM90_CHECK)
     assert result == {name: [True, True] for name in ("_gate_up_kernel", "_down_kernel", "_down_kernel+combine",
                                                       "_shared_gate_up", "_shared_down")} | {
         "combine_rounds_to_nearest_even": True}

@@ -7,11 +7,6 @@ probabilities nearly tie the order may differ: ids are compared exactly on the r
 k + 1 sorted probabilities are separated by a clear margin (most rows must be), weights everywhere.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +14,7 @@ import torch
 from moe.plan import GEMV_MAX_TOKENS
 from moe.reference import route
 from moe.router import RouterConfig, router_reference, router_scratch, router_topk
-from tests.conftest import device_or_skip
+from tests.conftest import compile_check, device_or_skip
 
 MARGIN = 1e-4  # relative gap between neighbouring sorted probabilities that summation order cannot close
 
@@ -146,14 +141,7 @@ print(json.dumps([bool(asm.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v
 def test_compiles_for_sm90():
     """The router at the Qwen3-Next shape compiles for sm_90: 16-byte weight loads, the arrival atomic,
     no register spills. A child process without TRITON_INTERPRET (which replaces the compiler's hooks)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", SM90_CHECK], capture_output=True, text=True, env=env,
-                          cwd=root, timeout=600, check=False)
-    if proc.returncode and "ptxas" in proc.stderr.lower():
-        pytest.skip(f"no CUDA toolchain for the ahead-of-time compile: {proc.stderr[-300:]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, True, True, True]
+    assert compile_check(SM90_CHECK) == [True, True, True, True]
 
 
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
