@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
-# parts: any of env tests ensure copy sanitize moe routed overlap engine decode (default: all but
+# parts: any of env tests ensure copy sanitize moe router routed overlap engine decode (default: all but
 # engine and decode: the decode engine's GPU tests and bench_decode.py, run by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
@@ -23,29 +23,32 @@ for part in $parts; do
       # the real traces, when a git-ignored copy was carried along as .traces/
       if [ -d .traces ]; then export EXPERTCACHE_TRACES=$PWD/.traces; fi
       # Triton compiles dominate: spread the tests over GPU_TEST_WORKERS processes (pytest-xdist)
-      timeout 420 python3 -m pytest -q -x -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" tests/expertcache \
+      timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -x -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" tests/expertcache \
         -k "${TESTS_K:-device or copy or pool}" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
     ensure)
-      timeout 400 python3 benchmarks/bench_ensure.py --out "$OUT/ensure.json" 2>&1 | tee "$OUT/ensure.log" | tail -22 ;;
+      timeout ${ENSURE_TIMEOUT:-400} python3 benchmarks/bench_ensure.py ${ENSURE_ARGS:-} --out "$OUT/ensure.json" 2>&1 | tee "$OUT/ensure.log" | tail -22 ;;
     copy)
       timeout 300 python3 benchmarks/bench_copy.py --out "$OUT/copy.json" 2>&1 | tee "$OUT/copy.log" | tail -20 ;;
     sanitize)
       for tool in memcheck racecheck; do
-        timeout 240 compute-sanitizer --tool $tool --error-exitcode 3 python3 benchmarks/sanitize_step.py \
+        timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 3 python3 benchmarks/sanitize_step.py \
           > "$OUT/sanitize-$tool.log" 2>&1; echo "compute-sanitizer $tool: exit $?"; tail -3 "$OUT/sanitize-$tool.log"
       done ;;
     moe)
       # files named: the server tests import fastapi, which the GPU image lacks
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_layer.py tests/moe/test_router.py \
-        tests/moe/test_routed.py tests/moe/test_kernel_trace.py tests/expertcache/test_streams.py \
-        2>&1 | tee "$OUT/gpu-tests-moe.log" | tail -6 ;;
+      timeout ${MOE_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" -m gpu \
+        tests/moe/test_layer.py tests/moe/test_router.py tests/moe/test_routed.py tests/moe/test_kernel_trace.py \
+        tests/expertcache/test_streams.py ${MOE_TEST_EXTRA:-} 2>&1 | tee "$OUT/gpu-tests-moe.log" | tail -12 ;;
+    router)
+      timeout ${ROUTER_TIMEOUT:-200} python3 benchmarks/bench_router.py ${ROUTER_ARGS:-} --out "$OUT/router.json" \
+        2>&1 | tee "$OUT/router.log" | tail -30 ;;
     routed)
-      timeout 300 python3 benchmarks/bench_routed.py --configs sweep --tokens 1,2,4,8 --out "$OUT/routed.json" \
+      timeout 300 python3 benchmarks/bench_routed.py ${ROUTED_ARGS:---configs sweep --tokens 1,2,4,8} --out "$OUT/routed.json" \
         2>&1 | tee "$OUT/routed.log" | tail -12 ;;
     overlap)
       mkdir -p "$OUT/moe"
       timeout 400 python3 benchmarks/bench_moe_copy_overlap.py --out-dir "$OUT/moe" 2>&1 | tee "$OUT/moe/bench.log" | tail -14
-      (cd "$OUT/moe" && tar czf traces.tgz replays_*.json eager_step_*.json && rm -f replays_*.json eager_step_*.json) ;;
+      (cd "$OUT/moe" && tar czf traces.tgz *step_*.json replays_*.json && rm -f *step_*.json replays_*.json) ;;
     engine)
       timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/moe/test_engine_gpu.py \
         2>&1 | tee "$OUT/gpu-tests-engine.log" | tail -8 ;;

@@ -7,6 +7,7 @@
         └─ the last program of token t to arrive (it resets counter[t] to 0):
               probs = softmax(logits[t]) in float32 over all E
               k times: the largest remaining prob (ties: the lower expert id), removed after
+              (or one bitonic top-k over packed (prob, id) keys: RouterConfig.select)
               (weights [t, k] float32 descending, ids [t, k] int32); weights /= Σ weights when norm
     -> weights [T, k] float32, ids [T, k] int32 (the order of moe.reference.route)
 
@@ -44,25 +45,38 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _JIT_OPTIONS: dict = {}
 
 
+SELECTS = ("argmax", "packed", "topk")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
-    """Tiles of the router launch; every field a power of two >= 1 (warps: 1..16).
+    """Tiles of the router launch and how its last program selects the top k.
 
     block_e: experts (rows of router_w) per program. chunk_h: hidden columns per load step.
-    warps: num_warps. Raises ValueError naming the field.
+    warps: num_warps. Each a power of two >= 1 (warps: 1..16). select: one of SELECTS (all three
+    give the same ids and bit-identical weights; they differ only in speed):
+      "argmax": k rounds of tl.max over (prob, id) pairs (ties to the lower id);
+      "packed": k rounds of tl.max over one int64 key per expert, prob bits << 32 | (E - 1 - id)
+                (a non-negative float32's bits order like its value, so the key orders by prob,
+                then by lower id), half the data per reduction and no index pass;
+      "topk":   one bitonic top-k (tl.topk) over the same keys, k rounded up to a power of two.
+    Raises ValueError naming the field.
     """
 
     block_e: int = 4  # 128 programs at E = 512, T = 1: about one per SM of an H200
     chunk_h: int = 1024
     warps: int = 4
+    select: str = "argmax"
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
+        for name in ("block_e", "chunk_h", "warps"):
+            v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
-                raise ValueError(f"RouterConfig.{f.name} must be a power of two >= 1, got {v!r}")
+                raise ValueError(f"RouterConfig.{name} must be a power of two >= 1, got {v!r}")
         if self.warps > 16:
             raise ValueError(f"RouterConfig.warps must be <= 16, got {self.warps}")
+        if self.select not in SELECTS:
+            raise ValueError(f"RouterConfig.select must be one of {SELECTS}, got {self.select!r}")
 
 
 DEFAULT_ROUTER = RouterConfig()
@@ -70,20 +84,37 @@ DEFAULT_ROUTER = RouterConfig()
 
 @triton.jit
 def _select_topk(row_ptr, ids_ptr, weights_ptr, E: tl.constexpr, K: tl.constexpr,
-                 BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
-    """Softmax over the E logits at row_ptr, then the top K (ties: lower id) into ids / weights."""
+                 BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                 SELECT: tl.constexpr):
+    """Softmax over the E logits at row_ptr, then the top K (ties: lower id) into ids / weights.
+    SELECT: 0 argmax rounds, 1 packed-key rounds, 2 bitonic top-k of packed keys (RouterConfig)."""
     e = tl.arange(0, BLOCK_ALL)
     logit = tl.load(row_ptr + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")  # other programs' writes
     p = tl.exp(logit - tl.max(logit, axis=0))  # 0 past E
-    probs = tl.where(e < E, p / tl.sum(p, axis=0), -1.0)  # -1: never selected
     kk = tl.arange(0, BLOCK_K)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    ws = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for j in tl.static_range(K):
-        best, idx = tl.max(probs, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        ids = tl.where(kk == j, idx, ids)
-        ws = tl.where(kk == j, best, ws)
-        probs = tl.where(e == idx, -1.0, probs)
+    if SELECT == 0:
+        probs = tl.where(e < E, p / tl.sum(p, axis=0), -1.0)  # -1: never selected
+        ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+        ws = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for j in tl.static_range(K):
+            best, idx = tl.max(probs, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            ids = tl.where(kk == j, idx, ids)
+            ws = tl.where(kk == j, best, ws)
+            probs = tl.where(e == idx, -1.0, probs)
+    else:
+        probs = p / tl.sum(p, axis=0)  # >= 0: its bits order like its value
+        bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+        keys = tl.where(e < E, (bits << 32) | (E - 1 - e).to(tl.int64), -1)  # -1: never selected
+        if SELECT == 1 or BLOCK_K == 1:  # tl.topk needs k >= 2
+            top = tl.full([BLOCK_K], -1, dtype=tl.int64)
+            for j in tl.static_range(K):
+                best = tl.max(keys, axis=0)
+                top = tl.where(kk == j, best, top)
+                keys = tl.where(keys == best, -1, keys)
+        else:
+            top = tl.topk(keys, BLOCK_K)  # descending
+        ids = E - 1 - top.to(tl.int32)  # the low 32 bits
+        ws = tl.where(kk < K, (top >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
     if NORM:
         ws = ws / tl.sum(ws, axis=0)
     tl.store(ids_ptr + kk, ids, mask=kk < K)
@@ -107,6 +138,7 @@ def _router_kernel(
     BLOCK_K: tl.constexpr,  # next power of two >= K
     NORM: tl.constexpr,  # renormalise the top-k weights to sum to 1
     EVEN: tl.constexpr,  # E % BLOCK_E == 0 and H % CHUNK_H == 0: no masks
+    SELECT: tl.constexpr,  # index of RouterConfig.select in SELECTS
 ):
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] experts
@@ -128,7 +160,7 @@ def _router_kernel(
         tl.debug_barrier()
         tl.store(arrive_ptr + token, 0)
         _select_topk(logits_ptr + token * E, ids_ptr + token * K, weights_ptr + token * K,
-                     E, K, BLOCK_ALL, BLOCK_K, NORM)
+                     E, K, BLOCK_ALL, BLOCK_K, NORM, SELECT)
 
 
 def _constexprs(num_experts: int, hidden: int, top_k: int, norm: bool, config: RouterConfig) -> dict:
@@ -136,7 +168,8 @@ def _constexprs(num_experts: int, hidden: int, top_k: int, norm: bool, config: R
     chunk_h = min(config.chunk_h, triton.next_power_of_2(hidden))
     return {"E": num_experts, "H": hidden, "K": top_k, "BLOCK_E": block_e, "CHUNK_H": chunk_h,
             "BLOCK_ALL": triton.next_power_of_2(num_experts), "BLOCK_K": triton.next_power_of_2(top_k),
-            "NORM": bool(norm), "EVEN": num_experts % block_e == 0 and hidden % chunk_h == 0}
+            "NORM": bool(norm), "EVEN": num_experts % block_e == 0 and hidden % chunk_h == 0,
+            "SELECT": SELECTS.index(config.select)}
 
 
 _SCRATCH: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}

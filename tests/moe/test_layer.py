@@ -9,7 +9,8 @@ stream across a pool rebuild.
 
 The layer routes with the Triton router (float32 sums in its own order), the reference with torch:
 where a row's k-th and (k+1)-th probabilities nearly tie, the two may pick different experts, so
-outputs are compared on the rows whose top-k set is decided by a clear margin, and most rows must be.
+outputs are compared on the rows whose top-k set is decided by a clear margin (at least half the rows
+and one per layer must be).
 """
 
 from __future__ import annotations
@@ -51,9 +52,11 @@ def decisive_rows(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int) -> t
     return (top[:, top_k - 1] - top[:, top_k]) > MARGIN * top[:, top_k - 1]
 
 
-def close_to_reference(model: SyntheticModel, x: torch.Tensor, min_share: float = 0.9) -> None:
+def close_to_reference(model: SyntheticModel, x: torch.Tensor, min_share: float = 0.5) -> None:
     """One step; every layer's output within bf16 tolerance of moe_reference on its own input, on the
-    decisive rows; at least `min_share` of all rows must be decisive."""
+    decisive rows; every layer must have a decisive row and at least `min_share` of all rows must be
+    decisive (so the check is never vacuous; a near-tie is rare, but a 6-row step can hold one, as
+    a GPU run with 64 experts, top-6, showed)."""
     inp, decided, rows = x, 0, 0
     for layer, out in enumerate(model.step_layers(x)):
         ref = model.reference(layer, inp).float()
@@ -61,6 +64,7 @@ def close_to_reference(model: SyntheticModel, x: torch.Tensor, min_share: float 
         tol = 2e-2 * max(1.0, float(ref.abs().max()))
         err = float((out.float() - ref)[keep].abs().max()) if bool(keep.any()) else 0.0
         assert err <= tol, (layer, err, tol)
+        assert bool(keep.any()), f"layer {layer}: no row routes by a clear margin"
         decided, rows = decided + int(keep.sum()), rows + keep.numel()
         inp = out
     assert decided >= min_share * rows, f"only {decided} of {rows} rows route by a clear margin"

@@ -13,7 +13,7 @@ import torch
 
 from moe.plan import GEMV_MAX_TOKENS
 from moe.reference import route
-from moe.router import RouterConfig, router_reference, router_scratch, router_topk
+from moe.router import SELECTS, RouterConfig, router_reference, router_scratch, router_topk
 from tests.conftest import compile_check, device_or_skip
 
 MARGIN = 1e-4  # relative gap between neighbouring sorted probabilities that summation order cannot close
@@ -48,11 +48,16 @@ def check_against(got: tuple, want: tuple, keep: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype, tokens, experts, hidden, top_k, norm", [
     (torch.bfloat16, 1, 16, 64, 4, True), (torch.bfloat16, 8, 64, 64, 8, True),
     (torch.float16, 3, 20, 48, 3, False), (torch.float32, 5, 12, 32, 12, True),
+    (torch.bfloat16, 2, 1, 16, 1, True), (torch.bfloat16, 2, 7, 16, 1, False),
 ])
-def test_matches_reference(dtype, tokens, experts, hidden, top_k, norm):
+@pytest.mark.parametrize("select", SELECTS)
+def test_matches_reference(dtype, tokens, experts, hidden, top_k, norm, select):
     device, _ = device_or_skip()
     x, w = make_inputs(tokens, experts, hidden, dtype, device, seed=tokens * experts)
-    got = router_topk(x, w, top_k, norm)
+    got = router_topk(x, w, top_k, norm, config=RouterConfig(select=select))
+    if select != "argmax":  # every selection gives the same ids and bit-identical weights
+        base = router_topk(x, w, top_k, norm, config=RouterConfig(select="argmax"))
+        assert torch.equal(got[1], base[1]) and torch.equal(got[0], base[0])
     check_against(got, router_reference(x, w, top_k, norm), decisive(x, w, top_k))
     ref_w, ref_i = route(x, w, top_k, norm)  # the layer's torch reference agrees too
     check_against(got, (ref_w, ref_i), decisive(x, w, top_k))
@@ -61,11 +66,12 @@ def test_matches_reference(dtype, tokens, experts, hidden, top_k, norm):
     assert not router_scratch(device, experts)[1].any(), "every arrival counter must be reset to 0"
 
 
-def test_uneven_tiles_and_outputs_reused():
+@pytest.mark.parametrize("select", SELECTS)
+def test_uneven_tiles_and_outputs_reused(select):
     """E and H that no tile divides (every mask used); outputs given are the ones returned and rewritten."""
     device, _ = device_or_skip()
     x, w = make_inputs(4, 37, 80, torch.bfloat16, device, seed=3)
-    config = RouterConfig(block_e=8, chunk_h=32, warps=2)
+    config = RouterConfig(block_e=8, chunk_h=32, warps=2, select=select)
     weights = torch.full((4, 5), float("nan"), device=device)
     ids = torch.full((4, 5), -7, dtype=torch.int32, device=device)
     got = router_topk(x, w, 5, True, weights=weights, ids=ids, config=config)
@@ -76,7 +82,8 @@ def test_uneven_tiles_and_outputs_reused():
     check_against((weights, ids), router_reference(x2, w, 5, True), decisive(x2, w, 5))
 
 
-def test_exact_ties_go_to_the_lower_id():
+@pytest.mark.parametrize("select", SELECTS)
+def test_exact_ties_go_to_the_lower_id(select):
     """Identical router rows give bit-identical logits: the lower expert id must come first."""
     device, _ = device_or_skip()
     x, w = make_inputs(2, 12, 64, torch.bfloat16, device, seed=5)
@@ -84,7 +91,7 @@ def test_exact_ties_go_to_the_lower_id():
     along = (x[0].float() + x[1].float()) / x.shape[1]  # logit ~ 1 for both tokens
     w[9] = w[2] = (4 * along).to(w.dtype)  # experts 2 and 9 tie, far above the rest (logits ~ N(0, 1))
     w[6] = w[11] = (3 * along).to(w.dtype)  # experts 6 and 11 tie just below them
-    weights, ids = router_topk(x, w, 4, False)
+    weights, ids = router_topk(x, w, 4, False, config=RouterConfig(select=select))
     want_w, want_i = router_reference(x, w, 4, False)
     assert torch.equal(ids.cpu(), want_i.cpu()), (ids, want_i)
     assert ids.tolist() == [[2, 9, 6, 11], [2, 9, 6, 11]]  # each tie: the lower id first
@@ -122,7 +129,8 @@ def test_bad_arguments_are_named(name, bad):
         router_topk(**args)
 
 
-@pytest.mark.parametrize("field, value", [("block_e", 3), ("chunk_h", 0), ("warps", 32), ("warps", True)])
+@pytest.mark.parametrize("field, value", [("block_e", 3), ("chunk_h", 0), ("warps", 32), ("warps", True),
+                                          ("select", "sort")])
 def test_config_validation_names_field(field, value):
     with pytest.raises(ValueError, match=field):
         RouterConfig(**{field: value})
@@ -130,7 +138,9 @@ def test_config_validation_names_field(field, value):
 
 SM90_CHECK = r"""
 import json, re
-from moe.router import compile_router_for_target
+from moe.router import RouterConfig, compile_router_for_target
+assert all(compile_router_for_target(512, 2048, 10, "bf16", True, RouterConfig(select=s)).get("cubin")
+           for s in ("packed", "topk"))
 asm = compile_router_for_target(512, 2048, 10, "bf16", True)
 ptx = asm["ptx"]
 print(json.dumps([bool(asm.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)),
@@ -154,14 +164,18 @@ def _gpu_or_skip():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("select", SELECTS)
 @pytest.mark.parametrize("tokens", [1, 2, 8])
-def test_gpu_qwen3_next_shape(tokens):
+def test_gpu_qwen3_next_shape(tokens, select):
     _gpu_or_skip()
     x, w = make_inputs(tokens, 512, 2048, torch.bfloat16, "cuda", seed=tokens)
-    got = router_topk(x, w, 10, True)
+    config = RouterConfig(select=select)
+    got = router_topk(x, w, 10, True, config=config)
     check_against(got, router_reference(x, w, 10, True), decisive(x, w, 10))
-    again = router_topk(x, w, 10, True)
+    again = router_topk(x, w, 10, True, config=config)
     assert torch.equal(got[0], again[0]) and torch.equal(got[1], again[1])
+    base = router_topk(x, w, 10, True, config=RouterConfig(select="argmax"))
+    assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), "selections must agree bit for bit"
 
 
 @pytest.mark.gpu
