@@ -4,9 +4,9 @@ side, against the HBM floor and torch in the same run.
     shape (qwen3-next: E 512, H 2048, k 10; qwen3-30b: E 128, H 2048, k 8; mixtral: E 8, H 4096, k 2)
     -> --calls router weights (one per layer, so L2 cannot hold them all at Qwen3-Next size) and
        --calls hidden batches of T tokens
-    -> check first: every variant's ids equal the "argmax" variant's and its weights are bitwise
-       equal (the selections' contract), and the ids equal router_reference's on rows decided by a
-       clear margin
+    -> check first: every variant's ids equal the "argmax" variant's and its weights agree within
+       float32 rounding of the renormalising sum (the selections' contract: RouterConfig), and the
+       ids equal router_reference's on rows decided by a clear margin
     -> per variant (RouterConfig: select, block_e, warps; and "torch": matmul, softmax, topk,
        renormalise) one CUDA graph of --calls calls, replayed in a rotating order (bench_routed's
        timing); us/call = elapsed / calls; median, min, max over reps
@@ -72,7 +72,8 @@ def run_case(shape: str, tokens: int, variants: list[str], bandwidth: float, arg
         same = True
         for c in range(3):
             got = call(name, c)
-            same &= bool(torch.equal(got[0], base[c][0]) and torch.equal(got[1], base[c][1]))
+            same &= bool(torch.allclose(got[0], base[c][0], rtol=2e-6, atol=0)
+                         and torch.equal(got[1], base[c][1]))
         checks[name] = {"equal_to_argmax": same}
     ref_ok = True
     for c in range(3):
@@ -102,7 +103,7 @@ def run_case(shape: str, tokens: int, variants: list[str], bandwidth: float, arg
 
 def table(rows: list[dict]) -> str:
     lines = ["us per router call under CUDA-graph replay (median [min..max]); floor = router weight bytes "
-             "/ d2d copy bandwidth; same = ids and weights bitwise equal to argmax-b4w4",
+             "/ d2d copy bandwidth; same = ids equal to argmax-b4w4's, weights within 2e-6 relative",
              f"{'shape':>10} {'T':>2} {'variant':>12} {'median':>8} {'min..max':>15} {'floor':>6} {'ratio':>6} same"]
     for r in rows:
         for name, v in sorted(r["variants"].items(), key=lambda kv: kv[1]["us_median"]):

@@ -54,19 +54,23 @@ class RouterConfig:
 
     block_e: experts (rows of router_w) per program. chunk_h: hidden columns per load step.
     warps: num_warps. Each a power of two >= 1 (warps: 1..16). select: one of SELECTS (all three
-    give the same ids and bit-identical weights; they differ only in speed):
-      "argmax": k rounds of tl.max over (prob, id) pairs (ties to the lower id);
-      "packed": k rounds of tl.max over one int64 key per expert, prob bits << 32 | (E - 1 - id)
-                (a non-negative float32's bits order like its value, so the key orders by prob,
-                then by lower id), half the data per reduction and no index pass;
-      "topk":   one bitonic top-k (tl.topk) over the same keys, k rounded up to a power of two.
+    give the same ids, and bit-identical weights before renormalisation; the renormalising sum runs
+    in the order of the selection's register layout, so renormalised weights may differ in the last
+    bits between selections or warp counts, never between two calls of one config):
+      "topk":   one bitonic top-k (tl.topk) over int64 keys prob bits << 32 | (E - 1 - id) (a
+                non-negative float32's bits order like its value, so a key orders by prob, then by
+                lower id), k rounded up to a power of two; the default: 5.7-6.3 us against 8.3 us
+                for "argmax" at Qwen3-Next's router, T = 1 on the H200
+                (benchmarks/results/router-2026-11-30-a13cff3.json);
+      "packed": k rounds of tl.max over the same keys (half the data per reduction, no index pass);
+      "argmax": k rounds of tl.max over (prob, id) pairs (ties to the lower id).
     Raises ValueError naming the field.
     """
 
     block_e: int = 4  # 128 programs at E = 512, T = 1: about one per SM of an H200
     chunk_h: int = 1024
     warps: int = 4
-    select: str = "argmax"
+    select: str = "topk"
 
     def __post_init__(self) -> None:
         for name in ("block_e", "chunk_h", "warps"):

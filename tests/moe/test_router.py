@@ -45,6 +45,16 @@ def check_against(got: tuple, want: tuple, keep: torch.Tensor) -> None:
     assert int(keep.sum()) >= 0.9 * keep.numel(), f"only {int(keep.sum())} of {keep.numel()} rows decisive"
 
 
+def same_as_argmax(got, base, norm: bool) -> None:
+    """Selections agree: the same ids; the same weights bit for bit before renormalisation, and
+    within float32 rounding of the renormalising sum (its order follows the register layout)."""
+    assert torch.equal(got[1], base[1])
+    if norm:
+        assert torch.allclose(got[0], base[0], rtol=2e-6, atol=0)
+    else:
+        assert torch.equal(got[0], base[0])
+
+
 @pytest.mark.parametrize("dtype, tokens, experts, hidden, top_k, norm", [
     (torch.bfloat16, 1, 16, 64, 4, True), (torch.bfloat16, 8, 64, 64, 8, True),
     (torch.float16, 3, 20, 48, 3, False), (torch.float32, 5, 12, 32, 12, True),
@@ -55,9 +65,8 @@ def test_matches_reference(dtype, tokens, experts, hidden, top_k, norm, select):
     device, _ = device_or_skip()
     x, w = make_inputs(tokens, experts, hidden, dtype, device, seed=tokens * experts)
     got = router_topk(x, w, top_k, norm, config=RouterConfig(select=select))
-    if select != "argmax":  # every selection gives the same ids and bit-identical weights
-        base = router_topk(x, w, top_k, norm, config=RouterConfig(select="argmax"))
-        assert torch.equal(got[1], base[1]) and torch.equal(got[0], base[0])
+    if select != "argmax":
+        same_as_argmax(got, router_topk(x, w, top_k, norm, config=RouterConfig(select="argmax")), norm)
     check_against(got, router_reference(x, w, top_k, norm), decisive(x, w, top_k))
     ref_w, ref_i = route(x, w, top_k, norm)  # the layer's torch reference agrees too
     check_against(got, (ref_w, ref_i), decisive(x, w, top_k))
@@ -140,7 +149,7 @@ SM90_CHECK = r"""
 import json, re
 from moe.router import RouterConfig, compile_router_for_target
 assert all(compile_router_for_target(512, 2048, 10, "bf16", True, RouterConfig(select=s)).get("cubin")
-           for s in ("packed", "topk"))
+           for s in ("packed", "argmax"))
 asm = compile_router_for_target(512, 2048, 10, "bf16", True)
 ptx = asm["ptx"]
 print(json.dumps([bool(asm.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)),
@@ -174,8 +183,7 @@ def test_gpu_qwen3_next_shape(tokens, select):
     check_against(got, router_reference(x, w, 10, True), decisive(x, w, 10))
     again = router_topk(x, w, 10, True, config=config)
     assert torch.equal(got[0], again[0]) and torch.equal(got[1], again[1])
-    base = router_topk(x, w, 10, True, config=RouterConfig(select="argmax"))
-    assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), "selections must agree bit for bit"
+    same_as_argmax(got, router_topk(x, w, 10, True, config=RouterConfig(select="argmax")), True)
 
 
 @pytest.mark.gpu
