@@ -11,10 +11,16 @@
          replay after) -> argmax; --warmup steps, then --steps timed with a CUDA event between steps;
          cache counters read before and after the timed window (outside it); memory after the build
          (idle) and after the run (peak: max allocated; device used from mem_get_info)
+    -> calibration, per B (skip with --no-calibrate): the same measurement with every expert given a
+       slot (L * 512 slots, lru): the miss-free step, the model's fixed cost (MoE layers, attention,
+       norms, head, sampling); the cost model's per-layer overhead is set so that it predicts that
+       run exactly, and only the misses remain to be predicted
     -> simulator, same trace slice and slots: sim.replay from a cold start without router logits (as
        the engine's ensure); the timed window = replay(warmup + steps) - replay(warmup);
-       sim.costmodel.estimate_decode(window histogram, H200) -> predicted us / step, tokens/s;
-       implied layer overhead = H200.layer_overhead_us + (measured - predicted) us per step / L
+       sim.costmodel.estimate_decode(window histogram, H200_SM_COPY with the calibrated overhead:
+       the SM miss copy's measured speed) -> predicted us / step, tokens/s (and the uncalibrated
+       profile's, for reference); implied layer overhead = the profile's + (measured - predicted)
+       us per step / L
     -> --out JSON (GPU name, torch / triton versions, commit), a table printed last.
     --dry-run: the simulator's half only (no GPU).
 
@@ -40,7 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmeta import machine  # noqa: E402
-from sim.costmodel import H200, SHAPES, estimate_decode  # noqa: E402
+from sim.costmodel import H200_SM_COPY, SHAPES, HardwareProfile, estimate_decode  # noqa: E402
 from sim.replay import replay  # noqa: E402
 from sim.trace import Trace  # noqa: E402
 
@@ -64,6 +70,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eager", action="store_true", help="eager decode instead of CUDA-graph replay")
     ap.add_argument("--dry-run", action="store_true", help="simulator only (no GPU)")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="skip the miss-free run; predict with the H200_SM_COPY profile's own overhead")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     _check_args(args)
@@ -142,11 +150,12 @@ def head(trace: Trace, tokens: int) -> Trace:
     return Trace(experts=np.ascontiguousarray(trace.experts[:tokens]), meta=trace.meta)
 
 
-def simulate(trace: Trace, policy: str, slots: int, warmup: int, overlap: bool) -> dict:
+def simulate(trace: Trace, policy: str, slots: int, warmup: int, overlap: bool,
+             profile: HardwareProfile = H200_SM_COPY) -> dict:
     """The simulator on the timed window (decode steps warmup..end) of `trace`, from a cold start at step 0.
 
     Returns hit rate, per-layer misses of the whole run and of the window, and the cost model's
-    predicted us per step and tokens/s for the window (H200 profile, MoE blocks only)."""
+    predicted us per step and tokens/s for the window under `profile`."""
     n, layers, batch, _ = trace.experts.shape
     full = replay(trace, policy, slots, use_logits=False)
     warm = replay(head(trace, warmup), policy, slots, use_logits=False)
@@ -154,20 +163,40 @@ def simulate(trace: Trace, policy: str, slots: int, warmup: int, overlap: bool) 
     acc = int((full.layer_accesses - warm.layer_accesses).sum())
     miss = full.layer_misses - warm.layer_misses
     shape = dataclasses.replace(SHAPES["qwen3-next"], num_layers=layers)
-    est = estimate_decode(hist, n - warmup, shape, H200, batch=batch, overlap=overlap)
+    est = estimate_decode(hist, n - warmup, shape, profile, batch=batch, overlap=overlap)
     return {"hit_rate": 1.0 - int(miss.sum()) / acc if acc else 0.0,
             "misses_per_layer_per_step": float(miss.sum()) / layers / (n - warmup),
             "layer_misses_all": full.layer_misses.tolist(), "layer_misses_window": miss.tolist(),
             "us_per_step": est.us_per_token, "tokens_per_s": est.tokens_per_s,
             "compute_us_per_step": est.compute_us_per_token,
             "exposed_copy_us_per_step": est.exposed_copy_us_per_token,
-            "layer_overhead_us": H200.layer_overhead_us}
+            "layer_overhead_us": profile.layer_overhead_us, "profile": profile.name}
 
 
-def implied_overhead(measured_us: float, predicted_us: float, layers: int) -> float:
-    """The per-MoE-layer overhead (us) that would make the cost model predict `measured_us` per step:
+def implied_overhead(measured_us: float, predicted_us: float, layers: int,
+                     profile: HardwareProfile = H200_SM_COPY) -> float:
+    """The per-layer overhead (us) that would make the cost model predict `measured_us` per step:
     its prediction is linear in the overhead, with `layers` calls per step."""
-    return H200.layer_overhead_us + (measured_us - predicted_us) / layers
+    return profile.layer_overhead_us + (measured_us - predicted_us) / layers
+
+
+def calibrate(weights, trace: Trace, args: argparse.Namespace, batch: int) -> dict:
+    """The miss-free run: every expert gets a slot (layers * 512 slots), so after the first touches
+    a step is the model's fixed cost (MoE layers, attention, norms, head, sampling). The cost
+    model's per-layer overhead is set so that it predicts this run exactly; that profile then
+    predicts the cached configurations, whose difference from it is the misses alone."""
+    from decode_gpu import measure
+
+    resident = argparse.Namespace(**{**vars(args), "slots": args.layers * NUM_EXPERTS})
+    gpu = measure(weights, trace, resident, "lru", False, batch)
+    sim = simulate(trace, "lru", resident.slots, args.warmup, False)
+    overhead = implied_overhead(gpu["us_per_step"], sim["us_per_step"], args.layers)
+    return {"config": "resident (calibration)", "batch": batch, "slots": resident.slots, "sim": sim,
+            "gpu": gpu, "misses_equal": gpu["layer_misses_all"] == sim["layer_misses_all"],
+            "tps_ratio": gpu["tokens_per_s"] / sim["tokens_per_s"],
+            "implied_layer_overhead_us": overhead,
+            "profile": dataclasses.replace(H200_SM_COPY, name=f"{H200_SM_COPY.name}-calibrated-b{batch}",
+                                           layer_overhead_us=overhead)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -181,15 +210,22 @@ def main(argv: list[str] | None = None) -> dict:
         res["machine"] = machine()
         weights, res["build"] = build_weights(args)
     for batch in args.batches:
+        profile = H200_SM_COPY
+        if not args.dry_run and not args.no_calibrate:
+            cal = calibrate(weights, traces[batch], args, batch)
+            profile = cal.pop("profile")
+            res["rows"].append(cal)
         for policy, overlap in args.configs:
             row = {"config": config_name(policy, overlap), "batch": batch, "slots": args.slots,
-                   "sim": simulate(traces[batch], policy, args.slots, args.warmup, overlap)}
+                   "sim": simulate(traces[batch], policy, args.slots, args.warmup, overlap, profile)}
+            if profile is not H200_SM_COPY:  # the uncalibrated profile's prediction, for reference
+                row["sim_uncalibrated"] = simulate(traces[batch], policy, args.slots, args.warmup, overlap)
             if not args.dry_run:
                 row["gpu"] = measure(weights, traces[batch], args, policy, overlap, batch)
                 row["misses_equal"] = row["gpu"]["layer_misses_all"] == row["sim"]["layer_misses_all"]
                 row["tps_ratio"] = row["gpu"]["tokens_per_s"] / row["sim"]["tokens_per_s"]
                 row["implied_layer_overhead_us"] = implied_overhead(
-                    row["gpu"]["us_per_step"], row["sim"]["us_per_step"], args.layers)
+                    row["gpu"]["us_per_step"], row["sim"]["us_per_step"], args.layers, profile)
             res["rows"].append(row)
     res["seconds"] = time.time() - t0
     if args.out:
@@ -203,14 +239,15 @@ def table(res: dict) -> str:
     s = res["settings"]
     lines = [f"decode, {s['layers']} layers x {NUM_EXPERTS} experts (top-{TOP_K}, Qwen3-Next MoE geometry), "
              f"{s['slots']} slots, trace {s['trace'] or 'synthetic:qwen3-next'}, {s['steps']} timed steps after "
-             f"{s['warmup']}; sim = sim.costmodel H200 (MoE blocks only, layer overhead "
-             f"{H200.layer_overhead_us:g} us); target |measured / sim - 1| <= 15 %",
+             f"{s['warmup']}; sim = sim.costmodel {H200_SM_COPY.name} (SM miss copy), its per-layer overhead "
+             f"{f'{H200_SM_COPY.layer_overhead_us:g} us' if s['no_calibrate'] or s['dry_run'] else 'from the miss-free run of each batch size'}"
+             f"; target |measured / sim - 1| <= 15 %",
              "| config | B | hit meas | hit sim | miss/layer/step | step us med [p10, p90] | tok/s meas "
              "[chunk min, max] | tok/s sim | meas/sim | implied overhead us | GB idle / peak alloc | "
              "GB device used idle / peak |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        sim, g = r["sim"], r.get("gpu")
+        sim, g = r["sim"], r.get("gpu")  # the calibration row predicts itself exactly (meas/sim = 1)
         if g is None:
             lines.append(f"| {r['config']} | {r['batch']} | n/a | {sim['hit_rate']:.4f} | "
                          f"{sim['misses_per_layer_per_step']:.2f} | n/a | n/a | {sim['tokens_per_s']:.1f} | "

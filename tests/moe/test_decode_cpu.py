@@ -192,8 +192,43 @@ def test_bench_decode_dry_run_and_arguments(tmp_path, capsys):
         assert 0 < sim["hit_rate"] < 1 and sim["tokens_per_s"] > 0 and len(sim["layer_misses_window"]) == 2
         assert sum(sim["layer_misses_window"]) <= sum(sim["layer_misses_all"])
     assert out.is_file() and "| rule+overlap | 2 |" in capsys.readouterr().out
-    assert bench.implied_overhead(110.0, 100.0, 2) == pytest.approx(bench.H200.layer_overhead_us + 5.0)
+    assert bench.implied_overhead(110.0, 100.0, 2) == pytest.approx(bench.H200_SM_COPY.layer_overhead_us + 5.0)
     for bad, flag in ((["--configs", "fifo"], "--configs"), (["--batches", "9"], "--batches"),
                       (["--slots", "5"], "--slots"), (["--steps", "0"], "--steps")):
         with pytest.raises(SystemExit, match=flag):
             bench.parse(bad)
+
+
+def test_bench_decode_calibrates_on_the_miss_free_run(monkeypatch, tmp_path):
+    """The GPU half's bookkeeping, with the measurement replaced by a stand-in whose step time is
+    the uncalibrated prediction plus 7 us per layer: the calibration row must find 7 us more than
+    the profile's overhead, and every cached configuration must then be predicted exactly (the
+    model is linear in the overhead), with the uncalibrated prediction kept beside it."""
+    import types
+
+    bench = _bench()
+    layers, extra = 2, 7.0
+
+    def measure(weights, trace, args, policy, overlap, batch):
+        sim = bench.simulate(trace, policy, args.slots, args.warmup, overlap)
+        us = sim["us_per_step"] + layers * extra
+        return {"us_per_step": us, "tokens_per_s": batch * 1e6 / us, "layer_misses_all": sim["layer_misses_all"],
+                "step_us": {"median": us, "p10": us, "p90": us}, "chunk_tokens_per_s": [batch * 1e6 / us],
+                "hit_rate": sim["hit_rate"], "misses_per_layer_per_step": sim["misses_per_layer_per_step"],
+                "graphs": [batch], "memory": dict.fromkeys(("idle_allocated_gb", "peak_allocated_gb",
+                                                           "idle_device_used_gb", "peak_device_used_gb"), 1.0)}
+
+    fake = types.ModuleType("decode_gpu")
+    fake.measure, fake.build_weights = measure, lambda args: (None, {"stand_in": True})
+    monkeypatch.setitem(sys.modules, "decode_gpu", fake)
+    monkeypatch.setattr(bench, "machine", lambda: {"gpu": "stand-in"})
+    res = bench.main(["--layers", str(layers), "--warmup", "20", "--steps", "30", "--slots", "400",
+                      "--batches", "1", "--configs", "lru,rule", "--out", str(tmp_path / "cal.json")])
+    cal, *rows = res["rows"]
+    assert cal["config"] == "resident (calibration)" and cal["slots"] == layers * bench.NUM_EXPERTS
+    assert cal["implied_layer_overhead_us"] == pytest.approx(bench.H200_SM_COPY.layer_overhead_us + extra)
+    assert [r["config"] for r in rows] == ["lru", "rule"]
+    for r in rows:
+        assert r["misses_equal"] and r["tps_ratio"] == pytest.approx(1.0, rel=1e-9)
+        assert r["sim"]["layer_overhead_us"] == pytest.approx(cal["implied_layer_overhead_us"])
+        assert r["sim_uncalibrated"]["tokens_per_s"] > r["sim"]["tokens_per_s"]  # 7 us less per layer
