@@ -47,12 +47,12 @@ for part in $parts; do
         2>&1 | tee "$OUT/routed.log" | tail -12 ;;
     overlap)
       mkdir -p "$OUT/moe"
-      timeout 400 python3 benchmarks/bench_moe_copy_overlap.py --out-dir "$OUT/moe" 2>&1 | tee "$OUT/moe/bench.log" | tail -14
+      timeout ${OVERLAP_TIMEOUT:-400} python3 benchmarks/bench_moe_copy_overlap.py --out-dir "$OUT/moe" 2>&1 | tee "$OUT/moe/bench.log" | tail -14
       (cd "$OUT/moe" && tar czf traces.tgz *step_*.json replays_*.json && rm -f *step_*.json replays_*.json) ;;
     engine)
       timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/moe/test_engine_gpu.py \
         2>&1 | tee "$OUT/gpu-tests-engine.log" | tail -8 ;;
     decode)
-      timeout 540 python3 benchmarks/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -12 ;;
+      timeout ${DECODE_TIMEOUT:-540} python3 benchmarks/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -12 ;;
   esac
 done
