@@ -227,6 +227,7 @@ def test_bench_decode_calibrates_on_the_miss_free_run(monkeypatch, tmp_path):
     cal, *rows = res["rows"]
     assert cal["config"] == "resident (calibration)" and cal["slots"] == layers * bench.NUM_EXPERTS
     assert cal["implied_layer_overhead_us"] == pytest.approx(bench.H200_SM_COPY.layer_overhead_us + extra)
+    assert cal["tps_ratio"] == pytest.approx(1.0, rel=1e-9)  # the calibrated model predicts its own run
     assert [r["config"] for r in rows] == ["lru", "rule"]
     for r in rows:
         assert r["misses_equal"] and r["tps_ratio"] == pytest.approx(1.0, rel=1e-9)
