@@ -11,16 +11,6 @@
         y = Σ acc (+ addend[t, tile] when ADDEND)  -> out f32 (WRITE_OUT) and/or cast(y) (WRITE_CAST)
 
 Legend: T = tokens, H = hidden, I = expert width, K = top_k (1 for the shared expert), S = pool slots.
-
-Programmatic dependent launch (GDC, RoutedConfig.pdl, CUDA only): the routed gate_up and down are
-launched with the programmatic-serialization attribute, so each may start while its predecessor
-drains. gate_up waits (griddepcontrol.wait) before reading anything, then lets down launch. down,
-when I fits one chunk (PREFETCH), loads every down weight it needs first: its slot ids were written
-by the ensure and its weights by the miss copy, and both grids completed before any gate_up program
-passed its wait, which is before down could launch; only the activations come from gate_up, so down
-waits for gate_up after the weight loads and before reading act. The PREFETCH body sums each
-expert's products over i, then the K experts in order j = 0..K-1 (a fixed order, bitwise
-repeatable). Without GDC the same bodies run (the CPU interpreter has no inline PTX).
 Each body has two entry kernels with identical arguments: `_gate_up_kernel` / `_down_kernel` for the
 routed experts and `_shared_gate_up` / `_shared_down` for the shared expert. They compile to the same
 code; only the name differs, so a profiler trace of a CUDA-graph replay (which carries names and
@@ -32,7 +22,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 JIT_OPTIONS = {"do_not_specialize": ["num_slots"]}  # a pool rebuilt with new S keeps its kernels
 
@@ -40,10 +29,7 @@ JIT_OPTIONS = {"do_not_specialize": ["num_slots"]}  # a pool rebuilt with new S 
 @triton.jit
 def _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr):
-    if GDC:  # everything below reads the predecessors' output; then the down launch may start
-        gdc_wait()
-        gdc_launch_dependents()
+                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
     pair = tl.program_id(0)  # t * K + j
     token = pair // K
     slot = tl.load(slots_ptr + pair)
@@ -87,46 +73,25 @@ def _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, n
 def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
                K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-               WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, PREFETCH: tl.constexpr,
-               BLOCK_K: tl.constexpr, GDC: tl.constexpr):
+               WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr):
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
-    if PREFETCH:  # I <= CHUNK_I: every weight of the program in one load, before the wait
-        kk = tl.arange(0, BLOCK_K)  # [BLOCK_K] routed slots j
-        cols = tl.arange(0, CHUNK_I)  # [CHUNK_I]
-        slot = tl.load(slots_ptr + token * K + kk, mask=kk < K, other=-1)
+    acc = tl.zeros([BLOCK_H, CHUNK_I], dtype=tl.float32)
+    for j in tl.static_range(K):  # ordered combine: j = 0, 1, ..., K-1 into one accumulator
+        slot = tl.load(slots_ptr + token * K + j)
         live = (slot >= 0) & (slot < num_slots)
-        ptrs = (w2_ptr + tl.where(live, slot, 0).to(tl.int64)[:, None, None] * (H * I)
-                + rows[None, :, None] * I + cols[None, None, :])  # [BLOCK_K, BLOCK_H, CHUNK_I]
-        mask = live[:, None, None] & (rows[None, :, None] < H) & (cols[None, None, :] < I)
-        d = tl.load(ptrs, mask=mask, other=0.0)
-        if GDC:  # the activations are gate_up's output
-            gdc_wait()
-        a = tl.load(act_ptr + (token * K + kk)[:, None] * I + cols[None, :],
-                    mask=(kk[:, None] < K) & (cols[None, :] < I), other=0.0)  # [BLOCK_K, CHUNK_I]
-        part = tl.sum(d.to(tl.float32) * a[:, None, :], axis=2)  # [BLOCK_K, BLOCK_H] per expert
-        y = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for j in tl.static_range(K):  # ordered combine: j = 0, 1, ..., K-1 (one term per step, exact)
-            y += tl.sum(tl.where(kk[:, None] == j, part, 0.0), axis=0)
-    else:
-        if GDC:
-            gdc_wait()
-        acc = tl.zeros([BLOCK_H, CHUNK_I], dtype=tl.float32)
-        for j in tl.static_range(K):  # ordered combine: j = 0, 1, ..., K-1 into one accumulator
-            slot = tl.load(slots_ptr + token * K + j)
-            live = (slot >= 0) & (slot < num_slots)
-            down_ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I
-            for i0 in tl.static_range(0, I, CHUNK_I):
-                cols = i0 + tl.arange(0, CHUNK_I)  # [CHUNK_I]
-                if EVEN:
-                    a = tl.load(act_ptr + (token * K + j) * I + cols)
-                    mask = live
-                else:
-                    a = tl.load(act_ptr + (token * K + j) * I + cols, mask=cols < I, other=0.0)
-                    mask = live & (rows[:, None] < H) & (cols[None, :] < I)
-                d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
-                acc += d.to(tl.float32) * a[None, :]
-        y = tl.sum(acc, axis=1)  # [BLOCK_H] routed sum, fixed order
+        down_ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I
+        for i0 in tl.static_range(0, I, CHUNK_I):
+            cols = i0 + tl.arange(0, CHUNK_I)  # [CHUNK_I]
+            if EVEN:
+                a = tl.load(act_ptr + (token * K + j) * I + cols)
+                mask = live
+            else:
+                a = tl.load(act_ptr + (token * K + j) * I + cols, mask=cols < I, other=0.0)
+                mask = live & (rows[:, None] < H) & (cols[None, :] < I)
+            d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
+            acc += d.to(tl.float32) * a[None, :]
+    y = tl.sum(acc, axis=1)  # [BLOCK_H] routed sum, fixed order
     if ADDEND:  # the combine: routed + addend in float32, then (below) one rounding to the model dtype
         y = y + tl.load(addend_ptr + token * H + rows, mask=rows < H, other=0.0)
     if WRITE_OUT:
@@ -138,47 +103,44 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
 # Entry kernels. Arguments of the gate_up entries:
 #   x_ptr [T, H] hidden; slots_ptr *i32 [T * K]; weights_ptr *fp32 [T * K] (unread when GATED);
 #   gate_w_ptr [H] shared gate (read only when GATED); w13_ptr [S, 2I, H]; act_ptr *fp32 [T * K, I] out;
-#   num_slots i32 S; constexprs as the body (GDC: launched with programmatic serialization).
+#   num_slots i32 S; constexprs as the body.
 # Arguments of the down entries:
 #   act_ptr *fp32 [T * K, I]; slots_ptr *i32 [T * K]; w2_ptr [S, H, I]; addend_ptr *fp32 [T, H] (read
 #   when ADDEND); out_ptr *fp32 [T, H] (written when WRITE_OUT); cast_ptr [T, H] model dtype (written
-#   when WRITE_CAST); num_slots i32 S; constexprs as the body (PREFETCH: I <= CHUNK_I, the one-load body;
-#   BLOCK_K: next power of two >= K; GDC as gate_up).
+#   when WRITE_CAST); num_slots i32 S; constexprs as the body.
 
 @triton.jit(**JIT_OPTIONS)
 def _gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                    CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr):
+                    CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
     _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
-                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC)
+                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED)
 
 
 @triton.jit(**JIT_OPTIONS)
 def _shared_gate_up(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                    CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr):
+                    CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
     _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
-                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC)
+                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED)
 
 
 @triton.jit(**JIT_OPTIONS)
 def _down_kernel(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                  CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, PREFETCH: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GDC: tl.constexpr):
+                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr):
     _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
-               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, PREFETCH, BLOCK_K, GDC)
+               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST)
 
 
 @triton.jit(**JIT_OPTIONS)
 def _shared_down(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                  CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, PREFETCH: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GDC: tl.constexpr):
+                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr):
     _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
-               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, PREFETCH, BLOCK_K, GDC)
+               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST)
 
 
 GATE_UP_ENTRIES = {False: _gate_up_kernel, True: _shared_gate_up}  # keyed by "is the shared expert"
