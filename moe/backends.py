@@ -18,7 +18,16 @@ distinct experts than there are slots (ensure refuses that). Chunking the prompt
 would work but still flush the pool. Instead prefill reads each used expert's rows straight from the
 HostStore once per layer (on a GPU: a copy-engine transfer from pinned memory per used expert, the
 streaming that ARCHITECTURE.md names for prefill) and leaves the slot map, policy state, clocks and
-counters untouched. Both backends share this one function; the decode math is the same formula.
+counters untouched; an expert that already has a slot is computed from the pool instead (read only,
+no transfer: the slot holds the same bytes). Both backends share this one function; the decode math
+is the same formula.
+
+Measured on the real traces with the host reference (benchmarks/bench_prefill_admission.py,
+docs/moe.md): pushing the prompt through the cache instead changes the misses of the decode steps
+that follow by 0.99-1.06x (the decode working set turns over within a few steps anyway), while its
+own copies are up to 5.5x the experts streamed here (a small pool evicts prompt experts between
+chunks); reading resident experts from their slots cuts what is streamed by 2-8x at pools of half
+to seven eighths of the keys.
 """
 
 from __future__ import annotations
@@ -48,22 +57,36 @@ class MoEBackend(Protocol):
         """hidden [T, H] -> out [T, H]; leaves the cache untouched."""
 
 
-def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
+def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.Tensor,
+                resident: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                counts: list[int] | None = None) -> torch.Tensor:
     """One MoE block over a prompt, experts read from `store` (cache bypassed): [T, H] -> [T, H].
 
     Math and precision of moe.reference.moe_reference: float32 products, one cast at the end.
-    Each used expert's rows move to hidden's device once (non-blocking from pinned memory).
-    Cost O(T * k * 3 * I * H + T * E * H) compute, (used experts) * 3 * I * H elements moved;
-    one host sync (the set of used experts).
+    Each used expert's rows move to hidden's device once (non-blocking from pinned memory), unless
+    `resident` = (slot_of [L_moe * E] int32, pool gate_up [S, 2I, H], pool down [S, H, I]) gives it a
+    slot: then its rows are read from the pool (the same bytes, so the same result bit for bit) and
+    nothing moves. Nothing of the cache is written. counts: optional [streamed, reused], incremented.
+    Cost O(T * k * 3 * I * H + T * E * H) compute, (used experts without a slot) * 3 * I * H elements
+    moved; one host sync (the set of used experts, and this layer's E slot ids).
     """
     weights, ids = route(hidden, w.router, cfg.top_k, cfg.norm_topk_prob)  # [T, k] f32, i32
     gate_up, down = store.tensor("gate_up"), store.tensor("down")  # [K, 2I, H], [K, H, I]
     base = w.index * cfg.num_experts
+    slot_of = None
+    if resident is not None:
+        slot_of = resident[0][base:base + cfg.num_experts].tolist()  # this layer's experts' slots
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
     for expert in torch.unique(ids).tolist():
         rows, cols = torch.nonzero(ids == expert, as_tuple=True)
-        gu = gate_up[base + expert].to(hidden.device, non_blocking=True)
-        dn = down[base + expert].to(hidden.device, non_blocking=True)
+        slot = -1 if slot_of is None else slot_of[expert]
+        if slot >= 0:
+            gu, dn = resident[1][slot], resident[2][slot]
+        else:
+            gu = gate_up[base + expert].to(hidden.device, non_blocking=True)
+            dn = down[base + expert].to(hidden.device, non_blocking=True)
+        if counts is not None:
+            counts[int(slot >= 0)] += 1
         out.index_add_(0, rows, expert_mlp(hidden[rows], gu, dn) * weights[rows, cols, None])
     if w.shared is not None:
         out += shared_expert(hidden, w.shared)
@@ -94,6 +117,7 @@ class CpuCachedMoE:
         self.cfg, self.store = weights.spec.moe, weights.store
         self.cache = HostCache(_geometry(weights, num_slots, max_batch), policy, **constants)
         self.pool = SlotPool(self.store.banks, num_slots, device="cpu")
+        self.prefill_counts = [0, 0]  # prefill's used experts: [streamed from the store, read from a slot]
 
     def decode(self, w: MoEWeights, hidden: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, H] -> (out [B, H], ids [B, k] int32). Cost: one ensure, misses * 3 * I * H copied,
@@ -111,7 +135,8 @@ class CpuCachedMoE:
         return out.to(hidden.dtype), ids
 
     def prefill(self, w: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
-        return moe_prefill(self.store, self.cfg, w, hidden)
+        resident = (torch.from_numpy(self.cache.slot_of), self.pool.tensor("gate_up"), self.pool.tensor("down"))
+        return moe_prefill(self.store, self.cfg, w, hidden, resident, self.prefill_counts)
 
 
 class GpuMoE:
@@ -135,6 +160,7 @@ class GpuMoE:
         self.layers = {lw.mlp.index: MoELayer(self.cfg, lw.mlp.index, lw.mlp.router, self.slots, lw.mlp.shared)
                        for lw in weights.layers if isinstance(lw.mlp, MoEWeights)}
         self.routing_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.prefill_counts = [0, 0]  # prefill's used experts: [streamed from the store, read from a slot]
         if forced_routing:
             shape, dev = (geometry.num_layers, max_batch, self.cfg.top_k), weights.device
             self.routing_buffers = (torch.full(shape, -1, dtype=torch.int32, device=dev),
@@ -172,7 +198,11 @@ class GpuMoE:
         return out, ids
 
     def prefill(self, w: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
-        return moe_prefill(self.store, self.cfg, w, hidden)
+        """Eager, on the current stream, after the decode steps queued before it (their miss copies
+        filled the slots it reads). One host sync for the layer's slot ids."""
+        slots = self.slots
+        resident = (slots.cache.slot_of, slots.pool.tensor("gate_up"), slots.pool.tensor("down"))
+        return moe_prefill(self.store, self.cfg, w, hidden, resident, self.prefill_counts)
 
 
 def make_backend(weights: ModelWeights, num_slots: int, policy: str = "lru", *, max_batch: int = 1,

@@ -3,8 +3,9 @@
     CpuCachedMoE.cache (expertcache.host.HostCache): counters int64 [L, 3], clock, key_of   ─┐
     GpuMoE.slots.cache (expertcache.device.DeviceCache): .stats(bytes_per_expert), key_of  ─┴► CacheStats
 
-Only decode steps reach the cache: prefill reads experts straight from the HostStore and leaves the
-slot map, policy state, clocks and counters untouched (moe.backends explains why). So `calls[l]` is
+Only decode steps reach the cache: prefill reads experts straight from the HostStore (or, for an
+expert that has a slot, from the pool) and leaves the slot map, policy state, clocks and counters
+untouched (moe.backends explains why); `prefill_streamed` / `prefill_from_slots` count its experts. So `calls[l]` is
 the number of decode steps so far (every step calls every MoE layer once, whatever the batch), and
 "per token" below means per decode step, as the simulator's `misses_per_token` (a trace's N steps).
 Legend: L = MoE layers.
@@ -24,7 +25,8 @@ from moe.backends import CpuCachedMoE, GpuMoE
 class CacheStats:
     """Counters since the cache was built. calls / accesses / misses: int64 [L] per MoE layer
     (accesses = distinct experts a step asked of that layer). steps: decode steps. num_slots: the
-    pool's slots. bytes_per_expert: HostStore.bytes_per_expert."""
+    pool's slots. bytes_per_expert: HostStore.bytes_per_expert. prefill_streamed / prefill_from_slots:
+    (layer, expert) uses of prefill calls read from the HostStore / from a slot."""
 
     calls: np.ndarray
     accesses: np.ndarray
@@ -32,6 +34,8 @@ class CacheStats:
     steps: int
     num_slots: int
     bytes_per_expert: int
+    prefill_streamed: int = 0
+    prefill_from_slots: int = 0
 
     @property
     def total_accesses(self) -> int:
@@ -73,10 +77,10 @@ def cache_stats(backend: CpuCachedMoE | GpuMoE) -> CacheStats:
     if isinstance(backend, CpuCachedMoE):
         c = backend.cache.counters
         return CacheStats(c[:, CALLS].copy(), c[:, ACCESSES].copy(), c[:, MISSES].copy(), backend.cache.tok,
-                          backend.cache.geometry.num_slots, bpe)
+                          backend.cache.geometry.num_slots, bpe, *backend.prefill_counts)
     if isinstance(backend, GpuMoE):
         cache = backend.slots.cache
         s = cache.stats(bpe)
         return CacheStats(s["calls"], s["accesses"], s["misses"], int(cache.clock[1].item()),
-                          cache.geometry.num_slots, bpe)
+                          cache.geometry.num_slots, bpe, *backend.prefill_counts)
     raise TypeError(f"cache_stats needs a CpuCachedMoE or GpuMoE backend, got {type(backend).__name__}")

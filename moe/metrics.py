@@ -18,6 +18,7 @@ Metrics (every counter is since the server started; "token" = one decode step, a
 | expertcache_decode_tokens_total                  | counter | tokens produced by decode steps (steps x batch)            |
 | expertcache_decode_seconds_total                 | counter | wall time of decode steps (with sampling)                  |
 | expertcache_prefill_tokens_total                 | counter | prompt tokens prefilled                                    |
+| expertcache_prefill_experts_total{source}        | counter | experts prefill used, by source: store (streamed) or slot  |
 | expertcache_active_sequences / _waiting_requests | gauge   | sequences in batch rows / requests queued for a row        |
 | expertcache_requests_finished_total{reason}      | counter | stop, length, cancelled, error                             |
 | expertcache_requests_total{endpoint, status}     | counter | HTTP requests answered                                     |
@@ -83,6 +84,11 @@ class _SnapshotCollector:
         yield from (per_layer, acc, miss)
         yield CounterMetricFamily("expertcache_bytes_copied", "bytes copied host -> slots by misses",
                                   value=c.bytes_copied)
+        pre = CounterMetricFamily("expertcache_prefill_experts", "(layer, expert) uses of prefill, by where "
+                                  "the weights were read: store (streamed from host) or slot", labels=["source"])
+        pre.add_metric(["store"], c.prefill_streamed)
+        pre.add_metric(["slot"], c.prefill_from_slots)
+        yield pre
         yield _gauge("expertcache_slots_in_use", "slots holding an expert", c.slots_in_use)
         yield _gauge("expertcache_slots", "slots of the pool (--moe-slots)", c.num_slots)
         yield _gauge("expertcache_decode_tokens_per_second", "decode tokens per second, last 64 steps",

@@ -142,13 +142,22 @@ def test_prefill_touching_every_expert_keeps_the_decode_working_set(checkpoint):
     cfg = model.config
     engine = load_model(path, "cpu", num_slots=cfg.num_experts_per_tok + 1, max_seq_len=128, progress=False)
     engine.generate([_tokens(5, seed=6)], max_new_tokens=4)
-    before = engine.moe.cache.snapshot()
+    before, counted = engine.moe.cache.snapshot(), list(engine.moe.prefill_counts)
     long = _tokens(120, seed=7)
     out = _hf_logits(model, long, output_router_logits=True)
     for logits in out.router_logits:  # [T, E] per MoE layer: the prompt routes to every expert
         assert torch.unique(logits.topk(cfg.num_experts_per_tok, dim=-1).indices).numel() == cfg.num_experts
-    _close(engine.prefill([long], all_logits=True)[0], out.logits[0], rel=1e-4)
+    got = engine.prefill([long], all_logits=True)[0]
+    _close(got, out.logits[0], rel=1e-4)
     assert engine.moe.cache.snapshot().equals(before)
+    # every expert of every layer was used: the resident ones were read from their slots, the rest streamed
+    resident = int((engine.moe.cache.key_of >= 0).sum())
+    streamed, reused = (n - c for n, c in zip(engine.moe.prefill_counts, counted))
+    assert (streamed, reused) == (engine.spec.num_moe_layers * cfg.num_experts - resident, resident)
+    assert resident > 0
+    cold = load_model(path, "cpu", num_slots=cfg.num_experts_per_tok + 1, max_seq_len=128, progress=False)
+    assert torch.equal(cold.prefill([long], all_logits=True)[0], got)  # slots hold the store's bytes
+    assert cold.moe.prefill_counts == [engine.spec.num_moe_layers * cfg.num_experts, 0]
 
 
 def test_recorded_routing_is_transformers_router_topk(checkpoint):

@@ -181,6 +181,9 @@ def test_models_health_and_metrics(srv):
     assert samples[("expertcache_decode_tokens_per_second", ())] > 0
     assert samples[("expertcache_active_sequences", ())] == 0
     assert samples[("expertcache_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] >= 1
+    streamed = samples[("expertcache_prefill_experts_total", (("source", "store"),))]
+    from_slots = samples[("expertcache_prefill_experts_total", (("source", "slot"),))]
+    assert (streamed, from_slots) == (stats.prefill_streamed, stats.prefill_from_slots) and streamed > 0
 
 
 def test_closing_a_stream_cancels_it_and_frees_its_row(srv):
