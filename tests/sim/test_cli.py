@@ -94,3 +94,17 @@ def test_too_few_slots_and_bad_files_are_errors(tmp_path, small_trace):
         main(["sim", str(bad)])
     with pytest.raises(SystemExit, match="not both"):
         main(["sim", small_trace, "--preset", "mixtral"])
+
+
+def test_profile_flag_prices_the_same_replay_differently(capsys):
+    """--profile engine (default: the engine's measured SM copy and layer time) against copy-engine:
+    the same hit counts, a different modeled speed, and the table names the profile it used."""
+    args = ["--preset", "qwen3-next", "--tokens", "30", "--policies", "lru", "--slots-frac", "0.5", "--workers", "1"]
+    engine = run_json(capsys, *args)
+    copy_engine = run_json(capsys, *args, "--profile", "copy-engine")
+    assert [r["misses"] for r in engine] == [r["misses"] for r in copy_engine]
+    assert engine[0]["tokens_per_s"] < copy_engine[0]["tokens_per_s"]  # slower copy, larger layer overhead
+    assert main(["sim", *args]) == 0
+    assert "nvidia-h200-sm-copy" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["sim", *args, "--profile", "a100"])
