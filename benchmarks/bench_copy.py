@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import benchmeta
 import numpy as np
 import torch
 
@@ -33,20 +32,6 @@ from expertcache.pool import Bank, HostStore, SlotPool
 
 TARGET = "target: SM copy >= 0.9x the copy engine at 2.7 MiB and above with <= 16 SMs (num_ctas)"
 SLEEP_CYCLES = 400_000  # ~200 us at 2 GHz: longer than the host takes to enqueue one call
-
-
-def machine() -> dict:
-    import triton
-
-    commit = os.environ.get("EXPERTCACHE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-        cwd=Path(__file__).parent, check=False).stdout.strip()
-    commit = commit if len(commit) == 40 else "unknown"
-    props = torch.cuda.get_device_properties(0)
-    return {"gpu": props.name, "sms": props.multi_processor_count,
-            "l2_bytes": getattr(props, "L2_cache_size", None), "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda, "commit": commit,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def expert_banks(size_mib: float, num_banks: int) -> tuple[Bank, ...]:
@@ -175,7 +160,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("bench_copy needs a CUDA GPU (it times host -> device copies); see --help", file=sys.stderr)
         sys.exit(2)
-    info = machine()
+    info = benchmeta.machine()
     l2 = info["l2_bytes"] or 60 << 20
     rows = []
     for size in args.sizes:

@@ -150,27 +150,39 @@ def head(trace: Trace, tokens: int) -> Trace:
     return Trace(experts=np.ascontiguousarray(trace.experts[:tokens]), meta=trace.meta)
 
 
-def simulate(trace: Trace, policy: str, slots: int, warmup: int, overlap: bool,
-             profile: HardwareProfile = H200_SM_COPY) -> dict:
-    """The simulator on the timed window (decode steps warmup..end) of `trace`, from a cold start at step 0.
-
-    Returns hit rate, per-layer misses of the whole run and of the window, and the cost model's
-    predicted us per step and tokens/s for the window under `profile`."""
-    n, layers, batch, _ = trace.experts.shape
+def replay_window(trace: Trace, policy: str, slots: int, warmup: int) -> dict:
+    """The simulator on the timed window (decode steps warmup..end) of `trace`, from a cold start at
+    step 0: the window's histogram of misses per call [L, B*k + 1], its per-layer misses and accesses,
+    and the whole run's per-layer misses. Every prediction for this (trace, policy, slots) reuses it."""
     full = replay(trace, policy, slots, use_logits=False)
     warm = replay(head(trace, warmup), policy, slots, use_logits=False)
-    hist = full.hist - warm.hist  # [L, B*k + 1] calls of the window by miss count
-    acc = int((full.layer_accesses - warm.layer_accesses).sum())
-    miss = full.layer_misses - warm.layer_misses
+    return {"hist": full.hist - warm.hist, "misses": full.layer_misses - warm.layer_misses,
+            "accesses": int((full.layer_accesses - warm.layer_accesses).sum()),
+            "misses_all": full.layer_misses, "steps": trace.experts.shape[0] - warmup,
+            "batch": trace.experts.shape[2]}
+
+
+def predict(window: dict, overlap: bool, profile: HardwareProfile = H200_SM_COPY) -> dict:
+    """Hit rate, per-layer misses and the cost model's predicted us per step and tokens/s of a
+    replay_window under `profile`."""
+    miss, steps = window["misses"], window["steps"]
+    layers = miss.shape[0]
     shape = dataclasses.replace(SHAPES["qwen3-next"], num_layers=layers)
-    est = estimate_decode(hist, n - warmup, shape, profile, batch=batch, overlap=overlap)
+    est = estimate_decode(window["hist"], steps, shape, profile, batch=window["batch"], overlap=overlap)
+    acc = window["accesses"]
     return {"hit_rate": 1.0 - int(miss.sum()) / acc if acc else 0.0,
-            "misses_per_layer_per_step": float(miss.sum()) / layers / (n - warmup),
-            "layer_misses_all": full.layer_misses.tolist(), "layer_misses_window": miss.tolist(),
+            "misses_per_layer_per_step": float(miss.sum()) / layers / steps,
+            "layer_misses_all": window["misses_all"].tolist(), "layer_misses_window": miss.tolist(),
             "us_per_step": est.us_per_token, "tokens_per_s": est.tokens_per_s,
             "compute_us_per_step": est.compute_us_per_token,
             "exposed_copy_us_per_step": est.exposed_copy_us_per_token,
             "layer_overhead_us": profile.layer_overhead_us, "profile": profile.name}
+
+
+def simulate(trace: Trace, policy: str, slots: int, warmup: int, overlap: bool,
+             profile: HardwareProfile = H200_SM_COPY) -> dict:
+    """predict(replay_window(...)): one configuration under one profile."""
+    return predict(replay_window(trace, policy, slots, warmup), overlap, profile)
 
 
 def implied_overhead(measured_us: float, predicted_us: float, layers: int,
@@ -189,11 +201,12 @@ def calibrate(weights, trace: Trace, args: argparse.Namespace, batch: int) -> di
 
     resident = argparse.Namespace(**{**vars(args), "slots": args.layers * NUM_EXPERTS})
     gpu = measure(weights, trace, resident, "lru", False, batch)
-    sim = simulate(trace, "lru", resident.slots, args.warmup, False)
+    window = replay_window(trace, "lru", resident.slots, args.warmup)
+    sim = predict(window, False)
     overhead = implied_overhead(gpu["us_per_step"], sim["us_per_step"], args.layers)
     profile = dataclasses.replace(H200_SM_COPY, name=f"{H200_SM_COPY.name}-calibrated-b{batch}",
                                   layer_overhead_us=overhead)
-    calibrated = simulate(trace, "lru", resident.slots, args.warmup, False, profile)  # = gpu, by construction
+    calibrated = predict(window, False, profile)  # = gpu, by construction
     return {"config": "resident (calibration)", "batch": batch, "slots": resident.slots, "sim": calibrated,
             "sim_uncalibrated": sim, "gpu": gpu,
             "misses_equal": gpu["layer_misses_all"] == sim["layer_misses_all"],
@@ -217,11 +230,15 @@ def main(argv: list[str] | None = None) -> dict:
             cal = calibrate(weights, traces[batch], args, batch)
             profile = cal.pop("profile")
             res["rows"].append(cal)
+        windows: dict[str, dict] = {}  # per policy: overlap changes only the prediction
         for policy, overlap in args.configs:
+            if policy not in windows:
+                windows[policy] = replay_window(traces[batch], policy, args.slots, args.warmup)
+            window = windows[policy]
             row = {"config": config_name(policy, overlap), "batch": batch, "slots": args.slots,
-                   "sim": simulate(traces[batch], policy, args.slots, args.warmup, overlap, profile)}
+                   "sim": predict(window, overlap, profile)}
             if profile is not H200_SM_COPY:  # the uncalibrated profile's prediction, for reference
-                row["sim_uncalibrated"] = simulate(traces[batch], policy, args.slots, args.warmup, overlap)
+                row["sim_uncalibrated"] = predict(window, overlap)
             if not args.dry_run:
                 row["gpu"] = measure(weights, traces[batch], args, policy, overlap, batch)
                 row["misses_equal"] = row["gpu"]["layer_misses_all"] == row["sim"]["layer_misses_all"]

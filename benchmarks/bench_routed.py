@@ -47,12 +47,6 @@ SWEEP = (  # RoutedConfig names: i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_
 NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-pdl)?$")
 
 
-def machine() -> dict:
-    """benchmeta.machine() and the L2 size (a pool that fits in L2 would flatter the weights' reads)."""
-    props = torch.cuda.get_device_properties(0)
-    return benchmeta.machine() | {"l2_bytes": getattr(props, "L2_cache_size", None)}
-
-
 def parse_config(name: str) -> RoutedConfig:
     m = NAME.match(name)
     if not m:
@@ -229,7 +223,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("bench_routed needs a CUDA GPU; see --help", file=sys.stderr)
         sys.exit(2)
-    info = machine()
+    info = benchmeta.machine()
     bandwidth = copy_bandwidth()
     print(f"{info['gpu']}: device-to-device copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []

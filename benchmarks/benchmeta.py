@@ -1,6 +1,6 @@
 """What every GPU benchmark records beside its numbers: the GPU, the software versions, the commit.
 
-    machine() -> {gpu, sms, torch, triton, cuda, commit, date}
+    machine() -> {gpu, sms, l2_bytes, torch, triton, cuda, commit, date}
 
 The commit is EXPERTCACHE_COMMIT when set (a GPU machine receives a working tree without .git),
 else `git rev-parse HEAD`, else "unknown".
@@ -22,6 +22,8 @@ def machine() -> dict:
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent,
         check=False).stdout.strip()
     props = torch.cuda.get_device_properties(0)
-    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+    return {"gpu": props.name, "sms": props.multi_processor_count,
+            "l2_bytes": getattr(props, "L2_cache_size", None),  # a working set under it flatters reads
+            "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda, "commit": commit or "unknown",
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
