@@ -1,7 +1,7 @@
 """The MoE router of a decode step as one Triton launch: logits, softmax, top-k, renormalisation.
 
     hidden [T, H], router_w [E, H] (both the model dtype)
-        │  grid (T, ceil(E / block_e)): program (t, b)
+        │  grid (T, ceil(E / block_e)): program (t, b); block_e 2 up to 4 tokens, else 4 (RouterConfig)
         ├─ every program: logits[t, b * block_e + i] = Σ_h hidden[t, h] * router_w[e, h]   (f32 accumulate)
         │     -> scratch logits [T, E] float32; then one atomic arrival on counter[t]
         └─ the last program of token t to arrive (it resets counter[t] to 0):
@@ -52,8 +52,10 @@ SELECTS = ("argmax", "packed", "topk")
 class RouterConfig:
     """Tiles of the router launch and how its last program selects the top k.
 
-    block_e: experts (rows of router_w) per program. chunk_h: hidden columns per load step.
-    warps: num_warps. Each a power of two >= 1 (warps: 1..16). select: one of SELECTS (all three
+    block_e: experts (rows of router_w) per program, or None: 2 for T <= 4 tokens, 4 above (on the
+    H200 at Qwen3-Next's router, 2 per program took 5.68 / 5.87 / 6.41 us at T = 1 / 2 / 4 against
+    6.32 / 6.34 / 6.71 for 4, and 9.04 against 7.36 at T = 8: router-2026-11-30-a13cff3.json).
+    chunk_h: hidden columns per load step. warps: num_warps. Each a power of two >= 1 (warps: 1..16). select: one of SELECTS (all three
     give the same ids, and bit-identical weights before renormalisation; the renormalising sum runs
     in the order of the selection's register layout, so renormalised weights may differ in the last
     bits between selections or warp counts, never between two calls of one config):
@@ -67,7 +69,7 @@ class RouterConfig:
     Raises ValueError naming the field.
     """
 
-    block_e: int = 4  # 128 programs at E = 512, T = 1: about one per SM of an H200
+    block_e: int | None = None  # None: by the token count (SMALL_T_BLOCK_E up to SMALL_T tokens)
     chunk_h: int = 1024
     warps: int = 4
     select: str = "topk"
@@ -75,6 +77,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         for name in ("block_e", "chunk_h", "warps"):
             v = getattr(self, name)
+            if name == "block_e" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"RouterConfig.{name} must be a power of two >= 1, got {v!r}")
         if self.warps > 16:
@@ -167,8 +171,19 @@ def _router_kernel(
                      E, K, BLOCK_ALL, BLOCK_K, NORM, SELECT)
 
 
-def _constexprs(num_experts: int, hidden: int, top_k: int, norm: bool, config: RouterConfig) -> dict:
-    block_e = min(config.block_e, triton.next_power_of_2(num_experts))
+SMALL_T, SMALL_T_BLOCK_E, BLOCK_E = 4, 2, 4  # RouterConfig.block_e=None: per program, by the token count
+
+
+def block_e_for(config: RouterConfig, tokens: int) -> int:
+    """Experts per program of a call of `tokens` tokens under `config`."""
+    if config.block_e is not None:
+        return config.block_e
+    return SMALL_T_BLOCK_E if tokens <= SMALL_T else BLOCK_E
+
+
+def _constexprs(num_experts: int, hidden: int, top_k: int, norm: bool, config: RouterConfig,
+                tokens: int) -> dict:
+    block_e = min(block_e_for(config, tokens), triton.next_power_of_2(num_experts))
     chunk_h = min(config.chunk_h, triton.next_power_of_2(hidden))
     return {"E": num_experts, "H": hidden, "K": top_k, "BLOCK_E": block_e, "CHUNK_H": chunk_h,
             "BLOCK_ALL": triton.next_power_of_2(num_experts), "BLOCK_K": triton.next_power_of_2(top_k),
@@ -254,7 +269,7 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
     if ids is None:
         ids = torch.empty((tokens, top_k), dtype=torch.int32, device=device)
     logits, arrive = router_scratch(device, num_experts)
-    meta = _constexprs(num_experts, hid, top_k, norm_topk_prob, config)
+    meta = _constexprs(num_experts, hid, top_k, norm_topk_prob, config, tokens)
     grid = (tokens, triton.cdiv(num_experts, meta["BLOCK_E"]))
     kernel = kernel_for(_router_kernel, device, _JIT_OPTIONS, "router_topk")
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -276,13 +291,13 @@ def router_reference(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int,
 
 def compile_router_for_target(num_experts: int, hidden: int, top_k: int, dtype: str = "bf16",
                               norm_topk_prob: bool = True, config: RouterConfig = DEFAULT_ROUTER,
-                              arch: int = 90) -> dict:
+                              arch: int = 90, tokens: int = 1) -> dict:
     """Compile the router ahead of time for CUDA sm_<arch> (no GPU; needs ptxas); Triton's asm dict.
 
-    T only sizes the grid, so one binary serves T = 1..GEMV_MAX_TOKENS. Run it without
-    TRITON_INTERPRET=1.
+    T sizes the grid and, with block_e=None, picks the experts per program (block_e_for): one binary
+    serves T = 1..SMALL_T, another the rest. Run it without TRITON_INTERPRET=1.
     """
     p = f"*{dtype}"
     types = (p, p, "*fp32", "*i32", "*i32", "*fp32")
-    meta = _constexprs(num_experts, hidden, top_k, norm_topk_prob, config)
+    meta = _constexprs(num_experts, hidden, top_k, norm_topk_prob, config, tokens)
     return compile_for_sm(_router_kernel, types, meta, config.warps, arch, _JIT_OPTIONS)

@@ -13,7 +13,7 @@ import torch
 
 from moe.plan import GEMV_MAX_TOKENS
 from moe.reference import route
-from moe.router import SELECTS, RouterConfig, router_reference, router_scratch, router_topk
+from moe.router import SELECTS, RouterConfig, block_e_for, router_reference, router_scratch, router_topk
 from tests.conftest import compile_check, device_or_skip
 
 MARGIN = 1e-4  # relative gap between neighbouring sorted probabilities that summation order cannot close
@@ -138,6 +138,12 @@ def test_bad_arguments_are_named(name, bad):
         router_topk(**args)
 
 
+def test_block_e_by_token_count():
+    """The default picks 2 experts per program up to 4 tokens and 4 above; an explicit block_e wins."""
+    assert [block_e_for(RouterConfig(), t) for t in range(1, 9)] == [2, 2, 2, 2, 4, 4, 4, 4]
+    assert {block_e_for(RouterConfig(block_e=8), t) for t in range(1, 9)} == {8}
+
+
 @pytest.mark.parametrize("field, value", [("block_e", 3), ("chunk_h", 0), ("warps", 32), ("warps", True),
                                           ("select", "sort")])
 def test_config_validation_names_field(field, value):
@@ -150,6 +156,7 @@ import json, re
 from moe.router import RouterConfig, compile_router_for_target
 assert all(compile_router_for_target(512, 2048, 10, "bf16", True, RouterConfig(select=s)).get("cubin")
            for s in ("packed", "argmax"))
+assert compile_router_for_target(512, 2048, 10, "bf16", True, tokens=8).get("cubin")  # 4 experts a program
 asm = compile_router_for_target(512, 2048, 10, "bf16", True)
 ptx = asm["ptx"]
 print(json.dumps([bool(asm.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)),
