@@ -185,7 +185,7 @@ class MoELayer:
         act, slots = self._routed_front(hidden, routing)  # router, ensure, miss copy, gate_up: back to back
         if side is not None:
             side.join(compute)  # the down launch below reads `shared`
-        routed_down(act, slots, self.slots.pool.tensor("down"), addend=shared, out_cast=out)
+        routed_down(act, slots, self.slots.pool.tensor("down"), addend=shared, out_cast=out, after_gate_up=True)
         return out
 
     def _routed_front(self, hidden: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -214,7 +214,8 @@ class MoELayer:
     def routed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The routed half alone: hidden [T, H] -> [T, H] float32 (a buffer of this layer, reused)."""
         act, slots = self._routed_front(hidden)
-        return routed_down(act, slots, self.slots.pool.tensor("down"), out=self._routed_out[:hidden.shape[0]])
+        return routed_down(act, slots, self.slots.pool.tensor("down"), out=self._routed_out[:hidden.shape[0]],
+                           after_gate_up=True)
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sigmoid(x · gate_w) * down(silu(gate(x)) * up(x)), [T, H] float32.

@@ -57,6 +57,10 @@ class RoutedConfig:
     block_i: gate rows (and as many up rows) per gate_up program. chunk_h: hidden columns per
     load step of a gate_up program. block_h: output rows per down program. chunk_i: intermediate
     columns per load step of a down program. warps_gate_up / warps_down: num_warps of each launch.
+    pdl: on CUDA, launch the routed gate_up and down with programmatic dependent launch (each waits
+    for its predecessor before reading anything: same results; moe.routed_kernels); opt-in until
+    measured faster. The shared expert's launches and a routed_down not launched right after
+    routed_gate_up never use it.
     The defaults come from moe.plan (GEMV_BLOCK_I, GEMV_BLOCK_H) so make_routed_plan's grid is the
     one launched. Raises ValueError naming the field.
     """
@@ -67,10 +71,15 @@ class RoutedConfig:
     block_h: int = GEMV_BLOCK_H
     chunk_i: int = 512
     warps_down: int = 4
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "pdl":
+                if not isinstance(v, bool):
+                    raise ValueError(f"RoutedConfig.pdl must be a bool, got {v!r}")
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"RoutedConfig.{f.name} must be a power of two >= 1, got {v!r}")
         for name in ("warps_gate_up", "warps_down"):
@@ -79,9 +88,9 @@ class RoutedConfig:
 
     @property
     def name(self) -> str:
-        """Short label, e.g. 'i4x512w4-h4x512w4'."""
+        """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl'."""
         return (f"i{self.block_i}x{self.chunk_h}w{self.warps_gate_up}-"
-                f"h{self.block_h}x{self.chunk_i}w{self.warps_down}")
+                f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}")
 
 
 DEFAULT_CONFIG = RoutedConfig()
@@ -149,12 +158,14 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
         shape = {"K": k, "H": hidden, "I": width}
         if down_flags is None:
             kernel, types, warps = GATE_UP_ENTRIES[is_shared], gate_up_types, config.warps_gate_up
-            constexprs = dict(shape, BLOCK_I=block_i, CHUNK_H=chunk_h, EVEN=even_a, GATED=is_shared)
+            constexprs = dict(shape, BLOCK_I=block_i, CHUNK_H=chunk_h, EVEN=even_a, GATED=is_shared,
+                              GDC=config.pdl and not is_shared)
         else:
             kernel, warps = DOWN_ENTRIES[is_shared], config.warps_down
             types = ("*fp32", "*i32", p, "*fp32", "*fp32", p, "i32")
             constexprs = dict(shape, BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=even_b,
-                              ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2])
+                              ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2],
+                              GDC=config.pdl and not is_shared)
         result[name] = compile_for_sm(kernel, types, constexprs, warps, arch, JIT_OPTIONS)
     return result
 
@@ -264,25 +275,29 @@ def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config) 
     gated = gate_w is not None
     kernel = kernel_for(GATE_UP_ENTRIES[gated], hidden.device, JIT_OPTIONS, "routed_experts")
     with _device_ctx(hidden.device):
+        gdc = config.pdl and not gated and hidden.device.type == "cuda"
         kernel[grid](hidden, slots, act if gated else weights, gate_w if gated else hidden, gate_up, act,
                      num_slots, K=top_k, H=hid, I=inter, BLOCK_I=block_i, CHUNK_H=chunk_h,
-                     EVEN=_even(hid, inter, config)[0], GATED=gated, num_warps=config.warps_gate_up)
+                     EVEN=_even(hid, inter, config)[0], GATED=gated, GDC=gdc, num_warps=config.warps_gate_up,
+                     **({"launch_pdl": True} if gdc else {}))
     return act[:tokens * top_k]
 
 
-def _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config) -> torch.Tensor:
+def _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config, after_gate_up) -> torch.Tensor:
     tokens, top_k, num_slots, hid, inter = dims
     _, _, block_h, chunk_i = _tiles(hid, inter, config)
     _, grid = routed_grids(tokens, top_k, hid, inter, config)
     if out is None and out_cast is None:
         out = torch.empty((tokens, hid), dtype=torch.float32, device=down.device)
     kernel = kernel_for(DOWN_ENTRIES[bool(shared)], down.device, JIT_OPTIONS, "routed_experts")
+    # programmatic launch only right behind a programmatic gate_up (the pair this option is about)
+    gdc = config.pdl and after_gate_up and not shared and down.device.type == "cuda"
     with _device_ctx(down.device):
         kernel[grid](act, slots, down, act if addend is None else addend, act if out is None else out,
                      act if out_cast is None else out_cast, num_slots, K=top_k, H=hid, I=inter,
                      BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=_even(hid, inter, config)[1],
                      ADDEND=addend is not None, WRITE_OUT=out is not None, WRITE_CAST=out_cast is not None,
-                     num_warps=config.warps_down)
+                     GDC=gdc, num_warps=config.warps_down, **({"launch_pdl": True} if gdc else {}))
     return out_cast if out is None else out
 
 
@@ -308,13 +323,15 @@ def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
 def routed_down(act: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, *,
                 out: torch.Tensor | None = None, addend: torch.Tensor | None = None,
                 out_cast: torch.Tensor | None = None, shared: bool = False,
-                config: RoutedConfig | None = None) -> torch.Tensor:
+                config: RoutedConfig | None = None, after_gate_up: bool = False) -> torch.Tensor:
     """The second launch of routed_experts: act [>= T * k, I] float32 from routed_gate_up, slots
     [T, k], down [S, H, I]; out / addend / out_cast as routed_experts. shared: launch the shared
-    expert's entry kernel (same code, another name in traces). Returns out, else out_cast."""
+    expert's entry kernel (same code, another name in traces). after_gate_up: the last launch on this
+    stream was routed_gate_up for these slots (only event waits between), so with config.pdl the
+    down launch may overlap it. Returns out, else out_cast."""
     config = _config("routed_down", config)
     dims = _check_down("routed_down", act, slots, down, out, addend, out_cast)
-    return _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config)
+    return _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config, after_gate_up)
 
 
 def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None,
@@ -354,7 +371,7 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     act = routed_scratch(hidden.device, dims[1], dims[4]) if act is None else act
     _check_down("routed_experts", act, slots, down, out, addend, out_cast)
     act = _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config)
-    return _launch_down(act, slots, down, out, addend, out_cast, gate_w is not None, dims, config)
+    return _launch_down(act, slots, down, out, addend, out_cast, gate_w is not None, dims, config, True)
 
 
 def routed_reference(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,

@@ -11,17 +11,21 @@
         y = Σ acc (+ addend[t, tile] when ADDEND)  -> out f32 (WRITE_OUT) and/or cast(y) (WRITE_CAST)
 
 Legend: T = tokens, H = hidden, I = expert width, K = top_k (1 for the shared expert), S = pool slots.
-Each body has two entry kernels with identical arguments: `_gate_up_kernel` / `_down_kernel` for the
-routed experts and `_shared_gate_up` / `_shared_down` for the shared expert. They compile to the same
-code; only the name differs, so a profiler trace of a CUDA-graph replay (which carries names and
-times, not call sites) tells the shared expert's launches from the routed ones. No atomics and no
-grid barrier: bitwise repeatable for fixed tiles, and side-stream work may hold SMs meanwhile.
+
+Programmatic dependent launch (GDC, RoutedConfig.pdl, opt-in, CUDA only): the routed gate_up and
+down are launched with the programmatic-serialization attribute, so each may be scheduled while its
+predecessor drains; each waits (griddepcontrol.wait) before reading anything, so the results are
+those of the plain launches, bit for bit, and gate_up then lets down launch. A variant whose down
+loaded all its weights before the wait was slower on the H200 (126 registers: docs/moe.md) and
+was not kept. Without GDC (the default, and the CPU interpreter, which has no inline PTX) the
+bodies are the plain ones.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 JIT_OPTIONS = {"do_not_specialize": ["num_slots"]}  # a pool rebuilt with new S keeps its kernels
 
@@ -29,7 +33,10 @@ JIT_OPTIONS = {"do_not_specialize": ["num_slots"]}  # a pool rebuilt with new S 
 @triton.jit
 def _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
+                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr):
+    if GDC:  # everything below reads the predecessors' output; then the down launch may start
+        gdc_wait()
+        gdc_launch_dependents()
     pair = tl.program_id(0)  # t * K + j
     token = pair // K
     slot = tl.load(slots_ptr + pair)
@@ -73,9 +80,11 @@ def _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, n
 def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
                K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-               WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr):
+               WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
+    if GDC:
+        gdc_wait()
     acc = tl.zeros([BLOCK_H, CHUNK_I], dtype=tl.float32)
     for j in tl.static_range(K):  # ordered combine: j = 0, 1, ..., K-1 into one accumulator
         slot = tl.load(slots_ptr + token * K + j)
@@ -103,44 +112,44 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
 # Entry kernels. Arguments of the gate_up entries:
 #   x_ptr [T, H] hidden; slots_ptr *i32 [T * K]; weights_ptr *fp32 [T * K] (unread when GATED);
 #   gate_w_ptr [H] shared gate (read only when GATED); w13_ptr [S, 2I, H]; act_ptr *fp32 [T * K, I] out;
-#   num_slots i32 S; constexprs as the body.
+#   num_slots i32 S; constexprs as the body (GDC: launched with programmatic serialization).
 # Arguments of the down entries:
 #   act_ptr *fp32 [T * K, I]; slots_ptr *i32 [T * K]; w2_ptr [S, H, I]; addend_ptr *fp32 [T, H] (read
 #   when ADDEND); out_ptr *fp32 [T, H] (written when WRITE_OUT); cast_ptr [T, H] model dtype (written
-#   when WRITE_CAST); num_slots i32 S; constexprs as the body.
+#   when WRITE_CAST); num_slots i32 S; constexprs as the body (GDC as gate_up).
 
 @triton.jit(**JIT_OPTIONS)
 def _gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                    CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
+                    CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr):
     _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
-                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED)
+                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC)
 
 
 @triton.jit(**JIT_OPTIONS)
 def _shared_gate_up(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                    CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
+                    CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr):
     _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
-                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED)
+                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC)
 
 
 @triton.jit(**JIT_OPTIONS)
 def _down_kernel(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                  CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr):
+                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
     _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
-               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST)
+               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC)
 
 
 @triton.jit(**JIT_OPTIONS)
 def _shared_down(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                  CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr):
+                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
     _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
-               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST)
+               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC)
 
 
 GATE_UP_ENTRIES = {False: _gate_up_kernel, True: _shared_gate_up}  # keyed by "is the shared expert"

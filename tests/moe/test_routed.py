@@ -265,7 +265,8 @@ def test_device_mismatch_is_named():
 
 
 @pytest.mark.parametrize("field, value", [("block_i", 3), ("chunk_h", 0), ("block_h", True),
-                                          ("chunk_i", 2.0), ("warps_down", 32), ("warps_gate_up", 6)])
+                                          ("chunk_i", 2.0), ("warps_down", 32), ("warps_gate_up", 6),
+                                          ("pdl", 1)])
 def test_config_validation_names_field(field, value):
     with pytest.raises(ValueError, match=field):
         RoutedConfig(**{field: value})
@@ -297,11 +298,14 @@ def test_scratch_is_made_once_per_device_and_shape():
 
 SM90_CHECK = r"""
 import json, re
-from moe.routed import compile_for_target
+from moe.routed import RoutedConfig, compile_for_target
 asm = compile_for_target(10, 2048, 512, "bf16")
 out = {name: [bool(a.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", a["ptx"]))]
        for name, a in asm.items()}
 out["combine_rounds_to_nearest_even"] = "cvt.rn.bf16.f32" in asm["_down_kernel+combine"]["ptx"]
+pdl = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(pdl=True))
+out["griddepcontrol"] = sorted(n for n, a in {**asm, **{n + "/pdl": a for n, a in pdl.items()}}.items()
+                               if "griddepcontrol.wait" in a["ptx"])
 print(json.dumps(out))
 """
 
@@ -314,7 +318,9 @@ def test_compiles_for_sm90_with_16_byte_loads():
     result = compile_check(SM90_CHECK)
     assert result == {name: [True, True] for name in ("_gate_up_kernel", "_down_kernel", "_down_kernel+combine",
                                                       "_shared_gate_up", "_shared_down")} | {
-        "combine_rounds_to_nearest_even": True}
+        "combine_rounds_to_nearest_even": True,
+        # programmatic launch only with RoutedConfig(pdl=True), and never for the shared expert
+        "griddepcontrol": ["_down_kernel+combine/pdl", "_down_kernel/pdl", "_gate_up_kernel/pdl"]}
 
 
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
@@ -328,31 +334,43 @@ def _qwen_case(tokens: int, seed: int):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
 @pytest.mark.parametrize("tokens", [1, 2, 8])
-def test_gpu_qwen3_next_shape(tokens):
+def test_gpu_qwen3_next_shape(tokens, pdl):
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA")
     args = _qwen_case(tokens, seed=tokens)
-    got = routed_experts(*args)
+    config = RoutedConfig(pdl=pdl)
+    got = routed_experts(*args, config=config)
     assert_close(got, routed_reference(*args), 1e-3)
-    assert torch.equal(got, routed_experts(*args))
+    assert torch.equal(got, routed_experts(*args, config=config))
+    assert torch.equal(got, routed_experts(*args, config=RoutedConfig()))  # the launch mode changes no bit
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay_follows_slots_and_weights():
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_gpu_cuda_graph_replay_follows_slots_and_weights(pdl):
+    """Inside one graph a device copy rewrites a routed slot's weights right before the routed
+    launches (as the miss copy does); with programmatic launches too, the replay sees the new bytes."""
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA")
     hidden, slots, weights, gate_up, down = _qwen_case(4, seed=11)
+    slots[0, 0] = 7  # a live slot (padding is -1)
+    src = torch.randn(down[:1].shape, device="cuda").bfloat16()
     out = torch.empty(4, QWEN3_NEXT["hidden"], device="cuda")
-    routed_experts(hidden, slots, weights, gate_up, down, out=out)  # compile, make the scratch
+    config = RoutedConfig(pdl=pdl)
+    routed_experts(hidden, slots, weights, gate_up, down, out=out, config=config)  # compile, make the scratch
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        routed_experts(hidden, slots, weights, gate_up, down, out=out)
+        down[7].copy_(src[0])  # a device copy rewriting a routed slot's down weights
+        routed_experts(hidden, slots, weights, gate_up, down, out=out, config=config)
     for seed in (12, 13):
         new_slots, new_weights = make_route(4, QWEN3_NEXT["top_k"], 96, "cuda", seed, pad=3)
+        new_slots[0, 0] = 7  # the slot the graph rewrites stays routed
+        src.copy_(torch.randn(src.shape, device="cuda").bfloat16())
         slots.copy_(new_slots)
         weights.copy_(new_weights)
         hidden.copy_(torch.randn_like(hidden))
