@@ -14,6 +14,7 @@ Run on a GPU: python benchmarks/bench_ensure.py [--reps 30] [--out FILE]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -33,6 +34,7 @@ SLOTS = (512, 1650, 4096, 16384)
 MISSES = (0, 1, 2, 4, 10)
 
 
+@functools.lru_cache(maxsize=8)
 def sequence(policy: str, S: int, m: int, n_calls: int, seed: int):
     """(warm ids [W, 1, K], calls ids [N, 1, K]) for a 1-layer pool of S slots whose
     every timed call has exactly m misses under `policy`."""
@@ -79,9 +81,10 @@ def time_graph(launch, state: list[torch.Tensor], reps: int) -> np.ndarray:
 
 
 def variant(label: str) -> tuple[str, dict]:
-    """"rule" -> ("rule", {}); "rule:w2:c1024" -> ("rule", num_warps=2, chunk=1024)."""
+    """"rule" -> ("rule", {}) (the default tiles, expertcache.device.ensure_tiles);
+    "rule:w2:c1024:s8" -> ("rule", num_warps=2, chunk=1024, seq_max=8)."""
     name, *opts = label.split(":")
-    keys = {"w": "num_warps", "c": "chunk"}
+    keys = {"w": "num_warps", "c": "chunk", "s": "seq_max"}
     return name, {keys[o[0]]: int(o[1:]) for o in opts}
 
 
@@ -142,7 +145,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--policies", default="lru,rule,lfuda",
-                    help="policies, each optionally with :wN (warps) and :cN (chunk), e.g. lru:w2")
+                    help="policies, each optionally with :wN (warps), :cN (chunk) and :sN (seq_max), "
+                      "e.g. lru:c2048:w8")
     ap.add_argument("--slots", default=",".join(map(str, SLOTS)))
     ap.add_argument("--misses", default=",".join(map(str, MISSES)))
     ap.add_argument("--out", default=None)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import triton
 
-from expertcache.device_ensure import MAX_SLOTS, ST_BAD_ID, ST_TOO_MANY, ensure_kernel
+from expertcache.device_ensure import MAX_SLOTS, SEQ_MAX, ST_BAD_ID, ST_TOO_MANY, ensure_kernel
 from expertcache.errors import EnsureError
 from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
 from expertcache.host import Snapshot
@@ -29,8 +29,18 @@ from expertcache.policies import Policy, get_policy
 from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_RULE, PolicyState
 
 DEVICE_KINDS = {KIND_LRU: 0, KIND_RULE: 1, KIND_LFUDA: 2}
-CHUNK = 512  # slots scored per program
-NUM_WARPS = 4  # warps per program
+# (largest pool, chunk, warps): the default tiles by pool size; bigger pools: MULTI_TILES
+SINGLE_TILES = ((512, 512, 4), (2048, 2048, 8), (4096, 4096, 16))
+MULTI_TILES = (512, 4)  # slots scored per program, warps per program
+
+
+def ensure_tiles(num_slots: int) -> tuple[int, int]:
+    """Default (chunk, num_warps) of a pool of num_slots: one program up to 4096 slots (no
+    arrival, victims kept in registers), else programs of 512 slots that merge."""
+    for top, chunk, warps in SINGLE_TILES:
+        if num_slots <= top:
+            return chunk, warps
+    return MULTI_TILES
 
 
 @dataclass
@@ -48,7 +58,8 @@ class DeviceCache:
     """One slot pool's maps on a device, under one policy (not an oracle)."""
 
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
-                 chunk: int = CHUNK, num_warps: int = NUM_WARPS, **constants) -> None:
+                 chunk: int | None = None, num_warps: int | None = None, seq_max: int = SEQ_MAX,
+                 **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
         if self.policy.oracle or self.policy.kind not in DEVICE_KINDS:
@@ -71,12 +82,18 @@ class DeviceCache:
         self.counters = t(np.zeros((geometry.num_layers, 3), np.int64))
         self.status = t(np.zeros(1, np.int32))
         self.arrive = t(np.zeros(1, np.int32))
-        if chunk < 1 or chunk & (chunk - 1):
-            raise ValueError(f"chunk must be a power of two, got {chunk}")
+        auto_chunk, auto_warps = ensure_tiles(geometry.num_slots)
+        chunk = auto_chunk if chunk is None else chunk
+        num_warps = auto_warps if num_warps is None else num_warps
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
+            raise ValueError(f"chunk must be a power of two, got {chunk!r}")
         self.chunk = chunk  # slots scored per program; the grid is ceil(S / chunk)
         if num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}")
         self.num_warps = num_warps
+        if isinstance(seq_max, bool) or not isinstance(seq_max, int) or seq_max < 0:
+            raise ValueError(f"seq_max must be an int >= 0, got {seq_max!r}")
+        self.seq_max = seq_max  # victims found by successive minima; more take a sort
         self.grid = triton.cdiv(geometry.num_slots, chunk)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
         self._cand: dict[int, torch.Tensor] = {}
@@ -130,7 +147,7 @@ class DeviceCache:
             POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
             BLOCK_L=triton.next_power_of_2(g.num_layers), SINGLE=self.grid == 1,
-            num_warps=self.num_warps)
+            SEQ_MAX=self.seq_max, num_warps=self.num_warps)
         return buf
 
     def check(self) -> None:

@@ -3,9 +3,11 @@
     ids [Q] int32 (rows * k, -1 = padding) + the slot map and policy state on the device
       every program: query (distinct keys ascending, hits, misses m, empty slots)
       if m > empty slots, every program scores its CHUNK of slots (pinned ones excluded)
-        and writes its BLOCK_Q lowest packed keys (score << SLOT_BITS | slot) to scratch
-      the last program to arrive (an atomic counter, reset by it): merges the candidates,
-        commits refresh, evictions, installs and policy updates, and writes
+        and finds its BLOCK_Q lowest packed keys (score << SLOT_BITS | slot)
+      one program (SINGLE): commits at once, the victims still in registers;
+      several: each writes its candidates to scratch, and the last program to arrive (an
+        atomic counter, reset by it) merges them and commits
+      commit: refresh, evictions, installs and policy updates, and writes
         plan [Q, 2] (key, slot), count [1], slots [Q], counters [L, 3], clock [2]
 
 No host sync and fixed shapes: the miss count only ever lives in device memory. A call
@@ -14,8 +16,9 @@ after every other program has read the pre-call state; a call without misses (or
 one) is committed by program 0 at once, since its commit leaves slot_of and key_of, the only
 state the decision reads, as they were. A refused call (an id outside [-1, E), more
 distinct keys than slots) sets `status` and changes nothing else.
-Victim selection costs one pass over the pool split across programs plus one sort per
-program and one merge: never a pass per miss.
+Victim selection costs one pass over the pool split across programs, then per program
+and in the merge either up to SEQ_MAX successive minima over registers or one sort: never
+a pass over the pool per miss.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-SEQ_MAX: tl.constexpr = tl.constexpr(4)  # up to this many victims: successive minima, else a sort
+SEQ_MAX = 4  # default: up to this many victims by successive minima, more by a sort
 SLOT_BITS = 20  # packed key = score * 2**20 + slot: slots < 2**20, |score| < 2**43
 MAX_SLOTS = 1 << SLOT_BITS
 ST_BAD_ID, ST_TOO_MANY = 1, 2  # status codes
@@ -95,60 +98,85 @@ def _rule_score(key, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, p
 
 
 @triton.jit
-def _chunk_candidates(pid, need, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr, slot, hit,
-                      rkey, near, layer, tok, dc_now, num_layers, num_experts, num_slots, num_keys,
+def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr, sst_ptr, prm_ptr,
+                      cand_ptr, rkey, near, layer, tok, dc_now, num_layers, num_experts, num_slots, num_keys,
                       POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
-                      BLOCK_Q: tl.constexpr):
-    """Score this program's slots and keep its BLOCK_Q lowest packed keys in scratch."""
+                      BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, STORE_SEQ: tl.constexpr):
+    """Score this program's slots; return its BLOCK_Q lowest packed keys (successive minima)
+    and keep them in scratch for the merge (STORE_SEQ, or a sort: see _lowest)."""
     c = pid * CHUNK + tl.arange(0, CHUNK)
     cm = c < num_slots
     key = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
-    pinned = tl.sum(((c[:, None] == slot[None, :]) & hit[None, :]).to(tl.int32), axis=1) > 0
+    # pinned: the call's hits. Their slots are re-read as scalars (the query's own loads, so L1
+    # hits; no program writes slot_of before every program has scored), one compare per slot
+    # each: no [CHUNK, BLOCK_Q] matrix in registers.
+    pinned = c < 0
+    for q in tl.static_range(BLOCK_Q):
+        e = tl.load(ids_ptr + q, mask=q < n_ids, other=-1)
+        live = (e >= 0) & (e < num_experts)
+        s_q = tl.load(slot_of_ptr + layer * num_experts + tl.where(live, e, 0), mask=live, other=-1)
+        pinned = pinned | (c == s_q)
     ev = cm & (key >= 0) & (~pinned)
+    # lru / lfuda: the per-slot score is loaded beside key_of (masked by cm, not by ev, so the
+    # two loads are independent and overlap); rule's per-key state needs the key first
     if POLICY == 0:
-        score = tl.load(sst_ptr + c, mask=ev, other=0)
+        score = tl.load(sst_ptr + c, mask=cm, other=0)
     elif POLICY == 2:
-        score = tl.load(sst_ptr + num_slots + c, mask=ev, other=0)
+        score = tl.load(sst_ptr + num_slots + c, mask=cm, other=0)
     else:
+        if HAS_LOGITS:
+            # the near-miss refresh first, in memory: every scoring program writes the same values
+            # (the commit's own refresh repeats them), so each reads refreshed `lt` below after its
+            # barrier, and no [CHUNK, BLOCK_R] match matrix is held in registers
+            lt_r = tl.load(kst_ptr + rkey, mask=near, other=0)
+            tl.store(kst_ptr + rkey, tl.maximum(lt_r, tok - 1), mask=near)
+            tl.debug_barrier()
         kq = tl.where(ev, key, 0)
         lt = tl.load(kst_ptr + kq, mask=ev, other=0)
-        if HAS_LOGITS:
-            hot = tl.sum(((kq[:, None] == rkey[None, :]) & near[None, :]).to(tl.int32), axis=1) > 0
-            lt = tl.where(hot, tl.maximum(lt, tok - 1), lt)
         lc = tl.load(kst_ptr + num_keys + kq, mask=ev, other=0)
         dct = tl.load(kst_ptr + 2 * num_keys + kq, mask=ev, other=0)
         score = _rule_score(kq, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, prm_ptr)
     packed = tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
-    _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q)
+    return _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q, SEQ_MAX, STORE_SEQ)
 
 
 @triton.jit
-def _lowest(packed, need, out_ptr, N: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """The `need` (<= BLOCK_Q) lowest of packed [N] (distinct values) ascending into
-    out[0:BLOCK_Q], the rest padded with INT64_MAX: by successive minima over registers
-    when few are needed, else one sort."""
+def _lowest(packed, need, out_ptr, N: tl.constexpr, BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr,
+            STORE_SEQ: tl.constexpr):
+    """The `need` (<= BLOCK_Q) lowest of packed [N] (distinct values), ascending.
+
+    need <= SEQ_MAX: successive minima over registers, returned as best [BLOCK_Q] (padded with
+    INT64_MAX) and also written to out[0:BLOCK_Q] when STORE_SEQ (another program merges them).
+    Otherwise one sort, whose lowest BLOCK_Q are written to out[0:BLOCK_Q] (best is all padding).
+    """
     j = tl.arange(0, BLOCK_Q)
+    best = tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64)
     if need <= SEQ_MAX:
-        tl.store(out_ptr + j, tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64))
-        tl.debug_barrier()
         i = 0
         while i < need:  # a while loop: Triton's interpreter cannot range() a tensor
             v = tl.min(packed, axis=0)
-            tl.store(out_ptr + i, v)
+            best = tl.where(j == i, v, best)
             packed = tl.where(packed == v, 0x7FFFFFFFFFFFFFFF, packed)
             i += 1
+        if STORE_SEQ:
+            tl.store(out_ptr + j, best)
     else:
+        if N < BLOCK_Q:  # a chunk narrower than the query: pad the rest of out
+            tl.store(out_ptr + j, best)
+            tl.debug_barrier()
         n = tl.arange(0, N)
         tl.store(out_ptr + n, tl.sort(packed), mask=n < BLOCK_Q)
+    return best
 
 
 @triton.jit
-def _merge(cand_ptr, G, need, BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The programs' candidates, merged: the `need` lowest ascending at cand[0:]."""
+def _merge(cand_ptr, G, need, BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr, SEQ_MAX: tl.constexpr):
+    """The programs' candidates, merged: the `need` lowest ascending (see _lowest, not stored
+    when successive minima find them)."""
     j = tl.arange(0, BLOCK_C)
     c = tl.load(cand_ptr + j, mask=j < G * BLOCK_Q, other=0x7FFFFFFFFFFFFFFF)
     tl.debug_barrier()  # all read before cand[0:] is rewritten
-    _lowest(c, need, cand_ptr, BLOCK_C, BLOCK_Q)
+    return _lowest(c, need, cand_ptr, BLOCK_C, BLOCK_Q, SEQ_MAX, False)
 
 
 @triton.jit
@@ -179,10 +207,11 @@ def _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots):
 def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, cand_ptr,
             out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid, key, first, slot,
             hit, fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, dc_now, layer, num_layers,
-            num_slots, num_keys, mine, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
-            BLOCK_Q: tl.constexpr):
+            num_slots, num_keys, mine, best, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
+            BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr):
     """Apply one call: refresh, evictions and installs in ascending key order, touches,
-    plan, slots, counters and clock. Runs in one program."""
+    plan, slots, counters and clock. Runs in one program. The victims: `best` (registers)
+    when successive minima found them, else cand[0:] (the sort's output)."""
     if POLICY == 1:
         if HAS_LOGITS:
             lt = tl.load(kst_ptr + rkey, mask=near, other=0)
@@ -190,7 +219,12 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
             tl.debug_barrier()
     miss = valid & (slot < 0)
     from_cand = miss & (mrank >= ne)
-    cand = tl.load(cand_ptr + tl.where(from_cand, mrank - ne, 0), mask=from_cand, other=0)
+    r = tl.where(from_cand, mrank - ne, 0)
+    if m - ne <= SEQ_MAX:  # victim r of the call = best[r], gathered from registers
+        jj = tl.arange(0, BLOCK_Q)
+        cand = tl.sum(tl.where(jj[None, :] == r[:, None], best[None, :], 0), axis=1)
+    else:
+        cand = tl.load(cand_ptr + r, mask=from_cand, other=0)
     vslot = tl.where(from_cand, cand & ((1 << 20) - 1), filled + mrank)
     vscore = cand >> 20
     evict = fmiss & from_cand
@@ -246,7 +280,7 @@ def ensure_kernel(
     rows, T,        # logit rows and entries per row
     POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_L: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK_L: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_keys = num_layers * num_experts
@@ -269,10 +303,12 @@ def ensure_kernel(
     else:
         rkey = tl.zeros([BLOCK_R], dtype=tl.int64)
         near = rkey != 0
+    best = tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64)
     if ok & (m > ne):
-        _chunk_candidates(pid, m - ne, key_of_ptr, kst_ptr, sst_ptr, prm_ptr, cand_ptr, slot, hit,
-                          rkey, near, layer, tok, dc_now, num_layers, num_experts, num_slots,
-                          num_keys, POLICY, HAS_LOGITS, CHUNK, BLOCK_Q)
+        best = _chunk_candidates(pid, m - ne, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr,
+                                 sst_ptr, prm_ptr, cand_ptr, rkey, near, layer, tok, dc_now, num_layers,
+                                 num_experts, num_slots, num_keys, POLICY, HAS_LOGITS, CHUNK,
+                                 BLOCK_Q, SEQ_MAX, not SINGLE)
     tl.debug_barrier()
     # A call without a miss (or a refused one) changes neither slot_of nor key_of, so every program,
     # however late it reads them, finds the same m == 0 (or the same refusal): program 0 commits it
@@ -291,12 +327,12 @@ def ensure_kernel(
         if ok:
             if m > ne:
                 if not SINGLE:
-                    _merge(cand_ptr, tl.num_programs(0), m - ne, BLOCK_Q, BLOCK_C)
+                    best = _merge(cand_ptr, tl.num_programs(0), m - ne, BLOCK_Q, BLOCK_C, SEQ_MAX)
                 tl.debug_barrier()
             _commit(n_ids, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr,
                     cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
                     key, first, slot, hit, fmiss, mrank, n, m, ne, filled, rkey, near, step,
-                    tok, dc_now, layer, num_layers, num_slots, num_keys, mine, POLICY, HAS_LOGITS,
-                    BLOCK_Q)
+                    tok, dc_now, layer, num_layers, num_slots, num_keys, mine, best, POLICY,
+                    HAS_LOGITS, BLOCK_Q, SEQ_MAX)
         else:
             tl.store(status_ptr, tl.where(bad > 0, 1, 2))

@@ -42,10 +42,10 @@ def random_calls(rng, C, L, E, rows, k, T=0):
     return ids, layers, lidx.astype(np.int32), np.ascontiguousarray(lval, dtype=np.float32)
 
 
-def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, chunk=512):
+def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, **tiles):
     device, _ = device_or_skip()
     g = CacheGeometry(L, E, S)
-    ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, chunk=chunk)
+    ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, **tiles)
     rng = np.random.default_rng(seed)
     ids, layers, lidx, lval = random_calls(rng, C, L, E, rows, k, T)
     for c in range(C):
@@ -78,6 +78,32 @@ def test_device_matches_host_many_victims(policy, chunk):
     the merge), on two programs (chunk 16) and on one (chunk 64)."""
     ref = run_parity(policy, L=2, E=32, S=20, rows=2, k=8, C=12, T=12, seed=chunk, chunk=chunk)
     assert ref.counters[:, 2].sum() > 60
+
+
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("chunk, seq_max", [(8, 0), (8, 16), (64, 0), (64, 16)])
+def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max):
+    """Every call's victims by successive minima (seq_max 16: kept in registers up to the
+    commit) or by a sort (seq_max 0: through scratch), on several programs and on one."""
+    ref = run_parity(policy, L=2, E=24, S=16, rows=2, k=5, C=14, T=7, seed=seq_max + chunk,
+                     chunk=chunk, seq_max=seq_max)
+    assert ref.counters[:, 2].sum() > 32
+
+
+def test_default_tiles_by_pool_size():
+    """One program up to 4096 slots, programs of 512 slots beyond; bad tiles are refused."""
+    device, _ = device_or_skip()
+    from expertcache.device import ensure_tiles
+    assert ensure_tiles(8)[0] >= 8 and ensure_tiles(4096)[0] >= 4096
+    assert ensure_tiles(4097)[0] < 4097
+    for S in (8, 512, 1650, 4096, 16384):
+        dev = DeviceCache(CacheGeometry(1, 4 * S, S), "lru", device=device)
+        assert (dev.chunk, dev.num_warps) == ensure_tiles(S)
+        assert (dev.grid == 1) == (S <= 4096)
+    g = CacheGeometry(1, 8, 4)
+    for bad in (dict(chunk=3), dict(chunk=True), dict(num_warps=3), dict(seq_max=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            DeviceCache(g, "lru", device=device, **bad)
 
 
 @pytest.mark.parametrize("policy", policy_names())
@@ -159,6 +185,17 @@ def test_device_parity_grid(policy, S):
         if rows * k > min(S, E):
             continue
         run_parity(policy, L=8, E=E, S=S, rows=rows, k=k, C=120, T=T, seed=S + k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", policy_names())
+def test_device_parity_many_programs_on_a_mid_pool(policy):
+    """1650 slots on 4 programs of 512 (the default there is one program)."""
+    device, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
+    for rows, k, T in ((1, 10, 20), (4, 16, 24)):
+        run_parity(policy, L=8, E=206, S=1650, rows=rows, k=k, C=120, T=T, seed=k, chunk=512, num_warps=4)
 
 
 def _gpu():
