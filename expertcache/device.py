@@ -21,7 +21,13 @@ import numpy as np
 import torch
 import triton
 
-from expertcache.device_ensure import MAX_SLOTS, SEQ_MAX, ST_BAD_ID, ST_TOO_MANY, ensure_kernel
+from expertcache.device_ensure import (
+    MAX_SLOTS,
+    SEQ_MAX,
+    ST_BAD_ID,
+    ST_TOO_MANY,
+    ensure_kernel,
+)
 from expertcache.errors import EnsureError
 from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
 from expertcache.host import Snapshot
@@ -72,7 +78,7 @@ class DeviceCache:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         st = self.policy.init_state()
-        t = lambda a: torch.as_tensor(np.ascontiguousarray(a), device=self.device)  # noqa: E731
+        t = lambda a: torch.as_tensor(np.ascontiguousarray(a), device=self.device)
         self.slot_of = t(np.full(geometry.num_keys, NO_SLOT, np.int32))
         self.key_of = t(np.full(geometry.num_slots, NO_KEY, np.int32))
         self.kst, self.sst = t(st.key), t(st.slot)
@@ -181,7 +187,7 @@ class DeviceCache:
 
     def snapshot(self) -> Snapshot:
         """The state as numpy arrays, comparable with HostCache.snapshot() (syncs)."""
-        h = lambda x: x.detach().cpu().numpy().copy()  # noqa: E731
+        h = lambda x: x.detach().cpu().numpy().copy()
         glob = h(self.gst)[: len(self.policy.glob_fields)]
         return Snapshot(h(self.slot_of), h(self.key_of), PolicyState(h(self.kst), h(self.sst), glob),
                         h(self.clock), h(self.counters))

@@ -101,7 +101,7 @@ def test_default_tiles_by_pool_size():
         assert (dev.chunk, dev.num_warps) == ensure_tiles(S)
         assert (dev.grid == 1) == (S <= 4096)
     g = CacheGeometry(1, 8, 4)
-    for bad in (dict(chunk=3), dict(chunk=True), dict(num_warps=3), dict(seq_max=-1)):
+    for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DeviceCache(g, "lru", device=device, **bad)
 
@@ -191,7 +191,7 @@ def test_device_parity_grid(policy, S):
 @pytest.mark.parametrize("policy", policy_names())
 def test_device_parity_many_programs_on_a_mid_pool(policy):
     """1650 slots on 4 programs of 512 (the default there is one program)."""
-    device, gpu = device_or_skip()
+    _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
     for rows, k, T in ((1, 10, 20), (4, 16, 24)):
