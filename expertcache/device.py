@@ -22,6 +22,7 @@ import torch
 import triton
 
 from expertcache.device_ensure import (
+    MAX_QUERY,
     MAX_SLOTS,
     SEQ_MAX,
     ST_BAD_ID,
@@ -35,18 +36,17 @@ from expertcache.policies import Policy, get_policy
 from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_RULE, PolicyState
 
 DEVICE_KINDS = {KIND_LRU: 0, KIND_RULE: 1, KIND_LFUDA: 2}
-# (largest pool, chunk, warps): the default tiles by pool size; bigger pools: MULTI_TILES
-SINGLE_TILES = ((512, 512, 4), (2048, 2048, 8), (4096, 4096, 16))
-MULTI_TILES = (512, 4)  # slots scored per program, warps per program
+# (largest pool, chunk, warps): the default tiles by pool size, the first row that holds it
+TILES = ((1 << 20, 512, 4),)
 
 
 def ensure_tiles(num_slots: int) -> tuple[int, int]:
-    """Default (chunk, num_warps) of a pool of num_slots: one program up to 4096 slots (no
-    arrival, victims kept in registers), else programs of 512 slots that merge."""
-    for top, chunk, warps in SINGLE_TILES:
+    """Default (chunk, num_warps) of a pool of num_slots: slots scored per program (one program
+    up to `chunk` slots, else ceil(S / chunk) that merge) and warps per program."""
+    for top, chunk, warps in TILES:
         if num_slots <= top:
             return chunk, warps
-    return MULTI_TILES
+    raise EnsureError(f"{num_slots} slots (--moe-slots): the device ensure handles fewer than {MAX_SLOTS}")
 
 
 @dataclass
@@ -122,6 +122,9 @@ class DeviceCache:
             raise EnsureError("ids must be an int32 tensor [rows, k]")
         if ids.device != self.device or not ids.is_contiguous():
             raise EnsureError(f"ids must be contiguous on {self.device}")
+        if ids.numel() >= MAX_QUERY:
+            raise EnsureError(f"ids [rows, k] has {ids.numel()} entries: one call takes fewer "
+                              f"than {MAX_QUERY} (decode batch rows * top_k)")
         if (logit_idx is None) != (logit_val is None):
             raise EnsureError("logit_idx and logit_val come together: pass both or neither")
         if logit_idx is not None:

@@ -29,6 +29,7 @@ import triton.language as tl
 SEQ_MAX = 4  # default: up to this many victims by successive minima, more by a sort
 SLOT_BITS = 20  # packed key = score * 2**20 + slot: slots < 2**20, |score| < 2**43
 MAX_SLOTS = 1 << SLOT_BITS
+MAX_QUERY = 1 << 10  # ids per call: fewer (the query's tallies are packed in 10-bit fields)
 ST_BAD_ID, ST_TOO_MANY = 1, 2  # status codes
 POLICY_LRU, POLICY_RULE, POLICY_LFUDA = 0, 1, 2  # == expertcache.policies.base KIND_*
 
@@ -41,7 +42,7 @@ def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, BLOCK_Q: tl.constexp
     i = tl.arange(0, BLOCK_Q)
     im = i < n_ids
     e = tl.load(ids_ptr + i, mask=im, other=-1)
-    bad = tl.sum((im & ((e < -1) | (e >= num_experts))).to(tl.int32), axis=0)
+    bad_i = im & ((e < -1) | (e >= num_experts))
     valid = im & (e >= 0) & (e < num_experts)
     key = tl.where(valid, layer * num_experts + e, 0)  # int32: keys < 2**31 (L * E)
     earlier = (key[:, None] == key[None, :]) & valid[None, :] & (i[None, :] < i[:, None])
@@ -51,8 +52,9 @@ def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, BLOCK_Q: tl.constexp
     fmiss = first & (slot < 0)
     smaller = key[None, :] < key[:, None]
     mrank = tl.sum((smaller & fmiss[None, :]).to(tl.int32), axis=1)
-    n = tl.sum(first.to(tl.int32), axis=0)
-    m = tl.sum(fmiss.to(tl.int32), axis=0)
+    # bad, n and m in one block reduction (each < 2**10: the host refuses rows * k >= 1024)
+    tally = tl.sum(bad_i.to(tl.int32) << 20 | first.to(tl.int32) << 10 | fmiss.to(tl.int32), axis=0)
+    bad, n, m = tally >> 20, (tally >> 10) & 1023, tally & 1023
     return valid, key, first, slot, hit, fmiss, mrank, n, m, bad
 
 
@@ -288,8 +290,9 @@ def ensure_kernel(
         ids_ptr, slot_of_ptr, layer, num_experts, n_ids, BLOCK_Q)
     step = tl.load(clock_ptr) + 1
     tok = tl.load(clock_ptr + 1) + tl.where(layer == 0, 1, 0).to(tl.int64)
-    li = tl.arange(0, BLOCK_L)
-    missed = tl.sum(tl.load(counters_ptr + li * 3 + 2, mask=li < num_layers, other=0), axis=0)
+    missed = tl.load(counters_ptr + 2)  # all layers' misses: scalar loads, no block reduction
+    for li in tl.static_range(1, BLOCK_L):
+        missed += tl.load(counters_ptr + li * 3 + 2, mask=li < num_layers, other=0)
     j4 = tl.arange(0, 4)
     mine = tl.load(counters_ptr + layer * 3 + j4, mask=j4 < 3, other=0)
     filled = tl.minimum(missed, num_slots)

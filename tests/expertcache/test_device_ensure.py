@@ -91,15 +91,14 @@ def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max):
 
 
 def test_default_tiles_by_pool_size():
-    """One program up to 4096 slots, programs of 512 slots beyond; bad tiles are refused."""
+    """The tiles follow the table by pool size; bad tiles are refused."""
     device, _ = device_or_skip()
     from expertcache.device import ensure_tiles
-    assert ensure_tiles(8)[0] >= 8 and ensure_tiles(4096)[0] >= 4096
-    assert ensure_tiles(4097)[0] < 4097
     for S in (8, 512, 1650, 4096, 16384):
+        chunk, warps = ensure_tiles(S)
+        assert chunk & (chunk - 1) == 0 and warps in (1, 2, 4, 8, 16)
         dev = DeviceCache(CacheGeometry(1, 4 * S, S), "lru", device=device)
-        assert (dev.chunk, dev.num_warps) == ensure_tiles(S)
-        assert (dev.grid == 1) == (S <= 4096)
+        assert (dev.chunk, dev.num_warps, dev.grid) == (chunk, warps, -(-S // chunk))
     g = CacheGeometry(1, 8, 4)
     for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
@@ -168,6 +167,9 @@ def test_refused_calls_change_nothing_and_are_reported():
         dev.ensure(0, torch.tensor([[1]], dtype=torch.int64, device=device))
     with pytest.raises(EnsureError, match="layer"):
         dev.ensure(2, torch.tensor([[1]], dtype=torch.int32, device=device))
+    with pytest.raises(EnsureError, match="rows \\* top_k"):
+        dev.ensure(0, torch.full((2, 512), -1, dtype=torch.int32, device=device))
+    assert dev.snapshot().equals(before)
     with pytest.raises(EnsureError, match="oracles"):
         from sim.belady import Belady
         DeviceCache(g, Belady(g, np.zeros(1, np.int64)), device=device)
