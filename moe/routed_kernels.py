@@ -12,12 +12,12 @@
 
 Legend: T = tokens, H = hidden, I = expert width, K = top_k (1 for the shared expert), S = pool slots.
 
-Programmatic dependent launch (GDC, RoutedConfig.pdl, opt-in, CUDA only): the routed gate_up and
+Programmatic dependent launch (GDC, RoutedConfig.pdl, on by default, CUDA only): the routed gate_up and
 down are launched with the programmatic-serialization attribute, so each may be scheduled while its
 predecessor drains; each waits (griddepcontrol.wait) before reading anything, so the results are
 those of the plain launches, bit for bit, and gate_up then lets down launch. A variant whose down
 loaded all its weights before the wait was slower on the H200 (126 registers: docs/moe.md) and
-was not kept. Without GDC (the default, and the CPU interpreter, which has no inline PTX) the
+was not kept. Without GDC (pdl=False, the shared expert, and the CPU interpreter, which has no inline PTX) the
 bodies are the plain ones.
 """
 

@@ -303,8 +303,8 @@ asm = compile_for_target(10, 2048, 512, "bf16")
 out = {name: [bool(a.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", a["ptx"]))]
        for name, a in asm.items()}
 out["combine_rounds_to_nearest_even"] = "cvt.rn.bf16.f32" in asm["_down_kernel+combine"]["ptx"]
-pdl = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(pdl=True))
-out["griddepcontrol"] = sorted(n for n, a in {**asm, **{n + "/pdl": a for n, a in pdl.items()}}.items()
+plain = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(pdl=False))
+out["griddepcontrol"] = sorted(n for n, a in {**asm, **{n + "/plain": a for n, a in plain.items()}}.items()
                                if "griddepcontrol.wait" in a["ptx"])
 print(json.dumps(out))
 """
@@ -319,8 +319,8 @@ def test_compiles_for_sm90_with_16_byte_loads():
     assert result == {name: [True, True] for name in ("_gate_up_kernel", "_down_kernel", "_down_kernel+combine",
                                                       "_shared_gate_up", "_shared_down")} | {
         "combine_rounds_to_nearest_even": True,
-        # programmatic launch only with RoutedConfig(pdl=True), and never for the shared expert
-        "griddepcontrol": ["_down_kernel+combine/pdl", "_down_kernel/pdl", "_gate_up_kernel/pdl"]}
+        # programmatic launch by default (RoutedConfig.pdl), never with pdl=False nor for the shared expert
+        "griddepcontrol": ["_down_kernel", "_down_kernel+combine", "_gate_up_kernel"]}
 
 
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
