@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck  python3 benchmarks/sanitize_step.py
     compute-sanitizer --tool racecheck python3 benchmarks/sanitize_step.py
 
-Every policy; 4 layers x 32 experts, 40 slots (evictions every step), batch 2, top-4;
+Every policy; 4 layers x 32 experts, 40 slots on 3 programs (evictions every step), batch 2,
+top-4 with the router's top-6 logits (rule's near-miss refresh);
 eager calls first (compilation), then a CUDA graph replayed with fresh routing. Checks
 the pool against the host store at the end, so a wrong copy fails too.
 """
@@ -20,7 +21,7 @@ from expertcache.pool import Bank, HostStore, SlotPool
 
 
 def run(policy: str) -> None:
-    L, E, S, rows, k = 4, 32, 40, 2, 4
+    L, E, S, rows, k, T = 4, 32, 40, 2, 4, 6
     g = CacheGeometry(L, E, S)
     rng = np.random.default_rng(1)
     banks = [Bank("gate_up", (2, 64), torch.bfloat16), Bank("down", (64,), torch.bfloat16)]
@@ -29,13 +30,19 @@ def run(policy: str) -> None:
     pool = SlotPool(banks, S, "cuda")
     dev = DeviceCache(g, policy, device="cuda", chunk=16)
     ids = torch.zeros((L, rows, k), dtype=torch.int32, device="cuda")
+    lidx = torch.zeros((L, rows, T), dtype=torch.int32, device="cuda")
+    lval = torch.zeros((L, rows, T), dtype=torch.float32, device="cuda")
 
     def feed():
-        ids.copy_(torch.as_tensor(np.argsort(rng.random((L, rows, E)), -1)[..., :k].astype(np.int32)))
+        top = np.argsort(rng.random((L, rows, E)), -1)[..., :T].astype(np.int32)
+        lidx.copy_(torch.as_tensor(top))
+        ids.copy_(lidx[..., :k])
+        vals = -np.sort(-rng.standard_normal((L, rows, T)), -1).astype(np.float32)
+        lval.copy_(torch.as_tensor(np.round(vals * 4) / 4))
 
     def step():
         for layer in range(L):
-            buf = dev.ensure(layer, ids[layer])
+            buf = dev.ensure(layer, ids[layer], lidx[layer], lval[layer])
             miss_copy(store, pool, buf.plan, buf.count)
 
     feed()
