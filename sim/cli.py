@@ -24,7 +24,7 @@ DEFAULT_PRESET = "qwen3-next"
 DEFAULT_POLICIES = "lru,rule,lfuda,belady"
 DEFAULT_FRACS = "0.25,0.5,0.75"
 PROFILES = {  # --profile: which H200 cost model prices the misses and the layer (sim/costmodel.py)
-    "engine": H200_SM_COPY,  # this engine's measured path: SM miss copy, 21.4 us per layer beyond the bytes
+    "engine": H200_SM_COPY,  # this engine's measured path: SM miss copy, 20.3 us per layer beyond the bytes
     "copy-engine": H200,  # cudaMemcpy speeds from limits-h200.md, an assumed 10 us per layer
 }
 

@@ -142,9 +142,9 @@ H200 = HardwareProfile(
 # CUDA-graph replay) rather than the copy engine, from benchmarks/results/copy-2026-11-30.json
 # ("graph16": 1.7 MiB 40.9 us, 2.7 MiB 62.2 us, 6.3 MiB 139.3 us for one expert; 10 x 6.3 MiB in
 # 1324.6 us, so each further expert at (1324.6 - 139.3) / 9 = 131.7 us = 50.2 GB/s), and the
-# measured layer: moe.layer under graph replay with every expert resident took 38.1 us against its
-# 16.7 us weight-read floor (benchmarks/results/moe-copy-overlap-2026-11-30-9eb369e.json), so
-# 21.4 us per layer beyond the bytes. benchmarks/bench_decode.py starts from this profile and
+# measured layer: moe.layer under graph replay with every expert resident took 37.0 us against its
+# 16.7 us weight-read floor (overlap off; benchmarks/results/moe-copy-overlap-2026-11-30-73a3b3d.json),
+# so 20.3 us per layer beyond the bytes. benchmarks/bench_decode.py starts from this profile and
 # replaces the overhead by one measured from a miss-free decode run of the same model.
 H200_SM_COPY = replace(
     H200,
@@ -152,7 +152,7 @@ H200_SM_COPY = replace(
     h2d_points=((1782576, 40.9), (2831136, 62.2), (6606048, 139.3)),
     h2d_ceiling_gbps=50.2,
     back_to_back_gbps=50.2,
-    layer_overhead_us=21.4,
+    layer_overhead_us=20.3,
 )
 
 
