@@ -82,12 +82,23 @@ def test_device_matches_host_many_victims(policy, chunk):
 
 @pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("chunk, seq_max", [(8, 0), (8, 16), (64, 0), (64, 16)])
-def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max):
+@pytest.mark.parametrize("lean", [False, True], ids=["", "lean"])
+def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max, lean):
     """Every call's victims by successive minima (seq_max 16: kept in registers up to the
-    commit) or by a sort (seq_max 0: through scratch), on several programs and on one."""
+    commit) or by a sort (seq_max 0: through scratch), on several programs and on one; and
+    the opt-in lean kernel (lru without key_of and pinned test, no gather without evictions)."""
     ref = run_parity(policy, L=2, E=24, S=16, rows=2, k=5, C=14, T=7, seed=seq_max + chunk,
-                     chunk=chunk, seq_max=seq_max)
+                     chunk=chunk, seq_max=seq_max, lean=lean)
     assert ref.counters[:, 2].sum() > 32
+
+
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_lean_kernel_matches_host_with_a_filling_pool(policy, chunk):
+    """lean: calls with misses while the pool still has empty slots (victims and empty slots in
+    one call), duplicates and padding, hits among the oldest stamps."""
+    ref = run_parity(policy, L=3, E=16, S=40, rows=2, k=4, C=40, T=6, seed=chunk + 5, chunk=chunk, lean=True)
+    assert ref.counters[:, 2].sum() > 40
 
 
 def test_default_tiles_by_pool_size():
@@ -100,7 +111,7 @@ def test_default_tiles_by_pool_size():
         dev = DeviceCache(CacheGeometry(1, 4 * S, S), "lru", device=device)
         assert (dev.chunk, dev.num_warps, dev.grid) == (chunk, warps, -(-S // chunk))
     g = CacheGeometry(1, 8, 4)
-    for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}):
+    for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}, {"lean": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DeviceCache(g, "lru", device=device, **bad)
 
@@ -198,6 +209,18 @@ def test_device_parity_many_programs_on_a_mid_pool(policy):
         pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
     for rows, k, T in ((1, 10, 20), (4, 16, 24)):
         run_parity(policy, L=8, E=206, S=1650, rows=rows, k=k, C=120, T=T, seed=k, chunk=512, num_warps=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("S", [512, 1650, 16384])
+def test_device_parity_lean(policy, S):
+    """The opt-in lean kernel on the GPU, one program (512) and several (1650, 16384)."""
+    _, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
+    for rows, k, T in ((1, 10, 20), (4, 16, 24)):
+        run_parity(policy, L=8, E=max(16, S // 8), S=S, rows=rows, k=k, C=120, T=T, seed=S + k, lean=True)
 
 
 def _gpu():
