@@ -17,7 +17,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 for part in $parts; do
   case $part in
     env)
-      { nvidia-smi; python3 -c "import torch, triton, numba, numpy; print(torch.__version__, triton.__version__, numba.__version__, numpy.__version__, torch.cuda.get_device_name())"; git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1
+      { nvidia-smi; python3 -c "import torch, triton, numba, numpy; print(torch.__version__, triton.__version__, numba.__version__, numpy.__version__, torch.cuda.get_device_name())"; echo "commit ${EXPERTCACHE_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; } > "$OUT/env.txt" 2>&1
       tail -3 "$OUT/env.txt" ;;
     tests)
       # the real traces, when a git-ignored copy was carried along as .traces/
