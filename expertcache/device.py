@@ -140,8 +140,10 @@ class DeviceCache:
                                   f"[{ids.shape[0]}, T] on {self.device}")
 
     def ensure(self, layer: int, ids: torch.Tensor, logit_idx: torch.Tensor | None = None,
-               logit_val: torch.Tensor | None = None) -> EnsureBuffers:
-        """Launch one ensure on the current stream (no sync; capturable). See the module."""
+               logit_val: torch.Tensor | None = None, pdl: bool = False) -> EnsureBuffers:
+        """Launch one ensure on the current stream (no sync; capturable). See the module.
+        pdl: on CUDA, a programmatic dependent launch (waits for its predecessor before reading;
+        the same results)."""
         self._check_args(layer, ids, logit_idx, logit_val)
         rows, k = ids.shape
         buf = self.buffers(rows, k)
@@ -161,7 +163,8 @@ class DeviceCache:
             POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
             BLOCK_L=triton.next_power_of_2(g.num_layers), SINGLE=self.grid == 1,
-            SEQ_MAX=self.seq_max, LEAN=self.lean, num_warps=self.num_warps)
+            SEQ_MAX=self.seq_max, LEAN=self.lean, num_warps=self.num_warps,
+            **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))
         return buf
 
     def check(self) -> None:

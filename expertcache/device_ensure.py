@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 SEQ_MAX = 4  # default: up to this many victims by successive minima, more by a sort
 SLOT_BITS = 20  # packed key = score * 2**20 + slot: slots < 2**20, |score| < 2**43
@@ -315,7 +316,11 @@ def ensure_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_L: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr,
     LEAN: tl.constexpr = False,  # opt-in (DeviceCache(lean=True)): see _chunk_candidates, _commit
+    GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
 ):
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     num_keys = num_layers * num_experts
     valid, key, first, slot, hit, fmiss, mrank, n, m, bad = _query(

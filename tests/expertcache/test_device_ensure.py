@@ -296,3 +296,39 @@ def test_device_parity_on_the_real_trace(policy, name, slots):
         if c % 997 == 0:
             assert dev.snapshot().equals(ref.snapshot()), c
     assert dev.snapshot().equals(ref.snapshot())
+
+
+PDL_CHECK = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+from expertcache.copy import _JIT_OPTIONS as COPY_JIT, _miss_copy_kernel
+from expertcache.device_ensure import ensure_kernel
+from moe.triton_launch import compile_for_sm
+
+ENSURE_JIT = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k", "rows", "T"]}
+types = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64",
+         "*i32", "*i32", "*i32", "*i64", "*i32", "*i32") + ("i32",) * 8
+out = []
+for gdc in (False, True):
+    cx = dict(POLICY=0, HAS_LOGITS=False, CHUNK=512, BLOCK_Q=16, BLOCK_R=1, BLOCK_C=512, BLOCK_L=64,
+              SINGLE=False, SEQ_MAX=4, LEAN=False, GDC=gdc)
+    out.append("griddepcontrol.wait" in compile_for_sm(ensure_kernel, types, cx, 4, 90, ENSURE_JIT)["ptx"])
+    fn = JITFunction(_miss_copy_kernel.fn, **COPY_JIT)
+    sig = {"count_ptr": "*i32", "plan_ptr": "*i32", "num_rows": "i32", "num_keys": "i32", "num_slots": "i32",
+           "src_ptrs": ("*i32", "*i32"), "dst_ptrs": ("*i32", "*i32")}
+    ccx = dict(NUM_BANKS=2, ROW_WORDS=(1024, 512), FIRST_CHUNK=(0, 1, 2), CHUNKS_PER_ROW=2, BLOCK=1024, GDC=gdc)
+    src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in ccx}}, constexprs=ccx)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    out.append("griddepcontrol.wait" in ptx)
+print(json.dumps(out))
+"""
+
+
+def test_programmatic_launch_variants_compile_for_sm90():
+    """DeviceCache.ensure(pdl=True) and miss_copy(pdl=True) (MoEConfig.pdl_chain) compile for sm_90 and
+    wait for their predecessor; the default launches do not. A child process without TRITON_INTERPRET."""
+    from tests.conftest import compile_check
+    assert compile_check(PDL_CHECK) == [False, False, True, True]

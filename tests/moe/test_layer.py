@@ -215,6 +215,32 @@ def test_overlap_on_off_bitwise(gpu_weights, graph, tokens):
     on.close()
 
 
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_pdl_chain_bitwise(gpu_weights, graph, overlap):
+    """MoEConfig.pdl_chain (router, ensure and miss copy launched programmatically) changes no bit:
+    outputs, slot maps and slot contents, with evictions every step, eager and in a CUDA graph."""
+    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap)
+    chain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap, pdl_chain=True)
+    assert chain.cfg.pdl_chain and not plain.cfg.pdl_chain
+    gen = torch.Generator("cuda").manual_seed(7)
+    xs = [torch.randn(2, GPU_CFG.hidden, generator=gen, device="cuda").to(BF16) for _ in range(8)]
+    run_a, run_b = Runner(plain, graph, 2, xs[:2]), Runner(chain, graph, 2, xs[:2])
+    for x in xs[2:]:
+        before = misses(chain)
+        a, b = run_a(x), run_b(x)
+        torch.cuda.synchronize()
+        assert misses(chain) > before, "every step must miss (and evict)"
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        sa, sb = state(plain), state(chain)
+        for name in sa:
+            assert torch.equal(sa[name], sb[name]), name
+    plain.close()
+    chain.close()
+
+
 def profile_step(model: SyntheticModel, x: torch.Tensor, path) -> list:
     """One eager step under the profiler with the shared expert inside record_function ranges."""
     for layer in model.layers:
