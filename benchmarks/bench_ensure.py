@@ -81,7 +81,7 @@ def time_graph(launch, state: list[torch.Tensor], reps: int) -> np.ndarray:
 
 
 def variant(label: str) -> tuple[str, dict]:
-    """"rule" -> ("rule", {}) (the default tiles, expertcache.device.ensure_tiles);
+    """"rule" -> ("rule", {}) (the default tiles, expertcache.device.CHUNK / NUM_WARPS);
     "rule:w2:c1024:s8:l1" -> ("rule", num_warps=2, chunk=1024, seq_max=8, lean=True)."""
     name, *opts = label.split(":")
     keys = {"w": "num_warps", "c": "chunk", "s": "seq_max", "l": "lean"}

@@ -36,17 +36,10 @@ from expertcache.policies import Policy, get_policy
 from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_RULE, PolicyState
 
 DEVICE_KINDS = {KIND_LRU: 0, KIND_RULE: 1, KIND_LFUDA: 2}
-# (largest pool, chunk, warps): the default tiles by pool size, the first row that holds it
-TILES = ((1 << 20, 512, 4),)
-
-
-def ensure_tiles(num_slots: int) -> tuple[int, int]:
-    """Default (chunk, num_warps) of a pool of num_slots: slots scored per program (one program
-    up to `chunk` slots, else ceil(S / chunk) that merge) and warps per program."""
-    for top, chunk, warps in TILES:
-        if num_slots <= top:
-            return chunk, warps
-    raise EnsureError(f"{num_slots} slots (--moe-slots): the device ensure handles fewer than {MAX_SLOTS}")
+# Default tiles: slots scored per program (one program up to CHUNK slots, else ceil(S / CHUNK) that
+# merge) and warps per program; the fastest at every pool size measured on the H200 (one program of
+# 2048-4096 slots and 1-2 warps were slower: docs/gpu.md).
+CHUNK, NUM_WARPS = 512, 4
 
 
 @dataclass
@@ -64,7 +57,7 @@ class DeviceCache:
     """One slot pool's maps on a device, under one policy (not an oracle)."""
 
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
-                 chunk: int | None = None, num_warps: int | None = None, seq_max: int = SEQ_MAX,
+                 chunk: int = CHUNK, num_warps: int = NUM_WARPS, seq_max: int = SEQ_MAX,
                  lean: bool = False, **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
@@ -88,9 +81,6 @@ class DeviceCache:
         self.counters = t(np.zeros((geometry.num_layers, 3), np.int64))
         self.status = t(np.zeros(1, np.int32))
         self.arrive = t(np.zeros(1, np.int32))
-        auto_chunk, auto_warps = ensure_tiles(geometry.num_slots)
-        chunk = auto_chunk if chunk is None else chunk
-        num_warps = auto_warps if num_warps is None else num_warps
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
             raise ValueError(f"chunk must be a power of two, got {chunk!r}")
         self.chunk = chunk  # slots scored per program; the grid is ceil(S / chunk)

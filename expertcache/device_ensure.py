@@ -247,21 +247,17 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
     miss = valid & (slot < 0)
     from_cand = miss & (mrank >= ne)
     r = tl.where(from_cand, mrank - ne, 0)
+    evicts = True
     if LEAN:  # no victim gather, no old-owner load and no barrier when nothing is evicted
-        cand = tl.zeros([BLOCK_Q], dtype=tl.int64)
-        if m > ne:
-            cand = _victims(best, cand_ptr, r, from_cand, m - ne, BLOCK_Q, SEQ_MAX)
-    else:
+        evicts = m > ne
+    cand = tl.zeros([BLOCK_Q], dtype=tl.int64)
+    if evicts:
         cand = _victims(best, cand_ptr, r, from_cand, m - ne, BLOCK_Q, SEQ_MAX)
     vslot = tl.where(from_cand, cand & ((1 << 20) - 1), filled + mrank)
     vscore = cand >> 20
     evict = fmiss & from_cand
-    if LEAN:
-        old = tl.full([BLOCK_Q], -1, tl.int32)
-        if m > ne:
-            old = tl.load(key_of_ptr + vslot, mask=evict, other=-1)
-            tl.debug_barrier()  # every old owner read before any slot is rewritten
-    else:
+    old = tl.full([BLOCK_Q], -1, tl.int32)
+    if evicts:
         old = tl.load(key_of_ptr + vslot, mask=evict, other=-1)
         tl.debug_barrier()  # every old owner read before any slot is rewritten
     tl.store(slot_of_ptr + old, -1, mask=evict & (old >= 0))

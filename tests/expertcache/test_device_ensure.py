@@ -102,11 +102,11 @@ def test_lean_kernel_matches_host_with_a_filling_pool(policy, chunk):
 
 
 def test_default_tiles_by_pool_size():
-    """The tiles follow the table by pool size; bad tiles are refused."""
+    """The default tiles at every pool size; bad tiles are refused."""
     device, _ = device_or_skip()
-    from expertcache.device import ensure_tiles
+    from expertcache.device import CHUNK, NUM_WARPS
     for S in (8, 512, 1650, 4096, 16384):
-        chunk, warps = ensure_tiles(S)
+        chunk, warps = CHUNK, NUM_WARPS
         assert chunk & (chunk - 1) == 0 and warps in (1, 2, 4, 8, 16)
         dev = DeviceCache(CacheGeometry(1, 4 * S, S), "lru", device=device)
         assert (dev.chunk, dev.num_warps, dev.grid) == (chunk, warps, -(-S // chunk))
@@ -202,25 +202,17 @@ def test_device_parity_grid(policy, S):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", policy_names())
-def test_device_parity_many_programs_on_a_mid_pool(policy):
-    """1650 slots on 4 programs of 512 (the default there is one program)."""
+@pytest.mark.parametrize("S, options", [(1650, {"chunk": 512, "num_warps": 4}), (512, {"lean": True}),
+                                        (1650, {"lean": True}), (16384, {"lean": True})],
+                         ids=["many-programs-1650", "lean-512", "lean-1650", "lean-16384"])
+def test_device_parity_variants(policy, S, options):
+    """1650 slots on 4 programs of 512 (explicit tiles), and the opt-in lean kernel on one program
+    (512) and several (1650, 16384)."""
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
     for rows, k, T in ((1, 10, 20), (4, 16, 24)):
-        run_parity(policy, L=8, E=206, S=1650, rows=rows, k=k, C=120, T=T, seed=k, chunk=512, num_warps=4)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("policy", policy_names())
-@pytest.mark.parametrize("S", [512, 1650, 16384])
-def test_device_parity_lean(policy, S):
-    """The opt-in lean kernel on the GPU, one program (512) and several (1650, 16384)."""
-    _, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
-    for rows, k, T in ((1, 10, 20), (4, 16, 24)):
-        run_parity(policy, L=8, E=max(16, S // 8), S=S, rows=rows, k=k, C=120, T=T, seed=S + k, lean=True)
+        run_parity(policy, L=8, E=max(16, S // 8), S=S, rows=rows, k=k, C=120, T=T, seed=S + k, **options)
 
 
 def _gpu():
