@@ -82,10 +82,13 @@ def time_graph(launch, state: list[torch.Tensor], reps: int) -> np.ndarray:
 
 def variant(label: str) -> tuple[str, dict]:
     """"rule" -> ("rule", {}) (the default tiles, expertcache.device.CHUNK / NUM_WARPS);
-    "rule:w2:c1024:s8" -> ("rule", num_warps=2, chunk=1024, seq_max=8)."""
+    "rule:w2:c1024:s8:l1" -> ("rule", num_warps=2, chunk=1024, seq_max=8, lean=True)."""
     name, *opts = label.split(":")
-    keys = {"w": "num_warps", "c": "chunk", "s": "seq_max"}
-    return name, {keys[o[0]]: int(o[1:]) for o in opts}
+    keys = {"w": "num_warps", "c": "chunk", "s": "seq_max", "l": "lean"}
+    out = {keys[o[0]]: int(o[1:]) for o in opts}
+    if "lean" in out:
+        out["lean"] = bool(out["lean"])
+    return name, out
 
 
 def ours(label, S, warm, calls, E, reps):
@@ -145,8 +148,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--policies", default="lru,rule,lfuda",
-                    help="policies, each optionally with :wN (warps), :cN (chunk) and :sN (seq_max), "
-                      "e.g. lru:c2048:w8")
+                    help="policies, each optionally with :wN (warps), :cN (chunk), :sN (seq_max) and "
+                      ":l1 (lean), e.g. lru:l1")
     ap.add_argument("--slots", default=",".join(map(str, SLOTS)))
     ap.add_argument("--misses", default=",".join(map(str, MISSES)))
     ap.add_argument("--out", default=None)

@@ -212,7 +212,8 @@ def d2d_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
 
 
 def miss_mode(weights, args, xs, out_dir: Path) -> dict:
-    models = {m: SyntheticModel(weights, args.slots, "cuda", copy_overlap=m == "on") for m in ("off", "on")}
+    models = {m: SyntheticModel(weights, args.slots, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain)
+              for m in ("off", "on")}
     if models["on"].layers[0].side is None:
         raise SystemExit(f"overlap did not apply: {models['on'].layers[0].overlap_reason}")
     n = args.bitwise_steps
@@ -244,7 +245,8 @@ def miss_mode(weights, args, xs, out_dir: Path) -> dict:
 
 def resident_mode(weights, args, xs) -> dict:
     L, E = weights.num_layers, CFG.num_experts
-    models = {m: SyntheticModel(weights, L * E, "cuda", copy_overlap=m == "on") for m in ("off", "on")}
+    models = {m: SyntheticModel(weights, L * E, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain)
+              for m in ("off", "on")}
     for m in models.values():
         m.warm_all()
     graphs = {m: Graph(models[m], args.tokens) for m in models}
@@ -302,6 +304,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--bitwise-steps", type=int, default=4)
     ap.add_argument("--profile", type=int, default=40, help="replays under the profiler per mode")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pdl-chain", action="store_true",
+                    help="MoEConfig.pdl_chain: router, ensure and miss copy launched programmatically too")
     return ap.parse_args()
 
 

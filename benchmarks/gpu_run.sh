@@ -47,7 +47,7 @@ for part in $parts; do
         2>&1 | tee "$OUT/routed.log" | tail -12 ;;
     overlap)
       mkdir -p "$OUT/moe"
-      timeout ${OVERLAP_TIMEOUT:-400} python3 benchmarks/bench_moe_copy_overlap.py --out-dir "$OUT/moe" 2>&1 | tee "$OUT/moe/bench.log" | tail -14
+      timeout ${OVERLAP_TIMEOUT:-400} python3 benchmarks/bench_moe_copy_overlap.py --out-dir "$OUT/moe" ${OVERLAP_ARGS:-} 2>&1 | tee "$OUT/moe/bench.log" | tail -14
       (cd "$OUT/moe" && tar czf traces.tgz *step_*.json replays_*.json && rm -f *step_*.json replays_*.json) ;;
     engine)
       timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/moe/test_engine_gpu.py \

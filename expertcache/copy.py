@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from expertcache.pool import HostStore, SlotPool
 
@@ -52,7 +53,11 @@ def _miss_copy_kernel(
     FIRST_CHUNK: tl.constexpr,  # tuple, NUM_BANKS + 1: bank b owns chunks [FIRST_CHUNK[b], [b + 1])
     CHUNKS_PER_ROW: tl.constexpr,  # FIRST_CHUNK[NUM_BANKS]: work items per plan row
     BLOCK: tl.constexpr,  # int32 words per work item (a power of two, >= 4)
+    GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
 ):
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     # Work item i = (plan row i // CHUNKS_PER_ROW, chunk i % CHUNKS_PER_ROW); program p takes
     # items p, p + grid, p + 2 * grid ..., so neighbouring programs read neighbouring chunks.
     n = tl.minimum(tl.maximum(tl.load(count_ptr), 0), num_rows)
@@ -164,7 +169,7 @@ def _pointer_args(store: HostStore, pool: SlotPool) -> tuple[tuple, tuple]:
 
 def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch.Tensor, *,
               num_ctas: int = DEFAULT_NUM_CTAS, block_bytes: int = DEFAULT_BLOCK_BYTES,
-              num_warps: int = DEFAULT_NUM_WARPS) -> None:
+              num_warps: int = DEFAULT_NUM_WARPS, pdl: bool = False) -> None:
     """Copy store[bank][key] -> pool[bank][slot] for the first `count` rows of `plan`.
 
     plan:  int32 [Q, 2] (key, slot) rows on the pool's device; rows past count are ignored,
@@ -173,7 +178,9 @@ def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch
     num_ctas: programs of the persistent grid (SMs used). block_bytes: bytes a program moves
     per work item (a power of two >= 16). One launch on the current stream for all banks;
     CUDA-graph capturable once compiled (call it once before capturing). On a CPU pool it runs
-    in Triton's interpreter when TRITON_INTERPRET=1, else raises RuntimeError.
+    in Triton's interpreter when TRITON_INTERPRET=1, else raises RuntimeError. pdl: on CUDA, a
+    programmatic dependent launch (it waits for its predecessor before reading the plan; same
+    bytes copied).
     Raises ValueError for mismatched banks, rows not a multiple of 16 bytes, > MAX_BANKS banks,
     or a malformed plan or count. Cost: the live rows' bytes over PCIe; on the H200 it moved
     0.95-1.05x the copy engine's bytes per second with 16 programs (benchmarks/bench_copy.py).
@@ -196,6 +203,7 @@ def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch
             count, plan, plan.shape[0], store.num_keys, pool.num_slots, srcs, dsts,
             NUM_BANKS=len(row_words), ROW_WORDS=row_words, FIRST_CHUNK=first,
             CHUNKS_PER_ROW=first[-1], BLOCK=block_words, num_warps=num_warps,
+            **({"GDC": True, "launch_pdl": True} if pdl and cuda else {}),
         )
 
 

@@ -58,7 +58,7 @@ class DeviceCache:
 
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
                  chunk: int = CHUNK, num_warps: int = NUM_WARPS, seq_max: int = SEQ_MAX,
-                 **constants) -> None:
+                 lean: bool = False, **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
         if self.policy.oracle or self.policy.kind not in DEVICE_KINDS:
@@ -90,6 +90,11 @@ class DeviceCache:
         if isinstance(seq_max, bool) or not isinstance(seq_max, int) or seq_max < 0:
             raise ValueError(f"seq_max must be an int >= 0, got {seq_max!r}")
         self.seq_max = seq_max  # victims found by successive minima; more take a sort
+        if not isinstance(lean, bool):
+            raise ValueError(f"lean must be a bool, got {lean!r}")
+        # lean (opt-in until measured on a GPU): lru scores without key_of and without a pinned
+        # test, and a commit without evictions skips the victim gather (device_ensure)
+        self.lean = lean
         self.grid = triton.cdiv(geometry.num_slots, chunk)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
         self._cand: dict[int, torch.Tensor] = {}
@@ -125,8 +130,10 @@ class DeviceCache:
                                   f"[{ids.shape[0]}, T] on {self.device}")
 
     def ensure(self, layer: int, ids: torch.Tensor, logit_idx: torch.Tensor | None = None,
-               logit_val: torch.Tensor | None = None) -> EnsureBuffers:
-        """Launch one ensure on the current stream (no sync; capturable). See the module."""
+               logit_val: torch.Tensor | None = None, pdl: bool = False) -> EnsureBuffers:
+        """Launch one ensure on the current stream (no sync; capturable). See the module.
+        pdl: on CUDA, a programmatic dependent launch (waits for its predecessor before reading;
+        the same results)."""
         self._check_args(layer, ids, logit_idx, logit_val)
         rows, k = ids.shape
         buf = self.buffers(rows, k)
@@ -146,7 +153,8 @@ class DeviceCache:
             POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
             BLOCK_L=triton.next_power_of_2(g.num_layers), SINGLE=self.grid == 1,
-            SEQ_MAX=self.seq_max, num_warps=self.num_warps)
+            SEQ_MAX=self.seq_max, LEAN=self.lean, num_warps=self.num_warps,
+            **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))
         return buf
 
     def check(self) -> None:

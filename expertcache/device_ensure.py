@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 SEQ_MAX = 4  # default: up to this many victims by successive minima, more by a sort
 SLOT_BITS = 20  # packed key = score * 2**20 + slot: slots < 2**20, |score| < 2**43
@@ -102,42 +103,54 @@ def _rule_score(key, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, p
 @triton.jit
 def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr, sst_ptr, prm_ptr,
                       cand_ptr, rkey, near, layer, tok, dc_now, num_layers, num_experts, num_slots, num_keys,
+                      slot, hit, step, filled,
                       POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
-                      BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, STORE_SEQ: tl.constexpr):
+                      BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, STORE_SEQ: tl.constexpr,
+                      LEAN: tl.constexpr):
     """Score this program's slots; return its BLOCK_Q lowest packed keys (successive minima)
     and keep them in scratch for the merge (STORE_SEQ, or a sort: see _lowest)."""
     c = pid * CHUNK + tl.arange(0, CHUNK)
-    cm = c < num_slots
-    key = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
-    # pinned: the call's hits. Their slots are re-read as scalars (the query's own loads, so L1
-    # hits; no program writes slot_of before every program has scored), one compare per slot
-    # each: no [CHUNK, BLOCK_Q] matrix in registers.
-    pinned = c < 0
-    for q in tl.static_range(BLOCK_Q):
-        e = tl.load(ids_ptr + q, mask=q < n_ids, other=-1)
-        live = (e >= 0) & (e < num_experts)
-        s_q = tl.load(slot_of_ptr + layer * num_experts + tl.where(live, e, 0), mask=live, other=-1)
-        pinned = pinned | (c == s_q)
-    ev = cm & (key >= 0) & (~pinned)
-    # lru / lfuda: the per-slot score is loaded beside key_of (masked by cm, not by ev, so the
-    # two loads are independent and overlap); rule's per-key state needs the key first
-    if POLICY == 0:
-        score = tl.load(sst_ptr + c, mask=cm, other=0)
-    elif POLICY == 2:
-        score = tl.load(sst_ptr + num_slots + c, mask=cm, other=0)
+    if LEAN and POLICY == 0:
+        # lru, lean: the filled slots are the prefix [0, filled) (no key_of load), and the hits'
+        # stamps are raised to this call's step first (every scoring program and the commit write
+        # the same). Every other filled slot has an older stamp and at least `need` of them exist
+        # (n <= S), so no hit is ever among the `need` lowest: no pinned test.
+        tl.store(sst_ptr + slot, step + 0 * slot, mask=hit)
+        tl.debug_barrier()
+        ev = c < filled
+        score = tl.load(sst_ptr + c, mask=ev, other=0)
     else:
-        if HAS_LOGITS:
-            # the near-miss refresh first, in memory: every scoring program writes the same values
-            # (the commit's own refresh repeats them), so each reads refreshed `lt` below after its
-            # barrier, and no [CHUNK, BLOCK_R] match matrix is held in registers
-            lt_r = tl.load(kst_ptr + rkey, mask=near, other=0)
-            tl.store(kst_ptr + rkey, tl.maximum(lt_r, tok - 1), mask=near)
-            tl.debug_barrier()
-        kq = tl.where(ev, key, 0)
-        lt = tl.load(kst_ptr + kq, mask=ev, other=0)
-        lc = tl.load(kst_ptr + num_keys + kq, mask=ev, other=0)
-        dct = tl.load(kst_ptr + 2 * num_keys + kq, mask=ev, other=0)
-        score = _rule_score(kq, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, prm_ptr)
+        cm = c < num_slots
+        key = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
+        # pinned: the call's hits. Their slots are re-read as scalars (the query's own loads, so L1
+        # hits; no program writes slot_of before every program has scored), one compare per slot
+        # each: no [CHUNK, BLOCK_Q] matrix in registers.
+        pinned = c < 0
+        for q in tl.static_range(BLOCK_Q):
+            e = tl.load(ids_ptr + q, mask=q < n_ids, other=-1)
+            live = (e >= 0) & (e < num_experts)
+            s_q = tl.load(slot_of_ptr + layer * num_experts + tl.where(live, e, 0), mask=live, other=-1)
+            pinned = pinned | (c == s_q)
+        ev = cm & (key >= 0) & (~pinned)
+        # lru / lfuda: the per-slot score is loaded beside key_of (masked by cm, not by ev, so the
+        # two loads are independent and overlap); rule's per-key state needs the key first
+        if POLICY == 0:
+            score = tl.load(sst_ptr + c, mask=cm, other=0)
+        elif POLICY == 2:
+            score = tl.load(sst_ptr + num_slots + c, mask=cm, other=0)
+        else:
+            if HAS_LOGITS:
+                # the near-miss refresh first, in memory: every scoring program writes the same
+                # values (the commit's own refresh repeats them), so each reads refreshed `lt` below
+                # after its barrier, and no [CHUNK, BLOCK_R] match matrix is held in registers
+                lt_r = tl.load(kst_ptr + rkey, mask=near, other=0)
+                tl.store(kst_ptr + rkey, tl.maximum(lt_r, tok - 1), mask=near)
+                tl.debug_barrier()
+            kq = tl.where(ev, key, 0)
+            lt = tl.load(kst_ptr + kq, mask=ev, other=0)
+            lc = tl.load(kst_ptr + num_keys + kq, mask=ev, other=0)
+            dct = tl.load(kst_ptr + 2 * num_keys + kq, mask=ev, other=0)
+            score = _rule_score(kq, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, prm_ptr)
     packed = tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
     return _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q, SEQ_MAX, STORE_SEQ)
 
@@ -182,6 +195,18 @@ def _merge(cand_ptr, G, need, BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr, SEQ_
 
 
 @triton.jit
+def _victims(best, cand_ptr, r, from_cand, need, BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr):
+    """Per query position, its victim's packed key (position r of the call's victims): from
+    registers (`best`) when successive minima found them, else from scratch (the sort's output)."""
+    if need <= SEQ_MAX:
+        jj = tl.arange(0, BLOCK_Q)
+        cand = tl.sum(tl.where(jj[None, :] == r[:, None], best[None, :], 0), axis=1)
+    else:
+        cand = tl.load(cand_ptr + r, mask=from_cand, other=0)
+    return cand
+
+
+@triton.jit
 def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys):
     """rule's use of every key of the call (hits and installs alike)."""
     lc = tl.load(kst_ptr + num_keys + key, mask=first, other=0)
@@ -210,7 +235,7 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
             out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid, key, first, slot,
             hit, fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, dc_now, layer, num_layers,
             num_slots, num_keys, mine, best, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
-            BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr):
+            BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr):
     """Apply one call: refresh, evictions and installs in ascending key order, touches,
     plan, slots, counters and clock. Runs in one program. The victims: `best` (registers)
     when successive minima found them, else cand[0:] (the sort's output)."""
@@ -222,16 +247,19 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
     miss = valid & (slot < 0)
     from_cand = miss & (mrank >= ne)
     r = tl.where(from_cand, mrank - ne, 0)
-    if m - ne <= SEQ_MAX:  # victim r of the call = best[r], gathered from registers
-        jj = tl.arange(0, BLOCK_Q)
-        cand = tl.sum(tl.where(jj[None, :] == r[:, None], best[None, :], 0), axis=1)
-    else:
-        cand = tl.load(cand_ptr + r, mask=from_cand, other=0)
+    evicts = True
+    if LEAN:  # no victim gather, no old-owner load and no barrier when nothing is evicted
+        evicts = m > ne
+    cand = tl.zeros([BLOCK_Q], dtype=tl.int64)
+    if evicts:
+        cand = _victims(best, cand_ptr, r, from_cand, m - ne, BLOCK_Q, SEQ_MAX)
     vslot = tl.where(from_cand, cand & ((1 << 20) - 1), filled + mrank)
     vscore = cand >> 20
     evict = fmiss & from_cand
-    old = tl.load(key_of_ptr + vslot, mask=evict, other=-1)
-    tl.debug_barrier()  # every old owner read before any slot is rewritten
+    old = tl.full([BLOCK_Q], -1, tl.int32)
+    if evicts:
+        old = tl.load(key_of_ptr + vslot, mask=evict, other=-1)
+        tl.debug_barrier()  # every old owner read before any slot is rewritten
     tl.store(slot_of_ptr + old, -1, mask=evict & (old >= 0))
     tl.store(key_of_ptr + vslot, key.to(tl.int32), mask=fmiss)
     tl.store(slot_of_ptr + key, vslot.to(tl.int32), mask=fmiss)
@@ -283,7 +311,12 @@ def ensure_kernel(
     POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_L: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr,
+    LEAN: tl.constexpr = False,  # opt-in (DeviceCache(lean=True)): see _chunk_candidates, _commit
+    GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
 ):
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     num_keys = num_layers * num_experts
     valid, key, first, slot, hit, fmiss, mrank, n, m, bad = _query(
@@ -310,8 +343,8 @@ def ensure_kernel(
     if ok & (m > ne):
         best = _chunk_candidates(pid, m - ne, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr,
                                  sst_ptr, prm_ptr, cand_ptr, rkey, near, layer, tok, dc_now, num_layers,
-                                 num_experts, num_slots, num_keys, POLICY, HAS_LOGITS, CHUNK,
-                                 BLOCK_Q, SEQ_MAX, not SINGLE)
+                                 num_experts, num_slots, num_keys, slot, hit, step, filled, POLICY,
+                                 HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN)
     tl.debug_barrier()
     # A call without a miss (or a refused one) changes neither slot_of nor key_of, so every program,
     # however late it reads them, finds the same m == 0 (or the same refusal): program 0 commits it
@@ -336,6 +369,6 @@ def ensure_kernel(
                     cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
                     key, first, slot, hit, fmiss, mrank, n, m, ne, filled, rkey, near, step,
                     tok, dc_now, layer, num_layers, num_slots, num_keys, mine, best, POLICY,
-                    HAS_LOGITS, BLOCK_Q, SEQ_MAX)
+                    HAS_LOGITS, BLOCK_Q, SEQ_MAX, LEAN)
         else:
             tl.store(status_ptr, tl.where(bad > 0, 1, 2))

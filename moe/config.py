@@ -38,6 +38,8 @@ class MoEConfig:
     (0 = no shared expert). norm_topk_prob: renormalise the top-k weights to sum to 1.
     dtype: weight/activation dtype name ("float32", "float16", "bfloat16").
     copy_overlap: run the shared expert on a side stream while the miss copy is in flight.
+    pdl_chain: launch the router, ensure and miss copy with programmatic dependent launch too (each
+    waits for its predecessor before reading anything, so the same results); opt-in until measured.
 
     Raises ValueError naming the field on any invalid value.
     """
@@ -50,6 +52,7 @@ class MoEConfig:
     norm_topk_prob: bool = False
     dtype: str = "bfloat16"
     copy_overlap: bool = False
+    pdl_chain: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden", "num_experts", "top_k", "expert_intermediate"):
@@ -57,7 +60,7 @@ class MoEConfig:
         _check_int("shared_intermediate", self.shared_intermediate, minimum=0)
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        for name in ("norm_topk_prob", "copy_overlap"):
+        for name in ("norm_topk_prob", "copy_overlap", "pdl_chain"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:

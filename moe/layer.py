@@ -193,13 +193,14 @@ class MoELayer:
         """Launches 3-6: hidden [T, H] -> (act [T * k, I] f32, slots [T, k] int32) for routed_down.
         With `routing` (ids, weights) given, launch 3 (the router) is skipped."""
         cfg, slots, tokens = self.cfg, self.slots, hidden.shape[0]
+        pdl = cfg.pdl_chain  # programmatic launches for the router, ensure and copy (CUDA only)
         if routing is None:
             weights, ids = router_topk(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob,
-                                       weights=self._weights[:tokens], ids=self._ids[:tokens])
+                                       weights=self._weights[:tokens], ids=self._ids[:tokens], pdl=pdl)
         else:
             ids, weights = routing
-        buf = slots.cache.ensure(self.layer, ids)  # slots [T, k], plan [Q, 2], count [1]
-        miss_copy(slots.store, slots.pool, buf.plan, buf.count)
+        buf = slots.cache.ensure(self.layer, ids, pdl=pdl)  # slots [T, k], plan [Q, 2], count [1]
+        miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=pdl)
         act = routed_gate_up(hidden, buf.slots, weights, slots.pool.tensor("gate_up"))
         return act, buf.slots
 

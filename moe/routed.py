@@ -62,6 +62,8 @@ class RoutedConfig:
     0.5-1.0 us faster at T = 1..8 on the H200 (20.10 vs 20.61 us at T = 1,
     benchmarks/results/routed-2026-11-30-8f6abaf.json). The shared expert's launches and a
     routed_down not launched right after routed_gate_up never use it.
+    prefetch: with pdl, the routed down also prefetches its weight rows into L2 before it waits for
+    gate_up (moe.routed_kernels, GDC = 2); same results. Opt-in until measured on a GPU.
     The defaults come from moe.plan (GEMV_BLOCK_I, GEMV_BLOCK_H) so make_routed_plan's grid is the
     one launched. Raises ValueError naming the field.
     """
@@ -73,16 +75,19 @@ class RoutedConfig:
     chunk_i: int = 512
     warps_down: int = 4
     pdl: bool = True
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "pdl":
+            if f.name in ("pdl", "prefetch"):
                 if not isinstance(v, bool):
-                    raise ValueError(f"RoutedConfig.pdl must be a bool, got {v!r}")
+                    raise ValueError(f"RoutedConfig.{f.name} must be a bool, got {v!r}")
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"RoutedConfig.{f.name} must be a power of two >= 1, got {v!r}")
+        if self.prefetch and not self.pdl:
+            raise ValueError("RoutedConfig.prefetch needs pdl=True (down prefetches before its wait)")
         for name in ("warps_gate_up", "warps_down"):
             if getattr(self, name) > 16:
                 raise ValueError(f"RoutedConfig.{name} must be <= 16, got {getattr(self, name)}")
@@ -91,7 +96,8 @@ class RoutedConfig:
     def name(self) -> str:
         """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl'."""
         return (f"i{self.block_i}x{self.chunk_h}w{self.warps_gate_up}-"
-                f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}")
+                f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}"
+                f"{'-pf' if self.prefetch else ''}")
 
 
 DEFAULT_CONFIG = RoutedConfig()
@@ -160,13 +166,13 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
         if down_flags is None:
             kernel, types, warps = GATE_UP_ENTRIES[is_shared], gate_up_types, config.warps_gate_up
             constexprs = dict(shape, BLOCK_I=block_i, CHUNK_H=chunk_h, EVEN=even_a, GATED=is_shared,
-                              GDC=config.pdl and not is_shared)
+                              GDC=int(config.pdl and not is_shared))
         else:
             kernel, warps = DOWN_ENTRIES[is_shared], config.warps_down
             types = ("*fp32", "*i32", p, "*fp32", "*fp32", p, "i32")
             constexprs = dict(shape, BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=even_b,
                               ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2],
-                              GDC=config.pdl and not is_shared)
+                              GDC=_down_gdc(config, not is_shared))
         result[name] = compile_for_sm(kernel, types, constexprs, warps, arch, JIT_OPTIONS)
     return result
 
@@ -269,6 +275,11 @@ def _device_ctx(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def _down_gdc(config: RoutedConfig, programmatic: bool) -> int:
+    """The down entry's GDC: 0 plain, 1 programmatic launch, 2 that and the L2 prefetch."""
+    return (2 if config.prefetch else 1) if programmatic and config.pdl else 0
+
+
 def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config) -> torch.Tensor:
     tokens, top_k, num_slots, hid, inter = dims
     block_i, chunk_h, _, _ = _tiles(hid, inter, config)
@@ -279,7 +290,7 @@ def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config) 
         gdc = config.pdl and not gated and hidden.device.type == "cuda"
         kernel[grid](hidden, slots, act if gated else weights, gate_w if gated else hidden, gate_up, act,
                      num_slots, K=top_k, H=hid, I=inter, BLOCK_I=block_i, CHUNK_H=chunk_h,
-                     EVEN=_even(hid, inter, config)[0], GATED=gated, GDC=gdc, num_warps=config.warps_gate_up,
+                     EVEN=_even(hid, inter, config)[0], GATED=gated, GDC=int(gdc), num_warps=config.warps_gate_up,
                      **({"launch_pdl": True} if gdc else {}))
     return act[:tokens * top_k]
 
@@ -298,7 +309,8 @@ def _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config, 
                      act if out_cast is None else out_cast, num_slots, K=top_k, H=hid, I=inter,
                      BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=_even(hid, inter, config)[1],
                      ADDEND=addend is not None, WRITE_OUT=out is not None, WRITE_CAST=out_cast is not None,
-                     GDC=gdc, num_warps=config.warps_down, **({"launch_pdl": True} if gdc else {}))
+                     GDC=_down_gdc(config, gdc), num_warps=config.warps_down,
+                     **({"launch_pdl": True} if gdc else {}))
     return out_cast if out is None else out
 
 

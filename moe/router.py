@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moe.plan import GEMV_MAX_TOKENS
 from moe.triton_launch import compile_for_sm, kernel_for
@@ -147,7 +148,11 @@ def _router_kernel(
     NORM: tl.constexpr,  # renormalise the top-k weights to sum to 1
     EVEN: tl.constexpr,  # E % BLOCK_E == 0 and H % CHUNK_H == 0: no masks
     SELECT: tl.constexpr,  # index of RouterConfig.select in SELECTS
+    GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
 ):
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] experts
     acc = tl.zeros([BLOCK_E, CHUNK_H], dtype=tl.float32)
@@ -246,7 +251,7 @@ def _check_args(hidden, router_w, top_k, weights, ids) -> tuple[int, int, int]:
 
 def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, *,
                 weights: torch.Tensor | None = None, ids: torch.Tensor | None = None,
-                config: RouterConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                config: RouterConfig | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: hidden [T, H], router_w [E, H] -> (weights [T, k] float32, ids [T, k] int32).
 
     hidden and router_w share one dtype (bf16 / f16 / f32), contiguous; 1 <= T <= GEMV_MAX_TOKENS,
@@ -255,6 +260,8 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
     weights / ids: optional outputs to write into (for CUDA graphs). One launch on the current stream,
     no host sync; with the outputs given and router_scratch made it allocates nothing (capturable).
     Cost: reads E * H weight elements once per token (repeat tokens meet in L2), O(k * E) to select.
+    pdl: on CUDA, a programmatic dependent launch (waits for its predecessor before reading; same
+    results; MoEConfig.pdl_chain).
     Raises ValueError naming the argument whose shape, dtype, device or value is wrong;
     RuntimeError for CPU tensors without Triton's interpreter.
     """
@@ -273,7 +280,9 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
     grid = (tokens, triton.cdiv(num_experts, meta["BLOCK_E"]))
     kernel = kernel_for(_router_kernel, device, _JIT_OPTIONS, "router_topk")
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        kernel[grid](hidden, router_w, logits, arrive, ids, weights, **meta, num_warps=config.warps)
+        gdc = bool(pdl) and device.type == "cuda"
+        kernel[grid](hidden, router_w, logits, arrive, ids, weights, **meta, num_warps=config.warps,
+                     **({"GDC": True, "launch_pdl": True} if gdc else {}))
     return weights, ids
 
 
@@ -291,13 +300,16 @@ def router_reference(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int,
 
 def compile_router_for_target(num_experts: int, hidden: int, top_k: int, dtype: str = "bf16",
                               norm_topk_prob: bool = True, config: RouterConfig = DEFAULT_ROUTER,
-                              arch: int = 90, tokens: int = 1) -> dict:
+                              arch: int = 90, tokens: int = 1, pdl: bool = False) -> dict:
     """Compile the router ahead of time for CUDA sm_<arch> (no GPU; needs ptxas); Triton's asm dict.
 
     T sizes the grid and, with block_e=None, picks the experts per program (block_e_for): one binary
-    serves T = 1..SMALL_T, another the rest. Run it without TRITON_INTERPRET=1.
+    serves T = 1..SMALL_T, another the rest. pdl: the programmatic-launch variant (router_topk's
+    pdl). Run it without TRITON_INTERPRET=1.
     """
     p = f"*{dtype}"
     types = (p, p, "*fp32", "*i32", "*i32", "*fp32")
     meta = _constexprs(num_experts, hidden, top_k, norm_topk_prob, config, tokens)
+    if pdl:
+        meta["GDC"] = True
     return compile_for_sm(_router_kernel, types, meta, config.warps, arch, _JIT_OPTIONS)

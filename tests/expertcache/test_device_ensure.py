@@ -82,12 +82,23 @@ def test_device_matches_host_many_victims(policy, chunk):
 
 @pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("chunk, seq_max", [(8, 0), (8, 16), (64, 0), (64, 16)])
-def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max):
+@pytest.mark.parametrize("lean", [False, True], ids=["", "lean"])
+def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max, lean):
     """Every call's victims by successive minima (seq_max 16: kept in registers up to the
-    commit) or by a sort (seq_max 0: through scratch), on several programs and on one."""
+    commit) or by a sort (seq_max 0: through scratch), on several programs and on one; and
+    the opt-in lean kernel (lru without key_of and pinned test, no gather without evictions)."""
     ref = run_parity(policy, L=2, E=24, S=16, rows=2, k=5, C=14, T=7, seed=seq_max + chunk,
-                     chunk=chunk, seq_max=seq_max)
+                     chunk=chunk, seq_max=seq_max, lean=lean)
     assert ref.counters[:, 2].sum() > 32
+
+
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_lean_kernel_matches_host_with_a_filling_pool(policy, chunk):
+    """lean: calls with misses while the pool still has empty slots (victims and empty slots in
+    one call), duplicates and padding, hits among the oldest stamps."""
+    ref = run_parity(policy, L=3, E=16, S=40, rows=2, k=4, C=40, T=6, seed=chunk + 5, chunk=chunk, lean=True)
+    assert ref.counters[:, 2].sum() > 40
 
 
 def test_default_tiles_by_pool_size():
@@ -100,7 +111,7 @@ def test_default_tiles_by_pool_size():
         dev = DeviceCache(CacheGeometry(1, 4 * S, S), "lru", device=device)
         assert (dev.chunk, dev.num_warps, dev.grid) == (chunk, warps, -(-S // chunk))
     g = CacheGeometry(1, 8, 4)
-    for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}):
+    for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}, {"lean": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DeviceCache(g, "lru", device=device, **bad)
 
@@ -191,13 +202,17 @@ def test_device_parity_grid(policy, S):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", policy_names())
-def test_device_parity_many_programs_on_a_mid_pool(policy):
-    """1650 slots on 4 programs of 512 (the default there is one program)."""
+@pytest.mark.parametrize("S, options", [(1650, {"chunk": 512, "num_warps": 4}), (512, {"lean": True}),
+                                        (1650, {"lean": True}), (16384, {"lean": True})],
+                         ids=["many-programs-1650", "lean-512", "lean-1650", "lean-16384"])
+def test_device_parity_variants(policy, S, options):
+    """1650 slots on 4 programs of 512 (explicit tiles), and the opt-in lean kernel on one program
+    (512) and several (1650, 16384)."""
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
     for rows, k, T in ((1, 10, 20), (4, 16, 24)):
-        run_parity(policy, L=8, E=206, S=1650, rows=rows, k=k, C=120, T=T, seed=k, chunk=512, num_warps=4)
+        run_parity(policy, L=8, E=max(16, S // 8), S=S, rows=rows, k=k, C=120, T=T, seed=S + k, **options)
 
 
 def _gpu():
@@ -273,3 +288,39 @@ def test_device_parity_on_the_real_trace(policy, name, slots):
         if c % 997 == 0:
             assert dev.snapshot().equals(ref.snapshot()), c
     assert dev.snapshot().equals(ref.snapshot())
+
+
+PDL_CHECK = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+from expertcache.copy import _JIT_OPTIONS as COPY_JIT, _miss_copy_kernel
+from expertcache.device_ensure import ensure_kernel
+from moe.triton_launch import compile_for_sm
+
+ENSURE_JIT = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k", "rows", "T"]}
+types = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64",
+         "*i32", "*i32", "*i32", "*i64", "*i32", "*i32") + ("i32",) * 8
+out = []
+for gdc in (False, True):
+    cx = dict(POLICY=0, HAS_LOGITS=False, CHUNK=512, BLOCK_Q=16, BLOCK_R=1, BLOCK_C=512, BLOCK_L=64,
+              SINGLE=False, SEQ_MAX=4, LEAN=False, GDC=gdc)
+    out.append("griddepcontrol.wait" in compile_for_sm(ensure_kernel, types, cx, 4, 90, ENSURE_JIT)["ptx"])
+    fn = JITFunction(_miss_copy_kernel.fn, **COPY_JIT)
+    sig = {"count_ptr": "*i32", "plan_ptr": "*i32", "num_rows": "i32", "num_keys": "i32", "num_slots": "i32",
+           "src_ptrs": ("*i32", "*i32"), "dst_ptrs": ("*i32", "*i32")}
+    ccx = dict(NUM_BANKS=2, ROW_WORDS=(1024, 512), FIRST_CHUNK=(0, 1, 2), CHUNKS_PER_ROW=2, BLOCK=1024, GDC=gdc)
+    src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in ccx}}, constexprs=ccx)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    out.append("griddepcontrol.wait" in ptx)
+print(json.dumps(out))
+"""
+
+
+def test_programmatic_launch_variants_compile_for_sm90():
+    """DeviceCache.ensure(pdl=True) and miss_copy(pdl=True) (MoEConfig.pdl_chain) compile for sm_90 and
+    wait for their predecessor; the default launches do not. A child process without TRITON_INTERPRET."""
+    from tests.conftest import compile_check
+    assert compile_check(PDL_CHECK) == [False, False, True, True]

@@ -200,19 +200,41 @@ def test_overlap_on_off_bitwise(gpu_weights, graph, tokens):
     on = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=True)
     assert off.layers[0].overlap_mode is OverlapMode.NONE
     assert on.layers[0].overlap_mode is OverlapMode.SIDE_STREAM, on.layers[0].overlap_reason
-    gen = torch.Generator("cuda").manual_seed(tokens)
+    assert_steps_bitwise(off, on, graph, tokens, seed=tokens)
+    on.close()
+
+
+def assert_steps_bitwise(a_model: SyntheticModel, b_model: SyntheticModel, graph: bool, tokens: int,
+                         seed: int) -> None:
+    """Eight steps of the same random inputs through both models (two to warm up / capture): every
+    step misses in b_model, and the outputs, slot maps and slot contents are equal bit for bit."""
+    gen = torch.Generator("cuda").manual_seed(seed)
     xs = [torch.randn(tokens, GPU_CFG.hidden, generator=gen, device="cuda").to(BF16) for _ in range(8)]
-    run_off, run_on = Runner(off, graph, tokens, xs[:2]), Runner(on, graph, tokens, xs[:2])
+    run_a, run_b = Runner(a_model, graph, tokens, xs[:2]), Runner(b_model, graph, tokens, xs[:2])
     for x in xs[2:]:
-        before = misses(on)
-        a, b = run_off(x), run_on(x)
+        before = misses(b_model)
+        a, b = run_a(x), run_b(x)
         torch.cuda.synchronize()
-        assert misses(on) > before, "every step must miss (and evict)"
+        assert misses(b_model) > before, "every step must miss (and evict)"
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-        sa, sb = state(off), state(on)
+        sa, sb = state(a_model), state(b_model)
         for name in sa:
             assert torch.equal(sa[name], sb[name]), name
-    on.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_pdl_chain_bitwise(gpu_weights, graph, overlap):
+    """MoEConfig.pdl_chain (router, ensure and miss copy launched programmatically) changes no bit:
+    outputs, slot maps and slot contents, with evictions every step, eager and in a CUDA graph."""
+    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap)
+    chain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap, pdl_chain=True)
+    assert chain.cfg.pdl_chain and not plain.cfg.pdl_chain
+    assert_steps_bitwise(plain, chain, graph, 2, seed=7)
+    plain.close()
+    chain.close()
 
 
 def profile_step(model: SyntheticModel, x: torch.Tensor, path) -> list:

@@ -85,7 +85,7 @@ def test_from_hf_unknown_model_type():
 
 @pytest.mark.parametrize("field, value", [
     ("hidden", 0), ("num_experts", -1), ("top_k", 0), ("top_k", 61), ("expert_intermediate", 0),
-    ("shared_intermediate", -1), ("norm_topk_prob", 1), ("copy_overlap", "yes"), ("dtype", "fp8"),
+    ("shared_intermediate", -1), ("norm_topk_prob", 1), ("copy_overlap", "yes"), ("pdl_chain", 1), ("dtype", "fp8"),
     ("hidden", 2.0), ("num_experts", True),
 ])
 def test_config_validation_names_field(field, value):

@@ -266,10 +266,16 @@ def test_device_mismatch_is_named():
 
 @pytest.mark.parametrize("field, value", [("block_i", 3), ("chunk_h", 0), ("block_h", True),
                                           ("chunk_i", 2.0), ("warps_down", 32), ("warps_gate_up", 6),
-                                          ("pdl", 1)])
+                                          ("pdl", 1), ("prefetch", 1)])
 def test_config_validation_names_field(field, value):
     with pytest.raises(ValueError, match=field):
         RoutedConfig(**{field: value})
+
+
+def test_prefetch_needs_the_programmatic_launch():
+    with pytest.raises(ValueError, match="prefetch needs pdl"):
+        RoutedConfig(pdl=False, prefetch=True)
+    assert RoutedConfig(prefetch=True).name.endswith("-pdl-pf")
 
 
 @pytest.mark.parametrize("tokens", range(1, GEMV_MAX_TOKENS + 1))
@@ -306,6 +312,12 @@ out["combine_rounds_to_nearest_even"] = "cvt.rn.bf16.f32" in asm["_down_kernel+c
 plain = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(pdl=False))
 out["griddepcontrol"] = sorted(n for n, a in {**asm, **{n + "/plain": a for n, a in plain.items()}}.items()
                                if "griddepcontrol.wait" in a["ptx"])
+pf = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(prefetch=True))
+out["prefetch"] = {n: a["ptx"].count("prefetch.global.L2")
+                   for n, a in {**asm, **{n + "/pf": a for n, a in pf.items()}}.items() if "prefetch.global.L2" in a["ptx"]}
+# the prefetch comes before the wait
+out["prefetch_first"] = all(a["ptx"].rindex("prefetch.global.L2") < a["ptx"].index("griddepcontrol.wait")
+                            for n, a in pf.items() if "down_kernel" in n)
 print(json.dumps(out))
 """
 
@@ -320,7 +332,10 @@ def test_compiles_for_sm90_with_16_byte_loads():
                                                       "_shared_gate_up", "_shared_down")} | {
         "combine_rounds_to_nearest_even": True,
         # programmatic launch by default (RoutedConfig.pdl), never with pdl=False nor for the shared expert
-        "griddepcontrol": ["_down_kernel", "_down_kernel+combine", "_gate_up_kernel"]}
+        "griddepcontrol": ["_down_kernel", "_down_kernel+combine", "_gate_up_kernel"],
+        # RoutedConfig(prefetch=True): the routed down launches only, one per 128-byte line of each
+        # expert's rows (10 experts x 2 rows x 1 KB: one instruction per expert, a line per thread)
+        "prefetch": {"_down_kernel/pf": 10, "_down_kernel+combine/pf": 10}, "prefetch_first": True}
 
 
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
@@ -333,15 +348,18 @@ def _qwen_case(tokens: int, seed: int):
     return hidden, slots, weights, gate_up, down
 
 
+LAUNCH_MODES = {"pdl": {}, "no-pdl": {"pdl": False}, "pdl-pf": {"prefetch": True}}  # RoutedConfig kwargs
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
+@pytest.mark.parametrize("mode", list(LAUNCH_MODES))
 @pytest.mark.parametrize("tokens", [1, 2, 8])
-def test_gpu_qwen3_next_shape(tokens, pdl):
+def test_gpu_qwen3_next_shape(tokens, mode):
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA")
     args = _qwen_case(tokens, seed=tokens)
-    config = RoutedConfig(pdl=pdl)
+    config = RoutedConfig(**LAUNCH_MODES[mode])
     got = routed_experts(*args, config=config)
     assert_close(got, routed_reference(*args), 1e-3)
     assert torch.equal(got, routed_experts(*args, config=config))
@@ -349,8 +367,8 @@ def test_gpu_qwen3_next_shape(tokens, pdl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-def test_gpu_cuda_graph_replay_follows_slots_and_weights(pdl):
+@pytest.mark.parametrize("mode", list(LAUNCH_MODES))
+def test_gpu_cuda_graph_replay_follows_slots_and_weights(mode):
     """Inside one graph a device copy rewrites a routed slot's weights right before the routed
     launches (as the miss copy does); with programmatic launches too, the replay sees the new bytes."""
     _, gpu = device_or_skip()
@@ -360,7 +378,7 @@ def test_gpu_cuda_graph_replay_follows_slots_and_weights(pdl):
     slots[0, 0] = 7  # a live slot (padding is -1)
     src = torch.randn(down[:1].shape, device="cuda").bfloat16()
     out = torch.empty(4, QWEN3_NEXT["hidden"], device="cuda")
-    config = RoutedConfig(pdl=pdl)
+    config = RoutedConfig(**LAUNCH_MODES[mode])
     routed_experts(hidden, slots, weights, gate_up, down, out=out, config=config)  # compile, make the scratch
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
