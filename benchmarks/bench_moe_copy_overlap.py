@@ -13,8 +13,12 @@
           share of missing layers whose shared expert ends inside the copy, copy duration on vs off,
           kernels per layer (every kernel of the replays / (replays * L); the eager step's count too)
     -> resident mode: pools of L*E slots, every expert made resident first; ABAB timing of the
-       whole layer vs the HBM floor (weights read per layer / device-to-device bandwidth measured now)
-    -> Chrome traces (open in Perfetto): step_{off,on}.json (one decode step), replays_{off,on}.json;
+       whole layer vs the HBM floor (weights read per layer / device-to-device bandwidth measured now);
+       then --profile replays per mode under the profiler: each kernel's median duration and the
+       median gap between consecutive kernels of the compute chain (router .. routed down)
+       (--no-miss-mode: this part only)
+    -> Chrome traces (open in Perfetto): step_{off,on}.json (one decode step), replays_{off,on}.json,
+       resident_replays_{off,on}.json;
        results.json with everything; a table printed last.
 
 Run: python benchmarks/bench_moe_copy_overlap.py --out-dir OUT [--slots 1650] [--tokens 1] [--reps 300]
@@ -212,7 +216,8 @@ def d2d_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
 
 
 def miss_mode(weights, args, xs, out_dir: Path) -> dict:
-    models = {m: SyntheticModel(weights, args.slots, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain)
+    models = {m: SyntheticModel(weights, args.slots, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain,
+                             early_hits=args.early_hits)
               for m in ("off", "on")}
     if models["on"].layers[0].side is None:
         raise SystemExit(f"overlap did not apply: {models['on'].layers[0].overlap_reason}")
@@ -243,9 +248,37 @@ def miss_mode(weights, args, xs, out_dir: Path) -> dict:
             "profile": prof, "misses_per_layer_per_step": timing["misses_per_step_mean"] / len(weights.router)}
 
 
-def resident_mode(weights, args, xs) -> dict:
+CHAIN = ("_router_kernel", "ensure_kernel", "_miss_copy_kernel", "_gate_up_kernel", "_down_kernel")
+
+
+def resident_breakdown(graph: Graph, xs: list[torch.Tensor], path: Path) -> dict:
+    """Profile replays of a resident step graph: median duration of each kernel, and the median gap
+    from the end of each compute-chain kernel (CHAIN, in launch order) to the start of the next one
+    (negative: the next one started early, as a programmatic dependent launch may)."""
+    graph(xs[0])
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for x in xs:
+            graph(x)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    ks = kernels(load_trace(path))
+    durations: dict[str, list[float]] = {}
+    for k in ks:
+        durations.setdefault(k.name, []).append(k.duration)
+    chain = [k for k in ks if any(c in k.name for c in CHAIN)]
+    gaps: dict[str, list[float]] = {}
+    for a, b in zip(chain, chain[1:]):
+        name = lambda k: next(c for c in CHAIN if c in k.name)  # noqa: E731
+        gaps.setdefault(f"{name(a)}->{name(b)}", []).append(b.start - a.end)
+    med = lambda d: {n: float(np.median(v)) for n, v in sorted(d.items())}  # noqa: E731
+    return {"kernel_us": med(durations), "gap_us": med(gaps), "kernels": len(ks), "replays": len(xs)}
+
+
+def resident_mode(weights, args, xs, out_dir: Path) -> dict:
     L, E = weights.num_layers, CFG.num_experts
-    models = {m: SyntheticModel(weights, L * E, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain)
+    models = {m: SyntheticModel(weights, L * E, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain,
+                             early_hits=args.early_hits)
               for m in ("off", "on")}
     for m in models.values():
         m.warm_all()
@@ -258,38 +291,47 @@ def resident_mode(weights, args, xs) -> dict:
     weight_bytes = 2 * (E * h + experts * 3 * i * h + 3 * s * h + h)  # bf16 router, experts, shared + gate
     floor_us = weight_bytes / bw * 1e6
     per_layer = {m: timing[m]["median_us"] / L for m in ("off", "on")}
+    breakdown = {m: resident_breakdown(graphs[m], xs[: args.profile], out_dir / f"resident_replays_{m}.json")
+                 for m in graphs} if args.profile else {}
     for m in models.values():
         m.close()
     return {"timing": timing, "misses_during_timing": new_misses, "d2d_bytes_per_s": bw,
             "weight_bytes_per_layer": weight_bytes, "hbm_floor_us": floor_us, "layer_us": per_layer,
-            "ratio_to_floor": {m: per_layer[m] / floor_us for m in per_layer},
+            "ratio_to_floor": {m: per_layer[m] / floor_us for m in per_layer}, "breakdown": breakdown,
             "note": "router, experts and shared expert all read in bf16, as counted here"}
 
 
 def table(res: dict) -> str:
-    miss, resi = res["miss_mode"], res["resident_mode"]
-    t, p = miss["timing"], miss["profile"]
-    fmt = lambda v, spec=".1f": "n/a" if v is None else format(v, spec)
-    lines = [(f"bitwise on == off: eager {miss['bitwise_eager']}, graph {miss['bitwise_graph']}; "
-             f"side stream separate: {miss['calibration']['on']['side_stream_ok']}"),
-             f"miss mode ({res['settings']['slots']} slots, {miss['misses_per_layer_per_step']:.2f} misses/layer/step)",
-             (f"  step median off {t['off']['median_us']:.1f} us, on {t['on']['median_us']:.1f} us; paired saving "
-             f"{t['paired_saving']['median_us']:.1f} us [p10 {t['paired_saving']['p10_us']:.1f}, "
-             f"p90 {t['paired_saving']['p90_us']:.1f}] = {miss['saving_per_layer_us']:.2f} us per layer"),
-             (f"  copy start slip (median): off {fmt(p['off']['median_slip_us'], '.2f')} us, "
-             f"on {fmt(p['on']['median_slip_us'], '.2f')} us"),
-             (f"  copy duration (median, missing layers): off {fmt(p['off']['copy_us_median_missed'])} us, "
-             f"on {fmt(p['on']['copy_us_median_missed'])} us"),
-             (f"  shared expert ends inside the copy: {fmt(p['on'].get('shared_inside_copy_share_missed'), '.0%')} "
-             f"of missing layers ({fmt(p['on'].get('shared_inside_copy_share_all'), '.0%')} of all)"),
-             (f"  kernels per layer: eager step off {miss['calibration']['off']['kernels_per_layer']:.1f}, "
-              f"on {miss['calibration']['on']['kernels_per_layer']:.1f}; graph replays off "
-              f"{fmt(p['off']['kernels_per_layer'])}, on {fmt(p['on']['kernels_per_layer'])}"),
-             TARGET,
-             (f"  HBM floor {resi['hbm_floor_us']:.1f} us/layer ({resi['weight_bytes_per_layer'] / 1e6:.1f} MB at "
-             f"{resi['d2d_bytes_per_s'] / 1e12:.2f} TB/s); layer off {resi['layer_us']['off']:.1f} us "
-             f"({resi['ratio_to_floor']['off']:.2f}x), on {resi['layer_us']['on']:.1f} us "
-             f"({resi['ratio_to_floor']['on']:.2f}x); misses while timing: {resi['misses_during_timing']}")]
+    resi = res["resident_mode"]
+    fmt = lambda v, spec=".1f": "n/a" if v is None else format(v, spec)  # noqa: E731
+    lines = []
+    if "miss_mode" in res:
+        miss = res["miss_mode"]
+        t, p = miss["timing"], miss["profile"]
+        lines += [(f"bitwise on == off: eager {miss['bitwise_eager']}, graph {miss['bitwise_graph']}; "
+                  f"side stream separate: {miss['calibration']['on']['side_stream_ok']}"),
+                  f"miss mode ({res['settings']['slots']} slots, {miss['misses_per_layer_per_step']:.2f} misses/layer/step)",
+                  (f"  step median off {t['off']['median_us']:.1f} us, on {t['on']['median_us']:.1f} us; paired saving "
+                  f"{t['paired_saving']['median_us']:.1f} us [p10 {t['paired_saving']['p10_us']:.1f}, "
+                  f"p90 {t['paired_saving']['p90_us']:.1f}] = {miss['saving_per_layer_us']:.2f} us per layer"),
+                  (f"  copy start slip (median): off {fmt(p['off']['median_slip_us'], '.2f')} us, "
+                  f"on {fmt(p['on']['median_slip_us'], '.2f')} us"),
+                  (f"  copy duration (median, missing layers): off {fmt(p['off']['copy_us_median_missed'])} us, "
+                  f"on {fmt(p['on']['copy_us_median_missed'])} us"),
+                  (f"  shared expert ends inside the copy: {fmt(p['on'].get('shared_inside_copy_share_missed'), '.0%')} "
+                  f"of missing layers ({fmt(p['on'].get('shared_inside_copy_share_all'), '.0%')} of all)"),
+                  (f"  kernels per layer: eager step off {miss['calibration']['off']['kernels_per_layer']:.1f}, "
+                   f"on {miss['calibration']['on']['kernels_per_layer']:.1f}; graph replays off "
+                   f"{fmt(p['off']['kernels_per_layer'])}, on {fmt(p['on']['kernels_per_layer'])}")]
+    lines += [TARGET,
+              (f"  HBM floor {resi['hbm_floor_us']:.1f} us/layer ({resi['weight_bytes_per_layer'] / 1e6:.1f} MB at "
+              f"{resi['d2d_bytes_per_s'] / 1e12:.2f} TB/s); layer off {resi['layer_us']['off']:.1f} us "
+              f"({resi['ratio_to_floor']['off']:.2f}x), on {resi['layer_us']['on']:.1f} us "
+              f"({resi['ratio_to_floor']['on']:.2f}x); misses while timing: {resi['misses_during_timing']}")]
+    for mode, b in resi.get("breakdown", {}).items():
+        lines.append(f"  resident {mode}, profiled medians: kernels "
+                     + ", ".join(f"{n} {v:.2f}" for n, v in b["kernel_us"].items()) + " us; gaps "
+                     + ", ".join(f"{n} {v:.2f}" for n, v in b["gap_us"].items()) + " us")
     return "\n".join(lines)
 
 
@@ -304,6 +346,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--bitwise-steps", type=int, default=4)
     ap.add_argument("--profile", type=int, default=40, help="replays under the profiler per mode")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-miss-mode", dest="miss_mode", action="store_false",
+                    help="the resident mode only (the layer against the HBM floor, with its kernel breakdown)")
+    ap.add_argument("--no-early-hits", dest="early_hits", action="store_false",
+                    help="MoEConfig.early_hits off: overlap on runs only the shared expert on the side stream")
     ap.add_argument("--pdl-chain", action="store_true",
                     help="MoEConfig.pdl_chain: router, ensure and miss copy launched programmatically too")
     return ap.parse_args()
@@ -322,9 +368,10 @@ def main() -> None:
     count = 2 * args.bitwise_steps + 2 + args.warmup + args.reps + args.profile + 1
     xs = [torch.randn(args.tokens, CFG.hidden, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(count)]
     res = {"machine": machine(), "settings": vars(args), "config": CFG.__dict__}
-    res["miss_mode"] = miss_mode(weights, args, xs, out_dir)
-    torch.cuda.empty_cache()
-    res["resident_mode"] = resident_mode(weights, args, xs)
+    if args.miss_mode:
+        res["miss_mode"] = miss_mode(weights, args, xs, out_dir)
+        torch.cuda.empty_cache()
+    res["resident_mode"] = resident_mode(weights, args, xs, out_dir)
     res["seconds"] = time.time() - t0
     (out_dir / "results.json").write_text(json.dumps(res, indent=1, default=str))
     print(f"wrote {out_dir / 'results.json'} and Chrome traces step_*.json / replays_*.json ({res['seconds']:.0f} s)")

@@ -48,7 +48,7 @@ for part in $parts; do
     overlap)
       mkdir -p "$OUT/moe"
       timeout ${OVERLAP_TIMEOUT:-400} python3 benchmarks/bench_moe_copy_overlap.py --out-dir "$OUT/moe" ${OVERLAP_ARGS:-} 2>&1 | tee "$OUT/moe/bench.log" | tail -14
-      (cd "$OUT/moe" && tar czf traces.tgz *step_*.json replays_*.json && rm -f *step_*.json replays_*.json) ;;
+      (cd "$OUT/moe" && tar czf traces.tgz $(ls *.json | grep -v results.json) && rm -f $(ls *.json | grep -v results.json)) ;;
     engine)
       timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/moe/test_engine_gpu.py \
         2>&1 | tee "$OUT/gpu-tests-engine.log" | tail -8 ;;

@@ -40,6 +40,9 @@ class MoEConfig:
     copy_overlap: run the shared expert on a side stream while the miss copy is in flight.
     pdl_chain: launch the router, ensure and miss copy with programmatic dependent launch too (each
     waits for its predecessor before reading anything, so the same results); opt-in until measured.
+    early_hits: with the side stream in use (copy_overlap on and applied), the gate_up rows of the
+    experts already resident run on the side stream right after the router, beside the ensure and
+    miss copy (moe.layer); the same output bits. No effect with the overlap off.
 
     Raises ValueError naming the field on any invalid value.
     """
@@ -53,6 +56,7 @@ class MoEConfig:
     dtype: str = "bfloat16"
     copy_overlap: bool = False
     pdl_chain: bool = False
+    early_hits: bool = True
 
     def __post_init__(self) -> None:
         for name in ("hidden", "num_experts", "top_k", "expert_intermediate"):
@@ -60,7 +64,7 @@ class MoEConfig:
         _check_int("shared_intermediate", self.shared_intermediate, minimum=0)
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        for name in ("norm_topk_prob", "copy_overlap", "pdl_chain"):
+        for name in ("norm_topk_prob", "copy_overlap", "pdl_chain", "early_hits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:

@@ -124,6 +124,7 @@ class MoELayer:
         cfg, n, dev = self.cfg, GEMV_MAX_TOKENS, self.device
         self._weights = torch.empty((n, cfg.top_k), dtype=torch.float32, device=dev)  # router out
         self._ids = torch.empty((n, cfg.top_k), dtype=torch.int32, device=dev)
+        self._pre = torch.empty((n, cfg.top_k), dtype=torch.int32, device=dev)  # early hits: slots before ensure
         self._routed_out = torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)  # routed() only
         router_scratch(dev, cfg.num_experts)
         routed_scratch(dev, cfg.top_k, cfg.expert_intermediate)
@@ -182,7 +183,10 @@ class MoELayer:
                 shared = self.shared_expert(hidden)  # [T, H] f32, a buffer of this layer
         elif self.shared is not None:
             shared = self.shared_expert(hidden)
-        act, slots = self._routed_front(hidden, routing)  # router, ensure, miss copy, gate_up: back to back
+        if side is not None and routing is None and self.cfg.early_hits:
+            act, slots = self._early_hits_front(hidden, side, compute)
+        else:
+            act, slots = self._routed_front(hidden, routing)  # router, ensure, miss copy, gate_up: back to back
         if side is not None:
             side.join(compute)  # the down launch below reads `shared`
         routed_down(act, slots, self.slots.pool.tensor("down"), addend=shared, out_cast=out, after_gate_up=True)
@@ -202,6 +206,28 @@ class MoELayer:
         buf = slots.cache.ensure(self.layer, ids, pdl=pdl)  # slots [T, k], plan [Q, 2], count [1]
         miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=pdl)
         act = routed_gate_up(hidden, buf.slots, weights, slots.pool.tensor("gate_up"))
+        return act, buf.slots
+
+    def _early_hits_front(self, hidden: torch.Tensor, side: SideStream, compute: torch.cuda.Stream
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Overlap on, early hits: the router also records each chosen expert's slot before the
+        ensure (pre; -1 = not resident); the side stream forks again right after it and computes the
+        gate_up rows of the resident pairs from pre, while the compute stream runs ensure, miss copy
+        and the gate_up rows of the others. A resident expert keeps its slot through its ensure and
+        the copy writes only victims' slots, so both halves read what the single gate_up would: the
+        same act bits."""
+        cfg, slots, tokens = self.cfg, self.slots, hidden.shape[0]
+        pdl, pre = cfg.pdl_chain, self._pre[:tokens]
+        gate_up = slots.pool.tensor("gate_up")
+        weights, ids = router_topk(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob,
+                                   weights=self._weights[:tokens], ids=self._ids[:tokens], pdl=pdl,
+                                   pre=(slots.cache.slot_of, self.layer * cfg.num_experts, pre))
+        side.fork(compute)  # the side stream sees weights and pre
+        with torch.cuda.stream(side.stream):
+            routed_gate_up(hidden, pre, weights, gate_up, part="hits", pre=pre)
+        buf = slots.cache.ensure(self.layer, ids, pdl=pdl)
+        miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=pdl)
+        act = routed_gate_up(hidden, buf.slots, weights, gate_up, part="rest", pre=pre)
         return act, buf.slots
 
     def last_routing(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,7 +43,7 @@ from moe.plan import (
     RoutedPlan,
     make_routed_plan,
 )
-from moe.routed_kernels import DOWN_ENTRIES, GATE_UP_ENTRIES, JIT_OPTIONS
+from moe.routed_kernels import DOWN_ENTRIES, GATE_UP_ENTRIES, JIT_OPTIONS, _gate_up_hits
 from moe.triton_launch import compile_for_sm, kernel_for
 
 NO_SLOT = -1
@@ -101,6 +101,7 @@ class RoutedConfig:
 
 
 DEFAULT_CONFIG = RoutedConfig()
+PARTS = ("all", "hits", "rest")  # routed_gate_up's part; its index is the kernels' PICK
 
 
 def _tiles(hidden: int, inter: int, config: RoutedConfig) -> tuple[int, int, int, int]:
@@ -152,10 +153,12 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
     """
     shared_inter = inter if shared_inter is None else shared_inter
     p = f"*{dtype}"
-    gate_up_types = (p, "*i32", "*fp32", p, p, "*fp32", "i32")
+    gate_up_types = (p, "*i32", "*fp32", p, p, "*fp32", "i32", "*i32")
     result = {}
     for name, k, width, is_shared, down_flags in (
             ("_gate_up_kernel", top_k, inter, False, None),
+            ("_gate_up_hits", top_k, inter, False, None),
+            ("_gate_up_kernel+rest", top_k, inter, False, None),
             ("_down_kernel", top_k, inter, False, (False, True, False)),
             ("_down_kernel+combine", top_k, inter, False, (True, False, True)),
             ("_shared_gate_up", 1, shared_inter, True, None),
@@ -164,9 +167,11 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
         even_a, even_b = _even(hidden, width, config)
         shape = {"K": k, "H": hidden, "I": width}
         if down_flags is None:
-            kernel, types, warps = GATE_UP_ENTRIES[is_shared], gate_up_types, config.warps_gate_up
+            pick = PARTS.index({"_gate_up_hits": "hits", "_gate_up_kernel+rest": "rest"}.get(name, "all"))
+            kernel = _gate_up_hits if pick == 1 else GATE_UP_ENTRIES[is_shared]
+            types, warps = gate_up_types, config.warps_gate_up
             constexprs = dict(shape, BLOCK_I=block_i, CHUNK_H=chunk_h, EVEN=even_a, GATED=is_shared,
-                              GDC=int(config.pdl and not is_shared))
+                              GDC=int(config.pdl and not is_shared and pick != 1), PICK=pick)
         else:
             kernel, warps = DOWN_ENTRIES[is_shared], config.warps_down
             types = ("*fp32", "*i32", p, "*fp32", "*fp32", p, "i32")
@@ -280,18 +285,22 @@ def _down_gdc(config: RoutedConfig, programmatic: bool) -> int:
     return (2 if config.prefetch else 1) if programmatic and config.pdl else 0
 
 
-def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config) -> torch.Tensor:
+def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config, part="all",
+                    pre=None) -> torch.Tensor:
     tokens, top_k, num_slots, hid, inter = dims
     block_i, chunk_h, _, _ = _tiles(hid, inter, config)
     grid, _ = routed_grids(tokens, top_k, hid, inter, config)
     gated = gate_w is not None
-    kernel = kernel_for(GATE_UP_ENTRIES[gated], hidden.device, JIT_OPTIONS, "routed_experts")
+    pick = PARTS.index(part)
+    entry = _gate_up_hits if pick == 1 else GATE_UP_ENTRIES[gated]
+    kernel = kernel_for(entry, hidden.device, JIT_OPTIONS, "routed_experts")
     with _device_ctx(hidden.device):
-        gdc = config.pdl and not gated and hidden.device.type == "cuda"
+        # the hits' launch follows an event wait on another stream, not its producer: no PDL
+        gdc = config.pdl and not gated and pick != 1 and hidden.device.type == "cuda"
         kernel[grid](hidden, slots, act if gated else weights, gate_w if gated else hidden, gate_up, act,
-                     num_slots, K=top_k, H=hid, I=inter, BLOCK_I=block_i, CHUNK_H=chunk_h,
-                     EVEN=_even(hid, inter, config)[0], GATED=gated, GDC=int(gdc), num_warps=config.warps_gate_up,
-                     **({"launch_pdl": True} if gdc else {}))
+                     num_slots, slots if pre is None else pre, K=top_k, H=hid, I=inter, BLOCK_I=block_i,
+                     CHUNK_H=chunk_h, EVEN=_even(hid, inter, config)[0], GATED=gated, GDC=int(gdc),
+                     PICK=pick, num_warps=config.warps_gate_up, **({"launch_pdl": True} if gdc else {}))
     return act[:tokens * top_k]
 
 
@@ -324,13 +333,31 @@ def _config(who: str, config) -> RoutedConfig:
 
 def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None,
                    gate_up: torch.Tensor, *, gate_w: torch.Tensor | None = None,
-                   act: torch.Tensor | None = None, config: RoutedConfig | None = None) -> torch.Tensor:
+                   act: torch.Tensor | None = None, config: RoutedConfig | None = None,
+                   part: str = "all", pre: torch.Tensor | None = None) -> torch.Tensor:
     """The first launch of routed_experts (same arguments): returns act [T * k, I] float32, rows
-    [0, T * k) of `act` (default routed_scratch(device, k, I)), to pass to routed_down."""
+    [0, T * k) of `act` (default routed_scratch(device, k, I)), to pass to routed_down.
+
+    part / pre (routed experts only, not with gate_w): "all" (default) computes every (t, j) pair.
+    With pre int32 [T, k] (the slots before the ensure, -1 = not resident: router_topk's `pre`),
+    "hits" computes only the pairs with pre >= 0, at slot pre[t, j] (`slots` is not read), and "rest"
+    only the others, at slots[t, j]; a pair not taken keeps its act rows untouched. A "hits" and a
+    "rest" launch over the same pre write every row once, bit for bit as one "all" launch (the same
+    program per pair), so the hits can run before the ensure decides the rest (MoELayer's early hits).
+    """
     config = _config("routed_gate_up", config)
     dims = _check_gate_up("routed_gate_up", hidden, slots, weights, gate_up, gate_w, act)
+    if part not in PARTS:
+        raise ValueError(f"routed_gate_up: part must be one of {PARTS}, got {part!r}")
+    if part != "all":
+        if gate_w is not None:
+            raise ValueError("routed_gate_up: part='hits' / 'rest' is for routed experts (gate_w=None)")
+        _check_tensor("routed_gate_up", "pre", pre, (torch.int32,), 2, hidden.device)
+        if tuple(pre.shape) != tuple(slots.shape):
+            raise ValueError(f"routed_gate_up: pre must be {list(slots.shape)} like slots, got {list(pre.shape)}")
     act = routed_scratch(hidden.device, dims[1], dims[4]) if act is None else act
-    return _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config)
+    return _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config, part,
+                           pre if part != "all" else None)
 
 
 def routed_down(act: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, *,

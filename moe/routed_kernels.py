@@ -33,15 +33,33 @@ JIT_OPTIONS = {"do_not_specialize": ["num_slots"]}  # a pool rebuilt with new S 
 
 
 @triton.jit
-def _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
+def _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr):
+                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr,
+                  PICK: tl.constexpr):
     if GDC:  # everything below reads the predecessors' output; then the down launch may start
         gdc_wait()
         gdc_launch_dependents()
     pair = tl.program_id(0)  # t * K + j
+    if PICK == 1:  # the early hits: pairs resident before the ensure, at their slot from pre
+        slot = tl.load(pre_ptr + pair)
+        take = slot >= 0
+    elif PICK == 2:  # the rest: pairs not resident before the ensure, at the ensure's slot
+        take = tl.load(pre_ptr + pair) < 0
+        slot = tl.load(slots_ptr + pair)
+    else:
+        slot = tl.load(slots_ptr + pair)
+        take = True
+    if take:  # a pair not taken writes nothing (the other launch writes its rows)
+        _gate_up_rows(x_ptr, slot, pair, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
+                      K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED)
+
+
+@triton.jit
+def _gate_up_rows(x_ptr, slot, pair, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
+                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
+                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
     token = pair // K
-    slot = tl.load(slots_ptr + pair)
     live = (slot >= 0) & (slot < num_slots)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] gate rows
     base = w13_ptr + tl.where(live, slot, 0).to(tl.int64) * (2 * I * H)
@@ -141,19 +159,30 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
 #   when WRITE_CAST); num_slots i32 S; constexprs as the body (GDC as gate_up).
 
 @triton.jit(**JIT_OPTIONS)
-def _gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
+def _gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                    CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr):
-    _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
-                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC)
+                    CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr,
+                    PICK: tl.constexpr):
+    _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
+                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC, PICK)
 
 
 @triton.jit(**JIT_OPTIONS)
-def _shared_gate_up(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
+def _gate_up_hits(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
+                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
+                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr,
+                  PICK: tl.constexpr):
+    _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
+                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC, PICK)
+
+
+@triton.jit(**JIT_OPTIONS)
+def _shared_gate_up(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                    CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr):
-    _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
-                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC)
+                    CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr,
+                    PICK: tl.constexpr):
+    _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
+                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC, PICK)
 
 
 @triton.jit(**JIT_OPTIONS)

@@ -43,7 +43,7 @@ from moe.triton_launch import compile_for_sm, kernel_for
 
 ROUTER_MAX_EXPERTS = 4096  # the selecting program holds all E probabilities in registers
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_JIT_OPTIONS: dict = {}
+_JIT_OPTIONS: dict = {"do_not_specialize": ["key_base"]}
 
 
 SELECTS = ("argmax", "packed", "topk")
@@ -128,9 +128,10 @@ def _select_topk(row_ptr, ids_ptr, weights_ptr, E: tl.constexpr, K: tl.constexpr
         ws = ws / tl.sum(ws, axis=0)
     tl.store(ids_ptr + kk, ids, mask=kk < K)
     tl.store(weights_ptr + kk, ws, mask=kk < K)
+    return ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["key_base"])
 def _router_kernel(
     x_ptr,  # [T, H] hidden (model dtype), row-major
     w_ptr,  # [E, H] router weight (model dtype), row-major
@@ -138,6 +139,9 @@ def _router_kernel(
     arrive_ptr,  # *i32 [T] arrival counters: 0 before and after every call
     ids_ptr,  # *i32 [T, K] out: expert ids, by weight descending
     weights_ptr,  # *fp32 [T, K] out: routing weights
+    slot_of_ptr,  # *i32 [L * E] the slot map (read if PRE)
+    key_base,  # this layer's first key, layer * E (read if PRE)
+    pre_ptr,  # *i32 [T, K] out if PRE: slot_of[key_base + ids] as this launch found it (-1: absent)
     E: tl.constexpr,  # experts
     H: tl.constexpr,  # hidden
     K: tl.constexpr,  # top_k
@@ -149,6 +153,7 @@ def _router_kernel(
     EVEN: tl.constexpr,  # E % BLOCK_E == 0 and H % CHUNK_H == 0: no masks
     SELECT: tl.constexpr,  # index of RouterConfig.select in SELECTS
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
+    PRE: tl.constexpr = False,  # also write pre (the slots of the chosen experts before their ensure)
 ):
     if GDC:
         gdc_wait()
@@ -172,8 +177,12 @@ def _router_kernel(
     if arrived == tl.num_programs(1) - 1:
         tl.debug_barrier()
         tl.store(arrive_ptr + token, 0)
-        _select_topk(logits_ptr + token * E, ids_ptr + token * K, weights_ptr + token * K,
-                     E, K, BLOCK_ALL, BLOCK_K, NORM, SELECT)
+        ids = _select_topk(logits_ptr + token * E, ids_ptr + token * K, weights_ptr + token * K,
+                           E, K, BLOCK_ALL, BLOCK_K, NORM, SELECT)
+        if PRE:
+            kk = tl.arange(0, BLOCK_K)
+            pre = tl.load(slot_of_ptr + key_base + ids, mask=kk < K, other=-1)
+            tl.store(pre_ptr + token * K + kk, pre, mask=kk < K)
 
 
 SMALL_T, SMALL_T_BLOCK_E, BLOCK_E = 4, 2, 4  # RouterConfig.block_e=None: per program, by the token count
@@ -249,9 +258,25 @@ def _check_args(hidden, router_w, top_k, weights, ids) -> tuple[int, int, int]:
     return tokens, num_experts, hid
 
 
+def _check_pre(pre, tokens: int, top_k: int, num_experts: int, device) -> None:
+    """Raise ValueError naming `pre` unless it is (slot_of int32 [L * E], key_base, out int32 [T, k])."""
+    ok = isinstance(pre, tuple) and len(pre) == 3
+    if ok:
+        slot_of, key_base, out = pre
+        ok = (isinstance(key_base, int) and not isinstance(key_base, bool) and isinstance(slot_of, torch.Tensor)
+              and slot_of.dim() == 1 and 0 <= key_base and key_base + num_experts <= slot_of.numel()
+              and key_base % num_experts == 0)
+    if not ok:
+        raise ValueError("router_topk: pre must be (slot_of int32 [L * E], key_base = layer * E, "
+                         f"out int32 [{tokens}, {top_k}])")
+    _check("pre slot_of", slot_of, (torch.int32,), None, device)
+    _check("pre out", out, (torch.int32,), (tokens, top_k), device)
+
+
 def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, *,
                 weights: torch.Tensor | None = None, ids: torch.Tensor | None = None,
-                config: RouterConfig | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                config: RouterConfig | None = None, pdl: bool = False,
+                pre: tuple[torch.Tensor, int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: hidden [T, H], router_w [E, H] -> (weights [T, k] float32, ids [T, k] int32).
 
     hidden and router_w share one dtype (bf16 / f16 / f32), contiguous; 1 <= T <= GEMV_MAX_TOKENS,
@@ -262,6 +287,9 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
     Cost: reads E * H weight elements once per token (repeat tokens meet in L2), O(k * E) to select.
     pdl: on CUDA, a programmatic dependent launch (waits for its predecessor before reading; same
     results; MoEConfig.pdl_chain).
+    pre: (slot_of int32 [L * E], key_base = layer * E, out int32 [T, k]): the selecting program also
+    writes out[t, j] = slot_of[key_base + ids[t, j]] as it finds it (-1: not resident), the slots
+    before this layer's ensure (MoELayer's early hits). Same ids and weights as without.
     Raises ValueError naming the argument whose shape, dtype, device or value is wrong;
     RuntimeError for CPU tensors without Triton's interpreter.
     """
@@ -271,6 +299,8 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
                          f"got {type(config).__name__}")
     tokens, num_experts, hid = _check_args(hidden, router_w, top_k, weights, ids)
     device = hidden.device
+    if pre is not None:
+        _check_pre(pre, tokens, top_k, num_experts, device)
     if weights is None:
         weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
     if ids is None:
@@ -281,7 +311,9 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
     kernel = kernel_for(_router_kernel, device, _JIT_OPTIONS, "router_topk")
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         gdc = bool(pdl) and device.type == "cuda"
-        kernel[grid](hidden, router_w, logits, arrive, ids, weights, **meta, num_warps=config.warps,
+        slot_of, key_base, pre_out = (ids, 0, ids) if pre is None else pre
+        kernel[grid](hidden, router_w, logits, arrive, ids, weights, slot_of, key_base, pre_out, **meta,
+                     num_warps=config.warps, PRE=pre is not None,
                      **({"GDC": True, "launch_pdl": True} if gdc else {}))
     return weights, ids
 
@@ -308,7 +340,7 @@ def compile_router_for_target(num_experts: int, hidden: int, top_k: int, dtype: 
     pdl). Run it without TRITON_INTERPRET=1.
     """
     p = f"*{dtype}"
-    types = (p, p, "*fp32", "*i32", "*i32", "*fp32")
+    types = (p, p, "*fp32", "*i32", "*i32", "*fp32", "*i32", "i32", "*i32")
     meta = _constexprs(num_experts, hidden, top_k, norm_topk_prob, config, tokens)
     if pdl:
         meta["GDC"] = True

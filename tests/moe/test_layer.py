@@ -237,6 +237,20 @@ def test_pdl_chain_bitwise(gpu_weights, graph, overlap):
     chain.close()
 
 
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_early_hits_bitwise(gpu_weights, graph):
+    """MoEConfig.early_hits (the resident experts' gate_up on the side stream, the rest after the
+    copy) changes no bit against the overlap without it, with evictions every step."""
+    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=True, early_hits=False)
+    early = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=True)
+    assert early.cfg.early_hits and not plain.cfg.early_hits
+    assert_steps_bitwise(plain, early, graph, 2, seed=13)
+    plain.close()
+    early.close()
+
+
 def profile_step(model: SyntheticModel, x: torch.Tensor, path) -> list:
     """One eager step under the profiler with the shared expert inside record_function ranges."""
     for layer in model.layers:
@@ -266,13 +280,16 @@ def test_copy_on_compute_stream_shared_on_side_stream(gpu_weights, overlap, tmp_
     ks = kernels(events)
     copies, ensures = named(ks, "_miss_copy_kernel"), named(ks, "ensure_kernel")
     routers, routed = named(ks, "_router_kernel"), named(ks, "_gate_up_kernel") + named(ks, "_down_kernel")
+    hits = named(ks, "_gate_up_hits")  # overlap on (MoEConfig.early_hits): resident experts' gate_up
     shared = kernels_in_range(events, "test.shared_expert")
     assert len(copies) == len(ensures) == len(routers) == GPU_L and len(routed) == 2 * GPU_L
     assert sorted(k.name for k in shared) == sorted(["_shared_gate_up", "_shared_down"] * GPU_L)
-    assert len(ks) == 7 * GPU_L, sorted(k.name for k in ks)  # router 1, ensure 1, copy 1, routed 2, shared 2
+    assert len(hits) == (GPU_L if overlap else 0)
+    # router 1, ensure 1, copy 1, routed 2, shared 2 (+ the early hits' gate_up with overlap on)
+    assert len(ks) == (8 if overlap else 7) * GPU_L, sorted(k.name for k in ks)
     compute = {k.stream for k in copies + ensures + routers + routed}
     assert len(compute) == 1, "router path, ensure, copy and routed GEMM share the compute stream"
-    side = {k.stream for k in shared}
+    side = {k.stream for k in shared + hits}
     if overlap:
         assert side.isdisjoint(compute) and len(side) == 1
     else:

@@ -188,6 +188,42 @@ def test_two_phase_calls_equal_one_call():
     assert torch.equal(routed_down(act, slots, down), routed_experts(hidden, slots, weights, gate_up, down))
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_hits_then_rest_equal_one_gate_up(tokens):
+    """part="hits" (slots from pre) and part="rest" (the ensure's slots, where pre < 0) write every
+    act row once, bit for bit as one part="all" launch over the final slots; a part leaves the other
+    part's rows untouched (NaN sentinels stay)."""
+    device, _ = device_or_skip()
+    gate_up, _ = make_pool(12, 64, 32, torch.bfloat16, device, seed=31)
+    slots, weights = make_route(tokens, 4, 12, device, seed=32, pad=0)
+    hidden = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(33)).bfloat16().to(device)
+    g = torch.Generator().manual_seed(34)
+    hit = torch.rand(slots.shape, generator=g) < 0.5
+    hit.view(-1)[0], hit.view(-1)[-1] = True, False  # both parts non-empty
+    pre = torch.where(hit.to(device), slots, torch.full_like(slots, NO_SLOT))
+    want = routed_gate_up(hidden, slots, weights, gate_up, act=torch.empty(tokens * 4, 32, device=device)).clone()
+    act = torch.full((tokens * 4, 32), float("nan"), device=device)
+    routed_gate_up(hidden, slots, weights, gate_up, act=act, part="hits", pre=pre)
+    rows = hit.view(-1).to(device)
+    assert torch.equal(act[rows], want[rows]) and bool(act[~rows].isnan().all())
+    stale = slots.clone()  # "hits" never reads slots; "rest" never reads pre's slot values
+    routed_gate_up(hidden, stale, weights, gate_up, act=act, part="rest", pre=pre)
+    assert torch.equal(act, want)
+
+
+def test_parts_need_pre_and_routed_experts():
+    device, _ = device_or_skip()
+    gate_up, _ = make_pool(4, 16, 8, torch.bfloat16, device, seed=35)
+    slots, weights = make_route(1, 2, 4, device, seed=36, pad=0)
+    hidden = torch.randn(1, 16).bfloat16().to(device)
+    with pytest.raises(ValueError, match="part must be one of"):
+        routed_gate_up(hidden, slots, weights, gate_up, part="misses", pre=slots)
+    with pytest.raises(ValueError, match="pre"):
+        routed_gate_up(hidden, slots, weights, gate_up, part="hits")
+    with pytest.raises(ValueError, match="pre must be"):
+        routed_gate_up(hidden, slots, weights, gate_up, part="rest", pre=slots[:, :1].contiguous())
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_gated_one_slot_call_is_the_shared_expert(tokens):
     """gate_w: every weight is sigmoid(hidden · gate_w), computed in the gate_up launch."""
@@ -328,11 +364,13 @@ def test_compiles_for_sm90_with_16_byte_loads():
     T = 1..8) and streams the weights with 16-byte vector loads. Runs in a child
     process without TRITON_INTERPRET, which would replace the compiler's language hooks."""
     result = compile_check(SM90_CHECK)
-    assert result == {name: [True, True] for name in ("_gate_up_kernel", "_down_kernel", "_down_kernel+combine",
+    assert result == {name: [True, True] for name in ("_gate_up_kernel", "_gate_up_hits", "_gate_up_kernel+rest",
+                                                      "_down_kernel", "_down_kernel+combine",
                                                       "_shared_gate_up", "_shared_down")} | {
         "combine_rounds_to_nearest_even": True,
-        # programmatic launch by default (RoutedConfig.pdl), never with pdl=False nor for the shared expert
-        "griddepcontrol": ["_down_kernel", "_down_kernel+combine", "_gate_up_kernel"],
+        # programmatic launch by default (RoutedConfig.pdl), never with pdl=False, for the shared
+        # expert, nor for the early hits (launched behind an event wait on the side stream)
+        "griddepcontrol": ["_down_kernel", "_down_kernel+combine", "_gate_up_kernel", "_gate_up_kernel+rest"],
         # RoutedConfig(prefetch=True): the routed down launches only, one per 128-byte line of each
         # expert's rows (10 experts x 2 rows x 1 KB: one instruction per expert, a line per thread)
         "prefetch": {"_down_kernel/pf": 10, "_down_kernel+combine/pf": 10}, "prefetch_first": True}

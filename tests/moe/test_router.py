@@ -55,6 +55,27 @@ def same_as_argmax(got, base, norm: bool) -> None:
         assert torch.equal(got[0], base[0])
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_pre_is_the_slot_map_at_the_chosen_ids(tokens):
+    """pre=(slot_of, layer * E, out): out[t, j] = slot_of[layer * E + ids[t, j]] (-1 where absent);
+    ids and weights are those of a call without pre, bit for bit."""
+    device, _ = device_or_skip()
+    experts, top_k, layers, layer = 16, 4, 3, 2
+    x, w = make_inputs(tokens, experts, 64, torch.bfloat16, device, seed=41)
+    g = torch.Generator().manual_seed(42)
+    slot_of = torch.randint(-1, 40, (layers * experts,), generator=g, dtype=torch.int32).to(device)
+    out = torch.full((tokens, top_k), -7, dtype=torch.int32, device=device)
+    weights, ids = router_topk(x, w, top_k, True, pre=(slot_of, layer * experts, out))
+    assert torch.equal(out, slot_of[layer * experts + ids.long()])
+    w0, i0 = router_topk(x, w, top_k, True)
+    assert torch.equal(ids, i0) and torch.equal(weights, w0)
+    bad = [("slot_of", (slot_of.long(), 0, out)), ("key_base", (slot_of, 40, out)),
+           ("key_base", (slot_of, 5, out)), ("out", (slot_of, 0, out[:, :1].contiguous()))]
+    for what, pre in bad:
+        with pytest.raises(ValueError, match="pre"):
+            router_topk(x, w, top_k, True, pre=pre)
+
+
 @pytest.mark.parametrize("dtype, tokens, experts, hidden, top_k, norm", [
     (torch.bfloat16, 1, 16, 64, 4, True), (torch.bfloat16, 8, 64, 64, 8, True),
     (torch.float16, 3, 20, 48, 3, False), (torch.float32, 5, 12, 32, 12, True),
