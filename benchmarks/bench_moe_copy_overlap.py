@@ -27,6 +27,7 @@ Run: python benchmarks/bench_moe_copy_overlap.py --out-dir OUT [--slots 1650] [-
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -268,10 +269,16 @@ def resident_breakdown(graph: Graph, xs: list[torch.Tensor], path: Path) -> dict
         durations.setdefault(k.name, []).append(k.duration)
     chain = [k for k in ks if any(c in k.name for c in CHAIN)]
     gaps: dict[str, list[float]] = {}
-    for a, b in zip(chain, chain[1:]):
-        name = lambda k: next(c for c in CHAIN if c in k.name)  # noqa: E731
+    name = lambda k: next(c for c in CHAIN if c in k.name)
+    for a, b in itertools.pairwise(chain):
         gaps.setdefault(f"{name(a)}->{name(b)}", []).append(b.start - a.end)
-    med = lambda d: {n: float(np.median(v)) for n, v in sorted(d.items())}  # noqa: E731
+    # the early hits' gate_up (side stream): its start after its router's end, the down's start after its end
+    for h in named(ks, "_gate_up_hits"):
+        r = max((k for k in chain if "_router_kernel" in k.name and k.start <= h.start), key=lambda k: k.start)
+        d = min((k for k in chain if "_down_kernel" in k.name and k.start >= r.start), key=lambda k: k.start)
+        gaps.setdefault("_router_kernel->_gate_up_hits", []).append(h.start - r.end)
+        gaps.setdefault("_gate_up_hits->_down_kernel", []).append(d.start - h.end)
+    med = lambda d: {n: float(np.median(v)) for n, v in sorted(d.items())}
     return {"kernel_us": med(durations), "gap_us": med(gaps), "kernels": len(ks), "replays": len(xs)}
 
 
@@ -303,7 +310,7 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
 
 def table(res: dict) -> str:
     resi = res["resident_mode"]
-    fmt = lambda v, spec=".1f": "n/a" if v is None else format(v, spec)  # noqa: E731
+    fmt = lambda v, spec=".1f": "n/a" if v is None else format(v, spec)
     lines = []
     if "miss_mode" in res:
         miss = res["miss_mode"]
