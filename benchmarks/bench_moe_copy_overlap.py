@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmeta import machine  # noqa: E402
+import moe.routed
 from moe.config import MoEConfig
 from moe.kernel_trace import kernels, kernels_in_range, load_trace, named
 from moe.synthetic import SyntheticModel, random_weights
@@ -357,6 +358,8 @@ def parse() -> argparse.Namespace:
                     help="the resident mode only (the layer against the HBM floor, with its kernel breakdown)")
     ap.add_argument("--no-early-hits", dest="early_hits", action="store_false",
                     help="MoEConfig.early_hits off: overlap on runs only the shared expert on the side stream")
+    ap.add_argument("--hits-per-sm", type=int, default=None,
+                    help="programs per SM of the early hits' persistent launch (moe.routed.HITS_PROGRAMS_PER_SM)")
     ap.add_argument("--pdl-chain", action="store_true",
                     help="MoEConfig.pdl_chain: router, ensure and miss copy launched programmatically too")
     return ap.parse_args()
@@ -364,6 +367,8 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
+    if args.hits_per_sm is not None:
+        moe.routed.HITS_PROGRAMS_PER_SM = args.hits_per_sm
     if not torch.cuda.is_available():
         print("bench_moe_copy_overlap needs a CUDA GPU; see --help", file=sys.stderr)
         sys.exit(2)

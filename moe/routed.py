@@ -155,9 +155,14 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
     p = f"*{dtype}"
     gate_up_types = (p, "*i32", "*fp32", p, p, "*fp32", "i32", "*i32")
     result = {}
+    block_i, chunk_h, _, _ = _tiles(hidden, inter, config)
+    result["_gate_up_hits"] = compile_for_sm(
+        _gate_up_hits, (p, "*fp32", p, "*fp32", "i32", "*i32", "i32"),
+        {"K": top_k, "H": hidden, "I": inter, "BLOCK_I": block_i, "CHUNK_H": chunk_h,
+         "EVEN": _even(hidden, inter, config)[0]}, config.warps_gate_up, arch,
+        {"do_not_specialize": ["num_slots", "n_pairs"]})
     for name, k, width, is_shared, down_flags in (
             ("_gate_up_kernel", top_k, inter, False, None),
-            ("_gate_up_hits", top_k, inter, False, None),
             ("_gate_up_kernel+rest", top_k, inter, False, None),
             ("_down_kernel", top_k, inter, False, (False, True, False)),
             ("_down_kernel+combine", top_k, inter, False, (True, False, True)),
@@ -167,11 +172,10 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
         even_a, even_b = _even(hidden, width, config)
         shape = {"K": k, "H": hidden, "I": width}
         if down_flags is None:
-            pick = PARTS.index({"_gate_up_hits": "hits", "_gate_up_kernel+rest": "rest"}.get(name, "all"))
-            kernel = _gate_up_hits if pick == 1 else GATE_UP_ENTRIES[is_shared]
-            types, warps = gate_up_types, config.warps_gate_up
+            pick = PARTS.index("rest" if name.endswith("+rest") else "all")
+            kernel, types, warps = GATE_UP_ENTRIES[is_shared], gate_up_types, config.warps_gate_up
             constexprs = dict(shape, BLOCK_I=block_i, CHUNK_H=chunk_h, EVEN=even_a, GATED=is_shared,
-                              GDC=int(config.pdl and not is_shared and pick != 1), PICK=pick)
+                              GDC=int(config.pdl and not is_shared), PICK=pick)
         else:
             kernel, warps = DOWN_ENTRIES[is_shared], config.warps_down
             types = ("*fp32", "*i32", p, "*fp32", "*fp32", p, "i32")
@@ -285,18 +289,45 @@ def _down_gdc(config: RoutedConfig, programmatic: bool) -> int:
     return (2 if config.prefetch else 1) if programmatic and config.pdl else 0
 
 
+HITS_PROGRAMS_PER_SM = 2  # the early hits' persistent grid: programs per SM (gate_up fits 4 by registers)
+_SMS: dict[torch.device, int] = {}
+
+
+def hits_programs(device: torch.device) -> int:
+    """Default programs of a part="hits" launch: HITS_PROGRAMS_PER_SM per SM of `device` (4 SMs on CPU)."""
+    if device not in _SMS:
+        _SMS[device] = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else 4)
+    return HITS_PROGRAMS_PER_SM * _SMS[device]
+
+
+def _launch_hits(hidden, weights, gate_up, act, pre, dims, config, programs) -> None:
+    """part="hits": one persistent launch of at most `programs` programs over the (pair, tile) items."""
+    tokens, top_k, num_slots, hid, inter = dims
+    block_i, chunk_h, _, _ = _tiles(hid, inter, config)
+    items = tokens * top_k * triton.cdiv(inter, block_i)
+    programs = hits_programs(hidden.device) if programs is None else programs
+    kernel = kernel_for(_gate_up_hits, hidden.device, {"do_not_specialize": ["num_slots", "n_pairs"]},
+                        "routed_gate_up")
+    with _device_ctx(hidden.device):  # behind an event wait on another stream, not its producer: no PDL
+        kernel[(min(programs, items),)](hidden, weights, gate_up, act, num_slots, pre, tokens * top_k,
+                                        K=top_k, H=hid, I=inter, BLOCK_I=block_i, CHUNK_H=chunk_h,
+                                        EVEN=_even(hid, inter, config)[0], num_warps=config.warps_gate_up)
+
+
 def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config, part="all",
-                    pre=None) -> torch.Tensor:
+                    pre=None, programs=None) -> torch.Tensor:
     tokens, top_k, num_slots, hid, inter = dims
     block_i, chunk_h, _, _ = _tiles(hid, inter, config)
     grid, _ = routed_grids(tokens, top_k, hid, inter, config)
     gated = gate_w is not None
     pick = PARTS.index(part)
-    entry = _gate_up_hits if pick == 1 else GATE_UP_ENTRIES[gated]
-    kernel = kernel_for(entry, hidden.device, JIT_OPTIONS, "routed_experts")
+    if pick == 1:
+        _launch_hits(hidden, weights, gate_up, act, pre, dims, config, programs)
+        return act[:tokens * top_k]
+    kernel = kernel_for(GATE_UP_ENTRIES[gated], hidden.device, JIT_OPTIONS, "routed_experts")
     with _device_ctx(hidden.device):
-        # the hits' launch follows an event wait on another stream, not its producer: no PDL
-        gdc = config.pdl and not gated and pick != 1 and hidden.device.type == "cuda"
+        gdc = config.pdl and not gated and hidden.device.type == "cuda"
         kernel[grid](hidden, slots, act if gated else weights, gate_w if gated else hidden, gate_up, act,
                      num_slots, slots if pre is None else pre, K=top_k, H=hid, I=inter, BLOCK_I=block_i,
                      CHUNK_H=chunk_h, EVEN=_even(hid, inter, config)[0], GATED=gated, GDC=int(gdc),
@@ -334,7 +365,8 @@ def _config(who: str, config) -> RoutedConfig:
 def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None,
                    gate_up: torch.Tensor, *, gate_w: torch.Tensor | None = None,
                    act: torch.Tensor | None = None, config: RoutedConfig | None = None,
-                   part: str = "all", pre: torch.Tensor | None = None) -> torch.Tensor:
+                   part: str = "all", pre: torch.Tensor | None = None,
+                   programs: int | None = None) -> torch.Tensor:
     """The first launch of routed_experts (same arguments): returns act [T * k, I] float32, rows
     [0, T * k) of `act` (default routed_scratch(device, k, I)), to pass to routed_down.
 
@@ -344,6 +376,9 @@ def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     only the others, at slots[t, j]; a pair not taken keeps its act rows untouched. A "hits" and a
     "rest" launch over the same pre write every row once, bit for bit as one "all" launch (the same
     program per pair), so the hits can run before the ensure decides the rest (MoELayer's early hits).
+    The "hits" launch is persistent: `programs` programs (default hits_programs(device), 2 per SM)
+    walk the pairs' row tiles, so work launched beside it on another stream still finds room on the
+    SMs.
     """
     config = _config("routed_gate_up", config)
     dims = _check_gate_up("routed_gate_up", hidden, slots, weights, gate_up, gate_w, act)
@@ -355,9 +390,11 @@ def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
         _check_tensor("routed_gate_up", "pre", pre, (torch.int32,), 2, hidden.device)
         if tuple(pre.shape) != tuple(slots.shape):
             raise ValueError(f"routed_gate_up: pre must be {list(slots.shape)} like slots, got {list(pre.shape)}")
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"routed_gate_up: programs must be an int >= 1, got {programs!r}")
     act = routed_scratch(hidden.device, dims[1], dims[4]) if act is None else act
     return _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config, part,
-                           pre if part != "all" else None)
+                           pre if part != "all" else None, programs)
 
 
 def routed_down(act: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, *,

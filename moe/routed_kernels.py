@@ -41,27 +41,43 @@ def _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, n
         gdc_wait()
         gdc_launch_dependents()
     pair = tl.program_id(0)  # t * K + j
-    if PICK == 1:  # the early hits: pairs resident before the ensure, at their slot from pre
-        slot = tl.load(pre_ptr + pair)
-        take = slot >= 0
-    elif PICK == 2:  # the rest: pairs not resident before the ensure, at the ensure's slot
+    if PICK == 2:  # the rest: pairs not resident before the ensure, at the ensure's slot
+                   # (the early hits, pre >= 0, run in _gate_up_hits_body)
         take = tl.load(pre_ptr + pair) < 0
         slot = tl.load(slots_ptr + pair)
     else:
         slot = tl.load(slots_ptr + pair)
         take = True
     if take:  # a pair not taken writes nothing (the other launch writes its rows)
-        _gate_up_rows(x_ptr, slot, pair, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
-                      K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED)
+        _gate_up_rows(x_ptr, slot, pair, tl.program_id(1), weights_ptr, gate_w_ptr, w13_ptr, act_ptr,
+                      num_slots, K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED)
 
 
 @triton.jit
-def _gate_up_rows(x_ptr, slot, pair, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
+def _gate_up_hits_body(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
+                       K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
+                       CHUNK_H: tl.constexpr, EVEN: tl.constexpr):
+    """The early hits: a persistent grid (fewer programs than tiles, so the SMs keep room for the
+    ensure, copy and rest launched beside it) walks the (pair, tile) items; a pair with pre < 0 is
+    skipped, any other is computed at slot pre[pair] exactly as _gate_up_body does it."""
+    TILES: tl.constexpr = (I + BLOCK_I - 1) // BLOCK_I
+    w = tl.program_id(0)
+    while w < n_pairs * TILES:  # a while loop: Triton's interpreter cannot range() a tensor
+        pair = w // TILES
+        slot = tl.load(pre_ptr + pair)
+        if slot >= 0:
+            _gate_up_rows(x_ptr, slot, pair, w % TILES, weights_ptr, x_ptr, w13_ptr, act_ptr, num_slots,
+                          K, H, I, BLOCK_I, CHUNK_H, EVEN, False)
+        w += tl.num_programs(0)
+
+
+@triton.jit
+def _gate_up_rows(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
                   CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
     token = pair // K
     live = (slot >= 0) & (slot < num_slots)
-    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] gate rows
+    rows = tile * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] gate rows
     base = w13_ptr + tl.where(live, slot, 0).to(tl.int64) * (2 * I * H)
     gate_ptrs = base + rows[:, None] * H  # [BLOCK_I, 1]; up rows are I * H further
     acc_gate = tl.zeros([BLOCK_I, CHUNK_H], dtype=tl.float32)
@@ -167,13 +183,12 @@ def _gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr,
                   K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC, PICK)
 
 
-@triton.jit(**JIT_OPTIONS)
-def _gate_up_hits(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
+@triton.jit(do_not_specialize=["num_slots", "n_pairs"])
+def _gate_up_hits(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr,
-                  PICK: tl.constexpr):
-    _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
-                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC, PICK)
+                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr):
+    _gate_up_hits_body(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
+                       K, H, I, BLOCK_I, CHUNK_H, EVEN)
 
 
 @triton.jit(**JIT_OPTIONS)

@@ -203,7 +203,7 @@ def test_hits_then_rest_equal_one_gate_up(tokens):
     pre = torch.where(hit.to(device), slots, torch.full_like(slots, NO_SLOT))
     want = routed_gate_up(hidden, slots, weights, gate_up, act=torch.empty(tokens * 4, 32, device=device)).clone()
     act = torch.full((tokens * 4, 32), float("nan"), device=device)
-    routed_gate_up(hidden, slots, weights, gate_up, act=act, part="hits", pre=pre)
+    routed_gate_up(hidden, slots, weights, gate_up, act=act, part="hits", pre=pre, programs=3)  # a few items each
     rows = hit.view(-1).to(device)
     assert torch.equal(act[rows], want[rows]) and bool(act[~rows].isnan().all())
     stale = slots.clone()  # "hits" never reads slots; "rest" never reads pre's slot values
@@ -222,6 +222,8 @@ def test_parts_need_pre_and_routed_experts():
         routed_gate_up(hidden, slots, weights, gate_up, part="hits")
     with pytest.raises(ValueError, match="pre must be"):
         routed_gate_up(hidden, slots, weights, gate_up, part="rest", pre=slots[:, :1].contiguous())
+    with pytest.raises(ValueError, match="programs must be"):
+        routed_gate_up(hidden, slots, weights, gate_up, part="hits", pre=slots, programs=0)
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
