@@ -309,6 +309,21 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
             "note": "router, experts and shared expert all read in bf16, as counted here"}
 
 
+def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
+    """"hits1" / "noeh" / "chain" joined by "+" (e.g. "noeh+chain") -> (spec, args with those set)."""
+    opts = argparse.Namespace(**vars(args))
+    for part in spec.split("+"):
+        if part.startswith("hits") and part[4:].isdigit():
+            opts.hits_per_sm = int(part[4:])
+        elif part == "noeh":
+            opts.early_hits = False
+        elif part == "chain":
+            opts.pdl_chain = True
+        else:
+            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh or chain")
+    return spec, opts
+
+
 def table(res: dict) -> str:
     resi = res["resident_mode"]
     fmt = lambda v, spec=".1f": "n/a" if v is None else format(v, spec)
@@ -360,6 +375,9 @@ def parse() -> argparse.Namespace:
                     help="MoEConfig.early_hits off: overlap on runs only the shared expert on the side stream")
     ap.add_argument("--hits-per-sm", type=int, default=None,
                     help="programs per SM of the early hits' persistent launch (moe.routed.HITS_PROGRAMS_PER_SM)")
+    ap.add_argument("--resident-variants", default="",
+                    help="comma list of more resident-mode runs on the same weights: hitsN (early hits' "
+                         "programs per SM), noeh (no early hits), chain (pdl chain), joined by '+'")
     ap.add_argument("--pdl-chain", action="store_true",
                     help="MoEConfig.pdl_chain: router, ensure and miss copy launched programmatically too")
     return ap.parse_args()
@@ -385,6 +403,18 @@ def main() -> None:
         torch.cuda.empty_cache()
     res["resident_mode"] = resident_mode(weights, args, xs, out_dir)
     res["seconds"] = time.time() - t0
+    for spec in filter(None, args.resident_variants.split(",")):  # more resident runs on the same weights
+        (out_dir / "results.json").write_text(json.dumps(res, indent=1, default=str))
+        name, opts = resident_variant(spec, args)
+        moe.routed.HITS_PROGRAMS_PER_SM = opts.hits_per_sm or 2
+        t1 = time.time()
+        res.setdefault("resident_variants", {})[name] = resident_mode(weights, opts, xs, out_dir)
+        r = res["resident_variants"][name]
+        print(f"resident {name}: layer off {r['layer_us']['off']:.1f} us, on {r['layer_us']['on']:.1f} us "
+              f"({r['ratio_to_floor']['on']:.2f}x) [{time.time() - t1:.0f} s]", flush=True)
+        for mode, b in r["breakdown"].items():
+            print(f"  {mode}: " + ", ".join(f"{n} {v:.2f}" for n, v in {**b["kernel_us"], **b["gap_us"]}.items()),
+                  flush=True)
     (out_dir / "results.json").write_text(json.dumps(res, indent=1, default=str))
     print(f"wrote {out_dir / 'results.json'} and Chrome traces step_*.json / replays_*.json ({res['seconds']:.0f} s)")
     print(table(res))
