@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from expertcache.pool import HostStore, SlotPool
 
@@ -53,11 +53,12 @@ def _miss_copy_kernel(
     FIRST_CHUNK: tl.constexpr,  # tuple, NUM_BANKS + 1: bank b owns chunks [FIRST_CHUNK[b], [b + 1])
     CHUNKS_PER_ROW: tl.constexpr,  # FIRST_CHUNK[NUM_BANKS]: work items per plan row
     BLOCK: tl.constexpr,  # int32 words per work item (a power of two, >= 4)
-    GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
+    GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor before reading
 ):
     if GDC:
+        # no early launch of the next kernel: its programs would wait on the SMs for the whole copy
+        # (hundreds of microseconds with misses) and keep side-stream work off them
         gdc_wait()
-        gdc_launch_dependents()
     # Work item i = (plan row i // CHUNKS_PER_ROW, chunk i % CHUNKS_PER_ROW); program p takes
     # items p, p + grid, p + 2 * grid ..., so neighbouring programs read neighbouring chunks.
     n = tl.minimum(tl.maximum(tl.load(count_ptr), 0), num_rows)

@@ -85,8 +85,9 @@ def test_device_matches_host_many_victims(policy, chunk):
 @pytest.mark.parametrize("lean", [False, True], ids=["", "lean"])
 def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max, lean):
     """Every call's victims by successive minima (seq_max 16: kept in registers up to the
-    commit) or by a sort (seq_max 0: through scratch), on several programs and on one; and
-    the opt-in lean kernel (lru without key_of and pinned test, no gather without evictions)."""
+    commit) or by a sort (seq_max 0: through scratch), on several programs and on one; with the
+    lean kernel (the default: lru without key_of and pinned test, no gather without evictions)
+    and without it."""
     ref = run_parity(policy, L=2, E=24, S=16, rows=2, k=5, C=14, T=7, seed=seq_max + chunk,
                      chunk=chunk, seq_max=seq_max, lean=lean)
     assert ref.counters[:, 2].sum() > 32
@@ -94,10 +95,11 @@ def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max, lean):
 
 @pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("chunk", [8, 64])
-def test_lean_kernel_matches_host_with_a_filling_pool(policy, chunk):
-    """lean: calls with misses while the pool still has empty slots (victims and empty slots in
-    one call), duplicates and padding, hits among the oldest stamps."""
-    ref = run_parity(policy, L=3, E=16, S=40, rows=2, k=4, C=40, T=6, seed=chunk + 5, chunk=chunk, lean=True)
+@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
+def test_kernel_matches_host_with_a_filling_pool(policy, chunk, lean):
+    """Calls with misses while the pool still has empty slots (victims and empty slots in one
+    call), duplicates and padding, hits among the oldest stamps; lean (default) and plain."""
+    ref = run_parity(policy, L=3, E=16, S=40, rows=2, k=4, C=40, T=6, seed=chunk + 5, chunk=chunk, lean=lean)
     assert ref.counters[:, 2].sum() > 40
 
 
@@ -202,12 +204,12 @@ def test_device_parity_grid(policy, S):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", policy_names())
-@pytest.mark.parametrize("S, options", [(1650, {"chunk": 512, "num_warps": 4}), (512, {"lean": True}),
-                                        (1650, {"lean": True}), (16384, {"lean": True})],
-                         ids=["many-programs-1650", "lean-512", "lean-1650", "lean-16384"])
+@pytest.mark.parametrize("S, options", [(1650, {"chunk": 512, "num_warps": 4}), (512, {"lean": False}),
+                                        (1650, {"lean": False}), (16384, {"lean": False})],
+                         ids=["many-programs-1650", "plain-512", "plain-1650", "plain-16384"])
 def test_device_parity_variants(policy, S, options):
-    """1650 slots on 4 programs of 512 (explicit tiles), and the opt-in lean kernel on one program
-    (512) and several (1650, 16384)."""
+    """1650 slots on 4 programs of 512 (explicit tiles), and the plain (not lean) kernel on one
+    program (512) and several (1650, 16384); every other GPU parity test runs the lean default."""
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
@@ -315,12 +317,14 @@ for gdc in (False, True):
     src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in ccx}}, constexprs=ccx)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     out.append("griddepcontrol.wait" in ptx)
+    out.append("griddepcontrol.launch_dependents" in ptx)
 print(json.dumps(out))
 """
 
 
 def test_programmatic_launch_variants_compile_for_sm90():
     """DeviceCache.ensure(pdl=True) and miss_copy(pdl=True) (MoEConfig.pdl_chain) compile for sm_90 and
-    wait for their predecessor; the default launches do not. A child process without TRITON_INTERPRET."""
+    wait for their predecessor; the default launches do not. The copy never lets the next kernel launch
+    early (its programs would sit on the SMs for the whole copy). A child process without TRITON_INTERPRET."""
     from tests.conftest import compile_check
-    assert compile_check(PDL_CHECK) == [False, False, True, True]
+    assert compile_check(PDL_CHECK) == [False, False, False, True, True, False]
