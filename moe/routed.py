@@ -62,8 +62,6 @@ class RoutedConfig:
     0.5-1.0 us faster at T = 1..8 on the H200 (20.10 vs 20.61 us at T = 1,
     benchmarks/results/routed-2026-11-30-8f6abaf.json). The shared expert's launches and a
     routed_down not launched right after routed_gate_up never use it.
-    prefetch: with pdl, the routed down also prefetches its weight rows into L2 before it waits for
-    gate_up (moe.routed_kernels, GDC = 2); same results. Opt-in until measured on a GPU.
     The defaults come from moe.plan (GEMV_BLOCK_I, GEMV_BLOCK_H) so make_routed_plan's grid is the
     one launched. Raises ValueError naming the field.
     """
@@ -75,19 +73,16 @@ class RoutedConfig:
     chunk_i: int = 512
     warps_down: int = 4
     pdl: bool = True
-    prefetch: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("pdl", "prefetch"):
+            if f.name == "pdl":
                 if not isinstance(v, bool):
                     raise ValueError(f"RoutedConfig.{f.name} must be a bool, got {v!r}")
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"RoutedConfig.{f.name} must be a power of two >= 1, got {v!r}")
-        if self.prefetch and not self.pdl:
-            raise ValueError("RoutedConfig.prefetch needs pdl=True (down prefetches before its wait)")
         for name in ("warps_gate_up", "warps_down"):
             if getattr(self, name) > 16:
                 raise ValueError(f"RoutedConfig.{name} must be <= 16, got {getattr(self, name)}")
@@ -96,8 +91,7 @@ class RoutedConfig:
     def name(self) -> str:
         """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl'."""
         return (f"i{self.block_i}x{self.chunk_h}w{self.warps_gate_up}-"
-                f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}"
-                f"{'-pf' if self.prefetch else ''}")
+                f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}")
 
 
 DEFAULT_CONFIG = RoutedConfig()
@@ -285,8 +279,8 @@ def _device_ctx(device: torch.device):
 
 
 def _down_gdc(config: RoutedConfig, programmatic: bool) -> int:
-    """The down entry's GDC: 0 plain, 1 programmatic launch, 2 that and the L2 prefetch."""
-    return (2 if config.prefetch else 1) if programmatic and config.pdl else 0
+    """The down entry's GDC: 1 for a programmatic launch, else 0."""
+    return int(programmatic and config.pdl)
 
 
 HITS_PROGRAMS_PER_SM = 2  # the early hits' persistent grid: programs per SM (gate_up fits 4 by registers)

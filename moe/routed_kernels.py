@@ -17,9 +17,8 @@ down are launched with the programmatic-serialization attribute, so each may be 
 predecessor drains; each waits (griddepcontrol.wait) before reading anything, so the results are
 those of the plain launches, bit for bit, and gate_up then lets down launch. A variant whose down
 loaded all its weights before the wait was slower on the H200 (126 registers: docs/moe.md) and
-was not kept. GDC = 2 (RoutedConfig.prefetch, opt-in): down also prefetches its rows of the k experts
-into L2 before its wait (prefetch.global.L2, one per 128 bytes; no registers held), so its weight reads
-overlap gate_up's tail. Without GDC (pdl=False, the shared expert, and the CPU interpreter, which has
+was not kept; nor was one that issued L2 prefetches of its rows before the wait (24.1 vs 20.3 us at
+T = 1: docs/moe.md). Without GDC (pdl=False, the shared expert, and the CPU interpreter, which has
 no inline PTX) the bodies are the plain ones.
 """
 
@@ -113,32 +112,12 @@ def _gate_up_rows(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13_ptr, act
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """prefetch.global.L2 of every address in `ptrs` (a hint: L2 is coherent, so no stale data)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
                K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
                WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
-    if GDC == 2:
-        # before the wait: pull this program's down rows of its k experts into L2 while gate_up
-        # drains (slots and pool contents were final before gate_up passed its own wait)
-        LINE: tl.constexpr = 1024 // w2_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 B
-        NLINES: tl.constexpr = (I + LINE - 1) // LINE  # 128-byte lines per row
-        row_ptrs = tl.minimum(rows, H - 1)[:, None] * I  # [BLOCK_H, 1]
-        for j in tl.static_range(K):
-            slot = tl.load(slots_ptr + token * K + j)
-            live = (slot >= 0) & (slot < num_slots)
-            base = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I)
-            for l0 in tl.static_range(0, NLINES, 8):  # 8 lines a step; a last partial step repeats one
-                lines = tl.minimum(l0 + tl.arange(0, 8), NLINES - 1) * LINE
-                _prefetch_l2(base + row_ptrs + lines[None, :])
     if GDC:
         gdc_wait()
     acc = tl.zeros([BLOCK_H, CHUNK_I], dtype=tl.float32)

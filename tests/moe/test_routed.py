@@ -304,16 +304,10 @@ def test_device_mismatch_is_named():
 
 @pytest.mark.parametrize("field, value", [("block_i", 3), ("chunk_h", 0), ("block_h", True),
                                           ("chunk_i", 2.0), ("warps_down", 32), ("warps_gate_up", 6),
-                                          ("pdl", 1), ("prefetch", 1)])
+                                          ("pdl", 1)])
 def test_config_validation_names_field(field, value):
     with pytest.raises(ValueError, match=field):
         RoutedConfig(**{field: value})
-
-
-def test_prefetch_needs_the_programmatic_launch():
-    with pytest.raises(ValueError, match="prefetch needs pdl"):
-        RoutedConfig(pdl=False, prefetch=True)
-    assert RoutedConfig(prefetch=True).name.endswith("-pdl-pf")
 
 
 @pytest.mark.parametrize("tokens", range(1, GEMV_MAX_TOKENS + 1))
@@ -350,12 +344,6 @@ out["combine_rounds_to_nearest_even"] = "cvt.rn.bf16.f32" in asm["_down_kernel+c
 plain = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(pdl=False))
 out["griddepcontrol"] = sorted(n for n, a in {**asm, **{n + "/plain": a for n, a in plain.items()}}.items()
                                if "griddepcontrol.wait" in a["ptx"])
-pf = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(prefetch=True))
-out["prefetch"] = {n: a["ptx"].count("prefetch.global.L2")
-                   for n, a in {**asm, **{n + "/pf": a for n, a in pf.items()}}.items() if "prefetch.global.L2" in a["ptx"]}
-# the prefetch comes before the wait
-out["prefetch_first"] = all(a["ptx"].rindex("prefetch.global.L2") < a["ptx"].index("griddepcontrol.wait")
-                            for n, a in pf.items() if "down_kernel" in n)
 print(json.dumps(out))
 """
 
@@ -372,10 +360,7 @@ def test_compiles_for_sm90_with_16_byte_loads():
         "combine_rounds_to_nearest_even": True,
         # programmatic launch by default (RoutedConfig.pdl), never with pdl=False, for the shared
         # expert, nor for the early hits (launched behind an event wait on the side stream)
-        "griddepcontrol": ["_down_kernel", "_down_kernel+combine", "_gate_up_kernel", "_gate_up_kernel+rest"],
-        # RoutedConfig(prefetch=True): the routed down launches only, one per 128-byte line of each
-        # expert's rows (10 experts x 2 rows x 1 KB: one instruction per expert, a line per thread)
-        "prefetch": {"_down_kernel/pf": 10, "_down_kernel+combine/pf": 10}, "prefetch_first": True}
+        "griddepcontrol": ["_down_kernel", "_down_kernel+combine", "_gate_up_kernel", "_gate_up_kernel+rest"]}
 
 
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
@@ -388,7 +373,7 @@ def _qwen_case(tokens: int, seed: int):
     return hidden, slots, weights, gate_up, down
 
 
-LAUNCH_MODES = {"pdl": {}, "no-pdl": {"pdl": False}, "pdl-pf": {"prefetch": True}}  # RoutedConfig kwargs
+LAUNCH_MODES = {"pdl": {}, "no-pdl": {"pdl": False}}  # RoutedConfig kwargs
 
 
 @pytest.mark.gpu
