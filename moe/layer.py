@@ -20,7 +20,10 @@ decode benchmark replays a trace's routing through it; the default path is uncha
 
 Overlap off (`OverlapMode.NONE`) launches 1..7 in that order on the current (compute) stream. Overlap
 on launches the same kernels with the same arguments, 1-2 on the side stream: fork before the router,
-join before launch 7, whose addend is the shared output; the combine (routed + shared in float32, one
+join before launch 7, whose addend is the shared output. With MoEConfig.early_hits (default) the router
+also writes pre (each chosen expert's slot before the ensure, -1 = absent), the side stream forks again
+after it and runs 6a `_gate_up_hits` (the resident pairs, at pre), and launch 6 computes only the other
+pairs (eight launches); every act row is still written by one program of the same code; the combine (routed + shared in float32, one
 rounding to the model dtype) happens inside launch 7. Nothing on the compute stream writes `hidden`
 or the shared expert's buffers (per layer: slots, act_s, shared), and every side-stream write lands
 before the join, so the outputs, slot map and pool are bitwise equal with the flag on and off. The
