@@ -311,7 +311,7 @@ def ensure_kernel(
     POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_L: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr,
-    LEAN: tl.constexpr = False,  # opt-in (DeviceCache(lean=True)): see _chunk_candidates, _commit
+    LEAN: tl.constexpr = False,  # DeviceCache(lean=True), its default: see _chunk_candidates, _commit
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
 ):
     if GDC:
