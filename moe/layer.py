@@ -161,8 +161,8 @@ class MoELayer:
                 routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """hidden [T, H] (cfg dtype, contiguous, on the pool's device) -> out [T, H] same dtype (new).
 
-        Seven launches (five without a shared expert) on the current stream, two of them on the
-        side stream when overlapping; no host sync. Raises ValueError naming `hidden` for a wrong
+        Seven launches (five without a shared expert) on the current stream; when overlapping,
+        eight, three of them on the side stream (two with MoEConfig.early_hits off); no host sync. Raises ValueError naming `hidden` for a wrong
         shape, dtype or device, and naming --moe-slots when T * top_k exceeds the pool's slots (a
         call could ask for more distinct experts than slots, which ensure refuses).
 

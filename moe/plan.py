@@ -20,7 +20,8 @@ Routed GEMM families (the routed kernels receive slot ids, never expert ids):
   grid (tokens, ceil(E / block_e)) whose last-arriving program per token selects the top-k: an
   arrival counter, but no program ever waits for another, so it needs no co-residency either.
   A decode layer is 7 launches: router, ensure, miss copy, routed gate_up, routed down (+ combine),
-  and the shared expert's 2 (on the side stream when overlapping).
+  and the shared expert's 2; overlapping, those 2 and (MoEConfig.early_hits) the resident experts'
+  gate_up run on the side stream: 8 launches.
 * "grouped-persistent" (more tokens): a persistent grouped GEMM, grid = (min(num_sms, tiles),),
   each CTA looping over (expert, M tile, N tile) work items on its own; no grid-wide barrier.
 
