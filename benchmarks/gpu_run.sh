@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
-# parts: any of env tests ensure copy sanitize moe router routed overlap engine decode (default: all but
-# engine and decode: the decode engine's GPU tests and bench_decode.py, run by name). Wheels for
+# parts: any of env tests ensure copy sanitize moe router routed overlap resident engine decode (default:
+# all but resident, engine and decode: the decode engine's GPU tests and bench_decode.py, run by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -49,6 +49,12 @@ for part in $parts; do
       mkdir -p "$OUT/moe"
       timeout ${OVERLAP_TIMEOUT:-400} python3 benchmarks/bench_moe_copy_overlap.py --out-dir "$OUT/moe" ${OVERLAP_ARGS:-} 2>&1 | tee "$OUT/moe/bench.log" | tail -14
       (cd "$OUT/moe" && tar czf traces.tgz $(ls *.json | grep -v results.json) && rm -f $(ls *.json | grep -v results.json)) ;;
+    resident)
+      # the layer with every expert resident, its kernel profile, and RESIDENT_VARIANTS on the same weights
+      mkdir -p "$OUT/resident"
+      timeout ${RESIDENT_TIMEOUT:-240} python3 benchmarks/bench_moe_copy_overlap.py --out-dir "$OUT/resident" --no-miss-mode \
+        --resident-variants "${RESIDENT_VARIANTS:-noeh,chain,noeh+chain}" 2>&1 | tee "$OUT/resident/bench.log" | tail -14
+      rm -f "$OUT"/resident/*replays_*.json ;;
     engine)
       timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/moe/test_engine_gpu.py \
         2>&1 | tee "$OUT/gpu-tests-engine.log" | tail -8 ;;
