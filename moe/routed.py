@@ -43,7 +43,13 @@ from moe.plan import (
     RoutedPlan,
     make_routed_plan,
 )
-from moe.routed_kernels import DOWN_ENTRIES, GATE_UP_ENTRIES, JIT_OPTIONS, _gate_up_hits
+from moe.routed_kernels import (
+    DOWN_ENTRIES,
+    GATE_UP_ENTRIES,
+    HITS_JIT_OPTIONS,
+    JIT_OPTIONS,
+    _gate_up_hits,
+)
 from moe.triton_launch import compile_for_sm, kernel_for
 
 NO_SLOT = -1
@@ -153,8 +159,7 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
     result["_gate_up_hits"] = compile_for_sm(
         _gate_up_hits, (p, "*fp32", p, "*fp32", "i32", "*i32", "i32"),
         {"K": top_k, "H": hidden, "I": inter, "BLOCK_I": block_i, "CHUNK_H": chunk_h,
-         "EVEN": _even(hidden, inter, config)[0]}, config.warps_gate_up, arch,
-        {"do_not_specialize": ["num_slots", "n_pairs"]})
+         "EVEN": _even(hidden, inter, config)[0]}, config.warps_gate_up, arch, HITS_JIT_OPTIONS)
     for name, k, width, is_shared, down_flags in (
             ("_gate_up_kernel", top_k, inter, False, None),
             ("_gate_up_kernel+rest", top_k, inter, False, None),
@@ -175,7 +180,7 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
             types = ("*fp32", "*i32", p, "*fp32", "*fp32", p, "i32")
             constexprs = dict(shape, BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=even_b,
                               ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2],
-                              GDC=_down_gdc(config, not is_shared))
+                              GDC=int(config.pdl and not is_shared))
         result[name] = compile_for_sm(kernel, types, constexprs, warps, arch, JIT_OPTIONS)
     return result
 
@@ -278,11 +283,6 @@ def _device_ctx(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _down_gdc(config: RoutedConfig, programmatic: bool) -> int:
-    """The down entry's GDC: 1 for a programmatic launch, else 0."""
-    return int(programmatic and config.pdl)
-
-
 HITS_PROGRAMS_PER_SM = 2  # the early hits' persistent grid: programs per SM (gate_up fits 4 by registers)
 _SMS: dict[torch.device, int] = {}
 
@@ -301,8 +301,7 @@ def _launch_hits(hidden, weights, gate_up, act, pre, dims, config, programs) -> 
     block_i, chunk_h, _, _ = _tiles(hid, inter, config)
     items = tokens * top_k * triton.cdiv(inter, block_i)
     programs = hits_programs(hidden.device) if programs is None else programs
-    kernel = kernel_for(_gate_up_hits, hidden.device, {"do_not_specialize": ["num_slots", "n_pairs"]},
-                        "routed_gate_up")
+    kernel = kernel_for(_gate_up_hits, hidden.device, HITS_JIT_OPTIONS, "routed_gate_up")
     with _device_ctx(hidden.device):  # behind an event wait on another stream, not its producer: no PDL
         kernel[(min(programs, items),)](hidden, weights, gate_up, act, num_slots, pre, tokens * top_k,
                                         K=top_k, H=hid, I=inter, BLOCK_I=block_i, CHUNK_H=chunk_h,
@@ -310,15 +309,13 @@ def _launch_hits(hidden, weights, gate_up, act, pre, dims, config, programs) -> 
 
 
 def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config, part="all",
-                    pre=None, programs=None) -> torch.Tensor:
+                    pre=None) -> torch.Tensor:
+    """part "all" or "rest" (PICK 0 / 2): one program per (pair, row tile); "hits": _launch_hits."""
     tokens, top_k, num_slots, hid, inter = dims
     block_i, chunk_h, _, _ = _tiles(hid, inter, config)
     grid, _ = routed_grids(tokens, top_k, hid, inter, config)
     gated = gate_w is not None
     pick = PARTS.index(part)
-    if pick == 1:
-        _launch_hits(hidden, weights, gate_up, act, pre, dims, config, programs)
-        return act[:tokens * top_k]
     kernel = kernel_for(GATE_UP_ENTRIES[gated], hidden.device, JIT_OPTIONS, "routed_experts")
     with _device_ctx(hidden.device):
         gdc = config.pdl and not gated and hidden.device.type == "cuda"
@@ -343,7 +340,7 @@ def _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config, 
                      act if out_cast is None else out_cast, num_slots, K=top_k, H=hid, I=inter,
                      BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=_even(hid, inter, config)[1],
                      ADDEND=addend is not None, WRITE_OUT=out is not None, WRITE_CAST=out_cast is not None,
-                     GDC=_down_gdc(config, gdc), num_warps=config.warps_down,
+                     GDC=int(gdc), num_warps=config.warps_down,
                      **({"launch_pdl": True} if gdc else {}))
     return out_cast if out is None else out
 
@@ -387,8 +384,11 @@ def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
         raise ValueError(f"routed_gate_up: programs must be an int >= 1, got {programs!r}")
     act = routed_scratch(hidden.device, dims[1], dims[4]) if act is None else act
+    if part == "hits":
+        _launch_hits(hidden, weights, gate_up, act, pre, dims, config, programs)
+        return act[:dims[0] * dims[1]]
     return _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config, part,
-                           pre if part != "all" else None, programs)
+                           pre if part == "rest" else None)
 
 
 def routed_down(act: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, *,

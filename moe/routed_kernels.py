@@ -29,6 +29,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 JIT_OPTIONS = {"do_not_specialize": ["num_slots"]}  # a pool rebuilt with new S keeps its kernels
+HITS_JIT_OPTIONS = {"do_not_specialize": ["num_slots", "n_pairs"]}  # _gate_up_hits: and any T
 
 
 @triton.jit
@@ -162,7 +163,7 @@ def _gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr,
                   K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC, PICK)
 
 
-@triton.jit(do_not_specialize=["num_slots", "n_pairs"])
+@triton.jit(**HITS_JIT_OPTIONS)
 def _gate_up_hits(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
                   CHUNK_H: tl.constexpr, EVEN: tl.constexpr):

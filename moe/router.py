@@ -131,7 +131,7 @@ def _select_topk(row_ptr, ids_ptr, weights_ptr, E: tl.constexpr, K: tl.constexpr
     return ids
 
 
-@triton.jit(do_not_specialize=["key_base"])
+@triton.jit(**_JIT_OPTIONS)
 def _router_kernel(
     x_ptr,  # [T, H] hidden (model dtype), row-major
     w_ptr,  # [E, H] router weight (model dtype), row-major
