@@ -178,9 +178,11 @@ class MoELayer:
             self._check_routing(routing, hidden.shape[0])
         out = torch.empty(hidden.shape, dtype=self.dtype, device=self.device)
         side = self.side if self.overlap_mode is OverlapMode.SIDE_STREAM else None
+        if side is not None and self.shared is None and routing is not None:
+            side = None  # no shared expert, and no router launch to start early hits from: nothing to overlap
+        compute = torch.cuda.current_stream(self.device) if side is not None else None
         shared = None
-        if side is not None:
-            compute = torch.cuda.current_stream(self.device)
+        if self.shared is not None and side is not None:
             side.fork(compute)  # the side stream sees hidden as the compute stream left it
             with torch.cuda.stream(side.stream):
                 shared = self.shared_expert(hidden)  # [T, H] f32, a buffer of this layer

@@ -3,8 +3,8 @@
     tiny random transformers checkpoints (tests/moe/test_model.py's, both families) ─save─► dir
         ─load_model(dir, "cuda", dtype)─► Engine: MoELayer per MoE layer, decode steps as CUDA graphs
     compared, at slot counts that make every decode step miss and evict (asserted from the counters),
-    for every policy (lru, rule, lfuda) with the copy overlap off and on (qwen3 has no shared expert, so
-its "on" runs single-stream; asserted):
+    for every policy (lru, rule, lfuda) with the copy overlap off and on (qwen3 has no shared expert:
+its "on" runs only the early hits on the side stream; asserted):
       float32: greedy tokens identical for 8 steps (batch 2, unequal prompts) and every logit within
                1e-4 (relative to the largest) of transformers' float32
       bfloat16: teacher-forced logits within bf16 tolerance of transformers' own bf16 (the approach of
@@ -58,8 +58,10 @@ def _engine(path, k: int, dtype: str, policy: str, overlap: bool, batch: int = 2
 
 
 def _check_overlap(engine, overlap: bool) -> None:
-    """The side stream is used exactly when asked for and the model has a shared expert (qwen2)."""
-    want = OverlapMode.SIDE_STREAM if overlap and engine.spec.moe.has_shared_expert else OverlapMode.NONE
+    """The side stream is used exactly when asked for and the block has side work: a shared expert
+    (qwen2) or the resident experts' gate_up (MoEConfig.early_hits, on by default; qwen3)."""
+    moe = engine.spec.moe
+    want = OverlapMode.SIDE_STREAM if overlap and (moe.has_shared_expert or moe.early_hits) else OverlapMode.NONE
     for layer in engine.moe.layers.values():
         assert layer.overlap_mode is want, layer.overlap_reason
 

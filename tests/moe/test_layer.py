@@ -97,8 +97,11 @@ def test_overlap_decision_and_reasons_cpu(monkeypatch):
     assert on.cfg.copy_overlap is True and "cpu" in on.layers[0].overlap_reason
     assert on.layers[0].side is None and on.slots.side is None
     plain = SyntheticModel(random_weights(dataclasses.replace(CPU_CFG, shared_intermediate=0), CPU_L, "cpu"),
-                           CPU_S, "cpu")
-    assert "no shared expert" in plain.layers[0].overlap_reason
+                           CPU_S, "cpu", early_hits=False)
+    assert "no shared expert and early_hits off" in plain.layers[0].overlap_reason
+    hits = SyntheticModel(random_weights(dataclasses.replace(CPU_CFG, shared_intermediate=0), CPU_L, "cpu"),
+                          CPU_S, "cpu")
+    assert "cpu" in hits.layers[0].overlap_reason  # early hits are side-stream work: only the device declines
 
 
 @interpreter
@@ -235,6 +238,21 @@ def test_pdl_chain_bitwise(gpu_weights, graph, overlap):
     assert_steps_bitwise(plain, chain, graph, 2, seed=7)
     plain.close()
     chain.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_no_shared_expert_early_hits_bitwise(graph):
+    """A block without a shared expert (Qwen3-MoE, Mixtral) still overlaps with early hits: the side
+    stream runs only the resident experts' gate_up; bitwise equal to the overlap off."""
+    weights = random_weights(dataclasses.replace(GPU_CFG, shared_intermediate=0), GPU_L, "cuda", seed=17)
+    off = SyntheticModel(weights, GPU_S, "cuda", copy_overlap=False)
+    on = SyntheticModel(weights, GPU_S, "cuda", copy_overlap=True)
+    assert on.layers[0].overlap_mode is OverlapMode.SIDE_STREAM, on.layers[0].overlap_reason
+    assert off.layers[0].overlap_mode is OverlapMode.NONE
+    assert_steps_bitwise(off, on, graph, 2, seed=19)
+    on.close()
 
 
 @gpu

@@ -207,6 +207,10 @@ def test_select_overlap_mode():
     off = dataclasses.replace(CFG, copy_overlap=False)
     mode, reason = select_overlap_mode(off, "decode", "cuda", 1, SAFE)
     assert mode is OverlapMode.NONE and COPY_OVERLAP_ENV in reason
-    no_shared = dataclasses.replace(CFG, shared_intermediate=0)
-    assert select_overlap_mode(no_shared, "decode", "cuda", 1, SAFE)[0] is OverlapMode.NONE
+    no_shared = dataclasses.replace(CFG, shared_intermediate=0)  # early hits are its side work
+    assert select_overlap_mode(no_shared, "decode", "cuda", 1, SAFE)[0] is OverlapMode.SIDE_STREAM
+    mode, reason = select_overlap_mode(dataclasses.replace(no_shared, early_hits=False), "decode", "cuda", 1, SAFE)
+    assert mode is OverlapMode.NONE and "early_hits off" in reason
+    assert select_overlap_mode(dataclasses.replace(no_shared, copy_overlap=False), "decode", "cuda", 1,
+                               SAFE)[0] is OverlapMode.NONE
     assert select_overlap_mode(CFG, "prefill", "cuda", 1, SAFE)[0] is OverlapMode.NONE
