@@ -82,12 +82,13 @@ def time_graph(launch, state: list[torch.Tensor], reps: int) -> np.ndarray:
 
 def variant(label: str) -> tuple[str, dict]:
     """"rule" -> ("rule", {}) (the default tiles, expertcache.device.CHUNK / NUM_WARPS);
-    "rule:w2:c1024:s8:l1" -> ("rule", num_warps=2, chunk=1024, seq_max=8, lean=True)."""
+    "rule:w2:c1024:s8:l0:e1" -> ("rule", num_warps=2, chunk=1024, seq_max=8, lean=False, early_reads=True)."""
     name, *opts = label.split(":")
-    keys = {"w": "num_warps", "c": "chunk", "s": "seq_max", "l": "lean"}
+    keys = {"w": "num_warps", "c": "chunk", "s": "seq_max", "l": "lean", "e": "early_reads"}
     out = {keys[o[0]]: int(o[1:]) for o in opts}
-    if "lean" in out:
-        out["lean"] = bool(out["lean"])
+    for flag in ("lean", "early_reads"):
+        if flag in out:
+            out[flag] = bool(out[flag])
     return name, out
 
 
@@ -149,7 +150,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--policies", default="lru,rule,lfuda",
                     help="policies, each optionally with :wN (warps), :cN (chunk), :sN (seq_max) and "
-                      ":l1 (lean), e.g. lru:l1")
+                      ":l0 (not lean), :e1 (early reads), e.g. rule:e1")
     ap.add_argument("--slots", default=",".join(map(str, SLOTS)))
     ap.add_argument("--misses", default=",".join(map(str, MISSES)))
     ap.add_argument("--out", default=None)

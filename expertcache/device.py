@@ -58,7 +58,7 @@ class DeviceCache:
 
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
                  chunk: int = CHUNK, num_warps: int = NUM_WARPS, seq_max: int = SEQ_MAX,
-                 lean: bool = True, **constants) -> None:
+                 lean: bool = True, early_reads: bool = False, **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
         if self.policy.oracle or self.policy.kind not in DEVICE_KINDS:
@@ -96,6 +96,11 @@ class DeviceCache:
         # and without a pinned test, and a commit without evictions skips the victim gather
         # (device_ensure); faster on the H200 in every lru cell of bench_ensure (docs/gpu.md)
         self.lean = lean
+        if not isinstance(early_reads, bool):
+            raise ValueError(f"early_reads must be a bool, got {early_reads!r}")
+        # early_reads (opt-in until measured): the commit's policy reads (rule's lc / dct, lfuda's hit
+        # counts and age) are issued at the start of the launch, beside the query's loads
+        self.early_reads = early_reads
         self.grid = triton.cdiv(geometry.num_slots, chunk)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
         self._cand: dict[int, torch.Tensor] = {}
@@ -154,7 +159,7 @@ class DeviceCache:
             POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
             BLOCK_L=triton.next_power_of_2(g.num_layers), SINGLE=self.grid == 1,
-            SEQ_MAX=self.seq_max, LEAN=self.lean, num_warps=self.num_warps,
+            SEQ_MAX=self.seq_max, LEAN=self.lean, EARLY=self.early_reads, num_warps=self.num_warps,
             **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))
         return buf
 

@@ -207,10 +207,25 @@ def _victims(best, cand_ptr, r, from_cand, need, BLOCK_Q: tl.constexpr, SEQ_MAX:
 
 
 @triton.jit
-def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys):
-    """rule's use of every key of the call (hits and installs alike)."""
-    lc = tl.load(kst_ptr + num_keys + key, mask=first, other=0)
-    dct = tl.load(kst_ptr + 2 * num_keys + key, mask=first, other=-1)
+def _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, first, slot, hit, num_keys, POLICY: tl.constexpr):
+    """What the commit's policy update reads: rule's lc and dct of each key, lfuda's hit counts
+    and age (lru: nothing). Only the committing program writes them, so they may be read at the
+    start of the launch, beside the query's loads (they need only the key or the hit's slot)."""
+    if POLICY == 1:
+        a = tl.load(kst_ptr + num_keys + key, mask=first, other=0)
+        b = tl.load(kst_ptr + 2 * num_keys + key, mask=first, other=-1)
+    elif POLICY == 2:
+        a = tl.load(sst_ptr + slot, mask=hit, other=0)
+        b = tl.load(gst_ptr)
+    else:
+        a, b = 0, 0
+    return a, b
+
+
+@triton.jit
+def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, lc, dct):
+    """rule's use of every key of the call (hits and installs alike); lc, dct: the keys' state as
+    loaded at the start of the launch (only the committing program writes those two rows)."""
     x = tl.maximum(lc - (dc_now - tl.maximum(dct, 0)), tl.load(prm_ptr + 4))
     grown = tl.maximum(x, 0) + _log2_1p_q16(tl.minimum(tl.abs(x) >> 10, 1920))
     tl.store(kst_ptr + num_keys + key, tl.where(dct < 0, 0, grown), mask=first)
@@ -219,11 +234,12 @@ def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys):
 
 
 @triton.jit
-def _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots):
+def _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots, hit_freq, age):
     """lfuda: hits count up at the age before the call; an install starts at 1 at the
-    age raised by its own victim (victims ascend, so that is max(age, its score))."""
-    age = tl.load(gst_ptr)
-    freq = tl.where(hit, tl.load(sst_ptr + sl, mask=hit, other=0) + 1, 1)
+    age raised by its own victim (victims ascend, so that is max(age, its score)). hit_freq, age:
+    the hits' counts and the age as loaded at the start of the launch (only the committing program
+    writes them)."""
+    freq = tl.where(hit, hit_freq + 1, 1)
     base = tl.where(evict, tl.maximum(age, vscore), age)
     tl.store(sst_ptr + sl, freq, mask=first)
     tl.store(sst_ptr + num_slots + sl, tl.where(hit, age, base) + freq, mask=first)
@@ -234,7 +250,8 @@ def _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots):
 def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, cand_ptr,
             out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid, key, first, slot,
             hit, fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, dc_now, layer, num_layers,
-            num_slots, num_keys, mine, best, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
+            num_slots, num_keys, mine, best, early_a, early_b, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
+            EARLY: tl.constexpr,
             BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr):
     """Apply one call: refresh, evictions and installs in ascending key order, touches,
     plan, slots, counters and clock. Runs in one program. The victims: `best` (registers)
@@ -266,12 +283,14 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
     tl.store(plan_ptr + 2 * mrank, key.to(tl.int32), mask=fmiss)
     tl.store(plan_ptr + 2 * mrank + 1, vslot.to(tl.int32), mask=fmiss)
     sl = tl.where(slot >= 0, slot, vslot)
+    if not EARLY:  # read now (the default), or at the start of the launch (early_a, early_b)
+        early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, first, slot, hit, num_keys, POLICY)
     if POLICY == 0:
         tl.store(sst_ptr + sl, step + 0 * sl, mask=first)
     elif POLICY == 2:
-        _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots)
+        _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots, early_a, early_b)
     else:
-        _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys)
+        _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, early_a, early_b)
     i = tl.arange(0, BLOCK_Q)
     tl.store(out_ptr + i, tl.where(valid, sl, -1).to(tl.int32), mask=i < ids_n)
     tl.store(count_ptr, m)
@@ -312,6 +331,7 @@ def ensure_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_L: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr,
     LEAN: tl.constexpr = False,  # DeviceCache(lean=True), its default: see _chunk_candidates, _commit
+    EARLY: tl.constexpr = False,  # DeviceCache(early_reads=True): see _policy_reads
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
 ):
     if GDC:
@@ -321,6 +341,9 @@ def ensure_kernel(
     num_keys = num_layers * num_experts
     valid, key, first, slot, hit, fmiss, mrank, n, m, bad = _query(
         ids_ptr, slot_of_ptr, layer, num_experts, n_ids, BLOCK_Q)
+    early_a, early_b = 0, 0
+    if EARLY:  # DeviceCache(early_reads=True): the commit's policy reads issued beside the query's
+        early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, first, slot, hit, num_keys, POLICY)
     step = tl.load(clock_ptr) + 1
     tok = tl.load(clock_ptr + 1) + tl.where(layer == 0, 1, 0).to(tl.int64)
     missed = tl.load(counters_ptr + 2)  # all layers' misses: scalar loads, no block reduction
@@ -368,7 +391,7 @@ def ensure_kernel(
             _commit(n_ids, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr,
                     cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
                     key, first, slot, hit, fmiss, mrank, n, m, ne, filled, rkey, near, step,
-                    tok, dc_now, layer, num_layers, num_slots, num_keys, mine, best, POLICY,
-                    HAS_LOGITS, BLOCK_Q, SEQ_MAX, LEAN)
+                    tok, dc_now, layer, num_layers, num_slots, num_keys, mine, best, early_a, early_b, POLICY,
+                    HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN)
         else:
             tl.store(status_ptr, tl.where(bad > 0, 1, 2))

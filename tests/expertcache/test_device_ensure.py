@@ -96,10 +96,13 @@ def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max, lean):
 @pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("chunk", [8, 64])
 @pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
-def test_kernel_matches_host_with_a_filling_pool(policy, chunk, lean):
+@pytest.mark.parametrize("early", [False, True], ids=["", "early"])
+def test_kernel_matches_host_with_a_filling_pool(policy, chunk, lean, early):
     """Calls with misses while the pool still has empty slots (victims and empty slots in one
-    call), duplicates and padding, hits among the oldest stamps; lean (default) and plain."""
-    ref = run_parity(policy, L=3, E=16, S=40, rows=2, k=4, C=40, T=6, seed=chunk + 5, chunk=chunk, lean=lean)
+    call), duplicates and padding, hits among the oldest stamps; lean (default) and plain; the
+    commit's policy reads at the start of the launch (early_reads) and in the commit."""
+    ref = run_parity(policy, L=3, E=16, S=40, rows=2, k=4, C=40, T=6, seed=chunk + 5, chunk=chunk, lean=lean,
+                     early_reads=early)
     assert ref.counters[:, 2].sum() > 40
 
 
@@ -113,7 +116,8 @@ def test_default_tiles_by_pool_size():
         dev = DeviceCache(CacheGeometry(1, 4 * S, S), "lru", device=device)
         assert (dev.chunk, dev.num_warps, dev.grid) == (chunk, warps, -(-S // chunk))
     g = CacheGeometry(1, 8, 4)
-    for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}, {"lean": 1}):
+    for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}, {"lean": 1},
+                {"early_reads": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DeviceCache(g, "lru", device=device, **bad)
 
@@ -205,8 +209,10 @@ def test_device_parity_grid(policy, S):
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("S, options", [(1650, {"chunk": 512, "num_warps": 4}), (512, {"lean": False}),
-                                        (1650, {"lean": False}), (16384, {"lean": False})],
-                         ids=["many-programs-1650", "plain-512", "plain-1650", "plain-16384"])
+                                        (1650, {"lean": False}), (16384, {"lean": False}),
+                                        (512, {"early_reads": True}), (1650, {"early_reads": True})],
+                         ids=["many-programs-1650", "plain-512", "plain-1650", "plain-16384", "early-512",
+                              "early-1650"])
 def test_device_parity_variants(policy, S, options):
     """1650 slots on 4 programs of 512 (explicit tiles), and the plain (not lean) kernel on one
     program (512) and several (1650, 16384); every other GPU parity test runs the lean default."""
