@@ -58,7 +58,7 @@ class DeviceCache:
 
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
                  chunk: int = CHUNK, num_warps: int = NUM_WARPS, seq_max: int = SEQ_MAX,
-                 lean: bool = True, early_reads: bool = False, **constants) -> None:
+                 lean: bool = True, early_reads: bool = True, **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
         if self.policy.oracle or self.policy.kind not in DEVICE_KINDS:
@@ -98,8 +98,9 @@ class DeviceCache:
         self.lean = lean
         if not isinstance(early_reads, bool):
             raise ValueError(f"early_reads must be a bool, got {early_reads!r}")
-        # early_reads (opt-in until measured): the commit's policy reads (rule's lc / dct, lfuda's hit
-        # counts and age) are issued at the start of the launch, beside the query's loads
+        # early_reads (default): the commit's policy reads (rule's lc / dct, lfuda's hit counts and
+        # age) are issued at the start of the launch, beside the query's loads; faster on the H200 in
+        # nearly every rule / lfuda cell of bench_ensure (docs/gpu.md). False: read in the commit
         self.early_reads = early_reads
         self.grid = triton.cdiv(geometry.num_slots, chunk)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}

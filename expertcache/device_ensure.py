@@ -283,7 +283,7 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
     tl.store(plan_ptr + 2 * mrank, key.to(tl.int32), mask=fmiss)
     tl.store(plan_ptr + 2 * mrank + 1, vslot.to(tl.int32), mask=fmiss)
     sl = tl.where(slot >= 0, slot, vslot)
-    if not EARLY:  # read now (the default), or at the start of the launch (early_a, early_b)
+    if not EARLY:  # read now (early_reads=False), or at the start of the launch (early_a, early_b)
         early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, first, slot, hit, num_keys, POLICY)
     if POLICY == 0:
         tl.store(sst_ptr + sl, step + 0 * sl, mask=first)
@@ -331,7 +331,7 @@ def ensure_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_L: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr,
     LEAN: tl.constexpr = False,  # DeviceCache(lean=True), its default: see _chunk_candidates, _commit
-    EARLY: tl.constexpr = False,  # DeviceCache(early_reads=True): see _policy_reads
+    EARLY: tl.constexpr = False,  # DeviceCache(early_reads=True), its default: see _policy_reads
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
 ):
     if GDC:

@@ -210,12 +210,13 @@ def test_device_parity_grid(policy, S):
 @pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("S, options", [(1650, {"chunk": 512, "num_warps": 4}), (512, {"lean": False}),
                                         (1650, {"lean": False}), (16384, {"lean": False}),
-                                        (512, {"early_reads": True}), (1650, {"early_reads": True})],
-                         ids=["many-programs-1650", "plain-512", "plain-1650", "plain-16384", "early-512",
-                              "early-1650"])
+                                        (512, {"early_reads": False}), (1650, {"early_reads": False})],
+                         ids=["many-programs-1650", "plain-512", "plain-1650", "plain-16384", "late-reads-512",
+                              "late-reads-1650"])
 def test_device_parity_variants(policy, S, options):
     """1650 slots on 4 programs of 512 (explicit tiles), and the plain (not lean) kernel on one
-    program (512) and several (1650, 16384); every other GPU parity test runs the lean default."""
+    program (512) and several (1650, 16384), and the policy reads in the commit (early_reads=False) on
+    512 and 1650; every other GPU parity test runs the default (lean, early reads)."""
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
