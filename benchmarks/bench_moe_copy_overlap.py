@@ -160,9 +160,9 @@ def abab(graphs: dict, xs: list[torch.Tensor], counters: torch.Tensor) -> dict:
             "misses_per_step_mean": float(np.mean(misses)), "steps_without_miss": int(np.sum(np.array(misses) == 0))}
 
 
-def replay_metrics(graph: Graph, xs: list[torch.Tensor], path: Path, shared_names: set, per_layer: int,
-                   expert_bytes: int) -> dict:
-    """Profile replays of one mode; per layer: copy slip, copy duration, shared-end-inside-copy."""
+def profile_replays(graph: Graph, xs: list[torch.Tensor], path: Path) -> list:
+    """Replay the graph once per x under the profiler (after one unprofiled replay); write the Chrome
+    trace to `path` and return its kernels in start order."""
     graph(xs[0])
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -170,7 +170,13 @@ def replay_metrics(graph: Graph, xs: list[torch.Tensor], path: Path, shared_name
             graph(x)
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(path))
-    ks = kernels(load_trace(path))
+    return kernels(load_trace(path))
+
+
+def replay_metrics(graph: Graph, xs: list[torch.Tensor], path: Path, shared_names: set, per_layer: int,
+                   expert_bytes: int) -> dict:
+    """Profile replays of one mode; per layer: copy slip, copy duration, shared-end-inside-copy."""
+    ks = profile_replays(graph, xs, path)
     ensures, copies = named(ks, "ensure_kernel"), named(ks, "_miss_copy_kernel")
     missed_us = expert_bytes / FAST_LINK * 1e6
     out = {"layers": len(copies), "kernels": len(ks),
@@ -257,14 +263,7 @@ def resident_breakdown(graph: Graph, xs: list[torch.Tensor], path: Path) -> dict
     """Profile replays of a resident step graph: median duration of each kernel, and the median gap
     from the end of each compute-chain kernel (CHAIN, in launch order) to the start of the next one
     (negative: the next one started early, as a programmatic dependent launch may)."""
-    graph(xs[0])
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for x in xs:
-            graph(x)
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(str(path))
-    ks = kernels(load_trace(path))
+    ks = profile_replays(graph, xs, path)
     durations: dict[str, list[float]] = {}
     for k in ks:
         durations.setdefault(k.name, []).append(k.duration)

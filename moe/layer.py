@@ -188,51 +188,45 @@ class MoELayer:
                 shared = self.shared_expert(hidden)  # [T, H] f32, a buffer of this layer
         elif self.shared is not None:
             shared = self.shared_expert(hidden)
-        if side is not None and routing is None and self.cfg.early_hits:
-            act, slots = self._early_hits_front(hidden, side, compute)
-        else:
-            act, slots = self._routed_front(hidden, routing)  # router, ensure, miss copy, gate_up: back to back
+        early = (side, compute) if side is not None and routing is None and self.cfg.early_hits else None
+        act, slots = self._routed_front(hidden, routing, early)
         if side is not None:
             side.join(compute)  # the down launch below reads `shared`
         routed_down(act, slots, self.slots.pool.tensor("down"), addend=shared, out_cast=out, after_gate_up=True)
         return out
 
-    def _routed_front(self, hidden: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None
+    def _routed_front(self, hidden: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      early: tuple[SideStream, torch.cuda.Stream] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Launches 3-6: hidden [T, H] -> (act [T * k, I] f32, slots [T, k] int32) for routed_down.
-        With `routing` (ids, weights) given, launch 3 (the router) is skipped."""
+        """Launches 3-6: hidden [T, H] -> (act [T * k, I] f32, slots [T, k] int32) for routed_down:
+        router, ensure, miss copy and gate_up back to back. With `routing` (ids, weights) given, the
+        router is skipped.
+
+        early = (side, compute), the overlap with early hits (not with `routing`): the router also
+        records each chosen expert's slot before the ensure (pre; -1 = not resident); the side stream
+        forks again right after it and computes the gate_up rows of the resident pairs from pre,
+        while the compute stream runs ensure, miss copy and the gate_up rows of the others. A
+        resident expert keeps its slot through its ensure and the copy writes only victims' slots,
+        so both halves read what the single gate_up would: the same act bits."""
         cfg, slots, tokens = self.cfg, self.slots, hidden.shape[0]
         pdl = cfg.pdl_chain  # programmatic launches for the router, ensure and copy (CUDA only)
+        gate_up = slots.pool.tensor("gate_up")
+        pre = self._pre[:tokens] if early is not None else None
         if routing is None:
             weights, ids = router_topk(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob,
-                                       weights=self._weights[:tokens], ids=self._ids[:tokens], pdl=pdl)
+                                       weights=self._weights[:tokens], ids=self._ids[:tokens], pdl=pdl,
+                                       pre=None if pre is None else (slots.cache.slot_of,
+                                                                     self.layer * cfg.num_experts, pre))
         else:
             ids, weights = routing
+        if early is not None:
+            side, compute = early
+            side.fork(compute)  # the side stream sees weights and pre
+            with torch.cuda.stream(side.stream):
+                routed_gate_up(hidden, pre, weights, gate_up, part="hits", pre=pre)
         buf = slots.cache.ensure(self.layer, ids, pdl=pdl)  # slots [T, k], plan [Q, 2], count [1]
         miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=pdl)
-        act = routed_gate_up(hidden, buf.slots, weights, slots.pool.tensor("gate_up"))
-        return act, buf.slots
-
-    def _early_hits_front(self, hidden: torch.Tensor, side: SideStream, compute: torch.cuda.Stream
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Overlap on, early hits: the router also records each chosen expert's slot before the
-        ensure (pre; -1 = not resident); the side stream forks again right after it and computes the
-        gate_up rows of the resident pairs from pre, while the compute stream runs ensure, miss copy
-        and the gate_up rows of the others. A resident expert keeps its slot through its ensure and
-        the copy writes only victims' slots, so both halves read what the single gate_up would: the
-        same act bits."""
-        cfg, slots, tokens = self.cfg, self.slots, hidden.shape[0]
-        pdl, pre = cfg.pdl_chain, self._pre[:tokens]
-        gate_up = slots.pool.tensor("gate_up")
-        weights, ids = router_topk(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob,
-                                   weights=self._weights[:tokens], ids=self._ids[:tokens], pdl=pdl,
-                                   pre=(slots.cache.slot_of, self.layer * cfg.num_experts, pre))
-        side.fork(compute)  # the side stream sees weights and pre
-        with torch.cuda.stream(side.stream):
-            routed_gate_up(hidden, pre, weights, gate_up, part="hits", pre=pre)
-        buf = slots.cache.ensure(self.layer, ids, pdl=pdl)
-        miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=pdl)
-        act = routed_gate_up(hidden, buf.slots, weights, gate_up, part="rest", pre=pre)
+        act = routed_gate_up(hidden, buf.slots, weights, gate_up, part="all" if pre is None else "rest", pre=pre)
         return act, buf.slots
 
     def last_routing(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
