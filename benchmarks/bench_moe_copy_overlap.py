@@ -309,17 +309,18 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
 
 
 def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
-    """"hits1" / "noeh" / "chain" joined by "+" (e.g. "noeh+chain") -> (spec, args with those set)."""
+    """"hits1" / "noeh" / "chain" / "nochain" joined by "+" (e.g. "noeh+nochain") -> (spec, args with
+    those set)."""
     opts = argparse.Namespace(**vars(args))
     for part in spec.split("+"):
         if part.startswith("hits") and part[4:].isdigit():
             opts.hits_per_sm = int(part[4:])
         elif part == "noeh":
             opts.early_hits = False
-        elif part == "chain":
-            opts.pdl_chain = True
+        elif part in ("chain", "nochain"):
+            opts.pdl_chain = part == "chain"
         else:
-            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh or chain")
+            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, chain or nochain")
     return spec, opts
 
 
@@ -376,9 +377,9 @@ def parse() -> argparse.Namespace:
                     help="programs per SM of the early hits' persistent launch (moe.routed.HITS_PROGRAMS_PER_SM)")
     ap.add_argument("--resident-variants", default="",
                     help="comma list of more resident-mode runs on the same weights: hitsN (early hits' "
-                         "programs per SM), noeh (no early hits), chain (pdl chain), joined by '+'")
-    ap.add_argument("--pdl-chain", action="store_true",
-                    help="MoEConfig.pdl_chain: router, ensure and miss copy launched programmatically too")
+                         "programs per SM), noeh (no early hits), chain / nochain (MoEConfig.pdl_chain on / off), joined by '+'")
+    ap.add_argument("--no-pdl-chain", dest="pdl_chain", action="store_false",
+                    help="MoEConfig.pdl_chain=False: router, ensure and miss copy launched plainly")
     return ap.parse_args()
 
 

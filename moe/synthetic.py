@@ -88,7 +88,7 @@ class SyntheticModel:
     """
 
     def __init__(self, weights: SyntheticWeights, num_slots: int, device: str | torch.device = "cuda", *,
-                 copy_overlap: bool | None = None, policy: str = "lru", pdl_chain: bool = False,
+                 copy_overlap: bool | None = None, policy: str = "lru", pdl_chain: bool = True,
                  early_hits: bool = True) -> None:
         overlap = copy_overlap_from_env(weights.cfg.copy_overlap) if copy_overlap is None else copy_overlap
         self.cfg = dataclasses.replace(weights.cfg, copy_overlap=overlap, pdl_chain=pdl_chain,

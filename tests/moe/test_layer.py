@@ -232,8 +232,8 @@ def assert_steps_bitwise(a_model: SyntheticModel, b_model: SyntheticModel, graph
 def test_pdl_chain_bitwise(gpu_weights, graph, overlap):
     """MoEConfig.pdl_chain (router, ensure and miss copy launched programmatically) changes no bit:
     outputs, slot maps and slot contents, with evictions every step, eager and in a CUDA graph."""
-    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap)
-    chain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap, pdl_chain=True)
+    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap, pdl_chain=False)
+    chain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap)  # the default
     assert chain.cfg.pdl_chain and not plain.cfg.pdl_chain
     assert_steps_bitwise(plain, chain, graph, 2, seed=7)
     plain.close()
