@@ -40,7 +40,7 @@ class MoEConfig:
     copy_overlap: run the shared expert on a side stream while the miss copy is in flight.
     pdl_chain: launch the router, ensure and miss copy with programmatic dependent launch too (each
     waits for its predecessor before reading anything, so the same results). On by default: on the
-    H200 a step of four layers with misses ran 20-22 us faster with the overlap on (997-999 against
+    H200 a step of four layers with misses ran 20-24 us faster with the overlap on (997-999 against
     1020-1021 us) and the resident layer 1.4 us faster with the overlap off, the same with it on
     (docs/moe.md). False launches them plainly.
     early_hits: with the side stream in use (copy_overlap on and applied), the gate_up rows of the
