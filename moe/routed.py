@@ -63,10 +63,6 @@ class RoutedConfig:
     block_i: gate rows (and as many up rows) per gate_up program. chunk_h: hidden columns per
     load step of a gate_up program. block_h: output rows per down program. chunk_i: intermediate
     columns per load step of a down program. warps_gate_up / warps_down: num_warps of each launch.
-    down_experts: experts whose rows a down program loads in one step (capped at top_k's power of
-    two); 1 sums j = 0..k-1 in order into one accumulator, more sums a [down_experts, block_h,
-    chunk_i] accumulator over columns, then over j (bitwise repeatable either way; the two orders
-    differ in the last bits).
     pdl: on CUDA, launch the routed gate_up and down with programmatic dependent launch (each waits
     for its predecessor before reading anything: same results; moe.routed_kernels). On by default:
     0.5-1.0 us faster at T = 1..8 on the H200 (20.10 vs 20.61 us at T = 1,
@@ -83,7 +79,6 @@ class RoutedConfig:
     chunk_i: int = 512
     warps_down: int = 4
     pdl: bool = True
-    down_experts: int = 1
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -100,11 +95,9 @@ class RoutedConfig:
 
     @property
     def name(self) -> str:
-        """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl',
-        'i4x1024w8-h2x128w4j16-pdl' (down_experts=16)."""
+        """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl'."""
         return (f"i{self.block_i}x{self.chunk_h}w{self.warps_gate_up}-"
-                f"h{self.block_h}x{self.chunk_i}w{self.warps_down}"
-                f"{f'j{self.down_experts}' if self.down_experts != 1 else ''}{'-pdl' if self.pdl else ''}")
+                f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}")
 
 
 DEFAULT_CONFIG = RoutedConfig()
@@ -138,11 +131,6 @@ def routed_plan(tokens: int, cfg: MoEConfig, num_sms: int = 132,
                          f"routed_experts serves decode steps only")
     grid, _ = routed_grids(tokens, cfg.top_k, cfg.hidden, cfg.expert_intermediate, config)
     return dataclasses.replace(plan, grid=grid)
-
-
-def _block_j(top_k: int, config: RoutedConfig) -> int:
-    """Experts per load step of a down program: config.down_experts, capped at top_k's power of two."""
-    return min(config.down_experts, triton.next_power_of_2(top_k))
 
 
 def _even(hidden: int, inter: int, config: RoutedConfig) -> tuple[bool, bool]:
@@ -192,7 +180,7 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
             types = ("*fp32", "*i32", p, "*fp32", "*fp32", p, "i32")
             constexprs = dict(shape, BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=even_b,
                               ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2],
-                              GDC=int(config.pdl and not is_shared), BLOCK_J=_block_j(k, config))
+                              GDC=int(config.pdl and not is_shared))
         result[name] = compile_for_sm(kernel, types, constexprs, warps, arch, JIT_OPTIONS)
     return result
 
@@ -352,7 +340,7 @@ def _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config, 
                      act if out_cast is None else out_cast, num_slots, K=top_k, H=hid, I=inter,
                      BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=_even(hid, inter, config)[1],
                      ADDEND=addend is not None, WRITE_OUT=out is not None, WRITE_CAST=out_cast is not None,
-                     GDC=int(gdc), BLOCK_J=_block_j(top_k, config), num_warps=config.warps_down,
+                     GDC=int(gdc), num_warps=config.warps_down,
                      **({"launch_pdl": True} if gdc else {}))
     return out_cast if out is None else out
 

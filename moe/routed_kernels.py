@@ -8,8 +8,6 @@
         -> act [T * K, I] f32 = weight * silu(gate) * up   (0 when slots[t, j] is outside [0, S))
     down body, grid (T, ceil(H / BLOCK_H)): program (t, tile)
         for j = 0 .. K-1 in order: acc += down[slots[t, j]][tile, :] * act[t * K + j, :]  (pool [S, H, I])
-        (BLOCK_J > 1: BLOCK_J experts per load step, acc [BLOCK_J, BLOCK_H, CHUNK_I] summed over
-        columns, then over j)
         y = Σ acc (+ addend[t, tile] when ADDEND)  -> out f32 (WRITE_OUT) and/or cast(y) (WRITE_CAST)
 
 Legend: T = tokens, H = hidden, I = expert width, K = top_k (1 for the shared expert), S = pool slots.
@@ -118,56 +116,27 @@ def _gate_up_rows(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13_ptr, act
 def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
                K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-               WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
-               BLOCK_J: tl.constexpr = 1):
+               WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
     if GDC:
         gdc_wait()
-    if BLOCK_J == 1:
-        acc = tl.zeros([BLOCK_H, CHUNK_I], dtype=tl.float32)
-        for j in tl.static_range(K):  # ordered combine: j = 0, 1, ..., K-1 into one accumulator
-            slot = tl.load(slots_ptr + token * K + j)
-            live = (slot >= 0) & (slot < num_slots)
-            down_ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I
-            for i0 in tl.static_range(0, I, CHUNK_I):
-                cols = i0 + tl.arange(0, CHUNK_I)  # [CHUNK_I]
-                if EVEN:
-                    a = tl.load(act_ptr + (token * K + j) * I + cols)
-                    mask = live
-                else:
-                    a = tl.load(act_ptr + (token * K + j) * I + cols, mask=cols < I, other=0.0)
-                    mask = live & (rows[:, None] < H) & (cols[None, :] < I)
-                d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
-                acc += d.to(tl.float32) * a[None, :]
-        y = tl.sum(acc, axis=1)  # [BLOCK_H] routed sum, fixed order
-    else:
-        # BLOCK_J experts per load step (RoutedConfig.down_experts): each step loads the rows of
-        # BLOCK_J slots at once, [BLOCK_J, BLOCK_H, CHUNK_I], so a program makes fewer, larger round
-        # trips to memory; one accumulator per (j, row, column), summed over columns, then over j
-        # (a fixed tree: bitwise repeatable, not the same bits as BLOCK_J = 1)
-        jj = tl.arange(0, BLOCK_J)
-        acc3 = tl.zeros([BLOCK_J, BLOCK_H, CHUNK_I], dtype=tl.float32)
-        for j0 in tl.static_range(0, K, BLOCK_J):
-            j = j0 + jj  # [BLOCK_J]
-            jm = j < K
-            slot = tl.load(slots_ptr + token * K + j, mask=jm, other=-1)
-            live = jm & (slot >= 0) & (slot < num_slots)
-            base = tl.where(live, slot, 0).to(tl.int64) * (H * I)  # [BLOCK_J] element offsets
-            for i0 in tl.static_range(0, I, CHUNK_I):
-                cols = i0 + tl.arange(0, CHUNK_I)  # [CHUNK_I]
-                a_ptrs = act_ptr + (token * K + j)[:, None] * I + cols[None, :]  # [BLOCK_J, CHUNK_I]
-                d_ptrs = w2_ptr + base[:, None, None] + rows[None, :, None] * I + cols[None, None, :]
-                if EVEN:
-                    a = tl.load(a_ptrs, mask=jm[:, None], other=0.0)
-                    mask = live[:, None, None]
-                else:
-                    a = tl.load(a_ptrs, mask=jm[:, None] & (cols[None, :] < I), other=0.0)
-                    mask = (live[:, None, None] & (rows[None, :, None] < H)
-                            & (cols[None, None, :] < I))
-                d = tl.load(d_ptrs, mask=mask, other=0.0)  # [BLOCK_J, BLOCK_H, CHUNK_I]
-                acc3 += d.to(tl.float32) * a[:, None, :]
-        y = tl.sum(tl.sum(acc3, axis=2), axis=0)  # [BLOCK_H]
+    acc = tl.zeros([BLOCK_H, CHUNK_I], dtype=tl.float32)
+    for j in tl.static_range(K):  # ordered combine: j = 0, 1, ..., K-1 into one accumulator
+        slot = tl.load(slots_ptr + token * K + j)
+        live = (slot >= 0) & (slot < num_slots)
+        down_ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I
+        for i0 in tl.static_range(0, I, CHUNK_I):
+            cols = i0 + tl.arange(0, CHUNK_I)  # [CHUNK_I]
+            if EVEN:
+                a = tl.load(act_ptr + (token * K + j) * I + cols)
+                mask = live
+            else:
+                a = tl.load(act_ptr + (token * K + j) * I + cols, mask=cols < I, other=0.0)
+                mask = live & (rows[:, None] < H) & (cols[None, :] < I)
+            d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
+            acc += d.to(tl.float32) * a[None, :]
+    y = tl.sum(acc, axis=1)  # [BLOCK_H] routed sum, fixed order
     if ADDEND:  # the combine: routed + addend in float32, then (below) one rounding to the model dtype
         y = y + tl.load(addend_ptr + token * H + rows, mask=rows < H, other=0.0)
     if WRITE_OUT:
@@ -215,20 +184,18 @@ def _shared_gate_up(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr,
 def _down_kernel(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                  CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
-                 BLOCK_J: tl.constexpr = 1):
+                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
     _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
-               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC, BLOCK_J)
+               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC)
 
 
 @triton.jit(**JIT_OPTIONS)
 def _shared_down(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                  CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
-                 BLOCK_J: tl.constexpr = 1):
+                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
     _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
-               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC, BLOCK_J)
+               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC)
 
 
 GATE_UP_ENTRIES = {False: _gate_up_kernel, True: _shared_gate_up}  # keyed by "is the shared expert"
