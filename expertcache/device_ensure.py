@@ -156,6 +156,18 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
 
 
 @triton.jit
+def _minima(packed, need, best, j):
+    """best[0:need] = the need lowest of packed (distinct values), ascending, by successive minima."""
+    i = 0
+    while i < need:  # a while loop: Triton's interpreter cannot range() a tensor
+        v = tl.min(packed, axis=0)
+        best = tl.where(j == i, v, best)
+        packed = tl.where(packed == v, 0x7FFFFFFFFFFFFFFF, packed)
+        i += 1
+    return best
+
+
+@triton.jit
 def _lowest(packed, need, out_ptr, N: tl.constexpr, BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr,
             STORE_SEQ: tl.constexpr):
     """The `need` (<= BLOCK_Q) lowest of packed [N] (distinct values), ascending.
@@ -166,13 +178,12 @@ def _lowest(packed, need, out_ptr, N: tl.constexpr, BLOCK_Q: tl.constexpr, SEQ_M
     """
     j = tl.arange(0, BLOCK_Q)
     best = tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64)
-    if need <= SEQ_MAX:
-        i = 0
-        while i < need:  # a while loop: Triton's interpreter cannot range() a tensor
-            v = tl.min(packed, axis=0)
-            best = tl.where(j == i, v, best)
-            packed = tl.where(packed == v, 0x7FFFFFFFFFFFFFFF, packed)
-            i += 1
+    if SEQ_MAX >= BLOCK_Q:  # every need fits successive minima: no sort is compiled at all
+        best = _minima(packed, need, best, j)
+        if STORE_SEQ:
+            tl.store(out_ptr + j, best)
+    elif need <= SEQ_MAX:
+        best = _minima(packed, need, best, j)
         if STORE_SEQ:
             tl.store(out_ptr + j, best)
     else:
