@@ -1,10 +1,12 @@
-"""Registers and spills of the device ensure kernel for sm_90, from ptxas -v (no GPU needed).
+"""Registers, spills and code size of the device ensure kernel for sm_90 (no GPU needed).
 
-    python benchmarks/ensure_registers.py [--out FILE]
+    python benchmarks/ensure_registers.py [--seq-max N] [--out FILE]
 
 Compiles expertcache.device_ensure.ensure_kernel with Triton for sm_90a at the default tiles (512-slot
-programs, 4 warps, k = 10 so a 16-wide query), for every policy, with and without router logits (32
-entries), on one program and on several, and prints ptxas's register and spill counts per variant.
+programs, 4 warps, k = 10 so a 16-wide query) and DeviceCache's default lean kernel with early reads,
+for every policy, with and without router logits (32 entries), on one program and on several, and
+prints ptxas's register and spill counts and the number of SASS instructions (cuobjdump) per variant.
+--seq-max: DeviceCache's seq_max (default expertcache.device_ensure.SEQ_MAX; 16 or more: no sort).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import tempfile
 
 import triton
 
-from expertcache.device import CHUNK, NUM_WARPS
-from expertcache.device_ensure import ensure_kernel
+from expertcache.device import CHUNK, NUM_WARPS, DeviceCache
+from expertcache.device_ensure import SEQ_MAX, ensure_kernel
 from moe.triton_launch import compile_for_sm
 
 TYPES = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64",
@@ -40,28 +42,46 @@ def ptxas_info(ptx: str) -> dict:
             "spill_loads": num(r"(\d+) bytes spill loads")}
 
 
+def sass_instructions(cubin: bytes) -> int:
+    """Instructions in the cubin's SASS (cuobjdump -sass; each is 16 bytes of code on sm_90)."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    out = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    return len(re.findall(r"/\*[0-9a-f]{4,}\*/", out))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq-max", type=int, default=SEQ_MAX)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     params = inspect.signature(ensure_kernel.fn).parameters
+    defaults = inspect.signature(DeviceCache.__init__).parameters
     rows = []
     for policy, name in ((0, "lru"), (1, "rule"), (2, "lfuda")):
         for logits in (False, True):
             for single in (True, False):
                 grid = 1 if single else 32
                 cx = dict(POLICY=policy, HAS_LOGITS=logits, CHUNK=CHUNK, BLOCK_Q=16, BLOCK_R=32 if logits else 1,
-                          BLOCK_C=triton.next_power_of_2(grid * 16), BLOCK_L=64, SINGLE=single)
-                if "SEQ_MAX" in params:
-                    cx["SEQ_MAX"] = 4
-                info = ptxas_info(compile_for_sm(ensure_kernel, TYPES, cx, NUM_WARPS, 90, JIT)["ptx"])
+                          BLOCK_C=triton.next_power_of_2(grid * 16), BLOCK_L=64, SINGLE=single,
+                          SEQ_MAX=args.seq_max)
+                for flag, option in (("LEAN", "lean"), ("EARLY", "early_reads")):
+                    if flag in params and option in defaults:
+                        cx[flag] = defaults[option].default
+                asm = compile_for_sm(ensure_kernel, TYPES, cx, NUM_WARPS, 90, JIT)
+                info = dict(ptxas_info(asm["ptx"]), sass_instructions=sass_instructions(asm["cubin"]))
                 rows.append({"policy": name, "logits": logits, "programs": "one" if single else "several", **info})
                 print(f"{name:>5} logits={logits!s:5} {rows[-1]['programs']:>7}: {info['registers']:3d} registers, "
-                      f"spills {info['spill_stores']} B stored / {info['spill_loads']} B loaded", flush=True)
+                      f"spills {info['spill_stores']} B stored / {info['spill_loads']} B loaded, "
+                      f"{info['sass_instructions']} SASS instructions", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"bench": "ensure_registers", "arch": "sm_90a", "triton": triton.__version__,
-                       "chunk": CHUNK, "num_warps": NUM_WARPS, "rows": rows}, f, indent=1)
+                       "chunk": CHUNK, "num_warps": NUM_WARPS, "seq_max": args.seq_max,
+                       "lean": defaults["lean"].default, "early_reads": defaults["early_reads"].default,
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
