@@ -107,9 +107,8 @@ def ours(label, S, warm, calls, E, reps):
     return t / len(calls), (int(dev.counters[0, 2]) - before) / len(calls)
 
 
-def flashlib_lru(S, warm, calls, E, reps):
-    from flashlib.kernels.slot_cache import N_STATS, lru_ensure
-
+def flashlib_state(S: int, E: int) -> tuple[dict, dict]:
+    """(state, outputs) keyword tensors of flashlib's lru_ensure for S slots over E ids, k = K, empty."""
     dev = dict(slot_of_id=torch.full((E,), -1, dtype=torch.int32, device="cuda"),
                id_of_slot=torch.full((S,), -1, dtype=torch.int32, device="cuda"),
                lru_usage=torch.zeros(S, dtype=torch.int64, device="cuda"),
@@ -118,6 +117,13 @@ def flashlib_lru(S, warm, calls, E, reps):
                 src_indices=torch.empty(K, dtype=torch.int32, device="cuda"),
                 dst_indices=torch.empty(K, dtype=torch.int32, device="cuda"),
                 num_copy=torch.zeros((), dtype=torch.int64, device="cuda"))
+    return dev, outs
+
+
+def flashlib_lru(S, warm, calls, E, reps):
+    from flashlib.kernels.slot_cache import N_STATS, lru_ensure
+
+    dev, outs = flashlib_state(S, E)
     stats = torch.zeros(N_STATS, dtype=torch.int64, device="cuda")
     for w in torch.as_tensor(warm, device="cuda"):
         lru_ensure(w.reshape(-1), **dev, **outs, stats=stats)

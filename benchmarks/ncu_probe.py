@@ -34,7 +34,7 @@ def run() -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_ensure import K, sequence
+    from bench_ensure import flashlib_state, sequence
     from bench_routed import make_pool
 
     from expertcache import CacheGeometry
@@ -57,14 +57,7 @@ def run() -> None:
             except ImportError:
                 print("flashlib not installed: its groups are left out", file=sys.stderr)
                 continue
-            state = dict(slot_of_id=torch.full((E,), -1, dtype=torch.int32, device="cuda"),
-                         id_of_slot=torch.full((S,), -1, dtype=torch.int32, device="cuda"),
-                         lru_usage=torch.zeros(S, dtype=torch.int64, device="cuda"),
-                         lru_step=torch.zeros((), dtype=torch.int64, device="cuda"))
-            outs = dict(out_indices=torch.empty(K, dtype=torch.int32, device="cuda"),
-                        src_indices=torch.empty(K, dtype=torch.int32, device="cuda"),
-                        dst_indices=torch.empty(K, dtype=torch.int32, device="cuda"),
-                        num_copy=torch.zeros((), dtype=torch.int64, device="cuda"))
+            state, outs = flashlib_state(S, E)
             for w in torch.as_tensor(warm, device="cuda"):
                 lru_ensure(w.reshape(-1), **state, **outs)
             for c in range(len(calls)):
