@@ -156,14 +156,17 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
 
 
 @triton.jit
-def _minima(packed, need, best, j):
-    """best[0:need] = the need lowest of packed (distinct values), ascending, by successive minima."""
+def _minima(packed, need, best, j, out_ptr, STORE_SEQ: tl.constexpr):
+    """best[0:need] = the need lowest of packed (distinct values), ascending, by successive minima;
+    also written to out[0:BLOCK_Q] when STORE_SEQ."""
     i = 0
     while i < need:  # a while loop: Triton's interpreter cannot range() a tensor
         v = tl.min(packed, axis=0)
         best = tl.where(j == i, v, best)
         packed = tl.where(packed == v, 0x7FFFFFFFFFFFFFFF, packed)
         i += 1
+    if STORE_SEQ:
+        tl.store(out_ptr + j, best)
     return best
 
 
@@ -179,13 +182,9 @@ def _lowest(packed, need, out_ptr, N: tl.constexpr, BLOCK_Q: tl.constexpr, SEQ_M
     j = tl.arange(0, BLOCK_Q)
     best = tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64)
     if SEQ_MAX >= BLOCK_Q:  # every need fits successive minima: no sort is compiled at all
-        best = _minima(packed, need, best, j)
-        if STORE_SEQ:
-            tl.store(out_ptr + j, best)
+        best = _minima(packed, need, best, j, out_ptr, STORE_SEQ)
     elif need <= SEQ_MAX:
-        best = _minima(packed, need, best, j)
-        if STORE_SEQ:
-            tl.store(out_ptr + j, best)
+        best = _minima(packed, need, best, j, out_ptr, STORE_SEQ)
     else:
         if N < BLOCK_Q:  # a chunk narrower than the query: pad the rest of out
             tl.store(out_ptr + j, best)
