@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-SEQ_MAX = 4  # default: up to this many victims by successive minima, more by a sort
+SEQ_MAX = 16  # default: up to this many victims by successive minima, more by a sort (k <= 16 at batch 1:
+# no sort is compiled, a smaller kernel that was faster in every lru cell with misses on the H200, docs/gpu.md)
 SLOT_BITS = 20  # packed key = score * 2**20 + slot: slots < 2**20, |score| < 2**43
 MAX_SLOTS = 1 << SLOT_BITS
 MAX_QUERY = 1 << 10  # ids per call: fewer (the query's tallies are packed in 10-bit fields)

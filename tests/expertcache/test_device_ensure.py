@@ -211,9 +211,9 @@ def test_device_parity_grid(policy, S):
 @pytest.mark.parametrize("S, options", [(1650, {"chunk": 512, "num_warps": 4}), (512, {"lean": False}),
                                         (1650, {"lean": False}), (16384, {"lean": False}),
                                         (512, {"early_reads": False}), (1650, {"early_reads": False}),
-                                        (1650, {"seq_max": 16}), (16384, {"seq_max": 16})],
+                                        (1650, {"seq_max": 4}), (16384, {"seq_max": 4})],
                          ids=["many-programs-1650", "plain-512", "plain-1650", "plain-16384", "late-reads-512",
-                              "late-reads-1650", "minima-only-1650", "minima-only-16384"])
+                              "late-reads-1650", "sort-1650", "sort-16384"])
 def test_device_parity_variants(policy, S, options):
     """1650 slots on 4 programs of 512 (explicit tiles), and the plain (not lean) kernel on one
     program (512) and several (1650, 16384), and the policy reads in the commit (early_reads=False) on
