@@ -53,15 +53,18 @@ TARGET = "target: whole layer (all experts resident, graph replay) <= 1.5x the H
 
 
 class Graph:
-    """One captured decode step (all layers) of a model, static input copied in per replay."""
+    """One captured decode step (all layers) of a model, static input copied in per replay.
+    priority: capture the compute stream's launches at this CUDA stream priority (lower = higher
+    priority; the kernels keep it in the graph), the side stream's at its default; None: torch's."""
 
-    def __init__(self, model: SyntheticModel, tokens: int) -> None:
+    def __init__(self, model: SyntheticModel, tokens: int, priority: int | None = None) -> None:
         self.model = model
         self.x = torch.zeros(tokens, CFG.hidden, dtype=torch.bfloat16, device="cuda")
         model.step(self.x)  # compiles and allocates before capture
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        stream = None if priority is None else torch.cuda.Stream(priority=priority)
+        with torch.cuda.graph(self.graph, stream=stream):
             self.out = model.step(self.x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,7 +235,7 @@ def miss_mode(weights, args, xs, out_dir: Path) -> dict:
     n = args.bitwise_steps
     eager_ok = bitwise(models, None, xs[:n])
     calib = calibrate(models, xs[n], out_dir)
-    graphs = {m: Graph(models[m], args.tokens) for m in models}  # one more step each (zeros)
+    graphs = {m: Graph(models[m], args.tokens, args.compute_priority) for m in models}  # one more step each (zeros)
     graph_ok = bitwise(models, graphs, xs[n + 1:2 * n + 1])
     pos = 2 * n + 1
     for x in xs[pos:pos + args.warmup]:  # fill the pool to steady state
@@ -289,7 +292,7 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
               for m in ("off", "on")}
     for m in models.values():
         m.warm_all()
-    graphs = {m: Graph(models[m], args.tokens) for m in models}
+    graphs = {m: Graph(models[m], args.tokens, args.compute_priority) for m in models}
     timing = abab(graphs, xs[: args.reps], models["on"].slots.cache.counters)
     new_misses = int(timing["misses_per_step_mean"] * timing["rounds"])
     bw = d2d_bandwidth()
@@ -309,8 +312,8 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
 
 
 def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
-    """"hits1" / "noeh" / "chain" / "nochain" joined by "+" (e.g. "noeh+nochain") -> (spec, args with
-    those set)."""
+    """"hits1" / "noeh" / "chain" / "nochain" / "prio2" joined by "+" (e.g. "noeh+nochain", "prio2+hits10")
+    -> (spec, args with those set)."""
     opts = argparse.Namespace(**vars(args))
     for part in spec.split("+"):
         if part.startswith("hits") and part[4:].isdigit():
@@ -319,8 +322,10 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.early_hits = False
         elif part in ("chain", "nochain"):
             opts.pdl_chain = part == "chain"
+        elif part.startswith("prio") and part[4:].isdigit():
+            opts.compute_priority = -int(part[4:])
         else:
-            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, chain or nochain")
+            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, chain, nochain or prioN")
     return spec, opts
 
 
@@ -373,11 +378,15 @@ def parse() -> argparse.Namespace:
                     help="the resident mode only (the layer against the HBM floor, with its kernel breakdown)")
     ap.add_argument("--no-early-hits", dest="early_hits", action="store_false",
                     help="MoEConfig.early_hits off: overlap on runs only the shared expert on the side stream")
+    ap.add_argument("--compute-priority", type=int, default=None,
+                    help="CUDA stream priority of the compute stream's launches (e.g. -2; lower is higher; the "
+                         "side stream keeps its default): the ensure and copy get SMs before side work")
     ap.add_argument("--hits-per-sm", type=int, default=None,
                     help="programs per SM of the early hits' persistent launch (moe.routed.HITS_PROGRAMS_PER_SM)")
     ap.add_argument("--resident-variants", default="",
                     help="comma list of more resident-mode runs on the same weights: hitsN (early hits' "
-                         "programs per SM), noeh (no early hits), chain / nochain (MoEConfig.pdl_chain on / off), joined by '+'")
+                         "programs per SM), noeh (no early hits), chain / nochain (MoEConfig.pdl_chain on / off), prioN "
+                         "(--compute-priority -N), joined by '+'")
     ap.add_argument("--no-pdl-chain", dest="pdl_chain", action="store_false",
                     help="MoEConfig.pdl_chain=False: router, ensure and miss copy launched plainly")
     return ap.parse_args()
