@@ -45,12 +45,10 @@ from moe.plan import (
 )
 from moe.routed_kernels import (
     DOWN_ENTRIES,
-    FUSED_JIT_OPTIONS,
     GATE_UP_ENTRIES,
     HITS_JIT_OPTIONS,
     JIT_OPTIONS,
     _gate_up_hits,
-    _routed_fused,
 )
 from moe.triton_launch import compile_for_sm, kernel_for
 
@@ -70,11 +68,6 @@ class RoutedConfig:
     0.5-1.0 us faster at T = 1..8 on the H200 (20.10 vs 20.61 us at T = 1,
     benchmarks/results/routed-2026-11-30-8f6abaf.json). The shared expert's launches and a
     routed_down not launched right after routed_gate_up never use it.
-    fused (opt-in): routed_experts of the routed experts in one persistent, cooperative launch
-    (_routed_fused: fused_per_sm programs per SM walk the gate_up tiles, meet at a grid barrier, then
-    walk the down tiles; max(warps_gate_up, warps_down) warps), the same bits as the two launches.
-    Its plan needs a co-resident grid and is launched cooperatively (moe.plan). routed_gate_up /
-    routed_down and the shared expert always use the two launches.
     The defaults come from moe.plan (GEMV_BLOCK_I, GEMV_BLOCK_H) so make_routed_plan's grid is the
     one launched. Raises ValueError naming the field.
     """
@@ -86,13 +79,11 @@ class RoutedConfig:
     chunk_i: int = 512
     warps_down: int = 4
     pdl: bool = True
-    fused: bool = False
-    fused_per_sm: int = 2
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("pdl", "fused"):
+            if f.name == "pdl":
                 if not isinstance(v, bool):
                     raise ValueError(f"RoutedConfig.{f.name} must be a bool, got {v!r}")
                 continue
@@ -104,11 +95,9 @@ class RoutedConfig:
 
     @property
     def name(self) -> str:
-        """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl',
-        'i4x1024w8-h4x512w8-pdl-f2' (fused, 2 programs per SM)."""
+        """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl'."""
         return (f"i{self.block_i}x{self.chunk_h}w{self.warps_gate_up}-"
-                f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}"
-                f"{f'-f{self.fused_per_sm}' if self.fused else ''}")
+                f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}")
 
 
 DEFAULT_CONFIG = RoutedConfig()
@@ -140,18 +129,8 @@ def routed_plan(tokens: int, cfg: MoEConfig, num_sms: int = 132,
     if plan.family != "gemv-slots":
         raise ValueError(f"routed_plan: tokens={tokens} exceeds GEMV_MAX_TOKENS={GEMV_MAX_TOKENS}; "
                          f"routed_experts serves decode steps only")
-    if config.fused:  # one persistent launch with a grid barrier, launched cooperatively
-        items = fused_items(tokens, cfg.top_k, cfg.hidden, cfg.expert_intermediate, config)
-        return dataclasses.replace(plan, family="gemv-slots-fused", grid=(min(items, config.fused_per_sm * num_sms),),
-                                   needs_coresident_grid=True, cooperative_launch=True)
     grid, _ = routed_grids(tokens, cfg.top_k, cfg.hidden, cfg.expert_intermediate, config)
     return dataclasses.replace(plan, grid=grid)
-
-
-def fused_items(tokens: int, top_k: int, hidden: int, inter: int, config: RoutedConfig = DEFAULT_CONFIG) -> int:
-    """Work items of the fused launch's longer half: max(gate_up tiles, down tiles). O(1)."""
-    (pairs, tiles_i), (_, tiles_h) = routed_grids(tokens, top_k, hidden, inter, config)
-    return max(pairs * tiles_i, tokens * tiles_h)
 
 
 def _even(hidden: int, inter: int, config: RoutedConfig) -> tuple[bool, bool]:
@@ -169,8 +148,7 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
     expert's width Is (default I). T is not compiled in (it only sizes the grids), so one binary per
     variant serves T = 1..GEMV_MAX_TOKENS. Returns {variant: Triton's asm dict (ttir .. cubin)} for
     "_gate_up_kernel", "_down_kernel" (f32 out), "_down_kernel+combine" (addend, cast out),
-    "_shared_gate_up" (k = 1, gate computed), "_shared_down" (k = 1) and, with config.fused,
-    "_routed_fused" (the one-launch routed_experts, float32 out). Run it in a process without
+    "_shared_gate_up" (k = 1, gate computed) and "_shared_down" (k = 1). Run it in a process without
     TRITON_INTERPRET=1 (the interpreter replaces the compiler's language hooks).
     """
     shared_inter = inter if shared_inter is None else shared_inter
@@ -204,15 +182,6 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
                               ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2],
                               GDC=int(config.pdl and not is_shared))
         result[name] = compile_for_sm(kernel, types, constexprs, warps, arch, JIT_OPTIONS)
-    if config.fused:  # the one-launch routed_experts (float32 out, no combine)
-        block_i, chunk_h, block_h, chunk_i = _tiles(hidden, inter, config)
-        even_a, even_b = _even(hidden, inter, config)
-        result["_routed_fused"] = compile_for_sm(
-            _routed_fused, (p, "*i32", "*fp32", p, "*fp32", p, "*fp32", "*fp32", p, "*i32", "i32", "i32"),
-            {"K": top_k, "H": hidden, "I": inter, "BLOCK_I": block_i, "CHUNK_H": chunk_h, "BLOCK_H": block_h,
-             "CHUNK_I": chunk_i, "EVEN_A": even_a, "EVEN_B": even_b, "ADDEND": False, "WRITE_OUT": True,
-             "WRITE_CAST": False, "PHASE": 0, "GDC": int(config.pdl)},
-            max(config.warps_gate_up, config.warps_down), arch, FUSED_JIT_OPTIONS)
     return result
 
 
@@ -318,57 +287,12 @@ HITS_PROGRAMS_PER_SM = 2  # the early hits' persistent grid: programs per SM (ga
 _SMS: dict[torch.device, int] = {}
 
 
-def num_sms(device: torch.device) -> int:
-    """Multiprocessors of a CUDA `device` (4 for CPU tensors under the interpreter), cached."""
+def hits_programs(device: torch.device) -> int:
+    """Default programs of a part="hits" launch: HITS_PROGRAMS_PER_SM per SM of `device` (4 SMs on CPU)."""
     if device not in _SMS:
         _SMS[device] = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 4)
-    return _SMS[device]
-
-
-def hits_programs(device: torch.device) -> int:
-    """Default programs of a part="hits" launch: HITS_PROGRAMS_PER_SM per SM of `device` (4 SMs on CPU)."""
-    return HITS_PROGRAMS_PER_SM * num_sms(device)
-
-
-_SYNC: dict[torch.device, torch.Tensor] = {}
-
-
-def fused_sync(device: torch.device | str) -> torch.Tensor:
-    """The fused launch's grid-barrier words on `device`: int32 [2] (arrivals, 0 between calls; a
-    generation), made zero on first use and kept (call before CUDA-graph capture, as routed_scratch)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _SYNC:
-        _SYNC[device] = torch.zeros(2, dtype=torch.int32, device=device)
-    return _SYNC[device]
-
-
-def _launch_fused(hidden, slots, weights, gate_up, down, act, out, addend, out_cast, dims, config) -> torch.Tensor:
-    """RoutedConfig.fused: one cooperative launch of _routed_fused on CUDA (PHASE 0); under Triton's
-    interpreter, which runs the programs one after another, its two halves as two launches."""
-    tokens, top_k, num_slots, hid, inter = dims
-    block_i, chunk_h, block_h, chunk_i = _tiles(hid, inter, config)
-    programs = min(fused_items(tokens, top_k, hid, inter, config), config.fused_per_sm * num_sms(hidden.device))
-    if out is None and out_cast is None:
-        out = torch.empty((tokens, hid), dtype=torch.float32, device=down.device)
-    even_a, even_b = _even(hid, inter, config)
-    kernel = kernel_for(_routed_fused, hidden.device, FUSED_JIT_OPTIONS, "routed_experts")
-    args = (hidden, slots, weights, gate_up, act, down, act if addend is None else addend, act if out is None else out,
-            act if out_cast is None else out_cast, fused_sync(hidden.device), num_slots, tokens)
-    constexprs = dict(K=top_k, H=hid, I=inter, BLOCK_I=block_i, CHUNK_H=chunk_h, BLOCK_H=block_h, CHUNK_I=chunk_i,
-                      EVEN_A=even_a, EVEN_B=even_b, ADDEND=addend is not None, WRITE_OUT=out is not None,
-                      WRITE_CAST=out_cast is not None, num_warps=max(config.warps_gate_up, config.warps_down))
-    with _device_ctx(hidden.device):
-        if hidden.device.type == "cuda":
-            gdc = config.pdl
-            kernel[(programs,)](*args, PHASE=0, GDC=int(gdc), launch_cooperative_grid=True, **constexprs,
-                                **({"launch_pdl": True} if gdc else {}))
-        else:
-            for phase in (1, 2):
-                kernel[(programs,)](*args, PHASE=phase, GDC=0, **constexprs)
-    return out_cast if out is None else out
+    return HITS_PROGRAMS_PER_SM * _SMS[device]
 
 
 def _launch_hits(hidden, weights, gate_up, act, pre, dims, config, programs) -> None:
@@ -517,8 +441,6 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
                          f"got {list(down.shape)}")
     act = routed_scratch(hidden.device, dims[1], dims[4]) if act is None else act
     _check_down("routed_experts", act, slots, down, out, addend, out_cast)
-    if config.fused and gate_w is None:
-        return _launch_fused(hidden, slots, weights, gate_up, down, act, out, addend, out_cast, dims, config)
     act = _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config)
     return _launch_down(act, slots, down, out, addend, out_cast, gate_w is not None, dims, config, True)
 

@@ -10,10 +10,6 @@
         for j = 0 .. K-1 in order: acc += down[slots[t, j]][tile, :] * act[t * K + j, :]  (pool [S, H, I])
         y = Σ acc (+ addend[t, tile] when ADDEND)  -> out f32 (WRITE_OUT) and/or cast(y) (WRITE_CAST)
 
-    fused (RoutedConfig.fused), grid (P,) persistent and cooperative: every program walks the gate_up
-        items (pair, tile), meets the others at a grid barrier (two int32 words, no reset between
-        calls needed), then walks the down items (token, tile); each item by the same code as above
-
 Legend: T = tokens, H = hidden, I = expert width, K = top_k (1 for the shared expert), S = pool slots.
 
 Programmatic dependent launch (GDC = 1, RoutedConfig.pdl, on by default, CUDA only): the routed gate_up and
@@ -34,7 +30,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 JIT_OPTIONS = {"do_not_specialize": ["num_slots"]}  # a pool rebuilt with new S keeps its kernels
 HITS_JIT_OPTIONS = {"do_not_specialize": ["num_slots", "n_pairs"]}  # _gate_up_hits: and any T
-FUSED_JIT_OPTIONS = {"do_not_specialize": ["num_slots", "n_tokens"]}  # _routed_fused: and any T
 
 
 @triton.jit
@@ -122,20 +117,10 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
                K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
                WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
+    token = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
     if GDC:
         gdc_wait()
-    _down_rows(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots, tl.program_id(0),
-               tl.program_id(1), K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, False)
-
-
-@triton.jit
-def _down_rows(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots, token, tile,
-               K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
-               CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-               WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, ACT_CG: tl.constexpr):
-    """Output rows [tile * BLOCK_H, +BLOCK_H) of token `token`. ACT_CG: read act through L2 only (act
-    written by other programs of the same launch: _routed_fused)."""
-    rows = tile * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
     acc = tl.zeros([BLOCK_H, CHUNK_I], dtype=tl.float32)
     for j in tl.static_range(K):  # ordered combine: j = 0, 1, ..., K-1 into one accumulator
         slot = tl.load(slots_ptr + token * K + j)
@@ -143,18 +128,11 @@ def _down_rows(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
         down_ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I
         for i0 in tl.static_range(0, I, CHUNK_I):
             cols = i0 + tl.arange(0, CHUNK_I)  # [CHUNK_I]
-            a_ptrs = act_ptr + (token * K + j) * I + cols
             if EVEN:
-                if ACT_CG:
-                    a = tl.load(a_ptrs, cache_modifier=".cg")
-                else:
-                    a = tl.load(a_ptrs)
+                a = tl.load(act_ptr + (token * K + j) * I + cols)
                 mask = live
             else:
-                if ACT_CG:
-                    a = tl.load(a_ptrs, mask=cols < I, other=0.0, cache_modifier=".cg")
-                else:
-                    a = tl.load(a_ptrs, mask=cols < I, other=0.0)
+                a = tl.load(act_ptr + (token * K + j) * I + cols, mask=cols < I, other=0.0)
                 mask = live & (rows[:, None] < H) & (cols[None, :] < I)
             d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
             acc += d.to(tl.float32) * a[None, :]
@@ -165,62 +143,6 @@ def _down_rows(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
         tl.store(out_ptr + token * H + rows, y, mask=rows < H)
     if WRITE_CAST:
         tl.store(cast_ptr + token * H + rows, y.to(cast_ptr.dtype.element_ty), mask=rows < H)
-
-
-@triton.jit
-def _grid_barrier(sync_ptr):
-    """All programs of the launch meet here (they must be co-resident: a cooperative launch). sync
-    [2] int32: arrivals (0 between calls: the last to arrive resets it) and a generation that the last
-    to arrive advances; the others wait for it to change. The arrival is acq_rel at GPU scope after a
-    block barrier, so every thread's earlier stores are visible to every program after the meeting."""
-    tl.debug_barrier()  # every thread's stores issued before this program arrives
-    gen = tl.atomic_add(sync_ptr + 1, 0)  # read before arriving: the last arrival cannot advance it earlier
-    if tl.atomic_add(sync_ptr, 1) == tl.num_programs(0) - 1:
-        tl.atomic_xchg(sync_ptr, 0)
-        tl.atomic_add(sync_ptr + 1, 1)
-    else:
-        cur = tl.load(sync_ptr + 1, volatile=True)
-        while cur == gen:
-            cur = tl.load(sync_ptr + 1, volatile=True)
-        tl.atomic_add(sync_ptr + 1, 0)  # acquire: the other programs' stores are visible from here
-    tl.debug_barrier()
-
-
-@triton.jit
-def _routed_fused_body(x_ptr, slots_ptr, weights_ptr, w13_ptr, act_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr,
-                       sync_ptr, num_slots, n_tokens,
-                       K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                       CHUNK_H: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK_I: tl.constexpr,
-                       EVEN_A: tl.constexpr, EVEN_B: tl.constexpr, ADDEND: tl.constexpr,
-                       WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, PHASE: tl.constexpr,
-                       GDC: tl.constexpr):
-    """routed_experts in one persistent launch (RoutedConfig.fused): every program walks the gate_up
-    items (pair, row tile) with stride num_programs, meets the others at a grid barrier, then walks the
-    down items (token, row tile). Each item is computed by the same code as the two-launch path
-    (_gate_up_rows, _down_rows), so the results are the same bits. PHASE 0: both halves and the
-    barrier (CUDA, cooperative launch); 1: gate_up only; 2: down only (Triton's interpreter runs the
-    programs one after another, so it launches the halves separately and needs no barrier)."""
-    if GDC:
-        gdc_wait()
-        gdc_launch_dependents()
-    TILES_I: tl.constexpr = (I + BLOCK_I - 1) // BLOCK_I
-    TILES_H: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
-    if PHASE != 2:
-        w = tl.program_id(0)
-        while w < n_tokens * K * TILES_I:  # a while loop: Triton's interpreter cannot range() a tensor
-            pair = w // TILES_I
-            _gate_up_rows(x_ptr, tl.load(slots_ptr + pair), pair, w % TILES_I, weights_ptr, x_ptr, w13_ptr,
-                          act_ptr, num_slots, K, H, I, BLOCK_I, CHUNK_H, EVEN_A, False)
-            w += tl.num_programs(0)
-    if PHASE == 0:
-        _grid_barrier(sync_ptr)
-    if PHASE != 1:
-        w = tl.program_id(0)
-        while w < n_tokens * TILES_H:
-            _down_rows(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots, w // TILES_H,
-                       w % TILES_H, K, H, I, BLOCK_H, CHUNK_I, EVEN_B, ADDEND, WRITE_OUT, WRITE_CAST,
-                       PHASE == 0)
-            w += tl.num_programs(0)
 
 
 # Entry kernels. Arguments of the gate_up entries:
@@ -274,19 +196,6 @@ def _shared_down(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_
                  WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
     _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
                K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC)
-
-
-@triton.jit(**FUSED_JIT_OPTIONS)
-def _routed_fused(x_ptr, slots_ptr, weights_ptr, w13_ptr, act_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr,
-                  sync_ptr, num_slots, n_tokens,
-                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                  CHUNK_H: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK_I: tl.constexpr,
-                  EVEN_A: tl.constexpr, EVEN_B: tl.constexpr, ADDEND: tl.constexpr,
-                  WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, PHASE: tl.constexpr,
-                  GDC: tl.constexpr):
-    _routed_fused_body(x_ptr, slots_ptr, weights_ptr, w13_ptr, act_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr,
-                       sync_ptr, num_slots, n_tokens, K, H, I, BLOCK_I, CHUNK_H, BLOCK_H, CHUNK_I, EVEN_A,
-                       EVEN_B, ADDEND, WRITE_OUT, WRITE_CAST, PHASE, GDC)
 
 
 GATE_UP_ENTRIES = {False: _gate_up_kernel, True: _shared_gate_up}  # keyed by "is the shared expert"

@@ -4,20 +4,17 @@ Legend: T = tokens, H = hidden, I = expert width, k = top_k, S = pool slots. CPU
 interpreter (tests/conftest.py), so their shapes are tiny; the `gpu` tests use the Qwen3-Next shape.
 """
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
 from moe.config import MoEConfig
-from moe.plan import GEMV_MAX_TOKENS, make_routed_plan, plan_supports_aux_stream_overlap
+from moe.plan import GEMV_MAX_TOKENS, make_routed_plan
 from moe.reference import expert_mlp, moe_reference, route, shared_expert
 from moe.routed import (
     NO_SLOT,
     RoutedConfig,
-    fused_items,
-    fused_sync,
     routed_down,
     routed_experts,
     routed_gate_up,
@@ -122,45 +119,6 @@ def test_matches_moe_reference_through_a_slot_map():
     got = routed_experts(hidden, slots, weights, gate_up, down)
     want = moe_reference(hidden, router_w, gate_up_e, down_e, cfg)  # bf16, rounded once
     assert_close(got.bfloat16().float(), want.float(), 1e-2)
-
-
-@pytest.mark.parametrize("tokens, hidden, inter, config", [
-    (1, 64, 32, RoutedConfig(block_i=4, chunk_h=32, block_h=8, chunk_i=16, fused=True, fused_per_sm=1)),
-    (3, 64, 32, RoutedConfig(block_i=8, chunk_h=64, block_h=4, chunk_i=32, fused=True, fused_per_sm=4)),
-    (4, 48, 20, RoutedConfig(block_i=8, chunk_h=32, block_h=32, chunk_i=16, fused=True)),  # uneven: masks
-])
-def test_fused_launch_equals_two_launches(tokens, hidden, inter, config):
-    """RoutedConfig.fused (one persistent launch; under the interpreter its two halves) computes every
-    item with the two launches' code: the same bits, with and without the fused combine, any grid."""
-    device, _ = device_or_skip()
-    gate_up, down = make_pool(7, hidden, inter, torch.bfloat16, device, seed=tokens)
-    slots, weights = make_route(tokens, 3, 7, device, seed=tokens + 1, pad=1)
-    hidden_t = torch.randn(tokens, hidden).bfloat16().to(device)
-    two = dataclasses.replace(config, fused=False)
-    got = routed_experts(hidden_t, slots, weights, gate_up, down, config=config)
-    assert torch.equal(got, routed_experts(hidden_t, slots, weights, gate_up, down, config=two))
-    assert_close(got, per_pair_reference(hidden_t, slots, weights, gate_up, down), 1e-4)
-    addend = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(3)).to(device)
-    cast = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
-    want = torch.empty_like(cast)
-    routed_experts(hidden_t, slots, weights, gate_up, down, addend=addend, out_cast=cast, config=config)
-    routed_experts(hidden_t, slots, weights, gate_up, down, addend=addend, out_cast=want, config=two)
-    assert torch.equal(cast, want)
-
-
-def test_fused_plan_needs_a_coresident_grid_and_is_cooperative():
-    cfg = MoEConfig(hidden=2048, num_experts=512, top_k=10, expert_intermediate=512)
-    config = RoutedConfig(fused=True, fused_per_sm=2)
-    plan = routed_plan(1, cfg, config=config)
-    assert plan.needs_coresident_grid and plan.cooperative_launch and plan_supports_aux_stream_overlap(plan)
-    assert plan.grid == (min(fused_items(1, 10, 2048, 512, config), 2 * 132),) == (264,)
-    assert fused_items(1, 10, 2048, 512, config) == max(10 * 128, 1024)
-    assert not plan_supports_aux_stream_overlap(dataclasses.replace(plan, cooperative_launch=False))
-
-
-def test_fused_sync_is_made_once_per_device():
-    a = fused_sync("cpu")
-    assert a is fused_sync(torch.device("cpu")) and a.dtype == torch.int32 and a.shape == (2,)
 
 
 def test_empty_and_out_of_range_slots_add_nothing():
@@ -346,7 +304,7 @@ def test_device_mismatch_is_named():
 
 @pytest.mark.parametrize("field, value", [("block_i", 3), ("chunk_h", 0), ("block_h", True),
                                           ("chunk_i", 2.0), ("warps_down", 32), ("warps_gate_up", 6),
-                                          ("pdl", 1), ("fused", 1), ("fused_per_sm", 3)])
+                                          ("pdl", 1)])
 def test_config_validation_names_field(field, value):
     with pytest.raises(ValueError, match=field):
         RoutedConfig(**{field: value})
@@ -390,22 +348,6 @@ print(json.dumps(out))
 """
 
 
-SM90_FUSED_CHECK = r"""
-import json, re
-from moe.routed import RoutedConfig, compile_for_target
-ptx = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(block_h=4, warps_down=8, fused=True))["_routed_fused"]["ptx"]
-print(json.dumps({"v4": bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)), "act_through_l2": "ld.global.cg" in ptx,
-                  "atomics": "atom.global" in ptx, "griddepcontrol": "griddepcontrol.wait" in ptx}))
-"""
-
-
-def test_fused_compiles_for_sm90():
-    """The fused launch compiles for sm_90: 16-byte weight loads, act read through L2 after the grid
-    barrier (its atomics), and the programmatic wait (pdl on by default)."""
-    assert compile_check(SM90_FUSED_CHECK) == {"v4": True, "act_through_l2": True, "atomics": True,
-                                               "griddepcontrol": True}
-
-
 def test_compiles_for_sm90_with_16_byte_loads():
     """Every variant the layer launches (routed, fused combine, shared expert with its gate), default
     tiles, Qwen3-Next shape, compiles for sm_90 (T only sizes the grid, so one binary serves
@@ -447,33 +389,6 @@ def test_gpu_qwen3_next_shape(tokens, mode):
     assert_close(got, routed_reference(*args), 1e-3)
     assert torch.equal(got, routed_experts(*args, config=config))
     assert torch.equal(got, routed_experts(*args, config=RoutedConfig()))  # the launch mode changes no bit
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
-@pytest.mark.parametrize("tokens", [1, 2, 8])
-def test_gpu_fused_launch_bitwise(tokens, pdl):
-    """RoutedConfig.fused at the Qwen3-Next shape: one cooperative launch with a grid barrier gives the
-    two launches' bits, eagerly and for 50 calls in one CUDA graph replayed twice (the barrier's
-    arrival word is back at 0 after every call)."""
-    _, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA")
-    args = _qwen_case(tokens, seed=60 + tokens)
-    config = RoutedConfig(block_h=4, chunk_i=512, warps_down=8, pdl=pdl, fused=True)
-    want = routed_experts(*args, config=dataclasses.replace(config, fused=False))
-    assert torch.equal(routed_experts(*args, config=config), want)
-    out = torch.full_like(want, float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(50):
-            routed_experts(*args, out=out, config=config)
-    for _ in range(2):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
-    assert int(fused_sync("cuda")[0]) == 0
 
 
 @pytest.mark.gpu
