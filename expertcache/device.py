@@ -37,9 +37,19 @@ from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_RULE, PolicySta
 
 DEVICE_KINDS = {KIND_LRU: 0, KIND_RULE: 1, KIND_LFUDA: 2}
 # Default tiles: slots scored per program (one program up to CHUNK slots, else ceil(S / CHUNK) that
-# merge) and warps per program; the fastest at every pool size measured on the H200 (one program of
-# 2048-4096 slots and 1-2 warps were slower: docs/gpu.md).
+# merge) and warps per program; the fastest at every pool size measured on the H200 (1-2 warps were
+# slower: docs/gpu.md). lru alone scores up to LRU_ONE_PROGRAM slots in one program (its score is one
+# load per slot): at 1650 slots that was 0.8-1.3 us faster than 4 programs with misses and no slower
+# without; rule and lfuda, which gather more per slot, were slower on one program (docs/gpu.md).
 CHUNK, NUM_WARPS = 512, 4
+LRU_ONE_PROGRAM = 2048
+
+
+def default_chunk(kind: str, num_slots: int) -> int:
+    """Slots per program when DeviceCache is given no chunk."""
+    if kind == KIND_LRU and num_slots <= LRU_ONE_PROGRAM:
+        return max(CHUNK, triton.next_power_of_2(num_slots))
+    return CHUNK
 
 
 @dataclass
@@ -57,7 +67,7 @@ class DeviceCache:
     """One slot pool's maps on a device, under one policy (not an oracle)."""
 
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
-                 chunk: int = CHUNK, num_warps: int = NUM_WARPS, seq_max: int = SEQ_MAX,
+                 chunk: int | None = None, num_warps: int = NUM_WARPS, seq_max: int = SEQ_MAX,
                  lean: bool = True, early_reads: bool = True, **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
@@ -81,6 +91,8 @@ class DeviceCache:
         self.counters = t(np.zeros((geometry.num_layers, 3), np.int64))
         self.status = t(np.zeros(1, np.int32))
         self.arrive = t(np.zeros(1, np.int32))
+        if chunk is None:
+            chunk = default_chunk(self.policy.kind, geometry.num_slots)
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
             raise ValueError(f"chunk must be a power of two, got {chunk!r}")
         self.chunk = chunk  # slots scored per program; the grid is ceil(S / chunk)

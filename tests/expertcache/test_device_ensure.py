@@ -107,14 +107,15 @@ def test_kernel_matches_host_with_a_filling_pool(policy, chunk, lean, early):
 
 
 def test_default_tiles_by_pool_size():
-    """The default tiles at every pool size; bad tiles are refused."""
+    """The default tiles at every pool size (lru: one program up to 2048 slots); bad tiles are refused."""
     device, _ = device_or_skip()
     from expertcache.device import CHUNK, NUM_WARPS
-    for S in (8, 512, 1650, 4096, 16384):
-        chunk, warps = CHUNK, NUM_WARPS
-        assert chunk & (chunk - 1) == 0 and warps in (1, 2, 4, 8, 16)
-        dev = DeviceCache(CacheGeometry(1, 4 * S, S), "lru", device=device)
-        assert (dev.chunk, dev.num_warps, dev.grid) == (chunk, warps, -(-S // chunk))
+    assert CHUNK & (CHUNK - 1) == 0 and NUM_WARPS in (1, 2, 4, 8, 16)
+    for policy, S, chunk, grid in (("lru", 8, 512, 1), ("lru", 512, 512, 1), ("lru", 1650, 2048, 1),
+                                   ("lru", 2048, 2048, 1), ("lru", 2049, 512, 5), ("lru", 16384, 512, 32),
+                                   ("lfuda", 1650, 512, 4), ("rule", 1650, 512, 4), ("rule", 8, 512, 1)):
+        dev = DeviceCache(CacheGeometry(1, 4 * S, S), policy, device=device)
+        assert (dev.chunk, dev.num_warps, dev.grid) == (chunk, NUM_WARPS, grid), (policy, S)
     g = CacheGeometry(1, 8, 4)
     for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}, {"lean": 1},
                 {"early_reads": 1}):
