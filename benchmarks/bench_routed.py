@@ -11,6 +11,9 @@
        CUDA events around each replay; us/call = elapsed / calls; median, min, max over reps
     -> floor = distinct live slots' weight bytes per call / device-to-device copy bandwidth
        (2 GiB copy, bytes read + written, measured in this run); ratio = median / floor
+    -> read calibration (--read-floor): "read1" streams the same weight rows (every (token, j) pair's
+       gate_up and down rows, 16 KB per program, no arithmetic) in one launch, "read2" in two dependent
+       launches (gate_up bank, then down bank): what bare streaming reaches with one and two launches
     -> table (last) and JSON (GPU name, torch / triton versions, commit)
 
 Run on a GPU: python benchmarks/bench_routed.py [--shapes qwen3-next,mixtral] [--tokens 1,2,4,8]
@@ -28,6 +31,8 @@ from pathlib import Path
 import benchmeta
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from moe.routed import (DEFAULT_CONFIG, RoutedConfig, routed_down, routed_experts, routed_gate_up,
                         routed_reference, routed_scratch)
@@ -45,6 +50,35 @@ SWEEP = (  # RoutedConfig names: i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_
     "i4x1024w8-h2x512w4",  # the default without programmatic launches
 )
 NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-pdl)?$")
+
+
+@triton.jit
+def _stream_read(a_ptr, a_row, b_ptr, b_row, slots_ptr, out_ptr, A_BLOCKS: tl.constexpr, B_BLOCKS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Program (pair, blk): block blk of bank a's row of slot slots[pair] (blk < A_BLOCKS), else block
+    blk - A_BLOCKS of bank b's; an xor of the words is stored so the loads stay."""
+    pair = tl.program_id(0)
+    blk = tl.program_id(1)
+    slot = tl.load(slots_ptr + pair).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    if blk < A_BLOCKS:
+        v = tl.load(a_ptr + slot * a_row + blk * BLOCK + offs)
+    else:
+        v = tl.load(b_ptr + slot * b_row + (blk - A_BLOCKS) * BLOCK + offs)
+    tl.store(out_ptr + pair * (A_BLOCKS + B_BLOCKS) + blk, tl.xor_sum(v, axis=0))
+
+
+READ_BLOCK = 4096  # int32 words per program (16 KB)
+
+
+def stream_read(banks: list[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> None:
+    """One launch reading rows slots[...] of every bank in `banks` (one or two), viewed as int32."""
+    words = [b.view(torch.int32).reshape(b.shape[0], -1) for b in banks]
+    blocks = [w.shape[1] // READ_BLOCK for w in words]
+    a, b = words[0], words[-1]
+    nb = blocks[1] if len(banks) > 1 else 0
+    _stream_read[(slots.numel(), blocks[0] + nb)](a, a.shape[1], b, b.shape[1], slots, out,
+                                                 A_BLOCKS=blocks[0], B_BLOCKS=nb, BLOCK=READ_BLOCK)
 
 
 def parse_config(name: str) -> RoutedConfig:
@@ -89,8 +123,17 @@ class Case:
         distinct = np.mean([len(set(s.view(-1).tolist())) for _, s, _ in self.inputs])
         self.bytes_per_call = distinct * 3 * hid * inter * self.gate_up.element_size()
         self.distinct = float(distinct)
+        self.read_blocks = (self.gate_up[0].numel() + self.down[0].numel()) // 2 // READ_BLOCK
+        self.read_out = torch.empty(tokens * top_k * self.read_blocks, dtype=torch.int32, device="cuda")
 
     def call(self, variant, c: int) -> torch.Tensor:
+        if variant in ("read1", "read2"):  # calibration: the same rows streamed, no arithmetic
+            slots = self.inputs[c][1]
+            out = self.read_out[:slots.numel() * self.read_blocks]
+            if variant == "read1":
+                return stream_read([self.gate_up, self.down], slots, out)
+            stream_read([self.gate_up], slots, out)
+            return stream_read([self.down], slots, out)
         if variant == "torch":
             return routed_reference(*self.inputs[c], self.gate_up, self.down, compute_dtype=torch.bfloat16)
         if isinstance(variant, tuple):  # (config, "gate_up" | "down"): one of the two launches alone
@@ -152,6 +195,9 @@ def run_case(pool, shape: str, tokens: int, configs: list[RoutedConfig], bandwid
     for name, chk in checks.items():  # the torch baseline rounds to bf16 per linear: recorded only
         if name != "torch" and (chk["max_rel_err"] > 1e-3 or not chk["bitwise_repeat"]):
             raise SystemExit(f"{shape} T={tokens} {name}: check failed {chk}; not timing")
+    if args.read_floor:
+        variants.update(read1="read1", read2="read2")
+        checks.update({n: {"max_rel_err": None, "bitwise_repeat": None} for n in ("read1", "read2")})
     graphs = {name: case.graph(v) for name, v in variants.items()}
     timed = time_variants(graphs, args.calls, args.reps, args.warmup)
     floor_us = case.bytes_per_call / bandwidth * 1e6
@@ -206,6 +252,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--read-floor", action="store_true",
+                    help="also time read1 / read2: the same weight rows streamed in one / two launches")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/routed-<date>.json)")
     args = ap.parse_args()
     args.shapes = args.shapes.split(",")

@@ -55,22 +55,28 @@ def sass_instructions(cubin: bytes) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-max", type=int, default=SEQ_MAX)
+    ap.add_argument("--chunk", type=int, default=CHUNK, help="slots per program (CHUNK)")
+    ap.add_argument("--num-warps", type=int, default=NUM_WARPS)
+    ap.add_argument("--policies", default="lru,rule,lfuda")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     params = inspect.signature(ensure_kernel.fn).parameters
     defaults = inspect.signature(DeviceCache.__init__).parameters
     rows = []
+    wanted = args.policies.split(",")
     for policy, name in ((0, "lru"), (1, "rule"), (2, "lfuda")):
+        if name not in wanted:
+            continue
         for logits in (False, True):
             for single in (True, False):
                 grid = 1 if single else 32
-                cx = dict(POLICY=policy, HAS_LOGITS=logits, CHUNK=CHUNK, BLOCK_Q=16, BLOCK_R=32 if logits else 1,
+                cx = dict(POLICY=policy, HAS_LOGITS=logits, CHUNK=args.chunk, BLOCK_Q=16, BLOCK_R=32 if logits else 1,
                           BLOCK_C=triton.next_power_of_2(grid * 16), BLOCK_L=64, SINGLE=single,
                           SEQ_MAX=args.seq_max)
                 for flag, option in (("LEAN", "lean"), ("EARLY", "early_reads")):
                     if flag in params and option in defaults:
                         cx[flag] = defaults[option].default
-                asm = compile_for_sm(ensure_kernel, TYPES, cx, NUM_WARPS, 90, JIT)
+                asm = compile_for_sm(ensure_kernel, TYPES, cx, args.num_warps, 90, JIT)
                 info = dict(ptxas_info(asm["ptx"]), sass_instructions=sass_instructions(asm["cubin"]))
                 rows.append({"policy": name, "logits": logits, "programs": "one" if single else "several", **info})
                 print(f"{name:>5} logits={logits!s:5} {rows[-1]['programs']:>7}: {info['registers']:3d} registers, "
@@ -79,7 +85,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"bench": "ensure_registers", "arch": "sm_90a", "triton": triton.__version__,
-                       "chunk": CHUNK, "num_warps": NUM_WARPS, "seq_max": args.seq_max,
+                       "chunk": args.chunk, "num_warps": args.num_warps, "seq_max": args.seq_max,
                        "lean": defaults["lean"].default, "early_reads": defaults["early_reads"].default,
                        "rows": rows}, f, indent=1)
 
