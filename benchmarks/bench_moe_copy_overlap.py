@@ -44,6 +44,8 @@ from moe.config import MoEConfig
 from moe.kernel_trace import kernels, kernels_in_range, load_trace, named
 from moe.synthetic import SyntheticModel, random_weights
 
+DEFAULT_HITS_PER_SM = moe.routed.HITS_PROGRAMS_PER_SM  # resident variants without hitsN
+
 CFG = MoEConfig(hidden=2048, num_experts=512, top_k=10, expert_intermediate=512, shared_intermediate=512,
                 norm_topk_prob=True)
 SLEEP_CYCLES = 200_000  # ~100 us: longer than the host takes to launch one step graph
@@ -415,7 +417,7 @@ def main() -> None:
     for spec in filter(None, args.resident_variants.split(",")):  # more resident runs on the same weights
         (out_dir / "results.json").write_text(json.dumps(res, indent=1, default=str))
         name, opts = resident_variant(spec, args)
-        moe.routed.HITS_PROGRAMS_PER_SM = opts.hits_per_sm or 2
+        moe.routed.HITS_PROGRAMS_PER_SM = opts.hits_per_sm or DEFAULT_HITS_PER_SM
         t1 = time.time()
         res.setdefault("resident_variants", {})[name] = resident_mode(weights, opts, xs, out_dir)
         r = res["resident_variants"][name]
