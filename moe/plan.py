@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from moe.config import COPY_OVERLAP_ENV, MoEConfig
 
 GEMV_MAX_TOKENS = 8
-GEMV_BLOCK_I = 4  # gemv-slots gate_up launch: rows of gate (and as many of up) per CTA
+GEMV_BLOCK_I = 1  # gemv-slots gate_up launch: rows of gate (and as many of up) per CTA
 GEMV_BLOCK_H = 2  # gemv-slots down launch: output rows per CTA
 TILE_N = 128  # output rows per CTA tile (grouped-persistent)
 TILE_M = 64  # token rows per CTA tile (grouped-persistent)

@@ -73,8 +73,8 @@ class RoutedConfig:
     """
 
     block_i: int = GEMV_BLOCK_I
-    chunk_h: int = 1024  # i4x1024w8-h2x512w4: fastest at T = 1 and no slower than the old default
-    warps_gate_up: int = 8  # (h4x512w4) at any T (benchmarks/results/routed-2026-11-30-d535500.json)
+    chunk_h: int = 1024  # i1x1024w2-h2x512w4: fastest at T = 1, 2, 4 and 8 of 25 gate_up tilings
+    warps_gate_up: int = 2  # (benchmarks/results/routed-2026-11-30-tiles-5dc7537.json)
     block_h: int = GEMV_BLOCK_H
     chunk_i: int = 512
     warps_down: int = 4
