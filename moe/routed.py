@@ -283,8 +283,8 @@ def _device_ctx(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-HITS_PROGRAMS_PER_SM = 4  # the early hits' persistent grid: programs per SM (gate_up fits 4 by registers;
-# with pdl_chain the ensure and copy are resident before the hits take the SMs: docs/moe.md)
+HITS_PROGRAMS_PER_SM = 8  # the early hits' persistent grid: programs per SM (16 warps at the default 2-warp
+# gate_up tile; with pdl_chain the ensure and copy are resident before the hits take the SMs: docs/moe.md)
 _SMS: dict[torch.device, int] = {}
 
 
