@@ -368,7 +368,7 @@ def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     only the others, at slots[t, j]; a pair not taken keeps its act rows untouched. A "hits" and a
     "rest" launch over the same pre write every row once, bit for bit as one "all" launch (the same
     program per pair), so the hits can run before the ensure decides the rest (MoELayer's early hits).
-    The "hits" launch is persistent: `programs` programs (default hits_programs(device), 2 per SM)
+    The "hits" launch is persistent: `programs` programs (default hits_programs(device), 8 per SM)
     walk the pairs' row tiles, so work launched beside it on another stream still finds room on the
     SMs.
     """
