@@ -140,6 +140,11 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
         elif POLICY == 2:
             score = tl.load(sst_ptr + num_slots + c, mask=cm, other=0)
         else:
+            kq = tl.where(ev, key, 0)
+            # lc and dct first: the refresh below rewrites only the lt row, so these two gathers
+            # need not wait for its barrier
+            lc = tl.load(kst_ptr + num_keys + kq, mask=ev, other=0)
+            dct = tl.load(kst_ptr + 2 * num_keys + kq, mask=ev, other=0)
             if HAS_LOGITS:
                 # the near-miss refresh first, in memory: every scoring program writes the same
                 # values (the commit's own refresh repeats them), so each reads refreshed `lt` below
@@ -147,10 +152,7 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
                 lt_r = tl.load(kst_ptr + rkey, mask=near, other=0)
                 tl.store(kst_ptr + rkey, tl.maximum(lt_r, tok - 1), mask=near)
                 tl.debug_barrier()
-            kq = tl.where(ev, key, 0)
             lt = tl.load(kst_ptr + kq, mask=ev, other=0)
-            lc = tl.load(kst_ptr + num_keys + kq, mask=ev, other=0)
-            dct = tl.load(kst_ptr + 2 * num_keys + kq, mask=ev, other=0)
             score = _rule_score(kq, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, prm_ptr)
     packed = tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
     return _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q, SEQ_MAX, STORE_SEQ)
