@@ -61,14 +61,18 @@ def _gate_up_hits_body(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
     ensure, copy and rest launched beside it) walks the (pair, tile) items; a pair with pre < 0 is
     skipped, any other is computed at slot pre[pair] exactly as _gate_up_body does it."""
     TILES: tl.constexpr = (I + BLOCK_I - 1) // BLOCK_I
+    items = n_pairs * TILES
     w = tl.program_id(0)
-    while w < n_pairs * TILES:  # a while loop: Triton's interpreter cannot range() a tensor
-        pair = w // TILES
-        slot = tl.load(pre_ptr + pair)
+    slot = tl.load(pre_ptr + w // TILES, mask=w < items, other=-1)
+    while w < items:  # a while loop: Triton's interpreter cannot range() a tensor
+        # the next item's slot is loaded before this item's rows, so its round trip overlaps them
+        nxt = w + tl.num_programs(0)
+        slot_next = tl.load(pre_ptr + nxt // TILES, mask=nxt < items, other=-1)
         if slot >= 0:
-            _gate_up_rows(x_ptr, slot, pair, w % TILES, weights_ptr, x_ptr, w13_ptr, act_ptr, num_slots,
+            _gate_up_rows(x_ptr, slot, w // TILES, w % TILES, weights_ptr, x_ptr, w13_ptr, act_ptr, num_slots,
                           K, H, I, BLOCK_I, CHUNK_H, EVEN, False)
-        w += tl.num_programs(0)
+        w = nxt
+        slot = slot_next
 
 
 @triton.jit
