@@ -314,9 +314,10 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
 
 
 def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
-    """"hits1" / "noeh" / "chain" / "nochain" / "prio2" joined by "+" (e.g. "noeh+nochain", "prio2+hits10")
-    -> (spec, args with those set)."""
+    """"hits1" / "noeh" / "chain" / "nochain" / "prio2" / "pipe" joined by "+" (e.g. "noeh+nochain",
+    "prio2+hits10"; pipe: moe.routed.HITS_PIPELINE) -> (spec, args with those set)."""
     opts = argparse.Namespace(**vars(args))
+    opts.pipe = False
     for part in spec.split("+"):
         if part.startswith("hits") and part[4:].isdigit():
             opts.hits_per_sm = int(part[4:])
@@ -326,8 +327,10 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.pdl_chain = part == "chain"
         elif part.startswith("prio") and part[4:].isdigit():
             opts.compute_priority = -int(part[4:])
+        elif part == "pipe":
+            opts.pipe = True
         else:
-            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, chain, nochain or prioN")
+            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, chain, nochain, prioN or pipe")
     return spec, opts
 
 
@@ -418,6 +421,7 @@ def main() -> None:
         (out_dir / "results.json").write_text(json.dumps(res, indent=1, default=str))
         name, opts = resident_variant(spec, args)
         moe.routed.HITS_PROGRAMS_PER_SM = opts.hits_per_sm or DEFAULT_HITS_PER_SM
+        moe.routed.HITS_PIPELINE = opts.pipe
         t1 = time.time()
         res.setdefault("resident_variants", {})[name] = resident_mode(weights, opts, xs, out_dir)
         r = res["resident_variants"][name]

@@ -159,7 +159,8 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
     result["_gate_up_hits"] = compile_for_sm(
         _gate_up_hits, (p, "*fp32", p, "*fp32", "i32", "*i32", "i32"),
         {"K": top_k, "H": hidden, "I": inter, "BLOCK_I": block_i, "CHUNK_H": chunk_h,
-         "EVEN": _even(hidden, inter, config)[0]}, config.warps_gate_up, arch, HITS_JIT_OPTIONS)
+         "EVEN": _even(hidden, inter, config)[0], "PIPE": HITS_PIPELINE}, config.warps_gate_up, arch,
+        HITS_JIT_OPTIONS)
     for name, k, width, is_shared, down_flags in (
             ("_gate_up_kernel", top_k, inter, False, None),
             ("_gate_up_kernel+rest", top_k, inter, False, None),
@@ -285,6 +286,7 @@ def _device_ctx(device: torch.device):
 
 HITS_PROGRAMS_PER_SM = 8  # the early hits' persistent grid: programs per SM (16 warps at the default 2-warp
 # gate_up tile; with pdl_chain the ensure and copy are resident before the hits take the SMs: docs/moe.md)
+HITS_PIPELINE = False  # the early hits' loop software-pipelined (two items in flight; H <= 2 * chunk_h)
 _SMS: dict[torch.device, int] = {}
 
 
@@ -306,7 +308,8 @@ def _launch_hits(hidden, weights, gate_up, act, pre, dims, config, programs) -> 
     with _device_ctx(hidden.device):  # behind an event wait on another stream, not its producer: no PDL
         kernel[(min(programs, items),)](hidden, weights, gate_up, act, num_slots, pre, tokens * top_k,
                                         K=top_k, H=hid, I=inter, BLOCK_I=block_i, CHUNK_H=chunk_h,
-                                        EVEN=_even(hid, inter, config)[0], num_warps=config.warps_gate_up)
+                                        EVEN=_even(hid, inter, config)[0], PIPE=HITS_PIPELINE,
+                                        num_warps=config.warps_gate_up)
 
 
 def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config, part="all",

@@ -211,6 +211,35 @@ def test_hits_then_rest_equal_one_gate_up(tokens):
     assert torch.equal(act, want)
 
 
+@pytest.mark.parametrize("hidden_size, config", [
+    (64, RoutedConfig()),  # one column chunk
+    (64, RoutedConfig(block_i=2, chunk_h=32)),  # two chunks
+    (48, RoutedConfig(block_i=4, chunk_h=32, warps_gate_up=1)),  # two chunks, masked (I, H uneven)
+    (128, RoutedConfig(chunk_h=32)),  # four chunks: the plain loop
+])
+def test_pipelined_hits_equal_one_gate_up(hidden_size, config, monkeypatch):
+    """moe.routed.HITS_PIPELINE: the early hits' loop with the next item's rows in flight writes the
+    same bits as part="all" (and skips the misses), over a few items per program."""
+    import moe.routed
+    monkeypatch.setattr(moe.routed, "HITS_PIPELINE", True)
+    device, _ = device_or_skip()
+    inter = 20 if hidden_size == 48 else 32
+    gate_up, _ = make_pool(12, hidden_size, inter, torch.bfloat16, device, seed=35)
+    slots, weights = make_route(3, 4, 12, device, seed=36, pad=0)
+    hidden = torch.randn(3, hidden_size, generator=torch.Generator().manual_seed(37)).bfloat16().to(device)
+    hit = torch.rand(slots.shape, generator=torch.Generator().manual_seed(38)) < 0.6
+    hit.view(-1)[0], hit.view(-1)[-1] = True, False
+    pre = torch.where(hit.to(device), slots, torch.full_like(slots, NO_SLOT))
+    want = routed_gate_up(hidden, slots, weights, gate_up, act=torch.empty(12, inter, device=device),
+                          config=config).clone()
+    for programs in (1, 3, 7):
+        act = torch.full((12, inter), float("nan"), device=device)
+        routed_gate_up(hidden, slots, weights, gate_up, act=act, part="hits", pre=pre, programs=programs,
+                       config=config)
+        rows = hit.view(-1).to(device)
+        assert torch.equal(act[rows], want[rows]) and bool(act[~rows].isnan().all()), programs
+
+
 def test_parts_need_pre_and_routed_experts():
     device, _ = device_or_skip()
     gate_up, _ = make_pool(4, 16, 8, torch.bfloat16, device, seed=35)
@@ -363,6 +392,20 @@ def test_compiles_for_sm90_with_16_byte_loads():
         "griddepcontrol": ["_down_kernel", "_down_kernel+combine", "_gate_up_kernel", "_gate_up_kernel+rest"]}
 
 
+SM90_PIPE_CHECK = r"""
+import json, re
+import moe.routed
+moe.routed.HITS_PIPELINE = True
+a = moe.routed.compile_for_target(10, 2048, 512, "bf16")["_gate_up_hits"]
+print(json.dumps([bool(a.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", a["ptx"]))]))
+"""
+
+
+def test_pipelined_hits_compile_for_sm90():
+    """The pipelined early hits (HITS_PIPELINE) compile for sm_90 with 16-byte loads."""
+    assert compile_check(SM90_PIPE_CHECK) == [True, True]
+
+
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
 
 
@@ -440,3 +483,23 @@ def test_gpu_qwen3_next_shared_expert_and_combine():
     cast = torch.empty(2, QWEN3_NEXT["hidden"], dtype=torch.bfloat16, device="cuda")
     routed_experts(hidden, slots, weights, gate_up, down, addend=shared, out_cast=cast)
     assert torch.equal(cast, (routed_experts(hidden, slots, weights, gate_up, down) + shared).bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", [False, True], ids=["loop", "pipelined"])
+def test_gpu_hits_equal_one_gate_up(pipeline, monkeypatch):
+    """At the Qwen3-Next shape and the default tiles, the early hits (plain or pipelined loop, the
+    default persistent grid) write the same bits as one part="all" gate_up."""
+    import moe.routed
+    _, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA")
+    monkeypatch.setattr(moe.routed, "HITS_PIPELINE", pipeline)
+    hidden, slots, weights, gate_up, _ = _qwen_case(3, seed=51)
+    hit = torch.rand(slots.shape, generator=torch.Generator().manual_seed(52)) < 0.7
+    pre = torch.where(hit.cuda(), slots, torch.full_like(slots, NO_SLOT))
+    want = routed_gate_up(hidden, slots, weights, gate_up, act=torch.empty(30, 512, device="cuda")).clone()
+    act = torch.full((30, 512), float("nan"), device="cuda")
+    routed_gate_up(hidden, slots, weights, gate_up, act=act, part="hits", pre=pre)
+    rows = hit.view(-1).cuda() & (slots.view(-1) >= 0)
+    assert torch.equal(act[rows], want[rows])
