@@ -9,6 +9,10 @@
     down body, grid (T, ceil(H / BLOCK_H)): program (t, tile)
         for j = 0 .. K-1 in order: acc += down[slots[t, j]][tile, :] * act[t * K + j, :]  (pool [S, H, I])
         y = Σ acc (+ addend[t, tile] when ADDEND)  -> out f32 (WRITE_OUT) and/or cast(y) (WRITE_CAST)
+    down split (RoutedConfig.down_split), grid (T * K, ceil(H / BLOCK_H)): program (t * K + j, tile)
+        part[t * K + j][tile] = down[slots[t, j]][tile, :] · act[t * K + j, :]   (float32 scratch)
+        the K-th program of (t, tile) to arrive (an int32 counter, reset by it): y = Σ_j part in order,
+        + addend, -> out / cast as the down body (routed experts only; the shared expert keeps the body)
 
 Legend: T = tokens, H = hidden, I = expert width, K = top_k (1 for the shared expert), S = pool slots.
 
@@ -260,6 +264,62 @@ def _shared_gate_up(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr,
                     PICK: tl.constexpr):
     _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
                   K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC, PICK)
+
+
+@triton.jit
+def _down_split_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, part_ptr, count_ptr, num_slots,
+                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
+                     CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
+                     WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
+    """RoutedConfig.down_split: program (pair, tile) computes rows [tile * BLOCK_H, +BLOCK_H) of ONE
+    expert's product down[slots[pair]] · act[pair] into part[pair] (float32 scratch), then counts
+    itself in count[token, tile]; the K-th program of (token, tile) to arrive sums part[token * K + j]
+    over j = 0..K-1 in order (so the result does not depend on the arrival order), adds the addend,
+    writes the outputs and resets the counter to 0 for the next call."""
+    if GDC:
+        gdc_wait()
+    pair = tl.program_id(0)  # t * K + j
+    tile = tl.program_id(1)
+    token = pair // K
+    rows = tile * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
+    slot = tl.load(slots_ptr + pair)
+    live = (slot >= 0) & (slot < num_slots)
+    down_ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I
+    acc = tl.zeros([BLOCK_H, CHUNK_I], dtype=tl.float32)
+    for i0 in tl.static_range(0, I, CHUNK_I):
+        cols = i0 + tl.arange(0, CHUNK_I)  # [CHUNK_I]
+        if EVEN:
+            a = tl.load(act_ptr + pair * I + cols)
+            mask = live
+        else:
+            a = tl.load(act_ptr + pair * I + cols, mask=cols < I, other=0.0)
+            mask = live & (rows[:, None] < H) & (cols[None, :] < I)
+        d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
+        acc += d.to(tl.float32) * a[None, :]
+    rmask = rows < H
+    tl.store(part_ptr + pair * H + rows, tl.sum(acc, axis=1), mask=rmask)
+    tl.debug_barrier()  # every thread's part stored before the arrival (released by the atomic)
+    counter = count_ptr + token * ((H + BLOCK_H - 1) // BLOCK_H) + tile
+    if tl.atomic_add(counter, 1) == K - 1:  # acq_rel, gpu scope: the other K - 1 parts are visible
+        y = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(K):  # a fixed order, j = 0..K-1: bitwise repeatable
+            y += tl.load(part_ptr + (token * K + j) * H + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+        tl.store(counter, 0)
+        if ADDEND:
+            y = y + tl.load(addend_ptr + token * H + rows, mask=rmask, other=0.0)
+        if WRITE_OUT:
+            tl.store(out_ptr + token * H + rows, y, mask=rmask)
+        if WRITE_CAST:
+            tl.store(cast_ptr + token * H + rows, y.to(cast_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit(**JIT_OPTIONS)
+def _down_kernel_split(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, part_ptr, count_ptr, num_slots,
+                       K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
+                       CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
+                       WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
+    _down_split_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, part_ptr, count_ptr, num_slots,
+                     K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC)
 
 
 @triton.jit(**JIT_OPTIONS)
