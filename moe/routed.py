@@ -80,8 +80,8 @@ class RoutedConfig:
     """
 
     block_i: int = GEMV_BLOCK_I
-    chunk_h: int = 1024  # i1x1024w2-h2x512w4: fastest at T = 1, 2, 4 and 8 of 25 gate_up tilings
-    warps_gate_up: int = 2  # (benchmarks/results/routed-2026-11-30-tiles-5dc7537.json)
+    chunk_h: int = 1024  # i1x1024w2-h2x512w4: fastest at T = 1 of 25 tilings, and at T = 2, 4, 8 of the 5 timed there
+    warps_gate_up: int = 2  # (benchmarks/results/routed-2026-11-30-tiles-a5afb19.json)
     block_h: int = GEMV_BLOCK_H
     chunk_i: int = 512
     warps_down: int = 4
