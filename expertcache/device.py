@@ -38,18 +38,19 @@ from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_RULE, PolicySta
 DEVICE_KINDS = {KIND_LRU: 0, KIND_RULE: 1, KIND_LFUDA: 2}
 # Default tiles: slots scored per program (one program up to CHUNK slots, else ceil(S / CHUNK) that
 # merge) and warps per program; the fastest at every pool size measured on the H200 (1-2 warps were
-# slower: docs/gpu.md). lru alone scores up to LRU_ONE_PROGRAM slots in one program (its score is one
-# load per slot): at 1650 slots that was 0.8-1.3 us faster than 4 programs with misses and no slower
-# without; rule and lfuda, which gather more per slot, were slower on one program (docs/gpu.md).
+# slower: docs/gpu.md). lru and lfuda score up to ONE_PROGRAM slots in one program (their score is one
+# load per slot): lru at 1650 slots was 0.8-1.3 us faster than 4 programs with misses and no slower
+# without, lfuda (8 warps) 0.1-0.7 us; rule, which gathers its state per key, was slower (docs/gpu.md).
 CHUNK, NUM_WARPS = 512, 4
-LRU_ONE_PROGRAM = 2048
+ONE_PROGRAM = 2048  # lru and lfuda: one program up to this many slots
+ONE_PROGRAM_WARPS = {KIND_LRU: 4, KIND_LFUDA: 8}  # its warps (lfuda: 8 warps were faster than 4 at 1650)
 
 
-def default_chunk(kind: str, num_slots: int) -> int:
-    """Slots per program when DeviceCache is given no chunk."""
-    if kind == KIND_LRU and num_slots <= LRU_ONE_PROGRAM:
-        return max(CHUNK, triton.next_power_of_2(num_slots))
-    return CHUNK
+def default_tiles(kind: str, num_slots: int) -> tuple[int, int]:
+    """(slots per program, warps) when DeviceCache is given no chunk / num_warps."""
+    if kind in ONE_PROGRAM_WARPS and CHUNK < num_slots <= ONE_PROGRAM:
+        return triton.next_power_of_2(num_slots), ONE_PROGRAM_WARPS[kind]
+    return CHUNK, NUM_WARPS
 
 
 @dataclass
@@ -67,8 +68,8 @@ class DeviceCache:
     """One slot pool's maps on a device, under one policy (not an oracle)."""
 
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
-                 chunk: int | None = None, num_warps: int = NUM_WARPS, seq_max: int = SEQ_MAX,
-                 lean: bool = True, early_reads: bool = True, **constants) -> None:
+                 chunk: int | None = None, num_warps: int | None = None, seq_max: int = SEQ_MAX,
+                 lean: bool = True, early_reads: bool = True, rule_table: bool = False, **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
         if self.policy.oracle or self.policy.kind not in DEVICE_KINDS:
@@ -91,8 +92,9 @@ class DeviceCache:
         self.counters = t(np.zeros((geometry.num_layers, 3), np.int64))
         self.status = t(np.zeros(1, np.int32))
         self.arrive = t(np.zeros(1, np.int32))
-        if chunk is None:
-            chunk = default_chunk(self.policy.kind, geometry.num_slots)
+        tiles = default_tiles(self.policy.kind, geometry.num_slots)
+        chunk = tiles[0] if chunk is None else chunk
+        num_warps = tiles[1] if num_warps is None else num_warps
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
             raise ValueError(f"chunk must be a power of two, got {chunk!r}")
         self.chunk = chunk  # slots scored per program; the grid is ceil(S / chunk)
@@ -114,6 +116,11 @@ class DeviceCache:
         # age) are issued at the start of the launch, beside the query's loads; faster on the H200 in
         # nearly every rule / lfuda cell of bench_ensure (docs/gpu.md). False: read in the commit
         self.early_reads = early_reads
+        if not isinstance(rule_table, bool):
+            raise ValueError(f"rule_table must be a bool, got {rule_table!r}")
+        # rule_table: rule's log2(1 + 2**-i/64) growth term loaded from the policy's table (prm[5:],
+        # an L2 hit in the commit) instead of computed in float64; the same values (tests)
+        self.rule_table = rule_table
         self.grid = triton.cdiv(geometry.num_slots, chunk)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
         self._cand: dict[int, torch.Tensor] = {}
@@ -172,7 +179,8 @@ class DeviceCache:
             POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
             BLOCK_L=triton.next_power_of_2(g.num_layers), SINGLE=self.grid == 1,
-            SEQ_MAX=self.seq_max, LEAN=self.lean, EARLY=self.early_reads, num_warps=self.num_warps,
+            SEQ_MAX=self.seq_max, LEAN=self.lean, EARLY=self.early_reads, TABLE=self.rule_table,
+            num_warps=self.num_warps,
             **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))
         return buf
 

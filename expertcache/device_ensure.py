@@ -140,6 +140,11 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
         elif POLICY == 2:
             score = tl.load(sst_ptr + num_slots + c, mask=cm, other=0)
         else:
+            kq = tl.where(ev, key, 0)
+            # lc and dct first: the refresh below rewrites only the lt row, so these two gathers
+            # need not wait for its barrier
+            lc = tl.load(kst_ptr + num_keys + kq, mask=ev, other=0)
+            dct = tl.load(kst_ptr + 2 * num_keys + kq, mask=ev, other=0)
             if HAS_LOGITS:
                 # the near-miss refresh first, in memory: every scoring program writes the same
                 # values (the commit's own refresh repeats them), so each reads refreshed `lt` below
@@ -147,10 +152,7 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
                 lt_r = tl.load(kst_ptr + rkey, mask=near, other=0)
                 tl.store(kst_ptr + rkey, tl.maximum(lt_r, tok - 1), mask=near)
                 tl.debug_barrier()
-            kq = tl.where(ev, key, 0)
             lt = tl.load(kst_ptr + kq, mask=ev, other=0)
-            lc = tl.load(kst_ptr + num_keys + kq, mask=ev, other=0)
-            dct = tl.load(kst_ptr + 2 * num_keys + kq, mask=ev, other=0)
             score = _rule_score(kq, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, prm_ptr)
     packed = tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
     return _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q, SEQ_MAX, STORE_SEQ)
@@ -234,11 +236,17 @@ def _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, first, slot, hit, num_keys, PO
 
 
 @triton.jit
-def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, lc, dct):
+def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, lc, dct, TABLE: tl.constexpr):
     """rule's use of every key of the call (hits and installs alike); lc, dct: the keys' state as
-    loaded at the start of the launch (only the committing program writes those two rows)."""
+    loaded at the start of the launch (only the committing program writes those two rows).
+    TABLE: the growth term loaded from the policy's table (prm[5:], an L2 hit) instead of computed
+    in float64 (DeviceCache(rule_table=True))."""
     x = tl.maximum(lc - (dc_now - tl.maximum(dct, 0)), tl.load(prm_ptr + 4))
-    grown = tl.maximum(x, 0) + _log2_1p_q16(tl.minimum(tl.abs(x) >> 10, 1920))
+    ti = tl.minimum(tl.abs(x) >> 10, 1920)
+    if TABLE:
+        grown = tl.maximum(x, 0) + tl.load(prm_ptr + 5 + ti, mask=first, other=0)
+    else:
+        grown = tl.maximum(x, 0) + _log2_1p_q16(ti)
     tl.store(kst_ptr + num_keys + key, tl.where(dct < 0, 0, grown), mask=first)
     tl.store(kst_ptr + 2 * num_keys + key, dc_now + 0 * key, mask=first)
     tl.store(kst_ptr + key, tok + 0 * key, mask=first)
@@ -263,7 +271,7 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
             hit, fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, dc_now, layer, num_layers,
             num_slots, num_keys, mine, best, early_a, early_b, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
             EARLY: tl.constexpr,
-            BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr):
+            BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr, TABLE: tl.constexpr):
     """Apply one call: refresh, evictions and installs in ascending key order, touches,
     plan, slots, counters and clock. Runs in one program. The victims: `best` (registers)
     when successive minima found them, else cand[0:] (the sort's output)."""
@@ -301,7 +309,7 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
     elif POLICY == 2:
         _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots, early_a, early_b)
     else:
-        _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, early_a, early_b)
+        _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, early_a, early_b, TABLE)
     i = tl.arange(0, BLOCK_Q)
     tl.store(out_ptr + i, tl.where(valid, sl, -1).to(tl.int32), mask=i < ids_n)
     tl.store(count_ptr, m)
@@ -343,6 +351,7 @@ def ensure_kernel(
     BLOCK_L: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr,
     LEAN: tl.constexpr = False,  # DeviceCache(lean=True), its default: see _chunk_candidates, _commit
     EARLY: tl.constexpr = False,  # DeviceCache(early_reads=True), its default: see _policy_reads
+    TABLE: tl.constexpr = False,  # DeviceCache(rule_table=True): rule's growth term from its table
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
 ):
     if GDC:
@@ -403,6 +412,6 @@ def ensure_kernel(
                     cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
                     key, first, slot, hit, fmiss, mrank, n, m, ne, filled, rkey, near, step,
                     tok, dc_now, layer, num_layers, num_slots, num_keys, mine, best, early_a, early_b, POLICY,
-                    HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN)
+                    HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN, TABLE)
         else:
             tl.store(status_ptr, tl.where(bad > 0, 1, 2))

@@ -9,6 +9,7 @@
               k times: the largest remaining prob (ties: the lower expert id), removed after
               (or one bitonic top-k over packed (prob, id) keys: RouterConfig.select)
               (weights [t, k] float32 descending, ids [t, k] int32); weights /= Σ weights when norm
+              (pre: also the chosen experts' slots before the ensure, carried in the packed keys)
     -> weights [T, k] float32, ids [T, k] int32 (the order of moe.reference.route)
 
 Legend: T = tokens (1..GEMV_MAX_TOKENS), H = hidden, E = experts (<= ROUTER_MAX_EXPERTS), k = top_k.
@@ -41,7 +42,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moe.plan import GEMV_MAX_TOKENS
 from moe.triton_launch import compile_for_sm, kernel_for
 
-ROUTER_MAX_EXPERTS = 4096  # the selecting program holds all E probabilities in registers
+ROUTER_MAX_EXPERTS = 4096  # the selecting program holds all E probabilities in registers (ids: 12 bits)
+PRE_SLOT_BITS: tl.constexpr = tl.constexpr(20)  # a packed key's low bits: slot + 1 (expertcache: slots < 2**20 - 1)
+PRE_SLOT_MASK: tl.constexpr = tl.constexpr((1 << 20) - 1)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _JIT_OPTIONS: dict = {"do_not_specialize": ["key_base"]}
 
@@ -92,13 +95,20 @@ DEFAULT_ROUTER = RouterConfig()
 
 
 @triton.jit
-def _select_topk(row_ptr, ids_ptr, weights_ptr, E: tl.constexpr, K: tl.constexpr,
+def _select_topk(row_ptr, ids_ptr, weights_ptr, slot_row_ptr, pre_ptr, E: tl.constexpr, K: tl.constexpr,
                  BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                 SELECT: tl.constexpr):
+                 SELECT: tl.constexpr, PRE: tl.constexpr):
     """Softmax over the E logits at row_ptr, then the top K (ties: lower id) into ids / weights.
-    SELECT: 0 argmax rounds, 1 packed-key rounds, 2 bitonic top-k of packed keys (RouterConfig)."""
+    SELECT: 0 argmax rounds, 1 packed-key rounds, 2 bitonic top-k of packed keys (RouterConfig).
+    PRE: also pre[j] = slot_row[ids[j]]; with packed keys the E slots are loaded beside the logits and
+    ride in the keys' low bits (below the id, so they never change the order): no load after the
+    selection."""
     e = tl.arange(0, BLOCK_ALL)
     logit = tl.load(row_ptr + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")  # other programs' writes
+    if PRE and SELECT != 0:  # slot + 1 in PRE_SLOT_BITS bits (0: absent); slot_of's slots are < 2**20 - 1
+        low = tl.load(slot_row_ptr + e, mask=e < E, other=-1) + 1
+    else:
+        low = tl.zeros([BLOCK_ALL], dtype=tl.int32)
     p = tl.exp(logit - tl.max(logit, axis=0))  # 0 past E
     kk = tl.arange(0, BLOCK_K)
     if SELECT == 0:
@@ -113,7 +123,8 @@ def _select_topk(row_ptr, ids_ptr, weights_ptr, E: tl.constexpr, K: tl.constexpr
     else:
         probs = p / tl.sum(p, axis=0)  # >= 0: its bits order like its value
         bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
-        keys = tl.where(e < E, (bits << 32) | (E - 1 - e).to(tl.int64), -1)  # -1: never selected
+        keys = tl.where(e < E, (bits << 32) | ((E - 1 - e).to(tl.int64) << PRE_SLOT_BITS) | low.to(tl.int64),
+                        -1)  # -1: never selected
         if SELECT == 1 or BLOCK_K == 1:  # tl.topk needs k >= 2
             top = tl.full([BLOCK_K], -1, dtype=tl.int64)
             for j in tl.static_range(K):
@@ -122,13 +133,18 @@ def _select_topk(row_ptr, ids_ptr, weights_ptr, E: tl.constexpr, K: tl.constexpr
                 keys = tl.where(keys == best, -1, keys)
         else:
             top = tl.topk(keys, BLOCK_K)  # descending
-        ids = E - 1 - top.to(tl.int32)  # the low 32 bits
+        ids = E - 1 - ((top >> PRE_SLOT_BITS) & 0xFFF).to(tl.int32)  # bits PRE_SLOT_BITS .. 31
         ws = tl.where(kk < K, (top >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
     if NORM:
         ws = ws / tl.sum(ws, axis=0)
     tl.store(ids_ptr + kk, ids, mask=kk < K)
     tl.store(weights_ptr + kk, ws, mask=kk < K)
-    return ids
+    if PRE:
+        if SELECT == 0:  # the slots after the selection: one more dependent load
+            pre = tl.load(slot_row_ptr + ids, mask=kk < K, other=-1)
+        else:
+            pre = (top & PRE_SLOT_MASK).to(tl.int32) - 1
+        tl.store(pre_ptr + kk, pre, mask=kk < K)
 
 
 @triton.jit(**_JIT_OPTIONS)
@@ -177,12 +193,8 @@ def _router_kernel(
     if arrived == tl.num_programs(1) - 1:
         tl.debug_barrier()
         tl.store(arrive_ptr + token, 0)
-        ids = _select_topk(logits_ptr + token * E, ids_ptr + token * K, weights_ptr + token * K,
-                           E, K, BLOCK_ALL, BLOCK_K, NORM, SELECT)
-        if PRE:
-            kk = tl.arange(0, BLOCK_K)
-            pre = tl.load(slot_of_ptr + key_base + ids, mask=kk < K, other=-1)
-            tl.store(pre_ptr + token * K + kk, pre, mask=kk < K)
+        _select_topk(logits_ptr + token * E, ids_ptr + token * K, weights_ptr + token * K,
+                     slot_of_ptr + key_base, pre_ptr + token * K, E, K, BLOCK_ALL, BLOCK_K, NORM, SELECT, PRE)
 
 
 SMALL_T, SMALL_T_BLOCK_E, BLOCK_E = 4, 2, 4  # RouterConfig.block_e=None: per program, by the token count
@@ -289,7 +301,10 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
     results; MoEConfig.pdl_chain).
     pre: (slot_of int32 [L * E], key_base = layer * E, out int32 [T, k]): the selecting program also
     writes out[t, j] = slot_of[key_base + ids[t, j]] as it finds it (-1: not resident), the slots
-    before this layer's ensure (MoELayer's early hits). Same ids and weights as without.
+    before this layer's ensure (MoELayer's early hits). Same ids and weights as without. With the
+    packed selections ("topk", "packed") it reads this layer's E slots beside the logits and carries
+    each in its key's low 20 bits, so no load follows the selection: slot_of's entries must be -1 or
+    below 2**20 - 1 (expertcache.device_ensure.MAX_SLOTS - 1, as DeviceCache's are).
     Raises ValueError naming the argument whose shape, dtype, device or value is wrong;
     RuntimeError for CPU tensors without Triton's interpreter.
     """
@@ -332,16 +347,18 @@ def router_reference(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int,
 
 def compile_router_for_target(num_experts: int, hidden: int, top_k: int, dtype: str = "bf16",
                               norm_topk_prob: bool = True, config: RouterConfig = DEFAULT_ROUTER,
-                              arch: int = 90, tokens: int = 1, pdl: bool = False) -> dict:
+                              arch: int = 90, tokens: int = 1, pdl: bool = False, pre: bool = False) -> dict:
     """Compile the router ahead of time for CUDA sm_<arch> (no GPU; needs ptxas); Triton's asm dict.
 
     T sizes the grid and, with block_e=None, picks the experts per program (block_e_for): one binary
     serves T = 1..SMALL_T, another the rest. pdl: the programmatic-launch variant (router_topk's
-    pdl). Run it without TRITON_INTERPRET=1.
+    pdl). pre: the variant that also writes pre (router_topk's pre). Run it without TRITON_INTERPRET=1.
     """
     p = f"*{dtype}"
     types = (p, p, "*fp32", "*i32", "*i32", "*fp32", "*i32", "i32", "*i32")
     meta = _constexprs(num_experts, hidden, top_k, norm_topk_prob, config, tokens)
     if pdl:
         meta["GDC"] = True
+    if pre:
+        meta["PRE"] = True
     return compile_for_sm(_router_kernel, types, meta, config.warps, arch, _JIT_OPTIONS)

@@ -93,6 +93,15 @@ def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max, lean):
     assert ref.counters[:, 2].sum() > 32
 
 
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_rule_growth_from_its_table(chunk):
+    """DeviceCache(rule_table=True): rule's growth term loaded from the policy's table in the commit
+    gives the host reference's state bit for bit, with router logits, on several programs and one."""
+    ref = run_parity("rule", L=3, E=16, S=24, rows=2, k=4, C=40, T=6, seed=chunk + 50, chunk=chunk,
+                     rule_table=True)
+    assert ref.counters[:, 2].sum() > 40
+
+
 @pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("chunk", [8, 64])
 @pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
@@ -107,18 +116,21 @@ def test_kernel_matches_host_with_a_filling_pool(policy, chunk, lean, early):
 
 
 def test_default_tiles_by_pool_size():
-    """The default tiles at every pool size (lru: one program up to 2048 slots); bad tiles are refused."""
+    """The default tiles at every pool size (lru and lfuda: one program up to 2048 slots, lfuda's of
+    8 warps); bad tiles are refused."""
     device, _ = device_or_skip()
     from expertcache.device import CHUNK, NUM_WARPS
     assert CHUNK & (CHUNK - 1) == 0 and NUM_WARPS in (1, 2, 4, 8, 16)
-    for policy, S, chunk, grid in (("lru", 8, 512, 1), ("lru", 512, 512, 1), ("lru", 1650, 2048, 1),
-                                   ("lru", 2048, 2048, 1), ("lru", 2049, 512, 5), ("lru", 16384, 512, 32),
-                                   ("lfuda", 1650, 512, 4), ("rule", 1650, 512, 4), ("rule", 8, 512, 1)):
+    for policy, S, chunk, warps, grid in (
+            ("lru", 8, 512, 4, 1), ("lru", 512, 512, 4, 1), ("lru", 1650, 2048, 4, 1), ("lru", 2048, 2048, 4, 1),
+            ("lru", 2049, 512, 4, 5), ("lru", 16384, 512, 4, 32), ("lfuda", 512, 512, 4, 1),
+            ("lfuda", 1650, 2048, 8, 1), ("lfuda", 4096, 512, 4, 8), ("rule", 1650, 512, 4, 4), ("rule", 8, 512, 4, 1)):
         dev = DeviceCache(CacheGeometry(1, 4 * S, S), policy, device=device)
-        assert (dev.chunk, dev.num_warps, dev.grid) == (chunk, NUM_WARPS, grid), (policy, S)
+        assert (dev.chunk, dev.num_warps, dev.grid) == (chunk, warps, grid), (policy, S)
+    assert DeviceCache(CacheGeometry(1, 64, 1650), "lfuda", device=device, num_warps=2).chunk == 2048
     g = CacheGeometry(1, 8, 4)
     for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}, {"lean": 1},
-                {"early_reads": 1}):
+                {"early_reads": 1}, {"rule_table": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DeviceCache(g, "lru", device=device, **bad)
 
@@ -212,9 +224,10 @@ def test_device_parity_grid(policy, S):
 @pytest.mark.parametrize("S, options", [(1650, {"chunk": 512, "num_warps": 4}), (512, {"lean": False}),
                                         (1650, {"lean": False}), (16384, {"lean": False}),
                                         (512, {"early_reads": False}), (1650, {"early_reads": False}),
-                                        (1650, {"seq_max": 4}), (16384, {"seq_max": 4})],
+                                        (1650, {"seq_max": 4}), (16384, {"seq_max": 4}),
+                                        (512, {"rule_table": True}), (1650, {"rule_table": True})],
                          ids=["many-programs-1650", "plain-512", "plain-1650", "plain-16384", "late-reads-512",
-                              "late-reads-1650", "sort-1650", "sort-16384"])
+                              "late-reads-1650", "sort-1650", "sort-16384", "table-512", "table-1650"])
 def test_device_parity_variants(policy, S, options):
     """1650 slots on 4 programs of 512 (explicit tiles), and the plain (not lean) kernel on one
     program (512) and several (1650, 16384), and the policy reads in the commit (early_reads=False) on

@@ -55,19 +55,23 @@ def same_as_argmax(got, base, norm: bool) -> None:
         assert torch.equal(got[0], base[0])
 
 
+@pytest.mark.parametrize("select", SELECTS)
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_pre_is_the_slot_map_at_the_chosen_ids(tokens):
+def test_pre_is_the_slot_map_at_the_chosen_ids(tokens, select):
     """pre=(slot_of, layer * E, out): out[t, j] = slot_of[layer * E + ids[t, j]] (-1 where absent);
-    ids and weights are those of a call without pre, bit for bit."""
+    ids and weights are those of a call without pre, bit for bit (the packed selections carry the
+    slots in their keys' low bits, argmax loads them after the selection)."""
     device, _ = device_or_skip()
+    config = RouterConfig(select=select)
     experts, top_k, layers, layer = 16, 4, 3, 2
     x, w = make_inputs(tokens, experts, 64, torch.bfloat16, device, seed=41)
     g = torch.Generator().manual_seed(42)
     slot_of = torch.randint(-1, 40, (layers * experts,), generator=g, dtype=torch.int32).to(device)
     out = torch.full((tokens, top_k), -7, dtype=torch.int32, device=device)
-    weights, ids = router_topk(x, w, top_k, True, pre=(slot_of, layer * experts, out))
+    slot_of[layer * experts + 3] = (1 << 20) - 2  # the largest slot the packed keys carry
+    weights, ids = router_topk(x, w, top_k, True, pre=(slot_of, layer * experts, out), config=config)
     assert torch.equal(out, slot_of[layer * experts + ids.long()])
-    w0, i0 = router_topk(x, w, top_k, True)
+    w0, i0 = router_topk(x, w, top_k, True, config=config)
     assert torch.equal(ids, i0) and torch.equal(weights, w0)
     bad = [("slot_of", (slot_of.long(), 0, out)), ("key_base", (slot_of, 40, out)),
            ("key_base", (slot_of, 5, out)), ("out", (slot_of, 0, out[:, :1].contiguous()))]
@@ -125,6 +129,12 @@ def test_exact_ties_go_to_the_lower_id(select):
     want_w, want_i = router_reference(x, w, 4, False)
     assert torch.equal(ids.cpu(), want_i.cpu()), (ids, want_i)
     assert ids.tolist() == [[2, 9, 6, 11], [2, 9, 6, 11]]  # each tie: the lower id first
+    # with pre, slots ride below the ids in the packed keys: a higher id's smaller slot changes nothing
+    slot_of = torch.tensor([5, 0, 30, 1, 2, 3, 40, 4, 6, 1, 7, 0], dtype=torch.int32, device=device)
+    out = torch.empty(2, 4, dtype=torch.int32, device=device)
+    w_pre, i_pre = router_topk(x, w, 4, False, config=RouterConfig(select=select), pre=(slot_of, 0, out))
+    assert torch.equal(i_pre, ids) and torch.equal(w_pre, weights)
+    assert out.tolist() == [[30, 1, 40, 0], [30, 1, 40, 0]]
     assert torch.equal(weights[:, 0], weights[:, 1]) and torch.equal(weights[:, 2], weights[:, 3])
     assert torch.allclose(weights.cpu(), want_w.cpu(), rtol=1e-5, atol=1e-6)
 
@@ -181,16 +191,19 @@ assert compile_router_for_target(512, 2048, 10, "bf16", True, tokens=8).get("cub
 asm = compile_router_for_target(512, 2048, 10, "bf16", True)
 ptx = asm["ptx"]
 pdl = compile_router_for_target(512, 2048, 10, "bf16", True, pdl=True)["ptx"]
+pre = [compile_router_for_target(512, 2048, 10, "bf16", True, RouterConfig(select=s), pdl=True, pre=True)
+       for s in ("topk", "argmax")]
 print(json.dumps([bool(asm.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)),
                   "atom.global" in ptx, ".local" not in ptx,
-                  "griddepcontrol.wait" not in ptx, "griddepcontrol.wait" in pdl]))
+                  "griddepcontrol.wait" not in ptx, "griddepcontrol.wait" in pdl,
+                  all(bool(a.get("cubin")) and ".local" not in a["ptx"] for a in pre)]))
 """
 
 
 def test_compiles_for_sm90():
     """The router at the Qwen3-Next shape compiles for sm_90: 16-byte weight loads, the arrival atomic,
     no register spills. A child process without TRITON_INTERPRET (which replaces the compiler's hooks)."""
-    assert compile_check(SM90_CHECK) == [True] * 6  # the last two: only router_topk(pdl=True) waits
+    assert compile_check(SM90_CHECK) == [True] * 7  # 5, 6: only router_topk(pdl=True) waits; 7: with pre
 
 
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
