@@ -82,8 +82,8 @@ def time_graph(launch, state: list[torch.Tensor], reps: int) -> np.ndarray:
 
 def variant(label: str) -> tuple[str, dict]:
     """"rule" -> ("rule", {}) (the default tiles, expertcache.device.default_tiles);
-    "rule:w2:c1024:s8:l0:e0:t1" -> ("rule", num_warps=2, chunk=1024, seq_max=8, lean=False, early_reads=False,
-    rule_table=True)."""
+    "rule:w2:c1024:s8:l0:e0:t0" -> ("rule", num_warps=2, chunk=1024, seq_max=8, lean=False, early_reads=False,
+    rule_table=False)."""
     name, *opts = label.split(":")
     keys = {"w": "num_warps", "c": "chunk", "s": "seq_max", "l": "lean", "e": "early_reads", "t": "rule_table"}
     out = {keys[o[0]]: int(o[1:]) for o in opts}
@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--policies", default="lru,rule,lfuda",
                     help="policies, each optionally with :wN (warps), :cN (chunk), :sN (seq_max) and "
-                      ":l0 (not lean), :e0 (policy reads in the commit), :t1 (rule's growth from its table), "
+                      ":l0 (not lean), :e0 (policy reads in the commit), :t0 (rule's growth computed, not loaded from its table), "
                       "e.g. rule:e0")
     ap.add_argument("--slots", default=",".join(map(str, SLOTS)))
     ap.add_argument("--misses", default=",".join(map(str, MISSES)))

@@ -27,7 +27,6 @@ Run: python benchmarks/bench_moe_copy_overlap.py --out-dir OUT [--slots 1650] [-
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import sys
@@ -46,7 +45,6 @@ from moe.kernel_trace import kernels, kernels_in_range, load_trace, named
 from moe.synthetic import SyntheticModel, random_weights
 
 DEFAULT_HITS_PER_SM = moe.routed.HITS_PROGRAMS_PER_SM  # resident variants without hitsN
-DEFAULT_ROUTED = moe.routed.DEFAULT_CONFIG  # resident variants without splitN
 
 CFG = MoEConfig(hidden=2048, num_experts=512, top_k=10, expert_intermediate=512, shared_intermediate=512,
                 norm_topk_prob=True)
@@ -316,12 +314,9 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
 
 
 def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
-    """"hits1" / "noeh" / "chain" / "nochain" / "prio2" / "pipe" / "split16" joined by "+" (e.g.
-    "noeh+nochain", "prio2+hits10"; pipe: moe.routed.HITS_PIPELINE; splitN: the routed down split per
-    expert, RoutedConfig(down_split=True, block_h=N)) -> (spec, args with those set)."""
+    """"hits1" / "noeh" / "chain" / "nochain" / "prio2" joined by "+" (e.g. "noeh+nochain", "prio2+hits10")
+    -> (spec, args with those set)."""
     opts = argparse.Namespace(**vars(args))
-    opts.pipe = False
-    opts.split = None
     for part in spec.split("+"):
         if part.startswith("hits") and part[4:].isdigit():
             opts.hits_per_sm = int(part[4:])
@@ -331,13 +326,8 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.pdl_chain = part == "chain"
         elif part.startswith("prio") and part[4:].isdigit():
             opts.compute_priority = -int(part[4:])
-        elif part == "pipe":
-            opts.pipe = True
-        elif part.startswith("split") and part[5:].isdigit():
-            opts.split = int(part[5:])
         else:
-            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, chain, nochain, prioN, pipe "
-                             "or splitN")
+            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, chain, nochain or prioN")
     return spec, opts
 
 
@@ -428,9 +418,6 @@ def main() -> None:
         (out_dir / "results.json").write_text(json.dumps(res, indent=1, default=str))
         name, opts = resident_variant(spec, args)
         moe.routed.HITS_PROGRAMS_PER_SM = opts.hits_per_sm or DEFAULT_HITS_PER_SM
-        moe.routed.HITS_PIPELINE = opts.pipe
-        moe.routed.DEFAULT_CONFIG = (DEFAULT_ROUTED if opts.split is None else
-                                     dataclasses.replace(DEFAULT_ROUTED, down_split=True, block_h=opts.split))
         t1 = time.time()
         res.setdefault("resident_variants", {})[name] = resident_mode(weights, opts, xs, out_dir)
         r = res["resident_variants"][name]

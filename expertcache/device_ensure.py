@@ -351,7 +351,7 @@ def ensure_kernel(
     BLOCK_L: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr,
     LEAN: tl.constexpr = False,  # DeviceCache(lean=True), its default: see _chunk_candidates, _commit
     EARLY: tl.constexpr = False,  # DeviceCache(early_reads=True), its default: see _policy_reads
-    TABLE: tl.constexpr = False,  # DeviceCache(rule_table=True): rule's growth term from its table
+    TABLE: tl.constexpr = False,  # DeviceCache(rule_table=True), its default: rule's growth term from its table
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
 ):
     if GDC:

@@ -48,7 +48,6 @@ from moe.routed_kernels import (
     GATE_UP_ENTRIES,
     HITS_JIT_OPTIONS,
     JIT_OPTIONS,
-    _down_kernel_split,
     _gate_up_hits,
 )
 from moe.triton_launch import compile_for_sm, kernel_for
@@ -69,12 +68,6 @@ class RoutedConfig:
     0.5-1.0 us faster at T = 1..8 on the H200 (20.10 vs 20.61 us at T = 1,
     benchmarks/results/routed-2026-11-30-8f6abaf.json). The shared expert's launches and a
     routed_down not launched right after routed_gate_up never use it.
-    down_split (opt-in): the routed down as one program per (token, expert, block_h rows), each
-    expert's product into a float32 scratch, the last of a (token, rows) tile's k programs to arrive
-    summing them in order j = 0..k-1 (an int32 arrival counter per tile, reset by that program): the
-    result does not depend on the arrival order, so it is bitwise repeatable, though its rounding
-    differs from the default down's (which sums over j inside each column step). Shorter programs
-    of one expert each, like a plain streaming read; the shared expert keeps the default down.
     The defaults come from moe.plan (GEMV_BLOCK_I, GEMV_BLOCK_H) so make_routed_plan's grid is the
     one launched. Raises ValueError naming the field.
     """
@@ -86,12 +79,11 @@ class RoutedConfig:
     chunk_i: int = 512
     warps_down: int = 4
     pdl: bool = True
-    down_split: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("pdl", "down_split"):
+            if f.name == "pdl":
                 if not isinstance(v, bool):
                     raise ValueError(f"RoutedConfig.{f.name} must be a bool, got {v!r}")
                 continue
@@ -103,11 +95,9 @@ class RoutedConfig:
 
     @property
     def name(self) -> str:
-        """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i1x1024w2-h2x512w4-pdl',
-        'i1x1024w2-h16x512w4-pdl-s' (down_split)."""
+        """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl'."""
         return (f"i{self.block_i}x{self.chunk_h}w{self.warps_gate_up}-"
-                f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}"
-                f"{'-s' if self.down_split else ''}")
+                f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}")
 
 
 DEFAULT_CONFIG = RoutedConfig()
@@ -124,10 +114,9 @@ def _tiles(hidden: int, inter: int, config: RoutedConfig) -> tuple[int, int, int
 def routed_grids(tokens: int, top_k: int, hidden: int, inter: int,
                  config: RoutedConfig = DEFAULT_CONFIG) -> tuple[tuple[int, int], tuple[int, int]]:
     """(gate_up grid, down grid) that routed_experts launches: ((T * k, ceil(I / block_i)),
-    (T, ceil(H / block_h))); with config.down_split the down grid is (T * k, ceil(H / block_h)). O(1)."""
+    (T, ceil(H / block_h))). O(1)."""
     block_i, _, block_h, _ = _tiles(hidden, inter, config)
-    down_rows = tokens * top_k if config.down_split else tokens
-    return (tokens * top_k, triton.cdiv(inter, block_i)), (down_rows, triton.cdiv(hidden, block_h))
+    return (tokens * top_k, triton.cdiv(inter, block_i)), (tokens, triton.cdiv(hidden, block_h))
 
 
 def routed_plan(tokens: int, cfg: MoEConfig, num_sms: int = 132,
@@ -159,8 +148,7 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
     expert's width Is (default I). T is not compiled in (it only sizes the grids), so one binary per
     variant serves T = 1..GEMV_MAX_TOKENS. Returns {variant: Triton's asm dict (ttir .. cubin)} for
     "_gate_up_kernel", "_down_kernel" (f32 out), "_down_kernel+combine" (addend, cast out),
-    "_shared_gate_up" (k = 1, gate computed) and "_shared_down" (k = 1), and with config.down_split
-    "_down_kernel_split" and "_down_kernel_split+combine". Run it in a process without
+    "_shared_gate_up" (k = 1, gate computed) and "_shared_down" (k = 1). Run it in a process without
     TRITON_INTERPRET=1 (the interpreter replaces the compiler's language hooks).
     """
     shared_inter = inter if shared_inter is None else shared_inter
@@ -171,8 +159,7 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
     result["_gate_up_hits"] = compile_for_sm(
         _gate_up_hits, (p, "*fp32", p, "*fp32", "i32", "*i32", "i32"),
         {"K": top_k, "H": hidden, "I": inter, "BLOCK_I": block_i, "CHUNK_H": chunk_h,
-         "EVEN": _even(hidden, inter, config)[0], "PIPE": HITS_PIPELINE}, config.warps_gate_up, arch,
-        HITS_JIT_OPTIONS)
+         "EVEN": _even(hidden, inter, config)[0]}, config.warps_gate_up, arch, HITS_JIT_OPTIONS)
     for name, k, width, is_shared, down_flags in (
             ("_gate_up_kernel", top_k, inter, False, None),
             ("_gate_up_kernel+rest", top_k, inter, False, None),
@@ -195,20 +182,10 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
                               ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2],
                               GDC=int(config.pdl and not is_shared))
         result[name] = compile_for_sm(kernel, types, constexprs, warps, arch, JIT_OPTIONS)
-    if config.down_split:  # the routed down's split launch replaces _down_kernel for routed experts
-        _, _, block_h, chunk_i = _tiles(hidden, inter, config)
-        for name, (addend, write_out, write_cast) in (("_down_kernel_split", (False, True, False)),
-                                                      ("_down_kernel_split+combine", (True, False, True))):
-            result[name] = compile_for_sm(
-                _down_kernel_split, ("*fp32", "*i32", p, "*fp32", "*fp32", p, "*fp32", "*i32", "i32"),
-                {"K": top_k, "H": hidden, "I": inter, "BLOCK_H": block_h, "CHUNK_I": chunk_i,
-                 "EVEN": _even(hidden, inter, config)[1], "ADDEND": addend, "WRITE_OUT": write_out,
-                 "WRITE_CAST": write_cast, "GDC": int(config.pdl)}, config.warps_down, arch, JIT_OPTIONS)
     return result
 
 
 _SCRATCH: dict[tuple[torch.device, int, int], torch.Tensor] = {}
-_SPLIT_SCRATCH: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def routed_scratch(device: torch.device | str, top_k: int, inter: int) -> torch.Tensor:
@@ -226,21 +203,6 @@ def routed_scratch(device: torch.device | str, top_k: int, inter: int) -> torch.
     if key not in _SCRATCH:
         _SCRATCH[key] = torch.empty((GEMV_MAX_TOKENS * top_k, inter), dtype=torch.float32, device=device)
     return _SCRATCH[key]
-
-
-def split_scratch(device: torch.device | str, top_k: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The down_split launch's buffers on `device`: parts float32 [GEMV_MAX_TOKENS * k, H] and arrival
-    counters int32 [GEMV_MAX_TOKENS * H] (zero; every call leaves them zero). One pair per (device, k,
-    H), made on first use and kept (call before CUDA-graph capture); calls that share it must be
-    ordered, as routed_scratch's. Cost: one allocation and a zero fill on first use."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, top_k, hidden)
-    if key not in _SPLIT_SCRATCH:
-        _SPLIT_SCRATCH[key] = (torch.empty((GEMV_MAX_TOKENS * top_k, hidden), dtype=torch.float32, device=device),
-                               torch.zeros(GEMV_MAX_TOKENS * hidden, dtype=torch.int32, device=device))
-    return _SPLIT_SCRATCH[key]
 
 
 def _check_tensor(who: str, name: str, t, dtypes: tuple[torch.dtype, ...], ndim: int, device) -> None:
@@ -323,7 +285,6 @@ def _device_ctx(device: torch.device):
 
 HITS_PROGRAMS_PER_SM = 8  # the early hits' persistent grid: programs per SM (16 warps at the default 2-warp
 # gate_up tile; with pdl_chain the ensure and copy are resident before the hits take the SMs: docs/moe.md)
-HITS_PIPELINE = False  # the early hits' loop software-pipelined (two items in flight; H <= 2 * chunk_h)
 _SMS: dict[torch.device, int] = {}
 
 
@@ -345,8 +306,7 @@ def _launch_hits(hidden, weights, gate_up, act, pre, dims, config, programs) -> 
     with _device_ctx(hidden.device):  # behind an event wait on another stream, not its producer: no PDL
         kernel[(min(programs, items),)](hidden, weights, gate_up, act, num_slots, pre, tokens * top_k,
                                         K=top_k, H=hid, I=inter, BLOCK_I=block_i, CHUNK_H=chunk_h,
-                                        EVEN=_even(hid, inter, config)[0], PIPE=HITS_PIPELINE,
-                                        num_warps=config.warps_gate_up)
+                                        EVEN=_even(hid, inter, config)[0], num_warps=config.warps_gate_up)
 
 
 def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config, part="all",
@@ -373,21 +333,16 @@ def _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config, 
     _, grid = routed_grids(tokens, top_k, hid, inter, config)
     if out is None and out_cast is None:
         out = torch.empty((tokens, hid), dtype=torch.float32, device=down.device)
+    kernel = kernel_for(DOWN_ENTRIES[bool(shared)], down.device, JIT_OPTIONS, "routed_experts")
     # programmatic launch only right behind a programmatic gate_up (the pair this option is about)
     gdc = config.pdl and after_gate_up and not shared and down.device.type == "cuda"
-    flags = dict(K=top_k, H=hid, I=inter, BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=_even(hid, inter, config)[1],
-                 ADDEND=addend is not None, WRITE_OUT=out is not None, WRITE_CAST=out_cast is not None,
-                 GDC=int(gdc), num_warps=config.warps_down, **({"launch_pdl": True} if gdc else {}))
-    tensors = (act, slots, down, act if addend is None else addend, act if out is None else out,
-               act if out_cast is None else out_cast)
     with _device_ctx(down.device):
-        if config.down_split and not shared:
-            parts, counts = split_scratch(down.device, top_k, hid)
-            kernel = kernel_for(_down_kernel_split, down.device, JIT_OPTIONS, "routed_experts")
-            kernel[grid](*tensors, parts, counts, num_slots, **flags)
-        else:
-            kernel = kernel_for(DOWN_ENTRIES[bool(shared)], down.device, JIT_OPTIONS, "routed_experts")
-            kernel[(tokens, grid[1])](*tensors, num_slots, **flags)
+        kernel[grid](act, slots, down, act if addend is None else addend, act if out is None else out,
+                     act if out_cast is None else out_cast, num_slots, K=top_k, H=hid, I=inter,
+                     BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=_even(hid, inter, config)[1],
+                     ADDEND=addend is not None, WRITE_OUT=out is not None, WRITE_CAST=out_cast is not None,
+                     GDC=int(gdc), num_warps=config.warps_down,
+                     **({"launch_pdl": True} if gdc else {}))
     return out_cast if out is None else out
 
 

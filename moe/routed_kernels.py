@@ -9,10 +9,6 @@
     down body, grid (T, ceil(H / BLOCK_H)): program (t, tile)
         for j = 0 .. K-1 in order: acc += down[slots[t, j]][tile, :] * act[t * K + j, :]  (pool [S, H, I])
         y = Σ acc (+ addend[t, tile] when ADDEND)  -> out f32 (WRITE_OUT) and/or cast(y) (WRITE_CAST)
-    down split (RoutedConfig.down_split), grid (T * K, ceil(H / BLOCK_H)): program (t * K + j, tile)
-        part[t * K + j][tile] = down[slots[t, j]][tile, :] · act[t * K + j, :]   (float32 scratch)
-        the K-th program of (t, tile) to arrive (an int32 counter, reset by it): y = Σ_j part in order,
-        + addend, -> out / cast as the down body (routed experts only; the shared expert keeps the body)
 
 Legend: T = tokens, H = hidden, I = expert width, K = top_k (1 for the shared expert), S = pool slots.
 
@@ -60,101 +56,23 @@ def _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, n
 @triton.jit
 def _gate_up_hits_body(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
                        K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                       CHUNK_H: tl.constexpr, EVEN: tl.constexpr, PIPE: tl.constexpr):
+                       CHUNK_H: tl.constexpr, EVEN: tl.constexpr):
     """The early hits: a persistent grid (fewer programs than tiles, so the SMs keep room for the
     ensure, copy and rest launched beside it) walks the (pair, tile) items; a pair with pre < 0 is
     skipped, any other is computed at slot pre[pair] exactly as _gate_up_body does it."""
     TILES: tl.constexpr = (I + BLOCK_I - 1) // BLOCK_I
-    NCH: tl.constexpr = (H + CHUNK_H - 1) // CHUNK_H
     items = n_pairs * TILES
     w = tl.program_id(0)
     slot = tl.load(pre_ptr + w // TILES, mask=w < items, other=-1)
-    if PIPE and NCH <= 2:
-        # software pipelined: the next item's rows (and the slot of the one after) are loaded before
-        # this item's products are summed, so a program keeps two items' bytes in flight; the sums
-        # are _gate_up_rows' (same chunks, same order), so the bits are those of the other launches
-        g0, u0 = _hits_loads(w13_ptr, slot, w % TILES, num_slots, H, I, BLOCK_I, CHUNK_H, EVEN, 0)
-        g1, u1 = g0, u0
-        if NCH == 2:
-            g1, u1 = _hits_loads(w13_ptr, slot, w % TILES, num_slots, H, I, BLOCK_I, CHUNK_H, EVEN, CHUNK_H)
+    while w < items:  # a while loop: Triton's interpreter cannot range() a tensor
+        # the next item's slot is loaded before this item's rows, so its round trip overlaps them
         nxt = w + tl.num_programs(0)
-        slot_n = tl.load(pre_ptr + nxt // TILES, mask=nxt < items, other=-1)
-        while w < items:
-            g0n, u0n = _hits_loads(w13_ptr, slot_n, nxt % TILES, num_slots, H, I, BLOCK_I, CHUNK_H, EVEN, 0)
-            g1n, u1n = g0n, u0n
-            if NCH == 2:
-                g1n, u1n = _hits_loads(w13_ptr, slot_n, nxt % TILES, num_slots, H, I, BLOCK_I, CHUNK_H, EVEN,
-                                       CHUNK_H)
-            after = nxt + tl.num_programs(0)
-            slot_nn = tl.load(pre_ptr + after // TILES, mask=after < items, other=-1)
-            if slot >= 0:
-                _hits_finish(x_ptr, w // TILES, w % TILES, weights_ptr, act_ptr, slot, num_slots, g0, u0, g1, u1,
-                             K, H, I, BLOCK_I, CHUNK_H, EVEN, NCH)
-            w, slot, g0, u0, g1, u1 = nxt, slot_n, g0n, u0n, g1n, u1n
-            nxt, slot_n = after, slot_nn
-    else:
-        while w < items:  # a while loop: Triton's interpreter cannot range() a tensor
-            # the next item's slot is loaded before this item's rows, so its round trip overlaps them
-            nxt = w + tl.num_programs(0)
-            slot_next = tl.load(pre_ptr + nxt // TILES, mask=nxt < items, other=-1)
-            if slot >= 0:
-                _gate_up_rows(x_ptr, slot, w // TILES, w % TILES, weights_ptr, x_ptr, w13_ptr, act_ptr, num_slots,
-                              K, H, I, BLOCK_I, CHUNK_H, EVEN, False)
-            w = nxt
-            slot = slot_next
-
-
-@triton.jit
-def _hits_loads(w13_ptr, slot, tile, num_slots, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                CHUNK_H: tl.constexpr, EVEN: tl.constexpr, H0: tl.constexpr):
-    """Gate and up rows [tile * BLOCK_I, +BLOCK_I) of slot `slot`, columns [H0, H0 + CHUNK_H) (nothing
-    is read for a slot outside [0, S): the pipelined hits' loads past the last item, or a miss)."""
-    live = (slot >= 0) & (slot < num_slots)
-    rows = tile * BLOCK_I + tl.arange(0, BLOCK_I)
-    gate_ptrs = w13_ptr + tl.where(live, slot, 0).to(tl.int64) * (2 * I * H) + rows[:, None] * H
-    cols = H0 + tl.arange(0, CHUNK_H)
-    if EVEN:
-        mask = live
-    else:
-        mask = live & (rows[:, None] < I) & (cols[None, :] < H)
-    gate = tl.load(gate_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_I, CHUNK_H]
-    up = tl.load(gate_ptrs + I * H + cols[None, :], mask=mask, other=0.0)
-    return gate, up
-
-
-@triton.jit
-def _hits_acc(x_row_ptr, gate, up, acc_gate, acc_up, H: tl.constexpr, CHUNK_H: tl.constexpr, EVEN: tl.constexpr,
-              H0: tl.constexpr):
-    """One column chunk of _gate_up_rows' accumulation: acc += rows * hidden[H0, H0 + CHUNK_H)."""
-    cols = H0 + tl.arange(0, CHUNK_H)
-    if EVEN:
-        x = tl.load(x_row_ptr + cols)
-    else:
-        x = tl.load(x_row_ptr + cols, mask=cols < H, other=0.0)
-    xf = x.to(tl.float32)
-    acc_gate += gate.to(tl.float32) * xf[None, :]
-    acc_up += up.to(tl.float32) * xf[None, :]
-    return acc_gate, acc_up
-
-
-@triton.jit
-def _hits_finish(x_ptr, pair, tile, weights_ptr, act_ptr, slot, num_slots, g0, u0, g1, u1,
-                 K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                 CHUNK_H: tl.constexpr, EVEN: tl.constexpr, NCH: tl.constexpr):
-    """_gate_up_rows' sums and activation (not GATED) over rows already loaded (one or two chunks)."""
-    token = pair // K
-    live = (slot >= 0) & (slot < num_slots)
-    rows = tile * BLOCK_I + tl.arange(0, BLOCK_I)
-    acc_gate = tl.zeros([BLOCK_I, CHUNK_H], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_I, CHUNK_H], dtype=tl.float32)
-    acc_gate, acc_up = _hits_acc(x_ptr + token * H, g0, u0, acc_gate, acc_up, H, CHUNK_H, EVEN, 0)
-    if NCH == 2:
-        acc_gate, acc_up = _hits_acc(x_ptr + token * H, g1, u1, acc_gate, acc_up, H, CHUNK_H, EVEN, CHUNK_H)
-    gate_dot = tl.sum(acc_gate, axis=1)  # [BLOCK_I]
-    up_dot = tl.sum(acc_up, axis=1)
-    weight = tl.load(weights_ptr + pair)
-    act = tl.where(live, weight * gate_dot * tl.sigmoid(gate_dot) * up_dot, 0.0)
-    tl.store(act_ptr + pair * I + rows, act, mask=rows < I)
+        slot_next = tl.load(pre_ptr + nxt // TILES, mask=nxt < items, other=-1)
+        if slot >= 0:
+            _gate_up_rows(x_ptr, slot, w // TILES, w % TILES, weights_ptr, x_ptr, w13_ptr, act_ptr, num_slots,
+                          K, H, I, BLOCK_I, CHUNK_H, EVEN, False)
+        w = nxt
+        slot = slot_next
 
 
 @triton.jit
@@ -252,9 +170,9 @@ def _gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr,
 @triton.jit(**HITS_JIT_OPTIONS)
 def _gate_up_hits(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, PIPE: tl.constexpr = False):
+                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr):
     _gate_up_hits_body(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
-                       K, H, I, BLOCK_I, CHUNK_H, EVEN, PIPE)
+                       K, H, I, BLOCK_I, CHUNK_H, EVEN)
 
 
 @triton.jit(**JIT_OPTIONS)
@@ -264,62 +182,6 @@ def _shared_gate_up(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr,
                     PICK: tl.constexpr):
     _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
                   K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC, PICK)
-
-
-@triton.jit
-def _down_split_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, part_ptr, count_ptr, num_slots,
-                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
-                     CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-                     WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
-    """RoutedConfig.down_split: program (pair, tile) computes rows [tile * BLOCK_H, +BLOCK_H) of ONE
-    expert's product down[slots[pair]] · act[pair] into part[pair] (float32 scratch), then counts
-    itself in count[token, tile]; the K-th program of (token, tile) to arrive sums part[token * K + j]
-    over j = 0..K-1 in order (so the result does not depend on the arrival order), adds the addend,
-    writes the outputs and resets the counter to 0 for the next call."""
-    if GDC:
-        gdc_wait()
-    pair = tl.program_id(0)  # t * K + j
-    tile = tl.program_id(1)
-    token = pair // K
-    rows = tile * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
-    slot = tl.load(slots_ptr + pair)
-    live = (slot >= 0) & (slot < num_slots)
-    down_ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I
-    acc = tl.zeros([BLOCK_H, CHUNK_I], dtype=tl.float32)
-    for i0 in tl.static_range(0, I, CHUNK_I):
-        cols = i0 + tl.arange(0, CHUNK_I)  # [CHUNK_I]
-        if EVEN:
-            a = tl.load(act_ptr + pair * I + cols)
-            mask = live
-        else:
-            a = tl.load(act_ptr + pair * I + cols, mask=cols < I, other=0.0)
-            mask = live & (rows[:, None] < H) & (cols[None, :] < I)
-        d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
-        acc += d.to(tl.float32) * a[None, :]
-    rmask = rows < H
-    tl.store(part_ptr + pair * H + rows, tl.sum(acc, axis=1), mask=rmask)
-    tl.debug_barrier()  # every thread's part stored before the arrival (released by the atomic)
-    counter = count_ptr + token * ((H + BLOCK_H - 1) // BLOCK_H) + tile
-    if tl.atomic_add(counter, 1) == K - 1:  # acq_rel, gpu scope: the other K - 1 parts are visible
-        y = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for j in tl.static_range(K):  # a fixed order, j = 0..K-1: bitwise repeatable
-            y += tl.load(part_ptr + (token * K + j) * H + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-        tl.store(counter, 0)
-        if ADDEND:
-            y = y + tl.load(addend_ptr + token * H + rows, mask=rmask, other=0.0)
-        if WRITE_OUT:
-            tl.store(out_ptr + token * H + rows, y, mask=rmask)
-        if WRITE_CAST:
-            tl.store(cast_ptr + token * H + rows, y.to(cast_ptr.dtype.element_ty), mask=rmask)
-
-
-@triton.jit(**JIT_OPTIONS)
-def _down_kernel_split(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, part_ptr, count_ptr, num_slots,
-                       K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
-                       CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-                       WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
-    _down_split_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, part_ptr, count_ptr, num_slots,
-                     K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC)
 
 
 @triton.jit(**JIT_OPTIONS)

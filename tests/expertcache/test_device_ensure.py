@@ -94,11 +94,12 @@ def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max, lean):
 
 
 @pytest.mark.parametrize("chunk", [8, 64])
-def test_rule_growth_from_its_table(chunk):
-    """DeviceCache(rule_table=True): rule's growth term loaded from the policy's table in the commit
-    gives the host reference's state bit for bit, with router logits, on several programs and one."""
+def test_rule_growth_computed(chunk):
+    """DeviceCache(rule_table=False): rule's growth term computed in float64 in the commit (the
+    default loads it from the policy's table) gives the host reference's state bit for bit, with
+    router logits, on several programs and one."""
     ref = run_parity("rule", L=3, E=16, S=24, rows=2, k=4, C=40, T=6, seed=chunk + 50, chunk=chunk,
-                     rule_table=True)
+                     rule_table=False)
     assert ref.counters[:, 2].sum() > 40
 
 
@@ -128,6 +129,7 @@ def test_default_tiles_by_pool_size():
         dev = DeviceCache(CacheGeometry(1, 4 * S, S), policy, device=device)
         assert (dev.chunk, dev.num_warps, dev.grid) == (chunk, warps, grid), (policy, S)
     assert DeviceCache(CacheGeometry(1, 64, 1650), "lfuda", device=device, num_warps=2).chunk == 2048
+    assert DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device).rule_table  # the table by default
     g = CacheGeometry(1, 8, 4)
     for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}, {"lean": 1},
                 {"early_reads": 1}, {"rule_table": 1}):
@@ -225,13 +227,14 @@ def test_device_parity_grid(policy, S):
                                         (1650, {"lean": False}), (16384, {"lean": False}),
                                         (512, {"early_reads": False}), (1650, {"early_reads": False}),
                                         (1650, {"seq_max": 4}), (16384, {"seq_max": 4}),
-                                        (512, {"rule_table": True}), (1650, {"rule_table": True})],
+                                        (512, {"rule_table": False}), (1650, {"rule_table": False})],
                          ids=["many-programs-1650", "plain-512", "plain-1650", "plain-16384", "late-reads-512",
-                              "late-reads-1650", "sort-1650", "sort-16384", "table-512", "table-1650"])
+                              "late-reads-1650", "sort-1650", "sort-16384", "computed-512", "computed-1650"])
 def test_device_parity_variants(policy, S, options):
     """1650 slots on 4 programs of 512 (explicit tiles), and the plain (not lean) kernel on one
     program (512) and several (1650, 16384), and the policy reads in the commit (early_reads=False) on
-    512 and 1650; every other GPU parity test runs the default (lean, early reads)."""
+    512 and 1650, and rule's growth computed instead of loaded (rule_table=False) on 512 and 1650; every
+    other GPU parity test runs the default (lean, early reads, the growth table)."""
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA: the full grid is too slow for the interpreter")

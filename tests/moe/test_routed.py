@@ -4,7 +4,6 @@ Legend: T = tokens, H = hidden, I = expert width, k = top_k, S = pool slots. CPU
 interpreter (tests/conftest.py), so their shapes are tiny; the `gpu` tests use the Qwen3-Next shape.
 """
 
-import dataclasses
 import math
 
 import pytest
@@ -23,7 +22,6 @@ from moe.routed import (
     routed_plan,
     routed_reference,
     routed_scratch,
-    split_scratch,
 )
 from tests.conftest import compile_check, device_or_skip
 
@@ -213,35 +211,6 @@ def test_hits_then_rest_equal_one_gate_up(tokens):
     assert torch.equal(act, want)
 
 
-@pytest.mark.parametrize("hidden_size, config", [
-    (64, RoutedConfig()),  # one column chunk
-    (64, RoutedConfig(block_i=2, chunk_h=32)),  # two chunks
-    (48, RoutedConfig(block_i=4, chunk_h=32, warps_gate_up=1)),  # two chunks, masked (I, H uneven)
-    (128, RoutedConfig(chunk_h=32)),  # four chunks: the plain loop
-])
-def test_pipelined_hits_equal_one_gate_up(hidden_size, config, monkeypatch):
-    """moe.routed.HITS_PIPELINE: the early hits' loop with the next item's rows in flight writes the
-    same bits as part="all" (and skips the misses), over a few items per program."""
-    import moe.routed
-    monkeypatch.setattr(moe.routed, "HITS_PIPELINE", True)
-    device, _ = device_or_skip()
-    inter = 20 if hidden_size == 48 else 32
-    gate_up, _ = make_pool(12, hidden_size, inter, torch.bfloat16, device, seed=35)
-    slots, weights = make_route(3, 4, 12, device, seed=36, pad=0)
-    hidden = torch.randn(3, hidden_size, generator=torch.Generator().manual_seed(37)).bfloat16().to(device)
-    hit = torch.rand(slots.shape, generator=torch.Generator().manual_seed(38)) < 0.6
-    hit.view(-1)[0], hit.view(-1)[-1] = True, False
-    pre = torch.where(hit.to(device), slots, torch.full_like(slots, NO_SLOT))
-    want = routed_gate_up(hidden, slots, weights, gate_up, act=torch.empty(12, inter, device=device),
-                          config=config).clone()
-    for programs in (1, 3, 7):
-        act = torch.full((12, inter), float("nan"), device=device)
-        routed_gate_up(hidden, slots, weights, gate_up, act=act, part="hits", pre=pre, programs=programs,
-                       config=config)
-        rows = hit.view(-1).to(device)
-        assert torch.equal(act[rows], want[rows]) and bool(act[~rows].isnan().all()), programs
-
-
 def test_parts_need_pre_and_routed_experts():
     device, _ = device_or_skip()
     gate_up, _ = make_pool(4, 16, 8, torch.bfloat16, device, seed=35)
@@ -358,75 +327,6 @@ def test_plan_rejects_prefill_sized_calls():
         routed_plan(GEMV_MAX_TOKENS + 1, cfg)
 
 
-# ---------------------------------------------------------------- down_split: one program per (token, expert, rows)
-
-
-SPLIT = RoutedConfig(block_h=16, down_split=True)
-
-
-@pytest.mark.parametrize("tokens, top_k, hidden, inter, config", [
-    (1, 4, 64, 32, SPLIT),
-    (3, 3, 64, 32, RoutedConfig(block_h=8, chunk_i=16, warps_down=2, down_split=True)),
-    (8, 2, 48, 20, RoutedConfig(block_i=8, chunk_h=32, block_h=32, chunk_i=16, down_split=True)),  # uneven
-])
-def test_down_split_matches_reference_and_combines_in_order(tokens, top_k, hidden, inter, config):
-    """The split down: close to the per-pair reference, bitwise repeatable, its output exactly the
-    float32 sum of its per-expert parts in order j = 0..k-1, and every arrival counter back at 0."""
-    device, _ = device_or_skip()
-    gate_up, down = make_pool(12, hidden, inter, torch.bfloat16, device, seed=tokens + 40)
-    slots, weights = make_route(tokens, top_k, 12, device, seed=top_k + 41, pad=2)
-    slots.view(-1)[-1] = 1 << 20  # outside the pool: adds nothing, like NO_SLOT
-    x = torch.randn(tokens, hidden).bfloat16().to(device)
-    got = routed_experts(x, slots, weights, gate_up, down, config=config)
-    assert_close(got, per_pair_reference(x, slots, weights, gate_up, down), 1e-4)
-    parts, counts = split_scratch(device, top_k, hidden)
-    assert not counts.any()  # the last arriver of every (token, rows) tile reset its counter
-    want = torch.zeros(tokens, hidden, device=device)
-    for j in range(top_k):
-        want += parts[j:tokens * top_k:top_k]
-    assert torch.equal(got, want)
-    assert torch.equal(got, routed_experts(x, slots, weights, gate_up, down, config=config))
-    assert torch.equal(parts[tokens * top_k - 1], torch.zeros(hidden, device=device))  # the outside slot
-
-
-def test_down_split_addend_cast_and_two_phases():
-    """addend + ordered sum then one rounding, as the default down; routed_down alone equals the call;
-    the shared expert (gate_w) keeps the default down launch, so its bits do not change."""
-    device, gpu = device_or_skip()
-    gate_up, down = make_pool(12, 64, 32, torch.bfloat16, device, seed=44)
-    slots, weights = make_route(3, 4, 12, device, seed=45)
-    x = torch.randn(3, 64).bfloat16().to(device)
-    addend = torch.randn(3, 64, generator=torch.Generator().manual_seed(46)).to(device)
-    plain = routed_experts(x, slots, weights, gate_up, down, config=SPLIT)
-    out, cast = torch.empty(3, 64, device=device), torch.empty(3, 64, dtype=torch.bfloat16, device=device)
-    routed_experts(x, slots, weights, gate_up, down, out=out, addend=addend, out_cast=cast, config=SPLIT)
-    assert torch.equal(out, plain + addend)
-    want = (plain + addend).to(torch.bfloat16)
-    if gpu:
-        assert torch.equal(cast, want)
-    else:  # the interpreter truncates float32 -> bf16: within one bf16 step
-        assert bool(((cast.float() - want.float()).abs() <= want.float().abs() * 2.0 ** -7).all())
-    act = routed_gate_up(x, slots, weights, gate_up, config=SPLIT)
-    assert torch.equal(routed_down(act, slots, down, config=SPLIT), plain)
-    zeros = torch.zeros(3, 1, dtype=torch.int32, device=device)
-    gate_w = torch.randn(1, 64).bfloat16().to(device)
-    shared = [routed_experts(x, zeros, None, gate_up[:1], down[:1], gate_w=gate_w, config=c,
-                             act=torch.empty(GEMV_MAX_TOKENS, 32, device=device)) for c in (SPLIT, RoutedConfig())]
-    assert torch.equal(shared[0], shared[1])
-
-
-def test_down_split_grid_name_and_scratch():
-    assert routed_grids(3, 10, 2048, 512, SPLIT) == ((30, 512), (30, 128))
-    assert routed_grids(3, 10, 2048, 512, RoutedConfig(block_h=16)) == ((30, 512), (3, 128))
-    assert SPLIT.name == "i1x1024w2-h16x512w4-pdl-s"
-    with pytest.raises(ValueError, match="down_split"):
-        RoutedConfig(down_split=1)
-    parts, counts = split_scratch("cpu", 3, 40)
-    assert (parts, counts) == split_scratch(torch.device("cpu"), 3, 40)
-    assert parts.shape == (GEMV_MAX_TOKENS * 3, 40) and parts.dtype == torch.float32
-    assert counts.shape == (GEMV_MAX_TOKENS * 40,) and counts.dtype == torch.int32 and not counts.any()
-
-
 def test_scratch_is_made_once_per_device_and_shape():
     a = routed_scratch("cpu", 3, 40)
     assert a is routed_scratch(torch.device("cpu"), 3, 40)
@@ -463,39 +363,6 @@ def test_compiles_for_sm90_with_16_byte_loads():
         "griddepcontrol": ["_down_kernel", "_down_kernel+combine", "_gate_up_kernel", "_gate_up_kernel+rest"]}
 
 
-SM90_PIPE_CHECK = r"""
-import json, re
-import moe.routed
-moe.routed.HITS_PIPELINE = True
-a = moe.routed.compile_for_target(10, 2048, 512, "bf16")["_gate_up_hits"]
-print(json.dumps([bool(a.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", a["ptx"]))]))
-"""
-
-
-def test_pipelined_hits_compile_for_sm90():
-    """The pipelined early hits (HITS_PIPELINE) compile for sm_90 with 16-byte loads."""
-    assert compile_check(SM90_PIPE_CHECK) == [True, True]
-
-
-SM90_SPLIT_CHECK = r"""
-import json, re
-from moe.routed import RoutedConfig, compile_for_target
-asm = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(block_h=16, down_split=True))
-out = {name: [bool(a.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", a["ptx"])),
-              "griddepcontrol.wait" in a["ptx"], "atom.global" in a["ptx"]]
-       for name, a in asm.items() if name.startswith("_down_kernel_split")}
-print(json.dumps(out))
-"""
-
-
-def test_down_split_compiles_for_sm90():
-    """The split down (routed and with the combine) compiles for sm_90 with 16-byte weight loads, a
-    programmatic wait and its arrival atomic."""
-    result = compile_check(SM90_SPLIT_CHECK)
-    assert result == {"_down_kernel_split": [True, True, True, True],
-                      "_down_kernel_split+combine": [True, True, True, True]}
-
-
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
 
 
@@ -506,7 +373,7 @@ def _qwen_case(tokens: int, seed: int):
     return hidden, slots, weights, gate_up, down
 
 
-LAUNCH_MODES = {"pdl": {}, "no-pdl": {"pdl": False}, "split": {"block_h": 16, "down_split": True}}  # RoutedConfig kwargs
+LAUNCH_MODES = {"pdl": {}, "no-pdl": {"pdl": False}}  # RoutedConfig kwargs
 
 
 @pytest.mark.gpu
@@ -521,11 +388,7 @@ def test_gpu_qwen3_next_shape(tokens, mode):
     got = routed_experts(*args, config=config)
     assert_close(got, routed_reference(*args), 1e-3)
     assert torch.equal(got, routed_experts(*args, config=config))
-    if config.down_split:  # its own rounding (parts summed in order); the launch mode changes no bit of it
-        assert torch.equal(got, routed_experts(*args, config=dataclasses.replace(config, pdl=False)))
-        assert not split_scratch("cuda", QWEN3_NEXT["top_k"], QWEN3_NEXT["hidden"])[1].any()
-    else:
-        assert torch.equal(got, routed_experts(*args, config=RoutedConfig()))  # the launch mode changes no bit
+    assert torch.equal(got, routed_experts(*args, config=RoutedConfig()))  # the launch mode changes no bit
 
 
 @pytest.mark.gpu
@@ -558,7 +421,7 @@ def test_gpu_cuda_graph_replay_follows_slots_and_weights(mode):
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, routed_reference(hidden, slots, weights, gate_up, down), 1e-3)
-        assert torch.equal(out, routed_experts(hidden, slots, weights, gate_up, down, config=config))
+        assert torch.equal(out, routed_experts(hidden, slots, weights, gate_up, down))
 
 
 @pytest.mark.gpu
@@ -580,15 +443,12 @@ def test_gpu_qwen3_next_shared_expert_and_combine():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pipeline", [False, True], ids=["loop", "pipelined"])
-def test_gpu_hits_equal_one_gate_up(pipeline, monkeypatch):
-    """At the Qwen3-Next shape and the default tiles, the early hits (plain or pipelined loop, the
-    default persistent grid) write the same bits as one part="all" gate_up."""
-    import moe.routed
+def test_gpu_hits_equal_one_gate_up():
+    """At the Qwen3-Next shape and the default tiles, the early hits (the default persistent grid,
+    each item's next slot loaded ahead) write the same bits as one part="all" gate_up."""
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA")
-    monkeypatch.setattr(moe.routed, "HITS_PIPELINE", pipeline)
     hidden, slots, weights, gate_up, _ = _qwen_case(3, seed=51)
     hit = torch.rand(slots.shape, generator=torch.Generator().manual_seed(52)) < 0.7
     pre = torch.where(hit.cuda(), slots, torch.full_like(slots, NO_SLOT))
