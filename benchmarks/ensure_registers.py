@@ -3,9 +3,10 @@
     python benchmarks/ensure_registers.py [--seq-max N] [--out FILE]
 
 Compiles expertcache.device_ensure.ensure_kernel with Triton for sm_90a at the default tiles (512-slot
-programs, 4 warps, k = 10 so a 16-wide query) and DeviceCache's default lean kernel with early reads,
-for every policy, with and without router logits (32 entries), on one program and on several, and
-prints ptxas's register and spill counts and the number of SASS instructions (cuobjdump) per variant.
+programs, 4 warps, k = 10 so a 16-wide query, a 64-layer pool like 48 layers would compile) and
+DeviceCache's default lean kernel with early reads and rule's growth table, for every policy, with
+and without router logits (32 entries), on one program and on several, and prints ptxas's register
+and spill counts and the number of SASS instructions (cuobjdump) per variant.
 --seq-max: DeviceCache's seq_max (default expertcache.device_ensure.SEQ_MAX; 16 or more: no sort).
 """
 
@@ -73,7 +74,7 @@ def main() -> None:
                 cx = dict(POLICY=policy, HAS_LOGITS=logits, CHUNK=args.chunk, BLOCK_Q=16, BLOCK_R=32 if logits else 1,
                           BLOCK_C=triton.next_power_of_2(grid * 16), SINGLE=single,
                           SEQ_MAX=args.seq_max)
-                for flag, option in (("LEAN", "lean"), ("EARLY", "early_reads")):
+                for flag, option in (("LEAN", "lean"), ("EARLY", "early_reads"), ("TABLE", "rule_table")):
                     if flag in params and option in defaults:
                         cx[flag] = defaults[option].default
                 asm = compile_for_sm(ensure_kernel, TYPES, cx, args.num_warps, 90, JIT)
@@ -87,6 +88,7 @@ def main() -> None:
             json.dump({"bench": "ensure_registers", "arch": "sm_90a", "triton": triton.__version__,
                        "chunk": args.chunk, "num_warps": args.num_warps, "seq_max": args.seq_max,
                        "lean": defaults["lean"].default, "early_reads": defaults["early_reads"].default,
+                       "rule_table": defaults["rule_table"].default,
                        "rows": rows}, f, indent=1)
 
 
