@@ -3,7 +3,7 @@
     python benchmarks/ensure_registers.py [--seq-max N] [--out FILE]
 
 Compiles expertcache.device_ensure.ensure_kernel with Triton for sm_90a at the default tiles (512-slot
-programs, 4 warps, k = 10 so a 16-wide query, a 64-layer pool like 48 layers would compile) and
+programs, 4 warps, k = 10 so a 16-wide query; the layer count is not compiled in) and
 DeviceCache's default lean kernel with early reads and rule's growth table, for every policy, with
 and without router logits (32 entries), on one program and on several, and prints ptxas's register
 and spill counts and the number of SASS instructions (cuobjdump) per variant.
