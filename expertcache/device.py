@@ -2,7 +2,8 @@
 
     DeviceCache(geometry, policy, device)
       state: slot_of int32 [L*E], key_of int32 [S], policy key/slot/glob int64,
-             clock int64 [2], counters int64 [L, 3], status int32 [1]   (torch, on device)
+             clock int64 [2], counters int64 [L, 3], missed int64 [1] (counters[:, 2].sum(), kept
+             by the kernel so a call reads one word, not L), status int32 [1]   (torch, on device)
       ensure(layer, ids [rows, k] int32 on device[, logit_idx, logit_val [rows, T]])
         -> EnsureBuffers: slots int32 [rows, k], plan int32 [BLOCK_Q, 2], count int32 [1]
 
@@ -90,6 +91,7 @@ class DeviceCache:
         self.prm, self.fprm = t(self.policy.params()), t(self.policy.fparams())
         self.clock = t(np.zeros(2, np.int64))
         self.counters = t(np.zeros((geometry.num_layers, 3), np.int64))
+        self.missed = t(np.zeros(1, np.int64))  # counters[:, 2].sum(): the filled prefix is min(it, S)
         self.status = t(np.zeros(1, np.int32))
         self.arrive = t(np.zeros(1, np.int32))
         tiles = default_tiles(self.policy.kind, geometry.num_slots)
@@ -175,12 +177,12 @@ class DeviceCache:
         g = self.geometry
         ensure_kernel[(self.grid,)](
             ids, lidx, lval, self.slot_of, self.key_of, self.kst, self.sst, self.gst,
-            self.prm, self.fprm, self.clock, self.counters, buf.slots, buf.plan, buf.count,
+            self.prm, self.fprm, self.clock, self.counters, self.missed, buf.slots, buf.plan, buf.count,
             self._cand[block_c], self.arrive, self.status, layer, g.num_experts,
             g.num_layers, g.num_slots, rows * k, k, rows, T,
             POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
-            BLOCK_L=triton.next_power_of_2(g.num_layers), SINGLE=self.grid == 1,
+            SINGLE=self.grid == 1,
             SEQ_MAX=self.seq_max, LEAN=self.lean, EARLY=self.early_reads, TABLE=self.rule_table,
             num_warps=self.num_warps,
             **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))

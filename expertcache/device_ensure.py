@@ -336,6 +336,7 @@ def ensure_kernel(
     fprm_ptr,       # float32 [F]: float policy constants (Policy.fparams)
     clock_ptr,      # int64 [2]: step, tok
     counters_ptr,   # int64 [L, 3]: calls, accesses, misses per layer
+    missed_ptr,     # int64 [1]: all layers' misses so far (counters[:, 2].sum()); min(it, S) slots are filled
     out_ptr,        # int32 [n_ids]: out: slot of each id, -1 for padding
     plan_ptr,       # int32 [BLOCK_Q, 2]: out: (key, slot) per miss, ascending key
     count_ptr,      # int32 [1]: out: misses of this call = rows of the plan in use
@@ -348,7 +349,7 @@ def ensure_kernel(
     rows, T,        # logit rows and entries per row
     POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_L: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr,
+    SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr,
     LEAN: tl.constexpr = False,  # DeviceCache(lean=True), its default: see _chunk_candidates, _commit
     EARLY: tl.constexpr = False,  # DeviceCache(early_reads=True), its default: see _policy_reads
     TABLE: tl.constexpr = False,  # DeviceCache(rule_table=True), its default: rule's growth term from its table
@@ -366,9 +367,7 @@ def ensure_kernel(
         early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, first, slot, hit, num_keys, POLICY)
     step = tl.load(clock_ptr) + 1
     tok = tl.load(clock_ptr + 1) + tl.where(layer == 0, 1, 0).to(tl.int64)
-    missed = tl.load(counters_ptr + 2)  # all layers' misses: scalar loads, no block reduction
-    for li in tl.static_range(1, BLOCK_L):
-        missed += tl.load(counters_ptr + li * 3 + 2, mask=li < num_layers, other=0)
+    missed = tl.load(missed_ptr)  # one word, whatever the layer count (the commit adds this call's m)
     j4 = tl.arange(0, 4)
     mine = tl.load(counters_ptr + layer * 3 + j4, mask=j4 < 3, other=0)
     filled = tl.minimum(missed, num_slots)
@@ -413,5 +412,6 @@ def ensure_kernel(
                     key, first, slot, hit, fmiss, mrank, n, m, ne, filled, rkey, near, step,
                     tok, dc_now, layer, num_layers, num_slots, num_keys, mine, best, early_a, early_b, POLICY,
                     HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN, TABLE)
+            tl.store(missed_ptr, missed + m)
         else:
             tl.store(status_ptr, tl.where(bad > 0, 1, 2))

@@ -59,6 +59,7 @@ def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, **tiles):
         assert np.array_equal(buf.plan[:m].cpu().numpy(), res.plan), (policy, c)
         assert np.array_equal(buf.slots.cpu().numpy(), res.slots), (policy, c)
         assert dev.snapshot().equals(ref.snapshot()), (policy, c)
+        assert int(dev.missed.item()) == int(ref.counters[:, 2].sum()), (policy, c)  # the filled-prefix word
     dev.check()
     return ref
 
@@ -328,11 +329,11 @@ from expertcache.device_ensure import ensure_kernel
 from moe.triton_launch import compile_for_sm
 
 ENSURE_JIT = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k", "rows", "T"]}
-types = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64",
+types = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64",
          "*i32", "*i32", "*i32", "*i64", "*i32", "*i32") + ("i32",) * 8
 out = []
 for gdc in (False, True):
-    cx = dict(POLICY=0, HAS_LOGITS=False, CHUNK=512, BLOCK_Q=16, BLOCK_R=1, BLOCK_C=512, BLOCK_L=64,
+    cx = dict(POLICY=0, HAS_LOGITS=False, CHUNK=512, BLOCK_Q=16, BLOCK_R=1, BLOCK_C=512,
               SINGLE=False, SEQ_MAX=4, LEAN=False, GDC=gdc)
     out.append("griddepcontrol.wait" in compile_for_sm(ensure_kernel, types, cx, 4, 90, ENSURE_JIT)["ptx"])
     fn = JITFunction(_miss_copy_kernel.fn, **COPY_JIT)
