@@ -83,11 +83,12 @@ def time_graph(launch, state: list[torch.Tensor], reps: int) -> np.ndarray:
 def variant(label: str) -> tuple[str, dict]:
     """"rule" -> ("rule", {}) (the default tiles, expertcache.device.default_tiles);
     "rule:w2:c1024:s8:l0:e0:t0" -> ("rule", num_warps=2, chunk=1024, seq_max=8, lean=False, early_reads=False,
-    rule_table=False)."""
+    rule_table=False); "rule:m1:c2048" -> ("rule", rule_mirror=True, chunk=2048)."""
     name, *opts = label.split(":")
-    keys = {"w": "num_warps", "c": "chunk", "s": "seq_max", "l": "lean", "e": "early_reads", "t": "rule_table"}
+    keys = {"w": "num_warps", "c": "chunk", "s": "seq_max", "l": "lean", "e": "early_reads", "t": "rule_table",
+            "m": "rule_mirror"}
     out = {keys[o[0]]: int(o[1:]) for o in opts}
-    for flag in ("lean", "early_reads", "rule_table"):
+    for flag in ("lean", "early_reads", "rule_table", "rule_mirror"):
         if flag in out:
             out[flag] = bool(out[flag])
     return name, out
@@ -99,7 +100,7 @@ def ours(label, S, warm, calls, E, reps):
     for w in torch.as_tensor(warm, device="cuda"):
         dev.ensure(0, w)
     ids = torch.as_tensor(calls, device="cuda")
-    state = [dev.slot_of, dev.key_of, dev.kst, dev.sst, dev.gst, dev.clock, dev.counters]
+    state = [dev.slot_of, dev.key_of, dev.kst, dev.sst, dev.gst, dev.clock, dev.counters, dev.mirror]
     t = time_graph(lambda: [dev.ensure(0, ids[c]) for c in range(len(calls))], state, reps)
     before = int(dev.counters[0, 2])
     for c in range(len(calls)):
@@ -157,7 +158,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--policies", default="lru,rule,lfuda",
                     help="policies, each optionally with :wN (warps), :cN (chunk), :sN (seq_max) and "
-                      ":l0 (not lean), :e0 (policy reads in the commit), :t0 (rule's growth computed, not loaded from its table), "
+                      ":l0 (not lean), :e0 (policy reads in the commit), :t0 (rule's growth computed, not loaded from its table), :m1 (rule's per-slot mirror), "
                       "e.g. rule:e0")
     ap.add_argument("--slots", default=",".join(map(str, SLOTS)))
     ap.add_argument("--misses", default=",".join(map(str, MISSES)))
