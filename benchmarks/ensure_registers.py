@@ -27,7 +27,7 @@ from expertcache.device_ensure import SEQ_MAX, ensure_kernel
 from moe.triton_launch import compile_for_sm
 
 TYPES = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64",
-         "*i32", "*i32", "*i32", "*i64", "*i32", "*i32") + ("i32",) * 8
+         "*i32", "*i32", "*i32", "*i64", "*i32", "*i32", "*i64") + ("i32",) * 8
 JIT = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k", "rows", "T"]}
 
 

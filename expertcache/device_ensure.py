@@ -104,10 +104,10 @@ def _rule_score(key, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, p
 @triton.jit
 def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr, sst_ptr, prm_ptr,
                       cand_ptr, rkey, near, layer, tok, dc_now, num_layers, num_experts, num_slots, num_keys,
-                      slot, hit, step, filled,
+                      slot, hit, step, filled, mir_ptr,
                       POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, STORE_SEQ: tl.constexpr,
-                      LEAN: tl.constexpr):
+                      LEAN: tl.constexpr, MIRROR: tl.constexpr = False):
     """Score this program's slots; return its BLOCK_Q lowest packed keys (successive minima)
     and keep them in scratch for the merge (STORE_SEQ, or a sort: see _lowest)."""
     c = pid * CHUNK + tl.arange(0, CHUNK)
@@ -139,6 +139,23 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
             score = tl.load(sst_ptr + c, mask=cm, other=0)
         elif POLICY == 2:
             score = tl.load(sst_ptr + num_slots + c, mask=cm, other=0)
+        elif MIRROR:
+            # rule with its per-slot mirror (DeviceCache(rule_mirror=True)): the slots' lt, lc and
+            # dct are three coalesced loads beside key_of (masked by cm, so they do not wait for it),
+            # not gathers through each slot's key
+            lc = tl.load(mir_ptr + num_slots + c, mask=cm, other=0)
+            dct = tl.load(mir_ptr + 2 * num_slots + c, mask=cm, other=0)
+            if HAS_LOGITS:
+                # the near-miss refresh of the resident near keys' mirrored lt, in memory: every
+                # scoring program writes the same values (the commit's refresh repeats them)
+                rs = tl.load(slot_of_ptr + rkey, mask=near, other=-1)
+                nm = near & (rs >= 0)
+                lt_r = tl.load(mir_ptr + rs, mask=nm, other=0)
+                tl.store(mir_ptr + rs, tl.maximum(lt_r, tok - 1), mask=nm)
+                tl.debug_barrier()
+            lt = tl.load(mir_ptr + c, mask=cm, other=0)
+            score = _rule_score(tl.where(ev, key, 0), lt, lc, dct, layer, tok, dc_now, num_layers, num_experts,
+                                prm_ptr)
         else:
             kq = tl.where(ev, key, 0)
             # lc and dct first: the refresh below rewrites only the lt row, so these two gathers
@@ -236,7 +253,8 @@ def _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, first, slot, hit, num_keys, PO
 
 
 @triton.jit
-def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, lc, dct, TABLE: tl.constexpr):
+def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, lc, dct, TABLE: tl.constexpr,
+                mir_ptr, sl, num_slots, MIRROR: tl.constexpr):
     """rule's use of every key of the call (hits and installs alike); lc, dct: the keys' state as
     loaded at the start of the launch (only the committing program writes those two rows).
     TABLE: the growth term loaded from the policy's table (prm[5:], an L2 hit) instead of computed
@@ -247,9 +265,14 @@ def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, lc, dct, TA
         grown = tl.maximum(x, 0) + tl.load(prm_ptr + 5 + ti, mask=first, other=0)
     else:
         grown = tl.maximum(x, 0) + _log2_1p_q16(ti)
-    tl.store(kst_ptr + num_keys + key, tl.where(dct < 0, 0, grown), mask=first)
+    lc_new = tl.where(dct < 0, 0, grown)
+    tl.store(kst_ptr + num_keys + key, lc_new, mask=first)
     tl.store(kst_ptr + 2 * num_keys + key, dc_now + 0 * key, mask=first)
     tl.store(kst_ptr + key, tok + 0 * key, mask=first)
+    if MIRROR:  # the same three values at the key's slot (sl: its slot after this call)
+        tl.store(mir_ptr + sl, tok + 0 * key, mask=first)
+        tl.store(mir_ptr + num_slots + sl, lc_new, mask=first)
+        tl.store(mir_ptr + 2 * num_slots + sl, dc_now + 0 * key, mask=first)
 
 
 @triton.jit
@@ -271,13 +294,19 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
             hit, fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, dc_now, layer, num_layers,
             num_slots, num_keys, mine, best, early_a, early_b, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
             EARLY: tl.constexpr,
-            BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr, TABLE: tl.constexpr):
+            BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr, TABLE: tl.constexpr,
+            mir_ptr, MIRROR: tl.constexpr):
     """Apply one call: refresh, evictions and installs in ascending key order, touches,
     plan, slots, counters and clock. Runs in one program. The victims: `best` (registers)
     when successive minima found them, else cand[0:] (the sort's output)."""
     if POLICY == 1:
         if HAS_LOGITS:
             lt = tl.load(kst_ptr + rkey, mask=near, other=0)
+            if MIRROR:  # the resident near keys' mirrored lt too, at their slots before this call
+                rs = tl.load(slot_of_ptr + rkey, mask=near, other=-1)
+                nm = near & (rs >= 0)
+                lt_m = tl.load(mir_ptr + rs, mask=nm, other=0)
+                tl.store(mir_ptr + rs, tl.maximum(lt_m, tok - 1), mask=nm)
             tl.store(kst_ptr + rkey, tl.maximum(lt, tok - 1), mask=near)
             tl.debug_barrier()
     miss = valid & (slot < 0)
@@ -309,7 +338,8 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
     elif POLICY == 2:
         _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots, early_a, early_b)
     else:
-        _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, early_a, early_b, TABLE)
+        _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, early_a, early_b, TABLE,
+                    mir_ptr, sl, num_slots, MIRROR)
     i = tl.arange(0, BLOCK_Q)
     tl.store(out_ptr + i, tl.where(valid, sl, -1).to(tl.int32), mask=i < ids_n)
     tl.store(count_ptr, m)
@@ -343,6 +373,7 @@ def ensure_kernel(
     cand_ptr,       # int64 [BLOCK_C]: scratch: candidates per program, then merged
     arrive_ptr,     # int32 [1]: scratch: programs arrived (zero between calls)
     status_ptr,     # int32 [1]: 0, or the code of the last refused call
+    mir_ptr,        # int64 [3, S]: with MIRROR (rule), lt, lc and dct of each slot's key (else unread)
     layer,          # this call's MoE layer
     num_experts, num_layers, num_slots, n_ids,
     k,              # routed experts per row (the k of the k-th logit)
@@ -353,6 +384,7 @@ def ensure_kernel(
     LEAN: tl.constexpr = False,  # DeviceCache(lean=True), its default: see _chunk_candidates, _commit
     EARLY: tl.constexpr = False,  # DeviceCache(early_reads=True), its default: see _policy_reads
     TABLE: tl.constexpr = False,  # DeviceCache(rule_table=True), its default: rule's growth term from its table
+    MIRROR: tl.constexpr = False,  # DeviceCache(rule_mirror=True): rule scores from its per-slot mirror
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
 ):
     if GDC:
@@ -385,8 +417,8 @@ def ensure_kernel(
     if ok & (m > ne):
         best = _chunk_candidates(pid, m - ne, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr,
                                  sst_ptr, prm_ptr, cand_ptr, rkey, near, layer, tok, dc_now, num_layers,
-                                 num_experts, num_slots, num_keys, slot, hit, step, filled, POLICY,
-                                 HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN)
+                                 num_experts, num_slots, num_keys, slot, hit, step, filled, mir_ptr, POLICY,
+                                 HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN, MIRROR)
     tl.debug_barrier()
     # A call without a miss (or a refused one) changes neither slot_of nor key_of, so every program,
     # however late it reads them, finds the same m == 0 (or the same refusal): program 0 commits it
@@ -411,7 +443,7 @@ def ensure_kernel(
                     cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
                     key, first, slot, hit, fmiss, mrank, n, m, ne, filled, rkey, near, step,
                     tok, dc_now, layer, num_layers, num_slots, num_keys, mine, best, early_a, early_b, POLICY,
-                    HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN, TABLE)
+                    HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN, TABLE, mir_ptr, MIRROR)
             tl.store(missed_ptr, missed + m)
         else:
             tl.store(status_ptr, tl.where(bad > 0, 1, 2))
