@@ -91,7 +91,7 @@ def variant(label: str) -> tuple[str, dict]:
     keys = {"w": "num_warps", "c": "chunk", "s": "seq_max", "l": "lean", "e": "early_reads", "t": "rule_table",
             "L": "layers", "m": "rule_mirror"}
     out = {keys[o[0]]: int(o[1:]) for o in opts}
-    for flag in ("lean", "early_reads", "rule_table"):
+    for flag in ("lean", "early_reads", "rule_table", "rule_mirror"):
         if flag in out:
             out[flag] = bool(out[flag])
     return name, out
