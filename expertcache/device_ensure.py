@@ -41,7 +41,7 @@ def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gs
            BLOCK_Q: tl.constexpr, POLICY: tl.constexpr, EARLY: tl.constexpr):
     """Distinct keys and their fate. Per position i: key, first (first occurrence of a
     valid key), slot (before the call), hit / fmiss (first and resident / absent), mrank
-    (misses with a smaller key). EARLY: also the commit's policy reads (_policy_reads), issued
+    (misses with a smaller key: _miss_rank). EARLY: also the commit's policy reads (_policy_reads), issued
     right behind the slot loads, for every valid position (a repeated key reads what its first
     occurrence reads), so their round trip overlaps the block reductions below."""
     i = tl.arange(0, BLOCK_Q)
@@ -59,12 +59,18 @@ def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gs
     first = valid & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
     hit = first & (slot >= 0)
     fmiss = first & (slot < 0)
-    smaller = key[None, :] < key[:, None]
-    mrank = tl.sum((smaller & fmiss[None, :]).to(tl.int32), axis=1)
     # bad, n and m in one block reduction (each < 2**10: the host refuses rows * k >= 1024)
     tally = tl.sum(bad_i.to(tl.int32) << 20 | first.to(tl.int32) << 10 | fmiss.to(tl.int32), axis=0)
     bad, n, m = tally >> 20, (tally >> 10) & 1023, tally & 1023
-    return valid, key, first, slot, hit, fmiss, mrank, n, m, bad, early_a, early_b
+    return valid, key, first, slot, hit, fmiss, n, m, bad, early_a, early_b
+
+
+@triton.jit
+def _miss_rank(key, fmiss):
+    """Per position, the call's misses with a smaller key (a miss's row in the plan). Only a call
+    with misses needs it: its block reduction is kept off the path of a call that hits."""
+    smaller = key[None, :] < key[:, None]
+    return tl.sum((smaller & fmiss[None, :]).to(tl.int32), axis=1)
 
 
 @triton.jit
@@ -421,7 +427,7 @@ def ensure_kernel(
         rkey = tl.zeros([BLOCK_R], dtype=tl.int64)
         near = rkey != 0
     # EARLY (DeviceCache(early_reads=True)): the commit's policy reads issued beside the query's
-    valid, key, first, slot, hit, fmiss, mrank, n, m, bad, early_a, early_b = _query(
+    valid, key, first, slot, hit, fmiss, n, m, bad, early_a, early_b = _query(
         ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gst_ptr, num_keys, BLOCK_Q,
         POLICY, EARLY)
     filled = tl.minimum(missed, num_slots)
@@ -435,14 +441,14 @@ def ensure_kernel(
         if pid == 0:
             _commit(n_ids, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr,
                     cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
-                    key, first, slot, hit, fmiss, mrank, n, m, ne, filled, rkey, near, step,
+                    key, first, slot, hit, fmiss, 0, n, m, ne, filled, rkey, near, step,
                     tok, dc_now, layer, num_layers, num_slots, num_keys, mine, 0, early_a, early_b, POLICY,
                     HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN, TABLE, mir_ptr, MIRROR, True)
     else:
         _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, clock_ptr,
                        counters_ptr, missed_ptr, out_ptr, plan_ptr, count_ptr, cand_ptr, arrive_ptr,
                        status_ptr, mir_ptr, layer, num_experts, num_layers, num_slots, n_ids, valid, key,
-                       first, slot, hit, fmiss, mrank, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
+                       first, slot, hit, fmiss, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
                        step, tok, dc_now, num_keys, early_a, early_b, POLICY, HAS_LOGITS, CHUNK, BLOCK_Q,
                        BLOCK_C, SINGLE, SEQ_MAX, LEAN, EARLY, TABLE, MIRROR)
 
@@ -451,13 +457,14 @@ def ensure_kernel(
 def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, clock_ptr,
                    counters_ptr, missed_ptr, out_ptr, plan_ptr, count_ptr, cand_ptr, arrive_ptr,
                    status_ptr, mir_ptr, layer, num_experts, num_layers, num_slots, n_ids, valid, key,
-                   first, slot, hit, fmiss, mrank, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
+                   first, slot, hit, fmiss, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
                    step, tok, dc_now, num_keys, early_a, early_b, POLICY: tl.constexpr,
                    HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr,
                    BLOCK_C: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr,
                    EARLY: tl.constexpr, TABLE: tl.constexpr, MIRROR: tl.constexpr):
     """A call with misses, or a refused one: scoring where victims are needed, the arrival, the
     merge and the commit (or the refusal's status)."""
+    mrank = _miss_rank(key, fmiss)
     best = tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64)
     if ok & (m > ne):
         best = _chunk_candidates(pid, m - ne, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr,
