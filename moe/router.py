@@ -65,9 +65,8 @@ class RouterConfig:
     bits between selections or warp counts, never between two calls of one config):
       "topk":   one bitonic top-k (tl.topk) over int64 keys prob bits << 32 | (E - 1 - id) (a
                 non-negative float32's bits order like its value, so a key orders by prob, then by
-                lower id), k rounded up to a power of two; the default: 5.7-6.3 us against 8.3 us
-                for "argmax" at Qwen3-Next's router, T = 1 on the H200
-                (benchmarks/results/router-2026-11-30-a13cff3.json);
+                lower id), k rounded up to a power of two: 5.7-6.3 us against 8.3 us for "argmax" at
+                Qwen3-Next's router, T = 1 on the H200 (benchmarks/results/router-2026-11-30-a13cff3.json);
       "packed": k rounds of tl.max over the same keys (half the data per reduction, no index pass);
       "argmax": k rounds of tl.max over (prob, id) pairs (ties to the lower id);
       "logits": one tl.topk over the logits themselves (an order-preserving int32 of each float's
@@ -76,14 +75,16 @@ class RouterConfig:
                 (the weights are then the softmax of the k chosen logits, within float32 rounding
                 of the others'); without it one sum over E, and bit-identical weights. Exactly
                 equal logits tie to the lower id as everywhere, except +0.0 against -0.0 (the
-                positive zero first).
+                positive zero first). The default: faster than "topk" in every cell measured on the
+                H200 (Qwen3-Next T = 1: 5.11 against 5.68 us, T = 8: 6.95 against 7.25 at 4 per
+                program; Qwen3-30B-A3B T = 1: 3.26 against 3.73; router-2026-11-30-39c993c.json).
     Raises ValueError naming the field.
     """
 
     block_e: int | None = None  # None: by the token count (SMALL_T_BLOCK_E up to SMALL_T tokens)
     chunk_h: int = 1024
     warps: int = 4
-    select: str = "topk"
+    select: str = "logits"
 
     def __post_init__(self) -> None:
         for name in ("block_e", "chunk_h", "warps"):
