@@ -77,7 +77,7 @@ class RouterConfig:
                 equal logits tie to the lower id as everywhere, except +0.0 against -0.0 (the
                 positive zero first). The default: faster than "topk" in every cell measured on the
                 H200 (Qwen3-Next T = 1: 5.11 against 5.68 us, T = 8: 6.95 against 7.25 at 4 per
-                program; Qwen3-30B-A3B T = 1: 3.26 against 3.73; router-2026-11-30-39c993c.json).
+                program; Qwen3-30B-A3B T = 1: 3.26 against 3.73; router-2026-12-01-39c993c.json).
     Raises ValueError naming the field.
     """
 
