@@ -83,11 +83,16 @@ def time_graph(launch, state: list[torch.Tensor], reps: int) -> np.ndarray:
 def variant(label: str) -> tuple[str, dict]:
     """"rule" -> ("rule", {}) (the default tiles, expertcache.device.default_tiles);
     "rule:w2:c1024:s8:l0:e0:t0" -> ("rule", num_warps=2, chunk=1024, seq_max=8, lean=False, early_reads=False,
-    rule_table=False)."""
+    rule_table=False); "lru:L48" -> ("lru", layers=48): the pool's geometry has 48 layers (every call
+    still goes to layer 0; lru's and lfuda's misses are the sequence's, rule's decay clock counts layers
+    so its measured misses may differ), as a model's would; "rule:m1:c2048" -> ("rule", rule_mirror=True,
+    chunk=2048); "lru:p1" -> ("lru", pdl=True): every call a programmatic dependent launch, as the
+    MoE layer makes it (it waits for its predecessor before reading; flashlib has no such launch)."""
     name, *opts = label.split(":")
-    keys = {"w": "num_warps", "c": "chunk", "s": "seq_max", "l": "lean", "e": "early_reads", "t": "rule_table"}
+    keys = {"w": "num_warps", "c": "chunk", "s": "seq_max", "l": "lean", "e": "early_reads", "t": "rule_table",
+            "L": "layers", "m": "rule_mirror", "p": "pdl"}
     out = {keys[o[0]]: int(o[1:]) for o in opts}
-    for flag in ("lean", "early_reads", "rule_table"):
+    for flag in ("lean", "early_reads", "rule_table", "rule_mirror", "pdl"):
         if flag in out:
             out[flag] = bool(out[flag])
     return name, out
@@ -95,12 +100,13 @@ def variant(label: str) -> tuple[str, dict]:
 
 def ours(label, S, warm, calls, E, reps):
     policy, options = variant(label)
-    dev = DeviceCache(CacheGeometry(1, E, S), policy, **options)
+    pdl = options.pop("pdl", False)  # launched as the MoE layer launches it (programmatic dependent launch)
+    dev = DeviceCache(CacheGeometry(options.pop("layers", 1), E, S), policy, **options)
     for w in torch.as_tensor(warm, device="cuda"):
         dev.ensure(0, w)
     ids = torch.as_tensor(calls, device="cuda")
-    state = [dev.slot_of, dev.key_of, dev.kst, dev.sst, dev.gst, dev.clock, dev.counters]
-    t = time_graph(lambda: [dev.ensure(0, ids[c]) for c in range(len(calls))], state, reps)
+    state = [dev.slot_of, dev.key_of, dev.kst, dev.sst, dev.gst, dev.clock, dev.counters, dev.missed, dev.mirror]
+    t = time_graph(lambda: [dev.ensure(0, ids[c], pdl=pdl) for c in range(len(calls))], state, reps)
     before = int(dev.counters[0, 2])
     for c in range(len(calls)):
         dev.ensure(0, ids[c])
@@ -157,8 +163,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--policies", default="lru,rule,lfuda",
                     help="policies, each optionally with :wN (warps), :cN (chunk), :sN (seq_max) and "
-                      ":l0 (not lean), :e0 (policy reads in the commit), :t0 (rule's growth computed, not loaded from its table), "
-                      "e.g. rule:e0")
+                      ":l0 (not lean), :e0 (policy reads in the commit), :t0 (rule's growth computed, not loaded from its table), :m1 (rule's per-slot mirror), "
+                      ":LN (a pool geometry of N layers, calls at layer 0), :p1 (programmatic dependent launch, "
+                      "as the MoE layer launches it), e.g. rule:e0, lru:L48")
     ap.add_argument("--slots", default=",".join(map(str, SLOTS)))
     ap.add_argument("--misses", default=",".join(map(str, MISSES)))
     ap.add_argument("--out", default=None)

@@ -27,6 +27,7 @@ Run: python benchmarks/bench_moe_copy_overlap.py --out-dir OUT [--slots 1650] [-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -40,11 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmeta import machine  # noqa: E402
 import moe.routed
+import moe.router
 from moe.config import MoEConfig
 from moe.kernel_trace import kernels, kernels_in_range, load_trace, named
 from moe.synthetic import SyntheticModel, random_weights
 
 DEFAULT_HITS_PER_SM = moe.routed.HITS_PROGRAMS_PER_SM  # resident variants without hitsN
+DEFAULT_ROUTER = moe.router.DEFAULT_ROUTER  # resident variants without rlogits
 
 CFG = MoEConfig(hidden=2048, num_experts=512, top_k=10, expert_intermediate=512, shared_intermediate=512,
                 norm_topk_prob=True)
@@ -314,9 +317,11 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
 
 
 def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
-    """"hits1" / "noeh" / "chain" / "nochain" / "prio2" joined by "+" (e.g. "noeh+nochain", "prio2+hits10")
+    """"hits1" / "noeh" / "chain" / "nochain" / "prio2" / "rlogits" joined by "+" (e.g. "noeh+nochain",
+    "prio2+hits10"; rlogits: the router selects on its logits, RouterConfig(select="logits"))
     -> (spec, args with those set)."""
     opts = argparse.Namespace(**vars(args))
+    opts.router_select = None
     for part in spec.split("+"):
         if part.startswith("hits") and part[4:].isdigit():
             opts.hits_per_sm = int(part[4:])
@@ -326,8 +331,10 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.pdl_chain = part == "chain"
         elif part.startswith("prio") and part[4:].isdigit():
             opts.compute_priority = -int(part[4:])
+        elif part == "rlogits":
+            opts.router_select = "logits"
         else:
-            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, chain, nochain or prioN")
+            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, chain, nochain, prioN or rlogits")
     return spec, opts
 
 
@@ -388,7 +395,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--resident-variants", default="",
                     help="comma list of more resident-mode runs on the same weights: hitsN (early hits' "
                          "programs per SM), noeh (no early hits), chain / nochain (MoEConfig.pdl_chain on / off), prioN "
-                         "(--compute-priority -N), joined by '+'")
+                         "(--compute-priority -N), rlogits (the router's select=\"logits\"), joined by '+'")
     ap.add_argument("--no-pdl-chain", dest="pdl_chain", action="store_false",
                     help="MoEConfig.pdl_chain=False: router, ensure and miss copy launched plainly")
     return ap.parse_args()
@@ -418,6 +425,8 @@ def main() -> None:
         (out_dir / "results.json").write_text(json.dumps(res, indent=1, default=str))
         name, opts = resident_variant(spec, args)
         moe.routed.HITS_PROGRAMS_PER_SM = opts.hits_per_sm or DEFAULT_HITS_PER_SM
+        moe.router.DEFAULT_ROUTER = (DEFAULT_ROUTER if opts.router_select is None else
+                                     dataclasses.replace(DEFAULT_ROUTER, select=opts.router_select))
         t1 = time.time()
         res.setdefault("resident_variants", {})[name] = resident_mode(weights, opts, xs, out_dir)
         r = res["resident_variants"][name]

@@ -34,7 +34,8 @@ from bench_routed import copy_bandwidth, time_variants
 from moe.router import SELECTS, RouterConfig, router_reference, router_scratch, router_topk
 
 SHAPES = {"qwen3-next": (512, 2048, 10), "qwen3-30b": (128, 2048, 8), "mixtral": (8, 4096, 2)}  # E, H, k
-VARIANTS = ("argmax-b4w4", "packed-b4w4", "topk-b4w4", "topk-b8w4", "topk-b4w2", "packed-b4w2", "topk-b2w4")
+VARIANTS = ("argmax-b4w4", "packed-b4w4", "topk-b4w4", "topk-b8w4", "topk-b4w2", "packed-b4w2", "topk-b2w4",
+            "logits-b2w4", "logits-b4w4")
 NAME = re.compile(r"^(\w+)-b(\d+)w(\d+)$")
 
 

@@ -3,7 +3,7 @@
     python benchmarks/ensure_registers.py [--seq-max N] [--out FILE]
 
 Compiles expertcache.device_ensure.ensure_kernel with Triton for sm_90a at the default tiles (512-slot
-programs, 4 warps, k = 10 so a 16-wide query, a 64-layer pool like 48 layers would compile) and
+programs, 4 warps, k = 10 so a 16-wide query; the layer count is not compiled in) and
 DeviceCache's default lean kernel with early reads and rule's growth table, for every policy, with
 and without router logits (32 entries), on one program and on several, and prints ptxas's register
 and spill counts and the number of SASS instructions (cuobjdump) per variant.
@@ -26,8 +26,8 @@ from expertcache.device import CHUNK, NUM_WARPS, DeviceCache
 from expertcache.device_ensure import SEQ_MAX, ensure_kernel
 from moe.triton_launch import compile_for_sm
 
-TYPES = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64",
-         "*i32", "*i32", "*i32", "*i64", "*i32", "*i32") + ("i32",) * 8
+TYPES = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64",
+         "*i32", "*i32", "*i32", "*i64", "*i32", "*i32", "*i64") + ("i32",) * 8
 JIT = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k", "rows", "T"]}
 
 
@@ -72,7 +72,7 @@ def main() -> None:
             for single in (True, False):
                 grid = 1 if single else 32
                 cx = dict(POLICY=policy, HAS_LOGITS=logits, CHUNK=args.chunk, BLOCK_Q=16, BLOCK_R=32 if logits else 1,
-                          BLOCK_C=triton.next_power_of_2(grid * 16), BLOCK_L=64, SINGLE=single,
+                          BLOCK_C=triton.next_power_of_2(grid * 16), SINGLE=single,
                           SEQ_MAX=args.seq_max)
                 for flag, option in (("LEAN", "lean"), ("EARLY", "early_reads"), ("TABLE", "rule_table")):
                     if flag in params and option in defaults:

@@ -2,7 +2,9 @@
 
     DeviceCache(geometry, policy, device)
       state: slot_of int32 [L*E], key_of int32 [S], policy key/slot/glob int64,
-             clock int64 [2], counters int64 [L, 3], status int32 [1]   (torch, on device)
+             clock int64 [2], counters int64 [L, 3], missed int64 [1] (counters[:, 2].sum(), kept
+             by the kernel so a call reads one word, not L), status int32 [1], with rule_mirror mirror
+             int64 [3, S] (lt, lc, dct of each slot's key)   (torch, on device)
       ensure(layer, ids [rows, k] int32 on device[, logit_idx, logit_val [rows, T]])
         -> EnsureBuffers: slots int32 [rows, k], plan int32 [BLOCK_Q, 2], count int32 [1]
 
@@ -69,7 +71,8 @@ class DeviceCache:
 
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
                  chunk: int | None = None, num_warps: int | None = None, seq_max: int = SEQ_MAX,
-                 lean: bool = True, early_reads: bool = True, rule_table: bool = True, **constants) -> None:
+                 lean: bool = True, early_reads: bool = True, rule_table: bool = True, rule_mirror: bool = False,
+                 **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
         if self.policy.oracle or self.policy.kind not in DEVICE_KINDS:
@@ -90,6 +93,7 @@ class DeviceCache:
         self.prm, self.fprm = t(self.policy.params()), t(self.policy.fparams())
         self.clock = t(np.zeros(2, np.int64))
         self.counters = t(np.zeros((geometry.num_layers, 3), np.int64))
+        self.missed = t(np.zeros(1, np.int64))  # counters[:, 2].sum(): the filled prefix is min(it, S)
         self.status = t(np.zeros(1, np.int32))
         self.arrive = t(np.zeros(1, np.int32))
         tiles = default_tiles(self.policy.kind, geometry.num_slots)
@@ -123,6 +127,15 @@ class DeviceCache:
         # 0.02-0.20 us faster per call on the H200 in 19 of bench_ensure's 20 cells, equal in one
         # (benchmarks/results/ensure-2026-11-30-67de7c5.json). False: computed in the commit
         self.rule_table = rule_table
+        if not isinstance(rule_mirror, bool):
+            raise ValueError(f"rule_mirror must be a bool, got {rule_mirror!r}")
+        if rule_mirror and self.policy.kind != KIND_RULE:
+            raise ValueError(f"rule_mirror is for the rule policy, not {self.policy.name!r}")
+        # rule_mirror: rule keeps lt, lc and dct of each slot's key also per slot (mirror [3, S], kept
+        # by the commit beside the per-key rows), so its scoring loads them coalesced beside key_of
+        # instead of gathering them through the keys; the per-key state stays the host's
+        self.rule_mirror = rule_mirror
+        self.mirror = t(np.zeros((3, geometry.num_slots) if rule_mirror else 1, np.int64))
         self.grid = triton.cdiv(geometry.num_slots, chunk)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
         self._cand: dict[int, torch.Tensor] = {}
@@ -175,14 +188,14 @@ class DeviceCache:
         g = self.geometry
         ensure_kernel[(self.grid,)](
             ids, lidx, lval, self.slot_of, self.key_of, self.kst, self.sst, self.gst,
-            self.prm, self.fprm, self.clock, self.counters, buf.slots, buf.plan, buf.count,
-            self._cand[block_c], self.arrive, self.status, layer, g.num_experts,
+            self.prm, self.fprm, self.clock, self.counters, self.missed, buf.slots, buf.plan, buf.count,
+            self._cand[block_c], self.arrive, self.status, self.mirror, layer, g.num_experts,
             g.num_layers, g.num_slots, rows * k, k, rows, T,
             POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
-            BLOCK_L=triton.next_power_of_2(g.num_layers), SINGLE=self.grid == 1,
+            SINGLE=self.grid == 1,
             SEQ_MAX=self.seq_max, LEAN=self.lean, EARLY=self.early_reads, TABLE=self.rule_table,
-            num_warps=self.num_warps,
+            MIRROR=self.rule_mirror, num_warps=self.num_warps,
             **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))
         return buf
 

@@ -37,27 +37,40 @@ POLICY_LRU, POLICY_RULE, POLICY_LFUDA = 0, 1, 2  # == expertcache.policies.base 
 
 
 @triton.jit
-def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, BLOCK_Q: tl.constexpr):
+def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gst_ptr, num_keys,
+           BLOCK_Q: tl.constexpr, POLICY: tl.constexpr, EARLY: tl.constexpr):
     """Distinct keys and their fate. Per position i: key, first (first occurrence of a
     valid key), slot (before the call), hit / fmiss (first and resident / absent), mrank
-    (misses with a smaller key)."""
+    (misses with a smaller key: _miss_rank). EARLY: also the commit's policy reads (_policy_reads), issued
+    right behind the slot loads, for every valid position (a repeated key reads what its first
+    occurrence reads), so their round trip overlaps the block reductions below."""
     i = tl.arange(0, BLOCK_Q)
     im = i < n_ids
     e = tl.load(ids_ptr + i, mask=im, other=-1)
     bad_i = im & ((e < -1) | (e >= num_experts))
     valid = im & (e >= 0) & (e < num_experts)
     key = tl.where(valid, layer * num_experts + e, 0)  # int32: keys < 2**31 (L * E)
+    slot = tl.load(slot_of_ptr + key, mask=valid, other=-1)
+    early_a, early_b = 0, 0
+    if EARLY:
+        early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, valid, slot, valid & (slot >= 0),
+                                         num_keys, POLICY)
     earlier = (key[:, None] == key[None, :]) & valid[None, :] & (i[None, :] < i[:, None])
     first = valid & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
-    slot = tl.load(slot_of_ptr + key, mask=valid, other=-1)
     hit = first & (slot >= 0)
     fmiss = first & (slot < 0)
-    smaller = key[None, :] < key[:, None]
-    mrank = tl.sum((smaller & fmiss[None, :]).to(tl.int32), axis=1)
     # bad, n and m in one block reduction (each < 2**10: the host refuses rows * k >= 1024)
     tally = tl.sum(bad_i.to(tl.int32) << 20 | first.to(tl.int32) << 10 | fmiss.to(tl.int32), axis=0)
     bad, n, m = tally >> 20, (tally >> 10) & 1023, tally & 1023
-    return valid, key, first, slot, hit, fmiss, mrank, n, m, bad
+    return valid, key, first, slot, hit, fmiss, n, m, bad, early_a, early_b
+
+
+@triton.jit
+def _miss_rank(key, fmiss):
+    """Per position, the call's misses with a smaller key (a miss's row in the plan). Only a call
+    with misses needs it: its block reduction is kept off the path of a call that hits."""
+    smaller = key[None, :] < key[:, None]
+    return tl.sum((smaller & fmiss[None, :]).to(tl.int32), axis=1)
 
 
 @triton.jit
@@ -104,10 +117,10 @@ def _rule_score(key, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, p
 @triton.jit
 def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr, sst_ptr, prm_ptr,
                       cand_ptr, rkey, near, layer, tok, dc_now, num_layers, num_experts, num_slots, num_keys,
-                      slot, hit, step, filled,
+                      slot, hit, step, filled, mir_ptr,
                       POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, STORE_SEQ: tl.constexpr,
-                      LEAN: tl.constexpr):
+                      LEAN: tl.constexpr, MIRROR: tl.constexpr = False):
     """Score this program's slots; return its BLOCK_Q lowest packed keys (successive minima)
     and keep them in scratch for the merge (STORE_SEQ, or a sort: see _lowest)."""
     c = pid * CHUNK + tl.arange(0, CHUNK)
@@ -139,6 +152,23 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
             score = tl.load(sst_ptr + c, mask=cm, other=0)
         elif POLICY == 2:
             score = tl.load(sst_ptr + num_slots + c, mask=cm, other=0)
+        elif MIRROR:
+            # rule with its per-slot mirror (DeviceCache(rule_mirror=True)): the slots' lt, lc and
+            # dct are three coalesced loads beside key_of (masked by cm, so they do not wait for it),
+            # not gathers through each slot's key
+            lc = tl.load(mir_ptr + num_slots + c, mask=cm, other=0)
+            dct = tl.load(mir_ptr + 2 * num_slots + c, mask=cm, other=0)
+            if HAS_LOGITS:
+                # the near-miss refresh of the resident near keys' mirrored lt, in memory: every
+                # scoring program writes the same values (the commit's refresh repeats them)
+                rs = tl.load(slot_of_ptr + rkey, mask=near, other=-1)
+                nm = near & (rs >= 0)
+                lt_r = tl.load(mir_ptr + rs, mask=nm, other=0)
+                tl.store(mir_ptr + rs, tl.maximum(lt_r, tok - 1), mask=nm)
+                tl.debug_barrier()
+            lt = tl.load(mir_ptr + c, mask=cm, other=0)
+            score = _rule_score(tl.where(ev, key, 0), lt, lc, dct, layer, tok, dc_now, num_layers, num_experts,
+                                prm_ptr)
         else:
             kq = tl.where(ev, key, 0)
             # lc and dct first: the refresh below rewrites only the lt row, so these two gathers
@@ -236,7 +266,8 @@ def _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, first, slot, hit, num_keys, PO
 
 
 @triton.jit
-def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, lc, dct, TABLE: tl.constexpr):
+def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, lc, dct, TABLE: tl.constexpr,
+                mir_ptr, sl, num_slots, MIRROR: tl.constexpr):
     """rule's use of every key of the call (hits and installs alike); lc, dct: the keys' state as
     loaded at the start of the launch (only the committing program writes those two rows).
     TABLE: the growth term loaded from the policy's table (prm[5:], an L2 hit) instead of computed
@@ -247,9 +278,14 @@ def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, lc, dct, TA
         grown = tl.maximum(x, 0) + tl.load(prm_ptr + 5 + ti, mask=first, other=0)
     else:
         grown = tl.maximum(x, 0) + _log2_1p_q16(ti)
-    tl.store(kst_ptr + num_keys + key, tl.where(dct < 0, 0, grown), mask=first)
+    lc_new = tl.where(dct < 0, 0, grown)
+    tl.store(kst_ptr + num_keys + key, lc_new, mask=first)
     tl.store(kst_ptr + 2 * num_keys + key, dc_now + 0 * key, mask=first)
     tl.store(kst_ptr + key, tok + 0 * key, mask=first)
+    if MIRROR:  # the same three values at the key's slot (sl: its slot after this call)
+        tl.store(mir_ptr + sl, tok + 0 * key, mask=first)
+        tl.store(mir_ptr + num_slots + sl, lc_new, mask=first)
+        tl.store(mir_ptr + 2 * num_slots + sl, dc_now + 0 * key, mask=first)
 
 
 @triton.jit
@@ -271,37 +307,49 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
             hit, fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, dc_now, layer, num_layers,
             num_slots, num_keys, mine, best, early_a, early_b, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
             EARLY: tl.constexpr,
-            BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr, TABLE: tl.constexpr):
+            BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr, TABLE: tl.constexpr,
+            mir_ptr, MIRROR: tl.constexpr, HITS_ONLY: tl.constexpr = False):
     """Apply one call: refresh, evictions and installs in ascending key order, touches,
     plan, slots, counters and clock. Runs in one program. The victims: `best` (registers)
-    when successive minima found them, else cand[0:] (the sort's output)."""
+    when successive minima found them, else cand[0:] (the sort's output). HITS_ONLY: the call
+    has no miss (m == 0): only the refresh, touches, slots, count, counters and clock are compiled."""
     if POLICY == 1:
         if HAS_LOGITS:
             lt = tl.load(kst_ptr + rkey, mask=near, other=0)
+            if MIRROR:  # the resident near keys' mirrored lt too, at their slots before this call
+                rs = tl.load(slot_of_ptr + rkey, mask=near, other=-1)
+                nm = near & (rs >= 0)
+                lt_m = tl.load(mir_ptr + rs, mask=nm, other=0)
+                tl.store(mir_ptr + rs, tl.maximum(lt_m, tok - 1), mask=nm)
             tl.store(kst_ptr + rkey, tl.maximum(lt, tok - 1), mask=near)
             tl.debug_barrier()
-    miss = valid & (slot < 0)
-    from_cand = miss & (mrank >= ne)
-    r = tl.where(from_cand, mrank - ne, 0)
-    evicts = True
-    if LEAN:  # no victim gather, no old-owner load and no barrier when nothing is evicted
-        evicts = m > ne
-    cand = tl.zeros([BLOCK_Q], dtype=tl.int64)
-    if evicts:
-        cand = _victims(best, cand_ptr, r, from_cand, m - ne, BLOCK_Q, SEQ_MAX)
-    vslot = tl.where(from_cand, cand & ((1 << 20) - 1), filled + mrank)
-    vscore = cand >> 20
-    evict = fmiss & from_cand
-    old = tl.full([BLOCK_Q], -1, tl.int32)
-    if evicts:
-        old = tl.load(key_of_ptr + vslot, mask=evict, other=-1)
-        tl.debug_barrier()  # every old owner read before any slot is rewritten
-    tl.store(slot_of_ptr + old, -1, mask=evict & (old >= 0))
-    tl.store(key_of_ptr + vslot, key.to(tl.int32), mask=fmiss)
-    tl.store(slot_of_ptr + key, vslot.to(tl.int32), mask=fmiss)
-    tl.store(plan_ptr + 2 * mrank, key.to(tl.int32), mask=fmiss)
-    tl.store(plan_ptr + 2 * mrank + 1, vslot.to(tl.int32), mask=fmiss)
-    sl = tl.where(slot >= 0, slot, vslot)
+    if HITS_ONLY:  # every valid position is a hit: its slot stays, nothing is evicted or installed
+        sl = slot
+        evict = fmiss
+        vscore = tl.zeros([BLOCK_Q], dtype=tl.int64)
+    else:
+        miss = valid & (slot < 0)
+        from_cand = miss & (mrank >= ne)
+        r = tl.where(from_cand, mrank - ne, 0)
+        evicts = True
+        if LEAN:  # no victim gather, no old-owner load and no barrier when nothing is evicted
+            evicts = m > ne
+        cand = tl.zeros([BLOCK_Q], dtype=tl.int64)
+        if evicts:
+            cand = _victims(best, cand_ptr, r, from_cand, m - ne, BLOCK_Q, SEQ_MAX)
+        vslot = tl.where(from_cand, cand & ((1 << 20) - 1), filled + mrank)
+        vscore = cand >> 20
+        evict = fmiss & from_cand
+        old = tl.full([BLOCK_Q], -1, tl.int32)
+        if evicts:
+            old = tl.load(key_of_ptr + vslot, mask=evict, other=-1)
+            tl.debug_barrier()  # every old owner read before any slot is rewritten
+        tl.store(slot_of_ptr + old, -1, mask=evict & (old >= 0))
+        tl.store(key_of_ptr + vslot, key.to(tl.int32), mask=fmiss)
+        tl.store(slot_of_ptr + key, vslot.to(tl.int32), mask=fmiss)
+        tl.store(plan_ptr + 2 * mrank, key.to(tl.int32), mask=fmiss)
+        tl.store(plan_ptr + 2 * mrank + 1, vslot.to(tl.int32), mask=fmiss)
+        sl = tl.where(slot >= 0, slot, vslot)
     if not EARLY:  # read now (early_reads=False), or at the start of the launch (early_a, early_b)
         early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, first, slot, hit, num_keys, POLICY)
     if POLICY == 0:
@@ -309,7 +357,8 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
     elif POLICY == 2:
         _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots, early_a, early_b)
     else:
-        _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, early_a, early_b, TABLE)
+        _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, early_a, early_b, TABLE,
+                    mir_ptr, sl, num_slots, MIRROR)
     i = tl.arange(0, BLOCK_Q)
     tl.store(out_ptr + i, tl.where(valid, sl, -1).to(tl.int32), mask=i < ids_n)
     tl.store(count_ptr, m)
@@ -336,22 +385,25 @@ def ensure_kernel(
     fprm_ptr,       # float32 [F]: float policy constants (Policy.fparams)
     clock_ptr,      # int64 [2]: step, tok
     counters_ptr,   # int64 [L, 3]: calls, accesses, misses per layer
+    missed_ptr,     # int64 [1]: all layers' misses so far (counters[:, 2].sum()); min(it, S) slots are filled
     out_ptr,        # int32 [n_ids]: out: slot of each id, -1 for padding
     plan_ptr,       # int32 [BLOCK_Q, 2]: out: (key, slot) per miss, ascending key
     count_ptr,      # int32 [1]: out: misses of this call = rows of the plan in use
     cand_ptr,       # int64 [BLOCK_C]: scratch: candidates per program, then merged
     arrive_ptr,     # int32 [1]: scratch: programs arrived (zero between calls)
     status_ptr,     # int32 [1]: 0, or the code of the last refused call
+    mir_ptr,        # int64 [3, S]: with MIRROR (rule), lt, lc and dct of each slot's key (else unread)
     layer,          # this call's MoE layer
     num_experts, num_layers, num_slots, n_ids,
     k,              # routed experts per row (the k of the k-th logit)
     rows, T,        # logit rows and entries per row
     POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_L: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr,
+    SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr,
     LEAN: tl.constexpr = False,  # DeviceCache(lean=True), its default: see _chunk_candidates, _commit
     EARLY: tl.constexpr = False,  # DeviceCache(early_reads=True), its default: see _policy_reads
     TABLE: tl.constexpr = False,  # DeviceCache(rule_table=True), its default: rule's growth term from its table
+    MIRROR: tl.constexpr = False,  # DeviceCache(rule_mirror=True): rule scores from its per-slot mirror
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
 ):
     if GDC:
@@ -359,43 +411,73 @@ def ensure_kernel(
         gdc_launch_dependents()
     pid = tl.program_id(0)
     num_keys = num_layers * num_experts
-    valid, key, first, slot, hit, fmiss, mrank, n, m, bad = _query(
-        ids_ptr, slot_of_ptr, layer, num_experts, n_ids, BLOCK_Q)
-    early_a, early_b = 0, 0
-    if EARLY:  # DeviceCache(early_reads=True): the commit's policy reads issued beside the query's
-        early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, first, slot, hit, num_keys, POLICY)
+    # The loads that do not depend on the query first (Triton keeps their order), so their round
+    # trips overlap the query's dependent pair of loads instead of following its reductions.
     step = tl.load(clock_ptr) + 1
     tok = tl.load(clock_ptr + 1) + tl.where(layer == 0, 1, 0).to(tl.int64)
-    missed = tl.load(counters_ptr + 2)  # all layers' misses: scalar loads, no block reduction
-    for li in tl.static_range(1, BLOCK_L):
-        missed += tl.load(counters_ptr + li * 3 + 2, mask=li < num_layers, other=0)
+    missed = tl.load(missed_ptr)  # one word, whatever the layer count (the commit adds this call's m)
     j4 = tl.arange(0, 4)
     mine = tl.load(counters_ptr + layer * 3 + j4, mask=j4 < 3, other=0)
-    filled = tl.minimum(missed, num_slots)
     dc_now = 0
     if POLICY == 1:  # rule's decay clock DC(now): one division per program
         dc_now = ((tok * num_layers + layer) << 16) // tl.load(prm_ptr + 2)
-    ne = tl.minimum(m, num_slots - filled)
-    ok = (bad == 0) & (n <= num_slots)
     if HAS_LOGITS:
         rkey, near = _near(lidx_ptr, lval_ptr, fprm_ptr, layer, num_experts, rows, T, k, BLOCK_R)
     else:
         rkey = tl.zeros([BLOCK_R], dtype=tl.int64)
         near = rkey != 0
+    # EARLY (DeviceCache(early_reads=True)): the commit's policy reads issued beside the query's
+    valid, key, first, slot, hit, fmiss, n, m, bad, early_a, early_b = _query(
+        ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gst_ptr, num_keys, BLOCK_Q,
+        POLICY, EARLY)
+    filled = tl.minimum(missed, num_slots)
+    ne = tl.minimum(m, num_slots - filled)
+    ok = (bad == 0) & (n <= num_slots)
+    if ok & (m == 0):
+        # Every key of the call is resident: no program scores, arrives or waits, and program 0
+        # commits at once (such a call leaves slot_of and key_of, the only state any program's
+        # query reads, as they were). Its commit is compiled apart, without the miss path, and
+        # laid out first, so a call that hits runs a short straight stretch of the kernel.
+        if pid == 0:
+            _commit(n_ids, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr,
+                    cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
+                    key, first, slot, hit, fmiss, 0, n, m, ne, filled, rkey, near, step,
+                    tok, dc_now, layer, num_layers, num_slots, num_keys, mine, 0, early_a, early_b, POLICY,
+                    HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN, TABLE, mir_ptr, MIRROR, True)
+    else:
+        _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, clock_ptr,
+                       counters_ptr, missed_ptr, out_ptr, plan_ptr, count_ptr, cand_ptr, arrive_ptr,
+                       status_ptr, mir_ptr, layer, num_experts, num_layers, num_slots, n_ids, valid, key,
+                       first, slot, hit, fmiss, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
+                       step, tok, dc_now, num_keys, early_a, early_b, POLICY, HAS_LOGITS, CHUNK, BLOCK_Q,
+                       BLOCK_C, SINGLE, SEQ_MAX, LEAN, EARLY, TABLE, MIRROR)
+
+
+@triton.jit
+def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, clock_ptr,
+                   counters_ptr, missed_ptr, out_ptr, plan_ptr, count_ptr, cand_ptr, arrive_ptr,
+                   status_ptr, mir_ptr, layer, num_experts, num_layers, num_slots, n_ids, valid, key,
+                   first, slot, hit, fmiss, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
+                   step, tok, dc_now, num_keys, early_a, early_b, POLICY: tl.constexpr,
+                   HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr,
+                   BLOCK_C: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr,
+                   EARLY: tl.constexpr, TABLE: tl.constexpr, MIRROR: tl.constexpr):
+    """A call with misses, or a refused one: scoring where victims are needed, the arrival, the
+    merge and the commit (or the refusal's status)."""
+    mrank = _miss_rank(key, fmiss)
     best = tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64)
     if ok & (m > ne):
         best = _chunk_candidates(pid, m - ne, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr,
                                  sst_ptr, prm_ptr, cand_ptr, rkey, near, layer, tok, dc_now, num_layers,
-                                 num_experts, num_slots, num_keys, slot, hit, step, filled, POLICY,
-                                 HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN)
+                                 num_experts, num_slots, num_keys, slot, hit, step, filled, mir_ptr, POLICY,
+                                 HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN, MIRROR)
     tl.debug_barrier()
-    # A call without a miss (or a refused one) changes neither slot_of nor key_of, so every program,
-    # however late it reads them, finds the same m == 0 (or the same refusal): program 0 commits it
-    # at once and no one arrives. Any other call: every program arrives; the last one commits.
-    quick = (m == 0) | (~ok)
+    # A refused call changes nothing, so every program, however late it reads the maps, finds the
+    # same refusal: program 0 records it at once and no one arrives. Any other call: every program
+    # arrives; the last one commits.
     if SINGLE:
         commits = pid == 0  # one program: nothing to wait for
-    elif quick:
+    elif ~ok:
         commits = pid == 0
     else:
         commits = tl.atomic_add(arrive_ptr, 1) == tl.num_programs(0) - 1
@@ -412,6 +494,7 @@ def ensure_kernel(
                     cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
                     key, first, slot, hit, fmiss, mrank, n, m, ne, filled, rkey, near, step,
                     tok, dc_now, layer, num_layers, num_slots, num_keys, mine, best, early_a, early_b, POLICY,
-                    HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN, TABLE)
+                    HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN, TABLE, mir_ptr, MIRROR)
+            tl.store(missed_ptr, missed + m)
         else:
             tl.store(status_ptr, tl.where(bad > 0, 1, 2))

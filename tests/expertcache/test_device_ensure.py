@@ -59,6 +59,11 @@ def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, **tiles):
         assert np.array_equal(buf.plan[:m].cpu().numpy(), res.plan), (policy, c)
         assert np.array_equal(buf.slots.cpu().numpy(), res.slots), (policy, c)
         assert dev.snapshot().equals(ref.snapshot()), (policy, c)
+        if dev.rule_mirror:  # each filled slot's mirror is its key's lt, lc, dct
+            full = np.flatnonzero(ref.key_of >= 0)
+            want = ref.state.key[:3][:, ref.key_of[full]]
+            assert np.array_equal(dev.mirror.cpu().numpy()[:, full], want), (policy, c)
+        assert int(dev.missed.item()) == int(ref.counters[:, 2].sum()), (policy, c)  # the filled-prefix word
     dev.check()
     return ref
 
@@ -90,6 +95,21 @@ def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max, lean):
     and without it."""
     ref = run_parity(policy, L=2, E=24, S=16, rows=2, k=5, C=14, T=7, seed=seq_max + chunk,
                      chunk=chunk, seq_max=seq_max, lean=lean)
+    assert ref.counters[:, 2].sum() > 32
+
+
+@pytest.mark.parametrize("chunk", [8, 64])
+@pytest.mark.parametrize("T", [0, 6], ids=["", "logits"])
+@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
+@pytest.mark.parametrize("S", [24, 30], ids=["evicting", "mostly-hits"])
+def test_rule_mirror(chunk, T, lean, S):
+    """DeviceCache(rule_mirror=True): rule scores from its per-slot mirror of lt, lc and dct; the
+    host's state bit for bit and the mirror equal to the resident keys' rows after every call, with
+    and without router logits (near-miss refresh of resident and absent keys), on several programs
+    and one, while the pool fills, when nearly every call evicts (24 slots for 32 keys) and when
+    most calls do not (30 slots: the commit alone refreshes the mirror)."""
+    ref = run_parity("rule", L=2, E=16, S=S, rows=2, k=4, C=40, T=T, seed=chunk + T + S, chunk=chunk,
+                     lean=lean, rule_mirror=True)
     assert ref.counters[:, 2].sum() > 32
 
 
@@ -132,9 +152,11 @@ def test_default_tiles_by_pool_size():
     assert DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device).rule_table  # the table by default
     g = CacheGeometry(1, 8, 4)
     for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}, {"lean": 1},
-                {"early_reads": 1}, {"rule_table": 1}):
+                {"early_reads": 1}, {"rule_table": 1}, {"rule_mirror": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DeviceCache(g, "lru", device=device, **bad)
+    with pytest.raises(ValueError, match="rule_mirror is for the rule policy"):
+        DeviceCache(g, "lru", device=device, rule_mirror=True)
 
 
 @pytest.mark.parametrize("policy", policy_names())
@@ -328,11 +350,11 @@ from expertcache.device_ensure import ensure_kernel
 from moe.triton_launch import compile_for_sm
 
 ENSURE_JIT = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k", "rows", "T"]}
-types = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64",
-         "*i32", "*i32", "*i32", "*i64", "*i32", "*i32") + ("i32",) * 8
+types = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64",
+         "*i32", "*i32", "*i32", "*i64", "*i32", "*i32", "*i64") + ("i32",) * 8
 out = []
 for gdc in (False, True):
-    cx = dict(POLICY=0, HAS_LOGITS=False, CHUNK=512, BLOCK_Q=16, BLOCK_R=1, BLOCK_C=512, BLOCK_L=64,
+    cx = dict(POLICY=0, HAS_LOGITS=False, CHUNK=512, BLOCK_Q=16, BLOCK_R=1, BLOCK_C=512,
               SINGLE=False, SEQ_MAX=4, LEAN=False, GDC=gdc)
     out.append("griddepcontrol.wait" in compile_for_sm(ensure_kernel, types, cx, 4, 90, ENSURE_JIT)["ptx"])
     fn = JITFunction(_miss_copy_kernel.fn, **COPY_JIT)
@@ -353,3 +375,44 @@ def test_programmatic_launch_variants_compile_for_sm90():
     early (its programs would sit on the SMs for the whole copy). A child process without TRITON_INTERPRET."""
     from tests.conftest import compile_check
     assert compile_check(PDL_CHECK) == [False, False, False, True, True, False]
+
+
+MIRROR_CHECK = r"""
+import json
+from expertcache.device_ensure import ensure_kernel
+from moe.triton_launch import compile_for_sm
+
+ENSURE_JIT = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k", "rows", "T"]}
+types = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64",
+         "*i32", "*i32", "*i32", "*i64", "*i32", "*i32", "*i64") + ("i32",) * 8
+out = []
+for chunk, single, warps in ((2048, True, 4), (512, False, 4)):
+    for logits in (False, True):
+        cx = dict(POLICY=1, HAS_LOGITS=logits, CHUNK=chunk, BLOCK_Q=16, BLOCK_R=32 if logits else 1,
+                  BLOCK_C=16 if single else 64, SINGLE=single, SEQ_MAX=16, LEAN=True,
+                  EARLY=True, TABLE=True, MIRROR=True)
+        asm = compile_for_sm(ensure_kernel, types, cx, warps, 90, ENSURE_JIT)
+        out.append(bool(asm.get("cubin")) and ".local" not in asm["ptx"])
+print(json.dumps(out))
+"""
+
+
+def test_rule_mirror_compiles_for_sm90():
+    """rule with its mirror compiles for sm_90 on one program of 2048 and on 512-slot programs, with
+    and without router logits, without register spills. A child process without TRITON_INTERPRET."""
+    from tests.conftest import compile_check
+    assert compile_check(MIRROR_CHECK) == [True] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S, options", [(512, {}), (1650, {}), (1650, {"chunk": 2048}), (16384, {})],
+                         ids=["512", "1650", "1650-one-program", "16384"])
+def test_gpu_rule_mirror(S, options):
+    """rule_mirror on the GPU: parity with the host and the mirror invariant (run_parity) at real pool
+    sizes, with router logits, on its default tiles and on one program of 2048."""
+    _, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
+    for rows, k, T in ((1, 10, 20), (4, 16, 24)):
+        run_parity("rule", L=8, E=max(16, S // 8), S=S, rows=rows, k=k, C=120, T=T, seed=S + k,
+                   rule_mirror=True, **options)

@@ -191,8 +191,8 @@ assert compile_router_for_target(512, 2048, 10, "bf16", True, tokens=8).get("cub
 asm = compile_router_for_target(512, 2048, 10, "bf16", True)
 ptx = asm["ptx"]
 pdl = compile_router_for_target(512, 2048, 10, "bf16", True, pdl=True)["ptx"]
-pre = [compile_router_for_target(512, 2048, 10, "bf16", True, RouterConfig(select=s), pdl=True, pre=True)
-       for s in ("topk", "argmax")]
+pre = [compile_router_for_target(512, 2048, 10, "bf16", norm, RouterConfig(select=s), pdl=True, pre=True)
+       for s, norm in (("topk", True), ("argmax", True), ("logits", True), ("logits", False))]
 print(json.dumps([bool(asm.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)),
                   "atom.global" in ptx, ".local" not in ptx,
                   "griddepcontrol.wait" not in ptx, "griddepcontrol.wait" in pdl,
@@ -202,7 +202,8 @@ print(json.dumps([bool(asm.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v
 
 def test_compiles_for_sm90():
     """The router at the Qwen3-Next shape compiles for sm_90: 16-byte weight loads, the arrival atomic,
-    no register spills. A child process without TRITON_INTERPRET (which replaces the compiler's hooks)."""
+    no register spills (also with pre, for "topk", "argmax" and "logits" with and without
+    renormalisation). A child process without TRITON_INTERPRET (which replaces the compiler's hooks)."""
     assert compile_check(SM90_CHECK) == [True] * 7  # 5, 6: only router_topk(pdl=True) waits; 7: with pre
 
 
