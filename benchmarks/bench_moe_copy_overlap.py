@@ -47,7 +47,7 @@ from moe.kernel_trace import kernels, kernels_in_range, load_trace, named
 from moe.synthetic import SyntheticModel, random_weights
 
 DEFAULT_HITS_PER_SM = moe.routed.HITS_PROGRAMS_PER_SM  # resident variants without hitsN
-DEFAULT_ROUTER = moe.router.DEFAULT_ROUTER  # resident variants without rlogits
+DEFAULT_ROUTER = moe.router.DEFAULT_ROUTER  # resident variants without rtopk
 
 CFG = MoEConfig(hidden=2048, num_experts=512, top_k=10, expert_intermediate=512, shared_intermediate=512,
                 norm_topk_prob=True)
@@ -233,7 +233,7 @@ def d2d_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
 
 def miss_mode(weights, args, xs, out_dir: Path) -> dict:
     models = {m: SyntheticModel(weights, args.slots, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain,
-                             early_hits=args.early_hits)
+                             early_hits=args.early_hits, hits_first=args.hits_first)
               for m in ("off", "on")}
     if models["on"].layers[0].side is None:
         raise SystemExit(f"overlap did not apply: {models['on'].layers[0].overlap_reason}")
@@ -264,7 +264,7 @@ def miss_mode(weights, args, xs, out_dir: Path) -> dict:
             "profile": prof, "misses_per_layer_per_step": timing["misses_per_step_mean"] / len(weights.router)}
 
 
-CHAIN = ("_router_kernel", "ensure_kernel", "_miss_copy_kernel", "_gate_up_kernel", "_down_kernel")
+CHAIN = ("_router_kernel", "ensure_kernel", "_miss_copy_kernel", "_gate_up_kernel", "_gate_up_first", "_down_kernel")
 
 
 def resident_breakdown(graph: Graph, xs: list[torch.Tensor], path: Path) -> dict:
@@ -293,7 +293,7 @@ def resident_breakdown(graph: Graph, xs: list[torch.Tensor], path: Path) -> dict
 def resident_mode(weights, args, xs, out_dir: Path) -> dict:
     L, E = weights.num_layers, CFG.num_experts
     models = {m: SyntheticModel(weights, L * E, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain,
-                             early_hits=args.early_hits)
+                             early_hits=args.early_hits, hits_first=args.hits_first)
               for m in ("off", "on")}
     for m in models.values():
         m.warm_all()
@@ -317,8 +317,9 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
 
 
 def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
-    """"hits1" / "noeh" / "chain" / "nochain" / "prio2" / "rlogits" joined by "+" (e.g. "noeh+nochain",
-    "prio2+hits10"; rlogits: the router selects on its logits, RouterConfig(select="logits"))
+    """"hits1" / "noeh" / "first" / "chain" / "nochain" / "prio2" / "rtopk" joined by "+" (e.g.
+    "noeh+nochain", "prio2+hits10", "first+hits4"; first: MoEConfig.hits_first; rtopk: the router
+    selects with RouterConfig(select="topk"), the default before "logits")
     -> (spec, args with those set)."""
     opts = argparse.Namespace(**vars(args))
     opts.router_select = None
@@ -331,10 +332,13 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.pdl_chain = part == "chain"
         elif part.startswith("prio") and part[4:].isdigit():
             opts.compute_priority = -int(part[4:])
-        elif part == "rlogits":
-            opts.router_select = "logits"
+        elif part == "first":
+            opts.hits_first = True
+        elif part == "rtopk":
+            opts.router_select = "topk"
         else:
-            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, chain, nochain, prioN or rlogits")
+            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, first, chain, nochain, prioN "
+                             "or rtopk")
     return spec, opts
 
 
@@ -387,6 +391,9 @@ def parse() -> argparse.Namespace:
                     help="the resident mode only (the layer against the HBM floor, with its kernel breakdown)")
     ap.add_argument("--no-early-hits", dest="early_hits", action="store_false",
                     help="MoEConfig.early_hits off: overlap on runs only the shared expert on the side stream")
+    ap.add_argument("--hits-first", action="store_true",
+                    help="MoEConfig.hits_first: the resident experts' gate_up first, on the compute stream, "
+                         "during the ensure and copy (the side stream runs only the shared expert)")
     ap.add_argument("--compute-priority", type=int, default=None,
                     help="CUDA stream priority of the compute stream's launches (e.g. -2; lower is higher; the "
                          "side stream keeps its default): the ensure and copy get SMs before side work")
@@ -395,7 +402,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--resident-variants", default="",
                     help="comma list of more resident-mode runs on the same weights: hitsN (early hits' "
                          "programs per SM), noeh (no early hits), chain / nochain (MoEConfig.pdl_chain on / off), prioN "
-                         "(--compute-priority -N), rlogits (the router's select=\"logits\"), joined by '+'")
+                         "(--compute-priority -N), first (MoEConfig.hits_first), rtopk (the router's "
+                         "select=\"topk\"), joined by '+'")
     ap.add_argument("--no-pdl-chain", dest="pdl_chain", action="store_false",
                     help="MoEConfig.pdl_chain=False: router, ensure and miss copy launched plainly")
     return ap.parse_args()

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from expertcache.pool import HostStore, SlotPool
 
@@ -54,10 +54,15 @@ def _miss_copy_kernel(
     CHUNKS_PER_ROW: tl.constexpr,  # FIRST_CHUNK[NUM_BANKS]: work items per plan row
     BLOCK: tl.constexpr,  # int32 words per work item (a power of two, >= 4)
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor before reading
+    RELEASE: tl.constexpr = False,  # with GDC: let the next launch start at once (release_next)
 ):
     if GDC:
-        # no early launch of the next kernel: its programs would wait on the SMs for the whole copy
-        # (hundreds of microseconds with misses) and keep side-stream work off them
+        # By default no early launch of the next kernel: its programs would wait on the SMs for the
+        # whole copy (hundreds of microseconds with misses) and keep side-stream work off them.
+        # RELEASE: the next kernel has work that needs no copy (MoEConfig.hits_first), so it starts
+        # now; it waits for this copy itself before it reads a copied slot.
+        if RELEASE:
+            gdc_launch_dependents()
         gdc_wait()
     # Work item i = (plan row i // CHUNKS_PER_ROW, chunk i % CHUNKS_PER_ROW); program p takes
     # items p, p + grid, p + 2 * grid ..., so neighbouring programs read neighbouring chunks.
@@ -170,7 +175,7 @@ def _pointer_args(store: HostStore, pool: SlotPool) -> tuple[tuple, tuple]:
 
 def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch.Tensor, *,
               num_ctas: int = DEFAULT_NUM_CTAS, block_bytes: int = DEFAULT_BLOCK_BYTES,
-              num_warps: int = DEFAULT_NUM_WARPS, pdl: bool = False) -> None:
+              num_warps: int = DEFAULT_NUM_WARPS, pdl: bool = False, release_next: bool = False) -> None:
     """Copy store[bank][key] -> pool[bank][slot] for the first `count` rows of `plan`.
 
     plan:  int32 [Q, 2] (key, slot) rows on the pool's device; rows past count are ignored,
@@ -181,7 +186,9 @@ def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch
     CUDA-graph capturable once compiled (call it once before capturing). On a CPU pool it runs
     in Triton's interpreter when TRITON_INTERPRET=1, else raises RuntimeError. pdl: on CUDA, a
     programmatic dependent launch (it waits for its predecessor before reading the plan; same
-    bytes copied).
+    bytes copied). release_next (with pdl): the next programmatic launch on the stream may start at
+    once instead of at the copy's end; it must wait (griddepcontrol.wait) before it reads any slot the
+    plan fills (moe.routed's part="first" does).
     Raises ValueError for mismatched banks, rows not a multiple of 16 bytes, > MAX_BANKS banks,
     or a malformed plan or count. Cost: the live rows' bytes over PCIe; on the H200 it moved
     0.95-1.05x the copy engine's bytes per second with 16 programs (benchmarks/bench_copy.py).
@@ -192,6 +199,8 @@ def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch
         raise ValueError(f"num_ctas must be a positive int, got {num_ctas!r}")
     if not isinstance(block_bytes, int) or block_bytes < VECTOR_BYTES or block_bytes & (block_bytes - 1):
         raise ValueError(f"block_bytes must be a power of two >= 16, got {block_bytes!r}")
+    if not isinstance(pdl, bool) or not isinstance(release_next, bool):
+        raise ValueError(f"pdl and release_next must be bools, got {pdl!r} and {release_next!r}")  # noqa: TRY004
     kernel = _kernel_for(pool.device)
     cuda = pool.device.type == "cuda"
     if cuda and not store.pinned:
@@ -204,7 +213,7 @@ def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch
             count, plan, plan.shape[0], store.num_keys, pool.num_slots, srcs, dsts,
             NUM_BANKS=len(row_words), ROW_WORDS=row_words, FIRST_CHUNK=first,
             CHUNKS_PER_ROW=first[-1], BLOCK=block_words, num_warps=num_warps,
-            **({"GDC": True, "launch_pdl": True} if pdl and cuda else {}),
+            **({"GDC": True, "RELEASE": bool(release_next), "launch_pdl": True} if pdl and cuda else {}),
         )
 
 

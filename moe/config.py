@@ -46,6 +46,11 @@ class MoEConfig:
     early_hits: with the side stream in use (copy_overlap on and applied), the gate_up rows of the
     experts already resident run on the side stream right after the router, beside the ensure and
     miss copy (moe.layer); the same output bits. No effect with the overlap off.
+    hits_first: the routed gate_up is one persistent launch on the compute stream that computes the
+    experts resident before the ensure first, released by the miss copy at its start (with
+    pdl_chain), so their rows stream while the ensure and the copy run, then the others after the
+    copy (moe.routed part="first"); the same output bits. With the overlap on the side stream then
+    runs only the shared expert (early_hits is not used). Off by default.
 
     Raises ValueError naming the field on any invalid value.
     """
@@ -60,6 +65,7 @@ class MoEConfig:
     copy_overlap: bool = False
     pdl_chain: bool = True
     early_hits: bool = True
+    hits_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden", "num_experts", "top_k", "expert_intermediate"):
@@ -67,7 +73,7 @@ class MoEConfig:
         _check_int("shared_intermediate", self.shared_intermediate, minimum=0)
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        for name in ("norm_topk_prob", "copy_overlap", "pdl_chain", "early_hits"):
+        for name in ("norm_topk_prob", "copy_overlap", "pdl_chain", "early_hits", "hits_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:

@@ -23,7 +23,10 @@ on launches the same kernels with the same arguments, 1-2 on the side stream: fo
 join before launch 7, whose addend is the shared output. With MoEConfig.early_hits (default) the router
 also writes pre (each chosen expert's slot before the ensure, -1 = absent), the side stream forks again
 after it and runs 6a `_gate_up_hits` (the resident pairs, at pre), and launch 6 computes only the other
-pairs (eight launches); every act row is still written by one program of the same code; the combine (routed + shared in float32, one
+pairs (eight launches); with MoEConfig.hits_first instead, launch 6 is one persistent launch on the
+compute stream that computes the resident pairs (at pre) before it waits for the copy, which releases
+it at its start, and the others after (seven launches; the side stream runs only the shared expert);
+every act row is still written by one program of the same code; the combine (routed + shared in float32, one
 rounding to the model dtype) happens inside launch 7. Nothing on the compute stream writes `hidden`
 or the shared expert's buffers (per layer: slots, act_s, shared), and every side-stream write lands
 before the join, so the outputs, slot map and pool are bitwise equal with the flag on and off. The
@@ -162,7 +165,8 @@ class MoELayer:
         """hidden [T, H] (cfg dtype, contiguous, on the pool's device) -> out [T, H] same dtype (new).
 
         Seven launches (five without a shared expert) on the current stream; when overlapping,
-        eight, three of them on the side stream (two with MoEConfig.early_hits off); no host sync. Raises ValueError naming `hidden` for a wrong
+        eight, three of them on the side stream (seven, two there, with MoEConfig.early_hits off or
+        MoEConfig.hits_first on); no host sync. Raises ValueError naming `hidden` for a wrong
         shape, dtype or device, and naming --moe-slots when T * top_k exceeds the pool's slots (a
         call could ask for more distinct experts than slots, which ensure refuses).
 
@@ -188,7 +192,8 @@ class MoELayer:
                 shared = self.shared_expert(hidden)  # [T, H] f32, a buffer of this layer
         elif self.shared is not None:
             shared = self.shared_expert(hidden)
-        early = (side, compute) if side is not None and routing is None and self.cfg.early_hits else None
+        early = (side, compute) if (side is not None and routing is None and self.cfg.early_hits
+                                    and not self.cfg.hits_first) else None
         act, slots = self._routed_front(hidden, routing, early)
         if side is not None:
             side.join(compute)  # the down launch below reads `shared`
@@ -207,11 +212,17 @@ class MoELayer:
         forks again right after it and computes the gate_up rows of the resident pairs from pre,
         while the compute stream runs ensure, miss copy and the gate_up rows of the others. A
         resident expert keeps its slot through its ensure and the copy writes only victims' slots,
-        so both halves read what the single gate_up would: the same act bits."""
+        so both halves read what the single gate_up would: the same act bits.
+
+        MoEConfig.hits_first (not with `routing`): the router writes pre too, the miss copy releases
+        the next launch at its start, and gate_up is one persistent part="first" launch on this
+        stream: the resident pairs at pre while the ensure and copy run, the others after the copy
+        (the same act bits)."""
         cfg, slots, tokens = self.cfg, self.slots, hidden.shape[0]
         pdl = cfg.pdl_chain  # programmatic launches for the router, ensure and copy (CUDA only)
         gate_up = slots.pool.tensor("gate_up")
-        pre = self._pre[:tokens] if early is not None else None
+        first = cfg.hits_first and routing is None
+        pre = self._pre[:tokens] if early is not None or first else None
         if routing is None:
             weights, ids = router_topk(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob,
                                        weights=self._weights[:tokens], ids=self._ids[:tokens], pdl=pdl,
@@ -225,8 +236,9 @@ class MoELayer:
             with torch.cuda.stream(side.stream):
                 routed_gate_up(hidden, pre, weights, gate_up, part="hits", pre=pre)
         buf = slots.cache.ensure(self.layer, ids, pdl=pdl)  # slots [T, k], plan [Q, 2], count [1]
-        miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=pdl)
-        act = routed_gate_up(hidden, buf.slots, weights, gate_up, part="all" if pre is None else "rest", pre=pre)
+        miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=pdl, release_next=pdl and first)
+        part = "first" if first else "all" if pre is None else "rest"
+        act = routed_gate_up(hidden, buf.slots, weights, gate_up, part=part, pre=pre)
         return act, buf.slots
 
     def last_routing(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

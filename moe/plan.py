@@ -155,10 +155,13 @@ def select_overlap_mode(
     cfg: MoEConfig, phase: str, device: str, tp_size: int, plan: RoutedPlan, *, hybrid: bool = False
 ) -> tuple[OverlapMode, str]:
     """The overlap mode for one call: SIDE_STREAM when `cfg.copy_overlap` is on, the block has work for
-    the side stream (a shared expert, or the resident experts' gate_up: `cfg.early_hits`) and
+    the side stream (a shared expert, or the resident experts' gate_up: `cfg.early_hits` without
+    `cfg.hits_first`) and
     `decode_side_applies` agrees."""
-    if not cfg.has_shared_expert and not cfg.early_hits:
-        return OverlapMode.NONE, "no shared expert and early_hits off: nothing to run on the side stream"
+    if not cfg.has_shared_expert and (not cfg.early_hits or cfg.hits_first):
+        why = "hits_first on (the resident experts' gate_up stays on the compute stream)" if cfg.early_hits \
+            else "early_hits off"
+        return OverlapMode.NONE, f"no shared expert and {why}: nothing to run on the side stream"
     if not cfg.copy_overlap:
         return OverlapMode.NONE, f"copy_overlap is off (set MoEConfig.copy_overlap or {COPY_OVERLAP_ENV}=1)"
     applies, reason = decode_side_applies(phase, device, tp_size, plan, hybrid=hybrid)

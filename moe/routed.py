@@ -48,6 +48,7 @@ from moe.routed_kernels import (
     GATE_UP_ENTRIES,
     HITS_JIT_OPTIONS,
     JIT_OPTIONS,
+    _gate_up_first,
     _gate_up_hits,
 )
 from moe.triton_launch import compile_for_sm, kernel_for
@@ -101,7 +102,8 @@ class RoutedConfig:
 
 
 DEFAULT_CONFIG = RoutedConfig()
-PARTS = ("all", "hits", "rest")  # routed_gate_up's part; its index is the kernels' PICK
+PARTS = ("all", "hits", "rest", "first")  # routed_gate_up's part; the index of the first three is the
+# gate_up kernels' PICK ("hits" and "first" launch their own persistent kernels)
 
 
 def _tiles(hidden: int, inter: int, config: RoutedConfig) -> tuple[int, int, int, int]:
@@ -147,6 +149,7 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
     dtype: Triton's name of the weight dtype ("bf16", "fp16", "fp32"). shared_inter: the shared
     expert's width Is (default I). T is not compiled in (it only sizes the grids), so one binary per
     variant serves T = 1..GEMV_MAX_TOKENS. Returns {variant: Triton's asm dict (ttir .. cubin)} for
+    "_gate_up_hits" and "_gate_up_first" (the persistent parts "hits" and "first"),
     "_gate_up_kernel", "_down_kernel" (f32 out), "_down_kernel+combine" (addend, cast out),
     "_shared_gate_up" (k = 1, gate computed) and "_shared_down" (k = 1). Run it in a process without
     TRITON_INTERPRET=1 (the interpreter replaces the compiler's language hooks).
@@ -160,6 +163,11 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
         _gate_up_hits, (p, "*fp32", p, "*fp32", "i32", "*i32", "i32"),
         {"K": top_k, "H": hidden, "I": inter, "BLOCK_I": block_i, "CHUNK_H": chunk_h,
          "EVEN": _even(hidden, inter, config)[0]}, config.warps_gate_up, arch, HITS_JIT_OPTIONS)
+    result["_gate_up_first"] = compile_for_sm(
+        _gate_up_first, (p, "*i32", "*fp32", p, "*fp32", "i32", "*i32", "i32"),
+        {"K": top_k, "H": hidden, "I": inter, "BLOCK_I": block_i, "CHUNK_H": chunk_h,
+         "EVEN": _even(hidden, inter, config)[0], "GDC": int(config.pdl)}, config.warps_gate_up, arch,
+        HITS_JIT_OPTIONS)
     for name, k, width, is_shared, down_flags in (
             ("_gate_up_kernel", top_k, inter, False, None),
             ("_gate_up_kernel+rest", top_k, inter, False, None),
@@ -309,6 +317,22 @@ def _launch_hits(hidden, weights, gate_up, act, pre, dims, config, programs) -> 
                                         EVEN=_even(hid, inter, config)[0], num_warps=config.warps_gate_up)
 
 
+def _launch_first(hidden, slots, weights, gate_up, act, pre, dims, config, programs) -> None:
+    """part="first": one persistent launch (programmatic with RoutedConfig.pdl on CUDA), the pairs
+    with pre >= 0 before its wait, the others after it."""
+    tokens, top_k, num_slots, hid, inter = dims
+    block_i, chunk_h, _, _ = _tiles(hid, inter, config)
+    items = tokens * top_k * triton.cdiv(inter, block_i)
+    programs = hits_programs(hidden.device) if programs is None else programs
+    kernel = kernel_for(_gate_up_first, hidden.device, HITS_JIT_OPTIONS, "routed_gate_up")
+    gdc = config.pdl and hidden.device.type == "cuda"
+    with _device_ctx(hidden.device):
+        kernel[(min(programs, items),)](hidden, slots, weights, gate_up, act, num_slots, pre, tokens * top_k,
+                                        K=top_k, H=hid, I=inter, BLOCK_I=block_i, CHUNK_H=chunk_h,
+                                        EVEN=_even(hid, inter, config)[0], GDC=int(gdc),
+                                        num_warps=config.warps_gate_up, **({"launch_pdl": True} if gdc else {}))
+
+
 def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config, part="all",
                     pre=None) -> torch.Tensor:
     """part "all" or "rest" (PICK 0 / 2): one program per (pair, row tile); "hits": _launch_hits."""
@@ -370,7 +394,10 @@ def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     program per pair), so the hits can run before the ensure decides the rest (MoELayer's early hits).
     The "hits" launch is persistent: `programs` programs (default hits_programs(device), 8 per SM)
     walk the pairs' row tiles, so work launched beside it on another stream still finds room on the
-    SMs.
+    SMs. "first" is both in one persistent launch: the pre >= 0 pairs at pre, then (after its
+    programmatic wait, with RoutedConfig.pdl on CUDA) the others at slots, bit for bit as "all"; it
+    is launched behind a miss copy that releases it early (MoEConfig.hits_first), so the resident
+    experts' rows stream while the ensure and the copy run.
     """
     config = _config("routed_gate_up", config)
     dims = _check_gate_up("routed_gate_up", hidden, slots, weights, gate_up, gate_w, act)
@@ -387,6 +414,9 @@ def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     act = routed_scratch(hidden.device, dims[1], dims[4]) if act is None else act
     if part == "hits":
         _launch_hits(hidden, weights, gate_up, act, pre, dims, config, programs)
+        return act[:dims[0] * dims[1]]
+    if part == "first":
+        _launch_first(hidden, slots, weights, gate_up, act, pre, dims, config, programs)
         return act[:dims[0] * dims[1]]
     return _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config, part,
                            pre if part == "rest" else None)

@@ -56,29 +56,60 @@ def _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, n
 @triton.jit
 def _gate_up_hits_body(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
                        K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                       CHUNK_H: tl.constexpr, EVEN: tl.constexpr):
+                       CHUNK_H: tl.constexpr, EVEN: tl.constexpr, CG: tl.constexpr = False):
     """The early hits: a persistent grid (fewer programs than tiles, so the SMs keep room for the
     ensure, copy and rest launched beside it) walks the (pair, tile) items; a pair with pre < 0 is
-    skipped, any other is computed at slot pre[pair] exactly as _gate_up_body does it."""
+    skipped, any other is computed at slot pre[pair] exactly as _gate_up_body does it.
+    CG: pre and the routing weights are loaded past L1 (ld.global.cg), for a caller that reads them
+    before its programmatic wait (_gate_up_first_body)."""
     TILES: tl.constexpr = (I + BLOCK_I - 1) // BLOCK_I
+    MOD: tl.constexpr = ".cg" if CG else ""
     items = n_pairs * TILES
     w = tl.program_id(0)
-    slot = tl.load(pre_ptr + w // TILES, mask=w < items, other=-1)
+    slot = tl.load(pre_ptr + w // TILES, mask=w < items, other=-1, cache_modifier=MOD)
     while w < items:  # a while loop: Triton's interpreter cannot range() a tensor
         # the next item's slot is loaded before this item's rows, so its round trip overlaps them
         nxt = w + tl.num_programs(0)
-        slot_next = tl.load(pre_ptr + nxt // TILES, mask=nxt < items, other=-1)
+        slot_next = tl.load(pre_ptr + nxt // TILES, mask=nxt < items, other=-1, cache_modifier=MOD)
         if slot >= 0:
             _gate_up_rows(x_ptr, slot, w // TILES, w % TILES, weights_ptr, x_ptr, w13_ptr, act_ptr, num_slots,
-                          K, H, I, BLOCK_I, CHUNK_H, EVEN, False)
+                          K, H, I, BLOCK_I, CHUNK_H, EVEN, False, CG)
         w = nxt
         slot = slot_next
 
 
 @triton.jit
+def _gate_up_first_body(x_ptr, slots_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
+                        K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
+                        CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GDC: tl.constexpr):
+    """The whole routed gate_up, the resident experts first (MoEConfig.hits_first): a persistent
+    grid walks the (pair, tile) items twice. First the pairs with pre >= 0, at slot pre[pair], before
+    the programmatic wait (GDC): launched while the ensure and the miss copy still run (the copy
+    releases it at its start), they need only the router's output, and a resident expert keeps its
+    slot through its ensure while the copy writes only victims' slots. Then, after the wait (the copy
+    done), the pairs with pre < 0 at the ensure's slots[pair]. Every item is computed by
+    _gate_up_rows as _gate_up_body computes it: the same act bits as one part="all" launch."""
+    _gate_up_hits_body(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
+                       K, H, I, BLOCK_I, CHUNK_H, EVEN, GDC)
+    if GDC:  # the ensure and the copy are done; then the down launch may start
+        gdc_wait()
+        gdc_launch_dependents()
+    TILES: tl.constexpr = (I + BLOCK_I - 1) // BLOCK_I
+    items = n_pairs * TILES
+    w = tl.program_id(0)
+    while w < items:
+        pair = w // TILES
+        if tl.load(pre_ptr + pair) < 0:
+            slot = tl.load(slots_ptr + pair)
+            _gate_up_rows(x_ptr, slot, pair, w % TILES, weights_ptr, x_ptr, w13_ptr, act_ptr, num_slots,
+                          K, H, I, BLOCK_I, CHUNK_H, EVEN, False)
+        w += tl.num_programs(0)
+
+
+@triton.jit
 def _gate_up_rows(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
+                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, CG: tl.constexpr = False):
     token = pair // K
     live = (slot >= 0) & (slot < num_slots)
     rows = tile * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] gate rows
@@ -111,7 +142,7 @@ def _gate_up_rows(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13_ptr, act
     if GATED:
         weight = tl.sigmoid(tl.sum(acc_g, axis=0))  # the same value in every program of the token
     else:
-        weight = tl.load(weights_ptr + pair)
+        weight = tl.load(weights_ptr + pair, cache_modifier=".cg" if CG else "")
     act = tl.where(live, weight * gate_dot * tl.sigmoid(gate_dot) * up_dot, 0.0)
     tl.store(act_ptr + pair * I + rows, act, mask=rows < I)
 
@@ -173,6 +204,14 @@ def _gate_up_hits(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pa
                   CHUNK_H: tl.constexpr, EVEN: tl.constexpr):
     _gate_up_hits_body(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
                        K, H, I, BLOCK_I, CHUNK_H, EVEN)
+
+
+@triton.jit(**HITS_JIT_OPTIONS)
+def _gate_up_first(x_ptr, slots_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
+                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
+                   CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GDC: tl.constexpr):
+    _gate_up_first_body(x_ptr, slots_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
+                        K, H, I, BLOCK_I, CHUNK_H, EVEN, GDC)
 
 
 @triton.jit(**JIT_OPTIONS)

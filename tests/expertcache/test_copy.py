@@ -160,6 +160,8 @@ def test_errors_name_the_fix(interpret, monkeypatch):
         miss_copy(store, pool, plan, count, num_ctas=0)
     with pytest.raises(ValueError, match="block_bytes"):
         miss_copy(store, pool, plan, count, block_bytes=48)
+    with pytest.raises(ValueError, match="release_next must be"):
+        miss_copy(store, pool, plan, count, pdl=True, release_next=1)
     with pytest.raises(ValueError, match="plan must be"):
         miss_copy_ce(store, pool, np.zeros((2, 3), dtype=np.int32))
     monkeypatch.setenv("TRITON_INTERPRET", "0")

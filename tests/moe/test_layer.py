@@ -102,6 +102,9 @@ def test_overlap_decision_and_reasons_cpu(monkeypatch):
     hits = SyntheticModel(random_weights(dataclasses.replace(CPU_CFG, shared_intermediate=0), CPU_L, "cpu"),
                           CPU_S, "cpu")
     assert "cpu" in hits.layers[0].overlap_reason  # early hits are side-stream work: only the device declines
+    first = SyntheticModel(random_weights(dataclasses.replace(CPU_CFG, shared_intermediate=0), CPU_L, "cpu"),
+                           CPU_S, "cpu", hits_first=True)
+    assert "no shared expert and hits_first on" in first.layers[0].overlap_reason
 
 
 @interpreter
@@ -269,6 +272,42 @@ def test_early_hits_bitwise(gpu_weights, graph):
     early.close()
 
 
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_hits_first_bitwise(gpu_weights, graph, overlap):
+    """MoEConfig.hits_first (one persistent gate_up on the compute stream: the resident experts
+    while the ensure and the copy run, released by the copy, the others after it) changes no bit
+    against the default layer with the overlap off, with evictions every step, eager and in a CUDA
+    graph."""
+    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False)
+    first = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap, hits_first=True)
+    assert first.cfg.hits_first and not plain.cfg.hits_first
+    assert_steps_bitwise(plain, first, graph, 2, seed=23)
+    plain.close()
+    first.close()
+
+
+@interpreter
+def test_hits_first_matches_plain_cpu():
+    """hits_first on the CPU interpreter (no programmatic launch: the two halves in one launch, in
+    order): outputs, slot maps and pool equal to the default layer's, with evictions every step."""
+    weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=11)
+    plain = SyntheticModel(weights, CPU_S, "cpu")
+    first = SyntheticModel(weights, CPU_S, "cpu", hits_first=True)
+    gen = torch.Generator().manual_seed(12)
+    for _ in range(3):
+        x = torch.randn(2, CPU_CFG.hidden, generator=gen).to(BF16)
+        before = misses(first)
+        a, b = plain.step(x), first.step(x)
+        assert misses(first) > before, "every step must miss (and evict)"
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        sa, sb = state(plain), state(first)
+        for name in sa:
+            assert torch.equal(sa[name], sb[name]), name
+
+
 def profile_step(model: SyntheticModel, x: torch.Tensor, path) -> list:
     """One eager step under the profiler with the shared expert inside record_function ranges."""
     for layer in model.layers:
@@ -312,6 +351,27 @@ def test_copy_on_compute_stream_shared_on_side_stream(gpu_weights, overlap, tmp_
         assert side.isdisjoint(compute) and len(side) == 1
     else:
         assert side == compute
+    model.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("overlap", [True, False], ids=["on", "off"])
+def test_hits_first_launches(gpu_weights, overlap, tmp_path):
+    """With MoEConfig.hits_first: seven launches per layer, the routed gate_up one _gate_up_first on
+    the compute stream (no _gate_up_hits, no _gate_up_kernel), the shared expert alone on the side
+    stream when overlapping."""
+    model = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap, hits_first=True)
+    x = torch.randn(2, GPU_CFG.hidden, device="cuda").to(BF16)
+    events = profile_step(model, x, tmp_path / "trace.json")
+    ks = kernels(events)
+    first, down = named(ks, "_gate_up_first"), named(ks, "_down_kernel")
+    compute = {k.stream for k in first + down + named(ks, "_miss_copy_kernel") + named(ks, "ensure_kernel")}
+    assert len(first) == len(down) == GPU_L and not named(ks, "_gate_up_hits") and not named(ks, "_gate_up_kernel")
+    assert len(ks) == 7 * GPU_L, sorted(k.name for k in ks)
+    assert len(compute) == 1
+    side = {k.stream for k in kernels_in_range(events, "test.shared_expert")}
+    assert side.isdisjoint(compute) if overlap else side == compute
     model.close()
 
 

@@ -211,6 +211,27 @@ def test_hits_then_rest_equal_one_gate_up(tokens):
     assert torch.equal(act, want)
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_first_equals_one_gate_up(tokens):
+    """part="first" (one persistent launch: the pre >= 0 pairs at pre, then the others at slots)
+    writes every act row bit for bit as one part="all" launch over the final slots; the hits are
+    read at pre (their entries in `slots` are garbage here) and the rest at slots."""
+    device, _ = device_or_skip()
+    gate_up, _ = make_pool(12, 64, 32, torch.bfloat16, device, seed=41)
+    slots, weights = make_route(tokens, 4, 12, device, seed=42, pad=0)
+    hidden = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(43)).bfloat16().to(device)
+    hit = torch.rand(slots.shape, generator=torch.Generator().manual_seed(44)) < 0.5
+    hit.view(-1)[0], hit.view(-1)[-1] = True, False  # both halves non-empty
+    hit = hit.to(device)
+    pre = torch.where(hit, slots, torch.full_like(slots, NO_SLOT))
+    want = routed_gate_up(hidden, slots, weights, gate_up, act=torch.empty(tokens * 4, 32, device=device)).clone()
+    stale = torch.where(hit, (slots + 5) % 12, slots)  # a hit's entry in slots is never read
+    for programs in (None, 3, 1000):
+        act = torch.full((tokens * 4, 32), float("nan"), device=device)
+        routed_gate_up(hidden, stale, weights, gate_up, act=act, part="first", pre=pre, programs=programs)
+        assert torch.equal(act, want), programs
+
+
 def test_parts_need_pre_and_routed_experts():
     device, _ = device_or_skip()
     gate_up, _ = make_pool(4, 16, 8, torch.bfloat16, device, seed=35)
@@ -224,6 +245,8 @@ def test_parts_need_pre_and_routed_experts():
         routed_gate_up(hidden, slots, weights, gate_up, part="rest", pre=slots[:, :1].contiguous())
     with pytest.raises(ValueError, match="programs must be"):
         routed_gate_up(hidden, slots, weights, gate_up, part="hits", pre=slots, programs=0)
+    with pytest.raises(ValueError, match="pre"):
+        routed_gate_up(hidden, slots, weights, gate_up, part="first")
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
@@ -354,13 +377,15 @@ def test_compiles_for_sm90_with_16_byte_loads():
     T = 1..8) and streams the weights with 16-byte vector loads. Runs in a child
     process without TRITON_INTERPRET, which would replace the compiler's language hooks."""
     result = compile_check(SM90_CHECK)
-    assert result == {name: [True, True] for name in ("_gate_up_kernel", "_gate_up_hits", "_gate_up_kernel+rest",
-                                                      "_down_kernel", "_down_kernel+combine",
-                                                      "_shared_gate_up", "_shared_down")} | {
+    assert result == {name: [True, True] for name in ("_gate_up_kernel", "_gate_up_hits", "_gate_up_first",
+                                                      "_gate_up_kernel+rest", "_down_kernel",
+                                                      "_down_kernel+combine", "_shared_gate_up",
+                                                      "_shared_down")} | {
         "combine_rounds_to_nearest_even": True,
         # programmatic launch by default (RoutedConfig.pdl), never with pdl=False, for the shared
         # expert, nor for the early hits (launched behind an event wait on the side stream)
-        "griddepcontrol": ["_down_kernel", "_down_kernel+combine", "_gate_up_kernel", "_gate_up_kernel+rest"]}
+        "griddepcontrol": ["_down_kernel", "_down_kernel+combine", "_gate_up_first", "_gate_up_kernel",
+                           "_gate_up_kernel+rest"]}
 
 
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
@@ -440,6 +465,41 @@ def test_gpu_qwen3_next_shared_expert_and_combine():
     cast = torch.empty(2, QWEN3_NEXT["hidden"], dtype=torch.bfloat16, device="cuda")
     routed_experts(hidden, slots, weights, gate_up, down, addend=shared, out_cast=cast)
     assert torch.equal(cast, (routed_experts(hidden, slots, weights, gate_up, down) + shared).bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(LAUNCH_MODES))
+def test_gpu_first_equals_one_gate_up(mode):
+    """At the Qwen3-Next shape and the default tiles, part="first" (programmatic by default: its
+    hits before griddepcontrol.wait, the rest after) writes the same bits as one part="all" launch,
+    in eager launches and in a CUDA graph replayed with new slots, pre and weights."""
+    _, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA")
+    config = RoutedConfig(**LAUNCH_MODES[mode])
+    hidden, slots, _, gate_up, _ = _qwen_case(3, seed=61)
+    gen = torch.Generator().manual_seed(62)
+
+    def case():
+        hit = (torch.rand(slots.shape, generator=gen) < 0.7).cuda()
+        new = torch.randint(0, 96, slots.shape, generator=gen, dtype=torch.int32).cuda()
+        return new, torch.where(hit, new, torch.full_like(new, NO_SLOT)), torch.rand(slots.shape, generator=gen).cuda()
+
+    act = torch.full((30, 512), float("nan"), device="cuda")
+    s_in, p_in, w_in = case()
+    routed_gate_up(hidden, s_in, w_in, gate_up, act=act, part="first", pre=p_in, config=config)
+    want = routed_gate_up(hidden, s_in, w_in, gate_up, act=torch.empty(30, 512, device="cuda"), config=config)
+    assert torch.equal(act, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        routed_gate_up(hidden, s_in, w_in, gate_up, act=act, part="first", pre=p_in, config=config)
+    for _ in range(3):
+        s, p, w = case()
+        s_in.copy_(s), p_in.copy_(p), w_in.copy_(w)
+        act.fill_(float("nan"))
+        graph.replay()
+        want = routed_gate_up(hidden, s, w, gate_up, act=torch.empty(30, 512, device="cuda"), config=config)
+        assert torch.equal(act, want)
 
 
 @pytest.mark.gpu
