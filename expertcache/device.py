@@ -4,7 +4,7 @@
       state: slot_of int32 [L*E], key_of int32 [S], policy key/slot/glob int64,
              clock int64 [2], counters int64 [L, 3], missed int64 [1] (counters[:, 2].sum(), kept
              by the kernel so a call reads one word, not L), status int32 [1], with rule_mirror mirror
-             int64 [3, S] (lt, lc, dct of each slot's key)   (torch, on device)
+             int64 [4, S] (lt, lc + dct and layer of each slot's key, pin step)   (torch, on device)
       ensure(layer, ids [rows, k] int32 on device[, logit_idx, logit_val [rows, T]])
         -> EnsureBuffers: slots int32 [rows, k], plan int32 [BLOCK_Q, 2], count int32 [1]
 
@@ -131,11 +131,13 @@ class DeviceCache:
             raise ValueError(f"rule_mirror must be a bool, got {rule_mirror!r}")
         if rule_mirror and self.policy.kind != KIND_RULE:
             raise ValueError(f"rule_mirror is for the rule policy, not {self.policy.name!r}")
-        # rule_mirror: rule keeps lt, lc and dct of each slot's key also per slot (mirror [3, S], kept
-        # by the commit beside the per-key rows), so its scoring loads them coalesced beside key_of
-        # instead of gathering them through the keys; the per-key state stays the host's
+        # rule_mirror: rule keeps what its score reads of each slot's key also per slot (mirror [4, S]:
+        # lt, lc + dct and the key's layer, kept by the commit beside the per-key rows, and the step of
+        # the last call that pinned the slot as a hit), so its scoring reads the filled prefix with
+        # coalesced loads only: no key_of, no gathers through the keys, no pinned test per query
+        # position; the per-key state stays the host's
         self.rule_mirror = rule_mirror
-        self.mirror = t(np.zeros((3, geometry.num_slots) if rule_mirror else 1, np.int64))
+        self.mirror = t(np.zeros((4, geometry.num_slots) if rule_mirror else 1, np.int64))
         self.grid = triton.cdiv(geometry.num_slots, chunk)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
         self._cand: dict[int, torch.Tensor] = {}

@@ -104,14 +104,23 @@ def _log2_1p_q16(i):
 
 
 @triton.jit
-def _rule_score(key, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, prm_ptr):
-    lk = key.to(tl.int32) // num_experts  # keys < 2**31: a 32-bit division
+def _rule_score(lk, lt, lcd, layer, tok, dc_now, num_layers, prm_ptr):
+    """rule's score of keys of layer lk with last use lt and lc + dct = lcd (int64)."""
     later = lk > layer
     kk = tl.where(later, tok - 1, tok) - lt
     kk = tl.minimum(tl.maximum(kk, 0), tl.load(prm_ptr + 3))
     d = tl.where(later, lk - layer, num_layers - layer + lk).to(tl.int64)
-    lcv = tl.maximum(lc - (dc_now - dct), tl.load(prm_ptr + 4))  # no division per key
+    lcv = tl.maximum(lcd - dc_now, tl.load(prm_ptr + 4))  # no division per key
     return -((kk << 16) + d * tl.load(prm_ptr)) + ((tl.load(prm_ptr + 1) * lcv) >> 4)
+
+
+@triton.jit
+def _mirror_refresh(slot_of_ptr, mir_ptr, rkey, near, tok):
+    """The near-miss refresh of the resident near keys' mirrored lt (row 0), at their slots."""
+    rs = tl.load(slot_of_ptr + rkey, mask=near, other=-1)
+    nm = near & (rs >= 0)
+    lt = tl.load(mir_ptr + rs, mask=nm, other=0)
+    tl.store(mir_ptr + rs, tl.maximum(lt, tok - 1), mask=nm)
 
 
 @triton.jit
@@ -133,6 +142,23 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
         tl.debug_barrier()
         ev = c < filled
         score = tl.load(sst_ptr + c, mask=ev, other=0)
+    elif MIRROR:
+        # rule with its per-slot mirror (DeviceCache(rule_mirror=True)): every input of a slot's score
+        # is a coalesced load of the filled prefix [0, filled) (no key_of, no gather through keys, no
+        # division), and the hits are pinned by this call's step stamped at their slots (row 3), one
+        # compare per slot instead of one per query position. Every scoring program writes the same
+        # stamps and the same near-miss refresh (the commit repeats the refresh), then its barrier.
+        tl.store(mir_ptr + 3 * num_slots + slot, step + 0 * slot, mask=hit)
+        if HAS_LOGITS:
+            _mirror_refresh(slot_of_ptr, mir_ptr, rkey, near, tok)
+        tl.debug_barrier()
+        fm = c < filled
+        lt = tl.load(mir_ptr + c, mask=fm, other=0)
+        lcd = tl.load(mir_ptr + num_slots + c, mask=fm, other=0)
+        lk = tl.load(mir_ptr + 2 * num_slots + c, mask=fm, other=0)
+        pin = tl.load(mir_ptr + 3 * num_slots + c, mask=fm, other=0)
+        ev = fm & (pin != step)
+        score = _rule_score(lk, lt, lcd, layer, tok, dc_now, num_layers, prm_ptr)
     else:
         cm = c < num_slots
         key = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
@@ -152,23 +178,6 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
             score = tl.load(sst_ptr + c, mask=cm, other=0)
         elif POLICY == 2:
             score = tl.load(sst_ptr + num_slots + c, mask=cm, other=0)
-        elif MIRROR:
-            # rule with its per-slot mirror (DeviceCache(rule_mirror=True)): the slots' lt, lc and
-            # dct are three coalesced loads beside key_of (masked by cm, so they do not wait for it),
-            # not gathers through each slot's key
-            lc = tl.load(mir_ptr + num_slots + c, mask=cm, other=0)
-            dct = tl.load(mir_ptr + 2 * num_slots + c, mask=cm, other=0)
-            if HAS_LOGITS:
-                # the near-miss refresh of the resident near keys' mirrored lt, in memory: every
-                # scoring program writes the same values (the commit's refresh repeats them)
-                rs = tl.load(slot_of_ptr + rkey, mask=near, other=-1)
-                nm = near & (rs >= 0)
-                lt_r = tl.load(mir_ptr + rs, mask=nm, other=0)
-                tl.store(mir_ptr + rs, tl.maximum(lt_r, tok - 1), mask=nm)
-                tl.debug_barrier()
-            lt = tl.load(mir_ptr + c, mask=cm, other=0)
-            score = _rule_score(tl.where(ev, key, 0), lt, lc, dct, layer, tok, dc_now, num_layers, num_experts,
-                                prm_ptr)
         else:
             kq = tl.where(ev, key, 0)
             # lc and dct first: the refresh below rewrites only the lt row, so these two gathers
@@ -183,7 +192,8 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
                 tl.store(kst_ptr + rkey, tl.maximum(lt_r, tok - 1), mask=near)
                 tl.debug_barrier()
             lt = tl.load(kst_ptr + kq, mask=ev, other=0)
-            score = _rule_score(kq, lt, lc, dct, layer, tok, dc_now, num_layers, num_experts, prm_ptr)
+            lk = kq.to(tl.int32) // num_experts  # keys < 2**31: a 32-bit division
+            score = _rule_score(lk, lt, lc + dct, layer, tok, dc_now, num_layers, prm_ptr)
     packed = tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
     return _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q, SEQ_MAX, STORE_SEQ)
 
@@ -267,7 +277,7 @@ def _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, first, slot, hit, num_keys, PO
 
 @triton.jit
 def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, lc, dct, TABLE: tl.constexpr,
-                mir_ptr, sl, num_slots, MIRROR: tl.constexpr):
+                mir_ptr, sl, num_slots, layer, MIRROR: tl.constexpr):
     """rule's use of every key of the call (hits and installs alike); lc, dct: the keys' state as
     loaded at the start of the launch (only the committing program writes those two rows).
     TABLE: the growth term loaded from the policy's table (prm[5:], an L2 hit) instead of computed
@@ -282,10 +292,10 @@ def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, lc, dct, TA
     tl.store(kst_ptr + num_keys + key, lc_new, mask=first)
     tl.store(kst_ptr + 2 * num_keys + key, dc_now + 0 * key, mask=first)
     tl.store(kst_ptr + key, tok + 0 * key, mask=first)
-    if MIRROR:  # the same three values at the key's slot (sl: its slot after this call)
+    if MIRROR:  # at the key's slot (sl: its slot after this call): lt, lc + dct and the key's layer
         tl.store(mir_ptr + sl, tok + 0 * key, mask=first)
-        tl.store(mir_ptr + num_slots + sl, lc_new, mask=first)
-        tl.store(mir_ptr + 2 * num_slots + sl, dc_now + 0 * key, mask=first)
+        tl.store(mir_ptr + num_slots + sl, lc_new + dc_now, mask=first)
+        tl.store(mir_ptr + 2 * num_slots + sl, layer + 0 * key, mask=first)
 
 
 @triton.jit
@@ -317,10 +327,7 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
         if HAS_LOGITS:
             lt = tl.load(kst_ptr + rkey, mask=near, other=0)
             if MIRROR:  # the resident near keys' mirrored lt too, at their slots before this call
-                rs = tl.load(slot_of_ptr + rkey, mask=near, other=-1)
-                nm = near & (rs >= 0)
-                lt_m = tl.load(mir_ptr + rs, mask=nm, other=0)
-                tl.store(mir_ptr + rs, tl.maximum(lt_m, tok - 1), mask=nm)
+                _mirror_refresh(slot_of_ptr, mir_ptr, rkey, near, tok)
             tl.store(kst_ptr + rkey, tl.maximum(lt, tok - 1), mask=near)
             tl.debug_barrier()
     if HITS_ONLY:  # every valid position is a hit: its slot stays, nothing is evicted or installed
@@ -358,7 +365,7 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
         _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots, early_a, early_b)
     else:
         _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, early_a, early_b, TABLE,
-                    mir_ptr, sl, num_slots, MIRROR)
+                    mir_ptr, sl, num_slots, layer, MIRROR)
     i = tl.arange(0, BLOCK_Q)
     tl.store(out_ptr + i, tl.where(valid, sl, -1).to(tl.int32), mask=i < ids_n)
     tl.store(count_ptr, m)
@@ -392,7 +399,8 @@ def ensure_kernel(
     cand_ptr,       # int64 [BLOCK_C]: scratch: candidates per program, then merged
     arrive_ptr,     # int32 [1]: scratch: programs arrived (zero between calls)
     status_ptr,     # int32 [1]: 0, or the code of the last refused call
-    mir_ptr,        # int64 [3, S]: with MIRROR (rule), lt, lc and dct of each slot's key (else unread)
+    mir_ptr,        # int64 [4, S]: with MIRROR (rule), per slot: its key's lt, lc + dct and layer, and
+                    # the step of the last call that scored with it as a hit (else unread)
     layer,          # this call's MoE layer
     num_experts, num_layers, num_slots, n_ids,
     k,              # routed experts per row (the k of the k-th logit)

@@ -59,10 +59,11 @@ def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, **tiles):
         assert np.array_equal(buf.plan[:m].cpu().numpy(), res.plan), (policy, c)
         assert np.array_equal(buf.slots.cpu().numpy(), res.slots), (policy, c)
         assert dev.snapshot().equals(ref.snapshot()), (policy, c)
-        if dev.rule_mirror:  # each filled slot's mirror is its key's lt, lc, dct
+        if dev.rule_mirror:  # each filled slot's mirror is its key's lt, lc + dct and layer
             full = np.flatnonzero(ref.key_of >= 0)
-            want = ref.state.key[:3][:, ref.key_of[full]]
-            assert np.array_equal(dev.mirror.cpu().numpy()[:, full], want), (policy, c)
+            kf = ref.key_of[full]
+            want = np.stack([ref.state.key[0, kf], ref.state.key[1, kf] + ref.state.key[2, kf], kf // E])
+            assert np.array_equal(dev.mirror.cpu().numpy()[:3, full], want), (policy, c)
         assert int(dev.missed.item()) == int(ref.counters[:, 2].sum()), (policy, c)  # the filled-prefix word
     dev.check()
     return ref
@@ -103,8 +104,9 @@ def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max, lean):
 @pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
 @pytest.mark.parametrize("S", [24, 30], ids=["evicting", "mostly-hits"])
 def test_rule_mirror(chunk, T, lean, S):
-    """DeviceCache(rule_mirror=True): rule scores from its per-slot mirror of lt, lc and dct; the
-    host's state bit for bit and the mirror equal to the resident keys' rows after every call, with
+    """DeviceCache(rule_mirror=True): rule scores from its per-slot mirror (lt, lc + dct, layer, and
+    the hits pinned by a step stamp); the host's state bit for bit and the mirror equal to the
+    resident keys' rows after every call, with
     and without router logits (near-miss refresh of resident and absent keys), on several programs
     and one, while the pool fills, when nearly every call evicts (24 slots for 32 keys) and when
     most calls do not (30 slots: the commit alone refreshes the mirror)."""
