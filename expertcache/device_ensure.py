@@ -37,8 +37,8 @@ POLICY_LRU, POLICY_RULE, POLICY_LFUDA = 0, 1, 2  # == expertcache.policies.base 
 
 
 @triton.jit
-def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gst_ptr, num_keys,
-           BLOCK_Q: tl.constexpr, POLICY: tl.constexpr, EARLY: tl.constexpr):
+def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gst_ptr, prm_ptr, num_keys, dc_now,
+           BLOCK_Q: tl.constexpr, POLICY: tl.constexpr, EARLY: tl.constexpr, TABLE: tl.constexpr):
     """Distinct keys and their fate. Per position i: key, first (first occurrence of a
     valid key), slot (before the call), hit / fmiss (first and resident / absent), mrank
     (misses with a smaller key: _miss_rank). EARLY: also the commit's policy reads (_policy_reads), issued
@@ -53,8 +53,8 @@ def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gs
     slot = tl.load(slot_of_ptr + key, mask=valid, other=-1)
     early_a, early_b = 0, 0
     if EARLY:
-        early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, valid, slot, valid & (slot >= 0),
-                                         num_keys, POLICY)
+        early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, prm_ptr, key, valid, slot, valid & (slot >= 0),
+                                         num_keys, dc_now, POLICY, TABLE)
     earlier = (key[:, None] == key[None, :]) & valid[None, :] & (i[None, :] < i[:, None])
     first = valid & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
     hit = first & (slot >= 0)
@@ -260,13 +260,17 @@ def _victims(best, cand_ptr, r, from_cand, need, BLOCK_Q: tl.constexpr, SEQ_MAX:
 
 
 @triton.jit
-def _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, first, slot, hit, num_keys, POLICY: tl.constexpr):
-    """What the commit's policy update reads: rule's lc and dct of each key, lfuda's hit counts
-    and age (lru: nothing). Only the committing program writes them, so they may be read at the
-    start of the launch, beside the query's loads (they need only the key or the hit's slot)."""
-    if POLICY == 1:
-        a = tl.load(kst_ptr + num_keys + key, mask=first, other=0)
-        b = tl.load(kst_ptr + 2 * num_keys + key, mask=first, other=-1)
+def _policy_reads(kst_ptr, sst_ptr, gst_ptr, prm_ptr, key, first, slot, hit, num_keys, dc_now, POLICY: tl.constexpr,
+                  TABLE: tl.constexpr):
+    """What the commit's policy update reads: rule's lc and dct of each key (and, from them, the lc
+    its use leaves, so the growth table's load follows at once), lfuda's hit counts and age (lru:
+    nothing). Only the committing program writes them, so they may be read at the start of the
+    launch, beside the query's loads (they need only the key or the hit's slot)."""
+    if POLICY == 1:  # rule: a = each key's lc after this call's use (_rule_grown), b unused
+        lc = tl.load(kst_ptr + num_keys + key, mask=first, other=0)
+        dct = tl.load(kst_ptr + 2 * num_keys + key, mask=first, other=-1)
+        a = _rule_grown(lc, dct, dc_now, prm_ptr, first, TABLE)
+        b = 0
     elif POLICY == 2:
         a = tl.load(sst_ptr + slot, mask=hit, other=0)
         b = tl.load(gst_ptr)
@@ -276,10 +280,8 @@ def _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, first, slot, hit, num_keys, PO
 
 
 @triton.jit
-def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, lc, dct, TABLE: tl.constexpr,
-                mir_ptr, sl, num_slots, layer, MIRROR: tl.constexpr):
-    """rule's use of every key of the call (hits and installs alike); lc, dct: the keys' state as
-    loaded at the start of the launch (only the committing program writes those two rows).
+def _rule_grown(lc, dct, dc_now, prm_ptr, first, TABLE: tl.constexpr):
+    """rule's lc of keys used now, from their lc and dct before (dct < 0: never used: 0).
     TABLE: the growth term loaded from the policy's table (prm[5:], an L2 hit) instead of computed
     in float64 (DeviceCache(rule_table=True))."""
     x = tl.maximum(lc - (dc_now - tl.maximum(dct, 0)), tl.load(prm_ptr + 4))
@@ -288,7 +290,15 @@ def _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, lc, dct, TA
         grown = tl.maximum(x, 0) + tl.load(prm_ptr + 5 + ti, mask=first, other=0)
     else:
         grown = tl.maximum(x, 0) + _log2_1p_q16(ti)
-    lc_new = tl.where(dct < 0, 0, grown)
+    return tl.where(dct < 0, 0, grown)
+
+
+@triton.jit
+def _touch_rule(kst_ptr, key, first, tok, dc_now, num_keys, lc_new, mir_ptr, sl, num_slots, layer,
+                MIRROR: tl.constexpr):
+    """rule's use of every key of the call (hits and installs alike); lc_new: the keys' lc after it
+    (_policy_reads: only the committing program writes lc and dct, so they are read, and lc_new
+    computed, at the start of the launch)."""
     tl.store(kst_ptr + num_keys + key, lc_new, mask=first)
     tl.store(kst_ptr + 2 * num_keys + key, dc_now + 0 * key, mask=first)
     tl.store(kst_ptr + key, tok + 0 * key, mask=first)
@@ -358,14 +368,14 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
         tl.store(plan_ptr + 2 * mrank + 1, vslot.to(tl.int32), mask=fmiss)
         sl = tl.where(slot >= 0, slot, vslot)
     if not EARLY:  # read now (early_reads=False), or at the start of the launch (early_a, early_b)
-        early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, key, first, slot, hit, num_keys, POLICY)
+        early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, prm_ptr, key, first, slot, hit, num_keys,
+                                         dc_now, POLICY, TABLE)
     if POLICY == 0:
         tl.store(sst_ptr + sl, step + 0 * sl, mask=first)
     elif POLICY == 2:
         _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots, early_a, early_b)
     else:
-        _touch_rule(kst_ptr, prm_ptr, key, first, tok, dc_now, num_keys, early_a, early_b, TABLE,
-                    mir_ptr, sl, num_slots, layer, MIRROR)
+        _touch_rule(kst_ptr, key, first, tok, dc_now, num_keys, early_a, mir_ptr, sl, num_slots, layer, MIRROR)
     i = tl.arange(0, BLOCK_Q)
     tl.store(out_ptr + i, tl.where(valid, sl, -1).to(tl.int32), mask=i < ids_n)
     tl.store(count_ptr, m)
@@ -436,8 +446,8 @@ def ensure_kernel(
         near = rkey != 0
     # EARLY (DeviceCache(early_reads=True)): the commit's policy reads issued beside the query's
     valid, key, first, slot, hit, fmiss, n, m, bad, early_a, early_b = _query(
-        ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gst_ptr, num_keys, BLOCK_Q,
-        POLICY, EARLY)
+        ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gst_ptr, prm_ptr, num_keys, dc_now,
+        BLOCK_Q, POLICY, EARLY, TABLE)
     filled = tl.minimum(missed, num_slots)
     ne = tl.minimum(m, num_slots - filled)
     ok = (bad == 0) & (n <= num_slots)
