@@ -85,7 +85,7 @@ def variant(label: str) -> tuple[str, dict]:
     "rule:w2:c1024:s8:l0:e0:t0" -> ("rule", num_warps=2, chunk=1024, seq_max=8, lean=False, early_reads=False,
     rule_table=False); "lru:L48" -> ("lru", layers=48): the pool's geometry has 48 layers (every call
     still goes to layer 0; lru's and lfuda's misses are the sequence's, rule's decay clock counts layers
-    so its measured misses may differ), as a model's would; "rule:m1:c2048" -> ("rule", rule_mirror=True,
+    so its measured misses may differ), as a model's would; "rule:m0:c2048" -> ("rule", rule_mirror=False,
     chunk=2048); "lru:p1" -> ("lru", pdl=True): every call a programmatic dependent launch, as the
     MoE layer makes it (it waits for its predecessor before reading; flashlib has no such launch)."""
     name, *opts = label.split(":")
@@ -163,7 +163,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--policies", default="lru,rule,lfuda",
                     help="policies, each optionally with :wN (warps), :cN (chunk), :sN (seq_max) and "
-                      ":l0 (not lean), :e0 (policy reads in the commit), :t0 (rule's growth computed, not loaded from its table), :m1 (rule's per-slot mirror), "
+                      ":l0 (not lean), :e0 (policy reads in the commit), :t0 (rule's growth computed, not loaded from its table), :m0 (rule without its per-slot mirror, the default since it is on), "
                       ":LN (a pool geometry of N layers, calls at layer 0), :p1 (programmatic dependent launch, "
                       "as the MoE layer launches it), e.g. rule:e0, lru:L48")
     ap.add_argument("--slots", default=",".join(map(str, SLOTS)))

@@ -4,7 +4,7 @@
 
 Compiles expertcache.device_ensure.ensure_kernel with Triton for sm_90a at the default tiles (512-slot
 programs, 4 warps, k = 10 so a 16-wide query; the layer count is not compiled in) and
-DeviceCache's default lean kernel with early reads and rule's growth table, for every policy, with
+DeviceCache's default lean kernel with early reads, rule's growth table and its mirror, for every policy, with
 and without router logits (32 entries), on one program and on several, and prints ptxas's register
 and spill counts and the number of SASS instructions (cuobjdump) per variant.
 --seq-max: DeviceCache's seq_max (default expertcache.device_ensure.SEQ_MAX; 16 or more: no sort).
@@ -77,6 +77,8 @@ def main() -> None:
                 for flag, option in (("LEAN", "lean"), ("EARLY", "early_reads"), ("TABLE", "rule_table")):
                     if flag in params and option in defaults:
                         cx[flag] = defaults[option].default
+                if "MIRROR" in params:  # rule_mirror=None: on for rule
+                    cx["MIRROR"] = policy == 1 if defaults["rule_mirror"].default is None else defaults["rule_mirror"].default
                 asm = compile_for_sm(ensure_kernel, TYPES, cx, args.num_warps, 90, JIT)
                 info = dict(ptxas_info(asm["ptx"]), sass_instructions=sass_instructions(asm["cubin"]))
                 rows.append({"policy": name, "logits": logits, "programs": "one" if single else "several", **info})
@@ -88,7 +90,7 @@ def main() -> None:
             json.dump({"bench": "ensure_registers", "arch": "sm_90a", "triton": triton.__version__,
                        "chunk": args.chunk, "num_warps": args.num_warps, "seq_max": args.seq_max,
                        "lean": defaults["lean"].default, "early_reads": defaults["early_reads"].default,
-                       "rule_table": defaults["rule_table"].default,
+                       "rule_table": defaults["rule_table"].default, "rule_mirror": "on for rule",
                        "rows": rows}, f, indent=1)
 
 

@@ -71,7 +71,8 @@ class DeviceCache:
 
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
                  chunk: int | None = None, num_warps: int | None = None, seq_max: int = SEQ_MAX,
-                 lean: bool = True, early_reads: bool = True, rule_table: bool = True, rule_mirror: bool = False,
+                 lean: bool = True, early_reads: bool = True, rule_table: bool = True,
+                 rule_mirror: bool | None = None,
                  **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
@@ -127,15 +128,18 @@ class DeviceCache:
         # 0.02-0.20 us faster per call on the H200 in 19 of bench_ensure's 20 cells, equal in one
         # (benchmarks/results/ensure-2026-11-30-67de7c5.json). False: computed in the commit
         self.rule_table = rule_table
+        if rule_mirror is None:  # the default: on for rule (the only policy that has one)
+            rule_mirror = self.policy.kind == KIND_RULE
         if not isinstance(rule_mirror, bool):
-            raise ValueError(f"rule_mirror must be a bool, got {rule_mirror!r}")
+            raise ValueError(f"rule_mirror must be a bool or None, got {rule_mirror!r}")
         if rule_mirror and self.policy.kind != KIND_RULE:
             raise ValueError(f"rule_mirror is for the rule policy, not {self.policy.name!r}")
         # rule_mirror: rule keeps what its score reads of each slot's key also per slot (mirror [4, S]:
         # lt, lc + dct and the key's layer, kept by the commit beside the per-key rows, and the step of
         # the last call that pinned the slot as a hit), so its scoring reads the filled prefix with
         # coalesced loads only: no key_of, no gathers through the keys, no pinned test per query
-        # position; the per-key state stays the host's
+        # position; the per-key state stays the host's. On by default for rule: faster on the H200 in
+        # every bench_ensure cell with misses (docs/gpu.md); rule_mirror=False scores through the keys
         self.rule_mirror = rule_mirror
         self.mirror = t(np.zeros((4, geometry.num_slots) if rule_mirror else 1, np.int64))
         self.grid = triton.cdiv(geometry.num_slots, chunk)

@@ -38,6 +38,7 @@ POLICY_LRU, POLICY_RULE, POLICY_LFUDA = 0, 1, 2  # == expertcache.policies.base 
 
 @triton.jit
 def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gst_ptr, prm_ptr, num_keys, dc_now,
+           rc_floor,
            BLOCK_Q: tl.constexpr, POLICY: tl.constexpr, EARLY: tl.constexpr, TABLE: tl.constexpr):
     """Distinct keys and their fate. Per position i: key, first (first occurrence of a
     valid key), slot (before the call), hit / fmiss (first and resident / absent), mrank
@@ -54,7 +55,7 @@ def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gs
     early_a, early_b = 0, 0
     if EARLY:
         early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, prm_ptr, key, valid, slot, valid & (slot >= 0),
-                                         num_keys, dc_now, POLICY, TABLE)
+                                         num_keys, dc_now, rc_floor, POLICY, TABLE)
     earlier = (key[:, None] == key[None, :]) & valid[None, :] & (i[None, :] < i[:, None])
     first = valid & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
     hit = first & (slot >= 0)
@@ -104,14 +105,16 @@ def _log2_1p_q16(i):
 
 
 @triton.jit
-def _rule_score(lk, lt, lcd, layer, tok, dc_now, num_layers, prm_ptr):
-    """rule's score of keys of layer lk with last use lt and lc + dct = lcd (int64)."""
+def _rule_score(lk, lt, lcd, layer, tok, dc_now, num_layers, rc_beta, rc_w, rc_kmax, rc_floor):
+    """rule's score of keys of layer lk with last use lt and lc + dct = lcd (int64); rc_*: its
+    constants (prm[0, 1, 3, 4]), loaded at the start of the launch so no load waits here."""
+    lk = lk.to(tl.int32)  # a layer: the int64 mirror row's low word, so the compares are 32-bit
     later = lk > layer
     kk = tl.where(later, tok - 1, tok) - lt
-    kk = tl.minimum(tl.maximum(kk, 0), tl.load(prm_ptr + 3))
+    kk = tl.minimum(tl.maximum(kk, 0), rc_kmax)
     d = tl.where(later, lk - layer, num_layers - layer + lk).to(tl.int64)
-    lcv = tl.maximum(lcd - dc_now, tl.load(prm_ptr + 4))  # no division per key
-    return -((kk << 16) + d * tl.load(prm_ptr)) + ((tl.load(prm_ptr + 1) * lcv) >> 4)
+    lcv = tl.maximum(lcd - dc_now, rc_floor)  # no division per key
+    return -((kk << 16) + d * rc_beta) + ((rc_w * lcv) >> 4)
 
 
 @triton.jit
@@ -124,7 +127,8 @@ def _mirror_refresh(slot_of_ptr, mir_ptr, rkey, near, tok):
 
 
 @triton.jit
-def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr, sst_ptr, prm_ptr,
+def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr, sst_ptr, rc_beta, rc_w, rc_kmax,
+                      rc_floor,
                       cand_ptr, rkey, near, layer, tok, dc_now, num_layers, num_experts, num_slots, num_keys,
                       slot, hit, step, filled, mir_ptr,
                       POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
@@ -158,7 +162,7 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
         lk = tl.load(mir_ptr + 2 * num_slots + c, mask=fm, other=0)
         pin = tl.load(mir_ptr + 3 * num_slots + c, mask=fm, other=0)
         ev = fm & (pin != step)
-        score = _rule_score(lk, lt, lcd, layer, tok, dc_now, num_layers, prm_ptr)
+        score = _rule_score(lk, lt, lcd, layer, tok, dc_now, num_layers, rc_beta, rc_w, rc_kmax, rc_floor)
     else:
         cm = c < num_slots
         key = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
@@ -193,7 +197,7 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
                 tl.debug_barrier()
             lt = tl.load(kst_ptr + kq, mask=ev, other=0)
             lk = kq.to(tl.int32) // num_experts  # keys < 2**31: a 32-bit division
-            score = _rule_score(lk, lt, lc + dct, layer, tok, dc_now, num_layers, prm_ptr)
+            score = _rule_score(lk, lt, lc + dct, layer, tok, dc_now, num_layers, rc_beta, rc_w, rc_kmax, rc_floor)
     packed = tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
     return _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q, SEQ_MAX, STORE_SEQ)
 
@@ -260,7 +264,8 @@ def _victims(best, cand_ptr, r, from_cand, need, BLOCK_Q: tl.constexpr, SEQ_MAX:
 
 
 @triton.jit
-def _policy_reads(kst_ptr, sst_ptr, gst_ptr, prm_ptr, key, first, slot, hit, num_keys, dc_now, POLICY: tl.constexpr,
+def _policy_reads(kst_ptr, sst_ptr, gst_ptr, prm_ptr, key, first, slot, hit, num_keys, dc_now, rc_floor,
+                  POLICY: tl.constexpr,
                   TABLE: tl.constexpr):
     """What the commit's policy update reads: rule's lc and dct of each key (and, from them, the lc
     its use leaves, so the growth table's load follows at once), lfuda's hit counts and age (lru:
@@ -269,7 +274,7 @@ def _policy_reads(kst_ptr, sst_ptr, gst_ptr, prm_ptr, key, first, slot, hit, num
     if POLICY == 1:  # rule: a = each key's lc after this call's use (_rule_grown), b unused
         lc = tl.load(kst_ptr + num_keys + key, mask=first, other=0)
         dct = tl.load(kst_ptr + 2 * num_keys + key, mask=first, other=-1)
-        a = _rule_grown(lc, dct, dc_now, prm_ptr, first, TABLE)
+        a = _rule_grown(lc, dct, dc_now, rc_floor, prm_ptr, first, TABLE)
         b = 0
     elif POLICY == 2:
         a = tl.load(sst_ptr + slot, mask=hit, other=0)
@@ -280,11 +285,11 @@ def _policy_reads(kst_ptr, sst_ptr, gst_ptr, prm_ptr, key, first, slot, hit, num
 
 
 @triton.jit
-def _rule_grown(lc, dct, dc_now, prm_ptr, first, TABLE: tl.constexpr):
+def _rule_grown(lc, dct, dc_now, rc_floor, prm_ptr, first, TABLE: tl.constexpr):
     """rule's lc of keys used now, from their lc and dct before (dct < 0: never used: 0).
     TABLE: the growth term loaded from the policy's table (prm[5:], an L2 hit) instead of computed
     in float64 (DeviceCache(rule_table=True))."""
-    x = tl.maximum(lc - (dc_now - tl.maximum(dct, 0)), tl.load(prm_ptr + 4))
+    x = tl.maximum(lc - (dc_now - tl.maximum(dct, 0)), rc_floor)
     ti = tl.minimum(tl.abs(x) >> 10, 1920)
     if TABLE:
         grown = tl.maximum(x, 0) + tl.load(prm_ptr + 5 + ti, mask=first, other=0)
@@ -369,7 +374,7 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
         sl = tl.where(slot >= 0, slot, vslot)
     if not EARLY:  # read now (early_reads=False), or at the start of the launch (early_a, early_b)
         early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, prm_ptr, key, first, slot, hit, num_keys,
-                                         dc_now, POLICY, TABLE)
+                                         dc_now, tl.load(prm_ptr + 4), POLICY, TABLE)
     if POLICY == 0:
         tl.store(sst_ptr + sl, step + 0 * sl, mask=first)
     elif POLICY == 2:
@@ -437,8 +442,11 @@ def ensure_kernel(
     j4 = tl.arange(0, 4)
     mine = tl.load(counters_ptr + layer * 3 + j4, mask=j4 < 3, other=0)
     dc_now = 0
-    if POLICY == 1:  # rule's decay clock DC(now): one division per program
+    rc_beta, rc_w, rc_kmax, rc_floor = 0, 0, 0, 0
+    if POLICY == 1:  # rule's decay clock DC(now) (one division per program), and its constants
         dc_now = ((tok * num_layers + layer) << 16) // tl.load(prm_ptr + 2)
+        rc_beta, rc_w = tl.load(prm_ptr), tl.load(prm_ptr + 1)
+        rc_kmax, rc_floor = tl.load(prm_ptr + 3), tl.load(prm_ptr + 4)
     if HAS_LOGITS:
         rkey, near = _near(lidx_ptr, lval_ptr, fprm_ptr, layer, num_experts, rows, T, k, BLOCK_R)
     else:
@@ -447,7 +455,7 @@ def ensure_kernel(
     # EARLY (DeviceCache(early_reads=True)): the commit's policy reads issued beside the query's
     valid, key, first, slot, hit, fmiss, n, m, bad, early_a, early_b = _query(
         ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gst_ptr, prm_ptr, num_keys, dc_now,
-        BLOCK_Q, POLICY, EARLY, TABLE)
+        rc_floor, BLOCK_Q, POLICY, EARLY, TABLE)
     filled = tl.minimum(missed, num_slots)
     ne = tl.minimum(m, num_slots - filled)
     ok = (bad == 0) & (n <= num_slots)
@@ -467,8 +475,8 @@ def ensure_kernel(
                        counters_ptr, missed_ptr, out_ptr, plan_ptr, count_ptr, cand_ptr, arrive_ptr,
                        status_ptr, mir_ptr, layer, num_experts, num_layers, num_slots, n_ids, valid, key,
                        first, slot, hit, fmiss, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
-                       step, tok, dc_now, num_keys, early_a, early_b, POLICY, HAS_LOGITS, CHUNK, BLOCK_Q,
-                       BLOCK_C, SINGLE, SEQ_MAX, LEAN, EARLY, TABLE, MIRROR)
+                       step, tok, dc_now, rc_beta, rc_w, rc_kmax, rc_floor, num_keys, early_a, early_b, POLICY,
+                       HAS_LOGITS, CHUNK, BLOCK_Q, BLOCK_C, SINGLE, SEQ_MAX, LEAN, EARLY, TABLE, MIRROR)
 
 
 @triton.jit
@@ -476,7 +484,8 @@ def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_
                    counters_ptr, missed_ptr, out_ptr, plan_ptr, count_ptr, cand_ptr, arrive_ptr,
                    status_ptr, mir_ptr, layer, num_experts, num_layers, num_slots, n_ids, valid, key,
                    first, slot, hit, fmiss, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
-                   step, tok, dc_now, num_keys, early_a, early_b, POLICY: tl.constexpr,
+                   step, tok, dc_now, rc_beta, rc_w, rc_kmax, rc_floor, num_keys, early_a, early_b,
+                   POLICY: tl.constexpr,
                    HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr,
                    BLOCK_C: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr,
                    EARLY: tl.constexpr, TABLE: tl.constexpr, MIRROR: tl.constexpr):
@@ -486,7 +495,8 @@ def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_
     best = tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64)
     if ok & (m > ne):
         best = _chunk_candidates(pid, m - ne, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr,
-                                 sst_ptr, prm_ptr, cand_ptr, rkey, near, layer, tok, dc_now, num_layers,
+                                 sst_ptr, rc_beta, rc_w, rc_kmax, rc_floor, cand_ptr, rkey, near, layer, tok,
+                                 dc_now, num_layers,
                                  num_experts, num_slots, num_keys, slot, hit, step, filled, mir_ptr, POLICY,
                                  HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN, MIRROR)
     tl.debug_barrier()

@@ -103,15 +103,17 @@ def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max, lean):
 @pytest.mark.parametrize("T", [0, 6], ids=["", "logits"])
 @pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
 @pytest.mark.parametrize("S", [24, 30], ids=["evicting", "mostly-hits"])
-def test_rule_mirror(chunk, T, lean, S):
+@pytest.mark.parametrize("mirror", [True, False], ids=["mirror", "through-keys"])
+def test_rule_mirror(chunk, T, lean, S, mirror):
     """DeviceCache(rule_mirror=True): rule scores from its per-slot mirror (lt, lc + dct, layer, and
     the hits pinned by a step stamp); the host's state bit for bit and the mirror equal to the
     resident keys' rows after every call, with
     and without router logits (near-miss refresh of resident and absent keys), on several programs
     and one, while the pool fills, when nearly every call evicts (24 slots for 32 keys) and when
-    most calls do not (30 slots: the commit alone refreshes the mirror)."""
+    most calls do not (30 slots: the commit alone refreshes the mirror). Also rule_mirror=False (the
+    score's state gathered through each slot's key, key_of and the pinned test per query position)."""
     ref = run_parity("rule", L=2, E=16, S=S, rows=2, k=4, C=40, T=T, seed=chunk + T + S, chunk=chunk,
-                     lean=lean, rule_mirror=True)
+                     lean=lean, rule_mirror=mirror)
     assert ref.counters[:, 2].sum() > 32
 
 
@@ -152,6 +154,8 @@ def test_default_tiles_by_pool_size():
         assert (dev.chunk, dev.num_warps, dev.grid) == (chunk, warps, grid), (policy, S)
     assert DeviceCache(CacheGeometry(1, 64, 1650), "lfuda", device=device, num_warps=2).chunk == 2048
     assert DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device).rule_table  # the table by default
+    assert DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device).rule_mirror  # rule: the mirror by default
+    assert not DeviceCache(CacheGeometry(1, 64, 8), "lru", device=device).rule_mirror
     g = CacheGeometry(1, 8, 4)
     for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}, {"lean": 1},
                 {"early_reads": 1}, {"rule_table": 1}, {"rule_mirror": 1}):
@@ -407,14 +411,15 @@ def test_rule_mirror_compiles_for_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("S, options", [(512, {}), (1650, {}), (1650, {"chunk": 2048}), (16384, {})],
-                         ids=["512", "1650", "1650-one-program", "16384"])
+@pytest.mark.parametrize("S, options", [(512, {}), (1650, {}), (1650, {"chunk": 2048}), (16384, {}),
+                                        (1650, {"rule_mirror": False}), (16384, {"rule_mirror": False})],
+                         ids=["512", "1650", "1650-one-program", "16384", "1650-through-keys", "16384-through-keys"])
 def test_gpu_rule_mirror(S, options):
     """rule_mirror on the GPU: parity with the host and the mirror invariant (run_parity) at real pool
-    sizes, with router logits, on its default tiles and on one program of 2048."""
+    sizes, with router logits, on its default tiles and on one program of 2048; and rule without it."""
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
     for rows, k, T in ((1, 10, 20), (4, 16, 24)):
         run_parity("rule", L=8, E=max(16, S // 8), S=S, rows=rows, k=k, C=120, T=T, seed=S + k,
-                   rule_mirror=True, **options)
+                   **({"rule_mirror": True} | options))
