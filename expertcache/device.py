@@ -4,7 +4,7 @@
       state: slot_of int32 [L*E], key_of int32 [S], policy key/slot/glob int64,
              clock int64 [2], counters int64 [L, 3], missed int64 [1] (counters[:, 2].sum(), kept
              by the kernel so a call reads one word, not L), status int32 [1], with rule_mirror mirror
-             int64 [4, S] (lt, lc + dct and layer of each slot's key, pin step)   (torch, on device)
+             int64 [2, S] (lt | layer << 56 and lc + dct of each slot's key)   (torch, on device)
       ensure(layer, ids [rows, k] int32 on device[, logit_idx, logit_val [rows, T]])
         -> EnsureBuffers: slots int32 [rows, k], plan int32 [BLOCK_Q, 2], count int32 [1]
 
@@ -24,8 +24,10 @@ import torch
 import triton
 
 from expertcache.device_ensure import (
+    LT_BITS,
     MAX_QUERY,
     MAX_SLOTS,
+    MIRROR_MAX_LAYERS,
     SEQ_MAX,
     ST_BAD_ID,
     ST_TOO_MANY,
@@ -128,20 +130,23 @@ class DeviceCache:
         # 0.02-0.20 us faster per call on the H200 in 19 of bench_ensure's 20 cells, equal in one
         # (benchmarks/results/ensure-2026-11-30-67de7c5.json). False: computed in the commit
         self.rule_table = rule_table
-        if rule_mirror is None:  # the default: on for rule (the only policy that has one)
-            rule_mirror = self.policy.kind == KIND_RULE
+        if rule_mirror is None:  # the default: on for rule (the only policy that has one) up to its layer count
+            rule_mirror = self.policy.kind == KIND_RULE and geometry.num_layers <= MIRROR_MAX_LAYERS
         if not isinstance(rule_mirror, bool):
             raise ValueError(f"rule_mirror must be a bool or None, got {rule_mirror!r}")
         if rule_mirror and self.policy.kind != KIND_RULE:
             raise ValueError(f"rule_mirror is for the rule policy, not {self.policy.name!r}")
-        # rule_mirror: rule keeps what its score reads of each slot's key also per slot (mirror [4, S]:
-        # lt, lc + dct and the key's layer, kept by the commit beside the per-key rows, and the step of
-        # the last call that pinned the slot as a hit), so its scoring reads the filled prefix with
-        # coalesced loads only: no key_of, no gathers through the keys, no pinned test per query
-        # position; the per-key state stays the host's. On by default for rule: faster on the H200 in
+        if rule_mirror and geometry.num_layers > MIRROR_MAX_LAYERS:
+            raise ValueError(f"rule_mirror packs a layer in {63 - LT_BITS.value} bits: at most "
+                             f"{MIRROR_MAX_LAYERS} layers, got {geometry.num_layers}; pass rule_mirror=False")
+        # rule_mirror: rule keeps what its score reads of each slot's key also per slot (mirror [2, S]:
+        # lt | layer << 56 and lc + dct, kept by the commit beside the per-key rows; a scoring call
+        # pins its hits by overwriting their first word), so its scoring reads the filled prefix with
+        # two coalesced loads per slot: no key_of, no gathers through the keys, no pinned test per
+        # query position; the per-key state stays the host's. On by default for rule: faster on the H200 in
         # every bench_ensure cell with misses (docs/gpu.md); rule_mirror=False scores through the keys
         self.rule_mirror = rule_mirror
-        self.mirror = t(np.zeros((4, geometry.num_slots) if rule_mirror else 1, np.int64))
+        self.mirror = t(np.zeros((2, geometry.num_slots) if rule_mirror else 1, np.int64))
         self.grid = triton.cdiv(geometry.num_slots, chunk)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
         self._cand: dict[int, torch.Tensor] = {}

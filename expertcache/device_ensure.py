@@ -32,6 +32,12 @@ SEQ_MAX = 16  # default: up to this many victims by successive minima, more by a
 SLOT_BITS = 20  # packed key = score * 2**20 + slot: slots < 2**20, |score| < 2**43
 MAX_SLOTS = 1 << SLOT_BITS
 MAX_QUERY = 1 << 10  # ids per call: fewer (the query's tallies are packed in 10-bit fields)
+# rule's mirror, row 0 per slot: lt | layer << LT_BITS (layers <= MIRROR_MAX_LAYERS, lt < 2**56), or PINNED
+# while the call being scored holds the slot's key as a hit (the call's commit rewrites the word)
+LT_BITS = tl.constexpr(56)
+LT_MASK = tl.constexpr((1 << 56) - 1)
+MIRROR_MAX_LAYERS = 127  # layer indices <= 126: a packed word never equals PINNED
+PINNED = tl.constexpr(0x7FFFFFFFFFFFFFFF)
 ST_BAD_ID, ST_TOO_MANY = 1, 2  # status codes
 POLICY_LRU, POLICY_RULE, POLICY_LFUDA = 0, 1, 2  # == expertcache.policies.base KIND_*
 
@@ -118,12 +124,18 @@ def _rule_score(lk, lt, lcd, layer, tok, dc_now, num_layers, rc_beta, rc_w, rc_k
 
 
 @triton.jit
-def _mirror_refresh(slot_of_ptr, mir_ptr, rkey, near, tok):
-    """The near-miss refresh of the resident near keys' mirrored lt (row 0), at their slots."""
+def _mirror_refresh(slot_of_ptr, mir_ptr, rkey, near, tok, layer, slot, hit, SKIP_HITS: tl.constexpr):
+    """The near-miss refresh of the resident near keys' mirrored lt, at their slots: row 0 holds
+    lt | layer << LT_BITS and the near keys are this layer's, so the max of the packed words is the
+    max of lt (a PINNED word stays). SKIP_HITS: not at the call's hit slots (`slot` where `hit`), so
+    a scoring program never rewrites a pin that another program stamped there."""
     rs = tl.load(slot_of_ptr + rkey, mask=near, other=-1)
     nm = near & (rs >= 0)
+    if SKIP_HITS:
+        pinned = tl.sum(((rs[:, None] == slot[None, :]) & hit[None, :]).to(tl.int32), axis=1) > 0
+        nm = nm & ~pinned
     lt = tl.load(mir_ptr + rs, mask=nm, other=0)
-    tl.store(mir_ptr + rs, tl.maximum(lt, tok - 1), mask=nm)
+    tl.store(mir_ptr + rs, tl.maximum(lt, (tok - 1) | (layer.to(tl.int64) << LT_BITS)), mask=nm)
 
 
 @triton.jit
@@ -148,21 +160,21 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
         score = tl.load(sst_ptr + c, mask=ev, other=0)
     elif MIRROR:
         # rule with its per-slot mirror (DeviceCache(rule_mirror=True)): every input of a slot's score
-        # is a coalesced load of the filled prefix [0, filled) (no key_of, no gather through keys, no
-        # division), and the hits are pinned by this call's step stamped at their slots (row 3), one
-        # compare per slot instead of one per query position. Every scoring program writes the same
-        # stamps and the same near-miss refresh (the commit repeats the refresh), then its barrier.
-        tl.store(mir_ptr + 3 * num_slots + slot, step + 0 * slot, mask=hit)
+        # is one of two coalesced loads of the filled prefix [0, filled) (no key_of, no gather through
+        # keys, no division), and the hits are pinned by PINNED written over their row 0, one compare
+        # per slot instead of one per query position (the commit's touch rewrites those words). Every
+        # scoring program writes the same pins and the same near-miss refresh (the commit repeats the
+        # refresh; here it skips the hits' slots, so no program overwrites a pin), then its barrier.
+        tl.store(mir_ptr + slot, PINNED + 0 * slot.to(tl.int64), mask=hit)
         if HAS_LOGITS:
-            _mirror_refresh(slot_of_ptr, mir_ptr, rkey, near, tok)
+            _mirror_refresh(slot_of_ptr, mir_ptr, rkey, near, tok, layer, slot, hit, True)
         tl.debug_barrier()
         fm = c < filled
-        lt = tl.load(mir_ptr + c, mask=fm, other=0)
+        ltk = tl.load(mir_ptr + c, mask=fm, other=0)
         lcd = tl.load(mir_ptr + num_slots + c, mask=fm, other=0)
-        lk = tl.load(mir_ptr + 2 * num_slots + c, mask=fm, other=0)
-        pin = tl.load(mir_ptr + 3 * num_slots + c, mask=fm, other=0)
-        ev = fm & (pin != step)
-        score = _rule_score(lk, lt, lcd, layer, tok, dc_now, num_layers, rc_beta, rc_w, rc_kmax, rc_floor)
+        ev = fm & (ltk != PINNED)
+        score = _rule_score(ltk >> LT_BITS, ltk & LT_MASK, lcd, layer, tok, dc_now, num_layers,
+                            rc_beta, rc_w, rc_kmax, rc_floor)
     else:
         cm = c < num_slots
         key = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
@@ -307,10 +319,9 @@ def _touch_rule(kst_ptr, key, first, tok, dc_now, num_keys, lc_new, mir_ptr, sl,
     tl.store(kst_ptr + num_keys + key, lc_new, mask=first)
     tl.store(kst_ptr + 2 * num_keys + key, dc_now + 0 * key, mask=first)
     tl.store(kst_ptr + key, tok + 0 * key, mask=first)
-    if MIRROR:  # at the key's slot (sl: its slot after this call): lt, lc + dct and the key's layer
-        tl.store(mir_ptr + sl, tok + 0 * key, mask=first)
+    if MIRROR:  # at the key's slot (sl: its slot after this call): lt | layer << LT_BITS, and lc + dct
+        tl.store(mir_ptr + sl, (tok | (layer.to(tl.int64) << LT_BITS)) + 0 * key, mask=first)
         tl.store(mir_ptr + num_slots + sl, lc_new + dc_now, mask=first)
-        tl.store(mir_ptr + 2 * num_slots + sl, layer + 0 * key, mask=first)
 
 
 @triton.jit
@@ -342,7 +353,7 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
         if HAS_LOGITS:
             lt = tl.load(kst_ptr + rkey, mask=near, other=0)
             if MIRROR:  # the resident near keys' mirrored lt too, at their slots before this call
-                _mirror_refresh(slot_of_ptr, mir_ptr, rkey, near, tok)
+                _mirror_refresh(slot_of_ptr, mir_ptr, rkey, near, tok, layer, slot, hit, False)
             tl.store(kst_ptr + rkey, tl.maximum(lt, tok - 1), mask=near)
             tl.debug_barrier()
     if HITS_ONLY:  # every valid position is a hit: its slot stays, nothing is evicted or installed
@@ -414,8 +425,8 @@ def ensure_kernel(
     cand_ptr,       # int64 [BLOCK_C]: scratch: candidates per program, then merged
     arrive_ptr,     # int32 [1]: scratch: programs arrived (zero between calls)
     status_ptr,     # int32 [1]: 0, or the code of the last refused call
-    mir_ptr,        # int64 [4, S]: with MIRROR (rule), per slot: its key's lt, lc + dct and layer, and
-                    # the step of the last call that scored with it as a hit (else unread)
+    mir_ptr,        # int64 [2, S]: with MIRROR (rule), per slot: its key's lt | layer << LT_BITS (PINNED
+                    # while a scoring call holds it as a hit) and lc + dct (else unread)
     layer,          # this call's MoE layer
     num_experts, num_layers, num_slots, n_ids,
     k,              # routed experts per row (the k of the k-th logit)

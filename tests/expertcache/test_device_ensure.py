@@ -17,7 +17,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from expertcache.device import DeviceCache  # noqa: E402
-from expertcache.device_ensure import _log2_1p_q16  # noqa: E402
+from expertcache.device_ensure import LT_BITS, _log2_1p_q16  # noqa: E402
 from expertcache.policies.rule import LOG2_1P_TABLE  # noqa: E402
 
 
@@ -59,11 +59,12 @@ def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, **tiles):
         assert np.array_equal(buf.plan[:m].cpu().numpy(), res.plan), (policy, c)
         assert np.array_equal(buf.slots.cpu().numpy(), res.slots), (policy, c)
         assert dev.snapshot().equals(ref.snapshot()), (policy, c)
-        if dev.rule_mirror:  # each filled slot's mirror is its key's lt, lc + dct and layer
+        if dev.rule_mirror:  # each filled slot's mirror is its key's lt | layer << 56 and lc + dct
             full = np.flatnonzero(ref.key_of >= 0)
             kf = ref.key_of[full]
-            want = np.stack([ref.state.key[0, kf], ref.state.key[1, kf] + ref.state.key[2, kf], kf // E])
-            assert np.array_equal(dev.mirror.cpu().numpy()[:3, full], want), (policy, c)
+            want = np.stack([ref.state.key[0, kf] | (kf.astype(np.int64) // E) << LT_BITS.value,
+                             ref.state.key[1, kf] + ref.state.key[2, kf]])
+            assert np.array_equal(dev.mirror.cpu().numpy()[:, full], want), (policy, c)
         assert int(dev.missed.item()) == int(ref.counters[:, 2].sum()), (policy, c)  # the filled-prefix word
     dev.check()
     return ref
@@ -156,6 +157,11 @@ def test_default_tiles_by_pool_size():
     assert DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device).rule_table  # the table by default
     assert DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device).rule_mirror  # rule: the mirror by default
     assert not DeviceCache(CacheGeometry(1, 64, 8), "lru", device=device).rule_mirror
+    # the mirror packs a layer in 7 bits: past 127 layers rule scores through the keys, or says so
+    assert DeviceCache(CacheGeometry(127, 4, 8), "rule", device=device).rule_mirror
+    assert not DeviceCache(CacheGeometry(128, 4, 8), "rule", device=device).rule_mirror
+    with pytest.raises(ValueError, match="at most 127 layers, got 128; pass rule_mirror=False"):
+        DeviceCache(CacheGeometry(128, 4, 8), "rule", device=device, rule_mirror=True)
     g = CacheGeometry(1, 8, 4)
     for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}, {"lean": 1},
                 {"early_reads": 1}, {"rule_table": 1}, {"rule_mirror": 1}):
