@@ -42,17 +42,19 @@ from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_RULE, PolicySta
 DEVICE_KINDS = {KIND_LRU: 0, KIND_RULE: 1, KIND_LFUDA: 2}
 # Default tiles: slots scored per program (one program up to CHUNK slots, else ceil(S / CHUNK) that
 # merge) and warps per program; the fastest at every pool size measured on the H200 (1-2 warps were
-# slower: docs/gpu.md). lru and lfuda score up to ONE_PROGRAM slots in one program (their score is one
-# load per slot): lru at 1650 slots was 0.8-1.3 us faster than 4 programs with misses and no slower
-# without, lfuda (8 warps) 0.1-0.7 us; rule, which gathers its state per key, was slower (docs/gpu.md).
+# slower: docs/gpu.md). lru, lfuda and rule with its mirror score up to ONE_PROGRAM slots in one program
+# (their score is one or two loads per slot): lru at 1650 slots was 0.8-1.3 us faster than 4 programs
+# with misses and no slower without, lfuda (8 warps) 0.1-0.7 us, rule with its mirror (8 warps) 0.06-0.8
+# us with misses and 0.05-0.14 us slower without; rule through the keys was slower (docs/gpu.md).
 CHUNK, NUM_WARPS = 512, 4
-ONE_PROGRAM = 2048  # lru and lfuda: one program up to this many slots
-ONE_PROGRAM_WARPS = {KIND_LRU: 4, KIND_LFUDA: 8}  # its warps (lfuda: 8 warps were faster than 4 at 1650)
+ONE_PROGRAM = 2048  # lru, lfuda and rule with its mirror: one program up to this many slots
+ONE_PROGRAM_WARPS = {KIND_LRU: 4, KIND_LFUDA: 8, KIND_RULE: 8}  # its warps (8 were faster than 4 at 1650)
 
 
-def default_tiles(kind: str, num_slots: int) -> tuple[int, int]:
+def default_tiles(kind: str, num_slots: int, rule_mirror: bool = False) -> tuple[int, int]:
     """(slots per program, warps) when DeviceCache is given no chunk / num_warps."""
-    if kind in ONE_PROGRAM_WARPS and CHUNK < num_slots <= ONE_PROGRAM:
+    one = kind in ONE_PROGRAM_WARPS and (kind != KIND_RULE or rule_mirror)
+    if one and CHUNK < num_slots <= ONE_PROGRAM:
         return triton.next_power_of_2(num_slots), ONE_PROGRAM_WARPS[kind]
     return CHUNK, NUM_WARPS
 
@@ -99,7 +101,23 @@ class DeviceCache:
         self.missed = t(np.zeros(1, np.int64))  # counters[:, 2].sum(): the filled prefix is min(it, S)
         self.status = t(np.zeros(1, np.int32))
         self.arrive = t(np.zeros(1, np.int32))
-        tiles = default_tiles(self.policy.kind, geometry.num_slots)
+        if rule_mirror is None:  # the default: on for rule (the only policy that has one) up to its layer count
+            rule_mirror = self.policy.kind == KIND_RULE and geometry.num_layers <= MIRROR_MAX_LAYERS
+        if not isinstance(rule_mirror, bool):
+            raise ValueError(f"rule_mirror must be a bool or None, got {rule_mirror!r}")
+        if rule_mirror and self.policy.kind != KIND_RULE:
+            raise ValueError(f"rule_mirror is for the rule policy, not {self.policy.name!r}")
+        if rule_mirror and geometry.num_layers > MIRROR_MAX_LAYERS:
+            raise ValueError(f"rule_mirror packs a layer in {63 - LT_BITS.value} bits: at most "
+                             f"{MIRROR_MAX_LAYERS} layers, got {geometry.num_layers}; pass rule_mirror=False")
+        # rule_mirror: rule keeps what its score reads of each slot's key also per slot (mirror [2, S]:
+        # lt | layer << 56 and lc + dct, kept by the commit beside the per-key rows; a scoring call
+        # pins its hits by overwriting their first word), so its scoring reads the filled prefix with
+        # two coalesced loads per slot: no key_of, no gathers through the keys, no pinned test per
+        # query position; the per-key state stays the host's. On by default for rule: faster on the H200 in
+        # every bench_ensure cell with misses (docs/gpu.md); rule_mirror=False scores through the keys
+        self.rule_mirror = rule_mirror
+        tiles = default_tiles(self.policy.kind, geometry.num_slots, rule_mirror)
         chunk = tiles[0] if chunk is None else chunk
         num_warps = tiles[1] if num_warps is None else num_warps
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
@@ -130,22 +148,6 @@ class DeviceCache:
         # 0.02-0.20 us faster per call on the H200 in 19 of bench_ensure's 20 cells, equal in one
         # (benchmarks/results/ensure-2026-11-30-67de7c5.json). False: computed in the commit
         self.rule_table = rule_table
-        if rule_mirror is None:  # the default: on for rule (the only policy that has one) up to its layer count
-            rule_mirror = self.policy.kind == KIND_RULE and geometry.num_layers <= MIRROR_MAX_LAYERS
-        if not isinstance(rule_mirror, bool):
-            raise ValueError(f"rule_mirror must be a bool or None, got {rule_mirror!r}")
-        if rule_mirror and self.policy.kind != KIND_RULE:
-            raise ValueError(f"rule_mirror is for the rule policy, not {self.policy.name!r}")
-        if rule_mirror and geometry.num_layers > MIRROR_MAX_LAYERS:
-            raise ValueError(f"rule_mirror packs a layer in {63 - LT_BITS.value} bits: at most "
-                             f"{MIRROR_MAX_LAYERS} layers, got {geometry.num_layers}; pass rule_mirror=False")
-        # rule_mirror: rule keeps what its score reads of each slot's key also per slot (mirror [2, S]:
-        # lt | layer << 56 and lc + dct, kept by the commit beside the per-key rows; a scoring call
-        # pins its hits by overwriting their first word), so its scoring reads the filled prefix with
-        # two coalesced loads per slot: no key_of, no gathers through the keys, no pinned test per
-        # query position; the per-key state stays the host's. On by default for rule: faster on the H200 in
-        # every bench_ensure cell with misses (docs/gpu.md); rule_mirror=False scores through the keys
-        self.rule_mirror = rule_mirror
         self.mirror = t(np.zeros((2, geometry.num_slots) if rule_mirror else 1, np.int64))
         self.grid = triton.cdiv(geometry.num_slots, chunk)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}

@@ -142,16 +142,19 @@ def test_kernel_matches_host_with_a_filling_pool(policy, chunk, lean, early):
 
 
 def test_default_tiles_by_pool_size():
-    """The default tiles at every pool size (lru and lfuda: one program up to 2048 slots, lfuda's of
-    8 warps); bad tiles are refused."""
+    """The default tiles at every pool size (lru, lfuda and rule with its mirror: one program up to
+    2048 slots, lfuda's and rule's of 8 warps; rule through the keys: 512-slot programs); bad tiles are
+    refused."""
     device, _ = device_or_skip()
     from expertcache.device import CHUNK, NUM_WARPS
     assert CHUNK & (CHUNK - 1) == 0 and NUM_WARPS in (1, 2, 4, 8, 16)
     for policy, S, chunk, warps, grid in (
             ("lru", 8, 512, 4, 1), ("lru", 512, 512, 4, 1), ("lru", 1650, 2048, 4, 1), ("lru", 2048, 2048, 4, 1),
             ("lru", 2049, 512, 4, 5), ("lru", 16384, 512, 4, 32), ("lfuda", 512, 512, 4, 1),
-            ("lfuda", 1650, 2048, 8, 1), ("lfuda", 4096, 512, 4, 8), ("rule", 1650, 512, 4, 4), ("rule", 8, 512, 4, 1)):
-        dev = DeviceCache(CacheGeometry(1, 4 * S, S), policy, device=device)
+            ("lfuda", 1650, 2048, 8, 1), ("lfuda", 4096, 512, 4, 8), ("rule", 1650, 2048, 8, 1), ("rule", 8, 512, 4, 1),
+            ("rule", 4096, 512, 4, 8), ("rule:m0", 1650, 512, 4, 4)):
+        name, _, m0 = policy.partition(":")
+        dev = DeviceCache(CacheGeometry(1, 4 * S, S), name, device=device, **({"rule_mirror": False} if m0 else {}))
         assert (dev.chunk, dev.num_warps, dev.grid) == (chunk, warps, grid), (policy, S)
     assert DeviceCache(CacheGeometry(1, 64, 1650), "lfuda", device=device, num_warps=2).chunk == 2048
     assert DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device).rule_table  # the table by default
@@ -417,12 +420,13 @@ def test_rule_mirror_compiles_for_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("S, options", [(512, {}), (1650, {}), (1650, {"chunk": 2048}), (16384, {}),
+@pytest.mark.parametrize("S, options", [(512, {}), (1650, {}), (1650, {"chunk": 512}), (16384, {}),
                                         (1650, {"rule_mirror": False}), (16384, {"rule_mirror": False})],
-                         ids=["512", "1650", "1650-one-program", "16384", "1650-through-keys", "16384-through-keys"])
+                         ids=["512", "1650", "1650-four-programs", "16384", "1650-through-keys", "16384-through-keys"])
 def test_gpu_rule_mirror(S, options):
     """rule_mirror on the GPU: parity with the host and the mirror invariant (run_parity) at real pool
-    sizes, with router logits, on its default tiles and on one program of 2048; and rule without it."""
+    sizes, with router logits, on its default tiles (one program of 2048 at 1650 slots) and on 512-slot
+    programs; and rule without it."""
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
