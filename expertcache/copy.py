@@ -213,7 +213,7 @@ def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch
             count, plan, plan.shape[0], store.num_keys, pool.num_slots, srcs, dsts,
             NUM_BANKS=len(row_words), ROW_WORDS=row_words, FIRST_CHUNK=first,
             CHUNKS_PER_ROW=first[-1], BLOCK=block_words, num_warps=num_warps,
-            **({"GDC": True, "RELEASE": bool(release_next), "launch_pdl": True} if pdl and cuda else {}),
+            **({"GDC": True, "RELEASE": release_next, "launch_pdl": True} if pdl and cuda else {}),
         )
 
 
