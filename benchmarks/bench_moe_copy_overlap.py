@@ -48,6 +48,7 @@ from moe.synthetic import SyntheticModel, random_weights
 
 DEFAULT_HITS_PER_SM = moe.routed.HITS_PROGRAMS_PER_SM  # resident variants without hitsN
 DEFAULT_ROUTER = moe.router.DEFAULT_ROUTER  # resident variants without rtopk
+DEFAULT_ROUTED = moe.routed.DEFAULT_CONFIG  # resident variants without de
 
 CFG = MoEConfig(hidden=2048, num_experts=512, top_k=10, expert_intermediate=512, shared_intermediate=512,
                 norm_topk_prob=True)
@@ -317,12 +318,13 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
 
 
 def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
-    """"hits1" / "noeh" / "first" / "chain" / "nochain" / "prio2" / "rtopk" joined by "+" (e.g.
+    """"hits1" / "noeh" / "first" / "chain" / "nochain" / "prio2" / "rtopk" / "de" joined by "+" (e.g.
     "noeh+nochain", "prio2+hits10", "first+hits4"; first: MoEConfig.hits_first; rtopk: the router
-    selects with RouterConfig(select="topk"), the default before "logits")
+    selects with RouterConfig(select="topk"), the default before "logits"; de: RoutedConfig.down_early)
     -> (spec, args with those set)."""
     opts = argparse.Namespace(**vars(args))
     opts.router_select = None
+    opts.down_early = False
     for part in spec.split("+"):
         if part.startswith("hits") and part[4:].isdigit():
             opts.hits_per_sm = int(part[4:])
@@ -336,9 +338,11 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.hits_first = True
         elif part == "rtopk":
             opts.router_select = "topk"
+        elif part == "de":
+            opts.down_early = True
         else:
-            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, first, chain, nochain, prioN "
-                             "or rtopk")
+            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, first, chain, nochain, prioN, "
+                             "rtopk or de")
     return spec, opts
 
 
@@ -403,7 +407,10 @@ def parse() -> argparse.Namespace:
                     help="comma list of more resident-mode runs on the same weights: hitsN (early hits' "
                          "programs per SM), noeh (no early hits), chain / nochain (MoEConfig.pdl_chain on / off), prioN "
                          "(--compute-priority -N), first (MoEConfig.hits_first), rtopk (the router's "
-                         "select=\"topk\"), joined by '+'")
+                         "select=\"topk\"), de (RoutedConfig.down_early), joined by '+'")
+    ap.add_argument("--down-early", action="store_true",
+                    help="RoutedConfig.down_early for the routed down launch: its weights loaded before its "
+                         "programmatic wait")
     ap.add_argument("--no-pdl-chain", dest="pdl_chain", action="store_false",
                     help="MoEConfig.pdl_chain=False: router, ensure and miss copy launched plainly")
     return ap.parse_args()
@@ -413,6 +420,8 @@ def main() -> None:
     args = parse()
     if args.hits_per_sm is not None:
         moe.routed.HITS_PROGRAMS_PER_SM = args.hits_per_sm
+    if args.down_early:  # the layer's routed launches take moe.routed.DEFAULT_CONFIG
+        moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_early=True)
     if not torch.cuda.is_available():
         print("bench_moe_copy_overlap needs a CUDA GPU; see --help", file=sys.stderr)
         sys.exit(2)
@@ -435,6 +444,7 @@ def main() -> None:
         moe.routed.HITS_PROGRAMS_PER_SM = opts.hits_per_sm or DEFAULT_HITS_PER_SM
         moe.router.DEFAULT_ROUTER = (DEFAULT_ROUTER if opts.router_select is None else
                                      dataclasses.replace(DEFAULT_ROUTER, select=opts.router_select))
+        moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_early=opts.down_early or args.down_early)
         t1 = time.time()
         res.setdefault("resident_variants", {})[name] = resident_mode(weights, opts, xs, out_dir)
         r = res["resident_variants"][name]

@@ -151,9 +151,27 @@ def _gate_up_rows(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13_ptr, act
 def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
                K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-               WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
+               WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
+               EARLY_W: tl.constexpr = False):
+    """EARLY_W (RoutedConfig.down_early): every (expert, chunk) tile of the weights is loaded before
+    the programmatic wait, past L1 (.cg), and held in registers: the weights depend only on the slots
+    and the pool, final before this launch starts (the routed gate_up releases it, by
+    gdc_launch_dependents, only after its own wait for the ensure and the miss copy), so their round
+    trips overlap the gate_up's tail. The activations, the gate_up's output, are read after the wait,
+    and the sum runs in the same order: the same bits."""
+    NCH: tl.constexpr = (I + CHUNK_I - 1) // CHUNK_I
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
+    early = ()
+    if EARLY_W:
+        for j in tl.static_range(K):
+            slot = tl.load(slots_ptr + token * K + j, cache_modifier=".cg")
+            live = (slot >= 0) & (slot < num_slots)
+            down_ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I
+            for i0 in tl.static_range(0, I, CHUNK_I):
+                cols = i0 + tl.arange(0, CHUNK_I)
+                mask = live if EVEN else live & (rows[:, None] < H) & (cols[None, :] < I)
+                early = early + (tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg"),)
     if GDC:
         gdc_wait()
     acc = tl.zeros([BLOCK_H, CHUNK_I], dtype=tl.float32)
@@ -169,7 +187,10 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
             else:
                 a = tl.load(act_ptr + (token * K + j) * I + cols, mask=cols < I, other=0.0)
                 mask = live & (rows[:, None] < H) & (cols[None, :] < I)
-            d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
+            if EARLY_W:
+                d = early[j * NCH + i0 // CHUNK_I]
+            else:
+                d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
             acc += d.to(tl.float32) * a[None, :]
     y = tl.sum(acc, axis=1)  # [BLOCK_H] routed sum, fixed order
     if ADDEND:  # the combine: routed + addend in float32, then (below) one rounding to the model dtype
@@ -227,9 +248,10 @@ def _shared_gate_up(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr,
 def _down_kernel(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                  CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
+                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
+                 EARLY_W: tl.constexpr = False):
     _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
-               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC)
+               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC, EARLY_W)
 
 
 @triton.jit(**JIT_OPTIONS)

@@ -15,11 +15,13 @@ and one per layer must be).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
 import torch
 
+import moe.routed
 from moe.config import MoEConfig
 from moe.kernel_trace import kernels, kernels_in_range, load_trace, named
 from moe.plan import OverlapMode
@@ -211,15 +213,20 @@ def test_overlap_on_off_bitwise(gpu_weights, graph, tokens):
 
 
 def assert_steps_bitwise(a_model: SyntheticModel, b_model: SyntheticModel, graph: bool, tokens: int,
-                         seed: int) -> None:
+                         seed: int, b_context=contextlib.nullcontext) -> None:
     """Eight steps of the same random inputs through both models (two to warm up / capture): every
-    step misses in b_model, and the outputs, slot maps and slot contents are equal bit for bit."""
+    step misses in b_model, and the outputs, slot maps and slot contents are equal bit for bit.
+    b_context: entered around b_model's capture and every call of it."""
     gen = torch.Generator("cuda").manual_seed(seed)
     xs = [torch.randn(tokens, GPU_CFG.hidden, generator=gen, device="cuda").to(BF16) for _ in range(8)]
-    run_a, run_b = Runner(a_model, graph, tokens, xs[:2]), Runner(b_model, graph, tokens, xs[:2])
+    run_a = Runner(a_model, graph, tokens, xs[:2])
+    with b_context():
+        run_b = Runner(b_model, graph, tokens, xs[:2])
     for x in xs[2:]:
         before = misses(b_model)
-        a, b = run_a(x), run_b(x)
+        a = run_a(x)
+        with b_context():
+            b = run_b(x)
         torch.cuda.synchronize()
         assert misses(b_model) > before, "every step must miss (and evict)"
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -289,6 +296,33 @@ def test_hits_first_bitwise(gpu_weights, graph, overlap):
     first.close()
 
 
+@contextlib.contextmanager
+def routed_down_early():
+    """The layer's routed launches with RoutedConfig.down_early (they take moe.routed.DEFAULT_CONFIG)."""
+    saved = moe.routed.DEFAULT_CONFIG
+    moe.routed.DEFAULT_CONFIG = dataclasses.replace(saved, down_early=True)
+    try:
+        yield
+    finally:
+        moe.routed.DEFAULT_CONFIG = saved
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_down_early_bitwise(gpu_weights, graph, overlap):
+    """RoutedConfig.down_early (the routed down's weights loaded before its programmatic wait, behind
+    a gate_up that releases it only after the ensure and the copy) changes no bit against the
+    default layer, overlap off and on (early hits on the side stream), with evictions every step, so
+    every step's down reads slots the copy has just filled; eager and in a CUDA graph."""
+    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False)
+    early = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap)
+    assert_steps_bitwise(plain, early, graph, 2, seed=29, b_context=routed_down_early)
+    plain.close()
+    early.close()
+
+
 @interpreter
 def test_hits_first_matches_plain_cpu():
     """hits_first on the CPU interpreter (no programmatic launch: the two halves in one launch, in
@@ -304,6 +338,26 @@ def test_hits_first_matches_plain_cpu():
         assert misses(first) > before, "every step must miss (and evict)"
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
         sa, sb = state(plain), state(first)
+        for name in sa:
+            assert torch.equal(sa[name], sb[name]), name
+
+
+@interpreter
+def test_down_early_matches_plain_cpu():
+    """RoutedConfig.down_early on the CPU interpreter: outputs, slot maps and pool equal to the
+    default layer's, with evictions every step."""
+    weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=31)
+    plain, early = SyntheticModel(weights, CPU_S, "cpu"), SyntheticModel(weights, CPU_S, "cpu")
+    gen = torch.Generator().manual_seed(32)
+    for _ in range(3):
+        x = torch.randn(2, CPU_CFG.hidden, generator=gen).to(BF16)
+        before = misses(early)
+        a = plain.step(x)
+        with routed_down_early():
+            b = early.step(x)
+        assert misses(early) > before, "every step must miss (and evict)"
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        sa, sb = state(plain), state(early)
         for name in sa:
             assert torch.equal(sa[name], sb[name]), name
 
