@@ -320,11 +320,10 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
 def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
     """"hits1" / "noeh" / "first" / "chain" / "nochain" / "prio2" / "rtopk" / "de" joined by "+" (e.g.
     "noeh+nochain", "prio2+hits10", "first+hits4"; first: MoEConfig.hits_first; rtopk: the router
-    selects with RouterConfig(select="topk"), the default before "logits"; de: RoutedConfig.down_early)
-    -> (spec, args with those set)."""
+    selects with RouterConfig(select="topk"), the default before "logits"; de: RoutedConfig.down_early;
+    dr: RoutedConfig.down_release; rw: RouterConfig.early_weights) -> (spec, args with those set)."""
     opts = argparse.Namespace(**vars(args))
     opts.router_select = None
-    opts.down_early = False
     for part in spec.split("+"):
         if part.startswith("hits") and part[4:].isdigit():
             opts.hits_per_sm = int(part[4:])
@@ -340,9 +339,13 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.router_select = "topk"
         elif part == "de":
             opts.down_early = True
+        elif part == "dr":
+            opts.down_release = True
+        elif part == "rw":
+            opts.router_early = True
         else:
             raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, first, chain, nochain, prioN, "
-                             "rtopk or de")
+                             "rtopk, de, dr or rw")
     return spec, opts
 
 
@@ -407,10 +410,16 @@ def parse() -> argparse.Namespace:
                     help="comma list of more resident-mode runs on the same weights: hitsN (early hits' "
                          "programs per SM), noeh (no early hits), chain / nochain (MoEConfig.pdl_chain on / off), prioN "
                          "(--compute-priority -N), first (MoEConfig.hits_first), rtopk (the router's "
-                         "select=\"topk\"), de (RoutedConfig.down_early), joined by '+'")
+                         "select=\"topk\"), de (RoutedConfig.down_early), dr (RoutedConfig.down_release), "
+                         "rw (RouterConfig.early_weights), joined by '+'")
     ap.add_argument("--down-early", action="store_true",
                     help="RoutedConfig.down_early for the routed down launch: its weights loaded before its "
                          "programmatic wait")
+    ap.add_argument("--down-release", action="store_true",
+                    help="RoutedConfig.down_release: the down launch lets the next layer's router start after "
+                         "its own wait")
+    ap.add_argument("--router-early", action="store_true",
+                    help="RouterConfig.early_weights: the router's weights loaded before its programmatic wait")
     ap.add_argument("--no-pdl-chain", dest="pdl_chain", action="store_false",
                     help="MoEConfig.pdl_chain=False: router, ensure and miss copy launched plainly")
     return ap.parse_args()
@@ -420,8 +429,10 @@ def main() -> None:
     args = parse()
     if args.hits_per_sm is not None:
         moe.routed.HITS_PROGRAMS_PER_SM = args.hits_per_sm
-    if args.down_early:  # the layer's routed launches take moe.routed.DEFAULT_CONFIG
-        moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_early=True)
+    # the layer's launches take moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER
+    moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_early=args.down_early,
+                                                    down_release=args.down_release)
+    moe.router.DEFAULT_ROUTER = dataclasses.replace(DEFAULT_ROUTER, early_weights=args.router_early)
     if not torch.cuda.is_available():
         print("bench_moe_copy_overlap needs a CUDA GPU; see --help", file=sys.stderr)
         sys.exit(2)
@@ -442,9 +453,11 @@ def main() -> None:
         (out_dir / "results.json").write_text(json.dumps(res, indent=1, default=str))
         name, opts = resident_variant(spec, args)
         moe.routed.HITS_PROGRAMS_PER_SM = opts.hits_per_sm or DEFAULT_HITS_PER_SM
-        moe.router.DEFAULT_ROUTER = (DEFAULT_ROUTER if opts.router_select is None else
-                                     dataclasses.replace(DEFAULT_ROUTER, select=opts.router_select))
-        moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_early=opts.down_early or args.down_early)
+        moe.router.DEFAULT_ROUTER = dataclasses.replace(
+            DEFAULT_ROUTER, early_weights=opts.router_early,
+            **({} if opts.router_select is None else {"select": opts.router_select}))
+        moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_early=opts.down_early,
+                                                        down_release=opts.down_release)
         t1 = time.time()
         res.setdefault("resident_variants", {})[name] = resident_mode(weights, opts, xs, out_dir)
         r = res["resident_variants"][name]

@@ -69,6 +69,9 @@ class RoutedConfig:
     0.5-1.0 us faster at T = 1..8 on the H200 (20.10 vs 20.61 us at T = 1,
     benchmarks/results/routed-2026-11-30-8f6abaf.json). The shared expert's launches and a
     routed_down not launched right after routed_gate_up never use it.
+    down_release (opt-in): with pdl, the down launch lets the next programmatic launch on the stream
+    (the next layer's router, MoEConfig.pdl_chain) start right after its own wait, instead of at its
+    end (RouterConfig.early_weights then loads the router's weights during the down).
     down_early (opt-in): each down program loads the weight tiles of all its k experts before its
     programmatic wait, held in registers, so their round trips overlap the gate_up's tail (the same
     bits: moe.routed_kernels._down_body). Its tiles must fit: k * block_h * (I rounded up to chunk_i)
@@ -85,11 +88,12 @@ class RoutedConfig:
     warps_down: int = 4
     pdl: bool = True
     down_early: bool = False
+    down_release: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("pdl", "down_early"):
+            if f.name in ("pdl", "down_early", "down_release"):
                 if not isinstance(v, bool):
                     raise ValueError(f"RoutedConfig.{f.name} must be a bool, got {v!r}")
                 continue
@@ -102,10 +106,10 @@ class RoutedConfig:
     @property
     def name(self) -> str:
         """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl',
-        'i1x1024w2-h2x512w4-pdl-de' (down_early)."""
+        'i1x1024w2-h2x512w4-pdl-de-dr' (down_early, down_release)."""
         return (f"i{self.block_i}x{self.chunk_h}w{self.warps_gate_up}-"
                 f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}"
-                f"{'-de' if self.down_early else ''}")
+                f"{'-de' if self.down_early else ''}{'-dr' if self.down_release else ''}")
 
 
 DEFAULT_CONFIG = RoutedConfig()
@@ -197,7 +201,8 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
             constexprs = dict(shape, BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=even_b,
                               ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2],
                               GDC=int(config.pdl and not is_shared),
-                              **({} if is_shared else {"EARLY_W": config.down_early}))
+                              **({} if is_shared else {"EARLY_W": config.down_early,
+                                                       "RELEASE": config.down_release}))
         result[name] = compile_for_sm(kernel, types, constexprs, warps, arch, JIT_OPTIONS)
     return result
 
@@ -375,7 +380,8 @@ def _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config, 
                      act if out_cast is None else out_cast, num_slots, K=top_k, H=hid, I=inter,
                      BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=_even(hid, inter, config)[1],
                      ADDEND=addend is not None, WRITE_OUT=out is not None, WRITE_CAST=out_cast is not None,
-                     GDC=int(gdc), EARLY_W=early, num_warps=config.warps_down,
+                     GDC=int(gdc), EARLY_W=early, RELEASE=config.down_release and not shared,
+                     num_warps=config.warps_down,
                      **({"launch_pdl": True} if gdc else {}))
     return out_cast if out is None else out
 

@@ -152,13 +152,16 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
                K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
                WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
-               EARLY_W: tl.constexpr = False):
+               EARLY_W: tl.constexpr = False, RELEASE: tl.constexpr = False):
     """EARLY_W (RoutedConfig.down_early): every (expert, chunk) tile of the weights is loaded before
     the programmatic wait, past L1 (.cg), and held in registers: the weights depend only on the slots
     and the pool, final before this launch starts (the routed gate_up releases it, by
     gdc_launch_dependents, only after its own wait for the ensure and the miss copy), so their round
     trips overlap the gate_up's tail. The activations, the gate_up's output, are read after the wait,
-    and the sum runs in the same order: the same bits."""
+    and the sum runs in the same order: the same bits.
+    RELEASE (RoutedConfig.down_release, with GDC): right after the wait the next programmatic launch
+    (the next layer's router) may start; it still waits for this launch to finish before it reads
+    what this launch writes."""
     NCH: tl.constexpr = (I + CHUNK_I - 1) // CHUNK_I
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
@@ -174,6 +177,8 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
                 early = early + (tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg"),)
     if GDC:
         gdc_wait()
+        if RELEASE:
+            gdc_launch_dependents()
     acc = tl.zeros([BLOCK_H, CHUNK_I], dtype=tl.float32)
     for j in tl.static_range(K):  # ordered combine: j = 0, 1, ..., K-1 into one accumulator
         slot = tl.load(slots_ptr + token * K + j)
@@ -249,9 +254,9 @@ def _down_kernel(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                  CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
                  WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
-                 EARLY_W: tl.constexpr = False):
+                 EARLY_W: tl.constexpr = False, RELEASE: tl.constexpr = False):
     _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
-               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC, EARLY_W)
+               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC, EARLY_W, RELEASE)
 
 
 @triton.jit(**JIT_OPTIONS)

@@ -78,6 +78,10 @@ class RouterConfig:
                 positive zero first). The default: faster than "topk" in every cell measured on the
                 H200 (Qwen3-Next T = 1: 5.11 against 5.68 us, T = 8: 6.95 against 7.25 at 4 per
                 program; Qwen3-30B-A3B T = 1: 3.26 against 3.73; router-2026-12-01-39c993c.json).
+    early_weights (opt-in): with a programmatic launch (router_topk's pdl), each program loads its
+    router_w rows before its wait, held in registers, so their round trips overlap the predecessor's
+    tail (the hidden state, its output, is read after the wait; the same sums in the same order, the
+    same bits). Its rows must fit: block_e * H at most EARLY_WEIGHTS_MAX_ELEMENTS, checked at launch.
     Raises ValueError naming the field.
     """
 
@@ -85,8 +89,11 @@ class RouterConfig:
     chunk_h: int = 1024
     warps: int = 4
     select: str = "logits"
+    early_weights: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.early_weights, bool):
+            raise ValueError(f"RouterConfig.early_weights must be a bool, got {self.early_weights!r}")
         for name in ("block_e", "chunk_h", "warps"):
             v = getattr(self, name)
             if name == "block_e" and v is None:
@@ -100,6 +107,7 @@ class RouterConfig:
 
 
 DEFAULT_ROUTER = RouterConfig()
+EARLY_WEIGHTS_MAX_ELEMENTS = 16384  # early_weights: router_w elements one program holds (32 KB of bf16)
 
 
 @triton.jit
@@ -198,22 +206,38 @@ def _router_kernel(
     SELECT: tl.constexpr,  # index of RouterConfig.select in SELECTS
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
     PRE: tl.constexpr = False,  # also write pre (the slots of the chosen experts before their ensure)
+    EARLY_W: tl.constexpr = False,  # RouterConfig.early_weights: router_w loaded before the wait
 ):
+    token = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] experts
+    early = ()
+    if EARLY_W:  # router_w is no predecessor's output: its rows before the wait, the same tiles as below
+        for h0 in tl.static_range(0, H, CHUNK_H):
+            cols = h0 + tl.arange(0, CHUNK_H)
+            if EVEN:
+                early = early + (tl.load(w_ptr + rows[:, None] * H + cols[None, :]),)
+            else:
+                early = early + (tl.load(w_ptr + rows[:, None] * H + cols[None, :],
+                                         mask=(rows[:, None] < E) & (cols[None, :] < H), other=0.0),)
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
-    token = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] experts
     acc = tl.zeros([BLOCK_E, CHUNK_H], dtype=tl.float32)
     for h0 in tl.static_range(0, H, CHUNK_H):
         cols = h0 + tl.arange(0, CHUNK_H)
         if EVEN:
             x = tl.load(x_ptr + token * H + cols)
-            w = tl.load(w_ptr + rows[:, None] * H + cols[None, :])  # [BLOCK_E, CHUNK_H]
+            if EARLY_W:
+                w = early[h0 // CHUNK_H]
+            else:
+                w = tl.load(w_ptr + rows[:, None] * H + cols[None, :])  # [BLOCK_E, CHUNK_H]
         else:
             x = tl.load(x_ptr + token * H + cols, mask=cols < H, other=0.0)
-            w = tl.load(w_ptr + rows[:, None] * H + cols[None, :],
-                        mask=(rows[:, None] < E) & (cols[None, :] < H), other=0.0)
+            if EARLY_W:
+                w = early[h0 // CHUNK_H]
+            else:
+                w = tl.load(w_ptr + rows[:, None] * H + cols[None, :],
+                            mask=(rows[:, None] < E) & (cols[None, :] < H), other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     tl.store(logits_ptr + token * E + rows, tl.sum(acc, axis=1), mask=rows < E)
     tl.debug_barrier()  # every thread's logits stored before the arrival
@@ -242,7 +266,7 @@ def _constexprs(num_experts: int, hidden: int, top_k: int, norm: bool, config: R
     return {"E": num_experts, "H": hidden, "K": top_k, "BLOCK_E": block_e, "CHUNK_H": chunk_h,
             "BLOCK_ALL": triton.next_power_of_2(num_experts), "BLOCK_K": triton.next_power_of_2(top_k),
             "NORM": bool(norm), "EVEN": num_experts % block_e == 0 and hidden % chunk_h == 0,
-            "SELECT": SELECTS.index(config.select)}
+            "SELECT": SELECTS.index(config.select), "EARLY_W": config.early_weights}
 
 
 _SCRATCH: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -344,12 +368,17 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
     device = hidden.device
     if pre is not None:
         _check_pre(pre, tokens, top_k, num_experts, device)
+    meta = _constexprs(num_experts, hid, top_k, norm_topk_prob, config, tokens)
+    held = meta["BLOCK_E"] * triton.cdiv(hid, meta["CHUNK_H"]) * meta["CHUNK_H"]
+    if config.early_weights and held > EARLY_WEIGHTS_MAX_ELEMENTS:
+        raise ValueError(f"router_topk: RouterConfig.early_weights would hold {held} router_w elements per "
+                         f"program (block_e * H), more than {EARLY_WEIGHTS_MAX_ELEMENTS}; set early_weights=False "
+                         "or block_e=1")
     if weights is None:
         weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
     if ids is None:
         ids = torch.empty((tokens, top_k), dtype=torch.int32, device=device)
     logits, arrive = router_scratch(device, num_experts)
-    meta = _constexprs(num_experts, hid, top_k, norm_topk_prob, config, tokens)
     grid = (tokens, triton.cdiv(num_experts, meta["BLOCK_E"]))
     kernel = kernel_for(_router_kernel, device, _JIT_OPTIONS, "router_topk")
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import moe.routed
+import moe.router
 from moe.config import MoEConfig
 from moe.kernel_trace import kernels, kernels_in_range, load_trace, named
 from moe.plan import OverlapMode
@@ -297,28 +298,37 @@ def test_hits_first_bitwise(gpu_weights, graph, overlap):
 
 
 @contextlib.contextmanager
-def routed_down_early():
-    """The layer's routed launches with RoutedConfig.down_early (they take moe.routed.DEFAULT_CONFIG)."""
-    saved = moe.routed.DEFAULT_CONFIG
-    moe.routed.DEFAULT_CONFIG = dataclasses.replace(saved, down_early=True)
+def launch_options(down_early=True, down_release=False, router_early=False):
+    """The layer's launches with RoutedConfig.down_early / down_release and RouterConfig.early_weights
+    (the layer takes moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER)."""
+    routed, router = moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER
+    moe.routed.DEFAULT_CONFIG = dataclasses.replace(routed, down_early=down_early, down_release=down_release)
+    moe.router.DEFAULT_ROUTER = dataclasses.replace(router, early_weights=router_early)
     try:
         yield
     finally:
-        moe.routed.DEFAULT_CONFIG = saved
+        moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER = routed, router
+
+
+LAUNCH_OPTIONS = {"de": {}, "de+dr+rw": {"down_release": True, "router_early": True}}
 
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("options", list(LAUNCH_OPTIONS))
 @pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_down_early_bitwise(gpu_weights, graph, overlap):
+def test_early_loads_bitwise(gpu_weights, graph, overlap, options):
     """RoutedConfig.down_early (the routed down's weights loaded before its programmatic wait, behind
-    a gate_up that releases it only after the ensure and the copy) changes no bit against the
-    default layer, overlap off and on (early hits on the side stream), with evictions every step, so
-    every step's down reads slots the copy has just filled; eager and in a CUDA graph."""
+    a gate_up that releases it only after the ensure and the copy), with down_release and
+    RouterConfig.early_weights (the next layer's router started by the down and loading its weights
+    before its wait), changes no bit against the default layer, overlap off and on (early hits on
+    the side stream), with evictions every step, so every step's down reads slots the copy has just
+    filled; eager and in a CUDA graph."""
     plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False)
     early = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap)
-    assert_steps_bitwise(plain, early, graph, 2, seed=29, b_context=routed_down_early)
+    assert_steps_bitwise(plain, early, graph, 2, seed=29,
+                         b_context=lambda: launch_options(**LAUNCH_OPTIONS[options]))
     plain.close()
     early.close()
 
@@ -343,9 +353,9 @@ def test_hits_first_matches_plain_cpu():
 
 
 @interpreter
-def test_down_early_matches_plain_cpu():
-    """RoutedConfig.down_early on the CPU interpreter: outputs, slot maps and pool equal to the
-    default layer's, with evictions every step."""
+def test_early_loads_match_plain_cpu():
+    """RoutedConfig.down_early and down_release with RouterConfig.early_weights on the CPU interpreter:
+    outputs, slot maps and pool equal to the default layer's, with evictions every step."""
     weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=31)
     plain, early = SyntheticModel(weights, CPU_S, "cpu"), SyntheticModel(weights, CPU_S, "cpu")
     gen = torch.Generator().manual_seed(32)
@@ -353,7 +363,7 @@ def test_down_early_matches_plain_cpu():
         x = torch.randn(2, CPU_CFG.hidden, generator=gen).to(BF16)
         before = misses(early)
         a = plain.step(x)
-        with routed_down_early():
+        with launch_options(down_release=True, router_early=True):
             b = early.step(x)
         assert misses(early) > before, "every step must miss (and evict)"
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))

@@ -367,7 +367,7 @@ def test_device_mismatch_is_named():
 
 @pytest.mark.parametrize("field, value", [("block_i", 3), ("chunk_h", 0), ("block_h", True),
                                           ("chunk_i", 2.0), ("warps_down", 32), ("warps_gate_up", 6),
-                                          ("pdl", 1), ("down_early", 0)])
+                                          ("pdl", 1), ("down_early", 0), ("down_release", None)])
 def test_config_validation_names_field(field, value):
     with pytest.raises(ValueError, match=field):
         RoutedConfig(**{field: value})
@@ -438,6 +438,9 @@ for name in ("_down_kernel", "_down_kernel+combine"):
     wait = ptx.find("griddepcontrol.wait")
     early = [m.start() for m in re.finditer(r"ld\.global\.cg(\.\w+)*\.v4\.b32", ptx)]
     out[name] = [bool(asm[name].get("cubin")), wait > 0, sum(1 for e in early if e < wait)]
+released = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(down_release=True))["_down_kernel"]["ptx"]
+out["launch_dependents"] = ["griddepcontrol.launch_dependents" in asm["_down_kernel"]["ptx"],
+                            "griddepcontrol.launch_dependents" in released]
 print(json.dumps(out))
 """
 
@@ -445,8 +448,10 @@ print(json.dumps(out))
 def test_down_early_loads_the_weights_before_the_wait_for_sm90():
     """With down_early at the Qwen3-Next shape (k = 10, block_h 2, I = 512 in one chunk), each down
     program issues its ten experts' weight tiles as 16-byte loads past L1 (ld.global.cg) before its
-    programmatic wait, in both down variants the layer launches. A child process (no interpreter)."""
-    assert compile_check(DOWN_EARLY_CHECK) == {"_down_kernel": [True, True, 10], "_down_kernel+combine": [True, True, 10]}
+    programmatic wait, in both down variants the layer launches; only down_release lets the next
+    launch start from the down launch (after its wait). A child process (no interpreter)."""
+    assert compile_check(DOWN_EARLY_CHECK) == {"_down_kernel": [True, True, 10], "_down_kernel+combine": [True, True, 10],
+                                               "launch_dependents": [False, True]}
 
 
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape

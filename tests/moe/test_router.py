@@ -7,6 +7,7 @@ probabilities nearly tie the order may differ: ids are compared exactly on the r
 k + 1 sorted probabilities are separated by a clear margin (most rows must be), weights everywhere.
 """
 
+import dataclasses
 
 import pytest
 import torch
@@ -116,6 +117,30 @@ def test_uneven_tiles_and_outputs_reused(select):
     check_against((weights, ids), router_reference(x2, w, 5, True), decisive(x2, w, 5))
 
 
+@pytest.mark.parametrize("config", [RouterConfig(early_weights=True),
+                                    RouterConfig(block_e=8, chunk_h=32, warps=2, early_weights=True)])
+def test_early_weights_change_no_bit(config):
+    """RouterConfig.early_weights (router_w's rows loaded before the programmatic wait, held in
+    registers) gives the same bits as loading them in the sum, on even and uneven tiles (E, H that no
+    tile divides: every mask)."""
+    device, _ = device_or_skip()
+    x, w = make_inputs(4, 37, 80, torch.bfloat16, device, seed=5)
+    got = router_topk(x, w, 5, True, config=config)
+    want = router_topk(x, w, 5, True, config=dataclasses.replace(config, early_weights=False))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_early_weights_too_large_is_named():
+    """early_weights holds block_e * H router_w elements per program: past
+    EARLY_WEIGHTS_MAX_ELEMENTS the call is refused before anything is launched."""
+    device, _ = device_or_skip()
+    x, w = make_inputs(1, 8, 4096, torch.bfloat16, device, seed=6)  # block_e 8 * H 4096
+    ids = torch.full((1, 2), -7, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="RouterConfig.early_weights would hold 32768"):
+        router_topk(x, w, 2, True, ids=ids, config=RouterConfig(block_e=8, early_weights=True))
+    assert bool((ids == -7).all())
+
+
 @pytest.mark.parametrize("select", SELECTS)
 def test_exact_ties_go_to_the_lower_id(select):
     """Identical router rows give bit-identical logits: the lower expert id must come first."""
@@ -176,7 +201,7 @@ def test_block_e_by_token_count():
 
 
 @pytest.mark.parametrize("field, value", [("block_e", 3), ("chunk_h", 0), ("warps", 32), ("warps", True),
-                                          ("select", "sort")])
+                                          ("select", "sort"), ("early_weights", 1)])
 def test_config_validation_names_field(field, value):
     with pytest.raises(ValueError, match=field):
         RouterConfig(**{field: value})
@@ -193,18 +218,24 @@ ptx = asm["ptx"]
 pdl = compile_router_for_target(512, 2048, 10, "bf16", True, pdl=True)["ptx"]
 pre = [compile_router_for_target(512, 2048, 10, "bf16", norm, RouterConfig(select=s), pdl=True, pre=True)
        for s, norm in (("topk", True), ("argmax", True), ("logits", True), ("logits", False))]
+early = compile_router_for_target(512, 2048, 10, "bf16", True, RouterConfig(early_weights=True), pdl=True)["ptx"]
+def loads_before_wait(text):  # 16-byte loads issued before the programmatic wait
+    return sum(1 for m in re.finditer(r"ld\.global(\.\w+)*\.v4\.b32", text) if m.start() < text.find("griddepcontrol.wait"))
 print(json.dumps([bool(asm.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)),
                   "atom.global" in ptx, ".local" not in ptx,
                   "griddepcontrol.wait" not in ptx, "griddepcontrol.wait" in pdl,
-                  all(bool(a.get("cubin")) and ".local" not in a["ptx"] for a in pre)]))
+                  all(bool(a.get("cubin")) and ".local" not in a["ptx"] for a in pre),
+                  (loads_before_wait(pdl), loads_before_wait(early)) == (0, 4)]))
 """
 
 
 def test_compiles_for_sm90():
     """The router at the Qwen3-Next shape compiles for sm_90: 16-byte weight loads, the arrival atomic,
     no register spills (also with pre, for "topk", "argmax" and "logits" with and without
-    renormalisation). A child process without TRITON_INTERPRET (which replaces the compiler's hooks)."""
-    assert compile_check(SM90_CHECK) == [True] * 7  # 5, 6: only router_topk(pdl=True) waits; 7: with pre
+    renormalisation); with early_weights the weights' four 16-byte loads per thread come before the
+    programmatic wait (the default issues none before it). A child
+    process without TRITON_INTERPRET (which replaces the compiler's hooks)."""
+    assert compile_check(SM90_CHECK) == [True] * 8  # 5, 6: only router_topk(pdl=True) waits; 7: with pre
 
 
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
@@ -228,6 +259,24 @@ def test_gpu_qwen3_next_shape(tokens, select):
     again = router_topk(x, w, 10, True, config=config)
     assert torch.equal(got[0], again[0]) and torch.equal(got[1], again[1])
     same_as_argmax(got, router_topk(x, w, 10, True, config=RouterConfig(select="argmax")), True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_gpu_early_weights_change_no_bit(tokens):
+    """early_weights with a programmatic launch behind a kernel that writes the hidden state: the
+    same bits as the default router, which reads everything after its wait."""
+    _gpu_or_skip()
+    x, w = make_inputs(tokens, 512, 2048, torch.bfloat16, "cuda", seed=40 + tokens)
+    src = make_inputs(tokens, 512, 2048, torch.bfloat16, "cuda", seed=50 + tokens)[0]
+    outs = []
+    for config in (RouterConfig(), RouterConfig(early_weights=True)):
+        x.zero_()
+        x.copy_(src)  # the predecessor writes the hidden state the router waits for
+        outs.append(router_topk(x, w, 10, True, config=config, pdl=True))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    check_against(outs[1], router_reference(src, w, 10, True), decisive(src, w, 10))
 
 
 @pytest.mark.gpu
