@@ -440,6 +440,8 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     weights = random_weights(CFG, args.layers, "cuda", seed=args.seed)
+    print(f"weights: {args.layers} layers, pinned host store of {weights.store.nbytes / 2**30:.1f} GiB "
+          f"[{time.time() - t0:.0f} s]", flush=True)
     gen = torch.Generator("cuda").manual_seed(args.seed + 1)
     count = 2 * args.bitwise_steps + 2 + args.warmup + args.reps + args.profile + 1
     xs = [torch.randn(args.tokens, CFG.hidden, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(count)]

@@ -374,14 +374,13 @@ def _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config, 
     kernel = kernel_for(DOWN_ENTRIES[bool(shared)], down.device, JIT_OPTIONS, "routed_experts")
     # programmatic launch only right behind a programmatic gate_up (the pair this option is about)
     gdc = config.pdl and after_gate_up and not shared and down.device.type == "cuda"
-    early = config.down_early and not shared
     with _device_ctx(down.device):
         kernel[grid](act, slots, down, act if addend is None else addend, act if out is None else out,
                      act if out_cast is None else out_cast, num_slots, K=top_k, H=hid, I=inter,
                      BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=_even(hid, inter, config)[1],
                      ADDEND=addend is not None, WRITE_OUT=out is not None, WRITE_CAST=out_cast is not None,
-                     GDC=int(gdc), EARLY_W=early, RELEASE=config.down_release and not shared,
-                     num_warps=config.warps_down,
+                     GDC=int(gdc), num_warps=config.warps_down,
+                     **({} if shared else {"EARLY_W": config.down_early, "RELEASE": config.down_release}),
                      **({"launch_pdl": True} if gdc else {}))
     return out_cast if out is None else out
 
