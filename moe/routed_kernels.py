@@ -186,17 +186,18 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
         down_ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I
         for i0 in tl.static_range(0, I, CHUNK_I):
             cols = i0 + tl.arange(0, CHUNK_I)  # [CHUNK_I]
+            a_ptrs = act_ptr + (token * K + j) * I + cols[None, :] + 0 * rows[:, None]
             if EVEN:
-                a = tl.load(act_ptr + (token * K + j) * I + cols)
+                a = tl.load(a_ptrs)
                 mask = live
             else:
-                a = tl.load(act_ptr + (token * K + j) * I + cols, mask=cols < I, other=0.0)
+                a = tl.load(a_ptrs, mask=(cols[None, :] < I) & (rows[:, None] >= 0), other=0.0)
                 mask = live & (rows[:, None] < H) & (cols[None, :] < I)
             if EARLY_W:
                 d = early[j * NCH + i0 // CHUNK_I]
             else:
                 d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
-            acc += d.to(tl.float32) * a[None, :]
+            acc += d.to(tl.float32) * a
     y = tl.sum(acc, axis=1)  # [BLOCK_H] routed sum, fixed order
     if ADDEND:  # the combine: routed + addend in float32, then (below) one rounding to the model dtype
         y = y + tl.load(addend_ptr + token * H + rows, mask=rows < H, other=0.0)
