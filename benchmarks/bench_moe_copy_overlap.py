@@ -48,7 +48,7 @@ from moe.synthetic import SyntheticModel, random_weights
 
 DEFAULT_HITS_PER_SM = moe.routed.HITS_PROGRAMS_PER_SM  # resident variants without hitsN
 DEFAULT_ROUTER = moe.router.DEFAULT_ROUTER  # resident variants without rtopk
-DEFAULT_ROUTED = moe.routed.DEFAULT_CONFIG  # resident variants without de
+DEFAULT_ROUTED = moe.routed.DEFAULT_CONFIG  # resident variants without dr
 
 CFG = MoEConfig(hidden=2048, num_experts=512, top_k=10, expert_intermediate=512, shared_intermediate=512,
                 norm_topk_prob=True)
@@ -318,10 +318,11 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
 
 
 def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
-    """"hits1" / "noeh" / "first" / "chain" / "nochain" / "prio2" / "rtopk" / "de" joined by "+" (e.g.
+    """"hits1" / "noeh" / "first" / "chain" / "nochain" / "prio2" / "rtopk" / "nodr" / "norw" joined by "+" (e.g.
     "noeh+nochain", "prio2+hits10", "first+hits4"; first: MoEConfig.hits_first; rtopk: the router
-    selects with RouterConfig(select="topk"), the default before "logits"; de: RoutedConfig.down_early;
-    dr: RoutedConfig.down_release; rw: RouterConfig.early_weights) -> (spec, args with those set)."""
+    selects with RouterConfig(select="topk"), the default before "logits";
+    nodr: RoutedConfig(down_release=False); norw: RouterConfig(early_weights=False), both on by
+    default) -> (spec, args with those set)."""
     opts = argparse.Namespace(**vars(args))
     opts.router_select = None
     for part in spec.split("+"):
@@ -337,15 +338,13 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.hits_first = True
         elif part == "rtopk":
             opts.router_select = "topk"
-        elif part == "de":
-            opts.down_early = True
-        elif part == "dr":
-            opts.down_release = True
-        elif part == "rw":
-            opts.router_early = True
+        elif part == "nodr":
+            opts.down_release = False
+        elif part == "norw":
+            opts.router_early = False
         else:
             raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, first, chain, nochain, prioN, "
-                             "rtopk, de, dr or rw")
+                             "rtopk, nodr or norw")
     return spec, opts
 
 
@@ -410,16 +409,14 @@ def parse() -> argparse.Namespace:
                     help="comma list of more resident-mode runs on the same weights: hitsN (early hits' "
                          "programs per SM), noeh (no early hits), chain / nochain (MoEConfig.pdl_chain on / off), prioN "
                          "(--compute-priority -N), first (MoEConfig.hits_first), rtopk (the router's "
-                         "select=\"topk\"), de (RoutedConfig.down_early), dr (RoutedConfig.down_release), "
-                         "rw (RouterConfig.early_weights), joined by '+'")
-    ap.add_argument("--down-early", action="store_true",
-                    help="RoutedConfig.down_early for the routed down launch: its weights loaded before its "
-                         "programmatic wait")
-    ap.add_argument("--down-release", action="store_true",
-                    help="RoutedConfig.down_release: the down launch lets the next layer's router start after "
-                         "its own wait")
-    ap.add_argument("--router-early", action="store_true",
-                    help="RouterConfig.early_weights: the router's weights loaded before its programmatic wait")
+                         "select=\"topk\"), nodr (RoutedConfig.down_release=False), "
+                         "norw (RouterConfig.early_weights=False), joined by '+'")
+    ap.add_argument("--no-down-release", dest="down_release", action="store_false",
+                    help="RoutedConfig.down_release=False: the next layer's router starts only when the down "
+                         "ends, not after the down's wait")
+    ap.add_argument("--no-router-early", dest="router_early", action="store_const", const=False, default=None,
+                    help="RouterConfig.early_weights=False: the router's weights loaded after its programmatic "
+                         "wait, not before (the default None loads them before where they fit)")
     ap.add_argument("--no-pdl-chain", dest="pdl_chain", action="store_false",
                     help="MoEConfig.pdl_chain=False: router, ensure and miss copy launched plainly")
     return ap.parse_args()
@@ -430,8 +427,7 @@ def main() -> None:
     if args.hits_per_sm is not None:
         moe.routed.HITS_PROGRAMS_PER_SM = args.hits_per_sm
     # the layer's launches take moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER
-    moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_early=args.down_early,
-                                                    down_release=args.down_release)
+    moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=args.down_release)
     moe.router.DEFAULT_ROUTER = dataclasses.replace(DEFAULT_ROUTER, early_weights=args.router_early)
     if not torch.cuda.is_available():
         print("bench_moe_copy_overlap needs a CUDA GPU; see --help", file=sys.stderr)
@@ -458,8 +454,7 @@ def main() -> None:
         moe.router.DEFAULT_ROUTER = dataclasses.replace(
             DEFAULT_ROUTER, early_weights=opts.router_early,
             **({} if opts.router_select is None else {"select": opts.router_select}))
-        moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_early=opts.down_early,
-                                                        down_release=opts.down_release)
+        moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=opts.down_release)
         t1 = time.time()
         res.setdefault("resident_variants", {})[name] = resident_mode(weights, opts, xs, out_dir)
         r = res["resident_variants"][name]

@@ -42,14 +42,14 @@ SHAPES = {  # name: (H, I, k, default slots)
     "qwen3-next": (2048, 512, 10, 512),
     "mixtral": (4096, 14336, 2, 24),
 }
-SWEEP = (  # RoutedConfig names: i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_i>w<warps>[-pdl][-de][-dr]
+SWEEP = (  # RoutedConfig names: i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_i>w<warps>[-pdl][-dr]
     DEFAULT_CONFIG.name, "i8x512w8-h8x512w8", "i8x256w4-h8x256w4", "i2x1024w4-h2x512w2",
     "i16x256w8-h16x128w4", "i4x1024w8-h4x512w4", "i4x512w4-h8x512w8",
     # the down launch alone was 2.3x its share of the floor (1.3 waves at 4 rows a program):
     "i4x1024w8-h8x512w4", "i4x1024w8-h4x512w4-pdl", "i4x1024w8-h8x256w8", "i4x1024w8-h16x256w8",
     "i4x1024w8-h2x512w4",  # the default without programmatic launches
 )
-NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-pdl)?(-de)?(-dr)?$")
+NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-pdl)?(-dr)?$")
 
 
 @triton.jit
@@ -87,8 +87,7 @@ def parse_config(name: str) -> RoutedConfig:
         raise SystemExit(f"--configs: {name!r} is not like {DEFAULT_CONFIG.name} (or 'default', 'sweep')")
     b_i, c_h, w_a, b_h, c_i, w_b = map(int, m.groups()[:6])
     return RoutedConfig(block_i=b_i, chunk_h=c_h, warps_gate_up=w_a, block_h=b_h, chunk_i=c_i, warps_down=w_b,
-                        pdl=m.group(7) is not None, down_early=m.group(8) is not None,
-                        down_release=m.group(9) is not None)
+                        pdl=m.group(7) is not None, down_release=m.group(8) is not None)
 
 
 def copy_bandwidth(reps: int = 20) -> float:

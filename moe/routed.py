@@ -69,13 +69,13 @@ class RoutedConfig:
     0.5-1.0 us faster at T = 1..8 on the H200 (20.10 vs 20.61 us at T = 1,
     benchmarks/results/routed-2026-11-30-8f6abaf.json). The shared expert's launches and a
     routed_down not launched right after routed_gate_up never use it.
-    down_release (opt-in): with pdl, the down launch lets the next programmatic launch on the stream
-    (the next layer's router, MoEConfig.pdl_chain) start right after its own wait, instead of at its
-    end (RouterConfig.early_weights then loads the router's weights during the down).
-    down_early (opt-in): each down program loads the weight tiles of all its k experts before its
-    programmatic wait, held in registers, so their round trips overlap the gate_up's tail (the same
-    bits: moe.routed_kernels._down_body). Its tiles must fit: k * block_h * (I rounded up to chunk_i)
-    at most DOWN_EARLY_MAX_ELEMENTS, checked at launch.
+    down_release: with pdl, the down launch lets the next programmatic launch on the stream (the next
+    layer's router, MoEConfig.pdl_chain) start right after its own wait instead of at its end; that
+    launch still waits for the down to finish before it reads anything the down writes, so the bits
+    are the same. On by default: with RouterConfig.early_weights (the router's weights loaded during
+    the down) a resident Qwen3-Next-like layer took 27.9-28.0 against 29.2-29.3 us with both off
+    (overlap on; 33.6 against 34.2 us off) on the H200
+    (benchmarks/results/moe-copy-overlap-resident-2026-12-01-dr-rw-fd807ed.json).
     The defaults come from moe.plan (GEMV_BLOCK_I, GEMV_BLOCK_H) so make_routed_plan's grid is the
     one launched. Raises ValueError naming the field.
     """
@@ -87,13 +87,12 @@ class RoutedConfig:
     chunk_i: int = 512
     warps_down: int = 4
     pdl: bool = True
-    down_early: bool = False
-    down_release: bool = False
+    down_release: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("pdl", "down_early", "down_release"):
+            if f.name in ("pdl", "down_release"):
                 if not isinstance(v, bool):
                     raise ValueError(f"RoutedConfig.{f.name} must be a bool, got {v!r}")
                 continue
@@ -105,15 +104,14 @@ class RoutedConfig:
 
     @property
     def name(self) -> str:
-        """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl',
-        'i1x1024w2-h2x512w4-pdl-de-dr' (down_early, down_release)."""
+        """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl'
+        (down_release=False), 'i1x1024w2-h2x512w4-pdl-dr' (the default: down_release)."""
         return (f"i{self.block_i}x{self.chunk_h}w{self.warps_gate_up}-"
                 f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}"
-                f"{'-de' if self.down_early else ''}{'-dr' if self.down_release else ''}")
+                f"{'-dr' if self.down_release else ''}")
 
 
 DEFAULT_CONFIG = RoutedConfig()
-DOWN_EARLY_MAX_ELEMENTS = 16384  # down_early: weight elements one down program holds (32 KB of bf16)
 PARTS = ("all", "hits", "rest", "first")  # routed_gate_up's part; the index of the first three is the
 # gate_up kernels' PICK ("hits" and "first" launch their own persistent kernels)
 
@@ -201,8 +199,7 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
             constexprs = dict(shape, BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=even_b,
                               ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2],
                               GDC=int(config.pdl and not is_shared),
-                              **({} if is_shared else {"EARLY_W": config.down_early,
-                                                       "RELEASE": config.down_release}))
+                              **({} if is_shared else {"RELEASE": config.down_release}))
         result[name] = compile_for_sm(kernel, types, constexprs, warps, arch, JIT_OPTIONS)
     return result
 
@@ -380,21 +377,9 @@ def _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config, 
                      BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=_even(hid, inter, config)[1],
                      ADDEND=addend is not None, WRITE_OUT=out is not None, WRITE_CAST=out_cast is not None,
                      GDC=int(gdc), num_warps=config.warps_down,
-                     **({} if shared else {"EARLY_W": config.down_early, "RELEASE": config.down_release}),
+                     **({} if shared else {"RELEASE": config.down_release}),
                      **({"launch_pdl": True} if gdc else {}))
     return out_cast if out is None else out
-
-
-def _check_down_early(who: str, config: RoutedConfig, dims, shared: bool) -> None:
-    """With down_early, one down program holds k * block_h * I (rounded up to chunk_i) weight
-    elements in registers: at most DOWN_EARLY_MAX_ELEMENTS, else ValueError before any launch."""
-    tokens, top_k, num_slots, hid, inter = dims
-    _, _, block_h, chunk_i = _tiles(hid, inter, config)
-    held = top_k * block_h * triton.cdiv(inter, chunk_i) * chunk_i
-    if config.down_early and not shared and held > DOWN_EARLY_MAX_ELEMENTS:
-        raise ValueError(f"{who}: RoutedConfig.down_early would hold {held} weight elements per down program "
-                         f"(k * block_h * I), more than {DOWN_EARLY_MAX_ELEMENTS}; set down_early=False or a "
-                         f"smaller block_h")
 
 
 def _config(who: str, config) -> RoutedConfig:
@@ -460,7 +445,6 @@ def routed_down(act: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, *,
     down launch may overlap it. Returns out, else out_cast."""
     config = _config("routed_down", config)
     dims = _check_down("routed_down", act, slots, down, out, addend, out_cast)
-    _check_down_early("routed_down", config, dims, shared)
     return _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config, after_gate_up)
 
 
@@ -500,7 +484,6 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
                          f"got {list(down.shape)}")
     act = routed_scratch(hidden.device, dims[1], dims[4]) if act is None else act
     _check_down("routed_experts", act, slots, down, out, addend, out_cast)
-    _check_down_early("routed_experts", config, dims, gate_w is not None)
     act = _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config)
     return _launch_down(act, slots, down, out, addend, out_cast, gate_w is not None, dims, config, True)
 

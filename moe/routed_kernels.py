@@ -152,29 +152,12 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
                K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
                WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
-               EARLY_W: tl.constexpr = False, RELEASE: tl.constexpr = False):
-    """EARLY_W (RoutedConfig.down_early): every (expert, chunk) tile of the weights is loaded before
-    the programmatic wait, past L1 (.cg), and held in registers: the weights depend only on the slots
-    and the pool, final before this launch starts (the routed gate_up releases it, by
-    gdc_launch_dependents, only after its own wait for the ensure and the miss copy), so their round
-    trips overlap the gate_up's tail. The activations, the gate_up's output, are read after the wait,
-    and the sum runs in the same order: the same bits.
-    RELEASE (RoutedConfig.down_release, with GDC): right after the wait the next programmatic launch
+               RELEASE: tl.constexpr = False):
+    """RELEASE (RoutedConfig.down_release, with GDC): right after the wait the next programmatic launch
     (the next layer's router) may start; it still waits for this launch to finish before it reads
     what this launch writes."""
-    NCH: tl.constexpr = (I + CHUNK_I - 1) // CHUNK_I
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
-    early = ()
-    if EARLY_W:
-        for j in tl.static_range(K):
-            slot = tl.load(slots_ptr + token * K + j, cache_modifier=".cg")
-            live = (slot >= 0) & (slot < num_slots)
-            down_ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I
-            for i0 in tl.static_range(0, I, CHUNK_I):
-                cols = i0 + tl.arange(0, CHUNK_I)
-                mask = live if EVEN else live & (rows[:, None] < H) & (cols[None, :] < I)
-                early = early + (tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg"),)
     if GDC:
         gdc_wait()
         if RELEASE:
@@ -186,18 +169,14 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
         down_ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I
         for i0 in tl.static_range(0, I, CHUNK_I):
             cols = i0 + tl.arange(0, CHUNK_I)  # [CHUNK_I]
-            a_ptrs = act_ptr + (token * K + j) * I + cols[None, :] + 0 * rows[:, None]
             if EVEN:
-                a = tl.load(a_ptrs)
+                a = tl.load(act_ptr + (token * K + j) * I + cols)
                 mask = live
             else:
-                a = tl.load(a_ptrs, mask=(cols[None, :] < I) & (rows[:, None] >= 0), other=0.0)
+                a = tl.load(act_ptr + (token * K + j) * I + cols, mask=cols < I, other=0.0)
                 mask = live & (rows[:, None] < H) & (cols[None, :] < I)
-            if EARLY_W:
-                d = early[j * NCH + i0 // CHUNK_I]
-            else:
-                d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
-            acc += d.to(tl.float32) * a
+            d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
+            acc += d.to(tl.float32) * a[None, :]
     y = tl.sum(acc, axis=1)  # [BLOCK_H] routed sum, fixed order
     if ADDEND:  # the combine: routed + addend in float32, then (below) one rounding to the model dtype
         y = y + tl.load(addend_ptr + token * H + rows, mask=rows < H, other=0.0)
@@ -255,9 +234,9 @@ def _down_kernel(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                  CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
                  WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
-                 EARLY_W: tl.constexpr = False, RELEASE: tl.constexpr = False):
+                 RELEASE: tl.constexpr = False):
     _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
-               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC, EARLY_W, RELEASE)
+               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC, RELEASE)
 
 
 @triton.jit(**JIT_OPTIONS)

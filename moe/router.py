@@ -78,10 +78,14 @@ class RouterConfig:
                 positive zero first). The default: faster than "topk" in every cell measured on the
                 H200 (Qwen3-Next T = 1: 5.11 against 5.68 us, T = 8: 6.95 against 7.25 at 4 per
                 program; Qwen3-30B-A3B T = 1: 3.26 against 3.73; router-2026-12-01-39c993c.json).
-    early_weights (opt-in): with a programmatic launch (router_topk's pdl), each program loads its
-    router_w rows before its wait, held in registers, so their round trips overlap the predecessor's
-    tail (the hidden state, its output, is read after the wait; the same sums in the same order, the
-    same bits). Its rows must fit: block_e * H at most EARLY_WEIGHTS_MAX_ELEMENTS, checked at launch.
+    early_weights: with a programmatic launch (router_topk's pdl), each program loads its router_w
+    rows before its wait, held in registers, so their round trips overlap the predecessor's tail
+    (the hidden state, its output, is read after the wait; the same sums in the same order, the same
+    bits). Its rows must fit: block_e * H at most EARLY_WEIGHTS_MAX_ELEMENTS. None (the default):
+    on where they fit; True: on, and a call whose rows do not fit is refused (ValueError naming the
+    field); False: off. With RoutedConfig.down_release (the router then starts during the previous
+    layer's down) a resident Qwen3-Next-like layer took 27.9-28.0 against 29.2-29.3 us with both off
+    on the H200 (benchmarks/results/moe-copy-overlap-resident-2026-12-01-dr-rw-fd807ed.json).
     Raises ValueError naming the field.
     """
 
@@ -89,11 +93,11 @@ class RouterConfig:
     chunk_h: int = 1024
     warps: int = 4
     select: str = "logits"
-    early_weights: bool = False
+    early_weights: bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.early_weights, bool):
-            raise ValueError(f"RouterConfig.early_weights must be a bool, got {self.early_weights!r}")
+        if self.early_weights is not None and not isinstance(self.early_weights, bool):
+            raise ValueError(f"RouterConfig.early_weights must be None, True or False, got {self.early_weights!r}")
         for name in ("block_e", "chunk_h", "warps"):
             v = getattr(self, name)
             if name == "block_e" and v is None:
@@ -263,10 +267,17 @@ def _constexprs(num_experts: int, hidden: int, top_k: int, norm: bool, config: R
                 tokens: int) -> dict:
     block_e = min(block_e_for(config, tokens), triton.next_power_of_2(num_experts))
     chunk_h = min(config.chunk_h, triton.next_power_of_2(hidden))
+    fits = early_weights_held(block_e, hidden, chunk_h) <= EARLY_WEIGHTS_MAX_ELEMENTS
     return {"E": num_experts, "H": hidden, "K": top_k, "BLOCK_E": block_e, "CHUNK_H": chunk_h,
             "BLOCK_ALL": triton.next_power_of_2(num_experts), "BLOCK_K": triton.next_power_of_2(top_k),
             "NORM": bool(norm), "EVEN": num_experts % block_e == 0 and hidden % chunk_h == 0,
-            "SELECT": SELECTS.index(config.select), "EARLY_W": config.early_weights}
+            "SELECT": SELECTS.index(config.select),
+            "EARLY_W": fits if config.early_weights is None else config.early_weights}
+
+
+def early_weights_held(block_e: int, hidden: int, chunk_h: int) -> int:
+    """router_w elements one program holds with RouterConfig.early_weights (H rounded up to chunk_h)."""
+    return block_e * triton.cdiv(hidden, chunk_h) * chunk_h
 
 
 _SCRATCH: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -369,7 +380,7 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
     if pre is not None:
         _check_pre(pre, tokens, top_k, num_experts, device)
     meta = _constexprs(num_experts, hid, top_k, norm_topk_prob, config, tokens)
-    held = meta["BLOCK_E"] * triton.cdiv(hid, meta["CHUNK_H"]) * meta["CHUNK_H"]
+    held = early_weights_held(meta["BLOCK_E"], hid, meta["CHUNK_H"])
     if config.early_weights and held > EARLY_WEIGHTS_MAX_ELEMENTS:
         raise ValueError(f"router_topk: RouterConfig.early_weights would hold {held} router_w elements per "
                          f"program (block_e * H), more than {EARLY_WEIGHTS_MAX_ELEMENTS}; set early_weights=False "

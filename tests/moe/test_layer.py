@@ -214,18 +214,20 @@ def test_overlap_on_off_bitwise(gpu_weights, graph, tokens):
 
 
 def assert_steps_bitwise(a_model: SyntheticModel, b_model: SyntheticModel, graph: bool, tokens: int,
-                         seed: int, b_context=contextlib.nullcontext) -> None:
+                         seed: int, b_context=contextlib.nullcontext, a_context=contextlib.nullcontext) -> None:
     """Eight steps of the same random inputs through both models (two to warm up / capture): every
     step misses in b_model, and the outputs, slot maps and slot contents are equal bit for bit.
-    b_context: entered around b_model's capture and every call of it."""
+    b_context / a_context: entered around b_model's / a_model's capture and every call of it."""
     gen = torch.Generator("cuda").manual_seed(seed)
     xs = [torch.randn(tokens, GPU_CFG.hidden, generator=gen, device="cuda").to(BF16) for _ in range(8)]
-    run_a = Runner(a_model, graph, tokens, xs[:2])
+    with a_context():
+        run_a = Runner(a_model, graph, tokens, xs[:2])
     with b_context():
         run_b = Runner(b_model, graph, tokens, xs[:2])
     for x in xs[2:]:
         before = misses(b_model)
-        a = run_a(x)
+        with a_context():
+            a = run_a(x)
         with b_context():
             b = run_b(x)
         torch.cuda.synchronize()
@@ -298,11 +300,11 @@ def test_hits_first_bitwise(gpu_weights, graph, overlap):
 
 
 @contextlib.contextmanager
-def launch_options(down_early=True, down_release=False, router_early=False):
-    """The layer's launches with RoutedConfig.down_early / down_release and RouterConfig.early_weights
-    (the layer takes moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER)."""
+def launch_options(down_release=False, router_early=False):
+    """The layer's launches with RoutedConfig.down_release and RouterConfig.early_weights set (both on
+    by default; off unless asked here; the layer takes moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER)."""
     routed, router = moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER
-    moe.routed.DEFAULT_CONFIG = dataclasses.replace(routed, down_early=down_early, down_release=down_release)
+    moe.routed.DEFAULT_CONFIG = dataclasses.replace(routed, down_release=down_release)
     moe.router.DEFAULT_ROUTER = dataclasses.replace(router, early_weights=router_early)
     try:
         yield
@@ -310,7 +312,8 @@ def launch_options(down_early=True, down_release=False, router_early=False):
         moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER = routed, router
 
 
-LAUNCH_OPTIONS = {"de": {}, "de+dr+rw": {"down_release": True, "router_early": True}}
+LAUNCH_OPTIONS = {"dr": {"down_release": True}, "rw": {"router_early": True},
+                  "dr+rw": {"down_release": True, "router_early": True}}
 
 
 @gpu
@@ -319,16 +322,15 @@ LAUNCH_OPTIONS = {"de": {}, "de+dr+rw": {"down_release": True, "router_early": T
 @pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_early_loads_bitwise(gpu_weights, graph, overlap, options):
-    """RoutedConfig.down_early (the routed down's weights loaded before its programmatic wait, behind
-    a gate_up that releases it only after the ensure and the copy), with down_release and
-    RouterConfig.early_weights (the next layer's router started by the down and loading its weights
-    before its wait), changes no bit against the default layer, overlap off and on (early hits on
-    the side stream), with evictions every step, so every step's down reads slots the copy has just
-    filled; eager and in a CUDA graph."""
+    """RoutedConfig.down_release (the next layer's router started by the down right after its wait)
+    and RouterConfig.early_weights (the router loading its weights before its wait), alone and
+    together, change no bit against the layer with both off, overlap off and on (early hits on the side
+    stream), with evictions every step, so every layer's router runs while the layer before it may
+    still be writing; eager and in a CUDA graph."""
     plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False)
     early = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap)
     assert_steps_bitwise(plain, early, graph, 2, seed=29,
-                         b_context=lambda: launch_options(**LAUNCH_OPTIONS[options]))
+                         b_context=lambda: launch_options(**LAUNCH_OPTIONS[options]), a_context=launch_options)
     plain.close()
     early.close()
 
@@ -354,15 +356,16 @@ def test_hits_first_matches_plain_cpu():
 
 @interpreter
 def test_early_loads_match_plain_cpu():
-    """RoutedConfig.down_early and down_release with RouterConfig.early_weights on the CPU interpreter:
-    outputs, slot maps and pool equal to the default layer's, with evictions every step."""
+    """RoutedConfig.down_release with RouterConfig.early_weights on the CPU interpreter:
+    outputs, slot maps and pool equal to the layer's with both off, with evictions every step."""
     weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=31)
     plain, early = SyntheticModel(weights, CPU_S, "cpu"), SyntheticModel(weights, CPU_S, "cpu")
     gen = torch.Generator().manual_seed(32)
     for _ in range(3):
         x = torch.randn(2, CPU_CFG.hidden, generator=gen).to(BF16)
         before = misses(early)
-        a = plain.step(x)
+        with launch_options():
+            a = plain.step(x)
         with launch_options(down_release=True, router_early=True):
             b = early.step(x)
         assert misses(early) > before, "every step must miss (and evict)"
