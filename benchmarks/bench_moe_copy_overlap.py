@@ -318,11 +318,11 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
 
 
 def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
-    """"hits1" / "noeh" / "first" / "chain" / "nochain" / "prio2" / "rtopk" / "nodr" / "norw" joined by "+" (e.g.
+    """"hits1" / "noeh" / "first" / "chain" / "nochain" / "prio2" / "rtopk" / "dr" / "nodr" / "rw" / "norw" joined by "+" (e.g.
     "noeh+nochain", "prio2+hits10", "first+hits4"; first: MoEConfig.hits_first; rtopk: the router
     selects with RouterConfig(select="topk"), the default before "logits";
-    nodr: RoutedConfig(down_release=False); norw: RouterConfig(early_weights=False), both on by
-    default) -> (spec, args with those set)."""
+    dr / nodr: RoutedConfig.down_release on / off; rw / norw: RouterConfig.early_weights on / off)
+    -> (spec, args with those set)."""
     opts = argparse.Namespace(**vars(args))
     opts.router_select = None
     for part in spec.split("+"):
@@ -338,13 +338,13 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.hits_first = True
         elif part == "rtopk":
             opts.router_select = "topk"
-        elif part == "nodr":
-            opts.down_release = False
-        elif part == "norw":
-            opts.router_early = False
+        elif part in ("dr", "nodr"):
+            opts.down_release = part == "dr"
+        elif part in ("rw", "norw"):
+            opts.router_early = part == "rw"
         else:
             raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, first, chain, nochain, prioN, "
-                             "rtopk, nodr or norw")
+                             "rtopk, dr, nodr, rw or norw")
     return spec, opts
 
 
@@ -409,14 +409,13 @@ def parse() -> argparse.Namespace:
                     help="comma list of more resident-mode runs on the same weights: hitsN (early hits' "
                          "programs per SM), noeh (no early hits), chain / nochain (MoEConfig.pdl_chain on / off), prioN "
                          "(--compute-priority -N), first (MoEConfig.hits_first), rtopk (the router's "
-                         "select=\"topk\"), nodr (RoutedConfig.down_release=False), "
-                         "norw (RouterConfig.early_weights=False), joined by '+'")
-    ap.add_argument("--no-down-release", dest="down_release", action="store_false",
-                    help="RoutedConfig.down_release=False: the next layer's router starts only when the down "
-                         "ends, not after the down's wait")
-    ap.add_argument("--no-router-early", dest="router_early", action="store_const", const=False, default=None,
-                    help="RouterConfig.early_weights=False: the router's weights loaded after its programmatic "
-                         "wait, not before (the default None loads them before where they fit)")
+                         "select=\"topk\"), dr / nodr (RoutedConfig.down_release on / off), "
+                         "rw / norw (RouterConfig.early_weights on / off), joined by '+'")
+    ap.add_argument("--down-release", action=argparse.BooleanOptionalAction, default=DEFAULT_ROUTED.down_release,
+                    help="RoutedConfig.down_release: the down launch lets the next layer's router start after "
+                         "its own wait")
+    ap.add_argument("--router-early", action=argparse.BooleanOptionalAction, default=DEFAULT_ROUTER.early_weights,
+                    help="RouterConfig.early_weights: the router's weights loaded before its programmatic wait")
     ap.add_argument("--no-pdl-chain", dest="pdl_chain", action="store_false",
                     help="MoEConfig.pdl_chain=False: router, ensure and miss copy launched plainly")
     return ap.parse_args()

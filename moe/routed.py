@@ -69,13 +69,16 @@ class RoutedConfig:
     0.5-1.0 us faster at T = 1..8 on the H200 (20.10 vs 20.61 us at T = 1,
     benchmarks/results/routed-2026-11-30-8f6abaf.json). The shared expert's launches and a
     routed_down not launched right after routed_gate_up never use it.
-    down_release: with pdl, the down launch lets the next programmatic launch on the stream (the next
-    layer's router, MoEConfig.pdl_chain) start right after its own wait instead of at its end; that
-    launch still waits for the down to finish before it reads anything the down writes, so the bits
-    are the same. On by default: with RouterConfig.early_weights (the router's weights loaded during
-    the down) a resident Qwen3-Next-like layer took 27.9-28.0 against 29.2-29.3 us with both off
-    (overlap on; 33.6 against 34.2 us off) on the H200
-    (benchmarks/results/moe-copy-overlap-resident-2026-12-01-dr-rw-fd807ed.json).
+    down_release (opt-in): with pdl, the down launch lets the next programmatic launch on the stream
+    (the next layer's router, MoEConfig.pdl_chain) start right after its own wait instead of at its
+    end; that launch still waits for the down to finish before it reads anything the down writes, so
+    the bits are the same. On the H200 with RouterConfig.early_weights (the router's weights loaded
+    during the down), a resident Qwen3-Next-like layer with the overlap on took 27.9-28.0 us against
+    28.8-29.3 without early hits (MoEConfig.early_hits=False), but 33.8 against 29.8 with them (the
+    default): the router then starts during the down and the early hits on the side stream start 8.2
+    us after it ends; a decode step with misses took the same time (984.3 us against 984.1)
+    (benchmarks/results/moe-copy-overlap-resident-2026-12-01-dr-rw-fd807ed.json,
+    moe-copy-overlap-2026-12-01-dr-rw-8aa636d.json). So it stays off by default.
     The defaults come from moe.plan (GEMV_BLOCK_I, GEMV_BLOCK_H) so make_routed_plan's grid is the
     one launched. Raises ValueError naming the field.
     """
@@ -87,7 +90,7 @@ class RoutedConfig:
     chunk_i: int = 512
     warps_down: int = 4
     pdl: bool = True
-    down_release: bool = True
+    down_release: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -104,8 +107,8 @@ class RoutedConfig:
 
     @property
     def name(self) -> str:
-        """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl'
-        (down_release=False), 'i1x1024w2-h2x512w4-pdl-dr' (the default: down_release)."""
+        """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl',
+        'i1x1024w2-h2x512w4-pdl-dr' (down_release)."""
         return (f"i{self.block_i}x{self.chunk_h}w{self.warps_gate_up}-"
                 f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}"
                 f"{'-dr' if self.down_release else ''}")

@@ -31,7 +31,6 @@ the lower id) for the tests.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -78,14 +77,13 @@ class RouterConfig:
                 positive zero first). The default: faster than "topk" in every cell measured on the
                 H200 (Qwen3-Next T = 1: 5.11 against 5.68 us, T = 8: 6.95 against 7.25 at 4 per
                 program; Qwen3-30B-A3B T = 1: 3.26 against 3.73; router-2026-12-01-39c993c.json).
-    early_weights: with a programmatic launch (router_topk's pdl), each program loads its router_w
-    rows before its wait, held in registers, so their round trips overlap the predecessor's tail
-    (the hidden state, its output, is read after the wait; the same sums in the same order, the same
-    bits). Its rows must fit: block_e * H at most EARLY_WEIGHTS_MAX_ELEMENTS. None (the default):
-    on where they fit; True: on, and a call whose rows do not fit is refused (ValueError naming the
-    field); False: off. With RoutedConfig.down_release (the router then starts during the previous
-    layer's down) a resident Qwen3-Next-like layer took 27.9-28.0 against 29.2-29.3 us with both off
-    on the H200 (benchmarks/results/moe-copy-overlap-resident-2026-12-01-dr-rw-fd807ed.json).
+    early_weights (opt-in): with a programmatic launch (router_topk's pdl), each program loads its
+    router_w rows before its wait, held in registers, so their round trips overlap the predecessor's
+    tail (the hidden state, its output, is read after the wait; the same sums in the same order, the
+    same bits). Its rows must fit: block_e * H at most EARLY_WEIGHTS_MAX_ELEMENTS. False (the
+    default): off; True: on, and a call whose rows do not fit is refused (ValueError naming the
+    field); None: on where they fit. It pays when the predecessor releases the router early
+    (RoutedConfig.down_release, whose measurements are there).
     Raises ValueError naming the field.
     """
 
@@ -93,7 +91,7 @@ class RouterConfig:
     chunk_h: int = 1024
     warps: int = 4
     select: str = "logits"
-    early_weights: bool | None = None
+    early_weights: bool | None = False
 
     def __post_init__(self) -> None:
         if self.early_weights is not None and not isinstance(self.early_weights, bool):

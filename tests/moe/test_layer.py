@@ -301,8 +301,8 @@ def test_hits_first_bitwise(gpu_weights, graph, overlap):
 
 @contextlib.contextmanager
 def launch_options(down_release=False, router_early=False):
-    """The layer's launches with RoutedConfig.down_release and RouterConfig.early_weights set (both on
-    by default; off unless asked here; the layer takes moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER)."""
+    """The layer's launches with RoutedConfig.down_release and RouterConfig.early_weights set (both off
+    by default and unless asked here; the layer takes moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER)."""
     routed, router = moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER
     moe.routed.DEFAULT_CONFIG = dataclasses.replace(routed, down_release=down_release)
     moe.router.DEFAULT_ROUTER = dataclasses.replace(router, early_weights=router_early)

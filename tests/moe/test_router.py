@@ -139,9 +139,9 @@ def test_early_weights_too_large_is_named():
     with pytest.raises(ValueError, match="RouterConfig.early_weights would hold 32768"):
         router_topk(x, w, 2, True, ids=ids, config=RouterConfig(block_e=8, early_weights=True))
     assert bool((ids == -7).all())
-    # the default (None) loads them after the wait instead, with the same bits as False
-    got = router_topk(x, w, 2, True, config=RouterConfig(block_e=8))
-    want = router_topk(x, w, 2, True, config=RouterConfig(block_e=8, early_weights=False))
+    # None (on where the rows fit) loads them after the wait instead, with the same bits as False
+    got = router_topk(x, w, 2, True, config=RouterConfig(block_e=8, early_weights=None))
+    want = router_topk(x, w, 2, True, config=RouterConfig(block_e=8))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -223,23 +223,23 @@ pdl = compile_router_for_target(512, 2048, 10, "bf16", True, pdl=True)["ptx"]
 pre = [compile_router_for_target(512, 2048, 10, "bf16", norm, RouterConfig(select=s), pdl=True, pre=True)
        for s, norm in (("topk", True), ("argmax", True), ("logits", True), ("logits", False))]
 early = compile_router_for_target(512, 2048, 10, "bf16", True, RouterConfig(early_weights=True), pdl=True)["ptx"]
-late = compile_router_for_target(512, 2048, 10, "bf16", True, RouterConfig(early_weights=False), pdl=True)["ptx"]
+auto = compile_router_for_target(512, 2048, 10, "bf16", True, RouterConfig(early_weights=None), pdl=True)["ptx"]
 def loads_before_wait(text):  # 16-byte loads issued before the programmatic wait
     return sum(1 for m in re.finditer(r"ld\.global(\.\w+)*\.v4\.b32", text) if m.start() < text.find("griddepcontrol.wait"))
 print(json.dumps([bool(asm.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)),
                   "atom.global" in ptx, ".local" not in ptx,
                   "griddepcontrol.wait" not in ptx, "griddepcontrol.wait" in pdl,
                   all(bool(a.get("cubin")) and ".local" not in a["ptx"] for a in pre),
-                  (loads_before_wait(late), loads_before_wait(pdl), loads_before_wait(early)) == (0, 4, 4)]))
+                  (loads_before_wait(pdl), loads_before_wait(early), loads_before_wait(auto)) == (0, 4, 4)]))
 """
 
 
 def test_compiles_for_sm90():
     """The router at the Qwen3-Next shape compiles for sm_90: 16-byte weight loads, the arrival atomic,
     no register spills (also with pre, for "topk", "argmax" and "logits" with and without
-    renormalisation); with early_weights (True, or the default None where the rows fit, as here) the
-    weights' four 16-byte loads per thread come before the programmatic wait (False issues none before
-    it). A child
+    renormalisation); with early_weights (True, or None where the rows fit, as here) the weights' four
+    16-byte loads per thread come before the programmatic wait (the default, False, issues none
+    before it). A child
     process without TRITON_INTERPRET (which replaces the compiler's hooks)."""
     assert compile_check(SM90_CHECK) == [True] * 8  # 5, 6: only router_topk(pdl=True) waits; 7: with pre
 
@@ -271,12 +271,12 @@ def test_gpu_qwen3_next_shape(tokens, select):
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_gpu_early_weights_change_no_bit(tokens):
     """early_weights with a programmatic launch behind a kernel that writes the hidden state: the
-    same bits as early_weights=False, which reads everything after its wait."""
+    same bits as the default router (early_weights=False), which reads everything after its wait."""
     _gpu_or_skip()
     x, w = make_inputs(tokens, 512, 2048, torch.bfloat16, "cuda", seed=40 + tokens)
     src = make_inputs(tokens, 512, 2048, torch.bfloat16, "cuda", seed=50 + tokens)[0]
     outs = []
-    for config in (RouterConfig(early_weights=False), RouterConfig()):
+    for config in (RouterConfig(), RouterConfig(early_weights=True)):
         x.zero_()
         x.copy_(src)  # the predecessor writes the hidden state the router waits for
         outs.append(router_topk(x, w, 10, True, config=config, pdl=True))
