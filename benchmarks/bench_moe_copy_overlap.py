@@ -293,13 +293,23 @@ def resident_breakdown(graph: Graph, xs: list[torch.Tensor], path: Path) -> dict
 
 def resident_mode(weights, args, xs, out_dir: Path) -> dict:
     L, E = weights.num_layers, CFG.num_experts
+    clock = [time.time()]
+    seconds = {}  # wall seconds of each phase (device time is scarce: see where it goes)
+
+    def lap(name: str) -> None:
+        seconds[name] = time.time() - clock[0]
+        clock[0] = time.time()
+
     models = {m: SyntheticModel(weights, L * E, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain,
                              early_hits=args.early_hits, hits_first=args.hits_first)
               for m in ("off", "on")}
     for m in models.values():
         m.warm_all()
+    lap("models")
     graphs = {m: Graph(models[m], args.tokens, args.compute_priority) for m in models}
+    lap("graphs")
     timing = abab(graphs, xs[: args.reps], models["on"].slots.cache.counters)
+    lap("timing")
     new_misses = int(timing["misses_per_step_mean"] * timing["rounds"])
     bw = d2d_bandwidth()
     h, i, s = CFG.hidden, CFG.expert_intermediate, CFG.shared_intermediate
@@ -309,12 +319,14 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
     per_layer = {m: timing[m]["median_us"] / L for m in ("off", "on")}
     breakdown = {m: resident_breakdown(graphs[m], xs[: args.profile], out_dir / f"resident_replays_{m}.json")
                  for m in graphs} if args.profile else {}
+    lap("profile")
+    print("resident mode phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()), flush=True)
     for m in models.values():
         m.close()
     return {"timing": timing, "misses_during_timing": new_misses, "d2d_bytes_per_s": bw,
             "weight_bytes_per_layer": weight_bytes, "hbm_floor_us": floor_us, "layer_us": per_layer,
             "ratio_to_floor": {m: per_layer[m] / floor_us for m in per_layer}, "breakdown": breakdown,
-            "note": "router, experts and shared expert all read in bf16, as counted here"}
+            "note": "router, experts and shared expert all read in bf16, as counted here", "phase_seconds": seconds}
 
 
 def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
