@@ -43,14 +43,13 @@ POLICY_LRU, POLICY_RULE, POLICY_LFUDA = 0, 1, 2  # == expertcache.policies.base 
 
 
 @triton.jit
-def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gst_ptr, prm_ptr, num_keys, dc_now,
-           rc_floor,
-           BLOCK_Q: tl.constexpr, POLICY: tl.constexpr, EARLY: tl.constexpr, TABLE: tl.constexpr):
-    """Distinct keys and their fate. Per position i: key, first (first occurrence of a
-    valid key), slot (before the call), hit / fmiss (first and resident / absent), mrank
-    (misses with a smaller key: _miss_rank). EARLY: also the commit's policy reads (_policy_reads), issued
-    right behind the slot loads, for every valid position (a repeated key reads what its first
-    occurrence reads), so their round trip overlaps the block reductions below."""
+def _query_loads(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gst_ptr, num_keys,
+                 BLOCK_Q: tl.constexpr, POLICY: tl.constexpr, EARLY: tl.constexpr):
+    """The query's loads: per position i the id's key and its slot (before the call). EARLY: also
+    the commit's policy reads that need only the key or the slot, for every valid position (a
+    repeated key reads what its first occurrence reads): rule's lc and dct (_rule_reads), lfuda's hit
+    count and age. Issued at the start of the launch, before any arithmetic that does not need them
+    (rule's decay clock, the near-miss set), so their round trips overlap it."""
     i = tl.arange(0, BLOCK_Q)
     im = i < n_ids
     e = tl.load(ids_ptr + i, mask=im, other=-1)
@@ -58,10 +57,20 @@ def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gs
     valid = im & (e >= 0) & (e < num_experts)
     key = tl.where(valid, layer * num_experts + e, 0)  # int32: keys < 2**31 (L * E)
     slot = tl.load(slot_of_ptr + key, mask=valid, other=-1)
-    early_a, early_b = 0, 0
+    raw_a, raw_b = 0, 0
     if EARLY:
-        early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, prm_ptr, key, valid, slot, valid & (slot >= 0),
-                                         num_keys, dc_now, rc_floor, POLICY, TABLE)
+        if POLICY == 1:
+            raw_a, raw_b = _rule_reads(kst_ptr, key, valid, num_keys)
+        elif POLICY == 2:
+            raw_a, raw_b = _lfuda_reads(sst_ptr, gst_ptr, slot, valid & (slot >= 0))
+    return valid, bad_i, key, slot, raw_a, raw_b
+
+
+@triton.jit
+def _query_tally(valid, bad_i, key, slot, BLOCK_Q: tl.constexpr):
+    """The query's fate of each position: first (first occurrence of a valid key), hit / fmiss (first
+    and resident / absent), and the call's bad ids, distinct keys n and misses m."""
+    i = tl.arange(0, BLOCK_Q)
     earlier = (key[:, None] == key[None, :]) & valid[None, :] & (i[None, :] < i[:, None])
     first = valid & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
     hit = first & (slot >= 0)
@@ -69,7 +78,7 @@ def _query(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gs
     # bad, n and m in one block reduction (each < 2**10: the host refuses rows * k >= 1024)
     tally = tl.sum(bad_i.to(tl.int32) << 20 | first.to(tl.int32) << 10 | fmiss.to(tl.int32), axis=0)
     bad, n, m = tally >> 20, (tally >> 10) & 1023, tally & 1023
-    return valid, key, first, slot, hit, fmiss, n, m, bad, early_a, early_b
+    return first, hit, fmiss, n, m, bad
 
 
 @triton.jit
@@ -81,23 +90,38 @@ def _miss_rank(key, fmiss):
 
 
 @triton.jit
-def _near(lidx_ptr, lval_ptr, fprm_ptr, layer, num_experts, rows, T, k,
-          BLOCK_R: tl.constexpr):
-    """Near-miss refresh set: per logit entry, its key and whether its logit is within
-    NEAR of its row's k-th largest (rows with fewer than k real entries: their smallest)."""
+def _near_loads(lidx_ptr, lval_ptr, fprm_ptr, rows, T, BLOCK_R: tl.constexpr):
+    """The near-miss set's loads (router logit ids and values, NEAR), issued at the start of the
+    launch; _near works on them once the query's loads are out too."""
     r = tl.arange(0, BLOCK_R)
     rm = r < rows * T
     idx = tl.load(lidx_ptr + r, mask=rm, other=-1)
     val = tl.load(lval_ptr + r, mask=rm, other=0.0)
-    real = rm & (idx >= 0)
+    return idx, val, tl.load(fprm_ptr)
+
+
+@triton.jit
+def _near(idx, val, near_by, layer, num_experts, rows, T, k, BLOCK_R: tl.constexpr):
+    """Near-miss refresh set: per logit entry, its key and whether its logit is within
+    NEAR (near_by) of its row's k-th largest (rows with fewer than k real entries: their smallest)."""
+    r = tl.arange(0, BLOCK_R)
+    real = (r < rows * T) & (idx >= 0)
     same = ((r // T)[:, None] == (r // T)[None, :]) & real[:, None] & real[None, :]
     gt = tl.sum((same & (val[None, :] > val[:, None])).to(tl.int32), axis=1)
     ge = tl.sum((same & (val[None, :] >= val[:, None])).to(tl.int32), axis=1)
     kk = tl.minimum(tl.sum(same.to(tl.int32), axis=1), k)
     is_kth = real & (gt < kk) & (kk <= ge)
     kth = tl.max(tl.where(same & is_kth[None, :], val[None, :], float("-inf")), axis=1)
-    near = real & (val >= kth - tl.load(fprm_ptr))
+    near = real & (val >= kth - near_by)
     return (layer * num_experts + tl.where(real, idx, 0)).to(tl.int64), near
+
+
+@triton.jit
+def _decay_clock(tok, num_layers, layer, divisor):
+    """rule's decay clock DC(now), one 64-bit division per program. On sm_90 that division is a
+    subroutine call that no later load is moved above, so the kernel computes it only after its
+    loads are issued."""
+    return ((tok * num_layers + layer) << 16) // divisor
 
 
 @triton.jit
@@ -276,21 +300,33 @@ def _victims(best, cand_ptr, r, from_cand, need, BLOCK_Q: tl.constexpr, SEQ_MAX:
 
 
 @triton.jit
+def _rule_reads(kst_ptr, key, first, num_keys):
+    """rule's lc and dct of each key (dct < 0: never used)."""
+    lc = tl.load(kst_ptr + num_keys + key, mask=first, other=0)
+    dct = tl.load(kst_ptr + 2 * num_keys + key, mask=first, other=-1)
+    return lc, dct
+
+
+@triton.jit
+def _lfuda_reads(sst_ptr, gst_ptr, slot, hit):
+    """lfuda's hit counts (at the hits' slots) and its age."""
+    return tl.load(sst_ptr + slot, mask=hit, other=0), tl.load(gst_ptr)
+
+
+@triton.jit
 def _policy_reads(kst_ptr, sst_ptr, gst_ptr, prm_ptr, key, first, slot, hit, num_keys, dc_now, rc_floor,
                   POLICY: tl.constexpr,
                   TABLE: tl.constexpr):
-    """What the commit's policy update reads: rule's lc and dct of each key (and, from them, the lc
-    its use leaves, so the growth table's load follows at once), lfuda's hit counts and age (lru:
-    nothing). Only the committing program writes them, so they may be read at the start of the
-    launch, beside the query's loads (they need only the key or the hit's slot)."""
-    if POLICY == 1:  # rule: a = each key's lc after this call's use (_rule_grown), b unused
-        lc = tl.load(kst_ptr + num_keys + key, mask=first, other=0)
-        dct = tl.load(kst_ptr + 2 * num_keys + key, mask=first, other=-1)
+    """What the commit's policy update reads: rule's lc and dct of each key, and from them the lc
+    its use leaves (a, _rule_grown; b unused); lfuda's hit counts and age (lru: nothing). Only the
+    committing program writes them, so they may be read at the start of the launch, beside the
+    query's loads (EARLY: _query_loads, then _early_reads)."""
+    if POLICY == 1:
+        lc, dct = _rule_reads(kst_ptr, key, first, num_keys)
         a = _rule_grown(lc, dct, dc_now, rc_floor, prm_ptr, first, TABLE)
         b = 0
     elif POLICY == 2:
-        a = tl.load(sst_ptr + slot, mask=hit, other=0)
-        b = tl.load(gst_ptr)
+        a, b = _lfuda_reads(sst_ptr, gst_ptr, slot, hit)
     else:
         a, b = 0, 0
     return a, b
@@ -341,7 +377,8 @@ def _touch_lfuda(sst_ptr, gst_ptr, sl, first, hit, evict, vscore, num_slots, hit
 def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, cand_ptr,
             out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid, key, first, slot,
             hit, fmiss, mrank, n, m, ne, filled, rkey, near, step, tok, dc_now, layer, num_layers,
-            num_slots, num_keys, mine, best, early_a, early_b, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
+            num_slots, num_keys, mine, best, early_a, early_b, rc_floor, POLICY: tl.constexpr,
+            HAS_LOGITS: tl.constexpr,
             EARLY: tl.constexpr,
             BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr, TABLE: tl.constexpr,
             mir_ptr, MIRROR: tl.constexpr, HITS_ONLY: tl.constexpr = False):
@@ -385,7 +422,7 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
         sl = tl.where(slot >= 0, slot, vslot)
     if not EARLY:  # read now (early_reads=False), or at the start of the launch (early_a, early_b)
         early_a, early_b = _policy_reads(kst_ptr, sst_ptr, gst_ptr, prm_ptr, key, first, slot, hit, num_keys,
-                                         dc_now, tl.load(prm_ptr + 4), POLICY, TABLE)
+                                         dc_now, rc_floor, POLICY, TABLE)
     if POLICY == 0:
         tl.store(sst_ptr + sl, step + 0 * sl, mask=first)
     elif POLICY == 2:
@@ -453,20 +490,27 @@ def ensure_kernel(
     j4 = tl.arange(0, 4)
     mine = tl.load(counters_ptr + layer * 3 + j4, mask=j4 < 3, other=0)
     dc_now = 0
-    rc_beta, rc_w, rc_kmax, rc_floor = 0, 0, 0, 0
-    if POLICY == 1:  # rule's decay clock DC(now) (one division per program), and its constants
-        dc_now = ((tok * num_layers + layer) << 16) // tl.load(prm_ptr + 2)
+    rc_beta, rc_w, rc_kmax, rc_floor, rc_div = 0, 0, 0, 0, 1
+    if POLICY == 1:  # rule's constants
         rc_beta, rc_w = tl.load(prm_ptr), tl.load(prm_ptr + 1)
-        rc_kmax, rc_floor = tl.load(prm_ptr + 3), tl.load(prm_ptr + 4)
+        rc_div, rc_kmax, rc_floor = tl.load(prm_ptr + 2), tl.load(prm_ptr + 3), tl.load(prm_ptr + 4)
     if HAS_LOGITS:
-        rkey, near = _near(lidx_ptr, lval_ptr, fprm_ptr, layer, num_experts, rows, T, k, BLOCK_R)
+        lidx, lval, near_by = _near_loads(lidx_ptr, lval_ptr, fprm_ptr, rows, T, BLOCK_R)
+    # The query's loads (and EARLY, DeviceCache(early_reads=True), the commit's policy reads beside
+    # them), then the arithmetic that needs none of them: rule's decay clock, the near-miss set.
+    valid, bad_i, key, slot, raw_a, raw_b = _query_loads(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr,
+                                                         sst_ptr, gst_ptr, num_keys, BLOCK_Q, POLICY, EARLY)
+    if POLICY == 1:
+        dc_now = _decay_clock(tok, num_layers, layer, rc_div)
+    if HAS_LOGITS:
+        rkey, near = _near(lidx, lval, near_by, layer, num_experts, rows, T, k, BLOCK_R)
     else:
         rkey = tl.zeros([BLOCK_R], dtype=tl.int64)
         near = rkey != 0
-    # EARLY (DeviceCache(early_reads=True)): the commit's policy reads issued beside the query's
-    valid, key, first, slot, hit, fmiss, n, m, bad, early_a, early_b = _query(
-        ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr, sst_ptr, gst_ptr, prm_ptr, num_keys, dc_now,
-        rc_floor, BLOCK_Q, POLICY, EARLY, TABLE)
+    early_a, early_b = raw_a, raw_b
+    if EARLY and POLICY == 1:  # each key's lc after this call's use (its growth table's load follows at once)
+        early_a = _rule_grown(raw_a, raw_b, dc_now, rc_floor, prm_ptr, valid, TABLE)
+    first, hit, fmiss, n, m, bad = _query_tally(valid, bad_i, key, slot, BLOCK_Q)
     filled = tl.minimum(missed, num_slots)
     ne = tl.minimum(m, num_slots - filled)
     ok = (bad == 0) & (n <= num_slots)
@@ -479,7 +523,7 @@ def ensure_kernel(
             _commit(n_ids, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr,
                     cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
                     key, first, slot, hit, fmiss, 0, n, m, ne, filled, rkey, near, step,
-                    tok, dc_now, layer, num_layers, num_slots, num_keys, mine, 0, early_a, early_b, POLICY,
+                    tok, dc_now, layer, num_layers, num_slots, num_keys, mine, 0, early_a, early_b, rc_floor, POLICY,
                     HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN, TABLE, mir_ptr, MIRROR, True)
     else:
         _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, clock_ptr,
@@ -532,7 +576,8 @@ def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_
             _commit(n_ids, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr,
                     cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
                     key, first, slot, hit, fmiss, mrank, n, m, ne, filled, rkey, near, step,
-                    tok, dc_now, layer, num_layers, num_slots, num_keys, mine, best, early_a, early_b, POLICY,
+                    tok, dc_now, layer, num_layers, num_slots, num_keys, mine, best, early_a, early_b, rc_floor,
+                    POLICY,
                     HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN, TABLE, mir_ptr, MIRROR)
             tl.store(missed_ptr, missed + m)
         else:

@@ -408,15 +408,21 @@ for chunk, single, warps in ((2048, True, 4), (512, False, 4)):
                   EARLY=True, TABLE=True, MIRROR=True)
         asm = compile_for_sm(ensure_kernel, types, cx, warps, 90, ENSURE_JIT)
         out.append(bool(asm.get("cubin")) and ".local" not in asm["ptx"])
+        # the query's loads (ids, then slot_of: 32-bit) are issued before the decay clock's division
+        lines = asm["ptx"].splitlines()
+        div = next(i for i, line in enumerate(lines) if "div.s64" in line)
+        out.append(sum("ld.global.b32" in line for line in lines[:div]) >= 2)
 print(json.dumps(out))
 """
 
 
 def test_rule_mirror_compiles_for_sm90():
     """rule with its mirror compiles for sm_90 on one program of 2048 and on 512-slot programs, with
-    and without router logits, without register spills. A child process without TRITON_INTERPRET."""
+    and without router logits, without register spills, and issues the query's loads before its
+    decay clock's 64-bit division (a subroutine call on sm_90 that no later load passes). A child
+    process without TRITON_INTERPRET."""
     from tests.conftest import compile_check
-    assert compile_check(MIRROR_CHECK) == [True] * 4
+    assert compile_check(MIRROR_CHECK) == [True] * 8
 
 
 @pytest.mark.gpu
