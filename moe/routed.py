@@ -318,38 +318,31 @@ def hits_programs(device: torch.device) -> int:
     return HITS_PROGRAMS_PER_SM * _SMS[device]
 
 
-def _launch_hits(hidden, weights, gate_up, act, pre, dims, config, programs) -> None:
-    """part="hits": one persistent launch of at most `programs` programs over the (pair, tile) items."""
+def _launch_persistent(hidden, slots, weights, gate_up, act, pre, dims, config, programs, first) -> None:
+    """One persistent launch of at most `programs` programs over the (pair, tile) items. part="hits"
+    (first False): only the pairs with pre >= 0, never programmatic (it waits on another stream's
+    event, not its producer). part="first": those pairs before its wait (programmatic with
+    RoutedConfig.pdl on CUDA), the others after it at `slots`."""
     tokens, top_k, num_slots, hid, inter = dims
     block_i, chunk_h, _, _ = _tiles(hid, inter, config)
     items = tokens * top_k * triton.cdiv(inter, block_i)
     programs = hits_programs(hidden.device) if programs is None else programs
-    kernel = kernel_for(_gate_up_hits, hidden.device, HITS_JIT_OPTIONS, "routed_gate_up")
-    with _device_ctx(hidden.device):  # behind an event wait on another stream, not its producer: no PDL
-        kernel[(min(programs, items),)](hidden, weights, gate_up, act, num_slots, pre, tokens * top_k,
-                                        K=top_k, H=hid, I=inter, BLOCK_I=block_i, CHUNK_H=chunk_h,
-                                        EVEN=_even(hid, inter, config)[0], num_warps=config.warps_gate_up)
-
-
-def _launch_first(hidden, slots, weights, gate_up, act, pre, dims, config, programs) -> None:
-    """part="first": one persistent launch (programmatic with RoutedConfig.pdl on CUDA), the pairs
-    with pre >= 0 before its wait, the others after it."""
-    tokens, top_k, num_slots, hid, inter = dims
-    block_i, chunk_h, _, _ = _tiles(hid, inter, config)
-    items = tokens * top_k * triton.cdiv(inter, block_i)
-    programs = hits_programs(hidden.device) if programs is None else programs
-    kernel = kernel_for(_gate_up_first, hidden.device, HITS_JIT_OPTIONS, "routed_gate_up")
-    gdc = config.pdl and hidden.device.type == "cuda"
+    kernel = kernel_for(_gate_up_first if first else _gate_up_hits, hidden.device, HITS_JIT_OPTIONS,
+                        "routed_gate_up")
+    gdc = first and config.pdl and hidden.device.type == "cuda"
+    head = (hidden, slots, weights) if first else (hidden, weights)
+    extra = {"GDC": int(gdc), **({"launch_pdl": True} if gdc else {})} if first else {}
     with _device_ctx(hidden.device):
-        kernel[(min(programs, items),)](hidden, slots, weights, gate_up, act, num_slots, pre, tokens * top_k,
+        kernel[(min(programs, items),)](*head, gate_up, act, num_slots, pre, tokens * top_k,
                                         K=top_k, H=hid, I=inter, BLOCK_I=block_i, CHUNK_H=chunk_h,
-                                        EVEN=_even(hid, inter, config)[0], GDC=int(gdc),
-                                        num_warps=config.warps_gate_up, **({"launch_pdl": True} if gdc else {}))
+                                        EVEN=_even(hid, inter, config)[0], num_warps=config.warps_gate_up,
+                                        **extra)
 
 
 def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config, part="all",
                     pre=None) -> torch.Tensor:
-    """part "all" or "rest" (PICK 0 / 2): one program per (pair, row tile); "hits": _launch_hits."""
+    """part "all" or "rest" (PICK 0 / 2): one program per (pair, row tile); "hits", "first":
+    _launch_persistent."""
     tokens, top_k, num_slots, hid, inter = dims
     block_i, chunk_h, _, _ = _tiles(hid, inter, config)
     grid, _ = routed_grids(tokens, top_k, hid, inter, config)
@@ -427,11 +420,8 @@ def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
         raise ValueError(f"routed_gate_up: programs must be an int >= 1, got {programs!r}")
     act = routed_scratch(hidden.device, dims[1], dims[4]) if act is None else act
-    if part == "hits":
-        _launch_hits(hidden, weights, gate_up, act, pre, dims, config, programs)
-        return act[:dims[0] * dims[1]]
-    if part == "first":
-        _launch_first(hidden, slots, weights, gate_up, act, pre, dims, config, programs)
+    if part in ("hits", "first"):
+        _launch_persistent(hidden, slots, weights, gate_up, act, pre, dims, config, programs, part == "first")
         return act[:dims[0] * dims[1]]
     return _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config, part,
                            pre if part == "rest" else None)
