@@ -185,6 +185,16 @@ def _select_topk(row_ptr, ids_ptr, weights_ptr, slot_row_ptr, pre_ptr, E: tl.con
         tl.store(pre_ptr + kk, pre, mask=kk < K)
 
 
+@triton.jit
+def _router_tile(w_ptr, rows, h0, E: tl.constexpr, H: tl.constexpr, CHUNK_H: tl.constexpr, EVEN: tl.constexpr):
+    """router_w[rows, h0:h0 + CHUNK_H] (zeros outside [E, H] unless EVEN)."""
+    cols = h0 + tl.arange(0, CHUNK_H)
+    if EVEN:
+        return tl.load(w_ptr + rows[:, None] * H + cols[None, :])
+    return tl.load(w_ptr + rows[:, None] * H + cols[None, :], mask=(rows[:, None] < E) & (cols[None, :] < H),
+                   other=0.0)
+
+
 @triton.jit(**_JIT_OPTIONS)
 def _router_kernel(
     x_ptr,  # [T, H] hidden (model dtype), row-major
@@ -215,12 +225,7 @@ def _router_kernel(
     early = ()
     if EARLY_W:  # router_w is no predecessor's output: its rows before the wait, the same tiles as below
         for h0 in tl.static_range(0, H, CHUNK_H):
-            cols = h0 + tl.arange(0, CHUNK_H)
-            if EVEN:
-                early = early + (tl.load(w_ptr + rows[:, None] * H + cols[None, :]),)
-            else:
-                early = early + (tl.load(w_ptr + rows[:, None] * H + cols[None, :],
-                                         mask=(rows[:, None] < E) & (cols[None, :] < H), other=0.0),)
+            early = early + (_router_tile(w_ptr, rows, h0, E, H, CHUNK_H, EVEN),)
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
@@ -229,17 +234,12 @@ def _router_kernel(
         cols = h0 + tl.arange(0, CHUNK_H)
         if EVEN:
             x = tl.load(x_ptr + token * H + cols)
-            if EARLY_W:
-                w = early[h0 // CHUNK_H]
-            else:
-                w = tl.load(w_ptr + rows[:, None] * H + cols[None, :])  # [BLOCK_E, CHUNK_H]
         else:
             x = tl.load(x_ptr + token * H + cols, mask=cols < H, other=0.0)
-            if EARLY_W:
-                w = early[h0 // CHUNK_H]
-            else:
-                w = tl.load(w_ptr + rows[:, None] * H + cols[None, :],
-                            mask=(rows[:, None] < E) & (cols[None, :] < H), other=0.0)
+        if EARLY_W:
+            w = early[h0 // CHUNK_H]
+        else:
+            w = _router_tile(w_ptr, rows, h0, E, H, CHUNK_H, EVEN)  # [BLOCK_E, CHUNK_H]
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     tl.store(logits_ptr + token * E + rows, tl.sum(acc, axis=1), mask=rows < E)
     tl.debug_barrier()  # every thread's logits stored before the arrival
