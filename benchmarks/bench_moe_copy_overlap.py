@@ -333,8 +333,8 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
     """"hits1" / "noeh" / "first" / "chain" / "nochain" / "prio2" / "rtopk" / "dr" / "nodr" / "rw" / "norw" joined by "+" (e.g.
     "noeh+nochain", "prio2+hits10", "first+hits4"; first: MoEConfig.hits_first; rtopk: the router
     selects with RouterConfig(select="topk"), the default before "logits";
-    dr / nodr: RoutedConfig.down_release on / off; rw / norw: RouterConfig.early_weights on / off)
-    -> (spec, args with those set)."""
+    dr / nodr: RoutedConfig.down_release on / off; rw / norw: RouterConfig.early_weights on / off;
+    pfN: RoutedConfig.down_prefetch=N) -> (spec, args with those set)."""
     opts = argparse.Namespace(**vars(args))
     opts.router_select = None
     for part in spec.split("+"):
@@ -354,9 +354,11 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.down_release = part == "dr"
         elif part in ("rw", "norw"):
             opts.router_early = part == "rw"
+        elif part.startswith("pf") and part[2:].isdigit():
+            opts.down_prefetch = int(part[2:])
         else:
             raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, first, chain, nochain, prioN, "
-                             "rtopk, dr, nodr, rw or norw")
+                             "rtopk, dr, nodr, rw, norw or pfN")
     return spec, opts
 
 
@@ -422,10 +424,14 @@ def parse() -> argparse.Namespace:
                          "programs per SM), noeh (no early hits), chain / nochain (MoEConfig.pdl_chain on / off), prioN "
                          "(--compute-priority -N), first (MoEConfig.hits_first), rtopk (the router's "
                          "select=\"topk\"), dr / nodr (RoutedConfig.down_release on / off), "
-                         "rw / norw (RouterConfig.early_weights on / off), joined by '+'")
+                         "rw / norw (RouterConfig.early_weights on / off), pfN (RoutedConfig.down_prefetch=N), "
+                         "joined by '+'")
     ap.add_argument("--down-release", action=argparse.BooleanOptionalAction, default=DEFAULT_ROUTED.down_release,
                     help="RoutedConfig.down_release: the down launch lets the next layer's router start after "
                          "its own wait")
+    ap.add_argument("--down-prefetch", type=int, default=DEFAULT_ROUTED.down_prefetch,
+                    help="RoutedConfig.down_prefetch: experts whose down weight tiles each program loads before "
+                         "its programmatic wait (all their slots first)")
     ap.add_argument("--router-early", action=argparse.BooleanOptionalAction, default=DEFAULT_ROUTER.early_weights,
                     help="RouterConfig.early_weights: the router's weights loaded before its programmatic wait")
     ap.add_argument("--no-pdl-chain", dest="pdl_chain", action="store_false",
@@ -438,7 +444,8 @@ def main() -> None:
     if args.hits_per_sm is not None:
         moe.routed.HITS_PROGRAMS_PER_SM = args.hits_per_sm
     # the layer's launches take moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER
-    moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=args.down_release)
+    moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=args.down_release,
+                                                    down_prefetch=args.down_prefetch)
     moe.router.DEFAULT_ROUTER = dataclasses.replace(DEFAULT_ROUTER, early_weights=args.router_early)
     if not torch.cuda.is_available():
         print("bench_moe_copy_overlap needs a CUDA GPU; see --help", file=sys.stderr)
@@ -465,7 +472,8 @@ def main() -> None:
         moe.router.DEFAULT_ROUTER = dataclasses.replace(
             DEFAULT_ROUTER, early_weights=opts.router_early,
             **({} if opts.router_select is None else {"select": opts.router_select}))
-        moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=opts.down_release)
+        moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=opts.down_release,
+                                                        down_prefetch=opts.down_prefetch)
         t1 = time.time()
         res.setdefault("resident_variants", {})[name] = resident_mode(weights, opts, xs, out_dir)
         r = res["resident_variants"][name]

@@ -49,7 +49,7 @@ SWEEP = (  # RoutedConfig names: i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_
     "i4x1024w8-h8x512w4", "i4x1024w8-h4x512w4-pdl", "i4x1024w8-h8x256w8", "i4x1024w8-h16x256w8",
     "i4x1024w8-h2x512w4",  # the default without programmatic launches
 )
-NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-pdl)?(-dr)?$")
+NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-pdl)?(-dr)?(?:-pf(\d+))?$")
 
 
 @triton.jit
@@ -87,7 +87,8 @@ def parse_config(name: str) -> RoutedConfig:
         raise SystemExit(f"--configs: {name!r} is not like {DEFAULT_CONFIG.name} (or 'default', 'sweep')")
     b_i, c_h, w_a, b_h, c_i, w_b = map(int, m.groups()[:6])
     return RoutedConfig(block_i=b_i, chunk_h=c_h, warps_gate_up=w_a, block_h=b_h, chunk_i=c_i, warps_down=w_b,
-                        pdl=m.group(7) is not None, down_release=m.group(8) is not None)
+                        pdl=m.group(7) is not None, down_release=m.group(8) is not None,
+                        down_prefetch=int(m.group(9) or 0))
 
 
 def copy_bandwidth(reps: int = 20) -> float:

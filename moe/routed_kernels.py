@@ -148,35 +148,65 @@ def _gate_up_rows(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13_ptr, act
 
 
 @triton.jit
+def _down_tile(w2_ptr, slot, num_slots, rows, i0, H: tl.constexpr, I: tl.constexpr, CHUNK_I: tl.constexpr,
+               EVEN: tl.constexpr, CG: tl.constexpr):
+    """down[slot, rows, i0:i0 + CHUNK_I] (zeros for a slot outside [0, num_slots), or outside [H, I]
+    unless EVEN); CG: past L1 (.cg)."""
+    live = (slot >= 0) & (slot < num_slots)
+    cols = i0 + tl.arange(0, CHUNK_I)
+    ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I + cols[None, :]
+    mask = live if EVEN else live & (rows[:, None] < H) & (cols[None, :] < I)
+    return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg" if CG else "")
+
+
+@triton.jit
 def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
                K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
                WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
-               RELEASE: tl.constexpr = False):
+               RELEASE: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     """RELEASE (RoutedConfig.down_release, with GDC): right after the wait the next programmatic launch
     (the next layer's router) may start; it still waits for this launch to finish before it reads
-    what this launch writes."""
+    what this launch writes.
+    PREFETCH > 0 (RoutedConfig.down_prefetch): every expert's slot, then the weight tiles of the first
+    PREFETCH experts, are loaded before the programmatic wait, past L1 (.cg): the slots and the pool
+    rows are final before this launch starts (the routed gate_up lets it launch, by
+    gdc_launch_dependents, only after its own wait for the ensure and the miss copy), so no weight
+    load waits for its slot's round trip and the first ones overlap the gate_up's tail. The
+    activations, the gate_up's output, are read after the wait, and the sum runs in the same order:
+    the same bits."""
+    NCH: tl.constexpr = (I + CHUNK_I - 1) // CHUNK_I
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
+    slots = ()
+    early = ()
+    if PREFETCH > 0:
+        for j in tl.static_range(K):
+            slots = slots + (tl.load(slots_ptr + token * K + j, cache_modifier=".cg"),)
+        for j in tl.static_range(PREFETCH):
+            for i0 in tl.static_range(0, I, CHUNK_I):
+                early = early + (_down_tile(w2_ptr, slots[j], num_slots, rows, i0, H, I, CHUNK_I, EVEN, True),)
     if GDC:
         gdc_wait()
         if RELEASE:
             gdc_launch_dependents()
     acc = tl.zeros([BLOCK_H, CHUNK_I], dtype=tl.float32)
     for j in tl.static_range(K):  # ordered combine: j = 0, 1, ..., K-1 into one accumulator
-        slot = tl.load(slots_ptr + token * K + j)
-        live = (slot >= 0) & (slot < num_slots)
-        down_ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I
+        if PREFETCH > 0:
+            slot = slots[j]
+        else:
+            slot = tl.load(slots_ptr + token * K + j)
         for i0 in tl.static_range(0, I, CHUNK_I):
             cols = i0 + tl.arange(0, CHUNK_I)  # [CHUNK_I]
             if EVEN:
                 a = tl.load(act_ptr + (token * K + j) * I + cols)
-                mask = live
             else:
                 a = tl.load(act_ptr + (token * K + j) * I + cols, mask=cols < I, other=0.0)
-                mask = live & (rows[:, None] < H) & (cols[None, :] < I)
-            d = tl.load(down_ptrs + cols[None, :], mask=mask, other=0.0)  # [BLOCK_H, CHUNK_I]
-            acc += d.to(tl.float32) * a[None, :]
+            if j < PREFETCH:
+                d = early[j * NCH + i0 // CHUNK_I]
+            else:
+                d = _down_tile(w2_ptr, slot, num_slots, rows, i0, H, I, CHUNK_I, EVEN, PREFETCH > 0)
+            acc += d.to(tl.float32) * a[None, :]  # d: [BLOCK_H, CHUNK_I]
     y = tl.sum(acc, axis=1)  # [BLOCK_H] routed sum, fixed order
     if ADDEND:  # the combine: routed + addend in float32, then (below) one rounding to the model dtype
         y = y + tl.load(addend_ptr + token * H + rows, mask=rows < H, other=0.0)
@@ -234,9 +264,9 @@ def _down_kernel(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                  CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
                  WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
-                 RELEASE: tl.constexpr = False):
+                 RELEASE: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
-               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC, RELEASE)
+               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC, RELEASE, PREFETCH)
 
 
 @triton.jit(**JIT_OPTIONS)

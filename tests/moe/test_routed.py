@@ -152,6 +152,39 @@ def test_bitwise_repeatable_and_out_reuse():
     assert not torch.equal(out, first)
 
 
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+@pytest.mark.parametrize("tiles", [{}, {"block_h": 32, "chunk_i": 8, "warps_down": 1}], ids=["default", "uneven"])
+def test_down_prefetch_changes_no_bit(prefetch, tiles):
+    """RoutedConfig.down_prefetch (the slots and the first experts' weight tiles loaded before the
+    wait) sums in the same order: bit for bit the default, with H and I no tile divides (several
+    chunks of I per expert), padding, repeated and out-of-range slots, and the fused combine."""
+    device, _ = device_or_skip()
+    gate_up, down = make_pool(7, 48, 20, torch.bfloat16, device, seed=30)
+    slots, weights = make_route(4, 3, 7, device, seed=31, pad=2)
+    slots[1, 2] = 9  # >= S: adds nothing, prefetched or not
+    hidden = torch.randn(4, 48).bfloat16().to(device)
+    addend = torch.randn(4, 48, generator=torch.Generator().manual_seed(32)).to(device)
+    base, pf = RoutedConfig(**tiles), RoutedConfig(**tiles, down_prefetch=prefetch)
+    want = routed_experts(hidden, slots, weights, gate_up, down, config=base)
+    assert torch.equal(routed_experts(hidden, slots, weights, gate_up, down, config=pf), want)
+    got = routed_experts(hidden, slots, weights, gate_up, down, addend=addend, config=pf)
+    assert torch.equal(got, routed_experts(hidden, slots, weights, gate_up, down, addend=addend, config=base))
+
+
+def test_down_prefetch_past_k_is_refused_by_name():
+    device, _ = device_or_skip()
+    gate_up, down = make_pool(7, 48, 20, torch.bfloat16, device, seed=33)
+    slots, weights = make_route(2, 3, 7, device, seed=34)
+    hidden = torch.randn(2, 48).bfloat16().to(device)
+    act = routed_gate_up(hidden, slots, weights, gate_up)
+    before = act.clone()
+    with pytest.raises(ValueError, match="down_prefetch"):
+        routed_down(act, slots, down, config=RoutedConfig(down_prefetch=4))
+    assert torch.equal(act, before)
+    with pytest.raises(ValueError, match="down_prefetch"):
+        routed_experts(hidden, slots, weights, gate_up, down, config=RoutedConfig(down_prefetch=4))
+
+
 # ---------------------------------------------------------------- the layer's options: combine, shared gate
 
 
@@ -327,7 +360,8 @@ def test_device_mismatch_is_named():
 
 @pytest.mark.parametrize("field, value", [("block_i", 3), ("chunk_h", 0), ("block_h", True),
                                           ("chunk_i", 2.0), ("warps_down", 32), ("warps_gate_up", 6),
-                                          ("pdl", 1), ("down_release", None)])
+                                          ("pdl", 1), ("down_release", None), ("down_prefetch", -1),
+                                          ("down_prefetch", True), ("down_prefetch", 1.0)])
 def test_config_validation_names_field(field, value):
     with pytest.raises(ValueError, match=field):
         RoutedConfig(**{field: value})
@@ -408,6 +442,31 @@ def test_down_release_lets_the_next_launch_start_for_sm90():
                                             "True": {"_down_kernel": [True, True], "_down_kernel+combine": [True, True]}}
 
 
+PREFETCH_CHECK = r"""
+import json
+from moe.routed import RoutedConfig, compile_for_target
+out = {}
+for prefetch in (0, 1, 10):
+    asm = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(down_prefetch=prefetch))
+    for name in ("_down_kernel", "_down_kernel+combine"):
+        ptx = asm[name]["ptx"]
+        head = ptx[:ptx.index("griddepcontrol.wait")]
+        out[f"{name}/{prefetch}"] = [head.count("ld.global.cg.b32"), head.count("ld.global.cg.v4.b32")]
+print(json.dumps(out))
+"""
+
+
+def test_down_prefetch_loads_before_the_wait_for_sm90():
+    """RoutedConfig.down_prefetch=N: both down variants the layer launches issue the k = 10 slot loads
+    and N experts' weight tiles (one 16-byte load per thread each at the default tile) past L1 before
+    their programmatic wait; 0 issues none. A child process (no interpreter)."""
+    got = compile_check(PREFETCH_CHECK)
+    for name in ("_down_kernel", "_down_kernel+combine"):
+        assert got[f"{name}/0"] == [0, 0]
+        assert got[f"{name}/1"] == [10, 1]
+        assert got[f"{name}/10"] == [10, 10]
+
+
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
 
 
@@ -418,7 +477,9 @@ def _qwen_case(tokens: int, seed: int):
     return hidden, slots, weights, gate_up, down
 
 
-LAUNCH_MODES = {"pdl": {}, "no-pdl": {"pdl": False}, "pdl-down-release": {"down_release": True}}  # RoutedConfig kwargs
+LAUNCH_MODES = {"pdl": {}, "no-pdl": {"pdl": False}, "pdl-down-release": {"down_release": True},  # RoutedConfig kwargs
+                "pdl-down-prefetch": {"down_prefetch": 1}, "pdl-down-prefetch-all": {"down_prefetch": 10},
+                "no-pdl-down-prefetch": {"pdl": False, "down_prefetch": 2}}
 
 
 @pytest.mark.gpu
