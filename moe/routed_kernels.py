@@ -149,14 +149,14 @@ def _gate_up_rows(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13_ptr, act
 
 @triton.jit
 def _down_tile(w2_ptr, slot, num_slots, rows, i0, H: tl.constexpr, I: tl.constexpr, CHUNK_I: tl.constexpr,
-               EVEN: tl.constexpr, CG: tl.constexpr):
+               EVEN: tl.constexpr):
     """down[slot, rows, i0:i0 + CHUNK_I] (zeros for a slot outside [0, num_slots), or outside [H, I]
-    unless EVEN); CG: past L1 (.cg)."""
+    unless EVEN)."""
     live = (slot >= 0) & (slot < num_slots)
     cols = i0 + tl.arange(0, CHUNK_I)
     ptrs = w2_ptr + tl.where(live, slot, 0).to(tl.int64) * (H * I) + rows[:, None] * I + cols[None, :]
     mask = live if EVEN else live & (rows[:, None] < H) & (cols[None, :] < I)
-    return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg" if CG else "")
+    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -169,10 +169,13 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
     (the next layer's router) may start; it still waits for this launch to finish before it reads
     what this launch writes.
     PREFETCH > 0 (RoutedConfig.down_prefetch): every expert's slot, then the weight tiles of the first
-    PREFETCH experts, are loaded before the programmatic wait, past L1 (.cg): the slots and the pool
-    rows are final before this launch starts (the routed gate_up lets it launch, by
-    gdc_launch_dependents, only after its own wait for the ensure and the miss copy), so no weight
-    load waits for its slot's round trip and the first ones overlap the gate_up's tail. The
+    PREFETCH experts, are loaded before the programmatic wait: the slots and the pool rows are final
+    before this launch starts (the routed gate_up lets it launch, by gdc_launch_dependents, only after
+    its own wait for the ensure and the miss copy, and the gate_up itself launched only after the
+    copy ended, so no L1 line of this SM predates the copy), so no weight load waits for its slot's
+    round trip and the first ones overlap the gate_up's tail. They are plain loads: on sm_90 a .cg
+    load is a strong GPU-scope load, and with .cg weight tiles the down alone took 17.2 us against
+    8.2 on the H200 (benchmarks/results/routed-2026-12-01-prefetch-cg-6765c7b.log). The
     activations, the gate_up's output, are read after the wait, and the sum runs in the same order:
     the same bits."""
     NCH: tl.constexpr = (I + CHUNK_I - 1) // CHUNK_I
@@ -182,10 +185,10 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
     early = ()
     if PREFETCH > 0:
         for j in tl.static_range(K):
-            slots = slots + (tl.load(slots_ptr + token * K + j, cache_modifier=".cg"),)
+            slots = slots + (tl.load(slots_ptr + token * K + j),)
         for j in tl.static_range(PREFETCH):
             for i0 in tl.static_range(0, I, CHUNK_I):
-                early = early + (_down_tile(w2_ptr, slots[j], num_slots, rows, i0, H, I, CHUNK_I, EVEN, True),)
+                early = early + (_down_tile(w2_ptr, slots[j], num_slots, rows, i0, H, I, CHUNK_I, EVEN),)
     if GDC:
         gdc_wait()
         if RELEASE:
@@ -205,7 +208,7 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
             if j < PREFETCH:
                 d = early[j * NCH + i0 // CHUNK_I]
             else:
-                d = _down_tile(w2_ptr, slot, num_slots, rows, i0, H, I, CHUNK_I, EVEN, PREFETCH > 0)
+                d = _down_tile(w2_ptr, slot, num_slots, rows, i0, H, I, CHUNK_I, EVEN)
             acc += d.to(tl.float32) * a[None, :]  # d: [BLOCK_H, CHUNK_I]
     y = tl.sum(acc, axis=1)  # [BLOCK_H] routed sum, fixed order
     if ADDEND:  # the combine: routed + addend in float32, then (below) one rounding to the model dtype
