@@ -300,11 +300,12 @@ def test_hits_first_bitwise(gpu_weights, graph, overlap):
 
 
 @contextlib.contextmanager
-def launch_options(down_release=False, router_early=False):
-    """The layer's launches with RoutedConfig.down_release and RouterConfig.early_weights set (both off
-    by default and unless asked here; the layer takes moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER)."""
+def launch_options(down_release=False, router_early=False, down_prefetch=0):
+    """The layer's launches with RoutedConfig.down_release / down_prefetch and RouterConfig.early_weights
+    set (all off by default and unless asked here; the layer takes moe.routed.DEFAULT_CONFIG and
+    moe.router.DEFAULT_ROUTER)."""
     routed, router = moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER
-    moe.routed.DEFAULT_CONFIG = dataclasses.replace(routed, down_release=down_release)
+    moe.routed.DEFAULT_CONFIG = dataclasses.replace(routed, down_release=down_release, down_prefetch=down_prefetch)
     moe.router.DEFAULT_ROUTER = dataclasses.replace(router, early_weights=router_early)
     try:
         yield
@@ -313,7 +314,8 @@ def launch_options(down_release=False, router_early=False):
 
 
 LAUNCH_OPTIONS = {"dr": {"down_release": True}, "rw": {"router_early": True},
-                  "dr+rw": {"down_release": True, "router_early": True}}
+                  "dr+rw": {"down_release": True, "router_early": True}, "pf1": {"down_prefetch": 1},
+                  "dr+rw+pf2": {"down_release": True, "router_early": True, "down_prefetch": 2}}
 
 
 @gpu
@@ -322,8 +324,9 @@ LAUNCH_OPTIONS = {"dr": {"down_release": True}, "rw": {"router_early": True},
 @pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_early_loads_bitwise(gpu_weights, graph, overlap, options):
-    """RoutedConfig.down_release (the next layer's router started by the down right after its wait)
-    and RouterConfig.early_weights (the router loading its weights before its wait), alone and
+    """RoutedConfig.down_release (the next layer's router started by the down right after its wait),
+    RouterConfig.early_weights (the router loading its weights before its wait) and
+    RoutedConfig.down_prefetch (the down's slots and first weight tiles before its wait), alone and
     together, change no bit against the layer with both off, overlap off and on (early hits on the side
     stream), with evictions every step, so every layer's router runs while the layer before it may
     still be writing; eager and in a CUDA graph."""
@@ -356,8 +359,8 @@ def test_hits_first_matches_plain_cpu():
 
 @interpreter
 def test_early_loads_match_plain_cpu():
-    """RoutedConfig.down_release with RouterConfig.early_weights on the CPU interpreter:
-    outputs, slot maps and pool equal to the layer's with both off, with evictions every step."""
+    """RoutedConfig.down_release with RouterConfig.early_weights and RoutedConfig.down_prefetch on the CPU
+    interpreter: outputs, slot maps and pool equal to the layer's with all off, with evictions every step."""
     weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=31)
     plain, early = SyntheticModel(weights, CPU_S, "cpu"), SyntheticModel(weights, CPU_S, "cpu")
     gen = torch.Generator().manual_seed(32)
@@ -366,7 +369,7 @@ def test_early_loads_match_plain_cpu():
         before = misses(early)
         with launch_options():
             a = plain.step(x)
-        with launch_options(down_release=True, router_early=True):
+        with launch_options(down_release=True, router_early=True, down_prefetch=2):
             b = early.step(x)
         assert misses(early) > before, "every step must miss (and evict)"
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
