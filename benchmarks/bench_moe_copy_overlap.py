@@ -431,7 +431,7 @@ def parse() -> argparse.Namespace:
                          "its own wait")
     ap.add_argument("--down-prefetch", type=int, default=DEFAULT_ROUTED.down_prefetch,
                     help="RoutedConfig.down_prefetch: experts whose down weight tiles each program loads before "
-                         "its programmatic wait (all their slots first)")
+                         "its programmatic wait (all their slots first; default: min(4, k))")
     ap.add_argument("--router-early", action=argparse.BooleanOptionalAction, default=DEFAULT_ROUTER.early_weights,
                     help="RouterConfig.early_weights: the router's weights loaded before its programmatic wait")
     ap.add_argument("--no-pdl-chain", dest="pdl_chain", action="store_false",

@@ -88,7 +88,7 @@ def parse_config(name: str) -> RoutedConfig:
     b_i, c_h, w_a, b_h, c_i, w_b = map(int, m.groups()[:6])
     return RoutedConfig(block_i=b_i, chunk_h=c_h, warps_gate_up=w_a, block_h=b_h, chunk_i=c_i, warps_down=w_b,
                         pdl=m.group(7) is not None, down_release=m.group(8) is not None,
-                        down_prefetch=int(m.group(9) or 0))
+                        down_prefetch=int(m.group(9)) if m.group(9) else None)
 
 
 def copy_bandwidth(reps: int = 20) -> float:

@@ -79,10 +79,13 @@ class RoutedConfig:
     us after it ends; a decode step with misses took the same time (984.3 us against 984.1)
     (benchmarks/results/moe-copy-overlap-resident-2026-12-01-dr-rw-fd807ed.json,
     moe-copy-overlap-2026-12-01-dr-rw-8aa636d.json). So it stays off by default.
-    down_prefetch (opt-in, 0 .. k): each routed down program loads all k experts' slots, then the
-    weight tiles of the first down_prefetch experts, before its programmatic wait (moe.routed_kernels
-    _down_body), so no later weight load waits for its slot's round trip; the same bits. 0 loads each
-    slot in the loop, right before its expert's tiles. More than the call's k is refused.
+    down_prefetch (0 .. k, or None: min(DOWN_PREFETCH, k), the default): each routed down program
+    loads all k experts' slots, then the weight tiles of the first down_prefetch experts, before its
+    programmatic wait (moe.routed_kernels _down_body), so no later weight load waits for its slot's
+    round trip; the same bits. 0 loads each slot in the loop, right before its expert's tiles. More
+    than the call's k is refused. On the H200 at the Qwen3-Next shape, T = 1, the routed pair took
+    18.73 us with 4 against 19.58 with 0 (1.26x and 1.32x the HBM floor; 1 and 2: 19.07-19.08), and
+    at T = 8 112.96 against 114.64 (benchmarks/results/routed-2026-12-01-prefetch-78dca14.log).
     The defaults come from moe.plan (GEMV_BLOCK_I, GEMV_BLOCK_H) so make_routed_plan's grid is the
     one launched. Raises ValueError naming the field.
     """
@@ -95,7 +98,7 @@ class RoutedConfig:
     warps_down: int = 4
     pdl: bool = True
     down_release: bool = False
-    down_prefetch: int = 0
+    down_prefetch: int | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -105,8 +108,8 @@ class RoutedConfig:
                     raise ValueError(f"RoutedConfig.{f.name} must be a bool, got {v!r}")
                 continue
             if f.name == "down_prefetch":
-                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                    raise ValueError(f"RoutedConfig.down_prefetch must be an int >= 0, got {v!r}")
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                    raise ValueError(f"RoutedConfig.down_prefetch must be None or an int >= 0, got {v!r}")
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"RoutedConfig.{f.name} must be a power of two >= 1, got {v!r}")
@@ -117,13 +120,15 @@ class RoutedConfig:
     @property
     def name(self) -> str:
         """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl',
-        'i1x1024w2-h2x512w4-pdl-dr' (down_release), 'i1x1024w2-h2x512w4-pdl-pf1' (down_prefetch=1)."""
+        'i1x1024w2-h2x512w4-pdl-dr' (down_release), 'i1x1024w2-h2x512w4-pdl-pf1' (down_prefetch=1; None,
+        the default, adds nothing)."""
         return (f"i{self.block_i}x{self.chunk_h}w{self.warps_gate_up}-"
                 f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}"
-                f"{'-dr' if self.down_release else ''}{f'-pf{self.down_prefetch}' if self.down_prefetch else ''}")
+                f"{'-dr' if self.down_release else ''}{'' if self.down_prefetch is None else f'-pf{self.down_prefetch}'}")
 
 
 DEFAULT_CONFIG = RoutedConfig()
+DOWN_PREFETCH = 4  # RoutedConfig.down_prefetch=None: min(this, k) (fastest of 0, 1, 2, 4 at T = 1 and 8 on the H200)
 PARTS = ("all", "hits", "rest", "first")  # routed_gate_up's part; the index of the first three is the
 # gate_up kernels' PICK ("hits" and "first" launch their own persistent kernels)
 
@@ -177,7 +182,7 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
     TRITON_INTERPRET=1 (the interpreter replaces the compiler's language hooks).
     """
     shared_inter = inter if shared_inter is None else shared_inter
-    _check_prefetch(config, top_k)
+    prefetch = down_prefetch(config, top_k)
     p = f"*{dtype}"
     gate_up_types = (p, "*i32", "*fp32", p, p, "*fp32", "i32", "*i32")
     result = {}
@@ -213,7 +218,7 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
                               ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2],
                               GDC=int(config.pdl and not is_shared),
                               **({} if is_shared else {"RELEASE": config.down_release,
-                                                       "PREFETCH": config.down_prefetch}))
+                                                       "PREFETCH": prefetch}))
         result[name] = compile_for_sm(kernel, types, constexprs, warps, arch, JIT_OPTIONS)
     return result
 
@@ -369,16 +374,20 @@ def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, config, 
     return act[:tokens * top_k]
 
 
-def _check_prefetch(config: RoutedConfig, top_k: int) -> None:
+def down_prefetch(config: RoutedConfig, top_k: int) -> int:
+    """Experts whose down weight tiles a routed down program of a k = top_k call loads before its wait:
+    config.down_prefetch, or min(DOWN_PREFETCH, k) for None. More than k is refused by name."""
+    if config.down_prefetch is None:
+        return min(DOWN_PREFETCH, top_k)
     if config.down_prefetch > top_k:
         raise ValueError(f"RoutedConfig.down_prefetch={config.down_prefetch} is more than the call's k = {top_k} "
-                         "experts per token; set down_prefetch to at most k")
+                         "experts per token; set down_prefetch to at most k (or None)")
+    return config.down_prefetch
 
 
 def _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config, after_gate_up) -> torch.Tensor:
     tokens, top_k, num_slots, hid, inter = dims
-    if not shared:
-        _check_prefetch(config, top_k)
+    prefetch = 0 if shared else down_prefetch(config, top_k)
     _, _, block_h, chunk_i = _tiles(hid, inter, config)
     _, grid = routed_grids(tokens, top_k, hid, inter, config)
     if out is None and out_cast is None:
@@ -392,7 +401,7 @@ def _launch_down(act, slots, down, out, addend, out_cast, shared, dims, config, 
                      BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=_even(hid, inter, config)[1],
                      ADDEND=addend is not None, WRITE_OUT=out is not None, WRITE_CAST=out_cast is not None,
                      GDC=int(gdc), num_warps=config.warps_down,
-                     **({} if shared else {"RELEASE": config.down_release, "PREFETCH": config.down_prefetch}),
+                     **({} if shared else {"RELEASE": config.down_release, "PREFETCH": prefetch}),
                      **({"launch_pdl": True} if gdc else {}))
     return out_cast if out is None else out
 

@@ -302,8 +302,8 @@ def test_hits_first_bitwise(gpu_weights, graph, overlap):
 @contextlib.contextmanager
 def launch_options(down_release=False, router_early=False, down_prefetch=0):
     """The layer's launches with RoutedConfig.down_release / down_prefetch and RouterConfig.early_weights
-    set (all off by default and unless asked here; the layer takes moe.routed.DEFAULT_CONFIG and
-    moe.router.DEFAULT_ROUTER)."""
+    set (all off unless asked here; down_prefetch=None is its default, min(4, k); the layer takes
+    moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER)."""
     routed, router = moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER
     moe.routed.DEFAULT_CONFIG = dataclasses.replace(routed, down_release=down_release, down_prefetch=down_prefetch)
     moe.router.DEFAULT_ROUTER = dataclasses.replace(router, early_weights=router_early)
@@ -315,6 +315,7 @@ def launch_options(down_release=False, router_early=False, down_prefetch=0):
 
 LAUNCH_OPTIONS = {"dr": {"down_release": True}, "rw": {"router_early": True},
                   "dr+rw": {"down_release": True, "router_early": True}, "pf1": {"down_prefetch": 1},
+                  "pf-default": {"down_prefetch": None},
                   "dr+rw+pf2": {"down_release": True, "router_early": True, "down_prefetch": 2}}
 
 

@@ -13,8 +13,10 @@ from moe.config import MoEConfig
 from moe.plan import GEMV_MAX_TOKENS, make_routed_plan
 from moe.reference import expert_mlp, moe_reference, route, shared_expert
 from moe.routed import (
+    DOWN_PREFETCH,
     NO_SLOT,
     RoutedConfig,
+    down_prefetch,
     routed_down,
     routed_experts,
     routed_gate_up,
@@ -164,7 +166,7 @@ def test_down_prefetch_changes_no_bit(prefetch, tiles):
     slots[1, 2] = 9  # >= S: adds nothing, prefetched or not
     hidden = torch.randn(4, 48).bfloat16().to(device)
     addend = torch.randn(4, 48, generator=torch.Generator().manual_seed(32)).to(device)
-    base, pf = RoutedConfig(**tiles), RoutedConfig(**tiles, down_prefetch=prefetch)
+    base, pf = RoutedConfig(**tiles, down_prefetch=0), RoutedConfig(**tiles, down_prefetch=prefetch)
     want = routed_experts(hidden, slots, weights, gate_up, down, config=base)
     assert torch.equal(routed_experts(hidden, slots, weights, gate_up, down, config=pf), want)
     got = routed_experts(hidden, slots, weights, gate_up, down, addend=addend, config=pf)
@@ -183,6 +185,10 @@ def test_down_prefetch_past_k_is_refused_by_name():
     assert torch.equal(act, before)
     with pytest.raises(ValueError, match="down_prefetch"):
         routed_experts(hidden, slots, weights, gate_up, down, config=RoutedConfig(down_prefetch=4))
+    # the default (None) takes min(DOWN_PREFETCH, k): k = 3 here, as an explicit 3
+    assert down_prefetch(RoutedConfig(), 3) == 3 and down_prefetch(RoutedConfig(), 10) == DOWN_PREFETCH == 4
+    assert torch.equal(routed_experts(hidden, slots, weights, gate_up, down),
+                       routed_experts(hidden, slots, weights, gate_up, down, config=RoutedConfig(down_prefetch=3)))
 
 
 # ---------------------------------------------------------------- the layer's options: combine, shared gate
@@ -446,7 +452,7 @@ PREFETCH_CHECK = r"""
 import json
 from moe.routed import RoutedConfig, compile_for_target
 out = {}
-for prefetch in (0, 1, 10):
+for prefetch in (0, 1, 10, None):
     asm = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(down_prefetch=prefetch))
     for name in ("_down_kernel", "_down_kernel+combine"):
         ptx = asm[name]["ptx"]
@@ -457,7 +463,7 @@ print(json.dumps(out))
 
 
 def test_down_prefetch_loads_before_the_wait_for_sm90():
-    """RoutedConfig.down_prefetch=N: both down variants the layer launches issue the k = 10 slot loads
+    """RoutedConfig.down_prefetch=N (None, the default: 4 at k = 10): both down variants the layer launches issue the k = 10 slot loads
     and N experts' weight tiles (one 16-byte load per thread each at the default tile) before their
     programmatic wait, as plain loads (a .cg load on sm_90 is a strong one, twice as slow for the
     down on the H200); 0 issues none. A child process (no interpreter)."""
@@ -466,6 +472,7 @@ def test_down_prefetch_loads_before_the_wait_for_sm90():
         assert got[f"{name}/0"] == [0, 0, False]
         assert got[f"{name}/1"] == [10, 1, False]
         assert got[f"{name}/10"] == [10, 10, False]
+        assert got[f"{name}/None"] == [10, 4, False]  # the default: min(DOWN_PREFETCH, k)
 
 
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
@@ -480,7 +487,7 @@ def _qwen_case(tokens: int, seed: int):
 
 LAUNCH_MODES = {"pdl": {}, "no-pdl": {"pdl": False}, "pdl-down-release": {"down_release": True},  # RoutedConfig kwargs
                 "pdl-down-prefetch": {"down_prefetch": 1}, "pdl-down-prefetch-all": {"down_prefetch": 10},
-                "no-pdl-down-prefetch": {"pdl": False, "down_prefetch": 2}}
+                "pdl-no-prefetch": {"down_prefetch": 0}, "no-pdl-no-prefetch": {"pdl": False, "down_prefetch": 0}}
 
 
 @pytest.mark.gpu
