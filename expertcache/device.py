@@ -76,7 +76,7 @@ class DeviceCache:
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
                  chunk: int | None = None, num_warps: int | None = None, seq_max: int = SEQ_MAX,
                  lean: bool = True, early_reads: bool = True, rule_table: bool = True,
-                 rule_mirror: bool | None = None,
+                 rule_mirror: bool | None = None, late_ranks: bool = False,
                  **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
@@ -148,6 +148,12 @@ class DeviceCache:
         # 0.02-0.20 us faster per call on the H200 in 19 of bench_ensure's 20 cells, equal in one
         # (benchmarks/results/ensure-2026-11-30-67de7c5.json). False: computed in the commit
         self.rule_table = rule_table
+        if not isinstance(late_ranks, bool):
+            raise ValueError(f"late_ranks must be a bool, got {late_ranks!r}")
+        # late_ranks (opt-in): a call that scores reduces its misses' ranks right after the scoring
+        # loads are issued, while they are in flight, instead of before them (the same values;
+        # device_ensure._chunk_candidates). Not yet timed on a GPU.
+        self.late_ranks = late_ranks
         self.mirror = t(np.zeros((2, geometry.num_slots) if rule_mirror else 1, np.int64))
         self.grid = triton.cdiv(geometry.num_slots, chunk)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
@@ -208,7 +214,7 @@ class DeviceCache:
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
             SINGLE=self.grid == 1,
             SEQ_MAX=self.seq_max, LEAN=self.lean, EARLY=self.early_reads, TABLE=self.rule_table,
-            MIRROR=self.rule_mirror, num_warps=self.num_warps,
+            MIRROR=self.rule_mirror, LATE_RANKS=self.late_ranks, num_warps=self.num_warps,
             **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))
         return buf
 

@@ -90,6 +90,14 @@ def _miss_rank(key, fmiss):
 
 
 @triton.jit
+def _ranks_if(key, fmiss, LATE_RANKS: tl.constexpr):
+    """_miss_rank with LATE_RANKS, else zeros (the ranks were reduced before the scoring)."""
+    if LATE_RANKS:
+        return _miss_rank(key, fmiss)
+    return tl.zeros_like(key)
+
+
+@triton.jit
 def _near_loads(lidx_ptr, lval_ptr, fprm_ptr, rows, T, BLOCK_R: tl.constexpr):
     """The near-miss set's loads (router logit ids and values, NEAR), issued at the start of the
     launch; _near works on them once the query's loads are out too."""
@@ -166,12 +174,14 @@ def _mirror_refresh(slot_of_ptr, mir_ptr, rkey, near, tok, layer, slot, hit, SKI
 def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr, sst_ptr, rc_beta, rc_w, rc_kmax,
                       rc_floor,
                       cand_ptr, rkey, near, layer, tok, dc_now, num_layers, num_experts, num_slots, num_keys,
-                      slot, hit, step, filled, mir_ptr,
+                      slot, hit, step, filled, mir_ptr, qkey, fmiss,
                       POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, STORE_SEQ: tl.constexpr,
-                      LEAN: tl.constexpr, MIRROR: tl.constexpr = False):
-    """Score this program's slots; return its BLOCK_Q lowest packed keys (successive minima)
-    and keep them in scratch for the merge (STORE_SEQ, or a sort: see _lowest)."""
+                      LEAN: tl.constexpr, MIRROR: tl.constexpr = False, LATE_RANKS: tl.constexpr = False):
+    """Score this program's slots; return its BLOCK_Q lowest packed keys (successive minima), kept
+    in scratch for the merge (STORE_SEQ, or a sort: see _lowest), and with LATE_RANKS the query's
+    miss ranks (_miss_rank of qkey, fmiss; else zeros): their block reduction then runs right after
+    the scoring loads are issued, while those are in flight, instead of before them."""
     c = pid * CHUNK + tl.arange(0, CHUNK)
     if LEAN and POLICY == 0:
         # lru, lean: the filled slots are the prefix [0, filled) (no key_of load), and the hits'
@@ -182,6 +192,7 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
         tl.debug_barrier()
         ev = c < filled
         score = tl.load(sst_ptr + c, mask=ev, other=0)
+        mrank = _ranks_if(qkey, fmiss, LATE_RANKS)
     elif MIRROR:
         # rule with its per-slot mirror (DeviceCache(rule_mirror=True)): every input of a slot's score
         # is one of two coalesced loads of the filled prefix [0, filled) (no key_of, no gather through
@@ -196,6 +207,7 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
         fm = c < filled
         ltk = tl.load(mir_ptr + c, mask=fm, other=0)
         lcd = tl.load(mir_ptr + num_slots + c, mask=fm, other=0)
+        mrank = _ranks_if(qkey, fmiss, LATE_RANKS)
         ev = fm & (ltk != PINNED)
         score = _rule_score(ltk >> LT_BITS, ltk & LT_MASK, lcd, layer, tok, dc_now, num_layers,
                             rc_beta, rc_w, rc_kmax, rc_floor)
@@ -216,8 +228,10 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
         # two loads are independent and overlap); rule's per-key state needs the key first
         if POLICY == 0:
             score = tl.load(sst_ptr + c, mask=cm, other=0)
+            mrank = _ranks_if(qkey, fmiss, LATE_RANKS)
         elif POLICY == 2:
             score = tl.load(sst_ptr + num_slots + c, mask=cm, other=0)
+            mrank = _ranks_if(qkey, fmiss, LATE_RANKS)
         else:
             kq = tl.where(ev, key, 0)
             # lc and dct first: the refresh below rewrites only the lt row, so these two gathers
@@ -232,10 +246,11 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
                 tl.store(kst_ptr + rkey, tl.maximum(lt_r, tok - 1), mask=near)
                 tl.debug_barrier()
             lt = tl.load(kst_ptr + kq, mask=ev, other=0)
+            mrank = _ranks_if(qkey, fmiss, LATE_RANKS)
             lk = kq.to(tl.int32) // num_experts  # keys < 2**31: a 32-bit division
             score = _rule_score(lk, lt, lc + dct, layer, tok, dc_now, num_layers, rc_beta, rc_w, rc_kmax, rc_floor)
     packed = tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
-    return _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q, SEQ_MAX, STORE_SEQ)
+    return _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q, SEQ_MAX, STORE_SEQ), mrank
 
 
 @triton.jit
@@ -476,6 +491,7 @@ def ensure_kernel(
     TABLE: tl.constexpr = False,  # DeviceCache(rule_table=True), its default: rule's growth term from its table
     MIRROR: tl.constexpr = False,  # DeviceCache(rule_mirror=True): rule scores from its per-slot mirror
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
+    LATE_RANKS: tl.constexpr = False,  # DeviceCache(late_ranks=True): see _chunk_candidates
 ):
     if GDC:
         gdc_wait()
@@ -531,7 +547,7 @@ def ensure_kernel(
                        status_ptr, mir_ptr, layer, num_experts, num_layers, num_slots, n_ids, valid, key,
                        first, slot, hit, fmiss, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
                        step, tok, dc_now, rc_beta, rc_w, rc_kmax, rc_floor, num_keys, early_a, early_b, POLICY,
-                       HAS_LOGITS, CHUNK, BLOCK_Q, BLOCK_C, SINGLE, SEQ_MAX, LEAN, EARLY, TABLE, MIRROR)
+                       HAS_LOGITS, CHUNK, BLOCK_Q, BLOCK_C, SINGLE, SEQ_MAX, LEAN, EARLY, TABLE, MIRROR, LATE_RANKS)
 
 
 @triton.jit
@@ -543,17 +559,22 @@ def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_
                    POLICY: tl.constexpr,
                    HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr,
                    BLOCK_C: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr,
-                   EARLY: tl.constexpr, TABLE: tl.constexpr, MIRROR: tl.constexpr):
+                   EARLY: tl.constexpr, TABLE: tl.constexpr, MIRROR: tl.constexpr,
+                   LATE_RANKS: tl.constexpr = False):
     """A call with misses, or a refused one: scoring where victims are needed, the arrival, the
     merge and the commit (or the refusal's status)."""
-    mrank = _miss_rank(key, fmiss)
+    # the miss ranks: reduced here, or (LATE_RANKS) by the scoring, right behind its loads
+    mrank = _ranks_if(key, fmiss, not LATE_RANKS)
     best = tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64)
     if ok & (m > ne):
-        best = _chunk_candidates(pid, m - ne, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr,
-                                 sst_ptr, rc_beta, rc_w, rc_kmax, rc_floor, cand_ptr, rkey, near, layer, tok,
-                                 dc_now, num_layers,
-                                 num_experts, num_slots, num_keys, slot, hit, step, filled, mir_ptr, POLICY,
-                                 HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN, MIRROR)
+        best, late = _chunk_candidates(pid, m - ne, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr,
+                                       sst_ptr, rc_beta, rc_w, rc_kmax, rc_floor, cand_ptr, rkey, near, layer, tok,
+                                       dc_now, num_layers, num_experts, num_slots, num_keys, slot, hit, step,
+                                       filled, mir_ptr, key, fmiss, POLICY,
+                                       HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN, MIRROR, LATE_RANKS)
+        mrank = mrank + late  # one of the two is zeros
+    else:
+        mrank = mrank + _ranks_if(key, fmiss, LATE_RANKS)
     tl.debug_barrier()
     # A refused call changes nothing, so every program, however late it reads the maps, finds the
     # same refusal: program 0 records it at once and no one arrives. Any other call: every program

@@ -141,6 +141,21 @@ def test_kernel_matches_host_with_a_filling_pool(policy, chunk, lean, early):
     assert ref.counters[:, 2].sum() > 40
 
 
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("chunk", [8, 64])
+@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
+def test_late_ranks_match_host(policy, chunk, lean):
+    """DeviceCache(late_ranks=True): the misses' ranks reduced behind the scoring loads give the host
+    reference's plans, slots and state bit for bit, while the pool fills and once it evicts, with
+    router logits, on several programs and one, lean and plain (and, for rule, its mirror and
+    through the keys)."""
+    options = [{}] if policy != "rule" else [{"rule_mirror": True}, {"rule_mirror": False}]
+    for extra in options:
+        ref = run_parity(policy, L=3, E=16, S=24, rows=2, k=4, C=40, T=6, seed=chunk + 7, chunk=chunk,
+                         lean=lean, late_ranks=True, **extra)
+        assert ref.counters[:, 2].sum() > 40
+
+
 def test_default_tiles_by_pool_size():
     """The default tiles at every pool size (lru, lfuda and rule with its mirror: one program up to
     2048 slots, lfuda's and rule's of 8 warps; rule through the keys: 512-slot programs); bad tiles are
@@ -167,7 +182,7 @@ def test_default_tiles_by_pool_size():
         DeviceCache(CacheGeometry(128, 4, 8), "rule", device=device, rule_mirror=True)
     g = CacheGeometry(1, 8, 4)
     for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}, {"lean": 1},
-                {"early_reads": 1}, {"rule_table": 1}, {"rule_mirror": 1}):
+                {"early_reads": 1}, {"rule_table": 1}, {"rule_mirror": 1}, {"late_ranks": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DeviceCache(g, "lru", device=device, **bad)
     with pytest.raises(ValueError, match="rule_mirror is for the rule policy"):
@@ -264,13 +279,19 @@ def test_device_parity_grid(policy, S):
                                         (1650, {"lean": False}), (16384, {"lean": False}),
                                         (512, {"early_reads": False}), (1650, {"early_reads": False}),
                                         (1650, {"seq_max": 4}), (16384, {"seq_max": 4}),
-                                        (512, {"rule_table": False}), (1650, {"rule_table": False})],
+                                        (512, {"rule_table": False}), (1650, {"rule_table": False}),
+                                        (512, {"late_ranks": True}), (1650, {"late_ranks": True}),
+                                        (1650, {"late_ranks": True, "chunk": 512, "num_warps": 4}),
+                                        (16384, {"late_ranks": True})],
                          ids=["many-programs-1650", "plain-512", "plain-1650", "plain-16384", "late-reads-512",
-                              "late-reads-1650", "sort-1650", "sort-16384", "computed-512", "computed-1650"])
+                              "late-reads-1650", "sort-1650", "sort-16384", "computed-512", "computed-1650",
+                              "late-ranks-512", "late-ranks-1650", "late-ranks-1650-four-programs",
+                              "late-ranks-16384"])
 def test_device_parity_variants(policy, S, options):
     """1650 slots on 4 programs of 512 (explicit tiles), and the plain (not lean) kernel on one
     program (512) and several (1650, 16384), and the policy reads in the commit (early_reads=False) on
-    512 and 1650, and rule's growth computed instead of loaded (rule_table=False) on 512 and 1650; every
+    512 and 1650, rule's growth computed instead of loaded (rule_table=False) on 512 and 1650, and the
+    misses' ranks reduced behind the scoring loads (late_ranks=True) on one program and several; every
     other GPU parity test runs the default (lean, early reads, the growth table)."""
     _, gpu = device_or_skip()
     if not gpu:
@@ -401,11 +422,11 @@ ENSURE_JIT = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_s
 types = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64",
          "*i32", "*i32", "*i32", "*i64", "*i32", "*i32", "*i64") + ("i32",) * 8
 out = []
-for chunk, single, warps in ((2048, True, 4), (512, False, 4)):
+for chunk, single, warps, late in ((2048, True, 4, False), (512, False, 4, True)):
     for logits in (False, True):
         cx = dict(POLICY=1, HAS_LOGITS=logits, CHUNK=chunk, BLOCK_Q=16, BLOCK_R=32 if logits else 1,
                   BLOCK_C=16 if single else 64, SINGLE=single, SEQ_MAX=16, LEAN=True,
-                  EARLY=True, TABLE=True, MIRROR=True)
+                  EARLY=True, TABLE=True, MIRROR=True, LATE_RANKS=late)
         asm = compile_for_sm(ensure_kernel, types, cx, warps, 90, ENSURE_JIT)
         out.append(bool(asm.get("cubin")) and ".local" not in asm["ptx"])
         # the query's loads (ids, then slot_of: 32-bit) are issued before the decay clock's division
