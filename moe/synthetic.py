@@ -136,16 +136,21 @@ class SyntheticModel:
         return moe_reference(hidden, mod.router_w, gate_up, down, self.cfg, mod.shared)
 
     def warm_all(self) -> None:
-        """Make every expert of every layer resident (needs num_slots >= L * E): one ensure of all E
-        ids and one miss copy per layer. Raises ValueError when the pool is too small."""
-        e, pool = self.cfg.num_experts, self.slots.pool
+        """Make every expert of every layer resident (needs num_slots >= L * E): per layer, ensures of
+        top_k ids at a time (the decode step's shape, so the ensure kernel compiled for decode serves;
+        one call of all E ids would compile a kernel for a query of E, minutes of ptxas at E = 512) and
+        one miss copy each. Raises ValueError when the pool is too small."""
+        e, k, pool = self.cfg.num_experts, self.cfg.top_k, self.slots.pool
         if pool.num_slots < len(self.layers) * e:
             raise ValueError(f"warm_all needs num_slots >= L * E = {len(self.layers) * e}, "
                              f"the pool has {pool.num_slots} (--slots)")
-        ids = torch.arange(e, dtype=torch.int32, device=self.device).reshape(1, e)
+        ids = torch.full((-(-e // k) * k,), -1, dtype=torch.int32)  # -1: padding of the last call
+        ids[:e] = torch.arange(e, dtype=torch.int32)
+        ids = ids.reshape(-1, 1, k).to(self.device)
         for layer in range(len(self.layers)):
-            buf = self.slots.cache.ensure(layer, ids)
-            miss_copy(self.slots.store, pool, buf.plan, buf.count)
+            for call in ids:
+                buf = self.slots.cache.ensure(layer, call)
+                miss_copy(self.slots.store, pool, buf.plan, buf.count)
 
     def rebuild(self, num_slots: int) -> None:
         """Pool of `num_slots`, cold slot map, same side stream; every layer re-decides its overlap."""

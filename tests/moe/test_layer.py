@@ -78,6 +78,25 @@ def misses(model: SyntheticModel) -> int:
 
 
 @interpreter
+def test_warm_all_makes_every_expert_resident_cpu():
+    """SyntheticModel.warm_all (the bench's resident mode): every key of every layer in a slot holding its
+    expert's bytes, top_k ids per ensure (E = 18 is no multiple of k = 4: the last call is padded);
+    a pool smaller than L * E is refused by name."""
+    cfg = dataclasses.replace(CPU_CFG, num_experts=18)
+    weights = random_weights(cfg, CPU_L, "cpu", seed=41)
+    model = SyntheticModel(weights, CPU_L * 18, "cpu")
+    model.warm_all()
+    cache, pool = model.slots.cache, model.slots.pool
+    slot_of = cache.slot_of.long()
+    assert bool((slot_of >= 0).all()) and len(set(slot_of.tolist())) == CPU_L * 18
+    for bank in ("gate_up", "down"):
+        assert torch.equal(pool.tensor(bank)[slot_of], weights.store.tensor(bank))
+    assert misses(model) == CPU_L * 18
+    with pytest.raises(ValueError, match="--slots"):
+        SyntheticModel(weights, CPU_L * 18 - 1, "cpu").warm_all()
+
+
+@interpreter
 @pytest.mark.parametrize("shared, norm", [(32, True), (0, False)], ids=["shared", "no-shared"])
 def test_layer_matches_reference_cpu(shared, norm):
     cfg = dataclasses.replace(CPU_CFG, shared_intermediate=shared, norm_topk_prob=norm)
