@@ -91,7 +91,7 @@ def _miss_rank(key, fmiss):
 
 @triton.jit
 def _ranks_if(key, fmiss, LATE_RANKS: tl.constexpr):
-    """_miss_rank with LATE_RANKS, else zeros (the ranks were reduced before the scoring)."""
+    """_miss_rank with LATE_RANKS, else zeros (unused: the ranks were reduced before the scoring)."""
     if LATE_RANKS:
         return _miss_rank(key, fmiss)
     return tl.zeros_like(key)
@@ -335,7 +335,7 @@ def _policy_reads(kst_ptr, sst_ptr, gst_ptr, prm_ptr, key, first, slot, hit, num
     """What the commit's policy update reads: rule's lc and dct of each key, and from them the lc
     its use leaves (a, _rule_grown; b unused); lfuda's hit counts and age (lru: nothing). Only the
     committing program writes them, so they may be read at the start of the launch, beside the
-    query's loads (EARLY: _query_loads, then _early_reads)."""
+    query's loads (EARLY: _rule_reads / _lfuda_reads in _query_loads, then _rule_grown)."""
     if POLICY == 1:
         lc, dct = _rule_reads(kst_ptr, key, first, num_keys)
         a = _rule_grown(lc, dct, dc_now, rc_floor, prm_ptr, first, TABLE)
@@ -564,7 +564,8 @@ def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_
     """A call with misses, or a refused one: scoring where victims are needed, the arrival, the
     merge and the commit (or the refusal's status)."""
     # the miss ranks: reduced here, or (LATE_RANKS) by the scoring, right behind its loads
-    mrank = _ranks_if(key, fmiss, not LATE_RANKS)
+    if not LATE_RANKS:
+        mrank = _miss_rank(key, fmiss)
     best = tl.full([BLOCK_Q], 0x7FFFFFFFFFFFFFFF, tl.int64)
     if ok & (m > ne):
         best, late = _chunk_candidates(pid, m - ne, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr,
@@ -572,9 +573,10 @@ def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_
                                        dc_now, num_layers, num_experts, num_slots, num_keys, slot, hit, step,
                                        filled, mir_ptr, key, fmiss, POLICY,
                                        HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN, MIRROR, LATE_RANKS)
-        mrank = mrank + late  # one of the two is zeros
     else:
-        mrank = mrank + _ranks_if(key, fmiss, LATE_RANKS)
+        late = _ranks_if(key, fmiss, LATE_RANKS)
+    if LATE_RANKS:
+        mrank = late
     tl.debug_barrier()
     # A refused call changes nothing, so every program, however late it reads the maps, finds the
     # same refusal: program 0 records it at once and no one arrives. Any other call: every program

@@ -128,7 +128,8 @@ class RoutedConfig:
 
 
 DEFAULT_CONFIG = RoutedConfig()
-DOWN_PREFETCH = 4  # RoutedConfig.down_prefetch=None: min(this, k) (fastest of 0, 1, 2, 4 at T = 1 and 8 on the H200)
+DOWN_PREFETCH = 4  # RoutedConfig.down_prefetch=None: min(this, k) (fastest of 0, 1, 2, 4, 6, 10 at T = 1..8 on
+# the H200: benchmarks/results/routed-2026-12-01-prefetch-{78dca14,825b221}.log)
 PARTS = ("all", "hits", "rest", "first")  # routed_gate_up's part; the index of the first three is the
 # gate_up kernels' PICK ("hits" and "first" launch their own persistent kernels)
 
