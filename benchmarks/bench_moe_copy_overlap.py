@@ -39,7 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmeta import machine  # noqa: E402
+from benchmeta import machine
+
 import moe.routed
 import moe.router
 from moe.config import MoEConfig
@@ -334,9 +335,11 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
     "noeh+nochain", "prio2+hits10", "first+hits4"; first: MoEConfig.hits_first; rtopk: the router
     selects with RouterConfig(select="topk"), the default before "logits";
     dr / nodr: RoutedConfig.down_release on / off; rw / norw: RouterConfig.early_weights on / off;
-    pfN: RoutedConfig.down_prefetch=N) -> (spec, args with those set)."""
+    pfN: RoutedConfig.down_prefetch=N; reN / rwarpsN: RouterConfig.block_e / warps=N) -> (spec, args with
+    those set)."""
     opts = argparse.Namespace(**vars(args))
     opts.router_select = None
+    opts.router_tiles = {}
     for part in spec.split("+"):
         if part.startswith("hits") and part[4:].isdigit():
             opts.hits_per_sm = int(part[4:])
@@ -356,9 +359,13 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.router_early = part == "rw"
         elif part.startswith("pf") and part[2:].isdigit():
             opts.down_prefetch = int(part[2:])
+        elif part.startswith("re") and part[2:].isdigit():
+            opts.router_tiles["block_e"] = int(part[2:])
+        elif part.startswith("rwarps") and part[6:].isdigit():
+            opts.router_tiles["warps"] = int(part[6:])
         else:
             raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, first, chain, nochain, prioN, "
-                             "rtopk, dr, nodr, rw, norw or pfN")
+                             "rtopk, dr, nodr, rw, norw, pfN, reN or rwarpsN")
     return spec, opts
 
 
@@ -425,7 +432,7 @@ def parse() -> argparse.Namespace:
                          "(--compute-priority -N), first (MoEConfig.hits_first), rtopk (the router's "
                          "select=\"topk\"), dr / nodr (RoutedConfig.down_release on / off), "
                          "rw / norw (RouterConfig.early_weights on / off), pfN (RoutedConfig.down_prefetch=N), "
-                         "joined by '+'")
+                         "reN / rwarpsN (RouterConfig.block_e / warps=N), joined by '+'")
     ap.add_argument("--down-release", action=argparse.BooleanOptionalAction, default=DEFAULT_ROUTED.down_release,
                     help="RoutedConfig.down_release: the down launch lets the next layer's router start after "
                          "its own wait")
@@ -470,7 +477,7 @@ def main() -> None:
         name, opts = resident_variant(spec, args)
         moe.routed.HITS_PROGRAMS_PER_SM = opts.hits_per_sm or DEFAULT_HITS_PER_SM
         moe.router.DEFAULT_ROUTER = dataclasses.replace(
-            DEFAULT_ROUTER, early_weights=opts.router_early,
+            DEFAULT_ROUTER, early_weights=opts.router_early, **opts.router_tiles,
             **({} if opts.router_select is None else {"select": opts.router_select}))
         moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=opts.down_release,
                                                         down_prefetch=opts.down_prefetch)

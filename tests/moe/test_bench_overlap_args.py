@@ -1,0 +1,47 @@
+"""benchmarks/bench_moe_copy_overlap.py's resident variants: each part sets its option, unknown parts
+are refused by name (CPU: the parser only)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_moe_copy_overlap",
+                                                  ROOT / "benchmarks" / "bench_moe_copy_overlap.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_moe_copy_overlap", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _base() -> argparse.Namespace:
+    return argparse.Namespace(early_hits=True, pdl_chain=True, hits_first=False, compute_priority=None,
+                              hits_per_sm=None, down_release=False, router_early=False, down_prefetch=None)
+
+
+def test_variant_parts_set_their_options():
+    bench = _bench()
+    base = _base()
+    name, opts = bench.resident_variant("noeh+dr+rw+pf2+re8+rwarps8", base)
+    assert name == "noeh+dr+rw+pf2+re8+rwarps8"
+    assert (opts.early_hits, opts.down_release, opts.router_early, opts.down_prefetch) == (False, True, True, 2)
+    assert opts.router_tiles == {"block_e": 8, "warps": 8}
+    assert opts.router_select is None
+    assert base.early_hits and not base.down_release  # the base namespace is left as it was
+    _, plain = bench.resident_variant("rtopk", base)
+    assert plain.router_tiles == {} and plain.router_select == "topk"
+
+
+@pytest.mark.parametrize("bad", ["re", "rex", "rwarps", "bogus", "noeh+pfx"])
+def test_unknown_variant_part_is_refused_by_name(bad):
+    bench = _bench()
+    with pytest.raises(SystemExit, match="resident-variants"):
+        bench.resident_variant(bad, _base())
