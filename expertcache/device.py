@@ -76,7 +76,7 @@ class DeviceCache:
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
                  chunk: int | None = None, num_warps: int | None = None, seq_max: int = SEQ_MAX,
                  lean: bool = True, early_reads: bool = True, rule_table: bool = True,
-                 rule_mirror: bool | None = None, late_ranks: bool = False, mirror_first: bool = False,
+                 rule_mirror: bool | None = None, late_ranks: bool = False,
                  **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
@@ -154,15 +154,6 @@ class DeviceCache:
         # loads are issued, while they are in flight, instead of before them (the same values;
         # device_ensure._chunk_candidates). Not yet timed on a GPU.
         self.late_ranks = late_ranks
-        if not isinstance(mirror_first, bool):
-            raise ValueError(f"mirror_first must be a bool, got {mirror_first!r}")
-        if mirror_first and not rule_mirror:
-            raise ValueError("mirror_first loads rule's per-slot mirror: it needs rule_mirror (the rule policy)")
-        # mirror_first (opt-in): rule's mirror rows are loaded at the start of the launch and a call's
-        # hits pinned by compares, so a call with misses scores with no store-barrier-load round trip
-        # after its query (device_ensure._mirror_loads); calls with router logits keep the pinned
-        # words (their near-miss refresh rewrites the mirror first). The same results.
-        self.mirror_first = mirror_first
         self.mirror = t(np.zeros((2, geometry.num_slots) if rule_mirror else 1, np.int64))
         self.grid = triton.cdiv(geometry.num_slots, chunk)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
@@ -223,8 +214,7 @@ class DeviceCache:
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
             SINGLE=self.grid == 1,
             SEQ_MAX=self.seq_max, LEAN=self.lean, EARLY=self.early_reads, TABLE=self.rule_table,
-            MIRROR=self.rule_mirror, LATE_RANKS=self.late_ranks,
-            MIRROR_FIRST=self.mirror_first and not has_logits, num_warps=self.num_warps,
+            MIRROR=self.rule_mirror, LATE_RANKS=self.late_ranks, num_warps=self.num_warps,
             **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))
         return buf
 

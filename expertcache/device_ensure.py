@@ -171,51 +171,17 @@ def _mirror_refresh(slot_of_ptr, mir_ptr, rkey, near, tok, layer, slot, hit, SKI
 
 
 @triton.jit
-def _mirror_loads(mir_ptr, pid, num_slots, CHUNK: tl.constexpr):
-    """rule's mirror rows of this program's slots (DeviceCache(mirror_first=True)), masked by the pool
-    only, not by the filled prefix: no load they wait for. Plain loads: volatile ones would be
-    strong system-scope 64-bit loads on sm_90. The compiler keeps them at the start of the launch
-    rather than in the miss path that alone uses them (a call that hits drops them unread); a compile
-    test checks that they come before the query's first barrier."""
-    c = pid * CHUNK + tl.arange(0, CHUNK)
-    cm = c < num_slots
-    ltk = tl.load(mir_ptr + c, mask=cm, other=0)
-    lcd = tl.load(mir_ptr + num_slots + c, mask=cm, other=0)
-    return ltk, lcd
-
-
-@triton.jit
-def _pinned(c, ids_ptr, slot_of_ptr, n_ids, layer, num_experts, BLOCK_Q: tl.constexpr):
-    """Per slot of c: is it the slot of one of the call's ids (a hit: pinned, never a victim)? The
-    hits' slots are re-read as scalars (the query's own loads, so L1 hits; no program writes slot_of
-    before every program has scored), one compare per slot each: no [CHUNK, BLOCK_Q] matrix in
-    registers."""
-    pinned = c < 0
-    for q in tl.static_range(BLOCK_Q):
-        e = tl.load(ids_ptr + q, mask=q < n_ids, other=-1)
-        live = (e >= 0) & (e < num_experts)
-        s_q = tl.load(slot_of_ptr + layer * num_experts + tl.where(live, e, 0), mask=live, other=-1)
-        pinned = pinned | (c == s_q)
-    return pinned
-
-
-@triton.jit
 def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr, sst_ptr, rc_beta, rc_w, rc_kmax,
                       rc_floor,
                       cand_ptr, rkey, near, layer, tok, dc_now, num_layers, num_experts, num_slots, num_keys,
-                      slot, hit, step, filled, mir_ptr, qkey, fmiss, ltk0, lcd0,
+                      slot, hit, step, filled, mir_ptr, qkey, fmiss,
                       POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, STORE_SEQ: tl.constexpr,
-                      LEAN: tl.constexpr, MIRROR: tl.constexpr = False, LATE_RANKS: tl.constexpr = False,
-                      MIRROR_FIRST: tl.constexpr = False):
+                      LEAN: tl.constexpr, MIRROR: tl.constexpr = False, LATE_RANKS: tl.constexpr = False):
     """Score this program's slots; return its BLOCK_Q lowest packed keys (successive minima), kept
     in scratch for the merge (STORE_SEQ, or a sort: see _lowest), and with LATE_RANKS the query's
     miss ranks (_miss_rank of qkey, fmiss; else zeros): their block reduction then runs right after
-    the scoring loads are issued, while those are in flight, instead of before them.
-    MIRROR_FIRST (rule's mirror, no router logits): ltk0 / lcd0 are this program's mirror rows, loaded
-    at the start of the launch (_mirror_loads), and the hits are pinned by compares against their
-    slots instead of PINNED words written and read back: no store, barrier and load round trip
-    between the query and the scores (the commit's touch writes the same words either way)."""
+    the scoring loads are issued, while those are in flight, instead of before them."""
     c = pid * CHUNK + tl.arange(0, CHUNK)
     if LEAN and POLICY == 0:
         # lru, lean: the filled slots are the prefix [0, filled) (no key_of load), and the hits'
@@ -227,12 +193,6 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
         ev = c < filled
         score = tl.load(sst_ptr + c, mask=ev, other=0)
         mrank = _ranks_if(qkey, fmiss, LATE_RANKS)
-    elif MIRROR and MIRROR_FIRST:
-        pinned = _pinned(c, ids_ptr, slot_of_ptr, n_ids, layer, num_experts, BLOCK_Q)
-        mrank = _ranks_if(qkey, fmiss, LATE_RANKS)
-        ev = (c < filled) & (~pinned)
-        score = _rule_score(ltk0 >> LT_BITS, ltk0 & LT_MASK, lcd0, layer, tok, dc_now, num_layers,
-                            rc_beta, rc_w, rc_kmax, rc_floor)
     elif MIRROR:
         # rule with its per-slot mirror (DeviceCache(rule_mirror=True)): every input of a slot's score
         # is one of two coalesced loads of the filled prefix [0, filled) (no key_of, no gather through
@@ -254,7 +214,15 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
     else:
         cm = c < num_slots
         key = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
-        pinned = _pinned(c, ids_ptr, slot_of_ptr, n_ids, layer, num_experts, BLOCK_Q)
+        # pinned: the call's hits. Their slots are re-read as scalars (the query's own loads, so L1
+        # hits; no program writes slot_of before every program has scored), one compare per slot
+        # each: no [CHUNK, BLOCK_Q] matrix in registers.
+        pinned = c < 0
+        for q in tl.static_range(BLOCK_Q):
+            e = tl.load(ids_ptr + q, mask=q < n_ids, other=-1)
+            live = (e >= 0) & (e < num_experts)
+            s_q = tl.load(slot_of_ptr + layer * num_experts + tl.where(live, e, 0), mask=live, other=-1)
+            pinned = pinned | (c == s_q)
         ev = cm & (key >= 0) & (~pinned)
         # lru / lfuda: the per-slot score is loaded beside key_of (masked by cm, not by ev, so the
         # two loads are independent and overlap); rule's per-key state needs the key first
@@ -524,7 +492,6 @@ def ensure_kernel(
     MIRROR: tl.constexpr = False,  # DeviceCache(rule_mirror=True): rule scores from its per-slot mirror
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
     LATE_RANKS: tl.constexpr = False,  # DeviceCache(late_ranks=True): see _chunk_candidates
-    MIRROR_FIRST: tl.constexpr = False,  # DeviceCache(mirror_first=True), calls without logits: see _mirror_loads
 ):
     if GDC:
         gdc_wait()
@@ -545,10 +512,6 @@ def ensure_kernel(
         rc_div, rc_kmax, rc_floor = tl.load(prm_ptr + 2), tl.load(prm_ptr + 3), tl.load(prm_ptr + 4)
     if HAS_LOGITS:
         lidx, lval, near_by = _near_loads(lidx_ptr, lval_ptr, fprm_ptr, rows, T, BLOCK_R)
-    if MIRROR_FIRST:  # rule's mirror rows of this program's slots, for the scoring of a call with misses
-        ltk0, lcd0 = _mirror_loads(mir_ptr, pid, num_slots, CHUNK)
-    else:
-        ltk0, lcd0 = 0, 0
     # The query's loads (and EARLY, DeviceCache(early_reads=True), the commit's policy reads beside
     # them), then the arithmetic that needs none of them: rule's decay clock, the near-miss set.
     valid, bad_i, key, slot, raw_a, raw_b = _query_loads(ids_ptr, slot_of_ptr, layer, num_experts, n_ids, kst_ptr,
@@ -583,10 +546,8 @@ def ensure_kernel(
                        counters_ptr, missed_ptr, out_ptr, plan_ptr, count_ptr, cand_ptr, arrive_ptr,
                        status_ptr, mir_ptr, layer, num_experts, num_layers, num_slots, n_ids, valid, key,
                        first, slot, hit, fmiss, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
-                       step, tok, dc_now, rc_beta, rc_w, rc_kmax, rc_floor, num_keys, early_a, early_b,
-                       ltk0, lcd0, POLICY,
-                       HAS_LOGITS, CHUNK, BLOCK_Q, BLOCK_C, SINGLE, SEQ_MAX, LEAN, EARLY, TABLE, MIRROR, LATE_RANKS,
-                       MIRROR_FIRST)
+                       step, tok, dc_now, rc_beta, rc_w, rc_kmax, rc_floor, num_keys, early_a, early_b, POLICY,
+                       HAS_LOGITS, CHUNK, BLOCK_Q, BLOCK_C, SINGLE, SEQ_MAX, LEAN, EARLY, TABLE, MIRROR, LATE_RANKS)
 
 
 @triton.jit
@@ -595,12 +556,11 @@ def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_
                    status_ptr, mir_ptr, layer, num_experts, num_layers, num_slots, n_ids, valid, key,
                    first, slot, hit, fmiss, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
                    step, tok, dc_now, rc_beta, rc_w, rc_kmax, rc_floor, num_keys, early_a, early_b,
-                   ltk0, lcd0,
                    POLICY: tl.constexpr,
                    HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr,
                    BLOCK_C: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr,
                    EARLY: tl.constexpr, TABLE: tl.constexpr, MIRROR: tl.constexpr,
-                   LATE_RANKS: tl.constexpr = False, MIRROR_FIRST: tl.constexpr = False):
+                   LATE_RANKS: tl.constexpr = False):
     """A call with misses, or a refused one: scoring where victims are needed, the arrival, the
     merge and the commit (or the refusal's status)."""
     # the miss ranks: reduced here, or (LATE_RANKS) by the scoring, right behind its loads
@@ -611,9 +571,8 @@ def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_
         best, late = _chunk_candidates(pid, m - ne, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_ptr,
                                        sst_ptr, rc_beta, rc_w, rc_kmax, rc_floor, cand_ptr, rkey, near, layer, tok,
                                        dc_now, num_layers, num_experts, num_slots, num_keys, slot, hit, step,
-                                       filled, mir_ptr, key, fmiss, ltk0, lcd0, POLICY,
-                                       HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN, MIRROR, LATE_RANKS,
-                                       MIRROR_FIRST)
+                                       filled, mir_ptr, key, fmiss, POLICY,
+                                       HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN, MIRROR, LATE_RANKS)
     else:
         late = _ranks_if(key, fmiss, LATE_RANKS)
     if LATE_RANKS:

@@ -156,19 +156,6 @@ def test_late_ranks_match_host(policy, chunk, lean):
         assert ref.counters[:, 2].sum() > 40
 
 
-@pytest.mark.parametrize("chunk", [8, 64])
-@pytest.mark.parametrize("late", [False, True], ids=["", "late-ranks"])
-@pytest.mark.parametrize("T", [0, 6], ids=["no-logits", "logits"])
-def test_mirror_first_matches_host(chunk, late, T):
-    """DeviceCache(mirror_first=True) (rule): the mirror loaded at the start of the launch and the hits
-    pinned by compares give the host reference's plans, slots, state and mirror bit for bit, while the
-    pool fills and once it evicts, on several programs and one, with late_ranks and without; calls
-    with router logits take the pinned-word path and agree too."""
-    ref = run_parity("rule", L=3, E=16, S=24, rows=2, k=4, C=40, T=T, seed=chunk + 11 + T, chunk=chunk,
-                     late_ranks=late, mirror_first=True)
-    assert ref.counters[:, 2].sum() > 40
-
-
 def test_default_tiles_by_pool_size():
     """The default tiles at every pool size (lru, lfuda and rule with its mirror: one program up to
     2048 slots, lfuda's and rule's of 8 warps; rule through the keys: 512-slot programs); bad tiles are
@@ -195,16 +182,11 @@ def test_default_tiles_by_pool_size():
         DeviceCache(CacheGeometry(128, 4, 8), "rule", device=device, rule_mirror=True)
     g = CacheGeometry(1, 8, 4)
     for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}, {"lean": 1},
-                {"early_reads": 1}, {"rule_table": 1}, {"rule_mirror": 1}, {"late_ranks": 1},
-                {"mirror_first": 1}):
+                {"early_reads": 1}, {"rule_table": 1}, {"rule_mirror": 1}, {"late_ranks": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DeviceCache(g, "lru", device=device, **bad)
     with pytest.raises(ValueError, match="rule_mirror is for the rule policy"):
         DeviceCache(g, "lru", device=device, rule_mirror=True)
-    for policy, extra in (("lru", {}), ("rule", {"rule_mirror": False})):
-        with pytest.raises(ValueError, match="mirror_first .* needs rule_mirror"):
-            DeviceCache(g, policy, device=device, mirror_first=True, **extra)
-    assert not DeviceCache(g, "rule", device=device).mirror_first  # opt-in
 
 
 @pytest.mark.parametrize("policy", policy_names())
@@ -300,27 +282,20 @@ def test_device_parity_grid(policy, S):
                                         (512, {"rule_table": False}), (1650, {"rule_table": False}),
                                         (512, {"late_ranks": True}), (1650, {"late_ranks": True}),
                                         (1650, {"late_ranks": True, "chunk": 512, "num_warps": 4}),
-                                        (16384, {"late_ranks": True}),
-                                        (512, {"mirror_first": True}), (1650, {"mirror_first": True}),
-                                        (1650, {"mirror_first": True, "late_ranks": True}),
-                                        (4096, {"mirror_first": True, "late_ranks": True})],
+                                        (16384, {"late_ranks": True})],
                          ids=["many-programs-1650", "plain-512", "plain-1650", "plain-16384", "late-reads-512",
                               "late-reads-1650", "sort-1650", "sort-16384", "computed-512", "computed-1650",
                               "late-ranks-512", "late-ranks-1650", "late-ranks-1650-four-programs",
-                              "late-ranks-16384", "mirror-first-512", "mirror-first-1650",
-                              "mirror-first-late-ranks-1650", "mirror-first-late-ranks-4096"])
+                              "late-ranks-16384"])
 def test_device_parity_variants(policy, S, options):
     """1650 slots on 4 programs of 512 (explicit tiles), and the plain (not lean) kernel on one
     program (512) and several (1650, 16384), and the policy reads in the commit (early_reads=False) on
     512 and 1650, rule's growth computed instead of loaded (rule_table=False) on 512 and 1650, and the
-    misses' ranks reduced behind the scoring loads (late_ranks=True) on one program and several, and
-    rule's mirror loaded at the start of the launch (mirror_first=True; other policies skip it); every
+    misses' ranks reduced behind the scoring loads (late_ranks=True) on one program and several; every
     other GPU parity test runs the default (lean, early reads, the growth table)."""
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
-    if options.get("mirror_first") and policy != "rule":
-        pytest.skip("mirror_first is rule's (its per-slot mirror)")
     for rows, k, T in ((1, 10, 20), (4, 16, 24)):
         run_parity(policy, L=8, E=max(16, S // 8), S=S, rows=rows, k=k, C=120, T=T, seed=S + k, **options)
 
@@ -469,42 +444,6 @@ def test_rule_mirror_compiles_for_sm90():
     process without TRITON_INTERPRET."""
     from tests.conftest import compile_check
     assert compile_check(MIRROR_CHECK) == [True] * 8
-
-
-MIRROR_FIRST_CHECK = r"""
-import json
-from expertcache.device_ensure import ensure_kernel
-from moe.triton_launch import compile_for_sm
-
-ENSURE_JIT = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k", "rows", "T"]}
-types = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64",
-         "*i32", "*i32", "*i32", "*i64", "*i32", "*i32", "*i64") + ("i32",) * 8
-out = []
-for chunk, single, warps, late in ((2048, True, 8, True), (512, False, 4, False)):
-    early = []
-    for first in (False, True):
-        cx = dict(POLICY=1, HAS_LOGITS=False, CHUNK=chunk, BLOCK_Q=16, BLOCK_R=1,
-                  BLOCK_C=16 if single else 64, SINGLE=single, SEQ_MAX=16, LEAN=True,
-                  EARLY=True, TABLE=True, MIRROR=True, LATE_RANKS=late, MIRROR_FIRST=first)
-        asm = compile_for_sm(ensure_kernel, types, cx, warps, 90, ENSURE_JIT)
-        out.append(bool(asm.get("cubin")) and ".local" not in asm["ptx"])
-        lines = asm["ptx"].splitlines()
-        bar = next(i for i, line in enumerate(lines) if "bar.sync" in line)
-        early.append(sum("ld.global.b64" in line or "ld.global.v2.b64" in line for line in lines[:bar]))
-    # with mirror_first each thread's two mirror rows (CHUNK / threads slots each) load before the
-    # launch's first barrier (the query's tally), not after the scoring's pins
-    out.append(early[1] - early[0] == 2 * chunk // (32 * warps))
-print(json.dumps(out))
-"""
-
-
-def test_mirror_first_loads_before_the_query_for_sm90():
-    """DeviceCache(mirror_first=True) compiles for sm_90 without spills on one program of 2048 slots
-    (8 warps, late ranks) and on 512-slot programs, and its mirror loads stay at the start of the
-    launch, before the query's first barrier, instead of being moved into the miss path. A child
-    process without TRITON_INTERPRET."""
-    from tests.conftest import compile_check
-    assert compile_check(MIRROR_FIRST_CHECK) == [True] * 6
 
 
 @pytest.mark.gpu
