@@ -88,7 +88,7 @@ def variant(label: str) -> tuple[str, dict]:
     so its measured misses may differ), as a model's would; "rule:m0:c2048" -> ("rule", rule_mirror=False,
     chunk=2048); "lru:p1" -> ("lru", pdl=True): every call a programmatic dependent launch, as the
     MoE layer makes it (it waits for its predecessor before reading; flashlib has no such launch);
-    "rule:r1" -> ("rule", late_ranks=True)."""
+    "rule:r0" -> ("rule", late_ranks=False) (rule's default is True, the others' False)."""
     name, *opts = label.split(":")
     keys = {"w": "num_warps", "c": "chunk", "s": "seq_max", "l": "lean", "e": "early_reads", "t": "rule_table",
             "L": "layers", "m": "rule_mirror", "p": "pdl", "r": "late_ranks"}

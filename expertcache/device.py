@@ -76,7 +76,7 @@ class DeviceCache:
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
                  chunk: int | None = None, num_warps: int | None = None, seq_max: int = SEQ_MAX,
                  lean: bool = True, early_reads: bool = True, rule_table: bool = True,
-                 rule_mirror: bool | None = None, late_ranks: bool = False,
+                 rule_mirror: bool | None = None, late_ranks: bool | None = None,
                  **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
@@ -148,11 +148,15 @@ class DeviceCache:
         # 0.02-0.20 us faster per call on the H200 in 19 of bench_ensure's 20 cells, equal in one
         # (benchmarks/results/ensure-2026-11-30-67de7c5.json). False: computed in the commit
         self.rule_table = rule_table
+        if late_ranks is None:  # the default: on for rule
+            late_ranks = self.policy.kind == KIND_RULE
         if not isinstance(late_ranks, bool):
-            raise ValueError(f"late_ranks must be a bool, got {late_ranks!r}")
-        # late_ranks (opt-in): a call that scores reduces its misses' ranks right after the scoring
-        # loads are issued, while they are in flight, instead of before them (the same values;
-        # device_ensure._chunk_candidates). Not yet timed on a GPU.
+            raise ValueError(f"late_ranks must be a bool or None, got {late_ranks!r}")
+        # late_ranks: a call that scores reduces its misses' ranks right after the scoring loads are
+        # issued, while they are in flight, instead of before them (the same values;
+        # device_ensure._chunk_candidates). On by default for rule: 0.03-0.13 us faster in its cells
+        # with misses at 512 and 1650 slots in three H200 runs (ensure-2026-12-01-late-*.json,
+        # -mirror-first-14bc1d3.json; docs/gpu.md); for lru within the spread, so off there
         self.late_ranks = late_ranks
         self.mirror = t(np.zeros((2, geometry.num_slots) if rule_mirror else 1, np.int64))
         self.grid = triton.cdiv(geometry.num_slots, chunk)

@@ -145,15 +145,16 @@ def test_kernel_matches_host_with_a_filling_pool(policy, chunk, lean, early):
 @pytest.mark.parametrize("chunk", [8, 64])
 @pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
 def test_late_ranks_match_host(policy, chunk, lean):
-    """DeviceCache(late_ranks=True): the misses' ranks reduced behind the scoring loads give the host
-    reference's plans, slots and state bit for bit, while the pool fills and once it evicts, with
-    router logits, on several programs and one, lean and plain (and, for rule, its mirror and
-    through the keys)."""
+    """DeviceCache(late_ranks=True / False): the misses' ranks reduced behind the scoring loads (rule's
+    default) or before them (the others') give the host reference's plans, slots and state bit for bit,
+    while the pool fills and once it evicts, with router logits, on several programs and one, lean
+    and plain (and, for rule, its mirror and through the keys)."""
     options = [{}] if policy != "rule" else [{"rule_mirror": True}, {"rule_mirror": False}]
     for extra in options:
-        ref = run_parity(policy, L=3, E=16, S=24, rows=2, k=4, C=40, T=6, seed=chunk + 7, chunk=chunk,
-                         lean=lean, late_ranks=True, **extra)
-        assert ref.counters[:, 2].sum() > 40
+        for late in (True, False):
+            ref = run_parity(policy, L=3, E=16, S=24, rows=2, k=4, C=40, T=6, seed=chunk + 7, chunk=chunk,
+                             lean=lean, late_ranks=late, **extra)
+            assert ref.counters[:, 2].sum() > 40
 
 
 def test_default_tiles_by_pool_size():
@@ -174,6 +175,9 @@ def test_default_tiles_by_pool_size():
     assert DeviceCache(CacheGeometry(1, 64, 1650), "lfuda", device=device, num_warps=2).chunk == 2048
     assert DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device).rule_table  # the table by default
     assert DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device).rule_mirror  # rule: the mirror by default
+    assert DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device).late_ranks  # rule: late ranks by default
+    assert not DeviceCache(CacheGeometry(1, 64, 8), "lru", device=device).late_ranks
+    assert not DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device, late_ranks=False).late_ranks
     assert not DeviceCache(CacheGeometry(1, 64, 8), "lru", device=device).rule_mirror
     # the mirror packs a layer in 7 bits: past 127 layers rule scores through the keys, or says so
     assert DeviceCache(CacheGeometry(127, 4, 8), "rule", device=device).rule_mirror
@@ -282,17 +286,19 @@ def test_device_parity_grid(policy, S):
                                         (512, {"rule_table": False}), (1650, {"rule_table": False}),
                                         (512, {"late_ranks": True}), (1650, {"late_ranks": True}),
                                         (1650, {"late_ranks": True, "chunk": 512, "num_warps": 4}),
-                                        (16384, {"late_ranks": True})],
+                                        (16384, {"late_ranks": True}), (1650, {"late_ranks": False}),
+                                        (16384, {"late_ranks": False})],
                          ids=["many-programs-1650", "plain-512", "plain-1650", "plain-16384", "late-reads-512",
                               "late-reads-1650", "sort-1650", "sort-16384", "computed-512", "computed-1650",
                               "late-ranks-512", "late-ranks-1650", "late-ranks-1650-four-programs",
-                              "late-ranks-16384"])
+                              "late-ranks-16384", "early-ranks-1650", "early-ranks-16384"])
 def test_device_parity_variants(policy, S, options):
     """1650 slots on 4 programs of 512 (explicit tiles), and the plain (not lean) kernel on one
     program (512) and several (1650, 16384), and the policy reads in the commit (early_reads=False) on
     512 and 1650, rule's growth computed instead of loaded (rule_table=False) on 512 and 1650, and the
-    misses' ranks reduced behind the scoring loads (late_ranks=True) on one program and several; every
-    other GPU parity test runs the default (lean, early reads, the growth table)."""
+    misses' ranks reduced behind the scoring loads (late_ranks=True, rule's default) on one program and
+    several, and before them (late_ranks=False, the others' default) at 1650 and 16384; every other GPU
+    parity test runs the default (lean, early reads, the growth table, rule's late ranks)."""
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
