@@ -64,3 +64,16 @@ def compile_check(script: str):
         pytest.skip(f"no CUDA toolchain for the ahead-of-time compile: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def load_bench(name: str):
+    """benchmarks/<name>.py imported as module `name` (the benchmarks are scripts, not a package)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module

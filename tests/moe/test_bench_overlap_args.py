@@ -4,22 +4,14 @@ are refused by name (CPU: the parser only)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import load_bench
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_moe_copy_overlap",
-                                                  ROOT / "benchmarks" / "bench_moe_copy_overlap.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_moe_copy_overlap", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("bench_moe_copy_overlap")
 
 
 def _base() -> argparse.Namespace:

@@ -3,10 +3,6 @@ replays with the host reference, and the invariants that hold whatever the routi
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -14,17 +10,11 @@ from expertcache.geometry import CacheGeometry
 from expertcache.host import HostCache
 from sim.synthetic import SyntheticConfig, generate
 from sim.trace import save_trace
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import load_bench
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_prefill_admission",
-                                                  ROOT / "benchmarks" / "bench_prefill_admission.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_prefill_admission", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("bench_prefill_admission")
 
 
 @pytest.fixture(scope="module")
