@@ -76,7 +76,7 @@ class DeviceCache:
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
                  chunk: int | None = None, num_warps: int | None = None, seq_max: int = SEQ_MAX,
                  lean: bool = True, early_reads: bool = True, rule_table: bool = True,
-                 rule_mirror: bool | None = None, late_ranks: bool | None = None, victim_owner: bool = True,
+                 rule_mirror: bool | None = None, late_ranks: bool | None = None,
                  **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
@@ -158,16 +158,8 @@ class DeviceCache:
         # with misses at 512 and 1650 slots in three H200 runs (ensure-2026-12-01-late-*.json,
         # -mirror-first-14bc1d3.json; docs/gpu.md); for lru within the spread, so off there
         self.late_ranks = late_ranks
-        if not isinstance(victim_owner, bool):
-            raise ValueError(f"victim_owner must be a bool, got {victim_owner!r}")
-        # victim_owner (default): on one program, a call that evicts one slot clears the victim's old
-        # owner from the key its scoring already holds (read beside the scores; lru's lean scoring
-        # reads no keys, so not there): the commit loads no old owner and skips its barrier
-        # (device_ensure._chunk_candidates, _commit). The same results.
-        self.victim_owner = victim_owner
         self.mirror = t(np.zeros((2, geometry.num_slots) if rule_mirror else 1, np.int64))
         self.grid = triton.cdiv(geometry.num_slots, chunk)
-        self.owner = victim_owner and self.grid == 1 and not (lean and self.policy.kind == KIND_LRU)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
         self._cand: dict[int, torch.Tensor] = {}
 
@@ -226,7 +218,7 @@ class DeviceCache:
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
             SINGLE=self.grid == 1,
             SEQ_MAX=self.seq_max, LEAN=self.lean, EARLY=self.early_reads, TABLE=self.rule_table,
-            MIRROR=self.rule_mirror, LATE_RANKS=self.late_ranks, OWNER=self.owner, num_warps=self.num_warps,
+            MIRROR=self.rule_mirror, LATE_RANKS=self.late_ranks, num_warps=self.num_warps,
             **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))
         return buf
 

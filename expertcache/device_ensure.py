@@ -177,18 +177,12 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
                       slot, hit, step, filled, mir_ptr, qkey, fmiss,
                       POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, STORE_SEQ: tl.constexpr,
-                      LEAN: tl.constexpr, MIRROR: tl.constexpr = False, LATE_RANKS: tl.constexpr = False,
-                      OWNER: tl.constexpr = False):
+                      LEAN: tl.constexpr, MIRROR: tl.constexpr = False, LATE_RANKS: tl.constexpr = False):
     """Score this program's slots; return its BLOCK_Q lowest packed keys (successive minima), kept
     in scratch for the merge (STORE_SEQ, or a sort: see _lowest), and with LATE_RANKS the query's
     miss ranks (_miss_rank of qkey, fmiss; else zeros): their block reduction then runs right after
-    the scoring loads are issued, while those are in flight, instead of before them.
-    OWNER (one program, and a key per slot at hand: read beside the scores, not lru's lean prefix): a
-    call that evicts exactly one slot has the thread that holds the victim clear its old owner's
-    slot_of right after the minimum, from the key it already loaded, so the commit loads no old owner
-    and waits for no barrier (_commit); the same stores, earlier."""
+    the scoring loads are issued, while those are in flight, instead of before them."""
     c = pid * CHUNK + tl.arange(0, CHUNK)
-    owner = tl.full([CHUNK], -1, tl.int64)
     if LEAN and POLICY == 0:
         # lru, lean: the filled slots are the prefix [0, filled) (no key_of load), and the hits'
         # stamps are raised to this call's step first (every scoring program and the commit write
@@ -213,8 +207,6 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
         fm = c < filled
         ltk = tl.load(mir_ptr + c, mask=fm, other=0)
         lcd = tl.load(mir_ptr + num_slots + c, mask=fm, other=0)
-        if OWNER:
-            owner = tl.load(key_of_ptr + c, mask=fm, other=-1).to(tl.int64)
         mrank = _ranks_if(qkey, fmiss, LATE_RANKS)
         ev = fm & (ltk != PINNED)
         score = _rule_score(ltk >> LT_BITS, ltk & LT_MASK, lcd, layer, tok, dc_now, num_layers,
@@ -222,7 +214,6 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
     else:
         cm = c < num_slots
         key = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
-        owner = key
         # pinned: the call's hits. Their slots are re-read as scalars (the query's own loads, so L1
         # hits; no program writes slot_of before every program has scored), one compare per slot
         # each: no [CHUNK, BLOCK_Q] matrix in registers.
@@ -259,12 +250,7 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
             lk = kq.to(tl.int32) // num_experts  # keys < 2**31: a 32-bit division
             score = _rule_score(lk, lt, lc + dct, layer, tok, dc_now, num_layers, rc_beta, rc_w, rc_kmax, rc_floor)
     packed = tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
-    best = _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q, SEQ_MAX, STORE_SEQ)
-    if OWNER:
-        if need == 1:  # best[0] is the call's one victim; its owner's key is in the thread that scored it
-            victim = packed == tl.min(best, axis=0)
-            tl.store(slot_of_ptr + owner, -1, mask=victim & (owner >= 0))
-    return best, mrank
+    return _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q, SEQ_MAX, STORE_SEQ), mrank
 
 
 @triton.jit
@@ -410,13 +396,11 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
             HAS_LOGITS: tl.constexpr,
             EARLY: tl.constexpr,
             BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr, TABLE: tl.constexpr,
-            mir_ptr, MIRROR: tl.constexpr, HITS_ONLY: tl.constexpr = False, OWNER: tl.constexpr = False):
+            mir_ptr, MIRROR: tl.constexpr, HITS_ONLY: tl.constexpr = False):
     """Apply one call: refresh, evictions and installs in ascending key order, touches,
     plan, slots, counters and clock. Runs in one program. The victims: `best` (registers)
     when successive minima found them, else cand[0:] (the sort's output). HITS_ONLY: the call
-    has no miss (m == 0): only the refresh, touches, slots, count, counters and clock are compiled.
-    OWNER: a call that evicts one slot had its old owner's slot_of cleared by the scoring
-    (_chunk_candidates), so no old owner is loaded here."""
+    has no miss (m == 0): only the refresh, touches, slots, count, counters and clock are compiled."""
     if POLICY == 1:
         if HAS_LOGITS:
             lt = tl.load(kst_ptr + rkey, mask=near, other=0)
@@ -442,8 +426,6 @@ def _commit(ids_n, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, 
         vscore = cand >> 20
         evict = fmiss & from_cand
         old = tl.full([BLOCK_Q], -1, tl.int32)
-        if OWNER:
-            evicts = evicts & (m - ne != 1)  # one eviction: its owner's slot_of is already cleared
         if evicts:
             old = tl.load(key_of_ptr + vslot, mask=evict, other=-1)
             tl.debug_barrier()  # every old owner read before any slot is rewritten
@@ -510,7 +492,6 @@ def ensure_kernel(
     MIRROR: tl.constexpr = False,  # DeviceCache(rule_mirror=True): rule scores from its per-slot mirror
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
     LATE_RANKS: tl.constexpr = False,  # DeviceCache(late_ranks=True): see _chunk_candidates
-    OWNER: tl.constexpr = False,  # DeviceCache(victim_owner=True) on one program: see _chunk_candidates
 ):
     if GDC:
         gdc_wait()
@@ -566,8 +547,7 @@ def ensure_kernel(
                        status_ptr, mir_ptr, layer, num_experts, num_layers, num_slots, n_ids, valid, key,
                        first, slot, hit, fmiss, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
                        step, tok, dc_now, rc_beta, rc_w, rc_kmax, rc_floor, num_keys, early_a, early_b, POLICY,
-                       HAS_LOGITS, CHUNK, BLOCK_Q, BLOCK_C, SINGLE, SEQ_MAX, LEAN, EARLY, TABLE, MIRROR, LATE_RANKS,
-                       OWNER)
+                       HAS_LOGITS, CHUNK, BLOCK_Q, BLOCK_C, SINGLE, SEQ_MAX, LEAN, EARLY, TABLE, MIRROR, LATE_RANKS)
 
 
 @triton.jit
@@ -580,7 +560,7 @@ def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_
                    HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr,
                    BLOCK_C: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr,
                    EARLY: tl.constexpr, TABLE: tl.constexpr, MIRROR: tl.constexpr,
-                   LATE_RANKS: tl.constexpr = False, OWNER: tl.constexpr = False):
+                   LATE_RANKS: tl.constexpr = False):
     """A call with misses, or a refused one: scoring where victims are needed, the arrival, the
     merge and the commit (or the refusal's status)."""
     # the miss ranks: reduced here, or (LATE_RANKS) by the scoring, right behind its loads
@@ -592,8 +572,7 @@ def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_
                                        sst_ptr, rc_beta, rc_w, rc_kmax, rc_floor, cand_ptr, rkey, near, layer, tok,
                                        dc_now, num_layers, num_experts, num_slots, num_keys, slot, hit, step,
                                        filled, mir_ptr, key, fmiss, POLICY,
-                                       HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN, MIRROR, LATE_RANKS,
-                                       OWNER)
+                                       HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN, MIRROR, LATE_RANKS)
     else:
         late = _ranks_if(key, fmiss, LATE_RANKS)
     if LATE_RANKS:
@@ -622,7 +601,7 @@ def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_
                     key, first, slot, hit, fmiss, mrank, n, m, ne, filled, rkey, near, step,
                     tok, dc_now, layer, num_layers, num_slots, num_keys, mine, best, early_a, early_b, rc_floor,
                     POLICY,
-                    HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN, TABLE, mir_ptr, MIRROR, False, OWNER)
+                    HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN, TABLE, mir_ptr, MIRROR)
             tl.store(missed_ptr, missed + m)
         else:
             tl.store(status_ptr, tl.where(bad > 0, 1, 2))
