@@ -156,7 +156,8 @@ class DeviceCache:
         # issued, while they are in flight, instead of before them (the same values;
         # device_ensure._chunk_candidates). On by default for rule: 0.03-0.13 us faster in its cells
         # with misses at 512 and 1650 slots in three H200 runs (ensure-2026-12-01-late-*.json,
-        # -mirror-first-14bc1d3.json; docs/gpu.md); for lru within the spread, so off there
+        # -mirror-first-14bc1d3.json), in 11 of its 16 cells with misses in a fourth
+        # (ensure-2026-12-01-e975ced.json; docs/gpu.md); for lru within the spread, so off there
         self.late_ranks = late_ranks
         self.mirror = t(np.zeros((2, geometry.num_slots) if rule_mirror else 1, np.int64))
         self.grid = triton.cdiv(geometry.num_slots, chunk)
