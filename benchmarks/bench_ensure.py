@@ -88,12 +88,13 @@ def variant(label: str) -> tuple[str, dict]:
     so its measured misses may differ), as a model's would; "rule:m0:c2048" -> ("rule", rule_mirror=False,
     chunk=2048); "lru:p1" -> ("lru", pdl=True): every call a programmatic dependent launch, as the
     MoE layer makes it (it waits for its predecessor before reading; flashlib has no such launch);
-    "rule:r0" -> ("rule", late_ranks=False) (rule's default is True, the others' False)."""
+    "rule:r0" -> ("rule", late_ranks=False) (rule's default is True, the others' False); "rule:n0" ->
+    ("rule", narrow_score=False): rule's score in int64 (its default: int32, where its constants allow)."""
     name, *opts = label.split(":")
     keys = {"w": "num_warps", "c": "chunk", "s": "seq_max", "l": "lean", "e": "early_reads", "t": "rule_table",
-            "L": "layers", "m": "rule_mirror", "p": "pdl", "r": "late_ranks"}
+            "L": "layers", "m": "rule_mirror", "p": "pdl", "r": "late_ranks", "n": "narrow_score"}
     out = {keys[o[0]]: int(o[1:]) for o in opts}
-    for flag in ("lean", "early_reads", "rule_table", "rule_mirror", "pdl", "late_ranks"):
+    for flag in ("lean", "early_reads", "rule_table", "rule_mirror", "pdl", "late_ranks", "narrow_score"):
         if flag in out:
             out[flag] = bool(out[flag])
     return name, out
@@ -167,7 +168,7 @@ def main() -> None:
                       ":l0 (not lean), :e0 (policy reads in the commit), :t0 (rule's growth computed, not loaded from its table), :m0 (rule without its per-slot mirror, the default since it is on), "
                       ":LN (a pool geometry of N layers, calls at layer 0), :p1 (programmatic dependent launch, "
                       "as the MoE layer launches it), :r1 (late_ranks: the miss ranks reduced behind the scoring "
-                      "loads), e.g. rule:e0, lru:L48, rule:r1")
+                      "loads), :n0 (rule's score in int64, not int32), e.g. rule:e0, lru:L48, rule:r1, rule:n0")
     ap.add_argument("--slots", default=",".join(map(str, SLOTS)))
     ap.add_argument("--misses", default=",".join(map(str, MISSES)))
     ap.add_argument("--out", default=None)

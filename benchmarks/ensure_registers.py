@@ -4,7 +4,8 @@
 
 Compiles expertcache.device_ensure.ensure_kernel with Triton for sm_90a at the default tiles (512-slot
 programs, 4 warps, k = 10 so a 16-wide query; the layer count is not compiled in) and
-DeviceCache's default lean kernel with early reads, rule's growth table and its mirror, for every policy, with
+DeviceCache's default lean kernel with early reads, rule's growth table, mirror, late ranks and int32 score
+(--wide-score: int64), for every policy, with
 and without router logits (32 entries), on one program and on several, and prints ptxas's register
 and spill counts and the number of SASS instructions (cuobjdump) per variant.
 --seq-max: DeviceCache's seq_max (default expertcache.device_ensure.SEQ_MAX; 16 or more: no sort).
@@ -59,6 +60,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=CHUNK, help="slots per program (CHUNK)")
     ap.add_argument("--num-warps", type=int, default=NUM_WARPS)
     ap.add_argument("--policies", default="lru,rule,lfuda")
+    ap.add_argument("--wide-score", action="store_true",
+                    help="rule's score in int64 (DeviceCache(narrow_score=False)); the default is int32")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     params = inspect.signature(ensure_kernel.fn).parameters
@@ -79,6 +82,10 @@ def main() -> None:
                         cx[flag] = defaults[option].default
                 if "MIRROR" in params:  # rule_mirror=None: on for rule
                     cx["MIRROR"] = policy == 1 if defaults["rule_mirror"].default is None else defaults["rule_mirror"].default
+                if "LATE_RANKS" in params:  # late_ranks=None: on for rule
+                    cx["LATE_RANKS"] = policy == 1
+                if "NARROW" in params:  # narrow_score=None: on for rule at its default constants
+                    cx["NARROW"] = policy == 1 and not args.wide_score
                 asm = compile_for_sm(ensure_kernel, TYPES, cx, args.num_warps, 90, JIT)
                 info = dict(ptxas_info(asm["ptx"]), sass_instructions=sass_instructions(asm["cubin"]))
                 rows.append({"policy": name, "logits": logits, "programs": "one" if single else "several", **info})
@@ -91,6 +98,7 @@ def main() -> None:
                        "chunk": args.chunk, "num_warps": args.num_warps, "seq_max": args.seq_max,
                        "lean": defaults["lean"].default, "early_reads": defaults["early_reads"].default,
                        "rule_table": defaults["rule_table"].default, "rule_mirror": "on for rule",
+                       "late_ranks": "on for rule", "narrow_score": "off" if args.wide_score else "on for rule",
                        "rows": rows}, f, indent=1)
 
 

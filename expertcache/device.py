@@ -77,7 +77,7 @@ class DeviceCache:
                  chunk: int | None = None, num_warps: int | None = None, seq_max: int = SEQ_MAX,
                  lean: bool = True, early_reads: bool = True, rule_table: bool = True,
                  rule_mirror: bool | None = None, late_ranks: bool | None = None,
-                 **constants) -> None:
+                 narrow_score: bool | None = None, **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
         if self.policy.oracle or self.policy.kind not in DEVICE_KINDS:
@@ -159,6 +159,21 @@ class DeviceCache:
         # -mirror-first-14bc1d3.json), in 11 of its 16 cells with misses in a fourth
         # (ensure-2026-12-01-e975ced.json; docs/gpu.md); for lru within the spread, so off there
         self.late_ranks = late_ranks
+        fits = self.policy.kind == KIND_RULE and self.policy.int32_scores()
+        if narrow_score is None:  # the default: on for rule where its constants allow it
+            narrow_score = fits
+        if not isinstance(narrow_score, bool):
+            raise ValueError(f"narrow_score must be a bool or None, got {narrow_score!r}")
+        if narrow_score and self.policy.kind != KIND_RULE:
+            raise ValueError(f"narrow_score is for the rule policy, not {self.policy.name!r}")
+        if narrow_score and not fits:
+            c = self.policy.constants
+            raise ValueError("narrow_score: rule's scores do not fit in int32 with k_max="
+                             f"{c['k_max']}, w={c['w']}, beta={c['beta']}, lc_floor={c['lc_floor']} at "
+                             f"{geometry.num_layers} layers; lower them or pass narrow_score=False")
+        # narrow_score: rule's score computed in int32 (device_ensure._rule_score), the same values
+        # wherever Rule.int32_scores holds, which the defaults do; fewer instructions per scored slot
+        self.narrow_score = narrow_score
         self.mirror = t(np.zeros((2, geometry.num_slots) if rule_mirror else 1, np.int64))
         self.grid = triton.cdiv(geometry.num_slots, chunk)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
@@ -219,7 +234,8 @@ class DeviceCache:
             BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
             SINGLE=self.grid == 1,
             SEQ_MAX=self.seq_max, LEAN=self.lean, EARLY=self.early_reads, TABLE=self.rule_table,
-            MIRROR=self.rule_mirror, LATE_RANKS=self.late_ranks, num_warps=self.num_warps,
+            MIRROR=self.rule_mirror, LATE_RANKS=self.late_ranks, NARROW=self.narrow_score,
+            num_warps=self.num_warps,
             **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))
         return buf
 

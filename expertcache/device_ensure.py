@@ -143,16 +143,37 @@ def _log2_1p_q16(i):
 
 
 @triton.jit
-def _rule_score(lk, lt, lcd, layer, tok, dc_now, num_layers, rc_beta, rc_w, rc_kmax, rc_floor):
+def _rule_score(lk, lt, lcd, layer, tok, dc_now, num_layers, rc_beta, rc_w, rc_kmax, rc_floor,
+                NARROW: tl.constexpr = False):
     """rule's score of keys of layer lk with last use lt and lc + dct = lcd (int64); rc_*: its
-    constants (prm[0, 1, 3, 4]), loaded at the start of the launch so no load waits here."""
+    constants (prm[0, 1, 3, 4]), loaded at the start of the launch so no load waits here.
+    NARROW (DeviceCache(narrow_score=True), rule's default where Rule.int32_scores holds): the same
+    values in int32. lcd - DC(now) stays 64-bit and is clamped by a 64-bit compare, as is tok - lt
+    from tok = 2**31 - 1 on (below it, for the whole call, every lt is in [0, tok] and the difference
+    is 32-bit); every term after them fits in int32 (k <= K_MAX, d <= L, lcv <= LC_MAX for a
+    resident key), so the products, shifts and sums are 32-bit. In the sm_90 SASS of one 2048-slot
+    program of 8 warps, the scoring of a thread's 8 slots takes 258 instructions instead of 462."""
     lk = lk.to(tl.int32)  # a layer: the int64 mirror row's low word, so the compares are 32-bit
     later = lk > layer
-    kk = tl.where(later, tok - 1, tok) - lt
-    kk = tl.minimum(tl.maximum(kk, 0), rc_kmax)
-    d = tl.where(later, lk - layer, num_layers - layer + lk).to(tl.int64)
-    lcv = tl.maximum(lcd - dc_now, rc_floor)  # no division per key
-    return -((kk << 16) + d * rc_beta) + ((rc_w * lcv) >> 4)
+    lcv = lcd - dc_now  # no division per key
+    if NARROW:
+        if tok < 0x7FFFFFFF:  # the whole call: every lt is in [0, tok], so its difference is 32-bit
+            t32 = tok.to(tl.int32)
+            k32 = tl.where(later, t32 - 1, t32) - lt.to(tl.int32)
+            k32 = tl.minimum(tl.maximum(k32, 0), rc_kmax.to(tl.int32))
+        else:
+            kk = tl.where(later, tok - 1, tok) - lt
+            k32 = tl.where(kk < 0, 0, tl.where(kk > rc_kmax, rc_kmax.to(tl.int32), kk.to(tl.int32)))
+        d = tl.where(later, lk - layer, num_layers - layer + lk)
+        lcv = tl.where(lcv < rc_floor, rc_floor.to(tl.int32), lcv.to(tl.int32))
+        score = (((rc_w.to(tl.int32) * lcv) >> 4) - (k32 << 16) - d * rc_beta.to(tl.int32)).to(tl.int64)
+    else:
+        kk = tl.where(later, tok - 1, tok) - lt
+        kk = tl.minimum(tl.maximum(kk, 0), rc_kmax)
+        d = tl.where(later, lk - layer, num_layers - layer + lk).to(tl.int64)
+        lcv = tl.maximum(lcv, rc_floor)
+        score = -((kk << 16) + d * rc_beta) + ((rc_w * lcv) >> 4)
+    return score
 
 
 @triton.jit
@@ -177,7 +198,8 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
                       slot, hit, step, filled, mir_ptr, qkey, fmiss,
                       POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, STORE_SEQ: tl.constexpr,
-                      LEAN: tl.constexpr, MIRROR: tl.constexpr = False, LATE_RANKS: tl.constexpr = False):
+                      LEAN: tl.constexpr, MIRROR: tl.constexpr = False, LATE_RANKS: tl.constexpr = False,
+                      NARROW: tl.constexpr = False):
     """Score this program's slots; return its BLOCK_Q lowest packed keys (successive minima), kept
     in scratch for the merge (STORE_SEQ, or a sort: see _lowest), and with LATE_RANKS the query's
     miss ranks (_miss_rank of qkey, fmiss; else zeros): their block reduction then runs right after
@@ -210,7 +232,7 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
         mrank = _ranks_if(qkey, fmiss, LATE_RANKS)
         ev = fm & (ltk != PINNED)
         score = _rule_score(ltk >> LT_BITS, ltk & LT_MASK, lcd, layer, tok, dc_now, num_layers,
-                            rc_beta, rc_w, rc_kmax, rc_floor)
+                            rc_beta, rc_w, rc_kmax, rc_floor, NARROW)
     else:
         cm = c < num_slots
         key = tl.load(key_of_ptr + c, mask=cm, other=-1).to(tl.int64)
@@ -248,7 +270,8 @@ def _chunk_candidates(pid, need, ids_ptr, slot_of_ptr, n_ids, key_of_ptr, kst_pt
             lt = tl.load(kst_ptr + kq, mask=ev, other=0)
             mrank = _ranks_if(qkey, fmiss, LATE_RANKS)
             lk = kq.to(tl.int32) // num_experts  # keys < 2**31: a 32-bit division
-            score = _rule_score(lk, lt, lc + dct, layer, tok, dc_now, num_layers, rc_beta, rc_w, rc_kmax, rc_floor)
+            score = _rule_score(lk, lt, lc + dct, layer, tok, dc_now, num_layers, rc_beta, rc_w, rc_kmax, rc_floor,
+                                NARROW)
     packed = tl.where(ev, (score.to(tl.int64) << 20) | c.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
     return _lowest(packed, need, cand_ptr + pid * BLOCK_Q, CHUNK, BLOCK_Q, SEQ_MAX, STORE_SEQ), mrank
 
@@ -492,6 +515,7 @@ def ensure_kernel(
     MIRROR: tl.constexpr = False,  # DeviceCache(rule_mirror=True): rule scores from its per-slot mirror
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
     LATE_RANKS: tl.constexpr = False,  # DeviceCache(late_ranks=True): see _chunk_candidates
+    NARROW: tl.constexpr = False,  # DeviceCache(narrow_score=True): rule's score in int32 (_rule_score)
 ):
     if GDC:
         gdc_wait()
@@ -547,7 +571,8 @@ def ensure_kernel(
                        status_ptr, mir_ptr, layer, num_experts, num_layers, num_slots, n_ids, valid, key,
                        first, slot, hit, fmiss, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
                        step, tok, dc_now, rc_beta, rc_w, rc_kmax, rc_floor, num_keys, early_a, early_b, POLICY,
-                       HAS_LOGITS, CHUNK, BLOCK_Q, BLOCK_C, SINGLE, SEQ_MAX, LEAN, EARLY, TABLE, MIRROR, LATE_RANKS)
+                       HAS_LOGITS, CHUNK, BLOCK_Q, BLOCK_C, SINGLE, SEQ_MAX, LEAN, EARLY, TABLE, MIRROR, LATE_RANKS,
+                       NARROW)
 
 
 @triton.jit
@@ -560,7 +585,7 @@ def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_
                    HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr,
                    BLOCK_C: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr, LEAN: tl.constexpr,
                    EARLY: tl.constexpr, TABLE: tl.constexpr, MIRROR: tl.constexpr,
-                   LATE_RANKS: tl.constexpr = False):
+                   LATE_RANKS: tl.constexpr = False, NARROW: tl.constexpr = False):
     """A call with misses, or a refused one: scoring where victims are needed, the arrival, the
     merge and the commit (or the refusal's status)."""
     # the miss ranks: reduced here, or (LATE_RANKS) by the scoring, right behind its loads
@@ -572,7 +597,8 @@ def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_
                                        sst_ptr, rc_beta, rc_w, rc_kmax, rc_floor, cand_ptr, rkey, near, layer, tok,
                                        dc_now, num_layers, num_experts, num_slots, num_keys, slot, hit, step,
                                        filled, mir_ptr, key, fmiss, POLICY,
-                                       HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN, MIRROR, LATE_RANKS)
+                                       HAS_LOGITS, CHUNK, BLOCK_Q, SEQ_MAX, not SINGLE, LEAN, MIRROR, LATE_RANKS,
+                                       NARROW)
     else:
         late = _ranks_if(key, fmiss, LATE_RANKS)
     if LATE_RANKS:

@@ -67,6 +67,13 @@ LOG2_1P_TABLE = np.floor(np.log2(1.0 + 2.0 ** (-np.arange(TABLE_LEN) / 64.0)) * 
     np.int64
 )
 
+# Every LC a use leaves is at most LC_MAX: from x = lcv >= 30 * ONE the table's index is 1920 and
+# T[1920] = 0, so LC = x, which is at most the LC before (DC never runs backwards); below that LC <
+# 30 * ONE + T[0] = 31 * ONE. A first use leaves 0, so by induction every key's LC, and every
+# resident key's lcv, is at most LC_MAX (Rule.int32_scores uses it).
+LC_MAX = 31 * ONE - 1
+INT32_MAX = (1 << 31) - 1
+
 LAST_TOK, LC, DCT = 0, 1, 2
 # Integer parameter vector (followed by the table).
 P_BETA_Q, P_W_Q, P_DECAY_DIV, P_K_MAX, P_LC_FLOOR, P_TABLE = 0, 1, 2, 3, 4, 5
@@ -213,6 +220,18 @@ class Rule(Policy):
         self.near = np.float32(near)
         self.constants = dict(beta=beta, w=w, halflife=halflife, k_max=k_max,
                               lc_floor=lc_floor, near=near)
+
+    def int32_scores(self) -> bool:
+        """Whether every score of a resident key, and every term of it, fits in int32 with these
+        constants: k in [0, K_MAX], d in [1, L], lcv in [LC_FLOOR, LC_MAX] (see LC_MAX). A device
+        kernel then computes the score in 32-bit arithmetic with the same values
+        (DeviceCache(narrow_score=...)). True for the default constants at any layer count."""
+        L = self.geometry.num_layers
+        high = (self.w_q * LC_MAX) >> 4
+        low = ((self.w_q * self.lc_floor) >> 4) - (self.k_max << ONE_SHIFT) - L * self.beta_q
+        return (self.k_max << ONE_SHIFT <= INT32_MAX and L * self.beta_q <= INT32_MAX
+                and self.w_q * LC_MAX <= INT32_MAX and self.w_q * self.lc_floor >= -INT32_MAX - 1
+                and high <= INT32_MAX and low >= -INT32_MAX - 1)
 
     def params(self) -> np.ndarray:
         head = [self.beta_q, self.w_q, self.decay_div, self.k_max, self.lc_floor]

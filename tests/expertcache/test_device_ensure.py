@@ -17,14 +17,31 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from expertcache.device import DeviceCache  # noqa: E402
-from expertcache.device_ensure import LT_BITS, _log2_1p_q16  # noqa: E402
-from expertcache.policies.rule import LOG2_1P_TABLE  # noqa: E402
+from expertcache.device_ensure import LT_BITS, _log2_1p_q16, _rule_score  # noqa: E402
+from expertcache.policies.rule import (  # noqa: E402
+    LC_MAX,
+    LOG2_1P_TABLE,
+    ONE,
+    TABLE_LEN,
+    TABLE_SHIFT,
+    Rule,
+)
 
 
 @triton.jit
 def table_kernel(out_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
     tl.store(out_ptr + i, _log2_1p_q16(i.to(tl.int64)), mask=i < 1921)
+
+
+@triton.jit
+def score_kernel(lk_ptr, lt_ptr, lcd_ptr, out_ptr, prm_ptr, layer, tok, dc_now, num_layers, N: tl.constexpr,
+                 NARROW: tl.constexpr):
+    i = tl.arange(0, N)
+    rc_beta, rc_w, rc_kmax, rc_floor = tl.load(prm_ptr), tl.load(prm_ptr + 1), tl.load(prm_ptr + 3), tl.load(prm_ptr + 4)
+    s = _rule_score(tl.load(lk_ptr + i), tl.load(lt_ptr + i), tl.load(lcd_ptr + i), layer, tl.load(tok),
+                    tl.load(dc_now), num_layers, rc_beta, rc_w, rc_kmax, rc_floor, NARROW)
+    tl.store(out_ptr + i, s)
 
 
 def random_calls(rng, C, L, E, rows, k, T=0):
@@ -157,6 +174,89 @@ def test_late_ranks_match_host(policy, chunk, lean):
             assert ref.counters[:, 2].sum() > 40
 
 
+def test_rule_lc_never_exceeds_its_bound():
+    """Rule.int32_scores rests on LC_MAX: a use of a key whose decayed lc is x <= LC_MAX leaves at most
+    LC_MAX (the table's last entry is 0, so from 30 * ONE on a use adds nothing), for every x."""
+    assert LOG2_1P_TABLE[TABLE_LEN - 1] == 0 and LOG2_1P_TABLE.max() == ONE
+    x = np.arange(-64 * ONE, LC_MAX + 1, dtype=np.int64)
+    grown = np.maximum(x, 0) + LOG2_1P_TABLE[np.minimum(np.abs(x) >> TABLE_SHIFT, TABLE_LEN - 1)]
+    assert grown.max() == LC_MAX
+    assert np.array_equal(grown[x >= 30 * ONE], x[x >= 30 * ONE])  # no growth up there
+    assert grown[x < 30 * ONE].max() <= LC_MAX  # below it, at most one ONE of growth
+
+
+def test_rule_int32_scores_by_constants():
+    """Where rule's constants keep every score term in int32 (the defaults at any layer count, w up to 66,
+    k_max up to 2**15 - 1 with a small w), DeviceCache scores in int32 by default; past that it scores in
+    int64, and narrow_score=True is refused with the constants named; narrow_score is rule's only."""
+    device, _ = device_or_skip()
+    for L in (1, 3, 48, 127, 4096):
+        assert Rule(CacheGeometry(L, 8, 4)).int32_scores()
+    g = CacheGeometry(2, 16, 8)
+    fits = {"w": 66.0}, {"k_max": 2**15 - 1, "w": 0.5, "beta": 0.1, "lc_floor": -1}
+    over = {"w": 67.0}, {"k_max": 2**15}, {"lc_floor": -2**20}, {"k_max": 2**15 - 1, "beta": 10.0**6}
+    for constants in fits:
+        assert Rule(g, **constants).int32_scores(), constants
+        assert DeviceCache(g, "rule", device=device, **constants).narrow_score
+    for constants in over:
+        assert not Rule(g, **constants).int32_scores(), constants
+        assert not DeviceCache(g, "rule", device=device, **constants).narrow_score
+        name = next(iter(constants))
+        with pytest.raises(ValueError, match=f"do not fit in int32 with .*{name}={constants[name]}"):
+            DeviceCache(g, "rule", device=device, narrow_score=True, **constants)
+    assert not DeviceCache(g, "rule", device=device, narrow_score=False).narrow_score
+    assert not DeviceCache(g, "lru", device=device).narrow_score
+    with pytest.raises(ValueError, match="narrow_score is for the rule policy"):
+        DeviceCache(g, "lfuda", device=device, narrow_score=True)
+
+
+@pytest.mark.parametrize("constants", [{}, {"w": 66.0}, {"k_max": 2**15 - 1, "w": 0.5, "beta": 0.1, "lc_floor": -1}],
+                         ids=["defaults", "w-at-its-limit", "k_max-at-its-limit"])
+def test_rule_score_int32_equals_int64(constants):
+    """_rule_score in int32 (NARROW) gives the int64 score's values, and the host's, over the whole range a
+    resident key can be in: tok and its last use anywhere below 2**56 (k clamped at 0 and at K_MAX), every
+    layer before, at and after the call's, and lc + dct - DC(now) from far below the floor up to LC_MAX."""
+    device, _ = device_or_skip()
+    L, N = 48, 4096
+    pol = Rule(CacheGeometry(L, 8, 4), **constants)
+    assert pol.int32_scores()
+    rng = np.random.default_rng(len(constants))
+    prm = torch.as_tensor(pol.params(), device=device)
+    for tok in (5, 2**20 + 3, 2**31 - 2, 2**31 - 1, 2**40 + 7, 2**56 - 9):  # 32-bit differences below 2**31 - 1
+        layer = int(rng.integers(0, L))
+        lk = rng.integers(0, L, N).astype(np.int64)
+        back = np.concatenate([rng.integers(0, 3, N // 4), rng.integers(0, 2 * pol.k_max, N // 4),
+                               rng.integers(0, tok + 1, N // 2)])
+        lt = np.maximum(tok - rng.permutation(back), 0).astype(np.int64)
+        dc_now = int(rng.integers(2**30, 2**50))
+        lcv = np.concatenate([rng.integers(-2**45, pol.lc_floor, N // 4),
+                              rng.integers(pol.lc_floor, LC_MAX + 1, N // 2 - 2), [LC_MAX, pol.lc_floor],
+                              rng.integers(LC_MAX - 64, LC_MAX + 1, N // 4)])
+        lcd = (dc_now + rng.permutation(lcv)).astype(np.int64)
+        later = lk > layer
+        k = np.clip(np.where(later, tok - 1, tok) - lt, 0, pol.k_max)
+        d = np.where(later, lk - layer, L - layer + lk)
+        want = -((k << 16) + d * pol.beta_q) + ((pol.w_q * np.maximum(lcd - dc_now, pol.lc_floor)) >> 4)
+        t = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)
+        for narrow in (False, True):
+            out = torch.empty(N, dtype=torch.int64, device=device)
+            score_kernel[(1,)](t(lk), t(lt), t(lcd), out, prm, layer, t([tok]), t([dc_now]), L, N=N,
+                               NARROW=narrow)
+            assert np.array_equal(out.cpu().numpy(), want), (tok, narrow)
+            assert want.min() >= -2**31 and want.max() < 2**31
+
+
+@pytest.mark.parametrize("mirror", [True, False], ids=["mirror", "through-keys"])
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_rule_narrow_score_matches_host(mirror, chunk):
+    """DeviceCache(narrow_score=True / False): rule's score in int32 (its default) or int64 gives the host
+    reference's plans, slots and state bit for bit, with router logits, on several programs and one."""
+    for narrow in (True, False):
+        ref = run_parity("rule", L=3, E=16, S=24, rows=2, k=4, C=40, T=6, seed=chunk + 11, chunk=chunk,
+                         rule_mirror=mirror, narrow_score=narrow)
+        assert ref.counters[:, 2].sum() > 40
+
+
 def test_default_tiles_by_pool_size():
     """The default tiles at every pool size (lru, lfuda and rule with its mirror: one program up to
     2048 slots, lfuda's and rule's of 8 warps; rule through the keys: 512-slot programs); bad tiles are
@@ -186,7 +286,8 @@ def test_default_tiles_by_pool_size():
         DeviceCache(CacheGeometry(128, 4, 8), "rule", device=device, rule_mirror=True)
     g = CacheGeometry(1, 8, 4)
     for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}, {"lean": 1},
-                {"early_reads": 1}, {"rule_table": 1}, {"rule_mirror": 1}, {"late_ranks": 1}):
+                {"early_reads": 1}, {"rule_table": 1}, {"rule_mirror": 1}, {"late_ranks": 1},
+                {"narrow_score": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DeviceCache(g, "lru", device=device, **bad)
     with pytest.raises(ValueError, match="rule_mirror is for the rule policy"):
@@ -287,18 +388,19 @@ def test_device_parity_grid(policy, S):
                                         (512, {"late_ranks": True}), (1650, {"late_ranks": True}),
                                         (1650, {"late_ranks": True, "chunk": 512, "num_warps": 4}),
                                         (16384, {"late_ranks": True}), (1650, {"late_ranks": False}),
-                                        (16384, {"late_ranks": False})],
+                                        (16384, {"late_ranks": False}), (1650, {"narrow_score": False})],
                          ids=["many-programs-1650", "plain-512", "plain-1650", "plain-16384", "late-reads-512",
                               "late-reads-1650", "sort-1650", "sort-16384", "computed-512", "computed-1650",
                               "late-ranks-512", "late-ranks-1650", "late-ranks-1650-four-programs",
-                              "late-ranks-16384", "early-ranks-1650", "early-ranks-16384"])
+                              "late-ranks-16384", "early-ranks-1650", "early-ranks-16384", "wide-score-1650"])
 def test_device_parity_variants(policy, S, options):
     """1650 slots on 4 programs of 512 (explicit tiles), and the plain (not lean) kernel on one
     program (512) and several (1650, 16384), and the policy reads in the commit (early_reads=False) on
     512 and 1650, rule's growth computed instead of loaded (rule_table=False) on 512 and 1650, and the
     misses' ranks reduced behind the scoring loads (late_ranks=True, rule's default) on one program and
-    several, and before them (late_ranks=False, the others' default) at 1650 and 16384; every other GPU
-    parity test runs the default (lean, early reads, the growth table, rule's late ranks)."""
+    several, and before them (late_ranks=False, the others' default) at 1650 and 16384, and rule's score
+    in int64 (narrow_score=False) at 1650; every other GPU parity test runs the default (lean, early
+    reads, the growth table, rule's late ranks and int32 score)."""
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
@@ -432,7 +534,7 @@ for chunk, single, warps, late in ((2048, True, 4, False), (512, False, 4, True)
     for logits in (False, True):
         cx = dict(POLICY=1, HAS_LOGITS=logits, CHUNK=chunk, BLOCK_Q=16, BLOCK_R=32 if logits else 1,
                   BLOCK_C=16 if single else 64, SINGLE=single, SEQ_MAX=16, LEAN=True,
-                  EARLY=True, TABLE=True, MIRROR=True, LATE_RANKS=late)
+                  EARLY=True, TABLE=True, MIRROR=True, LATE_RANKS=late, NARROW=True)
         asm = compile_for_sm(ensure_kernel, types, cx, warps, 90, ENSURE_JIT)
         out.append(bool(asm.get("cubin")) and ".local" not in asm["ptx"])
         # the query's loads (ids, then slot_of: 32-bit) are issued before the decay clock's division
