@@ -16,7 +16,8 @@
        whole layer vs the HBM floor (weights read per layer / device-to-device bandwidth measured now);
        then --profile replays per mode under the profiler: each kernel's median duration and the
        median gap between consecutive kernels of the compute chain (router .. routed down)
-       (--no-miss-mode: this part only)
+       (--no-miss-mode: this part only); with --marginal-from D also steps of the first D layers,
+       interleaved with the full ones, for one more layer's cost without the step's fixed cost
     -> Chrome traces (open in Perfetto): step_{off,on}.json (one decode step), replays_{off,on}.json,
        resident_replays_{off,on}.json;
        results.json with everything; a table printed last.
@@ -59,20 +60,28 @@ RANGE = "bench.shared_expert"
 TARGET = "target: whole layer (all experts resident, graph replay) <= 1.5x the HBM floor"
 
 
-class Graph:
-    """One captured decode step (all layers) of a model, static input copied in per replay.
-    priority: capture the compute stream's launches at this CUDA stream priority (lower = higher
-    priority; the kernels keep it in the graph), the side stream's at its default; None: torch's."""
+def first_layers(model: SyntheticModel, hidden: torch.Tensor, depth: int | None) -> torch.Tensor:
+    """model.step through layers 0..depth-1 only (all of them when depth is None)."""
+    for layer in model.layers[:depth]:
+        hidden = layer(hidden)
+    return hidden
 
-    def __init__(self, model: SyntheticModel, tokens: int, priority: int | None = None) -> None:
+
+class Graph:
+    """One captured decode step (all layers, or the first `depth`) of a model, static input copied in
+    per replay. priority: capture the compute stream's launches at this CUDA stream priority (lower =
+    higher priority; the kernels keep it in the graph), the side stream's at its default; None: torch's."""
+
+    def __init__(self, model: SyntheticModel, tokens: int, priority: int | None = None,
+                 depth: int | None = None) -> None:
         self.model = model
         self.x = torch.zeros(tokens, CFG.hidden, dtype=torch.bfloat16, device="cuda")
-        model.step(self.x)  # compiles and allocates before capture
+        first_layers(model, self.x, depth)  # compiles and allocates before capture
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         stream = None if priority is None else torch.cuda.Stream(priority=priority)
         with torch.cuda.graph(self.graph, stream=stream):
-            self.out = model.step(self.x)
+            self.out = first_layers(model, self.x, depth)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         self.x.copy_(x)
@@ -168,6 +177,32 @@ def abab(graphs: dict, xs: list[torch.Tensor], counters: torch.Tensor) -> dict:
                       "p90_us": float(np.percentile(t, 90))}
     return {"off": stat(times["off"]), "on": stat(times["on"]), "paired_saving": stat(diff), "rounds": len(xs),
             "misses_per_step_mean": float(np.mean(misses)), "steps_without_miss": int(np.sum(np.array(misses) == 0))}
+
+
+def marginal(graphs: dict, short: dict, xs: list[torch.Tensor], extra_layers: int) -> dict:
+    """The cost of one more layer: each round replays the full step graphs and the graphs of the first
+    D layers (`short`) of both modes, order rotating, CUDA events behind a sleep kernel; per round and
+    mode (full - short) / extra_layers (the layers D..L-1), so the step's fixed cost (the graph's
+    launch, the first layer's router waiting on nothing before it) cancels; median, p10, p90 in us."""
+    keys = [(m, g) for m in graphs for g in ("full", "short")]
+    times: dict = {k: [] for k in keys}
+    for r, x in enumerate(xs):
+        order = keys[r % len(keys):] + keys[: r % len(keys)]
+        for m, g in order:
+            (graphs if g == "full" else short)[m].x.copy_(x)  # untimed
+        events = {(m, g): timed(lambda _, m=m, g=g: (graphs if g == "full" else short)[m].graph.replay(), None)
+                  for m, g in order}
+        torch.cuda.synchronize()
+        for k, (s, e) in events.items():
+            times[k].append(s.elapsed_time(e) * 1e3)
+    out = {}
+    for m in graphs:
+        per = (np.array(times[(m, "full")]) - np.array(times[(m, "short")])) / extra_layers
+        out[m] = {"median_us": float(np.median(per)), "p10_us": float(np.percentile(per, 10)),
+                  "p90_us": float(np.percentile(per, 90)),
+                  "full_step_median_us": float(np.median(times[(m, "full")])),
+                  "short_step_median_us": float(np.median(times[(m, "short")]))}
+    return out
 
 
 def profile_replays(graph: Graph, xs: list[torch.Tensor], path: Path) -> list:
@@ -318,13 +353,23 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
     weight_bytes = 2 * (E * h + experts * 3 * i * h + 3 * s * h + h)  # bf16 router, experts, shared + gate
     floor_us = weight_bytes / bw * 1e6
     per_layer = {m: timing[m]["median_us"] / L for m in ("off", "on")}
+    extra, short = None, {}
+    if args.marginal_from:  # the layers D..L-1 alone: steps of L and of D layers, the difference
+        short = {m: Graph(models[m], args.tokens, args.compute_priority, depth=args.marginal_from) for m in models}
+        extra = marginal(graphs, short, xs[: args.reps], L - args.marginal_from)
+        extra = {"from_layer": args.marginal_from, "layer_us": {m: v["median_us"] for m, v in extra.items()},
+                 "ratio_to_floor": {m: v["median_us"] / floor_us for m, v in extra.items()}, "timing": extra}
+        lap("marginal")
     breakdown = {m: resident_breakdown(graphs[m], xs[: args.profile], out_dir / f"resident_replays_{m}.json")
                  for m in graphs} if args.profile else {}
     lap("profile")
     print("resident mode phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()), flush=True)
     for m in models.values():
         m.close()
-    return {"timing": timing, "misses_during_timing": new_misses, "d2d_bytes_per_s": bw,
+    del models, graphs, short
+    torch.cuda.empty_cache()  # the next variant builds pools of the same size
+    return {"marginal": extra, "settings_layers": L, "timing": timing, "misses_during_timing": new_misses,
+            "d2d_bytes_per_s": bw,
             "weight_bytes_per_layer": weight_bytes, "hbm_floor_us": floor_us, "layer_us": per_layer,
             "ratio_to_floor": {m: per_layer[m] / floor_us for m in per_layer}, "breakdown": breakdown,
             "note": "router, experts and shared expert all read in bf16, as counted here", "phase_seconds": seconds}
@@ -369,6 +414,17 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
     return spec, opts
 
 
+def marginal_line(r: dict) -> str:
+    """One line of the marginal layer cost of a resident run (--marginal-from)."""
+    mg = r["marginal"]
+    t = mg["timing"]
+    return (f"one more layer (layers {mg['from_layer']}..{r['settings_layers'] - 1} of {r['settings_layers']}, "
+            f"step of {r['settings_layers']} minus step of {mg['from_layer']}, per round): off "
+            f"{t['off']['median_us']:.1f} us ({mg['ratio_to_floor']['off']:.2f}x) [p10 {t['off']['p10_us']:.1f}, "
+            f"p90 {t['off']['p90_us']:.1f}], on {t['on']['median_us']:.1f} us ({mg['ratio_to_floor']['on']:.2f}x) "
+            f"[p10 {t['on']['p10_us']:.1f}, p90 {t['on']['p90_us']:.1f}]")
+
+
 def table(res: dict) -> str:
     resi = res["resident_mode"]
     fmt = lambda v, spec=".1f": "n/a" if v is None else format(v, spec)
@@ -396,6 +452,8 @@ def table(res: dict) -> str:
               f"{resi['d2d_bytes_per_s'] / 1e12:.2f} TB/s); layer off {resi['layer_us']['off']:.1f} us "
               f"({resi['ratio_to_floor']['off']:.2f}x), on {resi['layer_us']['on']:.1f} us "
               f"({resi['ratio_to_floor']['on']:.2f}x); misses while timing: {resi['misses_during_timing']}")]
+    if resi.get("marginal"):
+        lines.append("  " + marginal_line(resi))
     for mode, b in resi.get("breakdown", {}).items():
         lines.append(f"  resident {mode}, profiled medians: kernels "
                      + ", ".join(f"{n} {v:.2f}" for n, v in b["kernel_us"].items()) + " us; gaps "
@@ -403,10 +461,14 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", required=True, help="folder for results.json and the Chrome traces")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--marginal-from", type=int, default=None, metavar="D",
+                    help="resident mode: also time a step of the first D layers and report one more layer's "
+                         "cost, (step of --layers - step of D) / (--layers - D), which leaves out the step's "
+                         "fixed cost (e.g. --layers 12 --marginal-from 4)")
     ap.add_argument("--slots", type=int, default=1650, help="pool slots in miss mode (of layers * 512 keys)")
     ap.add_argument("--tokens", type=int, default=1, help="batch: tokens per decode step (1..8)")
     ap.add_argument("--reps", type=int, default=300, help="ABAB rounds")
@@ -443,7 +505,10 @@ def parse() -> argparse.Namespace:
                     help="RouterConfig.early_weights: the router's weights loaded before its programmatic wait")
     ap.add_argument("--no-pdl-chain", dest="pdl_chain", action="store_false",
                     help="MoEConfig.pdl_chain=False: router, ensure and miss copy launched plainly")
-    return ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.marginal_from is not None and not 0 < args.marginal_from < args.layers:
+        ap.error(f"--marginal-from must be in [1, --layers), got {args.marginal_from} with --layers {args.layers}")
+    return args
 
 
 def main() -> None:
@@ -486,6 +551,8 @@ def main() -> None:
         r = res["resident_variants"][name]
         print(f"resident {name}: layer off {r['layer_us']['off']:.1f} us, on {r['layer_us']['on']:.1f} us "
               f"({r['ratio_to_floor']['on']:.2f}x) [{time.time() - t1:.0f} s]", flush=True)
+        if r.get("marginal"):
+            print("  " + marginal_line(r), flush=True)
         for mode, b in r["breakdown"].items():
             print(f"  {mode}: " + ", ".join(f"{n} {v:.2f}" for n, v in {**b["kernel_us"], **b["gap_us"]}.items()),
                   flush=True)

@@ -53,7 +53,7 @@ for part in $parts; do
       # the layer with every expert resident, its kernel profile, and RESIDENT_VARIANTS on the same weights
       mkdir -p "$OUT/resident"
       timeout ${RESIDENT_TIMEOUT:-240} python3 benchmarks/bench_moe_copy_overlap.py --out-dir "$OUT/resident" --no-miss-mode \
-        --resident-variants "${RESIDENT_VARIANTS:-noeh,nochain,noeh+nochain}" 2>&1 | tee "$OUT/resident/bench.log" | tail -14
+        --resident-variants "${RESIDENT_VARIANTS:-noeh,nochain,noeh+nochain}" ${RESIDENT_ARGS:-} 2>&1 | tee "$OUT/resident/bench.log" | tail -14
       rm -f "$OUT"/resident/*replays_*.json ;;
     engine)
       timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/moe/test_engine_gpu.py \

@@ -37,3 +37,22 @@ def test_unknown_variant_part_is_refused_by_name(bad):
     bench = _bench()
     with pytest.raises(SystemExit, match="resident-variants"):
         bench.resident_variant(bad, _base())
+
+
+def test_marginal_from_is_checked_against_the_layers(capsys):
+    bench = _bench()
+    args = bench.parse(["--out-dir", "x", "--layers", "12", "--marginal-from", "4"])
+    assert (args.layers, args.marginal_from) == (12, 4)
+    assert bench.parse(["--out-dir", "x"]).marginal_from is None
+    for bad in ("0", "12", "13"):
+        with pytest.raises(SystemExit):
+            bench.parse(["--out-dir", "x", "--layers", "12", "--marginal-from", bad])
+        assert "--marginal-from must be in [1, --layers)" in capsys.readouterr().err
+
+
+def test_marginal_line_names_the_layers_and_the_ratio():
+    timing = {m: {"median_us": v, "p10_us": v - 0.5, "p90_us": v + 0.5} for m, v in (("off", 30.0), ("on", 24.0))}
+    r = {"settings_layers": 12, "marginal": {"from_layer": 4, "timing": timing,
+                                             "ratio_to_floor": {"off": 30 / 16.8, "on": 24 / 16.8}}}
+    line = _bench().marginal_line(r)
+    assert "layers 4..11 of 12" in line and "on 24.0 us (1.43x) [p10 23.5, p90 24.5]" in line
