@@ -270,7 +270,8 @@ def d2d_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
 
 def miss_mode(weights, args, xs, out_dir: Path) -> dict:
     models = {m: SyntheticModel(weights, args.slots, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain,
-                             early_hits=args.early_hits, hits_first=args.hits_first)
+                             early_hits=args.early_hits, hits_first=args.hits_first,
+                             front_release=args.front_release)
               for m in ("off", "on")}
     if models["on"].layers[0].side is None:
         raise SystemExit(f"overlap did not apply: {models['on'].layers[0].overlap_reason}")
@@ -337,8 +338,11 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
         clock[0] = time.time()
 
     models = {m: SyntheticModel(weights, L * E, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain,
-                             early_hits=args.early_hits, hits_first=args.hits_first)
+                             early_hits=args.early_hits, hits_first=args.hits_first,
+                             front_release=args.front_release)
               for m in ("off", "on")}
+    res_flags = {m: {"early_hits": models[m].layers[0].early_hits, "front_release": models[m].layers[0].front_release}
+                 for m in models}
     for m in models.values():
         m.warm_all()
     lap("models")
@@ -363,12 +367,14 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
     breakdown = {m: resident_breakdown(graphs[m], xs[: args.profile], out_dir / f"resident_replays_{m}.json")
                  for m in graphs} if args.profile else {}
     lap("profile")
-    print("resident mode phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()), flush=True)
+    print("resident mode phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
+          + "; resolved: " + ", ".join(f"{m} early_hits={f['early_hits']} front_release={f['front_release']}"
+                                       for m, f in res_flags.items()), flush=True)
     for m in models.values():
         m.close()
     del models, graphs, short
     torch.cuda.empty_cache()  # the next variant builds pools of the same size
-    return {"marginal": extra, "settings_layers": L, "timing": timing, "misses_during_timing": new_misses,
+    return {"marginal": extra, "settings_layers": L, "resolved": res_flags, "timing": timing, "misses_during_timing": new_misses,
             "d2d_bytes_per_s": bw,
             "weight_bytes_per_layer": weight_bytes, "hbm_floor_us": floor_us, "layer_us": per_layer,
             "ratio_to_floor": {m: per_layer[m] / floor_us for m in per_layer}, "breakdown": breakdown,
@@ -376,8 +382,10 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
 
 
 def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
-    """"hits1" / "noeh" / "first" / "chain" / "nochain" / "prio2" / "rtopk" / "dr" / "nodr" / "rw" / "norw" joined by "+" (e.g.
-    "noeh+nochain", "prio2+hits10", "first+hits4"; first: MoEConfig.hits_first; rtopk: the router
+    """"hits1" / "eh" / "noeh" / "fr" / "nofr" / "first" / "chain" / "nochain" / "prio2" / "rtopk" / "dr" / "nodr" /
+    "rw" / "norw" joined by "+" (e.g. "noeh+nochain", "prio2+hits10", "first+hits4"; eh / noeh:
+    MoEConfig.early_hits on / off; fr / nofr: MoEConfig.front_release on / off (with it on the layer
+    sets dr and rw itself); first: MoEConfig.hits_first; rtopk: the router
     selects with RouterConfig(select="topk"), the default before "logits";
     dr / nodr: RoutedConfig.down_release on / off; rw / norw: RouterConfig.early_weights on / off;
     pfN: RoutedConfig.down_prefetch=N; reN / rwarpsN: RouterConfig.block_e / warps=N) -> (spec, args with
@@ -388,8 +396,10 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
     for part in spec.split("+"):
         if part.startswith("hits") and part[4:].isdigit():
             opts.hits_per_sm = int(part[4:])
-        elif part == "noeh":
-            opts.early_hits = False
+        elif part in ("eh", "noeh"):
+            opts.early_hits = part == "eh"
+        elif part in ("fr", "nofr"):
+            opts.front_release = part == "fr"
         elif part in ("chain", "nochain"):
             opts.pdl_chain = part == "chain"
         elif part.startswith("prio") and part[4:].isdigit():
@@ -409,8 +419,8 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
         elif part.startswith("rwarps") and part[6:].isdigit():
             opts.router_tiles["warps"] = int(part[6:])
         else:
-            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, noeh, first, chain, nochain, prioN, "
-                             "rtopk, dr, nodr, rw, norw, pfN, reN or rwarpsN")
+            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, eh, noeh, fr, nofr, first, chain, "
+                             "nochain, prioN, rtopk, dr, nodr, rw, norw, pfN, reN or rwarpsN")
     return spec, opts
 
 
@@ -478,8 +488,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-miss-mode", dest="miss_mode", action="store_false",
                     help="the resident mode only (the layer against the HBM floor, with its kernel breakdown)")
-    ap.add_argument("--no-early-hits", dest="early_hits", action="store_false",
-                    help="MoEConfig.early_hits off: overlap on runs only the shared expert on the side stream")
+    ap.add_argument("--early-hits", action=argparse.BooleanOptionalAction, default=None,
+                    help="MoEConfig.early_hits on / off (--no-early-hits: overlap on runs only the shared expert "
+                         "on the side stream); default: the layer's choice (on unless the pool holds every expert)")
+    ap.add_argument("--front-release", action=argparse.BooleanOptionalAction, default=None,
+                    help="MoEConfig.front_release on / off (off: --down-release and --router-early decide); "
+                         "default: the layer's choice (on unless it runs early hits)")
     ap.add_argument("--hits-first", action="store_true",
                     help="MoEConfig.hits_first: the resident experts' gate_up first, on the compute stream, "
                          "during the ensure and copy (the side stream runs only the shared expert)")
@@ -490,7 +504,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="programs per SM of the early hits' persistent launch (moe.routed.HITS_PROGRAMS_PER_SM)")
     ap.add_argument("--resident-variants", default="",
                     help="comma list of more resident-mode runs on the same weights: hitsN (early hits' "
-                         "programs per SM), noeh (no early hits), chain / nochain (MoEConfig.pdl_chain on / off), prioN "
+                         "programs per SM), eh / noeh (early hits on / off), fr / nofr (MoEConfig.front_release "
+                         "on / off), chain / nochain (MoEConfig.pdl_chain on / off), prioN "
                          "(--compute-priority -N), first (MoEConfig.hits_first), rtopk (the router's "
                          "select=\"topk\"), dr / nodr (RoutedConfig.down_release on / off), "
                          "rw / norw (RouterConfig.early_weights on / off), pfN (RoutedConfig.down_prefetch=N), "

@@ -45,7 +45,16 @@ class MoEConfig:
     (docs/moe.md). False launches them plainly.
     early_hits: with the side stream in use (copy_overlap on and applied), the gate_up rows of the
     experts already resident run on the side stream right after the router, beside the ensure and
-    miss copy (moe.layer); the same output bits. No effect with the overlap off.
+    miss copy (moe.layer); the same output bits. No effect with the overlap off. None (the default):
+    on unless the pool holds every expert of every layer (MoELayer.refresh decides; then no step after
+    the pool fills misses, there is no copy to hide, and on the H200 one more resident layer took 25.2
+    us without early hits against 28.5 with them: docs/moe.md).
+    front_release: the routed down lets the next layer's router launch right after its own wait
+    (RoutedConfig.down_release) and the router loads its weights before its wait (RouterConfig.early_weights,
+    where they fit); the same output bits. None (the default): on unless the layer runs early hits
+    (beside them both made the resident layer slower, 33.8 against 29.8 us; without them faster: with
+    the overlap off one more resident layer took 31.6 against 32.8 us). False: the module defaults
+    (moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER) decide, as they do for standalone calls.
     hits_first: the routed gate_up is one persistent launch on the compute stream that computes the
     experts resident before the ensure first, released by the miss copy at its start (with
     pdl_chain), so their rows stream while the ensure and the copy run, then the others after the
@@ -64,8 +73,9 @@ class MoEConfig:
     dtype: str = "bfloat16"
     copy_overlap: bool = False
     pdl_chain: bool = True
-    early_hits: bool = True
+    early_hits: bool | None = None
     hits_first: bool = False
+    front_release: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden", "num_experts", "top_k", "expert_intermediate"):
@@ -73,9 +83,12 @@ class MoEConfig:
         _check_int("shared_intermediate", self.shared_intermediate, minimum=0)
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        for name in ("norm_topk_prob", "copy_overlap", "pdl_chain", "early_hits", "hits_first"):
+        for name in ("norm_topk_prob", "copy_overlap", "pdl_chain", "hits_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("early_hits", "front_release"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MoEConfig.{name} must be None, True or False, got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"MoEConfig.dtype={self.dtype!r} is not one of {DTYPES}")
 

@@ -20,7 +20,8 @@ decode benchmark replays a trace's routing through it; the default path is uncha
 
 Overlap off (`OverlapMode.NONE`) launches 1..7 in that order on the current (compute) stream. Overlap
 on launches the same kernels with the same arguments, 1-2 on the side stream: fork before the router,
-join before launch 7, whose addend is the shared output. With MoEConfig.early_hits (default) the router
+join before launch 7, whose addend is the shared output. With MoEConfig.early_hits (the default where
+the pool cannot hold every expert) the router
 also writes pre (each chosen expert's slot before the ensure, -1 = absent), the side stream forks again
 after it and runs 6a `_gate_up_hits` (the resident pairs, at pre), and launch 6 computes only the other
 pairs (eight launches); with MoEConfig.hits_first instead, launch 6 is one persistent launch on the
@@ -36,8 +37,12 @@ allocates only its output; `forward` reads nothing back to the host: capturable.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+import moe.routed
+import moe.router
 from expertcache.copy import miss_copy
 from expertcache.device import DeviceCache
 from expertcache.geometry import CacheGeometry
@@ -142,20 +147,40 @@ class MoELayer:
             self._shared_out = torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)
 
     def refresh(self) -> None:
-        """Decide the overlap mode (once per build or rebuild) and fetch the side stream if it applies.
+        """Decide the overlap mode (once per build or rebuild) and fetch the side stream if it applies;
+        resolve MoEConfig.early_hits and front_release for the pool as it is now (`early_hits`,
+        `front_release`).
 
         The decision must hold for every decode size 1..GEMV_MAX_TOKENS; the first size that
         declines gives the reason.
         """
+        cfg = self.cfg
+        keys = self.slots.num_layers * self.slots.num_experts
+        # None: early hits unless the pool holds every expert (nothing is ever copied once it is full)
+        self.early_hits = cfg.early_hits if cfg.early_hits is not None else self.slots.pool.num_slots < keys
+        run = dataclasses.replace(cfg, early_hits=self.early_hits)
         sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                if self.device.type == "cuda" else 132)
         for tokens in range(1, GEMV_MAX_TOKENS + 1):
-            plan = make_routed_plan(tokens, self.cfg, sms)
-            mode, reason = select_overlap_mode(self.cfg, "decode", str(self.device), 1, plan)
+            plan = make_routed_plan(tokens, run, sms)
+            mode, reason = select_overlap_mode(run, "decode", str(self.device), 1, plan)
             if mode is OverlapMode.NONE:
                 break
         self.overlap_mode, self.overlap_reason = mode, reason
         self.side = self.slots.side_stream() if mode is OverlapMode.SIDE_STREAM else None
+        runs_early = mode is OverlapMode.SIDE_STREAM and self.early_hits and not cfg.hits_first
+        self.front_release = cfg.front_release if cfg.front_release is not None else not runs_early
+
+    def _launch_configs(self) -> tuple[moe.router.RouterConfig, moe.routed.RoutedConfig]:
+        """The router's and the routed down's configs: the module defaults (read at each call), with
+        front_release the router's weights loaded before its wait (where they fit, unless the default
+        already says True) and the down releasing the next launch."""
+        router, routed = moe.router.DEFAULT_ROUTER, moe.routed.DEFAULT_CONFIG
+        if self.front_release:
+            if router.early_weights is False:
+                router = dataclasses.replace(router, early_weights=None)
+            routed = dataclasses.replace(routed, down_release=True)
+        return router, routed
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.forward(hidden)
@@ -192,12 +217,13 @@ class MoELayer:
                 shared = self.shared_expert(hidden)  # [T, H] f32, a buffer of this layer
         elif self.shared is not None:
             shared = self.shared_expert(hidden)
-        early = (side, compute) if (side is not None and routing is None and self.cfg.early_hits
+        early = (side, compute) if (side is not None and routing is None and self.early_hits
                                     and not self.cfg.hits_first) else None
         act, slots = self._routed_front(hidden, routing, early)
         if side is not None:
             side.join(compute)  # the down launch below reads `shared`
-        routed_down(act, slots, self.slots.pool.tensor("down"), addend=shared, out_cast=out, after_gate_up=True)
+        routed_down(act, slots, self.slots.pool.tensor("down"), addend=shared, out_cast=out, after_gate_up=True,
+                    config=self._launch_configs()[1])
         return out
 
     def _routed_front(self, hidden: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -226,6 +252,7 @@ class MoELayer:
         if routing is None:
             weights, ids = router_topk(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob,
                                        weights=self._weights[:tokens], ids=self._ids[:tokens], pdl=pdl,
+                                       config=self._launch_configs()[0],
                                        pre=None if pre is None else (slots.cache.slot_of,
                                                                      self.layer * cfg.num_experts, pre))
         else:
@@ -253,7 +280,7 @@ class MoELayer:
         """The routed half alone: hidden [T, H] -> [T, H] float32 (a buffer of this layer, reused)."""
         act, slots = self._routed_front(hidden)
         return routed_down(act, slots, self.slots.pool.tensor("down"), out=self._routed_out[:hidden.shape[0]],
-                           after_gate_up=True)
+                           after_gate_up=True, config=self._launch_configs()[1])
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sigmoid(x · gate_w) * down(silu(gate(x)) * up(x)), [T, H] float32.

@@ -156,10 +156,11 @@ def select_overlap_mode(
 ) -> tuple[OverlapMode, str]:
     """The overlap mode for one call: SIDE_STREAM when `cfg.copy_overlap` is on, the block has work for
     the side stream (a shared expert, or the resident experts' gate_up: `cfg.early_hits` without
-    `cfg.hits_first`) and
+    `cfg.hits_first`; MoELayer passes its resolved early_hits, and None here counts as on) and
     `decode_side_applies` agrees."""
-    if not cfg.has_shared_expert and (not cfg.early_hits or cfg.hits_first):
-        why = "hits_first on (the resident experts' gate_up stays on the compute stream)" if cfg.early_hits \
+    early = cfg.early_hits is not False
+    if not cfg.has_shared_expert and (not early or cfg.hits_first):
+        why = "hits_first on (the resident experts' gate_up stays on the compute stream)" if early \
             else "early_hits off"
         return OverlapMode.NONE, f"no shared expert and {why}: nothing to run on the side stream"
     if not cfg.copy_overlap:

@@ -15,8 +15,9 @@ def _bench():
 
 
 def _base() -> argparse.Namespace:
-    return argparse.Namespace(early_hits=True, pdl_chain=True, hits_first=False, compute_priority=None,
-                              hits_per_sm=None, down_release=False, router_early=False, down_prefetch=None)
+    return argparse.Namespace(early_hits=None, pdl_chain=True, hits_first=False, compute_priority=None,
+                              hits_per_sm=None, down_release=False, router_early=False, down_prefetch=None,
+                              front_release=None)
 
 
 def test_variant_parts_set_their_options():
@@ -27,12 +28,16 @@ def test_variant_parts_set_their_options():
     assert (opts.early_hits, opts.down_release, opts.router_early, opts.down_prefetch) == (False, True, True, 2)
     assert opts.router_tiles == {"block_e": 8, "warps": 8}
     assert opts.router_select is None
-    assert base.early_hits and not base.down_release  # the base namespace is left as it was
+    assert base.early_hits is None and not base.down_release  # the base namespace is left as it was
     _, plain = bench.resident_variant("rtopk", base)
     assert plain.router_tiles == {} and plain.router_select == "topk"
+    _, old = bench.resident_variant("eh+nofr", base)
+    assert (old.early_hits, old.front_release) == (True, False)
+    _, fr = bench.resident_variant("fr", base)
+    assert fr.front_release is True and fr.early_hits is None
 
 
-@pytest.mark.parametrize("bad", ["re", "rex", "rwarps", "bogus", "noeh+pfx"])
+@pytest.mark.parametrize("bad", ["re", "rex", "rwarps", "bogus", "noeh+pfx", "frx"])
 def test_unknown_variant_part_is_refused_by_name(bad):
     bench = _bench()
     with pytest.raises(SystemExit, match="resident-variants"):

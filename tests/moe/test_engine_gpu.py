@@ -59,10 +59,12 @@ def _engine(path, k: int, dtype: str, policy: str, overlap: bool, batch: int = 2
 
 def _check_overlap(engine, overlap: bool) -> None:
     """The side stream is used exactly when asked for and the block has side work: a shared expert
-    (qwen2) or the resident experts' gate_up (MoEConfig.early_hits, on by default; qwen3)."""
+    (qwen2) or the resident experts' gate_up (MoEConfig.early_hits, on by default where the pool cannot
+    hold every expert, as here; qwen3)."""
     moe = engine.spec.moe
-    want = OverlapMode.SIDE_STREAM if overlap and (moe.has_shared_expert or moe.early_hits) else OverlapMode.NONE
     for layer in engine.moe.layers.values():
+        assert layer.early_hits  # the pool holds batch * top_k slots, fewer than the experts
+        want = OverlapMode.SIDE_STREAM if overlap and (moe.has_shared_expert or layer.early_hits) else OverlapMode.NONE
         assert layer.overlap_mode is want, layer.overlap_reason
 
 

@@ -233,10 +233,12 @@ def test_overlap_on_off_bitwise(gpu_weights, graph, tokens):
 
 
 def assert_steps_bitwise(a_model: SyntheticModel, b_model: SyntheticModel, graph: bool, tokens: int,
-                         seed: int, b_context=contextlib.nullcontext, a_context=contextlib.nullcontext) -> None:
+                         seed: int, b_context=contextlib.nullcontext, a_context=contextlib.nullcontext,
+                         must_miss: bool = True) -> None:
     """Eight steps of the same random inputs through both models (two to warm up / capture): every
-    step misses in b_model, and the outputs, slot maps and slot contents are equal bit for bit.
-    b_context / a_context: entered around b_model's / a_model's capture and every call of it."""
+    step misses in b_model (unless not must_miss), and the outputs, slot maps and slot contents are
+    equal bit for bit. b_context / a_context: entered around b_model's / a_model's capture and every
+    call of it."""
     gen = torch.Generator("cuda").manual_seed(seed)
     xs = [torch.randn(tokens, GPU_CFG.hidden, generator=gen, device="cuda").to(BF16) for _ in range(8)]
     with a_context():
@@ -250,11 +252,33 @@ def assert_steps_bitwise(a_model: SyntheticModel, b_model: SyntheticModel, graph
         with b_context():
             b = run_b(x)
         torch.cuda.synchronize()
-        assert misses(b_model) > before, "every step must miss (and evict)"
+        assert misses(b_model) > before or not must_miss, "every step must miss (and evict)"
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
         sa, sb = state(a_model), state(b_model)
         for name in sa:
             assert torch.equal(sa[name], sb[name]), name
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_resident_pool_defaults_bitwise(gpu_weights, graph):
+    """A pool that holds every expert: the defaults resolve to no early hits and front_release on, with
+    the overlap on and off, and change no bit against the layer with both off (front_release=False,
+    early hits forced on) while the pool fills and once every expert is resident; eager and graph."""
+    keys = GPU_L * GPU_CFG.num_experts
+    plain = SyntheticModel(gpu_weights, keys, "cuda", copy_overlap=True, early_hits=True, front_release=False)
+    off = SyntheticModel(gpu_weights, keys, "cuda", copy_overlap=False)
+    on = SyntheticModel(gpu_weights, keys, "cuda", copy_overlap=True)
+    assert on.layers[0].overlap_mode is OverlapMode.SIDE_STREAM, on.layers[0].overlap_reason
+    for model in (off, on):
+        assert not model.layers[0].early_hits and model.layers[0].front_release
+    assert plain.layers[0].early_hits and not plain.layers[0].front_release
+    assert_steps_bitwise(plain, on, graph, 2, seed=37, must_miss=False)
+    plain_off = SyntheticModel(gpu_weights, keys, "cuda", copy_overlap=False, front_release=False)
+    assert_steps_bitwise(plain_off, off, graph, 2, seed=41, must_miss=False)
+    for model in (plain, plain_off, off, on):
+        model.close()
 
 
 @gpu
@@ -295,7 +319,8 @@ def test_early_hits_bitwise(gpu_weights, graph):
     copy) changes no bit against the overlap without it, with evictions every step."""
     plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=True, early_hits=False)
     early = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=True)
-    assert early.cfg.early_hits and not plain.cfg.early_hits
+    assert early.cfg.early_hits is None and early.layers[0].early_hits  # the pool cannot hold every expert
+    assert not plain.layers[0].early_hits
     assert_steps_bitwise(plain, early, graph, 2, seed=13)
     plain.close()
     early.close()
@@ -350,12 +375,32 @@ def test_early_loads_bitwise(gpu_weights, graph, overlap, options):
     together, change no bit against the layer with both off, overlap off and on (early hits on the side
     stream), with evictions every step, so every layer's router runs while the layer before it may
     still be writing; eager and in a CUDA graph."""
-    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False)
-    early = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap)
+    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False, front_release=False)
+    early = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap, front_release=False)
     assert_steps_bitwise(plain, early, graph, 2, seed=29,
                          b_context=lambda: launch_options(**LAUNCH_OPTIONS[options]), a_context=launch_options)
     plain.close()
     early.close()
+
+
+def test_early_hits_and_front_release_resolution_cpu():
+    """MoEConfig.early_hits=None: on unless the pool holds every expert of every layer (re-decided by a
+    rebuild); front_release=None: on unless the layer runs early hits (a CPU layer never overlaps, so
+    on); explicit values win; anything but None or a bool is refused by name."""
+    weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=3)
+    keys = CPU_L * CPU_CFG.num_experts
+    small, full = SyntheticModel(weights, CPU_S, "cpu"), SyntheticModel(weights, keys, "cpu")
+    assert small.layers[0].early_hits and not full.layers[0].early_hits
+    assert small.layers[0].front_release and full.layers[0].front_release
+    small.rebuild(keys)
+    assert not small.layers[0].early_hits
+    small.rebuild(keys - 1)
+    assert small.layers[0].early_hits
+    forced = SyntheticModel(weights, keys, "cpu", early_hits=True, front_release=False)
+    assert forced.layers[0].early_hits and not forced.layers[0].front_release
+    for bad in ({"early_hits": 1}, {"front_release": "on"}):
+        with pytest.raises(ValueError, match=f"MoEConfig.{next(iter(bad))} must be None, True or False"):
+            dataclasses.replace(CPU_CFG, **bad)
 
 
 @interpreter
@@ -382,7 +427,9 @@ def test_early_loads_match_plain_cpu():
     """RoutedConfig.down_release with RouterConfig.early_weights and RoutedConfig.down_prefetch on the CPU
     interpreter: outputs, slot maps and pool equal to the layer's with all off, with evictions every step."""
     weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=31)
-    plain, early = SyntheticModel(weights, CPU_S, "cpu"), SyntheticModel(weights, CPU_S, "cpu")
+    plain = SyntheticModel(weights, CPU_S, "cpu", front_release=False)
+    early = SyntheticModel(weights, CPU_S, "cpu")  # MoEConfig.front_release=None: on (no early hits on a CPU)
+    assert early.layers[0].front_release and not plain.layers[0].front_release
     gen = torch.Generator().manual_seed(32)
     for _ in range(3):
         x = torch.randn(2, CPU_CFG.hidden, generator=gen).to(BF16)
