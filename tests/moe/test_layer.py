@@ -398,6 +398,15 @@ def test_early_hits_and_front_release_resolution_cpu():
     assert small.layers[0].early_hits
     forced = SyntheticModel(weights, keys, "cpu", early_hits=True, front_release=False)
     assert forced.layers[0].early_hits and not forced.layers[0].front_release
+    # the launch configs: front_release sets the router's early weights, the down's release and its
+    # prefetch of min(2, k) experts unless set; without it the module defaults stand
+    router, routed = full.layers[0]._launch_configs()
+    assert router.early_weights is None and routed.down_release and routed.down_prefetch == 2
+    assert forced.layers[0]._launch_configs() == (moe.router.DEFAULT_ROUTER, moe.routed.DEFAULT_CONFIG)
+    with launch_options(down_prefetch=3):
+        assert full.layers[0]._launch_configs()[1].down_prefetch == 3
+    one = SyntheticModel(random_weights(dataclasses.replace(CPU_CFG, top_k=1), CPU_L, "cpu"), keys, "cpu")
+    assert one.layers[0]._launch_configs()[1].down_prefetch == 1
     for bad in ({"early_hits": 1}, {"front_release": "on"}):
         with pytest.raises(ValueError, match=f"MoEConfig.{next(iter(bad))} must be None, True or False"):
             dataclasses.replace(CPU_CFG, **bad)
