@@ -42,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmeta import machine
 
-import moe.layer
 import moe.routed
 import moe.router
 from moe.config import MoEConfig
@@ -386,8 +385,7 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
     """"hits1" / "eh" / "noeh" / "fr" / "nofr" / "first" / "chain" / "nochain" / "prio2" / "rtopk" / "dr" / "nodr" /
     "rw" / "norw" joined by "+" (e.g. "noeh+nochain", "prio2+hits10", "first+hits4"; eh / noeh:
     MoEConfig.early_hits on / off; fr / nofr: MoEConfig.front_release on / off (with it on the layer
-    sets dr and rw itself); fc / nofc: MoEConfig.fused_copy on / off (fcnc: on, launched plainly, not
-    cooperatively); first: MoEConfig.hits_first; rtopk: the router
+    sets dr and rw itself); fc / nofc: MoEConfig.fused_copy on / off; first: MoEConfig.hits_first; rtopk: the router
     selects with RouterConfig(select="topk"), the default before "logits";
     dr / nodr: RoutedConfig.down_release on / off; rw / norw: RouterConfig.early_weights on / off;
     pfN: RoutedConfig.down_prefetch=N; reN / rwarpsN: RouterConfig.block_e / warps=N) -> (spec, args with
@@ -404,8 +402,6 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.front_release = part == "fr"
         elif part in ("fc", "nofc"):
             opts.fused_copy = part == "fc"
-        elif part == "fcnc":  # fused, launched plainly (not cooperatively)
-            opts.fused_copy, opts.fused_plain = True, True
         elif part in ("chain", "nochain"):
             opts.pdl_chain = part == "chain"
         elif part.startswith("prio") and part[4:].isdigit():
@@ -425,7 +421,7 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
         elif part.startswith("rwarps") and part[6:].isdigit():
             opts.router_tiles["warps"] = int(part[6:])
         else:
-            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, eh, noeh, fr, nofr, fc, nofc, fcnc, first, chain, "
+            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, eh, noeh, fr, nofr, fc, nofc, first, chain, "
                              "nochain, prioN, rtopk, dr, nodr, rw, norw, pfN, reN or rwarpsN")
     return spec, opts
 
@@ -570,7 +566,6 @@ def main() -> None:
             **({} if opts.router_select is None else {"select": opts.router_select}))
         moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=opts.down_release,
                                                         down_prefetch=opts.down_prefetch)
-        moe.layer.FUSED_COPY_COOPERATIVE = not getattr(opts, "fused_plain", False)
         t1 = time.time()
         res.setdefault("resident_variants", {})[name] = resident_mode(weights, opts, xs, out_dir)
         r = res["resident_variants"][name]

@@ -234,13 +234,11 @@ class DeviceCache:
     def ensure_copy(self, layer: int, ids: torch.Tensor, store: HostStore, pool: SlotPool,
                     logit_idx: torch.Tensor | None = None, logit_val: torch.Tensor | None = None, *,
                     pdl: bool = False, num_ctas: int = DEFAULT_NUM_CTAS,
-                    block_bytes: int = DEFAULT_BLOCK_BYTES, cooperative: bool = True) -> EnsureBuffers:
+                    block_bytes: int = DEFAULT_BLOCK_BYTES) -> EnsureBuffers:
         """ensure() and miss_copy(store, pool, plan, count) in one launch (expertcache.ensure_copy):
         the same state, plan, count and pool contents, with the copy's `num_ctas` programs waiting in
         the launch for the plan instead of for the ensure's launch to end. Launched cooperatively on
-        CUDA (its programs wait on each other), programmatically with pdl. cooperative=False: a plain
-        launch, which relies on the ensure's programs (the lowest indices) being scheduled no later
-        than the copy's, as the hardware dispatches a grid in index order. The pool must be this
+        CUDA (its programs wait on each other), programmatically with pdl. The pool must be this
         cache's: pool.num_slots == the geometry's slots. Raises what ensure() and miss_copy() raise."""
         if pool.num_slots != self.geometry.num_slots or pool.device != self.device:
             raise ValueError(f"ensure_copy: the pool ({pool.num_slots} slots on {pool.device}) must be this "
@@ -261,8 +259,7 @@ class DeviceCache:
             *args, self.ready, self.done, buf.plan.shape[0], store.num_keys, srcs, dsts, **consts,
             GDC=pdl and cuda, NUM_BANKS=len(row_words), ROW_WORDS=row_words, FIRST_CHUNK=first,
             CHUNKS_PER_ROW=first[-1], BLOCK=block_words, GRID_ENSURE=self.grid, num_warps=self.num_warps,
-            **({"launch_cooperative_grid": True} if cuda and cooperative else {}),
-            **({"launch_pdl": True} if pdl and cuda else {}))
+            **({"launch_cooperative_grid": True} if cuda else {}), **({"launch_pdl": True} if pdl and cuda else {}))
         return buf
 
     def _launch(self, layer, ids, logit_idx, logit_val) -> tuple[EnsureBuffers, tuple, dict]:

@@ -108,7 +108,6 @@ class SlotCache:
 
 
 FRONT_RELEASE_PREFETCH = 2  # the routed down's prefetched experts with MoEConfig.front_release (at most k)
-FUSED_COPY_COOPERATIVE = True  # MoEConfig.fused_copy: DeviceCache.ensure_copy's cooperative (benchmarks flip it)
 
 
 class MoELayer:
@@ -273,8 +272,7 @@ class MoELayer:
             with torch.cuda.stream(side.stream):
                 routed_gate_up(hidden, pre, weights, gate_up, part="hits", pre=pre)
         if cfg.fused_copy and not first:  # one launch: the copy's programs wait in it for the plan
-            buf = slots.cache.ensure_copy(self.layer, ids, slots.store, slots.pool, pdl=pdl,
-                                          cooperative=FUSED_COPY_COOPERATIVE)
+            buf = slots.cache.ensure_copy(self.layer, ids, slots.store, slots.pool, pdl=pdl)
         else:
             buf = slots.cache.ensure(self.layer, ids, pdl=pdl)  # slots [T, k], plan [Q, 2], count [1]
             miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=pdl, release_next=pdl and first)

@@ -39,7 +39,7 @@ def same(a: DeviceCache, b: DeviceCache, pa: SlotPool, pb: SlotPool) -> None:
     assert int(b.ready.item()) == 0 and int(b.done.item()) == 0  # zero again for the next call
 
 
-def run_pair(policy, L, E, S, rows, k, calls, seed, pdl=False, graph=False, num_ctas=3, cooperative=True, **tiles):
+def run_pair(policy, L, E, S, rows, k, calls, seed, pdl=False, graph=False, num_ctas=3, **tiles):
     device, _ = device_or_skip()
     g = CacheGeometry(L, E, S)
     store, (pa, pb) = store_and_pools(L, E, S, device, seed)
@@ -53,8 +53,7 @@ def run_pair(policy, L, E, S, rows, k, calls, seed, pdl=False, graph=False, num_
     def step(layer):
         buf_a = a.ensure(layer, ids_buf, pdl=pdl)
         miss_copy(store, pa, buf_a.plan, buf_a.count, pdl=pdl, num_ctas=num_ctas, block_bytes=64)
-        return buf_a, b.ensure_copy(layer, ids_buf, store, pb, pdl=pdl, num_ctas=num_ctas, block_bytes=64,
-                                    cooperative=cooperative)
+        return buf_a, b.ensure_copy(layer, ids_buf, store, pb, pdl=pdl, num_ctas=num_ctas, block_bytes=64)
 
     replay = None
     for c in range(calls):
@@ -125,20 +124,18 @@ def test_ensure_copy_checks_its_pool():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", policy_names())
-@pytest.mark.parametrize("pdl, graph, cooperative", [(False, False, True), (True, False, True), (True, True, True),
-                                                    (True, True, False)],
-                         ids=["eager", "programmatic", "graph", "graph-plain-launch"])
+@pytest.mark.parametrize("pdl, graph", [(False, False), (True, False), (True, True)],
+                         ids=["eager", "programmatic", "graph"])
 @pytest.mark.parametrize("S, tiles", [(48, {}), (1650, {}), (1650, {"chunk": 512})],
                          ids=["48", "1650", "1650-four-programs"])
-def test_gpu_ensure_copy_matches_ensure_then_copy(policy, pdl, graph, cooperative, S, tiles):
+def test_gpu_ensure_copy_matches_ensure_then_copy(policy, pdl, graph, S, tiles):
     """On the GPU: eager, programmatic launches, and one call per layer captured in CUDA graphs and
-    replayed with new routing, launched cooperatively and plainly; 16 copy programs as the layer runs
-    them."""
+    replayed with new routing; 16 copy programs as the layer runs them."""
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA")
     copies = run_pair(policy, L=4, E=max(16, S // 2), S=S, rows=2, k=8, calls=48, seed=S, pdl=pdl,
-                      graph=graph, num_ctas=16, cooperative=cooperative, **tiles)
+                      graph=graph, num_ctas=16, **tiles)
     assert copies > 48
 
 

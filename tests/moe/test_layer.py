@@ -21,7 +21,6 @@ import dataclasses
 import pytest
 import torch
 
-import moe.layer
 import moe.routed
 import moe.router
 from moe.config import MoEConfig
@@ -433,14 +432,12 @@ def test_fused_copy_matches_plain_cpu():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cooperative", [True, False], ids=["cooperative", "plain-launch"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_fused_copy_bitwise(gpu_weights, graph, overlap, cooperative, monkeypatch):
+def test_fused_copy_bitwise(gpu_weights, graph, overlap):
     """MoEConfig.fused_copy (one cooperative launch: the ensure's programs and the copy's, which wait in
     it for the plan) changes no bit against the two launches with the overlap off, with evictions every
     step, eager and in a CUDA graph, with the overlap off and on (early hits on the side stream)."""
-    monkeypatch.setattr(moe.layer, "FUSED_COPY_COOPERATIVE", cooperative)
     plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False)
     fused = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap, fused_copy=True)
     assert_steps_bitwise(plain, fused, graph, 2, seed=43)
