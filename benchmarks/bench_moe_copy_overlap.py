@@ -271,7 +271,7 @@ def d2d_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
 def miss_mode(weights, args, xs, out_dir: Path) -> dict:
     models = {m: SyntheticModel(weights, args.slots, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain,
                              early_hits=args.early_hits, hits_first=args.hits_first,
-                             front_release=args.front_release, fused_copy=args.fused_copy)
+                             front_release=args.front_release)
               for m in ("off", "on")}
     if models["on"].layers[0].side is None:
         raise SystemExit(f"overlap did not apply: {models['on'].layers[0].overlap_reason}")
@@ -339,7 +339,7 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
 
     models = {m: SyntheticModel(weights, L * E, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain,
                              early_hits=args.early_hits, hits_first=args.hits_first,
-                             front_release=args.front_release, fused_copy=args.fused_copy)
+                             front_release=args.front_release)
               for m in ("off", "on")}
     res_flags = {m: {"early_hits": models[m].layers[0].early_hits, "front_release": models[m].layers[0].front_release}
                  for m in models}
@@ -385,7 +385,7 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
     """"hits1" / "eh" / "noeh" / "fr" / "nofr" / "first" / "chain" / "nochain" / "prio2" / "rtopk" / "dr" / "nodr" /
     "rw" / "norw" joined by "+" (e.g. "noeh+nochain", "prio2+hits10", "first+hits4"; eh / noeh:
     MoEConfig.early_hits on / off; fr / nofr: MoEConfig.front_release on / off (with it on the layer
-    sets dr and rw itself); fc / nofc: MoEConfig.fused_copy on / off; first: MoEConfig.hits_first; rtopk: the router
+    sets dr and rw itself); first: MoEConfig.hits_first; rtopk: the router
     selects with RouterConfig(select="topk"), the default before "logits";
     dr / nodr: RoutedConfig.down_release on / off; rw / norw: RouterConfig.early_weights on / off;
     pfN: RoutedConfig.down_prefetch=N; reN / rwarpsN: RouterConfig.block_e / warps=N) -> (spec, args with
@@ -400,8 +400,6 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.early_hits = part == "eh"
         elif part in ("fr", "nofr"):
             opts.front_release = part == "fr"
-        elif part in ("fc", "nofc"):
-            opts.fused_copy = part == "fc"
         elif part in ("chain", "nochain"):
             opts.pdl_chain = part == "chain"
         elif part.startswith("prio") and part[4:].isdigit():
@@ -421,7 +419,7 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
         elif part.startswith("rwarps") and part[6:].isdigit():
             opts.router_tiles["warps"] = int(part[6:])
         else:
-            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, eh, noeh, fr, nofr, fc, nofc, first, chain, "
+            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, eh, noeh, fr, nofr, first, chain, "
                              "nochain, prioN, rtopk, dr, nodr, rw, norw, pfN, reN or rwarpsN")
     return spec, opts
 
@@ -493,8 +491,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--early-hits", action=argparse.BooleanOptionalAction, default=None,
                     help="MoEConfig.early_hits on / off (--no-early-hits: overlap on runs only the shared expert "
                          "on the side stream); default: the layer's choice (on unless the pool holds every expert)")
-    ap.add_argument("--fused-copy", action=argparse.BooleanOptionalAction, default=None,
-                    help="MoEConfig.fused_copy on / off: ensure and miss copy in one launch (default: the config's)")
     ap.add_argument("--front-release", action=argparse.BooleanOptionalAction, default=None,
                     help="MoEConfig.front_release on / off (off: --down-release and --router-early decide); "
                          "default: the layer's choice (on unless it runs early hits)")
@@ -509,8 +505,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--resident-variants", default="",
                     help="comma list of more resident-mode runs on the same weights: hitsN (early hits' "
                          "programs per SM), eh / noeh (early hits on / off), fr / nofr (MoEConfig.front_release "
-                         "on / off), fc / nofc (MoEConfig.fused_copy on / off), chain / nochain "
-                         "(MoEConfig.pdl_chain on / off), prioN "
+                         "on / off), chain / nochain (MoEConfig.pdl_chain on / off), prioN "
                          "(--compute-priority -N), first (MoEConfig.hits_first), rtopk (the router's "
                          "select=\"topk\"), dr / nodr (RoutedConfig.down_release on / off), "
                          "rw / norw (RouterConfig.early_weights on / off), pfN (RoutedConfig.down_prefetch=N), "

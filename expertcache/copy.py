@@ -64,29 +64,17 @@ def _miss_copy_kernel(
         if RELEASE:
             gdc_launch_dependents()
         gdc_wait()
-    n = tl.minimum(tl.maximum(tl.load(count_ptr), 0), num_rows)
-    copy_items(tl.program_id(0), tl.num_programs(0), n, plan_ptr, num_keys, num_slots, src_ptrs, dst_ptrs,
-               NUM_BANKS, ROW_WORDS, FIRST_CHUNK, CHUNKS_PER_ROW, BLOCK)
-
-
-@triton.jit
-def copy_items(prog, nprog, n, plan_ptr, num_keys, num_slots, src_ptrs, dst_ptrs, NUM_BANKS: tl.constexpr,
-               ROW_WORDS: tl.constexpr, FIRST_CHUNK: tl.constexpr, CHUNKS_PER_ROW: tl.constexpr,
-               BLOCK: tl.constexpr, CG: tl.constexpr = False):
-    """The copy of the first n plan rows by program prog of nprog (_miss_copy_kernel's body, also the
-    copy programs of expertcache.ensure_copy's launch). CG: the plan is read past L1 (ld.global.cg),
-    for a plan written by another program of the same launch."""
     # Work item i = (plan row i // CHUNKS_PER_ROW, chunk i % CHUNKS_PER_ROW); program p takes
     # items p, p + grid, p + 2 * grid ..., so neighbouring programs read neighbouring chunks.
-    MOD: tl.constexpr = ".cg" if CG else ""
+    n = tl.minimum(tl.maximum(tl.load(count_ptr), 0), num_rows)
     total = n * CHUNKS_PER_ROW
     lanes = tl.arange(0, BLOCK)
-    item = prog
+    item = tl.program_id(0)
     while item < total:  # a while loop: the interpreter cannot range() over device scalars
         row = item // CHUNKS_PER_ROW
         chunk = item - row * CHUNKS_PER_ROW
-        key = tl.load(plan_ptr + 2 * row, cache_modifier=MOD).to(tl.int64)
-        slot = tl.load(plan_ptr + 2 * row + 1, cache_modifier=MOD).to(tl.int64)
+        key = tl.load(plan_ptr + 2 * row).to(tl.int64)
+        slot = tl.load(plan_ptr + 2 * row + 1).to(tl.int64)
         live = (key >= 0) & (key < num_keys) & (slot >= 0) & (slot < num_slots)
         for b in tl.static_range(NUM_BANKS):
             if live & (chunk >= FIRST_CHUNK[b]) & (chunk < FIRST_CHUNK[b + 1]):
@@ -98,7 +86,7 @@ def copy_items(prog, nprog, n, plan_ptr, num_keys, num_slots, src_ptrs, dst_ptrs
                 else:
                     tail = offs < ROW_WORDS[b]
                     tl.store(dst, tl.load(src, mask=tail), mask=tail)
-        item += nprog
+        item += tl.num_programs(0)
 
 
 _TWINS: dict[str, object] = {}
@@ -130,7 +118,7 @@ def _kernel_for(device: torch.device):
     return _TWINS[cls.__name__]
 
 
-def check_pair(store: HostStore, pool: SlotPool) -> None:
+def _check_pair(store: HostStore, pool: SlotPool) -> None:
     if store.banks != pool.banks:
         raise ValueError(
             f"the HostStore banks {[(b.name, b.row_shape, b.dtype) for b in store.banks]} and "
@@ -153,7 +141,7 @@ def _check_plan(pool: SlotPool, plan: torch.Tensor, count: torch.Tensor) -> None
             raise ValueError(f"{name} is on {t.device} but the pool is on {pool.device}: move {name}")
 
 
-def words_layout(store: HostStore, block_words: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _words_layout(store: HostStore, block_words: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(ROW_WORDS, FIRST_CHUNK) of the kernel for the store's banks."""
     if len(store.banks) > MAX_BANKS:
         raise ValueError(
@@ -172,7 +160,7 @@ def words_layout(store: HostStore, block_words: int) -> tuple[tuple[int, ...], t
     return tuple(row_words), tuple(first)
 
 
-def pointer_args(store: HostStore, pool: SlotPool) -> tuple[tuple, tuple]:
+def _pointer_args(store: HostStore, pool: SlotPool) -> tuple[tuple, tuple]:
     """Per bank (source, destination) as int32 words: device views of the pinned store on
     CUDA, the CPU tensors themselves under the interpreter."""
     if pool.device.type == "cuda":
@@ -205,7 +193,7 @@ def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch
     or a malformed plan or count. Cost: the live rows' bytes over PCIe; on the H200 it moved
     0.95-1.05x the copy engine's bytes per second with 16 programs (benchmarks/bench_copy.py).
     """
-    check_pair(store, pool)
+    _check_pair(store, pool)
     _check_plan(pool, plan, count)
     if isinstance(num_ctas, bool) or not isinstance(num_ctas, int) or num_ctas < 1:
         raise ValueError(f"num_ctas must be a positive int, got {num_ctas!r}")
@@ -218,8 +206,8 @@ def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch
     if cuda and not store.pinned:
         raise RuntimeError("miss_copy reads the store from pinned memory: build it with pin=True")
     block_words = block_bytes // 4
-    row_words, first = words_layout(store, block_words)
-    srcs, dsts = pointer_args(store, pool)
+    row_words, first = _words_layout(store, block_words)
+    srcs, dsts = _pointer_args(store, pool)
     with torch.cuda.device(pool.device) if cuda else contextlib.nullcontext():
         kernel[(num_ctas,)](
             count, plan, plan.shape[0], store.num_keys, pool.num_slots, srcs, dsts,
@@ -261,7 +249,7 @@ def miss_copy_ce(store: HostStore, pool: SlotPool, plan_host: np.ndarray,
     (cudaMemcpyBatchAsync) would save the per-copy launch cost (a few us of CPU each); these
     are plain per-run copies. Returns the number of copies issued.
     """
-    check_pair(store, pool)
+    _check_pair(store, pool)
     if pool.device.type == "cuda" and not store.pinned:
         raise RuntimeError("miss_copy_ce copies from pinned memory only: build the store with pin=True")
     runs = _runs(_live_rows(plan_host, store.num_keys, pool.num_slots))
@@ -279,7 +267,7 @@ def reference_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: 
 
     plan int32 [Q, 2], count int32 [1]: same meaning as in miss_copy. Reads count on the host.
     """
-    check_pair(store, pool)
+    _check_pair(store, pool)
     n = min(max(int(count.reshape(-1)[0].item()), 0), plan.shape[0])
     rows = torch.from_numpy(_live_rows(plan[:n].cpu().numpy().reshape(-1, 2),
                                        store.num_keys, pool.num_slots))

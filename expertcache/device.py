@@ -23,14 +23,6 @@ import numpy as np
 import torch
 import triton
 
-from expertcache.copy import (
-    DEFAULT_BLOCK_BYTES,
-    DEFAULT_NUM_CTAS,
-    VECTOR_BYTES,
-    check_pair,
-    pointer_args,
-    words_layout,
-)
 from expertcache.device_ensure import (
     LT_BITS,
     MAX_QUERY,
@@ -41,13 +33,11 @@ from expertcache.device_ensure import (
     ST_TOO_MANY,
     ensure_kernel,
 )
-from expertcache.ensure_copy import ensure_copy_kernel
 from expertcache.errors import EnsureError
 from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
 from expertcache.host import Snapshot
 from expertcache.policies import Policy, get_policy
 from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_RULE, PolicyState
-from expertcache.pool import HostStore, SlotPool
 
 DEVICE_KINDS = {KIND_LRU: 0, KIND_RULE: 1, KIND_LFUDA: 2}
 # Default tiles: slots scored per program (one program up to CHUNK slots, else ceil(S / CHUNK) that
@@ -111,8 +101,6 @@ class DeviceCache:
         self.missed = t(np.zeros(1, np.int64))  # counters[:, 2].sum(): the filled prefix is min(it, S)
         self.status = t(np.zeros(1, np.int32))
         self.arrive = t(np.zeros(1, np.int32))
-        self.ready = t(np.zeros(1, np.int32))  # ensure_copy: m + 1 once a call's plan is stored, else 0
-        self.done = t(np.zeros(1, np.int32))  # ensure_copy: copy programs finished (0 between calls)
         if rule_mirror is None:  # the default: on for rule (the only policy that has one) up to its layer count
             rule_mirror = self.policy.kind == KIND_RULE and geometry.num_layers <= MIRROR_MAX_LAYERS
         if not isinstance(rule_mirror, bool):
@@ -226,44 +214,6 @@ class DeviceCache:
         """Launch one ensure on the current stream (no sync; capturable). See the module.
         pdl: on CUDA, a programmatic dependent launch (waits for its predecessor before reading;
         the same results)."""
-        buf, args, consts = self._launch(layer, ids, logit_idx, logit_val)
-        ensure_kernel[(self.grid,)](*args, **consts, num_warps=self.num_warps,
-                                    **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))
-        return buf
-
-    def ensure_copy(self, layer: int, ids: torch.Tensor, store: HostStore, pool: SlotPool,
-                    logit_idx: torch.Tensor | None = None, logit_val: torch.Tensor | None = None, *,
-                    pdl: bool = False, num_ctas: int = DEFAULT_NUM_CTAS,
-                    block_bytes: int = DEFAULT_BLOCK_BYTES) -> EnsureBuffers:
-        """ensure() and miss_copy(store, pool, plan, count) in one launch (expertcache.ensure_copy):
-        the same state, plan, count and pool contents, with the copy's `num_ctas` programs waiting in
-        the launch for the plan instead of for the ensure's launch to end. Launched cooperatively on
-        CUDA (its programs wait on each other), programmatically with pdl. The pool must be this
-        cache's: pool.num_slots == the geometry's slots. Raises what ensure() and miss_copy() raise."""
-        if pool.num_slots != self.geometry.num_slots or pool.device != self.device:
-            raise ValueError(f"ensure_copy: the pool ({pool.num_slots} slots on {pool.device}) must be this "
-                             f"cache's ({self.geometry.num_slots} slots on {self.device})")
-        check_pair(store, pool)
-        if isinstance(num_ctas, bool) or not isinstance(num_ctas, int) or num_ctas < 1:
-            raise ValueError(f"num_ctas must be a positive int, got {num_ctas!r}")
-        if not isinstance(block_bytes, int) or block_bytes < VECTOR_BYTES or block_bytes & (block_bytes - 1):
-            raise ValueError(f"block_bytes must be a power of two >= 16, got {block_bytes!r}")
-        cuda = self.device.type == "cuda"
-        if cuda and not store.pinned:
-            raise RuntimeError("ensure_copy reads the store from pinned memory: build it with pin=True")
-        buf, args, consts = self._launch(layer, ids, logit_idx, logit_val)
-        block_words = block_bytes // 4
-        row_words, first = words_layout(store, block_words)
-        srcs, dsts = pointer_args(store, pool)
-        ensure_copy_kernel[(self.grid + num_ctas,)](
-            *args, self.ready, self.done, buf.plan.shape[0], store.num_keys, srcs, dsts, **consts,
-            GDC=pdl and cuda, NUM_BANKS=len(row_words), ROW_WORDS=row_words, FIRST_CHUNK=first,
-            CHUNKS_PER_ROW=first[-1], BLOCK=block_words, GRID_ENSURE=self.grid, num_warps=self.num_warps,
-            **({"launch_cooperative_grid": True} if cuda else {}), **({"launch_pdl": True} if pdl and cuda else {}))
-        return buf
-
-    def _launch(self, layer, ids, logit_idx, logit_val) -> tuple[EnsureBuffers, tuple, dict]:
-        """Checked arguments of one ensure launch: (buffers, positional arguments, constexprs)."""
         self._check_args(layer, ids, logit_idx, logit_val)
         rows, k = ids.shape
         buf = self.buffers(rows, k)
@@ -275,16 +225,19 @@ class DeviceCache:
         if block_c not in self._cand:
             self._cand[block_c] = torch.zeros(block_c, dtype=torch.int64, device=self.device)
         g = self.geometry
-        args = (ids, lidx, lval, self.slot_of, self.key_of, self.kst, self.sst, self.gst,
-                self.prm, self.fprm, self.clock, self.counters, self.missed, buf.slots, buf.plan, buf.count,
-                self._cand[block_c], self.arrive, self.status, self.mirror, layer, g.num_experts,
-                g.num_layers, g.num_slots, rows * k, k, rows, T)
-        consts = dict(POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
-                      BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
-                      SINGLE=self.grid == 1, SEQ_MAX=self.seq_max, LEAN=self.lean, EARLY=self.early_reads,
-                      TABLE=self.rule_table, MIRROR=self.rule_mirror, LATE_RANKS=self.late_ranks,
-                      NARROW=self.narrow_score)
-        return buf, args, consts
+        ensure_kernel[(self.grid,)](
+            ids, lidx, lval, self.slot_of, self.key_of, self.kst, self.sst, self.gst,
+            self.prm, self.fprm, self.clock, self.counters, self.missed, buf.slots, buf.plan, buf.count,
+            self._cand[block_c], self.arrive, self.status, self.mirror, layer, g.num_experts,
+            g.num_layers, g.num_slots, rows * k, k, rows, T,
+            POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
+            BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
+            SINGLE=self.grid == 1,
+            SEQ_MAX=self.seq_max, LEAN=self.lean, EARLY=self.early_reads, TABLE=self.rule_table,
+            MIRROR=self.rule_mirror, LATE_RANKS=self.late_ranks, NARROW=self.narrow_score,
+            num_warps=self.num_warps,
+            **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))
+        return buf
 
     def check(self) -> None:
         """Raise EnsureError if a call was refused since the last check (syncs)."""

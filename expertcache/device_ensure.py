@@ -517,58 +517,10 @@ def ensure_kernel(
     LATE_RANKS: tl.constexpr = False,  # DeviceCache(late_ranks=True): see _chunk_candidates
     NARROW: tl.constexpr = False,  # DeviceCache(narrow_score=True): rule's score in int32 (_rule_score)
 ):
-    _ensure_program(tl.program_id(0), tl.num_programs(0), arrive_ptr, False, ids_ptr, lidx_ptr, lval_ptr,
-                    slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, fprm_ptr, clock_ptr,
-                    counters_ptr, missed_ptr, out_ptr, plan_ptr, count_ptr, cand_ptr, arrive_ptr, status_ptr,
-                    mir_ptr, layer, num_experts, num_layers, num_slots, n_ids, k, rows, T, POLICY, HAS_LOGITS,
-                    CHUNK, BLOCK_Q, BLOCK_R, BLOCK_C, SINGLE, SEQ_MAX, LEAN, EARLY, TABLE, MIRROR, GDC,
-                    LATE_RANKS, NARROW)
-
-
-@triton.jit
-def _ensure_program(pid, nprog, ready_ptr, READY: tl.constexpr,
-    ids_ptr,        # int32 [n_ids]: routed expert ids of this call (rows * k), -1 = padding
-    lidx_ptr,       # int32 [rows * T]: top-T router logit expert ids (read if HAS_LOGITS)
-    lval_ptr,       # float32 [rows * T]: their logits
-    slot_of_ptr,    # int32 [L * E]: slot of each key, -1 = absent
-    key_of_ptr,     # int32 [S]: key in each slot, -1 = empty (always a suffix)
-    kst_ptr,        # int64 [NK, L * E]: per-key policy state
-    sst_ptr,        # int64 [NS, S]: per-slot policy state
-    gst_ptr,        # int64 [NG]: policy-wide state
-    prm_ptr,        # int64 [P]: integer policy constants (Policy.params)
-    fprm_ptr,       # float32 [F]: float policy constants (Policy.fparams)
-    clock_ptr,      # int64 [2]: step, tok
-    counters_ptr,   # int64 [L, 3]: calls, accesses, misses per layer
-    missed_ptr,     # int64 [1]: all layers' misses so far (counters[:, 2].sum()); min(it, S) slots are filled
-    out_ptr,        # int32 [n_ids]: out: slot of each id, -1 for padding
-    plan_ptr,       # int32 [BLOCK_Q, 2]: out: (key, slot) per miss, ascending key
-    count_ptr,      # int32 [1]: out: misses of this call = rows of the plan in use
-    cand_ptr,       # int64 [BLOCK_C]: scratch: candidates per program, then merged
-    arrive_ptr,     # int32 [1]: scratch: programs arrived (zero between calls)
-    status_ptr,     # int32 [1]: 0, or the code of the last refused call
-    mir_ptr,        # int64 [2, S]: with MIRROR (rule), per slot: its key's lt | layer << LT_BITS (PINNED
-                    # while a scoring call holds it as a hit) and lc + dct (else unread)
-    layer,          # this call's MoE layer
-    num_experts, num_layers, num_slots, n_ids,
-    k,              # routed experts per row (the k of the k-th logit)
-    rows, T,        # logit rows and entries per row
-    POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr,
-    LEAN: tl.constexpr = False,  # DeviceCache(lean=True), its default: see _chunk_candidates, _commit
-    EARLY: tl.constexpr = False,  # DeviceCache(early_reads=True), its default: see _policy_reads
-    TABLE: tl.constexpr = False,  # DeviceCache(rule_table=True), its default: rule's growth term from its table
-    MIRROR: tl.constexpr = False,  # DeviceCache(rule_mirror=True): rule scores from its per-slot mirror
-    GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
-    LATE_RANKS: tl.constexpr = False,  # DeviceCache(late_ranks=True): see _chunk_candidates
-    NARROW: tl.constexpr = False,  # DeviceCache(narrow_score=True): rule's score in int32 (_rule_score),
-):
-    """One program of the ensure (pid of nprog): ensure_kernel's body, also the ensure programs of
-    expertcache.ensure_copy's launch. READY: the program that commits (or records a refusal) then
-    stores this call's miss count + 1 to ready_ptr (release), after every store of its commit."""
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
+    pid = tl.program_id(0)
     num_keys = num_layers * num_experts
     # The loads that do not depend on the query first (Triton keeps their order), so their round
     # trips overlap the query's dependent pair of loads instead of following its reductions.
@@ -613,10 +565,8 @@ def _ensure_program(pid, nprog, ready_ptr, READY: tl.constexpr,
                     key, first, slot, hit, fmiss, 0, n, m, ne, filled, rkey, near, step,
                     tok, dc_now, layer, num_layers, num_slots, num_keys, mine, 0, early_a, early_b, rc_floor, POLICY,
                     HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN, TABLE, mir_ptr, MIRROR, True)
-            if READY:
-                _signal_ready(ready_ptr, 0)
     else:
-        _ensure_misses(pid, nprog, ready_ptr, READY, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, clock_ptr,
+        _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, clock_ptr,
                        counters_ptr, missed_ptr, out_ptr, plan_ptr, count_ptr, cand_ptr, arrive_ptr,
                        status_ptr, mir_ptr, layer, num_experts, num_layers, num_slots, n_ids, valid, key,
                        first, slot, hit, fmiss, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
@@ -626,15 +576,7 @@ def _ensure_program(pid, nprog, ready_ptr, READY: tl.constexpr,
 
 
 @triton.jit
-def _signal_ready(ready_ptr, m):
-    """The call is committed (or refused, m = 0): its plan and count are stored by this program's
-    threads; after a barrier one release store of m + 1 tells the copy programs of the same launch."""
-    tl.debug_barrier()
-    tl.atomic_xchg(ready_ptr, m + 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _ensure_misses(pid, nprog, ready_ptr, READY: tl.constexpr, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, clock_ptr,
+def _ensure_misses(pid, ids_ptr, slot_of_ptr, key_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr, clock_ptr,
                    counters_ptr, missed_ptr, out_ptr, plan_ptr, count_ptr, cand_ptr, arrive_ptr,
                    status_ptr, mir_ptr, layer, num_experts, num_layers, num_slots, n_ids, valid, key,
                    first, slot, hit, fmiss, n, m, bad, ok, ne, filled, missed, mine, rkey, near,
@@ -670,7 +612,7 @@ def _ensure_misses(pid, nprog, ready_ptr, READY: tl.constexpr, ids_ptr, slot_of_
     elif ~ok:
         commits = pid == 0
     else:
-        commits = tl.atomic_add(arrive_ptr, 1) == nprog - 1
+        commits = tl.atomic_add(arrive_ptr, 1) == tl.num_programs(0) - 1
         if commits:
             tl.store(arrive_ptr, 0)
     if commits:
@@ -678,7 +620,7 @@ def _ensure_misses(pid, nprog, ready_ptr, READY: tl.constexpr, ids_ptr, slot_of_
         if ok:
             if m > ne:
                 if not SINGLE:
-                    best = _merge(cand_ptr, nprog, m - ne, BLOCK_Q, BLOCK_C, SEQ_MAX)
+                    best = _merge(cand_ptr, tl.num_programs(0), m - ne, BLOCK_Q, BLOCK_C, SEQ_MAX)
                 tl.debug_barrier()
             _commit(n_ids, key_of_ptr, slot_of_ptr, kst_ptr, sst_ptr, gst_ptr, prm_ptr,
                     cand_ptr, out_ptr, plan_ptr, count_ptr, counters_ptr, clock_ptr, valid,
@@ -687,9 +629,5 @@ def _ensure_misses(pid, nprog, ready_ptr, READY: tl.constexpr, ids_ptr, slot_of_
                     POLICY,
                     HAS_LOGITS, EARLY, BLOCK_Q, SEQ_MAX, LEAN, TABLE, mir_ptr, MIRROR)
             tl.store(missed_ptr, missed + m)
-            if READY:
-                _signal_ready(ready_ptr, m)
         else:
             tl.store(status_ptr, tl.where(bad > 0, 1, 2))
-            if READY:  # a refused call copies nothing
-                _signal_ready(ready_ptr, 0)

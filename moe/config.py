@@ -56,9 +56,6 @@ class MoEConfig:
     (beside them both made the resident layer slower, 33.8 against 29.8 us; without them faster: with
     the overlap off one more resident layer took 31.6 against 32.8 us). False: the module defaults
     (moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER) decide, as they do for standalone calls.
-    fused_copy: the ensure and the miss copy are one launch (DeviceCache.ensure_copy: the copy's
-    programs wait in the launch for the plan); the same output bits and state. Not with hits_first,
-    whose gate_up the copy releases at its start (that layer keeps two launches).
     hits_first: the routed gate_up is one persistent launch on the compute stream that computes the
     experts resident before the ensure first, released by the miss copy at its start (with
     pdl_chain), so their rows stream while the ensure and the copy run, then the others after the
@@ -80,7 +77,6 @@ class MoEConfig:
     early_hits: bool | None = None
     hits_first: bool = False
     front_release: bool | None = None
-    fused_copy: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden", "num_experts", "top_k", "expert_intermediate"):
@@ -88,7 +84,7 @@ class MoEConfig:
         _check_int("shared_intermediate", self.shared_intermediate, minimum=0)
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        for name in ("norm_topk_prob", "copy_overlap", "pdl_chain", "hits_first", "fused_copy"):
+        for name in ("norm_topk_prob", "copy_overlap", "pdl_chain", "hits_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("early_hits", "front_release"):

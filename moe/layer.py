@@ -271,11 +271,8 @@ class MoELayer:
             side.fork(compute)  # the side stream sees weights and pre
             with torch.cuda.stream(side.stream):
                 routed_gate_up(hidden, pre, weights, gate_up, part="hits", pre=pre)
-        if cfg.fused_copy and not first:  # one launch: the copy's programs wait in it for the plan
-            buf = slots.cache.ensure_copy(self.layer, ids, slots.store, slots.pool, pdl=pdl)
-        else:
-            buf = slots.cache.ensure(self.layer, ids, pdl=pdl)  # slots [T, k], plan [Q, 2], count [1]
-            miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=pdl, release_next=pdl and first)
+        buf = slots.cache.ensure(self.layer, ids, pdl=pdl)  # slots [T, k], plan [Q, 2], count [1]
+        miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=pdl, release_next=pdl and first)
         part = "first" if first else "all" if pre is None else "rest"
         act = routed_gate_up(hidden, buf.slots, weights, gate_up, part=part, pre=pre)
         return act, buf.slots

@@ -81,12 +81,11 @@ class SyntheticModel:
 
     copy_overlap: None reads EXPERTCACHE_MOE_COPY_OVERLAP (default weights.cfg.copy_overlap);
     a bool sets MoEConfig.copy_overlap. policy: eviction policy name (--moe-cache-policy).
-    pdl_chain / early_hits / hits_first / front_release / fused_copy: None keeps weights.cfg's (MoEConfig.pdl_chain:
+    pdl_chain / early_hits / hits_first / front_release: None keeps weights.cfg's (MoEConfig.pdl_chain:
     programmatic launches of router, ensure and miss copy; MoEConfig.early_hits: resident experts'
     gate_up on the side stream; MoEConfig.hits_first: resident experts' gate_up first, on the compute
     stream, during the ensure and copy; MoEConfig.front_release: the down releases the next router,
-    which loads its weights early; MoEConfig.fused_copy: ensure and miss copy in one launch); a bool
-    sets it.
+    which loads its weights early); a bool sets it.
     Raises PoolError when the slots do not fit, RuntimeError when overlap is asked for on a GPU
     without cuda-python.
     """
@@ -94,11 +93,10 @@ class SyntheticModel:
     def __init__(self, weights: SyntheticWeights, num_slots: int, device: str | torch.device = "cuda", *,
                  copy_overlap: bool | None = None, policy: str = "lru", pdl_chain: bool | None = None,
                  early_hits: bool | None = None, hits_first: bool | None = None,
-                 front_release: bool | None = None, fused_copy: bool | None = None) -> None:
+                 front_release: bool | None = None) -> None:
         overlap = copy_overlap_from_env(weights.cfg.copy_overlap) if copy_overlap is None else copy_overlap
         flags = {name: v for name, v in (("pdl_chain", pdl_chain), ("early_hits", early_hits),
-                                         ("hits_first", hits_first), ("front_release", front_release),
-                                         ("fused_copy", fused_copy))
+                                         ("hits_first", hits_first), ("front_release", front_release))
                  if v is not None}
         self.cfg = dataclasses.replace(weights.cfg, copy_overlap=overlap, **flags)
         self.weights = weights

@@ -44,8 +44,8 @@ def compile_for_sm(kernel, types: tuple[str, ...], constexprs: dict, warps: int,
                    jit_options: dict) -> dict:
     """Compile one kernel for CUDA sm_<arch> without a GPU (needs ptxas); returns its asm dict.
 
-    types: Triton's type string of each runtime argument in order ("*bf16", "*fp32", "i32", ...; a tuple
-    of them for a tuple argument); pointers are declared 16-byte aligned. constexprs: every constexpr argument's value. Run it in a
+    types: Triton's type string of each runtime argument in order ("*bf16", "*fp32", "i32", ...);
+    pointers are declared 16-byte aligned. constexprs: every constexpr argument's value. Run it in a
     process without TRITON_INTERPRET=1 (the interpreter replaces the compiler's language hooks).
     """
     import triton
@@ -55,7 +55,6 @@ def compile_for_sm(kernel, types: tuple[str, ...], constexprs: dict, warps: int,
 
     fn = JITFunction(kernel.fn, **jit_options)
     signature = {**dict(zip(fn.arg_names, types)), **{c: "constexpr" for c in constexprs}}
-    aligned = {(n,): [["tt.divisibility", 16]] for n, ty in enumerate(types)
-               if isinstance(ty, str) and ty.startswith("*")}  # (a tuple of pointers: left as it is)
+    aligned = {(n,): [["tt.divisibility", 16]] for n, ty in enumerate(types) if ty.startswith("*")}
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm

@@ -17,7 +17,7 @@ def _bench():
 def _base() -> argparse.Namespace:
     return argparse.Namespace(early_hits=None, pdl_chain=True, hits_first=False, compute_priority=None,
                               hits_per_sm=None, down_release=False, router_early=False, down_prefetch=None,
-                              front_release=None, fused_copy=None)
+                              front_release=None)
 
 
 def test_variant_parts_set_their_options():
@@ -33,8 +33,8 @@ def test_variant_parts_set_their_options():
     assert plain.router_tiles == {} and plain.router_select == "topk"
     _, old = bench.resident_variant("eh+nofr", base)
     assert (old.early_hits, old.front_release) == (True, False)
-    _, fr = bench.resident_variant("fr+fc", base)
-    assert fr.front_release is True and fr.early_hits is None and fr.fused_copy is True
+    _, fr = bench.resident_variant("fr", base)
+    assert fr.front_release is True and fr.early_hits is None
 
 
 @pytest.mark.parametrize("bad", ["re", "rex", "rwarps", "bogus", "noeh+pfx", "frx"])

@@ -413,39 +413,6 @@ def test_early_hits_and_front_release_resolution_cpu():
 
 
 @interpreter
-def test_fused_copy_matches_plain_cpu():
-    """MoEConfig.fused_copy (ensure and miss copy in one launch) on the CPU interpreter: outputs, slot
-    maps and pool equal to the two launches', with evictions every step."""
-    weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=13)
-    plain, fused = SyntheticModel(weights, CPU_S, "cpu"), SyntheticModel(weights, CPU_S, "cpu", fused_copy=True)
-    gen = torch.Generator().manual_seed(14)
-    for _ in range(3):
-        x = torch.randn(2, CPU_CFG.hidden, generator=gen).to(BF16)
-        before = misses(fused)
-        a, b = plain.step(x), fused.step(x)
-        assert misses(fused) > before, "every step must miss (and evict)"
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-        sa, sb = state(plain), state(fused)
-        for name in sa:
-            assert torch.equal(sa[name], sb[name]), name
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_fused_copy_bitwise(gpu_weights, graph, overlap):
-    """MoEConfig.fused_copy (one cooperative launch: the ensure's programs and the copy's, which wait in
-    it for the plan) changes no bit against the two launches with the overlap off, with evictions every
-    step, eager and in a CUDA graph, with the overlap off and on (early hits on the side stream)."""
-    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False)
-    fused = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap, fused_copy=True)
-    assert_steps_bitwise(plain, fused, graph, 2, seed=43)
-    plain.close()
-    fused.close()
-
-
-@interpreter
 def test_hits_first_matches_plain_cpu():
     """hits_first on the CPU interpreter (no programmatic launch: the two halves in one launch, in
     order): outputs, slot maps and pool equal to the default layer's, with evictions every step."""
