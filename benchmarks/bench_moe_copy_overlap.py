@@ -154,6 +154,22 @@ def timed(fn, x) -> tuple:
     return start, end
 
 
+def replay_round(graphs: dict, order, x: torch.Tensor) -> dict:
+    """Replay graphs[k] for k in `order` on input x (copied in first, untimed), each timed by CUDA events
+    behind a sleep kernel; microseconds per key."""
+    for k in order:
+        graphs[k].x.copy_(x)
+    events = {k: timed(lambda _, k=k: graphs[k].graph.replay(), None) for k in order}
+    torch.cuda.synchronize()
+    return {k: s.elapsed_time(e) * 1e3 for k, (s, e) in events.items()}
+
+
+def spread(t) -> dict:
+    """Median, p10 and p90 of the values t (us)."""
+    return {"median_us": float(np.median(t)), "p10_us": float(np.percentile(t, 10)),
+            "p90_us": float(np.percentile(t, 90))}
+
+
 def abab(graphs: dict, xs: list[torch.Tensor], counters: torch.Tensor) -> dict:
     """Round r replays off and on with xs[r], order alternating; per-mode and paired times in us.
 
@@ -162,45 +178,31 @@ def abab(graphs: dict, xs: list[torch.Tensor], counters: torch.Tensor) -> dict:
     times, misses = {"off": [], "on": []}, []
     seen = int(counters[:, 2].sum())
     for r, x in enumerate(xs):
-        order = ("off", "on") if r % 2 == 0 else ("on", "off")
-        for mode in order:
-            graphs[mode].x.copy_(x)  # untimed
-        events = {mode: timed(lambda _, m=mode: graphs[m].graph.replay(), None) for mode in order}
-        torch.cuda.synchronize()
-        for mode, (s, e) in events.items():
-            times[mode].append(s.elapsed_time(e) * 1e3)
+        for mode, us in replay_round(graphs, ("off", "on") if r % 2 == 0 else ("on", "off"), x).items():
+            times[mode].append(us)
         now = int(counters[:, 2].sum())
         misses.append(now - seen)
         seen = now
     diff = np.array(times["off"]) - np.array(times["on"])
-    stat = lambda t: {"median_us": float(np.median(t)), "p10_us": float(np.percentile(t, 10)),
-                      "p90_us": float(np.percentile(t, 90))}
-    return {"off": stat(times["off"]), "on": stat(times["on"]), "paired_saving": stat(diff), "rounds": len(xs),
+    return {"off": spread(times["off"]), "on": spread(times["on"]), "paired_saving": spread(diff), "rounds": len(xs),
             "misses_per_step_mean": float(np.mean(misses)), "steps_without_miss": int(np.sum(np.array(misses) == 0))}
 
 
 def marginal(graphs: dict, short: dict, xs: list[torch.Tensor], extra_layers: int) -> dict:
     """The cost of one more layer: each round replays the full step graphs and the graphs of the first
-    D layers (`short`) of both modes, order rotating, CUDA events behind a sleep kernel; per round and
-    mode (full - short) / extra_layers (the layers D..L-1), so the step's fixed cost (the graph's
-    launch, the first layer's router waiting on nothing before it) cancels; median, p10, p90 in us."""
-    keys = [(m, g) for m in graphs for g in ("full", "short")]
+    D layers (`short`) of both modes, order rotating (replay_round); per round and mode (full - short) /
+    extra_layers (the layers D..L-1), so the step's fixed cost (the graph's launch, the first layer's
+    router waiting on nothing before it) cancels; median, p10, p90 in us."""
+    both = {(m, g): (graphs if g == "full" else short)[m] for m in graphs for g in ("full", "short")}
+    keys = list(both)
     times: dict = {k: [] for k in keys}
     for r, x in enumerate(xs):
-        order = keys[r % len(keys):] + keys[: r % len(keys)]
-        for m, g in order:
-            (graphs if g == "full" else short)[m].x.copy_(x)  # untimed
-        events = {(m, g): timed(lambda _, m=m, g=g: (graphs if g == "full" else short)[m].graph.replay(), None)
-                  for m, g in order}
-        torch.cuda.synchronize()
-        for k, (s, e) in events.items():
-            times[k].append(s.elapsed_time(e) * 1e3)
+        for k, us in replay_round(both, keys[r % len(keys):] + keys[: r % len(keys)], x).items():
+            times[k].append(us)
     out = {}
     for m in graphs:
         per = (np.array(times[(m, "full")]) - np.array(times[(m, "short")])) / extra_layers
-        out[m] = {"median_us": float(np.median(per)), "p10_us": float(np.percentile(per, 10)),
-                  "p90_us": float(np.percentile(per, 90)),
-                  "full_step_median_us": float(np.median(times[(m, "full")])),
+        out[m] = {**spread(per), "full_step_median_us": float(np.median(times[(m, "full")])),
                   "short_step_median_us": float(np.median(times[(m, "short")]))}
     return out
 
