@@ -390,7 +390,7 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
     sets dr and rw itself); first: MoEConfig.hits_first; rtopk: the router
     selects with RouterConfig(select="topk"), the default before "logits";
     dr / nodr: RoutedConfig.down_release on / off; rw / norw: RouterConfig.early_weights on / off;
-    pfN: RoutedConfig.down_prefetch=N; reN / rwarpsN: RouterConfig.block_e / warps=N) -> (spec, args with
+    pfN: RoutedConfig.down_prefetch=N; cr / nocr: RoutedConfig.copy_release True / False; reN / rwarpsN: RouterConfig.block_e / warps=N) -> (spec, args with
     those set)."""
     opts = argparse.Namespace(**vars(args))
     opts.router_select = None
@@ -414,6 +414,8 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.down_release = part == "dr"
         elif part in ("rw", "norw"):
             opts.router_early = part == "rw"
+        elif part in ("cr", "nocr"):
+            opts.copy_release = part == "cr"
         elif part.startswith("pf") and part[2:].isdigit():
             opts.down_prefetch = int(part[2:])
         elif part.startswith("re") and part[2:].isdigit():
@@ -422,7 +424,7 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
             opts.router_tiles["warps"] = int(part[6:])
         else:
             raise SystemExit(f"--resident-variants: {part!r} is not hitsN, eh, noeh, fr, nofr, first, chain, "
-                             "nochain, prioN, rtopk, dr, nodr, rw, norw, pfN, reN or rwarpsN")
+                             "nochain, prioN, rtopk, dr, nodr, rw, norw, pfN, cr, nocr, reN or rwarpsN")
     return spec, opts
 
 
@@ -511,6 +513,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                          "(--compute-priority -N), first (MoEConfig.hits_first), rtopk (the router's "
                          "select=\"topk\"), dr / nodr (RoutedConfig.down_release on / off), "
                          "rw / norw (RouterConfig.early_weights on / off), pfN (RoutedConfig.down_prefetch=N), "
+                         "cr / nocr (RoutedConfig.copy_release True / False), "
                          "reN / rwarpsN (RouterConfig.block_e / warps=N), joined by '+'")
     ap.add_argument("--down-release", action=argparse.BooleanOptionalAction, default=DEFAULT_ROUTED.down_release,
                     help="RoutedConfig.down_release: the down launch lets the next layer's router start after "
@@ -518,6 +521,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--down-prefetch", type=int, default=DEFAULT_ROUTED.down_prefetch,
                     help="RoutedConfig.down_prefetch: experts whose down weight tiles each program loads before "
                          "its programmatic wait (all their slots first; default: min(4, k))")
+    ap.add_argument("--copy-release", action=argparse.BooleanOptionalAction, default=DEFAULT_ROUTED.copy_release,
+                    help="RoutedConfig.copy_release (default: where the layer's front_release is on): the miss "
+                         "copy lets the routed gate_up launch right after the copy's own wait")
     ap.add_argument("--router-early", action=argparse.BooleanOptionalAction, default=DEFAULT_ROUTER.early_weights,
                     help="RouterConfig.early_weights: the router's weights loaded before its programmatic wait")
     ap.add_argument("--no-pdl-chain", dest="pdl_chain", action="store_false",
@@ -534,7 +540,8 @@ def main() -> None:
         moe.routed.HITS_PROGRAMS_PER_SM = args.hits_per_sm
     # the layer's launches take moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER
     moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=args.down_release,
-                                                    down_prefetch=args.down_prefetch)
+                                                    down_prefetch=args.down_prefetch,
+                                                    copy_release=args.copy_release)
     moe.router.DEFAULT_ROUTER = dataclasses.replace(DEFAULT_ROUTER, early_weights=args.router_early)
     if not torch.cuda.is_available():
         print("bench_moe_copy_overlap needs a CUDA GPU; see --help", file=sys.stderr)
@@ -562,7 +569,8 @@ def main() -> None:
             DEFAULT_ROUTER, early_weights=opts.router_early, **opts.router_tiles,
             **({} if opts.router_select is None else {"select": opts.router_select}))
         moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=opts.down_release,
-                                                        down_prefetch=opts.down_prefetch)
+                                                        down_prefetch=opts.down_prefetch,
+                                                        copy_release=opts.copy_release)
         t1 = time.time()
         res.setdefault("resident_variants", {})[name] = resident_mode(weights, opts, xs, out_dir)
         r = res["resident_variants"][name]

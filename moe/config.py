@@ -51,8 +51,9 @@ class MoEConfig:
     us without early hits against 28.5 with them: docs/moe.md).
     front_release: the routed down lets the next layer's router launch right after its own wait
     (RoutedConfig.down_release) and the router loads its weights before its wait (RouterConfig.early_weights,
-    where they fit), and the down prefetches 2 experts' tiles (RoutedConfig.down_prefetch, unless it is
-    set); the same output bits. None (the default): on unless the layer runs early hits
+    where they fit), the down prefetches 2 experts' tiles (RoutedConfig.down_prefetch, unless it is
+    set), and the miss copy lets the routed gate_up launch right after its own wait
+    (RoutedConfig.copy_release, unless it is set); the same output bits. None (the default): on unless the layer runs early hits
     (beside them both made the resident layer slower, 33.8 against 29.8 us; without them faster: with
     the overlap off one more resident layer took 31.6 against 32.8 us). False: the module defaults
     (moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER) decide, as they do for standalone calls.

@@ -196,6 +196,13 @@ class MoELayer:
                                                                     down_prefetch=prefetch)))
         return self._configs[1]
 
+    def copy_release(self) -> bool:
+        """Whether the miss copy lets the routed gate_up launch right after the copy's own wait:
+        RoutedConfig.copy_release of the module default (read at each call), None meaning this
+        layer's front_release (with MoEConfig.hits_first the copy releases it at once instead)."""
+        flag = moe.routed.DEFAULT_CONFIG.copy_release
+        return self.front_release if flag is None else flag
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.forward(hidden)
 
@@ -277,7 +284,8 @@ class MoELayer:
             with torch.cuda.stream(side.stream):
                 routed_gate_up(hidden, pre, weights, gate_up, part="hits", pre=pre)
         buf = slots.cache.ensure(self.layer, ids, pdl=pdl)  # slots [T, k], plan [Q, 2], count [1]
-        miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=pdl, release_next=pdl and first)
+        miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=pdl, release_next=pdl and first,
+                  release_after_wait=pdl and not first and self.copy_release())
         part = "first" if first else "all" if pre is None else "rest"
         act = routed_gate_up(hidden, buf.slots, weights, gate_up, part=part, pre=pre)
         return act, buf.slots

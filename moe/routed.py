@@ -86,6 +86,14 @@ class RoutedConfig:
     than the call's k is refused. On the H200 at the Qwen3-Next shape, T = 1, the routed pair took
     18.73 us with 4 against 19.58 with 0 (1.26x and 1.32x the HBM floor; 1 and 2: 19.07-19.08), and
     at T = 8 112.96 against 114.64 (benchmarks/results/routed-2026-12-01-prefetch-78dca14.log).
+    copy_release (None, the default, or a bool): whether MoELayer's miss copy lets the routed gate_up
+    launch right after the copy's own wait (expertcache.copy.miss_copy(release_after_wait=True)) instead
+    of at the copy's end, so its programs are scheduled while the copy reads its plan; they still wait
+    for the copy before reading anything, so the same bits. None: where the layer's
+    MoEConfig.front_release is on (no early hits on the side stream, whose SMs the waiting programs
+    would hold through a copy). On the H200 one more resident Qwen3-Next-like layer took 24.9-25.0 us
+    with it against 25.1-25.2 without, overlap on, and 31.3-31.4 against 31.6-31.7 off
+    (benchmarks/results/moe-copy-overlap-resident-2026-12-01-cr-*.log).
     The defaults come from moe.plan (GEMV_BLOCK_I, GEMV_BLOCK_H) so make_routed_plan's grid is the
     one launched. Raises ValueError naming the field.
     """
@@ -99,6 +107,7 @@ class RoutedConfig:
     pdl: bool = True
     down_release: bool = False
     down_prefetch: int | None = None
+    copy_release: bool | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -106,6 +115,10 @@ class RoutedConfig:
             if f.name in ("pdl", "down_release"):
                 if not isinstance(v, bool):
                     raise ValueError(f"RoutedConfig.{f.name} must be a bool, got {v!r}")
+                continue
+            if f.name == "copy_release":
+                if v is not None and not isinstance(v, bool):
+                    raise ValueError(f"RoutedConfig.copy_release must be None or a bool, got {v!r}")
                 continue
             if f.name == "down_prefetch":
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -121,10 +134,12 @@ class RoutedConfig:
     def name(self) -> str:
         """Short label, e.g. 'i4x512w4-h4x512w4' (no programmatic launch), 'i4x1024w8-h2x512w4-pdl',
         'i1x1024w2-h2x512w4-pdl-dr' (down_release), 'i1x1024w2-h2x512w4-pdl-pf1' (down_prefetch=1; None,
-        the default, adds nothing)."""
+        the default, adds nothing), '-cr' / '-nocr' (copy_release True / False; None adds nothing)."""
+        release = {None: "", True: "-cr", False: "-nocr"}[self.copy_release]
         return (f"i{self.block_i}x{self.chunk_h}w{self.warps_gate_up}-"
                 f"h{self.block_h}x{self.chunk_i}w{self.warps_down}{'-pdl' if self.pdl else ''}"
-                f"{'-dr' if self.down_release else ''}{'' if self.down_prefetch is None else f'-pf{self.down_prefetch}'}")
+                f"{'-dr' if self.down_release else ''}{'' if self.down_prefetch is None else f'-pf{self.down_prefetch}'}"
+                f"{release}")
 
 
 DEFAULT_CONFIG = RoutedConfig()

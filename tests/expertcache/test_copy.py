@@ -160,8 +160,12 @@ def test_errors_name_the_fix(interpret, monkeypatch):
         miss_copy(store, pool, plan, count, num_ctas=0)
     with pytest.raises(ValueError, match="block_bytes"):
         miss_copy(store, pool, plan, count, block_bytes=48)
-    with pytest.raises(ValueError, match="release_next must be"):
+    with pytest.raises(ValueError, match="release_next and release_after_wait must be"):
         miss_copy(store, pool, plan, count, pdl=True, release_next=1)
+    with pytest.raises(ValueError, match="release_after_wait must be"):
+        miss_copy(store, pool, plan, count, pdl=True, release_after_wait="yes")
+    with pytest.raises(ValueError, match="not both"):
+        miss_copy(store, pool, plan, count, pdl=True, release_next=True, release_after_wait=True)
     with pytest.raises(ValueError, match="plan must be"):
         miss_copy_ce(store, pool, np.zeros((2, 3), dtype=np.int32))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -191,18 +195,26 @@ def test_gpu_miss_copy(bank_set, num_ctas):
         check(store, pool, ROWS[:count])
 
 
+RELEASES = {"plain": {}, "pdl": {"pdl": True}, "pdl-release-next": {"pdl": True, "release_next": True},
+            "pdl-release-after-wait": {"pdl": True, "release_after_wait": True}}
+
+
 @gpu
 @pytest.mark.gpu
-def test_gpu_miss_copy_follows_new_plans_under_graph_replay():
+@pytest.mark.parametrize("launch", list(RELEASES))
+def test_gpu_miss_copy_follows_new_plans_under_graph_replay(launch):
+    """The same bytes however the copy is launched: plainly, programmatically, and letting the next
+    launch start at once or right after its wait."""
     banks = GPU_BANKS["expert"]
     store = make_store(banks, K, seed=21, pin=True)
     pool = poisoned_pool(banks, S, "cuda")
     plan, count = plan_of(ROWS, "cuda"), count_of(len(ROWS), "cuda")
-    miss_copy(store, pool, plan, count)  # compile outside the capture
+    opts = RELEASES[launch]
+    miss_copy(store, pool, plan, count, **opts)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        miss_copy(store, pool, plan, count)
+        miss_copy(store, pool, plan, count, **opts)
     rng = np.random.default_rng(7)
     for n in (0, 1, 3, len(ROWS), 2):
         rows = list(zip(rng.integers(0, K, len(ROWS)).tolist(), rng.permutation(S)[:len(ROWS)].tolist()))

@@ -17,7 +17,7 @@ def _bench():
 def _base() -> argparse.Namespace:
     return argparse.Namespace(early_hits=None, pdl_chain=True, hits_first=False, compute_priority=None,
                               hits_per_sm=None, down_release=False, router_early=False, down_prefetch=None,
-                              front_release=None)
+                              front_release=None, copy_release=None)
 
 
 def test_variant_parts_set_their_options():
@@ -35,9 +35,12 @@ def test_variant_parts_set_their_options():
     assert (old.early_hits, old.front_release) == (True, False)
     _, fr = bench.resident_variant("fr", base)
     assert fr.front_release is True and fr.early_hits is None
+    _, nocr = bench.resident_variant("nocr", base)
+    assert nocr.copy_release is False and base.copy_release is None
+    assert bench.resident_variant("cr", base)[1].copy_release is True
 
 
-@pytest.mark.parametrize("bad", ["re", "rex", "rwarps", "bogus", "noeh+pfx", "frx"])
+@pytest.mark.parametrize("bad", ["re", "rex", "rwarps", "bogus", "noeh+pfx", "frx", "crx"])
 def test_unknown_variant_part_is_refused_by_name(bad):
     bench = _bench()
     with pytest.raises(SystemExit, match="resident-variants"):

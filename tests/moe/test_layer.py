@@ -21,6 +21,7 @@ import dataclasses
 import pytest
 import torch
 
+import moe.layer
 import moe.routed
 import moe.router
 from moe.config import MoEConfig
@@ -344,12 +345,13 @@ def test_hits_first_bitwise(gpu_weights, graph, overlap):
 
 
 @contextlib.contextmanager
-def launch_options(down_release=False, router_early=False, down_prefetch=0):
-    """The layer's launches with RoutedConfig.down_release / down_prefetch and RouterConfig.early_weights
-    set (all off unless asked here; down_prefetch=None is its default, min(4, k); the layer takes
-    moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER)."""
+def launch_options(down_release=False, router_early=False, down_prefetch=0, copy_release=False):
+    """The layer's launches with RoutedConfig.down_release / down_prefetch / copy_release and
+    RouterConfig.early_weights set (all off unless asked here; down_prefetch=None is its default,
+    min(4, k); the layer takes moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER)."""
     routed, router = moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER
-    moe.routed.DEFAULT_CONFIG = dataclasses.replace(routed, down_release=down_release, down_prefetch=down_prefetch)
+    moe.routed.DEFAULT_CONFIG = dataclasses.replace(routed, down_release=down_release, down_prefetch=down_prefetch,
+                                                    copy_release=copy_release)
     moe.router.DEFAULT_ROUTER = dataclasses.replace(router, early_weights=router_early)
     try:
         yield
@@ -360,7 +362,10 @@ def launch_options(down_release=False, router_early=False, down_prefetch=0):
 LAUNCH_OPTIONS = {"dr": {"down_release": True}, "rw": {"router_early": True},
                   "dr+rw": {"down_release": True, "router_early": True}, "pf1": {"down_prefetch": 1},
                   "pf-default": {"down_prefetch": None},
-                  "dr+rw+pf2": {"down_release": True, "router_early": True, "down_prefetch": 2}}
+                  "dr+rw+pf2": {"down_release": True, "router_early": True, "down_prefetch": 2},
+                  "cr": {"copy_release": True},
+                  "dr+rw+pf2+cr": {"down_release": True, "router_early": True, "down_prefetch": 2,
+                                   "copy_release": True}}
 
 
 @gpu
@@ -371,8 +376,9 @@ LAUNCH_OPTIONS = {"dr": {"down_release": True}, "rw": {"router_early": True},
 def test_early_loads_bitwise(gpu_weights, graph, overlap, options):
     """RoutedConfig.down_release (the next layer's router started by the down right after its wait),
     RouterConfig.early_weights (the router loading its weights before its wait) and
-    RoutedConfig.down_prefetch (the down's slots and first weight tiles before its wait), alone and
-    together, change no bit against the layer with both off, overlap off and on (early hits on the side
+    RoutedConfig.down_prefetch (the down's slots and first weight tiles before its wait) and
+    RoutedConfig.copy_release (the gate_up launched right after the miss copy's wait, while it copies),
+    alone and together, change no bit against the layer with both off, overlap off and on (early hits on the side
     stream), with evictions every step, so every layer's router runs while the layer before it may
     still be writing; eager and in a CUDA graph."""
     plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False, front_release=False)
@@ -405,6 +411,14 @@ def test_early_hits_and_front_release_resolution_cpu():
     assert forced.layers[0]._launch_configs() == (moe.router.DEFAULT_ROUTER, moe.routed.DEFAULT_CONFIG)
     with launch_options(down_prefetch=3):
         assert full.layers[0]._launch_configs()[1].down_prefetch == 3
+    # RoutedConfig.copy_release: None follows front_release; an explicit value wins
+    assert full.layers[0].copy_release() and not forced.layers[0].copy_release()
+    with launch_options(copy_release=None):
+        assert full.layers[0].copy_release() and not forced.layers[0].copy_release()
+    with launch_options(copy_release=True):
+        assert forced.layers[0].copy_release()
+    with pytest.raises(ValueError, match="RoutedConfig.copy_release must be None or a bool"):
+        moe.routed.RoutedConfig(copy_release=1)
     one = SyntheticModel(random_weights(dataclasses.replace(CPU_CFG, top_k=1), CPU_L, "cpu"), keys, "cpu")
     assert one.layers[0]._launch_configs()[1].down_prefetch == 1
     for bad in ({"early_hits": 1}, {"front_release": "on"}):
@@ -432,9 +446,19 @@ def test_hits_first_matches_plain_cpu():
 
 
 @interpreter
-def test_early_loads_match_plain_cpu():
-    """RoutedConfig.down_release with RouterConfig.early_weights and RoutedConfig.down_prefetch on the CPU
-    interpreter: outputs, slot maps and pool equal to the layer's with all off, with evictions every step."""
+def test_early_loads_match_plain_cpu(monkeypatch):
+    """RoutedConfig.down_release with RouterConfig.early_weights, RoutedConfig.down_prefetch and
+    RoutedConfig.copy_release on the CPU interpreter: outputs, slot maps and pool equal to the layer's
+    with all off, with evictions every step; the copy was asked to release the gate_up after its wait
+    only with copy_release."""
+    releases = []
+    real = moe.layer.miss_copy
+
+    def spy(*args, **kw):
+        releases.append((kw["release_next"], kw["release_after_wait"]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(moe.layer, "miss_copy", spy)
     weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=31)
     plain = SyntheticModel(weights, CPU_S, "cpu", front_release=False)
     early = SyntheticModel(weights, CPU_S, "cpu")  # MoEConfig.front_release=None: on (no early hits on a CPU)
@@ -443,10 +467,14 @@ def test_early_loads_match_plain_cpu():
     for _ in range(3):
         x = torch.randn(2, CPU_CFG.hidden, generator=gen).to(BF16)
         before = misses(early)
+        releases.clear()
         with launch_options():
             a = plain.step(x)
-        with launch_options(down_release=True, router_early=True, down_prefetch=2):
+        assert releases == [(False, False)] * CPU_L
+        releases.clear()
+        with launch_options(down_release=True, router_early=True, down_prefetch=2, copy_release=True):
             b = early.step(x)
+        assert releases == [(False, True)] * CPU_L
         assert misses(early) > before, "every step must miss (and evict)"
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
         sa, sb = state(plain), state(early)
