@@ -428,6 +428,16 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
     return spec, opts
 
 
+def variant_key(runs: dict, spec: str) -> str:
+    """The results.json key of a resident variant: its spec, or "spec#N" for its N-th run (N >= 2)
+    when --resident-variants repeats it, so every run is kept."""
+    n, key = 1, spec
+    while key in runs:
+        n += 1
+        key = f"{spec}#{n}"
+    return key
+
+
 def marginal_line(r: dict) -> str:
     """One line of the marginal layer cost of a resident run (--marginal-from)."""
     mg = r["marginal"]
@@ -572,8 +582,10 @@ def main() -> None:
                                                         down_prefetch=opts.down_prefetch,
                                                         copy_release=opts.copy_release)
         t1 = time.time()
-        res.setdefault("resident_variants", {})[name] = resident_mode(weights, opts, xs, out_dir)
-        r = res["resident_variants"][name]
+        runs = res.setdefault("resident_variants", {})
+        name = variant_key(runs, name)
+        runs[name] = resident_mode(weights, opts, xs, out_dir)
+        r = runs[name]
         print(f"resident {name}: layer off {r['layer_us']['off']:.1f} us, on {r['layer_us']['on']:.1f} us "
               f"({r['ratio_to_floor']['on']:.2f}x) [{time.time() - t1:.0f} s]", flush=True)
         if r.get("marginal"):

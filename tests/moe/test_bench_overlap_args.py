@@ -58,6 +58,14 @@ def test_marginal_from_is_checked_against_the_layers(capsys):
         assert "--marginal-from must be in [1, --layers)" in capsys.readouterr().err
 
 
+def test_repeated_variants_keep_every_run():
+    bench = _bench()
+    runs = {}
+    for spec in ("noeh", "cr", "noeh", "noeh"):
+        runs[bench.variant_key(runs, spec)] = spec
+    assert list(runs) == ["noeh", "cr", "noeh#2", "noeh#3"]
+
+
 def test_marginal_line_names_the_layers_and_the_ratio():
     timing = {m: {"median_us": v, "p10_us": v - 0.5, "p90_us": v + 0.5} for m, v in (("off", 30.0), ("on", 24.0))}
     r = {"settings_layers": 12, "marginal": {"from_layer": 4, "timing": timing,
