@@ -91,9 +91,9 @@ class RoutedConfig:
     of at the copy's end, so its programs are scheduled while the copy reads its plan; they still wait
     for the copy before reading anything, so the same bits. None: where the layer's
     MoEConfig.front_release is on (no early hits on the side stream, whose SMs the waiting programs
-    would hold through a copy). On the H200 one more resident Qwen3-Next-like layer took 24.85-24.96 us
-    with it against 25.13-25.25 without, overlap on, and 31.3-31.4 against 31.6-31.7 off, in three
-    calls (benchmarks/results/moe-copy-overlap-resident-2026-12-01-{cra-a8bb3a2,cr-f1597bf,cr2-f1597bf}.log).
+    would hold through a copy). On the H200 one more resident Qwen3-Next-like layer took 24.77-24.96 us
+    with it against 25.13-25.32 without, overlap on, and 31.3-31.4 against 31.6-31.7 off, in four
+    calls (benchmarks/results/moe-copy-overlap-resident-2026-12-01-cr*.log, -cra-a8bb3a2.log).
     The defaults come from moe.plan (GEMV_BLOCK_I, GEMV_BLOCK_H) so make_routed_plan's grid is the
     one launched. Raises ValueError naming the field.
     """
