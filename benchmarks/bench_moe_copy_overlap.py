@@ -428,6 +428,19 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
     return spec, opts
 
 
+def set_launch_defaults(opts: argparse.Namespace) -> None:
+    """Set the module defaults the layer's launches read (moe.routed.DEFAULT_CONFIG and
+    HITS_PROGRAMS_PER_SM, moe.router.DEFAULT_ROUTER) from the command line or a resident variant's
+    options, starting from the defaults the process began with."""
+    moe.routed.HITS_PROGRAMS_PER_SM = opts.hits_per_sm or DEFAULT_HITS_PER_SM
+    select = getattr(opts, "router_select", None)
+    moe.router.DEFAULT_ROUTER = dataclasses.replace(
+        DEFAULT_ROUTER, early_weights=opts.router_early, **getattr(opts, "router_tiles", {}),
+        **({} if select is None else {"select": select}))
+    moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=opts.down_release,
+                                                    down_prefetch=opts.down_prefetch, copy_release=opts.copy_release)
+
+
 def variant_key(runs: dict, spec: str) -> str:
     """The results.json key of a resident variant: its spec, or "spec#N" for its N-th run (N >= 2)
     when --resident-variants repeats it, so every run is kept."""
@@ -546,13 +559,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    if args.hits_per_sm is not None:
-        moe.routed.HITS_PROGRAMS_PER_SM = args.hits_per_sm
-    # the layer's launches take moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER
-    moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=args.down_release,
-                                                    down_prefetch=args.down_prefetch,
-                                                    copy_release=args.copy_release)
-    moe.router.DEFAULT_ROUTER = dataclasses.replace(DEFAULT_ROUTER, early_weights=args.router_early)
+    set_launch_defaults(args)
     if not torch.cuda.is_available():
         print("bench_moe_copy_overlap needs a CUDA GPU; see --help", file=sys.stderr)
         sys.exit(2)
@@ -574,13 +581,7 @@ def main() -> None:
     for spec in filter(None, args.resident_variants.split(",")):  # more resident runs on the same weights
         (out_dir / "results.json").write_text(json.dumps(res, indent=1, default=str))
         name, opts = resident_variant(spec, args)
-        moe.routed.HITS_PROGRAMS_PER_SM = opts.hits_per_sm or DEFAULT_HITS_PER_SM
-        moe.router.DEFAULT_ROUTER = dataclasses.replace(
-            DEFAULT_ROUTER, early_weights=opts.router_early, **opts.router_tiles,
-            **({} if opts.router_select is None else {"select": opts.router_select}))
-        moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=opts.down_release,
-                                                        down_prefetch=opts.down_prefetch,
-                                                        copy_release=opts.copy_release)
+        set_launch_defaults(opts)
         t1 = time.time()
         runs = res.setdefault("resident_variants", {})
         name = variant_key(runs, name)

@@ -181,7 +181,8 @@ class MoELayer:
         already says True), the down releasing the next launch and, unless RoutedConfig.down_prefetch
         is set, prefetching FRONT_RELEASE_PREFETCH experts' tiles instead of min(4, k): with the next
         router's programs launched beside it, 2 made one more resident layer 0.4-0.6 us faster than 4
-        with the overlap on and off (docs/moe.md)."""
+        with the overlap on and off (docs/moe.md); and, unless RoutedConfig.copy_release is set, the
+        miss copy releasing the gate_up after its wait (copy_release=True)."""
         defaults = (moe.router.DEFAULT_ROUTER, moe.routed.DEFAULT_CONFIG)
         if not self.front_release:
             return defaults
@@ -192,16 +193,16 @@ class MoELayer:
             prefetch = routed.down_prefetch
             if prefetch is None:  # beside the next router's programs, two experts' tiles before the wait
                 prefetch = min(FRONT_RELEASE_PREFETCH, self.cfg.top_k)
-            self._configs = (defaults, (router, dataclasses.replace(routed, down_release=True,
-                                                                    down_prefetch=prefetch)))
+            release = True if routed.copy_release is None else routed.copy_release
+            self._configs = (defaults, (router, dataclasses.replace(routed, down_release=True, down_prefetch=prefetch,
+                                                                    copy_release=release)))
         return self._configs[1]
 
     def copy_release(self) -> bool:
-        """Whether the miss copy lets the routed gate_up launch right after the copy's own wait:
-        RoutedConfig.copy_release of the module default (read at each call), None meaning this
-        layer's front_release (with MoEConfig.hits_first the copy releases it at once instead)."""
-        flag = moe.routed.DEFAULT_CONFIG.copy_release
-        return self.front_release if flag is None else flag
+        """Whether the miss copy lets the routed gate_up launch right after the copy's own wait: the
+        resolved RoutedConfig.copy_release of _launch_configs (None there: off without front_release;
+        with MoEConfig.hits_first the copy releases it at once instead)."""
+        return bool(self._launch_configs()[1].copy_release)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.forward(hidden)

@@ -58,6 +58,26 @@ def test_marginal_from_is_checked_against_the_layers(capsys):
         assert "--marginal-from must be in [1, --layers)" in capsys.readouterr().err
 
 
+def test_launch_defaults_follow_the_options():
+    bench = _bench()
+    import moe.routed
+    import moe.router
+    saved = (moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER, moe.routed.HITS_PROGRAMS_PER_SM)
+    try:
+        _, opts = bench.resident_variant("nocr+dr+pf2+rw+re8+rtopk+hits4", _base())
+        bench.set_launch_defaults(opts)
+        routed, router = moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER
+        assert (routed.copy_release, routed.down_release, routed.down_prefetch) == (False, True, 2)
+        assert (router.early_weights, router.block_e, router.select) == (True, 8, "topk")
+        assert moe.routed.HITS_PROGRAMS_PER_SM == 4
+        bench.set_launch_defaults(_base())  # the command line's namespace: no router tiles or select
+        assert moe.routed.DEFAULT_CONFIG == bench.DEFAULT_ROUTED
+        assert moe.router.DEFAULT_ROUTER.early_weights is False and moe.router.DEFAULT_ROUTER.block_e is None
+        assert moe.routed.HITS_PROGRAMS_PER_SM == bench.DEFAULT_HITS_PER_SM
+    finally:
+        moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER, moe.routed.HITS_PROGRAMS_PER_SM = saved
+
+
 def test_repeated_variants_keep_every_run():
     bench = _bench()
     runs = {}
