@@ -1,8 +1,12 @@
 """`expertcache sim`: replay routing traces through policies and slot counts, and report.
 
-    TRACE ... (.npz, a FreeToken-style directory, or .jsonl) | --preset NAME (synthetic)
+    flags checked (--policies, --tokens, --seed, --workers, --plot's folder)
+    -> TRACE ... (.npz, a FreeToken-style directory, or .jsonl) | --preset NAME (synthetic)
+    -> slot counts checked against each trace (largest call <= slots <= L*E keys)
     -> sweep (policy x slots, parallel processes) -> table / JSON / PNG / per-layer view
 
+Every check runs before the first replay; a failure ends the command with
+"error: <what, naming the flag or field>: <fix>" on stderr and exit status 1.
 With no arguments it replays the embedded default, a seeded Qwen3-Next-like synthetic
 trace, at 25, 50 and 75 % of all experts as slots.
 """
@@ -11,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from expertcache.errors import EnsureError, PolicyError
-from sim.costmodel import H200, H200_SM_COPY, format_profile
-from sim.replay import check_policies, sim_policy_names, sweep
+from sim.costmodel import H200, H200_SM_COPY, HardwareProfile, format_profile
+from sim.replay import check_policies, check_replayable, min_slots, sim_policy_names, sweep
 from sim.report import build_rows, format_per_layer, format_table, plot_hit_rate
 from sim.trace import Trace, TraceError, load_trace
 
@@ -27,6 +33,10 @@ PROFILES = {  # --profile: which H200 cost model prices the misses and the layer
     "engine": H200_SM_COPY,  # this engine's measured path: SM miss copy, 20.3 us per layer beyond the bytes
     "copy-engine": H200,  # cudaMemcpy speeds from limits-h200.md, an assumed 10 us per layer
 }
+# --tokens bound: routed entries N x L x B x k of a synthetic trace. Generating one holds about
+# 36 bytes an entry (ids, float64 logits and their softmax, weights), so ~1.2 GB at the bound;
+# the qwen3-next preset (480 entries a token) reaches it at ~70,000 tokens, 35x its default.
+MAX_SYNTH_ENTRIES = 2**25
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,17 +45,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("traces", nargs="*", help="trace files (.npz, .jsonl) or FreeToken-style directories")
     p.add_argument("--preset", help="synthetic trace preset (default when no trace: "
                    f"{DEFAULT_PRESET})")
-    p.add_argument("--tokens", type=int, help="tokens of the synthetic trace")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
+    p.add_argument("--tokens", type=int, help="tokens of the synthetic trace (>= 1)")
+    p.add_argument("--seed", type=int, help="seed of the synthetic trace (>= 0, default 0)")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma-separated, from: {', '.join(sim_policy_names())}")
-    p.add_argument("--slots", help="comma-separated slot counts (overrides --slots-frac)")
+    p.add_argument("--slots", help="comma-separated slot counts, at most L*E (overrides --slots-frac)")
     p.add_argument("--slots-frac", default=DEFAULT_FRACS,
                    help="comma-separated fractions of all experts (L*E) to use as slots")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per (policy, slots)")
-    p.add_argument("--plot", metavar="PNG", help="write hit rate against slots to this PNG")
+    p.add_argument("--plot", metavar="PNG", help="write hit rate against slots to this PNG "
+                   "(one trace; with several, NAME-0.png, NAME-1.png, ... in the same folder)")
     p.add_argument("--per-layer", action="store_true", help="also print hit rate per layer")
-    p.add_argument("--workers", type=int, help="parallel processes (default: CPU count)")
+    p.add_argument("--workers", type=int, help="parallel processes (>= 1; default: CPU count)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-logits", action="store_true", help="ignore router logits (no near-miss refresh)")
     p.add_argument("--profile", choices=sorted(PROFILES), default="engine",
@@ -55,97 +66,212 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _fail(message: object) -> NoReturn:
+    raise SystemExit(f"error: {message}")
+
+
+def _policies(text: str) -> list[str]:
+    """The distinct names of --policies, in order, each a known policy."""
+    names = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not names:
+        _fail(f"--policies names no policy (got {text!r}): give comma-separated names from "
+              f"{', '.join(sim_policy_names())}")
+    try:
+        check_policies(names)
+    except PolicyError as exc:
+        _fail(exc)
+    return names
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse out-of-range --tokens, --seed, --workers and a trace given with synthetic flags."""
+    synthetic = [f for f, v in (("--preset", args.preset), ("--tokens", args.tokens),
+                                ("--seed", args.seed)) if v is not None]
+    if args.traces and synthetic:
+        _fail(f"give trace files or {'/'.join(synthetic)}, not both: drop {synthetic[0]} to "
+              f"replay the files, or the files to replay a synthetic trace")
+    if args.tokens is not None and args.tokens < 1:
+        _fail(f"--tokens must be an integer >= 1, got {args.tokens}: give the decode steps of "
+              f"the synthetic trace, or leave it out for the preset's")
+    if args.seed is not None and args.seed < 0:
+        _fail(f"--seed must be an integer >= 0, got {args.seed}: the generator (numpy PCG64) "
+              f"takes non-negative seeds")
+    if args.workers is not None and args.workers < 1:
+        _fail(f"--workers must be an integer >= 1, got {args.workers}: give a process count, "
+              f"or leave it out for the CPU count")
+
+
 def _ints(text: str, flag: str) -> list[int]:
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"error: {flag} takes comma-separated integers, got {text!r}") from None
+        _fail(f"{flag} takes comma-separated integers, got {text!r}: e.g. {flag} 64,128")
     if not vals or min(vals) < 1:
-        raise SystemExit(f"error: {flag} needs positive integers, got {text!r}")
-    return vals
+        _fail(f"{flag} needs positive integers, got {text!r}: e.g. {flag} 64,128")
+    return sorted(set(vals))
 
 
-def _slots_for(trace: Trace, args: argparse.Namespace) -> list[int]:
-    if args.slots:
-        return _ints(args.slots, "--slots")
+def _fracs(text: str) -> list[float]:
     try:
-        fracs = [float(v) for v in args.slots_frac.split(",") if v.strip()]
+        fracs = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"error: --slots-frac takes comma-separated numbers, got {args.slots_frac!r}") from None
+        _fail(f"--slots-frac takes comma-separated numbers, got {text!r}: e.g. --slots-frac "
+              f"0.25,0.5")
     if not fracs or not all(0 < f <= 1 for f in fracs):
-        raise SystemExit(f"error: --slots-frac needs fractions in (0, 1], got {args.slots_frac!r}")
+        _fail(f"--slots-frac needs fractions in (0, 1], got {text!r}: e.g. --slots-frac 0.25,0.5; "
+              f"use --slots for absolute counts")
+    return fracs
+
+
+def _plot_paths(args: argparse.Namespace, count: int) -> list[Path]:
+    """The PNG path of each of `count` traces; refuses a folder that is missing or read-only."""
+    if not args.plot:
+        return []
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = Path(args.plot)
+    if path.is_dir():
+        _fail(f"--plot {path} is a folder: give a file name such as {path / 'hit-rate.png'}")
+    path = path if path.suffix else path.with_suffix(".png")  # what savefig would write
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in kinds:
+        _fail(f"--plot {args.plot}: matplotlib cannot write {path.suffix} files: end the name "
+              f"with .png (or one of {', '.join('.' + k for k in sorted(kinds))})")
+    folder = path.parent
+    if not folder.is_dir():
+        _fail(f"--plot {args.plot}: folder {folder} does not exist: create it (mkdir -p "
+              f"{folder}) or choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        _fail(f"--plot {args.plot}: folder {folder} is not writable: choose a folder you can "
+              f"write to")
+    paths = [path] if count == 1 else [folder / f"{path.stem}-{i}{path.suffix}"
+                                       for i in range(count)]
+    for p in paths:
+        if p.is_dir():
+            _fail(f"--plot {p} is a folder: give a file name such as {p / 'hit-rate.png'}")
+    return paths
+
+
+def _slot_request(args: argparse.Namespace) -> tuple[str, list]:
+    """("--slots", counts) or ("--slots-frac", fractions), checked."""
+    if args.slots is not None:
+        return "--slots", _ints(args.slots, "--slots")
+    return "--slots-frac", _fracs(args.slots_frac)
+
+
+def _slots_for(name: str, trace: Trace, request: tuple[str, list]) -> list[int]:
+    """The slot counts to replay `trace` at: each >= its largest call and <= its L*E keys."""
+    try:
+        check_replayable(trace)
+    except TraceError as exc:
+        _fail(f"{name}: {exc}")
     total = trace.num_layers * trace.num_experts
-    return sorted({max(1, round(f * total)) for f in fracs})
+    flag, values = request
+    slots = values if flag == "--slots" else sorted({max(1, round(f * total)) for f in values})
+    if slots[-1] > total:
+        _fail(f"{name}: --slots {slots[-1]} is more than the trace's {trace.num_layers} x "
+              f"{trace.num_experts} = {total} keys (layer, expert): a larger pool never fills; "
+              f"give --slots <= {total}, or --slots-frac 1 for all of them")
+    need = min_slots(trace)
+    if slots[0] < need:
+        _fail(f"{name}: {flag} gives {slots[0]} slots, too few: one call of this trace asks "
+              f"for {need} distinct experts; give at least {need} slots (e.g. --slots {need})")
+    return slots
 
 
 def load_any(path: str) -> Trace:
-    """A trace from an .npz file, a .jsonl file or a FreeToken-style directory."""
+    """A trace from an .npz file, a .jsonl file or a FreeToken-style directory.
+
+    Raises TraceError naming the path (and field) and the fix.
+    """
     from sim.importers import import_freetoken_dir, import_jsonl
 
     p = Path(path)
-    if p.is_dir():
-        return import_freetoken_dir(p)
-    if p.suffix == ".jsonl":
-        return import_jsonl(p, model=p.stem)
-    return load_trace(p)
+    if not p.exists():
+        raise TraceError(f"{p}: no such file or directory: check the path (a trace is an .npz "
+                         f"file, a .jsonl file or a FreeToken-style directory)")
+    if p.is_dir():  # the model name defaults to the folder's or file's when the meta has none
+        return import_freetoken_dir(p, default_model=p.resolve().name)
+    if p.suffix.lower() == ".jsonl":
+        return import_jsonl(p, default_model=p.stem)
+    try:
+        return load_trace(p)
+    except TraceError as exc:
+        if p.suffix.lower() == ".npz":
+            raise
+        raise TraceError(f"{exc}; a JSON-lines trace must be named *.jsonl") from None
+
+
+def _synthetic(args: argparse.Namespace) -> tuple[str, Trace]:
+    from sim.synthetic import PRESETS, generate, preset
+
+    name = DEFAULT_PRESET if args.preset is None else args.preset
+    if name not in PRESETS:
+        _fail(f"--preset {name!r} is unknown: choose from {', '.join(sorted(PRESETS))}")
+    overrides: dict = {"seed": args.seed or 0}
+    if args.tokens is not None:
+        overrides["num_tokens"] = args.tokens
+    cfg = preset(name, **overrides)
+    per_token = cfg.num_layers * cfg.batch * (cfg.logit_width if cfg.with_logits else cfg.top_k)
+    if cfg.num_tokens * per_token > MAX_SYNTH_ENTRIES:
+        _fail(f"--tokens {cfg.num_tokens}: the {name} trace would hold {cfg.num_tokens} x "
+              f"{per_token} = {cfg.num_tokens * per_token} routed entries, over the limit of "
+              f"{MAX_SYNTH_ENTRIES} (about 1.2 GB to generate): give --tokens <= "
+              f"{MAX_SYNTH_ENTRIES // per_token}")
+    return f"synthetic:{name}", generate(cfg)
 
 
 def _traces(args: argparse.Namespace) -> list[tuple[str, Trace]]:
-    if args.traces and (args.preset or args.tokens):
-        raise SystemExit("error: give trace files or --preset/--tokens, not both")
-    if args.traces:
-        return [(t, load_any(t)) for t in args.traces]
-    from sim.synthetic import generate, preset
+    if not args.traces:
+        return [_synthetic(args)]
+    out = []
+    for path in args.traces:
+        try:
+            out.append((path, load_any(path)))
+        except TraceError as exc:
+            _fail(exc)
+        except OSError as exc:
+            _fail(f"{path}: cannot be read ({exc.strerror or exc}): check the path and its "
+                  f"permissions")
+    return out
 
-    name = args.preset or DEFAULT_PRESET
-    overrides = {"seed": args.seed}
-    if args.tokens:
-        overrides["num_tokens"] = args.tokens
-    try:
-        cfg = preset(name, **overrides)
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    return [(f"synthetic:{name}", generate(cfg))]
+
+def _title(name: str, trace: Trace, profile: HardwareProfile) -> str:
+    m = trace.meta
+    label = name if name.endswith(m.model) else f"{name}: {m.model}"
+    return (f"{label}, {trace.num_tokens} tokens, {m.num_layers} layers x "
+            f"{m.num_experts} experts, top-{m.top_k}, batch {trace.batch}, "
+            f"{trace.accesses} accesses\ncost model: {format_profile(profile)}")
 
 
 def run(args: argparse.Namespace) -> int:
-    policies = [p for p in args.policies.split(",") if p.strip()]
-    try:
-        check_policies(policies)
-    except PolicyError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    try:
-        traces = _traces(args)
-    except (TraceError, OSError) as exc:
-        raise SystemExit(f"error: {exc}") from None
+    policies = _policies(args.policies)
+    _check_flags(args)
+    request = _slot_request(args)
+    plots = _plot_paths(args, max(1, len(args.traces)))
+    plans = [(name, trace, _slots_for(name, trace, request)) for name, trace in _traces(args)]
     refs = [p for p in ("lru", "belady") if p not in policies]
+    profile = PROFILES[args.profile]
     out_json: list[dict] = []
-    for name, trace in traces:
-        slots = _slots_for(trace, args)
+    for i, (name, trace, slots) in enumerate(plans):
         try:
             results = sweep(trace, policies + refs, slots, workers=args.workers,
                             progress=not args.no_progress and sys.stderr.isatty(),
                             use_logits=not args.no_logits)
-        except (EnsureError, PolicyError) as exc:
-            raise SystemExit(f"error: {name}: {exc}") from None
-        profile = PROFILES[args.profile]
+        except (EnsureError, PolicyError, TraceError) as exc:
+            _fail(f"{name}: {exc}")
         rows = [r for r in build_rows(trace, results, profile) if r.result.policy in policies]
         if args.json:
             out_json += [dict(trace=name, **r.to_dict()) for r in rows]
-            continue
-        m = trace.meta
-        label = name if name.endswith(m.model) else f"{name}: {m.model}"
-        title = (f"{label}, {trace.num_tokens} tokens, {m.num_layers} layers x "
-                 f"{m.num_experts} experts, top-{m.top_k}, batch {trace.batch}, "
-                 f"{trace.accesses} accesses\ncost model: {format_profile(profile)}")
-        print(format_table(rows, title))
-        if args.per_layer:
-            print(format_per_layer(rows))
-        if args.plot:
-            path = args.plot if len(traces) == 1 else f"{Path(args.plot).stem}-{len(out_json)}.png"
-            plot_hit_rate(rows, path, title=f"{Path(name).name}\n{m.model}")
-            print(f"plot: {path}")
-        print()
+        else:
+            print(format_table(rows, _title(name, trace, profile)))
+            if args.per_layer:
+                print(format_per_layer(rows))
+        if plots:
+            plot_hit_rate(rows, str(plots[i]), title=f"{Path(name).name}\n{trace.meta.model}")
+            print(f"plot: {plots[i]}", file=sys.stderr if args.json else sys.stdout)
+        if not args.json:
+            print()
     if args.json:
         print(json.dumps(out_json, indent=1))
     return 0

@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from sim.trace import FORMAT, Trace, TraceError, TraceMeta, _check_distinct, _check_ids, _is_int
+from sim.archive import read_npy
+from sim.trace import (FORMAT, MAX_KEYS, MAX_LAYERS, Trace, TraceError, TraceMeta, _check_distinct,
+                       _check_ids, _is_int)
 
 _INT32 = np.iinfo(np.int32)
 # FreeToken file per Trace field: (file name, "i"nteger or "f"loat, ndim)
@@ -46,25 +48,31 @@ def _read_meta_json(path: Path) -> dict[str, Any]:
 
 
 def _build_meta(base: dict[str, Any], args: dict[str, Any], arrays: dict[str, np.ndarray], *,
-                default_source: str, where: str, dropped: int = 0) -> TraceMeta:
+                default_source: str, where: str, default_model: str | None = None,
+                dropped: int = 0) -> TraceMeta:
     """Meta from stored keys, then arguments that are not None (license only when not
     "unknown"), then defaults; num_experts, when neither gives it, is max id + 1 (flagged)."""
     d = {k: v for k, v in base.items() if k != "format"}
     d.update({k: v for k, v in args.items() if v is not None and (k, v) != ("license", "unknown")})
-    if "model" not in d:
+    if "model" not in d and default_model is None:
         raise TraceError(f"{where}: model unknown: pass model=... or add 'model' to the meta JSON")
     if "num_experts" not in d:
         ids = [arrays[k] for k in ("experts", "logit_idx") if k in arrays]
         top = max((int(a.max()) for a in ids if a.size), default=-1)
         if top < 0:
             raise TraceError(f"{where}: no valid expert id to infer num_experts from: pass "
-                             f"num_experts=...")
+                             f"num_experts=... or add 'num_experts' to the meta JSON")
+        keys = arrays["experts"].shape[1] * (top + 1)
+        if keys > MAX_KEYS:
+            raise TraceError(f"{where}: the largest expert id {top} makes num_experts {top + 1} "
+                             f"and L * E = {keys} keys, over the limit of {MAX_KEYS}: fix the "
+                             f"ids or give num_experts in the meta JSON")
         d.update(num_experts=top + 1, num_experts_inferred=True)
     if dropped:
         d["dropped_tokens"] = dropped
     e = arrays["experts"]
-    defaults = {"num_layers": e.shape[1], "top_k": e.shape[-1], "expert_bytes": None,
-                "phase": "decode", "source": default_source, "license": "unknown"}
+    defaults = {"model": default_model, "num_layers": e.shape[1], "top_k": e.shape[-1],
+                "expert_bytes": None, "phase": "decode", "source": default_source, "license": "unknown"}
     for key, value in defaults.items():
         d.setdefault(key, value)
     d["format"] = FORMAT
@@ -81,14 +89,7 @@ def _finish(trace: Trace, where: str) -> Trace:
 
 def _load_npy(path: Path, kind: str, ndim: int) -> np.ndarray:
     """One FreeToken array as int32 ("i") or float32 ("f"), checked. Raises TraceError."""
-    try:
-        a = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise TraceError(f"{path}: cannot read as a .npy array ({e}): write it with "
-                         f"np.save") from None
-    if not isinstance(a, np.ndarray):
-        raise TraceError(f"{path}: is an .npz archive, not a .npy array: save the array alone "
-                         f"with np.save")
+    a = read_npy(path, "save the array alone with np.save")
     if a.ndim != ndim:
         want = {1: "[N]", 3: "[N, L, T]" if path.name.startswith("logit") else "[N, L, K]"}
         raise TraceError(f"{path}: expected {want[ndim]}, got shape {a.shape}: reshape it")
@@ -128,12 +129,14 @@ def _check_freetoken_shapes(d: Path, arrays: dict[str, np.ndarray]) -> None:
 
 def import_freetoken_dir(path: str | os.PathLike, *, model: str | None = None,
                          num_experts: int | None = None, expert_bytes: int | None = None,
-                         source: str | None = None, license: str = "unknown") -> Trace:
+                         source: str | None = None, license: str = "unknown",
+                         default_model: str | None = None) -> Trace:
     """A FreeToken-style trace directory as a Trace (B = 1, phase "decode" unless meta.json says).
 
     Meta keys come from meta.json where present; arguments that are not None override them
-    (license only when not left at "unknown"). num_experts: argument, meta.json, else max id
-    + 1 with meta.extra["num_experts_inferred"] = True. Raises TraceError naming the file.
+    (license only when not left at "unknown"); default_model names the model when neither
+    does. num_experts: argument, meta.json, else max id + 1 with
+    meta.extra["num_experts_inferred"] = True. Raises TraceError naming the file.
     """
     d = Path(path)
     if not d.is_dir():
@@ -148,7 +151,7 @@ def import_freetoken_dir(path: str | os.PathLike, *, model: str | None = None,
     args = dict(model=model, num_experts=num_experts, expert_bytes=expert_bytes, source=source,
                 license=license)
     meta = _build_meta(base, args, arrays, default_source=f"freetoken:{d.name}",
-                       where=str(d / "meta.json") if base else str(d))
+                       default_model=default_model, where=str(d / "meta.json") if base else str(d))
     for key in ("experts", "logit_idx"):
         if key in arrays:
             _check_ids(str(d / _FT_FILES[key][0]), arrays[key], meta.num_experts)
@@ -236,6 +239,11 @@ def _parse_record(obj: dict, keys: JsonlKeys, where: str, line: int) -> tuple[tu
     has_ds = keys.dataset in obj
     rid = (obj[keys.dataset], obj.get(keys.request)) if has_ds else obj.get(keys.request)
     layer, tok = _jsonl_int(obj, keys.layer, where), _jsonl_int(obj, keys.token, where)
+    if layer >= MAX_LAYERS:
+        raise TraceError(f"{where}: field '{keys.layer}' = {layer} is over the limit: layer "
+                         f"indices run 0..{MAX_LAYERS - 1} (real models have under 100 MoE "
+                         f"layers): fix the line, or the layer key if '{keys.layer}' is another "
+                         f"field")
     experts = _jsonl_list(obj, keys.experts, where, ints=True)
     valid = [x for x in experts if x >= 0]
     if len(set(valid)) != len(valid):
@@ -306,21 +314,25 @@ def _read_jsonl(path: Path, keys: JsonlKeys) -> tuple[dict, dict, tuple]:
 
 def _assemble(path: Path, cells: dict, requests: dict,
               form: tuple) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
-    """Arrays [N, L, ...] of the tokens present in every layer; line numbers [N, L]; dropped."""
+    """Arrays [N, L, ...] of the tokens present in every layer; line numbers [N, L]; dropped.
+
+    Memory is proportional to the records: tokens are kept by value (sets), never as indices
+    of a dense axis, and the arrays hold one entry per record kept."""
     num_layers = 1 + max(layer for _, layer, _ in cells)
-    seen: dict[Any, list[set]] = {rid: [set() for _ in range(num_layers)] for rid in requests}
+    seen: dict[Any, dict[int, set]] = {rid: {} for rid in requests}  # request -> layer -> tokens
     for rid, layer, tok in cells:
-        seen[rid][layer].add(tok)
+        seen[rid].setdefault(layer, set()).add(tok)
     rows: list[tuple[Any, int]] = []
     req: list[int] = []
     dropped = 0
     for rid, order in requests.items():
-        missing = [layer for layer, toks in enumerate(seen[rid]) if not toks]
-        if missing:
-            raise TraceError(f"{path}: request {rid!r} has no records for layer(s) {missing}: "
+        if len(seen[rid]) < num_layers:
+            missing = [layer for layer in range(num_layers) if layer not in seen[rid]]
+            shown = f"{missing[:8]}" + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise TraceError(f"{path}: request {rid!r} has no records for layer(s) {shown}: "
                              f"every request needs layers 0..{num_layers - 1}")
-        common = sorted(set.intersection(*seen[rid]))
-        dropped += len(set.union(*seen[rid])) - len(common)
+        common = sorted(set.intersection(*seen[rid].values()))
+        dropped += len(set.union(*seen[rid].values())) - len(common)
         rows += [(rid, tok) for tok in common]
         req += [order] * len(common)
     if not rows:
@@ -344,7 +356,8 @@ def _check_ids_lines(path: Path, field: str, a: np.ndarray, lines: np.ndarray,
     if bad.any():
         n, layer, j = np.argwhere(bad)[0]
         raise TraceError(f"{path}:{lines[n, layer]}: field '{field}' holds id {a[n, layer, j]} "
-                         f"outside [-1, {num_experts}): fix the id or pass num_experts=...")
+                         f"outside [-1, {num_experts}): fix the id, or raise num_experts "
+                         f"(num_experts=... or the meta JSON's 'num_experts')")
 
 def import_jsonl(path: str | os.PathLike, *, model: str | None = None,
                  num_experts: int | None = None, expert_bytes: int | None = None,
@@ -352,7 +365,8 @@ def import_jsonl(path: str | os.PathLike, *, model: str | None = None,
                  request_key: str = "problem_id", layer_key: str = "layer",
                  token_key: str = "token_idx", experts_key: str = "experts",
                  weights_key: str = "gating_probs", dataset_key: str = "dataset",
-                 logit_idx_key: str = "logit_idx", logit_val_key: str = "logit_val") -> Trace:
+                 logit_idx_key: str = "logit_idx", logit_val_key: str = "logit_val",
+                 default_model: str | None = None) -> Trace:
     """A JSONL routing log, one object per (request, layer, token), as a Trace (B = 1).
 
     Requests are decoded one after another at batch 1, in order of first appearance; a request
@@ -374,7 +388,7 @@ def import_jsonl(path: str | os.PathLike, *, model: str | None = None,
     Meta: arguments that are not None override the sidecar `<path>.meta.json` (written by
     export_jsonl; license only when not "unknown"); num_experts otherwise is max id + 1 with
     meta.extra["num_experts_inferred"] = True; phase defaults to "decode". model is needed
-    from one of the two. Raises TraceError naming the file, line and field.
+    from one of the two, or default_model. Raises TraceError naming the file, line and field.
     """
     p = Path(path)
     if not p.is_file():
@@ -390,7 +404,7 @@ def import_jsonl(path: str | os.PathLike, *, model: str | None = None,
                 license=license)
     base = _read_meta_json(_sidecar(p))
     meta = _build_meta(base, args, arrays, default_source=f"jsonl:{p.name}", dropped=dropped,
-                       where=str(_sidecar(p)) if base else str(p))
+                       default_model=default_model, where=str(_sidecar(p)) if base else str(p))
     _check_ids_lines(p, keys.experts, arrays["experts"], lines, meta.num_experts)
     if "logit_idx" in arrays:
         _check_ids_lines(p, keys.logit_idx, arrays["logit_idx"], lines, meta.num_experts)

@@ -24,7 +24,7 @@ from expertcache.fast import run_calls
 from expertcache.geometry import distinct_counts
 from expertcache.host import ACCESSES, MISSES
 from sim.belady import Belady
-from sim.trace import Trace
+from sim.trace import Trace, TraceError
 
 ORACLES = ("belady",)
 
@@ -102,9 +102,21 @@ def check_policies(names: list[str]) -> None:
                               + ", ".join(sim_policy_names()))
 
 
+def check_replayable(trace: Trace) -> None:
+    """Raise TraceError naming `experts` when the trace has no decode step to replay (N = 0):
+    such a trace loads and slices fine, but has no hit rate and no per-token figures."""
+    if trace.num_tokens == 0:
+        raise TraceError(f"experts has shape {tuple(trace.experts.shape)}: the trace has no "
+                         f"decode steps (N = 0), so there is nothing to replay: record or "
+                         f"slice at least one token")
+
+
 def min_slots(trace: Trace) -> int:
-    """The most distinct experts one call of the trace asks for: the fewest slots it runs on."""
+    """The most distinct experts one call of the trace asks for: the fewest slots it runs on
+    (0 for a trace without decode steps)."""
     N, L = trace.experts.shape[:2]
+    if N * L == 0:  # distinct_counts cannot reshape an empty array with -1
+        return 0
     return int(distinct_counts(trace.experts.reshape(N * L, -1)).max())
 
 
@@ -121,7 +133,9 @@ def make_policy(name: str, geometry: CacheGeometry, ids, layers, **constants):
 def replay(trace: Trace, policy: str, slots: int, *, use_logits: bool = True,
            **constants) -> ReplayResult:
     """Replay `trace` through `policy` with `slots` slots (cold start). Cost: O(calls * S)
-    in the worst case, usually far less (one scoring pass per call with evictions)."""
+    in the worst case, usually far less (one scoring pass per call with evictions).
+    Raises TraceError for a trace without decode steps (check_replayable)."""
+    check_replayable(trace)
     ids, layers, lidx, lval = trace_calls(trace)
     if not use_logits:
         lidx = lval = None
@@ -152,14 +166,16 @@ def sweep(trace: Trace, policies: list[str], slots: list[int], *, workers: int |
     """Replay every (policy, slots) pair; results ordered by policy, then slots.
 
     workers: processes (default: the CPU count, at most the number of jobs); 1 runs in
-    this process. Raises PolicyError / EnsureError before any work for a bad policy name
-    or a slot count below the largest call (`min_slots`).
+    this process. Raises PolicyError / EnsureError / TraceError before any work for a bad
+    policy name, a slot count below the largest call (`min_slots`) or a trace without decode
+    steps (`check_replayable`).
     """
     check_policies(policies)
+    check_replayable(trace)
     need = min_slots(trace)
     if min(slots) < need:
         raise EnsureError(f"{min(slots)} slots is too few (--slots): one call of this trace asks "
-                          f"for {need} distinct experts")
+                          f"for {need} distinct experts: give at least {need} slots")
     jobs = [(p, int(s), use_logits) for p in policies for s in slots]
     workers = min(workers or os.cpu_count() or 1, len(jobs))
     bar = tqdm(total=len(jobs), desc="replay", unit="run", disable=not progress, leave=False)

@@ -2,7 +2,8 @@
 
     [ReplayResult] + trace meta + HardwareProfile
     -> rows: hit rate, misses and MB copied per token, share of the LRU-to-Belady gap
-       recovered, modeled us/token and tokens/s (sim.costmodel)
+       recovered, modeled us/token and tokens/s without and with the shared-expert overlap
+       (both from sim.costmodel.estimate_decode: tokens/s = batch * 1e6 / us per decode step)
     -> format_table (terminal), rows as JSON, plot_hit_rate (PNG), format_per_layer
 """
 
@@ -19,7 +20,8 @@ from sim.trace import Trace
 
 @dataclass(frozen=True)
 class Row:
-    """One (policy, slots) line of the report; `gap_recovered` is None without references."""
+    """One (policy, slots) line of the report; `gap_recovered` is None without references.
+    Times are per decode step; tokens_per_s[_overlap] count every batch row (batch * 1e6 / us)."""
 
     result: ReplayResult
     slots_frac: float
@@ -27,6 +29,7 @@ class Row:
     us_per_token: float | None
     tokens_per_s: float | None
     us_per_token_overlap: float | None
+    tokens_per_s_overlap: float | None
     mb_copied_per_token: float | None
 
     def to_dict(self) -> dict:
@@ -34,6 +37,7 @@ class Row:
         d.update(slots_frac=self.slots_frac, gap_recovered=self.gap_recovered,
                  us_per_token=self.us_per_token, tokens_per_s=self.tokens_per_s,
                  us_per_token_overlap=self.us_per_token_overlap,
+                 tokens_per_s_overlap=self.tokens_per_s_overlap,
                  mb_copied_per_token=self.mb_copied_per_token)
         return d
 
@@ -61,13 +65,14 @@ def build_rows(trace: Trace, results: list[ReplayResult],
         if lru is not None and opt is not None:
             width = lru.misses - opt.misses
             gap = 1.0 if width == 0 else (lru.misses - r.misses) / width
-        us = tps = us_ov = mb = None
+        us = tps = us_ov = tps_ov = mb = None
         if shape is not None:
             est = estimate_decode(r.hist, r.tokens, shape, profile, batch=trace.batch)
             ov = estimate_decode(r.hist, r.tokens, shape, profile, batch=trace.batch, overlap=True)
-            us, tps, us_ov = est.us_per_token, est.tokens_per_s, ov.us_per_token
+            us, tps = est.us_per_token, est.tokens_per_s
+            us_ov, tps_ov = ov.us_per_token, ov.tokens_per_s
             mb = est.bytes_copied_per_token / 1e6
-        rows.append(Row(r, r.slots / total, gap, us, tps, us_ov, mb))
+        rows.append(Row(r, r.slots / total, gap, us, tps, us_ov, tps_ov, mb))
     return rows
 
 
@@ -82,12 +87,11 @@ def format_table(rows: list[Row], title: str = "") -> str:
     lines = ([title] if title else []) + [head, "-" * len(head)]
     for row in sorted(rows, key=lambda x: (x.result.slots, x.result.policy)):
         r = row.result
-        tps_ov = None if row.us_per_token_overlap is None else 1e6 / row.us_per_token_overlap
         lines.append(
             f"{r.policy:<8} {r.slots:>7} {100 * row.slots_frac:>5.1f} {r.hit_rate:>8.4f} "
             f"{r.misses_per_token:>9.2f} {_fmt(row.mb_copied_per_token, '8.1f'):>8} "
             f"{_fmt(row.gap_recovered, '8.3f'):>8} {_fmt(row.us_per_token, '9.1f'):>9} "
-            f"{_fmt(row.tokens_per_s, '8.1f'):>8} {_fmt(tps_ov, '8.1f'):>8}")
+            f"{_fmt(row.tokens_per_s, '8.1f'):>8} {_fmt(row.tokens_per_s_overlap, '8.1f'):>8}")
     return "\n".join(lines)
 
 

@@ -4,7 +4,8 @@ Data flow:
     .npz file --load_trace--> Trace --> replay, oracles, reports
     Trace --save_trace--> .npz file;  Trace --slice_tokens / concat_traces--> Trace
 
-File (one .npz, written with np.savez_compressed, read with allow_pickle=False):
+File (one .npz, written with np.savez_compressed; read by sim.archive: no pickle, every array's
+size checked against the bytes stored before it is allocated):
     experts    int32   [N, L, k] or [N, L, B, k]  routed expert ids per (decode step, layer[, batch
                                                   row]) in token-major decode order; -1 = padding
     weights    float32 same shape as experts      optional router weights of those experts
@@ -17,13 +18,13 @@ Arrays with other names are ignored on load and not written back.
 
 In memory a Trace always holds the 4-D form (experts [N, L, B, k], req_index [N, B]); a file
 with 3-D experts loads with B = 1, and save_trace writes B == 1 traces in the 3-D form.
+A trace may have N = 0 decode steps (a slice can be empty); replaying one is refused.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import zipfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
@@ -36,6 +37,12 @@ FORMAT = "expertcache-trace/1"
 REQUIRED_META_KEYS = ("format", "model", "num_layers", "num_experts", "top_k", "expert_bytes",
                       "phase", "source", "license")
 OPTIONAL_ARRAYS = ("weights", "req_index", "logit_idx", "logit_val")
+# Size limits of meta, checked before anything is sized from it: a cache of the trace keeps
+# per-key policy state (12-31 bytes a key for lru, lfuda and rule) and per-slot arrays for up to
+# L*E slots, and the JSON-lines importer keeps records per layer. Real MoE models are far below
+# both: Qwen3-Next has 48 x 512 = 24,576 keys, DeepSeek-V3 58 x 256 = 14,848, Mixtral 32 x 8.
+MAX_LAYERS = 4096  # meta.num_layers; a JSON-lines 'layer' index must be below it
+MAX_KEYS = 2**24  # meta.num_layers * meta.num_experts: 16.7 M keys, about 0.5 GiB of cache state
 DTYPES = {"experts": np.int32, "weights": np.float32, "req_index": np.int32,
           "logit_idx": np.int32, "logit_val": np.float32}
 
@@ -109,6 +116,17 @@ class TraceMeta:
                              f"store one JSON object with the keys {list(REQUIRED_META_KEYS)}")
         return cls.from_dict(d, path)
 
+    def _validate_size(self, p: str) -> None:
+        """Raise TraceError when num_layers or the key count L * E is over MAX_LAYERS / MAX_KEYS."""
+        L, E = int(self.num_layers), int(self.num_experts)  # Python ints: L * E cannot wrap
+        if L > MAX_LAYERS:
+            raise TraceError(f"{p}meta.num_layers is {L}, over the limit of {MAX_LAYERS} MoE "
+                             f"layers (real models have under 100): fix meta.num_layers")
+        if L * E > MAX_KEYS:
+            raise TraceError(f"{p}meta.num_layers * meta.num_experts = {L} x {E} = {L * E} keys, "
+                             f"over the limit of {MAX_KEYS} (2**24; Qwen3-Next has 48 x 512 = "
+                             f"24,576): fix meta.num_experts, the routed experts per layer")
+
     def validate(self, path: str = "") -> None:
         """Check every field's type and range. Raises TraceError naming the field."""
         p = _prefix(path)
@@ -122,6 +140,7 @@ class TraceMeta:
             value = getattr(self, key)
             if not _is_int(value) or value < 1:
                 raise TraceError(f"{p}meta.{key} must be an integer >= 1, got {value!r}: fix it")
+        self._validate_size(p)
         eb = self.expert_bytes
         if eb is not None and (not _is_int(eb) or eb < 1):
             raise TraceError(f"{p}meta.expert_bytes must be null or an integer >= 1 (bytes of "
@@ -248,6 +267,8 @@ class Trace:
     def accesses(self) -> int:
         """Sum over (token, layer) of the number of distinct valid ids among its B*k entries."""
         n, layers = self.experts.shape[:2]
+        if n * layers == 0:  # distinct_counts cannot reshape an empty array with -1
+            return 0
         return int(distinct_counts(self.experts.reshape(n * layers, -1)).sum())
 
     def validate(self) -> None:
@@ -349,42 +370,35 @@ def concat_traces(traces: Iterable[Trace]) -> Trace:
 
 def _read_npz(p: Path) -> tuple[dict[str, np.ndarray], str]:
     """The known arrays and the meta text of an .npz file. Raises TraceError."""
-    try:
-        z = np.load(p, allow_pickle=False)
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-        raise TraceError(f"{p}: not an .npz archive ({e}): write traces with "
-                         f"sim.trace.save_trace (np.savez_compressed)") from None
-    if not isinstance(z, np.lib.npyio.NpzFile):
-        raise TraceError(f"{p}: holds a single .npy array, not an .npz archive: store experts "
-                         f"and meta together with sim.trace.save_trace")
-    with z:
-        for key in ("experts", "meta"):
-            if key not in z.files:
-                hint = ("experts int32 [N, L, k]" if key == "experts"
-                        else "meta=np.array(json.dumps({...}))")
-                raise TraceError(f"{p}: missing array '{key}': add {hint} (format {FORMAT})")
-        arrays = {}
-        for key in ("experts", "meta") + OPTIONAL_ARRAYS:
-            if key in z.files:
-                try:
-                    arrays[key] = z[key]
-                except ValueError:
-                    raise TraceError(f"{p}: '{key}' is a pickled object array: store it as a "
-                                     f"plain {'string' if key == 'meta' else 'numeric'} "
-                                     f"array") from None
+    from sim.archive import read_npz  # sim.archive builds on this module's TraceError
+
+    arrays = read_npz(p, ("experts", "meta") + OPTIONAL_ARRAYS)
+    for key in ("experts", "meta"):
+        if key not in arrays:
+            hint = ("experts int32 [N, L, k]" if key == "experts"
+                    else "meta=np.array(json.dumps({...}))")
+            raise TraceError(f"{p}: missing array '{key}': add {hint} (format {FORMAT})")
     m = arrays.pop("meta")
     if m.ndim != 0 or m.dtype.kind not in "US":
         raise TraceError(f"{p}: meta must be a 0-d string array holding JSON, got dtype "
                          f"{m.dtype} shape {m.shape}: store np.array(meta_json_string)")
     text = m.item()
-    return arrays, text.decode("utf-8") if isinstance(text, bytes) else text
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TraceError(f"{p}: meta bytes are not UTF-8 ({e.reason} at byte {e.start}): "
+                             f"store meta as a unicode string, np.array(meta_json)") from None
+    return arrays, text
 
 
 def load_trace(path: str | os.PathLike) -> Trace:
     """Read and validate a trace file. 3-D files load with B = 1.
 
-    Raises TraceError (naming the file and the field) for a missing or unreadable file, missing
-    `experts`/`meta`, bad meta, wrong dtype, shape or ndim, ids outside [-1, num_experts),
+    Raises TraceError (naming the file and the field) for a missing, unreadable or damaged file
+    (sim.archive: not a zip, a damaged member, an object array, a header larger than its data),
+    missing `experts`/`meta`, bad meta (sizes over MAX_LAYERS / MAX_KEYS included), wrong
+    dtype, shape or ndim, ids outside [-1, num_experts),
     meta/array disagreement, repeated ids in one row, or one logit array without the other.
     """
     p = Path(path)

@@ -108,3 +108,165 @@ def test_profile_flag_prices_the_same_replay_differently(capsys):
     assert "nvidia-h200-sm-copy" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["sim", *args, "--profile", "a100"])
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if the command generates a synthetic trace or starts a sweep."""
+    import sim.cli
+    import sim.synthetic
+
+    def boom(*args, **kwargs):
+        raise AssertionError("work started before the flags were checked")
+
+    monkeypatch.setattr(sim.cli, "sweep", boom)
+    monkeypatch.setattr(sim.synthetic, "generate", boom)
+
+
+def sim_error(*argv) -> str:
+    """The message of `expertcache sim ARGV`, which must end in an 'error: ...' exit."""
+    with pytest.raises(SystemExit) as err:
+        main(["sim", *argv])
+    assert isinstance(err.value.code, str) and err.value.code.startswith("error: ")
+    return err.value.code
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--tokens", "0"], "--tokens must be an integer >= 1, got 0"),
+    (["--tokens", "-3"], "--tokens must be an integer >= 1, got -3"),
+    (["--workers", "0"], "--workers must be an integer >= 1, got 0"),
+    (["--workers", "-1"], "--workers must be an integer >= 1, got -1"),
+    (["--policies", ""], "--policies names no policy"),
+    (["--policies", ","], "--policies names no policy"),
+    (["--seed", "-1"], "--seed must be an integer >= 0"),
+    (["--tokens", "10000000"], "--tokens 10000000: the qwen3-next trace would hold"),
+    (["--preset", "nope"], "--preset 'nope' is unknown"),
+    (["--plot", "/nonexistent-folder/hit.png"], "--plot /nonexistent-folder/hit.png: folder"),
+    (["--plot", "hit.txt"], "--plot hit.txt: matplotlib cannot write .txt"),
+    (["--slots-frac", "2"], "--slots-frac needs fractions in (0, 1]"),
+    (["--slots", ""], "--slots needs positive integers, got ''"),
+    (["--slots", "abc"], "--slots takes comma-separated integers, got 'abc'"),
+    (["--preset", ""], "--preset '' is unknown"),
+])
+def test_bad_synthetic_flags_fail_before_any_work(no_work, argv, needle):
+    assert needle in sim_error(*argv)
+
+
+def test_plot_folder_is_checked_before_the_sweep(no_work, small_trace, tmp_path):
+    message = sim_error(small_trace, "--plot", str(tmp_path / "missing" / "hit.png"))
+    assert "--plot" in message and "does not exist" in message and "mkdir -p" in message
+    message = sim_error(small_trace, "--plot", str(tmp_path))
+    assert f"--plot {tmp_path} is a folder" in message
+
+
+def test_trace_with_synthetic_flags_is_refused(no_work, small_trace):
+    assert "--seed, not both" in sim_error(small_trace, "--seed", "3")
+    assert "--tokens, not both" in sim_error(small_trace, "--tokens", "0")
+
+
+def test_more_slots_than_keys_is_refused(no_work, small_trace):
+    message = sim_error(small_trace, "--slots", "64,100000")
+    assert "--slots 100000" in message and "32 x 8 = 256 keys" in message
+    assert "--slots <= 256" in message
+
+
+def test_too_few_slots_from_a_fraction_names_the_fraction(no_work, small_trace):
+    assert "--slots-frac gives 1 slots" in sim_error(small_trace, "--slots-frac", "0.001")
+
+
+def test_zero_token_trace_is_a_clear_error(no_work, tmp_path):
+    t = generate(preset("mixtral", num_tokens=3)).slice_tokens(0, 0)
+    save_trace(t, tmp_path / "empty.npz")
+    message = sim_error(str(tmp_path / "empty.npz"))
+    assert "experts has shape (0, 32, 1, 2)" in message and "no decode steps" in message
+
+
+def write_bad_inputs(d) -> dict[str, str]:
+    """name -> path of bad inputs a new user might pass."""
+    (d / "ft").mkdir()
+    (d / "random.npz").write_bytes(np.random.default_rng(2).bytes(500))
+    np.save(d / "object.npy", np.array([None], dtype=object))
+    (d / "bad.jsonl").write_text('{"layer": 0, "experts": [1], "token_idx": 0}\n{bad\n')
+    (d / "empty.jsonl").write_text("")
+    lines = [{"layer": layer, "experts": [1, 2], "token_idx": 0} for layer in range(10)]
+    lines.append({"layer": 100_000_000, "experts": [1, 2], "token_idx": 0})
+    (d / "huge-layer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    meta = generate(preset("mixtral", num_tokens=3)).meta.to_dict()
+    np.savez(d / "huge-e.npz", experts=np.zeros((2, 32, 2), dtype=np.int32) + [0, 1],
+             meta=np.array(json.dumps(dict(meta, num_experts=2**29))))
+    (d / "trace.json").write_text('{"layer": 0, "experts": [1], "token_idx": 0}\n')
+    return {"missing": str(d / "absent.npz"), "not freetoken": str(d / "ft"),
+            "random bytes": str(d / "random.npz"), "object npy": str(d / "object.npy"),
+            "bad json": str(d / "bad.jsonl"), "empty jsonl": str(d / "empty.jsonl"),
+            "huge layer": str(d / "huge-layer.jsonl"), "huge num_experts": str(d / "huge-e.npz"),
+            "jsonl without suffix": str(d / "trace.json")}
+
+
+BAD_INPUTS = {
+    "missing": "no such file or directory",
+    "not freetoken": "experts.npy: missing",
+    "random bytes": "not a valid expertcache trace archive",
+    "object npy": "single .npy array",
+    "bad json": "bad.jsonl:2: not valid JSON",
+    "empty jsonl": "no records",
+    "huge layer": "huge-layer.jsonl:11: field 'layer' = 100000000 is over the limit",
+    "huge num_experts": "meta.num_layers * meta.num_experts = 32 x 536870912",
+    "jsonl without suffix": "must be named *.jsonl",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_inputs_are_one_line_errors(no_work, tmp_path, name):
+    message = sim_error(write_bad_inputs(tmp_path)[name], "--workers", "1")
+    assert BAD_INPUTS[name] in message and "pickle" not in message.lower()
+
+
+def test_policies_are_stripped_and_deduplicated(capsys, small_trace):
+    rows = run_json(capsys, small_trace, "--policies", "lru, rule,lru", "--slots", "64,64")
+    assert [(r["policy"], r["slots"]) for r in rows] == [("lru", 64), ("rule", 64)]
+
+
+def test_several_plots_go_to_the_plot_folder(capsys, small_trace, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    assert main(["sim", small_trace, small_trace, "--policies", "lru", "--slots", "64",
+                 "--plot", "out/hit.png", "--json", "--workers", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert len(json.loads(out)) == 2 and "plot: out/hit-1.png" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    for i in range(2):  # --json keeps stdout JSON and still writes the plots
+        assert (tmp_path / "out" / f"hit-{i}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_jsonl_keeps_its_sidecar_model(tmp_path):
+    from sim.cli import load_any
+    from sim.importers import export_jsonl
+
+    t = generate(preset("mixtral", num_tokens=4))
+    export_jsonl(t, tmp_path / "run.jsonl")
+    assert load_any(str(tmp_path / "run.jsonl")).meta.model == "synthetic:mixtral"
+    (tmp_path / "run.jsonl.meta.json").unlink()
+    assert load_any(str(tmp_path / "run.jsonl")).meta.model == "run"
+
+
+def test_tok_s_columns_count_the_batch(capsys, tmp_path):
+    """tok/s and tok/s ov both count every batch row: each is the cost model's tokens_per_s of
+    its estimate (batch * 1e6 / us per decode step), in the JSON and in the table."""
+    from sim.costmodel import estimate_decode
+    from sim.replay import replay
+    from sim.report import build_rows, format_table, model_shape
+    from sim.cli import PROFILES
+
+    trace = generate(preset("mixtral", num_tokens=30, batch=4))
+    save_trace(trace, tmp_path / "b4.npz")
+    rows = run_json(capsys, str(tmp_path / "b4.npz"), "--policies", "lru", "--slots", "96")
+    profile, shape = PROFILES["engine"], model_shape(trace)
+    res = replay(trace, "lru", 96)
+    ov = estimate_decode(res.hist, res.tokens, shape, profile, batch=4, overlap=True)
+    assert rows[0]["tokens_per_s_overlap"] == pytest.approx(ov.tokens_per_s)
+    assert rows[0]["tokens_per_s_overlap"] == pytest.approx(4e6 / rows[0]["us_per_token_overlap"])
+    assert rows[0]["tokens_per_s"] == pytest.approx(4e6 / rows[0]["us_per_token"])
+    row = build_rows(trace, [res], profile)[0]
+    line = format_table([row]).splitlines()[-1].split()
+    assert float(line[-2]) == pytest.approx(row.tokens_per_s, abs=0.05)
+    assert float(line[-1]) == pytest.approx(ov.tokens_per_s, abs=0.05)

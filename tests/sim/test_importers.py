@@ -7,9 +7,11 @@ exactly the experts, weights and req_index of mixtral-gsm8k.npz.
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import tempfile
+import tracemalloc
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from hypothesis import strategies as st
 from sim.importers import (export_freetoken_dir, export_jsonl, import_freetoken_dir,
                            import_jsonl)
 from tests.sim.gen import random_trace
-from sim.trace import Trace, TraceError, load_trace
+from sim.trace import MAX_KEYS, MAX_LAYERS, Trace, TraceError, load_trace
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 
@@ -265,3 +267,113 @@ def test_real_jsonl_reproduces_real_npz() -> None:
     assert np.array_equal(t.experts, ref.experts)
     assert np.array_equal(t.weights, ref.weights)
     assert np.array_equal(t.req_index, ref.req_index)
+
+
+def test_jsonl_layer_index_is_bounded_before_allocating(tmp_path: Path) -> None:
+    """One line with a huge layer index (the 11-line file that drove the CLI to ~21 GB) is
+    refused at its line; the limit itself is a layer count, not an index."""
+    records = [dict(GOOD, layer=layer) for layer in range(10)] + [dict(GOOD, layer=100_000_000)]
+    with pytest.raises(TraceError, match=r":11: field 'layer' = 100000000 .* 0\.\.4095"):
+        import_jsonl(write_jsonl(tmp_path / "t.jsonl", records), model="m")
+    with pytest.raises(TraceError, match=r":1: field 'layer' = 4096"):
+        import_jsonl(write_jsonl(tmp_path / "t.jsonl", [dict(GOOD, layer=MAX_LAYERS)]), model="m")
+
+
+def test_jsonl_memory_follows_the_records_not_the_layer_count(tmp_path: Path) -> None:
+    """500 requests and one record at the last legal layer: the importer must not keep a
+    record set per (request, layer) (2 M sets, ~0.4 GB) before finding layers missing."""
+    records = [dict(GOOD, problem_id=r) for r in range(500)] + [dict(GOOD, layer=MAX_LAYERS - 1)]
+    path = write_jsonl(tmp_path / "t.jsonl", records)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TraceError, match=r"layer\(s\) \[1, 2, 3, 4, 5, 6, 7, 8\] and 4086 more"):
+            import_jsonl(path, model="m")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20e6
+
+
+def test_jsonl_huge_token_and_problem_ids_stay_sparse(tmp_path: Path) -> None:
+    """token_idx and problem_id values only order the records; no array is indexed by them."""
+    records = [dict(GOOD, problem_id=10**18, token_idx=t) for t in (10**15, 7)]
+    path = write_jsonl(tmp_path / "t.jsonl", records)
+    tracemalloc.start()
+    try:
+        t = import_jsonl(path, model="m")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert t.experts.shape == (2, 1, 1, 2) and t.req_index.tolist() == [[0], [0]]
+    assert peak < 5e6
+
+
+@pytest.mark.parametrize("where", ["argument", "sidecar", "inferred"])
+def test_jsonl_num_experts_is_bounded(tmp_path: Path, where: str) -> None:
+    """num_experts from the caller, the sidecar or the largest id must keep L * E <= 2**24."""
+    path = write_jsonl(tmp_path / "t.jsonl", [dict(GOOD, experts=[1, 2**31 - 1])
+                                              if where == "inferred" else GOOD])
+    kwargs = {"num_experts": MAX_KEYS + 1} if where == "argument" else {}
+    if where == "sidecar":
+        (tmp_path / "t.jsonl.meta.json").write_text(json.dumps({"num_experts": 2**29}))
+    with pytest.raises(TraceError, match=r"num_experts.*16777216") as err:
+        import_jsonl(path, model="m", **kwargs)
+    if where == "inferred":
+        assert "largest expert id 2147483647" in str(err.value)
+
+
+def test_freetoken_meta_num_experts_is_bounded(tmp_path: Path) -> None:
+    np.save(tmp_path / "experts.npy", np.array([[[1, 2]]], dtype=np.int32))
+    (tmp_path / "meta.json").write_text(json.dumps({"model": "m", "num_experts": 2**29}))
+    with pytest.raises(TraceError, match=r"meta\.json: .*num_experts = 1 x 536870912"):
+        import_freetoken_dir(tmp_path)
+    (tmp_path / "meta.json").unlink()
+    np.save(tmp_path / "experts.npy", np.array([[[1, 2**31 - 2]]], dtype=np.int64))
+    with pytest.raises(TraceError, match="largest expert id 2147483646"):
+        import_freetoken_dir(tmp_path, model="m")
+
+
+def _npy_bytes(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
+def lying_npy(shape: tuple) -> bytes:
+    """A .npy header declaring int32 `shape`, followed by only 8 bytes of data."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": "<i4", "fortran_order": False, "shape": shape})
+    return buf.getvalue() + bytes(8)
+
+
+FT_CORRUPT = {
+    "random bytes": np.random.default_rng(1).bytes(300),
+    "object array": _npy_bytes(np.array([None, {"a": 1}], dtype=object)),
+    "truncated": _npy_bytes(np.zeros((4, 2, 2), dtype=np.int32))[:-5],
+    "lying header": lying_npy((2**38, 1, 2)),  # 2 TiB of int32 declared over 8 bytes
+    "bad header": b"\x93NUMPY\x01\x00\x10\x00{'descr': zz}  \n",
+    "unclosed header": b"\x93NUMPY\x01\x00\x0c\x00{'shape': (3\n",  # numpy raises TokenError
+}
+
+
+@pytest.mark.parametrize("how", sorted(FT_CORRUPT))
+def test_freetoken_corrupt_npy_is_a_trace_error(tmp_path: Path, how: str) -> None:
+    """A damaged experts.npy names the file and np.save, never numpy's pickle advice, and no
+    array is sized from a header that the file's bytes cannot back."""
+    (tmp_path / "experts.npy").write_bytes(FT_CORRUPT[how])
+    with pytest.raises(TraceError) as err:
+        import_freetoken_dir(tmp_path, model="m", num_experts=8)
+    message = str(err.value)
+    assert str(tmp_path / "experts.npy") in message and "np.save" in message
+    assert "pickle" not in message.lower()
+
+
+def test_default_model_only_fills_a_missing_model(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", [GOOD])
+    assert import_jsonl(path, default_model="stem").meta.model == "stem"
+    (tmp_path / "t.jsonl.meta.json").write_text(json.dumps({"model": "Mixtral-8x7B"}))
+    assert import_jsonl(path, default_model="stem").meta.model == "Mixtral-8x7B"
+    assert import_jsonl(path, model="given", default_model="stem").meta.model == "given"
+    np.save(tmp_path / "experts.npy", np.array([[[1, 2]]], dtype=np.int32))
+    assert import_freetoken_dir(tmp_path, default_model="dir").meta.model == "dir"

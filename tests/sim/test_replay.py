@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from expertcache import CacheGeometry, HostCache, PolicyError
 from sim.belady import Belady
-from sim.replay import replay, sim_policy_names, sweep, trace_calls
-from sim.trace import Trace, TraceMeta, load_trace
+from sim.replay import min_slots, replay, sim_policy_names, sweep, trace_calls
+from sim.trace import Trace, TraceError, TraceMeta, load_trace
 from tests.conftest import real_trace
 
 # Reference results under the ensure contract (global pool, decode order, cold start).
@@ -122,3 +122,14 @@ def test_sweep_orders_results_and_checks_names():
     assert [r.misses for r in res] == [95, 43, 139, 48]
     with pytest.raises(PolicyError, match="--policies"):
         sweep(trace, ["nope"], [4])
+
+
+def test_a_trace_without_decode_steps_is_refused_naming_experts():
+    """N = 0 loads and slices fine, but has nothing to replay: a TraceError, not a numpy
+    reshape error or a division by zero."""
+    empty = make_trace(SMALL[:0], 6)
+    assert min_slots(empty) == 0
+    with pytest.raises(TraceError, match=r"experts has shape \(0, 3, 1, 2\).*no decode steps"):
+        replay(empty, "lru", 4)
+    with pytest.raises(TraceError, match="no decode steps"):
+        sweep(empty, ["lru"], [4], workers=1, progress=False)

@@ -7,8 +7,11 @@ concatenation; malformed files and Traces must raise TraceError naming the field
 
 from __future__ import annotations
 
+import io
 import json
 import tempfile
+import tracemalloc
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.sim.gen import random_trace
-from sim.trace import (FORMAT, REQUIRED_META_KEYS, Trace, TraceError, TraceMeta, concat_traces,
-                       load_trace, save_trace)
+from sim.trace import (FORMAT, MAX_KEYS, MAX_LAYERS, REQUIRED_META_KEYS, Trace, TraceError,
+                       TraceMeta, concat_traces, load_trace, save_trace)
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 
@@ -163,6 +166,7 @@ FILE_ERRORS = [
     ("logit_idx", dict(logit_idx=np.full_like(BASE.logit_idx[:, :, 0], 8))),
     ("logit_val", dict(logit_val=BASE.logit_val[:, :, 0].astype(np.float64))),
     ("weights", dict(weights=np.array([None] * 5, dtype=object))),
+    ("UTF-8", dict(meta=np.array(b"\xff{}"))),
 ]
 
 
@@ -235,3 +239,129 @@ def test_real_traces_load(tmp_path: Path, name: str, shape: tuple, experts: int,
     assert t.accesses == accesses and t.weights is not None and t.req_index is not None
     save_trace(t, tmp_path / name)
     assert load_trace(tmp_path / name) == t
+
+
+def test_meta_size_limits_name_the_field(tmp_path: Path) -> None:
+    """num_layers and the key count L * E are bounded before anything is sized from them;
+    the bound itself is legal."""
+    meta = BASE.meta
+    replace(meta, num_layers=1, num_experts=MAX_KEYS).validate()
+    replace(meta, num_layers=MAX_LAYERS, num_experts=1).validate()
+    with pytest.raises(TraceError, match=r"meta\.num_experts.*16777216"):
+        replace(meta, num_experts=2**29).validate()
+    with pytest.raises(TraceError, match=r"meta\.num_layers is 4097.*4096"):
+        replace(meta, num_layers=MAX_LAYERS + 1, num_experts=1).validate()
+    path = write_npz(tmp_path / "t.npz", BASE, meta=meta_with(BASE, num_experts=2**29))
+    with pytest.raises(TraceError, match=r"num_experts = 3 x 536870912"):
+        load_trace(path)
+
+
+def test_zero_token_trace_loads_with_no_accesses(tmp_path: Path) -> None:
+    """A trace may have no decode steps (a slice can be empty); it loads and counts 0 accesses."""
+    path = write_npz(tmp_path / "t.npz", BASE, experts=E3[:0], weights=BASE.weights[:0, :, 0],
+                     req_index=BASE.req_index[:0, 0], logit_idx=BASE.logit_idx[:0, :, 0],
+                     logit_val=BASE.logit_val[:0, :, 0])
+    t = load_trace(path)
+    assert t.experts.shape == (0, 3, 1, 2) and t.accesses == 0
+    assert BASE.slice_tokens(2, 2).accesses == 0
+
+
+def _lying_header_npz(path: Path) -> None:
+    """A stored .npz whose experts header claims 2**38 entries (1 TiB) over a few bytes."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": "<i4", "fortran_order": False, "shape": (2**38,)})
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("experts.npy", buf.getvalue() + bytes(120))
+        z.writestr("meta.npy", _npy(np.array(BASE.meta.to_json())))
+
+
+def _npy(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
+def _corrupt(path: Path, how: str) -> None:
+    save_trace(BASE, path)
+    good = path.read_bytes()
+    if how == "random bytes":
+        path.write_bytes(np.random.default_rng(0).bytes(600))
+    elif how.startswith("truncated"):
+        path.write_bytes(good[:int(len(good) * float(how.split()[1]))])
+    elif how == "flipped bytes":
+        bad = bytearray(good)
+        for i in range(60, 260):
+            bad[i] ^= 0x5A
+        path.write_bytes(bytes(bad))
+    elif how == "object .npy":
+        path.write_bytes(_npy(np.array([{"a": 1}, None], dtype=object)))
+    elif how == "garbage members":
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("experts.npy", b"not an array at all")
+            z.writestr("meta.npy", b"\x00" * 40)
+    elif how == "garbage header":
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("experts.npy", b"\x93NUMPY\x01\x00\x10\x00{'descr': zz}  \n")
+            z.writestr("meta.npy", _npy(np.array(BASE.meta.to_json())))
+    elif how == "unclosed header":  # numpy's header parser raises tokenize.TokenError
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("experts.npy", b"\x93NUMPY\x01\x00\x0c\x00{'shape': (3\n")
+            z.writestr("meta.npy", _npy(np.array(BASE.meta.to_json())))
+    elif how == "object member":
+        np.savez(path, experts=E3, meta=np.array([BASE.meta.to_dict()], dtype=object))
+    elif how == "short member data":
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("experts.npy", _npy(E3)[:-7])
+            z.writestr("meta.npy", _npy(np.array(BASE.meta.to_json())))
+    elif how == "bad checksum":
+        np.savez(path, experts=E3, meta=np.array(BASE.meta.to_json()))
+        raw = bytearray(path.read_bytes())
+        at = raw.index(_npy(E3)[-8:])
+        raw[at:at + 8] = bytes(8)
+        path.write_bytes(bytes(raw))
+    elif how == "lying header":
+        _lying_header_npz(path)
+
+
+CORRUPTIONS = ["random bytes", "truncated 0.5", "truncated 0.95", "truncated 0.999",
+               "flipped bytes", "object .npy", "garbage members", "garbage header",
+               "unclosed header", "object member", "short member data", "bad checksum",
+               "lying header"]
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_corrupt_archives_are_trace_errors(tmp_path: Path, how: str) -> None:
+    """Every damaged file is a TraceError naming the file and how to write a trace, never
+    numpy's pickle advice, and nothing is allocated from a size the bytes cannot back."""
+    path = tmp_path / "t.npz"
+    _corrupt(path, how)
+    with pytest.raises(TraceError) as err:
+        load_trace(path)
+    message = str(err.value)
+    assert str(path) in message and "save_trace" in message
+    assert "pickle" not in message.lower()
+
+
+def test_sizes_claimed_by_zip_and_header_are_not_allocated(tmp_path: Path) -> None:
+    """A deflated member whose zip directory and .npy header both claim 1 GiB, over ~100
+    stored bytes, is refused before numpy could size an array from them."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": "<i4", "fortran_order": False, "shape": (2**28,)})
+    path = tmp_path / "t.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("experts.npy", buf.getvalue() + bytes(4096))
+        z.writestr("meta.npy", _npy(np.array(BASE.meta.to_json())))
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"PK\x01\x02")  # central directory entry of experts.npy: its file size
+    raw[at + 24:at + 28] = (2**30 + len(buf.getvalue())).to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+    tracemalloc.start()
+    try:
+        with pytest.raises(TraceError, match="more than the archive can hold"):
+            load_trace(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20e6
