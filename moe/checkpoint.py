@@ -13,6 +13,14 @@ Routed experts are read in either layout transformers writes: per expert
 `save_pretrained` writes) or fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
 [E, H, I]; transformers >= 5's in-memory layout). Every tensor's shape is checked against the spec
 before it is converted; a missing or misshapen tensor raises CheckpointError naming it.
+
+Only unquantized tensors load (moe.spec refuses a quantization_config): every tensor read must be
+stored as BF16 / F16 / F32 (or F64), and no quantization tensor may sit beside it. A quantized layout
+is refused naming its tensor, whatever config.json says: float8 / int8 / uint8 / int32 weights, FP8
+block scales (`<module>.weight_scale_inv`), modelopt / compressed-tensors scales and packed weights
+(`weight_scale`, `weight_scale_2`, `input_scale`, `weight_packed`, ...), GPTQ / AWQ (`qweight`,
+`qzeros`, `scales`, `g_idx`), bitsandbytes (`<weight>.absmax`, `.SCB`, `.quant_state.*`) and gpt-oss
+MXFP4 experts (`<weight>_blocks`, `<weight>_scales`).
 Legend: H = hidden, E = routed experts, I / Is = routed / shared expert width, Id = dense MLP width,
 Hq / Hkv = query / kv heads, D = head_dim, V = vocab.
 """
@@ -20,6 +28,8 @@ Hq / Hkv = query / kv heads, D = head_dim, V = vocab.
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,10 +39,18 @@ from tqdm.auto import tqdm
 
 from expertcache.pool import Bank, HostStore
 from moe.reference import SharedWeights
-from moe.spec import CheckpointError, ModelSpec, read_config
+from moe.spec import UNQUANTIZED_ONLY, CheckpointError, ModelSpec, read_config
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BANKS = ("gate_up", "down")
+# safetensors dtypes converted faithfully to the model dtype (F64 rounds as F32 does); anything else
+# (F8_E4M3, F8_E5M2, I8, U8, I32, ...) is a quantized or packed weight.
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+# `<module>.<name>`: FP8 block scales, modelopt / compressed-tensors scales and packed weights, GPTQ / AWQ
+MODULE_QUANT_NAMES = frozenset({
+    "weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale", "weight_packed", "weight_zero_point",
+    "weight_global_scale", "input_global_scale", "weight_shape", "qweight", "qzeros", "scales", "g_idx"})
+BNB_QUANT = re.compile(r"(.+\.weight)\.(absmax|quant_map|SCB|nested_absmax|nested_quant_map|quant_state\..+)")
 
 
 @dataclass
@@ -101,23 +119,47 @@ class TensorReader:
         self.path, self.dtype, self.device = path, dtype, device
         self.files = _tensor_files(path)
         self._handles = {f: safe_open(str(f), framework="pt") for f in set(self.files.values())}
+        self._quant: dict[str, list[str]] = {}  # weight name -> the quantization tensors beside it
+        for name in sorted(self.files):
+            weight = _quantized_weight(name)
+            if weight is not None:
+                self._quant.setdefault(weight, []).append(name)
 
     def has(self, name: str) -> bool:
         return name in self.files
 
     def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The CPU tensor `name` in the file's dtype. Raises CheckpointError naming a missing tensor
-        (and the files searched) or a wrong shape (expected and got)."""
-        if name not in self.files:
-            where = sorted({f.name for f in self.files.values()})
-            raise CheckpointError(f"{self.path}: tensor {name!r} is missing (searched {where}); the "
-                                  "checkpoint does not match its config.json")
+        """The CPU tensor `name` in the file's dtype (BF16 / F16 / F32 / F64). Raises CheckpointError
+        naming a quantization tensor beside it, a missing tensor (and the files searched), a quantized
+        dtype, or a wrong shape (expected and got)."""
+        self._refuse_quantized_or_missing(name)
         handle = self._handles[self.files[name]]
-        got = tuple(handle.get_slice(name).get_shape())
+        stored = handle.get_slice(name)
+        if stored.get_dtype() not in FLOAT_DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is stored as {stored.get_dtype()}, a quantized "
+                                  f"or packed weight (the loader reads {'/'.join(FLOAT_DTYPES)}); {UNQUANTIZED_ONLY}")
+        got = tuple(stored.get_shape())
         if got != tuple(shape):
             raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(got)}, expected "
                                   f"{list(shape)} from config.json")
         return handle.get_tensor(name)
+
+    def _refuse_quantized_or_missing(self, name: str) -> None:
+        """Raise when a quantization tensor sits beside `name`, or `name` is missing (naming the nearest
+        quantization tensor when the checkpoint holds any: a quantized layout that renamed it)."""
+        if name in self._quant:
+            raise CheckpointError(f"{self.path}: tensor {self._quant[name][0]!r} beside {name!r} is a "
+                                  f"quantization scale or packed weight; {UNQUANTIZED_ONLY}")
+        if name in self.files:
+            return
+        if self._quant:
+            near = max((q for qs in self._quant.values() for q in qs),
+                       key=lambda q: len(os.path.commonprefix([q, name])))
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing and the checkpoint holds "
+                                  f"quantization tensors instead (e.g. {near!r}); {UNQUANTIZED_ONLY}")
+        where = sorted({f.name for f in self.files.values()})
+        raise CheckpointError(f"{self.path}: tensor {name!r} is missing (searched {where}); the "
+                              "checkpoint does not match its config.json")
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """`name` converted to the model dtype on the device."""
@@ -125,6 +167,17 @@ class TensorReader:
 
     def optional(self, name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
         return self.get(name, shape) if present else None
+
+
+def _quantized_weight(name: str) -> str | None:
+    """The weight that quantization tensor `name` belongs to, or None when `name` is not one."""
+    module, _, last = name.rpartition(".")
+    if last in MODULE_QUANT_NAMES:  # <module>.weight_scale_inv, <module>.qweight, ...
+        return f"{module}.weight"
+    if last.endswith(("_blocks", "_scales")):  # gpt-oss: experts.gate_up_proj_blocks / _scales
+        return name.rsplit("_", 1)[0]
+    bnb = BNB_QUANT.fullmatch(name)  # bitsandbytes: <module>.weight.absmax, .SCB, .quant_state.*
+    return bnb.group(1) if bnb else None
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -152,7 +205,9 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", *, dty
     device: where everything but the routed experts goes. dtype: "float32" / "float16" / "bfloat16"
     (default: the config's). pin: pin the HostStore (default: when CUDA is available). progress: a
     tqdm bar over the layers. Cost: reads every tensor once; host memory = all routed experts.
-    Raises CheckpointError naming the config key, file or tensor that is missing or wrong.
+    Raises CheckpointError naming the config key, file or tensor that is missing or wrong; for a
+    quantized checkpoint, quantization_config.quant_method (before any tensor is read) or the first
+    quantized tensor it meets.
     """
     path, device = Path(path), torch.device(device)
     spec = ModelSpec.from_hf(read_config(path), dtype=dtype, copy_overlap=copy_overlap)

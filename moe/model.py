@@ -43,7 +43,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     graphs (moe.graphs); None leaves it to EXPERTCACHE_CUDA_GRAPHS ("0": eager GPU decode, for
     debugging), else on for a CUDA device and off on the CPU. Cost: reads the checkpoint once; host
     memory holds every routed expert.
-    Raises CheckpointError (config key, file, tensor), ValueError (num_slots below max_batch * top_k,
+    Raises CheckpointError (config key, file, tensor; a quantized checkpoint: only unquantized
+    bf16 / fp16 / fp32 ones load today), ValueError (num_slots below max_batch * top_k,
     an unknown policy), PoolError (slots that do not fit on the device).
     """
     weights = load_checkpoint(path, device, dtype=dtype, progress=progress,

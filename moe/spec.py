@@ -19,12 +19,18 @@ missing `num_experts` (transformers >= 5 writes Qwen3-MoE configs that way). Lay
 `l not in mlp_only_layers and (l + 1) % decoder_sparse_step == 0`, as transformers decides. MoE layers
 are numbered 0..L_moe-1 in layer order; that number is the cache's `layer` (key = moe_index * E + e).
 Only the default rope and full attention are served: a scaled rope or a sliding window is refused.
+
+Only unquantized checkpoints load: a `quantization_config` (or `compression_config`) whose
+`quant_method` is not in SUPPORTED_QUANT_METHODS (empty today) is refused, and the model dtype
+(`torch_dtype`, or `dtype` as transformers >= 5 writes it; default bfloat16) must be one of
+moe.config.DTYPES unless the caller overrides it. moe.checkpoint refuses quantized tensors themselves
+(float8 / integer dtypes, scale tensors beside a weight), whatever config.json says.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -33,6 +39,16 @@ from moe.config import DTYPES, MoEConfig
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be served as is; the message names the file, field or tensor to fix."""
+
+
+# quant_method values the loader implements; a later piece adds fp8 / nvfp4 / int4. Until then every
+# quantized checkpoint is refused with UNQUANTIZED_ONLY, which says how to get one that loads.
+SUPPORTED_QUANT_METHODS: tuple[str, ...] = ()
+QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")  # the latter: older compressed-tensors
+UNQUANTIZED_ONLY = ("only unquantized checkpoints (bfloat16 / float16 / float32 tensors) load today: serve "
+                    "the model's unquantized original instead (for example Qwen/Qwen3-30B-A3B, the bf16 "
+                    "release that Qwen/Qwen3-30B-A3B-FP8 was quantized from), or dequantize this one to "
+                    "bf16 and drop quantization_config from config.json")
 
 
 @dataclass(frozen=True)
@@ -113,22 +129,21 @@ class ModelSpec:
         """Read a config.json dict. dtype overrides the config's `dtype` / `torch_dtype`.
 
         Raises CheckpointError naming the unsupported model_type (and the supported ones), the
-        missing key, or the unsupported field (rope scaling, sliding window).
+        missing key, the unsupported field (rope scaling, sliding window), a quantization_config's
+        quant_method, or an unsupported torch_dtype / dtype.
         """
         model_type = config.get("model_type")
         if model_type not in FAMILIES:
             raise CheckpointError(f"config.json model_type={model_type!r} is not supported; supported: "
                                   f"{sorted(FAMILIES)}")
         family = FAMILIES[model_type]
+        _check_quantization(config)
         config = _aliased(config)
+        config["torch_dtype"] = _model_dtype(config, dtype)  # what MoEConfig.from_hf reads
         try:
             moe = MoEConfig.from_hf(config, copy_overlap=copy_overlap)
         except KeyError as e:
             raise CheckpointError(str(e.args[0])) from None
-        if dtype is not None:
-            if dtype not in DTYPES:
-                raise CheckpointError(f"dtype={dtype!r} is not one of {DTYPES}")
-            moe = replace(moe, dtype=dtype)
         _check_attention_kind(config)
         num_layers, hidden = _require(config, "num_hidden_layers"), _require(config, "hidden_size")
         heads = _require(config, "num_attention_heads")
@@ -164,6 +179,36 @@ def _aliased(config: Mapping[str, Any]) -> dict[str, Any]:
     if out.get("num_experts") is None and out.get("num_local_experts") is not None:
         out["num_experts"] = out["num_local_experts"]
     return out
+
+
+def _check_quantization(config: Mapping[str, Any]) -> None:
+    """Refuse a quantization_config whose quant_method the loader does not implement (today: any)."""
+    for key in QUANT_CONFIG_KEYS:
+        quant = config.get(key)
+        if not quant:
+            continue
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else None
+        if method not in SUPPORTED_QUANT_METHODS:
+            supported = ", ".join(SUPPORTED_QUANT_METHODS) or "none yet"
+            raise CheckpointError(f"config.json {key}.quant_method={method!r}: this checkpoint is quantized "
+                                  f"and the loader implements no such quant_method (supported: {supported}); "
+                                  f"{UNQUANTIZED_ONLY}")
+
+
+def _model_dtype(config: Mapping[str, Any], override: str | None) -> str:
+    """The model dtype: `override` (load_checkpoint's dtype=, --dtype) when given, else the config's
+    torch_dtype (or dtype, as transformers >= 5 writes it), else bfloat16; one of DTYPES."""
+    if override is not None:
+        if override not in DTYPES:
+            raise CheckpointError(f"dtype={override!r} is not one of {DTYPES}")
+        return override
+    key = "torch_dtype" if config.get("torch_dtype") is not None else "dtype"
+    value = config.get(key) or "bfloat16"
+    if value not in DTYPES:
+        raise CheckpointError(f"config.json {key}={value!r} is not a dtype the loader serves ({', '.join(DTYPES)}); "
+                              f"{UNQUANTIZED_ONLY}. If the tensors are stored in one of those dtypes, set "
+                              f"{key} to it or pass --dtype (load_model's dtype=)")
+    return value
 
 
 def _require(config: Mapping[str, Any], key: str) -> Any:
