@@ -94,12 +94,18 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
 
 
 def _geometry(weights: ModelWeights, num_slots: int, max_batch: int) -> CacheGeometry:
-    """The cache geometry, refusing a pool too small for `max_batch` rows of top_k experts."""
+    """The cache geometry, refusing a pool too small for `max_batch` rows of top_k experts or larger
+    than every routed expert of the model."""
     spec = weights.spec
     if max_batch * spec.moe.top_k > num_slots:
         raise ValueError(f"--moe-slots {num_slots} is below max_batch={max_batch} * top_k={spec.moe.top_k}: "
                          "one decode step could route to more distinct experts than slots; raise "
                          "--moe-slots or lower max_batch")
+    keys = spec.num_moe_layers * spec.moe.num_experts
+    if num_slots > keys:
+        raise ValueError(f"--moe-slots {num_slots} is above the model's {keys} routed experts ({spec.num_moe_layers} "
+                         f"MoE layers x {spec.moe.num_experts}): a slot beyond them never holds one; pass "
+                         f"--moe-slots {keys} to keep every expert resident")
     return CacheGeometry(spec.num_moe_layers, spec.moe.num_experts, num_slots)
 
 

@@ -5,6 +5,8 @@
       rows with temperature > 0: logits[b] ─to host─► softmax(logits / temperature)
           ─► keep the smallest set of most probable tokens whose mass reaches top_p ─► renormalise
           ─► torch.multinomial with the request's own torch.Generator
+    rows asking for logprobs: log_softmax(logits[b]) (the model's distribution, before temperature and
+        top-p, as OpenAI and vLLM report it) ─► the chosen token's logprob and the top-n alternatives
 The generator is per request, seeded from the request's `seed` (or from the OS when absent), so a
 seeded request draws the same tokens whatever else shares its decode steps.
 Legend: B = active sequences, V = vocab.
@@ -17,6 +19,18 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model and the most probable alternatives:
+    top ((token id, logprob), ...) in descending order, as many as the request asked for."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -34,6 +48,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -44,6 +59,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -83,3 +101,24 @@ def choose(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:
         if not sampler.params.greedy:
             tokens[row] = sampler.sample(logits[row].cpu())
     return tokens
+
+
+def logprobs_of(samplers: Sequence[Sampler], logits: torch.Tensor, tokens: Sequence[int]) -> list[TokenLogprob | None]:
+    """Per row, the TokenLogprob of its chosen token when its request asked for logprobs, else None.
+
+    logits float32 [B, V], tokens [B]. Cost: nothing without a request for logprobs; else one
+    log_softmax and one top-k over the [R, V] logits of the R rows that asked, and a host copy of them.
+    """
+    rows = [b for b, s in enumerate(samplers) if s.params.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(samplers)
+    if not rows:
+        return out
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)  # [R, V]
+    chosen = lp.gather(1, torch.tensor([tokens[b] for b in rows], device=lp.device)[:, None])[:, 0].tolist()
+    n = max(samplers[b].params.logprobs for b in rows)
+    top_v, top_i = (lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long()))
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for r, b in enumerate(rows):
+        k = samplers[b].params.logprobs
+        out[b] = TokenLogprob(tokens[b], chosen[r], tuple(zip(top_i[r][:k], top_v[r][:k])))
+    return out

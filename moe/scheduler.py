@@ -8,6 +8,7 @@
                                                  engine.join(prompt) → logits [V] → first token
                                              decode_step(every row's last token) → logits [B, V]
                                                  → choose (greedy / seeded top-p) → B tokens
+                                                 → logprobs of the rows that asked for them
                                                  → per row: eos? TextStream (stop strings)? length?
                                              finished rows: engine.leave(row) (descending rows)
     Request.emit(Event) ◄── one Event per token (text delta), the last one with finish_reason
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from moe.engine import Engine
-from moe.sampling import Sampler, SamplingParams, choose
+from moe.sampling import Sampler, SamplingParams, TokenLogprob, choose, logprobs_of
 from moe.tokenizer import TextStream, TextTokenizer
 
 logger = logging.getLogger(__name__)
@@ -46,13 +47,15 @@ class SchedulerClosed(RuntimeError):
 @dataclass(frozen=True)
 class Event:
     """What a request's consumer receives: a text delta, and on the last event the finish_reason
-    ("stop": eos or a stop string; "length": max_tokens or max_seq_len) or an error message."""
+    ("stop": eos or a stop string; "length": max_tokens or max_seq_len) or an error message.
+    logprob: the sampled token's TokenLogprob when the request asked for logprobs (an event per token)."""
 
     text: str = ""
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    logprob: TokenLogprob | None = None
 
     @property
     def final(self) -> bool:
@@ -267,7 +270,8 @@ class Scheduler:
             self.rows.append(seq)
             self.stats.prefill_tokens += len(req.prompt)
             token = choose([seq.sampler], logits[None])[0]
-            if self._advance(seq, token, engine.lengths()[row]):
+            logprob = logprobs_of([seq.sampler], logits[None], [token])[0]
+            if self._advance(seq, token, engine.lengths()[row], logprob):
                 self._leave(row)
 
     def _step(self) -> None:
@@ -280,9 +284,12 @@ class Scheduler:
             return
         if self.engine.record_routing:
             self.req_rows.append([s.request.number for s in seqs])
-        tokens = choose([s.sampler for s in seqs], logits)
+        samplers = [s.sampler for s in seqs]
+        tokens = choose(samplers, logits)
+        logprobs = logprobs_of(samplers, logits, tokens)
         lengths = self.engine.lengths()
-        done = [row for row, (s, t) in enumerate(zip(seqs, tokens)) if self._advance(s, t, lengths[row])]
+        done = [row for row, (s, t, lp) in enumerate(zip(seqs, tokens, logprobs))
+                if self._advance(s, t, lengths[row], lp)]
         seconds = time.perf_counter() - start
         st = self.stats
         st.steps += 1
@@ -293,7 +300,7 @@ class Scheduler:
         for row in reversed(done):
             self._leave(row)
 
-    def _advance(self, seq: _Seq, token: int, length: int) -> bool:
+    def _advance(self, seq: _Seq, token: int, length: int, logprob: TokenLogprob | None = None) -> bool:
         """Take one sampled token of `seq` (whose row caches `length` tokens); emit; True when done."""
         seq.generated += 1
         seq.last = token
@@ -305,7 +312,7 @@ class Scheduler:
             reason = "stop" if stopped else "length" if full else None
             if reason == "length":
                 text += seq.stream.finish()
-        ok = _emit(seq.request, Event(text, reason, len(seq.request.prompt), seq.generated))
+        ok = _emit(seq.request, Event(text, reason, len(seq.request.prompt), seq.generated, logprob=logprob))
         if reason is not None:
             self.stats.finished[reason] += 1
         elif not ok:

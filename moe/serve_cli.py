@@ -5,11 +5,18 @@
     ─► Scheduler (continuous batching thread) ─► uvicorn on --host:--port until SIGINT / SIGTERM
     --record-routing PATH: the decode routing of every request, an expertcache-trace/1 file written
     at shutdown, for `expertcache sim PATH`.
+
+Access: the server listens on loopback unless --host says otherwise. With an API key (from
+--api-key-file, or --api-key, which other users of the machine can read in `ps`, else the
+EXPERTCACHE_API_KEY environment variable), /v1/* and /metrics need 'Authorization: Bearer KEY';
+/health is always open, and /metrics is open with --metrics-public.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +26,9 @@ from sim.replay import ORACLES
 
 if TYPE_CHECKING:
     from moe.server import ServeState
+
+API_KEY_ENV = "EXPERTCACHE_API_KEY"
+DEFAULT_MAX_SEQ_LEN = 2048
 
 # torch, the model and the HTTP stack are imported when `serve` runs, so that `expertcache sim`
 # (and --help) start without them.
@@ -42,14 +52,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", help="cpu or cuda[:i] (default cuda when available)")
     p.add_argument("--dtype", choices=DTYPES, help="model dtype (default: config.json's)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="context: prompt + new tokens (default 2048)")
+    p.add_argument("--max-seq-len", type=int, help=f"context: prompt + new tokens (default {DEFAULT_MAX_SEQ_LEN}, or the "
+                   "model's max_position_embeddings when that is smaller)")
     p.add_argument("--served-model-name", help="model id of the API (default: the directory name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key-file", metavar="PATH",
+                     help="require 'Authorization: Bearer KEY' on /v1 and /metrics, KEY read from this file "
+                          f"(default: the {API_KEY_ENV} environment variable, if set)")
+    key.add_argument("--api-key", help="the same with KEY on the command line (visible in `ps`: prefer "
+                                       f"--api-key-file or {API_KEY_ENV})")
+    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    p.add_argument("--max-body-mb", type=float, default=8.0,
+                   help="largest request body in MiB (default 8); larger ones get 413")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a whole request, headers and body (default 30)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (default 5)")
     p.add_argument("--record-routing", metavar="PATH", help="write the decode routing as a trace (.npz) at shutdown")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish at shutdown (default 30)")
+                   help="seconds open requests get to finish at shutdown before they end with a 503 "
+                        "shutting_down error (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 
@@ -57,19 +81,83 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _check(args: argparse.Namespace) -> None:
     for flag, value in (("--max-batch", args.max_batch), ("--max-seq-len", args.max_seq_len),
                         ("--moe-slots", args.moe_slots)):
-        if value < 1:
+        if value is not None and value < 1:
             raise SystemExit(f"error: {flag} must be >= 1, got {value}")
+    for flag, value in (("--max-body-mb", args.max_body_mb), ("--read-timeout", args.read_timeout),
+                        ("--keep-alive-timeout", args.keep_alive_timeout)):
+        if not value > 0:
+            raise SystemExit(f"error: {flag} must be > 0, got {value}")
+    if not args.shutdown_timeout >= 0:
+        raise SystemExit(f"error: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if not Path(args.model).is_dir():
         raise SystemExit(f"error: --model {args.model} is not a directory: pass a downloaded checkpoint")
     if args.record_routing and not Path(args.record_routing).resolve().parent.is_dir():
         raise SystemExit(f"error: --record-routing {args.record_routing}: its folder does not exist")
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The API key: --api-key-file's contents (stripped) or --api-key, else $EXPERTCACHE_API_KEY, else
+    None (open). Raises SystemExit naming the flag for an unreadable or empty key file or an empty key."""
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"error: --api-key-file {args.api_key_file}: cannot be read ({e})") from None
+        source = f"--api-key-file {args.api_key_file}"
+    elif args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    elif API_KEY_ENV in os.environ:
+        key, source = os.environ[API_KEY_ENV].strip(), API_KEY_ENV
+    else:
+        return None
+    if not key or any(c.isspace() for c in key) or not key.isprintable():
+        raise SystemExit(f"error: {source}: the API key must be one non-empty word of printable characters")
+    return key
+
+
+def resolve_device(flag: str | None):
+    """torch.device of --device: cpu or cuda[:i] (default cuda when available). Raises SystemExit naming
+    --device for another name, a CUDA device without CUDA, or an index beyond the GPUs present."""
+    import torch
+
+    if flag is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    m = re.fullmatch(r"(cpu|cuda)(?::(\d+))?", flag.strip())
+    if m is None or (m.group(1) == "cpu" and m.group(2) is not None):
+        raise SystemExit(f"error: --device {flag!r}: expected cpu, cuda or cuda:INDEX")
+    if m.group(1) == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise SystemExit(f"error: --device {flag}: no CUDA GPU is available (torch {torch.__version__}, {build}); "
+                         "pass --device cpu or run where a GPU is visible")
+    index, count = int(m.group(2) or 0), torch.cuda.device_count()
+    if index >= count:
+        raise SystemExit(f"error: --device {flag}: this machine has {count} CUDA device(s): use cuda:0"
+                         f"{f' to cuda:{count - 1}' if count > 1 else ''}")
+    return torch.device("cuda", index)
+
+
+def _context(args: argparse.Namespace) -> int:
+    """--max-seq-len, or its default, within config.json's max_position_embeddings (the positions the
+    model was trained for; beyond them its rotary positions are out of distribution). Raises SystemExit."""
+    from moe.spec import read_config
+
+    limit = read_config(args.model).get("max_position_embeddings")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        return args.max_seq_len or DEFAULT_MAX_SEQ_LEN
+    if args.max_seq_len is None:
+        return min(DEFAULT_MAX_SEQ_LEN, limit)
+    if args.max_seq_len > limit:
+        raise SystemExit(f"error: --max-seq-len {args.max_seq_len} is above the model's max_position_embeddings "
+                         f"({limit}, config.json): pass --max-seq-len {limit} or less")
+    return args.max_seq_len
+
+
 def build_state(args: argparse.Namespace) -> ServeState:
     """Tokenizer, engine, scheduler and options from the parsed flags. Raises SystemExit naming the flag
     or file on a bad value, a checkpoint that cannot be served or a pool that does not fit."""
-    import torch
-
+    from moe.http_guard import GuardOptions
     from moe.model import load_model
     from moe.scheduler import Scheduler
     from moe.server import ServeOptions, ServeState
@@ -77,11 +165,13 @@ def build_state(args: argparse.Namespace) -> ServeState:
     from moe.tokenizer import TextTokenizer, TokenizerError
 
     _check(args)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    key = api_key(args)
+    device = resolve_device(args.device)
     try:
+        max_seq_len = _context(args)
         tokenizer = TextTokenizer(args.model)
         engine = load_model(args.model, device, num_slots=args.moe_slots, policy=args.moe_cache_policy,
-                            dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                            dtype=args.dtype, max_batch=args.max_batch, max_seq_len=max_seq_len,
                             record_routing=bool(args.record_routing),
                             copy_overlap=True if args.moe_copy_overlap else None)
     except (CheckpointError, TokenizerError, ValueError) as e:
@@ -90,12 +180,22 @@ def build_state(args: argparse.Namespace) -> ServeState:
         raise SystemExit(f"error: {args.model}/tokenizer.json has {tokenizer.vocab_size} tokens but config.json "
                          f"vocab_size is {engine.spec.vocab_size}: the tokenizer belongs to another model")
     name = args.served_model_name or Path(args.model).resolve().name
-    options = ServeOptions(served_name=name, max_seq_len=args.max_seq_len, api_key=args.api_key,
+    guard = GuardOptions(api_key=key, metrics_public=args.metrics_public,
+                         max_body_bytes=int(args.max_body_mb * 2**20))
+    options = ServeOptions(served_name=name, max_seq_len=max_seq_len, guard=guard,
                            record_routing=Path(args.record_routing) if args.record_routing else None,
                            trace_meta={"policy": args.moe_cache_policy, "slots": args.moe_slots,
                                        "max_batch": args.max_batch},
-                           shutdown_timeout=args.shutdown_timeout)
+                           shutdown_timeout=args.shutdown_timeout, read_timeout=args.read_timeout,
+                           keep_alive_timeout=args.keep_alive_timeout)
     return ServeState(Scheduler(engine, tokenizer), tokenizer, options)
+
+
+def _access(state: ServeState) -> str:
+    guard = state.options.guard
+    if guard.api_key is None:
+        return "no API key: every endpoint is open"
+    return f"API key required on /v1/*{'' if guard.metrics_public else ' and /metrics'}; /health is open"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,8 +205,8 @@ def run(args: argparse.Namespace) -> int:
     spec = state.scheduler.engine.spec
     print(f"serving {state.options.served_name} ({spec.model_type}, {spec.num_moe_layers} MoE layers x "
           f"{spec.moe.num_experts} experts, top-{spec.moe.top_k}) on http://{args.host}:{args.port} with "
-          f"{args.moe_slots} slots, policy {args.moe_cache_policy}, device {state.scheduler.engine.weights.device}",
-          flush=True)
+          f"{args.moe_slots} slots, policy {args.moe_cache_policy}, device {state.scheduler.engine.weights.device}; "
+          f"{_access(state)}", flush=True)
     make_server(state, args.host, args.port, args.log_level).run()
     if state.options.record_routing is not None:
         print(f"routing trace: {state.options.record_routing} (replay: expertcache sim "

@@ -1,59 +1,69 @@
 """`expertcache serve`: an OpenAI-compatible HTTP server over the continuous-batching Scheduler.
 
-    client ─HTTP─► uvicorn ─► _Guard (API key, draining → 503, request counter) ─► FastAPI routes
-        /v1/completions, /v1/chat/completions ─► openai_api.prepare ─► Request ─► Scheduler.submit
+    client ─TCP─► uvicorn (TimedH11Protocol: --read-timeout, --keep-alive-timeout)
+        ─► Guard (draining → 503, API key → 401, Content-Type → 415, body size → 413, counter)
+        ─► FastAPI routes
+        /v1/completions, /v1/chat/completions: body bytes ─worker thread: parse, check, tokenize─►
+            Prepared ─► Request ─► Scheduler.submit
             ◄─ Events on an asyncio.Queue (the scheduler thread puts them with call_soon_threadsafe)
             ─► one JSON body, or SSE chunks `data: {...}` ending with `data: [DONE]`
         /v1/models, /health
         /metrics ─► Scheduler.call(snapshot) (read on the scheduler thread) ─► Prometheus text
-    shutdown: draining (new /v1 requests → 503) ─► uvicorn finishes in-flight requests (up to
-        --shutdown-timeout, then cancels them) ─► Scheduler.stop ─► --record-routing trace written
+    shutdown: draining (new /v1 requests → 503) ─► the scheduler runs the open requests for up to
+        --shutdown-timeout, then ends the rest with "server shutting down": each gets a 503
+        shutting_down error (JSON, or a final SSE error event and [DONE]) ─► uvicorn closes the
+        connections ─► --record-routing trace written
 
-A request whose client goes away is cancelled: a stream when its response ends for any reason
-(`_EventStream`), a non-streaming one when the disconnect is seen while it waits; the scheduler then
-frees its batch row at its next turn. The engine is touched only by the scheduler thread.
+A request whose client goes away is cancelled as soon as the disconnect arrives, streaming or not
+(a watcher awaits the connection's disconnect while the request waits or generates); the scheduler
+frees its batch row at its next turn. The engine is touched only by the scheduler thread. Every
+error is an OpenAI-style JSON body (or SSE error event once a stream has begun), never text/plain.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
+import logging
 import time
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe import openai_api as api
+from moe.http_guard import Guard, GuardOptions, timed_protocol, until_disconnect
 from moe.metrics import CONTENT_TYPE, ServerMetrics, snapshot
 from moe.recording import write_routing
 from moe.scheduler import Event, Request, Scheduler, SchedulerClosed
 from moe.tokenizer import TextTokenizer
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+logger = logging.getLogger(__name__)
+FINAL_WRITE_S = 5.0  # at shutdown, after every request has its last event: time to write the answers
 
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """served_name: the model id clients pass. max_seq_len: the context. api_key: the Bearer token
-    /v1 requires (None: open). record_routing: the trace path written at shutdown (None: off).
-    trace_meta: extra meta keys of the trace (policy, slots). shutdown_timeout: seconds in-flight
-    requests get to finish at shutdown."""
+    """served_name: the model id clients pass. max_seq_len: the context. guard: API key, /metrics
+    access, body limit. record_routing: the trace path written at shutdown (None: off). trace_meta:
+    extra meta keys of the trace (policy, slots). shutdown_timeout: seconds open requests get to finish
+    at shutdown. read_timeout: seconds a client has to send a whole request. keep_alive_timeout: seconds
+    an idle keep-alive connection stays open."""
 
     served_name: str
     max_seq_len: int
-    api_key: str | None = None
+    guard: GuardOptions = field(default_factory=GuardOptions)
     record_routing: Path | None = None
     trace_meta: dict | None = None
     shutdown_timeout: float = 30.0
+    read_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0
 
 
 class ServeState:
@@ -75,12 +85,17 @@ class ServeState:
         return self.scheduler.call(lambda: write_routing(self.scheduler, target, self.options.served_name,
                                                          **(self.options.trace_meta or {})))
 
+    def drain(self, timeout: float) -> None:
+        """Refuse new requests; let the open ones run for up to `timeout` s, then end the rest with
+        "server shutting down" (their clients get 503 shutting_down). Blocks; idempotent."""
+        self.draining = True
+        self.scheduler.stop(timeout)
+
     def close(self) -> None:
-        """Drain: refuse new requests, stop the scheduler (ending what is left), write the trace."""
+        """Drain at once (ending what is left), write the trace."""
         if self.closed:
             return
-        self.draining = True
-        self.scheduler.stop()
+        self.drain(0.0)
         if self.options.record_routing is not None:
             self.write_routing().result()
         self.closed = True
@@ -90,64 +105,11 @@ def _json_error(err: api.ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
-class _Guard:
-    """ASGI middleware: counts every HTTP answer by endpoint and status; on /v1 paths refuses a
-    draining server (503) and a missing or wrong API key (401) before any route runs."""
-
-    def __init__(self, app, state: ServeState) -> None:
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path, status = scope["path"], [500]
-
-        async def counted(message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            refusal = self._refusal(scope) if path.startswith("/v1/") else None
-            if refusal is not None:
-                return await _json_error(refusal)(scope, receive, counted)
-            await self.app(scope, receive, counted)
-        finally:
-            label = path if path in ENDPOINTS else "other"
-            self.state.metrics.requests.labels(label, str(status[0])).inc()
-
-    def _refusal(self, scope) -> api.ApiError | None:
-        if self.state.draining:
-            return api.ApiError(503, "the server is shutting down: retry later", type="server_error",
-                                code="shutting_down")
-        key = self.state.options.api_key
-        if key is None:
-            return None
-        headers = dict(scope.get("headers") or [])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            return api.ApiError(401, "Incorrect API key provided: send the header "
-                                "'Authorization: Bearer KEY' with the server's --api-key",
-                                code="invalid_api_key")
-        return None
-
-
-class _EventStream(StreamingResponse):
-    """An SSE response that cancels its generation request however the response ends."""
-
-    def __init__(self, content: AsyncIterator[str], request: Request) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.generation = request
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.generation.cancel()
-
-
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+_DISCONNECTED = Event(error="the client disconnected")
 
 
 def _submit(state: ServeState, prep: api.Prepared) -> tuple[Request, asyncio.Queue]:
@@ -162,55 +124,87 @@ def _submit(state: ServeState, prep: api.Prepared) -> tuple[Request, asyncio.Que
 
 
 def _event_error(state: ServeState, ev: Event) -> api.ApiError:
-    if state.draining:
+    if state.draining or state.scheduler.closing:
         return api.ApiError(503, f"the server is shutting down: {ev.error}", type="server_error",
                             code="shutting_down")
     return api.ApiError(500, f"generation failed: {ev.error}", type="server_error", code="internal_error")
 
 
-async def _collect(state: ServeState, req: Request, events: asyncio.Queue, http: HttpRequest) -> tuple[str, Event]:
-    """Wait for every Event of `req`: (text, last Event). Cancels it if the client disconnects."""
-    parts: list[str] = []
+async def _collect(state: ServeState, req: Request, events: asyncio.Queue, http: HttpRequest) -> tuple[str, list, Event]:
+    """Wait for every Event of `req`: (text, logprobs, last Event). Cancels it the moment the client
+    disconnects (ApiError 499)."""
+    def gone(task: asyncio.Task) -> None:  # the disconnect arrived (or receive() failed: the same to us)
+        if not task.cancelled():
+            task.exception()  # retrieved, so that asyncio does not log it
+            events.put_nowait(_DISCONNECTED)
+
+    watcher = asyncio.create_task(until_disconnect(http.receive))
+    watcher.add_done_callback(gone)
+    parts, logprobs = [], []
     try:
         while True:
-            try:
-                ev = await asyncio.wait_for(events.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    raise api.ApiError(499, "the client disconnected", code="client_closed") from None
-                continue
+            ev = await events.get()
+            if ev is _DISCONNECTED:
+                raise api.ApiError(499, "the client disconnected", code="client_closed")
             parts.append(ev.text)
+            if ev.logprob is not None:
+                logprobs.append(ev.logprob)
             if ev.error is not None:
                 raise _event_error(state, ev)
             if ev.final:
-                return "".join(parts), ev
+                return "".join(parts), logprobs, ev
     finally:
+        watcher.cancel()
         req.cancel()  # no-op once finished
 
 
-async def _stream(state: ServeState, events: asyncio.Queue, chunk, first: dict | None, obj: str,
-                  include_usage: bool) -> AsyncIterator[str]:
-    """SSE text: `first` (if any), a chunk per text delta, a finish chunk, usage, [DONE]."""
+class _EventStream(StreamingResponse):
+    """An SSE response that cancels its generation request however the response ends (Starlette
+    stops it when the client disconnects)."""
+
+    def __init__(self, content: AsyncIterator[str], request: Request) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.generation = request
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.cancel()
+
+
+async def _stream(state: ServeState, events: asyncio.Queue, chunk: Callable, first: dict | None, obj: str,
+                  include_usage: bool, logprobs: Callable) -> AsyncIterator[str]:
+    """SSE text: `first` (if any), a chunk per text delta (with the logprobs of its tokens), a finish
+    chunk, usage, [DONE]; an error ends the stream with an error event and [DONE]."""
     rid, model = api.new_id("cmpl" if obj == "text_completion" else "chatcmpl"), state.options.served_name
-    if first is not None:
-        yield _sse(chunk(rid, model, first, None))
-    while True:
-        ev: Event = await events.get()
-        if ev.error is not None:
-            yield _sse(_event_error(state, ev).body())
-            break
-        if ev.text:
-            yield _sse(chunk(rid, model, ev.text, None))
-        if ev.final:
-            yield _sse(chunk(rid, model, "" if first is None else {}, ev.finish_reason))
-            if include_usage:
-                yield _sse(api.usage_chunk(rid, model, obj, api.usage(ev.prompt_tokens, ev.completion_tokens)))
-            break
+    pending: list = []  # logprobs of tokens whose text is still held back
+    try:
+        if first is not None:
+            yield _sse(chunk(rid, model, first, None))
+        while True:
+            ev: Event = await events.get()
+            if ev.error is not None:
+                yield _sse(_event_error(state, ev).body())
+                break
+            if ev.logprob is not None:
+                pending.append(ev.logprob)
+            if ev.text:
+                yield _sse(chunk(rid, model, ev.text, None, logprobs(pending)))
+                pending = []
+            if ev.final:
+                yield _sse(chunk(rid, model, "" if first is None else {}, ev.finish_reason, logprobs(pending)))
+                if include_usage:
+                    yield _sse(api.usage_chunk(rid, model, obj, api.usage(ev.prompt_tokens, ev.completion_tokens)))
+                break
+    except Exception as e:  # a bug: the stream has begun, so end it with an error event
+        logger.exception("a stream failed")
+        yield _sse(api.ApiError(500, f"the stream failed: {e!r}", type="server_error", code="internal_error").body())
     yield "data: [DONE]\n\n"
 
 
-def _chat_chunk(rid: str, model: str, delta, finish: str | None) -> dict:
-    return api.chat_chunk(rid, model, {"content": delta} if isinstance(delta, str) else delta, finish)
+def _chat_chunk(rid: str, model: str, delta, finish: str | None, logprobs: dict | None = None) -> dict:
+    return api.chat_chunk(rid, model, {"content": delta} if isinstance(delta, str) else delta, finish, logprobs)
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -223,20 +217,23 @@ def create_app(state: ServeState) -> FastAPI:
         await asyncio.to_thread(state.close)
 
     app = FastAPI(title="expertcache", lifespan=lifespan)
-    app.add_middleware(_Guard, state=state)
+    app.add_middleware(Guard, options=state.options.guard, is_draining=lambda: state.draining,
+                       count=lambda endpoint, status: state.metrics.requests.labels(endpoint, status).inc())
 
     @app.exception_handler(api.ApiError)
     async def api_error(request: HttpRequest, e: api.ApiError):
         return _json_error(e)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: HttpRequest, e: RequestValidationError):
-        return _json_error(api.validation_error(list(e.errors())))
-
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: HttpRequest, e: StarletteHTTPException):
         return _json_error(api.ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
                                         code="not_found" if e.status_code == 404 else None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: HttpRequest, e: Exception):
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=e)
+        return _json_error(api.ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
+                                        code="internal_error"))
 
     _add_routes(app, state)
     return app
@@ -246,29 +243,28 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
     opts, tok = state.options, state.tokenizer
     vocab = state.scheduler.engine.spec.vocab_size
 
-    @app.post("/v1/completions")
-    async def completions(body: api.CompletionBody, http: HttpRequest):
-        prep = api.prepare(body, api.completion_prompt(body, tok, vocab), served=opts.served_name,
-                           max_seq_len=opts.max_seq_len, default_max=16)
+    async def generate(http: HttpRequest, prepare: Callable, chunk: Callable, first: dict | None, obj: str,
+                       body: Callable, logprobs: Callable):
+        prep: api.Prepared = await asyncio.to_thread(prepare, await http.body())
         req, events = _submit(state, prep)
-        if body.stream:
-            return _EventStream(_stream(state, events, api.completion_chunk, None, "text_completion",
-                                        body.include_usage), req)
-        text, ev = await _collect(state, req, events, http)
-        return api.completion_body(api.new_id("cmpl"), opts.served_name, text, ev.finish_reason,
-                                   api.usage(ev.prompt_tokens, ev.completion_tokens))
+        if prep.stream:
+            return _EventStream(_stream(state, events, chunk, first, obj, prep.include_usage, logprobs), req)
+        text, lps, ev = await _collect(state, req, events, http)
+        return body(api.new_id("cmpl" if obj == "text_completion" else "chatcmpl"), opts.served_name, text,
+                    ev.finish_reason, api.usage(ev.prompt_tokens, ev.completion_tokens), logprobs(lps))
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        prepare = lambda raw: api.prepare_completion(raw, tok, vocab_size=vocab, served=opts.served_name,  # noqa: E731
+                                                     max_seq_len=opts.max_seq_len)
+        return await generate(http, prepare, api.completion_chunk, None, "text_completion", api.completion_body,
+                              lambda lps: api.completion_logprobs(tok, lps))
 
     @app.post("/v1/chat/completions")
-    async def chat(body: api.ChatBody, http: HttpRequest):
-        prep = api.prepare(body, api.chat_prompt(body, tok), served=opts.served_name,
-                           max_seq_len=opts.max_seq_len, default_max=None)
-        req, events = _submit(state, prep)
-        if body.stream:
-            return _EventStream(_stream(state, events, _chat_chunk, {"role": "assistant", "content": ""},
-                                        "chat.completion.chunk", body.include_usage), req)
-        text, ev = await _collect(state, req, events, http)
-        return api.chat_body(api.new_id("chatcmpl"), opts.served_name, text, ev.finish_reason,
-                             api.usage(ev.prompt_tokens, ev.completion_tokens))
+    async def chat(http: HttpRequest):
+        prepare = lambda raw: api.prepare_chat(raw, tok, served=opts.served_name, max_seq_len=opts.max_seq_len)  # noqa: E731
+        return await generate(http, prepare, _chat_chunk, {"role": "assistant", "content": ""},
+                              "chat.completion.chunk", api.chat_body, lambda lps: api.chat_logprobs(tok, lps))
 
     @app.get("/v1/models")
     async def models():
@@ -289,19 +285,32 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server that marks the state draining as soon as shutdown starts."""
+    """uvicorn's server that drains the scheduler before uvicorn closes the connections: open requests
+    run up to --shutdown-timeout, then end with a 503 shutting_down error that reaches their clients."""
 
     def __init__(self, config: uvicorn.Config, state: ServeState) -> None:
         super().__init__(config)
         self.state = state
 
+    @contextmanager
+    def capture_signals(self):
+        """uvicorn's signal capture, without re-raising the signal after the graceful shutdown (which
+        would end the process by SIGTERM, or with a KeyboardInterrupt traceback on Ctrl-C): a served
+        process that shut down cleanly exits 0."""
+        with super().capture_signals():
+            yield
+            getattr(self, "_captured_signals", []).clear()
+
     async def shutdown(self, sockets=None) -> None:
         self.state.draining = True
+        await asyncio.to_thread(self.state.drain, self.state.options.shutdown_timeout)
         await super().shutdown(sockets)
 
 
 def make_server(state: ServeState, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> Server:
     """A uvicorn Server of create_app(state); run() blocks until SIGINT / SIGTERM (or should_exit)."""
+    o = state.options
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=state.options.shutdown_timeout)
+                            http=timed_protocol(o.read_timeout), timeout_keep_alive=o.keep_alive_timeout,
+                            timeout_graceful_shutdown=FINAL_WRITE_S)
     return Server(config, state)

@@ -5,16 +5,22 @@
         ──jinja2 ImmutableSandboxedEnvironment (as transformers renders it)──►
         render(messages, add_generation_prompt=True, bos_token, eos_token) -> prompt text -> ids
     eos ids = config.json eos_token_id ∪ generation_config.json eos_token_id ∪ id(tokenizer_config eos_token)
+    prompt text ──encode_within(text, limit)──► ids, or TooManyTokens once a prefix of a long text
+        already holds more than `limit` tokens (the rest of it is never tokenized)
     generated ids ──TextStream.push──► text deltas, held back while they could still become a stop
-        string (or end inside an unfinished UTF-8 character), cut at the first stop string
+        string (or end inside an unfinished UTF-8 character), cut at the first stop string; each
+        push decodes a window of the last few ids and checks only the new text against the stops
 
 The rendered chat prompt is encoded without the tokenizer's own special tokens (the template writes
 them), a plain completion prompt with them, as transformers does. Decoding skips special tokens.
+Encoding goes through `encode_batch`, which releases the GIL while the tokenizer runs, so that a long
+prompt tokenized on a worker thread does not stall the server's event loop.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -24,8 +30,23 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 
+# encode_within: a text longer than this many characters per allowed token is first tokenized in a
+# prefix of that length; SLACK tokens cover a word cut at the prefix's end.
+PREFIX_CHARS_PER_TOKEN = 16
+PREFIX_SLACK = 16
+_LAST_SPACE = re.compile(r"\s(?=\S*$)")
+
+
 class TokenizerError(ValueError):
     """A checkpoint whose text side cannot be served; the message names the file or field to fix."""
+
+
+class TooManyTokens(ValueError):
+    """A text with more tokens than allowed: `count` tokens (at least that many when not `exact`)."""
+
+    def __init__(self, count: int, exact: bool) -> None:
+        super().__init__(f"{'' if exact else 'at least '}{count} tokens")
+        self.count, self.exact = count, exact
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -121,11 +142,36 @@ class TextTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`. Runs without the GIL (`encode_batch` of one text; `encode` holds it)."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_within(self, text: str, limit: int, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, or TooManyTokens when it has more than `limit` tokens.
+
+        A text longer than PREFIX_CHARS_PER_TOKEN * (limit + 1) characters is first tokenized in a
+        prefix of that length, cut before its last whitespace; when the prefix alone has more than
+        limit + PREFIX_SLACK tokens the text is refused without tokenizing the rest (count inexact).
+        Cost: at most the prefix plus one full tokenization.
+        """
+        head = PREFIX_CHARS_PER_TOKEN * (limit + 1)
+        if len(text) > head:
+            space = _LAST_SPACE.search(text, 0, head)
+            prefix = text[: space.start() if space and space.start() > 0 else head]
+            count = len(self.encode(prefix, add_special_tokens=add_special_tokens))
+            if count > limit + PREFIX_SLACK:
+                raise TooManyTokens(count - PREFIX_SLACK, exact=False)
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        if len(ids) > limit:
+            raise TooManyTokens(len(ids), exact=True)
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens skipped."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_text(self, token: int) -> str:
+        """The text of one token id, special tokens included (the `token` of a logprobs entry)."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
         """The chat template rendered with `messages` and add_generation_prompt=True.
@@ -151,9 +197,15 @@ class TextStream:
     """Incremental detokenization of one sequence with stop strings.
 
     push(token) -> (text delta safe to send, stopped): the delta never holds a prefix of a stop string
-    that later tokens could complete, nor a trailing U+FFFD (an unfinished multi-byte character);
-    `stopped` is True once a stop string appears, and the text is cut before it. finish() -> the text
-    held back at the end. `text` is everything sent. Cost per push: one decode of all tokens so far.
+    that later tokens could complete, nor an unfinished multi-byte character; `stopped` is True once a
+    stop string appears, and the text is cut before it. finish() -> the text held back at the end.
+    `text` is everything sent.
+
+    Decoding is windowed (as vLLM and TGI detokenize): the new text of a push is the decode of the
+    ids since the last settled one minus the decode of its context, so a push costs the decode of a
+    few ids whatever the length; the window stays open while it ends inside a character (U+FFFD).
+    Only the new text, with the len(stop) - 1 characters before it, is searched for each stop string.
+    Cost per push: two decodes of the window and O(sum of stop lengths) of string search.
     """
 
     def __init__(self, tokenizer: TextTokenizer, stop: Iterable[str] = ()) -> None:
@@ -161,20 +213,38 @@ class TextStream:
         self.stop = tuple(s for s in stop if s)
         self.ids: list[int] = []
         self.text = ""
-        self._full = ""
+        self._full = ""  # every character decoded so far; text is a prefix of it
+        self._start = self._read = 0  # ids[_start:_read]: the context of the open window
+        self._context = ""  # decode(ids[_start:_read])
+        self._taken = 0  # characters of the open window's new text already in _full
 
     def push(self, token: int) -> tuple[str, bool]:
         self.ids.append(token)
-        full = self.tokenizer.decode(self.ids)
-        self._full = full
-        hits = [i for i in (full.find(s) for s in self.stop) if i >= 0]
+        checked = len(self._full)
+        self._full += self._window(final=False)
+        hits = [i for i in (self._full.find(s, max(0, checked - len(s) + 1)) for s in self.stop) if i >= 0]
         if hits:
             return self._send(min(hits)), True
-        return self._send(len(full) - self._held_back(full)), False
+        return self._send(len(self._full) - self._held_back()), False
 
     def finish(self) -> str:
         """The rest of the text, held back so far (at the end of the sequence nothing can follow)."""
+        self._full += self._window(final=True)
         return self._send(len(self._full))
+
+    def _window(self, final: bool) -> str:
+        """The text the open window adds beyond what _full holds; settles the window unless it ends
+        inside an unfinished character (then only the complete characters before it are taken)."""
+        decoded = self.tokenizer.decode(self.ids[self._start:])
+        open_end = decoded.endswith("\ufffd") and not final
+        usable = decoded.rstrip("\ufffd") if open_end else decoded
+        new = usable[len(self._context) + self._taken:]
+        if open_end:
+            self._taken += len(new)
+        else:
+            self._start, self._read, self._taken = self._read, len(self.ids), 0
+            self._context = self.tokenizer.decode(self.ids[self._start:self._read])
+        return new
 
     def _send(self, end: int) -> str:
         end = max(end, len(self.text))
@@ -182,12 +252,14 @@ class TextStream:
         self.text += delta
         return delta
 
-    def _held_back(self, full: str) -> int:
-        """Characters at the end of `full` that may not be sent yet."""
-        hold = 1 if full.endswith("\ufffd") else 0
+    def _held_back(self) -> int:
+        """Characters at the end of the text that may still begin a stop string."""
+        full, hold = self._full, 0
         for s in self.stop:
-            for n in range(min(len(s) - 1, len(full)), 0, -1):
-                if full.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
+            tail = full[len(full) - min(len(s) - 1, len(full)):] if len(s) > 1 else ""
+            i = tail.find(s[0])  # the longest suffix of tail that starts s
+            while i >= 0 and not s.startswith(tail[i:]):
+                i = tail.find(s[0], i + 1)
+            if i >= 0:
+                hold = max(hold, len(tail) - i)
         return hold

@@ -234,3 +234,30 @@ def test_tokenizer_chat_template_and_eos_sources(tiny_dir, tmp_path):
     (other / "tokenizer.json").unlink()
     with pytest.raises(TokenizerError, match="tokenizer.json does not exist"):
         TextTokenizer(other)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_logprobs_on_a_gpu_engine_match_its_own_logits(tiny_dir):
+    """The scheduler's logprobs on a CUDA engine (CUDA-graph decode, evictions every step) against
+    log_softmax of the same engine's prefill logits over prompt + generated tokens."""
+    engine = load_model(tiny_dir, "cuda", num_slots=2, max_batch=1, max_seq_len=64, dtype="float32",
+                        progress=False)
+    s = Scheduler(engine, TextTokenizer(tiny_dir))
+    s.start()
+    try:
+        sink, prompt = Sink(), [11, 22, 33]
+        s.submit(Request(prompt, SamplingParams(max_tokens=6, temperature=0.0, logprobs=3), sink))
+        sink.wait()
+    finally:
+        s.stop()
+    lps = [e.logprob for e in sink.events]
+    tokens = [lp.token for lp in lps]
+    logits = engine.prefill([prompt + tokens[:-1]], all_logits=True)[0]  # [P + 5, V]
+    ref = torch.log_softmax(logits.float(), dim=-1)[len(prompt) - 1:].cpu()
+    assert tokens == ref.argmax(dim=-1).tolist()
+    assert [lp.logprob for lp in lps] == pytest.approx(ref.max(dim=-1).values.tolist(), abs=1e-4)
+    for lp, row in zip(lps, ref):
+        values, ids = row.topk(3)
+        assert [i for i, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import httpx
@@ -24,43 +23,13 @@ from moe.cli import build_parser
 from moe.metrics import snapshot
 from moe.model import load_model
 from moe.serve_cli import build_state
-from moe.server import make_server
 from sim.replay import replay
 from sim.trace import load_trace
+from tests.moe.http_util import KEY, NAME, Running, serve
 from tests.moe.serving_util import held, wait_until
 
-KEY = "sk-test-key"
-NAME = "tiny-moe"
-
-
-class Running:
-    """A served ServeState: uvicorn in a thread on a pre-bound loopback socket."""
-
-    def __init__(self, state) -> None:
-        self.state, self.sock = state, socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = make_server(state, log_level="warning")
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, what="uvicorn to start")
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
-
-    @property
-    def scheduler(self):
-        return self.state.scheduler
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive()
-
-
 def _serve(tiny_dir, *extra: str) -> Running:
-    args = build_parser().parse_args(["serve", "--model", str(tiny_dir), "--moe-slots", "6", "--max-batch", "3",
-                                      "--max-seq-len", "64", "--device", "cpu", "--api-key", KEY,
-                                      "--served-model-name", NAME, *extra])
-    return Running(build_state(args))
+    return serve(tiny_dir, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +136,7 @@ def test_models_health_and_metrics(srv):
     assert [m.id for m in srv.client.models.list().data] == [NAME]
     assert httpx.get(srv.url + "/health").json()["status"] == "ok"
     _complete(srv, "w30 w31", max_tokens=6)
-    text = httpx.get(srv.url + "/metrics").text
+    text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     stats = srv.scheduler.call(lambda: cache_stats(srv.scheduler.engine.moe)).result()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for fam in text_string_to_metric_families(text) for s in fam.samples}

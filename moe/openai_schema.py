@@ -1,0 +1,232 @@
+"""The request bodies of the OpenAI-compatible API, parsed strictly from the raw JSON bytes.
+
+    body bytes ──parse_body(CompletionBody | ChatBody)──► pydantic, strict JSON mode:
+        no coercion ("5" is not an int, "yes" not a bool), unknown fields refused
+        ──check_unsupported──► OpenAI fields this server does not implement are accepted only
+        with the value that means "off" (many clients always send them); any other value is refused
+        ──► a checked body, or ApiError 400 naming the field (param = "messages.0.content.1.type")
+
+Implemented: model, prompt / messages (text or a list of text content parts), max_tokens
+(max_completion_tokens), temperature, top_p, n = 1, stop, stream, stream_options.include_usage,
+seed, logprobs (completions: an int 0-5; chat: a bool with top_logprobs 0-20) and user (an end-user
+id: accepted, no effect). Limits: at most MAX_STOP stop strings of at most MAX_STOP_CHARS characters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ApiError(Exception):
+    """An error answered to the client: status, message, OpenAI type, the offending param, code."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+MAX_STOP = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256  # each stop string is held back and searched on every token
+MAX_LOGPROBS = 5  # completions: OpenAI's limit of `logprobs`
+MAX_TOP_LOGPROBS = 20  # chat: OpenAI's limit of `top_logprobs`
+
+
+def _zero(v: Any) -> bool:
+    return type(v) in (int, float) and v == 0
+
+
+def _is(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: any(type(v) is type(x) and v == x for x in values)
+
+
+def _empty(v: Any) -> bool:
+    return v in ([], {}) and type(v) in (list, dict)
+
+
+# An unimplemented field passes when it is null or its predicate holds (the value meaning "off").
+_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "frequency_penalty": (_zero, "0"),
+    "presence_penalty": (_zero, "0"),
+    "logit_bias": (_empty, "{}"),
+    "tools": (_empty, "[]"),
+    "tool_choice": (_is("none"), '"none"'),
+    "functions": (_empty, "[]"),
+    "function_call": (_is("none"), '"none"'),
+    "parallel_tool_calls": (_is(True, False), "a bool (no tools are called)"),
+    "response_format": (_is({"type": "text"}), '{"type": "text"}'),
+    "store": (_is(False), "false"),
+    "metadata": (_empty, "{}"),
+    "service_tier": (_is("auto", "default"), '"auto"'),
+    "modalities": (_is(["text"]), '["text"]'),
+    "best_of": (_is(1), "1"),
+    "echo": (_is(False), "false"),
+    "suffix": (_is(""), '""'),
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _Body(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    user: str | None = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
+
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives to report per sampled token, None for no logprobs."""
+        return self.logprobs
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    # what a client echoes back from a response message: accepted when null or empty
+    tool_calls: Any = None
+    function_call: Any = None
+    refusal: None = None
+    audio: None = None
+    annotations: Any = None
+
+    def as_dict(self) -> dict[str, str]:
+        """The message as the chat template sees it: role, content text (parts joined), name."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        out = {"role": self.role, "content": content or ""}
+        out.update({k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None})
+        return out
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    modalities: Any = None
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def validation_error(errors: list[dict[str, Any]]) -> ApiError:
+    """A pydantic ValidationError's most specific error (the deepest location: for a union it is the
+    member that came closest) as a 400 naming the field."""
+    if not errors:
+        return ApiError(400, "the request body is invalid", code="invalid_body")
+    err = max(errors, key=lambda e: len(e.get("loc", ())))  # max keeps the first of equal depth
+    if err.get("type") == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}"
+                        " (text must be valid Unicode: a lone UTF-16 surrogate such as \\ud800 is not)",
+                        code="invalid_json")
+    # loc: field, index, field, ... plus pydantic's union member tags ("str", "list[TextPart]")
+    loc = [str(x) for x in err.get("loc", ()) if isinstance(x, int) or (str(x).isidentifier()
+                                                                        and x not in _TYPE_TAGS)]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "extra_forbidden":
+        msg = "unknown field: this server does not implement it; remove it"
+    elif err.get("type") == "model_type":
+        msg = "the request body must be a JSON object"
+    return ApiError(400, f"{param or 'body'}: {msg}", param=param,
+                    code="unknown_parameter" if err.get("type") == "extra_forbidden"
+                    else "invalid_value" if param else "invalid_body")
+
+
+def check_unsupported(body: _Body) -> None:
+    """Raise ApiError 400 naming the first unimplemented field set to something other than "off"."""
+    for name, (neutral, off) in _NEUTRAL.items():
+        value = getattr(body, name, None)
+        if value is not None and not neutral(value):
+            raise ApiError(400, f"{name}: not supported by this server; leave it out or send {off}",
+                           param=name, code="unsupported_parameter")
+    if body.n is not None and body.n != 1:
+        raise ApiError(400, f"n: only n=1 is supported, got {body.n}", param="n", code="invalid_value")
+    stops = body.stops
+    if len(stops) > MAX_STOP:
+        raise ApiError(400, f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", param="stop",
+                       code="invalid_value")
+    long = [s for s in stops if len(s) > MAX_STOP_CHARS]
+    if long:
+        raise ApiError(400, f"stop: a stop string has {len(long[0])} characters; at most {MAX_STOP_CHARS}",
+                       param="stop", code="invalid_value")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options",
+                       code="invalid_value")
+    if isinstance(body, ChatBody):
+        _check_messages(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs", code="invalid_value")
+
+
+def _check_messages(body: ChatBody) -> None:
+    for i, m in enumerate(body.messages):
+        for name in ("tool_calls", "function_call", "annotations"):
+            value = getattr(m, name)
+            if value is not None and not _empty(value):
+                raise ApiError(400, f"messages.{i}.{name}: tool and function calls are not supported by "
+                               "this server", param=f"messages.{i}.{name}", code="unsupported_parameter")
+
+
+def parse_body(model: type[_Body], raw: bytes) -> _Body:
+    """The checked body of `raw` (JSON bytes). Raises ApiError 400 naming the field."""
+    try:
+        body = model.model_validate_json(raw, strict=True)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+    check_unsupported(body)
+    return body

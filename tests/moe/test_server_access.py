@@ -1,0 +1,139 @@
+"""`expertcache serve`'s access rules, connection timeouts and flags, over real sockets (CPU backend).
+
+    API key sources (--api-key-file, --api-key, EXPERTCACHE_API_KEY), the Bearer scheme, /metrics
+    behind the key unless --metrics-public, JSON-only POST bodies, --read-timeout for stalled and
+    half-open clients, --keep-alive-timeout, and serve flags checked against the checkpoint and machine
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+import torch
+
+from moe.cli import build_parser
+from moe.serve_cli import API_KEY_ENV, build_state
+from tests.moe.http_util import AUTH, KEY, NAME, serve
+from tests.moe.test_server_hardening import _error, _post
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_dir):
+    running = serve(tiny_dir, "--read-timeout", "0.6", "--keep-alive-timeout", "0.6")
+    yield running
+    running.stop()
+
+
+def test_bearer_scheme_is_case_insensitive_and_metrics_need_the_key(srv):
+    body = {"model": NAME, "prompt": "w9", "max_tokens": 1}
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": f"{scheme} {KEY}"})
+        assert r.status_code == 200
+    for header in ({}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY}, {"Authorization": "Bearer x"}):
+        _error(httpx.post(srv.url + "/v1/completions", json=body, headers=header), 401, code="invalid_api_key")
+    _error(httpx.get(srv.url + "/metrics"), 401, code="invalid_api_key")
+    assert httpx.get(srv.url + "/metrics", headers=AUTH).status_code == 200
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_a_post_that_is_not_json_starts_no_generation(srv):
+    submitted = srv.scheduler._submitted
+    body = json.dumps({"model": NAME, "prompt": "w9", "max_tokens": 1})
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {**AUTH, **({"Content-Type": kind} if kind else {})}
+        r = httpx.post(srv.url + "/v1/completions", content=body, headers=headers)
+        _error(r, 415, param="Content-Type", code="unsupported_media_type")
+    assert srv.scheduler._submitted == submitted
+    assert _post(srv, "/v1/completions", body, headers={"Content-Type": "application/json; charset=utf-8"}
+                 ).status_code == 200
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> float:
+    """Seconds until the server closes `sock` (recv returns b""); fails after `seconds`."""
+    sock.settimeout(seconds)
+    start = time.monotonic()
+    while sock.recv(65536):
+        pass
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
+                                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  b"Authorization: Bearer sk-test-key\r\nContent-Length: 100\r\n\r\n{\"model\""])
+def test_a_stalled_or_half_open_client_is_disconnected(srv, sent):
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        sock.sendall(sent)
+        assert _closed_within(sock, 3.0) < 2.0  # --read-timeout 0.6
+    assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+
+
+def test_an_idle_keep_alive_connection_is_closed(srv):
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(3)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        assert _closed_within(sock, 3.0) < 2.0  # --keep-alive-timeout 0.6
+
+
+def test_api_key_sources(tiny_dir, tmp_path, monkeypatch):
+    base = ["serve", "--model", str(tiny_dir), "--moe-slots", "6", "--max-batch", "3", "--device", "cpu"]
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-file\n")
+    monkeypatch.setenv(API_KEY_ENV, "sk-from-env")
+    state = build_state(build_parser().parse_args(base + ["--api-key-file", str(key_file)]))
+    assert state.options.guard.api_key == "sk-from-file"
+    assert build_state(build_parser().parse_args(base)).options.guard.api_key == "sk-from-env"
+    monkeypatch.delenv(API_KEY_ENV)
+    assert build_state(build_parser().parse_args(base)).options.guard.api_key is None
+    key_file.write_text("  \n")
+    with pytest.raises(SystemExit, match="--api-key-file"):
+        build_state(build_parser().parse_args(base + ["--api-key-file", str(key_file)]))
+    with pytest.raises(SystemExit, match="--api-key-file"):
+        build_state(build_parser().parse_args(base + ["--api-key-file", str(tmp_path / "missing")]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(base + ["--api-key-file", str(key_file), "--api-key", "k"])
+
+
+def test_metrics_public_opens_metrics_only(tiny_dir):
+    run = serve(tiny_dir, "--metrics-public")
+    try:
+        assert httpx.get(run.url + "/metrics").status_code == 200
+        _error(httpx.get(run.url + "/v1/models"), 401)
+    finally:
+        run.stop()
+
+
+# 10. serve flags against the checkpoint and the machine
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "bogus"], "--device 'bogus'"),
+    (["--device", "cpu:1"], "--device 'cpu:1'"),
+    (["--max-seq-len", "257"], "--max-seq-len 257 is above the model's max_position_embeddings"),
+    (["--moe-slots", "17"], "--moe-slots 17 is above the model's 16 routed experts"),
+    (["--max-body-mb", "0"], "--max-body-mb"),
+    (["--read-timeout", "-1"], "--read-timeout"),
+])
+def test_serve_flags_are_checked(tiny_dir, flags, message):
+    args = build_parser().parse_args(["serve", "--model", str(tiny_dir), "--moe-slots", "6", "--max-batch", "3", "--device", "cpu",
+                                      *flags])
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace("'", "'?")):
+        build_state(args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:3"])
+def test_cuda_without_a_gpu_is_refused(tiny_dir, device):
+    args = build_parser().parse_args(["serve", "--model", str(tiny_dir), "--moe-slots", "6", "--max-batch", "3", "--device", device])
+    with pytest.raises(SystemExit, match=f"--device {device}: no CUDA GPU is available"):
+        build_state(args)
+
+
+def test_the_default_context_is_capped_by_the_model(tiny_dir):
+    args = build_parser().parse_args(["serve", "--model", str(tiny_dir), "--moe-slots", "6", "--max-batch", "3", "--device", "cpu"])
+    assert build_state(args).options.max_seq_len == 256  # max_position_embeddings < 2048
+
+

@@ -1,0 +1,114 @@
+"""The text side of serving: windowed detokenization with stop strings, and bounded encoding.
+
+    TextStream (windowed decode, incremental stop search) ≡ a reference that decodes every id so far
+    and searches the whole text on every push, on random byte-level token sequences (multi-byte
+    characters split across tokens) and random stop strings; push decodes a bounded window.
+    encode_within: exact ids under the limit; past it, refused after tokenizing a bounded prefix.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from moe.tokenizer import PREFIX_CHARS_PER_TOKEN, TextStream, TextTokenizer, TooManyTokens
+
+TEXT = "ab c€é 😀x\n"  # 1-, 2-, 3- and 4-byte characters
+
+
+@pytest.fixture(scope="module")
+def byte_tok(tmp_path_factory) -> TextTokenizer:
+    """A byte-level BPE tokenizer without merges: one token per UTF-8 byte, so characters split."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    path = tmp_path_factory.mktemp("bytes")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({}))
+    return TextTokenizer(path)
+
+
+class FullStream:
+    """The reference: decode every id so far on each push, search the whole text for every stop."""
+
+    def __init__(self, tokenizer, stop) -> None:
+        self.tokenizer, self.stop, self.ids, self.text, self.full = tokenizer, [s for s in stop if s], [], "", ""
+
+    def push(self, token):
+        self.ids.append(token)
+        self.full = self.tokenizer.decode(self.ids)
+        hits = [i for i in (self.full.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            return self._send(min(hits)), True
+        hold = 0
+        complete = self.full.rstrip("\ufffd")
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(complete)), 0, -1):
+                if complete.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        return self._send(len(complete) - hold), False
+
+    def finish(self):
+        return self._send(len(self.full))
+
+    def _send(self, end):
+        end = max(end, len(self.text))
+        delta = self.full[len(self.text):end]
+        self.text += delta
+        return delta
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet=TEXT, min_size=1, max_size=40),
+       stops=st.lists(st.text(alphabet=TEXT, min_size=1, max_size=4), max_size=4))
+def test_windowed_stream_equals_full_decoding(byte_tok, text, stops):
+    ids = byte_tok.encode(text)
+    fast, ref = TextStream(byte_tok, stops), FullStream(byte_tok, stops)
+    for token in ids:
+        got, want = fast.push(token), ref.push(token)
+        assert got == want
+        if got[1]:
+            break
+    else:
+        assert fast.finish() == ref.finish()
+    assert fast.text == ref.text
+
+
+def test_a_push_decodes_a_bounded_window(byte_tok, monkeypatch):
+    lengths = []
+    decode = type(byte_tok).decode
+    monkeypatch.setattr(type(byte_tok), "decode", lambda self, ids: lengths.append(len(ids)) or decode(self, ids))
+    stream = TextStream(byte_tok, ["zz"])
+    ids = byte_tok.encode("é€😀 " * 100)
+    text = "".join(stream.push(t)[0] for t in ids) + stream.finish()
+    assert text == "é€😀 " * 100 and len(ids) == 1000
+    assert max(lengths) <= 8  # a 4-byte character and its context, not the 1000 ids so far
+
+
+def test_encode_within_is_exact_under_the_limit(tiny_dir):
+    tok = TextTokenizer(tiny_dir)
+    assert tok.encode_within("w10 w20 w30", 3) == tok.encode("w10 w20 w30")
+    with pytest.raises(TooManyTokens) as e:
+        tok.encode_within("w10 w20 w30", 2)
+    assert (e.value.count, e.value.exact) == (3, True)
+
+
+def test_encode_within_refuses_a_long_text_from_its_prefix(tiny_dir, monkeypatch):
+    tok, lengths = TextTokenizer(tiny_dir), []
+    encode = type(tok).encode
+    monkeypatch.setattr(type(tok), "encode", lambda self, text, **kw: lengths.append(len(text)) or encode(self, text, **kw))
+    with pytest.raises(TooManyTokens) as e:
+        tok.encode_within("w10 " * 100_000, 50)
+    assert not e.value.exact and e.value.count > 50
+    assert lengths == [lengths[0]] and lengths[0] <= PREFIX_CHARS_PER_TOKEN * 51
+    spaced = "w10" + " " * 5000 + "w20"  # long in characters, 2 tokens: the prefix does not refuse it
+    want = tok.encode("w10 w20")
+    lengths.clear()
+    assert tok.encode_within(spaced, 50) == want
+    assert len(lengths) == 2 and lengths[-1] == len(spaced)
