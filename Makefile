@@ -5,18 +5,22 @@ BIN    := $(VENV)/bin
 
 .PHONY: sim test bench clean
 
-# torch's CPU build where there is no GPU (a bare `torch` would pull the CUDA build);
-# Triton runs its kernels in its interpreter there.
-TORCH_CPU ?= torch==2.13.0 triton==3.6.0
+# Without a GPU, torch's CPU build goes in before the package, so that pip finds torch (a base
+# dependency) satisfied instead of pulling a CUDA build of several GB; Triton then runs the kernels in
+# its interpreter. TORCH_INDEX=https://download.pytorch.org/whl/cpu adds PyTorch's CPU index, for a
+# machine whose only index is PyPI (whose Linux torch is the CUDA build). With nvidia-smi, torch (CUDA)
+# and the gpu extra come from the index.
+TORCH_CPU   ?= torch==2.13.0 triton==3.6.0
+TORCH_INDEX ?=
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	if command -v nvidia-smi >/dev/null 2>&1; then \
 	  $(BIN)/python -m pip install --quiet -e '.[dev,gpu]'; \
 	else \
-	  $(BIN)/python -m pip install --quiet $(TORCH_CPU); \
+	  $(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) $(TORCH_CPU) && \
+	  $(BIN)/python -m pip install --quiet -e '.[dev]'; \
 	fi
 	touch $@
 
