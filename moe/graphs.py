@@ -24,12 +24,19 @@ A row joining or leaving only changes B and those buffers, so graph[B] is keyed 
 valid. Whatever reallocates a buffer a graph reads (SlotCache.rebuild, a new KVCache) invalidates
 every graph: call `clear()` (the next step at each B captures again). Attention masks by the lengths
 in device memory over the fixed max_len, so nothing in a step depends on a host-known length.
+
+No garbage collection runs inside a capture: CUDA objects held by dead reference cycles (an earlier
+engine's captured graphs) are collected just before it, and the collector is off while it runs. A
+collection inside the capture would destroy those graphs there (cudaGraphExecDestroy), a call that
+invalidates a capture in global mode; torch >= 2.10 no longer collects at the start of a capture.
 """
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -83,7 +90,7 @@ class DecodeGraphs:
     def _capture(self, b: int) -> CapturedStep:
         torch.cuda.synchronize(self.device)  # the eager step's work is done before capture begins
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device), torch.cuda.graph(graph):
+        with collector_paused(), torch.cuda.device(self.device), torch.cuda.graph(graph):
             logits, routing = self.step(self.tokens[:b])
         return CapturedStep(graph, logits, routing)
 
@@ -95,3 +102,16 @@ class DecodeGraphs:
     def batch_sizes(self) -> list[int]:
         """The batch sizes captured so far, ascending."""
         return sorted(self.captured)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Collect garbage now, then keep Python's cyclic collector off for the with-block (a capture)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -233,3 +233,35 @@ def test_bench_decode_calibrates_on_the_miss_free_run(monkeypatch, tmp_path):
         assert r["misses_equal"] and r["tps_ratio"] == pytest.approx(1.0, rel=1e-9)
         assert r["sim"]["layer_overhead_us"] == pytest.approx(cal["implied_layer_overhead_us"])
         assert r["sim_uncalibrated"]["tokens_per_s"] > r["sim"]["tokens_per_s"]  # 7 us less per layer
+
+
+def test_collector_paused_collects_first_and_then_pauses():
+    """moe.graphs.collector_paused: dead cycles are freed on entry, no automatic collection inside,
+    and the collector is back on after (also after an exception)."""
+    import gc
+    import weakref
+
+    from moe.graphs import collector_paused
+
+    class Node:
+        pass
+
+    dead = Node()
+    dead.self = dead
+    ref, runs = weakref.ref(dead), []
+    del dead
+    watch = lambda phase, info: runs.append(phase)  # noqa: E731
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    gc.callbacks.append(watch)
+    try:
+        with pytest.raises(RuntimeError), collector_paused():
+            assert ref() is None
+            runs.clear()
+            _ = [[] for _ in range(1000)]
+            assert runs == [] and not gc.isenabled()
+            raise RuntimeError("leaves the block")
+    finally:
+        gc.callbacks.remove(watch)
+        gc.set_threshold(*threshold)
+    assert gc.isenabled()

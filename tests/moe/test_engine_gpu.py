@@ -199,3 +199,48 @@ def test_recorded_routing_is_the_layers_routing(family, overlap):
             for m, logits in enumerate(out.router_logits):  # [T, E] per MoE layer
                 ref = logits[plen:plen + 4].topk(k, dim=-1).indices.cpu().numpy()
                 assert (routing[:, m, row] == ref).all(), (row, m)
+
+
+def test_no_garbage_collection_runs_inside_a_decode_capture():
+    """CUDA objects of dead reference cycles (an old engine's graphs: engine -> DecodeGraphs -> step,
+    a bound method -> engine) are freed before a capture, and the collector never runs inside it, where
+    destroying them (cudaGraphExecDestroy) invalidates the capture (docs/moe.md, "Decode engine and
+    server": the engine tests run in one process failed that way without it)."""
+    import gc
+    import weakref
+
+    from moe.graphs import DecodeGraphs
+
+    class Node:
+        pass
+
+    dead = Node()
+    dead.self = dead  # a cycle: only the collector frees it
+    alive_at_capture, collections_in_capture = [], []
+    ref = weakref.ref(dead)
+    del dead
+    x = torch.arange(4, device="cuda", dtype=torch.float32)
+
+    def step(t):
+        if torch.cuda.is_current_stream_capturing():
+            alive_at_capture.append(ref() is not None)
+            _ = [[] for _ in range(2000)]  # with threshold 1, thousands of collections if allowed
+        return x[: t.shape[0]] + t.float(), None
+
+    def watch(phase, info):
+        if phase == "start" and torch.cuda.is_current_stream_capturing():
+            collections_in_capture.append(info["generation"])
+
+    graphs, tokens = DecodeGraphs(step, 4, torch.device("cuda")), torch.ones(2, dtype=torch.int64, device="cuda")
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    gc.callbacks.append(watch)
+    try:
+        graphs.run(tokens)  # the eager step, then the capture
+    finally:
+        gc.callbacks.remove(watch)
+        gc.set_threshold(*threshold)
+    out, _ = graphs.run(tokens)  # a replay
+    torch.cuda.synchronize()
+    assert alive_at_capture == [False] and collections_in_capture == []
+    assert torch.equal(out, x[:2] + 1) and gc.isenabled()
