@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from moe.openai_schema import ApiError, ChatBody, CompletionBody, parse_body, validation_error
 from moe.sampling import SamplingParams, TokenLogprob
-from moe.tokenizer import TextTokenizer, TokenizerError, TooManyTokens
+from moe.tokenizer import TextStream, TextTokenizer, TokenizerError, TooManyTokens
 
 __all__ = ["ApiError", "ChatBody", "CompletionBody", "Prepared", "prepare_chat", "prepare_completion",
            "validation_error"]
@@ -132,15 +132,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_logprobs(tokenizer: TextTokenizer, lps: Sequence[TokenLogprob], offset: int = 0) -> dict | None:
-    """The legacy completions `logprobs` object of `lps`; text offsets count from `offset`."""
+    """The legacy completions `logprobs` object of `lps`. text_offset: where each token's text starts
+    in the generated text (decoded as the response's text is), counted from `offset`."""
     if not lps:
         return None
-    tokens = [tokenizer.token_text(lp.token) for lp in lps]
-    offsets, at = [], offset
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+    stream, offsets = TextStream(tokenizer), []
+    for lp in lps:
+        offsets.append(offset + len(stream.decoded))
+        stream.push(lp.token)
+    return {"tokens": [tokenizer.token_text(lp.token) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [{tokenizer.token_text(i): v for i, v in lp.top} for lp in lps], "text_offset": offsets}
 
 

@@ -227,6 +227,11 @@ class TextStream:
             return self._send(min(hits)), True
         return self._send(len(self._full) - self._held_back()), False
 
+    @property
+    def decoded(self) -> str:
+        """Every character decoded so far, sent or held back (not an unfinished character)."""
+        return self._full
+
     def finish(self) -> str:
         """The rest of the text, held back so far (at the end of the sequence nothing can follow)."""
         self._full += self._window(final=True)

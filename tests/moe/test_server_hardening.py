@@ -276,7 +276,9 @@ def test_completion_logprobs_match_the_model(srv, ref):
         values, ids = lp[i].topk(3)
         assert list(top) == [tok.token_text(t) for t in ids.tolist()]
         assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-4)
+    text = out.choices[0].text
     assert got.text_offset[0] == 0 and got.text_offset == sorted(got.text_offset)
+    assert [text[o:].lstrip().startswith(t) for o, t in zip(got.text_offset, got.tokens)] == [True] * 5
     plain = srv.client.completions.create(model=NAME, prompt="w20 w21", max_tokens=5, temperature=0)
     assert plain.choices[0].logprobs is None and plain.choices[0].text == out.choices[0].text
 
