@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from moe.model import CheckpointError, load_model
+from tests.moe.test_model import _broken_copy
 
 CONFIG = dict(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
@@ -48,17 +48,7 @@ def _load(path, **kw):
 
 def _rewrite(base, tmp_path, edit_tensors=None, edit_config=None):
     """A copy of `base` with its tensors (name -> tensor dict) and / or config.json edited in place."""
-    out = tmp_path / "quantized"
-    shutil.copytree(base, out)
-    if edit_tensors is not None:
-        tensors = load_file(str(out / "model.safetensors"))
-        edit_tensors(tensors)
-        save_file(tensors, str(out / "model.safetensors"))
-    if edit_config is not None:
-        config = json.loads((out / "config.json").read_text())
-        edit_config(config)
-        (out / "config.json").write_text(json.dumps(config))
-    return out
+    return _broken_copy(base, tmp_path, edit_tensors, edit_config)
 
 
 def _projections(tensors) -> list[str]:
