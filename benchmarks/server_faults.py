@@ -142,6 +142,27 @@ def _closed_by_server(sent: bytes) -> Callable[[str], bool]:
     return run
 
 
+def _json_400_over_raw(sent: bytes) -> Callable[[str], bool]:
+    """Bytes that are not HTTP/1.1 must get a JSON 400 invalid_http and a closed connection."""
+    def run(url: str) -> bool:
+        host, port = url.removeprefix("http://").split(":")
+        raw = b""
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(sent)
+            sock.settimeout(READ_TIMEOUT + 5)
+            try:
+                while chunk := sock.recv(65536):
+                    raw += chunk
+            except TimeoutError:
+                return False
+        head, _, body = raw.partition(b"\r\n\r\n")
+        try:
+            return head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http"
+        except (ValueError, KeyError, TypeError):
+            return False
+    return run
+
+
 def _chunked(size: int):
     def gen():
         chunk = b"w" * 65536
@@ -191,6 +212,8 @@ def _cases() -> dict[str, tuple[Callable, Callable]]:
         "half-open body": (_closed_by_server(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                                              b"application/json\r\nContent-Length: 1000\r\n\r\n{\"mod"), bool),
         "silent connection": (_closed_by_server(b""), bool),
+        "not HTTP": (_json_400_over_raw(b"GARBAGE\r\n\r\n"), bool),
+        "TLS handshake on the plain port": (_json_400_over_raw(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"), bool),
     }
     for field, value in (("logprobs", 9), ("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"}),
                          ("echo", True), ("best_of", 3), ("suffix", "w9"), ("presence_penalty", 1.0),

@@ -2,7 +2,8 @@
 
     TCP ──TimedH11Protocol (uvicorn's h11 protocol): a client that has not sent a whole request
         (headers and body) within --read-timeout seconds of connecting or of its last response is
-        disconnected; idle keep-alive connections close after --keep-alive-timeout (uvicorn's timer)
+        disconnected; idle keep-alive connections close after --keep-alive-timeout (uvicorn's timer);
+        bytes that are not HTTP/1.1 get a JSON 400 invalid_http
     ──Guard (ASGI middleware), before any route runs, with OpenAI-style JSON errors:
         /v1/* while draining → 503 shutting_down
         /v1/* and /metrics (unless --metrics-public) without 'Authorization: Bearer KEY' → 401
@@ -71,6 +72,16 @@ class TimedH11Protocol(H11Protocol):
         if timer is not None:
             timer.cancel()
         self._read_timer = None
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not HTTP/1.1, as an OpenAI-style JSON error (not text)."""
+        body = json.dumps(ApiError(400, f"{msg} Send an HTTP/1.1 request.", code="invalid_http").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def _expired(self) -> None:
         self._read_timer = None

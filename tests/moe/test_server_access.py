@@ -137,3 +137,18 @@ def test_the_default_context_is_capped_by_the_model(tiny_dir):
     assert build_state(args).options.max_seq_len == 256  # max_position_embeddings < 2048
 
 
+
+
+@pytest.mark.parametrize("garbage", [b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost x\r\n\r\n",
+                                     b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"])
+def test_bytes_that_are_not_http_get_a_json_400(srv, garbage):
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        sock.sendall(garbage)
+        sock.settimeout(5)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
+    assert json.loads(body)["error"]["code"] == "invalid_http"
+    assert httpx.get(srv.url + "/health").json()["status"] == "ok"
