@@ -49,6 +49,7 @@ class TimedH11Protocol(H11Protocol):
     connection is closed; a route that was reading the body sees a disconnect."""
 
     read_timeout: float = 30.0
+    _read_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -68,9 +69,8 @@ class TimedH11Protocol(H11Protocol):
             self._read_timer = self.loop.call_later(self.read_timeout, self._expired)
 
     def _disarm(self) -> None:
-        timer = getattr(self, "_read_timer", None)
-        if timer is not None:
-            timer.cancel()
+        if self._read_timer is not None:
+            self._read_timer.cancel()
         self._read_timer = None
 
     def send_400_response(self, msg: str) -> None:

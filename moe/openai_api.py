@@ -21,12 +21,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from moe.openai_schema import ApiError, ChatBody, CompletionBody, parse_body, validation_error
+from moe.openai_schema import ApiError, ChatBody, CompletionBody, parse_body
 from moe.sampling import SamplingParams, TokenLogprob
 from moe.tokenizer import TextStream, TextTokenizer, TokenizerError, TooManyTokens
 
-__all__ = ["ApiError", "ChatBody", "CompletionBody", "Prepared", "prepare_chat", "prepare_completion",
-           "validation_error"]
+__all__ = ["ApiError", "ChatBody", "CompletionBody", "Prepared", "prepare_chat", "prepare_completion"]
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,11 @@ id: accepted, no effect). Limits: at most MAX_STOP stop strings of at most MAX_S
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from moe.sampling import MAX_TOP_LOGPROBS
 
 
 class ApiError(Exception):
@@ -32,8 +34,7 @@ class ApiError(Exception):
 
 MAX_STOP = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256  # each stop string is held back and searched on every token
-MAX_LOGPROBS = 5  # completions: OpenAI's limit of `logprobs`
-MAX_TOP_LOGPROBS = 20  # chat: OpenAI's limit of `top_logprobs`
+MAX_LOGPROBS = 5  # completions: OpenAI's limit of `logprobs` (chat's top_logprobs: MAX_TOP_LOGPROBS, 20)
 
 
 def _zero(v: Any) -> bool:
@@ -48,8 +49,14 @@ def _empty(v: Any) -> bool:
     return v in ([], {}) and type(v) in (list, dict)
 
 
-# An unimplemented field passes when it is null or its predicate holds (the value meaning "off").
-_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+def _never(v: Any) -> bool:
+    return False
+
+
+Neutral = dict[str, tuple[Callable[[Any], bool], str]]
+# OpenAI fields this server does not implement, per body: a field passes when it is null or its
+# predicate holds (the value meaning "off"); any other field a body does not declare is unknown.
+_COMMON: Neutral = {
     "frequency_penalty": (_zero, "0"),
     "presence_penalty": (_zero, "0"),
     "logit_bias": (_empty, "{}"),
@@ -62,22 +69,31 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "store": (_is(False), "false"),
     "metadata": (_empty, "{}"),
     "service_tier": (_is("auto", "default"), '"auto"'),
-    "modalities": (_is(["text"]), '["text"]'),
-    "best_of": (_is(1), "1"),
-    "echo": (_is(False), "false"),
-    "suffix": (_is(""), '""'),
 }
+_COMPLETION: Neutral = {**_COMMON, "best_of": (_is(1), "1"), "echo": (_is(False), "false"), "suffix": (_is(""), '""')}
+_CHAT: Neutral = {**_COMMON, "modalities": (_is(["text"]), '["text"]')}
+# what a client echoes back from a response message
+_MESSAGE: Neutral = {"tool_calls": (_empty, "[]"), "function_call": (_empty, "null"), "annotations": (_empty, "[]"),
+                     "refusal": (_never, "null"), "audio": (_never, "null")}
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class _Open(BaseModel):
+    """A strict model that keeps undeclared fields (model_extra) for check_extra to judge by NEUTRAL."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    NEUTRAL: ClassVar[Neutral] = {}
+
+
 class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
-class _Body(_Strict):
+class _Body(_Open):
+    NEUTRAL: ClassVar[Neutral] = _COMMON
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -88,18 +104,6 @@ class _Body(_Strict):
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     user: str | None = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
-    store: Any = None
-    metadata: Any = None
-    service_tier: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -113,9 +117,7 @@ class _Body(_Strict):
 class CompletionBody(_Body):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: Any = None
-    echo: Any = None
-    suffix: Any = None
+    NEUTRAL: ClassVar[Neutral] = _COMPLETION
 
     def top_logprobs_wanted(self) -> int | None:
         """Alternatives to report per sampled token, None for no logprobs."""
@@ -127,17 +129,12 @@ class TextPart(_Strict):
     text: str
 
 
-class Message(_Strict):
+class Message(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    # what a client echoes back from a response message: accepted when null or empty
-    tool_calls: Any = None
-    function_call: Any = None
-    refusal: None = None
-    audio: None = None
-    annotations: Any = None
+    NEUTRAL: ClassVar[Neutral] = _MESSAGE
 
     def as_dict(self) -> dict[str, str]:
         """The message as the chat template sees it: role, content text (parts joined), name."""
@@ -154,7 +151,7 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    modalities: Any = None
+    NEUTRAL: ClassVar[Neutral] = _CHAT
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -187,13 +184,23 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
                     else "invalid_value" if param else "invalid_body")
 
 
-def check_unsupported(body: _Body) -> None:
-    """Raise ApiError 400 naming the first unimplemented field set to something other than "off"."""
-    for name, (neutral, off) in _NEUTRAL.items():
-        value = getattr(body, name, None)
+def check_extra(model: _Open, where: str = "") -> None:
+    """Raise ApiError 400 naming the first undeclared field of `model`: unknown to its NEUTRAL table,
+    or an unimplemented field set to something other than "off". `where` prefixes the param."""
+    for name, value in (model.model_extra or {}).items():
+        param = f"{where}{name}"
+        if name not in model.NEUTRAL:
+            raise ApiError(400, f"{param}: unknown field: this server does not implement it; remove it",
+                           param=param, code="unknown_parameter")
+        neutral, off = model.NEUTRAL[name]
         if value is not None and not neutral(value):
-            raise ApiError(400, f"{name}: not supported by this server; leave it out or send {off}",
-                           param=name, code="unsupported_parameter")
+            raise ApiError(400, f"{param}: not supported by this server; leave it out or send {off}",
+                           param=param, code="unsupported_parameter")
+
+
+def check_unsupported(body: _Body) -> None:
+    """Raise ApiError 400 naming the first field the server cannot honour as given."""
+    check_extra(body)
     if body.n is not None and body.n != 1:
         raise ApiError(400, f"n: only n=1 is supported, got {body.n}", param="n", code="invalid_value")
     stops = body.stops
@@ -208,18 +215,10 @@ def check_unsupported(body: _Body) -> None:
         raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options",
                        code="invalid_value")
     if isinstance(body, ChatBody):
-        _check_messages(body)
+        for i, m in enumerate(body.messages):
+            check_extra(m, f"messages.{i}.")
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs", code="invalid_value")
-
-
-def _check_messages(body: ChatBody) -> None:
-    for i, m in enumerate(body.messages):
-        for name in ("tool_calls", "function_call", "annotations"):
-            value = getattr(m, name)
-            if value is not None and not _empty(value):
-                raise ApiError(400, f"messages.{i}.{name}: tool and function calls are not supported by "
-                               "this server", param=f"messages.{i}.{name}", code="unsupported_parameter")
 
 
 def parse_body(model: type[_Body], raw: bytes) -> _Body:

@@ -173,11 +173,11 @@ class _EventStream(StreamingResponse):
             self.generation.cancel()
 
 
-async def _stream(state: ServeState, events: asyncio.Queue, chunk: Callable, first: dict | None, obj: str,
-                  include_usage: bool, logprobs: Callable) -> AsyncIterator[str]:
-    """SSE text: `first` (if any), a chunk per text delta (with the logprobs of its tokens), a finish
-    chunk, usage, [DONE]; an error ends the stream with an error event and [DONE]."""
-    rid, model = api.new_id("cmpl" if obj == "text_completion" else "chatcmpl"), state.options.served_name
+async def _stream(state: ServeState, events: asyncio.Queue, rid: str, chunk: Callable, first: dict | None,
+                  obj: str, include_usage: bool, logprobs: Callable) -> AsyncIterator[str]:
+    """SSE text of response `rid`: `first` (if any), a chunk per text delta (with the logprobs of its
+    tokens), a finish chunk, usage, [DONE]; an error ends the stream with an error event and [DONE]."""
+    model = state.options.served_name
     pending: list = []  # logprobs of tokens whose text is still held back
     try:
         if first is not None:
@@ -247,11 +247,12 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
                        body: Callable, logprobs: Callable):
         prep: api.Prepared = await asyncio.to_thread(prepare, await http.body())
         req, events = _submit(state, prep)
+        rid = api.new_id("cmpl" if obj == "text_completion" else "chatcmpl")
         if prep.stream:
-            return _EventStream(_stream(state, events, chunk, first, obj, prep.include_usage, logprobs), req)
+            return _EventStream(_stream(state, events, rid, chunk, first, obj, prep.include_usage, logprobs), req)
         text, lps, ev = await _collect(state, req, events, http)
-        return body(api.new_id("cmpl" if obj == "text_completion" else "chatcmpl"), opts.served_name, text,
-                    ev.finish_reason, api.usage(ev.prompt_tokens, ev.completion_tokens), logprobs(lps))
+        return body(rid, opts.served_name, text, ev.finish_reason, api.usage(ev.prompt_tokens, ev.completion_tokens),
+                    logprobs(lps))
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):

@@ -66,7 +66,8 @@ def _read_array(fp: BinaryIO, stored: int, where: str, how: str) -> np.ndarray:
     """The array of the .npy stream `fp` holding `stored` bytes in all. Raises TraceError (ending
     in `how`, the way to write a valid file) when the header asks for an object dtype or for more
     bytes than are stored; ValueError (and the other _DAMAGED errors) for damaged bytes."""
-    shape, fortran, dtype = _read_header(fp)
+    start = fp.tell()
+    shape, _, dtype = _read_header(fp)
     if dtype.hasobject:
         raise TraceError(f"{where} holds a Python object array (dtype {dtype}), which a trace "
                          f"never has: store plain numeric (or string) arrays; {how}")
@@ -78,14 +79,8 @@ def _read_array(fp: BinaryIO, stored: int, where: str, how: str) -> np.ndarray:
         raise TraceError(f"{where}: its header declares shape {shape} of {dtype} ({declared} "
                          f"bytes) but only {have} bytes follow: the file is truncated or "
                          f"damaged; {how}")
-    flat = np.empty(count, dtype=dtype)
-    view, done = memoryview(flat).cast("B"), 0
-    while done < declared:
-        got = fp.readinto(view[done:])
-        if not got:
-            raise EOFError(f"data ends after {done} of {declared} bytes")
-        done += got
-    return flat.reshape(shape, order="F" if fortran else "C")
+    fp.seek(start)  # numpy reads it now that its size is known to be backed by stored bytes
+    return np.lib.format.read_array(fp, allow_pickle=False)
 
 
 def _member_size(info: zipfile.ZipInfo, archive_bytes: int, where: str) -> int:
