@@ -1,6 +1,6 @@
 """Decode tokens/s of the engine (CUDA-graph replay) beside the simulator's prediction for the same trace.
 
-    --layers L decoder layers at the Qwen3-Next MoE geometry (moe.random_decoder.qwen3_next_like: H 2048,
+    --layers L decoder layers at the Qwen3-Next MoE geometry (moe.testing.random_decoder.qwen3_next_like: H 2048,
     512 experts of I 512, top-10, shared expert 512, bf16; attention 16 / 2 heads of 128; --vocab),
     random weights; one pinned HostStore of every routed expert (L * 512 * 6 MiB: 25.8 GB at L = 8)
     trace, per batch B: sim.synthetic preset qwen3-next (L layers, B rows, warmup + steps tokens), or
@@ -89,7 +89,7 @@ def _check_args(args: argparse.Namespace) -> None:
     except ValueError:
         raise SystemExit(f"error: --batches takes comma-separated ints, got {args.batches!r}") from None
     if not args.batches or min(args.batches) < 1 or max(args.batches) > 8:
-        raise SystemExit(f"error: --batches must be in 1..8 (moe.plan.GEMV_MAX_TOKENS), got {args.batches}")
+        raise SystemExit(f"error: --batches must be in 1..8 (moe.kernels.plan.GEMV_MAX_TOKENS), got {args.batches}")
     args.configs = [_config(c) for c in args.configs.split(",") if c.strip()]
     if not args.configs:
         raise SystemExit("error: --configs is empty")

@@ -42,15 +42,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmeta import machine
 
-import moe.routed
-import moe.router
-from moe.config import MoEConfig
-from moe.kernel_trace import kernels, kernels_in_range, load_trace, named
-from moe.synthetic import SyntheticModel, random_weights
+import moe.kernels.routed
+import moe.kernels.router
+from moe.model.config import MoEConfig
+from moe.testing.kernel_trace import kernels, kernels_in_range, load_trace, named
+from moe.testing.synthetic import SyntheticModel, random_weights
 
-DEFAULT_HITS_PER_SM = moe.routed.HITS_PROGRAMS_PER_SM  # resident variants without hitsN
-DEFAULT_ROUTER = moe.router.DEFAULT_ROUTER  # resident variants without rtopk
-DEFAULT_ROUTED = moe.routed.DEFAULT_CONFIG  # resident variants without dr
+DEFAULT_HITS_PER_SM = moe.kernels.routed.HITS_PROGRAMS_PER_SM  # resident variants without hitsN
+DEFAULT_ROUTER = moe.kernels.router.DEFAULT_ROUTER  # resident variants without rtopk
+DEFAULT_ROUTED = moe.kernels.routed.DEFAULT_CONFIG  # resident variants without dr
 
 CFG = MoEConfig(hidden=2048, num_experts=512, top_k=10, expert_intermediate=512, shared_intermediate=512,
                 norm_topk_prob=True)
@@ -429,15 +429,15 @@ def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse
 
 
 def set_launch_defaults(opts: argparse.Namespace) -> None:
-    """Set the module defaults the layer's launches read (moe.routed.DEFAULT_CONFIG and
-    HITS_PROGRAMS_PER_SM, moe.router.DEFAULT_ROUTER) from the command line or a resident variant's
+    """Set the module defaults the layer's launches read (moe.kernels.routed.DEFAULT_CONFIG and
+    HITS_PROGRAMS_PER_SM, moe.kernels.router.DEFAULT_ROUTER) from the command line or a resident variant's
     options, starting from the defaults the process began with."""
-    moe.routed.HITS_PROGRAMS_PER_SM = opts.hits_per_sm or DEFAULT_HITS_PER_SM
+    moe.kernels.routed.HITS_PROGRAMS_PER_SM = opts.hits_per_sm or DEFAULT_HITS_PER_SM
     select = getattr(opts, "router_select", None)
-    moe.router.DEFAULT_ROUTER = dataclasses.replace(
+    moe.kernels.router.DEFAULT_ROUTER = dataclasses.replace(
         DEFAULT_ROUTER, early_weights=opts.router_early, **getattr(opts, "router_tiles", {}),
         **({} if select is None else {"select": select}))
-    moe.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=opts.down_release,
+    moe.kernels.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=opts.down_release,
                                                     down_prefetch=opts.down_prefetch, copy_release=opts.copy_release)
 
 
@@ -528,7 +528,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="CUDA stream priority of the compute stream's launches (e.g. -2; lower is higher; the "
                          "side stream keeps its default): the ensure and copy get SMs before side work")
     ap.add_argument("--hits-per-sm", type=int, default=None,
-                    help="programs per SM of the early hits' persistent launch (moe.routed.HITS_PROGRAMS_PER_SM)")
+                    help="programs per SM of the early hits' persistent launch (moe.kernels.routed.HITS_PROGRAMS_PER_SM)")
     ap.add_argument("--resident-variants", default="",
                     help="comma list of more resident-mode runs on the same weights: hitsN (early hits' "
                          "programs per SM), eh / noeh (early hits on / off), fr / nofr (MoEConfig.front_release "

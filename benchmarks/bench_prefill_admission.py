@@ -1,5 +1,5 @@
 """Why prefill bypasses the expert cache: decode misses after a new request's prefill, when the prompt's
-routing goes through the cache ("admit") and when it does not ("bypass", what moe.backends does).
+routing goes through the cache ("admit") and when it does not ("bypass", what moe.engine.backends does).
 
     trace [N, L, k] split into --seqs sequences of N / seqs tokens (flame-290m-a: 4 x 256 teacher-
     forced sequences; the synthetic qwen3-next preset: 8 layers, 4 x 256 tokens)

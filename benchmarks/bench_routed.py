@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.routed import (DEFAULT_CONFIG, RoutedConfig, routed_down, routed_experts, routed_gate_up,
+from moe.kernels.routed import (DEFAULT_CONFIG, RoutedConfig, routed_down, routed_experts, routed_gate_up,
                         routed_reference, routed_scratch)
 
 TARGET = "target: routed_experts <= 1.3x the HBM floor at qwen3-next, T=1"

@@ -15,7 +15,7 @@ side, against the HBM floor and torch in the same run.
 
 Run on a GPU: python benchmarks/bench_router.py [--shapes qwen3-next,qwen3-30b,mixtral]
     [--tokens 1,2,4,8] [--variants NAME,...] [--calls 48] [--reps 40] [--out FILE]
-Variant names: <select>-b<block_e>w<warps>, e.g. topk-b4w4; select in moe.router.SELECTS.
+Variant names: <select>-b<block_e>w<warps>, e.g. topk-b4w4; select in moe.kernels.router.SELECTS.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import benchmeta
 import torch
 from bench_routed import copy_bandwidth, time_variants
 
-from moe.router import SELECTS, RouterConfig, router_reference, router_scratch, router_topk
+from moe.kernels.router import SELECTS, RouterConfig, router_reference, router_scratch, router_topk
 
 SHAPES = {"qwen3-next": (512, 2048, 10), "qwen3-30b": (128, 2048, 8), "mixtral": (8, 4096, 2)}  # E, H, k
 VARIANTS = ("argmax-b4w4", "packed-b4w4", "topk-b4w4", "topk-b8w4", "topk-b4w2", "packed-b4w2", "topk-b2w4",

@@ -1,6 +1,6 @@
 """The GPU half of benchmarks/bench_decode.py: build the random decoder once, time one configuration.
 
-    build_weights(args) -> ModelWeights on cuda (moe.random_decoder.qwen3_next_like(--layers, --vocab)),
+    build_weights(args) -> ModelWeights on cuda (moe.testing.random_decoder.qwen3_next_like(--layers, --vocab)),
                            routed experts in one pinned HostStore shared by every configuration
     measure(weights, trace, args, policy, overlap, B):
         weights with MoEConfig.copy_overlap = overlap ─► GpuMoE(forced_routing) of --slots slots ─► Engine
@@ -21,11 +21,11 @@ import time
 import numpy as np
 import torch
 
-from moe.backends import GpuMoE
-from moe.checkpoint import ModelWeights
-from moe.engine import Engine
-from moe.plan import OverlapMode
-from moe.random_decoder import qwen3_next_like, random_decoder
+from moe.engine.backends import GpuMoE
+from moe.model.checkpoint import ModelWeights
+from moe.engine.engine import Engine
+from moe.kernels.plan import OverlapMode
+from moe.testing.random_decoder import qwen3_next_like, random_decoder
 from sim.trace import Trace
 
 GB = 1e9

@@ -25,7 +25,7 @@ import triton
 
 from expertcache.device import CHUNK, NUM_WARPS, DeviceCache
 from expertcache.device_ensure import SEQ_MAX, ensure_kernel
-from moe.triton_launch import compile_for_sm
+from moe.kernels.triton_launch import compile_for_sm
 
 TYPES = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64",
          "*i32", "*i32", "*i32", "*i64", "*i32", "*i32", "*i64") + ("i32",) * 8

@@ -39,8 +39,8 @@ def run() -> None:
 
     from expertcache import CacheGeometry
     from expertcache.device import DeviceCache
-    from moe.routed import routed_experts
-    from moe.router import router_topk
+    from moe.kernels.routed import routed_experts
+    from moe.kernels.router import router_topk
 
     for S in SLOTS:
         for m in MISSES:

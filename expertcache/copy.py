@@ -194,7 +194,7 @@ def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch
     programmatic dependent launch (it waits for its predecessor before reading the plan; same
     bytes copied). release_next (with pdl): the next programmatic launch on the stream may start at
     once instead of at the copy's end; it must wait (griddepcontrol.wait) before it reads any slot the
-    plan fills (moe.routed's part="first" does). release_after_wait (with pdl, not with release_next):
+    plan fills (moe.kernels.routed's part="first" does). release_after_wait (with pdl, not with release_next):
     it may start right after the copy's own wait for its predecessor, before the plan is read; the same
     rule holds (every programmatic launch waits before it reads). Its programs then wait on the SMs
     for the whole copy, so it suits a stream with no other work that needs the SMs meanwhile.

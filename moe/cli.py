@@ -1,7 +1,7 @@
 """The `expertcache` command: one entry point, one subcommand per job.
 
     expertcache sim [TRACE ...]   replay routing traces through cache policies (sim.cli)
-    expertcache serve --model DIR  serve a checkpoint over an OpenAI-compatible HTTP API (moe.serve_cli)
+    expertcache serve --model DIR  serve a checkpoint over an OpenAI-compatible HTTP API (moe.serve.cli)
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from expertcache import __version__
-from moe import serve_cli
+from moe.serve import cli as serve_cli
 from sim import cli as sim_cli
 
 

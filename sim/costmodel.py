@@ -142,7 +142,7 @@ H200 = HardwareProfile(
 # CUDA-graph replay) rather than the copy engine, from benchmarks/results/copy-2026-11-30.json
 # ("graph16": 1.7 MiB 40.9 us, 2.7 MiB 62.2 us, 6.3 MiB 139.3 us for one expert; 10 x 6.3 MiB in
 # 1324.6 us, so each further expert at (1324.6 - 139.3) / 9 = 131.7 us = 50.2 GB/s), and the
-# measured layer: moe.layer under graph replay with every expert resident took 37.0 us against its
+# measured layer: moe.engine.layer under graph replay with every expert resident took 37.0 us against its
 # 16.7 us weight-read floor (overlap off; benchmarks/results/moe-copy-overlap-2026-11-30-73a3b3d.json),
 # so 20.3 us per layer beyond the bytes. benchmarks/bench_decode.py starts from this profile and
 # replaces the overhead by one measured from a miss-free decode run of the same model.

@@ -491,7 +491,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 from expertcache.copy import _JIT_OPTIONS as COPY_JIT, _miss_copy_kernel
 from expertcache.device_ensure import ensure_kernel
-from moe.triton_launch import compile_for_sm
+from moe.kernels.triton_launch import compile_for_sm
 
 ENSURE_JIT = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k", "rows", "T"]}
 types = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64",
@@ -524,7 +524,7 @@ def test_programmatic_launch_variants_compile_for_sm90():
 MIRROR_CHECK = r"""
 import json
 from expertcache.device_ensure import ensure_kernel
-from moe.triton_launch import compile_for_sm
+from moe.kernels.triton_launch import compile_for_sm
 
 ENSURE_JIT = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k", "rows", "T"]}
 types = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64",

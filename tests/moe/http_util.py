@@ -15,8 +15,8 @@ import time
 import openai
 
 from moe.cli import build_parser
-from moe.serve_cli import build_state
-from moe.server import make_server
+from moe.serve.cli import build_state
+from moe.serve.server import make_server
 from tests.moe.serving_util import wait_until
 
 KEY = "sk-test-key"

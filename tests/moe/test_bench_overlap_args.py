@@ -60,22 +60,22 @@ def test_marginal_from_is_checked_against_the_layers(capsys):
 
 def test_launch_defaults_follow_the_options():
     bench = _bench()
-    import moe.routed
-    import moe.router
-    saved = (moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER, moe.routed.HITS_PROGRAMS_PER_SM)
+    import moe.kernels.routed
+    import moe.kernels.router
+    saved = (moe.kernels.routed.DEFAULT_CONFIG, moe.kernels.router.DEFAULT_ROUTER, moe.kernels.routed.HITS_PROGRAMS_PER_SM)
     try:
         _, opts = bench.resident_variant("nocr+dr+pf2+rw+re8+rtopk+hits4", _base())
         bench.set_launch_defaults(opts)
-        routed, router = moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER
+        routed, router = moe.kernels.routed.DEFAULT_CONFIG, moe.kernels.router.DEFAULT_ROUTER
         assert (routed.copy_release, routed.down_release, routed.down_prefetch) == (False, True, 2)
         assert (router.early_weights, router.block_e, router.select) == (True, 8, "topk")
-        assert moe.routed.HITS_PROGRAMS_PER_SM == 4
+        assert moe.kernels.routed.HITS_PROGRAMS_PER_SM == 4
         bench.set_launch_defaults(_base())  # the command line's namespace: no router tiles or select
-        assert moe.routed.DEFAULT_CONFIG == bench.DEFAULT_ROUTED
-        assert moe.router.DEFAULT_ROUTER.early_weights is False and moe.router.DEFAULT_ROUTER.block_e is None
-        assert moe.routed.HITS_PROGRAMS_PER_SM == bench.DEFAULT_HITS_PER_SM
+        assert moe.kernels.routed.DEFAULT_CONFIG == bench.DEFAULT_ROUTED
+        assert moe.kernels.router.DEFAULT_ROUTER.early_weights is False and moe.kernels.router.DEFAULT_ROUTER.block_e is None
+        assert moe.kernels.routed.HITS_PROGRAMS_PER_SM == bench.DEFAULT_HITS_PER_SM
     finally:
-        moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER, moe.routed.HITS_PROGRAMS_PER_SM = saved
+        moe.kernels.routed.DEFAULT_CONFIG, moe.kernels.router.DEFAULT_ROUTER, moe.kernels.routed.HITS_PROGRAMS_PER_SM = saved
 
 
 def test_repeated_variants_keep_every_run():

@@ -4,7 +4,7 @@
         ─rewrite──► a copy in a quantized layout: tensors (FP8 blocks + weight_scale_inv, GPTQ, W8A8,
                     modelopt NVFP4, bitsandbytes NF4, gpt-oss MXFP4) and / or config.json
                     (quantization_config.quant_method, torch_dtype)
-        ─moe.model.load_model─► CheckpointError naming quant_method, the tensor or the config key
+        ─moe.engine.loading.load_model─► CheckpointError naming quant_method, the tensor or the config key
 
 Model: 2 layers, 4 experts top-2, q/k norms, head_dim 16. "Projections" are every 2-D `*_proj.weight`
 (attention q/k/v/o and the experts' gate/up/down), what the official FP8 releases quantize; the router
@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from moe.model import CheckpointError, load_model
+from moe.engine.loading import CheckpointError, load_model
 from tests.moe.test_model import _broken_copy
 
 CONFIG = dict(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,

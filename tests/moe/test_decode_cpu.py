@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 import torch
 
-from moe.backends import GpuMoE
-from moe.checkpoint import load_checkpoint
-from moe.config import MoEConfig
-from moe.engine import Engine
-from moe.graphs import DecodeGraphs
-from moe.model import cuda_graphs_from_env, load_model
-from moe.random_decoder import random_decoder
-from moe.reference import expert_mlp, shared_expert
-from moe.synthetic import SyntheticModel, random_weights
+from moe.engine.backends import GpuMoE
+from moe.model.checkpoint import load_checkpoint
+from moe.model.config import MoEConfig
+from moe.engine.engine import Engine
+from moe.engine.graphs import DecodeGraphs
+from moe.engine.loading import cuda_graphs_from_env, load_model
+from moe.testing.random_decoder import random_decoder
+from moe.model.reference import expert_mlp, shared_expert
+from moe.testing.synthetic import SyntheticModel, random_weights
 from sim.replay import replay
 from sim.synthetic import SyntheticConfig, generate
 from tests.moe.test_model import COMMON, FAMILIES, _close, _randomize, _tokens
@@ -236,12 +236,12 @@ def test_bench_decode_calibrates_on_the_miss_free_run(monkeypatch, tmp_path):
 
 
 def test_collector_paused_collects_first_and_then_pauses():
-    """moe.graphs.collector_paused: dead cycles are freed on entry, no automatic collection inside,
+    """moe.engine.graphs.collector_paused: dead cycles are freed on entry, no automatic collection inside,
     and the collector is back on after (also after an exception)."""
     import gc
     import weakref
 
-    from moe.graphs import collector_paused
+    from moe.engine.graphs import collector_paused
 
     class Node:
         pass

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from expertcache.host import MISSES
-from moe.model import load_model
-from moe.plan import OverlapMode
+from moe.engine.loading import load_model
+from moe.kernels.plan import OverlapMode
 from tests.moe.test_model import COMMON, FAMILIES, _close, _randomize, _tokens
 
 pytestmark = [pytest.mark.gpu,
@@ -209,7 +209,7 @@ def test_no_garbage_collection_runs_inside_a_decode_capture():
     import gc
     import weakref
 
-    from moe.graphs import DecodeGraphs
+    from moe.engine.graphs import DecodeGraphs
 
     class Node:
         pass

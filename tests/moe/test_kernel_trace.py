@@ -2,7 +2,7 @@
 
 import json
 
-from moe.kernel_trace import kernels, kernels_in_range, load_trace, named
+from moe.testing.kernel_trace import kernels, kernels_in_range, load_trace, named
 
 
 def event(name, cat, ts, dur, tid=1, **args):

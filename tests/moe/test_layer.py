@@ -1,7 +1,7 @@
 """The MoE decode layer against the torch reference, and the side-stream overlap against the
 single-stream sequence, bit for bit.
 
-CPU (Triton's interpreter, tiny shapes): layer vs moe.reference over steps that evict every time,
+CPU (Triton's interpreter, tiny shapes): layer vs moe.model.reference over steps that evict every time,
 with and without a shared expert; the overlap decision and its reasons; rebuild; argument errors.
 GPU (`gpu`): flag on vs off bitwise (outputs, slot map, filled slots) for batch 1 and 2, eager and
 CUDA graph; kernel placement and the launch count (7 per layer) from a profiler trace; the side
@@ -21,14 +21,14 @@ import dataclasses
 import pytest
 import torch
 
-import moe.layer
-import moe.routed
-import moe.router
-from moe.config import MoEConfig
-from moe.kernel_trace import kernels, kernels_in_range, load_trace, named
-from moe.plan import OverlapMode
-from moe.reference import route
-from moe.synthetic import SyntheticModel, random_weights
+import moe.engine.layer
+import moe.kernels.routed
+import moe.kernels.router
+from moe.model.config import MoEConfig
+from moe.testing.kernel_trace import kernels, kernels_in_range, load_trace, named
+from moe.kernels.plan import OverlapMode
+from moe.model.reference import route
+from moe.testing.synthetic import SyntheticModel, random_weights
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -348,15 +348,15 @@ def test_hits_first_bitwise(gpu_weights, graph, overlap):
 def launch_options(down_release=False, router_early=False, down_prefetch=0, copy_release=False):
     """The layer's launches with RoutedConfig.down_release / down_prefetch / copy_release and
     RouterConfig.early_weights set (all off unless asked here; down_prefetch=None is its default,
-    min(4, k); the layer takes moe.routed.DEFAULT_CONFIG and moe.router.DEFAULT_ROUTER)."""
-    routed, router = moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER
-    moe.routed.DEFAULT_CONFIG = dataclasses.replace(routed, down_release=down_release, down_prefetch=down_prefetch,
+    min(4, k); the layer takes moe.kernels.routed.DEFAULT_CONFIG and moe.kernels.router.DEFAULT_ROUTER)."""
+    routed, router = moe.kernels.routed.DEFAULT_CONFIG, moe.kernels.router.DEFAULT_ROUTER
+    moe.kernels.routed.DEFAULT_CONFIG = dataclasses.replace(routed, down_release=down_release, down_prefetch=down_prefetch,
                                                     copy_release=copy_release)
-    moe.router.DEFAULT_ROUTER = dataclasses.replace(router, early_weights=router_early)
+    moe.kernels.router.DEFAULT_ROUTER = dataclasses.replace(router, early_weights=router_early)
     try:
         yield
     finally:
-        moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER = routed, router
+        moe.kernels.routed.DEFAULT_CONFIG, moe.kernels.router.DEFAULT_ROUTER = routed, router
 
 
 LAUNCH_OPTIONS = {"dr": {"down_release": True}, "rw": {"router_early": True},
@@ -408,7 +408,7 @@ def test_early_hits_and_front_release_resolution_cpu():
     # prefetch of min(2, k) experts unless set; without it the module defaults stand
     router, routed = full.layers[0]._launch_configs()
     assert router.early_weights is None and routed.down_release and routed.down_prefetch == 2
-    assert forced.layers[0]._launch_configs() == (moe.router.DEFAULT_ROUTER, moe.routed.DEFAULT_CONFIG)
+    assert forced.layers[0]._launch_configs() == (moe.kernels.router.DEFAULT_ROUTER, moe.kernels.routed.DEFAULT_CONFIG)
     with launch_options(down_prefetch=3):
         assert full.layers[0]._launch_configs()[1].down_prefetch == 3
     # RoutedConfig.copy_release: None follows front_release; an explicit value wins
@@ -418,7 +418,7 @@ def test_early_hits_and_front_release_resolution_cpu():
     with launch_options(copy_release=True):
         assert forced.layers[0].copy_release()
     with pytest.raises(ValueError, match="RoutedConfig.copy_release must be None or a bool"):
-        moe.routed.RoutedConfig(copy_release=1)
+        moe.kernels.routed.RoutedConfig(copy_release=1)
     one = SyntheticModel(random_weights(dataclasses.replace(CPU_CFG, top_k=1), CPU_L, "cpu"), keys, "cpu")
     assert one.layers[0]._launch_configs()[1].down_prefetch == 1
     for bad in ({"early_hits": 1}, {"front_release": "on"}):
@@ -452,13 +452,13 @@ def test_early_loads_match_plain_cpu(monkeypatch):
     with all off, with evictions every step; the copy was asked to release the gate_up after its wait
     only with copy_release."""
     releases = []
-    real = moe.layer.miss_copy
+    real = moe.engine.layer.miss_copy
 
     def spy(*args, **kw):
         releases.append((kw["release_next"], kw["release_after_wait"]))
         return real(*args, **kw)
 
-    monkeypatch.setattr(moe.layer, "miss_copy", spy)
+    monkeypatch.setattr(moe.engine.layer, "miss_copy", spy)
     weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=31)
     plain = SyntheticModel(weights, CPU_S, "cpu", front_release=False)
     early = SyntheticModel(weights, CPU_S, "cpu")  # MoEConfig.front_release=None: on (no early hits on a CPU)

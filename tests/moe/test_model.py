@@ -1,7 +1,7 @@
 """The loader and decode engine against Hugging Face transformers, on the CPU.
 
     transformers Qwen2MoeForCausalLM / Qwen3MoeForCausalLM (tiny, random, every weight and bias drawn)
-        ─save_pretrained─► tmp dir ─moe.model.load_model─► Engine (CpuCachedMoE: HostCache + CPU pool)
+        ─save_pretrained─► tmp dir ─moe.engine.loading.load_model─► Engine (CpuCachedMoE: HostCache + CPU pool)
     compared: logits of prefill and of teacher-forced decode steps (float32 tight, bfloat16 loose),
     greedy tokens, recorded routing vs transformers' router; and the loader's error messages.
 
@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from expertcache.host import ACCESSES, CALLS, MISSES
-from moe.model import CheckpointError, load_model
+from moe.engine.loading import CheckpointError, load_model
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from moe.config import COPY_OVERLAP_ENV, MoEConfig, copy_overlap_from_env
-from moe.plan import (
+from moe.model.config import COPY_OVERLAP_ENV, MoEConfig, copy_overlap_from_env
+from moe.kernels.plan import (
     GEMV_BLOCK_I,
     GEMV_MAX_TOKENS,
     OverlapMode,

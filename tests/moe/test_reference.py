@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe.config import MoEConfig
-from moe.reference import expert_mlp, moe_reference, route, shared_expert
+from moe.model.config import MoEConfig
+from moe.model.reference import expert_mlp, moe_reference, route, shared_expert
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}  # (rtol, atol relative to max |out|)
 

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from moe.config import MoEConfig
-from moe.plan import GEMV_MAX_TOKENS, make_routed_plan
-from moe.reference import expert_mlp, moe_reference, route, shared_expert
-from moe.routed import (
+from moe.model.config import MoEConfig
+from moe.kernels.plan import GEMV_MAX_TOKENS, make_routed_plan
+from moe.model.reference import expert_mlp, moe_reference, route, shared_expert
+from moe.kernels.routed import (
     DOWN_PREFETCH,
     NO_SLOT,
     RoutedConfig,
@@ -399,7 +399,7 @@ def test_scratch_is_made_once_per_device_and_shape():
 
 SM90_CHECK = r"""
 import json, re
-from moe.routed import RoutedConfig, compile_for_target
+from moe.kernels.routed import RoutedConfig, compile_for_target
 asm = compile_for_target(10, 2048, 512, "bf16")
 out = {name: [bool(a.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", a["ptx"]))]
        for name, a in asm.items()}
@@ -430,7 +430,7 @@ def test_compiles_for_sm90_with_16_byte_loads():
 
 RELEASE_CHECK = r"""
 import json
-from moe.routed import RoutedConfig, compile_for_target
+from moe.kernels.routed import RoutedConfig, compile_for_target
 out = {}
 for release in (False, True):
     asm = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(down_release=release))
@@ -450,7 +450,7 @@ def test_down_release_lets_the_next_launch_start_for_sm90():
 
 PREFETCH_CHECK = r"""
 import json
-from moe.routed import RoutedConfig, compile_for_target
+from moe.kernels.routed import RoutedConfig, compile_for_target
 out = {}
 for prefetch in (0, 1, 10, None):
     asm = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(down_prefetch=prefetch))

@@ -1,4 +1,4 @@
-"""router_topk (one Triton launch) against router_reference and moe.reference.route.
+"""router_topk (one Triton launch) against router_reference and moe.model.reference.route.
 
 Legend: T = tokens, H = hidden, E = experts, k = top_k. CPU runs use Triton's interpreter
 (tests/conftest.py), so their shapes are tiny; the `gpu` tests use the Qwen3-Next shape (H 2048,
@@ -12,9 +12,9 @@ import dataclasses
 import pytest
 import torch
 
-from moe.plan import GEMV_MAX_TOKENS
-from moe.reference import route
-from moe.router import SELECTS, RouterConfig, block_e_for, router_reference, router_scratch, router_topk
+from moe.kernels.plan import GEMV_MAX_TOKENS
+from moe.model.reference import route
+from moe.kernels.router import SELECTS, RouterConfig, block_e_for, router_reference, router_scratch, router_topk
 from tests.conftest import compile_check, device_or_skip
 
 MARGIN = 1e-4  # relative gap between neighbouring sorted probabilities that summation order cannot close
@@ -213,7 +213,7 @@ def test_config_validation_names_field(field, value):
 
 SM90_CHECK = r"""
 import json, re
-from moe.router import RouterConfig, compile_router_for_target
+from moe.kernels.router import RouterConfig, compile_router_for_target
 assert all(compile_router_for_target(512, 2048, 10, "bf16", True, RouterConfig(select=s)).get("cubin")
            for s in ("packed", "argmax"))
 assert compile_router_for_target(512, 2048, 10, "bf16", True, tokens=8).get("cubin")  # 4 experts a program

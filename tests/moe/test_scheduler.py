@@ -15,10 +15,10 @@ import threading
 import pytest
 import torch
 
-from moe.model import load_model
-from moe.sampling import Sampler, SamplingParams
-from moe.scheduler import Request, Scheduler, SchedulerClosed
-from moe.tokenizer import TextStream, TextTokenizer, TokenizerError
+from moe.engine.loading import load_model
+from moe.serve.sampling import Sampler, SamplingParams
+from moe.serve.scheduler import Request, Scheduler, SchedulerClosed
+from moe.serve.tokenizer import TextStream, TextTokenizer, TokenizerError
 from tests.moe.serving_util import EOS, held, wait_until
 
 

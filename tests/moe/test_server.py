@@ -18,11 +18,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moe.cachestats import cache_stats
+from moe.engine.cachestats import cache_stats
 from moe.cli import build_parser
-from moe.metrics import snapshot
-from moe.model import load_model
-from moe.serve_cli import build_state
+from moe.serve.metrics import snapshot
+from moe.engine.loading import load_model
+from moe.serve.cli import build_state
 from sim.replay import replay
 from sim.trace import load_trace
 from tests.moe.http_util import KEY, NAME, Running, serve

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moe.cli import build_parser
-from moe.serve_cli import API_KEY_ENV, build_state
+from moe.serve.cli import API_KEY_ENV, build_state
 from tests.moe.http_util import AUTH, KEY, NAME, serve
 from tests.moe.test_server_hardening import _error, _post
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import torch
 
-from moe import openai_api
-from moe.model import load_model
+from moe.serve import openai_api
+from moe.engine.loading import load_model
 from tests.moe.http_util import AUTH, NAME, serve, slow_decode
 from tests.moe.serving_util import held, wait_until
 

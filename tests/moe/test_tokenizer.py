@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from moe.tokenizer import PREFIX_CHARS_PER_TOKEN, TextStream, TextTokenizer, TooManyTokens
+from moe.serve.tokenizer import PREFIX_CHARS_PER_TOKEN, TextStream, TextTokenizer, TooManyTokens
 
 TEXT = "ab c€é 😀x\n"  # 1-, 2-, 3- and 4-byte characters
 

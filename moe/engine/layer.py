@@ -41,18 +41,18 @@ import dataclasses
 
 import torch
 
-import moe.routed
-import moe.router
+import moe.kernels.routed
+import moe.kernels.router
 from expertcache.copy import miss_copy
 from expertcache.device import DeviceCache
 from expertcache.geometry import CacheGeometry
 from expertcache.pool import HostStore, SlotPool
 from expertcache.streams import SideStream
-from moe.config import MoEConfig
-from moe.plan import GEMV_MAX_TOKENS, OverlapMode, make_routed_plan, select_overlap_mode
-from moe.reference import SharedWeights, check_shared
-from moe.routed import routed_down, routed_experts, routed_gate_up, routed_scratch
-from moe.router import ROUTER_MAX_EXPERTS, router_scratch, router_topk
+from moe.model.config import MoEConfig
+from moe.kernels.plan import GEMV_MAX_TOKENS, OverlapMode, make_routed_plan, select_overlap_mode
+from moe.model.reference import SharedWeights, check_shared
+from moe.kernels.routed import routed_down, routed_experts, routed_gate_up, routed_scratch
+from moe.kernels.router import ROUTER_MAX_EXPERTS, router_scratch, router_topk
 
 BANKS = ("gate_up", "down")  # the HostStore / SlotPool banks a layer reads, in this order
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -116,7 +116,7 @@ class MoELayer:
     router_w: [E, H], kept in the config's dtype (the router kernel accumulates in float32).
     shared: (gate_up [2Is, H], down [H, Is], gate_w [1, H]) in the config's dtype, exactly when
     cfg.shared_intermediate > 0. `cfg.copy_overlap` picks the side stream; resolve
-    EXPERTCACHE_MOE_COPY_OVERLAP into it (moe.config.copy_overlap_from_env) before building.
+    EXPERTCACHE_MOE_COPY_OVERLAP into it (moe.model.config.copy_overlap_from_env) before building.
     Attributes `overlap_mode` / `overlap_reason` hold the decision of `refresh()`.
     Raises ValueError naming the argument whose shape, dtype or device disagrees with cfg.
     """
@@ -175,7 +175,7 @@ class MoELayer:
         self.front_release = cfg.front_release if cfg.front_release is not None else not runs_early
         self._configs = None  # _launch_configs' last (module defaults, result)
 
-    def _launch_configs(self) -> tuple[moe.router.RouterConfig, moe.routed.RoutedConfig]:
+    def _launch_configs(self) -> tuple[moe.kernels.router.RouterConfig, moe.kernels.routed.RoutedConfig]:
         """The router's and the routed down's configs: the module defaults (read at each call), with
         front_release the router's weights loaded before its wait (where they fit, unless the default
         already says True), the down releasing the next launch and, unless RoutedConfig.down_prefetch
@@ -183,7 +183,7 @@ class MoELayer:
         router's programs launched beside it, 2 made one more resident layer 0.4-0.6 us faster than 4
         with the overlap on and off (docs/moe.md); and, unless RoutedConfig.copy_release is set, the
         miss copy releasing the gate_up after its wait (copy_release=True)."""
-        defaults = (moe.router.DEFAULT_ROUTER, moe.routed.DEFAULT_CONFIG)
+        defaults = (moe.kernels.router.DEFAULT_ROUTER, moe.kernels.routed.DEFAULT_CONFIG)
         if not self.front_release:
             return defaults
         if self._configs is None or any(a is not b for a, b in zip(self._configs[0], defaults)):

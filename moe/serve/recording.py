@@ -9,7 +9,7 @@
 One entry per decode step in the order the server ran them; row b of step n is the engine's row b
 then (rows are compacted when a sequence leaves, so a request may change rows between steps; the
 cache's ensure only sees the set of experts of a step, so the rows' order changes nothing). Prefill
-is not in the trace: it bypasses the cache (moe.backends), so replaying the trace from a cold cache
+is not in the trace: it bypasses the cache (moe.engine.backends), so replaying the trace from a cold cache
 with the server's policy and slot count reproduces the server's miss counters exactly (CPU backend).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe.scheduler import Scheduler
+from moe.serve.scheduler import Scheduler
 from sim.trace import Trace, TraceMeta, save_trace
 
 

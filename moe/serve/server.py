@@ -37,12 +37,12 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moe import openai_api as api
-from moe.http_guard import Guard, GuardOptions, timed_protocol, until_disconnect
-from moe.metrics import CONTENT_TYPE, ServerMetrics, snapshot
-from moe.recording import write_routing
-from moe.scheduler import Event, Request, Scheduler, SchedulerClosed
-from moe.tokenizer import TextTokenizer
+from moe.serve import openai_api as api
+from moe.serve.http_guard import Guard, GuardOptions, timed_protocol, until_disconnect
+from moe.serve.metrics import CONTENT_TYPE, ServerMetrics, snapshot
+from moe.serve.recording import write_routing
+from moe.serve.scheduler import Event, Request, Scheduler, SchedulerClosed
+from moe.serve.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 FINAL_WRITE_S = 5.0  # at shutdown, after every request has its last event: time to write the answers

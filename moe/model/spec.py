@@ -23,7 +23,7 @@ Only the default rope and full attention are served: a scaled rope or a sliding 
 Only unquantized checkpoints load: a `quantization_config` (or `compression_config`) whose
 `quant_method` is not in SUPPORTED_QUANT_METHODS (empty today) is refused, and the model dtype
 (`torch_dtype`, or `dtype` as transformers >= 5 writes it; default bfloat16) must be one of
-moe.config.DTYPES unless the caller overrides it. moe.checkpoint refuses quantized tensors themselves
+moe.model.config.DTYPES unless the caller overrides it. moe.model.checkpoint refuses quantized tensors themselves
 (float8 / integer dtypes, scale tensors beside a weight), whatever config.json says.
 """
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from moe.config import DTYPES, MoEConfig
+from moe.model.config import DTYPES, MoEConfig
 
 
 class CheckpointError(ValueError):

@@ -17,7 +17,7 @@
 Legend: T = tokens, H = hidden, I = expert width, k = top_k, S = pool slots. A slot id outside
 [0, S) (NO_SLOT = -1 in particular) contributes nothing. No expert weights are gathered or copied:
 every program streams whole rows of one slot with 16-byte loads and accumulates in float32 (kernels:
-moe.routed_kernels). The shared expert is the one-slot case: gate_up[None], down[None], slots all 0,
+moe.kernels.routed_kernels). The shared expert is the one-slot case: gate_up[None], down[None], slots all 0,
 gate_w given; its launches use separately named entry kernels with the same code, so traces tell
 them apart. `addend` + `out_cast` fuse an MoE layer's combine (routed + shared, one rounding) into
 the down launch. Both launches have independent programs (no atomics, no grid barrier), so the
@@ -35,15 +35,15 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from moe.config import MoEConfig
-from moe.plan import (
+from moe.model.config import MoEConfig
+from moe.kernels.plan import (
     GEMV_BLOCK_H,
     GEMV_BLOCK_I,
     GEMV_MAX_TOKENS,
     RoutedPlan,
     make_routed_plan,
 )
-from moe.routed_kernels import (
+from moe.kernels.routed_kernels import (
     DOWN_ENTRIES,
     GATE_UP_ENTRIES,
     HITS_JIT_OPTIONS,
@@ -51,7 +51,7 @@ from moe.routed_kernels import (
     _gate_up_first,
     _gate_up_hits,
 )
-from moe.triton_launch import compile_for_sm, kernel_for
+from moe.kernels.triton_launch import compile_for_sm, kernel_for
 
 NO_SLOT = -1
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -65,7 +65,7 @@ class RoutedConfig:
     load step of a gate_up program. block_h: output rows per down program. chunk_i: intermediate
     columns per load step of a down program. warps_gate_up / warps_down: num_warps of each launch.
     pdl: on CUDA, launch the routed gate_up and down with programmatic dependent launch (each waits
-    for its predecessor before reading anything: same results; moe.routed_kernels). On by default:
+    for its predecessor before reading anything: same results; moe.kernels.routed_kernels). On by default:
     0.5-1.0 us faster at T = 1..8 on the H200 (20.10 vs 20.61 us at T = 1,
     benchmarks/results/routed-2026-11-30-8f6abaf.json). The shared expert's launches and a
     routed_down not launched right after routed_gate_up never use it.
@@ -81,7 +81,7 @@ class RoutedConfig:
     moe-copy-overlap-2026-12-01-dr-rw-8aa636d.json). So it stays off by default.
     down_prefetch (0 .. k, or None: min(DOWN_PREFETCH, k), the default): each routed down program
     loads all k experts' slots, then the weight tiles of the first down_prefetch experts, before its
-    programmatic wait (moe.routed_kernels _down_body), so no later weight load waits for its slot's
+    programmatic wait (moe.kernels.routed_kernels _down_body), so no later weight load waits for its slot's
     round trip; the same bits. 0 loads each slot in the loop, right before its expert's tiles. More
     than the call's k is refused. On the H200 at the Qwen3-Next shape, T = 1, the routed pair took
     18.73 us with 4 against 19.58 with 0 (1.26x and 1.32x the HBM floor; 1 and 2: 19.07-19.08), and
@@ -94,7 +94,7 @@ class RoutedConfig:
     would hold through a copy). On the H200 one more resident Qwen3-Next-like layer took 24.77-24.96 us
     with it against 25.13-25.32 without, overlap on, and 31.3-31.4 against 31.6-31.7 off, in four
     calls (benchmarks/results/moe-copy-overlap-resident-2026-12-01-cr*.log, -cra-a8bb3a2.log).
-    The defaults come from moe.plan (GEMV_BLOCK_I, GEMV_BLOCK_H) so make_routed_plan's grid is the
+    The defaults come from moe.kernels.plan (GEMV_BLOCK_I, GEMV_BLOCK_H) so make_routed_plan's grid is the
     one launched. Raises ValueError naming the field.
     """
 
@@ -279,7 +279,7 @@ def _check_slots(who: str, slots, device) -> tuple[int, int]:
     tokens, top_k = slots.shape
     if not 1 <= tokens <= GEMV_MAX_TOKENS or top_k < 1:
         raise ValueError(f"{who}: slots must be [T, k >= 1] with T in 1..{GEMV_MAX_TOKENS} "
-                         f"(moe.plan.GEMV_MAX_TOKENS), got {list(slots.shape)}")
+                         f"(moe.kernels.plan.GEMV_MAX_TOKENS), got {list(slots.shape)}")
     return tokens, top_k
 
 
@@ -289,7 +289,7 @@ def _check_gate_up(who, hidden, slots, weights, gate_up, gate_w, act) -> tuple[i
     dev, (tokens, hid) = hidden.device, hidden.shape
     if not 1 <= tokens <= GEMV_MAX_TOKENS:
         raise ValueError(f"{who}: hidden has {tokens} tokens; 1..{GEMV_MAX_TOKENS} "
-                         "(moe.plan.GEMV_MAX_TOKENS) are served here")
+                         "(moe.kernels.plan.GEMV_MAX_TOKENS) are served here")
     _, top_k = _check_slots(who, slots, dev)
     if slots.shape[0] != tokens:
         raise ValueError(f"{who}: slots must be [{tokens}, k >= 1] (T of hidden), got {list(slots.shape)}")

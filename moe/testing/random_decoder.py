@@ -1,9 +1,9 @@
-"""A random-weight decoder at a given geometry, ready for moe.engine.Engine (benchmarks, tests).
+"""A random-weight decoder at a given geometry, ready for moe.engine.engine.Engine (benchmarks, tests).
 
     config.json-like dict ──ModelSpec.from_hf──► spec (qwen2_moe family: RMSNorm, RoPE, GQA attention,
                                                        sigmoid-gated shared expert)
     spec, device, seed ──random_decoder──► ModelWeights
-        MoE blocks: moe.synthetic.random_weights (router [L_moe, E, H], shared experts, HostStore of
+        MoE blocks: moe.testing.synthetic.random_weights (router [L_moe, E, H], shared experts, HostStore of
                     every routed expert, pinned where CUDA is present)
         attention q / k / v / o, embedding, lm_head: N(0, 1/fan_in) on `device` (embedding N(0, 1));
         norms 1
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from moe.checkpoint import TORCH_DTYPES, AttentionWeights, DenseWeights, LayerWeights, ModelWeights, MoEWeights
-from moe.spec import ModelSpec
-from moe.synthetic import random_weights
+from moe.model.checkpoint import TORCH_DTYPES, AttentionWeights, DenseWeights, LayerWeights, ModelWeights, MoEWeights
+from moe.model.spec import ModelSpec
+from moe.testing.synthetic import random_weights
 
 
 def qwen3_next_like(num_layers: int = 8, *, vocab_size: int = 32768, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -57,7 +57,7 @@ def _attention(spec: ModelSpec, dtype, device, gen) -> AttentionWeights:
 
 def random_decoder(config: dict[str, Any], device: str | torch.device = "cuda", *, seed: int = 0,
                    pin: bool | None = None, copy_overlap: bool = False) -> ModelWeights:
-    """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe keys; see moe.spec).
+    """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe keys; see moe.model.spec).
 
     device: where everything but the routed experts goes; the routed experts go to a HostStore
     (pinned when `pin`, default: when CUDA is available). Deterministic for (config, device, seed).
@@ -74,7 +74,7 @@ def random_decoder(config: dict[str, Any], device: str | torch.device = "cuda", 
     for layer in range(spec.num_layers):
         if spec.sparse[layer]:
             m = spec.moe_index(layer)
-            mlp = MoEWeights(m, moe.router[m], None if moe.shared is None else moe.shared[m])
+            mlp = MoEWeights(m, moe.kernels.router[m], None if moe.shared is None else moe.shared[m])
         else:
             i = spec.dense_intermediate
             mlp = DenseWeights(_randn((2 * i, h), h ** -0.5, dtype, device, gen),

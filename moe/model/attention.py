@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe.checkpoint import AttentionWeights
-from moe.spec import ModelSpec
+from moe.model.checkpoint import AttentionWeights
+from moe.model.spec import ModelSpec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,7 +10,7 @@
               (or one bitonic top-k over packed (prob, id) keys: RouterConfig.select)
               (weights [t, k] float32 descending, ids [t, k] int32); weights /= Σ weights when norm
               (pre: also the chosen experts' slots before the ensure, carried in the packed keys)
-    -> weights [T, k] float32, ids [T, k] int32 (the order of moe.reference.route)
+    -> weights [T, k] float32, ids [T, k] int32 (the order of moe.model.reference.route)
 
 Legend: T = tokens (1..GEMV_MAX_TOKENS), H = hidden, E = experts (<= ROUTER_MAX_EXPERTS), k = top_k.
 
@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moe.plan import GEMV_MAX_TOKENS
-from moe.triton_launch import compile_for_sm, kernel_for
+from moe.kernels.plan import GEMV_MAX_TOKENS
+from moe.kernels.triton_launch import compile_for_sm, kernel_for
 
 ROUTER_MAX_EXPERTS = 4096  # the selecting program holds all E probabilities in registers (ids: 12 bits)
 PRE_SLOT_BITS: tl.constexpr = tl.constexpr(20)  # a packed key's low bits: slot + 1 (expertcache: slots < 2**20 - 1)
@@ -313,7 +313,7 @@ def _check_args(hidden, router_w, top_k, weights, ids) -> tuple[int, int, int]:
     _check("hidden", hidden, DTYPES, None, None)
     if hidden.dim() != 2 or not 1 <= hidden.shape[0] <= GEMV_MAX_TOKENS:
         raise ValueError(f"router_topk: hidden must be [T, H] with T in 1..{GEMV_MAX_TOKENS} "
-                         f"(moe.plan.GEMV_MAX_TOKENS), got {list(hidden.shape)}")
+                         f"(moe.kernels.plan.GEMV_MAX_TOKENS), got {list(hidden.shape)}")
     tokens, hid = hidden.shape
     if not isinstance(router_w, torch.Tensor) or router_w.dim() != 2:
         raise ValueError(f"router_topk: router_w must be [E, {hid}], got {getattr(router_w, 'shape', router_w)}")
@@ -321,7 +321,7 @@ def _check_args(hidden, router_w, top_k, weights, ids) -> tuple[int, int, int]:
     _check("router_w", router_w, (hidden.dtype,), (num_experts, hid), hidden.device)
     if not 1 <= num_experts <= ROUTER_MAX_EXPERTS:
         raise ValueError(f"router_topk: router_w has {num_experts} experts; 1..{ROUTER_MAX_EXPERTS} "
-                         "(moe.router.ROUTER_MAX_EXPERTS) are served")
+                         "(moe.kernels.router.ROUTER_MAX_EXPERTS) are served")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"router_topk: top_k={top_k!r} must be an int in [1, E={num_experts}]")
     if weights is not None:

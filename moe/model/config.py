@@ -45,7 +45,7 @@ class MoEConfig:
     (docs/moe.md). False launches them plainly.
     early_hits: with the side stream in use (copy_overlap on and applied), the gate_up rows of the
     experts already resident run on the side stream right after the router, beside the ensure and
-    miss copy (moe.layer); the same output bits. No effect with the overlap off. None (the default):
+    miss copy (moe.engine.layer); the same output bits. No effect with the overlap off. None (the default):
     on unless the pool holds every expert of every layer (MoELayer.refresh decides; then no step after
     the pool fills misses, there is no copy to hide, and on the H200 one more resident layer took 25.2
     us without early hits against 28.5 with them: docs/moe.md).
@@ -56,11 +56,11 @@ class MoEConfig:
     (RoutedConfig.copy_release, unless it is set); the same output bits. None (the default): on unless the layer runs early hits
     (beside them both made the resident layer slower, 33.8 against 29.8 us; without them faster: with
     the overlap off one more resident layer took 31.6 against 32.8 us). False: the module defaults
-    (moe.routed.DEFAULT_CONFIG, moe.router.DEFAULT_ROUTER) decide, as they do for standalone calls.
+    (moe.kernels.routed.DEFAULT_CONFIG, moe.kernels.router.DEFAULT_ROUTER) decide, as they do for standalone calls.
     hits_first: the routed gate_up is one persistent launch on the compute stream that computes the
     experts resident before the ensure first, released by the miss copy at its start (with
     pdl_chain), so their rows stream while the ensure and the copy run, then the others after the
-    copy (moe.routed part="first"); the same output bits. With the overlap on the side stream then
+    copy (moe.kernels.routed part="first"); the same output bits. With the overlap on the side stream then
     runs only the shared expert (early_hits is not used). Off by default.
 
     Raises ValueError naming the field on any invalid value.

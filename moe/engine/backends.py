@@ -3,9 +3,9 @@
     decode, hidden [B, H] of MoE layer m:
       CpuCachedMoE: route (f32) → HostCache.ensure(m, ids) → reference_copy(plan: store rows → CPU SlotPool)
                     → routed_reference(hidden, slots, weights, pool) (f32) + shared_expert (f32) → cast
-      GpuMoE:       moe.layer.MoELayer.forward over one moe.layer.SlotCache (device ensure, miss copy,
+      GpuMoE:       moe.engine.layer.MoELayer.forward over one moe.engine.layer.SlotCache (device ensure, miss copy,
                     routed GEMM by slot id, shared expert on the side stream when copy_overlap is on);
-                    no host sync, so the engine captures whole decode steps (moe.graphs); with
+                    no host sync, so the engine captures whole decode steps (moe.engine.graphs); with
                     forced_routing the ids / weights come from static buffers (set_routing), not the router
     prefill, hidden [T, H] (any T): moe_prefill for both — the cache is bypassed (below).
 
@@ -40,11 +40,11 @@ from expertcache.copy import reference_copy
 from expertcache.geometry import CacheGeometry
 from expertcache.host import HostCache
 from expertcache.pool import HostStore, SlotPool
-from moe.checkpoint import ModelWeights, MoEWeights
-from moe.config import MoEConfig
-from moe.layer import MoELayer, SlotCache
-from moe.reference import expert_mlp, route, shared_expert
-from moe.routed import routed_reference
+from moe.model.checkpoint import ModelWeights, MoEWeights
+from moe.model.config import MoEConfig
+from moe.engine.layer import MoELayer, SlotCache
+from moe.model.reference import expert_mlp, route, shared_expert
+from moe.kernels.routed import routed_reference
 
 
 class MoEBackend(Protocol):
@@ -62,7 +62,7 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
                 counts: list[int] | None = None) -> torch.Tensor:
     """One MoE block over a prompt, experts read from `store` (cache bypassed): [T, H] -> [T, H].
 
-    Math and precision of moe.reference.moe_reference: float32 products, one cast at the end.
+    Math and precision of moe.model.reference.moe_reference: float32 products, one cast at the end.
     Each used expert's rows move to hidden's device once (non-blocking from pinned memory), unless
     `resident` = (slot_of [L_moe * E] int32, pool gate_up [S, 2I, H], pool down [S, H, I]) gives it a
     slot: then its rows are read from the pool (the same bytes, so the same result bit for bit) and
@@ -113,7 +113,7 @@ class CpuCachedMoE:
     """The CPU backend: the exact host reference of the cache (HostCache) over a CPU SlotPool.
 
     Same slot map, policy, plan and counters as the GPU path would produce for the same routing;
-    the miss copy is expertcache.copy.reference_copy and the routed compute moe.routed.routed_reference
+    the miss copy is expertcache.copy.reference_copy and the routed compute moe.kernels.routed.routed_reference
     (float32), so a run exercises the cache's semantics end to end without a GPU.
     `cache` (HostCache) is public: its counters [L_moe, 3] give calls, accesses, misses per MoE layer.
     """
@@ -146,11 +146,11 @@ class CpuCachedMoE:
 
 
 class GpuMoE:
-    """The GPU backend: one moe.layer.MoELayer per MoE layer over one shared moe.layer.SlotCache.
+    """The GPU backend: one moe.engine.layer.MoELayer per MoE layer over one shared moe.engine.layer.SlotCache.
 
     Built from the public constructors only. With `record`, the routed ids are a copy of what the
     layer routed with (MoELayer.last_routing, or the forced ids), made on the device, so a decode
-    step that records stays capturable (moe.graphs).
+    step that records stays capturable (moe.engine.graphs).
     forced_routing: route every decode call from static buffers instead of the router (benchmarks
     replaying a trace): `routing_buffers` ids int32 / weights float32 [L_moe, max_batch, k], filled per
     step with `set_routing` (ids -1 = no expert until then); prefill still uses the router.

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from expertcache import policy_names
-from moe.config import DTYPES
+from moe.model.config import DTYPES
 from sim.replay import ORACLES
 
 if TYPE_CHECKING:
-    from moe.server import ServeState
+    from moe.serve.server import ServeState
 
 API_KEY_ENV = "EXPERTCACHE_API_KEY"
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -141,7 +141,7 @@ def resolve_device(flag: str | None):
 def _context(args: argparse.Namespace) -> int:
     """--max-seq-len, or its default, within config.json's max_position_embeddings (the positions the
     model was trained for; beyond them its rotary positions are out of distribution). Raises SystemExit."""
-    from moe.spec import read_config
+    from moe.model.spec import read_config
 
     limit = read_config(args.model).get("max_position_embeddings")
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
@@ -157,12 +157,12 @@ def _context(args: argparse.Namespace) -> int:
 def build_state(args: argparse.Namespace) -> ServeState:
     """Tokenizer, engine, scheduler and options from the parsed flags. Raises SystemExit naming the flag
     or file on a bad value, a checkpoint that cannot be served or a pool that does not fit."""
-    from moe.http_guard import GuardOptions
-    from moe.model import load_model
-    from moe.scheduler import Scheduler
-    from moe.server import ServeOptions, ServeState
-    from moe.spec import CheckpointError
-    from moe.tokenizer import TextTokenizer, TokenizerError
+    from moe.serve.http_guard import GuardOptions
+    from moe.engine.loading import load_model
+    from moe.serve.scheduler import Scheduler
+    from moe.serve.server import ServeOptions, ServeState
+    from moe.model.spec import CheckpointError
+    from moe.serve.tokenizer import TextTokenizer, TokenizerError
 
     _check(args)
     key = api_key(args)
@@ -199,7 +199,7 @@ def _access(state: ServeState) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe.server import make_server
+    from moe.serve.server import make_server
 
     state = build_state(args)
     spec = state.scheduler.engine.spec

@@ -18,7 +18,7 @@ from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moe.sampling import MAX_TOP_LOGPROBS
+from moe.serve.sampling import MAX_TOP_LOGPROBS
 
 
 class ApiError(Exception):

@@ -21,9 +21,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from moe.openai_schema import ApiError, ChatBody, CompletionBody, parse_body
-from moe.sampling import SamplingParams, TokenLogprob
-from moe.tokenizer import TextStream, TextTokenizer, TokenizerError, TooManyTokens
+from moe.serve.openai_schema import ApiError, ChatBody, CompletionBody, parse_body
+from moe.serve.sampling import SamplingParams, TokenLogprob
+from moe.serve.tokenizer import TextStream, TextTokenizer, TokenizerError, TooManyTokens
 
 __all__ = ["ApiError", "ChatBody", "CompletionBody", "Prepared", "prepare_chat", "prepare_completion"]
 

@@ -33,9 +33,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from moe.engine import Engine
-from moe.sampling import Sampler, SamplingParams, TokenLogprob, choose, logprobs_of
-from moe.tokenizer import TextStream, TextTokenizer
+from moe.engine.engine import Engine
+from moe.serve.sampling import Sampler, SamplingParams, TokenLogprob, choose, logprobs_of
+from moe.serve.tokenizer import TextStream, TextTokenizer
 
 logger = logging.getLogger(__name__)
 

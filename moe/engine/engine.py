@@ -8,7 +8,7 @@
                         x += mlp(rms(x))   (MoE layers: backend.decode → ensure, miss copy, routed)
         ─► logits [B, V]; KV lengths += 1;   with record_routing: ids [L_moe, B, k] kept per step
     generate = prefill, then argmax → decode_step → argmax ... (greedy)
-    on a CUDA device decode_step replays one captured CUDA graph per batch size B (moe.graphs): the
+    on a CUDA device decode_step replays one captured CUDA graph per batch size B (moe.engine.graphs): the
     tokens go into a static buffer, every per-row state (KV, lengths) is read from device buffers
 
     prompt ──join──► prefill into row B (the next free row) while rows 0..B-1 keep their state; B += 1
@@ -18,7 +18,7 @@ Batching: sequences step together. Each row keeps its own length in the KV cache
 its own cached positions, so prompts of different lengths need no padding and no pad token; prefill
 runs the prompts one after another (its attention is per sequence anyway), and every decode step
 advances all B rows by one token. `prefill` replaces the whole batch; `join` / `leave` change it one
-sequence at a time between decode steps (continuous batching, moe.scheduler). The live rows are always
+sequence at a time between decode steps (continuous batching, moe.serve.scheduler). The live rows are always
 0..B-1: `leave` compacts by moving the last row into the freed one, so a decode step never computes a
 dead row (whose routing would pollute the expert cache) and attention keeps its fixed row range.
 The expert cache (the backend's) persists across batches, so a new sequence starts from the current
@@ -34,17 +34,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moe.attention import KVCache, Rope, attention_decode, attention_prefill, rms_norm
-from moe.backends import MoEBackend
-from moe.checkpoint import DenseWeights, LayerWeights, ModelWeights, MoEWeights
-from moe.graphs import DecodeGraphs
+from moe.model.attention import KVCache, Rope, attention_decode, attention_prefill, rms_norm
+from moe.engine.backends import MoEBackend
+from moe.model.checkpoint import DenseWeights, LayerWeights, ModelWeights, MoEWeights
+from moe.engine.graphs import DecodeGraphs
 
 
 class Engine:
     """Runs a ModelWeights with `moe` (CpuCachedMoE or GpuMoE) for up to `max_batch` sequences of at
     most `max_seq_len` tokens (prompt + generated). record_routing: keep each decode step's routed
     expert ids (`routing()`), for an expertcache-trace/1 file. cuda_graphs: capture and replay decode
-    steps per batch size (moe.graphs; `graphs` holds them); None = on for a CUDA device, off on the
+    steps per batch size (moe.engine.graphs; `graphs` holds them); None = on for a CUDA device, off on the
     CPU; False = eager GPU decode (debugging).
     Raises ValueError naming max_batch / max_seq_len when a batch or a sequence does not fit, and
     cuda_graphs when it is True for a CPU model.
@@ -174,7 +174,7 @@ class Engine:
         return logits
 
     def _decode_body(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The device work of one decode step (what moe.graphs captures): tokens int64 [B] on the device
+        """The device work of one decode step (what moe.engine.graphs captures): tokens int64 [B] on the device
         -> (logits float32 [B, V], routed ids int32 [L_moe, B, k] when recording, else None). Writes
         each row's k, v at its position and advances kv.lengths[:B]; no host sync, no host state."""
         b = tokens.shape[0]

@@ -7,7 +7,7 @@
 
 Routed GEMM families (the routed kernels receive slot ids, never expert ids):
 
-* "gemv-slots" (1..GEMV_MAX_TOKENS tokens, `moe.routed.routed_experts`): two launches of
+* "gemv-slots" (1..GEMV_MAX_TOKENS tokens, `moe.kernels.routed.routed_experts`): two launches of
   independent CTAs. gate_up: one CTA per (token, routed slot j, GEMV_BLOCK_I rows of gate and of
   up), grid = (tokens * k, ceil(I / GEMV_BLOCK_I)), the plan's `grid`; a slot routed by several
   tokens is read once per token (the repeats meet in L2). down: one CTA per (token, GEMV_BLOCK_H
@@ -16,7 +16,7 @@ Routed GEMM families (the routed kernels receive slot ids, never expert ids):
   The shared expert runs through the same two kernels as a one-slot pool (k = 1, slots all 0,
   its gate computed inside the gate_up launch): grids (tokens, ceil(Is / GEMV_BLOCK_I)) and
   (tokens, ceil(H / GEMV_BLOCK_H)); the routed down launch adds its output and writes the layer's
-  output in the model dtype (the combine). The router before them (`moe.router`) is one launch of
+  output in the model dtype (the combine). The router before them (`moe.kernels.router`) is one launch of
   grid (tokens, ceil(E / block_e)) whose last-arriving program per token selects the top-k: an
   arrival counter, but no program ever waits for another, so it needs no co-residency either.
   A decode layer is 7 launches: router, ensure, miss copy, routed gate_up, routed down (+ combine),
@@ -38,7 +38,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from moe.config import COPY_OVERLAP_ENV, MoEConfig
+from moe.model.config import COPY_OVERLAP_ENV, MoEConfig
 
 GEMV_MAX_TOKENS = 8
 GEMV_BLOCK_I = 1  # gemv-slots gate_up launch: rows of gate (and as many of up) per CTA

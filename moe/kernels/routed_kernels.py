@@ -1,4 +1,4 @@
-"""Triton kernels of the routed-expert GEMM (host wrappers: moe.routed).
+"""Triton kernels of the routed-expert GEMM (host wrappers: moe.kernels.routed).
 
     gate_up body, grid (T * K, ceil(I / BLOCK_I)): program (t * K + j, tile)
         hidden [T, H] · gate rows [tile) and up rows [I + tile) of slot slots[t, j]   (pool [S, 2I, H])

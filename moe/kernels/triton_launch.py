@@ -6,7 +6,7 @@
 
 Triton fixes the mode at decoration time; `kernel_for` builds the other mode's twin from the same
 source, as expertcache.copy does, so one module serves GPU runs and CPU tests. Shared by
-moe.routed and moe.router (no forked copy of this logic per kernel module).
+moe.kernels.routed and moe.kernels.router (no forked copy of this logic per kernel module).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe.config import MoEConfig
+from moe.model.config import MoEConfig
 
 SharedWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (gate_up [2Is, H], down [H, Is], gate_w [1, H])
 

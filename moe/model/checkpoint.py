@@ -14,7 +14,7 @@ Routed experts are read in either layout transformers writes: per expert
 [E, H, I]; transformers >= 5's in-memory layout). Every tensor's shape is checked against the spec
 before it is converted; a missing or misshapen tensor raises CheckpointError naming it.
 
-Only unquantized tensors load (moe.spec refuses a quantization_config): every tensor read must be
+Only unquantized tensors load (moe.model.spec refuses a quantization_config): every tensor read must be
 stored as BF16 / F16 / F32 (or F64), and no quantization tensor may sit beside it. A quantized layout
 is refused naming its tensor, whatever config.json says: float8 / int8 / uint8 / int32 weights, FP8
 block scales (`<module>.weight_scale_inv`), modelopt / compressed-tensors scales and packed weights
@@ -38,8 +38,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from expertcache.pool import Bank, HostStore
-from moe.reference import SharedWeights
-from moe.spec import UNQUANTIZED_ONLY, CheckpointError, ModelSpec, read_config
+from moe.model.reference import SharedWeights
+from moe.model.spec import UNQUANTIZED_ONLY, CheckpointError, ModelSpec, read_config
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BANKS = ("gate_up", "down")

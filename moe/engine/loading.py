@@ -4,9 +4,9 @@
         ──make_backend──► CpuCachedMoE (device "cpu") | GpuMoE (CUDA): the expert cache of num_slots
         ──Engine──► prefill / decode_step / generate
 
-Supported `model_type`s: moe.spec.FAMILIES (qwen2_moe, qwen3_moe). The pieces are public for callers
-that need them apart: moe.spec (config), moe.checkpoint (tensors), moe.backends (MoE blocks),
-moe.engine (decoder). The GPU side-stream overlap is load_model's `copy_overlap`, or when that is None
+Supported `model_type`s: moe.model.spec.FAMILIES (qwen2_moe, qwen3_moe). The pieces are public for callers
+that need them apart: moe.model.spec (config), moe.model.checkpoint (tensors), moe.engine.backends (MoE blocks),
+moe.engine.engine (decoder). The GPU side-stream overlap is load_model's `copy_overlap`, or when that is None
 EXPERTCACHE_MOE_COPY_OVERLAP; CUDA-graph decode is load_model's `cuda_graphs`, or when that is None
 EXPERTCACHE_CUDA_GRAPHS (default: on for a CUDA device).
 """
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from moe.backends import CpuCachedMoE, GpuMoE, make_backend
-from moe.checkpoint import ModelWeights, load_checkpoint
-from moe.config import copy_overlap_from_env
-from moe.engine import Engine
-from moe.spec import FAMILIES, CheckpointError, ModelSpec
+from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
+from moe.model.checkpoint import ModelWeights, load_checkpoint
+from moe.model.config import copy_overlap_from_env
+from moe.engine.engine import Engine
+from moe.model.spec import FAMILIES, CheckpointError, ModelSpec
 
 CUDA_GRAPHS_ENV = "EXPERTCACHE_CUDA_GRAPHS"
 __all__ = ["CheckpointError", "CpuCachedMoE", "Engine", "FAMILIES", "GpuMoE", "ModelSpec", "ModelWeights",
@@ -40,7 +40,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     (default: config.json's). max_batch / max_seq_len: the KV cache size. record_routing: keep decode
     routing (Engine.routing()). copy_overlap: the GPU side-stream overlap (--moe-copy-overlap); None
     leaves it to EXPERTCACHE_MOE_COPY_OVERLAP (off when unset). cuda_graphs: replay decode steps as CUDA
-    graphs (moe.graphs); None leaves it to EXPERTCACHE_CUDA_GRAPHS ("0": eager GPU decode, for
+    graphs (moe.engine.graphs); None leaves it to EXPERTCACHE_CUDA_GRAPHS ("0": eager GPU decode, for
     debugging), else on for a CUDA device and off on the CPU. Cost: reads the checkpoint once; host
     memory holds every routed expert.
     Raises CheckpointError (config key, file, tensor; a quantized checkpoint: only unquantized

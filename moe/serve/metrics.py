@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from moe.cachestats import CacheStats, cache_stats
-from moe.scheduler import Scheduler
+from moe.engine.cachestats import CacheStats, cache_stats
+from moe.serve.scheduler import Scheduler
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

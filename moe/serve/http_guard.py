@@ -27,7 +27,7 @@ from typing import Any, Callable
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from moe.openai_schema import ApiError
+from moe.serve.openai_schema import ApiError
 
 DISCARD_BYTES = 64 * 2**20  # of a body past the limit, read and dropped before the 413
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")

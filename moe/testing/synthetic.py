@@ -22,9 +22,9 @@ import torch
 
 from expertcache.copy import miss_copy
 from expertcache.pool import Bank, HostStore, SlotPool
-from moe.config import MoEConfig, copy_overlap_from_env
-from moe.layer import DTYPES, MoELayer, SlotCache
-from moe.reference import SharedWeights, moe_reference
+from moe.model.config import MoEConfig, copy_overlap_from_env
+from moe.engine.layer import DTYPES, MoELayer, SlotCache
+from moe.model.reference import SharedWeights, moe_reference
 
 CHUNK_EXPERTS = 64  # experts generated on the device per host copy
 
@@ -65,7 +65,7 @@ def random_weights(cfg: MoEConfig, num_layers: int, device: str | torch.device =
         shared = [(_randn((2 * s, h), h ** -0.5, dtype, device, gen),
                    _randn((h, s), s ** -0.5, dtype, device, gen),
                    _randn((1, h), h ** -0.5, dtype, device, gen)) for _ in range(num_layers)]
-    banks = (Bank("gate_up", (2 * i, h), dtype), Bank("down", (h, i), dtype))  # moe.layer.BANKS
+    banks = (Bank("gate_up", (2 * i, h), dtype), Bank("down", (h, i), dtype))  # moe.engine.layer.BANKS
     store = HostStore.empty(banks, num_layers * e, pin=pin)
     for first in range(0, num_layers * e, CHUNK_EXPERTS):
         n = min(CHUNK_EXPERTS, num_layers * e - first)
@@ -133,7 +133,7 @@ class SyntheticModel:
         return self.weights.store.tensor("gate_up")[keys], self.weights.store.tensor("down")[keys]
 
     def reference(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """moe.reference.moe_reference of one layer on hidden's device, from the full expert tensors."""
+        """moe.model.reference.moe_reference of one layer on hidden's device, from the full expert tensors."""
         gate_up, down = (w.to(hidden.device) for w in self.layer_experts(layer))
         mod = self.layers[layer]
         return moe_reference(hidden, mod.router_w, gate_up, down, self.cfg, mod.shared)
