@@ -1,6 +1,6 @@
 """Registers, spills and code size of the device ensure kernel for sm_90 (no GPU needed).
 
-    python benchmarks/ensure_registers.py [--seq-max N] [--out FILE]
+    python benchmarks/probes/ensure_registers.py [--seq-max N] [--out FILE]
 
 Compiles expertcache.device_ensure.ensure_kernel with Triton for sm_90a at the default tiles (512-slot
 programs, 4 warps, k = 10 so a 16-wide query; the layer count is not compiled in) and
