@@ -8,7 +8,7 @@
     -> CUDA-event times of each call (a sleep kernel ahead of the start event hides the host's
        launch cost), warm-up first, variants interleaved every repetition in a rotating
        order, medians
-    -> table (last) and JSON under benchmarks/results/
+    -> table (last) and JSON (default benchmarks/results/copy.json)
 
 Run: python benchmarks/bench_copy.py [--sizes 1.7,2.7,6.3] [--misses 1,2,4,10]
      [--ctas 8,16,32] [--banks 2] [--reps 200] [--out FILE]
@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import benchmeta
@@ -147,7 +146,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--num-warps", type=int, default=DEFAULT_NUM_WARPS)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/copy-<date>.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/copy.json)")
     args = ap.parse_args()
     args.sizes = [float(s) for s in args.sizes.split(",")]
     args.misses = [int(s) for s in args.misses.split(",")]
@@ -175,7 +174,7 @@ def main() -> None:
             print(f"{size} MiB x {misses}: " + ", ".join(f"{k} {v['gbps']:.1f}" for k, v in result.items()),
                   flush=True)
         del store
-    out = Path(args.out or Path(__file__).parent / "results" / f"copy-{time.strftime('%Y-%m-%d')}.json")
+    out = Path(args.out or Path(__file__).parent / "results" / "copy.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     doc = {"machine": info, "settings": settings, "target": TARGET, "rows": rows}

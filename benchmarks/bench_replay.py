@@ -3,7 +3,7 @@
     synthetic Qwen3-Next-like trace (48 layers x 512 experts, top-10, >= 2000 tokens)
     -> sim.replay.replay per (policy, slots), warmed up (compiled) first
     -> median / min / max seconds over --repeats runs, interleaved across configurations
-    -> table (last) and JSON under benchmarks/results/
+    -> table (last) and JSON (default benchmarks/results/replay.json)
 
 Run: python benchmarks/bench_replay.py [--tokens 2000] [--repeats 5] [--out FILE]
 """
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--slots", default="1650,6144,12288,18432")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/replay-<date>.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/replay.json)")
     args = ap.parse_args()
     slots = [int(s) for s in args.slots.split(",")]
     traces = {
@@ -80,7 +80,7 @@ def main() -> None:
                      "accesses_per_s_median": r.accesses / float(np.median(ts)),
                      "target_per_s": TARGETS.get(p)})
     info = machine()
-    out = Path(args.out or Path(__file__).parent / "results" / f"replay-{info['date'][:10]}.json")
+    out = Path(args.out or Path(__file__).parent / "results" / "replay.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "replay", "machine": info, "tokens": args.tokens,
                                "repeats": args.repeats, "rows": rows}, indent=1))

@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=8, help="synthetic traces averaged per curve")
     ap.add_argument("--fit", action="store_true", help="refit the shared routing parameters")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results"
-                    / "calibrate_synthetic.json")
+                    / "calibrate-synthetic.json")
     args = ap.parse_args()
     seeds = list(range(args.seeds))
     reals = {}

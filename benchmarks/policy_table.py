@@ -1,7 +1,7 @@
 """Every policy against lru and belady on real traces, at 25, 50 and 75 % of all experts.
 
     trace files -> sim.replay.sweep (every simulator policy x 3 slot counts)
-    -> markdown table (printed last) and JSON under benchmarks/results/
+    -> markdown table (printed last) and JSON (default benchmarks/results/policy-table.json)
 
 Run: python benchmarks/policy_table.py TRACE.npz [TRACE.npz ...] [--out FILE]
 """
@@ -51,7 +51,7 @@ def main() -> None:
         md.append(text)
         data += rows
     date = time.strftime("%Y-%m-%d", time.gmtime())
-    out = Path(args.out or Path(__file__).parent / "results" / f"policy-table-{date}.json")
+    out = Path(args.out or Path(__file__).parent / "results" / "policy-table.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "policy_table", "date": date, "rows": data}, indent=1))
     print("\n\n".join(md))

@@ -30,8 +30,8 @@ DEFAULT_PRESET = "qwen3-next"
 DEFAULT_POLICIES = "lru,rule,lfuda,belady"
 DEFAULT_FRACS = "0.25,0.5,0.75"
 PROFILES = {  # --profile: which H200 cost model prices the misses and the layer (sim/costmodel.py)
-    "engine": H200_SM_COPY,  # this engine's measured path: SM miss copy, 20.3 us per layer beyond the bytes
-    "copy-engine": H200,  # cudaMemcpy speeds from limits-h200.md, an assumed 10 us per layer
+    "engine": H200_SM_COPY,  # this engine's measured path: the SM miss copy and its MoE layer's time
+    "copy-engine": H200,  # the copy engine's speeds and an assumed per-layer overhead
 }
 # --tokens bound: routed entries N x L x B x k of a synthetic trace. Generating one holds about
 # 36 bytes an entry (ids, float64 logits and their softmax, weights), so ~1.2 GB at the bound;

@@ -19,10 +19,11 @@ GEMM needs the copied weights.
 Not modeled: attention, KV cache and other non-MoE layers (unless `non_moe_bytes_per_layer`
 is set; every entry of SHAPES leaves it 0, so estimates cover the MoE blocks alone and the
 tokens/s is an upper bound on end-to-end speed), activation traffic, GEMM compute limits at
-large batch, the ensure kernel's growth with the miss count, prefetching across layers,
-contention between the copy and the GEMMs for HBM, and the SM copy kernel's gap to the copy
-engine (limits-h200.md: about 0.8x; scale `h2d_points` for it). At batch B every call is
-charged min(B*k, E) routed experts, an upper bound when rows share experts.
+large batch, the ensure kernel's growth with the miss count, prefetching across layers, and
+contention between the copy and the GEMMs for HBM. `H200` prices a miss at the copy engine's
+speeds, `H200_SM_COPY` at this engine's SM miss copy's (docs/simulator.md, "Cost model", lists
+the measurements both profiles hold). At batch B every call is charged min(B*k, E) routed
+experts, an upper bound when rows share experts.
 """
 
 from __future__ import annotations
@@ -102,7 +103,6 @@ class HardwareProfile:
         """Microseconds to copy `misses` experts of `expert_bytes` back to back: 0 for none,
         else single_copy_us(expert_bytes) + (misses - 1) * expert_bytes / back_to_back_gbps
         (later copies queue behind the first, so only the first pays the latency).
-        For 10 x 6.3 MiB on H200 this gives 1248.5 us against the measured 1240.8 us.
         Raises ValueError for expert_bytes <= 0 or misses < 0."""
         _check_positive("expert_bytes", expert_bytes)
         if isinstance(misses, bool) or not isinstance(misses, (int, np.integer)) or misses < 0:
@@ -113,39 +113,33 @@ class HardwareProfile:
         return self.single_copy_us(expert_bytes) + tail
 
 
-# limits-h200.md, "Host to device": expert sizes are MiB (1.7 MiB at 42.6 GB/s is 41.9 us,
-# 6.3 MiB at 50.4 GB/s is 130.9 us, 25 MiB at 53.7 GB/s is 487.8 us).
+# The copy engine of an H200: one DMA from pinned memory per expert size (MiB), the link's ceiling
+# for large copies, expert-sized copies queued back to back, and the device's read bandwidth (a
+# Qwen3-Next layer's weight bytes over their device-to-device copy time). layer_overhead_us is an
+# estimate, not a measurement: a graph-replayed layer runs about 7 dependent kernels on its critical
+# path, each paying a launch gap, a ramp and a tail beyond the bytes it reads, plus the ensure itself;
+# H200_SM_COPY replaces it by the engine's measured layer. The numbers: docs/simulator.md, "Cost model".
 H200 = HardwareProfile(
     name="nvidia-h200",
     h2d_points=(
-        (round(1.7 * _MIB), 41.9),    # 42.6 GB/s
-        (round(3.2 * _MIB), 70.8),    # 47.4 GB/s
-        (round(6.3 * _MIB), 130.9),   # 50.4 GB/s
-        (round(25 * _MIB), 487.8),    # 53.7 GB/s
+        (round(1.7 * _MIB), 41.9),
+        (round(3.2 * _MIB), 70.8),
+        (round(6.3 * _MIB), 130.9),
+        (round(25 * _MIB), 487.8),
     ),
-    h2d_ceiling_gbps=55.4,            # 256 MiB - 1 GiB copies: the link's ceiling
-    back_to_back_gbps=53.2,           # 10 separate 6.3 MiB DMA copies in 1240.8 us
-    # 71.3 MB of weights per Qwen3-Next layer at batch 1 read in the 16.9 us floor:
-    # 71,303,168 B / 16.9 us = 4219 GB/s (device-to-device copy: 4.23 TB/s read + write).
+    h2d_ceiling_gbps=55.4,
+    back_to_back_gbps=53.2,
     hbm_gbps=4219.0,
-    # Assumed, not measured: a graph-replayed layer runs about 7 dependent kernels on its
-    # critical path (router GEMV, top-k, ensure, miss copy, routed gate/up, down, combine),
-    # about 1.2 us each of launch gap and ramp/tail beyond the bytes they read, plus the
-    # ensure's own 1.4-1.5 us at m = 0 (flashlib lru_ensure, limits-h200.md). That puts an
-    # all-hit Qwen3-Next layer at 26.9 us, against 133 us for the naive torch layer. Replace
-    # with a measured moe/ layer time minus its weight-read floor when there is one.
     layer_overhead_us=10.0,
 )
 
 
-# The engine's own miss path on the H200: the SM copy kernel (expertcache.copy, 16 programs, under
-# CUDA-graph replay) rather than the copy engine, from benchmarks/results/copy-2026-11-30.json
-# ("graph16": 1.7 MiB 40.9 us, 2.7 MiB 62.2 us, 6.3 MiB 139.3 us for one expert; 10 x 6.3 MiB in
-# 1324.6 us, so each further expert at (1324.6 - 139.3) / 9 = 131.7 us = 50.2 GB/s), and the
-# measured layer: moe.engine.layer under graph replay with every expert resident took 37.0 us against its
-# 16.7 us weight-read floor (overlap off; benchmarks/results/moe-copy-overlap-2026-11-30-73a3b3d.json),
-# so 20.3 us per layer beyond the bytes. benchmarks/bench_decode.py starts from this profile and
-# replaces the overhead by one measured from a miss-free decode run of the same model.
+# The engine's own miss path on an H200: the SM copy kernel (expertcache.copy, 16 programs, under
+# CUDA-graph replay) instead of the copy engine, its one-expert times (bytes of both banks) and the
+# bandwidth of each further expert; layer_overhead_us is the MoE layer's time under graph replay with
+# every expert resident, overlap off, minus its weight-read floor. The numbers: docs/simulator.md,
+# "Cost model". benchmarks/bench_decode.py starts from this profile and replaces the overhead by one
+# measured from a miss-free decode run of the same model.
 H200_SM_COPY = replace(
     H200,
     name="nvidia-h200-sm-copy",
@@ -229,9 +223,9 @@ class ModelShape:
 # Hugging Face configs (Qwen3-Next-80B-A3B, Qwen3-30B-A3B, Mixtral-8x7B) and the FLAME-MoE
 # training scripts (290M-1.3B: 9 layers, the first dense, hidden 1024, MoE FFN 704, two
 # shared experts as one of intermediate 2 * 704). Qwen3-Next at batch 1 reads
-# router 2,097,152 + 10 routed x 6,291,456 + shared 6,291,456 = 71,303,168 B = 71.3 MB,
-# the figure of limits-h200.md (its 4 KiB shared-expert gate is left out). Its expert is
-# 6.0 MiB (6.29 MB), a little under the 6.3 MiB point of the copy table.
+# router 2,097,152 + 10 routed x 6,291,456 + shared 6,291,456 = 71,303,168 B = 71.3 MB (the
+# shared expert's 4 KiB sigmoid gate is left out). Its expert is 6.0 MiB (6.29 MB), a little under
+# the 6.3 MiB point of the copy table.
 SHAPES: dict[str, ModelShape] = {
     "qwen3-next": ModelShape(48, 512, 10, 2048, 512, shared_intermediate=512),
     "qwen3-30b-a3b": ModelShape(48, 128, 8, 2048, 768),

@@ -204,8 +204,8 @@ def test_recorded_routing_is_the_layers_routing(family, overlap):
 def test_no_garbage_collection_runs_inside_a_decode_capture():
     """CUDA objects of dead reference cycles (an old engine's graphs: engine -> DecodeGraphs -> step,
     a bound method -> engine) are freed before a capture, and the collector never runs inside it, where
-    destroying them (cudaGraphExecDestroy) invalidates the capture (docs/moe.md, "Decode engine and
-    server": the engine tests run in one process failed that way without it)."""
+    destroying them (cudaGraphExecDestroy) invalidates the capture (docs/engine.md, "CUDA graphs per
+    batch size": the engine tests run in one process failed that way without it)."""
     import gc
     import weakref
 

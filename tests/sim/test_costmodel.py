@@ -1,5 +1,5 @@
-"""Cost model: hand-computed estimates, the H200 profile against limits-h200.md, monotonicity,
-shape matching and input validation."""
+"""Cost model: hand-computed estimates, the H200 profile against its measurements
+(docs/simulator.md), monotonicity, shape matching and input validation."""
 
 import numpy as np
 import pytest
