@@ -7,7 +7,8 @@
          replay between CUDA events; us/call = elapsed / N; median and spread over reps
       -> the same ids through flashlib 0.4.0 lru_ensure (its own state), interleaved
 
-Prints a table last and writes JSON (GPU name, torch / triton versions, commit).
+Prints a table last and writes JSON (GPU name, torch / triton versions, commit; default
+benchmarks/results/ensure.json).
 Run on a GPU: python benchmarks/bench_ensure.py [--reps 30] [--out FILE]
 """
 
@@ -19,14 +20,15 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import triton
 
-from expertcache import CacheGeometry, HostCache
-from expertcache.device import DeviceCache
+from expertcache import CacheGeometry, HostCache, get_policy
+from expertcache.device import DeviceCache, resolve_launch
 from expertcache.fast import run_calls
 
 K = 10
@@ -80,30 +82,37 @@ def time_graph(launch, state: list[torch.Tensor], reps: int) -> np.ndarray:
     return np.array(out)
 
 
-def variant(label: str) -> tuple[str, dict]:
-    """"rule" -> ("rule", {}) (the default tiles, expertcache.device.default_tiles);
-    "rule:w2:c1024:s8:l0:e0:t0" -> ("rule", num_warps=2, chunk=1024, seq_max=8, lean=False, early_reads=False,
-    rule_table=False); "lru:L48" -> ("lru", layers=48): the pool's geometry has 48 layers (every call
-    still goes to layer 0; lru's and lfuda's misses are the sequence's, rule's decay clock counts layers
-    so its measured misses may differ), as a model's would; "rule:m0:c2048" -> ("rule", rule_mirror=False,
-    chunk=2048); "lru:p1" -> ("lru", pdl=True): every call a programmatic dependent launch, as the
-    MoE layer makes it (it waits for its predecessor before reading; flashlib has no such launch);
-    "rule:r0" -> ("rule", late_ranks=False) (rule's default is True, the others' False); "rule:n0" ->
-    ("rule", narrow_score=False): rule's score in int64 (its default: int32, where its constants allow)."""
+def variant(label: str) -> tuple[str, dict, dict]:
+    """A policy with options, as (name, tiles, other):
+    "rule" -> ("rule", {}, {}): DeviceCache's own launch (expertcache.device.resolve_launch);
+    "rule:w2:c1024:s8" -> tiles num_warps=2, chunk=1024, seq_max=8 (the others the resolved ones);
+    "lru:L48" -> layers=48: the pool's geometry has 48 layers, as a model's would (every call still
+    goes to layer 0; lru's and lfuda's misses are the sequence's, rule's decay clock counts layers so
+    its measured misses may differ; past 127 layers rule scores through the keys, not its mirror);
+    "lru:p1" -> pdl=True: every call a programmatic dependent launch, as the MoE layer makes it (it
+    waits for its predecessor before reading; flashlib has no such launch)."""
     name, *opts = label.split(":")
-    keys = {"w": "num_warps", "c": "chunk", "s": "seq_max", "l": "lean", "e": "early_reads", "t": "rule_table",
-            "L": "layers", "m": "rule_mirror", "p": "pdl", "r": "late_ranks", "n": "narrow_score"}
-    out = {keys[o[0]]: int(o[1:]) for o in opts}
-    for flag in ("lean", "early_reads", "rule_table", "rule_mirror", "pdl", "late_ranks", "narrow_score"):
-        if flag in out:
-            out[flag] = bool(out[flag])
-    return name, out
+    tile_keys = {"w": "num_warps", "c": "chunk", "s": "seq_max"}
+    other_keys = {"L": "layers", "p": "pdl"}
+    tiles, other = {}, {}
+    for o in opts:
+        if o[0] in tile_keys:
+            tiles[tile_keys[o[0]]] = int(o[1:])
+        elif o[0] in other_keys:
+            other[other_keys[o[0]]] = int(o[1:])
+        else:
+            raise SystemExit(f"--policies {label!r}: unknown option {o!r} (:wN, :cN, :sN, :LN, :p1)")
+    if "pdl" in other:
+        other["pdl"] = bool(other["pdl"])
+    return name, tiles, other
 
 
 def ours(label, S, warm, calls, E, reps):
-    policy, options = variant(label)
-    pdl = options.pop("pdl", False)  # launched as the MoE layer launches it (programmatic dependent launch)
-    dev = DeviceCache(CacheGeometry(options.pop("layers", 1), E, S), policy, **options)
+    policy, tiles, other = variant(label)
+    g = CacheGeometry(other.get("layers", 1), E, S)
+    tuning = replace(resolve_launch(g, get_policy(policy, g)).tuning, **tiles)
+    dev = DeviceCache(g, policy, tuning=tuning)
+    pdl = other.get("pdl", False)  # launched as the MoE layer launches it (programmatic dependent launch)
     for w in torch.as_tensor(warm, device="cuda"):
         dev.ensure(0, w)
     ids = torch.as_tensor(calls, device="cuda")
@@ -164,18 +173,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--policies", default="lru,rule,lfuda",
-                    help="policies, each optionally with :wN (warps), :cN (chunk), :sN (seq_max) and "
-                      ":l0 (not lean), :e0 (policy reads in the commit), :t0 (rule's growth computed, not loaded from its table), :m0 (rule without its per-slot mirror, the default since it is on), "
-                      ":LN (a pool geometry of N layers, calls at layer 0), :p1 (programmatic dependent launch, "
-                      "as the MoE layer launches it), :r1 (late_ranks: the miss ranks reduced behind the scoring "
-                      "loads), :n0 (rule's score in int64, not int32), e.g. rule:e0, lru:L48, rule:r1, rule:n0")
+                    help="policies, each optionally with :wN (warps), :cN (chunk), :sN (seq_max), :LN (a pool "
+                         "geometry of N layers, calls at layer 0) and :p1 (programmatic dependent launch, as the "
+                         "MoE layer launches it), e.g. rule:c512:w4, lru:L48, rule:L128, lru:p1")
     ap.add_argument("--slots", default=",".join(map(str, SLOTS)))
     ap.add_argument("--misses", default=",".join(map(str, MISSES)))
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ensure.json)")
     args = ap.parse_args()
     rows = []
     info = meta()
-    out = Path(args.out or Path(__file__).parent / "results" / f"ensure-{info['date'][:10]}.json")
+    out = Path(args.out or Path(__file__).parent / "results" / "ensure.json")
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after every cell, so a run cut by a time limit keeps what it measured

@@ -16,7 +16,7 @@ import torch
 
 from expertcache import CacheGeometry, policy_names
 from expertcache.copy import miss_copy
-from expertcache.device import DeviceCache
+from expertcache.device import DeviceCache, EnsureTuning
 from expertcache.pool import Bank, HostStore, SlotPool
 
 
@@ -28,7 +28,7 @@ def run(policy: str) -> None:
     store = HostStore.from_tensors({b.name: torch.randn((L * E, *b.row_shape)).to(b.dtype)
                                     for b in banks})
     pool = SlotPool(banks, S, "cuda")
-    dev = DeviceCache(g, policy, device="cuda", chunk=16)
+    dev = DeviceCache(g, policy, device="cuda", tuning=EnsureTuning(chunk=16))
     ids = torch.zeros((L, rows, k), dtype=torch.int32, device="cuda")
     lidx = torch.zeros((L, rows, T), dtype=torch.int32, device="cuda")
     lval = torch.zeros((L, rows, T), dtype=torch.float32, device="cuda")

@@ -1,11 +1,15 @@
 """The slot map and policy state on the device, and the ensure call that drives them.
 
-    DeviceCache(geometry, policy, device)
+    DeviceCache(geometry, policy, device, tuning=None)
+      launch = resolve_launch(geometry, policy, tuning): EnsureLaunch (rule's mirror and int32
+             score where they apply, the tiles), the kernel's fixed choices, made once
       state: slot_of int32 [L*E], key_of int32 [S], policy key/slot/glob int64,
              clock int64 [2], counters int64 [L, 3], missed int64 [1] (counters[:, 2].sum(), kept
-             by the kernel so a call reads one word, not L), status int32 [1], with rule_mirror mirror
-             int64 [2, S] (lt | layer << 56 and lc + dct of each slot's key)   (torch, on device)
+             by the kernel so a call reads one word, not L), status int32 [1], for rule with its
+             mirror: mirror int64 [2, S] (lt | layer << 56 and lc + dct of each slot's key)
+                                                                             (torch, on device)
       ensure(layer, ids [rows, k] int32 on device[, logit_idx, logit_val [rows, T]])
+        -> one ensure_kernel launch (expertcache.device_ensure) on the current stream
         -> EnsureBuffers: slots int32 [rows, k], plan int32 [BLOCK_Q, 2], count int32 [1]
 
 Same layout as HostCache, so `snapshot()` compares bit for bit. Output buffers are fixed
@@ -24,14 +28,20 @@ import torch
 import triton
 
 from expertcache.device_ensure import (
-    LT_BITS,
     MAX_QUERY,
     MAX_SLOTS,
-    MIRROR_MAX_LAYERS,
     SEQ_MAX,
     ST_BAD_ID,
     ST_TOO_MANY,
+    CacheTensors,
+    CallTensors,
     ensure_kernel,
+)
+from expertcache.device_policies import (
+    MIRROR_MAX_LAYERS,
+    POLICY_LFUDA,
+    POLICY_LRU,
+    POLICY_RULE,
 )
 from expertcache.errors import EnsureError
 from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
@@ -39,24 +49,93 @@ from expertcache.host import Snapshot
 from expertcache.policies import Policy, get_policy
 from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_RULE, PolicyState
 
-DEVICE_KINDS = {KIND_LRU: 0, KIND_RULE: 1, KIND_LFUDA: 2}
-# Default tiles: slots scored per program (one program up to CHUNK slots, else ceil(S / CHUNK) that
-# merge) and warps per program; the fastest at every pool size measured on the H200 (1-2 warps were
-# slower: docs/gpu.md). lru, lfuda and rule with its mirror score up to ONE_PROGRAM slots in one program
-# (their score is one or two loads per slot): lru at 1650 slots was 0.8-1.3 us faster than 4 programs
-# with misses and no slower without, lfuda (8 warps) 0.1-0.7 us, rule with its mirror (8 warps) 0.06-0.8
-# us with misses and 0.05-0.14 us slower without; rule through the keys was slower (docs/gpu.md).
+DEVICE_KINDS = {KIND_LRU: POLICY_LRU.value, KIND_RULE: POLICY_RULE.value, KIND_LFUDA: POLICY_LFUDA.value}
+# Default tiles, the fastest at every pool size measured (docs/ensure.md): programs of CHUNK slots and
+# NUM_WARPS warps, ceil(S / CHUNK) of them that merge; but lru, lfuda and rule with its mirror, whose
+# score is one or two loads per slot, score up to ONE_PROGRAM slots in one program of their warps.
 CHUNK, NUM_WARPS = 512, 4
-ONE_PROGRAM = 2048  # lru, lfuda and rule with its mirror: one program up to this many slots
-ONE_PROGRAM_WARPS = {KIND_LRU: 4, KIND_LFUDA: 8, KIND_RULE: 8}  # its warps (8 were faster than 4 at 1650)
+ONE_PROGRAM = 2048
+ONE_PROGRAM_WARPS = {KIND_LRU: 4, KIND_LFUDA: 8, KIND_RULE: 8}
 
 
-def default_tiles(kind: str, num_slots: int, rule_mirror: bool = False) -> tuple[int, int]:
-    """(slots per program, warps) when DeviceCache is given no chunk / num_warps."""
-    one = kind in ONE_PROGRAM_WARPS and (kind != KIND_RULE or rule_mirror)
+@dataclass(frozen=True)
+class EnsureTuning:
+    """The ensure launch's tiles: slots scored per program (chunk, a power of two; the grid is
+    ceil(S / chunk)), warps per program, and up to how many victims successive minima over
+    registers find (seq_max; more take a sort, and none is compiled when seq_max >= the query's
+    block). Any tiles give the same results; DeviceCache picks them by default_tuning."""
+
+    chunk: int = CHUNK
+    num_warps: int = NUM_WARPS
+    seq_max: int = SEQ_MAX
+
+    def __post_init__(self) -> None:
+        c = self.chunk
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1 or c & (c - 1):
+            raise ValueError(f"EnsureTuning.chunk must be a power of two, got {c!r}")
+        if isinstance(self.num_warps, bool) or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"EnsureTuning.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if isinstance(self.seq_max, bool) or not isinstance(self.seq_max, int) or self.seq_max < 0:
+            raise ValueError(f"EnsureTuning.seq_max must be an int >= 0, got {self.seq_max!r}")
+
+
+def default_tuning(kind: int, num_slots: int, mirror: bool) -> EnsureTuning:
+    """The tiles DeviceCache uses when it is given none (see ONE_PROGRAM)."""
+    one = kind in ONE_PROGRAM_WARPS and (kind != KIND_RULE or mirror)
     if one and CHUNK < num_slots <= ONE_PROGRAM:
-        return triton.next_power_of_2(num_slots), ONE_PROGRAM_WARPS[kind]
-    return CHUNK, NUM_WARPS
+        return EnsureTuning(triton.next_power_of_2(num_slots), ONE_PROGRAM_WARPS[kind])
+    return EnsureTuning(CHUNK, NUM_WARPS)
+
+
+@dataclass(frozen=True)
+class EnsureLaunch:
+    """What one DeviceCache launches, resolved once (resolve_launch): the kernel's policy (its
+    POLICY, a DEVICE_KINDS value), whether rule scores from its per-slot mirror (mirror) and in int32
+    (narrow), and the tiles."""
+
+    policy: int
+    mirror: bool
+    narrow: bool
+    tuning: EnsureTuning
+
+    def __post_init__(self) -> None:
+        if isinstance(self.policy, bool) or self.policy not in DEVICE_KINDS.values():
+            raise ValueError(f"EnsureLaunch.policy must be one of {sorted(DEVICE_KINDS.values())}, "
+                             f"got {self.policy!r}")
+        for name in ("mirror", "narrow"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"EnsureLaunch.{name} must be a bool, got {value!r}")
+            if value and self.policy != POLICY_RULE.value:
+                raise ValueError(f"EnsureLaunch.{name} is for the rule policy only")
+        if not isinstance(self.tuning, EnsureTuning):
+            raise ValueError(f"tuning must be an EnsureTuning, got {self.tuning!r}")
+
+    def constexprs(self) -> dict:
+        """ensure_kernel's constexprs that stay fixed for the cache."""
+        return {"POLICY": self.policy, "MIRROR": self.mirror, "NARROW": self.narrow,
+                "CHUNK": self.tuning.chunk, "SEQ_MAX": self.tuning.seq_max}
+
+
+def resolve_launch(geometry: CacheGeometry, policy: Policy, tuning: EnsureTuning | None = None) -> EnsureLaunch:
+    """The one place the device ensure's choices are made, from the pool and the policy; none of them
+    changes a result, and none is a user option but the tiles.
+
+    mirror: rule keeps what its score reads of each slot's key also per slot (two coalesced words per
+      slot instead of gathers through key_of), faster in every measured cell with misses; its first
+      word packs the layer in 63 - LT_BITS bits, so only up to MIRROR_MAX_LAYERS layers. Past that rule
+      scores through key_of and the per-key rows, as lfuda does.
+    narrow: rule's score in int32, fewer instructions per scored slot, wherever Rule.int32_scores holds
+      for its constants (the defaults at any layer count); else in int64.
+    tuning: the tiles, default_tuning's unless given.
+    Hard-wired per policy in the kernel: rule reduces its miss ranks behind its scoring loads, lru and
+    lfuda before them (device_policies._late_ranks)."""
+    rule = policy.kind == KIND_RULE
+    mirror = rule and geometry.num_layers <= MIRROR_MAX_LAYERS
+    narrow = rule and policy.int32_scores()
+    if tuning is None:
+        tuning = default_tuning(policy.kind, geometry.num_slots, mirror)
+    return EnsureLaunch(DEVICE_KINDS[policy.kind], mirror, narrow, tuning)
 
 
 @dataclass
@@ -71,13 +150,14 @@ class EnsureBuffers:
 
 
 class DeviceCache:
-    """One slot pool's maps on a device, under one policy (not an oracle)."""
+    """One slot pool's maps on a device, under one policy (not an oracle).
+
+    tuning: the launch's tiles (EnsureTuning); None: default_tuning's. constants: the policy's
+    (get_policy), when `policy` is a name.
+    """
 
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
-                 chunk: int | None = None, num_warps: int | None = None, seq_max: int = SEQ_MAX,
-                 lean: bool = True, early_reads: bool = True, rule_table: bool = True,
-                 rule_mirror: bool | None = None, late_ranks: bool | None = None,
-                 narrow_score: bool | None = None, **constants) -> None:
+                 tuning: EnsureTuning | None = None, **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
         if self.policy.oracle or self.policy.kind not in DEVICE_KINDS:
@@ -86,6 +166,7 @@ class DeviceCache:
         if geometry.num_slots >= MAX_SLOTS:
             raise EnsureError(f"{geometry.num_slots} slots (--moe-slots): the device ensure "
                               f"handles fewer than {MAX_SLOTS}")
+        self.launch = resolve_launch(geometry, self.policy, tuning)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -101,81 +182,13 @@ class DeviceCache:
         self.missed = t(np.zeros(1, np.int64))  # counters[:, 2].sum(): the filled prefix is min(it, S)
         self.status = t(np.zeros(1, np.int32))
         self.arrive = t(np.zeros(1, np.int32))
-        if rule_mirror is None:  # the default: on for rule (the only policy that has one) up to its layer count
-            rule_mirror = self.policy.kind == KIND_RULE and geometry.num_layers <= MIRROR_MAX_LAYERS
-        if not isinstance(rule_mirror, bool):
-            raise ValueError(f"rule_mirror must be a bool or None, got {rule_mirror!r}")
-        if rule_mirror and self.policy.kind != KIND_RULE:
-            raise ValueError(f"rule_mirror is for the rule policy, not {self.policy.name!r}")
-        if rule_mirror and geometry.num_layers > MIRROR_MAX_LAYERS:
-            raise ValueError(f"rule_mirror packs a layer in {63 - LT_BITS.value} bits: at most "
-                             f"{MIRROR_MAX_LAYERS} layers, got {geometry.num_layers}; pass rule_mirror=False")
-        # rule_mirror: rule keeps what its score reads of each slot's key also per slot (mirror [2, S]:
-        # lt | layer << 56 and lc + dct, kept by the commit beside the per-key rows; a scoring call
-        # pins its hits by overwriting their first word), so its scoring reads the filled prefix with
-        # two coalesced loads per slot: no key_of, no gathers through the keys, no pinned test per
-        # query position; the per-key state stays the host's. On by default for rule: faster on the H200 in
-        # every bench_ensure cell with misses (docs/gpu.md); rule_mirror=False scores through the keys
-        self.rule_mirror = rule_mirror
-        tiles = default_tiles(self.policy.kind, geometry.num_slots, rule_mirror)
-        chunk = tiles[0] if chunk is None else chunk
-        num_warps = tiles[1] if num_warps is None else num_warps
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
-            raise ValueError(f"chunk must be a power of two, got {chunk!r}")
-        self.chunk = chunk  # slots scored per program; the grid is ceil(S / chunk)
-        if num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}")
-        self.num_warps = num_warps
-        if isinstance(seq_max, bool) or not isinstance(seq_max, int) or seq_max < 0:
-            raise ValueError(f"seq_max must be an int >= 0, got {seq_max!r}")
-        self.seq_max = seq_max  # victims found by successive minima; more take a sort
-        if not isinstance(lean, bool):
-            raise ValueError(f"lean must be a bool, got {lean!r}")
-        # lean (default; False keeps the earlier kernel for comparison): lru scores without key_of
-        # and without a pinned test, and a commit without evictions skips the victim gather
-        # (device_ensure); faster on the H200 in every lru cell of bench_ensure (docs/gpu.md)
-        self.lean = lean
-        if not isinstance(early_reads, bool):
-            raise ValueError(f"early_reads must be a bool, got {early_reads!r}")
-        # early_reads (default): the commit's policy reads (rule's lc / dct, lfuda's hit counts and
-        # age) are issued at the start of the launch, beside the query's loads; faster on the H200 in
-        # nearly every rule / lfuda cell of bench_ensure (docs/gpu.md). False: read in the commit
-        self.early_reads = early_reads
-        if not isinstance(rule_table, bool):
-            raise ValueError(f"rule_table must be a bool, got {rule_table!r}")
-        # rule_table (default): rule's log2(1 + 2**-i/64) growth term loaded from the policy's table
-        # (prm[5:], an L2 hit in the commit) instead of computed in float64; the same values (tests).
-        # 0.02-0.20 us faster per call on the H200 in 19 of bench_ensure's 20 cells, equal in one
-        # (benchmarks/results/ensure-2026-11-30-67de7c5.json). False: computed in the commit
-        self.rule_table = rule_table
-        if late_ranks is None:  # the default: on for rule
-            late_ranks = self.policy.kind == KIND_RULE
-        if not isinstance(late_ranks, bool):
-            raise ValueError(f"late_ranks must be a bool or None, got {late_ranks!r}")
-        # late_ranks: a call that scores reduces its misses' ranks right after the scoring loads are
-        # issued, while they are in flight, instead of before them (the same values;
-        # device_ensure._chunk_candidates). On by default for rule: 0.03-0.13 us faster in its cells
-        # with misses at 512 and 1650 slots in three H200 runs (ensure-2026-12-01-late-*.json,
-        # -mirror-first-14bc1d3.json), in 11 of its 16 cells with misses in a fourth
-        # (ensure-2026-12-01-e975ced.json; docs/gpu.md); for lru within the spread, so off there
-        self.late_ranks = late_ranks
-        fits = self.policy.kind == KIND_RULE and self.policy.int32_scores()
-        if narrow_score is None:  # the default: on for rule where its constants allow it
-            narrow_score = fits
-        if not isinstance(narrow_score, bool):
-            raise ValueError(f"narrow_score must be a bool or None, got {narrow_score!r}")
-        if narrow_score and self.policy.kind != KIND_RULE:
-            raise ValueError(f"narrow_score is for the rule policy, not {self.policy.name!r}")
-        if narrow_score and not fits:
-            c = self.policy.constants
-            raise ValueError("narrow_score: rule's scores do not fit in int32 with k_max="
-                             f"{c['k_max']}, w={c['w']}, beta={c['beta']}, lc_floor={c['lc_floor']} at "
-                             f"{geometry.num_layers} layers; lower them or pass narrow_score=False")
-        # narrow_score: rule's score computed in int32 (device_ensure._rule_score), the same values
-        # wherever Rule.int32_scores holds, which the defaults do; fewer instructions per scored slot
-        self.narrow_score = narrow_score
-        self.mirror = t(np.zeros((2, geometry.num_slots) if rule_mirror else 1, np.int64))
-        self.grid = triton.cdiv(geometry.num_slots, chunk)
+        # rule's per-slot mirror (resolve_launch): lt | layer << LT_BITS and lc + dct of each slot's key
+        self.mirror = t(np.zeros((2, geometry.num_slots) if self.launch.mirror else 1, np.int64))
+        self.grid = triton.cdiv(geometry.num_slots, self.launch.tuning.chunk)
+        self._tensors = CacheTensors(self.slot_of, self.key_of, self.kst, self.sst, self.gst, self.mirror,
+                                     self.prm, self.fprm, self.clock, self.counters, self.missed,
+                                     self.status, self.arrive)
+        self._constexprs = self.launch.constexprs()
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
         self._cand: dict[int, torch.Tensor] = {}
 
@@ -219,23 +232,16 @@ class DeviceCache:
         buf = self.buffers(rows, k)
         has_logits = logit_idx is not None and self.policy.uses_logits
         T = logit_idx.shape[1] if has_logits else 1
-        lidx = logit_idx if has_logits else buf.count
-        lval = logit_val if has_logits else self.fprm
         block_c = triton.next_power_of_2(self.grid * buf.block_q)
         if block_c not in self._cand:
             self._cand[block_c] = torch.zeros(block_c, dtype=torch.int64, device=self.device)
+        io = CallTensors(ids, logit_idx if has_logits else buf.count, logit_val if has_logits else self.fprm,
+                         buf.slots, buf.plan, buf.count, self._cand[block_c])
         g = self.geometry
         ensure_kernel[(self.grid,)](
-            ids, lidx, lval, self.slot_of, self.key_of, self.kst, self.sst, self.gst,
-            self.prm, self.fprm, self.clock, self.counters, self.missed, buf.slots, buf.plan, buf.count,
-            self._cand[block_c], self.arrive, self.status, self.mirror, layer, g.num_experts,
-            g.num_layers, g.num_slots, rows * k, k, rows, T,
-            POLICY=DEVICE_KINDS[self.policy.kind], HAS_LOGITS=has_logits, CHUNK=self.chunk,
-            BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T), BLOCK_C=block_c,
-            SINGLE=self.grid == 1,
-            SEQ_MAX=self.seq_max, LEAN=self.lean, EARLY=self.early_reads, TABLE=self.rule_table,
-            MIRROR=self.rule_mirror, LATE_RANKS=self.late_ranks, NARROW=self.narrow_score,
-            num_warps=self.num_warps,
+            self._tensors, io, layer, g.num_experts, g.num_layers, g.num_slots, rows * k, k, rows, T,
+            HAS_LOGITS=has_logits, BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T),
+            BLOCK_C=block_c, SINGLE=self.grid == 1, **self._constexprs, num_warps=self.launch.tuning.num_warps,
             **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))
         return buf
 

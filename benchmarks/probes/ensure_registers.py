@@ -1,20 +1,20 @@
 """Registers, spills and code size of the device ensure kernel for sm_90 (no GPU needed).
 
-    python benchmarks/probes/ensure_registers.py [--seq-max N] [--out FILE]
+    python benchmarks/probes/ensure_registers.py [--chunk N] [--num-warps N] [--seq-max N]
+        [--layers L] [--wide-score] [--policies lru,rule,lfuda] [--out FILE]
 
-Compiles expertcache.device_ensure.ensure_kernel with Triton for sm_90a at the default tiles (512-slot
-programs, 4 warps, k = 10 so a 16-wide query; the layer count is not compiled in) and
-DeviceCache's default lean kernel with early reads, rule's growth table, mirror, late ranks and int32 score
-(--wide-score: int64), for every policy, with
-and without router logits (32 entries), on one program and on several, and prints ptxas's register
-and spill counts and the number of SASS instructions (cuobjdump) per variant.
---seq-max: DeviceCache's seq_max (default expertcache.device_ensure.SEQ_MAX; 16 or more: no sort).
+Compiles expertcache.device_ensure.ensure_kernel with Triton for sm_90a as DeviceCache launches it
+(expertcache.device.resolve_launch for a pool of --layers layers, default 48: rule from its mirror up
+to 127 layers, through the keys past that; --wide-score gives rule constants past Rule.int32_scores,
+so its score is int64), for every policy, with and without router logits (32 entries), on one
+program and on several, at k = 10 (a 16-wide query) and the tiles given (default: 512-slot programs
+of 4 warps, seq_max 16: no sort), and prints ptxas's register and spill counts and the number of
+SASS instructions (cuobjdump) per variant.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import re
@@ -23,13 +23,13 @@ import tempfile
 
 import triton
 
-from expertcache.device import CHUNK, NUM_WARPS, DeviceCache
-from expertcache.device_ensure import SEQ_MAX, ensure_kernel
+from expertcache import CacheGeometry
+from expertcache.device import CHUNK, NUM_WARPS, EnsureTuning, resolve_launch
+from expertcache.device_ensure import JIT_OPTIONS, KERNEL_TYPES, SEQ_MAX, ensure_kernel
+from expertcache.policies import get_policy
 from moe.kernels.triton_launch import compile_for_sm
 
-TYPES = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64",
-         "*i32", "*i32", "*i32", "*i64", "*i32", "*i32", "*i64") + ("i32",) * 8
-JIT = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k", "rows", "T"]}
+WIDE = {"w": 67.0}  # rule's constants past Rule.int32_scores (its score in int64)
 
 
 def ptxas_info(ptx: str) -> dict:
@@ -57,38 +57,29 @@ def sass_instructions(cubin: bytes) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-max", type=int, default=SEQ_MAX)
-    ap.add_argument("--chunk", type=int, default=CHUNK, help="slots per program (CHUNK)")
+    ap.add_argument("--chunk", type=int, default=CHUNK, help="slots per program (EnsureTuning.chunk)")
     ap.add_argument("--num-warps", type=int, default=NUM_WARPS)
+    ap.add_argument("--layers", type=int, default=48, help="the pool's layers (rule's mirror up to 127)")
     ap.add_argument("--policies", default="lru,rule,lfuda")
     ap.add_argument("--wide-score", action="store_true",
-                    help="rule's score in int64 (DeviceCache(narrow_score=False)); the default is int32")
+                    help=f"rule with constants {WIDE}, past Rule.int32_scores: its score in int64")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    params = inspect.signature(ensure_kernel.fn).parameters
-    defaults = inspect.signature(DeviceCache.__init__).parameters
+    tuning = EnsureTuning(args.chunk, args.num_warps, args.seq_max)
     rows = []
-    wanted = args.policies.split(",")
-    for policy, name in ((0, "lru"), (1, "rule"), (2, "lfuda")):
-        if name not in wanted:
-            continue
-        for logits in (False, True):
-            for single in (True, False):
-                grid = 1 if single else 32
-                cx = dict(POLICY=policy, HAS_LOGITS=logits, CHUNK=args.chunk, BLOCK_Q=16, BLOCK_R=32 if logits else 1,
-                          BLOCK_C=triton.next_power_of_2(grid * 16), SINGLE=single,
-                          SEQ_MAX=args.seq_max)
-                for flag, option in (("LEAN", "lean"), ("EARLY", "early_reads"), ("TABLE", "rule_table")):
-                    if flag in params and option in defaults:
-                        cx[flag] = defaults[option].default
-                if "MIRROR" in params:  # rule_mirror=None: on for rule
-                    cx["MIRROR"] = policy == 1 if defaults["rule_mirror"].default is None else defaults["rule_mirror"].default
-                if "LATE_RANKS" in params:  # late_ranks=None: on for rule
-                    cx["LATE_RANKS"] = policy == 1
-                if "NARROW" in params:  # narrow_score=None: on for rule at its default constants
-                    cx["NARROW"] = policy == 1 and not args.wide_score
-                asm = compile_for_sm(ensure_kernel, TYPES, cx, args.num_warps, 90, JIT)
+    for name in args.policies.split(","):
+        for single in (True, False):
+            grid = 1 if single else 32
+            g = CacheGeometry(args.layers, 4 * grid * args.chunk, grid * args.chunk)
+            constants = WIDE if args.wide_score and name == "rule" else {}
+            launch = resolve_launch(g, get_policy(name, g, **constants), tuning)
+            for logits in (False, True):
+                cx = dict(launch.constexprs(), HAS_LOGITS=logits, BLOCK_Q=16, BLOCK_R=32 if logits else 1,
+                          BLOCK_C=triton.next_power_of_2(grid * 16), SINGLE=single)
+                asm = compile_for_sm(ensure_kernel, KERNEL_TYPES, cx, args.num_warps, 90, JIT_OPTIONS)
                 info = dict(ptxas_info(asm["ptx"]), sass_instructions=sass_instructions(asm["cubin"]))
-                rows.append({"policy": name, "logits": logits, "programs": "one" if single else "several", **info})
+                rows.append({"policy": name, "logits": logits, "programs": "one" if single else "several",
+                             "mirror": launch.mirror, "narrow": launch.narrow, **info})
                 print(f"{name:>5} logits={logits!s:5} {rows[-1]['programs']:>7}: {info['registers']:3d} registers, "
                       f"spills {info['spill_stores']} B stored / {info['spill_loads']} B loaded, "
                       f"{info['sass_instructions']} SASS instructions", flush=True)
@@ -96,10 +87,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"bench": "ensure_registers", "arch": "sm_90a", "triton": triton.__version__,
                        "chunk": args.chunk, "num_warps": args.num_warps, "seq_max": args.seq_max,
-                       "lean": defaults["lean"].default, "early_reads": defaults["early_reads"].default,
-                       "rule_table": defaults["rule_table"].default, "rule_mirror": "on for rule",
-                       "late_ranks": "on for rule", "narrow_score": "off" if args.wide_score else "on for rule",
-                       "rows": rows}, f, indent=1)
+                       "layers": args.layers, "wide_score": args.wide_score, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

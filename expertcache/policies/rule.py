@@ -225,7 +225,8 @@ class Rule(Policy):
         """Whether every score of a resident key, and every term of it, fits in int32 with these
         constants: k in [0, K_MAX], d in [1, L], lcv in [LC_FLOOR, LC_MAX] (see LC_MAX). A device
         kernel then computes the score in 32-bit arithmetic with the same values
-        (DeviceCache(narrow_score=...)). True for the default constants at any layer count."""
+        (expertcache.device.resolve_launch: EnsureLaunch.narrow). True for the default constants at any
+        layer count."""
         L = self.geometry.num_layers
         high = (self.w_q * LC_MAX) >> 4
         low = ((self.w_q * self.lc_floor) >> 4) - (self.k_max << ONE_SHIFT) - L * self.beta_q

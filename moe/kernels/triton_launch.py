@@ -40,21 +40,36 @@ def kernel_for(kernel, device, jit_options: dict, who: str):
     return _TWINS[key]
 
 
+def _type_leaves(types, at=()):
+    """(argument path, type string) of every leaf of a (nested) tuple of type strings."""
+    for n, ty in enumerate(types):
+        yield from _type_leaves(ty, at + (n,)) if isinstance(ty, tuple) else [(at + (n,), ty)]
+
+
 def compile_for_sm(kernel, types: tuple[str, ...], constexprs: dict, warps: int, arch: int,
                    jit_options: dict) -> dict:
     """Compile one kernel for CUDA sm_<arch> without a GPU (needs ptxas); returns its asm dict.
 
-    types: Triton's type string of each runtime argument in order ("*bf16", "*fp32", "i32", ...);
-    pointers are declared 16-byte aligned. constexprs: every constexpr argument's value. Run it in a
-    process without TRITON_INTERPRET=1 (the interpreter replaces the compiler's language hooks).
+    types: Triton's type string of each runtime argument in order ("*bf16", "*fp32", "i32", ...), a
+    tuple of them for a tuple argument; pointers are declared 16-byte aligned. constexprs: every
+    constexpr argument's value. Run it in a process without TRITON_INTERPRET=1 (the interpreter
+    replaces the compiler's language hooks).
     """
+    import inspect
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
     fn = JITFunction(kernel.fn, **jit_options)
+    # Every constexpr with a default is passed explicitly: Triton's cache key joins the constexprs'
+    # values without their names, so leaving a different default out in two calls could make their
+    # keys equal (GDC=True alone and PRE=True alone did) and return the other variant's binary.
+    defaults = {p.name: p.default for p in fn.params
+                if p.is_constexpr and p.name not in constexprs and p.default is not inspect.Parameter.empty}
+    constexprs = {**defaults, **constexprs}
     signature = {**dict(zip(fn.arg_names, types)), **{c: "constexpr" for c in constexprs}}
-    aligned = {(n,): [["tt.divisibility", 16]] for n, ty in enumerate(types) if ty.startswith("*")}
+    aligned = {path: [["tt.divisibility", 16]] for path, ty in _type_leaves(types) if ty.startswith("*")}
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm

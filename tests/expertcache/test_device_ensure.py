@@ -1,23 +1,40 @@
 """The device ensure against the host reference, bit for bit after every call.
 
-Without a GPU the kernel runs in Triton's interpreter on CPU tensors (small cases); the
-`gpu` tests run the full grid of slot counts, k, rows and logits, eager and in CUDA graphs.
+Without a GPU the kernel runs in Triton's interpreter on CPU tensors (small cases; on a GPU they
+run there). The launch's resolved choices, rule's score in int32 against int64, and the sm_90
+compile checks (ptxas, no GPU) are here too; test_device_ensure_gpu.py holds the GPU-only tests (the
+full grid of slot counts, k, rows and logits, eager and in CUDA graphs, and the real traces).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from expertcache import CacheGeometry, EnsureError, HostCache, policy_names
-from tests.conftest import device_or_skip, real_trace
+from tests.conftest import device_or_skip
 
 torch = pytest.importorskip("torch")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from expertcache.device import DeviceCache  # noqa: E402
-from expertcache.device_ensure import LT_BITS, _log2_1p_q16, _rule_score  # noqa: E402
+from expertcache.device import (  # noqa: E402
+    DeviceCache,
+    EnsureLaunch,
+    EnsureTuning,
+    resolve_launch,
+)
+from expertcache.device_policies import (  # noqa: E402
+    LT_BITS,
+    MIRROR_MAX_LAYERS,
+    POLICY_LFUDA,
+    POLICY_LRU,
+    POLICY_RULE,
+    _rule_constants,
+    _rule_score,
+)
 from expertcache.policies.rule import (  # noqa: E402
     LC_MAX,
     LOG2_1P_TABLE,
@@ -27,26 +44,23 @@ from expertcache.policies.rule import (  # noqa: E402
     Rule,
 )
 
-
-@triton.jit
-def table_kernel(out_ptr, N: tl.constexpr):
-    i = tl.arange(0, N)
-    tl.store(out_ptr + i, _log2_1p_q16(i.to(tl.int64)), mask=i < 1921)
+KEYED = MIRROR_MAX_LAYERS + 1  # layers past what rule's mirror packs: rule scores through key_of
+WIDE = {"w": 67.0}  # rule's constants past Rule.int32_scores: its score in int64
 
 
 @triton.jit
 def score_kernel(lk_ptr, lt_ptr, lcd_ptr, out_ptr, prm_ptr, layer, tok, dc_now, num_layers, N: tl.constexpr,
                  NARROW: tl.constexpr):
     i = tl.arange(0, N)
-    rc_beta, rc_w, rc_kmax, rc_floor = tl.load(prm_ptr), tl.load(prm_ptr + 1), tl.load(prm_ptr + 3), tl.load(prm_ptr + 4)
+    rc = _rule_constants(prm_ptr, POLICY_RULE)
     s = _rule_score(tl.load(lk_ptr + i), tl.load(lt_ptr + i), tl.load(lcd_ptr + i), layer, tl.load(tok),
-                    tl.load(dc_now), num_layers, rc_beta, rc_w, rc_kmax, rc_floor, NARROW)
+                    tl.load(dc_now), num_layers, rc, NARROW)
     tl.store(out_ptr + i, s)
 
 
 def random_calls(rng, C, L, E, rows, k, T=0):
-    """C calls in decode order: ids int32 [C, rows, k] (distinct per row, some padding)
-    and, with T > 0, top-T logits [C, rows, T] whose first k entries are the ids."""
+    """C calls in decode order over layers 0..L-1: ids int32 [C, rows, k] (distinct per row, some
+    padding) and, with T > 0, top-T logits [C, rows, T] whose first k entries are the ids."""
     ids = np.argsort(rng.random((C, rows, E)), axis=-1)[..., :k].astype(np.int32)
     ids[rng.random(ids.shape) < 0.1] = -1
     layers = np.arange(C) % L
@@ -59,12 +73,15 @@ def random_calls(rng, C, L, E, rows, k, T=0):
     return ids, layers, lidx.astype(np.int32), np.ascontiguousarray(lval, dtype=np.float32)
 
 
-def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, **tiles):
+def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, tuning=None, call_layers=None, **constants):
+    """C random calls through HostCache and DeviceCache (tuning: its tiles; constants: the policy's),
+    compared after every call; the calls visit layers 0..call_layers-1 of the L (all by default)."""
     device, _ = device_or_skip()
     g = CacheGeometry(L, E, S)
-    ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, **tiles)
+    ref = HostCache(g, policy, **constants)
+    dev = DeviceCache(g, policy, device=device, tuning=tuning, **constants)
     rng = np.random.default_rng(seed)
-    ids, layers, lidx, lval = random_calls(rng, C, L, E, rows, k, T)
+    ids, layers, lidx, lval = random_calls(rng, C, call_layers or L, E, rows, k, T)
     for c in range(C):
         li = None if lidx is None else lidx[c]
         lv = None if lval is None else lval[c]
@@ -76,7 +93,7 @@ def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, **tiles):
         assert np.array_equal(buf.plan[:m].cpu().numpy(), res.plan), (policy, c)
         assert np.array_equal(buf.slots.cpu().numpy(), res.slots), (policy, c)
         assert dev.snapshot().equals(ref.snapshot()), (policy, c)
-        if dev.rule_mirror:  # each filled slot's mirror is its key's lt | layer << 56 and lc + dct
+        if dev.launch.mirror:  # each filled slot's mirror is its key's lt | layer << 56 and lc + dct
             full = np.flatnonzero(ref.key_of >= 0)
             kf = ref.key_of[full]
             want = np.stack([ref.state.key[0, kf] | (kf.astype(np.int64) // E) << LT_BITS.value,
@@ -91,7 +108,7 @@ def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, **tiles):
 @pytest.mark.parametrize("E, S, rows, k, T", [(8, 5, 1, 2, 0), (8, 12, 2, 3, 5), (16, 40, 1, 4, 6)])
 def test_device_matches_host_small(policy, E, S, rows, k, T):
     """Several programs (chunk 8) score and merge, as on a large pool."""
-    ref = run_parity(policy, L=3, E=E, S=S, rows=rows, k=k, C=30, T=T, seed=S, chunk=8)
+    ref = run_parity(policy, L=3, E=E, S=S, rows=rows, k=k, C=30, T=T, seed=S, tuning=EnsureTuning(chunk=8))
     assert ref.counters[:, 2].sum() > S, "the case must evict"
 
 
@@ -100,78 +117,45 @@ def test_device_matches_host_small(policy, E, S, rows, k, T):
 def test_device_matches_host_many_victims(policy, chunk):
     """Calls needing more victims than successive minima take (a sort per program and in
     the merge), on two programs (chunk 16) and on one (chunk 64)."""
-    ref = run_parity(policy, L=2, E=32, S=20, rows=2, k=8, C=12, T=12, seed=chunk, chunk=chunk)
+    ref = run_parity(policy, L=2, E=32, S=20, rows=2, k=8, C=12, T=12, seed=chunk, tuning=EnsureTuning(chunk=chunk))
     assert ref.counters[:, 2].sum() > 60
 
 
 @pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("chunk, seq_max", [(8, 0), (8, 16), (64, 0), (64, 16)])
-@pytest.mark.parametrize("lean", [False, True], ids=["", "lean"])
-def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max, lean):
+def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max):
     """Every call's victims by successive minima (seq_max 16: kept in registers up to the
-    commit) or by a sort (seq_max 0: through scratch), on several programs and on one; with the
-    lean kernel (the default: lru without key_of and pinned test, no gather without evictions)
-    and without it."""
+    commit) or by a sort (seq_max 0: through scratch), on several programs and on one."""
     ref = run_parity(policy, L=2, E=24, S=16, rows=2, k=5, C=14, T=7, seed=seq_max + chunk,
-                     chunk=chunk, seq_max=seq_max, lean=lean)
+                     tuning=EnsureTuning(chunk=chunk, seq_max=seq_max))
     assert ref.counters[:, 2].sum() > 32
 
 
 @pytest.mark.parametrize("chunk", [8, 64])
 @pytest.mark.parametrize("T", [0, 6], ids=["", "logits"])
-@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
 @pytest.mark.parametrize("S", [24, 30], ids=["evicting", "mostly-hits"])
-@pytest.mark.parametrize("mirror", [True, False], ids=["mirror", "through-keys"])
-def test_rule_mirror(chunk, T, lean, S, mirror):
-    """DeviceCache(rule_mirror=True): rule scores from its per-slot mirror (lt, lc + dct, layer, and
-    the hits pinned by a step stamp); the host's state bit for bit and the mirror equal to the
-    resident keys' rows after every call, with
-    and without router logits (near-miss refresh of resident and absent keys), on several programs
-    and one, while the pool fills, when nearly every call evicts (24 slots for 32 keys) and when
-    most calls do not (30 slots: the commit alone refreshes the mirror). Also rule_mirror=False (the
-    score's state gathered through each slot's key, key_of and the pinned test per query position)."""
-    ref = run_parity("rule", L=2, E=16, S=S, rows=2, k=4, C=40, T=T, seed=chunk + T + S, chunk=chunk,
-                     lean=lean, rule_mirror=mirror)
+@pytest.mark.parametrize("layers", [2, KEYED], ids=["mirror", "through-keys"])
+def test_rule_mirror_and_through_keys(chunk, T, S, layers):
+    """rule scores from its per-slot mirror (lt, lc + dct, layer, and the hits pinned), or, past the
+    layers the mirror packs, through each slot's key (key_of, the per-key rows, the pinned test per
+    query position); the host's state bit for bit and, with the mirror, the mirror equal to the
+    resident keys' rows after every call, with and without router logits (near-miss refresh of
+    resident and absent keys), on several programs and one, while the pool fills, when nearly every
+    call evicts (24 slots for 32 keys) and when most calls do not (30 slots: the commit alone
+    refreshes the mirror). The calls visit two layers either way."""
+    ref = run_parity("rule", L=layers, E=16, S=S, rows=2, k=4, C=40, T=T, seed=chunk + T + S,
+                     tuning=EnsureTuning(chunk=chunk), call_layers=2)
     assert ref.counters[:, 2].sum() > 32
 
 
-@pytest.mark.parametrize("chunk", [8, 64])
-def test_rule_growth_computed(chunk):
-    """DeviceCache(rule_table=False): rule's growth term computed in float64 in the commit (the
-    default loads it from the policy's table) gives the host reference's state bit for bit, with
-    router logits, on several programs and one."""
-    ref = run_parity("rule", L=3, E=16, S=24, rows=2, k=4, C=40, T=6, seed=chunk + 50, chunk=chunk,
-                     rule_table=False)
-    assert ref.counters[:, 2].sum() > 40
-
-
 @pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("chunk", [8, 64])
-@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
-@pytest.mark.parametrize("early", [False, True], ids=["", "early"])
-def test_kernel_matches_host_with_a_filling_pool(policy, chunk, lean, early):
+def test_kernel_matches_host_with_a_filling_pool(policy, chunk):
     """Calls with misses while the pool still has empty slots (victims and empty slots in one
-    call), duplicates and padding, hits among the oldest stamps; lean (default) and plain; the
-    commit's policy reads at the start of the launch (early_reads) and in the commit."""
-    ref = run_parity(policy, L=3, E=16, S=40, rows=2, k=4, C=40, T=6, seed=chunk + 5, chunk=chunk, lean=lean,
-                     early_reads=early)
+    call), duplicates and padding, hits among the oldest stamps, with router logits, on several
+    programs and one."""
+    ref = run_parity(policy, L=3, E=16, S=40, rows=2, k=4, C=40, T=6, seed=chunk + 5, tuning=EnsureTuning(chunk=chunk))
     assert ref.counters[:, 2].sum() > 40
-
-
-@pytest.mark.parametrize("policy", policy_names())
-@pytest.mark.parametrize("chunk", [8, 64])
-@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
-def test_late_ranks_match_host(policy, chunk, lean):
-    """DeviceCache(late_ranks=True / False): the misses' ranks reduced behind the scoring loads (rule's
-    default) or before them (the others') give the host reference's plans, slots and state bit for bit,
-    while the pool fills and once it evicts, with router logits, on several programs and one, lean
-    and plain (and, for rule, its mirror and through the keys)."""
-    options = [{}] if policy != "rule" else [{"rule_mirror": True}, {"rule_mirror": False}]
-    for extra in options:
-        for late in (True, False):
-            ref = run_parity(policy, L=3, E=16, S=24, rows=2, k=4, C=40, T=6, seed=chunk + 7, chunk=chunk,
-                             lean=lean, late_ranks=late, **extra)
-            assert ref.counters[:, 2].sum() > 40
 
 
 def test_rule_lc_never_exceeds_its_bound():
@@ -187,27 +171,23 @@ def test_rule_lc_never_exceeds_its_bound():
 
 def test_rule_int32_scores_by_constants():
     """Where rule's constants keep every score term in int32 (the defaults at any layer count, w up to 66,
-    k_max up to 2**15 - 1 with a small w), DeviceCache scores in int32 by default; past that it scores in
-    int64, and narrow_score=True is refused with the constants named; narrow_score is rule's only."""
+    k_max up to 2**15 - 1 with a small w), DeviceCache scores in int32; past that in int64; only rule
+    scores in int32."""
     device, _ = device_or_skip()
     for L in (1, 3, 48, 127, 4096):
         assert Rule(CacheGeometry(L, 8, 4)).int32_scores()
     g = CacheGeometry(2, 16, 8)
     fits = {"w": 66.0}, {"k_max": 2**15 - 1, "w": 0.5, "beta": 0.1, "lc_floor": -1}
-    over = {"w": 67.0}, {"k_max": 2**15}, {"lc_floor": -2**20}, {"k_max": 2**15 - 1, "beta": 10.0**6}
+    over = WIDE, {"k_max": 2**15}, {"lc_floor": -2**20}, {"k_max": 2**15 - 1, "beta": 10.0**6}
     for constants in fits:
         assert Rule(g, **constants).int32_scores(), constants
-        assert DeviceCache(g, "rule", device=device, **constants).narrow_score
+        assert DeviceCache(g, "rule", device=device, **constants).launch.narrow
     for constants in over:
         assert not Rule(g, **constants).int32_scores(), constants
-        assert not DeviceCache(g, "rule", device=device, **constants).narrow_score
-        name = next(iter(constants))
-        with pytest.raises(ValueError, match=f"do not fit in int32 with .*{name}={constants[name]}"):
-            DeviceCache(g, "rule", device=device, narrow_score=True, **constants)
-    assert not DeviceCache(g, "rule", device=device, narrow_score=False).narrow_score
-    assert not DeviceCache(g, "lru", device=device).narrow_score
-    with pytest.raises(ValueError, match="narrow_score is for the rule policy"):
-        DeviceCache(g, "lfuda", device=device, narrow_score=True)
+        assert not DeviceCache(g, "rule", device=device, **constants).launch.narrow
+    assert not DeviceCache(g, "lru", device=device).launch.narrow
+    with pytest.raises(ValueError, match="EnsureLaunch.narrow is for the rule policy"):
+        EnsureLaunch(POLICY_LFUDA.value, False, True, EnsureTuning())
 
 
 @pytest.mark.parametrize("constants", [{}, {"w": 66.0}, {"k_max": 2**15 - 1, "w": 0.5, "beta": 0.1, "lc_floor": -1}],
@@ -246,52 +226,50 @@ def test_rule_score_int32_equals_int64(constants):
             assert want.min() >= -2**31 and want.max() < 2**31
 
 
-@pytest.mark.parametrize("mirror", [True, False], ids=["mirror", "through-keys"])
+@pytest.mark.parametrize("layers", [3, KEYED], ids=["mirror", "through-keys"])
 @pytest.mark.parametrize("chunk", [8, 64])
-def test_rule_narrow_score_matches_host(mirror, chunk):
-    """DeviceCache(narrow_score=True / False): rule's score in int32 (its default) or int64 gives the host
-    reference's plans, slots and state bit for bit, with router logits, on several programs and one."""
-    for narrow in (True, False):
-        ref = run_parity("rule", L=3, E=16, S=24, rows=2, k=4, C=40, T=6, seed=chunk + 11, chunk=chunk,
-                         rule_mirror=mirror, narrow_score=narrow)
-        assert ref.counters[:, 2].sum() > 40
+@pytest.mark.parametrize("constants", [{}, WIDE], ids=["int32", "int64"])
+def test_rule_score_widths_match_host(layers, chunk, constants):
+    """rule's score in int32 (its default constants) or in int64 (constants past Rule.int32_scores) gives
+    the host reference's plans, slots and state bit for bit, with router logits, on several programs
+    and one, from its mirror and through the keys."""
+    ref = run_parity("rule", L=layers, E=16, S=24, rows=2, k=4, C=40, T=6, seed=chunk + 11,
+                     tuning=EnsureTuning(chunk=chunk), call_layers=3, **constants)
+    assert ref.counters[:, 2].sum() > 40
 
 
-def test_default_tiles_by_pool_size():
+def test_launch_resolved_by_pool_policy_and_layers():
     """The default tiles at every pool size (lru, lfuda and rule with its mirror: one program up to
-    2048 slots, lfuda's and rule's of 8 warps; rule through the keys: 512-slot programs); bad tiles are
-    refused."""
+    2048 slots, lfuda's and rule's of 8 warps; rule through the keys: 512-slot programs); rule's mirror
+    up to the layers its packed word holds; given tiles kept; bad tiles and launches refused, naming
+    the field."""
     device, _ = device_or_skip()
-    from expertcache.device import CHUNK, NUM_WARPS
-    assert CHUNK & (CHUNK - 1) == 0 and NUM_WARPS in (1, 2, 4, 8, 16)
-    for policy, S, chunk, warps, grid in (
-            ("lru", 8, 512, 4, 1), ("lru", 512, 512, 4, 1), ("lru", 1650, 2048, 4, 1), ("lru", 2048, 2048, 4, 1),
-            ("lru", 2049, 512, 4, 5), ("lru", 16384, 512, 4, 32), ("lfuda", 512, 512, 4, 1),
-            ("lfuda", 1650, 2048, 8, 1), ("lfuda", 4096, 512, 4, 8), ("rule", 1650, 2048, 8, 1), ("rule", 8, 512, 4, 1),
-            ("rule", 4096, 512, 4, 8), ("rule:m0", 1650, 512, 4, 4)):
-        name, _, m0 = policy.partition(":")
-        dev = DeviceCache(CacheGeometry(1, 4 * S, S), name, device=device, **({"rule_mirror": False} if m0 else {}))
-        assert (dev.chunk, dev.num_warps, dev.grid) == (chunk, warps, grid), (policy, S)
-    assert DeviceCache(CacheGeometry(1, 64, 1650), "lfuda", device=device, num_warps=2).chunk == 2048
-    assert DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device).rule_table  # the table by default
-    assert DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device).rule_mirror  # rule: the mirror by default
-    assert DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device).late_ranks  # rule: late ranks by default
-    assert not DeviceCache(CacheGeometry(1, 64, 8), "lru", device=device).late_ranks
-    assert not DeviceCache(CacheGeometry(1, 64, 8), "rule", device=device, late_ranks=False).late_ranks
-    assert not DeviceCache(CacheGeometry(1, 64, 8), "lru", device=device).rule_mirror
-    # the mirror packs a layer in 7 bits: past 127 layers rule scores through the keys, or says so
-    assert DeviceCache(CacheGeometry(127, 4, 8), "rule", device=device).rule_mirror
-    assert not DeviceCache(CacheGeometry(128, 4, 8), "rule", device=device).rule_mirror
-    with pytest.raises(ValueError, match="at most 127 layers, got 128; pass rule_mirror=False"):
-        DeviceCache(CacheGeometry(128, 4, 8), "rule", device=device, rule_mirror=True)
-    g = CacheGeometry(1, 8, 4)
-    for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"seq_max": -1}, {"lean": 1},
-                {"early_reads": 1}, {"rule_table": 1}, {"rule_mirror": 1}, {"late_ranks": 1},
-                {"narrow_score": 1}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            DeviceCache(g, "lru", device=device, **bad)
-    with pytest.raises(ValueError, match="rule_mirror is for the rule policy"):
-        DeviceCache(g, "lru", device=device, rule_mirror=True)
+    for policy, L, S, chunk, warps, grid in (
+            ("lru", 1, 8, 512, 4, 1), ("lru", 1, 512, 512, 4, 1), ("lru", 1, 1650, 2048, 4, 1),
+            ("lru", 1, 2048, 2048, 4, 1), ("lru", 1, 2049, 512, 4, 5), ("lru", 1, 16384, 512, 4, 32),
+            ("lfuda", 1, 512, 512, 4, 1), ("lfuda", 1, 1650, 2048, 8, 1), ("lfuda", 1, 4096, 512, 4, 8),
+            ("rule", 1, 1650, 2048, 8, 1), ("rule", 1, 8, 512, 4, 1), ("rule", 1, 4096, 512, 4, 8),
+            ("rule", KEYED, 1650, 512, 4, 4)):
+        dev = DeviceCache(CacheGeometry(L, 4 * S, S), policy, device=device)
+        tiles = dev.launch.tuning
+        assert (tiles.chunk, tiles.num_warps, dev.grid) == (chunk, warps, grid), (policy, S)
+        assert dev.launch.mirror == (policy == "rule" and L == 1), (policy, L)
+    assert DeviceCache(CacheGeometry(MIRROR_MAX_LAYERS, 4, 8), "rule", device=device).launch.mirror
+    assert not DeviceCache(CacheGeometry(KEYED, 4, 8), "rule", device=device).launch.mirror
+    g = CacheGeometry(1, 64, 1650)
+    given = EnsureTuning(chunk=1024, num_warps=2, seq_max=4)
+    assert DeviceCache(g, "lfuda", device=device, tuning=given).launch.tuning == given
+    assert resolve_launch(g, Rule(g)).tuning == EnsureTuning(2048, 8)
+    for bad in ({"chunk": 3}, {"chunk": True}, {"num_warps": 3}, {"num_warps": True}, {"seq_max": -1}):
+        with pytest.raises(ValueError, match=f"EnsureTuning.{next(iter(bad))}"):
+            EnsureTuning(**bad)
+    with pytest.raises(ValueError, match="tuning must be an EnsureTuning"):
+        DeviceCache(g, "lru", device=device, tuning=(512, 4))
+    with pytest.raises(ValueError, match="EnsureLaunch.mirror is for the rule policy"):
+        EnsureLaunch(POLICY_LRU.value, True, False, EnsureTuning())
+    with pytest.raises(ValueError, match="EnsureLaunch.policy"):
+        EnsureLaunch(7, False, False, EnsureTuning())
+    assert replace(EnsureTuning(), seq_max=4).chunk == 512
 
 
 @pytest.mark.parametrize("policy", policy_names())
@@ -300,7 +278,7 @@ def test_calls_without_misses_commit_at_once_on_many_programs(policy):
     other programs after that commit, so they read the committed state (the late-reader case)."""
     device, _ = device_or_skip()
     g = CacheGeometry(2, 16, 40)
-    ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, chunk=8)  # 5 programs
+    ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, tuning=EnsureTuning(chunk=8))  # 5 programs
     calls = [(0, [[1, 2, 3]]), (0, [[3, 2, 1]]), (1, [[4, 5]]), (0, [[2, -1, 1]]), (1, [[5, 4]]),
              (0, [[9, 1]]), (0, [[1, 9]])]
     quick = 0
@@ -315,14 +293,6 @@ def test_calls_without_misses_commit_at_once_on_many_programs(policy):
         assert int(dev.arrive.item()) == 0  # nobody left an arrival behind
     assert quick == 4
     dev.check()
-
-
-def test_rule_growth_table_computed_on_the_device_equals_the_host_table():
-    """rule's log2(1 + 2**-u) table is computed in float64 on the device: every entry."""
-    device, _ = device_or_skip()
-    out = torch.zeros(2048, dtype=torch.int64, device=device)
-    table_kernel[(1,)](out, N=2048)
-    assert np.array_equal(out[:1921].cpu().numpy(), LOG2_1P_TABLE)
 
 
 def test_stats_follow_the_counters():
@@ -364,125 +334,6 @@ def test_refused_calls_change_nothing_and_are_reported():
         DeviceCache(g, Belady(g, np.zeros(1, np.int64)), device=device)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("policy", policy_names())
-@pytest.mark.parametrize("S", [8, 64, 512, 1650, 4096, 16384])
-def test_device_parity_grid(policy, S):
-    device, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
-    E = max(16, S // 8)
-    for rows, k, T in ((1, 1, 0), (1, 10, 20), (2, 8, 0), (4, 16, 24)):
-        if rows * k > min(S, E):
-            continue
-        run_parity(policy, L=8, E=E, S=S, rows=rows, k=k, C=120, T=T, seed=S + k)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("policy", policy_names())
-@pytest.mark.parametrize("S, options", [(1650, {"chunk": 512, "num_warps": 4}), (512, {"lean": False}),
-                                        (1650, {"lean": False}), (16384, {"lean": False}),
-                                        (512, {"early_reads": False}), (1650, {"early_reads": False}),
-                                        (1650, {"seq_max": 4}), (16384, {"seq_max": 4}),
-                                        (512, {"rule_table": False}), (1650, {"rule_table": False}),
-                                        (512, {"late_ranks": True}), (1650, {"late_ranks": True}),
-                                        (1650, {"late_ranks": True, "chunk": 512, "num_warps": 4}),
-                                        (16384, {"late_ranks": True}), (1650, {"late_ranks": False}),
-                                        (16384, {"late_ranks": False}), (1650, {"narrow_score": False})],
-                         ids=["many-programs-1650", "plain-512", "plain-1650", "plain-16384", "late-reads-512",
-                              "late-reads-1650", "sort-1650", "sort-16384", "computed-512", "computed-1650",
-                              "late-ranks-512", "late-ranks-1650", "late-ranks-1650-four-programs",
-                              "late-ranks-16384", "early-ranks-1650", "early-ranks-16384", "wide-score-1650"])
-def test_device_parity_variants(policy, S, options):
-    """1650 slots on 4 programs of 512 (explicit tiles), and the plain (not lean) kernel on one
-    program (512) and several (1650, 16384), and the policy reads in the commit (early_reads=False) on
-    512 and 1650, rule's growth computed instead of loaded (rule_table=False) on 512 and 1650, and the
-    misses' ranks reduced behind the scoring loads (late_ranks=True, rule's default) on one program and
-    several, and before them (late_ranks=False, the others' default) at 1650 and 16384, and rule's score
-    in int64 (narrow_score=False) at 1650; every other GPU parity test runs the default (lean, early
-    reads, the growth table, rule's late ranks and int32 score)."""
-    _, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
-    for rows, k, T in ((1, 10, 20), (4, 16, 24)):
-        run_parity(policy, L=8, E=max(16, S // 8), S=S, rows=rows, k=k, C=120, T=T, seed=S + k, **options)
-
-
-def _gpu():
-    device, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA")
-    return device
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("policy", policy_names())
-@pytest.mark.parametrize("with_logits", [False, True])
-def test_graph_replay_matches_host(policy, with_logits):
-    """A decode step of 4 layers captured once; new routing copied in before each replay."""
-    device = _gpu()
-    L, E, S, rows, k, T = 4, 64, 48, 2, 6, 10
-    g = CacheGeometry(L, E, S)
-    ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, chunk=16)
-    rng = np.random.default_rng(3)
-    ids_buf = torch.zeros((L, rows, k), dtype=torch.int32, device=device)
-    lidx_buf = torch.full((L, rows, T), -1, dtype=torch.int32, device=device)
-    lval_buf = torch.zeros((L, rows, T), dtype=torch.float32, device=device)
-
-    def step():
-        for layer in range(L):
-            if with_logits:
-                dev.ensure(layer, ids_buf[layer], lidx_buf[layer], lval_buf[layer])
-            else:
-                dev.ensure(layer, ids_buf[layer])
-
-    def feed():
-        ids, _, lidx, lval = random_calls(rng, L, L, E, rows, k, T if with_logits else 0)
-        ids_buf.copy_(torch.as_tensor(ids))
-        if with_logits:
-            lidx_buf.copy_(torch.as_tensor(lidx))
-            lval_buf.copy_(torch.as_tensor(lval))
-        for layer in range(L):
-            ref.ensure(layer, ids[layer], None if lidx is None else lidx[layer],
-                       None if lval is None else lval[layer])
-
-    feed()
-    step()  # eager: compiles every specialisation before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(40):
-        feed()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert dev.snapshot().equals(ref.snapshot())
-    dev.check()
-    assert ref.counters[:, 2].sum() > S
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("policy", policy_names())
-@pytest.mark.parametrize("name, slots", [("mixtral-gsm8k.npz", 64), ("mixtral-gsm8k.npz", 160),
-                                         ("flame-290m-a.npz", 51), ("flame-290m-a.npz", 256)])
-def test_device_parity_on_the_real_trace(policy, name, slots):
-    device = _gpu()
-    from sim.replay import trace_calls
-    from sim.trace import load_trace
-
-    trace = load_trace(real_trace(name))
-    ids, layers, _, _ = trace_calls(trace)
-    g = CacheGeometry(trace.num_layers, trace.num_experts, slots)
-    ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, chunk=32)
-    dids = torch.as_tensor(ids, device=device)
-    for c in range(ids.shape[0]):
-        ref.ensure(int(layers[c]), ids[c])
-        dev.ensure(int(layers[c]), dids[c])
-        if c % 997 == 0:
-            assert dev.snapshot().equals(ref.snapshot()), c
-    assert dev.snapshot().equals(ref.snapshot())
-
-
 PDL_CHECK = r"""
 import json
 import triton
@@ -490,17 +341,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 from expertcache.copy import _JIT_OPTIONS as COPY_JIT, _miss_copy_kernel
-from expertcache.device_ensure import ensure_kernel
+from expertcache.device_ensure import JIT_OPTIONS, KERNEL_TYPES, ensure_kernel
 from moe.kernels.triton_launch import compile_for_sm
 
-ENSURE_JIT = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k", "rows", "T"]}
-types = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64",
-         "*i32", "*i32", "*i32", "*i64", "*i32", "*i32", "*i64") + ("i32",) * 8
 out = []
 for gdc in (False, True):
     cx = dict(POLICY=0, HAS_LOGITS=False, CHUNK=512, BLOCK_Q=16, BLOCK_R=1, BLOCK_C=512,
-              SINGLE=False, SEQ_MAX=4, LEAN=False, GDC=gdc)
-    out.append("griddepcontrol.wait" in compile_for_sm(ensure_kernel, types, cx, 4, 90, ENSURE_JIT)["ptx"])
+              SINGLE=False, SEQ_MAX=4, MIRROR=False, NARROW=False, GDC=gdc)
+    out.append("griddepcontrol.wait" in compile_for_sm(ensure_kernel, KERNEL_TYPES, cx, 4, 90, JIT_OPTIONS)["ptx"])
     fn = JITFunction(_miss_copy_kernel.fn, **COPY_JIT)
     sig = {"count_ptr": "*i32", "plan_ptr": "*i32", "num_rows": "i32", "num_keys": "i32", "num_slots": "i32",
            "src_ptrs": ("*i32", "*i32"), "dst_ptrs": ("*i32", "*i32")}
@@ -523,19 +371,15 @@ def test_programmatic_launch_variants_compile_for_sm90():
 
 MIRROR_CHECK = r"""
 import json
-from expertcache.device_ensure import ensure_kernel
+from expertcache.device_ensure import JIT_OPTIONS, KERNEL_TYPES, ensure_kernel
 from moe.kernels.triton_launch import compile_for_sm
 
-ENSURE_JIT = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k", "rows", "T"]}
-types = ("*i32", "*i32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64",
-         "*i32", "*i32", "*i32", "*i64", "*i32", "*i32", "*i64") + ("i32",) * 8
 out = []
-for chunk, single, warps, late in ((2048, True, 4, False), (512, False, 4, True)):
+for chunk, single, warps in ((2048, True, 8), (512, False, 4)):
     for logits in (False, True):
         cx = dict(POLICY=1, HAS_LOGITS=logits, CHUNK=chunk, BLOCK_Q=16, BLOCK_R=32 if logits else 1,
-                  BLOCK_C=16 if single else 64, SINGLE=single, SEQ_MAX=16, LEAN=True,
-                  EARLY=True, TABLE=True, MIRROR=True, LATE_RANKS=late, NARROW=True)
-        asm = compile_for_sm(ensure_kernel, types, cx, warps, 90, ENSURE_JIT)
+                  BLOCK_C=16 if single else 64, SINGLE=single, SEQ_MAX=16, MIRROR=True, NARROW=True)
+        asm = compile_for_sm(ensure_kernel, KERNEL_TYPES, cx, warps, 90, JIT_OPTIONS)
         out.append(bool(asm.get("cubin")) and ".local" not in asm["ptx"])
         # the query's loads (ids, then slot_of: 32-bit) are issued before the decay clock's division
         lines = asm["ptx"].splitlines()
@@ -552,19 +396,3 @@ def test_rule_mirror_compiles_for_sm90():
     process without TRITON_INTERPRET."""
     from tests.conftest import compile_check
     assert compile_check(MIRROR_CHECK) == [True] * 8
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("S, options", [(512, {}), (1650, {}), (1650, {"chunk": 512}), (16384, {}),
-                                        (1650, {"rule_mirror": False}), (16384, {"rule_mirror": False})],
-                         ids=["512", "1650", "1650-four-programs", "16384", "1650-through-keys", "16384-through-keys"])
-def test_gpu_rule_mirror(S, options):
-    """rule_mirror on the GPU: parity with the host and the mirror invariant (run_parity) at real pool
-    sizes, with router logits, on its default tiles (one program of 2048 at 1650 slots) and on 512-slot
-    programs; and rule without it."""
-    _, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
-    for rows, k, T in ((1, 10, 20), (4, 16, 24)):
-        run_parity("rule", L=8, E=max(16, S // 8), S=S, rows=rows, k=k, C=120, T=T, seed=S + k,
-                   **({"rule_mirror": True} | options))

@@ -1,0 +1,147 @@
+"""The device ensure on a GPU, against the host reference bit for bit: the full grid of slot counts,
+k, rows and logits, tiles other than the defaults, rule's paths at real pool sizes, CUDA-graph replay
+and the real traces. Every test skips without CUDA (the interpreter runs the small cases in
+test_device_ensure.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from expertcache import CacheGeometry, HostCache, get_policy, policy_names
+from tests.conftest import device_or_skip, real_trace
+from tests.expertcache.test_device_ensure import KEYED, WIDE, random_calls, run_parity
+
+torch = pytest.importorskip("torch")
+
+from expertcache.device import DeviceCache, EnsureTuning, resolve_launch  # noqa: E402
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("S", [8, 64, 512, 1650, 4096, 16384])
+def test_device_parity_grid(policy, S):
+    device, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
+    E = max(16, S // 8)
+    for rows, k, T in ((1, 1, 0), (1, 10, 20), (2, 8, 0), (4, 16, 24)):
+        if rows * k > min(S, E):
+            continue
+        run_parity(policy, L=8, E=E, S=S, rows=rows, k=k, C=120, T=T, seed=S + k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("S, variant", [(1650, "four-programs"), (1650, "sort"), (16384, "sort")])
+def test_device_parity_variants(policy, S, variant):
+    """Tiles other than the defaults: 1650 slots on 4 programs of 512, and victims by a sort
+    (seq_max 4) on the default tiles at 1650 and 16384 slots; every other GPU parity test runs the
+    default tiles."""
+    _, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
+    E = max(16, S // 8)
+    tiles = resolve_launch(CacheGeometry(8, E, S), get_policy(policy, CacheGeometry(8, E, S))).tuning
+    tuning = EnsureTuning(512, 4) if variant == "four-programs" else replace(tiles, seq_max=4)
+    for rows, k, T in ((1, 10, 20), (4, 16, 24)):
+        run_parity(policy, L=8, E=E, S=S, rows=rows, k=k, C=120, T=T, seed=S + k, tuning=tuning)
+
+
+def _gpu():
+    device, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA")
+    return device
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("with_logits", [False, True])
+def test_graph_replay_matches_host(policy, with_logits):
+    """A decode step of 4 layers captured once; new routing copied in before each replay."""
+    device = _gpu()
+    L, E, S, rows, k, T = 4, 64, 48, 2, 6, 10
+    g = CacheGeometry(L, E, S)
+    ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, tuning=EnsureTuning(chunk=16))
+    rng = np.random.default_rng(3)
+    ids_buf = torch.zeros((L, rows, k), dtype=torch.int32, device=device)
+    lidx_buf = torch.full((L, rows, T), -1, dtype=torch.int32, device=device)
+    lval_buf = torch.zeros((L, rows, T), dtype=torch.float32, device=device)
+
+    def step():
+        for layer in range(L):
+            if with_logits:
+                dev.ensure(layer, ids_buf[layer], lidx_buf[layer], lval_buf[layer])
+            else:
+                dev.ensure(layer, ids_buf[layer])
+
+    def feed():
+        ids, _, lidx, lval = random_calls(rng, L, L, E, rows, k, T if with_logits else 0)
+        ids_buf.copy_(torch.as_tensor(ids))
+        if with_logits:
+            lidx_buf.copy_(torch.as_tensor(lidx))
+            lval_buf.copy_(torch.as_tensor(lval))
+        for layer in range(L):
+            ref.ensure(layer, ids[layer], None if lidx is None else lidx[layer],
+                       None if lval is None else lval[layer])
+
+    feed()
+    step()  # eager: compiles every specialisation before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(40):
+        feed()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert dev.snapshot().equals(ref.snapshot())
+    dev.check()
+    assert ref.counters[:, 2].sum() > S
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("name, slots", [("mixtral-gsm8k.npz", 64), ("mixtral-gsm8k.npz", 160),
+                                         ("flame-290m-a.npz", 51), ("flame-290m-a.npz", 256)])
+def test_device_parity_on_the_real_trace(policy, name, slots):
+    device = _gpu()
+    from sim.replay import trace_calls
+    from sim.trace import load_trace
+
+    trace = load_trace(real_trace(name))
+    ids, layers, _, _ = trace_calls(trace)
+    g = CacheGeometry(trace.num_layers, trace.num_experts, slots)
+    ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, tuning=EnsureTuning(chunk=32))
+    dids = torch.as_tensor(ids, device=device)
+    for c in range(ids.shape[0]):
+        ref.ensure(int(layers[c]), ids[c])
+        dev.ensure(int(layers[c]), dids[c])
+        if c % 997 == 0:
+            assert dev.snapshot().equals(ref.snapshot()), c
+    assert dev.snapshot().equals(ref.snapshot())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S, layers, variant", [
+    (512, 8, "default"), (1650, 8, "default"), (1650, 8, "four-programs"), (16384, 8, "default"),
+    (1650, KEYED, "default"), (16384, KEYED, "default"), (1650, 8, "int64"), (1650, KEYED, "int64")],
+    ids=["512", "1650", "1650-four-programs", "16384", "1650-through-keys", "16384-through-keys",
+         "1650-int64-score", "1650-through-keys-int64-score"])
+def test_gpu_rule_paths(S, layers, variant):
+    """rule on the GPU: parity with the host and the mirror invariant (run_parity) at real pool sizes,
+    with router logits, on its default tiles (one program of 2048 at 1650 slots) and on 512-slot
+    programs; through the keys past the mirror's layers; its score in int64 (constants past
+    Rule.int32_scores). The calls visit eight layers."""
+    _, gpu = device_or_skip()
+    if not gpu:
+        pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
+    tuning = EnsureTuning(512, 4) if variant == "four-programs" else None
+    constants = WIDE if variant == "int64" else {}
+    for rows, k, T in ((1, 10, 20), (4, 16, 24)):
+        run_parity("rule", L=layers, E=max(16, S // 8), S=S, rows=rows, k=k, C=120, T=T, seed=S + k,
+                   tuning=tuning, call_layers=8, **constants)
