@@ -18,17 +18,20 @@
        median gap between consecutive kernels of the compute chain (router .. routed down)
        (--no-miss-mode: this part only); with --marginal-from D also steps of the first D layers,
        interleaved with the full ones, for one more layer's cost without the step's fixed cost
+    Both modes run each model under the launch plan its layers resolve (moe.kernels.plan; the
+    overlap is the only difference between the two models), and record that plan in results.json.
     -> Chrome traces (open in Perfetto): step_{off,on}.json (one decode step), replays_{off,on}.json,
        resident_replays_{off,on}.json;
        results.json with everything; a table printed last.
 
 Run: python benchmarks/bench_moe_copy_overlap.py --out-dir OUT [--slots 1650] [--tokens 1] [--reps 300]
+The resident-layer marginal (docs/layer.md):
+     python benchmarks/bench_moe_copy_overlap.py --out-dir OUT --no-miss-mode --layers 12 --marginal-from 4
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import sys
@@ -42,15 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmeta import machine
 
-import moe.kernels.routed
-import moe.kernels.router
 from moe.model.config import MoEConfig
 from moe.testing.kernel_trace import kernels, kernels_in_range, load_trace, named
 from moe.testing.synthetic import SyntheticModel, random_weights
-
-DEFAULT_HITS_PER_SM = moe.kernels.routed.HITS_PROGRAMS_PER_SM  # resident variants without hitsN
-DEFAULT_ROUTER = moe.kernels.router.DEFAULT_ROUTER  # resident variants without rtopk
-DEFAULT_ROUTED = moe.kernels.routed.DEFAULT_CONFIG  # resident variants without dr
 
 CFG = MoEConfig(hidden=2048, num_experts=512, top_k=10, expert_intermediate=512, shared_intermediate=512,
                 norm_topk_prob=True)
@@ -69,18 +66,15 @@ def first_layers(model: SyntheticModel, hidden: torch.Tensor, depth: int | None)
 
 class Graph:
     """One captured decode step (all layers, or the first `depth`) of a model, static input copied in
-    per replay. priority: capture the compute stream's launches at this CUDA stream priority (lower =
-    higher priority; the kernels keep it in the graph), the side stream's at its default; None: torch's."""
+    per replay."""
 
-    def __init__(self, model: SyntheticModel, tokens: int, priority: int | None = None,
-                 depth: int | None = None) -> None:
+    def __init__(self, model: SyntheticModel, tokens: int, depth: int | None = None) -> None:
         self.model = model
         self.x = torch.zeros(tokens, CFG.hidden, dtype=torch.bfloat16, device="cuda")
         first_layers(model, self.x, depth)  # compiles and allocates before capture
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        stream = None if priority is None else torch.cuda.Stream(priority=priority)
-        with torch.cuda.graph(self.graph, stream=stream):
+        with torch.cuda.graph(self.graph):
             self.out = first_layers(model, self.x, depth)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -270,17 +264,20 @@ def d2d_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
     return float(np.median(out[3:]))
 
 
-def miss_mode(weights, args, xs, out_dir: Path) -> dict:
-    models = {m: SyntheticModel(weights, args.slots, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain,
-                             early_hits=args.early_hits, hits_first=args.hits_first,
-                             front_release=args.front_release)
-              for m in ("off", "on")}
+def overlap_models(weights, num_slots: int) -> dict:
+    """The two models of a mode, overlap off and on, each under the plan its layers resolve."""
+    models = {m: SyntheticModel(weights, num_slots, "cuda", copy_overlap=m == "on") for m in ("off", "on")}
     if models["on"].layers[0].side is None:
-        raise SystemExit(f"overlap did not apply: {models['on'].layers[0].overlap_reason}")
+        raise SystemExit(f"overlap did not apply: {models['on'].layers[0].plan.reason}")
+    return models
+
+
+def miss_mode(weights, args, xs, out_dir: Path) -> dict:
+    models = overlap_models(weights, args.slots)
     n = args.bitwise_steps
     eager_ok = bitwise(models, None, xs[:n])
     calib = calibrate(models, xs[n], out_dir)
-    graphs = {m: Graph(models[m], args.tokens, args.compute_priority) for m in models}  # one more step each (zeros)
+    graphs = {m: Graph(models[m], args.tokens) for m in models}  # one more step each (zeros)
     graph_ok = bitwise(models, graphs, xs[n + 1:2 * n + 1])
     pos = 2 * n + 1
     for x in xs[pos:pos + args.warmup]:  # fill the pool to steady state
@@ -289,7 +286,7 @@ def miss_mode(weights, args, xs, out_dir: Path) -> dict:
     pos += args.warmup
     timing = abab(graphs, xs[pos:pos + args.reps], models["on"].slots.cache.counters)
     pos += args.reps
-    prof = {}
+    prof, plans = {}, {m: model.layers[0].plan.summary() for m, model in models.items()}
     names = set(calib["on"]["shared_names"]) - set(calib["on"]["ambiguous_names"])
     for mode, graph in graphs.items():
         raw = replay_metrics(graph, xs[pos:pos + args.profile], out_dir / f"replays_{mode}.json",
@@ -299,12 +296,12 @@ def miss_mode(weights, args, xs, out_dir: Path) -> dict:
         step_trace(graph, xs[pos + args.profile], out_dir / f"step_{mode}.json")
     for m in models.values():
         m.close()
-    return {"bitwise_eager": eager_ok, "bitwise_graph": graph_ok, "calibration": calib, "timing": timing,
+    return {"plan": plans, "bitwise_eager": eager_ok, "bitwise_graph": graph_ok, "calibration": calib, "timing": timing,
             "saving_per_layer_us": timing["paired_saving"]["median_us"] / len(weights.router),
             "profile": prof, "misses_per_layer_per_step": timing["misses_per_step_mean"] / len(weights.router)}
 
 
-CHAIN = ("_router_kernel", "ensure_kernel", "_miss_copy_kernel", "_gate_up_kernel", "_gate_up_first", "_down_kernel")
+CHAIN = ("_router_kernel", "ensure_kernel", "_miss_copy_kernel", "_gate_up_kernel", "_down_kernel")
 
 
 def resident_breakdown(graph: Graph, xs: list[torch.Tensor], path: Path) -> dict:
@@ -339,16 +336,12 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
         seconds[name] = time.time() - clock[0]
         clock[0] = time.time()
 
-    models = {m: SyntheticModel(weights, L * E, "cuda", copy_overlap=m == "on", pdl_chain=args.pdl_chain,
-                             early_hits=args.early_hits, hits_first=args.hits_first,
-                             front_release=args.front_release)
-              for m in ("off", "on")}
-    res_flags = {m: {"early_hits": models[m].layers[0].early_hits, "front_release": models[m].layers[0].front_release}
-                 for m in models}
+    models = overlap_models(weights, L * E)
+    plans = {m: model.layers[0].plan.summary() for m, model in models.items()}
     for m in models.values():
         m.warm_all()
     lap("models")
-    graphs = {m: Graph(models[m], args.tokens, args.compute_priority) for m in models}
+    graphs = {m: Graph(models[m], args.tokens) for m in models}
     lap("graphs")
     timing = abab(graphs, xs[: args.reps], models["on"].slots.cache.counters)
     lap("timing")
@@ -361,7 +354,7 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
     per_layer = {m: timing[m]["median_us"] / L for m in ("off", "on")}
     extra, short = None, {}
     if args.marginal_from:  # the layers D..L-1 alone: steps of L and of D layers, the difference
-        short = {m: Graph(models[m], args.tokens, args.compute_priority, depth=args.marginal_from) for m in models}
+        short = {m: Graph(models[m], args.tokens, depth=args.marginal_from) for m in models}
         extra = marginal(graphs, short, xs[: args.reps], L - args.marginal_from)
         extra = {"from_layer": args.marginal_from, "layer_us": {m: v["median_us"] for m, v in extra.items()},
                  "ratio_to_floor": {m: v["median_us"] / floor_us for m, v in extra.items()}, "timing": extra}
@@ -370,85 +363,24 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
                  for m in graphs} if args.profile else {}
     lap("profile")
     print("resident mode phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
-          + "; resolved: " + ", ".join(f"{m} early_hits={f['early_hits']} front_release={f['front_release']}"
-                                       for m, f in res_flags.items()), flush=True)
+          + "; plans: " + ", ".join(f"{m} {plan_line(p)}" for m, p in plans.items()), flush=True)
     for m in models.values():
         m.close()
     del models, graphs, short
-    torch.cuda.empty_cache()  # the next variant builds pools of the same size
-    return {"marginal": extra, "settings_layers": L, "resolved": res_flags, "timing": timing, "misses_during_timing": new_misses,
+    torch.cuda.empty_cache()
+    return {"marginal": extra, "settings_layers": L, "plan": plans, "timing": timing, "misses_during_timing": new_misses,
             "d2d_bytes_per_s": bw,
             "weight_bytes_per_layer": weight_bytes, "hbm_floor_us": floor_us, "layer_us": per_layer,
             "ratio_to_floor": {m: per_layer[m] / floor_us for m in per_layer}, "breakdown": breakdown,
             "note": "router, experts and shared expert all read in bf16, as counted here", "phase_seconds": seconds}
 
 
-def resident_variant(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
-    """"hits1" / "eh" / "noeh" / "fr" / "nofr" / "first" / "chain" / "nochain" / "prio2" / "rtopk" / "dr" / "nodr" /
-    "rw" / "norw" joined by "+" (e.g. "noeh+nochain", "prio2+hits10", "first+hits4"; eh / noeh:
-    MoEConfig.early_hits on / off; fr / nofr: MoEConfig.front_release on / off (with it on the layer
-    sets dr and rw itself); first: MoEConfig.hits_first; rtopk: the router
-    selects with RouterConfig(select="topk"), the default before "logits";
-    dr / nodr: RoutedConfig.down_release on / off; rw / norw: RouterConfig.early_weights on / off;
-    pfN: RoutedConfig.down_prefetch=N; cr / nocr: RoutedConfig.copy_release True / False; reN / rwarpsN: RouterConfig.block_e / warps=N) -> (spec, args with
-    those set)."""
-    opts = argparse.Namespace(**vars(args))
-    opts.router_select = None
-    opts.router_tiles = {}
-    for part in spec.split("+"):
-        if part.startswith("hits") and part[4:].isdigit():
-            opts.hits_per_sm = int(part[4:])
-        elif part in ("eh", "noeh"):
-            opts.early_hits = part == "eh"
-        elif part in ("fr", "nofr"):
-            opts.front_release = part == "fr"
-        elif part in ("chain", "nochain"):
-            opts.pdl_chain = part == "chain"
-        elif part.startswith("prio") and part[4:].isdigit():
-            opts.compute_priority = -int(part[4:])
-        elif part == "first":
-            opts.hits_first = True
-        elif part == "rtopk":
-            opts.router_select = "topk"
-        elif part in ("dr", "nodr"):
-            opts.down_release = part == "dr"
-        elif part in ("rw", "norw"):
-            opts.router_early = part == "rw"
-        elif part in ("cr", "nocr"):
-            opts.copy_release = part == "cr"
-        elif part.startswith("pf") and part[2:].isdigit():
-            opts.down_prefetch = int(part[2:])
-        elif part.startswith("re") and part[2:].isdigit():
-            opts.router_tiles["block_e"] = int(part[2:])
-        elif part.startswith("rwarps") and part[6:].isdigit():
-            opts.router_tiles["warps"] = int(part[6:])
-        else:
-            raise SystemExit(f"--resident-variants: {part!r} is not hitsN, eh, noeh, fr, nofr, first, chain, "
-                             "nochain, prioN, rtopk, dr, nodr, rw, norw, pfN, cr, nocr, reN or rwarpsN")
-    return spec, opts
-
-
-def set_launch_defaults(opts: argparse.Namespace) -> None:
-    """Set the module defaults the layer's launches read (moe.kernels.routed.DEFAULT_CONFIG and
-    HITS_PROGRAMS_PER_SM, moe.kernels.router.DEFAULT_ROUTER) from the command line or a resident variant's
-    options, starting from the defaults the process began with."""
-    moe.kernels.routed.HITS_PROGRAMS_PER_SM = opts.hits_per_sm or DEFAULT_HITS_PER_SM
-    select = getattr(opts, "router_select", None)
-    moe.kernels.router.DEFAULT_ROUTER = dataclasses.replace(
-        DEFAULT_ROUTER, early_weights=opts.router_early, **getattr(opts, "router_tiles", {}),
-        **({} if select is None else {"select": select}))
-    moe.kernels.routed.DEFAULT_CONFIG = dataclasses.replace(DEFAULT_ROUTED, down_release=opts.down_release,
-                                                    down_prefetch=opts.down_prefetch, copy_release=opts.copy_release)
-
-
-def variant_key(runs: dict, spec: str) -> str:
-    """The results.json key of a resident variant: its spec, or "spec#N" for its N-th run (N >= 2)
-    when --resident-variants repeats it, so every run is kept."""
-    n, key = 1, spec
-    while key in runs:
-        n += 1
-        key = f"{spec}#{n}"
-    return key
+def plan_line(plan: dict) -> str:
+    """One line of a LaunchPlan.summary(): the mode and the releases that are on."""
+    on = [name for name in ("down_release", "copy_release") if plan[name]]
+    if any(plan["router_early_weights"]):
+        on.append("router_early_weights")
+    return f"{plan['mode']} ({', '.join(on) or 'no release'}; down_prefetch {plan['down_prefetch']})"
 
 
 def marginal_line(r: dict) -> str:
@@ -472,6 +404,7 @@ def table(res: dict) -> str:
         lines += [(f"bitwise on == off: eager {miss['bitwise_eager']}, graph {miss['bitwise_graph']}; "
                   f"side stream separate: {miss['calibration']['on']['side_stream_ok']}"),
                   f"miss mode ({res['settings']['slots']} slots, {miss['misses_per_layer_per_step']:.2f} misses/layer/step)",
+                  *(f"  plan {m}: {plan_line(plan)}" for m, plan in miss["plan"].items()),
                   (f"  step median off {t['off']['median_us']:.1f} us, on {t['on']['median_us']:.1f} us; paired saving "
                   f"{t['paired_saving']['median_us']:.1f} us [p10 {t['paired_saving']['p10_us']:.1f}, "
                   f"p90 {t['paired_saving']['p90_us']:.1f}] = {miss['saving_per_layer_us']:.2f} us per layer"),
@@ -484,7 +417,7 @@ def table(res: dict) -> str:
                   (f"  kernels per layer: eager step off {miss['calibration']['off']['kernels_per_layer']:.1f}, "
                    f"on {miss['calibration']['on']['kernels_per_layer']:.1f}; graph replays off "
                    f"{fmt(p['off']['kernels_per_layer'])}, on {fmt(p['on']['kernels_per_layer'])}")]
-    lines += [TARGET,
+    lines += [TARGET, *(f"  resident plan {m}: {plan_line(plan)}" for m, plan in resi["plan"].items()),
               (f"  HBM floor {resi['hbm_floor_us']:.1f} us/layer ({resi['weight_bytes_per_layer'] / 1e6:.1f} MB at "
               f"{resi['d2d_bytes_per_s'] / 1e12:.2f} TB/s); layer off {resi['layer_us']['off']:.1f} us "
               f"({resi['ratio_to_floor']['off']:.2f}x), on {resi['layer_us']['on']:.1f} us "
@@ -515,42 +448,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-miss-mode", dest="miss_mode", action="store_false",
                     help="the resident mode only (the layer against the HBM floor, with its kernel breakdown)")
-    ap.add_argument("--early-hits", action=argparse.BooleanOptionalAction, default=None,
-                    help="MoEConfig.early_hits on / off (--no-early-hits: overlap on runs only the shared expert "
-                         "on the side stream); default: the layer's choice (on unless the pool holds every expert)")
-    ap.add_argument("--front-release", action=argparse.BooleanOptionalAction, default=None,
-                    help="MoEConfig.front_release on / off (off: --down-release and --router-early decide); "
-                         "default: the layer's choice (on unless it runs early hits)")
-    ap.add_argument("--hits-first", action="store_true",
-                    help="MoEConfig.hits_first: the resident experts' gate_up first, on the compute stream, "
-                         "during the ensure and copy (the side stream runs only the shared expert)")
-    ap.add_argument("--compute-priority", type=int, default=None,
-                    help="CUDA stream priority of the compute stream's launches (e.g. -2; lower is higher; the "
-                         "side stream keeps its default): the ensure and copy get SMs before side work")
-    ap.add_argument("--hits-per-sm", type=int, default=None,
-                    help="programs per SM of the early hits' persistent launch (moe.kernels.routed.HITS_PROGRAMS_PER_SM)")
-    ap.add_argument("--resident-variants", default="",
-                    help="comma list of more resident-mode runs on the same weights: hitsN (early hits' "
-                         "programs per SM), eh / noeh (early hits on / off), fr / nofr (MoEConfig.front_release "
-                         "on / off), chain / nochain (MoEConfig.pdl_chain on / off), prioN "
-                         "(--compute-priority -N), first (MoEConfig.hits_first), rtopk (the router's "
-                         "select=\"topk\"), dr / nodr (RoutedConfig.down_release on / off), "
-                         "rw / norw (RouterConfig.early_weights on / off), pfN (RoutedConfig.down_prefetch=N), "
-                         "cr / nocr (RoutedConfig.copy_release True / False), "
-                         "reN / rwarpsN (RouterConfig.block_e / warps=N), joined by '+'")
-    ap.add_argument("--down-release", action=argparse.BooleanOptionalAction, default=DEFAULT_ROUTED.down_release,
-                    help="RoutedConfig.down_release: the down launch lets the next layer's router start after "
-                         "its own wait")
-    ap.add_argument("--down-prefetch", type=int, default=DEFAULT_ROUTED.down_prefetch,
-                    help="RoutedConfig.down_prefetch: experts whose down weight tiles each program loads before "
-                         "its programmatic wait (all their slots first; default: min(4, k))")
-    ap.add_argument("--copy-release", action=argparse.BooleanOptionalAction, default=DEFAULT_ROUTED.copy_release,
-                    help="RoutedConfig.copy_release (default: where the layer's front_release is on): the miss "
-                         "copy lets the routed gate_up launch right after the copy's own wait")
-    ap.add_argument("--router-early", action=argparse.BooleanOptionalAction, default=DEFAULT_ROUTER.early_weights,
-                    help="RouterConfig.early_weights: the router's weights loaded before its programmatic wait")
-    ap.add_argument("--no-pdl-chain", dest="pdl_chain", action="store_false",
-                    help="MoEConfig.pdl_chain=False: router, ensure and miss copy launched plainly")
     args = ap.parse_args(argv)
     if args.marginal_from is not None and not 0 < args.marginal_from < args.layers:
         ap.error(f"--marginal-from must be in [1, --layers), got {args.marginal_from} with --layers {args.layers}")
@@ -559,7 +456,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    set_launch_defaults(args)
     if not torch.cuda.is_available():
         print("bench_moe_copy_overlap needs a CUDA GPU; see --help", file=sys.stderr)
         sys.exit(2)
@@ -578,22 +474,6 @@ def main() -> None:
         torch.cuda.empty_cache()
     res["resident_mode"] = resident_mode(weights, args, xs, out_dir)
     res["seconds"] = time.time() - t0
-    for spec in filter(None, args.resident_variants.split(",")):  # more resident runs on the same weights
-        (out_dir / "results.json").write_text(json.dumps(res, indent=1, default=str))
-        name, opts = resident_variant(spec, args)
-        set_launch_defaults(opts)
-        t1 = time.time()
-        runs = res.setdefault("resident_variants", {})
-        name = variant_key(runs, name)
-        runs[name] = resident_mode(weights, opts, xs, out_dir)
-        r = runs[name]
-        print(f"resident {name}: layer off {r['layer_us']['off']:.1f} us, on {r['layer_us']['on']:.1f} us "
-              f"({r['ratio_to_floor']['on']:.2f}x) [{time.time() - t1:.0f} s]", flush=True)
-        if r.get("marginal"):
-            print("  " + marginal_line(r), flush=True)
-        for mode, b in r["breakdown"].items():
-            print(f"  {mode}: " + ", ".join(f"{n} {v:.2f}" for n, v in {**b["kernel_us"], **b["gap_us"]}.items()),
-                  flush=True)
     (out_dir / "results.json").write_text(json.dumps(res, indent=1, default=str))
     print(f"wrote {out_dir / 'results.json'} and Chrome traces step_*.json / replays_*.json ({res['seconds']:.0f} s)")
     print(table(res))

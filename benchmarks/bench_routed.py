@@ -6,7 +6,8 @@
       different experts and L2 cannot serve them), each call its own hidden/slots/weights/out
     -> check first: every config against routed_reference in float32 (max error / max |ref|) and
        two calls bitwise equal; the torch baseline against the same reference
-    -> per variant (each --configs tile config, and "torch": gather the T * k experts, bmm in bf16)
+    -> per variant (each --configs tile config with its down options, and "torch": gather the T * k
+       experts, bmm in bf16)
        one CUDA graph of --calls calls; per rep all variants replayed in a rotating order,
        CUDA events around each replay; us/call = elapsed / calls; median, min, max over reps
     -> floor = distinct live slots' weight bytes per call / device-to-device copy bandwidth
@@ -18,6 +19,8 @@
 
 Run on a GPU: python benchmarks/bench_routed.py [--shapes qwen3-next,mixtral] [--tokens 1,2,4,8]
     [--configs default|sweep|NAME,NAME] [--calls 20] [--reps 50] [--out FILE]
+Config names: i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_i>w<warps>[-dr][-pfN] (RoutedTiles;
+-dr: routed_down's release, -pfN: its prefetch N, default DOWN_PREFETCH).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import benchmeta
@@ -34,22 +38,43 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.routed import (DEFAULT_CONFIG, RoutedConfig, routed_down, routed_experts, routed_gate_up,
-                        routed_reference, routed_scratch)
+from moe.kernels.plan import DOWN_PREFETCH
+from moe.kernels.routed import routed_down, routed_experts, routed_gate_up, routed_reference
+from moe.kernels.routed_host import routed_scratch
+from moe.kernels.tiles import RoutedTiles
 
 TARGET = "target: routed_experts <= 1.3x the HBM floor at qwen3-next, T=1"
 SHAPES = {  # name: (H, I, k, default slots)
     "qwen3-next": (2048, 512, 10, 512),
     "mixtral": (4096, 14336, 2, 24),
 }
-SWEEP = (  # RoutedConfig names: i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_i>w<warps>[-pdl][-dr]
-    DEFAULT_CONFIG.name, "i8x512w8-h8x512w8", "i8x256w4-h8x256w4", "i2x1024w4-h2x512w2",
+
+
+@dataclass(frozen=True)
+class Config:
+    """One timed variant of routed_experts: its tiles and the down launch's options."""
+
+    tiles: RoutedTiles = RoutedTiles()
+    down_release: bool = False
+    down_prefetch: int = DOWN_PREFETCH
+
+    @property
+    def name(self) -> str:
+        return (self.tiles.name + ("-dr" if self.down_release else "")
+                + ("" if self.down_prefetch == DOWN_PREFETCH else f"-pf{self.down_prefetch}"))
+
+    @property
+    def down_options(self) -> dict:
+        return {"release": self.down_release, "prefetch": self.down_prefetch}
+
+
+DEFAULT = Config()
+SWEEP = (  # tile names (RoutedTiles.name); the first is the default
+    DEFAULT.name, "i8x512w8-h8x512w8", "i8x256w4-h8x256w4", "i2x1024w4-h2x512w2",
     "i16x256w8-h16x128w4", "i4x1024w8-h4x512w4", "i4x512w4-h8x512w8",
-    # the down launch alone was 2.3x its share of the floor (1.3 waves at 4 rows a program):
-    "i4x1024w8-h8x512w4", "i4x1024w8-h4x512w4-pdl", "i4x1024w8-h8x256w8", "i4x1024w8-h16x256w8",
-    "i4x1024w8-h2x512w4",  # the default without programmatic launches
+    "i4x1024w8-h8x512w4", "i4x1024w8-h8x256w8", "i4x1024w8-h16x256w8", "i4x1024w8-h2x512w4",
 )
-NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-pdl)?(-dr)?(?:-pf(\d+))?$")
+NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-dr)?(?:-pf(\d+))?$")
 
 
 @triton.jit
@@ -81,14 +106,14 @@ def stream_read(banks: list[torch.Tensor], slots: torch.Tensor, out: torch.Tenso
                                                  A_BLOCKS=blocks[0], B_BLOCKS=nb, BLOCK=READ_BLOCK)
 
 
-def parse_config(name: str) -> RoutedConfig:
+def parse_config(name: str) -> Config:
     m = NAME.match(name)
     if not m:
-        raise SystemExit(f"--configs: {name!r} is not like {DEFAULT_CONFIG.name} (or 'default', 'sweep')")
+        raise SystemExit(f"--configs: {name!r} is not like {DEFAULT.name} (or 'default', 'sweep')")
     b_i, c_h, w_a, b_h, c_i, w_b = map(int, m.groups()[:6])
-    return RoutedConfig(block_i=b_i, chunk_h=c_h, warps_gate_up=w_a, block_h=b_h, chunk_i=c_i, warps_down=w_b,
-                        pdl=m.group(7) is not None, down_release=m.group(8) is not None,
-                        down_prefetch=int(m.group(9)) if m.group(9) else None)
+    tiles = RoutedTiles(block_i=b_i, chunk_h=c_h, warps_gate_up=w_a, block_h=b_h, chunk_i=c_i, warps_down=w_b)
+    return Config(tiles, down_release=m.group(7) is not None,
+                  down_prefetch=int(m.group(8)) if m.group(8) else DOWN_PREFETCH)
 
 
 def copy_bandwidth(reps: int = 20) -> float:
@@ -141,10 +166,11 @@ class Case:
             cfg, part = variant
             hidden, slots, weights = self.inputs[c]
             if part == "gate_up":
-                return routed_gate_up(hidden, slots, weights, self.gate_up, config=cfg)
+                return routed_gate_up(hidden, slots, weights, self.gate_up, tiles=cfg.tiles)
             return routed_down(routed_scratch(hidden.device, slots.shape[1], self.down.shape[2]), slots,
-                               self.down, out=self.outs[c], config=cfg)
-        return routed_experts(*self.inputs[c], self.gate_up, self.down, out=self.outs[c], config=variant)
+                               self.down, out=self.outs[c], tiles=cfg.tiles, **cfg.down_options)
+        return routed_experts(*self.inputs[c], self.gate_up, self.down, out=self.outs[c], tiles=variant.tiles,
+                              down_release=variant.down_release, down_prefetch=variant.down_prefetch)
 
     def check(self, variant) -> dict:
         """Max error relative to max |float32 reference| over the first calls; bitwise repeat."""
@@ -188,7 +214,7 @@ def time_variants(graphs: dict, calls: int, reps: int, warmup: int) -> dict:
             for n, t in times.items()}
 
 
-def run_case(pool, shape: str, tokens: int, configs: list[RoutedConfig], bandwidth: float, args) -> dict:
+def run_case(pool, shape: str, tokens: int, configs: list[Config], bandwidth: float, args) -> dict:
     case = Case(pool, shape, tokens, args)
     variants = {cfg.name: cfg for cfg in configs}
     variants["torch"] = "torch"
@@ -262,7 +288,7 @@ def parse() -> argparse.Namespace:
         if s not in SHAPES:
             raise SystemExit(f"--shapes: {s!r} is not one of {list(SHAPES)}")
     args.tokens = [int(t) for t in args.tokens.split(",")]
-    names = {"default": [DEFAULT_CONFIG.name], "sweep": list(SWEEP)}.get(args.configs, args.configs.split(","))
+    names = {"default": [DEFAULT.name], "sweep": list(SWEEP)}.get(args.configs, args.configs.split(","))
     args.configs = [parse_config(n) for n in names]
     return args
 

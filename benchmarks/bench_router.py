@@ -1,27 +1,27 @@
-"""Microseconds per router_topk call under CUDA-graph replay: the top-k selections and tiles side by
-side, against the HBM floor and torch in the same run.
+"""Microseconds per router_topk call under CUDA-graph replay: router tiles side by side, against the
+HBM floor and torch in the same run.
 
     shape (qwen3-next: E 512, H 2048, k 10; qwen3-30b: E 128, H 2048, k 8; mixtral: E 8, H 4096, k 2)
     -> --calls router weights (one per layer, so L2 cannot hold them all at Qwen3-Next size) and
        --calls hidden batches of T tokens
-    -> check first: every variant's ids equal the "argmax" selection's at the same tiles and its weights agree within
-       float32 rounding of the renormalising sum (the selections' contract: RouterConfig), and the
-       ids equal router_reference's on rows decided by a clear margin
-    -> per variant (RouterConfig: select, block_e, warps; and "torch": matmul, softmax, topk,
-       renormalise) one CUDA graph of --calls calls, replayed in a rotating order (bench_routed's
+    -> check first: every variant's ids equal the default tiles' and its weights agree within float32
+       rounding of the renormalising sum, and the default's ids equal router_reference's on rows
+       decided by a clear margin
+    -> per variant (RouterTiles: block_e, warps; and "torch": matmul, softmax, topk, renormalise)
+       one CUDA graph of --calls calls, replayed in a rotating order (bench_routed's
        timing); us/call = elapsed / calls; median, min, max over reps
     -> floor = router weight bytes per call / device-to-device copy bandwidth (measured in this run)
     -> table (last) and JSON (GPU name, torch / triton versions, commit)
 
 Run on a GPU: python benchmarks/bench_router.py [--shapes qwen3-next,qwen3-30b,mixtral]
     [--tokens 1,2,4,8] [--variants NAME,...] [--calls 48] [--reps 40] [--out FILE]
-Variant names: <select>-b<block_e>w<warps>, e.g. topk-b4w4; select in moe.kernels.router.SELECTS.
+Variant names: b<block_e>w<warps> (block_e experts per program at every T, e.g. b4w4) or
+b<small>-<block_e>w<warps> (small up to 4 tokens, block_e above; b2-4w4 is the default, RouterTiles()).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import sys
@@ -31,19 +31,21 @@ import benchmeta
 import torch
 from bench_routed import copy_bandwidth, time_variants
 
-from moe.kernels.router import SELECTS, RouterConfig, router_reference, router_scratch, router_topk
+from moe.kernels.router import router_reference, router_scratch, router_topk
+from moe.kernels.tiles import RouterTiles
 
 SHAPES = {"qwen3-next": (512, 2048, 10), "qwen3-30b": (128, 2048, 8), "mixtral": (8, 4096, 2)}  # E, H, k
-VARIANTS = ("argmax-b4w4", "packed-b4w4", "topk-b4w4", "topk-b8w4", "topk-b4w2", "packed-b4w2", "topk-b2w4",
-            "logits-b2w4", "logits-b4w4")
-NAME = re.compile(r"^(\w+)-b(\d+)w(\d+)$")
+DEFAULT = RouterTiles().name
+VARIANTS = (DEFAULT, "b2w4", "b4w4", "b8w4", "b4w2", "b2w2")
+NAME = re.compile(r"^b(\d+)(?:-(\d+))?w(\d+)$")
 
 
-def parse_variant(name: str) -> RouterConfig:
+def parse_variant(name: str) -> RouterTiles:
     m = NAME.match(name)
-    if not m or m.group(1) not in SELECTS:
-        raise SystemExit(f"--variants: {name!r} is not like topk-b4w4 (select in {SELECTS})")
-    return RouterConfig(block_e=int(m.group(2)), warps=int(m.group(3)), select=m.group(1))
+    if not m:
+        raise SystemExit(f"--variants: {name!r} is not like b4w4 or {DEFAULT}")
+    small = int(m.group(1))
+    return RouterTiles(block_e_small=small, block_e=int(m.group(2) or small), warps=int(m.group(3)))
 
 
 def torch_router(x, w, k):
@@ -65,20 +67,19 @@ def run_case(shape: str, tokens: int, variants: list[str], bandwidth: float, arg
     def call(name, c):
         if name == "torch":
             return torch_router(xs[c], ws[c], top_k)
-        return router_topk(xs[c], ws[c], top_k, True, weights=outs[c][0], ids=outs[c][1], config=configs[name])
+        return router_topk(xs[c], ws[c], top_k, True, weights=outs[c][0], ids=outs[c][1], tiles=configs[name])
 
     checks = {}
     for name in variants:
-        same, cfg = True, configs[name]
-        argmax = dataclasses.replace(cfg, select="argmax")  # same tiles: the same logits bit for bit
+        same = True
         for c in range(3):
-            base = router_topk(xs[c], ws[c], top_k, True, config=argmax)
+            base = router_topk(xs[c], ws[c], top_k, True)
             got = call(name, c)
             same &= bool(torch.allclose(got[0], base[0], rtol=2e-6, atol=0) and torch.equal(got[1], base[1]))
-        checks[name] = {"equal_to_argmax": same}
+        checks[name] = {"same_as_default": same}
     ref_ok = True
     for c in range(3):
-        base_ids = router_topk(xs[c], ws[c], top_k, True, config=RouterConfig(select="argmax"))[1]
+        base_ids = router_topk(xs[c], ws[c], top_k, True)[1]
         want_w, want_i = router_reference(xs[c], ws[c], top_k, True)
         probs = torch.softmax(xs[c].float() @ ws[c].float().T, dim=-1)
         top = torch.topk(probs, min(top_k + 1, num_experts), dim=-1).values
@@ -100,16 +101,16 @@ def run_case(shape: str, tokens: int, variants: list[str], bandwidth: float, arg
     for v in timed.values():
         v["ratio_to_floor"] = v["us_median"] / floor_us
     return {"shape": shape, "tokens": tokens, "experts": num_experts, "hidden": hid, "top_k": top_k,
-            "floor_us": floor_us, "argmax_matches_reference": ref_ok, "checks": checks, "variants": timed}
+            "floor_us": floor_us, "default_matches_reference": ref_ok, "checks": checks, "variants": timed}
 
 
 def table(rows: list[dict]) -> str:
     lines = ["us per router call under CUDA-graph replay (median [min..max]); floor = router weight bytes "
-             "/ d2d copy bandwidth; same = ids equal to the argmax selection's at the same tiles, weights within 2e-6 relative",
+             "/ d2d copy bandwidth; same = ids equal to the default tiles', weights within 2e-6 relative",
              f"{'shape':>10} {'T':>2} {'variant':>12} {'median':>8} {'min..max':>15} {'floor':>6} {'ratio':>6} same"]
     for r in rows:
         for name, v in sorted(r["variants"].items(), key=lambda kv: kv[1]["us_median"]):
-            same = r["checks"].get(name, {}).get("equal_to_argmax", "-")
+            same = r["checks"].get(name, {}).get("same_as_default", "-")
             lines.append(f"{r['shape']:>10} {r['tokens']:>2} {name:>12} {v['us_median']:8.2f} "
                          f"{v['us_min']:7.2f}..{v['us_max']:<7.2f} {r['floor_us']:6.2f} "
                          f"{v['ratio_to_floor']:6.2f} {same}")
@@ -145,8 +146,7 @@ def main() -> None:
             rows.append(row)
             best = min(row["variants"].items(), key=lambda kv: kv[1]["us_median"])
             print(f"{shape} T={tokens}: floor {row['floor_us']:.2f} us, best {best[0]} "
-                  f"{best[1]['us_median']:.2f} us, argmax-b4w4 {row['variants']['argmax-b4w4']['us_median']:.2f}"
-                  if "argmax-b4w4" in row["variants"] else f"{shape} T={tokens}: best {best[0]}", flush=True)
+                  f"{best[1]['us_median']:.2f} us", flush=True)
     out = Path(args.out or Path(__file__).parent / "results" / f"router-{info['date'][:10]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "router", "machine": info, "copy_bandwidth_bytes_per_s": bandwidth,

@@ -24,7 +24,6 @@ import torch
 from moe.engine.backends import GpuMoE
 from moe.model.checkpoint import ModelWeights
 from moe.engine.engine import Engine
-from moe.kernels.plan import OverlapMode
 from moe.testing.random_decoder import qwen3_next_like, random_decoder
 from sim.trace import Trace
 
@@ -61,11 +60,10 @@ class Runner:
         moe_cfg = dataclasses.replace(weights.spec.moe, copy_overlap=overlap)
         weights = dataclasses.replace(weights, spec=dataclasses.replace(weights.spec, moe=moe_cfg))
         self.backend = GpuMoE(weights, args.slots, policy, max_batch=batch, forced_routing=True)
-        modes = {layer.overlap_mode for layer in self.backend.layers.values()}
-        want = OverlapMode.SIDE_STREAM if overlap else OverlapMode.NONE
-        if modes != {want}:
-            reason = next(iter(self.backend.layers.values())).overlap_reason
-            raise SystemExit(f"overlap {'on' if overlap else 'off'} did not apply: {reason}")
+        plans = [layer.plan for layer in self.backend.layers.values()]
+        if {plan.mode.side_stream for plan in plans} != {overlap}:
+            raise SystemExit(f"overlap {'on' if overlap else 'off'} did not apply: {plans[0].reason}")
+        self.plan = plans[0].summary()
         steps = args.warmup + args.steps
         self.engine = Engine(weights, self.backend, max_batch=batch, max_seq_len=PROMPT + steps + 1,
                              cuda_graphs=not args.eager)
@@ -126,7 +124,7 @@ def measure(weights: ModelWeights, trace: Trace, args: argparse.Namespace, polic
            "misses_per_layer_per_step": float(window[:, 2].sum()) / layers / args.steps,
            "layer_misses_all": after[:, 2].tolist(), "layer_misses_window": window[:, 2].tolist(),
            "graphs": [] if run.engine.graphs is None else run.engine.graphs.batch_sizes,
-           "memory": memory}
+           "memory": memory, "plan": run.plan}
     run.close()
     del run
     return out

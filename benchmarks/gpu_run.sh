@@ -50,10 +50,11 @@ for part in $parts; do
       timeout ${OVERLAP_TIMEOUT:-400} python3 benchmarks/bench_moe_copy_overlap.py --out-dir "$OUT/moe" ${OVERLAP_ARGS:-} 2>&1 | tee "$OUT/moe/bench.log" | tail -14
       (cd "$OUT/moe" && tar czf traces.tgz $(ls *.json | grep -v results.json) && rm -f $(ls *.json | grep -v results.json)) ;;
     resident)
-      # the layer with every expert resident, its kernel profile, and RESIDENT_VARIANTS on the same weights
+      # the resident-layer marginal: one more layer of 12 with every expert resident, overlap off and on,
+      # under the resolved launch plan, with its kernel profile
       mkdir -p "$OUT/resident"
       timeout ${RESIDENT_TIMEOUT:-240} python3 benchmarks/bench_moe_copy_overlap.py --out-dir "$OUT/resident" --no-miss-mode \
-        --resident-variants "${RESIDENT_VARIANTS:-noeh,nochain,noeh+nochain}" ${RESIDENT_ARGS:-} 2>&1 | tee "$OUT/resident/bench.log" | tail -14
+        --layers 12 --marginal-from 4 ${RESIDENT_ARGS:-} 2>&1 | tee "$OUT/resident/bench.log" | tail -14
       rm -f "$OUT"/resident/*replays_*.json ;;
     engine)
       timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/moe/test_engine_gpu.py \

@@ -54,20 +54,16 @@ def _miss_copy_kernel(
     CHUNKS_PER_ROW: tl.constexpr,  # FIRST_CHUNK[NUM_BANKS]: work items per plan row
     BLOCK: tl.constexpr,  # int32 words per work item (a power of two, >= 4)
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor before reading
-    RELEASE: tl.constexpr = 0,  # with GDC, when the next launch may start: 0 at this launch's end,
-    # 1 at once (release_next), 2 right after this launch's own wait (release_after_wait)
+    RELEASE: tl.constexpr = False,  # with GDC: the next launch may start right after this one's wait
 ):
     if GDC:
         # By default no early launch of the next kernel: its programs would wait on the SMs for the
-        # whole copy (hundreds of microseconds with misses) and keep side-stream work off them.
-        # RELEASE 1: the next kernel has work that needs no copy (MoEConfig.hits_first), so it starts
-        # now; it waits for this copy itself before it reads a copied slot. RELEASE 2: the next
-        # kernel's programs are scheduled while this one reads its plan and copies (with no miss, the
-        # whole of this launch), and wait for it on the SMs (RoutedConfig.copy_release).
-        if RELEASE == 1:
-            gdc_launch_dependents()
+        # whole copy (long, with misses) and keep side-stream work off them.
+        # RELEASE (miss_copy's release_after_wait): the next kernel's programs are scheduled while
+        # this one reads its plan and copies (with no miss, the whole of this launch), and wait for
+        # it on the SMs.
         gdc_wait()
-        if RELEASE == 2:
+        if RELEASE:
             gdc_launch_dependents()
     # Work item i = (plan row i // CHUNKS_PER_ROW, chunk i % CHUNKS_PER_ROW); program p takes
     # items p, p + grid, p + 2 * grid ..., so neighbouring programs read neighbouring chunks.
@@ -180,8 +176,7 @@ def _pointer_args(store: HostStore, pool: SlotPool) -> tuple[tuple, tuple]:
 
 def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch.Tensor, *,
               num_ctas: int = DEFAULT_NUM_CTAS, block_bytes: int = DEFAULT_BLOCK_BYTES,
-              num_warps: int = DEFAULT_NUM_WARPS, pdl: bool = False, release_next: bool = False,
-              release_after_wait: bool = False) -> None:
+              num_warps: int = DEFAULT_NUM_WARPS, pdl: bool = False, release_after_wait: bool = False) -> None:
     """Copy store[bank][key] -> pool[bank][slot] for the first `count` rows of `plan`.
 
     plan:  int32 [Q, 2] (key, slot) rows on the pool's device; rows past count are ignored,
@@ -192,15 +187,13 @@ def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch
     CUDA-graph capturable once compiled (call it once before capturing). On a CPU pool it runs
     in Triton's interpreter when TRITON_INTERPRET=1, else raises RuntimeError. pdl: on CUDA, a
     programmatic dependent launch (it waits for its predecessor before reading the plan; same
-    bytes copied). release_next (with pdl): the next programmatic launch on the stream may start at
-    once instead of at the copy's end; it must wait (griddepcontrol.wait) before it reads any slot the
-    plan fills (moe.kernels.routed's part="first" does). release_after_wait (with pdl, not with release_next):
-    it may start right after the copy's own wait for its predecessor, before the plan is read; the same
-    rule holds (every programmatic launch waits before it reads). Its programs then wait on the SMs
-    for the whole copy, so it suits a stream with no other work that needs the SMs meanwhile.
+    bytes copied). release_after_wait (with pdl on CUDA; no effect otherwise): the next programmatic
+    launch on the stream may start right after the copy's own wait, before the plan is read; it must
+    wait (griddepcontrol.wait) before it reads any slot the plan fills. Its programs then wait on the
+    SMs for the whole copy, so it suits a stream with no other work that needs the SMs meanwhile.
     Raises ValueError for mismatched banks, rows not a multiple of 16 bytes, > MAX_BANKS banks,
-    or a malformed plan or count. Cost: the live rows' bytes over PCIe; on the H200 it moved
-    0.95-1.05x the copy engine's bytes per second with 16 programs (benchmarks/bench_copy.py).
+    or a malformed plan or count. Cost: the live rows' bytes over PCIe, read by SM loads of mapped
+    host memory (benchmarks/bench_copy.py compares it with the copy engines).
     """
     _check_pair(store, pool)
     _check_plan(pool, plan, count)
@@ -208,12 +201,8 @@ def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch
         raise ValueError(f"num_ctas must be a positive int, got {num_ctas!r}")
     if not isinstance(block_bytes, int) or block_bytes < VECTOR_BYTES or block_bytes & (block_bytes - 1):
         raise ValueError(f"block_bytes must be a power of two >= 16, got {block_bytes!r}")
-    if not all(isinstance(v, bool) for v in (pdl, release_next, release_after_wait)):
-        raise ValueError(f"pdl, release_next and release_after_wait must be bools, got {pdl!r}, "  # noqa: TRY004
-                         f"{release_next!r} and {release_after_wait!r}")
-    if release_next and release_after_wait:
-        raise ValueError("miss_copy: pass release_next (the next launch starts at once) or release_after_wait "
-                         "(after the copy's wait), not both")
+    if not all(isinstance(v, bool) for v in (pdl, release_after_wait)):
+        raise ValueError(f"pdl and release_after_wait must be bools, got {pdl!r} and {release_after_wait!r}")
     kernel = _kernel_for(pool.device)
     cuda = pool.device.type == "cuda"
     if cuda and not store.pinned:
@@ -226,8 +215,7 @@ def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch
             count, plan, plan.shape[0], store.num_keys, pool.num_slots, srcs, dsts,
             NUM_BANKS=len(row_words), ROW_WORDS=row_words, FIRST_CHUNK=first,
             CHUNKS_PER_ROW=first[-1], BLOCK=block_words, num_warps=num_warps,
-            **({"GDC": True, "RELEASE": 1 if release_next else 2 if release_after_wait else 0, "launch_pdl": True}
-               if pdl and cuda else {}),
+            **({"GDC": True, "RELEASE": release_after_wait, "launch_pdl": True} if pdl and cuda else {}),
         )
 
 
@@ -260,8 +248,8 @@ def miss_copy_ce(store: HostStore, pool: SlotPool, plan_host: np.ndarray,
     keys and slots both step by one merge into one copy. Issues one
     `copy_(non_blocking=True)` per (bank, run) from pinned memory on `stream` (default the
     current stream): DMA at the link's speed, no SMs used. A batched driver call
-    (cudaMemcpyBatchAsync) would save the per-copy launch cost (a few us of CPU each); these
-    are plain per-run copies. Returns the number of copies issued.
+    (cudaMemcpyBatchAsync) would save the host's per-copy launch cost; these are plain
+    per-run copies. Returns the number of copies issued.
     """
     _check_pair(store, pool)
     if pool.device.type == "cuda" and not store.pinned:

@@ -4,7 +4,8 @@
       CpuCachedMoE: route (f32) → HostCache.ensure(m, ids) → reference_copy(plan: store rows → CPU SlotPool)
                     → routed_reference(hidden, slots, weights, pool) (f32) + shared_expert (f32) → cast
       GpuMoE:       moe.engine.layer.MoELayer.forward over one moe.engine.layer.SlotCache (device ensure, miss copy,
-                    routed GEMM by slot id, shared expert on the side stream when copy_overlap is on);
+                    routed GEMM by slot id), each layer launching from its resolved LaunchPlan (the
+                    shared expert and early hits on the side stream where copy_overlap is on and applies);
                     no host sync, so the engine captures whole decode steps (moe.engine.graphs); with
                     forced_routing the ids / weights come from static buffers (set_routing), not the router
     prefill, hidden [T, H] (any T): moe_prefill for both — the cache is bypassed (below).
@@ -16,18 +17,16 @@ every layer, so pushing it through ensure would evict the whole decode working s
 already decoding would then miss on every expert of their next step), and one call may need more
 distinct experts than there are slots (ensure refuses that). Chunking the prompt to S // k tokens
 would work but still flush the pool. Instead prefill reads each used expert's rows straight from the
-HostStore once per layer (on a GPU: a copy-engine transfer from pinned memory per used expert, the
-streaming that ARCHITECTURE.md names for prefill) and leaves the slot map, policy state, clocks and
-counters untouched; an expert that already has a slot is computed from the pool instead (read only,
+HostStore once per layer (on a GPU: a copy-engine transfer from pinned memory per used expert) and
+leaves the slot map, policy state, clocks and counters untouched; an expert that already has a slot is computed from the pool instead (read only,
 no transfer: the slot holds the same bytes). Both backends share this one function; the decode math
 is the same formula.
 
-Measured on the real traces with the host reference (benchmarks/bench_prefill_admission.py,
-docs/moe.md): pushing the prompt through the cache instead changes the misses of the decode steps
-that follow by 0.99-1.06x (the decode working set turns over within a few steps anyway), while its
-own copies are up to 5.5x the experts streamed here (a small pool evicts prompt experts between
-chunks); reading resident experts from their slots cuts what is streamed by 2-8x at pools of half
-to seven eighths of the keys.
+Measured on the real traces with the host reference (benchmarks/bench_prefill_admission.py; the
+figures are in docs/): pushing the prompt through the cache instead barely changes the misses of the
+decode steps that follow (the decode working set turns over within a few steps anyway), while its
+own copies are several times the experts streamed here (a small pool evicts prompt experts between
+chunks); reading resident experts from their slots cuts what is streamed by a large factor.
 """
 
 from __future__ import annotations

@@ -1,58 +1,65 @@
-"""One MoE decode layer over the shared slot cache, with the shared expert optionally on the side stream.
+"""One MoE decode layer over the shared slot cache, launched from one resolved LaunchPlan.
 
-    hidden [T, H] ─fork─► side stream (or first, in line): the shared expert as a one-slot routed call
-       │     1 _shared_gate_up: act_s [T, Is] = sigmoid(x · gate_w) * silu(gate(x)) * up(x)
-       │     2 _shared_down:    shared [T, H] f32 = down(act_s)                                  ─┐
-       │                                                                                         │
-       └─► 3 _router_kernel: ids [T, k] int32, weights [T, k] f32 (bf16 weights, f32 accumulate)  │
-           4 ensure_kernel: slots [T, k], plan [Q, 2], count [1]                                 │
-           5 _miss_copy_kernel(store, pool, plan, count)   (compute stream, right behind ensure) │
-           6 _gate_up_kernel: act [T * k, I] f32                                                 │
-           ─────────────────────────────────────────────────────────────────────────── join ◄───┘
-           7 _down_kernel: out [T, H] = cast(Σ_j (in order) down[slots[t, j]] · act + shared)
+    hidden [T, H]
+       ├─ 1 _shared_gate_up: act_s [T, Is] = sigmoid(x · gate_w) * silu(gate(x)) * up(x)   (shared expert,
+       │  2 _shared_down:    shared [T, H] f32 = down(act_s)                                 a one-slot pool)
+       ├─ 3 _router_kernel:  ids [T, k] int32, weights [T, k] f32 (+ pre [T, k]: slots before the ensure)
+       │  6a _gate_up_hits:  act rows of the pairs resident before the ensure, at pre     (early hits)
+       ├─ 4 ensure_kernel:   slots [T, k], plan [Q, 2], count [1]
+       │  5 _miss_copy_kernel(store, pool, plan, count)
+       │  6 _gate_up_kernel: act [T * k, I] f32 (with 6a: only the other pairs, "rest")
+       └─ 7 _down_kernel:    out [T, H] = cast(Σ_j (in order) down[slots[t, j]] · act + shared)
 
 Legend: T = tokens (1..GEMV_MAX_TOKENS), H = hidden, E = experts, k = top_k, I / Is = routed / shared
-width, S = pool slots. Seven launches per layer with a shared expert (five without). One `SlotCache`
-per model: every layer shares its HostStore (banks "gate_up" [L*E, 2I, H] and "down" [L*E, H, I],
-rows indexed by key = layer * E + expert), SlotPool, DeviceCache and SideStream.
-`forward(hidden, routing=(ids, weights))` skips launch 3 and routes as given (forced routing: the
-decode benchmark replays a trace's routing through it; the default path is unchanged).
+width, S = pool slots. One `SlotCache` per model: every layer shares its HostStore (banks "gate_up"
+[L*E, 2I, H] and "down" [L*E, H, I], rows indexed by key = layer * E + expert), SlotPool, DeviceCache
+and SideStream.
 
-Overlap off (`OverlapMode.NONE`) launches 1..7 in that order on the current (compute) stream. Overlap
-on launches the same kernels with the same arguments, 1-2 on the side stream: fork before the router,
-join before launch 7, whose addend is the shared output. With MoEConfig.early_hits (the default where
-the pool cannot hold every expert) the router
-also writes pre (each chosen expert's slot before the ensure, -1 = absent), the side stream forks again
-after it and runs 6a `_gate_up_hits` (the resident pairs, at pre), and launch 6 computes only the other
-pairs (eight launches); with MoEConfig.hits_first instead, launch 6 is one persistent launch on the
-compute stream that computes the resident pairs (at pre) before it waits for the copy, which releases
-it at its start, and the others after (seven launches; the side stream runs only the shared expert);
-every act row is still written by one program of the same code; the combine (routed + shared in float32, one
-rounding to the model dtype) happens inside launch 7. Nothing on the compute stream writes `hidden`
-or the shared expert's buffers (per layer: slots, act_s, shared), and every side-stream write lands
-before the join, so the outputs, slot map and pool are bitwise equal with the flag on and off. The
-layer's buffers are made at construction and reused (one per layer, rows [0, T) used), so a call
-allocates only its output; `forward` reads nothing back to the host: capturable.
+Which stream runs what, by LaunchPlan.mode (moe.kernels.plan.resolve_launch_plan picks it):
+
+    INLINE                   compute: 1 2 3 4 5 6 7            (5 launches without a shared expert)
+    SHARED_ON_SIDE           side:    fork─1 2─┐               (the pool holds every expert)
+                             compute: 3 4 5 6 ─join─ 7
+    SHARED_AND_HITS_ON_SIDE  side:    fork─1 2 ──── fork─6a─┐  (the pool cannot hold every expert)
+                             compute: 3 ─────────── 4 5 6 ──join─ 7
+    HITS_ON_SIDE             as above without 1 2           (no shared expert)
+
+On CUDA every launch of the compute chain is a programmatic dependent launch (LaunchPlan.pdl for 3,
+4, 5; always for 6 and 7): each waits for its predecessor before it reads anything, and lets its
+successor be scheduled at a point the plan names. 3, 4 and 6 release their successor right after
+their own wait; 5 at its end, or right after its wait with LaunchPlan.copy_release; 7 at its end, or
+(LaunchPlan.down_release) the next layer's 3 right after its wait, and that 3 then loads its weights
+before its own wait (LaunchPlan.router_early_weights). 7 loads its slots and the first
+LaunchPlan.down_prefetch experts' tiles before its wait. The side launches (1, 2, 6a) are plain:
+they follow events (fork: before 3, and after 3 for 6a; join: before 7). The resolver turns the
+releases off beside the early hits, whose SMs waiting programs would hold through a copy.
+
+Every act row is written by one program of the same code in every mode; the combine (routed +
+shared in float32, one rounding to the model dtype) happens inside 7. Nothing on the compute stream
+writes `hidden` or the shared expert's buffers (per layer: slots, act_s, shared), a resident expert
+keeps its slot through its ensure while the copy writes only victims' slots, and every side-stream
+write lands before the join, so outputs, slot map and pool are bitwise equal in every mode and with
+every release on or off. `forward(hidden, routing=(ids, weights))` skips 3 (and so 6a) and routes as
+given (forced routing: the decode benchmark replays a trace's routing through it). The layer's
+buffers are made at construction and reused (one per layer, rows [0, T) used), so a call allocates
+only its output; `forward` reads nothing back to the host: capturable.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-import moe.kernels.routed
-import moe.kernels.router
 from expertcache.copy import miss_copy
 from expertcache.device import DeviceCache
 from expertcache.geometry import CacheGeometry
 from expertcache.pool import HostStore, SlotPool
 from expertcache.streams import SideStream
-from moe.model.config import MoEConfig
-from moe.kernels.plan import GEMV_MAX_TOKENS, OverlapMode, make_routed_plan, select_overlap_mode
-from moe.model.reference import SharedWeights, check_shared
-from moe.kernels.routed import routed_down, routed_experts, routed_gate_up, routed_scratch
+from moe.kernels.plan import GEMV_MAX_TOKENS, LaunchPlan, resolve_launch_plan
+from moe.kernels.routed import device_sms, routed_down, routed_experts, routed_gate_up
+from moe.kernels.routed_host import routed_scratch
 from moe.kernels.router import ROUTER_MAX_EXPERTS, router_scratch, router_topk
+from moe.model.config import MoEConfig
+from moe.model.reference import SharedWeights, check_shared
 
 BANKS = ("gate_up", "down")  # the HostStore / SlotPool banks a layer reads, in this order
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -107,22 +114,22 @@ class SlotCache:
             self.side = None
 
 
-FRONT_RELEASE_PREFETCH = 2  # the routed down's prefetched experts with MoEConfig.front_release (at most k)
-
-
 class MoELayer:
     """One MoE block of layer `layer` (0..L-1) reading its routed experts through `slots`.
 
     router_w: [E, H], kept in the config's dtype (the router kernel accumulates in float32).
     shared: (gate_up [2Is, H], down [H, Is], gate_w [1, H]) in the config's dtype, exactly when
-    cfg.shared_intermediate > 0. `cfg.copy_overlap` picks the side stream; resolve
+    cfg.shared_intermediate > 0. `cfg.copy_overlap` is the user's side-stream choice; resolve
     EXPERTCACHE_MOE_COPY_OVERLAP into it (moe.model.config.copy_overlap_from_env) before building.
-    Attributes `overlap_mode` / `overlap_reason` hold the decision of `refresh()`.
-    Raises ValueError naming the argument whose shape, dtype or device disagrees with cfg.
+    plan: None (the product) resolves the LaunchPlan from the config, the pool and the device at
+    each build and rebuild (`refresh`); a LaunchPlan (tests, benchmarks) is used as given and kept.
+    Attribute `plan` holds the plan every call launches from.
+    Raises ValueError naming the argument whose shape, dtype or device disagrees with cfg, or the
+    plan field the layer cannot launch (a side stream on a CPU device, a shared expert it lacks).
     """
 
     def __init__(self, cfg: MoEConfig, layer: int, router_w: torch.Tensor, slots: SlotCache,
-                 shared: SharedWeights | None = None) -> None:
+                 shared: SharedWeights | None = None, plan: LaunchPlan | None = None) -> None:
         self.cfg, self.layer, self.slots = cfg, layer, slots
         self.dtype = DTYPES[cfg.dtype]
         self.device = slots.pool.device
@@ -130,6 +137,7 @@ class MoELayer:
         self.router_w = router_w.to(self.device, self.dtype).contiguous()  # [E, H] model dtype
         self.shared = None if shared is None else tuple(w.to(self.device).contiguous() for w in shared)
         self._make_buffers()
+        self._given_plan = plan
         self.side: SideStream | None = None
         self.refresh()
 
@@ -150,59 +158,17 @@ class MoELayer:
             self._shared_out = torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)
 
     def refresh(self) -> None:
-        """Decide the overlap mode (once per build or rebuild) and fetch the side stream if it applies;
-        resolve MoEConfig.early_hits and front_release for the pool as it is now (`early_hits`,
-        `front_release`).
-
-        The decision must hold for every decode size 1..GEMV_MAX_TOKENS; the first size that
-        declines gives the reason.
-        """
-        cfg = self.cfg
-        keys = self.slots.num_layers * self.slots.num_experts
-        # None: early hits unless the pool holds every expert (nothing is ever copied once it is full)
-        self.early_hits = cfg.early_hits if cfg.early_hits is not None else self.slots.pool.num_slots < keys
-        run = dataclasses.replace(cfg, early_hits=self.early_hits)
-        sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-               if self.device.type == "cuda" else 132)
-        for tokens in range(1, GEMV_MAX_TOKENS + 1):
-            plan = make_routed_plan(tokens, run, sms)
-            mode, reason = select_overlap_mode(run, "decode", str(self.device), 1, plan)
-            if mode is OverlapMode.NONE:
-                break
-        self.overlap_mode, self.overlap_reason = mode, reason
-        self.side = self.slots.side_stream() if mode is OverlapMode.SIDE_STREAM else None
-        runs_early = mode is OverlapMode.SIDE_STREAM and self.early_hits and not cfg.hits_first
-        self.front_release = cfg.front_release if cfg.front_release is not None else not runs_early
-        self._configs = None  # _launch_configs' last (module defaults, result)
-
-    def _launch_configs(self) -> tuple[moe.kernels.router.RouterConfig, moe.kernels.routed.RoutedConfig]:
-        """The router's and the routed down's configs: the module defaults (read at each call), with
-        front_release the router's weights loaded before its wait (where they fit, unless the default
-        already says True), the down releasing the next launch and, unless RoutedConfig.down_prefetch
-        is set, prefetching FRONT_RELEASE_PREFETCH experts' tiles instead of min(4, k): with the next
-        router's programs launched beside it, 2 made one more resident layer 0.4-0.6 us faster than 4
-        with the overlap on and off (docs/moe.md); and, unless RoutedConfig.copy_release is set, the
-        miss copy releasing the gate_up after its wait (copy_release=True)."""
-        defaults = (moe.kernels.router.DEFAULT_ROUTER, moe.kernels.routed.DEFAULT_CONFIG)
-        if not self.front_release:
-            return defaults
-        if self._configs is None or any(a is not b for a, b in zip(self._configs[0], defaults)):
-            router, routed = defaults  # derived once per pair of module defaults, not per call
-            if router.early_weights is False:
-                router = dataclasses.replace(router, early_weights=None)
-            prefetch = routed.down_prefetch
-            if prefetch is None:  # beside the next router's programs, two experts' tiles before the wait
-                prefetch = min(FRONT_RELEASE_PREFETCH, self.cfg.top_k)
-            release = True if routed.copy_release is None else routed.copy_release
-            self._configs = (defaults, (router, dataclasses.replace(routed, down_release=True, down_prefetch=prefetch,
-                                                                    copy_release=release)))
-        return self._configs[1]
-
-    def copy_release(self) -> bool:
-        """Whether the miss copy lets the routed gate_up launch right after the copy's own wait: the
-        resolved RoutedConfig.copy_release of _launch_configs (None there: off without front_release;
-        with MoEConfig.hits_first the copy releases it at once instead)."""
-        return bool(self._launch_configs()[1].copy_release)
+        """Resolve the launch plan for the pool as it is now (once per build or rebuild; a plan given
+        at construction is kept) and fetch the side stream if the plan uses it."""
+        plan = self._given_plan
+        if plan is None:
+            slots = self.slots
+            plan = resolve_launch_plan(self.cfg, num_slots=slots.pool.num_slots,
+                                       num_keys=slots.num_layers * slots.num_experts, device=str(self.device),
+                                       num_sms=device_sms(self.device), copy_overlap=self.cfg.copy_overlap)
+        _check_plan(plan, self.cfg, self.device)
+        self.plan = plan
+        self.side = self.slots.side_stream() if plan.mode.side_stream else None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.forward(hidden)
@@ -211,70 +177,67 @@ class MoELayer:
                 routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """hidden [T, H] (cfg dtype, contiguous, on the pool's device) -> out [T, H] same dtype (new).
 
-        Seven launches (five without a shared expert) on the current stream; when overlapping,
-        eight, three of them on the side stream (seven, two there, with MoEConfig.early_hits off or
-        MoEConfig.hits_first on); no host sync. Raises ValueError naming `hidden` for a wrong
-        shape, dtype or device, and naming --moe-slots when T * top_k exceeds the pool's slots (a
-        call could ask for more distinct experts than slots, which ensure refuses).
+        The launches of the plan's mode (module docstring): seven with a shared expert, five without,
+        one more (the early hits) where the mode runs them on the side stream; no host sync. Raises
+        ValueError naming `hidden` for a wrong shape, dtype or device, and naming --moe-slots when
+        T * top_k exceeds the pool's slots (a call could ask for more distinct experts than slots,
+        which ensure refuses).
 
         routing: forced routing (benchmarks that replay a recorded trace): (ids [T, k] int32 expert
         ids in [0, E) or -1, weights [T, k] float32), contiguous on the pool's device. The router
-        launch is skipped and ensure / the routed GEMM read these tensors as they are when the
-        launches run, so static buffers refilled before each CUDA-graph replay stay capturable.
-        `last_routing` is not written then (it keeps the router's last output). None (default):
-        the router decides. Raises ValueError naming `routing` for a wrong shape, dtype or device.
+        launch is skipped (and with it the early hits, which start from its output), and ensure / the
+        routed GEMM read these tensors as they are when the launches run, so static buffers refilled
+        before each CUDA-graph replay stay capturable. `last_routing` is not written then (it keeps
+        the router's last output). None (default): the router decides. Raises ValueError naming
+        `routing` for a wrong shape, dtype or device.
         """
         self._check_hidden(hidden)
         if routing is not None:
             self._check_routing(routing, hidden.shape[0])
         out = torch.empty(hidden.shape, dtype=self.dtype, device=self.device)
-        side = self.side if self.overlap_mode is OverlapMode.SIDE_STREAM else None
-        if side is not None and self.shared is None and routing is not None:
-            side = None  # no shared expert, and no router launch to start early hits from: nothing to overlap
-        compute = torch.cuda.current_stream(self.device) if side is not None else None
+        mode, side = self.plan.mode, self.side
+        shared_side = side is not None and mode.shared_on_side
+        hits_side = side is not None and mode.hits_on_side and routing is None
+        compute = torch.cuda.current_stream(self.device) if shared_side or hits_side else None
         shared = None
-        if self.shared is not None and side is not None:
+        if shared_side:
             side.fork(compute)  # the side stream sees hidden as the compute stream left it
             with torch.cuda.stream(side.stream):
                 shared = self.shared_expert(hidden)  # [T, H] f32, a buffer of this layer
         elif self.shared is not None:
             shared = self.shared_expert(hidden)
-        early = (side, compute) if (side is not None and routing is None and self.early_hits
-                                    and not self.cfg.hits_first) else None
-        act, slots = self._routed_front(hidden, routing, early)
-        if side is not None:
-            side.join(compute)  # the down launch below reads `shared`
-        routed_down(act, slots, self.slots.pool.tensor("down"), addend=shared, out_cast=out, after_gate_up=True,
-                    config=self._launch_configs()[1])
+        act, slots = self._routed_front(hidden, routing, (side, compute) if hits_side else None)
+        if compute is not None:
+            side.join(compute)  # the down launch below reads `shared` and the early hits' rows
+        self._down(act, slots, addend=shared, out_cast=out)
         return out
+
+    def _down(self, act: torch.Tensor, slots: torch.Tensor, **outs) -> torch.Tensor:
+        """Launch 7: the routed down right behind the gate_up, with the plan's release and prefetch."""
+        plan = self.plan
+        return routed_down(act, slots, self.slots.pool.tensor("down"), after_gate_up=True, tiles=plan.routed_tiles,
+                           release=plan.down_release, prefetch=plan.down_prefetch, **outs)
 
     def _routed_front(self, hidden: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
                       early: tuple[SideStream, torch.cuda.Stream] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Launches 3-6: hidden [T, H] -> (act [T * k, I] f32, slots [T, k] int32) for routed_down:
+        """Launches 3-6: hidden [T, H] -> (act [T * k, I] f32, slots [T, k] int32) for the down:
         router, ensure, miss copy and gate_up back to back. With `routing` (ids, weights) given, the
         router is skipped.
 
-        early = (side, compute), the overlap with early hits (not with `routing`): the router also
-        records each chosen expert's slot before the ensure (pre; -1 = not resident); the side stream
-        forks again right after it and computes the gate_up rows of the resident pairs from pre,
-        while the compute stream runs ensure, miss copy and the gate_up rows of the others. A
-        resident expert keeps its slot through its ensure and the copy writes only victims' slots,
-        so both halves read what the single gate_up would: the same act bits.
-
-        MoEConfig.hits_first (not with `routing`): the router writes pre too, the miss copy releases
-        the next launch at its start, and gate_up is one persistent part="first" launch on this
-        stream: the resident pairs at pre while the ensure and copy run, the others after the copy
-        (the same act bits)."""
-        cfg, slots, tokens = self.cfg, self.slots, hidden.shape[0]
-        pdl = cfg.pdl_chain  # programmatic launches for the router, ensure and copy (CUDA only)
+        early = (side, compute), the early hits (not with `routing`): the router also records each
+        chosen expert's slot before the ensure (pre; -1 = not resident); the side stream forks again
+        right after it and computes the gate_up rows of the resident pairs from pre, while the compute
+        stream runs ensure, miss copy and the gate_up rows of the others. A resident expert keeps its
+        slot through its ensure and the copy writes only victims' slots, so both halves read what the
+        single gate_up would: the same act bits."""
+        cfg, slots, plan, tokens = self.cfg, self.slots, self.plan, hidden.shape[0]
         gate_up = slots.pool.tensor("gate_up")
-        first = cfg.hits_first and routing is None
-        pre = self._pre[:tokens] if early is not None or first else None
+        pre = self._pre[:tokens] if early is not None else None
         if routing is None:
             weights, ids = router_topk(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob,
-                                       weights=self._weights[:tokens], ids=self._ids[:tokens], pdl=pdl,
-                                       config=self._launch_configs()[0],
+                                       weights=self._weights[:tokens], ids=self._ids[:tokens], pdl=plan.pdl,
+                                       tiles=plan.router_tiles, early_weights=plan.router_early_weights[tokens - 1],
                                        pre=None if pre is None else (slots.cache.slot_of,
                                                                      self.layer * cfg.num_experts, pre))
         else:
@@ -283,12 +246,12 @@ class MoELayer:
             side, compute = early
             side.fork(compute)  # the side stream sees weights and pre
             with torch.cuda.stream(side.stream):
-                routed_gate_up(hidden, pre, weights, gate_up, part="hits", pre=pre)
-        buf = slots.cache.ensure(self.layer, ids, pdl=pdl)  # slots [T, k], plan [Q, 2], count [1]
-        miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=pdl, release_next=pdl and first,
-                  release_after_wait=pdl and not first and self.copy_release())
-        part = "first" if first else "all" if pre is None else "rest"
-        act = routed_gate_up(hidden, buf.slots, weights, gate_up, part=part, pre=pre)
+                routed_gate_up(hidden, pre, weights, gate_up, part="hits", pre=pre, tiles=plan.routed_tiles,
+                               programs=plan.hits_programs)
+        buf = slots.cache.ensure(self.layer, ids, pdl=plan.pdl)  # slots [T, k], plan [Q, 2], count [1]
+        miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=plan.pdl, release_after_wait=plan.copy_release)
+        act = routed_gate_up(hidden, buf.slots, weights, gate_up, part="all" if pre is None else "rest", pre=pre,
+                             tiles=plan.routed_tiles)
         return act, buf.slots
 
     def last_routing(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,8 +265,7 @@ class MoELayer:
     def routed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The routed half alone: hidden [T, H] -> [T, H] float32 (a buffer of this layer, reused)."""
         act, slots = self._routed_front(hidden)
-        return routed_down(act, slots, self.slots.pool.tensor("down"), out=self._routed_out[:hidden.shape[0]],
-                           after_gate_up=True, config=self._launch_configs()[1])
+        return self._down(act, slots, out=self._routed_out[:hidden.shape[0]])
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sigmoid(x · gate_w) * down(silu(gate(x)) * up(x)), [T, H] float32.
@@ -315,7 +277,7 @@ class MoELayer:
         gate_up, down = self._shared_pool
         tokens = x.shape[0]
         return routed_experts(x, self._shared_slots[:tokens], None, gate_up, down, gate_w=self.shared[2],
-                              out=self._shared_out[:tokens], act=self._shared_act)
+                              out=self._shared_out[:tokens], act=self._shared_act, tiles=self.plan.routed_tiles)
 
     def _check_routing(self, routing, tokens: int) -> None:
         _check_routing_pair(routing, tokens, self.cfg.top_k, self.device)
@@ -348,6 +310,18 @@ def _check_routing_pair(routing, tokens: int, top_k: int, device: torch.device) 
                for t in (routing if isinstance(routing, tuple) else (routing,))]
         raise ValueError(f"MoELayer: routing must be (ids int32 [{tokens}, {top_k}], weights float32 "
                          f"[{tokens}, {top_k}]), contiguous on {device}, got {got}")
+
+
+def _check_plan(plan: LaunchPlan, cfg: MoEConfig, device: torch.device) -> None:
+    """Raise ValueError naming the LaunchPlan field this layer cannot launch."""
+    if not isinstance(plan, LaunchPlan):
+        raise ValueError(f"MoELayer: plan must be a LaunchPlan, got {type(plan).__name__}")  # noqa: TRY004
+    if plan.mode.shared_on_side and not cfg.has_shared_expert:
+        raise ValueError(f"MoELayer: LaunchPlan.mode={plan.mode.value} runs a shared expert, which this block "
+                         "has not (MoEConfig.shared_intermediate=0)")
+    if plan.mode.side_stream and device.type != "cuda":
+        raise ValueError(f"MoELayer: LaunchPlan.mode={plan.mode.value} needs a side stream, which a {device.type} "
+                         "device has not; use OverlapMode.INLINE")
 
 
 def _check_weights(cfg: MoEConfig, layer: int, router_w: torch.Tensor, shared: SharedWeights | None,

@@ -1,34 +1,27 @@
-"""Routed-path execution plans and the side-stream overlap decision, all decidable on the CPU.
+"""The MoE layer's launch plan: one resolver picks every launch choice of a layer, once per build.
 
-    tokens, MoEConfig, num_sms ──make_routed_plan──► RoutedPlan (family, tokens, grid, co-residency, launch)
+    MoEConfig, pool slots vs L*E keys, device, SMs, copy_overlap, tp_size, hybrid
+        ──resolve_launch_plan──► LaunchPlan (frozen): overlap mode + reason, PDL, releases, prefetch, tiles
+    tokens, MoEConfig, RoutedTiles ──make_routed_plan──► RoutedPlan (family, grid, co-residency)
     RoutedPlan ──plan_supports_aux_stream_overlap──► bool
     phase, device, tp_size, RoutedPlan, hybrid ──decode_side_applies──► (applies, reason)
-    MoEConfig.copy_overlap + decode_side_applies ──select_overlap_mode──► (OverlapMode, reason)
 
-Routed GEMM families (the routed kernels receive slot ids, never expert ids):
+The resolver (the shape of vLLM's `_determine_shared_experts_order`): with no shared expert and a pool
+that holds every expert there is nothing to run beside the copy (INLINE); with copy_overlap off
+everything runs in line; else `decode_side_applies` must accept every decode size T = 1..GEMV_MAX_TOKENS,
+and the mode names what runs on the side stream: the shared expert where the block has one, and the
+resident experts' gate_up ("early hits") where the pool cannot hold every expert (a full pool never
+copies once warm, so there is nothing for them to hide). The releases below ("front release") apply
+unless the early hits run on the side stream (beside them they made the layer slower). MoELayer
+(moe.engine.layer) launches from the plan only; docs/layer.md has the launch diagram and the figures.
 
-* "gemv-slots" (1..GEMV_MAX_TOKENS tokens, `moe.kernels.routed.routed_experts`): two launches of
-  independent CTAs. gate_up: one CTA per (token, routed slot j, GEMV_BLOCK_I rows of gate and of
-  up), grid = (tokens * k, ceil(I / GEMV_BLOCK_I)), the plan's `grid`; a slot routed by several
-  tokens is read once per token (the repeats meet in L2). down: one CTA per (token, GEMV_BLOCK_H
-  output rows), grid = (tokens, ceil(H / GEMV_BLOCK_H)). No grid-wide barrier, so neither
-  launch needs co-residency and side work may hold SMs.
-  The shared expert runs through the same two kernels as a one-slot pool (k = 1, slots all 0,
-  its gate computed inside the gate_up launch): grids (tokens, ceil(Is / GEMV_BLOCK_I)) and
-  (tokens, ceil(H / GEMV_BLOCK_H)); the routed down launch adds its output and writes the layer's
-  output in the model dtype (the combine). The router before them (`moe.kernels.router`) is one launch of
-  grid (tokens, ceil(E / block_e)) whose last-arriving program per token selects the top-k: an
-  arrival counter, but no program ever waits for another, so it needs no co-residency either.
-  A decode layer is 7 launches: router, ensure, miss copy, routed gate_up, routed down (+ combine),
-  and the shared expert's 2; overlapping, those 2 and (MoEConfig.early_hits) the resident experts'
-  gate_up run on the side stream: 8 launches.
-* "grouped-persistent" (more tokens): a persistent grouped GEMM, grid = (min(num_sms, tiles),),
-  each CTA looping over (expert, M tile, N tile) work items on its own; no grid-wide barrier.
-
-A family whose kernel synchronises the whole grid (for example a fused gate_up -> down with a grid
-barrier between them) must set `needs_coresident_grid=True`. Such a plan allows the side stream only
-when launched cooperatively: otherwise CTAs spinning at the barrier wait for CTAs that cannot become
-resident while the side stream holds SMs, and the step deadlocks.
+Routed GEMM family (the routed kernels receive slot ids, never expert ids): "gemv-slots", 1..GEMV_MAX_TOKENS
+tokens (`moe.kernels.routed`): two launches of independent programs, gate_up grid (T * k, ceil(I /
+block_i)) and down grid (T, ceil(H / block_h)); no grid-wide barrier, so neither needs co-residency
+and side work may hold SMs. Prefill does not use these kernels (moe.engine.backends.moe_prefill).
+A family whose kernel synchronises the whole grid must set `needs_coresident_grid=True`; such a plan
+allows the side stream only when launched cooperatively, else CTAs spinning at the barrier wait for
+CTAs that cannot become resident while the side stream holds SMs, and the step deadlocks.
 """
 
 from __future__ import annotations
@@ -38,22 +31,154 @@ import math
 import re
 from dataclasses import dataclass
 
+from moe.kernels.tiles import GEMV_BLOCK_H, GEMV_BLOCK_I, RoutedTiles, RouterTiles
 from moe.model.config import COPY_OVERLAP_ENV, MoEConfig
 
-GEMV_MAX_TOKENS = 8
-GEMV_BLOCK_I = 1  # gemv-slots gate_up launch: rows of gate (and as many of up) per CTA
-GEMV_BLOCK_H = 2  # gemv-slots down launch: output rows per CTA
-TILE_N = 128  # output rows per CTA tile (grouped-persistent)
-TILE_M = 64  # token rows per CTA tile (grouped-persistent)
+__all__ = ["GEMV_BLOCK_H", "GEMV_BLOCK_I", "GEMV_MAX_TOKENS", "LaunchPlan", "OverlapMode", "RoutedPlan",
+           "decode_side_applies", "make_routed_plan", "plan_supports_aux_stream_overlap", "resolve_launch_plan"]
+
+GEMV_MAX_TOKENS = 8  # decode sizes the layer's kernels serve
+DOWN_PREFETCH = 4  # experts whose down tiles a down program loads before its wait: min(this, k) ...
+FRONT_RELEASE_PREFETCH = 2  # ... and min(this, k) when the down also releases the next router
+HITS_PROGRAMS_PER_SM = 8  # the early hits' persistent grid: programs per SM (16 warps of the 2-warp tile)
 PHASES = ("decode", "prefill")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+DEFAULT_ROUTER_TILES, DEFAULT_ROUTED_TILES = RouterTiles(), RoutedTiles()  # the tuned tiles (docs/layer.md)
 
 
 class OverlapMode(enum.Enum):
-    """How the shared expert runs relative to the miss copy and routed GEMM."""
+    """What runs where: every launch on the compute stream, or some on the side stream beside the
+    router, ensure and miss copy (forked by an event before them, joined before the routed down)."""
 
-    NONE = "none"  # shared expert in line on the compute stream
-    SIDE_STREAM = "side_stream"  # shared expert on the dedicated side stream, forked and joined by events
+    INLINE = "inline"  # everything on the compute stream, the shared expert first
+    SHARED_ON_SIDE = "shared_on_side"  # the shared expert's 2 launches on the side stream
+    HITS_ON_SIDE = "hits_on_side"  # the resident experts' gate_up on the side stream (no shared expert)
+    SHARED_AND_HITS_ON_SIDE = "shared_and_hits_on_side"  # both
+
+    @property
+    def side_stream(self) -> bool:
+        return self is not OverlapMode.INLINE
+
+    @property
+    def shared_on_side(self) -> bool:
+        return self in (OverlapMode.SHARED_ON_SIDE, OverlapMode.SHARED_AND_HITS_ON_SIDE)
+
+    @property
+    def hits_on_side(self) -> bool:
+        return self in (OverlapMode.HITS_ON_SIDE, OverlapMode.SHARED_AND_HITS_ON_SIDE)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Every launch choice of one MoE layer, resolved once (resolve_launch_plan) and read by each call.
+
+    mode / reason: the OverlapMode and why it was chosen (the first check that declined, or the one
+    that accepted). pdl: the router, ensure and miss copy are programmatic dependent launches (each
+    waits for its predecessor before it reads anything; the routed gate_up and down always are on
+    CUDA). The releases, all with pdl and none changing a bit (every launch still waits for its
+    predecessor before reading what it wrote):
+      router_early_weights[T - 1]: a call of T tokens loads the router's weight rows before its wait;
+        True only where they fit in registers (RouterTiles.early_weights_fit).
+      down_release: the routed down lets the next programmatic launch (the next layer's router) start
+        right after the down's own wait instead of at its end.
+      copy_release: the miss copy lets the routed gate_up launch right after the copy's own wait.
+    down_prefetch: experts whose down weight tiles each down program loads before its wait (0..k).
+    hits_programs: programs of the early hits' persistent launch (room for the ensure and copy).
+    router_tiles / routed_tiles: the tiles of the router and of every routed launch (shared expert too).
+    Raises ValueError naming the field.
+    """
+
+    mode: OverlapMode
+    reason: str
+    pdl: bool
+    router_early_weights: tuple[bool, ...]
+    down_release: bool
+    copy_release: bool
+    down_prefetch: int
+    hits_programs: int
+    router_tiles: RouterTiles = DEFAULT_ROUTER_TILES
+    routed_tiles: RoutedTiles = DEFAULT_ROUTED_TILES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, OverlapMode):
+            raise ValueError(f"LaunchPlan.mode must be an OverlapMode, got {self.mode!r}")  # noqa: TRY004
+        if not isinstance(self.reason, str) or not self.reason:
+            raise ValueError(f"LaunchPlan.reason must be a non-empty str, got {self.reason!r}")
+        for name in ("pdl", "down_release", "copy_release"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LaunchPlan.{name} must be a bool, "  # noqa: TRY004 (house: ValueError)
+                                 f"got {getattr(self, name)!r}")
+        early = self.router_early_weights
+        if not (isinstance(early, tuple) and len(early) == GEMV_MAX_TOKENS and all(isinstance(v, bool) for v in early)):
+            raise ValueError(f"LaunchPlan.router_early_weights must be a tuple of {GEMV_MAX_TOKENS} bools "
+                             f"(one per decode size T = 1..{GEMV_MAX_TOKENS}), got {early!r}")
+        for name, minimum in (("down_prefetch", 0), ("hits_programs", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise ValueError(f"LaunchPlan.{name} must be an int >= {minimum}, got {v!r}")
+        for name, cls in (("router_tiles", RouterTiles), ("routed_tiles", RoutedTiles)):
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"LaunchPlan.{name} must be a {cls.__name__}, "  # noqa: TRY004
+                                 f"got {getattr(self, name)!r}")
+
+    def summary(self) -> dict:
+        """The plan as plain values (for results JSON and logs)."""
+        return {"mode": self.mode.value, "reason": self.reason, "pdl": self.pdl,
+                "router_early_weights": list(self.router_early_weights), "down_release": self.down_release,
+                "copy_release": self.copy_release, "down_prefetch": self.down_prefetch,
+                "hits_programs": self.hits_programs, "router_tiles": self.router_tiles.name,
+                "routed_tiles": self.routed_tiles.name}
+
+
+def resolve_launch_plan(cfg: MoEConfig, *, num_slots: int, num_keys: int, device: str, num_sms: int,
+                        copy_overlap: bool, tp_size: int = 1, hybrid: bool = False) -> LaunchPlan:
+    """The launch plan of a decode layer of `cfg` over a pool of `num_slots` slots for `num_keys`
+    (L * E) keys on `device` ("cpu", "cuda" or "cuda:N") with `num_sms` SMs. O(GEMV_MAX_TOKENS).
+
+    copy_overlap: the user's choice (MoEConfig.copy_overlap / EXPERTCACHE_MOE_COPY_OVERLAP).
+    Early hits apply where num_slots < num_keys; the front release (down_release, copy_release,
+    router_early_weights where they fit, down_prefetch min(FRONT_RELEASE_PREFETCH, k)) applies
+    unless the early hits run on the side stream; else down_prefetch is min(DOWN_PREFETCH, k).
+    Raises ValueError naming the argument outside its domain.
+    """
+    for name, v, minimum in (("num_slots", num_slots, 1), ("num_keys", num_keys, 1), ("num_sms", num_sms, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise ValueError(f"resolve_launch_plan: {name} must be an int >= {minimum}, got {v!r}")
+    if not isinstance(copy_overlap, bool):
+        raise ValueError(f"resolve_launch_plan: copy_overlap must be a bool, "  # noqa: TRY004
+                         f"got {copy_overlap!r}")
+    if not isinstance(device, str) or not _DEVICE.match(device):
+        raise ValueError(f"resolve_launch_plan: device={device!r} is not 'cpu', 'cuda' or 'cuda:N'")
+    router_tiles, routed_tiles = DEFAULT_ROUTER_TILES, DEFAULT_ROUTED_TILES
+    mode, reason = _overlap_mode(cfg, num_slots < num_keys, device, tp_size, hybrid, copy_overlap, routed_tiles)
+    front = not mode.hits_on_side
+    early_weights = tuple(front and router_tiles.early_weights_fit(cfg.num_experts, cfg.hidden, t)
+                          for t in range(1, GEMV_MAX_TOKENS + 1))
+    prefetch = min(FRONT_RELEASE_PREFETCH if front else DOWN_PREFETCH, cfg.top_k)
+    return LaunchPlan(mode, reason, pdl=device.startswith("cuda"), router_early_weights=early_weights,
+                      down_release=front, copy_release=front, down_prefetch=prefetch,
+                      hits_programs=HITS_PROGRAMS_PER_SM * num_sms, router_tiles=router_tiles,
+                      routed_tiles=routed_tiles)
+
+
+def _overlap_mode(cfg: MoEConfig, early_hits: bool, device: str, tp_size: int, hybrid: bool,
+                  copy_overlap: bool, tiles: RoutedTiles) -> tuple[OverlapMode, str]:
+    """(mode, reason): the checks in order, the first that declines gives INLINE and its reason."""
+    if not cfg.has_shared_expert and not early_hits:
+        return OverlapMode.INLINE, ("no shared expert, and the pool holds every expert (no early hits): "
+                                    "nothing to run on the side stream")
+    if not copy_overlap:
+        return OverlapMode.INLINE, f"copy_overlap is off (set MoEConfig.copy_overlap or {COPY_OVERLAP_ENV}=1)"
+    for tokens in range(1, GEMV_MAX_TOKENS + 1):  # must hold at every decode size
+        applies, reason = decode_side_applies("decode", device, tp_size, make_routed_plan(tokens, cfg, tiles),
+                                              hybrid=hybrid)
+        if not applies:
+            return OverlapMode.INLINE, reason
+    if cfg.has_shared_expert:
+        mode = OverlapMode.SHARED_AND_HITS_ON_SIDE if early_hits else OverlapMode.SHARED_ON_SIDE
+    else:
+        mode = OverlapMode.HITS_ON_SIDE
+    return mode, reason
 
 
 @dataclass(frozen=True)
@@ -84,7 +209,8 @@ class RoutedPlan:
             raise ValueError(f"RoutedPlan.grid must be a tuple of 1-3 ints >= 1, got {self.grid!r}")
         for name in ("needs_coresident_grid", "cooperative_launch"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"RoutedPlan.{name} must be a bool, got {getattr(self, name)!r}")
+                raise ValueError(f"RoutedPlan.{name} must be a bool, "  # noqa: TRY004 (house: ValueError)
+                                 f"got {getattr(self, name)!r}")
 
     @property
     def num_ctas(self) -> int:
@@ -103,29 +229,23 @@ def plan_supports_aux_stream_overlap(plan: RoutedPlan) -> bool:
     return not plan.needs_coresident_grid or plan.cooperative_launch
 
 
-def make_routed_plan(tokens: int, cfg: MoEConfig, num_sms: int = 132) -> RoutedPlan:
-    """Choose the routed GEMM plan for `tokens` rows of `cfg` on a GPU with `num_sms` SMs. O(1).
+def make_routed_plan(tokens: int, cfg: MoEConfig, tiles: RoutedTiles = DEFAULT_ROUTED_TILES) -> RoutedPlan:
+    """The "gemv-slots" plan of a decode call of `tokens` rows of `cfg` at `tiles`: its gate_up grid. O(1).
 
-    Raises ValueError naming `tokens` or `num_sms` when either is < 1.
+    Raises ValueError naming `tokens` outside 1..GEMV_MAX_TOKENS (larger calls are prefill, which
+    does not use the routed kernels).
     """
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise ValueError(f"make_routed_plan: tokens must be an int >= 1, got {tokens!r}")
-    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
-        raise ValueError(f"make_routed_plan: num_sms must be an int >= 1, got {num_sms!r}")
-    if tokens <= GEMV_MAX_TOKENS:
-        grid = (tokens * cfg.top_k, -(-cfg.expert_intermediate // GEMV_BLOCK_I))  # gate_up launch
-        return RoutedPlan("gemv-slots", tokens, grid, False, False)
-    experts_in_call = min(tokens * cfg.top_k, cfg.num_experts)
-    n_tiles = -(-max(2 * cfg.expert_intermediate, cfg.hidden) // TILE_N)
-    m_tiles = -(-(tokens * cfg.top_k) // TILE_M) + experts_in_call  # upper bound over the expert split
-    work = m_tiles * n_tiles
-    return RoutedPlan("grouped-persistent", tokens, (min(num_sms, work),), False, False)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= GEMV_MAX_TOKENS:
+        raise ValueError(f"make_routed_plan: tokens must be an int in 1..GEMV_MAX_TOKENS={GEMV_MAX_TOKENS} "
+                         f"(the routed kernels serve decode steps only), got {tokens!r}")
+    grid = tiles.gate_up_grid(tokens, cfg.top_k, cfg.hidden, cfg.expert_intermediate)
+    return RoutedPlan("gemv-slots", tokens, grid, False, False)
 
 
 def decode_side_applies(
     phase: str, device: str, tp_size: int, plan: RoutedPlan, *, hybrid: bool = False
 ) -> tuple[bool, str]:
-    """Whether the decode side stream (shared expert beside the miss copy) applies; (applies, reason).
+    """Whether the decode side stream (work beside the miss copy) applies; (applies, reason).
 
     Declines, in this order: prefill (it streams whole layers with the copy engines), a CPU device,
     hybrid CPU/GPU decode, tensor parallel size > 1, and a plan without aux-stream overlap support.
@@ -149,21 +269,3 @@ def decode_side_applies(
         return False, (f"routed plan {plan.family!r} needs a co-resident grid and is not launched "
                        "cooperatively: side work could deadlock its grid barrier")
     return True, "decode on a GPU with an overlap-safe routed plan"
-
-
-def select_overlap_mode(
-    cfg: MoEConfig, phase: str, device: str, tp_size: int, plan: RoutedPlan, *, hybrid: bool = False
-) -> tuple[OverlapMode, str]:
-    """The overlap mode for one call: SIDE_STREAM when `cfg.copy_overlap` is on, the block has work for
-    the side stream (a shared expert, or the resident experts' gate_up: `cfg.early_hits` without
-    `cfg.hits_first`; MoELayer passes its resolved early_hits, and None here counts as on) and
-    `decode_side_applies` agrees."""
-    early = cfg.early_hits is not False
-    if not cfg.has_shared_expert and (not early or cfg.hits_first):
-        why = "hits_first on (the resident experts' gate_up stays on the compute stream)" if early \
-            else "early_hits off"
-        return OverlapMode.NONE, f"no shared expert and {why}: nothing to run on the side stream"
-    if not cfg.copy_overlap:
-        return OverlapMode.NONE, f"copy_overlap is off (set MoEConfig.copy_overlap or {COPY_OVERLAP_ENV}=1)"
-    applies, reason = decode_side_applies(phase, device, tp_size, plan, hybrid=hybrid)
-    return (OverlapMode.SIDE_STREAM if applies else OverlapMode.NONE), reason

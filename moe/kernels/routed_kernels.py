@@ -12,14 +12,13 @@
 
 Legend: T = tokens, H = hidden, I = expert width, K = top_k (1 for the shared expert), S = pool slots.
 
-Programmatic dependent launch (GDC = 1, RoutedConfig.pdl, on by default, CUDA only): the routed gate_up and
-down are launched with the programmatic-serialization attribute, so each may be scheduled while its
-predecessor drains; each waits (griddepcontrol.wait) before reading anything, so the results are
-those of the plain launches, bit for bit, and gate_up then lets down launch. A variant whose down
-loaded all its weights before the wait was slower on the H200 (126 registers: docs/moe.md) and
-was not kept; nor was one that issued L2 prefetches of its rows before the wait (24.1 vs 20.3 us at
-T = 1: docs/moe.md). Without GDC (pdl=False, the shared expert, and the CPU interpreter, which has
-no inline PTX) the bodies are the plain ones.
+Programmatic dependent launch (GDC = 1, CUDA only; never for the shared expert's launches nor the
+early hits, which wait on an event of another stream): the routed gate_up and down are launched with
+the programmatic-serialization attribute, so each may be scheduled while its predecessor drains; each
+waits (griddepcontrol.wait) before reading anything its predecessors write, so the results are those
+of plain launches, bit for bit, and gate_up then lets down launch. Without GDC (the shared expert,
+the early hits and the CPU interpreter, which has no inline PTX) the bodies are the plain ones.
+Variants that loaded more before the wait were slower and are not kept (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -56,60 +55,29 @@ def _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, n
 @triton.jit
 def _gate_up_hits_body(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
                        K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                       CHUNK_H: tl.constexpr, EVEN: tl.constexpr, CG: tl.constexpr = False):
+                       CHUNK_H: tl.constexpr, EVEN: tl.constexpr):
     """The early hits: a persistent grid (fewer programs than tiles, so the SMs keep room for the
     ensure, copy and rest launched beside it) walks the (pair, tile) items; a pair with pre < 0 is
-    skipped, any other is computed at slot pre[pair] exactly as _gate_up_body does it.
-    CG: pre and the routing weights are loaded past L1 (ld.global.cg), for a caller that reads them
-    before its programmatic wait (_gate_up_first_body)."""
+    skipped, any other is computed at slot pre[pair] exactly as _gate_up_body does it."""
     TILES: tl.constexpr = (I + BLOCK_I - 1) // BLOCK_I
-    MOD: tl.constexpr = ".cg" if CG else ""
     items = n_pairs * TILES
     w = tl.program_id(0)
-    slot = tl.load(pre_ptr + w // TILES, mask=w < items, other=-1, cache_modifier=MOD)
+    slot = tl.load(pre_ptr + w // TILES, mask=w < items, other=-1)
     while w < items:  # a while loop: Triton's interpreter cannot range() a tensor
         # the next item's slot is loaded before this item's rows, so its round trip overlaps them
         nxt = w + tl.num_programs(0)
-        slot_next = tl.load(pre_ptr + nxt // TILES, mask=nxt < items, other=-1, cache_modifier=MOD)
+        slot_next = tl.load(pre_ptr + nxt // TILES, mask=nxt < items, other=-1)
         if slot >= 0:
             _gate_up_rows(x_ptr, slot, w // TILES, w % TILES, weights_ptr, x_ptr, w13_ptr, act_ptr, num_slots,
-                          K, H, I, BLOCK_I, CHUNK_H, EVEN, False, CG)
+                          K, H, I, BLOCK_I, CHUNK_H, EVEN, False)
         w = nxt
         slot = slot_next
 
 
 @triton.jit
-def _gate_up_first_body(x_ptr, slots_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
-                        K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                        CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GDC: tl.constexpr):
-    """The whole routed gate_up, the resident experts first (MoEConfig.hits_first): a persistent
-    grid walks the (pair, tile) items twice. First the pairs with pre >= 0, at slot pre[pair], before
-    the programmatic wait (GDC): launched while the ensure and the miss copy still run (the copy
-    releases it at its start), they need only the router's output, and a resident expert keeps its
-    slot through its ensure while the copy writes only victims' slots. Then, after the wait (the copy
-    done), the pairs with pre < 0 at the ensure's slots[pair]. Every item is computed by
-    _gate_up_rows as _gate_up_body computes it: the same act bits as one part="all" launch."""
-    _gate_up_hits_body(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
-                       K, H, I, BLOCK_I, CHUNK_H, EVEN, GDC)
-    if GDC:  # the ensure and the copy are done; then the down launch may start
-        gdc_wait()
-        gdc_launch_dependents()
-    TILES: tl.constexpr = (I + BLOCK_I - 1) // BLOCK_I
-    items = n_pairs * TILES
-    w = tl.program_id(0)
-    while w < items:
-        pair = w // TILES
-        if tl.load(pre_ptr + pair) < 0:
-            slot = tl.load(slots_ptr + pair)
-            _gate_up_rows(x_ptr, slot, pair, w % TILES, weights_ptr, x_ptr, w13_ptr, act_ptr, num_slots,
-                          K, H, I, BLOCK_I, CHUNK_H, EVEN, False)
-        w += tl.num_programs(0)
-
-
-@triton.jit
 def _gate_up_rows(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, CG: tl.constexpr = False):
+                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
     token = pair // K
     live = (slot >= 0) & (slot < num_slots)
     rows = tile * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] gate rows
@@ -142,7 +110,7 @@ def _gate_up_rows(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13_ptr, act
     if GATED:
         weight = tl.sigmoid(tl.sum(acc_g, axis=0))  # the same value in every program of the token
     else:
-        weight = tl.load(weights_ptr + pair, cache_modifier=".cg" if CG else "")
+        weight = tl.load(weights_ptr + pair)
     act = tl.where(live, weight * gate_dot * tl.sigmoid(gate_dot) * up_dot, 0.0)
     tl.store(act_ptr + pair * I + rows, act, mask=rows < I)
 
@@ -165,19 +133,17 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
                CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
                WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
                RELEASE: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
-    """RELEASE (RoutedConfig.down_release, with GDC): right after the wait the next programmatic launch
-    (the next layer's router) may start; it still waits for this launch to finish before it reads
-    what this launch writes.
-    PREFETCH > 0 (RoutedConfig.down_prefetch): every expert's slot, then the weight tiles of the first
+    """RELEASE (with GDC; the layer's LaunchPlan.down_release): right after the wait the next
+    programmatic launch (the next layer's router) may start; it still waits for this launch to finish
+    before it reads what this launch writes.
+    PREFETCH > 0 (LaunchPlan.down_prefetch): every expert's slot, then the weight tiles of the first
     PREFETCH experts, are loaded before the programmatic wait: the slots and the pool rows are final
     before this launch starts (the routed gate_up lets it launch, by gdc_launch_dependents, only after
-    its own wait for the ensure and the miss copy, and the gate_up itself launched only after the
-    copy ended, so no L1 line of this SM predates the copy), so no weight load waits for its slot's
-    round trip and the first ones overlap the gate_up's tail. They are plain loads: on sm_90 a .cg
-    load is a strong GPU-scope load, and with .cg weight tiles the down alone took 17.2 us against
-    8.2 on the H200 (benchmarks/results/routed-2026-12-01-prefetch-cg-6765c7b.log). The
-    activations, the gate_up's output, are read after the wait, and the sum runs in the same order:
-    the same bits."""
+    its own wait, which returns once the ensure and the miss copy are complete, so nothing this launch
+    loads predates the copy), so no weight load waits for its slot's round trip and the first ones
+    overlap the gate_up's tail. They are plain loads: on sm_90 a .cg
+    load is a strong GPU-scope load, much slower for these tiles. The activations, the gate_up's
+    output, are read after the wait, and the sum runs in the same order: the same bits."""
     NCH: tl.constexpr = (I + CHUNK_I - 1) // CHUNK_I
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
@@ -243,14 +209,6 @@ def _gate_up_hits(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pa
                   CHUNK_H: tl.constexpr, EVEN: tl.constexpr):
     _gate_up_hits_body(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
                        K, H, I, BLOCK_I, CHUNK_H, EVEN)
-
-
-@triton.jit(**HITS_JIT_OPTIONS)
-def _gate_up_first(x_ptr, slots_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
-                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                   CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GDC: tl.constexpr):
-    _gate_up_first_body(x_ptr, slots_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
-                        K, H, I, BLOCK_I, CHUNK_H, EVEN, GDC)
 
 
 @triton.jit(**JIT_OPTIONS)

@@ -1,28 +1,33 @@
 """The MoE router of a decode step as one Triton launch: logits, softmax, top-k, renormalisation.
 
     hidden [T, H], router_w [E, H] (both the model dtype)
-        │  grid (T, ceil(E / block_e)): program (t, b); block_e 2 up to 4 tokens, else 4 (RouterConfig)
+        │  grid (T, ceil(E / block_e)): program (t, b); block_e by the token count (RouterTiles)
         ├─ every program: logits[t, b * block_e + i] = Σ_h hidden[t, h] * router_w[e, h]   (f32 accumulate)
         │     -> scratch logits [T, E] float32; then one atomic arrival on counter[t]
         └─ the last program of token t to arrive (it resets counter[t] to 0):
-              probs = softmax(logits[t]) in float32 over all E
-              k times: the largest remaining prob (ties: the lower expert id), removed after
-              (or one bitonic top-k over packed (prob, id) keys: RouterConfig.select)
-              (weights [t, k] float32 descending, ids [t, k] int32); weights /= Σ weights when norm
-              (pre: also the chosen experts' slots before the ensure, carried in the packed keys)
+              one bitonic top-k over the logits' order-preserving keys (ties: the lower expert id)
+              weights = softmax over the chosen k logits (norm) or their full-softmax values (no norm)
+              (weights [t, k] float32 descending, ids [t, k] int32)
+              (pre: also the chosen experts' slots before the ensure, carried in the keys' low bits)
     -> weights [T, k] float32, ids [T, k] int32 (the order of moe.model.reference.route)
 
 Legend: T = tokens (1..GEMV_MAX_TOKENS), H = hidden, E = experts (<= ROUTER_MAX_EXPERTS), k = top_k.
 
 Why one launch with an arrival counter (as expertcache.device_ensure) rather than two launches
-(logits, then one program per token for softmax + top-k): at decode size the router reads
-E * H * 2 bytes (2 MiB at Qwen3-Next: about 0.5 us of HBM time), while each extra kernel in a
-CUDA graph costs a few microseconds of launch gap; the logits GEMV must be spread over ~E / block_e
-programs to reach bandwidth, and the arrival counter lets the last of them do the tiny O(k * E)
-selection without a second launch. The result stays deterministic: every logit is made by one
-program in a fixed order, and one program reads them all. The counters are zero between calls
-(the last program resets its token's), so the launch is CUDA-graph capturable and replayable.
-The weights stay in the model dtype: no float32 copy of router_w is kept anywhere.
+(logits, then one program per token for softmax + top-k): at decode size the router reads its
+E * H weights once and is bound by latency, not bytes, while each extra kernel in a CUDA graph adds
+a launch gap; the logits GEMV must be spread over ~E / block_e programs to reach bandwidth, and the
+arrival counter lets the last of them do the tiny O(k * E) selection without a second launch. The
+result stays deterministic: every logit is made by one program in a fixed order, and one program
+reads them all. The counters are zero between calls (the last program resets its token's), so the
+launch is CUDA-graph capturable and replayable. The weights stay in the model dtype: no float32 copy
+of router_w is kept anywhere.
+
+Why the top-k of the logits: softmax is monotonic, so the k largest logits are the k largest
+probabilities; with norm_topk_prob the weights are the softmax of the k chosen logits, so the
+selecting program needs no pass over all E for their maximum and their exponentials' sum (within
+float32 rounding of the full softmax renormalised); without it one sum over E, the full softmax's
+bits. Exactly equal logits tie to the lower id, except +0.0 against -0.0 (the positive zero first).
 
 `router_reference` is the same math in torch (weights upcast, float32, a stable sort so ties go to
 the lower id) for the tests.
@@ -31,157 +36,61 @@ the lower id) for the tests.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moe.kernels.plan import GEMV_MAX_TOKENS
+from moe.kernels.plan import DEFAULT_ROUTER_TILES, GEMV_MAX_TOKENS
+from moe.kernels.tiles import EARLY_WEIGHTS_MAX_ELEMENTS, RouterTiles
 from moe.kernels.triton_launch import compile_for_sm, kernel_for
 
-ROUTER_MAX_EXPERTS = 4096  # the selecting program holds all E probabilities in registers (ids: 12 bits)
-PRE_SLOT_BITS: tl.constexpr = tl.constexpr(20)  # a packed key's low bits: slot + 1 (expertcache: slots < 2**20 - 1)
+ROUTER_MAX_EXPERTS = 4096  # the selecting program holds all E logits in registers (ids: 12 bits)
+PRE_SLOT_BITS: tl.constexpr = tl.constexpr(20)  # a key's low bits: slot + 1 (expertcache: slots < 2**20 - 1)
 PRE_SLOT_MASK: tl.constexpr = tl.constexpr((1 << 20) - 1)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DEFAULT_TILES = DEFAULT_ROUTER_TILES
 _JIT_OPTIONS: dict = {"do_not_specialize": ["key_base"]}
-
-
-SELECTS = ("argmax", "packed", "topk", "logits")
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """Tiles of the router launch and how its last program selects the top k.
-
-    block_e: experts (rows of router_w) per program, or None: 2 for T <= 4 tokens, 4 above (on the
-    H200 at Qwen3-Next's router, 2 per program took 5.68 / 5.87 / 6.41 us at T = 1 / 2 / 4 against
-    6.32 / 6.34 / 6.71 for 4, and 9.04 against 7.36 at T = 8: router-2026-11-30-a13cff3.json).
-    chunk_h: hidden columns per load step. warps: num_warps. Each a power of two >= 1 (warps: 1..16). select: one of SELECTS (all four
-    give the same ids, and bit-identical weights before renormalisation; the renormalising sum runs
-    in the order of the selection's register layout, so renormalised weights may differ in the last
-    bits between selections or warp counts, never between two calls of one config):
-      "topk":   one bitonic top-k (tl.topk) over int64 keys prob bits << 32 | (E - 1 - id) (a
-                non-negative float32's bits order like its value, so a key orders by prob, then by
-                lower id), k rounded up to a power of two: 5.7-6.3 us against 8.3 us for "argmax" at
-                Qwen3-Next's router, T = 1 on the H200 (benchmarks/results/router-2026-11-30-a13cff3.json);
-      "packed": k rounds of tl.max over the same keys (half the data per reduction, no index pass);
-      "argmax": k rounds of tl.max over (prob, id) pairs (ties to the lower id);
-      "logits": one tl.topk over the logits themselves (an order-preserving int32 of each float's
-                bits << 32 | (E - 1 - id)): softmax is monotonic, so the same experts, and no pass
-                over the E logits for their max or their exponentials' sum when norm_topk_prob
-                (the weights are then the softmax of the k chosen logits, within float32 rounding
-                of the others'); without it one sum over E, and bit-identical weights. Exactly
-                equal logits tie to the lower id as everywhere, except +0.0 against -0.0 (the
-                positive zero first). The default: faster than "topk" in every cell measured on the
-                H200 (Qwen3-Next T = 1: 5.11 against 5.68 us, T = 8: 6.95 against 7.25 at 4 per
-                program; Qwen3-30B-A3B T = 1: 3.26 against 3.73; router-2026-12-01-39c993c.json).
-    early_weights (opt-in): with a programmatic launch (router_topk's pdl), each program loads its
-    router_w rows before its wait, held in registers, so their round trips overlap the predecessor's
-    tail (the hidden state, its output, is read after the wait; the same sums in the same order, the
-    same bits). Its rows must fit: block_e * H at most EARLY_WEIGHTS_MAX_ELEMENTS. False (the
-    default): off; True: on, and a call whose rows do not fit is refused (ValueError naming the
-    field); None: on where they fit. It pays when the predecessor releases the router early
-    (RoutedConfig.down_release, whose measurements are there).
-    Raises ValueError naming the field.
-    """
-
-    block_e: int | None = None  # None: by the token count (SMALL_T_BLOCK_E up to SMALL_T tokens)
-    chunk_h: int = 1024
-    warps: int = 4
-    select: str = "logits"
-    early_weights: bool | None = False
-
-    def __post_init__(self) -> None:
-        if self.early_weights is not None and not isinstance(self.early_weights, bool):
-            raise ValueError(f"RouterConfig.early_weights must be None, True or False, got {self.early_weights!r}")
-        for name in ("block_e", "chunk_h", "warps"):
-            v = getattr(self, name)
-            if name == "block_e" and v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
-                raise ValueError(f"RouterConfig.{name} must be a power of two >= 1, got {v!r}")
-        if self.warps > 16:
-            raise ValueError(f"RouterConfig.warps must be <= 16, got {self.warps}")
-        if self.select not in SELECTS:
-            raise ValueError(f"RouterConfig.select must be one of {SELECTS}, got {self.select!r}")
-
-
-DEFAULT_ROUTER = RouterConfig()
-EARLY_WEIGHTS_MAX_ELEMENTS = 16384  # early_weights: router_w elements one program holds (32 KB of bf16)
 
 
 @triton.jit
 def _select_topk(row_ptr, ids_ptr, weights_ptr, slot_row_ptr, pre_ptr, E: tl.constexpr, K: tl.constexpr,
-                 BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                 SELECT: tl.constexpr, PRE: tl.constexpr):
-    """Softmax over the E logits at row_ptr, then the top K (ties: lower id) into ids / weights.
-    SELECT: 0 argmax rounds, 1 packed-key rounds, 2 bitonic top-k of packed keys, 3 bitonic top-k of
-    the logits' keys, the softmax over the chosen k (RouterConfig).
-    PRE: also pre[j] = slot_row[ids[j]]; with packed keys the E slots are loaded beside the logits and
-    ride in the keys' low bits (below the id, so they never change the order): no load after the
-    selection."""
+                 BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, PRE: tl.constexpr):
+    """The top K of the E logits at row_ptr (ties: lower id) into ids / weights, by one tl.topk over
+    int64 keys: an order-preserving int32 of each logit's bits << 32 | (E - 1 - id) << PRE_SLOT_BITS
+    | (slot + 1 with PRE, else 0). NORM: weights = softmax of the chosen K logits; else the full
+    softmax's values (one sum over E).
+    PRE: also pre[j] = slot_row[ids[j]]; the E slots are loaded beside the logits and ride in the
+    keys' low bits (below the id, so they never change the order): no load after the selection."""
     e = tl.arange(0, BLOCK_ALL)
     logit = tl.load(row_ptr + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")  # other programs' writes
-    if PRE and SELECT != 0:  # slot + 1 in PRE_SLOT_BITS bits (0: absent); slot_of's slots are < 2**20 - 1
+    if PRE:  # slot + 1 in PRE_SLOT_BITS bits (0: absent); slot_of's slots are < 2**20 - 1
         low = tl.load(slot_row_ptr + e, mask=e < E, other=-1) + 1
     else:
         low = tl.zeros([BLOCK_ALL], dtype=tl.int32)
     kk = tl.arange(0, BLOCK_K)
-    if SELECT == 3:  # top k of the logits; softmax over the chosen ones only (NORM) or one sum over E
-        b = logit.to(tl.int32, bitcast=True)
-        ordered = b ^ ((b >> 31) & 0x7FFFFFFF)  # int32 order == float order (negatives' magnitude flipped)
-        keys = tl.where(e < E, (ordered.to(tl.int64) << 32) | ((E - 1 - e).to(tl.int64) << PRE_SLOT_BITS)
-                        | low.to(tl.int64), -0x7FFFFFFFFFFFFFFF - 1)  # int64 min: never selected
-        if BLOCK_K == 1:  # tl.topk needs k >= 2
-            top = tl.full([BLOCK_K], tl.max(keys, axis=0), dtype=tl.int64)
-        else:
-            top = tl.topk(keys, BLOCK_K)  # descending
-        ids = E - 1 - ((top >> PRE_SLOT_BITS) & 0xFFF).to(tl.int32)
-        hi = (top >> 32).to(tl.int32)
-        chosen = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        top_logit = tl.max(tl.where(kk < K, chosen, float("-inf")), axis=0)  # the largest of all E
-        ex = tl.where(kk < K, tl.exp(chosen - top_logit), 0.0)
-        if NORM:
-            ws = ex / tl.sum(ex, axis=0)
-        else:  # the same exponentials and sum as the full softmax below: the same bits
-            ws = ex / tl.sum(tl.exp(logit - top_logit), axis=0)
+    b = logit.to(tl.int32, bitcast=True)
+    ordered = b ^ ((b >> 31) & 0x7FFFFFFF)  # int32 order == float order (negatives' magnitude flipped)
+    keys = tl.where(e < E, (ordered.to(tl.int64) << 32) | ((E - 1 - e).to(tl.int64) << PRE_SLOT_BITS)
+                    | low.to(tl.int64), -0x7FFFFFFFFFFFFFFF - 1)  # int64 min: never selected
+    if BLOCK_K == 1:  # tl.topk needs k >= 2
+        top = tl.full([BLOCK_K], tl.max(keys, axis=0), dtype=tl.int64)
     else:
-        p = tl.exp(logit - tl.max(logit, axis=0))  # 0 past E
-    if SELECT == 0:
-        probs = tl.where(e < E, p / tl.sum(p, axis=0), -1.0)  # -1: never selected
-        ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-        ws = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for j in tl.static_range(K):
-            best, idx = tl.max(probs, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            ids = tl.where(kk == j, idx, ids)
-            ws = tl.where(kk == j, best, ws)
-            probs = tl.where(e == idx, -1.0, probs)
-    elif SELECT != 3:
-        probs = p / tl.sum(p, axis=0)  # >= 0: its bits order like its value
-        bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
-        keys = tl.where(e < E, (bits << 32) | ((E - 1 - e).to(tl.int64) << PRE_SLOT_BITS) | low.to(tl.int64),
-                        -1)  # -1: never selected
-        if SELECT == 1 or BLOCK_K == 1:  # tl.topk needs k >= 2
-            top = tl.full([BLOCK_K], -1, dtype=tl.int64)
-            for j in tl.static_range(K):
-                best = tl.max(keys, axis=0)
-                top = tl.where(kk == j, best, top)
-                keys = tl.where(keys == best, -1, keys)
-        else:
-            top = tl.topk(keys, BLOCK_K)  # descending
-        ids = E - 1 - ((top >> PRE_SLOT_BITS) & 0xFFF).to(tl.int32)  # bits PRE_SLOT_BITS .. 31
-        ws = tl.where(kk < K, (top >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    if NORM and SELECT != 3:
-        ws = ws / tl.sum(ws, axis=0)
+        top = tl.topk(keys, BLOCK_K)  # descending
+    ids = E - 1 - ((top >> PRE_SLOT_BITS) & 0xFFF).to(tl.int32)
+    hi = (top >> 32).to(tl.int32)
+    chosen = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    top_logit = tl.max(tl.where(kk < K, chosen, float("-inf")), axis=0)  # the largest of all E
+    ex = tl.where(kk < K, tl.exp(chosen - top_logit), 0.0)
+    if NORM:
+        ws = ex / tl.sum(ex, axis=0)
+    else:  # the full softmax's exponentials and sum
+        ws = ex / tl.sum(tl.exp(logit - top_logit), axis=0)
     tl.store(ids_ptr + kk, ids, mask=kk < K)
     tl.store(weights_ptr + kk, ws, mask=kk < K)
     if PRE:
-        if SELECT == 0:  # the slots after the selection: one more dependent load
-            pre = tl.load(slot_row_ptr + ids, mask=kk < K, other=-1)
-        else:
-            pre = (top & PRE_SLOT_MASK).to(tl.int32) - 1
+        pre = (top & PRE_SLOT_MASK).to(tl.int32) - 1
         tl.store(pre_ptr + kk, pre, mask=kk < K)
 
 
@@ -215,10 +124,9 @@ def _router_kernel(
     BLOCK_K: tl.constexpr,  # next power of two >= K
     NORM: tl.constexpr,  # renormalise the top-k weights to sum to 1
     EVEN: tl.constexpr,  # E % BLOCK_E == 0 and H % CHUNK_H == 0: no masks
-    SELECT: tl.constexpr,  # index of RouterConfig.select in SELECTS
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
     PRE: tl.constexpr = False,  # also write pre (the slots of the chosen experts before their ensure)
-    EARLY_W: tl.constexpr = False,  # RouterConfig.early_weights: router_w loaded before the wait
+    EARLY_W: tl.constexpr = False,  # router_w's rows loaded before the wait (router_topk's early_weights)
 ):
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] experts
@@ -248,34 +156,16 @@ def _router_kernel(
         tl.debug_barrier()
         tl.store(arrive_ptr + token, 0)
         _select_topk(logits_ptr + token * E, ids_ptr + token * K, weights_ptr + token * K,
-                     slot_of_ptr + key_base, pre_ptr + token * K, E, K, BLOCK_ALL, BLOCK_K, NORM, SELECT, PRE)
+                     slot_of_ptr + key_base, pre_ptr + token * K, E, K, BLOCK_ALL, BLOCK_K, NORM, PRE)
 
 
-SMALL_T, SMALL_T_BLOCK_E, BLOCK_E = 4, 2, 4  # RouterConfig.block_e=None: per program, by the token count
-
-
-def block_e_for(config: RouterConfig, tokens: int) -> int:
-    """Experts per program of a call of `tokens` tokens under `config`."""
-    if config.block_e is not None:
-        return config.block_e
-    return SMALL_T_BLOCK_E if tokens <= SMALL_T else BLOCK_E
-
-
-def _constexprs(num_experts: int, hidden: int, top_k: int, norm: bool, config: RouterConfig,
-                tokens: int) -> dict:
-    block_e = min(block_e_for(config, tokens), triton.next_power_of_2(num_experts))
-    chunk_h = min(config.chunk_h, triton.next_power_of_2(hidden))
-    fits = early_weights_held(block_e, hidden, chunk_h) <= EARLY_WEIGHTS_MAX_ELEMENTS
+def _constexprs(num_experts: int, hidden: int, top_k: int, norm: bool, tiles: RouterTiles, tokens: int,
+                early_weights: bool) -> dict:
+    block_e, chunk_h = tiles.block_e_for(tokens, num_experts), tiles.chunk_for(hidden)
     return {"E": num_experts, "H": hidden, "K": top_k, "BLOCK_E": block_e, "CHUNK_H": chunk_h,
             "BLOCK_ALL": triton.next_power_of_2(num_experts), "BLOCK_K": triton.next_power_of_2(top_k),
             "NORM": bool(norm), "EVEN": num_experts % block_e == 0 and hidden % chunk_h == 0,
-            "SELECT": SELECTS.index(config.select),
-            "EARLY_W": fits if config.early_weights is None else config.early_weights}
-
-
-def early_weights_held(block_e: int, hidden: int, chunk_h: int) -> int:
-    """router_w elements one program holds with RouterConfig.early_weights (H rounded up to chunk_h)."""
-    return block_e * triton.cdiv(hidden, chunk_h) * chunk_h
+            "EARLY_W": early_weights}
 
 
 _SCRATCH: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -348,41 +238,44 @@ def _check_pre(pre, tokens: int, top_k: int, num_experts: int, device) -> None:
 
 def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, *,
                 weights: torch.Tensor | None = None, ids: torch.Tensor | None = None,
-                config: RouterConfig | None = None, pdl: bool = False,
+                tiles: RouterTiles = DEFAULT_TILES, pdl: bool = False, early_weights: bool = False,
                 pre: tuple[torch.Tensor, int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: hidden [T, H], router_w [E, H] -> (weights [T, k] float32, ids [T, k] int32).
 
     hidden and router_w share one dtype (bf16 / f16 / f32), contiguous; 1 <= T <= GEMV_MAX_TOKENS,
-    E <= ROUTER_MAX_EXPERTS. Logits accumulate in float32; softmax in float32 over all E; top-k by
-    weight descending, ties to the lower expert id; renormalised to sum 1 when norm_topk_prob.
+    E <= ROUTER_MAX_EXPERTS. Logits accumulate in float32; top-k by weight descending, ties to the
+    lower expert id; softmax in float32 (over the chosen k when norm_topk_prob, which renormalises
+    them to sum 1; over all E otherwise).
     weights / ids: optional outputs to write into (for CUDA graphs). One launch on the current stream,
     no host sync; with the outputs given and router_scratch made it allocates nothing (capturable).
     Cost: reads E * H weight elements once per token (repeat tokens meet in L2), O(k * E) to select.
-    pdl: on CUDA, a programmatic dependent launch (waits for its predecessor before reading; same
-    results; MoEConfig.pdl_chain).
+    tiles: RouterTiles. pdl: on CUDA, a programmatic dependent launch (waits for its predecessor
+    before reading; same results). early_weights: each program loads its router_w rows before that
+    wait, held in registers, so their round trips overlap the predecessor's tail (the same sums in
+    the same order: the same bits); the rows must fit (RouterTiles.early_weights_fit).
     pre: (slot_of int32 [L * E], key_base = layer * E, out int32 [T, k]): the selecting program also
     writes out[t, j] = slot_of[key_base + ids[t, j]] as it finds it (-1: not resident), the slots
-    before this layer's ensure (MoELayer's early hits). Same ids and weights as without. With the
-    packed selections ("topk", "packed") it reads this layer's E slots beside the logits and carries
-    each in its key's low 20 bits, so no load follows the selection: slot_of's entries must be -1 or
-    below 2**20 - 1 (expertcache.device_ensure.MAX_SLOTS - 1, as DeviceCache's are).
-    Raises ValueError naming the argument whose shape, dtype, device or value is wrong;
-    RuntimeError for CPU tensors without Triton's interpreter.
+    before this layer's ensure (MoELayer's early hits). Same ids and weights as without. It reads
+    this layer's E slots beside the logits and carries each in its key's low 20 bits, so no load
+    follows the selection: slot_of's entries must be -1 or below 2**20 - 1
+    (expertcache.device_ensure.MAX_SLOTS - 1, as DeviceCache's are).
+    Raises ValueError naming the argument whose shape, dtype, device or value is wrong (early_weights
+    whose rows do not fit included); RuntimeError for CPU tensors without Triton's interpreter.
     """
-    config = DEFAULT_ROUTER if config is None else config
-    if not isinstance(config, RouterConfig):
-        raise ValueError(f"router_topk: config must be a RouterConfig, "  # noqa: TRY004 (house: ValueError)
-                         f"got {type(config).__name__}")
+    if not isinstance(tiles, RouterTiles):
+        raise ValueError(f"router_topk: tiles must be a RouterTiles, "  # noqa: TRY004 (house: ValueError)
+                         f"got {type(tiles).__name__}")
+    if not isinstance(early_weights, bool):
+        raise ValueError(f"router_topk: early_weights must be a bool, got {early_weights!r}")  # noqa: TRY004
     tokens, num_experts, hid = _check_args(hidden, router_w, top_k, weights, ids)
     device = hidden.device
     if pre is not None:
         _check_pre(pre, tokens, top_k, num_experts, device)
-    meta = _constexprs(num_experts, hid, top_k, norm_topk_prob, config, tokens)
-    held = early_weights_held(meta["BLOCK_E"], hid, meta["CHUNK_H"])
-    if config.early_weights and held > EARLY_WEIGHTS_MAX_ELEMENTS:
-        raise ValueError(f"router_topk: RouterConfig.early_weights would hold {held} router_w elements per "
-                         f"program (block_e * H), more than {EARLY_WEIGHTS_MAX_ELEMENTS}; set early_weights=False "
-                         "or block_e=1")
+    if early_weights and not tiles.early_weights_fit(num_experts, hid, tokens):
+        raise ValueError(f"router_topk: early_weights would hold {tiles.early_weights_held(num_experts, hid, tokens)} "
+                         f"router_w elements per program (block_e * H), more than {EARLY_WEIGHTS_MAX_ELEMENTS}; "
+                         "pass early_weights=False or smaller RouterTiles.block_e_small / block_e")
+    meta = _constexprs(num_experts, hid, top_k, norm_topk_prob, tiles, tokens, early_weights)
     if weights is None:
         weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
     if ids is None:
@@ -394,7 +287,7 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
         gdc = bool(pdl) and device.type == "cuda"
         slot_of, key_base, pre_out = (ids, 0, ids) if pre is None else pre
         kernel[grid](hidden, router_w, logits, arrive, ids, weights, slot_of, key_base, pre_out, **meta,
-                     num_warps=config.warps, PRE=pre is not None,
+                     num_warps=tiles.warps, PRE=pre is not None,
                      **({"GDC": True, "launch_pdl": True} if gdc else {}))
     return weights, ids
 
@@ -412,19 +305,20 @@ def router_reference(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int,
 
 
 def compile_router_for_target(num_experts: int, hidden: int, top_k: int, dtype: str = "bf16",
-                              norm_topk_prob: bool = True, config: RouterConfig = DEFAULT_ROUTER,
-                              arch: int = 90, tokens: int = 1, pdl: bool = False, pre: bool = False) -> dict:
+                              norm_topk_prob: bool = True, tiles: RouterTiles = DEFAULT_TILES,
+                              arch: int = 90, tokens: int = 1, pdl: bool = False, pre: bool = False,
+                              early_weights: bool = False) -> dict:
     """Compile the router ahead of time for CUDA sm_<arch> (no GPU; needs ptxas); Triton's asm dict.
 
-    T sizes the grid and, with block_e=None, picks the experts per program (block_e_for): one binary
-    serves T = 1..SMALL_T, another the rest. pdl: the programmatic-launch variant (router_topk's
-    pdl). pre: the variant that also writes pre (router_topk's pre). Run it without TRITON_INTERPRET=1.
+    T sizes the grid and picks the experts per program (RouterTiles.block_e_for): one binary serves
+    T = 1..SMALL_T, another the rest. pdl, pre, early_weights: those variants (router_topk's
+    arguments). Run it without TRITON_INTERPRET=1.
     """
     p = f"*{dtype}"
     types = (p, p, "*fp32", "*i32", "*i32", "*fp32", "*i32", "i32", "*i32")
-    meta = _constexprs(num_experts, hidden, top_k, norm_topk_prob, config, tokens)
+    meta = _constexprs(num_experts, hidden, top_k, norm_topk_prob, tiles, tokens, early_weights)
     if pdl:
         meta["GDC"] = True
     if pre:
         meta["PRE"] = True
-    return compile_for_sm(_router_kernel, types, meta, config.warps, arch, _JIT_OPTIONS)
+    return compile_for_sm(_router_kernel, types, meta, tiles.warps, arch, _JIT_OPTIONS)

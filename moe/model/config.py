@@ -1,6 +1,6 @@
 """MoE block configuration: a checkpoint's config.json dict -> one validated, frozen MoEConfig.
 
-    config.json (dict) ──from_hf──► MoEConfig ──► plan.make_routed_plan / reference.moe_reference
+    config.json (dict) ──from_hf──► MoEConfig ──► plan.resolve_launch_plan / reference.moe_reference
     EXPERTCACHE_MOE_COPY_OVERLAP ──copy_overlap_from_env──► MoEConfig.copy_overlap
 
 Families read by `MoEConfig.from_hf` (chosen by `model_type`, or by the keys present when it is absent):
@@ -37,31 +37,9 @@ class MoEConfig:
     expert_intermediate: routed expert MLP width I. shared_intermediate: shared expert width Is
     (0 = no shared expert). norm_topk_prob: renormalise the top-k weights to sum to 1.
     dtype: weight/activation dtype name ("float32", "float16", "bfloat16").
-    copy_overlap: run the shared expert on a side stream while the miss copy is in flight.
-    pdl_chain: launch the router, ensure and miss copy with programmatic dependent launch too (each
-    waits for its predecessor before reading anything, so the same results). On by default: on the
-    H200 a step of four layers with misses ran 20-24 us faster with the overlap on (997-999 against
-    1020-1021 us) and the resident layer 1.4 us faster with the overlap off, the same with it on
-    (docs/moe.md). False launches them plainly.
-    early_hits: with the side stream in use (copy_overlap on and applied), the gate_up rows of the
-    experts already resident run on the side stream right after the router, beside the ensure and
-    miss copy (moe.engine.layer); the same output bits. No effect with the overlap off. None (the default):
-    on unless the pool holds every expert of every layer (MoELayer.refresh decides; then no step after
-    the pool fills misses, there is no copy to hide, and on the H200 one more resident layer took 25.2
-    us without early hits against 28.5 with them: docs/moe.md).
-    front_release: the routed down lets the next layer's router launch right after its own wait
-    (RoutedConfig.down_release) and the router loads its weights before its wait (RouterConfig.early_weights,
-    where they fit), the down prefetches 2 experts' tiles (RoutedConfig.down_prefetch, unless it is
-    set), and the miss copy lets the routed gate_up launch right after its own wait
-    (RoutedConfig.copy_release, unless it is set); the same output bits. None (the default): on unless the layer runs early hits
-    (beside them both made the resident layer slower, 33.8 against 29.8 us; without them faster: with
-    the overlap off one more resident layer took 31.6 against 32.8 us). False: the module defaults
-    (moe.kernels.routed.DEFAULT_CONFIG, moe.kernels.router.DEFAULT_ROUTER) decide, as they do for standalone calls.
-    hits_first: the routed gate_up is one persistent launch on the compute stream that computes the
-    experts resident before the ensure first, released by the miss copy at its start (with
-    pdl_chain), so their rows stream while the ensure and the copy run, then the others after the
-    copy (moe.kernels.routed part="first"); the same output bits. With the overlap on the side stream then
-    runs only the shared expert (early_hits is not used). Off by default.
+    copy_overlap: the user's choice of the side stream (the one launch option a user sets): run the
+    shared expert and the resident experts' gate_up beside the router, ensure and miss copy where
+    moe.kernels.plan.resolve_launch_plan finds it applies. Every other launch choice is resolved there.
 
     Raises ValueError naming the field on any invalid value.
     """
@@ -74,10 +52,6 @@ class MoEConfig:
     norm_topk_prob: bool = False
     dtype: str = "bfloat16"
     copy_overlap: bool = False
-    pdl_chain: bool = True
-    early_hits: bool | None = None
-    hits_first: bool = False
-    front_release: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden", "num_experts", "top_k", "expert_intermediate"):
@@ -85,12 +59,9 @@ class MoEConfig:
         _check_int("shared_intermediate", self.shared_intermediate, minimum=0)
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        for name in ("norm_topk_prob", "copy_overlap", "pdl_chain", "hits_first"):
+        for name in ("norm_topk_prob", "copy_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("early_hits", "front_release"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise ValueError(f"MoEConfig.{name} must be None, True or False, got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"MoEConfig.dtype={self.dtype!r} is not one of {DTYPES}")
 

@@ -74,7 +74,7 @@ def random_decoder(config: dict[str, Any], device: str | torch.device = "cuda", 
     for layer in range(spec.num_layers):
         if spec.sparse[layer]:
             m = spec.moe_index(layer)
-            mlp = MoEWeights(m, moe.kernels.router[m], None if moe.shared is None else moe.shared[m])
+            mlp = MoEWeights(m, moe.router[m], None if moe.shared is None else moe.shared[m])
         else:
             i = spec.dense_intermediate
             mlp = DenseWeights(_randn((2 * i, h), h ** -0.5, dtype, device, gen),

@@ -22,8 +22,9 @@ import torch
 
 from expertcache.copy import miss_copy
 from expertcache.pool import Bank, HostStore, SlotPool
-from moe.model.config import MoEConfig, copy_overlap_from_env
 from moe.engine.layer import DTYPES, MoELayer, SlotCache
+from moe.kernels.plan import LaunchPlan
+from moe.model.config import MoEConfig, copy_overlap_from_env
 from moe.model.reference import SharedWeights, moe_reference
 
 CHUNK_EXPERTS = 64  # experts generated on the device per host copy
@@ -81,30 +82,23 @@ class SyntheticModel:
 
     copy_overlap: None reads EXPERTCACHE_MOE_COPY_OVERLAP (default weights.cfg.copy_overlap);
     a bool sets MoEConfig.copy_overlap. policy: eviction policy name (--moe-cache-policy).
-    pdl_chain / early_hits / hits_first / front_release: None keeps weights.cfg's (MoEConfig.pdl_chain:
-    programmatic launches of router, ensure and miss copy; MoEConfig.early_hits: resident experts'
-    gate_up on the side stream; MoEConfig.hits_first: resident experts' gate_up first, on the compute
-    stream, during the ensure and copy; MoEConfig.front_release: the down releases the next router,
-    which loads its weights early); a bool sets it.
+    plan: None lets every layer resolve its LaunchPlan (moe.kernels.plan.resolve_launch_plan); a
+    LaunchPlan is given to every layer as it is (tests and benchmarks that compare plans build one,
+    e.g. dataclasses.replace(model.layers[0].plan, ...)), and kept through `rebuild`.
     Raises PoolError when the slots do not fit, RuntimeError when overlap is asked for on a GPU
-    without cuda-python.
+    without cuda-python, ValueError when a layer cannot launch `plan`.
     """
 
     def __init__(self, weights: SyntheticWeights, num_slots: int, device: str | torch.device = "cuda", *,
-                 copy_overlap: bool | None = None, policy: str = "lru", pdl_chain: bool | None = None,
-                 early_hits: bool | None = None, hits_first: bool | None = None,
-                 front_release: bool | None = None) -> None:
+                 copy_overlap: bool | None = None, policy: str = "lru", plan: LaunchPlan | None = None) -> None:
         overlap = copy_overlap_from_env(weights.cfg.copy_overlap) if copy_overlap is None else copy_overlap
-        flags = {name: v for name, v in (("pdl_chain", pdl_chain), ("early_hits", early_hits),
-                                         ("hits_first", hits_first), ("front_release", front_release))
-                 if v is not None}
-        self.cfg = dataclasses.replace(weights.cfg, copy_overlap=overlap, **flags)
+        self.cfg = dataclasses.replace(weights.cfg, copy_overlap=overlap)
         self.weights = weights
         pool = SlotPool(weights.store.banks, num_slots, device)
         self.slots = SlotCache(weights.store, pool, weights.num_layers, self.cfg.num_experts, policy)
         self.layers = [
             MoELayer(self.cfg, layer, weights.router[layer], self.slots,
-                     None if weights.shared is None else weights.shared[layer])
+                     None if weights.shared is None else weights.shared[layer], plan=plan)
             for layer in range(weights.num_layers)
         ]
 
@@ -156,7 +150,8 @@ class SyntheticModel:
                 miss_copy(self.slots.store, pool, buf.plan, buf.count)
 
     def rebuild(self, num_slots: int) -> None:
-        """Pool of `num_slots`, cold slot map, same side stream; every layer re-decides its overlap."""
+        """Pool of `num_slots`, cold slot map, same side stream; every layer re-resolves its plan (a
+        plan given at construction is kept)."""
         self.slots.rebuild(num_slots)
         for layer in self.layers:
             layer.refresh()

@@ -160,12 +160,10 @@ def test_errors_name_the_fix(interpret, monkeypatch):
         miss_copy(store, pool, plan, count, num_ctas=0)
     with pytest.raises(ValueError, match="block_bytes"):
         miss_copy(store, pool, plan, count, block_bytes=48)
-    with pytest.raises(ValueError, match="release_next and release_after_wait must be"):
-        miss_copy(store, pool, plan, count, pdl=True, release_next=1)
+    with pytest.raises(ValueError, match="pdl and release_after_wait must be"):
+        miss_copy(store, pool, plan, count, pdl=1)
     with pytest.raises(ValueError, match="release_after_wait must be"):
         miss_copy(store, pool, plan, count, pdl=True, release_after_wait="yes")
-    with pytest.raises(ValueError, match="not both"):
-        miss_copy(store, pool, plan, count, pdl=True, release_next=True, release_after_wait=True)
     with pytest.raises(ValueError, match="plan must be"):
         miss_copy_ce(store, pool, np.zeros((2, 3), dtype=np.int32))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -195,8 +193,7 @@ def test_gpu_miss_copy(bank_set, num_ctas):
         check(store, pool, ROWS[:count])
 
 
-RELEASES = {"plain": {}, "pdl": {"pdl": True}, "pdl-release-next": {"pdl": True, "release_next": True},
-            "pdl-release-after-wait": {"pdl": True, "release_after_wait": True}}
+RELEASES = {"plain": {}, "pdl": {"pdl": True}, "pdl-release-after-wait": {"pdl": True, "release_after_wait": True}}
 
 
 @gpu
@@ -204,7 +201,7 @@ RELEASES = {"plain": {}, "pdl": {"pdl": True}, "pdl-release-next": {"pdl": True,
 @pytest.mark.parametrize("launch", list(RELEASES))
 def test_gpu_miss_copy_follows_new_plans_under_graph_replay(launch):
     """The same bytes however the copy is launched: plainly, programmatically, and letting the next
-    launch start at once or right after its wait."""
+    launch start right after its wait."""
     banks = GPU_BANKS["expert"]
     store = make_store(banks, K, seed=21, pin=True)
     pool = poisoned_pool(banks, S, "cuda")

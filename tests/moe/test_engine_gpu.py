@@ -58,14 +58,13 @@ def _engine(path, k: int, dtype: str, policy: str, overlap: bool, batch: int = 2
 
 
 def _check_overlap(engine, overlap: bool) -> None:
-    """The side stream is used exactly when asked for and the block has side work: a shared expert
-    (qwen2) or the resident experts' gate_up (MoEConfig.early_hits, on by default where the pool cannot
-    hold every expert, as here; qwen3)."""
+    """The side stream is used exactly when asked for: the early hits (the resident experts' gate_up:
+    the pool holds batch * top_k slots, fewer than the experts) and the shared expert where the block
+    has one (qwen2; qwen3 has none)."""
     moe = engine.spec.moe
+    on = OverlapMode.SHARED_AND_HITS_ON_SIDE if moe.has_shared_expert else OverlapMode.HITS_ON_SIDE
     for layer in engine.moe.layers.values():
-        assert layer.early_hits  # the pool holds batch * top_k slots, fewer than the experts
-        want = OverlapMode.SIDE_STREAM if overlap and (moe.has_shared_expert or layer.early_hits) else OverlapMode.NONE
-        assert layer.overlap_mode is want, layer.overlap_reason
+        assert layer.plan.mode is (on if overlap else OverlapMode.INLINE), layer.plan.reason
 
 
 def _misses(engine) -> int:

@@ -2,10 +2,12 @@
 single-stream sequence, bit for bit.
 
 CPU (Triton's interpreter, tiny shapes): layer vs moe.model.reference over steps that evict every time,
-with and without a shared expert; the overlap decision and its reasons; rebuild; argument errors.
-GPU (`gpu`): flag on vs off bitwise (outputs, slot map, filled slots) for batch 1 and 2, eager and
-CUDA graph; kernel placement and the launch count (7 per layer) from a profiler trace; the side
-stream across a pool rebuild.
+with and without a shared expert; the launch plan the layer resolves, its reasons, an explicit plan;
+the plan's releases against none, bitwise; rebuild; argument errors.
+GPU (`gpu`): overlap on vs off bitwise (outputs, slot map, filled slots) for batch 1 and 2, eager and
+CUDA graph, and every launch choice of the plan against its alternative (early hits, PDL, each
+release); kernel placement and the launch count from a profiler trace; the side stream across a
+pool rebuild.
 
 The layer routes with the Triton router (float32 sums in its own order), the reference with torch:
 where a row's k-th and (k+1)-th probabilities nearly tie, the two may pick different experts, so
@@ -22,12 +24,10 @@ import pytest
 import torch
 
 import moe.engine.layer
-import moe.kernels.routed
-import moe.kernels.router
+from moe.kernels.plan import GEMV_MAX_TOKENS, LaunchPlan, OverlapMode, resolve_launch_plan
 from moe.model.config import MoEConfig
-from moe.testing.kernel_trace import kernels, kernels_in_range, load_trace, named
-from moe.kernels.plan import OverlapMode
 from moe.model.reference import route
+from moe.testing.kernel_trace import kernels, kernels_in_range, load_trace, named
 from moe.testing.synthetic import SyntheticModel, random_weights
 
 gpu = pytest.mark.gpu
@@ -78,6 +78,23 @@ def misses(model: SyntheticModel) -> int:
     return int(model.slots.cache.stats()["total_misses"])
 
 
+def plan_for(cfg: MoEConfig, num_slots: int, num_keys: int, device: str, overlap: bool, **fields) -> LaunchPlan:
+    """The plan a layer of `cfg` resolves over num_slots of num_keys on `device` (132 SMs on CUDA:
+    only the early hits' grid size depends on it), with `fields` replaced."""
+    plan = resolve_launch_plan(cfg, num_slots=num_slots, num_keys=num_keys, device=device,
+                               num_sms=torch.cuda.get_device_properties(0).multi_processor_count
+                               if device.startswith("cuda") else 4, copy_overlap=overlap)
+    return dataclasses.replace(plan, **fields)
+
+
+def without_releases(plan: LaunchPlan, top_k: int, prefetch: int | None = None) -> LaunchPlan:
+    """`plan` with no release, no early router weights and down_prefetch min(4, k) (or `prefetch`):
+    the launches before any front release existed."""
+    return dataclasses.replace(plan, down_release=False, copy_release=False,
+                               router_early_weights=(False,) * GEMV_MAX_TOKENS,
+                               down_prefetch=min(4, top_k) if prefetch is None else prefetch)
+
+
 @interpreter
 def test_warm_all_makes_every_expert_resident_cpu():
     """SyntheticModel.warm_all (the bench's resident mode): every key of every layer in a slot holding its
@@ -102,7 +119,7 @@ def test_warm_all_makes_every_expert_resident_cpu():
 def test_layer_matches_reference_cpu(shared, norm):
     cfg = dataclasses.replace(CPU_CFG, shared_intermediate=shared, norm_topk_prob=norm)
     model = SyntheticModel(random_weights(cfg, CPU_L, "cpu", seed=7), CPU_S, "cpu", copy_overlap=True)
-    assert model.layers[0].overlap_mode is OverlapMode.NONE
+    assert model.layers[0].plan.mode is OverlapMode.INLINE
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         before = misses(model)
@@ -114,20 +131,37 @@ def test_overlap_decision_and_reasons_cpu(monkeypatch):
     monkeypatch.delenv("EXPERTCACHE_MOE_COPY_OVERLAP", raising=False)
     weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=0)
     off = SyntheticModel(weights, CPU_S, "cpu")
-    assert off.cfg.copy_overlap is False and "EXPERTCACHE_MOE_COPY_OVERLAP" in off.layers[0].overlap_reason
+    assert off.cfg.copy_overlap is False and "EXPERTCACHE_MOE_COPY_OVERLAP" in off.layers[0].plan.reason
     monkeypatch.setenv("EXPERTCACHE_MOE_COPY_OVERLAP", "1")
     on = SyntheticModel(weights, CPU_S, "cpu")
-    assert on.cfg.copy_overlap is True and "cpu" in on.layers[0].overlap_reason
+    assert on.cfg.copy_overlap is True and "cpu" in on.layers[0].plan.reason
     assert on.layers[0].side is None and on.slots.side is None
-    plain = SyntheticModel(random_weights(dataclasses.replace(CPU_CFG, shared_intermediate=0), CPU_L, "cpu"),
-                           CPU_S, "cpu", early_hits=False)
-    assert "no shared expert and early_hits off" in plain.layers[0].overlap_reason
-    hits = SyntheticModel(random_weights(dataclasses.replace(CPU_CFG, shared_intermediate=0), CPU_L, "cpu"),
-                          CPU_S, "cpu")
-    assert "cpu" in hits.layers[0].overlap_reason  # early hits are side-stream work: only the device declines
-    first = SyntheticModel(random_weights(dataclasses.replace(CPU_CFG, shared_intermediate=0), CPU_L, "cpu"),
-                           CPU_S, "cpu", hits_first=True)
-    assert "no shared expert and hits_first on" in first.layers[0].overlap_reason
+    no_shared = random_weights(dataclasses.replace(CPU_CFG, shared_intermediate=0), CPU_L, "cpu")
+    full = SyntheticModel(no_shared, CPU_L * CPU_CFG.num_experts, "cpu")
+    assert "nothing to run on the side stream" in full.layers[0].plan.reason
+    hits = SyntheticModel(no_shared, CPU_S, "cpu")
+    assert "cpu" in hits.layers[0].plan.reason  # early hits are side-stream work: only the device declines
+
+
+def test_layer_resolves_its_plan_and_keeps_a_given_one_cpu():
+    """The layer's plan is resolve_launch_plan's for its pool, re-resolved by a rebuild; a plan given
+    at construction is used and kept through rebuilds; one the layer cannot launch is refused by name."""
+    weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=3)
+    keys = CPU_L * CPU_CFG.num_experts
+    model = SyntheticModel(weights, CPU_S, "cpu", copy_overlap=True)
+    assert model.layers[1].plan == plan_for(model.cfg, CPU_S, keys, "cpu", True)
+    assert model.layers[0].plan.down_release and model.layers[0].plan.down_prefetch == 2  # no early hits on a CPU
+    model.rebuild(keys)
+    assert model.layers[0].plan == plan_for(model.cfg, keys, keys, "cpu", True)
+    given = without_releases(model.layers[0].plan, CPU_CFG.top_k)
+    fixed = SyntheticModel(weights, CPU_S, "cpu", plan=given)
+    fixed.rebuild(keys)
+    assert all(layer.plan is given for layer in fixed.layers)
+    with pytest.raises(ValueError, match="side stream"):
+        SyntheticModel(weights, CPU_S, "cpu", plan=dataclasses.replace(given, mode=OverlapMode.SHARED_ON_SIDE))
+    no_shared = random_weights(dataclasses.replace(CPU_CFG, shared_intermediate=0), CPU_L, "cpu")
+    with pytest.raises(ValueError, match="shared_intermediate=0"):
+        SyntheticModel(no_shared, CPU_S, "cpu", plan=dataclasses.replace(given, mode=OverlapMode.SHARED_ON_SIDE))
 
 
 @interpreter
@@ -227,8 +261,8 @@ def state(model: SyntheticModel) -> dict[str, torch.Tensor]:
 def test_overlap_on_off_bitwise(gpu_weights, graph, tokens):
     off = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False)
     on = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=True)
-    assert off.layers[0].overlap_mode is OverlapMode.NONE
-    assert on.layers[0].overlap_mode is OverlapMode.SIDE_STREAM, on.layers[0].overlap_reason
+    assert off.layers[0].plan.mode is OverlapMode.INLINE
+    assert on.layers[0].plan.mode is OverlapMode.SHARED_AND_HITS_ON_SIDE, on.layers[0].plan.reason
     assert_steps_bitwise(off, on, graph, tokens, seed=tokens)
     on.close()
 
@@ -264,19 +298,21 @@ def assert_steps_bitwise(a_model: SyntheticModel, b_model: SyntheticModel, graph
 @needs_cuda
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_resident_pool_defaults_bitwise(gpu_weights, graph):
-    """A pool that holds every expert: the defaults resolve to no early hits and front_release on, with
-    the overlap on and off, and change no bit against the layer with both off (front_release=False,
-    early hits forced on) while the pool fills and once every expert is resident; eager and graph."""
+    """A pool that holds every expert: the plans resolve to no early hits and the front release on,
+    overlap on and off, and change no bit against the plan of a pool that cannot hold them (early hits
+    on, no release) and against the overlap off without releases, while the pool fills and once every
+    expert is resident; eager and graph."""
     keys = GPU_L * GPU_CFG.num_experts
-    plain = SyntheticModel(gpu_weights, keys, "cuda", copy_overlap=True, early_hits=True, front_release=False)
     off = SyntheticModel(gpu_weights, keys, "cuda", copy_overlap=False)
     on = SyntheticModel(gpu_weights, keys, "cuda", copy_overlap=True)
-    assert on.layers[0].overlap_mode is OverlapMode.SIDE_STREAM, on.layers[0].overlap_reason
+    assert on.layers[0].plan.mode is OverlapMode.SHARED_ON_SIDE, on.layers[0].plan.reason
     for model in (off, on):
-        assert not model.layers[0].early_hits and model.layers[0].front_release
-    assert plain.layers[0].early_hits and not plain.layers[0].front_release
+        assert model.layers[0].plan.down_release and model.layers[0].plan.copy_release
+    early = plan_for(on.cfg, keys - 1, keys, "cuda", True)
+    assert early.mode is OverlapMode.SHARED_AND_HITS_ON_SIDE and not early.down_release
+    plain = SyntheticModel(gpu_weights, keys, "cuda", copy_overlap=True, plan=early)
     assert_steps_bitwise(plain, on, graph, 2, seed=37, must_miss=False)
-    plain_off = SyntheticModel(gpu_weights, keys, "cuda", copy_overlap=False, front_release=False)
+    plain_off = SyntheticModel(gpu_weights, keys, "cuda", plan=without_releases(off.layers[0].plan, GPU_CFG.top_k))
     assert_steps_bitwise(plain_off, off, graph, 2, seed=41, must_miss=False)
     for model in (plain, plain_off, off, on):
         model.close()
@@ -287,11 +323,11 @@ def test_resident_pool_defaults_bitwise(gpu_weights, graph):
 @pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_pdl_chain_bitwise(gpu_weights, graph, overlap):
-    """MoEConfig.pdl_chain (router, ensure and miss copy launched programmatically) changes no bit:
+    """LaunchPlan.pdl (router, ensure and miss copy launched programmatically) changes no bit:
     outputs, slot maps and slot contents, with evictions every step, eager and in a CUDA graph."""
-    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap, pdl_chain=False)
-    chain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap)  # the default
-    assert chain.cfg.pdl_chain and not plain.cfg.pdl_chain
+    chain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap)  # the resolved plan
+    assert chain.layers[0].plan.pdl
+    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", plan=dataclasses.replace(chain.layers[0].plan, pdl=False))
     assert_steps_bitwise(plain, chain, graph, 2, seed=7)
     plain.close()
     chain.close()
@@ -306,8 +342,8 @@ def test_no_shared_expert_early_hits_bitwise(graph):
     weights = random_weights(dataclasses.replace(GPU_CFG, shared_intermediate=0), GPU_L, "cuda", seed=17)
     off = SyntheticModel(weights, GPU_S, "cuda", copy_overlap=False)
     on = SyntheticModel(weights, GPU_S, "cuda", copy_overlap=True)
-    assert on.layers[0].overlap_mode is OverlapMode.SIDE_STREAM, on.layers[0].overlap_reason
-    assert off.layers[0].overlap_mode is OverlapMode.NONE
+    assert on.layers[0].plan.mode is OverlapMode.HITS_ON_SIDE, on.layers[0].plan.reason
+    assert off.layers[0].plan.mode is OverlapMode.INLINE
     assert_steps_bitwise(off, on, graph, 2, seed=19)
     on.close()
 
@@ -316,165 +352,85 @@ def test_no_shared_expert_early_hits_bitwise(graph):
 @needs_cuda
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_early_hits_bitwise(gpu_weights, graph):
-    """MoEConfig.early_hits (the resident experts' gate_up on the side stream, the rest after the
-    copy) changes no bit against the overlap without it, with evictions every step."""
-    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=True, early_hits=False)
+    """The early hits (the resident experts' gate_up on the side stream, the rest after the copy)
+    change no bit against the overlap without them (the plan of a pool that holds every expert),
+    with evictions every step."""
     early = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=True)
-    assert early.cfg.early_hits is None and early.layers[0].early_hits  # the pool cannot hold every expert
-    assert not plain.layers[0].early_hits
+    keys = GPU_L * GPU_CFG.num_experts
+    assert early.layers[0].plan.mode is OverlapMode.SHARED_AND_HITS_ON_SIDE  # the pool cannot hold every expert
+    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", plan=plan_for(early.cfg, keys, keys, "cuda", True))
+    assert plain.layers[0].plan.mode is OverlapMode.SHARED_ON_SIDE
     assert_steps_bitwise(plain, early, graph, 2, seed=13)
     plain.close()
     early.close()
 
 
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_hits_first_bitwise(gpu_weights, graph, overlap):
-    """MoEConfig.hits_first (one persistent gate_up on the compute stream: the resident experts
-    while the ensure and the copy run, released by the copy, the others after it) changes no bit
-    against the default layer with the overlap off, with evictions every step, eager and in a CUDA
-    graph."""
-    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False)
-    first = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap, hits_first=True)
-    assert first.cfg.hits_first and not plain.cfg.hits_first
-    assert_steps_bitwise(plain, first, graph, 2, seed=23)
-    plain.close()
-    first.close()
-
-
-@contextlib.contextmanager
-def launch_options(down_release=False, router_early=False, down_prefetch=0, copy_release=False):
-    """The layer's launches with RoutedConfig.down_release / down_prefetch / copy_release and
-    RouterConfig.early_weights set (all off unless asked here; down_prefetch=None is its default,
-    min(4, k); the layer takes moe.kernels.routed.DEFAULT_CONFIG and moe.kernels.router.DEFAULT_ROUTER)."""
-    routed, router = moe.kernels.routed.DEFAULT_CONFIG, moe.kernels.router.DEFAULT_ROUTER
-    moe.kernels.routed.DEFAULT_CONFIG = dataclasses.replace(routed, down_release=down_release, down_prefetch=down_prefetch,
-                                                    copy_release=copy_release)
-    moe.kernels.router.DEFAULT_ROUTER = dataclasses.replace(router, early_weights=router_early)
-    try:
-        yield
-    finally:
-        moe.kernels.routed.DEFAULT_CONFIG, moe.kernels.router.DEFAULT_ROUTER = routed, router
-
-
-LAUNCH_OPTIONS = {"dr": {"down_release": True}, "rw": {"router_early": True},
-                  "dr+rw": {"down_release": True, "router_early": True}, "pf1": {"down_prefetch": 1},
-                  "pf-default": {"down_prefetch": None},
-                  "dr+rw+pf2": {"down_release": True, "router_early": True, "down_prefetch": 2},
-                  "cr": {"copy_release": True},
-                  "dr+rw+pf2+cr": {"down_release": True, "router_early": True, "down_prefetch": 2,
-                                   "copy_release": True}}
+RELEASES = {"dr": {"down_release": True}, "rw": {"router_early_weights": (True,) * GEMV_MAX_TOKENS},
+            "dr+rw": {"down_release": True, "router_early_weights": (True,) * GEMV_MAX_TOKENS},
+            "pf1": {"down_prefetch": 1}, "pf4": {"down_prefetch": 4},
+            "dr+rw+pf2": {"down_release": True, "router_early_weights": (True,) * GEMV_MAX_TOKENS, "down_prefetch": 2},
+            "cr": {"copy_release": True},
+            "dr+rw+pf2+cr": {"down_release": True, "router_early_weights": (True,) * GEMV_MAX_TOKENS,
+                             "down_prefetch": 2, "copy_release": True}}
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("options", list(LAUNCH_OPTIONS))
+@pytest.mark.parametrize("options", list(RELEASES))
 @pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_early_loads_bitwise(gpu_weights, graph, overlap, options):
-    """RoutedConfig.down_release (the next layer's router started by the down right after its wait),
-    RouterConfig.early_weights (the router loading its weights before its wait) and
-    RoutedConfig.down_prefetch (the down's slots and first weight tiles before its wait) and
-    RoutedConfig.copy_release (the gate_up launched right after the miss copy's wait, while it copies),
-    alone and together, change no bit against the layer with both off, overlap off and on (early hits on the side
-    stream), with evictions every step, so every layer's router runs while the layer before it may
-    still be writing; eager and in a CUDA graph."""
-    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False, front_release=False)
-    early = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap, front_release=False)
-    assert_steps_bitwise(plain, early, graph, 2, seed=29,
-                         b_context=lambda: launch_options(**LAUNCH_OPTIONS[options]), a_context=launch_options)
+def test_releases_bitwise(gpu_weights, graph, overlap, options):
+    """LaunchPlan.down_release (the next layer's router started by the down right after its wait),
+    router_early_weights (the router loading its weights before its wait), down_prefetch (the
+    down's slots and first weight tiles before its wait) and copy_release (the gate_up launched
+    right after the miss copy's wait, while it copies), alone and together, change no bit against
+    the plan with none of them, overlap off and on (early hits on the side stream), with evictions
+    every step, so every layer's router runs while the layer before it may still be writing; eager
+    and in a CUDA graph."""
+    resolved = plan_for(GPU_CFG, GPU_S, GPU_L * GPU_CFG.num_experts, "cuda", overlap)
+    base = without_releases(resolved, GPU_CFG.top_k, prefetch=0)
+    plain = SyntheticModel(gpu_weights, GPU_S, "cuda", plan=without_releases(
+        plan_for(GPU_CFG, GPU_S, GPU_L * GPU_CFG.num_experts, "cuda", False), GPU_CFG.top_k, prefetch=0))
+    early = SyntheticModel(gpu_weights, GPU_S, "cuda", plan=dataclasses.replace(base, **RELEASES[options]))
+    assert_steps_bitwise(plain, early, graph, 2, seed=29)
     plain.close()
     early.close()
 
 
-def test_early_hits_and_front_release_resolution_cpu():
-    """MoEConfig.early_hits=None: on unless the pool holds every expert of every layer (re-decided by a
-    rebuild); front_release=None: on unless the layer runs early hits (a CPU layer never overlaps, so
-    on); explicit values win; anything but None or a bool is refused by name."""
-    weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=3)
-    keys = CPU_L * CPU_CFG.num_experts
-    small, full = SyntheticModel(weights, CPU_S, "cpu"), SyntheticModel(weights, keys, "cpu")
-    assert small.layers[0].early_hits and not full.layers[0].early_hits
-    assert small.layers[0].front_release and full.layers[0].front_release
-    small.rebuild(keys)
-    assert not small.layers[0].early_hits
-    small.rebuild(keys - 1)
-    assert small.layers[0].early_hits
-    forced = SyntheticModel(weights, keys, "cpu", early_hits=True, front_release=False)
-    assert forced.layers[0].early_hits and not forced.layers[0].front_release
-    # the launch configs: front_release sets the router's early weights, the down's release and its
-    # prefetch of min(2, k) experts unless set; without it the module defaults stand
-    router, routed = full.layers[0]._launch_configs()
-    assert router.early_weights is None and routed.down_release and routed.down_prefetch == 2
-    assert forced.layers[0]._launch_configs() == (moe.kernels.router.DEFAULT_ROUTER, moe.kernels.routed.DEFAULT_CONFIG)
-    with launch_options(down_prefetch=3):
-        assert full.layers[0]._launch_configs()[1].down_prefetch == 3
-    # RoutedConfig.copy_release: None follows front_release; an explicit value wins
-    assert full.layers[0].copy_release() and not forced.layers[0].copy_release()
-    with launch_options(copy_release=None):
-        assert full.layers[0].copy_release() and not forced.layers[0].copy_release()
-    with launch_options(copy_release=True):
-        assert forced.layers[0].copy_release()
-    with pytest.raises(ValueError, match="RoutedConfig.copy_release must be None or a bool"):
-        moe.kernels.routed.RoutedConfig(copy_release=1)
-    one = SyntheticModel(random_weights(dataclasses.replace(CPU_CFG, top_k=1), CPU_L, "cpu"), keys, "cpu")
-    assert one.layers[0]._launch_configs()[1].down_prefetch == 1
-    for bad in ({"early_hits": 1}, {"front_release": "on"}):
-        with pytest.raises(ValueError, match=f"MoEConfig.{next(iter(bad))} must be None, True or False"):
-            dataclasses.replace(CPU_CFG, **bad)
-
-
 @interpreter
-def test_hits_first_matches_plain_cpu():
-    """hits_first on the CPU interpreter (no programmatic launch: the two halves in one launch, in
-    order): outputs, slot maps and pool equal to the default layer's, with evictions every step."""
-    weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=11)
-    plain = SyntheticModel(weights, CPU_S, "cpu")
-    first = SyntheticModel(weights, CPU_S, "cpu", hits_first=True)
-    gen = torch.Generator().manual_seed(12)
-    for _ in range(3):
-        x = torch.randn(2, CPU_CFG.hidden, generator=gen).to(BF16)
-        before = misses(first)
-        a, b = plain.step(x), first.step(x)
-        assert misses(first) > before, "every step must miss (and evict)"
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-        sa, sb = state(plain), state(first)
-        for name in sa:
-            assert torch.equal(sa[name], sb[name]), name
+def test_releases_match_none_cpu(monkeypatch):
+    """The resolved plan's releases (down_release, router_early_weights, down_prefetch=2 and
+    copy_release: a CPU layer never runs early hits, so all on) on the CPU interpreter: outputs, slot
+    maps and pool equal to the plan with none, with evictions every step; the copy is asked to
+    release the gate_up after its wait and the router to load its weights early only by that plan."""
+    asked = []
+    real_copy, real_router = moe.engine.layer.miss_copy, moe.engine.layer.router_topk
 
+    def spy_copy(*args, **kw):
+        asked.append(("copy_release", kw["release_after_wait"]))
+        return real_copy(*args, **kw)
 
-@interpreter
-def test_early_loads_match_plain_cpu(monkeypatch):
-    """RoutedConfig.down_release with RouterConfig.early_weights, RoutedConfig.down_prefetch and
-    RoutedConfig.copy_release on the CPU interpreter: outputs, slot maps and pool equal to the layer's
-    with all off, with evictions every step; the copy was asked to release the gate_up after its wait
-    only with copy_release."""
-    releases = []
-    real = moe.engine.layer.miss_copy
+    def spy_router(*args, **kw):
+        asked.append(("early_weights", kw["early_weights"]))
+        return real_router(*args, **kw)
 
-    def spy(*args, **kw):
-        releases.append((kw["release_next"], kw["release_after_wait"]))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(moe.engine.layer, "miss_copy", spy)
+    monkeypatch.setattr(moe.engine.layer, "miss_copy", spy_copy)
+    monkeypatch.setattr(moe.engine.layer, "router_topk", spy_router)
     weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=31)
-    plain = SyntheticModel(weights, CPU_S, "cpu", front_release=False)
-    early = SyntheticModel(weights, CPU_S, "cpu")  # MoEConfig.front_release=None: on (no early hits on a CPU)
-    assert early.layers[0].front_release and not plain.layers[0].front_release
+    early = SyntheticModel(weights, CPU_S, "cpu")
+    resolved = early.layers[0].plan
+    assert resolved.down_release and resolved.copy_release and resolved.down_prefetch == 2
+    plain = SyntheticModel(weights, CPU_S, "cpu", plan=without_releases(resolved, CPU_CFG.top_k, prefetch=0))
     gen = torch.Generator().manual_seed(32)
     for _ in range(3):
         x = torch.randn(2, CPU_CFG.hidden, generator=gen).to(BF16)
         before = misses(early)
-        releases.clear()
-        with launch_options():
-            a = plain.step(x)
-        assert releases == [(False, False)] * CPU_L
-        releases.clear()
-        with launch_options(down_release=True, router_early=True, down_prefetch=2, copy_release=True):
-            b = early.step(x)
-        assert releases == [(False, True)] * CPU_L
+        asked.clear()
+        a = plain.step(x)
+        assert asked == [("early_weights", False), ("copy_release", False)] * CPU_L
+        asked.clear()
+        b = early.step(x)
+        assert asked == [("early_weights", True), ("copy_release", True)] * CPU_L
         assert misses(early) > before, "every step must miss (and evict)"
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
         sa, sb = state(plain), state(early)
@@ -511,7 +467,7 @@ def test_copy_on_compute_stream_shared_on_side_stream(gpu_weights, overlap, tmp_
     ks = kernels(events)
     copies, ensures = named(ks, "_miss_copy_kernel"), named(ks, "ensure_kernel")
     routers, routed = named(ks, "_router_kernel"), named(ks, "_gate_up_kernel") + named(ks, "_down_kernel")
-    hits = named(ks, "_gate_up_hits")  # overlap on (MoEConfig.early_hits): resident experts' gate_up
+    hits = named(ks, "_gate_up_hits")  # overlap on (early hits: the pool cannot hold every expert)
     shared = kernels_in_range(events, "test.shared_expert")
     assert len(copies) == len(ensures) == len(routers) == GPU_L and len(routed) == 2 * GPU_L
     assert sorted(k.name for k in shared) == sorted(["_shared_gate_up", "_shared_down"] * GPU_L)
@@ -525,27 +481,6 @@ def test_copy_on_compute_stream_shared_on_side_stream(gpu_weights, overlap, tmp_
         assert side.isdisjoint(compute) and len(side) == 1
     else:
         assert side == compute
-    model.close()
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("overlap", [True, False], ids=["on", "off"])
-def test_hits_first_launches(gpu_weights, overlap, tmp_path):
-    """With MoEConfig.hits_first: seven launches per layer, the routed gate_up one _gate_up_first on
-    the compute stream (no _gate_up_hits, no _gate_up_kernel), the shared expert alone on the side
-    stream when overlapping."""
-    model = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap, hits_first=True)
-    x = torch.randn(2, GPU_CFG.hidden, device="cuda").to(BF16)
-    events = profile_step(model, x, tmp_path / "trace.json")
-    ks = kernels(events)
-    first, down = named(ks, "_gate_up_first"), named(ks, "_down_kernel")
-    compute = {k.stream for k in first + down + named(ks, "_miss_copy_kernel") + named(ks, "ensure_kernel")}
-    assert len(first) == len(down) == GPU_L and not named(ks, "_gate_up_hits") and not named(ks, "_gate_up_kernel")
-    assert len(ks) == 7 * GPU_L, sorted(k.name for k in ks)
-    assert len(compute) == 1
-    side = {k.stream for k in kernels_in_range(events, "test.shared_expert")}
-    assert side.isdisjoint(compute) if overlap else side == compute
     model.close()
 
 

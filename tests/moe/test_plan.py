@@ -1,4 +1,5 @@
-"""MoEConfig parsing and validation, routed plans, and the side-stream overlap decision table."""
+"""MoEConfig parsing and validation, routed plans, the side-stream decision table, and the launch
+plan's resolver against a table of the layer's launch choices before the plan existed."""
 
 import dataclasses
 
@@ -8,13 +9,15 @@ from moe.model.config import COPY_OVERLAP_ENV, MoEConfig, copy_overlap_from_env
 from moe.kernels.plan import (
     GEMV_BLOCK_I,
     GEMV_MAX_TOKENS,
+    LaunchPlan,
     OverlapMode,
     RoutedPlan,
     decode_side_applies,
     make_routed_plan,
     plan_supports_aux_stream_overlap,
-    select_overlap_mode,
+    resolve_launch_plan,
 )
+from moe.kernels.tiles import RoutedTiles, RouterTiles
 
 QWEN2_MOE = {  # Qwen1.5-MoE-A2.7B
     "model_type": "qwen2_moe", "hidden_size": 2048, "num_experts": 60, "num_experts_per_tok": 4,
@@ -85,7 +88,7 @@ def test_from_hf_unknown_model_type():
 
 @pytest.mark.parametrize("field, value", [
     ("hidden", 0), ("num_experts", -1), ("top_k", 0), ("top_k", 61), ("expert_intermediate", 0),
-    ("shared_intermediate", -1), ("norm_topk_prob", 1), ("copy_overlap", "yes"), ("pdl_chain", 1), ("dtype", "fp8"),
+    ("shared_intermediate", -1), ("norm_topk_prob", 1), ("copy_overlap", "yes"), ("dtype", "fp8"),
     ("hidden", 2.0), ("num_experts", True),
 ])
 def test_config_validation_names_field(field, value):
@@ -152,19 +155,15 @@ def test_make_plan_gemv_reads_repeated_slots_per_token():
     assert make_routed_plan(8, small).grid == (16, -(-30 // GEMV_BLOCK_I))
 
 
-@pytest.mark.parametrize("tokens, num_sms", [(9, 132), (512, 132), (4096, 78), (9, 1)])
-def test_make_plan_grouped_persistent(tokens, num_sms):
-    plan = make_routed_plan(tokens, CFG, num_sms=num_sms)
-    assert plan.family == "grouped-persistent" and len(plan.grid) == 1
-    assert 1 <= plan.grid[0] <= num_sms and plan.num_ctas == plan.grid[0]
-    assert plan_supports_aux_stream_overlap(plan)
+def test_make_plan_uses_the_tiles():
+    tiles = RoutedTiles(block_i=16)
+    assert make_routed_plan(3, CFG, tiles).grid == (3 * CFG.top_k, 1408 // 16)
 
 
-@pytest.mark.parametrize("tokens, num_sms, name", [(0, 132, "tokens"), (-3, 132, "tokens"),
-                                                   (1, 0, "num_sms"), (True, 132, "tokens")])
-def test_make_plan_rejects(tokens, num_sms, name):
-    with pytest.raises(ValueError, match=name):
-        make_routed_plan(tokens, CFG, num_sms=num_sms)
+@pytest.mark.parametrize("tokens", [0, -3, True, GEMV_MAX_TOKENS + 1, 512, 1.0])
+def test_make_plan_rejects_non_decode_sizes(tokens):
+    with pytest.raises(ValueError, match="tokens"):
+        make_routed_plan(tokens, CFG)
 
 
 # ---------------------------------------------------------------- decode_side_applies
@@ -202,15 +201,156 @@ def test_decode_side_unknown_values(args, name):
         decode_side_applies(*args, SAFE)
 
 
-def test_select_overlap_mode():
-    assert select_overlap_mode(CFG, "decode", "cuda", 1, SAFE)[0] is OverlapMode.SIDE_STREAM
-    off = dataclasses.replace(CFG, copy_overlap=False)
-    mode, reason = select_overlap_mode(off, "decode", "cuda", 1, SAFE)
-    assert mode is OverlapMode.NONE and COPY_OVERLAP_ENV in reason
-    no_shared = dataclasses.replace(CFG, shared_intermediate=0)  # early hits are its side work
-    assert select_overlap_mode(no_shared, "decode", "cuda", 1, SAFE)[0] is OverlapMode.SIDE_STREAM
-    mode, reason = select_overlap_mode(dataclasses.replace(no_shared, early_hits=False), "decode", "cuda", 1, SAFE)
-    assert mode is OverlapMode.NONE and "early_hits off" in reason
-    assert select_overlap_mode(dataclasses.replace(no_shared, copy_overlap=False), "decode", "cuda", 1,
-                               SAFE)[0] is OverlapMode.NONE
-    assert select_overlap_mode(CFG, "prefill", "cuda", 1, SAFE)[0] is OverlapMode.NONE
+
+
+# ---------------------------------------------------------------- the launch plan's resolver
+
+
+def _resolve(cfg=CFG, *, slots=100, keys=1000, device="cuda:0", sms=132, overlap=True, **kw) -> LaunchPlan:
+    return resolve_launch_plan(cfg, num_slots=slots, num_keys=keys, device=device, num_sms=sms,
+                               copy_overlap=overlap, **kw)
+
+
+def _old_layer(cfg: MoEConfig, slots: int, keys: int, device: str, sms: int, overlap: bool) -> dict:
+    """The launch choices of the layer before the plan existed, transcribed from MoELayer.refresh,
+    MoELayer._launch_configs and plan.select_overlap_mode at commit 5101031 with every default:
+    early_hits=None, front_release=None, pdl_chain=True, hits_first=False, RouterConfig() and
+    RoutedConfig() (pdl on; programmatic launches take effect on CUDA only)."""
+    early_hits = slots < keys  # early_hits=None
+    side = (cfg.has_shared_expert or early_hits) and overlap and device != "cpu"
+    front = not (side and early_hits)  # front_release=None: on unless the layer runs early hits
+    k, e, h = cfg.top_k, cfg.num_experts, cfg.hidden
+    pow2 = lambda n: 1 << (n - 1).bit_length()
+
+    def fits(tokens):  # RouterConfig.early_weights=None: where block_e * H fits
+        block_e = min(2 if tokens <= 4 else 4, pow2(e))
+        chunk = min(1024, pow2(h))
+        return block_e * -(-h // chunk) * chunk <= 16384
+
+    return {"side": side, "shared_side": side and cfg.has_shared_expert, "hits_side": side and early_hits,
+            "pdl": device != "cpu", "early_weights": tuple(front and fits(t) for t in range(1, GEMV_MAX_TOKENS + 1)),
+            "down_release": front, "copy_release": front, "down_prefetch": min(2 if front else 4, k),
+            "hits_programs": 8 * (sms if device != "cpu" else 4)}
+
+
+def _choices(plan: LaunchPlan) -> dict:
+    return {"side": plan.mode.side_stream, "shared_side": plan.mode.shared_on_side,
+            "hits_side": plan.mode.hits_on_side, "pdl": plan.pdl, "early_weights": plan.router_early_weights,
+            "down_release": plan.down_release, "copy_release": plan.copy_release,
+            "down_prefetch": plan.down_prefetch, "hits_programs": plan.hits_programs}
+
+
+# shared expert, pool full, overlap, device -> mode, releases (down_release = copy_release), prefetch at k = 4
+RESOLVED = [
+    (True, False, True, "cuda", OverlapMode.SHARED_AND_HITS_ON_SIDE, False, 4),
+    (True, True, True, "cuda", OverlapMode.SHARED_ON_SIDE, True, 2),
+    (False, False, True, "cuda", OverlapMode.HITS_ON_SIDE, False, 4),
+    (False, True, True, "cuda", OverlapMode.INLINE, True, 2),
+    (True, False, False, "cuda", OverlapMode.INLINE, True, 2),
+    (False, False, False, "cuda:1", OverlapMode.INLINE, True, 2),
+    (True, False, True, "cpu", OverlapMode.INLINE, True, 2),
+    (False, True, True, "cpu", OverlapMode.INLINE, True, 2),
+]
+
+
+@pytest.mark.parametrize("shared, full, overlap, device, mode, release, prefetch", RESOLVED)
+def test_resolver_table(shared, full, overlap, device, mode, release, prefetch):
+    cfg = dataclasses.replace(CFG, shared_intermediate=5632 if shared else 0)
+    plan = _resolve(cfg, slots=1000 if full else 999, keys=1000, device=device, overlap=overlap)
+    assert plan.mode is mode, plan.reason
+    assert (plan.down_release, plan.copy_release, plan.down_prefetch) == (release, release, prefetch)
+    assert plan.router_early_weights == (release,) * GEMV_MAX_TOKENS  # H = 2048 fits at every T
+    assert plan.pdl is (device != "cpu") and plan.router_tiles == RouterTiles() and plan.routed_tiles == RoutedTiles()
+
+
+SHAPES = [(2048, 512, 10), (2048, 60, 4), (4096, 8, 2), (8192, 512, 8), (8192, 2, 1), (16384, 64, 6), (48, 5, 3)]
+
+
+@pytest.mark.parametrize("hidden, experts, k", SHAPES)
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "no-shared"])
+@pytest.mark.parametrize("full", [True, False], ids=["full", "misses"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["on", "off"])
+@pytest.mark.parametrize("device, sms", [("cuda", 132), ("cuda:3", 78), ("cpu", 4)])
+def test_resolver_equals_the_layer_before_the_plan(hidden, experts, k, shared, full, overlap, device, sms):
+    """Every launch choice, at every decode size T (the router's early weights fit at some T only
+    where H is 8192: 2 experts per program up to 4 tokens, 4 above), equals the old layer's."""
+    cfg = MoEConfig(hidden=hidden, num_experts=experts, top_k=k, expert_intermediate=64,
+                    shared_intermediate=32 if shared else 0)
+    keys = 3 * experts
+    slots = keys if full else keys - 1
+    plan = _resolve(cfg, slots=slots, keys=keys, device=device, sms=sms, overlap=overlap)
+    assert _choices(plan) == _old_layer(cfg, slots, keys, device, sms, overlap)
+
+
+def test_early_weights_follow_the_token_count():
+    cfg = MoEConfig(hidden=8192, num_experts=512, top_k=8, expert_intermediate=64)
+    plan = _resolve(cfg, slots=512, keys=512)  # no shared expert, full pool: inline, front release on
+    assert plan.mode is OverlapMode.INLINE and plan.down_release
+    assert plan.router_early_weights == (True,) * 4 + (False,) * 4
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"overlap": False}, "EXPERTCACHE_MOE_COPY_OVERLAP"), ({"device": "cpu"}, "cpu"),
+    ({"tp_size": 2}, "tp_size"), ({"hybrid": True}, "hybrid"),
+    ({"cfg": dataclasses.replace(CFG, shared_intermediate=0), "slots": 1000}, "nothing to run"),
+])
+def test_resolver_reasons(kwargs, word):
+    plan = _resolve(**kwargs)
+    assert plan.mode is OverlapMode.INLINE and word in plan.reason
+
+
+def test_resolver_accepts_with_a_reason():
+    plan = _resolve()
+    assert plan.mode is OverlapMode.SHARED_AND_HITS_ON_SIDE and "overlap-safe" in plan.reason
+    assert plan.summary()["mode"] == "shared_and_hits_on_side" and plan.summary()["routed_tiles"] == "i1x1024w2-h2x512w4"
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"slots": 0}, "num_slots"), ({"keys": True}, "num_keys"), ({"sms": 0}, "num_sms"),
+    ({"overlap": 1}, "copy_overlap"), ({"device": "gpu"}, "device"), ({"tp_size": 0}, "tp_size"),
+])
+def test_resolver_rejects(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        _resolve(**kwargs)
+
+
+def test_modes_name_what_runs_on_the_side_stream():
+    assert [m.side_stream for m in OverlapMode] == [False, True, True, True]
+    assert [m.shared_on_side for m in OverlapMode] == [False, True, False, True]
+    assert [m.hits_on_side for m in OverlapMode] == [False, False, True, True]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("mode", "inline"), ("reason", ""), ("pdl", 1), ("router_early_weights", (True,) * 7),
+    ("router_early_weights", [False] * GEMV_MAX_TOKENS), ("down_release", None), ("copy_release", "yes"),
+    ("down_prefetch", -1), ("down_prefetch", True), ("hits_programs", 0), ("router_tiles", RoutedTiles()),
+    ("routed_tiles", None),
+])
+def test_launch_plan_validation_names_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(_resolve(), **{field: value})
+
+
+def test_launch_plan_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        _resolve().pdl = False
+
+
+@pytest.mark.parametrize("cls, field, value", [
+    (RouterTiles, "block_e_small", 3), (RouterTiles, "block_e", 0), (RouterTiles, "chunk_h", True),
+    (RouterTiles, "warps", 32), (RoutedTiles, "block_i", 3), (RoutedTiles, "chunk_i", 2.0),
+    (RoutedTiles, "warps_gate_up", 6), (RoutedTiles, "warps_down", 32), (RoutedTiles, "block_h", None),
+])
+def test_tiles_validation_names_field(cls, field, value):
+    with pytest.raises(ValueError, match=f"{cls.__name__}.{field}"):
+        cls(**{field: value})
+
+
+def test_router_tiles_by_token_count():
+    """2 experts per program up to 4 tokens and 4 above, capped at E's power of two."""
+    tiles = RouterTiles()
+    assert [tiles.block_e_for(t, 512) for t in range(1, 9)] == [2, 2, 2, 2, 4, 4, 4, 4]
+    assert tiles.block_e_for(8, 2) == 2 and tiles.block_e_for(8, 3) == 4
+    assert {RouterTiles(block_e_small=8, block_e=8).block_e_for(t, 512) for t in range(1, 9)} == {8}
+    assert tiles.chunk_for(48) == 64 and tiles.early_weights_held(512, 48, 1) == 128
+    assert tiles.name == "b2-4w4" and RouterTiles(block_e_small=8, block_e=8, warps=2).name == "b8w2"

@@ -11,20 +11,17 @@ import torch
 
 from moe.model.config import MoEConfig
 from moe.kernels.plan import GEMV_MAX_TOKENS, make_routed_plan
-from moe.model.reference import expert_mlp, moe_reference, route, shared_expert
 from moe.kernels.routed import (
-    DOWN_PREFETCH,
     NO_SLOT,
-    RoutedConfig,
-    down_prefetch,
     routed_down,
     routed_experts,
     routed_gate_up,
     routed_grids,
-    routed_plan,
     routed_reference,
     routed_scratch,
 )
+from moe.kernels.tiles import RoutedTiles
+from moe.model.reference import expert_mlp, moe_reference, route, shared_expert
 from tests.conftest import compile_check, device_or_skip
 
 QWEN3_NEXT = {"hidden": 2048, "inter": 512, "top_k": 10}  # H, I, k of the Qwen3-Next-like layer
@@ -91,17 +88,17 @@ def test_matches_per_pair_reference(dtype, tokens, top_k):
     assert_close(got, routed_reference(hidden, slots, weights, gate_up, down), 1e-4)
 
 
-@pytest.mark.parametrize("config", [
-    RoutedConfig(block_i=8, chunk_h=32, warps_gate_up=2, block_h=32, chunk_i=16, warps_down=1),
-    RoutedConfig(block_i=64, chunk_h=64, block_h=1, chunk_i=8),
+@pytest.mark.parametrize("tiles", [
+    RoutedTiles(block_i=8, chunk_h=32, warps_gate_up=2, block_h=32, chunk_i=16, warps_down=1),
+    RoutedTiles(block_i=64, chunk_h=64, block_h=1, chunk_i=8),
 ])
-def test_uneven_shapes_and_other_tiles(config):
+def test_uneven_shapes_and_other_tiles(tiles):
     """H and I that no tile divides: every row and column mask is exercised."""
     device, _ = device_or_skip()
     gate_up, down = make_pool(7, 48, 20, torch.bfloat16, device, seed=3)
     slots, weights = make_route(4, 3, 7, device, seed=4, pad=2)
     hidden = torch.randn(4, 48).bfloat16().to(device)
-    got = routed_experts(hidden, slots, weights, gate_up, down, config=config)
+    got = routed_experts(hidden, slots, weights, gate_up, down, tiles=tiles)
     assert_close(got, per_pair_reference(hidden, slots, weights, gate_up, down), 1e-4)
 
 
@@ -157,38 +154,41 @@ def test_bitwise_repeatable_and_out_reuse():
 @pytest.mark.parametrize("prefetch", [1, 2, 3])
 @pytest.mark.parametrize("tiles", [{}, {"block_h": 32, "chunk_i": 8, "warps_down": 1}], ids=["default", "uneven"])
 def test_down_prefetch_changes_no_bit(prefetch, tiles):
-    """RoutedConfig.down_prefetch (the slots and the first experts' weight tiles loaded before the
-    wait) sums in the same order: bit for bit the default, with H and I no tile divides (several
-    chunks of I per expert), padding, repeated and out-of-range slots, and the fused combine."""
+    """down_prefetch (the slots and the first experts' weight tiles loaded before the wait) sums in
+    the same order: bit for bit no prefetch, with H and I no tile divides (several chunks of I per
+    expert), padding, repeated and out-of-range slots, and the fused combine."""
     device, _ = device_or_skip()
     gate_up, down = make_pool(7, 48, 20, torch.bfloat16, device, seed=30)
     slots, weights = make_route(4, 3, 7, device, seed=31, pad=2)
     slots[1, 2] = 9  # >= S: adds nothing, prefetched or not
     hidden = torch.randn(4, 48).bfloat16().to(device)
     addend = torch.randn(4, 48, generator=torch.Generator().manual_seed(32)).to(device)
-    base, pf = RoutedConfig(**tiles, down_prefetch=0), RoutedConfig(**tiles, down_prefetch=prefetch)
-    want = routed_experts(hidden, slots, weights, gate_up, down, config=base)
-    assert torch.equal(routed_experts(hidden, slots, weights, gate_up, down, config=pf), want)
-    got = routed_experts(hidden, slots, weights, gate_up, down, addend=addend, config=pf)
-    assert torch.equal(got, routed_experts(hidden, slots, weights, gate_up, down, addend=addend, config=base))
+    tiles = RoutedTiles(**tiles)
+    want = routed_experts(hidden, slots, weights, gate_up, down, tiles=tiles, down_prefetch=0)
+    assert torch.equal(routed_experts(hidden, slots, weights, gate_up, down, tiles=tiles, down_prefetch=prefetch), want)
+    got = routed_experts(hidden, slots, weights, gate_up, down, addend=addend, tiles=tiles, down_prefetch=prefetch)
+    assert torch.equal(got, routed_experts(hidden, slots, weights, gate_up, down, addend=addend, tiles=tiles,
+                                           down_prefetch=0))
 
 
-def test_down_prefetch_past_k_is_refused_by_name():
+def test_down_prefetch_past_k_prefetches_all_k():
+    """A prefetch above the call's k loads all k experts (the default DOWN_PREFETCH = 4 at k = 3
+    too); a negative one is refused by name before anything is launched."""
     device, _ = device_or_skip()
     gate_up, down = make_pool(7, 48, 20, torch.bfloat16, device, seed=33)
     slots, weights = make_route(2, 3, 7, device, seed=34)
     hidden = torch.randn(2, 48).bfloat16().to(device)
+    want = routed_experts(hidden, slots, weights, gate_up, down, down_prefetch=3)
+    assert torch.equal(routed_experts(hidden, slots, weights, gate_up, down, down_prefetch=10), want)
+    assert torch.equal(routed_experts(hidden, slots, weights, gate_up, down), want)
     act = routed_gate_up(hidden, slots, weights, gate_up)
     before = act.clone()
-    with pytest.raises(ValueError, match="down_prefetch"):
-        routed_down(act, slots, down, config=RoutedConfig(down_prefetch=4))
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="prefetch"):
+            routed_down(act, slots, down, prefetch=bad)
+    with pytest.raises(ValueError, match="release"):
+        routed_down(act, slots, down, release=1)
     assert torch.equal(act, before)
-    with pytest.raises(ValueError, match="down_prefetch"):
-        routed_experts(hidden, slots, weights, gate_up, down, config=RoutedConfig(down_prefetch=4))
-    # the default (None) takes min(DOWN_PREFETCH, k): k = 3 here, as an explicit 3
-    assert down_prefetch(RoutedConfig(), 3) == 3 and down_prefetch(RoutedConfig(), 10) == DOWN_PREFETCH == 4
-    assert torch.equal(routed_experts(hidden, slots, weights, gate_up, down),
-                       routed_experts(hidden, slots, weights, gate_up, down, config=RoutedConfig(down_prefetch=3)))
 
 
 # ---------------------------------------------------------------- the layer's options: combine, shared gate
@@ -250,27 +250,6 @@ def test_hits_then_rest_equal_one_gate_up(tokens):
     assert torch.equal(act, want)
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_first_equals_one_gate_up(tokens):
-    """part="first" (one persistent launch: the pre >= 0 pairs at pre, then the others at slots)
-    writes every act row bit for bit as one part="all" launch over the final slots; the hits are
-    read at pre (their entries in `slots` are garbage here) and the rest at slots."""
-    device, _ = device_or_skip()
-    gate_up, _ = make_pool(12, 64, 32, torch.bfloat16, device, seed=41)
-    slots, weights = make_route(tokens, 4, 12, device, seed=42, pad=0)
-    hidden = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(43)).bfloat16().to(device)
-    hit = torch.rand(slots.shape, generator=torch.Generator().manual_seed(44)) < 0.5
-    hit.view(-1)[0], hit.view(-1)[-1] = True, False  # both halves non-empty
-    hit = hit.to(device)
-    pre = torch.where(hit, slots, torch.full_like(slots, NO_SLOT))
-    want = routed_gate_up(hidden, slots, weights, gate_up, act=torch.empty(tokens * 4, 32, device=device)).clone()
-    stale = torch.where(hit, (slots + 5) % 12, slots)  # a hit's entry in slots is never read
-    for programs in (None, 3, 1000):
-        act = torch.full((tokens * 4, 32), float("nan"), device=device)
-        routed_gate_up(hidden, stale, weights, gate_up, act=act, part="first", pre=pre, programs=programs)
-        assert torch.equal(act, want), programs
-
-
 def test_parts_need_pre_and_routed_experts():
     device, _ = device_or_skip()
     gate_up, _ = make_pool(4, 16, 8, torch.bfloat16, device, seed=35)
@@ -284,8 +263,8 @@ def test_parts_need_pre_and_routed_experts():
         routed_gate_up(hidden, slots, weights, gate_up, part="rest", pre=slots[:, :1].contiguous())
     with pytest.raises(ValueError, match="programs must be"):
         routed_gate_up(hidden, slots, weights, gate_up, part="hits", pre=slots, programs=0)
-    with pytest.raises(ValueError, match="pre"):
-        routed_gate_up(hidden, slots, weights, gate_up, part="first")
+    with pytest.raises(ValueError, match="part must be one of"):
+        routed_gate_up(hidden, slots, weights, gate_up, part="first", pre=slots)
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
@@ -348,7 +327,7 @@ def _args():
     ("down", torch.zeros(3, 16, 8, dtype=torch.bfloat16)),
     ("out", torch.zeros(2, 16, dtype=torch.bfloat16)),
     ("out", torch.zeros(1, 16)),
-    ("config", "default"),
+    ("tiles", "default"), ("down_release", None), ("down_prefetch", -1),
 ])
 def test_bad_arguments_are_named(name, bad):
     args = {**_args(), name: bad}
@@ -364,30 +343,15 @@ def test_device_mismatch_is_named():
         routed_experts(**args)
 
 
-@pytest.mark.parametrize("field, value", [("block_i", 3), ("chunk_h", 0), ("block_h", True),
-                                          ("chunk_i", 2.0), ("warps_down", 32), ("warps_gate_up", 6),
-                                          ("pdl", 1), ("down_release", None), ("down_prefetch", -1),
-                                          ("down_prefetch", True), ("down_prefetch", 1.0)])
-def test_config_validation_names_field(field, value):
-    with pytest.raises(ValueError, match=field):
-        RoutedConfig(**{field: value})
-
-
 @pytest.mark.parametrize("tokens", range(1, GEMV_MAX_TOKENS + 1))
 def test_plan_grid_is_the_launched_grid(tokens):
     cfg = MoEConfig(hidden=2048, num_experts=512, top_k=10, expert_intermediate=512)
-    assert routed_plan(tokens, cfg) == make_routed_plan(tokens, cfg)  # default tiles = plan.py's
-    other = RoutedConfig(block_i=16, block_h=8)
-    plan = routed_plan(tokens, cfg, config=other)
+    assert make_routed_plan(tokens, cfg).grid == routed_grids(tokens, 10, 2048, 512)[0] == (tokens * 10, 512)
+    other = RoutedTiles(block_i=16, block_h=8)
+    plan = make_routed_plan(tokens, cfg, other)
     assert plan.grid == routed_grids(tokens, 10, 2048, 512, other)[0] == (tokens * 10, 32)
     assert routed_grids(tokens, 10, 2048, 512, other)[1] == (tokens, 256)
     assert not plan.needs_coresident_grid
-
-
-def test_plan_rejects_prefill_sized_calls():
-    cfg = MoEConfig(hidden=64, num_experts=8, top_k=2, expert_intermediate=32)
-    with pytest.raises(ValueError, match="tokens"):
-        routed_plan(GEMV_MAX_TOKENS + 1, cfg)
 
 
 def test_scratch_is_made_once_per_device_and_shape():
@@ -399,41 +363,37 @@ def test_scratch_is_made_once_per_device_and_shape():
 
 SM90_CHECK = r"""
 import json, re
-from moe.kernels.routed import RoutedConfig, compile_for_target
+from moe.kernels.routed_host import compile_for_target
 asm = compile_for_target(10, 2048, 512, "bf16")
 out = {name: [bool(a.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", a["ptx"]))]
        for name, a in asm.items()}
 out["combine_rounds_to_nearest_even"] = "cvt.rn.bf16.f32" in asm["_down_kernel+combine"]["ptx"]
-plain = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(pdl=False))
-out["griddepcontrol"] = sorted(n for n, a in {**asm, **{n + "/plain": a for n, a in plain.items()}}.items()
-                               if "griddepcontrol.wait" in a["ptx"])
+out["griddepcontrol"] = sorted(n for n, a in asm.items() if "griddepcontrol.wait" in a["ptx"])
 print(json.dumps(out))
 """
 
 
 def test_compiles_for_sm90_with_16_byte_loads():
-    """Every variant the layer launches (routed, fused combine, shared expert with its gate), default
-    tiles, Qwen3-Next shape, compiles for sm_90 (T only sizes the grid, so one binary serves
-    T = 1..8) and streams the weights with 16-byte vector loads. Runs in a child
-    process without TRITON_INTERPRET, which would replace the compiler's language hooks."""
+    """Every variant the layer launches (routed, fused combine, shared expert with its gate, early
+    hits), default tiles, Qwen3-Next shape, compiles for sm_90 (T only sizes the grid, so one binary
+    serves T = 1..8) and streams the weights with 16-byte vector loads. Runs in a child process
+    without TRITON_INTERPRET, which would replace the compiler's language hooks."""
     result = compile_check(SM90_CHECK)
-    assert result == {name: [True, True] for name in ("_gate_up_kernel", "_gate_up_hits", "_gate_up_first",
-                                                      "_gate_up_kernel+rest", "_down_kernel",
-                                                      "_down_kernel+combine", "_shared_gate_up",
+    assert result == {name: [True, True] for name in ("_gate_up_kernel", "_gate_up_hits", "_gate_up_kernel+rest",
+                                                      "_down_kernel", "_down_kernel+combine", "_shared_gate_up",
                                                       "_shared_down")} | {
         "combine_rounds_to_nearest_even": True,
-        # programmatic launch by default (RoutedConfig.pdl), never with pdl=False, for the shared
-        # expert, nor for the early hits (launched behind an event wait on the side stream)
-        "griddepcontrol": ["_down_kernel", "_down_kernel+combine", "_gate_up_first", "_gate_up_kernel",
-                           "_gate_up_kernel+rest"]}
+        # programmatic launches, except the shared expert's and the early hits' (launched behind an
+        # event wait on the side stream)
+        "griddepcontrol": ["_down_kernel", "_down_kernel+combine", "_gate_up_kernel", "_gate_up_kernel+rest"]}
 
 
 RELEASE_CHECK = r"""
 import json
-from moe.kernels.routed import RoutedConfig, compile_for_target
+from moe.kernels.routed_host import compile_for_target
 out = {}
 for release in (False, True):
-    asm = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(down_release=release))
+    asm = compile_for_target(10, 2048, 512, "bf16", down_release=release)
     out[str(release)] = {name: [bool(asm[name].get("cubin")), "griddepcontrol.launch_dependents" in asm[name]["ptx"]]
                          for name in ("_down_kernel", "_down_kernel+combine")}
 print(json.dumps(out))
@@ -441,19 +401,19 @@ print(json.dumps(out))
 
 
 def test_down_release_lets_the_next_launch_start_for_sm90():
-    """Only RoutedConfig.down_release makes the down launches (both variants the layer launches) let
-    the next programmatic launch start: griddepcontrol.launch_dependents in their PTX. A child
-    process (no interpreter)."""
+    """Only down_release makes the down launches (both variants the layer launches) let the next
+    programmatic launch start: griddepcontrol.launch_dependents in their PTX. A child process (no
+    interpreter)."""
     assert compile_check(RELEASE_CHECK) == {"False": {"_down_kernel": [True, False], "_down_kernel+combine": [True, False]},
                                             "True": {"_down_kernel": [True, True], "_down_kernel+combine": [True, True]}}
 
 
 PREFETCH_CHECK = r"""
 import json
-from moe.kernels.routed import RoutedConfig, compile_for_target
+from moe.kernels.routed_host import compile_for_target
 out = {}
 for prefetch in (0, 1, 10, None):
-    asm = compile_for_target(10, 2048, 512, "bf16", RoutedConfig(down_prefetch=prefetch))
+    asm = compile_for_target(10, 2048, 512, "bf16", **({} if prefetch is None else {"down_prefetch": prefetch}))
     for name in ("_down_kernel", "_down_kernel+combine"):
         ptx = asm[name]["ptx"]
         head = ptx[:ptx.index("griddepcontrol.wait")]
@@ -463,10 +423,10 @@ print(json.dumps(out))
 
 
 def test_down_prefetch_loads_before_the_wait_for_sm90():
-    """RoutedConfig.down_prefetch=N (None, the default: 4 at k = 10): both down variants the layer launches issue the k = 10 slot loads
-    and N experts' weight tiles (one 16-byte load per thread each at the default tile) before their
-    programmatic wait, as plain loads (a .cg load on sm_90 is a strong one, twice as slow for the
-    down on the H200); 0 issues none. A child process (no interpreter)."""
+    """down_prefetch=N (the default DOWN_PREFETCH: 4 at k = 10): both down variants the layer
+    launches issue the k = 10 slot loads and N experts' weight tiles (one 16-byte load per thread
+    each at the default tile) before their programmatic wait, as plain loads (a .cg load on sm_90 is
+    a strong one, much slower for the down); 0 issues none. A child process (no interpreter)."""
     got = compile_check(PREFETCH_CHECK)
     for name in ("_down_kernel", "_down_kernel+combine"):
         assert got[f"{name}/0"] == [0, 0, False]
@@ -485,9 +445,9 @@ def _qwen_case(tokens: int, seed: int):
     return hidden, slots, weights, gate_up, down
 
 
-LAUNCH_MODES = {"pdl": {}, "no-pdl": {"pdl": False}, "pdl-down-release": {"down_release": True},  # RoutedConfig kwargs
-                "pdl-down-prefetch": {"down_prefetch": 1}, "pdl-down-prefetch-all": {"down_prefetch": 10},
-                "pdl-no-prefetch": {"down_prefetch": 0}, "no-pdl-no-prefetch": {"pdl": False, "down_prefetch": 0}}
+LAUNCH_MODES = {"default": {}, "down-release": {"down_release": True},  # routed_experts options
+                "down-prefetch": {"down_prefetch": 1}, "down-prefetch-all": {"down_prefetch": 10},
+                "no-prefetch": {"down_prefetch": 0}, "down-release-prefetch-2": {"down_release": True, "down_prefetch": 2}}
 
 
 @pytest.mark.gpu
@@ -498,11 +458,11 @@ def test_gpu_qwen3_next_shape(tokens, mode):
     if not gpu:
         pytest.skip("needs CUDA")
     args = _qwen_case(tokens, seed=tokens)
-    config = RoutedConfig(**LAUNCH_MODES[mode])
-    got = routed_experts(*args, config=config)
+    options = LAUNCH_MODES[mode]
+    got = routed_experts(*args, **options)
     assert_close(got, routed_reference(*args), 1e-3)
-    assert torch.equal(got, routed_experts(*args, config=config))
-    assert torch.equal(got, routed_experts(*args, config=RoutedConfig()))  # the launch mode changes no bit
+    assert torch.equal(got, routed_experts(*args, **options))
+    assert torch.equal(got, routed_experts(*args))  # the launch mode changes no bit
 
 
 @pytest.mark.gpu
@@ -517,13 +477,13 @@ def test_gpu_cuda_graph_replay_follows_slots_and_weights(mode):
     slots[0, 0] = 7  # a live slot (padding is -1)
     src = torch.randn(down[:1].shape, device="cuda").bfloat16()
     out = torch.empty(4, QWEN3_NEXT["hidden"], device="cuda")
-    config = RoutedConfig(**LAUNCH_MODES[mode])
-    routed_experts(hidden, slots, weights, gate_up, down, out=out, config=config)  # compile, make the scratch
+    options = LAUNCH_MODES[mode]
+    routed_experts(hidden, slots, weights, gate_up, down, out=out, **options)  # compile, make the scratch
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         down[7].copy_(src[0])  # a device copy rewriting a routed slot's down weights
-        routed_experts(hidden, slots, weights, gate_up, down, out=out, config=config)
+        routed_experts(hidden, slots, weights, gate_up, down, out=out, **options)
     for seed in (12, 13):
         new_slots, new_weights = make_route(4, QWEN3_NEXT["top_k"], 96, "cuda", seed, pad=3)
         new_slots[0, 0] = 7  # the slot the graph rewrites stays routed
@@ -554,41 +514,6 @@ def test_gpu_qwen3_next_shared_expert_and_combine():
     cast = torch.empty(2, QWEN3_NEXT["hidden"], dtype=torch.bfloat16, device="cuda")
     routed_experts(hidden, slots, weights, gate_up, down, addend=shared, out_cast=cast)
     assert torch.equal(cast, (routed_experts(hidden, slots, weights, gate_up, down) + shared).bfloat16())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", list(LAUNCH_MODES))
-def test_gpu_first_equals_one_gate_up(mode):
-    """At the Qwen3-Next shape and the default tiles, part="first" (programmatic by default: its
-    hits before griddepcontrol.wait, the rest after) writes the same bits as one part="all" launch,
-    in eager launches and in a CUDA graph replayed with new slots, pre and weights."""
-    _, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA")
-    config = RoutedConfig(**LAUNCH_MODES[mode])
-    hidden, slots, _, gate_up, _ = _qwen_case(3, seed=61)
-    gen = torch.Generator().manual_seed(62)
-
-    def case():
-        hit = (torch.rand(slots.shape, generator=gen) < 0.7).cuda()
-        new = torch.randint(0, 96, slots.shape, generator=gen, dtype=torch.int32).cuda()
-        return new, torch.where(hit, new, torch.full_like(new, NO_SLOT)), torch.rand(slots.shape, generator=gen).cuda()
-
-    act = torch.full((30, 512), float("nan"), device="cuda")
-    s_in, p_in, w_in = case()
-    routed_gate_up(hidden, s_in, w_in, gate_up, act=act, part="first", pre=p_in, config=config)
-    want = routed_gate_up(hidden, s_in, w_in, gate_up, act=torch.empty(30, 512, device="cuda"), config=config)
-    assert torch.equal(act, want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        routed_gate_up(hidden, s_in, w_in, gate_up, act=act, part="first", pre=p_in, config=config)
-    for _ in range(3):
-        s, p, w = case()
-        s_in.copy_(s), p_in.copy_(p), w_in.copy_(w)
-        act.fill_(float("nan"))
-        graph.replay()
-        want = routed_gate_up(hidden, s, w, gate_up, act=torch.empty(30, 512, device="cuda"), config=config)
-        assert torch.equal(act, want)
 
 
 @pytest.mark.gpu

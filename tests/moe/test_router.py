@@ -7,14 +7,13 @@ probabilities nearly tie the order may differ: ids are compared exactly on the r
 k + 1 sorted probabilities are separated by a clear margin (most rows must be), weights everywhere.
 """
 
-import dataclasses
-
 import pytest
 import torch
 
 from moe.kernels.plan import GEMV_MAX_TOKENS
 from moe.model.reference import route
-from moe.kernels.router import SELECTS, RouterConfig, block_e_for, router_reference, router_scratch, router_topk
+from moe.kernels.router import router_reference, router_scratch, router_topk
+from moe.kernels.tiles import RouterTiles
 from tests.conftest import compile_check, device_or_skip
 
 MARGIN = 1e-4  # relative gap between neighbouring sorted probabilities that summation order cannot close
@@ -46,33 +45,21 @@ def check_against(got: tuple, want: tuple, keep: torch.Tensor) -> None:
     assert int(keep.sum()) >= 0.9 * keep.numel(), f"only {int(keep.sum())} of {keep.numel()} rows decisive"
 
 
-def same_as_argmax(got, base, norm: bool) -> None:
-    """Selections agree: the same ids; the same weights bit for bit before renormalisation, and
-    within float32 rounding of the renormalising sum (its order follows the register layout)."""
-    assert torch.equal(got[1], base[1])
-    if norm:
-        assert torch.allclose(got[0], base[0], rtol=2e-6, atol=0)
-    else:
-        assert torch.equal(got[0], base[0])
-
-
-@pytest.mark.parametrize("select", SELECTS)
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_pre_is_the_slot_map_at_the_chosen_ids(tokens, select):
+def test_pre_is_the_slot_map_at_the_chosen_ids(tokens):
     """pre=(slot_of, layer * E, out): out[t, j] = slot_of[layer * E + ids[t, j]] (-1 where absent);
-    ids and weights are those of a call without pre, bit for bit (the packed selections carry the
-    slots in their keys' low bits, argmax loads them after the selection)."""
+    ids and weights are those of a call without pre, bit for bit (the slots ride in the keys' low
+    bits)."""
     device, _ = device_or_skip()
-    config = RouterConfig(select=select)
     experts, top_k, layers, layer = 16, 4, 3, 2
     x, w = make_inputs(tokens, experts, 64, torch.bfloat16, device, seed=41)
     g = torch.Generator().manual_seed(42)
     slot_of = torch.randint(-1, 40, (layers * experts,), generator=g, dtype=torch.int32).to(device)
     out = torch.full((tokens, top_k), -7, dtype=torch.int32, device=device)
     slot_of[layer * experts + 3] = (1 << 20) - 2  # the largest slot the packed keys carry
-    weights, ids = router_topk(x, w, top_k, True, pre=(slot_of, layer * experts, out), config=config)
+    weights, ids = router_topk(x, w, top_k, True, pre=(slot_of, layer * experts, out))
     assert torch.equal(out, slot_of[layer * experts + ids.long()])
-    w0, i0 = router_topk(x, w, top_k, True, config=config)
+    w0, i0 = router_topk(x, w, top_k, True)
     assert torch.equal(ids, i0) and torch.equal(weights, w0)
     bad = [("slot_of", (slot_of.long(), 0, out)), ("key_base", (slot_of, 40, out)),
            ("key_base", (slot_of, 5, out)), ("out", (slot_of, 0, out[:, :1].contiguous()))]
@@ -86,13 +73,10 @@ def test_pre_is_the_slot_map_at_the_chosen_ids(tokens, select):
     (torch.float16, 3, 20, 48, 3, False), (torch.float32, 5, 12, 32, 12, True),
     (torch.bfloat16, 2, 1, 16, 1, True), (torch.bfloat16, 2, 7, 16, 1, False),
 ])
-@pytest.mark.parametrize("select", SELECTS)
-def test_matches_reference(dtype, tokens, experts, hidden, top_k, norm, select):
+def test_matches_reference(dtype, tokens, experts, hidden, top_k, norm):
     device, _ = device_or_skip()
     x, w = make_inputs(tokens, experts, hidden, dtype, device, seed=tokens * experts)
-    got = router_topk(x, w, top_k, norm, config=RouterConfig(select=select))
-    if select != "argmax":
-        same_as_argmax(got, router_topk(x, w, top_k, norm, config=RouterConfig(select="argmax")), norm)
+    got = router_topk(x, w, top_k, norm)
     check_against(got, router_reference(x, w, top_k, norm), decisive(x, w, top_k))
     ref_w, ref_i = route(x, w, top_k, norm)  # the layer's torch reference agrees too
     check_against(got, (ref_w, ref_i), decisive(x, w, top_k))
@@ -101,32 +85,31 @@ def test_matches_reference(dtype, tokens, experts, hidden, top_k, norm, select):
     assert not router_scratch(device, experts)[1].any(), "every arrival counter must be reset to 0"
 
 
-@pytest.mark.parametrize("select", SELECTS)
-def test_uneven_tiles_and_outputs_reused(select):
+def test_uneven_tiles_and_outputs_reused():
     """E and H that no tile divides (every mask used); outputs given are the ones returned and rewritten."""
     device, _ = device_or_skip()
     x, w = make_inputs(4, 37, 80, torch.bfloat16, device, seed=3)
-    config = RouterConfig(block_e=8, chunk_h=32, warps=2, select=select)
+    tiles = RouterTiles(block_e_small=8, block_e=8, chunk_h=32, warps=2)
     weights = torch.full((4, 5), float("nan"), device=device)
     ids = torch.full((4, 5), -7, dtype=torch.int32, device=device)
-    got = router_topk(x, w, 5, True, weights=weights, ids=ids, config=config)
+    got = router_topk(x, w, 5, True, weights=weights, ids=ids, tiles=tiles)
     assert got[0] is weights and got[1] is ids
     check_against(got, router_reference(x, w, 5, True), decisive(x, w, 5))
     x2, _ = make_inputs(4, 37, 80, torch.bfloat16, device, seed=4)
-    router_topk(x2, w, 5, True, weights=weights, ids=ids, config=config)  # same buffers, new tokens
+    router_topk(x2, w, 5, True, weights=weights, ids=ids, tiles=tiles)  # same buffers, new tokens
     check_against((weights, ids), router_reference(x2, w, 5, True), decisive(x2, w, 5))
 
 
-@pytest.mark.parametrize("config", [RouterConfig(early_weights=True),
-                                    RouterConfig(block_e=8, chunk_h=32, warps=2, early_weights=True)])
-def test_early_weights_change_no_bit(config):
-    """RouterConfig.early_weights (router_w's rows loaded before the programmatic wait, held in
-    registers) gives the same bits as loading them in the sum, on even and uneven tiles (E, H that no
-    tile divides: every mask)."""
+@pytest.mark.parametrize("tiles", [RouterTiles(), RouterTiles(block_e_small=8, block_e=8, chunk_h=32, warps=2)],
+                         ids=["default", "uneven"])
+def test_early_weights_change_no_bit(tiles):
+    """early_weights (router_w's rows loaded before the programmatic wait, held in registers) gives
+    the same bits as loading them in the sum, on even and uneven tiles (E, H that no tile divides:
+    every mask)."""
     device, _ = device_or_skip()
     x, w = make_inputs(4, 37, 80, torch.bfloat16, device, seed=5)
-    got = router_topk(x, w, 5, True, config=config)
-    want = router_topk(x, w, 5, True, config=dataclasses.replace(config, early_weights=False))
+    got = router_topk(x, w, 5, True, tiles=tiles, early_weights=True)
+    want = router_topk(x, w, 5, True, tiles=tiles)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -136,17 +119,14 @@ def test_early_weights_too_large_is_named():
     device, _ = device_or_skip()
     x, w = make_inputs(1, 8, 4096, torch.bfloat16, device, seed=6)  # block_e 8 * H 4096
     ids = torch.full((1, 2), -7, dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="RouterConfig.early_weights would hold 32768"):
-        router_topk(x, w, 2, True, ids=ids, config=RouterConfig(block_e=8, early_weights=True))
+    tiles = RouterTiles(block_e_small=8, block_e=8)
+    assert not tiles.early_weights_fit(8, 4096, 1) and RouterTiles().early_weights_fit(8, 4096, 1)
+    with pytest.raises(ValueError, match="early_weights would hold 32768"):
+        router_topk(x, w, 2, True, ids=ids, tiles=tiles, early_weights=True)
     assert bool((ids == -7).all())
-    # None (on where the rows fit) loads them after the wait instead, with the same bits as False
-    got = router_topk(x, w, 2, True, config=RouterConfig(block_e=8, early_weights=None))
-    want = router_topk(x, w, 2, True, config=RouterConfig(block_e=8))
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("select", SELECTS)
-def test_exact_ties_go_to_the_lower_id(select):
+def test_exact_ties_go_to_the_lower_id():
     """Identical router rows give bit-identical logits: the lower expert id must come first."""
     device, _ = device_or_skip()
     x, w = make_inputs(2, 12, 64, torch.bfloat16, device, seed=5)
@@ -154,14 +134,14 @@ def test_exact_ties_go_to_the_lower_id(select):
     along = (x[0].float() + x[1].float()) / x.shape[1]  # logit ~ 1 for both tokens
     w[9] = w[2] = (4 * along).to(w.dtype)  # experts 2 and 9 tie, far above the rest (logits ~ N(0, 1))
     w[6] = w[11] = (3 * along).to(w.dtype)  # experts 6 and 11 tie just below them
-    weights, ids = router_topk(x, w, 4, False, config=RouterConfig(select=select))
+    weights, ids = router_topk(x, w, 4, False)
     want_w, want_i = router_reference(x, w, 4, False)
     assert torch.equal(ids.cpu(), want_i.cpu()), (ids, want_i)
     assert ids.tolist() == [[2, 9, 6, 11], [2, 9, 6, 11]]  # each tie: the lower id first
     # with pre, slots ride below the ids in the packed keys: a higher id's smaller slot changes nothing
     slot_of = torch.tensor([5, 0, 30, 1, 2, 3, 40, 4, 6, 1, 7, 0], dtype=torch.int32, device=device)
     out = torch.empty(2, 4, dtype=torch.int32, device=device)
-    w_pre, i_pre = router_topk(x, w, 4, False, config=RouterConfig(select=select), pre=(slot_of, 0, out))
+    w_pre, i_pre = router_topk(x, w, 4, False, pre=(slot_of, 0, out))
     assert torch.equal(i_pre, ids) and torch.equal(w_pre, weights)
     assert out.tolist() == [[30, 1, 40, 0], [30, 1, 40, 0]]
     assert torch.equal(weights[:, 0], weights[:, 1]) and torch.equal(weights[:, 2], weights[:, 3])
@@ -190,7 +170,7 @@ def _args():
     ("top_k", 0), ("top_k", 9), ("top_k", True),
     ("weights", torch.zeros(2, 3)), ("weights", torch.zeros(2, 2, dtype=torch.float64)),
     ("ids", torch.zeros(2, 2, dtype=torch.int64)),
-    ("config", "default"),
+    ("tiles", "default"), ("early_weights", 1),
 ])
 def test_bad_arguments_are_named(name, bad):
     args = {**_args(), name: bad}
@@ -198,49 +178,30 @@ def test_bad_arguments_are_named(name, bad):
         router_topk(**args)
 
 
-def test_block_e_by_token_count():
-    """The default picks 2 experts per program up to 4 tokens and 4 above; an explicit block_e wins."""
-    assert [block_e_for(RouterConfig(), t) for t in range(1, 9)] == [2, 2, 2, 2, 4, 4, 4, 4]
-    assert {block_e_for(RouterConfig(block_e=8), t) for t in range(1, 9)} == {8}
-
-
-@pytest.mark.parametrize("field, value", [("block_e", 3), ("chunk_h", 0), ("warps", 32), ("warps", True),
-                                          ("select", "sort"), ("early_weights", 1)])
-def test_config_validation_names_field(field, value):
-    with pytest.raises(ValueError, match=field):
-        RouterConfig(**{field: value})
-
-
 SM90_CHECK = r"""
 import json, re
-from moe.kernels.router import RouterConfig, compile_router_for_target
-assert all(compile_router_for_target(512, 2048, 10, "bf16", True, RouterConfig(select=s)).get("cubin")
-           for s in ("packed", "argmax"))
+from moe.kernels.router import compile_router_for_target
 assert compile_router_for_target(512, 2048, 10, "bf16", True, tokens=8).get("cubin")  # 4 experts a program
 asm = compile_router_for_target(512, 2048, 10, "bf16", True)
 ptx = asm["ptx"]
 pdl = compile_router_for_target(512, 2048, 10, "bf16", True, pdl=True)["ptx"]
-pre = [compile_router_for_target(512, 2048, 10, "bf16", norm, RouterConfig(select=s), pdl=True, pre=True)
-       for s, norm in (("topk", True), ("argmax", True), ("logits", True), ("logits", False))]
-early = compile_router_for_target(512, 2048, 10, "bf16", True, RouterConfig(early_weights=True), pdl=True)["ptx"]
-auto = compile_router_for_target(512, 2048, 10, "bf16", True, RouterConfig(early_weights=None), pdl=True)["ptx"]
+pre = [compile_router_for_target(512, 2048, 10, "bf16", norm, pdl=True, pre=True) for norm in (True, False)]
+early = compile_router_for_target(512, 2048, 10, "bf16", True, pdl=True, early_weights=True)["ptx"]
 def loads_before_wait(text):  # 16-byte loads issued before the programmatic wait
     return sum(1 for m in re.finditer(r"ld\.global(\.\w+)*\.v4\.b32", text) if m.start() < text.find("griddepcontrol.wait"))
 print(json.dumps([bool(asm.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)),
                   "atom.global" in ptx, ".local" not in ptx,
                   "griddepcontrol.wait" not in ptx, "griddepcontrol.wait" in pdl,
                   all(bool(a.get("cubin")) and ".local" not in a["ptx"] for a in pre),
-                  (loads_before_wait(pdl), loads_before_wait(early), loads_before_wait(auto)) == (0, 4, 4)]))
+                  (loads_before_wait(pdl), loads_before_wait(early)) == (0, 4)]))
 """
 
 
 def test_compiles_for_sm90():
     """The router at the Qwen3-Next shape compiles for sm_90: 16-byte weight loads, the arrival atomic,
-    no register spills (also with pre, for "topk", "argmax" and "logits" with and without
-    renormalisation); with early_weights (True, or None where the rows fit, as here) the weights' four
-    16-byte loads per thread come before the programmatic wait (the default, False, issues none
-    before it). A child
-    process without TRITON_INTERPRET (which replaces the compiler's hooks)."""
+    no register spills (also with pre, with and without renormalisation); with early_weights the
+    weights' four 16-byte loads per thread come before the programmatic wait (without it none). A
+    child process without TRITON_INTERPRET (which replaces the compiler's hooks)."""
     assert compile_check(SM90_CHECK) == [True] * 8  # 5, 6: only router_topk(pdl=True) waits; 7: with pre
 
 
@@ -254,32 +215,30 @@ def _gpu_or_skip():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("select", SELECTS)
+@pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("tokens", [1, 2, 8])
-def test_gpu_qwen3_next_shape(tokens, select):
+def test_gpu_qwen3_next_shape(tokens, norm):
     _gpu_or_skip()
     x, w = make_inputs(tokens, 512, 2048, torch.bfloat16, "cuda", seed=tokens)
-    config = RouterConfig(select=select)
-    got = router_topk(x, w, 10, True, config=config)
-    check_against(got, router_reference(x, w, 10, True), decisive(x, w, 10))
-    again = router_topk(x, w, 10, True, config=config)
+    got = router_topk(x, w, 10, norm)
+    check_against(got, router_reference(x, w, 10, norm), decisive(x, w, 10))
+    again = router_topk(x, w, 10, norm)
     assert torch.equal(got[0], again[0]) and torch.equal(got[1], again[1])
-    same_as_argmax(got, router_topk(x, w, 10, True, config=RouterConfig(select="argmax")), True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_gpu_early_weights_change_no_bit(tokens):
     """early_weights with a programmatic launch behind a kernel that writes the hidden state: the
-    same bits as the default router (early_weights=False), which reads everything after its wait."""
+    same bits as the router without it, which reads everything after its wait."""
     _gpu_or_skip()
     x, w = make_inputs(tokens, 512, 2048, torch.bfloat16, "cuda", seed=40 + tokens)
     src = make_inputs(tokens, 512, 2048, torch.bfloat16, "cuda", seed=50 + tokens)[0]
     outs = []
-    for config in (RouterConfig(), RouterConfig(early_weights=True)):
+    for early in (False, True):
         x.zero_()
         x.copy_(src)  # the predecessor writes the hidden state the router waits for
-        outs.append(router_topk(x, w, 10, True, config=config, pdl=True))
+        outs.append(router_topk(x, w, 10, True, pdl=True, early_weights=early))
     torch.cuda.synchronize()
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     check_against(outs[1], router_reference(src, w, 10, True), decisive(src, w, 10))

@@ -1,0 +1,170 @@
+"""The host side of the routed GEMM that launches nothing: argument checks, the activation scratch,
+and the ahead-of-time compile of every variant the layer launches (wrappers: moe.kernels.routed).
+
+    routed_gate_up / routed_down arguments ──check_gate_up / check_down──► (T, k, S, H, I), no device reads
+    device, k, I ──routed_scratch──► act float32 [GEMV_MAX_TOKENS * k, I], made once and kept
+    k, H, I, dtype, RoutedTiles ──compile_for_target──► {variant: Triton's asm dict} for CUDA sm_<arch>
+
+Legend: T = tokens, H = hidden, I = expert width, k = top_k, S = pool slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe.kernels.plan import DEFAULT_ROUTED_TILES, DOWN_PREFETCH, GEMV_MAX_TOKENS
+from moe.kernels.routed_kernels import (
+    DOWN_ENTRIES,
+    GATE_UP_ENTRIES,
+    HITS_JIT_OPTIONS,
+    JIT_OPTIONS,
+    _gate_up_hits,
+)
+from moe.kernels.tiles import RoutedTiles
+from moe.kernels.triton_launch import compile_for_sm
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PARTS = ("all", "hits", "rest")  # routed_gate_up's part; its index is the gate_up kernels' PICK
+
+
+def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
+                       tiles: RoutedTiles = DEFAULT_ROUTED_TILES, arch: int = 90, shared_inter: int | None = None,
+                       down_release: bool = False, down_prefetch: int = DOWN_PREFETCH) -> dict[str, dict]:
+    """Compile every variant MoELayer launches, ahead of time for CUDA sm_<arch> (no GPU; needs ptxas).
+
+    dtype: Triton's name of the weight dtype ("bf16", "fp16", "fp32"). shared_inter: the shared
+    expert's width Is (default I). down_release / down_prefetch: the routed down's (routed_down's
+    release / prefetch, min(prefetch, k) experts). T is not compiled in (it only sizes the grids),
+    so one binary per variant serves T = 1..GEMV_MAX_TOKENS. Returns {variant: Triton's asm dict
+    (ttir .. cubin)} for "_gate_up_hits" (the early hits), "_gate_up_kernel", "_gate_up_kernel+rest",
+    "_down_kernel" (f32 out), "_down_kernel+combine" (addend, cast out), "_shared_gate_up" (k = 1,
+    gate computed) and "_shared_down" (k = 1). Run it in a process without TRITON_INTERPRET=1 (the
+    interpreter replaces the compiler's language hooks).
+    """
+    shared_inter = inter if shared_inter is None else shared_inter
+    p = f"*{dtype}"
+    block_i, chunk_h, _, _ = tiles.capped(hidden, inter)
+    result = {"_gate_up_hits": compile_for_sm(
+        _gate_up_hits, (p, "*fp32", p, "*fp32", "i32", "*i32", "i32"),
+        {"K": top_k, "H": hidden, "I": inter, "BLOCK_I": block_i, "CHUNK_H": chunk_h,
+         "EVEN": tiles.even(hidden, inter)[0]}, tiles.warps_gate_up, arch, HITS_JIT_OPTIONS)}
+    for name, k, width, is_shared, down_flags in (
+            ("_gate_up_kernel", top_k, inter, False, None),
+            ("_gate_up_kernel+rest", top_k, inter, False, None),
+            ("_down_kernel", top_k, inter, False, (False, True, False)),
+            ("_down_kernel+combine", top_k, inter, False, (True, False, True)),
+            ("_shared_gate_up", 1, shared_inter, True, None),
+            ("_shared_down", 1, shared_inter, True, (False, True, False))):
+        block_i, chunk_h, block_h, chunk_i = tiles.capped(hidden, width)
+        even_a, even_b = tiles.even(hidden, width)
+        shape = {"K": k, "H": hidden, "I": width}
+        if down_flags is None:
+            pick = PARTS.index("rest" if name.endswith("+rest") else "all")
+            kernel, warps = GATE_UP_ENTRIES[is_shared], tiles.warps_gate_up
+            types = (p, "*i32", "*fp32", p, p, "*fp32", "i32", "*i32")
+            constexprs = dict(shape, BLOCK_I=block_i, CHUNK_H=chunk_h, EVEN=even_a, GATED=is_shared,
+                              GDC=int(not is_shared), PICK=pick)
+        else:
+            kernel, warps = DOWN_ENTRIES[is_shared], tiles.warps_down
+            types = ("*fp32", "*i32", p, "*fp32", "*fp32", p, "i32")
+            constexprs = dict(shape, BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=even_b,
+                              ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2],
+                              GDC=int(not is_shared),
+                              **({} if is_shared else {"RELEASE": down_release,
+                                                       "PREFETCH": min(down_prefetch, top_k)}))
+        result[name] = compile_for_sm(kernel, types, constexprs, warps, arch, JIT_OPTIONS)
+    return result
+
+
+_SCRATCH: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+
+def routed_scratch(device: torch.device | str, top_k: int, inter: int) -> torch.Tensor:
+    """The activation buffer routed_experts uses on `device`: float32 [GEMV_MAX_TOKENS * k, I].
+
+    One buffer per (device, k, I), made on first use and kept: call this (or routed_experts)
+    once before CUDA-graph capture so the captured call allocates nothing. Calls that share it
+    must be ordered (one stream, or joined by events); work on another stream passes its own `act`.
+    Cost: one allocation on first use.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, top_k, inter)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = torch.empty((GEMV_MAX_TOKENS * top_k, inter), dtype=torch.float32, device=device)
+    return _SCRATCH[key]
+
+
+def check_tensor(who: str, name: str, t, dtypes: tuple[torch.dtype, ...], ndim: int, device) -> None:
+    """Raise ValueError naming `name` unless t is a contiguous `ndim`-d tensor of `dtypes` on `device`."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{who}: {name} must be a torch.Tensor, "  # noqa: TRY004 (house: ValueError)
+                         f"got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{who}: {name} must have {ndim} dims, got shape {list(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{who}: {name} dtype must be one of {list(dtypes)}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{who}: {name} is on {t.device}, expected {device} (hidden's / slots' device)")
+    if not t.is_contiguous():
+        raise ValueError(f"{who}: {name} must be contiguous (call .contiguous())")
+
+
+def _check_slots(who: str, slots, device) -> tuple[int, int]:
+    check_tensor(who, "slots", slots, (torch.int32,), 2, device)
+    tokens, top_k = slots.shape
+    if not 1 <= tokens <= GEMV_MAX_TOKENS or top_k < 1:
+        raise ValueError(f"{who}: slots must be [T, k >= 1] with T in 1..{GEMV_MAX_TOKENS} "
+                         f"(moe.kernels.plan.GEMV_MAX_TOKENS), got {list(slots.shape)}")
+    return tokens, top_k
+
+
+def check_gate_up(who, hidden, slots, weights, gate_up, gate_w, act) -> tuple[int, int, int, int, int]:
+    """Validate routed_gate_up's arguments on the host (no device reads); return (T, k, S, H, I)."""
+    check_tensor(who, "hidden", hidden, DTYPES, 2, None)
+    dev, (tokens, hid) = hidden.device, hidden.shape
+    if not 1 <= tokens <= GEMV_MAX_TOKENS:
+        raise ValueError(f"{who}: hidden has {tokens} tokens; 1..{GEMV_MAX_TOKENS} "
+                         "(moe.kernels.plan.GEMV_MAX_TOKENS) are served here")
+    _, top_k = _check_slots(who, slots, dev)
+    if slots.shape[0] != tokens:
+        raise ValueError(f"{who}: slots must be [{tokens}, k >= 1] (T of hidden), got {list(slots.shape)}")
+    if gate_w is None:
+        check_tensor(who, "weights", weights, (torch.float32,), 2, dev)
+        if tuple(weights.shape) != tuple(slots.shape):
+            raise ValueError(f"{who}: weights must be {list(slots.shape)} like slots, got {list(weights.shape)}")
+    else:
+        if weights is not None:
+            raise ValueError(f"{who}: pass weights=None with gate_w (sigmoid(hidden · gate_w) is the weight)")
+        check_tensor(who, "gate_w", gate_w, (hidden.dtype,), 2, dev)
+        if tuple(gate_w.shape) != (1, hid):
+            raise ValueError(f"{who}: gate_w must be [1, {hid}], got {list(gate_w.shape)}")
+    check_tensor(who, "gate_up", gate_up, (hidden.dtype,), 3, dev)
+    num_slots, two_i, gate_h = gate_up.shape
+    if two_i % 2 or gate_h != hid or num_slots < 1:
+        raise ValueError(f"{who}: gate_up must be [S, 2I, {hid}], got {list(gate_up.shape)}")
+    if act is not None:
+        check_tensor(who, "act", act, (torch.float32,), 2, dev)
+        if act.shape[0] < tokens * top_k or act.shape[1] != two_i // 2:
+            raise ValueError(f"{who}: act must be float32 [>= {tokens * top_k}, {two_i // 2}] (T * k, I), "
+                             f"got {list(act.shape)}")
+    return tokens, top_k, num_slots, hid, two_i // 2
+
+
+def check_down(who, act, slots, down, out, addend, out_cast) -> tuple[int, int, int, int, int]:
+    """Validate routed_down's arguments on the host; return (T, k, S, H, I)."""
+    check_tensor(who, "down", down, DTYPES, 3, None)
+    dev, (num_slots, hid, inter) = down.device, down.shape
+    tokens, top_k = _check_slots(who, slots, dev)
+    check_tensor(who, "act", act, (torch.float32,), 2, dev)
+    if act.shape[0] < tokens * top_k or act.shape[1] != inter:
+        raise ValueError(f"{who}: act must be float32 [>= {tokens * top_k}, {inter}] (T * k, I of down), "
+                         f"got {list(act.shape)}")
+    for name, t, dtype in (("out", out, torch.float32), ("addend", addend, torch.float32),
+                           ("out_cast", out_cast, down.dtype)):
+        if t is not None:
+            check_tensor(who, name, t, (dtype,), 2, dev)
+            if tuple(t.shape) != (tokens, hid):
+                raise ValueError(f"{who}: {name} must be [{tokens}, {hid}], got {list(t.shape)}")
+    return tokens, top_k, num_slots, hid, inter
