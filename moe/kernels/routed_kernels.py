@@ -185,7 +185,9 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
         tl.store(cast_ptr + token * H + rows, y.to(cast_ptr.dtype.element_ty), mask=rows < H)
 
 
-# Entry kernels. Arguments of the gate_up entries:
+# Entry kernels. The shared expert's two launches run the same bodies as the routed ones under their
+# own names, so that a profile (moe.testing.kernel_trace, the overlap bench's breakdown) tells them
+# apart and the side stream's launches can be checked by name. Arguments of the gate_up entries:
 #   x_ptr [T, H] hidden; slots_ptr *i32 [T * K]; weights_ptr *fp32 [T * K] (unread when GATED);
 #   gate_w_ptr [H] shared gate (read only when GATED); w13_ptr [S, 2I, H]; act_ptr *fp32 [T * K, I] out;
 #   num_slots i32 S; constexprs as the body (GDC: launched with programmatic serialization).
