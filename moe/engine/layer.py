@@ -270,7 +270,7 @@ class MoELayer:
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sigmoid(x · gate_w) * down(silu(gate(x)) * up(x)), [T, H] float32.
 
-        Two launches (moe.routed_experts over the one-slot pool, gate computed inside the first);
+        Two launches (moe.kernels.routed.routed_experts over the one-slot pool, gate computed inside the first);
         float32 accumulation. Returns a buffer of this layer, overwritten by the next call. Cost
         O(T * (3 * Is + 1) * H).
         """
