@@ -6,7 +6,7 @@ victims for the missing ones with a pluggable eviction policy, and plans their c
 whole traces through the same contract at compiled speed.
 """
 
-from expertcache.errors import EnsureError, PolicyError
+from expertcache.errors import EnsureError, FormatError, PolicyError
 from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
 from expertcache.host import EnsureResult, HostCache
 from expertcache.policies import get_policy, policy_names
@@ -17,6 +17,7 @@ __all__ = [
     "CacheGeometry",
     "EnsureError",
     "EnsureResult",
+    "FormatError",
     "HostCache",
     "PolicyError",
     "get_policy",

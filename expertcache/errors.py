@@ -7,3 +7,7 @@ class EnsureError(ValueError):
 
 class PolicyError(ValueError):
     """An unknown policy name or a bad policy constant."""
+
+
+class FormatError(ValueError):
+    """An unknown expert format, or a matrix / quantized part a format cannot take."""
