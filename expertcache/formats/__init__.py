@@ -6,6 +6,9 @@
     2654216
 
 Importing this package does not import torch (the simulator prices formats without it).
+
+A VRAM budget (`--moe-cache-gb G`, in GiB: G * 2**30 bytes) becomes a slot count per format:
+`slots_for_budget(G, fmt, H, I)` = floor(G * 2**30 / fmt.expert_bytes(H, I)).
 """
 
 from __future__ import annotations
@@ -35,5 +38,24 @@ def get_format(name: str) -> ExpertFormat:
     return fmt
 
 
-__all__ = ["BF16", "FP8", "INT4", "MXFP4", "NVFP4", "REGISTRY", "ExpertFormat", "FormatError", "Part",
+GIB = 1 << 30
+
+
+def slots_for_budget(gib: float, fmt: ExpertFormat, hidden: int, intermediate: int) -> int:
+    """Slots of experts in `fmt` ([2I, H] gate_up + [H, I] down) that `gib` GiB of slot memory holds.
+
+    Raises FormatError naming --moe-cache-gb for a budget that is not a finite number > 0 or that holds
+    no expert at all.
+    """
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < float("inf"):
+        raise FormatError(f"--moe-cache-gb must be a number of GiB > 0, got {gib!r}")
+    per_expert = fmt.expert_bytes(hidden, intermediate)
+    slots = int(gib * GIB) // per_expert
+    if slots < 1:
+        raise FormatError(f"--moe-cache-gb {gib:g} holds no {fmt.name} expert of {per_expert:,} bytes "
+                          f"(H {hidden}, I {intermediate}): give at least {per_expert / GIB:.4f}")
+    return slots
+
+
+__all__ = ["GIB", "slots_for_budget", "BF16", "FP8", "INT4", "MXFP4", "NVFP4", "REGISTRY", "ExpertFormat", "FormatError", "Part",
            "bank_name", "format_names", "get_format"]

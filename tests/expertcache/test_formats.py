@@ -327,3 +327,25 @@ def test_registry():
     for bad in ("fp4", "BF16", None):
         with raises(r"unknown expert format .* \(--moe-expert-format\): choose one of bf16, fp8, int4, mxfp4, nvfp4"):
             get_format(bad)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "nvfp4", "mxfp4", "int4"])
+def test_slots_for_budget_is_the_floor_of_the_budget_over_the_expert(name):
+    from expertcache.formats import GIB, get_format, slots_for_budget
+
+    fmt = get_format(name)
+    per = fmt.expert_bytes(2048, 768)
+    for gib in (0.5, 1, 8, 23.75):
+        slots = slots_for_budget(gib, fmt, 2048, 768)
+        assert slots * per <= gib * GIB < (slots + 1) * per
+    assert slots_for_budget(per / GIB, fmt, 2048, 768) == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), True, "8", None])
+def test_slots_for_budget_refuses_a_budget_by_flag(bad):
+    from expertcache.formats import get_format, slots_for_budget
+
+    with pytest.raises(FormatError, match="--moe-cache-gb"):
+        slots_for_budget(bad, get_format("bf16"), 2048, 768)
+    with pytest.raises(FormatError, match="holds no bf16 expert"):
+        slots_for_budget(0.001, get_format("bf16"), 2048, 768)
