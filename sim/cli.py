@@ -2,7 +2,8 @@
 
     flags checked (--policies, --tokens, --seed, --workers, --plot's folder)
     -> TRACE ... (.npz, a FreeToken-style directory, or .jsonl) | --preset NAME (synthetic)
-    -> slot counts checked against each trace (largest call <= slots <= L*E keys)
+    -> slot counts checked against each trace (largest call <= slots <= L*E keys), or with
+       --moe-cache-gb G per expert format (--expert-format) from the budget (sim/budget.py)
     -> sweep (policy x slots, parallel processes) -> table / JSON / PNG / per-layer view
 
 Every check runs before the first replay; a failure ends the command with
@@ -21,9 +22,11 @@ from pathlib import Path
 from typing import NoReturn
 
 from expertcache.errors import EnsureError, PolicyError
+from sim.budget import BudgetError, BudgetFlags, FormatRun, describe, parse_flags, plan_runs
 from sim.costmodel import H200, H200_SM_COPY, HardwareProfile, format_profile
 from sim.replay import check_policies, check_replayable, min_slots, sim_policy_names, sweep
-from sim.report import build_rows, format_per_layer, format_table, plot_hit_rate
+from sim.report import (build_format_rows, build_rows, format_budget_table, format_per_layer,
+                        format_table, plot_hit_rate)
 from sim.trace import Trace, TraceError, load_trace
 
 DEFAULT_PRESET = "qwen3-next"
@@ -50,8 +53,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma-separated, from: {', '.join(sim_policy_names())}")
     p.add_argument("--slots", help="comma-separated slot counts, at most L*E (overrides --slots-frac)")
-    p.add_argument("--slots-frac", default=DEFAULT_FRACS,
+    p.add_argument("--slots-frac", default=DEFAULT_FRACS, action=_Given,
                    help="comma-separated fractions of all experts (L*E) to use as slots")
+    p.add_argument("--moe-cache-gb", metavar="G[,G...]",
+                   help="VRAM budget(s) of the slots in GiB: each expert format gets the slots that "
+                        "fit (not with --slots / --slots-frac)")
+    p.add_argument("--expert-format", metavar="F[,F...]",
+                   help="expert formats to price, one row each: bf16, fp8, int4, mxfp4, nvfp4 "
+                        "(default with --moe-cache-gb: the trace's, from meta.expert_bytes, else bf16)")
+    p.add_argument("--expert-shape", metavar="H,I",
+                   help="hidden and MoE intermediate size of a routed expert, when the trace's "
+                        "meta has no hidden_size / moe_intermediate_size")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per (policy, slots)")
     p.add_argument("--plot", metavar="PNG", help="write hit rate against slots to this PNG "
                    "(one trace; with several, NAME-0.png, NAME-1.png, ... in the same folder)")
@@ -68,6 +80,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _fail(message: object) -> NoReturn:
     raise SystemExit(f"error: {message}")
+
+
+class _Given(argparse.Action):
+    """Store the value and note that the flag was given (`<dest>_given`), its default aside."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
+def _budget_flags(args: argparse.Namespace) -> BudgetFlags:
+    """The checked --expert-format / --moe-cache-gb / --expert-shape; a budget excludes slot flags."""
+    if args.moe_cache_gb is not None:
+        given = [f for f, on in (("--slots", args.slots is not None),
+                                 ("--slots-frac", getattr(args, "slots_frac_given", False))) if on]
+        if given:
+            _fail(f"--moe-cache-gb and {given[0]} both set the slot count: give --moe-cache-gb G to "
+                  f"turn a VRAM budget into slots per expert format, or {given[0]} alone")
+    try:
+        return parse_flags(args.expert_format, args.moe_cache_gb, args.expert_shape)
+    except BudgetError as exc:
+        _fail(exc)
 
 
 def _policies(text: str) -> list[str]:
@@ -244,31 +278,67 @@ def _title(name: str, trace: Trace, profile: HardwareProfile) -> str:
             f"{trace.accesses} accesses\ncost model: {format_profile(profile)}")
 
 
+def _plan(args: argparse.Namespace, flags: BudgetFlags,
+          request: tuple[str, list] | None) -> list[tuple[str, Trace, list[int], list | None]]:
+    """(name, trace, slot counts to replay, FormatRuns or None) of every trace, all checked."""
+    plans = []
+    for name, trace in _traces(args):
+        if request is not None:
+            slots = _slots_for(name, trace, request)
+        else:
+            try:
+                check_replayable(trace)
+            except TraceError as exc:
+                _fail(f"{name}: {exc}")
+            slots = []
+        runs = None
+        if flags.active:
+            try:
+                runs = plan_runs(name, trace, flags, slots, min_slots(trace))
+            except BudgetError as exc:
+                _fail(exc)
+            slots = sorted({s for r in runs for s in r.slots})
+        plans.append((name, trace, slots, runs))
+    return plans
+
+
+def _rows(trace: Trace, results: list, runs: list[FormatRun] | None, policies: list[str],
+          profile: HardwareProfile) -> list:
+    if runs is None:
+        return [r for r in build_rows(trace, results, profile) if r.result.policy in policies]
+    return build_format_rows(trace, results, runs, profile, policies)
+
+
 def run(args: argparse.Namespace) -> int:
     policies = _policies(args.policies)
     _check_flags(args)
-    request = _slot_request(args)
+    flags = _budget_flags(args)
+    request = None if flags.budgets is not None else _slot_request(args)
     plots = _plot_paths(args, max(1, len(args.traces)))
-    plans = [(name, trace, _slots_for(name, trace, request)) for name, trace in _traces(args)]
+    plans = _plan(args, flags, request)
     refs = [p for p in ("lru", "belady") if p not in policies]
     profile = PROFILES[args.profile]
     out_json: list[dict] = []
-    for i, (name, trace, slots) in enumerate(plans):
+    for i, (name, trace, slots, runs) in enumerate(plans):
         try:
             results = sweep(trace, policies + refs, slots, workers=args.workers,
                             progress=not args.no_progress and sys.stderr.isatty(),
                             use_logits=not args.no_logits)
         except (EnsureError, PolicyError, TraceError) as exc:
             _fail(f"{name}: {exc}")
-        rows = [r for r in build_rows(trace, results, profile) if r.result.policy in policies]
+        rows = _rows(trace, results, runs, policies, profile)
+        unique = list({(r.result.policy, r.result.slots): r for r in rows}.values())
         if args.json:
             out_json += [dict(trace=name, **r.to_dict()) for r in rows]
-        else:
+        elif runs is None:
             print(format_table(rows, _title(name, trace, profile)))
-            if args.per_layer:
-                print(format_per_layer(rows))
+        else:
+            title = _title(name, trace, profile) + "\n" + describe(runs, trace, flags.shape)
+            print(format_budget_table(rows, title))
+        if args.per_layer and not args.json:
+            print(format_per_layer(unique))
         if plots:
-            plot_hit_rate(rows, str(plots[i]), title=f"{Path(name).name}\n{trace.meta.model}")
+            plot_hit_rate(unique, str(plots[i]), title=f"{Path(name).name}\n{trace.meta.model}")
             print(f"plot: {plots[i]}", file=sys.stderr if args.json else sys.stdout)
         if not args.json:
             print()

@@ -5,15 +5,20 @@
        recovered, modeled us/token and tokens/s without and with the shared-expert overlap
        (both from sim.costmodel.estimate_decode: tokens/s = batch * 1e6 / us per decode step)
     -> format_table (terminal), rows as JSON, plot_hit_rate (PNG), format_per_layer
+    [ReplayResult] + [sim.budget.FormatRun] -> build_format_rows: one row per (budget, format,
+       policy, slots), priced at the format's bytes -> format_budget_table, the same JSON plus
+       format, expert_bytes, moe_cache_gb, slots_gib, all_experts_fit, bytes_copied_per_token
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from sim.costmodel import H200, HardwareProfile, ModelShape, estimate_decode, shape_for_meta
+from expertcache.formats import GIB
+from sim.budget import FormatRun, trace_shape
+from sim.costmodel import H200, HardwareProfile, ModelShape, estimate_decode
 from sim.replay import ReplayResult
 from sim.trace import Trace
 
@@ -31,6 +36,15 @@ class Row:
     us_per_token_overlap: float | None
     tokens_per_s_overlap: float | None
     mb_copied_per_token: float | None
+    bytes_copied_per_token: float | None = None
+    run: FormatRun | None = None  # the (budget, format) of a format row; None: the plain report
+
+    @property
+    def slots_gib(self) -> float | None:
+        """GiB the slots take in the row's format (None without a format or a known size)."""
+        if self.run is None or self.run.expert_bytes is None:
+            return None
+        return self.result.slots * self.run.expert_bytes / GIB
 
     def to_dict(self) -> dict:
         d = self.result.to_dict()
@@ -39,24 +53,27 @@ class Row:
                  us_per_token_overlap=self.us_per_token_overlap,
                  tokens_per_s_overlap=self.tokens_per_s_overlap,
                  mb_copied_per_token=self.mb_copied_per_token)
+        if self.run is not None:
+            d.update(format=self.run.fmt, expert_bytes=self.run.expert_bytes,
+                     moe_cache_gb=self.run.budget_gib, slots_gib=self.slots_gib,
+                     all_experts_fit=self.run.all_fit,
+                     bytes_copied_per_token=self.bytes_copied_per_token)
         return d
 
 
 def model_shape(trace: Trace) -> ModelShape | None:
-    """The cost model's shape for a trace, or None when its meta gives too little."""
-    m = trace.meta
-    try:
-        return shape_for_meta(m.model, m.num_layers, m.num_experts, m.top_k, m.expert_bytes)
-    except ValueError:
-        return None
+    """The cost model's shape for a trace, or None when its meta gives too little
+    (sim.budget.trace_shape: the meta's expert shape when it has one, else expert_bytes)."""
+    return trace_shape(trace)
 
 
 def build_rows(trace: Trace, results: list[ReplayResult],
-               profile: HardwareProfile = H200) -> list[Row]:
+               profile: HardwareProfile = H200, shape: ModelShape | None = None) -> list[Row]:
     """One Row per result. The gap share is (lru - p) / (lru - belady) misses at the same
-    slot count, when both references were replayed (1.0 when lru already equals belady)."""
+    slot count, when both references were replayed (1.0 when lru already equals belady).
+    shape prices the misses (default: model_shape(trace); no prices when neither gives one)."""
     by = {(r.policy, r.slots): r for r in results}
-    shape = model_shape(trace)
+    shape = shape or model_shape(trace)
     total = trace.num_layers * trace.num_experts
     rows = []
     for r in results:
@@ -65,14 +82,27 @@ def build_rows(trace: Trace, results: list[ReplayResult],
         if lru is not None and opt is not None:
             width = lru.misses - opt.misses
             gap = 1.0 if width == 0 else (lru.misses - r.misses) / width
-        us = tps = us_ov = tps_ov = mb = None
+        us = tps = us_ov = tps_ov = mb = per_tok = None
         if shape is not None:
             est = estimate_decode(r.hist, r.tokens, shape, profile, batch=trace.batch)
             ov = estimate_decode(r.hist, r.tokens, shape, profile, batch=trace.batch, overlap=True)
             us, tps = est.us_per_token, est.tokens_per_s
             us_ov, tps_ov = ov.us_per_token, ov.tokens_per_s
-            mb = est.bytes_copied_per_token / 1e6
-        rows.append(Row(r, r.slots / total, gap, us, tps, us_ov, tps_ov, mb))
+            per_tok = est.bytes_copied_per_token
+            mb = per_tok / 1e6
+        rows.append(Row(r, r.slots / total, gap, us, tps, us_ov, tps_ov, mb, per_tok))
+    return rows
+
+
+def build_format_rows(trace: Trace, results: list[ReplayResult], runs: list[FormatRun],
+                      profile: HardwareProfile = H200, policies: list[str] | None = None) -> list[Row]:
+    """Rows of every run in order, each at its slot counts and priced by its shape; the gap
+    column as in build_rows. policies: the ones to keep (default all), in the results' order."""
+    rows = []
+    for run in runs:
+        mine = [r for r in results if r.slots in run.slots]
+        rows += [replace(row, run=run) for row in build_rows(trace, mine, profile, run.shape)
+                 if policies is None or row.result.policy in policies]
     return rows
 
 
@@ -92,6 +122,35 @@ def format_table(rows: list[Row], title: str = "") -> str:
             f"{r.misses_per_token:>9.2f} {_fmt(row.mb_copied_per_token, '8.1f'):>8} "
             f"{_fmt(row.gap_recovered, '8.3f'):>8} {_fmt(row.us_per_token, '9.1f'):>9} "
             f"{_fmt(row.tokens_per_s, '8.1f'):>8} {_fmt(row.tokens_per_s_overlap, '8.1f'):>8}")
+    return "\n".join(lines)
+
+
+def format_budget_table(rows: list[Row], title: str = "") -> str:
+    """The table of format rows: per run (budget, then format, in the order given) one line per
+    (slots, policy), with the format, its bytes per expert and the GiB its slots take. Slots of a
+    budget that holds every expert carry a '*', explained under the table."""
+    head = (f"{'budget':>6} {'format':<6} {'B/expert':>11} {'slots':>7} {'GiB':>6} {'%exp':>5} "
+            f"{'policy':<8} {'hit rate':>8} {'miss/tok':>9} {'MB/tok':>8} {'gap rec.':>8} "
+            f"{'us/tok':>9} {'tok/s':>8} {'tok/s ov':>8}")
+    lines = ([title] if title else []) + [head, "-" * len(head)]
+    order = list(dict.fromkeys(row.run for row in rows))
+    fit: dict[float | None, list[str]] = {}
+    for row in sorted(rows, key=lambda x: (order.index(x.run), x.result.slots, x.result.policy)):
+        r, run = row.result, row.run
+        assert run is not None, "format_budget_table takes the rows of build_format_rows"
+        budget = "-" if run.budget_gib is None else f"{run.budget_gib:g}"
+        slots = f"{r.slots}*" if run.all_fit else f"{r.slots} "
+        if run.all_fit and run.fmt not in fit.setdefault(run.budget_gib, []):
+            fit[run.budget_gib].append(run.fmt)
+        lines.append(
+            f"{budget:>6} {run.fmt:<6} {_fmt(run.expert_bytes, '11,d'):>11} {slots:>8}"
+            f"{_fmt(row.slots_gib, '6.2f'):>6} {100 * row.slots_frac:>5.1f} {r.policy:<8} "
+            f"{r.hit_rate:>8.4f} {r.misses_per_token:>9.2f} {_fmt(row.mb_copied_per_token, '8.1f'):>8} "
+            f"{_fmt(row.gap_recovered, '8.3f'):>8} {_fmt(row.us_per_token, '9.1f'):>9} "
+            f"{_fmt(row.tokens_per_s, '8.1f'):>8} {_fmt(row.tokens_per_s_overlap, '8.1f'):>8}")
+    for gib, fmts in fit.items():
+        lines.append(f"* all experts fit: {gib:g} GiB holds every one of the trace's L x E experts "
+                     f"in {', '.join(fmts)}: slots = L x E, and GiB is what they take")
     return "\n".join(lines)
 
 

@@ -61,6 +61,8 @@ class SyntheticConfig:
     expert_bytes: int | None = None
     model: str = "synthetic"
     with_logits: bool = False
+    hidden_size: int | None = None  # one routed expert's H and I (meta keys of the same names):
+    moe_intermediate_size: int | None = None  # both or neither; they price expert formats
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_experts", "top_k", "num_tokens", "batch",
@@ -78,6 +80,11 @@ class SyntheticConfig:
                                               lo_open=True))
         if self.expert_bytes is not None:
             self._set("expert_bytes", _check_int("expert_bytes", self.expert_bytes, 1))
+        for name in ("hidden_size", "moe_intermediate_size"):
+            if getattr(self, name) is not None:
+                self._set(name, _check_int(name, getattr(self, name), 1))
+        if (self.hidden_size is None) != (self.moe_intermediate_size is None):
+            raise ValueError("hidden_size, moe_intermediate_size: give both or neither")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model: must be a non-empty string, got {self.model!r}")
         if not isinstance(self.with_logits, bool):
@@ -110,8 +117,9 @@ def _check_float(name: str, value: object, lo: float, hi: float, *, lo_open: boo
     return float(value)
 
 
-def _bf16_bytes(hidden: int, inter: int) -> int:
-    return 3 * hidden * inter * 2  # gate, up and down projections, 2 bytes per weight
+def _bf16_expert(hidden: int, inter: int) -> dict[str, int]:
+    """The config fields of a bf16 expert of this shape: gate, up and down, 2 bytes a weight."""
+    return dict(expert_bytes=3 * hidden * inter * 2, hidden_size=hidden, moe_intermediate_size=inter)
 
 
 def zipf_for_spread(spread: float, num_experts: int) -> float:
@@ -131,11 +139,11 @@ def _routed(L: int, E: int, k: int, N: int, **fields) -> SyntheticConfig:
 
 
 PRESETS: dict[str, SyntheticConfig] = {
-    "qwen3-next": _routed(48, 512, 10, 2000, expert_bytes=_bf16_bytes(2048, 512),
+    "qwen3-next": _routed(48, 512, 10, 2000, **_bf16_expert(2048, 512),
                           logit_scale=0.5, model="synthetic:qwen3-next"),
-    "qwen3-30b-a3b": _routed(48, 128, 8, 2000, expert_bytes=_bf16_bytes(2048, 768),
+    "qwen3-30b-a3b": _routed(48, 128, 8, 2000, **_bf16_expert(2048, 768),
                              logit_scale=0.5, model="synthetic:qwen3-30b-a3b"),
-    "mixtral": _routed(32, 8, 2, 2000, expert_bytes=_bf16_bytes(4096, 14336),
+    "mixtral": _routed(32, 8, 2, 2000, **_bf16_expert(4096, 14336),
                        request_tokens=122, logit_scale=0.9, model="synthetic:mixtral"),
     "mixtral-like": _routed(32, 8, 2, 244, request_tokens=122, logit_scale=0.9,
                             model="synthetic:mixtral-like"),
@@ -290,10 +298,12 @@ def generate(cfg: SyntheticConfig) -> Trace:
     chosen = logit[..., :k]
     w = np.exp(chosen - chosen[..., :1])
     weights = (w / w.sum(axis=-1, keepdims=True)).astype(np.float32)
+    shape = ({} if cfg.hidden_size is None else
+             {"hidden_size": cfg.hidden_size, "moe_intermediate_size": cfg.moe_intermediate_size})
     meta = TraceMeta(model=cfg.model, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
                      top_k=k, expert_bytes=cfg.expert_bytes, phase="decode",
                      source="synthetic:" + json.dumps(asdict(cfg), sort_keys=True),
-                     license="CC0-1.0")
+                     license="CC0-1.0", extra=shape)
     lidx = lval = None
     if cfg.with_logits:
         lidx, lval = ids, logit.astype(np.float32)

@@ -13,7 +13,9 @@ size checked against the bytes stored before it is allocated):
     logit_idx  int32   [N, L, T] / [N, L, B, T]   optional top-T router logits: expert ids (T >= 1)
     logit_val  float32 same shape as logit_idx    ... and their values (both arrays or neither)
     meta       0-d unicode string holding a JSON object: format, model, num_layers, num_experts,
-               top_k, expert_bytes (int or null), phase, source, license, and any other keys.
+               top_k, expert_bytes (int or null), phase, source, license, and any other keys;
+               optional hidden_size and moe_intermediate_size (H, I of one routed expert,
+               both or neither) let the simulator price expert formats (sim/budget.py).
 Arrays with other names are ignored on load and not written back.
 
 In memory a Trace always holds the 4-D form (experts [N, L, B, k], req_index [N, B]); a file
@@ -37,6 +39,10 @@ FORMAT = "expertcache-trace/1"
 REQUIRED_META_KEYS = ("format", "model", "num_layers", "num_experts", "top_k", "expert_bytes",
                       "phase", "source", "license")
 OPTIONAL_ARRAYS = ("weights", "req_index", "logit_idx", "logit_val")
+# Optional meta keys (kept in TraceMeta.extra): one routed expert's hidden size H and intermediate
+# size I, gate_up [2I, H] + down [H, I]. With them, expert_bytes must be the bytes of that expert in
+# one of the expert formats (expertcache.formats), bf16 for a bf16 model.
+SHAPE_KEYS = ("hidden_size", "moe_intermediate_size")
 # Size limits of meta, checked before anything is sized from it: a cache of the trace keeps
 # per-key policy state (12-31 bytes a key for lru, lfuda and rule) and per-slot arrays for up to
 # L*E slots, and the JSON-lines importer keeps records per layer. Real MoE models are far below
@@ -72,6 +78,13 @@ class TraceMeta:
     source: str
     license: str
     extra: dict = field(default_factory=dict)
+
+    @property
+    def expert_shape(self) -> tuple[int, int] | None:
+        """(hidden_size, moe_intermediate_size) from the optional meta keys, or None without them."""
+        if not all(k in self.extra for k in SHAPE_KEYS):
+            return None
+        return int(self.extra["hidden_size"]), int(self.extra["moe_intermediate_size"])
 
     def to_dict(self) -> dict[str, Any]:
         """The meta as a JSON-ready dict: `format` and the required keys first, then `extra`."""
@@ -156,6 +169,34 @@ class TraceMeta:
         except (TypeError, ValueError) as e:
             raise TraceError(f"{p}meta.extra is not JSON-serialisable ({e}): keep only JSON "
                              f"values (str, int, float, bool, None, list, dict) in it") from None
+        self._validate_shape(p)
+
+    def _validate_shape(self, p: str) -> None:
+        """Check the optional SHAPE_KEYS: both or neither, integers >= 1, and expert_bytes (when
+        set) the bytes of such an expert in some expert format. Raises TraceError naming the key."""
+        have = [k for k in SHAPE_KEYS if k in self.extra]
+        if not have:
+            return
+        if len(have) == 1:
+            lack = SHAPE_KEYS[1 - SHAPE_KEYS.index(have[0])]
+            raise TraceError(f"{p}meta.{have[0]} is set without meta.{lack}: give both (one routed "
+                             f"expert is gate_up [2I, H] + down [H, I]) or neither")
+        for key in SHAPE_KEYS:
+            value = self.extra[key]
+            if not _is_int(value) or value < 1:
+                raise TraceError(f"{p}meta.{key} must be an integer >= 1, got {value!r}: fix it")
+        if self.expert_bytes is None:
+            return
+        from sim.budget import format_bytes  # sim.budget builds on this module
+
+        hidden, inter = self.expert_shape  # type: ignore[misc]
+        sizes = format_bytes(hidden, inter)
+        if self.expert_bytes not in sizes.values():
+            known = ", ".join(f"{name} {b:,}" for name, b in sizes.items())
+            raise TraceError(f"{p}meta.expert_bytes is {self.expert_bytes:,}, which no expert format "
+                             f"gives for hidden_size {hidden}, moe_intermediate_size {inter} "
+                             f"({known}): fix meta.expert_bytes (or set it to null) or the two "
+                             f"shape keys")
 
 
 def _check_array(name: str, a: Any) -> np.ndarray:
