@@ -9,9 +9,13 @@ Importing this package does not import torch (the simulator prices formats witho
 
 A VRAM budget (`--moe-cache-gb G`, in GiB: G * 2**30 bytes) becomes a slot count per format:
 `slots_for_budget(G, fmt, H, I)` = floor(G * 2**30 / fmt.expert_bytes(H, I)).
+`slots_for_bytes(G, P)` is the same for any P bytes per expert (the server prices a float16 /
+float32 checkpoint's unquantized banks with it).
 """
 
 from __future__ import annotations
+
+import math
 
 from expertcache.errors import FormatError
 from expertcache.formats.base import ExpertFormat, Part, bank_name
@@ -47,15 +51,28 @@ def slots_for_budget(gib: float, fmt: ExpertFormat, hidden: int, intermediate: i
     Raises FormatError naming --moe-cache-gb for a budget that is not a finite number > 0 or that holds
     no expert at all.
     """
+    per_expert = fmt.expert_bytes(hidden, intermediate)
+    return slots_for_bytes(gib, per_expert, f"{fmt.name} expert of {per_expert:,} bytes (H {hidden}, I {intermediate})")
+
+
+def slots_for_bytes(gib: float, per_expert: int, what: str = "expert") -> int:
+    """floor(gib * 2**30 / per_expert): slots of `per_expert` bytes each in `gib` GiB of slot memory.
+
+    what: the expert as the error names it. Raises FormatError naming --moe-cache-gb for a budget that
+    is not a finite number > 0 or that holds no expert (with the smallest budget that holds one).
+    """
     if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < float("inf"):
         raise FormatError(f"--moe-cache-gb must be a number of GiB > 0, got {gib!r}")
-    per_expert = fmt.expert_bytes(hidden, intermediate)
     slots = int(gib * GIB) // per_expert
     if slots < 1:
-        raise FormatError(f"--moe-cache-gb {gib:g} holds no {fmt.name} expert of {per_expert:,} bytes "
-                          f"(H {hidden}, I {intermediate}): give at least {per_expert / GIB:.4f}")
+        raise FormatError(f"--moe-cache-gb {gib:g} holds no {what}: give at least {gib_at_least(per_expert)}")
     return slots
 
 
-__all__ = ["GIB", "slots_for_budget", "BF16", "FP8", "INT4", "MXFP4", "NVFP4", "REGISTRY", "ExpertFormat", "FormatError", "Part",
+def gib_at_least(nbytes: int) -> str:
+    """`nbytes` in GiB rounded up to 4 decimals, so that the budget printed holds them."""
+    return f"{math.ceil(nbytes / GIB * 1e4) / 1e4:.4f}"
+
+
+__all__ = ["GIB", "gib_at_least", "slots_for_budget", "slots_for_bytes", "BF16", "FP8", "INT4", "MXFP4", "NVFP4", "REGISTRY", "ExpertFormat", "FormatError", "Part",
            "bank_name", "format_names", "get_format"]

@@ -2,6 +2,7 @@
 
     <dir> (config.json, *.safetensors) ──load_checkpoint──► ModelWeights (device tensors + HostStore)
         ──make_backend──► CpuCachedMoE (device "cpu") | GpuMoE (CUDA): the expert cache of num_slots
+                          (or of the slots cache_gb GiB hold: moe.engine.budget, from config.json first)
         ──Engine──► prefill / decode_step / generate
 
 Supported `model_type`s: moe.model.spec.FAMILIES (qwen2_moe, qwen3_moe). The pieces are public for callers
@@ -13,6 +14,7 @@ EXPERTCACHE_CUDA_GRAPHS (default: on for a CUDA device).
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -22,18 +24,23 @@ from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
 from moe.model.checkpoint import ModelWeights, load_checkpoint
 from moe.model.config import copy_overlap_from_env
 from moe.engine.engine import Engine
-from moe.model.spec import FAMILIES, CheckpointError, ModelSpec
+from moe.engine.budget import resolve_slots
+from moe.model.spec import FAMILIES, CheckpointError, ModelSpec, read_config
 
 CUDA_GRAPHS_ENV = "EXPERTCACHE_CUDA_GRAPHS"
+logger = logging.getLogger(__name__)
 __all__ = ["CheckpointError", "CpuCachedMoE", "Engine", "FAMILIES", "GpuMoE", "ModelSpec", "ModelWeights",
            "load_checkpoint", "load_model"]
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slots: int, policy: str = "lru",
-               dtype: str | None = None, max_batch: int = 1, max_seq_len: int = 2048,
-               record_routing: bool = False, progress: bool = True, copy_overlap: bool | None = None,
-               cuda_graphs: bool | None = None, **constants) -> Engine:
-    """Load checkpoint directory `path` and build an Engine over an expert cache of `num_slots` slots.
+def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slots: int | None = None,
+               cache_gb: float | None = None, policy: str = "lru", dtype: str | None = None, max_batch: int = 1,
+               max_seq_len: int = 2048, record_routing: bool = False, progress: bool = True,
+               copy_overlap: bool | None = None, cuda_graphs: bool | None = None, **constants) -> Engine:
+    """Load checkpoint directory `path` and build an Engine over an expert cache of `num_slots` slots,
+    or of the slots that `cache_gb` GiB hold (exactly one of the two; moe.engine.budget):
+    min(floor(cache_gb * 2**30 / P), L * E) with P the bytes of one expert in the HostStore (3 * I * H
+    parameters in the model dtype), logged at INFO, and at WARNING when the budget holds every expert.
 
     device: "cpu" (HostCache reference backend) or a CUDA device (MoELayer backend, pinned HostStore).
     policy: the eviction policy (--moe-cache-policy), constants: its overrides. dtype: model dtype
@@ -44,9 +51,16 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     debugging), else on for a CUDA device and off on the CPU. Cost: reads the checkpoint once; host
     memory holds every routed expert.
     Raises CheckpointError (config key, file, tensor; a quantized checkpoint: only unquantized
-    bf16 / fp16 / fp32 ones load today), ValueError (num_slots below max_batch * top_k,
-    an unknown policy), PoolError (slots that do not fit on the device).
+    bf16 / fp16 / fp32 ones load today), ValueError (both or neither of num_slots / cache_gb, a
+    cache_gb that is not > 0 or holds fewer than max_batch * top_k experts, num_slots below
+    max_batch * top_k or above L * E, an unknown policy), PoolError (slots that do not fit on the
+    device). The slot count is checked from config.json before any tensor is read.
     """
+    budget = resolve_slots(ModelSpec.from_hf(read_config(path), dtype=dtype), num_slots, cache_gb,
+                           max_batch=max_batch)
+    if cache_gb is not None:
+        logger.log(logging.WARNING if budget.capped else logging.INFO, "%s", budget.describe())
+    num_slots = budget.slots
     weights = load_checkpoint(path, device, dtype=dtype, progress=progress,
                               copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap)
     backend = make_backend(weights, num_slots, policy, max_batch=max_batch, **constants)

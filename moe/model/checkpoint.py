@@ -198,6 +198,15 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return out
 
 
+def expert_banks(spec: ModelSpec) -> tuple[Bank, Bank]:
+    """The HostStore banks of the routed experts: "gate_up" [2I, H] and "down" [H, I], both in the model
+    dtype (spec.dtype: config.json's torch_dtype or the dtype= override), so one expert costs
+    3 * I * H * itemsize bytes (what `--moe-cache-gb` prices, moe.engine.budget)."""
+    cfg, dtype = spec.moe, TORCH_DTYPES[spec.dtype]
+    return (Bank("gate_up", (2 * cfg.expert_intermediate, cfg.hidden), dtype),
+            Bank("down", (cfg.hidden, cfg.expert_intermediate), dtype))
+
+
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", *, dtype: str | None = None,
                     pin: bool | None = None, progress: bool = True, copy_overlap: bool = False) -> ModelWeights:
     """Load a qwen2_moe / qwen3_moe checkpoint directory.
@@ -212,10 +221,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", *, dty
     path, device = Path(path), torch.device(device)
     spec = ModelSpec.from_hf(read_config(path), dtype=dtype, copy_overlap=copy_overlap)
     reader = TensorReader(path, TORCH_DTYPES[spec.dtype], device)
-    cfg = spec.moe
-    banks = (Bank("gate_up", (2 * cfg.expert_intermediate, cfg.hidden), reader.dtype),
-             Bank("down", (cfg.hidden, cfg.expert_intermediate), reader.dtype))
-    store = HostStore.empty(banks, spec.num_moe_layers * cfg.num_experts, pin=pin)
+    store = HostStore.empty(expert_banks(spec), spec.num_moe_layers * spec.moe.num_experts, pin=pin)
     h, v = spec.hidden, spec.vocab_size
     embed = reader.get("model.embed_tokens.weight", (v, h))
     layers = [_load_layer(reader, spec, store, i)

@@ -1,7 +1,8 @@
 """`expertcache serve`: serve a Hugging Face MoE checkpoint over an OpenAI-compatible HTTP API.
 
     --model DIR ─► TextTokenizer (tokenizer.json, chat template) + load_model (weights, expert cache of
-    --moe-slots slots under --moe-cache-policy, --max-batch rows of --max-seq-len tokens)
+    --moe-slots slots, or of the slots --moe-cache-gb GiB hold (moe.engine.budget, resolved from
+    config.json before the weights load), under --moe-cache-policy, --max-batch rows of --max-seq-len)
     ─► Scheduler (continuous batching thread) ─► uvicorn on --host:--port until SIGINT / SIGTERM
     --record-routing PATH: the decode routing of every request, an expertcache-trace/1 file written
     at shutdown, for `expertcache sim PATH`.
@@ -15,6 +16,7 @@ EXPERTCACHE_API_KEY environment variable), /v1/* and /metrics need 'Authorizatio
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from pathlib import Path
@@ -45,8 +47,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, metavar="DIR",
                    help="checkpoint directory: config.json, *.safetensors, tokenizer.json, tokenizer_config.json")
     p.add_argument("--moe-cache-policy", default="lru", choices=serve_policies(), help="eviction policy (default lru)")
-    p.add_argument("--moe-slots", type=int, required=True, metavar="N",
-                   help="expert slots of the pool (at least --max-batch x top_k)")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--moe-slots", type=int, metavar="N",
+                      help="expert slots of the pool (at least --max-batch x top_k, at most L x E)")
+    size.add_argument("--moe-cache-gb", type=float, metavar="G",
+                      help="slot memory in GiB (2**30 bytes) instead: floor(G * 2**30 / bytes per expert) "
+                           "slots, at most L x E")
     p.add_argument("--moe-copy-overlap", action="store_true",
                    help="GPU: run the shared expert on a side stream while misses copy")
     p.add_argument("--device", help="cpu or cuda[:i] (default cuda when available)")
@@ -83,6 +89,8 @@ def _check(args: argparse.Namespace) -> None:
                         ("--moe-slots", args.moe_slots)):
         if value is not None and value < 1:
             raise SystemExit(f"error: {flag} must be >= 1, got {value}")
+    if args.moe_cache_gb is not None and not 0 < args.moe_cache_gb < math.inf:
+        raise SystemExit(f"error: --moe-cache-gb must be a number of GiB > 0, got {args.moe_cache_gb}")
     for flag, value in (("--max-body-mb", args.max_body_mb), ("--read-timeout", args.read_timeout),
                         ("--keep-alive-timeout", args.keep_alive_timeout)):
         if not value > 0:
@@ -161,7 +169,8 @@ def build_state(args: argparse.Namespace) -> ServeState:
     from moe.engine.loading import load_model
     from moe.serve.scheduler import Scheduler
     from moe.serve.server import ServeOptions, ServeState
-    from moe.model.spec import CheckpointError
+    from moe.engine.budget import resolve_slots
+    from moe.model.spec import CheckpointError, ModelSpec, read_config
     from moe.serve.tokenizer import TextTokenizer, TokenizerError
 
     _check(args)
@@ -169,8 +178,10 @@ def build_state(args: argparse.Namespace) -> ServeState:
     device = resolve_device(args.device)
     try:
         max_seq_len = _context(args)
+        budget = resolve_slots(ModelSpec.from_hf(read_config(args.model), dtype=args.dtype), args.moe_slots,
+                               args.moe_cache_gb, max_batch=args.max_batch)
         tokenizer = TextTokenizer(args.model)
-        engine = load_model(args.model, device, num_slots=args.moe_slots, policy=args.moe_cache_policy,
+        engine = load_model(args.model, device, num_slots=budget.slots, policy=args.moe_cache_policy,
                             dtype=args.dtype, max_batch=args.max_batch, max_seq_len=max_seq_len,
                             record_routing=bool(args.record_routing),
                             copy_overlap=True if args.moe_copy_overlap else None)
@@ -184,10 +195,10 @@ def build_state(args: argparse.Namespace) -> ServeState:
                          max_body_bytes=int(args.max_body_mb * 2**20))
     options = ServeOptions(served_name=name, max_seq_len=max_seq_len, guard=guard,
                            record_routing=Path(args.record_routing) if args.record_routing else None,
-                           trace_meta={"policy": args.moe_cache_policy, "slots": args.moe_slots,
+                           trace_meta={"policy": args.moe_cache_policy, "slots": budget.slots,
                                        "max_batch": args.max_batch},
                            shutdown_timeout=args.shutdown_timeout, read_timeout=args.read_timeout,
-                           keep_alive_timeout=args.keep_alive_timeout)
+                           keep_alive_timeout=args.keep_alive_timeout, slot_budget=budget)
     return ServeState(Scheduler(engine, tokenizer), tokenizer, options)
 
 
@@ -202,13 +213,14 @@ def run(args: argparse.Namespace) -> int:
     from moe.serve.server import make_server
 
     state = build_state(args)
-    spec = state.scheduler.engine.spec
+    spec, slots = state.scheduler.engine.spec, state.options.slot_budget.slots
+    print(state.options.slot_budget.describe(), flush=True)
     print(f"serving {state.options.served_name} ({spec.model_type}, {spec.num_moe_layers} MoE layers x "
           f"{spec.moe.num_experts} experts, top-{spec.moe.top_k}) on http://{args.host}:{args.port} with "
-          f"{args.moe_slots} slots, policy {args.moe_cache_policy}, device {state.scheduler.engine.weights.device}; "
+          f"{slots} slots, policy {args.moe_cache_policy}, device {state.scheduler.engine.weights.device}; "
           f"{_access(state)}", flush=True)
     make_server(state, args.host, args.port, args.log_level).run()
     if state.options.record_routing is not None:
         print(f"routing trace: {state.options.record_routing} (replay: expertcache sim "
-              f"{state.options.record_routing} --policies {args.moe_cache_policy} --slots {args.moe_slots})")
+              f"{state.options.record_routing} --policies {args.moe_cache_policy} --slots {slots})")
     return 0

@@ -37,6 +37,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moe.engine.budget import SlotBudget
 from moe.serve import openai_api as api
 from moe.serve.http_guard import Guard, GuardOptions, timed_protocol, until_disconnect
 from moe.serve.metrics import CONTENT_TYPE, ServerMetrics, snapshot
@@ -54,7 +55,8 @@ class ServeOptions:
     access, body limit. record_routing: the trace path written at shutdown (None: off). trace_meta:
     extra meta keys of the trace (policy, slots). shutdown_timeout: seconds open requests get to finish
     at shutdown. read_timeout: seconds a client has to send a whole request. keep_alive_timeout: seconds
-    an idle keep-alive connection stays open."""
+    an idle keep-alive connection stays open. slot_budget: the expert cache's size as --moe-slots /
+    --moe-cache-gb resolved it (moe.engine.budget; the start line prints it), None when not given."""
 
     served_name: str
     max_seq_len: int
@@ -64,6 +66,7 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     read_timeout: float = 30.0
     keep_alive_timeout: float = 5.0
+    slot_budget: SlotBudget | None = None
 
 
 class ServeState:

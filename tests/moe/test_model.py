@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import math
 import shutil
 
 import numpy as np
@@ -22,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from expertcache.formats import GIB, get_format
 from expertcache.host import ACCESSES, CALLS, MISSES
 from moe.engine.loading import CheckpointError, load_model
 
@@ -242,3 +245,76 @@ def test_too_few_slots_for_the_batch_names_the_flag(checkpoint):
     k = model.config.num_experts_per_tok
     with pytest.raises(ValueError, match="--moe-slots"):
         load_model(path, "cpu", num_slots=2 * k - 1, max_batch=2, progress=False)
+
+
+# --moe-cache-gb: G GiB of slot memory -> floor(G * 2**30 / P) slots, P = one expert's HostStore bytes
+
+def _moe_layers(cfg) -> int:
+    return cfg.num_hidden_layers - len(getattr(cfg, "mlp_only_layers", None) or [])
+
+
+@pytest.mark.parametrize("dtype, itemsize", [(None, 4), ("float16", 2), ("bfloat16", 2)])
+def test_cache_gb_gives_the_floor_of_the_budget_and_the_same_tokens(checkpoint, caplog, dtype, itemsize):
+    name, model, path = checkpoint
+    cfg = model.config
+    h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    per = 3 * i * h * itemsize  # gate_up [2I, H] + down [H, I] in the model dtype (the checkpoint is float32)
+    if dtype == "bfloat16":
+        assert per == get_format("bf16").expert_bytes(h, i)
+    gib = (k + 1.5) * per / GIB
+    with caplog.at_level(logging.INFO, logger="moe.engine.loading"):
+        engine = load_model(path, "cpu", cache_gb=gib, dtype=dtype, max_seq_len=32, progress=False)
+    slots = math.floor(gib * 2**30 / per)
+    assert slots == k + 1 and engine.moe.cache.geometry.num_slots == engine.moe.pool.num_slots == slots
+    assert engine.moe.store.bytes_per_expert == per
+    keys = _moe_layers(cfg) * cfg.num_experts
+    assert f"expert cache: {slots} slots x {per:,} bytes per {'bf16' if dtype == 'bfloat16' else dtype or 'float32'} " \
+           f"expert" in caplog.text and f"for {keys} experts" in caplog.text
+    ref = load_model(path, "cpu", num_slots=slots, dtype=dtype, max_seq_len=32, progress=False)
+    prompt = _tokens(5, seed=9)
+    assert engine.generate([prompt], max_new_tokens=8) == ref.generate([prompt], max_new_tokens=8)
+    assert np.array_equal(engine.moe.cache.counters, ref.moe.cache.counters)
+
+
+def test_a_budget_that_holds_every_expert_gives_each_a_slot_and_says_so(checkpoint, caplog):
+    name, model, path = checkpoint
+    keys = _moe_layers(model.config) * model.config.num_experts
+    with caplog.at_level(logging.INFO, logger="moe.engine.loading"):
+        engine = load_model(path, "cpu", cache_gb=1, max_seq_len=32, progress=False)
+    assert engine.moe.cache.geometry.num_slots == keys
+    (record,) = [r for r in caplog.records if r.name == "moe.engine.loading"]
+    assert record.levelno == logging.WARNING
+    assert f"budget --moe-cache-gb 1 holds {GIB // engine.moe.store.bytes_per_expert:,}" in record.message
+    assert f"capped at {keys} slots, every expert resident" in record.message
+
+
+@pytest.mark.parametrize("kw, pattern", [
+    ({}, r"exactly one of --moe-slots N \(num_slots=\) and --moe-cache-gb G \(cache_gb=\), got neither"),
+    ({"num_slots": 8, "cache_gb": 1.0}, r"exactly one of --moe-slots .* got both"),
+    ({"cache_gb": 0}, r"--moe-cache-gb must be a number of GiB > 0, got 0"),
+    ({"cache_gb": -1.0}, r"--moe-cache-gb must be a number of GiB > 0, got -1\.0"),
+    ({"cache_gb": float("nan")}, r"--moe-cache-gb must be a number of GiB > 0, got nan"),
+    ({"cache_gb": float("inf")}, r"--moe-cache-gb must be a number of GiB > 0, got inf"),
+    ({"cache_gb": "1"}, r"--moe-cache-gb must be a number of GiB > 0, got '1'"),
+    ({"cache_gb": 1e-9}, r"--moe-cache-gb 1e-09 holds no float32 expert of 24,576 bytes \(H 64, I 32\): "
+                         r"give at least 0\.0001"),
+    ({"cache_gb": 1e-9, "dtype": "bfloat16"}, r"--moe-cache-gb 1e-09 holds no bf16 expert of 12,288 bytes"),
+])
+def test_cache_size_refusals_name_the_flag_before_any_tensor_is_read(checkpoint, monkeypatch, kw, pattern):
+    name, model, path = checkpoint
+    monkeypatch.setattr("moe.engine.loading.load_checkpoint", lambda *a, **k: pytest.fail("tensors were read"))
+    with pytest.raises(ValueError, match=pattern):
+        load_model(path, "cpu", progress=False, **kw)
+
+
+def test_a_budget_below_the_batch_names_the_flag_and_the_budget_that_fits(checkpoint, monkeypatch):
+    name, model, path = checkpoint
+    cfg = model.config
+    k, per = cfg.num_experts_per_tok, 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
+    monkeypatch.setattr("moe.engine.loading.load_checkpoint", lambda *a, **k: pytest.fail("tensors were read"))
+    with pytest.raises(ValueError, match=rf"--moe-cache-gb \S+ holds {2 * k - 1} float32 experts of {per:,} bytes, "
+                                         rf"below max_batch=2 \* top_k={k}: .* give --moe-cache-gb (\S+) or more"
+                       ) as e:
+        load_model(path, "cpu", cache_gb=(2 * k - 0.5) * per / GIB, max_batch=2, progress=False)
+    enough = float(str(e.value).split("give --moe-cache-gb ")[1].split()[0])
+    assert int(enough * GIB) // per >= 2 * k  # the budget the message gives does fit the batch

@@ -2,7 +2,8 @@
 
     API key sources (--api-key-file, --api-key, EXPERTCACHE_API_KEY), the Bearer scheme, /metrics
     behind the key unless --metrics-public, JSON-only POST bodies, --read-timeout for stalled and
-    half-open clients, --keep-alive-timeout, and serve flags checked against the checkpoint and machine
+    half-open clients, --keep-alive-timeout, and serve flags checked against the checkpoint and machine;
+    --moe-cache-gb refused by name before the model loads, and the start line that prices the slots
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from moe.cli import build_parser
+from moe.cli import build_parser, main
 from moe.serve.cli import API_KEY_ENV, build_state
 from tests.moe.http_util import AUTH, KEY, NAME, serve
 from tests.moe.test_server_hardening import _error, _post
@@ -152,3 +153,67 @@ def test_bytes_that_are_not_http_get_a_json_400(srv, garbage):
     assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
     assert json.loads(body)["error"]["code"] == "invalid_http"
     assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+
+
+# 11. --moe-cache-gb G: one of it and --moe-slots, checked before the model loads, priced in the start line
+
+SERVE = ["serve", "--max-batch", "3", "--device", "cpu"]  # the tiny model: float32, 2 MoE layers x 8, top-2
+
+
+def _no_load(*args, **kwargs):
+    pytest.fail("the model was loaded")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--moe-cache-gb", "0"], "error: --moe-cache-gb must be a number of GiB > 0, got 0.0"),
+    (["--moe-cache-gb", "-2"], "error: --moe-cache-gb must be a number of GiB > 0, got -2.0"),
+    (["--moe-cache-gb", "nan"], "error: --moe-cache-gb must be a number of GiB > 0, got nan"),
+    (["--moe-cache-gb", "inf"], "error: --moe-cache-gb must be a number of GiB > 0, got inf"),
+    (["--moe-cache-gb", "1e-9"], "error: --moe-cache-gb 1e-09 holds no float32 expert of 24,576 bytes"),
+    (["--moe-cache-gb", "1e-9", "--dtype", "bfloat16"], "error: --moe-cache-gb 1e-09 holds no bf16 expert of 12,288"),
+    (["--moe-cache-gb", "0.0001"], "error: --moe-cache-gb 0.0001 holds 4 float32 experts of 24,576 bytes, below "
+                                   "max_batch=3 * top_k=2"),
+    (["--moe-slots", "0"], "error: --moe-slots must be >= 1, got 0"),  # the exit of the other flag errors
+])
+def test_moe_cache_gb_is_refused_by_name_before_the_model_loads(tiny_dir, monkeypatch, flags, message):
+    monkeypatch.setattr("moe.engine.loading.load_model", _no_load)
+    args = build_parser().parse_args([*SERVE, "--model", str(tiny_dir), *flags])
+    with pytest.raises(SystemExit) as e:
+        build_state(args)
+    assert isinstance(e.value.code, str) and e.value.code.startswith(message)  # a message: exit status 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--moe-slots", "6", "--moe-cache-gb", "1"], "argument --moe-cache-gb: not allowed with argument --moe-slots"),
+    ([], "one of the arguments --moe-slots --moe-cache-gb is required"),
+    (["--moe-cache-gb", "lots"], "argument --moe-cache-gb: invalid float value: 'lots'"),
+])
+def test_both_or_neither_size_flag_is_a_usage_error(tiny_dir, monkeypatch, capsys, flags, message):
+    monkeypatch.setattr("moe.engine.loading.load_model", _no_load)
+    with pytest.raises(SystemExit) as e:
+        main([*SERVE, "--model", str(tiny_dir), *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err  # argparse's, as --api-key with --api-key-file
+
+
+class _Stopped:
+    def run(self) -> None:
+        """The server returns at once (as after SIGTERM)."""
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--moe-cache-gb", "0.0002"], "expert cache: 8 slots x 24,576 bytes per float32 expert = 0.0001831 GiB of "
+                                   "slot memory, for 16 experts (2 MoE layers x 8); budget --moe-cache-gb 0.0002 holds 8"),
+    (["--moe-cache-gb", "0.0002", "--dtype", "bfloat16"],
+     "expert cache: 16 slots x 12,288 bytes per bf16 expert = 0.0001831 GiB of slot memory, for 16 experts "
+     "(2 MoE layers x 8); budget --moe-cache-gb 0.0002 holds 17, more than every expert: capped at 16 slots, "
+     "every expert resident"),
+    (["--moe-slots", "6"], "expert cache: 6 slots x 24,576 bytes per float32 expert = 0.0001373 GiB of slot memory, "
+                           "for 16 experts (2 MoE layers x 8)"),
+])
+def test_the_start_line_gives_slots_bytes_gib_experts_and_budget(tiny_dir, monkeypatch, capsys, flags, line):
+    monkeypatch.setattr("moe.serve.server.make_server", lambda *a, **k: _Stopped())
+    assert main([*SERVE, "--model", str(tiny_dir), *flags]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == line
+    slots = line.split()[2]
+    assert f" with {slots} slots, policy lru" in out[1]

@@ -1,0 +1,110 @@
+"""The expert cache's size: `--moe-slots N`, or a VRAM budget `--moe-cache-gb G` turned into slots.
+
+    config.json ─ModelSpec─► the HostStore's expert banks (moe.model.checkpoint.expert_banks):
+        gate_up [2I, H] + down [H, I] in the model dtype ─► P = bytes per expert = bytes per slot
+    --moe-slots N    ─► S = N                                   (checked by the backend, as always)
+    --moe-cache-gb G ─► S = min(floor(G * 2**30 / P), L * E)    (refused below max_batch * top_k)
+
+The format priced is the one the experts are stored in: a bfloat16 model's experts are expertcache's
+"bf16" format (slots_for_budget with it; 2 bytes a parameter), a float16 / float32 model's are
+unquantized banks of that dtype (2 / 4 bytes a parameter; slots_for_bytes with the banks' row bytes).
+The model dtype is config.json's torch_dtype or the dtype= / --dtype override. A budget that holds
+every expert gives L * E slots (a slot beyond them would never hold one) and says so in `describe`.
+GiB are 2**30 bytes. Legend: L = MoE layers, E = routed experts per layer, S = slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from expertcache.formats import GIB, get_format, gib_at_least, slots_for_budget, slots_for_bytes
+from moe.model.checkpoint import expert_banks
+from moe.model.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class SlotBudget:
+    """A resolved cache size. slots: S. bytes_per_expert: P (one expert's rows over every bank, the
+    bytes of one slot). format: what the experts are stored in ("bf16", "float16", "float32").
+    num_layers / num_experts: L MoE layers x E experts. cache_gb: the --moe-cache-gb budget (None for
+    --moe-slots). budget_slots: floor(G * 2**30 / P) before the cap at L * E (None for --moe-slots)."""
+
+    slots: int
+    bytes_per_expert: int
+    format: str
+    num_layers: int
+    num_experts: int
+    cache_gb: float | None = None
+    budget_slots: int | None = None
+
+    @property
+    def keys(self) -> int:
+        """Routed experts of the model, L * E (the cache's keys)."""
+        return self.num_layers * self.num_experts
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of slot memory: S * P."""
+        return self.slots * self.bytes_per_expert
+
+    @property
+    def capped(self) -> bool:
+        """True when the budget held more experts than the model has (S was cut to L * E)."""
+        return self.budget_slots is not None and self.budget_slots > self.keys
+
+    def describe(self) -> str:
+        """One line: slots, bytes per expert, GiB of slot memory, experts in all, and the budget."""
+        line = (f"expert cache: {self.slots:,} slots x {self.bytes_per_expert:,} bytes per {self.format} expert "
+                f"= {self.slot_bytes / GIB:.4g} GiB of slot memory, for {self.keys:,} experts "
+                f"({self.num_layers} MoE layers x {self.num_experts})")
+        if self.cache_gb is None:
+            return line
+        line += f"; budget --moe-cache-gb {self.cache_gb:g} holds {self.budget_slots:,}"
+        if self.capped:
+            line += f", more than every expert: capped at {self.keys:,} slots, every expert resident"
+        return line
+
+
+def expert_pricing(spec: ModelSpec) -> tuple[str, int]:
+    """(format, bytes per expert) of the routed experts as the HostStore holds them: the row bytes of
+    moe.model.checkpoint.expert_banks(spec). No tensor is read."""
+    per_expert = sum(b.row_bytes for b in expert_banks(spec))
+    return ("bf16" if spec.dtype == "bfloat16" else spec.dtype), per_expert
+
+
+def resolve_slots(spec: ModelSpec, num_slots: int | None = None, cache_gb: float | None = None, *,
+                  max_batch: int = 1) -> SlotBudget:
+    """The cache size from exactly one of `num_slots` (--moe-slots) and `cache_gb` (--moe-cache-gb, GiB).
+
+    num_slots is passed through (the backend checks it against max_batch * top_k and L * E, naming
+    --moe-slots). cache_gb gives min(floor(cache_gb * 2**30 / P), L * E) slots. Cost: arithmetic.
+    Raises ValueError naming both flags when both or neither are given; FormatError (a ValueError)
+    naming --moe-cache-gb for a budget that is not a finite number > 0 or holds no expert; ValueError
+    naming --moe-cache-gb when it holds fewer than max_batch * top_k experts (with the budget that
+    does), or max_batch when the model itself has fewer routed experts than that.
+    """
+    if (num_slots is None) == (cache_gb is None):
+        given = "both" if num_slots is not None else "neither"
+        raise ValueError(f"give exactly one of --moe-slots N (num_slots=) and --moe-cache-gb G (cache_gb=), "
+                         f"got {given}")
+    fmt, per_expert = expert_pricing(spec)
+    cfg = spec.moe
+    layers, experts = spec.num_moe_layers, cfg.num_experts
+    if cache_gb is None:
+        return SlotBudget(num_slots, per_expert, fmt, layers, experts)
+    if fmt == "bf16":
+        fitted = slots_for_budget(cache_gb, get_format("bf16"), cfg.hidden, cfg.expert_intermediate)
+    else:
+        fitted = slots_for_bytes(cache_gb, per_expert, f"{fmt} expert of {per_expert:,} bytes "
+                                                       f"(H {cfg.hidden}, I {cfg.expert_intermediate})")
+    budget = SlotBudget(min(fitted, layers * experts), per_expert, fmt, layers, experts, cache_gb, fitted)
+    need = max_batch * cfg.top_k
+    if budget.slots < need and fitted < need:
+        raise ValueError(f"--moe-cache-gb {cache_gb:g} holds {fitted} {fmt} experts of {per_expert:,} bytes, below "
+                         f"max_batch={max_batch} * top_k={cfg.top_k}: one decode step could route to more distinct "
+                         f"experts than slots; give --moe-cache-gb {gib_at_least(need * per_expert)} or more, "
+                         "or lower max_batch")
+    if budget.slots < need:
+        raise ValueError(f"max_batch={max_batch} * top_k={cfg.top_k} is above the model's {budget.keys} routed "
+                         "experts, the most slots a cache can have (it needs max_batch * top_k); lower max_batch")
+    return budget
