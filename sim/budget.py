@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from expertcache.formats import GIB, FormatError, format_names, get_format, slots_for_budget
+from expertcache.formats import FormatError, format_names, get_format, gib_at_least, slots_for_budget
 from sim.costmodel import ModelShape, shape_for_meta
 from sim.trace import Trace
 
@@ -171,7 +171,7 @@ def _budget_slots(name: str, fmt: str, gib: float, shape: tuple[int, int], total
         per = f.expert_bytes(*shape)
         raise BudgetError(f"{name}: --moe-cache-gb {gib:g} holds {slots} {fmt} experts of {per:,} "
                           f"bytes, fewer than the {need} distinct experts one call of this trace "
-                          f"asks for: give --moe-cache-gb >= {math.ceil(need * per / GIB * 1000) / 1000:g}")
+                          f"asks for: give --moe-cache-gb >= {gib_at_least(need * per)}")
     return min(slots, total), slots >= total
 
 

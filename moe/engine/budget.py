@@ -6,8 +6,8 @@
     --moe-cache-gb G ─► S = min(floor(G * 2**30 / P), L * E)    (refused below max_batch * top_k)
 
 The format priced is the one the experts are stored in: a bfloat16 model's experts are expertcache's
-"bf16" format (slots_for_budget with it; 2 bytes a parameter), a float16 / float32 model's are
-unquantized banks of that dtype (2 / 4 bytes a parameter; slots_for_bytes with the banks' row bytes).
+"bf16" format (2 bytes a parameter), a float16 / float32 model's are unquantized banks of that dtype
+(2 / 4 bytes a parameter); either way P is the banks' row bytes (slots_for_bytes).
 The model dtype is config.json's torch_dtype or the dtype= / --dtype override. A budget that holds
 every expert gives L * E slots (a slot beyond them would never hold one) and says so in `describe`.
 GiB are 2**30 bytes. Legend: L = MoE layers, E = routed experts per layer, S = slots.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from expertcache.formats import GIB, get_format, gib_at_least, slots_for_budget, slots_for_bytes
+from expertcache.formats import GIB, gib_at_least, slots_for_bytes
 from moe.model.checkpoint import expert_banks
 from moe.model.spec import ModelSpec
 
@@ -92,11 +92,8 @@ def resolve_slots(spec: ModelSpec, num_slots: int | None = None, cache_gb: float
     layers, experts = spec.num_moe_layers, cfg.num_experts
     if cache_gb is None:
         return SlotBudget(num_slots, per_expert, fmt, layers, experts)
-    if fmt == "bf16":
-        fitted = slots_for_budget(cache_gb, get_format("bf16"), cfg.hidden, cfg.expert_intermediate)
-    else:
-        fitted = slots_for_bytes(cache_gb, per_expert, f"{fmt} expert of {per_expert:,} bytes "
-                                                       f"(H {cfg.hidden}, I {cfg.expert_intermediate})")
+    fitted = slots_for_bytes(cache_gb, per_expert, f"{fmt} expert of {per_expert:,} bytes "
+                                                   f"(H {cfg.hidden}, I {cfg.expert_intermediate})")
     budget = SlotBudget(min(fitted, layers * experts), per_expert, fmt, layers, experts, cache_gb, fitted)
     need = max_batch * cfg.top_k
     if budget.slots < need and fitted < need:
