@@ -6,6 +6,8 @@
         -> miss_copy:    one persistent Triton kernel reads count and the plan on the device,
                          then every bank's row store[bank][key] -> pool[bank][slot] for every
                          live row: SM loads of mapped host memory over PCIe, 16 bytes a thread
+                         (4 for a bank whose rows are not a multiple of 16 bytes: a format's
+                         per-matrix scales, a few bytes an expert)
         -> pool[bank] [num_slots, *row]  (device memory)
 
 The kernel launches a fixed grid and never reads `count` on the host, so a decode step that
@@ -28,8 +30,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from expertcache.pool import HostStore, SlotPool
 
-MAX_BANKS = 4  # banks one launch copies; a bank is one kernel argument of each pointer tuple
-VECTOR_BYTES = 16  # one load or store per thread moves 16 bytes (4 x int32)
+MAX_BANKS = 8  # banks one launch copies (nvfp4 and int4 with zero points have 6); one kernel argument each
+WORD_BYTES = 4  # the kernel moves int32 words: a bank's row must be a multiple of 4 bytes
+VECTOR_BYTES = 16  # one load or store per thread moves 16 bytes (4 x int32) where a row is a multiple of 16
 DEFAULT_NUM_CTAS = 16
 DEFAULT_BLOCK_BYTES = 16384  # bytes one program moves per work item
 DEFAULT_NUM_WARPS = 4
@@ -49,7 +52,7 @@ def _miss_copy_kernel(
     src_ptrs,  # tuple of NUM_BANKS *i32: host bank b as int32 words [num_keys, ROW_WORDS[b]]
     dst_ptrs,  # tuple of NUM_BANKS *i32: pool bank b as int32 words [num_slots, ROW_WORDS[b]]
     NUM_BANKS: tl.constexpr,  # banks copied per plan row, 1..MAX_BANKS
-    ROW_WORDS: tl.constexpr,  # tuple: int32 words in one row of bank b, a multiple of 4
+    ROW_WORDS: tl.constexpr,  # tuple: int32 words in one row of bank b (16-byte vectors where a multiple of 4)
     FIRST_CHUNK: tl.constexpr,  # tuple, NUM_BANKS + 1: bank b owns chunks [FIRST_CHUNK[b], [b + 1])
     CHUNKS_PER_ROW: tl.constexpr,  # FIRST_CHUNK[NUM_BANKS]: work items per plan row
     BLOCK: tl.constexpr,  # int32 words per work item (a power of two, >= 4)
@@ -151,10 +154,10 @@ def _words_layout(store: HostStore, block_words: int) -> tuple[tuple[int, ...], 
         )
     row_words, first = [], [0]
     for b in store.banks:
-        if b.row_bytes % VECTOR_BYTES:
+        if b.row_bytes % WORD_BYTES:
             raise ValueError(
-                f"bank {b.name!r} rows are {b.row_bytes} bytes; miss_copy moves 16-byte vectors, "
-                "so pad the bank's row_shape to a multiple of 16 bytes"
+                f"bank {b.name!r} rows are {b.row_bytes} bytes; miss_copy moves 4-byte words, "
+                "so pad the bank's row_shape to a multiple of 4 bytes"
             )
         row_words.append(b.row_bytes // 4)
         first.append(first[-1] + triton.cdiv(b.row_bytes // 4, block_words))
@@ -191,7 +194,7 @@ def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch
     launch on the stream may start right after the copy's own wait, before the plan is read; it must
     wait (griddepcontrol.wait) before it reads any slot the plan fills. Its programs then wait on the
     SMs for the whole copy, so it suits a stream with no other work that needs the SMs meanwhile.
-    Raises ValueError for mismatched banks, rows not a multiple of 16 bytes, > MAX_BANKS banks,
+    Raises ValueError for mismatched banks, rows not a multiple of 4 bytes, > MAX_BANKS banks,
     or a malformed plan or count. Cost: the live rows' bytes over PCIe, read by SM loads of mapped
     host memory (benchmarks/bench_copy.py compares it with the copy engines).
     """

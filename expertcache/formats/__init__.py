@@ -3,7 +3,7 @@
     >>> format_names()
     ['bf16', 'fp8', 'int4', 'mxfp4', 'nvfp4']
     >>> get_format("nvfp4").expert_bytes(2048, 768)  # one Qwen3-30B-A3B expert
-    2654216
+    2654220
 
 Importing this package does not import torch (the simulator prices formats without it).
 
@@ -19,13 +19,15 @@ import math
 
 from expertcache.errors import FormatError
 from expertcache.formats.base import ExpertFormat, Part, bank_name
-from expertcache.formats.bf16 import BF16
+from expertcache.formats.bf16 import BF16, Float16, Float32
 from expertcache.formats.fp8 import FP8
 from expertcache.formats.int4 import INT4
 from expertcache.formats.mxfp4 import MXFP4
 from expertcache.formats.nvfp4 import NVFP4
 
 REGISTRY: dict[str, ExpertFormat] = {f.name: f for f in (BF16(), FP8(), NVFP4(), INT4(), MXFP4())}
+# The model dtype's own format of unquantized experts, by torch dtype name.
+DENSE: dict[str, ExpertFormat] = {"bfloat16": REGISTRY["bf16"], "float16": Float16(), "float32": Float32()}
 
 
 def format_names() -> list[str]:
@@ -40,6 +42,24 @@ def get_format(name: str) -> ExpertFormat:
         raise FormatError(f"unknown expert format {name!r} (--moe-expert-format): choose one of "
                           + ", ".join(format_names()))
     return fmt
+
+
+def dense_format(dtype: str) -> ExpertFormat:
+    """The unquantized format of experts stored in torch dtype `dtype` ("bfloat16" -> bf16, "float16",
+    "float32"). Raises FormatError naming the dtype for any other."""
+    fmt = DENSE.get(dtype) if isinstance(dtype, str) else None
+    if fmt is None:
+        raise FormatError(f"no dense expert format for dtype {dtype!r}: one of {sorted(DENSE)}")
+    return fmt
+
+
+def resolve_format(name: str) -> ExpertFormat:
+    """A registered format (`get_format`) or a dense one by its name ("float16", "float32"), as
+    MoEConfig.expert_format holds it. Raises FormatError naming the choices."""
+    for fmt in DENSE.values():
+        if name == fmt.name:
+            return fmt
+    return get_format(name)
 
 
 GIB = 1 << 30
@@ -74,5 +94,6 @@ def gib_at_least(nbytes: int) -> str:
     return f"{math.ceil(nbytes / GIB * 1e4) / 1e4:.4f}"
 
 
-__all__ = ["GIB", "gib_at_least", "slots_for_budget", "slots_for_bytes", "BF16", "FP8", "INT4", "MXFP4", "NVFP4", "REGISTRY", "ExpertFormat", "FormatError", "Part",
-           "bank_name", "format_names", "get_format"]
+__all__ = ["DENSE", "GIB", "gib_at_least", "slots_for_budget", "slots_for_bytes", "BF16", "FP8", "INT4", "MXFP4",
+           "NVFP4", "REGISTRY", "ExpertFormat", "Float16", "Float32", "FormatError", "Part", "bank_name",
+           "dense_format", "format_names", "get_format", "resolve_format"]

@@ -8,6 +8,9 @@
 
 An expert is two matrices, gate_up [2I, H] (gate_proj stacked over up_proj) and down [H, I]; its banks
 are those of both (`expert_banks`), and row `key` of a HostStore / SlotPool bank is one expert's part.
+A stacked matrix (`stack` = 2 for gate_up) is its sub-matrices quantized one by one, each part of them
+concatenated along its first dimension: gate_proj and up_proj keep their own scales, as the checkpoints
+store them (nvfp4's s2 of gate_up is [2]: gate's global scale, then up's).
 `layout` (suffix, row shape, dtype name of each part) and the byte counts are integer arithmetic that
 needs no torch, so the simulator can price a format without it; only `banks`, `quantize` and
 `dequantize` import torch. A shape a format cannot store (in_features not a multiple of its packing
@@ -70,50 +73,63 @@ class ExpertFormat:
     main: ClassVar[str] = "q"
     pack: ClassVar[int] = 1
 
-    def layout(self, out_features: int, in_features: int) -> tuple[Part, ...]:
-        """The parts of one [out_features, in_features] matrix. Pure integer arithmetic.
+    @property
+    def dense(self) -> bool:
+        """True for an unquantized format (one part, the matrix itself in a float dtype)."""
+        return self.main == ""
 
-        Raises FormatError naming out_features / in_features when a dim is not a positive int or
-        in_features is not a multiple of `in_multiple` (refused, not padded).
+    def layout(self, out_features: int, in_features: int, stack: int = 1) -> tuple[Part, ...]:
+        """The parts of one [out_features, in_features] matrix made of `stack` sub-matrices of
+        out_features / stack rows each (every part's first dimension is `stack` times the sub-matrix
+        part's). Pure integer arithmetic.
+
+        Raises FormatError naming out_features / in_features / stack when a dim is not a positive int,
+        out_features is not a multiple of stack, or in_features is not a multiple of `in_multiple`
+        (refused, not padded).
         """
-        for field, v in (("out_features", out_features), ("in_features", in_features)):
+        for field, v in (("out_features", out_features), ("in_features", in_features), ("stack", stack)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise FormatError(f"{self.name}: {field} must be a positive int, got {v!r}")
+        if out_features % stack:
+            raise FormatError(f"{self.name}: out_features={out_features} is not a multiple of stack={stack} "
+                              "(the sub-matrices stacked)")
         if in_features % self.in_multiple:
             raise FormatError(
                 f"{self.name}: in_features={in_features} is not a multiple of {self.in_multiple} "
                 f"({self.in_rule}); such a matrix is refused, not padded: choose another "
                 "--moe-expert-format for this model"
             )
-        return self._layout(out_features, in_features)
+        parts = self._layout(out_features // stack, in_features)
+        return tuple(Part(p.suffix, (stack * p.shape[0], *p.shape[1:]), p.dtype) for p in parts)
 
-    def matrix_bytes(self, out_features: int, in_features: int) -> int:
-        """Bytes of one [out, in] matrix in this format, every part included."""
-        return sum(p.nbytes for p in self.layout(out_features, in_features))
+    def matrix_bytes(self, out_features: int, in_features: int, stack: int = 1) -> int:
+        """Bytes of one [out, in] matrix of `stack` sub-matrices in this format, every part included."""
+        return sum(p.nbytes for p in self.layout(out_features, in_features, stack))
 
     def expert_bytes(self, hidden: int, intermediate: int) -> int:
-        """Bytes of one expert: gate_up [2I, H] plus down [H, I]."""
-        return self.matrix_bytes(2 * intermediate, hidden) + self.matrix_bytes(hidden, intermediate)
+        """Bytes of one expert: gate_up [2I, H] (gate_proj and up_proj, stack 2) plus down [H, I]."""
+        return self.matrix_bytes(2 * intermediate, hidden, 2) + self.matrix_bytes(hidden, intermediate)
 
-    def banks(self, name: str, out_features: int, in_features: int) -> tuple["Bank", ...]:
-        """The HostStore / SlotPool banks of matrix `name` [out, in], in layout order."""
+    def banks(self, name: str, out_features: int, in_features: int, stack: int = 1) -> tuple["Bank", ...]:
+        """The HostStore / SlotPool banks of matrix `name` [out, in] of `stack` sub-matrices, in layout order."""
         import torch
 
         from expertcache.pool import Bank
 
         return tuple(Bank(bank_name(name, p.suffix), p.shape, getattr(torch, p.dtype))
-                     for p in self.layout(out_features, in_features))
+                     for p in self.layout(out_features, in_features, stack))
 
     def expert_banks(self, hidden: int, intermediate: int) -> tuple["Bank", ...]:
-        """The banks of one expert: those of "gate_up" [2I, H], then those of "down" [H, I]."""
-        return self.banks("gate_up", 2 * intermediate, hidden) + self.banks("down", hidden, intermediate)
+        """The banks of one expert: those of "gate_up" [2I, H] (stack 2), then those of "down" [H, I]."""
+        return self.banks("gate_up", 2 * intermediate, hidden, 2) + self.banks("down", hidden, intermediate)
 
-    def quantize(self, w: "torch.Tensor") -> dict[str, "torch.Tensor"]:
-        """Parts of `w` [out, in] (bfloat16 / float16 / float32, finite), on w's device.
+    def quantize(self, w: "torch.Tensor", stack: int = 1) -> dict[str, "torch.Tensor"]:
+        """Parts of `w` [out, in] (bfloat16 / float16 / float32, finite), on w's device; with `stack`,
+        each of its `stack` row blocks is quantized alone and the parts are concatenated (dim 0).
 
         Deterministic round to nearest, ties to even; the scaling rule is the subclass's docstring.
         Cost: a few elementwise passes over w in float32. Raises FormatError naming `w` (not 2-D, its
-        dtype, non-finite values) or in_features (see `layout`).
+        dtype, non-finite values), in_features or stack (see `layout`).
         """
         import torch
 
@@ -122,15 +138,17 @@ class ExpertFormat:
             raise FormatError(f"{self.name}.quantize: w must be a 2-D tensor [out_features, in_features], got {got}")
         if str(w.dtype).removeprefix("torch.") not in INPUT_DTYPES:
             raise FormatError(f"{self.name}.quantize: w.dtype must be one of {INPUT_DTYPES}, got {w.dtype}")
-        layout = self.layout(*w.shape)
+        layout = self.layout(*w.shape, stack)
         if not bool(torch.isfinite(w).all()):
             raise FormatError(f"{self.name}.quantize: w has non-finite values (nan / inf)")
-        parts = self._quantize(w.float().contiguous())
+        subs = [self._quantize(sub.float().contiguous()) for sub in w.chunk(stack)]
+        parts = {k: torch.cat([p[k] for p in subs]).contiguous() for k in subs[0]}
         self._check_parts(parts, layout)
         return parts
 
-    def dequantize(self, parts: Mapping[str, "torch.Tensor"]) -> "torch.Tensor":
-        """W' float32 [out, in] from `parts` (exactly the layout's keys, shapes and dtypes).
+    def dequantize(self, parts: Mapping[str, "torch.Tensor"], stack: int = 1) -> "torch.Tensor":
+        """W' float32 [out, in] from `parts` (exactly the layout's keys, shapes and dtypes) of a matrix
+        of `stack` sub-matrices (each part's dim 0 split in `stack`, each sub-matrix decoded alone).
 
         Raises FormatError naming the part (parts['s'] ...) that is missing, extra, of the wrong shape
         or dtype, on another device, or holds an invalid code or scale (NaN, inf, out of range).
@@ -144,9 +162,10 @@ class ExpertFormat:
             raise FormatError(f"{self.name}.dequantize: parts[{self.main!r}] must be a 2-D tensor "
                               f"[out_features, in_features / {self.pack}]")
         out_features, in_features = main.shape[0], main.shape[1] * self.pack
-        self._check_parts(parts, self.layout(out_features, in_features))
+        self._check_parts(parts, self.layout(out_features, in_features, stack))
         self._check_values(parts)
-        return self._dequantize(parts, out_features, in_features)
+        subs = [{k: v.chunk(stack)[i] for k, v in parts.items()} for i in range(stack)]
+        return torch.cat([self._dequantize(p, out_features // stack, in_features) for p in subs])
 
     def _check_parts(self, parts: Mapping[str, "torch.Tensor"], layout: tuple[Part, ...]) -> None:
         import torch

@@ -15,17 +15,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from expertcache.copy import MAX_BANKS, miss_copy, miss_copy_ce, reference_copy
+from expertcache.formats import get_format
 from expertcache.pool import Bank, HostStore, SlotPool
 
 BF16, FP8, U8 = torch.bfloat16, torch.float8_e4m3fn, torch.uint8
 POISON = 0xA5
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# Bank sets: one bank; bf16 + float8 bytes of different row sizes; three banks and dtypes.
+# Bank sets: one bank; bf16 + float8 bytes of different row sizes; three banks and dtypes; the six
+# banks of an nvfp4 expert (global scales of 8 and 4 bytes a row: words, not 16-byte vectors); int4
+# with zero points (rows of 18 and 14 words).
 BANK_SETS = {
     "bf16": (Bank("w", (4, 24), BF16),),
     "bf16+fp8": (Bank("gate_up", (6, 40), BF16), Bank("down", (80,), FP8)),
     "three": (Bank("gate_up", (2, 64), BF16), Bank("down", (48,), U8), Bank("scale", (4,), torch.float32)),
+    "nvfp4": get_format("nvfp4").expert_banks(64, 32),
+    "int4z": get_format("int4").__class__(zero_points=True).expert_banks(144, 28),
 }
 K, S = 13, 9
 
@@ -147,7 +152,7 @@ def test_errors_name_the_fix(interpret, monkeypatch):
     with pytest.raises(ValueError, match="same Bank specs"):
         miss_copy(store, poisoned_pool(BANK_SETS["three"], S, "cpu"), plan, count)
     odd = (Bank("w", (3,), BF16),)
-    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+    with pytest.raises(ValueError, match="multiple of 4 bytes"):
         miss_copy(make_store(odd, K, 2), poisoned_pool(odd, S, "cpu"), plan, count)
     many = tuple(Bank(f"b{i}", (16,), U8) for i in range(MAX_BANKS + 1))
     with pytest.raises(ValueError, match="MAX_BANKS"):

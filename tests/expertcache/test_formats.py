@@ -206,7 +206,7 @@ def test_bytes_are_the_banks_and_the_parts(fmt, shape):
 
 
 # Bytes of one expert (gate_up [2I, H] + down [H, I]) for Qwen3-30B-A3B (H 2048, I 768), Qwen3-Next (I 512).
-GOLDEN = {"bf16": (9437184, 6291456), "fp8": (4719744, 3146496), "nvfp4": (2654216, 1769480),
+GOLDEN = {"bf16": (9437184, 6291456), "fp8": (4719744, 3146496), "nvfp4": (2654220, 1769484),
           "int4": (2433024, 1622016), "mxfp4": (2506752, 1671168)}
 
 
@@ -349,3 +349,36 @@ def test_slots_for_budget_refuses_a_budget_by_flag(bad):
         slots_for_budget(bad, get_format("bf16"), 2048, 768)
     with pytest.raises(FormatError, match="holds no bf16 expert"):
         slots_for_budget(0.001, get_format("bf16"), 2048, 768)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_a_stacked_matrix_is_its_sub_matrices_quantized_alone(fmt):
+    """gate_up (stack 2): each part is gate_proj's part over up_proj's; each keeps its own scales."""
+    gen = torch.Generator().manual_seed(11)
+    gate, up = torch.randn(260, 256, generator=gen), 8 * torch.randn(260, 256, generator=gen)
+    parts = fmt.quantize(torch.cat([gate, up]), stack=2)
+    halves = fmt.quantize(gate), fmt.quantize(up)
+    for k, v in parts.items():
+        assert torch.equal(v.view(torch.uint8), torch.cat([h[k] for h in halves]).view(torch.uint8)), k
+    assert [(p.suffix, p.shape) for p in fmt.layout(520, 256, stack=2)] == [(k, tuple(v.shape)) for k, v in parts.items()]
+    deq = fmt.dequantize(parts, stack=2)
+    assert torch.equal(deq, torch.cat([fmt.dequantize(h) for h in halves]))
+    assert fmt.matrix_bytes(520, 256, 2) == sum(t.numel() * t.element_size() for t in parts.values())
+    with raises(r"out_features=5 is not a multiple of stack=2"):
+        fmt.layout(5, 256, stack=2)
+    with raises(r"stack must be a positive int"):
+        fmt.layout(4, 256, stack=0)
+
+
+def test_stacking_changes_the_scale_shapes_where_a_block_would_span_both():
+    # fp8: 2 x ceil(130 / 128) scale rows, not ceil(260 / 128); nvfp4: one global scale per sub-matrix
+    assert FP8().layout(260, 256, stack=2)[1].shape == (4, 2) and FP8().layout(260, 256)[1].shape == (3, 2)
+    assert NVFP4().layout(64, 32, stack=2)[2].shape == (2,) and NVFP4().layout(64, 32)[2].shape == (1,)
+    from expertcache.formats import Float16, Float32, dense_format, resolve_format
+
+    assert dense_format("bfloat16") is get_format("bf16") and resolve_format("float32") == Float32()
+    assert Float16().expert_banks(8, 4) == (Bank("gate_up", (8, 8), torch.float16), Bank("down", (8, 4), torch.float16))
+    with raises(r"no dense expert format for dtype 'int8'"):
+        dense_format("int8")
+    with raises(r"unknown expert format 'float64'"):
+        resolve_format("float64")
