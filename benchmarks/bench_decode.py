@@ -1,11 +1,17 @@
 """Decode tokens/s of the engine (CUDA-graph replay) beside the simulator's prediction for the same trace.
 
-    --layers L decoder layers at the Qwen3-Next MoE geometry (moe.testing.random_decoder.qwen3_next_like: H 2048,
-    512 experts of I 512, top-10, shared expert 512, bf16; attention 16 / 2 heads of 128; --vocab),
-    random weights; one pinned HostStore of every routed expert (L * 512 * 6 MiB: 25.8 GB at L = 8)
-    trace, per batch B: sim.synthetic preset qwen3-next (L layers, B rows, warmup + steps tokens), or
-    --trace (its first L layers, B rows, warmup + steps tokens)
-    -> per config (lru, rule, rule+overlap) and B, GPU:
+    --layers L decoder layers at --geometry: qwen3-next (moe.testing.random_decoder.qwen3_next_like: H 2048,
+    512 experts of I 512, top-10, shared expert 512, bf16; attention 16 / 2 heads of 128) or qwen3-30b
+    (qwen3_30b_like: H 2048, 128 experts of I 768, top-8, no shared expert; attention 32 / 4 heads of
+    128 with q/k norms); --vocab; random weights; per --expert-formats F (bf16, fp8, nvfp4, mxfp4,
+    int4; default bf16) one pinned HostStore of every routed expert in F (the same random experts,
+    quantized; L * 512 * 6 MiB: 25.8 GB at L = 8 in bf16), built and freed one format at a time
+    slots: --slots N, --slots-frac f of L * E, or --moe-cache-gb G[,G..]: per format floor(G * 2**30 /
+    its bytes per expert) (at most L * E), so every format gets the same VRAM budget
+    trace, per batch B: sim.synthetic preset of the geometry (qwen3-next, qwen3-30b-a3b; L layers, B rows,
+    warmup + steps tokens: calibrated on real traces, docs/synthetic.md), or --trace (its first L
+    layers, B rows, warmup + steps tokens)
+    -> per format, budget, config (lru, rule, rule+overlap) and B, GPU:
          GpuMoE(forced_routing=True) over --slots slots, Engine (CUDA graphs), prefill B short prompts;
          step n: set_routing(trace step n) (device copy) -> decode_step (eager + capture at n = 0, graph
          replay after) -> argmax; --warmup steps, then --steps timed with a CUDA event between steps;
@@ -21,7 +27,11 @@
        the SM miss copy's measured speed) -> predicted us / step, tokens/s (and the uncalibrated
        profile's, for reference); implied layer overhead = the profile's + (measured - predicted)
        us per step / L
-    -> --out JSON (GPU name, torch / triton versions, commit), a table printed last.
+    -> per format the simulator prices a miss at the format's bytes per expert (sim.costmodel.ModelShape
+       routed_expert_bytes) and is calibrated on that format's own miss-free run
+    -> --out JSON (GPU name, torch / triton versions, commit), a table printed last: per row the format,
+       budget, slots, hit rate, misses and bytes copied per step, tokens/s measured and predicted, and
+       tokens/s over bf16's at the same budget, B and config.
     --dry-run: the simulator's half only (no GPU).
 
 Measured tokens/s = B * steps / (time from the first to the last event): the mean over the window,
@@ -30,6 +40,8 @@ the window (--chunks), give the spread. The engine's counters must equal the sim
 exactly (same calls, same policy; `misses_equal`): the device ensure is bit-exact with the host one.
 
 Run: python benchmarks/bench_decode.py --out decode.json [--layers 8] [--slots-frac 0.5] [--batches 1,2]
+     python benchmarks/bench_decode.py --geometry qwen3-30b --layers 16 --moe-cache-gb 4.5 \
+         --expert-formats bf16,fp8,nvfp4,int4 --configs lru --batches 1 --out decode-formats.json
 """
 
 from __future__ import annotations
@@ -46,19 +58,41 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmeta import machine  # noqa: E402
+from expertcache.formats import FormatError, format_names, get_format, slots_for_budget  # noqa: E402
 from sim.costmodel import H200_SM_COPY, SHAPES, HardwareProfile, estimate_decode  # noqa: E402
 from sim.replay import replay  # noqa: E402
 from sim.trace import Trace  # noqa: E402
 
-NUM_EXPERTS, TOP_K = 512, 10  # the geometry's; a --trace must match
 DEVICE_POLICIES = ("lru", "rule", "lfuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """A decoder geometry of the bench: its random_decoder config maker, synthetic preset and cost-model shape."""
+
+    config: str  # moe.testing.random_decoder function
+    preset: str  # sim.synthetic preset
+    shape: str  # sim.costmodel.SHAPES key
+    num_experts: int
+    top_k: int
+    hidden: int
+    inter: int
+
+
+GEOMETRIES = {"qwen3-next": Geometry("qwen3_next_like", "qwen3-next", "qwen3-next", 512, 10, 2048, 512),
+              "qwen3-30b": Geometry("qwen3_30b_like", "qwen3-30b-a3b", "qwen3-30b-a3b", 128, 8, 2048, 768)}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8, help="decoder (= MoE) layers")
-    ap.add_argument("--slots", type=int, help="pool slots (default: --slots-frac of layers * 512)")
+    ap.add_argument("--geometry", default="qwen3-next", choices=sorted(GEOMETRIES), help="model geometry")
+    ap.add_argument("--expert-formats", default="bf16",
+                    help="comma-separated expert formats, each a run of its own: " + ", ".join(format_names()))
+    ap.add_argument("--slots", type=int, help="pool slots (default: --slots-frac of layers * E)")
     ap.add_argument("--slots-frac", type=float, default=0.5, help="slots as a fraction of all experts")
+    ap.add_argument("--moe-cache-gb", help="comma-separated VRAM budgets in GiB: per format the slots they hold "
+                                           "(instead of --slots / --slots-frac)")
     ap.add_argument("--batches", default="1,2", help="comma-separated batch sizes")
     ap.add_argument("--configs", default="lru,rule,rule+overlap",
                     help="comma-separated POLICY or POLICY+overlap, POLICY in " + ", ".join(DEVICE_POLICIES))
@@ -93,14 +127,38 @@ def _check_args(args: argparse.Namespace) -> None:
     args.configs = [_config(c) for c in args.configs.split(",") if c.strip()]
     if not args.configs:
         raise SystemExit("error: --configs is empty")
-    keys = args.layers * NUM_EXPERTS
-    if args.slots is None:
-        if not 0 < args.slots_frac <= 1:
+    geo = GEOMETRIES[args.geometry]
+    try:
+        args.expert_formats = list(dict.fromkeys(get_format(f.strip()).name for f in args.expert_formats.split(",")
+                                                 if f.strip()))
+    except FormatError as e:
+        raise SystemExit(f"error: --expert-formats: {e}") from None
+    if not args.expert_formats:
+        raise SystemExit("error: --expert-formats is empty")
+    keys = args.layers * geo.num_experts
+    args.pools = {fmt: _pools(args, fmt, geo, keys) for fmt in args.expert_formats}  # fmt -> [(budget, slots)]
+    for fmt, pools in args.pools.items():
+        for budget, slots in pools:
+            if not max(args.batches) * geo.top_k <= slots <= keys:
+                raise SystemExit(f"error: {fmt} at {'--slots' if budget is None else f'--moe-cache-gb {budget:g}'}: "
+                                 f"{slots} slots, must be in [max batch * {geo.top_k}, layers * {geo.num_experts} = "
+                                 f"{keys}]")
+
+
+def _pools(args: argparse.Namespace, fmt: str, geo: Geometry, keys: int) -> list[tuple[float | None, int]]:
+    """(budget GiB or None, slots) of each pool a format runs: one per --moe-cache-gb (capped at L * E), else
+    --slots or --slots-frac."""
+    if args.moe_cache_gb is None:
+        if args.slots is None and not 0 < args.slots_frac <= 1:
             raise SystemExit(f"error: --slots-frac must be in (0, 1], got {args.slots_frac}")
-        args.slots = max(1, round(args.slots_frac * keys))
-    if not max(args.batches) * TOP_K <= args.slots <= keys:
-        raise SystemExit(f"error: --slots {args.slots} must be in [max batch * {TOP_K}, layers * {NUM_EXPERTS} "
-                         f"= {keys}]")
+        return [(None, args.slots if args.slots is not None else max(1, round(args.slots_frac * keys)))]
+    if args.slots is not None:
+        raise SystemExit("error: give --slots or --moe-cache-gb, not both")
+    try:
+        budgets = [float(g) for g in args.moe_cache_gb.split(",") if g.strip()]
+        return [(g, min(slots_for_budget(g, get_format(fmt), geo.hidden, geo.inter), keys)) for g in budgets]
+    except (ValueError, FormatError) as e:
+        raise SystemExit(f"error: --moe-cache-gb {args.moe_cache_gb!r}: {e}") from None
 
 
 def _config(text: str) -> tuple[str, bool]:
@@ -118,22 +176,22 @@ def config_name(policy: str, overlap: bool) -> str:
 def make_trace(args: argparse.Namespace, batch: int) -> Trace:
     """The decode trace of one batch size: [warmup + steps, layers, batch, k] ids and their weights.
 
-    Synthetic (qwen3-next preset, calibrated on real traces; docs/synthetic.md) unless --trace.
+    Synthetic (the geometry's preset, calibrated on real traces; docs/synthetic.md) unless --trace.
     Raises SystemExit naming --trace / --layers / --steps when a trace file is too small or of another model.
     """
-    tokens = args.warmup + args.steps
+    tokens, geo = args.warmup + args.steps, GEOMETRIES[args.geometry]
     if args.trace is None:
         from sim.synthetic import generate, preset
 
-        return generate(preset("qwen3-next", num_layers=args.layers, num_tokens=tokens, batch=batch,
+        return generate(preset(geo.preset, num_layers=args.layers, num_tokens=tokens, batch=batch,
                                seed=args.seed))
     from sim.cli import load_any
 
     full = load_any(args.trace)
     n, layers, rows, k = full.experts.shape
-    if (full.num_experts, k) != (NUM_EXPERTS, TOP_K):
-        raise SystemExit(f"error: --trace has {full.num_experts} experts, top-{k}; the bench's geometry "
-                         f"needs {NUM_EXPERTS}, top-{TOP_K}")
+    if (full.num_experts, k) != (geo.num_experts, geo.top_k):
+        raise SystemExit(f"error: --trace has {full.num_experts} experts, top-{k}; --geometry {args.geometry} "
+                         f"needs {geo.num_experts}, top-{geo.top_k}")
     if n < tokens or layers < args.layers or rows < batch:
         raise SystemExit(f"error: --trace holds {n} tokens x {layers} layers x {rows} rows; the run needs "
                          f"{tokens} (--warmup + --steps) x {args.layers} (--layers) x {batch} (--batches)")
@@ -162,27 +220,30 @@ def replay_window(trace: Trace, policy: str, slots: int, warmup: int) -> dict:
             "batch": trace.experts.shape[2]}
 
 
-def predict(window: dict, overlap: bool, profile: HardwareProfile = H200_SM_COPY) -> dict:
+def predict(window: dict, overlap: bool, profile: HardwareProfile = H200_SM_COPY, geometry: str = "qwen3-next",
+            fmt: str = "bf16") -> dict:
     """Hit rate, per-layer misses and the cost model's predicted us per step and tokens/s of a
-    replay_window under `profile`."""
+    replay_window under `profile`, the geometry's routed experts priced at `fmt`'s bytes."""
     miss, steps = window["misses"], window["steps"]
-    layers = miss.shape[0]
-    shape = dataclasses.replace(SHAPES["qwen3-next"], num_layers=layers)
+    layers, geo = miss.shape[0], GEOMETRIES[geometry]
+    shape = dataclasses.replace(SHAPES[geo.shape], num_layers=layers,
+                                routed_expert_bytes=get_format(fmt).expert_bytes(geo.hidden, geo.inter))
     est = estimate_decode(window["hist"], steps, shape, profile, batch=window["batch"], overlap=overlap)
     acc = window["accesses"]
     return {"hit_rate": 1.0 - int(miss.sum()) / acc if acc else 0.0,
             "misses_per_layer_per_step": float(miss.sum()) / layers / steps,
             "layer_misses_all": window["misses_all"].tolist(), "layer_misses_window": miss.tolist(),
             "us_per_step": est.us_per_token, "tokens_per_s": est.tokens_per_s,
+            "bytes_copied_per_step": est.bytes_copied_per_token,
             "compute_us_per_step": est.compute_us_per_token,
             "exposed_copy_us_per_step": est.exposed_copy_us_per_token,
             "layer_overhead_us": profile.layer_overhead_us, "profile": profile.name}
 
 
 def simulate(trace: Trace, policy: str, slots: int, warmup: int, overlap: bool,
-             profile: HardwareProfile = H200_SM_COPY) -> dict:
+             profile: HardwareProfile = H200_SM_COPY, geometry: str = "qwen3-next", fmt: str = "bf16") -> dict:
     """predict(replay_window(...)): one configuration under one profile."""
-    return predict(replay_window(trace, policy, slots, warmup), overlap, profile)
+    return predict(replay_window(trace, policy, slots, warmup), overlap, profile, geometry, fmt)
 
 
 def implied_overhead(measured_us: float, predicted_us: float, layers: int,
@@ -192,60 +253,94 @@ def implied_overhead(measured_us: float, predicted_us: float, layers: int,
     return profile.layer_overhead_us + (measured_us - predicted_us) / layers
 
 
-def calibrate(weights, trace: Trace, args: argparse.Namespace, batch: int) -> dict:
-    """The miss-free run: every expert gets a slot (layers * 512 slots), so after the first touches
-    a step is the model's fixed cost (MoE layers, attention, norms, head, sampling). The cost
+def calibrate(weights, trace: Trace, args: argparse.Namespace, batch: int, fmt: str) -> dict:
+    """The miss-free run: every expert gets a slot (L * E slots), so after the first touches a step is
+    the model's fixed cost (MoE layers, attention, norms, head, sampling) in format `fmt`. The cost
     model's per-layer overhead is set so that it predicts this run exactly; that profile then
-    predicts the cached configurations, whose difference from it is the misses alone."""
+    predicts the cached configurations of the format, whose difference from it is the misses alone."""
     from decode_gpu import measure
 
-    resident = argparse.Namespace(**{**vars(args), "slots": args.layers * NUM_EXPERTS})
+    geo = GEOMETRIES[args.geometry]
+    resident = argparse.Namespace(**{**vars(args), "slots": args.layers * geo.num_experts})
     gpu = measure(weights, trace, resident, "lru", False, batch)
     window = replay_window(trace, "lru", resident.slots, args.warmup)
-    sim = predict(window, False)
+    sim = predict(window, False, geometry=args.geometry, fmt=fmt)
     overhead = implied_overhead(gpu["us_per_step"], sim["us_per_step"], args.layers)
-    profile = dataclasses.replace(H200_SM_COPY, name=f"{H200_SM_COPY.name}-calibrated-b{batch}",
+    profile = dataclasses.replace(H200_SM_COPY, name=f"{H200_SM_COPY.name}-calibrated-{fmt}-b{batch}",
                                   layer_overhead_us=overhead)
-    calibrated = predict(window, False, profile)  # = gpu, by construction
-    return {"config": "resident (calibration)", "batch": batch, "slots": resident.slots, "sim": calibrated,
-            "sim_uncalibrated": sim, "gpu": gpu,
+    calibrated = predict(window, False, profile, args.geometry, fmt)  # = gpu, by construction
+    return {"config": "resident (calibration)", "format": fmt, "budget_gib": None, "batch": batch,
+            "slots": resident.slots, "sim": calibrated, "sim_uncalibrated": sim, "gpu": gpu,
             "misses_equal": gpu["layer_misses_all"] == sim["layer_misses_all"],
             "tps_ratio": gpu["tokens_per_s"] / calibrated["tokens_per_s"],
             "implied_layer_overhead_us": overhead, "profile": profile}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse(argv)
-    t0 = time.time()
-    res: dict = {"settings": {k: v for k, v in vars(args).items()}, "rows": []}
-    traces = {b: make_trace(args, b) for b in args.batches}
+def run_format(fmt: str, traces: dict, args: argparse.Namespace, res: dict) -> None:
+    """Every batch, pool and config of one expert format: its weights built (GPU), calibrated per batch,
+    measured and predicted; rows appended to res["rows"]."""
+    weights = None
     if not args.dry_run:
-        from decode_gpu import build_weights, measure
+        from decode_gpu import build_weights
 
-        res["machine"] = machine()
-        weights, res["build"] = build_weights(args)
+        weights, res["build"][fmt] = build_weights(args, fmt)
     for batch in args.batches:
         profile = H200_SM_COPY
         if not args.dry_run and not args.no_calibrate:
-            cal = calibrate(weights, traces[batch], args, batch)
+            cal = calibrate(weights, traces[batch], args, batch, fmt)
             profile = cal.pop("profile")
             res["rows"].append(cal)
-        windows: dict[str, dict] = {}  # per policy: overlap changes only the prediction
-        for policy, overlap in args.configs:
-            if policy not in windows:
-                windows[policy] = replay_window(traces[batch], policy, args.slots, args.warmup)
-            window = windows[policy]
-            row = {"config": config_name(policy, overlap), "batch": batch, "slots": args.slots,
-                   "sim": predict(window, overlap, profile)}
-            if profile is not H200_SM_COPY:  # the uncalibrated profile's prediction, for reference
-                row["sim_uncalibrated"] = predict(window, overlap)
-            if not args.dry_run:
-                row["gpu"] = measure(weights, traces[batch], args, policy, overlap, batch)
-                row["misses_equal"] = row["gpu"]["layer_misses_all"] == row["sim"]["layer_misses_all"]
-                row["tps_ratio"] = row["gpu"]["tokens_per_s"] / row["sim"]["tokens_per_s"]
-                row["implied_layer_overhead_us"] = implied_overhead(
-                    row["gpu"]["us_per_step"], row["sim"]["us_per_step"], args.layers, profile)
-            res["rows"].append(row)
+        for budget, slots in args.pools[fmt]:
+            windows: dict[str, dict] = {}  # per policy: overlap changes only the prediction
+            for policy, overlap in args.configs:
+                if policy not in windows:
+                    windows[policy] = replay_window(traces[batch], policy, slots, args.warmup)
+                res["rows"].append(_row(weights, traces[batch], args, fmt, budget, slots, batch, policy, overlap,
+                                        windows[policy], profile))
+    del weights
+
+
+def _row(weights, trace, args, fmt, budget, slots, batch, policy, overlap, window, profile) -> dict:
+    row = {"config": config_name(policy, overlap), "format": fmt, "budget_gib": budget, "batch": batch,
+           "slots": slots, "sim": predict(window, overlap, profile, args.geometry, fmt)}
+    if profile is not H200_SM_COPY:  # the uncalibrated profile's prediction, for reference
+        row["sim_uncalibrated"] = predict(window, overlap, geometry=args.geometry, fmt=fmt)
+    if not args.dry_run:
+        from decode_gpu import measure
+
+        run = argparse.Namespace(**{**vars(args), "slots": slots})
+        row["gpu"] = gpu = measure(weights, trace, run, policy, overlap, batch)
+        row["misses_equal"] = gpu["layer_misses_all"] == row["sim"]["layer_misses_all"]
+        row["tps_ratio"] = gpu["tokens_per_s"] / row["sim"]["tokens_per_s"]
+        row["implied_layer_overhead_us"] = implied_overhead(gpu["us_per_step"], row["sim"]["us_per_step"],
+                                                            args.layers, profile)
+    return row
+
+
+def speedups(rows: list[dict]) -> None:
+    """Each row's tokens/s over bf16's at the same budget (or slots), batch and config, measured and
+    predicted (`vs_bf16`, `vs_bf16_sim`); absent without a bf16 row to compare with."""
+    base = {(r["budget_gib"], r["batch"], r["config"]): r for r in rows
+            if r["format"] == "bf16" and r["config"] != "resident (calibration)"}
+    for r in rows:
+        b = base.get((r["budget_gib"], r["batch"], r["config"]))
+        if b is None or r["config"] == "resident (calibration)" or (r["budget_gib"] is None and r["slots"] != b["slots"]):
+            continue
+        r["vs_bf16_sim"] = r["sim"]["tokens_per_s"] / b["sim"]["tokens_per_s"]
+        if "gpu" in r and "gpu" in b:
+            r["vs_bf16"] = r["gpu"]["tokens_per_s"] / b["gpu"]["tokens_per_s"]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    t0 = time.time()
+    res: dict = {"settings": {k: v for k, v in vars(args).items()}, "rows": [], "build": {}}
+    traces = {b: make_trace(args, b) for b in args.batches}
+    if not args.dry_run:
+        res["machine"] = machine()
+    for fmt in args.expert_formats:
+        run_format(fmt, traces, args, res)
+    speedups(res["rows"])
     res["seconds"] = time.time() - t0
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1, default=str))
@@ -256,31 +351,38 @@ def main(argv: list[str] | None = None) -> dict:
 
 def table(res: dict) -> str:
     s = res["settings"]
-    lines = [f"decode, {s['layers']} layers x {NUM_EXPERTS} experts (top-{TOP_K}, Qwen3-Next MoE geometry), "
-             f"{s['slots']} slots, trace {s['trace'] or 'synthetic:qwen3-next'}, {s['steps']} timed steps after "
-             f"{s['warmup']}; sim = sim.costmodel {H200_SM_COPY.name} (SM miss copy), its per-layer overhead "
-             f"{f'{H200_SM_COPY.layer_overhead_us:g} us' if s['no_calibrate'] or s['dry_run'] else 'from the miss-free run of each batch size'}"
+    geo = GEOMETRIES[s["geometry"]]
+    calibrated = not (s["no_calibrate"] or s["dry_run"])
+    lines = [f"decode, {s['layers']} layers x {geo.num_experts} experts (top-{geo.top_k}, {s['geometry']} geometry), "
+             f"trace {s['trace'] or 'synthetic:' + geo.preset}, {s['steps']} timed steps after {s['warmup']}; "
+             f"sim = sim.costmodel {H200_SM_COPY.name} (SM miss copy) at each format's bytes per expert, its "
+             f"per-layer overhead {'from the miss-free run of each format and batch size' if calibrated else f'{H200_SM_COPY.layer_overhead_us:g} us'}"
              f"; target |measured / sim - 1| <= 15 %",
-             "| config | B | hit meas | hit sim | miss/layer/step | step us med [p10, p90] | tok/s meas "
-             "[chunk min, max] | tok/s sim | meas/sim | implied overhead us | GB idle / peak alloc | "
-             "GB device used idle / peak |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| format | GiB | slots | config | B | hit meas | hit sim | miss/layer/step | MB copied/step | "
+             "step us med [p10, p90] | tok/s meas [chunk min, max] | tok/s sim | meas/sim | vs bf16 (sim) | "
+             "GB idle / peak alloc |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = s["layers"] * geo.num_experts
     for r in res["rows"]:
         sim, g = r["sim"], r.get("gpu")  # the calibration row predicts itself exactly (meas/sim = 1)
+        gib = "-" if r["budget_gib"] is None else f"{r['budget_gib']:g}"
+        head = (f"| {r['format']} | {gib} | {r['slots']} ({100 * r['slots'] / keys:.0f} %) | {r['config']} | "
+                f"{r['batch']} |")
+        mb = sim["bytes_copied_per_step"] / 1e6
+        vs = (f"{r['vs_bf16']:.2f}x" if "vs_bf16" in r else "-") + (f" ({r['vs_bf16_sim']:.2f}x)" if "vs_bf16_sim" in r
+                                                                   else "")
         if g is None:
-            lines.append(f"| {r['config']} | {r['batch']} | n/a | {sim['hit_rate']:.4f} | "
-                         f"{sim['misses_per_layer_per_step']:.2f} | n/a | n/a | {sim['tokens_per_s']:.1f} | "
-                         "n/a | n/a | n/a | n/a |")
+            lines.append(f"{head} n/a | {sim['hit_rate']:.4f} | {sim['misses_per_layer_per_step']:.2f} | {mb:.1f} | "
+                         f"n/a | n/a | {sim['tokens_per_s']:.1f} | n/a | {vs} | n/a |")
             continue
         m = g["memory"]
         lines.append(
-            f"| {r['config']} | {r['batch']} | {g['hit_rate']:.4f}{'' if r['misses_equal'] else ' (!= sim)'} | "
-            f"{sim['hit_rate']:.4f} | {g['misses_per_layer_per_step']:.2f} | {g['step_us']['median']:.0f} "
+            f"{head} {g['hit_rate']:.4f}{'' if r['misses_equal'] else ' (!= sim)'} | {sim['hit_rate']:.4f} | "
+            f"{g['misses_per_layer_per_step']:.2f} | {mb:.1f} | {g['step_us']['median']:.0f} "
             f"[{g['step_us']['p10']:.0f}, {g['step_us']['p90']:.0f}] | {g['tokens_per_s']:.1f} "
             f"[{min(g['chunk_tokens_per_s']):.1f}, {max(g['chunk_tokens_per_s']):.1f}] | "
-            f"{sim['tokens_per_s']:.1f} | {r['tps_ratio']:.3f} | {r['implied_layer_overhead_us']:.1f} | "
-            f"{m['idle_allocated_gb']:.2f} / {m['peak_allocated_gb']:.2f} | "
-            f"{m['idle_device_used_gb']:.2f} / {m['peak_device_used_gb']:.2f} |")
+            f"{sim['tokens_per_s']:.1f} | {r['tps_ratio']:.3f} | {vs} | "
+            f"{m['idle_allocated_gb']:.2f} / {m['peak_allocated_gb']:.2f} |")
     return "\n".join(lines)
 
 

@@ -1,79 +1,120 @@
-"""Microseconds per routed_experts call under CUDA-graph replay, against the HBM floor and a torch baseline.
+"""Microseconds per routed_experts call under CUDA-graph replay, per expert format, against each
+format's HBM floor, bf16 and a torch baseline.
 
-    shape (qwen3-next: H 2048, I 512, k 10; mixtral: H 4096, I 14336, k 2), a bf16 slot pool of S
-    slots filled with random weights, T in --tokens:
-      --calls routes per graph, each token k distinct random slots (so consecutive calls read
-      different experts and L2 cannot serve them), each call its own hidden/slots/weights/out
-    -> check first: every config against routed_reference in float32 (max error / max |ref|) and
-       two calls bitwise equal; the torch baseline against the same reference
-    -> per variant (each --configs tile config with its down options, and "torch": gather the T * k
-       experts, bmm in bf16)
-       one CUDA graph of --calls calls; per rep all variants replayed in a rotating order,
-       CUDA events around each replay; us/call = elapsed / calls; median, min, max over reps
-    -> floor = distinct live slots' weight bytes per call / device-to-device copy bandwidth
-       (2 GiB copy, bytes read + written, measured in this run); ratio = median / floor
-    -> read calibration (--read-floor): "read1" streams the same weight rows (every (token, j) pair's
-       gate_up and down rows, 16 KB per program, no arithmetic) in one launch, "read2" in two dependent
-       launches (gate_up bank, then down bank): what bare streaming reaches with one and two launches
-    -> table (last) and JSON (GPU name, torch / triton versions, commit)
+    shape (qwen3-next: H 2048, I 512, k 10; qwen3-30b: H 2048, I 768, k 8; mixtral: H 4096, I 14336,
+    k 2), S slots of random bf16 weights (N(0, 1 / fan_in)), once per shape
+    -> one pool per --formats format, built once per shape: bf16 the weights themselves; fp8 / nvfp4
+       / mxfp4 / int4 the same weights quantized on the GPU (expertcache.formats), as SlotMatrix
+       gate_up (stack 2) and down (moe.kernels.slot_matrix)
+    -> per T in --tokens: --calls routes, each token k distinct random slots (so consecutive calls
+       read different experts and L2 cannot serve them), each call its own hidden/slots/weights/out,
+       the same routes for every format
+    -> check first: every (format, config) against routed_reference in float32 (a quantized pool
+       dequantized by its format's torch reference; max error / max |ref|) and two calls bitwise
+       equal; the torch baseline (bf16) against the same reference
+    -> per variant (each format's configs: --configs names, "default" = the format's tiles
+       DEFAULT_ROUTED_TILES for bf16, QUANTIZED_ROUTED_TILES for a quantized format; and "torch"
+       for bf16: gather the T * k experts, bmm in bf16)
+       one CUDA graph of --calls calls; per rep all variants of every format replayed in a rotating
+       order, CUDA events around each replay; us/call = elapsed / calls; median, min, max over reps
+    -> floor = distinct live slots per call * the format's bytes per expert (fmt.expert_bytes(H, I):
+       values and scales) / device-to-device copy bandwidth (2 GiB copy, bytes read + written,
+       measured in this run); ratio = median / floor; vs bf16 = bf16's default-config median at the
+       same shape and T / this median
+    -> each launch alone (gate_up, down), against its share of the format's bytes
+    -> read calibration (--read-floor, bf16): "read1" streams the same weight rows (every (token, j)
+       pair's gate_up and down rows, 16 KB per program, no arithmetic) in one launch, "read2" in two
+       dependent launches (gate_up bank, then down bank): what bare streaming reaches with one and two
+    -> table (last): one row per (shape, format, T, config), and JSON (GPU name, torch / triton
+       versions, commit; one row per (shape, format, T, config))
 
-Run on a GPU: python benchmarks/bench_routed.py [--shapes qwen3-next,mixtral] [--tokens 1,2,4,8]
-    [--configs default|sweep|NAME,NAME] [--calls 20] [--reps 50] [--out FILE]
+Run on a GPU: python benchmarks/bench_routed.py [--shapes qwen3-next,qwen3-30b,mixtral] [--tokens 1,2,4,8]
+    [--formats bf16,fp8,nvfp4,mxfp4,int4] [--configs default|sweep|NAME,NAME] [--calls 20] [--reps 50]
+    [--out FILE]
 Config names: i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_i>w<warps>[-dr][-pfN] (RoutedTiles;
--dr: routed_down's release, -pfN: its prefetch N, default DOWN_PREFETCH).
+-dr: routed_down's release, -pfN: its prefetch N, default DOWN_PREFETCH; a quantized format's down
+prefetches nothing, so -pfN applies to bf16 only). Every name applies to every format; "default" is
+each format's own tiles, and bf16 always times its default too (the baseline of "vs bf16").
+mixtral runs every format as well: its five pools take about 18 GiB together, the float32 reference
+of the check about 12 GB at T = 8 (--formats bf16 keeps it to the dense pool). Each (format, config)
+compiles three kernels per shape (a few seconds each), so --configs sweep takes many minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import benchmeta
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.plan import DOWN_PREFETCH
-from moe.kernels.routed import routed_down, routed_experts, routed_gate_up, routed_reference
-from moe.kernels.routed_host import routed_scratch
-from moe.kernels.tiles import RoutedTiles
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchmeta  # noqa: E402
 
-TARGET = "target: routed_experts <= 1.3x the HBM floor at qwen3-next, T=1"
-SHAPES = {  # name: (H, I, k, default slots)
+from expertcache.errors import FormatError  # noqa: E402
+from expertcache.formats import ExpertFormat, format_names, get_format  # noqa: E402
+from moe.kernels.plan import DEFAULT_ROUTED_TILES, DOWN_PREFETCH, QUANTIZED_ROUTED_TILES  # noqa: E402
+from moe.kernels.routed import routed_down, routed_experts, routed_gate_up, routed_reference  # noqa: E402
+from moe.kernels.routed_host import routed_scratch  # noqa: E402
+from moe.kernels.slot_matrix import SlotMatrix  # noqa: E402
+from moe.kernels.tiles import RoutedTiles  # noqa: E402
+
+TARGET = ("target: per format, routed_experts at T=1 <= 1.3x the HBM floor of that format's bytes "
+          "(qwen3-next, qwen3-30b)")
+TARGET_RATIO = 1.3
+SHAPES = {  # name: (H, I, k, default slots: a pool several times L2 in every format)
     "qwen3-next": (2048, 512, 10, 512),
+    "qwen3-30b": (2048, 768, 8, 512),
     "mixtral": (4096, 14336, 2, 24),
 }
+FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4", "int4")
+QUANT_CHUNK_ELEMENTS = 1 << 28  # bf16 weights quantized per step (the format's float32 work is per matrix)
 
 
 @dataclass(frozen=True)
 class Config:
-    """One timed variant of routed_experts: its tiles and the down launch's options."""
+    """One timed variant of routed_experts: its tiles and the down launch's options. down_prefetch
+    None: the down prefetches nothing (a quantized format's)."""
 
     tiles: RoutedTiles = RoutedTiles()
     down_release: bool = False
-    down_prefetch: int = DOWN_PREFETCH
+    down_prefetch: int | None = DOWN_PREFETCH
 
     @property
     def name(self) -> str:
-        return (self.tiles.name + ("-dr" if self.down_release else "")
-                + ("" if self.down_prefetch == DOWN_PREFETCH else f"-pf{self.down_prefetch}"))
+        pf = "" if self.down_prefetch in (None, DOWN_PREFETCH) else f"-pf{self.down_prefetch}"
+        return self.tiles.name + ("-dr" if self.down_release else "") + pf
 
     @property
     def down_options(self) -> dict:
-        return {"release": self.down_release, "prefetch": self.down_prefetch}
+        return {"release": self.down_release, "prefetch": self.down_prefetch or 0}
+
+    def for_format(self, fmt: ExpertFormat) -> "Config":
+        """This config as `fmt` runs it: a quantized format's down prefetches nothing."""
+        return self if fmt.dense else dataclasses.replace(self, down_prefetch=None)
 
 
-DEFAULT = Config()
-SWEEP = (  # tile names (RoutedTiles.name); the first is the default
+DEFAULT = Config(DEFAULT_ROUTED_TILES)  # bf16's default: the tiles the layer launches
+QUANTIZED_DEFAULT = Config(QUANTIZED_ROUTED_TILES, down_prefetch=None)  # a quantized format's
+SWEEP = (  # tile names (RoutedTiles.name); the first is bf16's default
     DEFAULT.name, "i8x512w8-h8x512w8", "i8x256w4-h8x256w4", "i2x1024w4-h2x512w2",
     "i16x256w8-h16x128w4", "i4x1024w8-h4x512w4", "i4x512w4-h8x512w8",
     "i4x1024w8-h8x512w4", "i4x1024w8-h8x256w8", "i4x1024w8-h16x256w8", "i4x1024w8-h2x512w4",
 )
+QUANT_SWEEP = (  # tiles for 4-bit weights (more rows per program, 4 warps); the first is their default
+    QUANTIZED_DEFAULT.name, "i4x1024w4-h8x512w4", "i8x1024w4-h16x512w4", "i2x512w4-h4x512w4",
+    "i4x512w4-h8x512w4", "i8x512w4-h16x512w4", "i4x1024w4-h4x512w4", "i2x1024w4-h8x512w4",
+)
+NAME_HELP = "i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_i>w<warps>[-dr][-pfN]"
 NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-dr)?(?:-pf(\d+))?$")
 
 
@@ -107,13 +148,54 @@ def stream_read(banks: list[torch.Tensor], slots: torch.Tensor, out: torch.Tenso
 
 
 def parse_config(name: str) -> Config:
+    """A config name (NAME_HELP) as a Config. Raises SystemExit naming --configs."""
     m = NAME.match(name)
     if not m:
         raise SystemExit(f"--configs: {name!r} is not like {DEFAULT.name} (or 'default', 'sweep')")
     b_i, c_h, w_a, b_h, c_i, w_b = map(int, m.groups()[:6])
-    tiles = RoutedTiles(block_i=b_i, chunk_h=c_h, warps_gate_up=w_a, block_h=b_h, chunk_i=c_i, warps_down=w_b)
+    try:
+        tiles = RoutedTiles(block_i=b_i, chunk_h=c_h, warps_gate_up=w_a, block_h=b_h, chunk_i=c_i, warps_down=w_b)
+    except ValueError as e:
+        raise SystemExit(f"--configs: {name!r}: {e}") from None
     return Config(tiles, down_release=m.group(7) is not None,
                   down_prefetch=int(m.group(8)) if m.group(8) else DOWN_PREFETCH)
+
+
+def config_names(configs: str) -> list[str]:
+    """--configs as a list of names ('default' kept as is, 'sweep' expanded), each name checked."""
+    names = {"default": ["default"], "sweep": ["default", *SWEEP, *QUANT_SWEEP]}.get(configs, configs.split(","))
+    for n in names:
+        if n != "default":
+            parse_config(n)
+    return names
+
+
+def default_config(fmt: ExpertFormat) -> Config:
+    """The config `fmt` launches in the layer (moe.kernels.plan.resolve_launch_plan)."""
+    return DEFAULT if fmt.dense else QUANTIZED_DEFAULT
+
+
+def format_configs(names: list[str], fmt: ExpertFormat) -> list[Config]:
+    """The configs `fmt` is timed with: each name of `names` as `fmt` runs it ('default': the format's
+    own tiles), duplicates dropped (the first kept); bf16 always starts with its default."""
+    default = default_config(fmt)
+    names = ["default", *names] if fmt.dense and "default" not in names else names
+    out: dict[str, Config] = {}
+    for n in names:
+        cfg = default if n == "default" else parse_config(n).for_format(fmt)
+        out.setdefault(cfg.name, cfg)
+    return list(out.values())
+
+
+def call_bytes(fmt: ExpertFormat, distinct: float, hidden: int, inter: int) -> float:
+    """Weight bytes a call reads at least: `distinct` live slots of one expert in `fmt` each."""
+    return distinct * fmt.expert_bytes(hidden, inter)
+
+
+def launch_shares(fmt: ExpertFormat, hidden: int, inter: int) -> dict[str, float]:
+    """{"gate_up", "down"}: each launch's share of the format's bytes per expert (sum 1)."""
+    total = fmt.expert_bytes(hidden, inter)
+    return {"gate_up": fmt.matrix_bytes(2 * inter, hidden, 2) / total, "down": fmt.matrix_bytes(hidden, inter) / total}
 
 
 def copy_bandwidth(reps: int = 20) -> float:
@@ -131,65 +213,119 @@ def copy_bandwidth(reps: int = 20) -> float:
     return 2 * src.nbytes / float(np.median(times[3:]))
 
 
-class Case:
-    """One (shape, T): the pool, `calls` routes, the variants' graphs."""
+@dataclass
+class Pool:
+    """One format's slot pool of a shape: gate_up [S, 2I, H] and down [S, H, I], plain bf16 tensors
+    for bf16, else SlotMatrix (stack 2 and 1)."""
 
-    def __init__(self, pool, shape: str, tokens: int, args) -> None:
-        self.gate_up, self.down = pool
-        hid, inter, top_k, _ = SHAPES[shape]
-        num_slots = self.gate_up.shape[0]
+    fmt: ExpertFormat
+    gate_up: torch.Tensor | SlotMatrix
+    down: torch.Tensor | SlotMatrix
+
+
+def dense_weights(shape: str, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 gate_up [S, 2I, H], down [S, H, I] on the GPU, N(0, 1 / fan_in)."""
+    hid, inter, _, _ = SHAPES[shape]
+    gate_up = torch.empty(num_slots, 2 * inter, hid, dtype=torch.bfloat16, device="cuda")
+    down = torch.empty(num_slots, hid, inter, dtype=torch.bfloat16, device="cuda")
+    for s in range(num_slots):  # one slot at a time: no float32 temporary of the whole pool
+        gate_up[s].normal_(0, hid ** -0.5)
+        down[s].normal_(0, inter ** -0.5)
+    return gate_up, down
+
+
+def quantize_slots(fmt: ExpertFormat, w: torch.Tensor, stack: int) -> SlotMatrix:
+    """w [S, out, in] (each slot `stack` stacked matrices) quantized with `fmt`, a few slots at a time,
+    into parts [S, *part shape] on w's device."""
+    num, out, inn = w.shape
+    layout = fmt.layout(out, inn, stack)
+    parts = tuple(torch.empty((num, *p.shape), dtype=getattr(torch, p.dtype), device=w.device) for p in layout)
+    step = max(1, QUANT_CHUNK_ELEMENTS // (out * inn))
+    for first in range(0, num, step):
+        n = min(step, num - first)
+        got = fmt.quantize(w[first:first + n].reshape(n * out, inn), stack=n * stack)  # each matrix alone
+        for p, t in zip(layout, parts):
+            t[first:first + n].copy_(got[p.suffix].reshape(n, *p.shape))
+    return SlotMatrix(fmt, parts, out, inn, stack)
+
+
+def make_pools(shape: str, num_slots: int, formats: list[str]) -> dict[str, Pool]:
+    """One pool per format, all from the same random bf16 weights."""
+    gate_up, down = dense_weights(shape, num_slots)
+    pools = {}
+    for name in formats:
+        fmt = get_format(name)
+        if fmt.dense:
+            pools[name] = Pool(fmt, gate_up, down)
+        else:
+            pools[name] = Pool(fmt, quantize_slots(fmt, gate_up, 2), quantize_slots(fmt, down, 1))
+    torch.cuda.synchronize()
+    return pools
+
+
+class Case:
+    """One (shape, T): `calls` routes (the same for every format), their outputs, the variants' graphs."""
+
+    def __init__(self, shape: str, tokens: int, num_slots: int, args) -> None:
+        self.hid, self.inter, top_k, _ = SHAPES[shape]
         g = torch.Generator().manual_seed(tokens)
         self.inputs = []  # per call (hidden [T, H], slots [T, k], weights [T, k])
         for _ in range(args.calls):
             slots = torch.stack([torch.randperm(num_slots, generator=g)[:top_k] for _ in range(tokens)])
             weights = torch.softmax(torch.randn(tokens, top_k, generator=g), dim=-1)
-            hidden = torch.randn(tokens, hid, generator=g).bfloat16()
+            hidden = torch.randn(tokens, self.hid, generator=g).bfloat16()
             self.inputs.append((hidden.cuda(), slots.to(torch.int32).cuda(), weights.cuda()))
-        self.outs = [torch.empty(tokens, hid, device="cuda") for _ in self.inputs]
-        distinct = np.mean([len(set(s.view(-1).tolist())) for _, s, _ in self.inputs])
-        self.bytes_per_call = distinct * 3 * hid * inter * self.gate_up.element_size()
-        self.distinct = float(distinct)
-        self.read_blocks = (self.gate_up[0].numel() + self.down[0].numel()) // 2 // READ_BLOCK
-        self.read_out = torch.empty(tokens * top_k * self.read_blocks, dtype=torch.int32, device="cuda")
+        self.outs = [torch.empty(tokens, self.hid, device="cuda") for _ in self.inputs]
+        self.distinct = float(np.mean([len(set(s.view(-1).tolist())) for _, s, _ in self.inputs]))
+        self.read_out = None  # the read calibration's output, made on first use
+        self.refs: dict[tuple[str, int], torch.Tensor] = {}  # (format, call): float32 reference
 
-    def call(self, variant, c: int) -> torch.Tensor:
-        if variant in ("read1", "read2"):  # calibration: the same rows streamed, no arithmetic
-            slots = self.inputs[c][1]
-            out = self.read_out[:slots.numel() * self.read_blocks]
+    def bytes_per_call(self, fmt: ExpertFormat) -> float:
+        return call_bytes(fmt, self.distinct, self.hid, self.inter)
+
+    def call(self, pool: Pool, variant, c: int) -> torch.Tensor:
+        hidden, slots, weights = self.inputs[c]
+        if variant in ("read1", "read2"):  # calibration (bf16): the same rows streamed, no arithmetic
+            blocks = (pool.gate_up[0].numel() + pool.down[0].numel()) // 2 // READ_BLOCK
+            if self.read_out is None:
+                self.read_out = torch.empty(slots.numel() * blocks, dtype=torch.int32, device="cuda")
             if variant == "read1":
-                return stream_read([self.gate_up, self.down], slots, out)
-            stream_read([self.gate_up], slots, out)
-            return stream_read([self.down], slots, out)
+                return stream_read([pool.gate_up, pool.down], slots, self.read_out)
+            stream_read([pool.gate_up], slots, self.read_out)
+            return stream_read([pool.down], slots, self.read_out)
         if variant == "torch":
-            return routed_reference(*self.inputs[c], self.gate_up, self.down, compute_dtype=torch.bfloat16)
+            return routed_reference(hidden, slots, weights, pool.gate_up, pool.down, compute_dtype=torch.bfloat16)
         if isinstance(variant, tuple):  # (config, "gate_up" | "down"): one of the two launches alone
             cfg, part = variant
-            hidden, slots, weights = self.inputs[c]
             if part == "gate_up":
-                return routed_gate_up(hidden, slots, weights, self.gate_up, tiles=cfg.tiles)
-            return routed_down(routed_scratch(hidden.device, slots.shape[1], self.down.shape[2]), slots,
-                               self.down, out=self.outs[c], tiles=cfg.tiles, **cfg.down_options)
-        return routed_experts(*self.inputs[c], self.gate_up, self.down, out=self.outs[c], tiles=variant.tiles,
-                              down_release=variant.down_release, down_prefetch=variant.down_prefetch)
+                return routed_gate_up(hidden, slots, weights, pool.gate_up, tiles=cfg.tiles)
+            return routed_down(routed_scratch(hidden.device, slots.shape[1], self.inter), slots, pool.down,
+                               out=self.outs[c], tiles=cfg.tiles, **cfg.down_options)
+        return routed_experts(hidden, slots, weights, pool.gate_up, pool.down, out=self.outs[c],
+                              tiles=variant.tiles, down_release=variant.down_release,
+                              down_prefetch=variant.down_options["prefetch"])
 
-    def check(self, variant) -> dict:
+    def check(self, pool: Pool, variant) -> dict:
         """Max error relative to max |float32 reference| over the first calls; bitwise repeat."""
         errs, repeat = [], True
         for c in range(min(3, len(self.inputs))):
-            want = routed_reference(*self.inputs[c], self.gate_up, self.down)
-            got = self.call(variant, c).clone()
+            key = (pool.fmt.name, c)
+            if key not in self.refs:
+                self.refs[key] = routed_reference(*self.inputs[c], pool.gate_up, pool.down)
+            want = self.refs[key]
+            got = self.call(pool, variant, c).clone()
             errs.append(((got - want).abs().max() / want.abs().max()).item())
-            repeat &= bool(torch.equal(got, self.call(variant, c)))
+            repeat &= bool(torch.equal(got, self.call(pool, variant, c)))
         return {"max_rel_err": max(errs), "bitwise_repeat": repeat}
 
-    def graph(self, variant) -> torch.cuda.CUDAGraph:
+    def graph(self, pool: Pool, variant) -> torch.cuda.CUDAGraph:
         for c in range(len(self.inputs)):  # compile, make the scratch
-            self.call(variant, c)
+            self.call(pool, variant, c)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for c in range(len(self.inputs)):
-                self.call(variant, c)
+                self.call(pool, variant, c)
         return graph
 
 
@@ -214,82 +350,134 @@ def time_variants(graphs: dict, calls: int, reps: int, warmup: int) -> dict:
             for n, t in times.items()}
 
 
-def run_case(pool, shape: str, tokens: int, configs: list[Config], bandwidth: float, args) -> dict:
-    case = Case(pool, shape, tokens, args)
-    variants = {cfg.name: cfg for cfg in configs}
-    variants["torch"] = "torch"
-    checks = {name: case.check(v) for name, v in variants.items()}
-    for name, chk in checks.items():  # the torch baseline rounds to bf16 per linear: recorded only
+def run_case(pools: dict[str, Pool], shape: str, tokens: int, num_slots: int, bandwidth: float, args) -> list[dict]:
+    """Rows of one (shape, T): one per (format, variant), every format's variants timed together."""
+    case = Case(shape, tokens, num_slots, args)
+    variants = {}  # (format, name) -> (pool, variant)
+    for fname, pool in pools.items():
+        for cfg in format_configs(args.configs, pool.fmt):
+            variants[(fname, cfg.name)] = (pool, cfg)
+        if pool.fmt.dense:
+            variants[(fname, "torch")] = (pool, "torch")
+    checks = {key: case.check(pool, v) for key, (pool, v) in variants.items()}
+    for (fname, name), chk in checks.items():  # the torch baseline rounds to bf16 per linear: recorded only
         if name != "torch" and (chk["max_rel_err"] > 1e-3 or not chk["bitwise_repeat"]):
-            raise SystemExit(f"{shape} T={tokens} {name}: check failed {chk}; not timing")
+            raise SystemExit(f"{shape} T={tokens} {fname} {name}: check failed {chk}; not timing")
     if args.read_floor:
-        variants.update(read1="read1", read2="read2")
-        checks.update({n: {"max_rel_err": None, "bitwise_repeat": None} for n in ("read1", "read2")})
-    graphs = {name: case.graph(v) for name, v in variants.items()}
+        for name in ("read1", "read2"):
+            variants[("bf16", name)] = (pools["bf16"], name)
+            checks[("bf16", name)] = {"max_rel_err": None, "bitwise_repeat": None}
+    graphs = {key: case.graph(pool, v) for key, (pool, v) in variants.items()}
     timed = time_variants(graphs, args.calls, args.reps, args.warmup)
-    floor_us = case.bytes_per_call / bandwidth * 1e6
-    for name, t in timed.items():
-        t.update(checks[name], ratio_to_floor=t["us_median"] / floor_us,
-                 gbps=case.bytes_per_call / (t["us_median"] * 1e-6) / 1e9)
-    # each launch alone (gate_up reads 2/3 of the bytes, down 1/3): which one is far from its floor
-    parts = {f"{cfg.name}/{part}": (cfg, part) for cfg in configs for part in ("gate_up", "down")}
-    alone = time_variants({n: case.graph(v) for n, v in parts.items()}, args.calls, args.reps, args.warmup)
-    for name, t in alone.items():
-        share = 2 / 3 if name.endswith("/gate_up") else 1 / 3
-        t["ratio_to_floor"] = t["us_median"] / (floor_us * share)
-    return {"shape": shape, "tokens": tokens, "slots": pool[0].shape[0], "distinct_slots_per_call": case.distinct,
-            "bytes_per_call": case.bytes_per_call, "floor_us": floor_us, "variants": timed, "launches": alone}
+    del graphs
+    # each launch alone: which one is far from its share of the floor
+    parts = {(*key, part): (pool, (v, part)) for key, (pool, v) in variants.items() if isinstance(v, Config)
+             for part in ("gate_up", "down")}
+    alone = time_variants({key: case.graph(pool, v) for key, (pool, v) in parts.items()}, args.calls,
+                          args.reps, args.warmup)
+    base = timed.get(("bf16", DEFAULT.name), {}).get("us_median")
+    torch_us = timed.get(("bf16", "torch"), {}).get("us_median")
+    rows = []
+    for key, t in timed.items():
+        fname, name = key
+        pool, v = variants[key]
+        nbytes = case.bytes_per_call(pool.fmt)
+        floor_us = nbytes / bandwidth * 1e6
+        row = {"shape": shape, "format": fname, "tokens": tokens, "config": name, "slots": num_slots,
+               "distinct_slots_per_call": case.distinct, "bytes_per_call": nbytes, "floor_us": floor_us, **t,
+               "ratio_to_floor": t["us_median"] / floor_us, "gbps": nbytes / (t["us_median"] * 1e-6) / 1e9,
+               "speedup_vs_bf16": base / t["us_median"] if base else None,
+               "speedup_vs_torch": torch_us / t["us_median"] if torch_us else None, **checks[key]}
+        if isinstance(v, Config):
+            shares = launch_shares(pool.fmt, case.hid, case.inter)
+            row.update(tiles=dataclasses.asdict(v.tiles), down_release=v.down_release, down_prefetch=v.down_prefetch,
+                       default=v == default_config(pool.fmt),
+                       launches={part: {**alone[(*key, part)], "ratio_to_floor":
+                                        alone[(*key, part)]["us_median"] / (floor_us * shares[part])}
+                                 for part in ("gate_up", "down")})
+        rows.append(row)
+    return rows
 
 
-def make_pool(shape: str, num_slots: int):
-    hid, inter, _, _ = SHAPES[shape]
-    gate_up = torch.empty(num_slots, 2 * inter, hid, dtype=torch.bfloat16, device="cuda")
-    down = torch.empty(num_slots, hid, inter, dtype=torch.bfloat16, device="cuda")
-    for s in range(num_slots):  # one slot at a time: no float32 temporary of the whole pool
-        gate_up[s].normal_(0, hid ** -0.5)
-        down[s].normal_(0, inter ** -0.5)
-    return gate_up, down
+def _speedup(x: float | None) -> str:
+    return "      -" if x is None else f"{x:6.2f}x"
 
 
 def table(rows: list[dict]) -> str:
+    """The summary: each launch alone, then one line per (shape, format, T, config) (a group's lines
+    fastest first), then each (shape, format) at T=1 against TARGET_RATIO."""
     lines = [TARGET,
-             ("us per call under CUDA-graph replay (median [min..max]); floor = weight bytes / "
-              "d2d copy bandwidth; ratio = median / floor"),
-             (f"{'shape':>10} {'T':>2} {'variant':>22} {'median':>8} {'min..max':>15} {'floor':>7} "
-              f"{'ratio':>6} {'GB/s':>6} {'vs torch':>8}")]
+             ("us per call under CUDA-graph replay (median [min..max]); floor = the format's weight bytes "
+              "of the distinct slots / d2d copy bandwidth; ratio = median / floor; vs bf16 = bf16 default "
+              "config's median / median (same shape, T)")]
     for r in rows:
-        for name, v in sorted(r.get("launches", {}).items()):
-            lines.append(f"{r['shape']:>10} {r['tokens']:>2} {name:>30} alone {v['us_median']:8.2f} us, "
-                         f"{v['ratio_to_floor']:5.2f}x its share of the floor")
+        for part, v in r.get("launches", {}).items():
+            lines.append(f"{r['shape']:>10} {r['format']:>5} {r['tokens']:>2} {r['config'] + '/' + part:>34} alone "
+                         f"{v['us_median']:8.2f} us, {v['ratio_to_floor']:5.2f}x its share of the floor")
+    lines.append(f"{'shape':>10} {'fmt':>5} {'T':>2} {'config':>26} {'median':>8} {'min..max':>15} {'floor':>7} "
+                 f"{'ratio':>6} {'GB/s':>6} {'vs bf16':>7} {'vs torch':>8}")
+    groups: dict[tuple, int] = {}
     for r in rows:
-        torch_us = r["variants"]["torch"]["us_median"]
-        for name, v in sorted(r["variants"].items(), key=lambda kv: kv[1]["us_median"]):
-            lines.append(f"{r['shape']:>10} {r['tokens']:>2} {name:>22} {v['us_median']:8.2f} "
-                         f"{v['us_min']:7.2f}..{v['us_max']:<7.2f} {r['floor_us']:7.2f} "
-                         f"{v['ratio_to_floor']:6.2f} {v['gbps']:6.0f} {torch_us / v['us_median']:7.2f}x")
+        groups.setdefault((r["shape"], r["tokens"], r["format"]), len(groups))
+    for r in sorted(rows, key=lambda r: (groups[(r["shape"], r["tokens"], r["format"])], r["us_median"])):
+        lines.append(f"{r['shape']:>10} {r['format']:>5} {r['tokens']:>2} {r['config']:>26} {r['us_median']:8.2f} "
+                     f"{r['us_min']:7.2f}..{r['us_max']:<7.2f} {r['floor_us']:7.2f} {r['ratio_to_floor']:6.2f} "
+                     f"{r['gbps']:6.0f} {_speedup(r['speedup_vs_bf16'])} {_speedup(r['speedup_vs_torch']):>8}")
+    for r in rows:  # the target: each format's default config at T=1
+        if r["tokens"] == 1 and r.get("default"):
+            best = min((o for o in rows if (o["shape"], o["format"], o["tokens"]) == (r["shape"], r["format"], 1)
+                        and "launches" in o), key=lambda o: o["us_median"])
+            lines.append(f"T=1 {r['shape']} {r['format']}: default {r['config']} {r['ratio_to_floor']:.2f}x the floor "
+                         f"({'meets' if r['ratio_to_floor'] <= TARGET_RATIO else 'misses'} {TARGET_RATIO}x)"
+                         + ("" if best is r else f"; best {best['config']} {best['ratio_to_floor']:.2f}x"))
     return "\n".join(lines)
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="qwen3-next", help=f"comma list of {list(SHAPES)}")
+    ap.add_argument("--shapes", default="qwen3-next,qwen3-30b", help=f"comma list of {list(SHAPES)}")
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help=f"comma list of expert formats, of {format_names()} (mixtral: about 18 GiB of pools "
+                         "for all five)")
     ap.add_argument("--tokens", default="1,2,4,8")
-    ap.add_argument("--configs", default="default", help="'default', 'sweep' or comma list of config names")
-    ap.add_argument("--slots", type=int, default=None, help="pool slots (default per shape: 512, 24)")
+    ap.add_argument("--configs", default="default",
+                    help="'default' (each format's own tiles), 'sweep' or comma list of config names "
+                         f"({NAME_HELP}), applied to every format")
+    ap.add_argument("--slots", type=int, default=None,
+                    help="pool slots (default per shape: " + ", ".join(f"{n} {v[3]}" for n, v in SHAPES.items()) + ")")
     ap.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--read-floor", action="store_true",
-                    help="also time read1 / read2: the same weight rows streamed in one / two launches")
+                    help="also time read1 / read2 (bf16 only): the same weight rows streamed in one / two launches")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/routed-<date>.json)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.shapes = args.shapes.split(",")
     for s in args.shapes:
         if s not in SHAPES:
-            raise SystemExit(f"--shapes: {s!r} is not one of {list(SHAPES)}")
-    args.tokens = [int(t) for t in args.tokens.split(",")]
-    names = {"default": [DEFAULT.name], "sweep": list(SWEEP)}.get(args.configs, args.configs.split(","))
-    args.configs = [parse_config(n) for n in names]
+            ap.error(f"--shapes: {s!r} is not one of {list(SHAPES)}")
+    args.formats = list(dict.fromkeys(args.formats.split(",")))
+    for f in args.formats:
+        if f not in format_names():
+            ap.error(f"--formats: {f!r} is not one of {format_names()}")
+        for s in args.shapes:
+            hid, inter, _, _ = SHAPES[s]
+            try:
+                get_format(f).expert_bytes(hid, inter)
+            except FormatError as e:
+                ap.error(f"--formats: {f} cannot store shape {s}: {e}")
+    if args.read_floor and "bf16" not in args.formats:
+        ap.error("--read-floor streams the bf16 pool: add bf16 to --formats")
+    try:
+        args.tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        ap.error(f"--tokens: {args.tokens!r} is not a comma list of ints")
+    if not all(1 <= t <= 8 for t in args.tokens):
+        ap.error(f"--tokens: each in 1..8 (decode sizes), got {args.tokens}")
+    for name in ("slots", "calls", "reps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1")
+    args.configs = config_names(args.configs)
     return args
 
 
@@ -303,20 +491,26 @@ def main() -> None:
     print(f"{info['gpu']}: device-to-device copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
     for shape in args.shapes:
-        pool = make_pool(shape, args.slots or SHAPES[shape][3])
+        num_slots = args.slots or SHAPES[shape][3]
+        start = time.perf_counter()
+        pools = make_pools(shape, num_slots, args.formats)
+        sizes = ", ".join(f"{f} {num_slots * p.fmt.expert_bytes(*SHAPES[shape][:2]) / 2**30:.2f}" for f, p in pools.items())
+        print(f"{shape}: {num_slots} slots, pools (GiB) {sizes}, built in {time.perf_counter() - start:.1f} s",
+              flush=True)
         for tokens in args.tokens:
-            row = run_case(pool, shape, tokens, args.configs, bandwidth, args)
-            rows.append(row)
-            best = min(row["variants"].items(), key=lambda kv: kv[1]["us_median"])
-            print(f"{shape} T={tokens}: floor {row['floor_us']:.2f} us, best {best[0]} "
-                  f"{best[1]['us_median']:.2f} us, torch {row['variants']['torch']['us_median']:.2f} us",
-                  flush=True)
-        del pool
+            case_rows = run_case(pools, shape, tokens, num_slots, bandwidth, args)
+            rows += case_rows
+            for fname in args.formats:
+                mine = [r for r in case_rows if r["format"] == fname and "launches" in r]
+                best = min(mine, key=lambda r: r["us_median"])
+                print(f"{shape} T={tokens} {fname}: floor {best['floor_us']:.2f} us, best {best['config']} "
+                      f"{best['us_median']:.2f} us ({best['ratio_to_floor']:.2f}x floor, "
+                      f"{_speedup(best['speedup_vs_bf16']).strip()} bf16)", flush=True)
+        del pools
         torch.cuda.empty_cache()
     out = Path(args.out or Path(__file__).parent / "results" / f"routed-{info['date'][:10]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "configs")}
-    settings["configs"] = [c.name for c in args.configs]
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
     doc = {"bench": "routed", "machine": info, "copy_bandwidth_bytes_per_s": bandwidth,
            "settings": settings, "target": TARGET, "rows": rows}
     out.write_text(json.dumps(doc, indent=1))

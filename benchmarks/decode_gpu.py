@@ -1,7 +1,8 @@
 """The GPU half of benchmarks/bench_decode.py: build the random decoder once, time one configuration.
 
-    build_weights(args) -> ModelWeights on cuda (moe.testing.random_decoder.qwen3_next_like(--layers, --vocab)),
-                           routed experts in one pinned HostStore shared by every configuration
+    build_weights(args, fmt) -> ModelWeights on cuda (moe.testing.random_decoder: --geometry's config at --layers,
+                           --vocab), routed experts in format `fmt` in one pinned HostStore shared by every
+                           configuration of the format
     measure(weights, trace, args, policy, overlap, B):
         weights with MoEConfig.copy_overlap = overlap ─► GpuMoE(forced_routing) of --slots slots ─► Engine
         memory idle ─► prefill B prompts ─► warm-up steps ─► counters ─► timed steps (events) ─► counters
@@ -24,20 +25,28 @@ import torch
 from moe.engine.backends import GpuMoE
 from moe.model.checkpoint import ModelWeights
 from moe.engine.engine import Engine
-from moe.testing.random_decoder import qwen3_next_like, random_decoder
+from moe.testing import random_decoder as decoders
 from sim.trace import Trace
 
 GB = 1e9
 PROMPT = 4  # prompt tokens per row (prefill bypasses the cache)
 
 
-def build_weights(args: argparse.Namespace) -> tuple[ModelWeights, dict]:
-    """The decoder of every configuration, and how long building (and pinning) it took."""
+def build_weights(args: argparse.Namespace, fmt: str = "bf16") -> tuple[ModelWeights, dict]:
+    """The decoder of every configuration of expert format `fmt`, and how long building (quantizing and
+    pinning) it took. The same seed gives the same random experts in every format."""
+    from bench_decode import GEOMETRIES
+
+    gc.collect()
+    torch.cuda.empty_cache()
     t0 = time.time()
-    weights = random_decoder(qwen3_next_like(args.layers, vocab_size=args.vocab), "cuda", seed=args.seed)
+    config = getattr(decoders, GEOMETRIES[args.geometry].config)(args.layers, vocab_size=args.vocab)
+    weights = decoders.random_decoder(config, "cuda", seed=args.seed, expert_format=fmt)
     torch.cuda.synchronize()
-    return weights, {"seconds": time.time() - t0, "host_store_gb": weights.store.nbytes / GB,
-                     "pinned": bool(weights.store.tensor("down").is_pinned())}
+    store = weights.store
+    return weights, {"seconds": time.time() - t0, "host_store_gb": store.nbytes / GB,
+                     "bytes_per_expert": store.bytes_per_expert,
+                     "pinned": bool(store.tensor(store.banks[0].name).is_pinned())}
 
 
 def _memory(peak: bool) -> dict:

@@ -53,11 +53,17 @@ def dense_format(dtype: str) -> ExpertFormat:
     return fmt
 
 
+# int4 variants that checkpoints store (GPTQ: float16 scales; asymmetric ones: zero points), by key
+VARIANTS: dict[str, ExpertFormat] = {f.key: f for f in (INT4(scale_dtype="float16"), INT4(zero_points=True),
+                                                        INT4(scale_dtype="float16", zero_points=True))}
+
+
 def resolve_format(name: str) -> ExpertFormat:
-    """A registered format (`get_format`) or a dense one by its name ("float16", "float32"), as
-    MoEConfig.expert_format holds it. Raises FormatError naming the choices."""
-    for fmt in DENSE.values():
-        if name == fmt.name:
+    """A format by its `key`, as MoEConfig.expert_format holds it: a registered one (`get_format`), a dense
+    one ("float16", "float32") or an int4 variant ("int4-f16", "int4-z", "int4-f16-z"). Raises
+    FormatError naming the choices."""
+    for fmt in (*DENSE.values(), *VARIANTS.values()):
+        if name == fmt.key:
             return fmt
     return get_format(name)
 

@@ -74,6 +74,12 @@ class ExpertFormat:
     pack: ClassVar[int] = 1
 
     @property
+    def key(self) -> str:
+        """The name of this variant (`resolve_format` reads it back): the registry name, with the
+        options of a variant the registry does not list (int4 "int4-f16-z": float16 scales, zero points)."""
+        return self.name
+
+    @property
     def dense(self) -> bool:
         """True for an unquantized format (one part, the matrix itself in a float dtype)."""
         return self.main == ""
@@ -166,6 +172,22 @@ class ExpertFormat:
         self._check_values(parts)
         subs = [{k: v.chunk(stack)[i] for k, v in parts.items()} for i in range(stack)]
         return torch.cat([self._dequantize(p, out_features // stack, in_features) for p in subs])
+
+    def decode(self, parts: Mapping[str, "torch.Tensor"], out_features: int, in_features: int,
+               stack: int = 1) -> "torch.Tensor":
+        """W' float32 [out, in] of parts already checked (a store or pool's own rows): `dequantize` without
+        the checks, so a GPU caller syncs nothing. The parts must have the layout's shapes."""
+        import torch
+
+        subs = [{k: v.chunk(stack)[i] for k, v in parts.items()} for i in range(stack)]
+        return torch.cat([self._dequantize(p, out_features // stack, in_features) for p in subs])
+
+    def check(self, parts: Mapping[str, "torch.Tensor"], out_features: int, in_features: int, stack: int = 1) -> None:
+        """Refuse `parts` that are not exactly the layout of [out, in] (keys, shapes, dtypes, one device) or
+        hold an invalid code or scale: FormatError naming the part. Cost: one pass over the scales (and
+        over fp8 values for the NaN code)."""
+        self._check_parts(parts, self.layout(out_features, in_features, stack))
+        self._check_values(parts)
 
     def _check_parts(self, parts: Mapping[str, "torch.Tensor"], layout: tuple[Part, ...]) -> None:
         import torch

@@ -50,6 +50,11 @@ class INT4(ExpertFormat):
     in_rule = "two 4-bit values per byte"
     pack = 2
 
+    @property
+    def key(self) -> str:
+        """"int4", "int4-f16", "int4-z" or "int4-f16-z" (float16 scales, zero points)."""
+        return self.name + ("-f16" if self.scale_dtype == "float16" else "") + ("-z" if self.zero_points else "")
+
     def __post_init__(self) -> None:
         if self.scale_dtype not in SCALE_DTYPES:
             raise FormatError(f"int4: scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")

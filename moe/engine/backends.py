@@ -44,6 +44,7 @@ from moe.model.config import MoEConfig
 from moe.engine.layer import MoELayer, SlotCache
 from moe.model.reference import expert_mlp, route, shared_expert
 from moe.kernels.routed import routed_reference
+from moe.kernels.slot_matrix import SlotMatrix
 
 
 class MoEBackend(Protocol):
@@ -56,21 +57,31 @@ class MoEBackend(Protocol):
         """hidden [T, H] -> out [T, H]; leaves the cache untouched."""
 
 
+def expert_matrices(banks, cfg: MoEConfig) -> tuple[SlotMatrix, SlotMatrix]:
+    """(gate_up [N, 2I, H] of 2 stacked matrices, down [N, H, I]) of a HostStore or SlotPool in the
+    config's expert format (N = its keys or slots). No device work."""
+    h, i = cfg.hidden, cfg.expert_intermediate
+    return (SlotMatrix.of_pool(banks, cfg.format, "gate_up", 2 * i, h, 2),
+            SlotMatrix.of_pool(banks, cfg.format, "down", h, i))
+
+
 def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.Tensor,
-                resident: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                resident: tuple[torch.Tensor, SlotPool] | None = None,
                 counts: list[int] | None = None) -> torch.Tensor:
     """One MoE block over a prompt, experts read from `store` (cache bypassed): [T, H] -> [T, H].
 
-    Math and precision of moe.model.reference.moe_reference: float32 products, one cast at the end.
-    Each used expert's rows move to hidden's device once (non-blocking from pinned memory), unless
-    `resident` = (slot_of [L_moe * E] int32, pool gate_up [S, 2I, H], pool down [S, H, I]) gives it a
-    slot: then its rows are read from the pool (the same bytes, so the same result bit for bit) and
-    nothing moves. Nothing of the cache is written. counts: optional [streamed, reused], incremented.
-    Cost O(T * k * 3 * I * H + T * E * H) compute, (used experts without a slot) * 3 * I * H elements
-    moved; one host sync (the set of used experts, and this layer's E slot ids).
+    Math and precision of moe.model.reference.moe_reference: float32 products, one cast at the end;
+    each expert's weights are its format's float32 decode (expertcache.formats). Each used expert's
+    banks move to hidden's device once (non-blocking from pinned memory), unless `resident` = (slot_of
+    [L_moe * E] int32, the SlotPool) gives it a slot: then its rows are read from the pool (the same
+    bytes, so the same result bit for bit) and nothing moves. Nothing of the cache is written. counts:
+    optional [streamed, reused], incremented. Cost O(T * k * 3 * I * H + T * E * H) compute, (used
+    experts without a slot) * the expert's bytes moved; one host sync (the set of used experts, and this
+    layer's E slot ids).
     """
     weights, ids = route(hidden, w.router, cfg.top_k, cfg.norm_topk_prob)  # [T, k] f32, i32
-    gate_up, down = store.tensor("gate_up"), store.tensor("down")  # [K, 2I, H], [K, H, I]
+    gate_up, down = expert_matrices(store, cfg)
+    pool = None if resident is None else expert_matrices(resident[1], cfg)
     base = w.index * cfg.num_experts
     slot_of = None
     if resident is not None:
@@ -80,10 +91,10 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
         rows, cols = torch.nonzero(ids == expert, as_tuple=True)
         slot = -1 if slot_of is None else slot_of[expert]
         if slot >= 0:
-            gu, dn = resident[1][slot], resident[2][slot]
+            gu, dn = pool[0].dequantize([slot])[0], pool[1].dequantize([slot])[0]
         else:
-            gu = gate_up[base + expert].to(hidden.device, non_blocking=True)
-            dn = down[base + expert].to(hidden.device, non_blocking=True)
+            gu = gate_up.dequantize([base + expert], hidden.device)[0]
+            dn = down.dequantize([base + expert], hidden.device)[0]
         if counts is not None:
             counts[int(slot >= 0)] += 1
         out.index_add_(0, rows, expert_mlp(hidden[rows], gu, dn) * weights[rows, cols, None])
@@ -134,13 +145,13 @@ class CpuCachedMoE:
             count = torch.tensor([res.misses], dtype=torch.int32)
             reference_copy(self.store, self.pool, torch.from_numpy(res.plan), count)
         out = routed_reference(hidden, torch.from_numpy(res.slots), weights,
-                               self.pool.tensor("gate_up"), self.pool.tensor("down"))  # [B, H] f32
+                               *expert_matrices(self.pool, cfg))  # [B, H] f32
         if w.shared is not None:
             out = out + shared_expert(hidden, w.shared)
         return out.to(hidden.dtype), ids
 
     def prefill(self, w: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
-        resident = (torch.from_numpy(self.cache.slot_of), self.pool.tensor("gate_up"), self.pool.tensor("down"))
+        resident = (torch.from_numpy(self.cache.slot_of), self.pool)
         return moe_prefill(self.store, self.cfg, w, hidden, resident, self.prefill_counts)
 
 
@@ -206,8 +217,7 @@ class GpuMoE:
         """Eager, on the current stream, after the decode steps queued before it (their miss copies
         filled the slots it reads). One host sync for the layer's slot ids."""
         slots = self.slots
-        resident = (slots.cache.slot_of, slots.pool.tensor("gate_up"), slots.pool.tensor("down"))
-        return moe_prefill(self.store, self.cfg, w, hidden, resident, self.prefill_counts)
+        return moe_prefill(self.store, self.cfg, w, hidden, (slots.cache.slot_of, slots.pool), self.prefill_counts)
 
 
 def make_backend(weights: ModelWeights, num_slots: int, policy: str = "lru", *, max_batch: int = 1,

@@ -1,13 +1,15 @@
 """The expert cache's size: `--moe-slots N`, or a VRAM budget `--moe-cache-gb G` turned into slots.
 
-    config.json ─ModelSpec─► the HostStore's expert banks (moe.model.checkpoint.expert_banks):
-        gate_up [2I, H] + down [H, I] in the model dtype ─► P = bytes per expert = bytes per slot
+    config.json (+ --moe-expert-format) ─ModelSpec─► the HostStore's expert banks (moe.model.checkpoint.expert_banks):
+        the banks of MoEConfig.expert_format (gate_up [2I, H] + down [H, I] in the model dtype for an
+        unquantized model; values and scales for fp8 / nvfp4 / mxfp4 / int4) ─► P = bytes per expert = per slot
     --moe-slots N    ─► S = N                                   (checked by the backend, as always)
     --moe-cache-gb G ─► S = min(floor(G * 2**30 / P), L * E)    (refused below max_batch * top_k)
 
-The format priced is the one the experts are stored in: a bfloat16 model's experts are expertcache's
-"bf16" format (2 bytes a parameter), a float16 / float32 model's are unquantized banks of that dtype
-(2 / 4 bytes a parameter); either way P is the banks' row bytes (slots_for_bytes).
+The format priced is the one the experts are stored in (expertcache.formats): a bfloat16 model's experts
+are "bf16" (2 bytes a parameter), a float16 / float32 model's unquantized banks of that dtype (2 / 4
+bytes a parameter), a quantized checkpoint's or --moe-expert-format's fp8 (~1), nvfp4 / mxfp4 / int4
+(~0.5); either way P is the banks' row bytes (slots_for_bytes).
 The model dtype is config.json's torch_dtype or the dtype= / --dtype override. A budget that holds
 every expert gives L * E slots (a slot beyond them would never hold one) and says so in `describe`.
 GiB are 2**30 bytes. Legend: L = MoE layers, E = routed experts per layer, S = slots.
@@ -25,7 +27,7 @@ from moe.model.spec import ModelSpec
 @dataclass(frozen=True)
 class SlotBudget:
     """A resolved cache size. slots: S. bytes_per_expert: P (one expert's rows over every bank, the
-    bytes of one slot). format: what the experts are stored in ("bf16", "float16", "float32").
+    bytes of one slot). format: the experts' expert-format key ("bf16", "float16", "float32", "fp8", "nvfp4", "int4-f16", ...).
     num_layers / num_experts: L MoE layers x E experts. cache_gb: the --moe-cache-gb budget (None for
     --moe-slots). budget_slots: floor(G * 2**30 / P) before the cap at L * E (None for --moe-slots)."""
 
@@ -69,7 +71,7 @@ def expert_pricing(spec: ModelSpec) -> tuple[str, int]:
     """(format, bytes per expert) of the routed experts as the HostStore holds them: the row bytes of
     moe.model.checkpoint.expert_banks(spec). No tensor is read."""
     per_expert = sum(b.row_bytes for b in expert_banks(spec))
-    return ("bf16" if spec.dtype == "bfloat16" else spec.dtype), per_expert
+    return spec.moe.format.key, per_expert
 
 
 def resolve_slots(spec: ModelSpec, num_slots: int | None = None, cache_gb: float | None = None, *,

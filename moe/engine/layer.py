@@ -11,9 +11,12 @@
        └─ 7 _down_kernel:    out [T, H] = cast(Σ_j (in order) down[slots[t, j]] · act + shared)
 
 Legend: T = tokens (1..GEMV_MAX_TOKENS), H = hidden, E = experts, k = top_k, I / Is = routed / shared
-width, S = pool slots. One `SlotCache` per model: every layer shares its HostStore (banks "gate_up"
-[L*E, 2I, H] and "down" [L*E, H, I], rows indexed by key = layer * E + expert), SlotPool, DeviceCache
-and SideStream.
+width, S = pool slots. One `SlotCache` per model: every layer shares its HostStore (the banks of
+MoEConfig.expert_format, expertcache.formats: "gate_up" [L*E, 2I, H] and "down" [L*E, H, I] for bf16,
+"gate_up.q", "gate_up.s", ... for a quantized format; rows indexed by key = layer * E + expert),
+SlotPool, DeviceCache and SideStream. The routed launches read the pool's banks as SlotMatrix
+(moe.kernels.slot_matrix) and dequantize a quantized slot in registers; the miss copy moves every
+bank of a missing expert in its one launch; the ensure does not know the format.
 
 Which stream runs what, by LaunchPlan.mode (moe.kernels.plan.resolve_launch_plan picks it):
 
@@ -57,30 +60,30 @@ from expertcache.streams import SideStream
 from moe.kernels.plan import GEMV_MAX_TOKENS, LaunchPlan, resolve_launch_plan
 from moe.kernels.routed import device_sms, routed_down, routed_experts, routed_gate_up
 from moe.kernels.routed_host import routed_scratch
+from moe.kernels.slot_matrix import SlotMatrix
 from moe.kernels.router import ROUTER_MAX_EXPERTS, router_scratch, router_topk
 from moe.model.config import MoEConfig
 from moe.model.reference import SharedWeights, check_shared
 
-BANKS = ("gate_up", "down")  # the HostStore / SlotPool banks a layer reads, in this order
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class SlotCache:
     """The cache objects one model shares: host store, slot pool, device cache, side stream.
 
-    store: HostStore with banks "gate_up" [L*E, 2I, H] and "down" [L*E, H, I].
+    store: HostStore of the experts' banks (an expert format's `expert_banks`), L*E key rows each.
     pool: SlotPool of the same banks. num_layers, num_experts: L, E of the key space.
     policy: eviction policy name (`--moe-cache-policy`); constants: its overrides.
     The side stream is made on first request (`side_stream()`) and kept through `rebuild`.
-    Raises ValueError naming the bank whose shape disagrees with (L, E).
+    Raises ValueError when the store's rows are not L * E or the pool's banks are not the store's.
     """
 
     def __init__(self, store: HostStore, pool: SlotPool, num_layers: int, num_experts: int,
                  policy: str = "lru", **constants) -> None:
-        names = tuple(b.name for b in store.banks)
-        if names != BANKS or store.num_keys != num_layers * num_experts:
-            raise ValueError(f"the HostStore must hold banks {BANKS} of {num_layers} * {num_experts} key "
-                             f"rows (layers * experts), got banks {names} of {store.num_keys} rows")
+        if store.num_keys != num_layers * num_experts or store.banks != pool.banks:
+            raise ValueError(f"the HostStore must hold {num_layers} * {num_experts} key rows (layers * experts) "
+                             f"of the SlotPool's banks, got {store.num_keys} rows of "
+                             f"{[b.name for b in store.banks]} for a pool of {[b.name for b in pool.banks]}")
         self.store, self.pool = store, pool
         self.num_layers, self.num_experts = num_layers, num_experts
         self.policy, self.constants = policy, constants
@@ -136,6 +139,7 @@ class MoELayer:
         _check_weights(cfg, layer, router_w, shared, slots, self.dtype)
         self.router_w = router_w.to(self.device, self.dtype).contiguous()  # [E, H] model dtype
         self.shared = None if shared is None else tuple(w.to(self.device).contiguous() for w in shared)
+        self._matrices: tuple[SlotMatrix, SlotMatrix] | None = None
         self._make_buffers()
         self._given_plan = plan
         self.side: SideStream | None = None
@@ -212,10 +216,21 @@ class MoELayer:
         self._down(act, slots, addend=shared, out_cast=out)
         return out
 
+    def pool_matrices(self) -> tuple[SlotMatrix, SlotMatrix]:
+        """(gate_up [S, 2I, H] of 2 stacked matrices, down [S, H, I]) of the pool in the config's format,
+        remade when the pool was rebuilt (cheap: no device work)."""
+        pool, cfg = self.slots.pool, self.cfg
+        first = pool.tensor(pool.banks[0].name)
+        if self._matrices is None or self._matrices[0].parts[0] is not first:
+            h, i = cfg.hidden, cfg.expert_intermediate
+            self._matrices = (SlotMatrix.of_pool(pool, cfg.format, "gate_up", 2 * i, h, 2),
+                              SlotMatrix.of_pool(pool, cfg.format, "down", h, i))
+        return self._matrices
+
     def _down(self, act: torch.Tensor, slots: torch.Tensor, **outs) -> torch.Tensor:
         """Launch 7: the routed down right behind the gate_up, with the plan's release and prefetch."""
         plan = self.plan
-        return routed_down(act, slots, self.slots.pool.tensor("down"), after_gate_up=True, tiles=plan.routed_tiles,
+        return routed_down(act, slots, self.pool_matrices()[1], after_gate_up=True, tiles=plan.routed_tiles,
                            release=plan.down_release, prefetch=plan.down_prefetch, **outs)
 
     def _routed_front(self, hidden: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -232,7 +247,7 @@ class MoELayer:
         slot through its ensure and the copy writes only victims' slots, so both halves read what the
         single gate_up would: the same act bits."""
         cfg, slots, plan, tokens = self.cfg, self.slots, self.plan, hidden.shape[0]
-        gate_up = slots.pool.tensor("gate_up")
+        gate_up = self.pool_matrices()[0]
         pre = self._pre[:tokens] if early is not None else None
         if routing is None:
             weights, ids = router_topk(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob,
@@ -332,12 +347,12 @@ def _check_weights(cfg: MoEConfig, layer: int, router_w: torch.Tensor, shared: S
                          f"num_experts={slots.num_experts} must equal MoEConfig.num_experts={cfg.num_experts}")
     if tuple(router_w.shape) != (cfg.num_experts, cfg.hidden):
         raise ValueError(f"MoELayer: router_w must be [{cfg.num_experts}, {cfg.hidden}], got {list(router_w.shape)}")
-    h, i = cfg.hidden, cfg.expert_intermediate
-    for bank, shape in zip(BANKS, ((2 * i, h), (h, i))):
-        b = slots.store.bank(bank)
-        if b.row_shape != shape or b.dtype != dtype:
-            raise ValueError(f"MoELayer: bank {bank!r} rows must be {list(shape)} {dtype} (MoEConfig "
-                             f"hidden/expert_intermediate/dtype), got {list(b.row_shape)} {b.dtype}")
+    want = cfg.format.expert_banks(cfg.hidden, cfg.expert_intermediate)
+    if slots.store.banks != want:
+        raise ValueError(f"MoELayer: the HostStore banks must be those of MoEConfig.expert_format={cfg.expert_format!r} "
+                         f"at hidden={cfg.hidden}, expert_intermediate={cfg.expert_intermediate}: "
+                         f"{[(b.name, list(b.row_shape), b.dtype) for b in want]}, got "
+                         f"{[(b.name, list(b.row_shape), b.dtype) for b in slots.store.banks]}")
     if cfg.num_experts > ROUTER_MAX_EXPERTS:
         raise ValueError(f"MoELayer: MoEConfig.num_experts={cfg.num_experts} exceeds the router kernel's "
                          f"ROUTER_MAX_EXPERTS={ROUTER_MAX_EXPERTS}")

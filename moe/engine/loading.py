@@ -34,13 +34,17 @@ __all__ = ["CheckpointError", "CpuCachedMoE", "Engine", "FAMILIES", "GpuMoE", "M
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slots: int | None = None,
-               cache_gb: float | None = None, policy: str = "lru", dtype: str | None = None, max_batch: int = 1,
+               cache_gb: float | None = None, policy: str = "lru", dtype: str | None = None,
+               expert_format: str | None = None, max_batch: int = 1,
                max_seq_len: int = 2048, record_routing: bool = False, progress: bool = True,
                copy_overlap: bool | None = None, cuda_graphs: bool | None = None, **constants) -> Engine:
     """Load checkpoint directory `path` and build an Engine over an expert cache of `num_slots` slots,
     or of the slots that `cache_gb` GiB hold (exactly one of the two; moe.engine.budget):
     min(floor(cache_gb * 2**30 / P), L * E) with P the bytes of one expert in the HostStore (3 * I * H
-    parameters in the model dtype), logged at INFO, and at WARNING when the budget holds every expert.
+    parameters in its expert format), logged at INFO, and at WARNING when the budget holds every expert.
+    expert_format: the routed experts' storage (--moe-expert-format: bf16, fp8, nvfp4, mxfp4, int4;
+    default the checkpoint's own: its quantization's format, else the model dtype's); another format
+    is quantized on load (moe.model.checkpoint).
 
     device: "cpu" (HostCache reference backend) or a CUDA device (MoELayer backend, pinned HostStore).
     policy: the eviction policy (--moe-cache-policy), constants: its overrides. dtype: model dtype
@@ -50,18 +54,18 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     graphs (moe.engine.graphs); None leaves it to EXPERTCACHE_CUDA_GRAPHS ("0": eager GPU decode, for
     debugging), else on for a CUDA device and off on the CPU. Cost: reads the checkpoint once; host
     memory holds every routed expert.
-    Raises CheckpointError (config key, file, tensor; a quantized checkpoint: only unquantized
-    bf16 / fp16 / fp32 ones load today), ValueError (both or neither of num_slots / cache_gb, a
+    Raises CheckpointError (config key or quantization field, file, tensor, --moe-expert-format),
+    ValueError (both or neither of num_slots / cache_gb, a
     cache_gb that is not > 0 or holds fewer than max_batch * top_k experts, num_slots below
     max_batch * top_k or above L * E, an unknown policy), PoolError (slots that do not fit on the
     device). The slot count is checked from config.json before any tensor is read.
     """
-    budget = resolve_slots(ModelSpec.from_hf(read_config(path), dtype=dtype), num_slots, cache_gb,
-                           max_batch=max_batch)
+    budget = resolve_slots(ModelSpec.from_hf(read_config(path), dtype=dtype, expert_format=expert_format),
+                           num_slots, cache_gb, max_batch=max_batch)
     if cache_gb is not None:
         logger.log(logging.WARNING if budget.capped else logging.INFO, "%s", budget.describe())
     num_slots = budget.slots
-    weights = load_checkpoint(path, device, dtype=dtype, progress=progress,
+    weights = load_checkpoint(path, device, dtype=dtype, progress=progress, expert_format=expert_format,
                               copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap)
     backend = make_backend(weights, num_slots, policy, max_batch=max_batch, **constants)
     if cuda_graphs is None:

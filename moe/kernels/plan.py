@@ -44,6 +44,9 @@ HITS_PROGRAMS_PER_SM = 8  # the early hits' persistent grid: programs per SM (16
 PHASES = ("decode", "prefill")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 DEFAULT_ROUTER_TILES, DEFAULT_ROUTED_TILES = RouterTiles(), RoutedTiles()  # the tuned tiles (docs/layer.md)
+# The routed tiles of a quantized expert format (fp8, nvfp4, mxfp4, int4): more rows per program, so
+# that one pass over the input chunk serves more of the (smaller) weight rows.
+QUANTIZED_ROUTED_TILES = RoutedTiles(block_i=2, chunk_h=1024, warps_gate_up=4, block_h=4, chunk_i=512, warps_down=4)
 
 
 class OverlapMode(enum.Enum):
@@ -139,6 +142,8 @@ def resolve_launch_plan(cfg: MoEConfig, *, num_slots: int, num_keys: int, device
     Early hits apply where num_slots < num_keys; the front release (down_release, copy_release,
     router_early_weights where they fit, down_prefetch min(FRONT_RELEASE_PREFETCH, k)) applies
     unless the early hits run on the side stream; else down_prefetch is min(DOWN_PREFETCH, k).
+    A quantized MoEConfig.expert_format launches QUANTIZED_ROUTED_TILES and prefetches nothing (its
+    down dequantizes each tile as it loads it).
     Raises ValueError naming the argument outside its domain.
     """
     for name, v, minimum in (("num_slots", num_slots, 1), ("num_keys", num_keys, 1), ("num_sms", num_sms, 1)):
@@ -149,12 +154,13 @@ def resolve_launch_plan(cfg: MoEConfig, *, num_slots: int, num_keys: int, device
                          f"got {copy_overlap!r}")
     if not isinstance(device, str) or not _DEVICE.match(device):
         raise ValueError(f"resolve_launch_plan: device={device!r} is not 'cpu', 'cuda' or 'cuda:N'")
-    router_tiles, routed_tiles = DEFAULT_ROUTER_TILES, DEFAULT_ROUTED_TILES
+    dense = cfg.format.dense
+    router_tiles, routed_tiles = DEFAULT_ROUTER_TILES, DEFAULT_ROUTED_TILES if dense else QUANTIZED_ROUTED_TILES
     mode, reason = _overlap_mode(cfg, num_slots < num_keys, device, tp_size, hybrid, copy_overlap, routed_tiles)
     front = not mode.hits_on_side
     early_weights = tuple(front and router_tiles.early_weights_fit(cfg.num_experts, cfg.hidden, t)
                           for t in range(1, GEMV_MAX_TOKENS + 1))
-    prefetch = min(FRONT_RELEASE_PREFETCH if front else DOWN_PREFETCH, cfg.top_k)
+    prefetch = min(FRONT_RELEASE_PREFETCH if front else DOWN_PREFETCH, cfg.top_k) if dense else 0
     return LaunchPlan(mode, reason, pdl=device.startswith("cuda"), router_early_weights=early_weights,
                       down_release=front, copy_release=front, down_prefetch=prefetch,
                       hits_programs=HITS_PROGRAMS_PER_SM * num_sms, router_tiles=router_tiles,

@@ -1,7 +1,9 @@
 """The routed-expert GEMM of a decode step (1..GEMV_MAX_TOKENS tokens), read from the slot pool by slot id.
 
     hidden [T, H], slots [T, k] int32, weights [T, k] float32 (or gate_w [1, H]: the shared expert)
-    pool banks gate_up [S, 2I, H], down [S, H, I]        (expertcache.pool.SlotPool, indexed by slot)
+    pool banks gate_up [S, 2I, H], down [S, H, I]        (expertcache.pool.SlotPool, indexed by slot;
+        or SlotMatrix: those matrices in an expert format, fp8 / nvfp4 / mxfp4 / int4, dequantized in
+        registers by the same two launches, moe.kernels.slot_matrix)
         │
         ├─ routed_gate_up: 1 launch, grid (T * k, ceil(I / block_i))
         │     -> act [T * k, I] float32 = weight[t, j] * silu(gate) * up   (0 when no expert)
@@ -40,6 +42,7 @@ import triton
 from moe.kernels.plan import DEFAULT_ROUTED_TILES, DOWN_PREFETCH, HITS_PROGRAMS_PER_SM
 from moe.kernels.routed_host import (
     PARTS,
+    as_matrix,
     check_down,
     check_gate_up,
     check_tensor,
@@ -52,6 +55,7 @@ from moe.kernels.routed_kernels import (
     JIT_OPTIONS,
     _gate_up_hits,
 )
+from moe.kernels.slot_matrix import SlotMatrix
 from moe.kernels.tiles import RoutedTiles
 from moe.kernels.triton_launch import kernel_for
 
@@ -87,7 +91,12 @@ def _device_ctx(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _launch_hits(hidden, weights, gate_up, act, pre, dims, tiles, programs) -> None:
+def _format_args(matrix: SlotMatrix) -> dict:
+    """The FMT / ZP constexprs of a routed (not shared) launch over `matrix`."""
+    return {"FMT": matrix.code, "ZP": matrix.zero_points}
+
+
+def _launch_hits(hidden, weights, gate_up: SlotMatrix, act, pre, dims, tiles, programs) -> None:
     """One persistent launch of at most `programs` programs over the (pair, tile) items of the pairs
     with pre >= 0; never programmatic (it waits on another stream's event, not its producer)."""
     tokens, top_k, num_slots, hid, inter = dims
@@ -95,12 +104,13 @@ def _launch_hits(hidden, weights, gate_up, act, pre, dims, tiles, programs) -> N
     items = tokens * top_k * triton.cdiv(inter, block_i)
     kernel = kernel_for(_gate_up_hits, hidden.device, HITS_JIT_OPTIONS, "routed_gate_up")
     with _device_ctx(hidden.device):
-        kernel[(min(programs, items),)](hidden, weights, gate_up, act, num_slots, pre, tokens * top_k,
+        kernel[(min(programs, items),)](hidden, weights, gate_up.kernel_args(), act, num_slots, pre, tokens * top_k,
                                         K=top_k, H=hid, I=inter, BLOCK_I=block_i, CHUNK_H=chunk_h,
-                                        EVEN=tiles.even(hid, inter)[0], num_warps=tiles.warps_gate_up)
+                                        EVEN=tiles.even(hid, inter)[0], num_warps=tiles.warps_gate_up,
+                                        **_format_args(gate_up))
 
 
-def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, tiles, part="all",
+def _launch_gate_up(hidden, slots, weights, gate_up: SlotMatrix, gate_w, act, dims, tiles, part="all",
                     pre=None) -> torch.Tensor:
     """part "all" or "rest" (PICK 0 / 2): one program per (pair, row tile); programmatic on CUDA
     unless gated (the shared expert)."""
@@ -111,31 +121,32 @@ def _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, tiles, p
     kernel = kernel_for(GATE_UP_ENTRIES[gated], hidden.device, JIT_OPTIONS, "routed_experts")
     with _device_ctx(hidden.device):
         gdc = not gated and hidden.device.type == "cuda"
-        kernel[grid](hidden, slots, act if gated else weights, gate_w if gated else hidden, gate_up, act,
-                     num_slots, slots if pre is None else pre, K=top_k, H=hid, I=inter, BLOCK_I=block_i,
+        kernel[grid](hidden, slots, act if gated else weights, gate_w if gated else hidden, gate_up.kernel_args(),
+                     act, num_slots, slots if pre is None else pre, K=top_k, H=hid, I=inter, BLOCK_I=block_i,
                      CHUNK_H=chunk_h, EVEN=tiles.even(hid, inter)[0], GATED=gated, GDC=int(gdc),
                      PICK=PARTS.index(part), num_warps=tiles.warps_gate_up,
-                     **({"launch_pdl": True} if gdc else {}))
+                     **({} if gated else _format_args(gate_up)), **({"launch_pdl": True} if gdc else {}))
     return act[:tokens * top_k]
 
 
-def _launch_down(act, slots, down, out, addend, out_cast, shared, dims, tiles, after_gate_up,
+def _launch_down(act, slots, down: SlotMatrix, out, addend, out_cast, shared, dims, tiles, after_gate_up,
                  release, prefetch) -> torch.Tensor:
     tokens, top_k, num_slots, hid, inter = dims
     _, _, block_h, chunk_i = tiles.capped(hid, inter)
     _, grid = routed_grids(tokens, top_k, hid, inter, tiles)
+    device = down.device
     if out is None and out_cast is None:
-        out = torch.empty((tokens, hid), dtype=torch.float32, device=down.device)
-    kernel = kernel_for(DOWN_ENTRIES[bool(shared)], down.device, JIT_OPTIONS, "routed_experts")
+        out = torch.empty((tokens, hid), dtype=torch.float32, device=device)
+    kernel = kernel_for(DOWN_ENTRIES[bool(shared)], device, JIT_OPTIONS, "routed_experts")
     # programmatic launch only right behind a programmatic gate_up (its producer)
-    gdc = after_gate_up and not shared and down.device.type == "cuda"
-    with _device_ctx(down.device):
-        kernel[grid](act, slots, down, act if addend is None else addend, act if out is None else out,
+    gdc = after_gate_up and not shared and device.type == "cuda"
+    routed = {"RELEASE": release, "PREFETCH": min(prefetch, top_k) if down.fmt.dense else 0, **_format_args(down)}
+    with _device_ctx(device):
+        kernel[grid](act, slots, down.kernel_args(), act if addend is None else addend, act if out is None else out,
                      act if out_cast is None else out_cast, num_slots, K=top_k, H=hid, I=inter,
                      BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=tiles.even(hid, inter)[1],
                      ADDEND=addend is not None, WRITE_OUT=out is not None, WRITE_CAST=out_cast is not None,
-                     GDC=int(gdc), num_warps=tiles.warps_down,
-                     **({} if shared else {"RELEASE": release, "PREFETCH": min(prefetch, top_k)}),
+                     GDC=int(gdc), num_warps=tiles.warps_down, **({} if shared else routed),
                      **({"launch_pdl": True} if gdc else {}))
     return out_cast if out is None else out
 
@@ -174,7 +185,7 @@ def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     Raises ValueError naming the argument whose shape, dtype, device or value is wrong.
     """
     _check_options("routed_gate_up", tiles, programs=programs)
-    dims = check_gate_up("routed_gate_up", hidden, slots, weights, gate_up, gate_w, act)
+    dims, gate_up = check_gate_up("routed_gate_up", hidden, slots, weights, gate_up, gate_w, act)
     if part not in PARTS:
         raise ValueError(f"routed_gate_up: part must be one of {PARTS}, got {part!r}")
     if part != "all":
@@ -209,7 +220,7 @@ def routed_down(act: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, *,
     bits. Raises ValueError naming the argument whose shape, dtype, device or value is wrong.
     """
     _check_options("routed_down", tiles, release, prefetch)
-    dims = check_down("routed_down", act, slots, down, out, addend, out_cast)
+    dims, down = check_down("routed_down", act, slots, down, out, addend, out_cast)
     return _launch_down(act, slots, down, out, addend, out_cast, shared, dims, tiles, after_gate_up,
                         release, prefetch)
 
@@ -244,12 +255,15 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     shape, dtype, device or layout is wrong; RuntimeError for CPU tensors without Triton's interpreter.
     """
     _check_options("routed_experts", tiles, down_release, down_prefetch, names=("down_release", "down_prefetch"))
-    dims = check_gate_up("routed_experts", hidden, slots, weights, gate_up, gate_w, act)
-    check_tensor("routed_experts", "down", down, (hidden.dtype,), 3, hidden.device)
-    if tuple(down.shape) != (dims[2], dims[3], dims[4]):
-        raise ValueError(f"routed_experts: down must be {[dims[2], dims[3], dims[4]]} (S, H, I of gate_up), "
-                         f"got {list(down.shape)}")
+    dims, gate_up = check_gate_up("routed_experts", hidden, slots, weights, gate_up, gate_w, act)
+    down = as_matrix("routed_experts", "down", down, hidden.device, 1, hidden.dtype)
+    if (down.num_slots, down.out_features, down.in_features) != (dims[2], dims[3], dims[4]) or down.fmt != gate_up.fmt:
+        raise ValueError(f"routed_experts: down must be {[dims[2], dims[3], dims[4]]} (S, H, I of gate_up) in "
+                         f"gate_up's format {gate_up.fmt.name}, got {[down.num_slots, down.out_features, down.in_features]} "
+                         f"{down.fmt.name}")
     act = routed_scratch(hidden.device, dims[1], dims[4]) if act is None else act
+    if out_cast is not None:
+        check_tensor("routed_experts", "out_cast", out_cast, (hidden.dtype,), 2, hidden.device)
     check_down("routed_experts", act, slots, down, out, addend, out_cast)
     act = _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, tiles)
     return _launch_down(act, slots, down, out, addend, out_cast, gate_w is not None, dims, tiles, True,
@@ -257,21 +271,27 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
 
 
 def routed_reference(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                     gate_up: torch.Tensor, down: torch.Tensor, *,
+                     gate_up: torch.Tensor | SlotMatrix, down: torch.Tensor | SlotMatrix, *,
                      compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Torch reference of routed_experts (same arguments): gathers the T * k experts' rows, then bmm.
 
-    Linears run in `compute_dtype` (float32: the reference; hidden's dtype: the torch baseline of
-    benchmarks/bench_routed.py); the combine over j is float32. Returns [T, H] float32. No host
-    sync. Cost: gathers T * k * 3 * I * H weight elements into new tensors, then reads them again.
+    A SlotMatrix in a quantized format is dequantized (its format's torch `dequantize`, float32) slot
+    by slot first: the reference of the dequantize-in-registers kernels. Linears run in `compute_dtype`
+    (float32: the reference; hidden's dtype: the torch baseline of benchmarks/bench_routed.py); the
+    combine over j is float32. Returns [T, H] float32. No host sync for plain tensors (one for a
+    SlotMatrix: its slot ids). Cost: gathers T * k * 3 * I * H weight elements into new tensors, then
+    reads them again.
     """
     tokens, top_k = slots.shape
-    num_slots, two_i, hid = gate_up.shape
+    num_slots = gate_up.num_slots if isinstance(gate_up, SlotMatrix) else gate_up.shape[0]
     live = (slots >= 0) & (slots < num_slots)  # [T, k]
     idx = torch.where(live, slots, 0).long().flatten()  # [T * k]
+    w13 = gate_up.dequantize(idx) if isinstance(gate_up, SlotMatrix) else gate_up[idx]  # [T * k, 2I, H]
+    w2 = down.dequantize(idx) if isinstance(down, SlotMatrix) else down[idx]  # [T * k, H, I]
+    two_i, hid = w13.shape[1], w13.shape[2]
     x = hidden.to(compute_dtype).repeat_interleave(top_k, dim=0)  # [T * k, H]
-    gu = torch.bmm(gate_up[idx].to(compute_dtype), x[:, :, None])[..., 0]  # [T * k, 2I]
+    gu = torch.bmm(w13.to(compute_dtype), x[:, :, None])[..., 0]  # [T * k, 2I]
     act = F.silu(gu[:, : two_i // 2]) * gu[:, two_i // 2:]  # [T * k, I]
-    y = torch.bmm(down[idx].to(compute_dtype), act[:, :, None])[..., 0].float()  # [T * k, H]
+    y = torch.bmm(w2.to(compute_dtype), act[:, :, None])[..., 0].float()  # [T * k, H]
     y = y * (weights * live).flatten()[:, None]
     return y.view(tokens, top_k, hid).sum(dim=1)

@@ -1,7 +1,8 @@
 """The host side of the routed GEMM that launches nothing: argument checks, the activation scratch,
 and the ahead-of-time compile of every variant the layer launches (wrappers: moe.kernels.routed).
 
-    routed_gate_up / routed_down arguments ──check_gate_up / check_down──► (T, k, S, H, I), no device reads
+    routed_gate_up / routed_down arguments ──check_gate_up / check_down──► (T, k, S, H, I) and the
+        weights as a SlotMatrix (a plain tensor: its dense format), no device reads
     device, k, I ──routed_scratch──► act float32 [GEMV_MAX_TOKENS * k, I], made once and kept
     k, H, I, dtype, RoutedTiles ──compile_for_target──► {variant: Triton's asm dict} for CUDA sm_<arch>
 
@@ -20,6 +21,9 @@ from moe.kernels.routed_kernels import (
     JIT_OPTIONS,
     _gate_up_hits,
 )
+from expertcache.formats import resolve_format
+from moe.kernels.quant_kernels import CODES
+from moe.kernels.slot_matrix import SlotMatrix
 from moe.kernels.tiles import RoutedTiles
 from moe.kernels.triton_launch import compile_for_sm
 
@@ -27,27 +31,54 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PARTS = ("all", "hits", "rest")  # routed_gate_up's part; its index is the gate_up kernels' PICK
 
 
+TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8e4nv", "uint8": "u8"}
+
+
+def _matrix_types(expert_format: str | None, dtype: str, out: int, inn: int, stack: int) -> tuple[str, ...]:
+    """Triton pointer types of a matrix's (q, s, s2, z) banks; a part the format lacks repeats q."""
+    if expert_format is None:
+        return (f"*{dtype}",) * 4
+    fmt = resolve_format(expert_format)
+    by = {p.suffix: f"*{TRITON_TYPES['uint8' if p.dtype == 'float8_e4m3fn' else p.dtype]}"
+          for p in fmt.layout(out, inn, stack)}  # fp8 values as their bytes (SlotMatrix.kernel_args)
+    q = "*i32" if fmt.pack == 2 else by[fmt.main]  # 4-bit values as int32 words
+    return q, by.get("s", q), by.get("s2", q), by.get("z", q)
+
+
 def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
                        tiles: RoutedTiles = DEFAULT_ROUTED_TILES, arch: int = 90, shared_inter: int | None = None,
-                       down_release: bool = False, down_prefetch: int = DOWN_PREFETCH) -> dict[str, dict]:
+                       down_release: bool = False, down_prefetch: int = DOWN_PREFETCH,
+                       expert_format: str | None = None) -> dict[str, dict]:
     """Compile every variant MoELayer launches, ahead of time for CUDA sm_<arch> (no GPU; needs ptxas).
 
-    dtype: Triton's name of the weight dtype ("bf16", "fp16", "fp32"). shared_inter: the shared
-    expert's width Is (default I). down_release / down_prefetch: the routed down's (routed_down's
-    release / prefetch, min(prefetch, k) experts). T is not compiled in (it only sizes the grids),
-    so one binary per variant serves T = 1..GEMV_MAX_TOKENS. Returns {variant: Triton's asm dict
-    (ttir .. cubin)} for "_gate_up_hits" (the early hits), "_gate_up_kernel", "_gate_up_kernel+rest",
-    "_down_kernel" (f32 out), "_down_kernel+combine" (addend, cast out), "_shared_gate_up" (k = 1,
-    gate computed) and "_shared_down" (k = 1). Run it in a process without TRITON_INTERPRET=1 (the
-    interpreter replaces the compiler's language hooks).
+    dtype: Triton's name of the activation dtype ("bf16", "fp16", "fp32"), and of the dense weights.
+    expert_format: the routed experts' format (fp8, nvfp4, mxfp4, int4, or bf16 / float16 / float32:
+    expertcache.formats); None: dense weights of `dtype`. shared_inter: the shared expert's width Is
+    (default I; always dense of `dtype`). down_release / down_prefetch: the routed down's (routed_down's
+    release / prefetch, min(prefetch, k) experts, none for a quantized format). T is not compiled in
+    (it only sizes the grids), so one binary per variant serves T = 1..GEMV_MAX_TOKENS. Returns
+    {variant: Triton's asm dict (ttir .. cubin)} for "_gate_up_hits" (the early hits), "_gate_up_kernel",
+    "_gate_up_kernel+rest", "_down_kernel" (f32 out), "_down_kernel+combine" (addend, cast out),
+    "_shared_gate_up" (k = 1, gate computed) and "_shared_down" (k = 1). Run it in a process without
+    TRITON_INTERPRET=1 (the interpreter replaces the compiler's language hooks).
     """
     shared_inter = inter if shared_inter is None else shared_inter
     p = f"*{dtype}"
+    fmt = None if expert_format is None else resolve_format(expert_format)
+    quant = {} if fmt is None or fmt.dense else {"FMT": CODES[fmt.name], "ZP": bool(getattr(fmt, "zero_points", False))}
+    if fmt is not None and fmt.dense:  # a dense format names the weights' dtype
+        expert_format = None
+        weights_dtype = TRITON_TYPES[fmt.dtype]
+    else:
+        weights_dtype = dtype
+    w13 = _matrix_types(expert_format, weights_dtype, 2 * inter, hidden, 2)
+    w2 = _matrix_types(expert_format, weights_dtype, hidden, inter, 1)
     block_i, chunk_h, _, _ = tiles.capped(hidden, inter)
     result = {"_gate_up_hits": compile_for_sm(
-        _gate_up_hits, (p, "*fp32", p, "*fp32", "i32", "*i32", "i32"),
+        _gate_up_hits, (p, "*fp32", w13, "*fp32", "i32", "*i32", "i32"),
         {"K": top_k, "H": hidden, "I": inter, "BLOCK_I": block_i, "CHUNK_H": chunk_h,
-         "EVEN": tiles.even(hidden, inter)[0]}, tiles.warps_gate_up, arch, HITS_JIT_OPTIONS)}
+         "EVEN": tiles.even(hidden, inter)[0], "FMT": 0, "ZP": False, **quant}, tiles.warps_gate_up, arch,
+        HITS_JIT_OPTIONS)}
     for name, k, width, is_shared, down_flags in (
             ("_gate_up_kernel", top_k, inter, False, None),
             ("_gate_up_kernel+rest", top_k, inter, False, None),
@@ -58,20 +89,21 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
         block_i, chunk_h, block_h, chunk_i = tiles.capped(hidden, width)
         even_a, even_b = tiles.even(hidden, width)
         shape = {"K": k, "H": hidden, "I": width}
+        routed = {} if is_shared else {"FMT": 0, "ZP": False, **quant}
         if down_flags is None:
             pick = PARTS.index("rest" if name.endswith("+rest") else "all")
             kernel, warps = GATE_UP_ENTRIES[is_shared], tiles.warps_gate_up
-            types = (p, "*i32", "*fp32", p, p, "*fp32", "i32", "*i32")
+            types = (p, "*i32", "*fp32", p, (p,) * 4 if is_shared else w13, "*fp32", "i32", "*i32")
             constexprs = dict(shape, BLOCK_I=block_i, CHUNK_H=chunk_h, EVEN=even_a, GATED=is_shared,
-                              GDC=int(not is_shared), PICK=pick)
+                              GDC=int(not is_shared), PICK=pick, **routed)
         else:
             kernel, warps = DOWN_ENTRIES[is_shared], tiles.warps_down
-            types = ("*fp32", "*i32", p, "*fp32", "*fp32", p, "i32")
+            types = ("*fp32", "*i32", (p,) * 4 if is_shared else w2, "*fp32", "*fp32", p, "i32")
+            prefetch = min(down_prefetch, top_k) if not quant else 0
             constexprs = dict(shape, BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=even_b,
                               ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2],
                               GDC=int(not is_shared),
-                              **({} if is_shared else {"RELEASE": down_release,
-                                                       "PREFETCH": min(down_prefetch, top_k)}))
+                              **({} if is_shared else {"RELEASE": down_release, "PREFETCH": prefetch, **routed}))
         result[name] = compile_for_sm(kernel, types, constexprs, warps, arch, JIT_OPTIONS)
     return result
 
@@ -120,8 +152,26 @@ def _check_slots(who: str, slots, device) -> tuple[int, int]:
     return tokens, top_k
 
 
-def check_gate_up(who, hidden, slots, weights, gate_up, gate_w, act) -> tuple[int, int, int, int, int]:
-    """Validate routed_gate_up's arguments on the host (no device reads); return (T, k, S, H, I)."""
+def as_matrix(who: str, name: str, w, device, stack: int, dtype: torch.dtype | None) -> SlotMatrix:
+    """A pool matrix argument as a SlotMatrix: a SlotMatrix as it is (any format, on `device`), or a plain
+    tensor [S, out, in] that must be contiguous, of `dtype` (the activations', when given) and on
+    `device`. Raises ValueError naming `name`."""
+    if isinstance(w, SlotMatrix):
+        if w.device != device:
+            raise ValueError(f"{who}: {name} is on {w.device}, expected {device} (hidden's / slots' device)")
+        if w.stack != stack:
+            raise ValueError(f"{who}: {name} must be a stack of {stack} matrices, got stack={w.stack}")
+        return w
+    check_tensor(who, name, w, DTYPES if dtype is None else (dtype,), 3, device)
+    try:
+        return SlotMatrix.dense(w, stack)
+    except ValueError as e:
+        raise ValueError(f"{who}: {name} {list(w.shape)}: {e}") from None
+
+
+def check_gate_up(who, hidden, slots, weights, gate_up, gate_w, act) -> tuple[tuple[int, int, int, int, int], SlotMatrix]:
+    """Validate routed_gate_up's arguments on the host (no device reads); return ((T, k, S, H, I), gate_up
+    as a SlotMatrix)."""
     check_tensor(who, "hidden", hidden, DTYPES, 2, None)
     dev, (tokens, hid) = hidden.device, hidden.shape
     if not 1 <= tokens <= GEMV_MAX_TOKENS:
@@ -140,31 +190,40 @@ def check_gate_up(who, hidden, slots, weights, gate_up, gate_w, act) -> tuple[in
         check_tensor(who, "gate_w", gate_w, (hidden.dtype,), 2, dev)
         if tuple(gate_w.shape) != (1, hid):
             raise ValueError(f"{who}: gate_w must be [1, {hid}], got {list(gate_w.shape)}")
-    check_tensor(who, "gate_up", gate_up, (hidden.dtype,), 3, dev)
-    num_slots, two_i, gate_h = gate_up.shape
+    matrix = as_matrix(who, "gate_up", gate_up, dev, 2, hidden.dtype)
+    num_slots, two_i, gate_h = matrix.num_slots, matrix.out_features, matrix.in_features
     if two_i % 2 or gate_h != hid or num_slots < 1:
-        raise ValueError(f"{who}: gate_up must be [S, 2I, {hid}], got {list(gate_up.shape)}")
+        raise ValueError(f"{who}: gate_up must be [S, 2I, {hid}], got {[num_slots, two_i, gate_h]}")
+    if gate_w is not None and not matrix.fmt.dense:
+        raise ValueError(f"{who}: the gated shared expert (gate_w) reads a dense gate_up, got {matrix.fmt.name}")
     if act is not None:
         check_tensor(who, "act", act, (torch.float32,), 2, dev)
         if act.shape[0] < tokens * top_k or act.shape[1] != two_i // 2:
             raise ValueError(f"{who}: act must be float32 [>= {tokens * top_k}, {two_i // 2}] (T * k, I), "
                              f"got {list(act.shape)}")
-    return tokens, top_k, num_slots, hid, two_i // 2
+    return (tokens, top_k, num_slots, hid, two_i // 2), matrix
 
 
-def check_down(who, act, slots, down, out, addend, out_cast) -> tuple[int, int, int, int, int]:
-    """Validate routed_down's arguments on the host; return (T, k, S, H, I)."""
-    check_tensor(who, "down", down, DTYPES, 3, None)
-    dev, (num_slots, hid, inter) = down.device, down.shape
+def check_down(who, act, slots, down, out, addend, out_cast) -> tuple[tuple[int, int, int, int, int], SlotMatrix]:
+    """Validate routed_down's arguments on the host; return ((T, k, S, H, I), down as a SlotMatrix).
+    out_cast: the dtype of a plain down tensor, or any of bf16 / f16 / f32 with a SlotMatrix."""
+    if isinstance(down, SlotMatrix):
+        matrix = as_matrix(who, "down", down, down.device, 1, None)
+    else:
+        check_tensor(who, "down", down, DTYPES, 3, None)
+        matrix = SlotMatrix.dense(down)
+    dev = matrix.device
+    num_slots, hid, inter = matrix.num_slots, matrix.out_features, matrix.in_features
     tokens, top_k = _check_slots(who, slots, dev)
     check_tensor(who, "act", act, (torch.float32,), 2, dev)
     if act.shape[0] < tokens * top_k or act.shape[1] != inter:
         raise ValueError(f"{who}: act must be float32 [>= {tokens * top_k}, {inter}] (T * k, I of down), "
                          f"got {list(act.shape)}")
-    for name, t, dtype in (("out", out, torch.float32), ("addend", addend, torch.float32),
-                           ("out_cast", out_cast, down.dtype)):
+    cast_dtypes = DTYPES if isinstance(down, SlotMatrix) else (down.dtype,)
+    for name, t, dtypes in (("out", out, (torch.float32,)), ("addend", addend, (torch.float32,)),
+                            ("out_cast", out_cast, cast_dtypes)):
         if t is not None:
-            check_tensor(who, name, t, (dtype,), 2, dev)
+            check_tensor(who, name, t, dtypes, 2, dev)
             if tuple(t.shape) != (tokens, hid):
                 raise ValueError(f"{who}: {name} must be [{tokens}, {hid}], got {list(t.shape)}")
-    return tokens, top_k, num_slots, hid, inter
+    return (tokens, top_k, num_slots, hid, inter), matrix

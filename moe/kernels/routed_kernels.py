@@ -12,6 +12,13 @@
 
 Legend: T = tokens, H = hidden, I = expert width, K = top_k (1 for the shared expert), S = pool slots.
 
+Expert formats (FMT, ZP constexprs; moe.kernels.slot_matrix.SlotMatrix gives them): w13 and w2 are the
+matrix's pool banks (q, s, s2, z). FMT = 0 (dense bf16 / f16 / f32) reads q as above; the quantized
+formats (fp8, nvfp4, mxfp4, int4) dequantize each tile in registers (moe.kernels.quant_kernels): a
+gate_up program takes its BLOCK_I gate rows and their up rows together (one pass over hidden), a down
+program its BLOCK_H rows of every expert in order j = 0..K-1, accumulating elementwise in float32 and
+summing once at the end, so the combine order is the dense one. The shared expert (GATED) is dense.
+
 Programmatic dependent launch (GDC = 1, CUDA only; never for the shared expert's launches nor the
 early hits, which wait on an event of another stream): the routed gate_up and down are launched with
 the programmatic-serialization attribute, so each may be scheduled while its predecessor drains; each
@@ -27,15 +34,17 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moe.kernels.quant_kernels import MXFP4, NVFP4, _qacc, _qacc_zeros, _qsum
+
 JIT_OPTIONS = {"do_not_specialize": ["num_slots"]}  # a pool rebuilt with new S keeps its kernels
 HITS_JIT_OPTIONS = {"do_not_specialize": ["num_slots", "n_pairs"]}  # _gate_up_hits: and any T
 
 
 @triton.jit
-def _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
+def _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13, act_ptr, num_slots, pre_ptr,
                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
                   CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr,
-                  PICK: tl.constexpr):
+                  PICK: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr):
     if GDC:  # everything below reads the predecessors' output; then the down launch may start
         gdc_wait()
         gdc_launch_dependents()
@@ -48,14 +57,14 @@ def _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, n
         slot = tl.load(slots_ptr + pair)
         take = True
     if take:  # a pair not taken writes nothing (the other launch writes its rows)
-        _gate_up_rows(x_ptr, slot, pair, tl.program_id(1), weights_ptr, gate_w_ptr, w13_ptr, act_ptr,
-                      num_slots, K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED)
+        _gate_up_rows(x_ptr, slot, pair, tl.program_id(1), weights_ptr, gate_w_ptr, w13, act_ptr,
+                      num_slots, K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, FMT, ZP)
 
 
 @triton.jit
-def _gate_up_hits_body(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
+def _gate_up_hits_body(x_ptr, weights_ptr, w13, act_ptr, num_slots, pre_ptr, n_pairs,
                        K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                       CHUNK_H: tl.constexpr, EVEN: tl.constexpr):
+                       CHUNK_H: tl.constexpr, EVEN: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr):
     """The early hits: a persistent grid (fewer programs than tiles, so the SMs keep room for the
     ensure, copy and rest launched beside it) walks the (pair, tile) items; a pair with pre < 0 is
     skipped, any other is computed at slot pre[pair] exactly as _gate_up_body does it."""
@@ -68,19 +77,50 @@ def _gate_up_hits_body(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
         nxt = w + tl.num_programs(0)
         slot_next = tl.load(pre_ptr + nxt // TILES, mask=nxt < items, other=-1)
         if slot >= 0:
-            _gate_up_rows(x_ptr, slot, w // TILES, w % TILES, weights_ptr, x_ptr, w13_ptr, act_ptr, num_slots,
-                          K, H, I, BLOCK_I, CHUNK_H, EVEN, False)
+            _gate_up_rows(x_ptr, slot, w // TILES, w % TILES, weights_ptr, x_ptr, w13, act_ptr, num_slots,
+                          K, H, I, BLOCK_I, CHUNK_H, EVEN, False, FMT, ZP)
         w = nxt
         slot = slot_next
 
 
 @triton.jit
-def _gate_up_rows(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots,
+def _gate_up_rows(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13, act_ptr, num_slots,
                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
+                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, FMT: tl.constexpr,
+                  ZP: tl.constexpr):
     token = pair // K
     live = (slot >= 0) & (slot < num_slots)
     rows = tile * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] gate rows
+    if FMT != 0:
+        gate_dot, up_dot = _gate_up_qdots(x_ptr + token * H, slot, live, tile, w13, H, I, BLOCK_I, CHUNK_H, FMT, ZP)
+        weight = tl.load(weights_ptr + pair)
+        act = tl.where(live, weight * gate_dot * tl.sigmoid(gate_dot) * up_dot, 0.0)
+        tl.store(act_ptr + pair * I + rows, act, mask=rows < I)
+    else:
+        _gate_up_dense(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13[0], act_ptr, live, rows,
+                       K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED)
+
+
+@triton.jit
+def _gate_up_qdots(x_ptr, slot, live, tile, w13, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
+                   CHUNK_H: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr):
+    """(gate · x, up · x) [BLOCK_I] float32 of gate rows tile * BLOCK_I + [0, BLOCK_I) of a quantized
+    slot: the gate and up rows interleaved in one call of _qacc per chunk of hidden (x [H])."""
+    r = tl.arange(0, 2 * BLOCK_I)
+    gate_row = tile * BLOCK_I + r // 2
+    rows = gate_row + (r % 2) * I  # gate row, then its up row, of the stacked [2I, H] matrix
+    row_ok = live & (gate_row < I)
+    acc = _qacc_zeros(2 * BLOCK_I, CHUNK_H, FMT)
+    for c0 in tl.static_range(0, H, CHUNK_H):
+        acc = _qacc(acc, x_ptr, w13, tl.where(live, slot, 0), rows, row_ok, c0, 2 * I, H, I, FMT, ZP, CHUNK_H)
+    return tl.split(tl.reshape(_qsum(acc, FMT), [BLOCK_I, 2]))
+
+
+@triton.jit
+def _gate_up_dense(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, live, rows,
+                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
+                   CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
+    token = pair // K
     base = w13_ptr + tl.where(live, slot, 0).to(tl.int64) * (2 * I * H)
     gate_ptrs = base + rows[:, None] * H  # [BLOCK_I, 1]; up rows are I * H further
     acc_gate = tl.zeros([BLOCK_I, CHUNK_H], dtype=tl.float32)
@@ -128,11 +168,12 @@ def _down_tile(w2_ptr, slot, num_slots, rows, i0, H: tl.constexpr, I: tl.constex
 
 
 @triton.jit
-def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
+def _down_body(act_ptr, slots_ptr, w2, addend_ptr, out_ptr, cast_ptr, num_slots,
                K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
                WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
-               RELEASE: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+               RELEASE: tl.constexpr = False, PREFETCH: tl.constexpr = 0, FMT: tl.constexpr = 0,
+               ZP: tl.constexpr = False):
     """RELEASE (with GDC; the layer's LaunchPlan.down_release): right after the wait the next
     programmatic launch (the next layer's router) may start; it still waits for this launch to finish
     before it reads what this launch writes.
@@ -143,10 +184,48 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
     loads predates the copy), so no weight load waits for its slot's round trip and the first ones
     overlap the gate_up's tail. They are plain loads: on sm_90 a .cg
     load is a strong GPU-scope load, much slower for these tiles. The activations, the gate_up's
-    output, are read after the wait, and the sum runs in the same order: the same bits."""
-    NCH: tl.constexpr = (I + CHUNK_I - 1) // CHUNK_I
+    output, are read after the wait, and the sum runs in the same order: the same bits.
+    A quantized FMT prefetches nothing (PREFETCH is the dense path's)."""
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] output rows
+    if FMT != 0:
+        if GDC:
+            gdc_wait()
+            if RELEASE:
+                gdc_launch_dependents()
+        y = _down_qsum(act_ptr, slots_ptr, w2, num_slots, token, rows, K, H, I, BLOCK_H, CHUNK_I, FMT, ZP)
+    else:
+        y = _down_dense_sum(act_ptr, slots_ptr, w2[0], num_slots, token, rows, K, H, I, BLOCK_H, CHUNK_I, EVEN,
+                            GDC, RELEASE, PREFETCH)
+    if ADDEND:  # the combine: routed + addend in float32, then (below) one rounding to the model dtype
+        y = y + tl.load(addend_ptr + token * H + rows, mask=rows < H, other=0.0)
+    if WRITE_OUT:
+        tl.store(out_ptr + token * H + rows, y, mask=rows < H)
+    if WRITE_CAST:
+        tl.store(cast_ptr + token * H + rows, y.to(cast_ptr.dtype.element_ty), mask=rows < H)
+
+
+@triton.jit
+def _down_qsum(act_ptr, slots_ptr, w2, num_slots, token, rows, K: tl.constexpr, H: tl.constexpr,
+               I: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK_I: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr):
+    """[BLOCK_H] float32: Σ_j (in order) down[slots[token, j]][rows, :] · act[token * K + j] of a
+    quantized pool, one accumulator over every expert, summed once."""
+    acc = _qacc_zeros(BLOCK_H, CHUNK_I, FMT)
+    for j in tl.static_range(K):  # ordered combine: j = 0, 1, ..., K-1 into one accumulator
+        slot = tl.load(slots_ptr + token * K + j)
+        live = (slot >= 0) & (slot < num_slots)
+        for i0 in tl.static_range(0, I, CHUNK_I):
+            acc = _qacc(acc, act_ptr + (token * K + j) * I, w2, tl.where(live, slot, 0), rows, live & (rows < H), i0,
+                        H, I, H, FMT, ZP, CHUNK_I)
+    return _qsum(acc, FMT)
+
+
+@triton.jit
+def _down_dense_sum(act_ptr, slots_ptr, w2_ptr, num_slots, token, rows, K: tl.constexpr, H: tl.constexpr,
+                    I: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK_I: tl.constexpr, EVEN: tl.constexpr,
+                    GDC: tl.constexpr, RELEASE: tl.constexpr, PREFETCH: tl.constexpr):
+    """[BLOCK_H] float32 routed sum of a dense pool (the programmatic wait inside, after the prefetch)."""
+    NCH: tl.constexpr = (I + CHUNK_I - 1) // CHUNK_I
     slots = ()
     early = ()
     if PREFETCH > 0:
@@ -176,68 +255,64 @@ def _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_sl
             else:
                 d = _down_tile(w2_ptr, slot, num_slots, rows, i0, H, I, CHUNK_I, EVEN)
             acc += d.to(tl.float32) * a[None, :]  # d: [BLOCK_H, CHUNK_I]
-    y = tl.sum(acc, axis=1)  # [BLOCK_H] routed sum, fixed order
-    if ADDEND:  # the combine: routed + addend in float32, then (below) one rounding to the model dtype
-        y = y + tl.load(addend_ptr + token * H + rows, mask=rows < H, other=0.0)
-    if WRITE_OUT:
-        tl.store(out_ptr + token * H + rows, y, mask=rows < H)
-    if WRITE_CAST:
-        tl.store(cast_ptr + token * H + rows, y.to(cast_ptr.dtype.element_ty), mask=rows < H)
+    return tl.sum(acc, axis=1)  # [BLOCK_H] routed sum, fixed order
 
 
 # Entry kernels. The shared expert's two launches run the same bodies as the routed ones under their
 # own names, so that a profile (moe.testing.kernel_trace, the overlap bench's breakdown) tells them
 # apart and the side stream's launches can be checked by name. Arguments of the gate_up entries:
 #   x_ptr [T, H] hidden; slots_ptr *i32 [T * K]; weights_ptr *fp32 [T * K] (unread when GATED);
-#   gate_w_ptr [H] shared gate (read only when GATED); w13_ptr [S, 2I, H]; act_ptr *fp32 [T * K, I] out;
-#   num_slots i32 S; constexprs as the body (GDC: launched with programmatic serialization).
+#   gate_w_ptr [H] shared gate (read only when GATED); w13: the gate_up banks (q, s, s2, z), dense: q
+#   [S, 2I, H]; act_ptr *fp32 [T * K, I] out; num_slots i32 S; constexprs as the body (GDC: launched
+#   with programmatic serialization; FMT / ZP: the format, moe.kernels.quant_kernels).
 # Arguments of the down entries:
-#   act_ptr *fp32 [T * K, I]; slots_ptr *i32 [T * K]; w2_ptr [S, H, I]; addend_ptr *fp32 [T, H] (read
+#   act_ptr *fp32 [T * K, I]; slots_ptr *i32 [T * K]; w2: the down banks, dense: q [S, H, I]; addend_ptr *fp32 [T, H] (read
 #   when ADDEND); out_ptr *fp32 [T, H] (written when WRITE_OUT); cast_ptr [T, H] model dtype (written
 #   when WRITE_CAST); num_slots i32 S; constexprs as the body (GDC as gate_up).
 
 @triton.jit(**JIT_OPTIONS)
-def _gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
+def _gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13, act_ptr, num_slots, pre_ptr,
                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
                     CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr,
-                    PICK: tl.constexpr):
-    _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
-                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC, PICK)
+                    PICK: tl.constexpr, FMT: tl.constexpr = 0, ZP: tl.constexpr = False):
+    _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13, act_ptr, num_slots, pre_ptr,
+                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC, PICK, FMT, ZP)
 
 
 @triton.jit(**HITS_JIT_OPTIONS)
-def _gate_up_hits(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
+def _gate_up_hits(x_ptr, weights_ptr, w13, act_ptr, num_slots, pre_ptr, n_pairs,
                   K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr):
-    _gate_up_hits_body(x_ptr, weights_ptr, w13_ptr, act_ptr, num_slots, pre_ptr, n_pairs,
-                       K, H, I, BLOCK_I, CHUNK_H, EVEN)
+                  CHUNK_H: tl.constexpr, EVEN: tl.constexpr, FMT: tl.constexpr = 0, ZP: tl.constexpr = False):
+    _gate_up_hits_body(x_ptr, weights_ptr, w13, act_ptr, num_slots, pre_ptr, n_pairs,
+                       K, H, I, BLOCK_I, CHUNK_H, EVEN, FMT, ZP)
 
 
 @triton.jit(**JIT_OPTIONS)
-def _shared_gate_up(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
+def _shared_gate_up(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13, act_ptr, num_slots, pre_ptr,
                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
                     CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr,
                     PICK: tl.constexpr):
-    _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13_ptr, act_ptr, num_slots, pre_ptr,
-                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC, PICK)
+    _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13, act_ptr, num_slots, pre_ptr,
+                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC, PICK, 0, False)
 
 
 @triton.jit(**JIT_OPTIONS)
-def _down_kernel(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
+def _down_kernel(act_ptr, slots_ptr, w2, addend_ptr, out_ptr, cast_ptr, num_slots,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                  CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
                  WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
-                 RELEASE: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
-    _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
-               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC, RELEASE, PREFETCH)
+                 RELEASE: tl.constexpr = False, PREFETCH: tl.constexpr = 0, FMT: tl.constexpr = 0,
+                 ZP: tl.constexpr = False):
+    _down_body(act_ptr, slots_ptr, w2, addend_ptr, out_ptr, cast_ptr, num_slots,
+               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC, RELEASE, PREFETCH, FMT, ZP)
 
 
 @triton.jit(**JIT_OPTIONS)
-def _shared_down(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
+def _shared_down(act_ptr, slots_ptr, w2, addend_ptr, out_ptr, cast_ptr, num_slots,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                  CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
                  WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
-    _down_body(act_ptr, slots_ptr, w2_ptr, addend_ptr, out_ptr, cast_ptr, num_slots,
+    _down_body(act_ptr, slots_ptr, w2, addend_ptr, out_ptr, cast_ptr, num_slots,
                K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC)
 
 

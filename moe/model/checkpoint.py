@@ -14,13 +14,21 @@ Routed experts are read in either layout transformers writes: per expert
 [E, H, I]; transformers >= 5's in-memory layout). Every tensor's shape is checked against the spec
 before it is converted; a missing or misshapen tensor raises CheckpointError naming it.
 
-Only unquantized tensors load (moe.model.spec refuses a quantization_config): every tensor read must be
-stored as BF16 / F16 / F32 (or F64), and no quantization tensor may sit beside it. A quantized layout
-is refused naming its tensor, whatever config.json says: float8 / int8 / uint8 / int32 weights, FP8
-block scales (`<module>.weight_scale_inv`), modelopt / compressed-tensors scales and packed weights
-(`weight_scale`, `weight_scale_2`, `input_scale`, `weight_packed`, ...), GPTQ / AWQ (`qweight`,
-`qzeros`, `scales`, `g_idx`), bitsandbytes (`<weight>.absmax`, `.SCB`, `.quant_state.*`) and gpt-oss
-MXFP4 experts (`<weight>_blocks`, `<weight>_scales`).
+Expert formats: the HostStore holds the routed experts in spec.moe.expert_format (expertcache.formats;
+its banks `gate_up.q`, `gate_up.s`, ... or `gate_up` / `down` for a dense one). A quantized checkpoint
+(spec.quant, moe.model.quantized: fp8, ModelOpt NVFP4, GPTQ, compressed-tensors int4) whose format is
+the one asked for keeps its experts' bytes (repacked, no value changed); another format is reached by
+the checkpoint format's dequantize (float32) and the target's round-to-nearest quantize, gate_proj and
+up_proj each alone (the stack of gate_up). Every other weight (attention, norms, router, shared
+expert, dense MLPs, embedding, lm_head) is served in the model dtype: a quantized one is dequantized
+on load.
+
+Without a quantization_config every tensor read must be stored as BF16 / F16 / F32 (or F64), and no
+quantization tensor may sit beside it. A quantized layout is then refused naming its tensor: float8 /
+int8 / uint8 / int32 weights, FP8 block scales (`<module>.weight_scale_inv`), modelopt / compressed-tensors
+scales and packed weights (`weight_scale`, `weight_scale_2`, `input_scale`, `weight_packed`, ...), GPTQ /
+AWQ (`qweight`, `qzeros`, `scales`, `g_idx`), bitsandbytes (`<weight>.absmax`, `.SCB`, `.quant_state.*`)
+and gpt-oss MXFP4 experts (`<weight>_blocks`, `<weight>_scales`).
 Legend: H = hidden, E = routed experts, I / Is = routed / shared expert width, Id = dense MLP width,
 Hq / Hkv = query / kv heads, D = head_dim, V = vocab.
 """
@@ -37,12 +45,13 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from expertcache.formats import ExpertFormat, bank_name
 from expertcache.pool import Bank, HostStore
+from moe.model.quantized import read_parts
 from moe.model.reference import SharedWeights
 from moe.model.spec import UNQUANTIZED_ONLY, CheckpointError, ModelSpec, read_config
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-BANKS = ("gate_up", "down")
 # safetensors dtypes converted faithfully to the model dtype (F64 rounds as F32 does); anything else
 # (F8_E4M3, F8_E5M2, I8, U8, I32, ...) is a quantized or packed weight.
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
@@ -104,7 +113,7 @@ class ModelWeights:
     norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
     layers: list[LayerWeights]
-    store: HostStore  # banks "gate_up" [L_moe*E, 2I, H], "down" [L_moe*E, H, I]
+    store: HostStore  # the banks of spec.moe.expert_format ("gate_up" [L_moe*E, 2I, H], "down" [L_moe*E, H, I] in bf16)
     device: torch.device
 
     @property
@@ -113,14 +122,16 @@ class ModelWeights:
 
 
 class TensorReader:
-    """Checked reads from a checkpoint's safetensors files: name -> tensor of the expected shape."""
+    """Checked reads from a checkpoint's safetensors files: name -> tensor of the expected shape.
+    quant: the checkpoint's quantization (ModelSpec.quant); a quantized linear's `.weight` is then read
+    through its parts and dequantized."""
 
-    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device) -> None:
-        self.path, self.dtype, self.device = path, dtype, device
+    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device, quant=None) -> None:
+        self.path, self.dtype, self.device, self.quant = path, dtype, device, quant
         self.files = _tensor_files(path)
         self._handles = {f: safe_open(str(f), framework="pt") for f in set(self.files.values())}
         self._quant: dict[str, list[str]] = {}  # weight name -> the quantization tensors beside it
-        for name in sorted(self.files):
+        for name in sorted(self.files) if quant is None else ():
             weight = _quantized_weight(name)
             if weight is not None:
                 self._quant.setdefault(weight, []).append(name)
@@ -161,8 +172,33 @@ class TensorReader:
         raise CheckpointError(f"{self.path}: tensor {name!r} is missing (searched {where}); the "
                               "checkpoint does not match its config.json")
 
+    def raw_quantized(self, name: str, shape: tuple[int, ...] | None, dtypes: tuple[str, ...]) -> torch.Tensor:
+        """The CPU tensor `name` of a quantized layout, stored as one of the safetensors `dtypes` ("F8_E4M3",
+        "U8", "I32", ...) and of `shape` (None: any). Raises CheckpointError naming the tensor."""
+        if name not in self.files:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing; {self.quant.source} says the module is "
+                                  f"quantized ({self.quant.method})")
+        stored = self._handles[self.files[name]].get_slice(name)
+        if stored.get_dtype() not in dtypes:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is stored as {stored.get_dtype()}, expected "
+                                  f"{' or '.join(dtypes)} ({self.quant.method})")
+        if shape is not None and tuple(stored.get_shape()) != tuple(shape):
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(stored.get_shape())}, expected "
+                                  f"{list(shape)} ({self.quant.method}, from config.json)")
+        return self._handles[self.files[name]].get_tensor(name)
+
+    def parts(self, module: str, out: int, inn: int) -> dict[str, torch.Tensor] | None:
+        """Linear `module` [out, in] as the parts of the checkpoint's format, or None when it is stored
+        as a plain float `.weight` (or the checkpoint is unquantized)."""
+        return None if self.quant is None else read_parts(self.quant, self, module, out, inn)
+
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """`name` converted to the model dtype on the device."""
+        """`name` converted to the model dtype on the device (a quantized linear's weight dequantized)."""
+        if len(shape) == 2 and name.endswith(".weight"):
+            parts = self.parts(name.removesuffix(".weight"), *shape)
+            if parts is not None:
+                w = self.quant.format.dequantize(parts)
+                return w.to(device=self.device, dtype=self.dtype).contiguous()
         return self.raw(name, shape).to(device=self.device, dtype=self.dtype).contiguous()
 
     def optional(self, name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
@@ -198,29 +234,40 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return out
 
 
-def expert_banks(spec: ModelSpec) -> tuple[Bank, Bank]:
-    """The HostStore banks of the routed experts: "gate_up" [2I, H] and "down" [H, I], both in the model
-    dtype (spec.dtype: config.json's torch_dtype or the dtype= override), so one expert costs
-    3 * I * H * itemsize bytes (what `--moe-cache-gb` prices, moe.engine.budget)."""
-    cfg, dtype = spec.moe, TORCH_DTYPES[spec.dtype]
-    return (Bank("gate_up", (2 * cfg.expert_intermediate, cfg.hidden), dtype),
-            Bank("down", (cfg.hidden, cfg.expert_intermediate), dtype))
+def expert_banks(spec: ModelSpec) -> tuple[Bank, ...]:
+    """The HostStore banks of the routed experts: those of spec.moe.expert_format (expertcache.formats),
+    e.g. "gate_up" [2I, H] and "down" [H, I] in the model dtype for an unquantized model, so one expert
+    costs the banks' row bytes (what `--moe-cache-gb` prices, moe.engine.budget)."""
+    cfg = spec.moe
+    return cfg.format.expert_banks(cfg.hidden, cfg.expert_intermediate)
+
+
+def write_experts(store: HostStore, fmt: ExpertFormat, name: str, weights: torch.Tensor, first: int,
+                  stack: int) -> None:
+    """Quantize weights [n, out, in] (each expert `stack` stacked matrices, each quantized alone) into
+    store rows first .. first + n - 1 of matrix `name`'s banks in `fmt`. Cost: one quantize per matrix."""
+    n, out, inn = weights.shape
+    parts = fmt.quantize(weights.reshape(n * out, inn), stack=n * stack)
+    for p in fmt.layout(out, inn, stack):
+        store.tensor(bank_name(name, p.suffix))[first:first + n].copy_(parts[p.suffix].reshape(n, *p.shape))
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", *, dtype: str | None = None,
-                    pin: bool | None = None, progress: bool = True, copy_overlap: bool = False) -> ModelWeights:
-    """Load a qwen2_moe / qwen3_moe checkpoint directory.
+                    pin: bool | None = None, progress: bool = True, copy_overlap: bool = False,
+                    expert_format: str | None = None) -> ModelWeights:
+    """Load a qwen2_moe / qwen3_moe checkpoint directory, unquantized or quantized (module docstring).
 
     device: where everything but the routed experts goes. dtype: "float32" / "float16" / "bfloat16"
-    (default: the config's). pin: pin the HostStore (default: when CUDA is available). progress: a
-    tqdm bar over the layers. Cost: reads every tensor once; host memory = all routed experts.
-    Raises CheckpointError naming the config key, file or tensor that is missing or wrong; for a
-    quantized checkpoint, quantization_config.quant_method (before any tensor is read) or the first
-    quantized tensor it meets.
+    (default: the config's). expert_format: the routed experts' storage (--moe-expert-format, one of
+    expertcache.formats.format_names; default the checkpoint's own). pin: pin the HostStore (default: when
+    CUDA is available). progress: a tqdm bar over the layers. Cost: reads every tensor once, plus a
+    dequantize / quantize per expert matrix when the format changes; host memory = all routed experts.
+    Raises CheckpointError naming the config key or field, file or tensor that is missing or wrong
+    (before any tensor is read for config.json's fields), or --moe-expert-format.
     """
     path, device = Path(path), torch.device(device)
-    spec = ModelSpec.from_hf(read_config(path), dtype=dtype, copy_overlap=copy_overlap)
-    reader = TensorReader(path, TORCH_DTYPES[spec.dtype], device)
+    spec = ModelSpec.from_hf(read_config(path), dtype=dtype, copy_overlap=copy_overlap, expert_format=expert_format)
+    reader = TensorReader(path, TORCH_DTYPES[spec.dtype], device, spec.quant)
     store = HostStore.empty(expert_banks(spec), spec.num_moe_layers * spec.moe.num_experts, pin=pin)
     h, v = spec.hidden, spec.vocab_size
     embed = reader.get("model.embed_tokens.weight", (v, h))
@@ -276,16 +323,38 @@ def _load_moe(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: in
 
 def _load_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p: str, index: int) -> None:
     """Fill HostStore rows index * E .. index * E + E - 1 from the per-expert or the fused layout."""
-    cfg = spec.moe
+    cfg, fmt = spec.moe, spec.moe.format
     h, e, i = cfg.hidden, cfg.num_experts, cfg.expert_intermediate
-    gate_up, down = store.tensor("gate_up"), store.tensor("down")  # [K, 2I, H], [K, H, I]
     base = index * e
     if reader.has(p + "gate_up_proj") and not reader.has(p + "0.gate_proj.weight"):
-        gate_up[base:base + e] = reader.raw(p + "gate_up_proj", (e, 2 * i, h))
-        down[base:base + e] = reader.raw(p + "down_proj", (e, h, i))
+        gate_up = reader.raw(p + "gate_up_proj", (e, 2 * i, h))
+        down = reader.raw(p + "down_proj", (e, h, i))
+        if fmt.dense:
+            store.tensor("gate_up")[base:base + e] = gate_up
+            store.tensor("down")[base:base + e] = down
+        else:
+            write_experts(store, fmt, "gate_up", gate_up, base, 2)
+            write_experts(store, fmt, "down", down, base, 1)
         return
     for x in range(e):
         q = f"{p}{x}."
-        gate_up[base + x, :i] = reader.raw(q + "gate_proj.weight", (i, h))
-        gate_up[base + x, i:] = reader.raw(q + "up_proj.weight", (i, h))
-        down[base + x] = reader.raw(q + "down_proj.weight", (h, i))
+        gate = _expert_parts(reader, fmt, q + "gate_proj", i, h)
+        up = _expert_parts(reader, fmt, q + "up_proj", i, h)
+        down = _expert_parts(reader, fmt, q + "down_proj", h, i)
+        for part in fmt.layout(i, h):  # gate_up's part: gate's over up's (its stack of 2)
+            row = store.tensor(bank_name("gate_up", part.suffix))[base + x]
+            row[:part.shape[0]], row[part.shape[0]:] = gate[part.suffix], up[part.suffix]
+        for part in fmt.layout(h, i):
+            store.tensor(bank_name("down", part.suffix))[base + x] = down[part.suffix]
+
+
+def _expert_parts(reader: TensorReader, fmt: ExpertFormat, module: str, out: int, inn: int) -> dict[str, torch.Tensor]:
+    """Linear `module` [out, in] of an expert as the parts of `fmt`: the checkpoint's own bytes when it
+    stores the module in `fmt`, else its float32 dequantize (or its float weight) quantized to `fmt`."""
+    parts = reader.parts(module, out, inn)
+    if parts is not None and reader.quant.format.key == fmt.key:
+        return parts
+    w = reader.raw(module + ".weight", (out, inn)) if parts is None else reader.quant.format.dequantize(parts)
+    if fmt.dense:  # a cast (round to nearest even), as the store's dtype
+        return {"": w.to(TORCH_DTYPES[fmt.dtype])}
+    return fmt.quantize(w)

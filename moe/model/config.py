@@ -15,6 +15,9 @@ All families read `hidden_size` and `num_experts_per_tok`. `norm_topk_prob` defa
 absent (the transformers default for the Qwen configs). Mixtral takes the softmax over its top-k
 logits, which equals the full softmax's top-k renormalised to sum to 1, so it maps to
 `norm_topk_prob=True`. The dtype comes from `torch_dtype` (or `dtype`), default "bfloat16".
+The routed experts' storage format (`expert_format`, expertcache.formats) is not in config.json: the
+loader gives it (the checkpoint's quantization, or --moe-expert-format); by default the experts are
+unquantized in the model dtype ("bf16", "float16" or "float32").
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from expertcache.formats import ExpertFormat, FormatError, dense_format, resolve_format
 
 COPY_OVERLAP_ENV = "EXPERTCACHE_MOE_COPY_OVERLAP"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -40,6 +45,9 @@ class MoEConfig:
     copy_overlap: the user's choice of the side stream (the one launch option a user sets): run the
     shared expert and the resident experts' gate_up beside the router, ensure and miss copy where
     moe.kernels.plan.resolve_launch_plan finds it applies. Every other launch choice is resolved there.
+    expert_format: how the routed experts are stored in the host store and the slots (an
+    expertcache.formats name: bf16, fp8, nvfp4, mxfp4, int4, or the dense float16 / float32); "" (the
+    default) resolves at construction to the model dtype's dense format (bf16 for bfloat16).
 
     Raises ValueError naming the field on any invalid value.
     """
@@ -52,6 +60,7 @@ class MoEConfig:
     norm_topk_prob: bool = False
     dtype: str = "bfloat16"
     copy_overlap: bool = False
+    expert_format: str = ""
 
     def __post_init__(self) -> None:
         for name in ("hidden", "num_experts", "top_k", "expert_intermediate"):
@@ -64,14 +73,27 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"MoEConfig.dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.expert_format == "":
+            object.__setattr__(self, "expert_format", dense_format(self.dtype).name)
+        try:
+            fmt = resolve_format(self.expert_format)
+            fmt.expert_bytes(self.hidden, self.expert_intermediate)  # the shape must fit the format
+        except FormatError as e:
+            raise ValueError(f"MoEConfig.expert_format={self.expert_format!r}: {e}") from None
+
+    @property
+    def format(self) -> ExpertFormat:
+        """The routed experts' ExpertFormat (expertcache.formats) of `expert_format`."""
+        return resolve_format(self.expert_format)
 
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_intermediate > 0
 
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any], *, copy_overlap: bool = False) -> "MoEConfig":
-        """Read a Qwen2-MoE / Qwen3-Next / Qwen3-MoE / Mixtral config.json dict.
+    def from_hf(cls, config: Mapping[str, Any], *, copy_overlap: bool = False, expert_format: str = "") -> "MoEConfig":
+        """Read a Qwen2-MoE / Qwen3-Next / Qwen3-MoE / Mixtral config.json dict (expert_format: the
+        experts' storage, from the loader; "" = the model dtype's dense format).
 
         Raises KeyError naming the missing key, ValueError for an unknown `model_type` or an invalid value.
         """
@@ -87,6 +109,7 @@ class MoEConfig:
             norm_topk_prob=True if mixtral else bool(config.get("norm_topk_prob", False)),
             dtype=str(config.get("torch_dtype", config.get("dtype", "bfloat16"))),
             copy_overlap=copy_overlap,
+            expert_format=expert_format,
         )
 
 

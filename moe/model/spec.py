@@ -20,11 +20,16 @@ missing `num_experts` (transformers >= 5 writes Qwen3-MoE configs that way). Lay
 are numbered 0..L_moe-1 in layer order; that number is the cache's `layer` (key = moe_index * E + e).
 Only the default rope and full attention are served: a scaled rope or a sliding window is refused.
 
-Only unquantized checkpoints load: a `quantization_config` (or `compression_config`) whose
-`quant_method` is not in SUPPORTED_QUANT_METHODS (empty today) is refused, and the model dtype
-(`torch_dtype`, or `dtype` as transformers >= 5 writes it; default bfloat16) must be one of
-moe.model.config.DTYPES unless the caller overrides it. moe.model.checkpoint refuses quantized tensors themselves
-(float8 / integer dtypes, scale tensors beside a weight), whatever config.json says.
+Quantized checkpoints: a `quantization_config` (or `compression_config`, or ModelOpt's
+hf_quant_config.json beside config.json, which `read_config` folds in) is read by
+moe.model.quantized.parse_quantization: fine-grained fp8, ModelOpt NVFP4, GPTQ and compressed-tensors
+int4 load (ModelSpec.quant), any other is refused naming the field. The routed experts are stored in
+`expert_format` (the `--moe-expert-format` flag): by default the checkpoint's own format (fp8, nvfp4,
+int4...), or the model dtype's for an unquantized checkpoint. The model dtype (`torch_dtype`, or
+`dtype` as transformers >= 5 writes it; default bfloat16) must be one of moe.model.config.DTYPES unless
+the caller overrides it; every tensor outside the routed experts is served in it (a quantized linear
+there is dequantized on load). Without a quantization_config, moe.model.checkpoint refuses quantized
+tensors themselves (float8 / integer dtypes, scale tensors beside a weight).
 """
 
 from __future__ import annotations
@@ -41,14 +46,12 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be served as is; the message names the file, field or tensor to fix."""
 
 
-# quant_method values the loader implements; a later piece adds fp8 / nvfp4 / int4. Until then every
-# quantized checkpoint is refused with UNQUANTIZED_ONLY, which says how to get one that loads.
-SUPPORTED_QUANT_METHODS: tuple[str, ...] = ()
+# quant_method values the loader implements (moe.model.quantized); any other is refused.
+SUPPORTED_QUANT_METHODS: tuple[str, ...] = ("fp8", "modelopt", "gptq", "compressed-tensors")
 QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")  # the latter: older compressed-tensors
-UNQUANTIZED_ONLY = ("only unquantized checkpoints (bfloat16 / float16 / float32 tensors) load today: serve "
-                    "the model's unquantized original instead (for example Qwen/Qwen3-30B-A3B, the bf16 "
-                    "release that Qwen/Qwen3-30B-A3B-FP8 was quantized from), or dequantize this one to "
-                    "bf16 and drop quantization_config from config.json")
+UNQUANTIZED_ONLY = ("a tensor that config.json does not declare quantized must be a bfloat16 / float16 / "
+                    "float32 tensor: declare the checkpoint's quantization_config (fp8, modelopt NVFP4, gptq "
+                    "or compressed-tensors pack-quantized int4 load), or serve the model's unquantized original")
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,9 @@ class ModelSpec:
     num_heads / num_kv_heads: query / key-value heads (GQA groups = num_heads // num_kv_heads).
     head_dim: D. rope_theta: RoPE base. rms_eps: RMSNorm epsilon. tie_word_embeddings: lm_head is the
     embedding. qkv_bias / o_bias / qk_norm: attention variants. dense_intermediate: the dense MLP width.
-    sparse: per layer, True for an MoE layer. moe: the MoE block (its dtype is the model's dtype).
+    sparse: per layer, True for an MoE layer. moe: the MoE block (its dtype is the model's dtype, its
+    expert_format the routed experts' storage). quant: how the checkpoint stores its quantized linears
+    (moe.model.quantized.CheckpointQuant), None for an unquantized one.
     """
 
     model_type: str
@@ -94,6 +99,7 @@ class ModelSpec:
     dense_intermediate: int
     sparse: tuple[bool, ...]
     moe: MoEConfig
+    quant: Any = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
@@ -124,26 +130,36 @@ class ModelSpec:
         return sum(self.sparse[:layer]) if self.sparse[layer] else -1
 
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any], *, dtype: str | None = None,
-                copy_overlap: bool = False) -> "ModelSpec":
-        """Read a config.json dict. dtype overrides the config's `dtype` / `torch_dtype`.
+    def from_hf(cls, config: Mapping[str, Any], *, dtype: str | None = None, copy_overlap: bool = False,
+                expert_format: str | None = None) -> "ModelSpec":
+        """Read a config.json dict. dtype overrides the config's `dtype` / `torch_dtype`. expert_format:
+        the routed experts' storage (--moe-expert-format: a name of expertcache.formats.format_names);
+        None keeps the checkpoint's own (its quantization's format, else the model dtype's).
 
         Raises CheckpointError naming the unsupported model_type (and the supported ones), the
-        missing key, the unsupported field (rope scaling, sliding window), a quantization_config's
-        quant_method, or an unsupported torch_dtype / dtype.
+        missing key, the unsupported field (rope scaling, sliding window), a quantization_config
+        field it cannot serve, an unsupported torch_dtype / dtype, or an expert format that is unknown
+        or does not fit the experts' shape (naming --moe-expert-format).
         """
+        from moe.model.quantized import parse_quantization
+
         model_type = config.get("model_type")
         if model_type not in FAMILIES:
             raise CheckpointError(f"config.json model_type={model_type!r} is not supported; supported: "
                                   f"{sorted(FAMILIES)}")
         family = FAMILIES[model_type]
-        _check_quantization(config)
+        quant = parse_quantization(config)
         config = _aliased(config)
         config["torch_dtype"] = _model_dtype(config, dtype)  # what MoEConfig.from_hf reads
+        fmt = _expert_format(expert_format, quant)
         try:
-            moe = MoEConfig.from_hf(config, copy_overlap=copy_overlap)
+            moe = MoEConfig.from_hf(config, copy_overlap=copy_overlap, expert_format=fmt)
         except KeyError as e:
             raise CheckpointError(str(e.args[0])) from None
+        except ValueError as e:
+            if "expert_format" not in str(e):
+                raise
+            raise CheckpointError(f"--moe-expert-format {fmt}: {e}") from None
         _check_attention_kind(config)
         num_layers, hidden = _require(config, "num_hidden_layers"), _require(config, "hidden_size")
         heads = _require(config, "num_attention_heads")
@@ -157,19 +173,44 @@ class ModelSpec:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bias, o_bias=bias and family.o_bias, qk_norm=family.qk_norm,
             dense_intermediate=int(config.get("intermediate_size") or 0),
-            sparse=_sparse_layers(config, num_layers), moe=moe,
+            sparse=_sparse_layers(config, num_layers), moe=moe, quant=quant,
         )
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    """config.json of checkpoint directory `path` as a dict. Raises CheckpointError naming the file."""
-    file = Path(path) / "config.json"
+    """config.json of checkpoint directory `path` as a dict; ModelOpt's hf_quant_config.json beside it
+    becomes its quantization_config (quant_method "modelopt") when config.json has none. Raises
+    CheckpointError naming the file."""
+    config = _read_json(Path(path) / "config.json", "pass a Hugging Face checkpoint directory")
+    hf_quant = Path(path) / "hf_quant_config.json"
+    if not any(config.get(k) for k in QUANT_CONFIG_KEYS) and hf_quant.is_file():
+        config["quantization_config"] = {"quant_method": "modelopt", **_read_json(hf_quant, "")}
+    return config
+
+
+def _read_json(file: Path, hint: str) -> dict[str, Any]:
     if not file.is_file():
-        raise CheckpointError(f"{file} does not exist: pass a Hugging Face checkpoint directory")
+        raise CheckpointError(f"{file} does not exist: {hint}")
     try:
-        return json.loads(file.read_text())
+        data = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} must hold a JSON object")
+    return data
+
+
+def _expert_format(name: str | None, quant) -> str:
+    """MoEConfig.expert_format: --moe-expert-format when given (a registered name), else the
+    checkpoint's quantized format, else "" (the model dtype's)."""
+    if name is None:
+        return quant.format.key if quant is not None else ""
+    from expertcache.formats import FormatError, get_format
+
+    try:
+        return get_format(name).key
+    except FormatError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _aliased(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -179,20 +220,6 @@ def _aliased(config: Mapping[str, Any]) -> dict[str, Any]:
     if out.get("num_experts") is None and out.get("num_local_experts") is not None:
         out["num_experts"] = out["num_local_experts"]
     return out
-
-
-def _check_quantization(config: Mapping[str, Any]) -> None:
-    """Refuse a quantization_config whose quant_method the loader does not implement (today: any)."""
-    for key in QUANT_CONFIG_KEYS:
-        quant = config.get(key)
-        if not quant:
-            continue
-        method = quant.get("quant_method") if isinstance(quant, Mapping) else None
-        if method not in SUPPORTED_QUANT_METHODS:
-            supported = ", ".join(SUPPORTED_QUANT_METHODS) or "none yet"
-            raise CheckpointError(f"config.json {key}.quant_method={method!r}: this checkpoint is quantized "
-                                  f"and the loader implements no such quant_method (supported: {supported}); "
-                                  f"{UNQUANTIZED_ONLY}")
 
 
 def _model_dtype(config: Mapping[str, Any], override: str | None) -> str:

@@ -2,7 +2,8 @@
 
     --model DIR ─► TextTokenizer (tokenizer.json, chat template) + load_model (weights, expert cache of
     --moe-slots slots, or of the slots --moe-cache-gb GiB hold (moe.engine.budget, resolved from
-    config.json before the weights load), under --moe-cache-policy, --max-batch rows of --max-seq-len)
+    config.json before the weights load) of experts in --moe-expert-format, under --moe-cache-policy,
+    --max-batch rows of --max-seq-len)
     ─► Scheduler (continuous batching thread) ─► uvicorn on --host:--port until SIGINT / SIGTERM
     --record-routing PATH: the decode routing of every request, an expertcache-trace/1 file written
     at shutdown, for `expertcache sim PATH`.
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from expertcache import policy_names
+from expertcache.formats import format_names
 from moe.model.config import DTYPES
 from sim.replay import ORACLES
 
@@ -53,6 +55,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     size.add_argument("--moe-cache-gb", type=float, metavar="G",
                       help="slot memory in GiB (2**30 bytes) instead: floor(G * 2**30 / bytes per expert) "
                            "slots, at most L x E")
+    p.add_argument("--moe-expert-format", choices=format_names(),
+                   help="how the routed experts are stored in host memory and the slots (default: as the "
+                        "checkpoint stores them: its quantization's format, else the model dtype); another "
+                        "format is made on load by round-to-nearest quantization (docs/formats.md)")
     p.add_argument("--moe-copy-overlap", action="store_true",
                    help="GPU: run the shared expert on a side stream while misses copy")
     p.add_argument("--device", help="cpu or cuda[:i] (default cuda when available)")
@@ -178,11 +184,12 @@ def build_state(args: argparse.Namespace) -> ServeState:
     device = resolve_device(args.device)
     try:
         max_seq_len = _context(args)
-        budget = resolve_slots(ModelSpec.from_hf(read_config(args.model), dtype=args.dtype), args.moe_slots,
-                               args.moe_cache_gb, max_batch=args.max_batch)
+        spec = ModelSpec.from_hf(read_config(args.model), dtype=args.dtype, expert_format=args.moe_expert_format)
+        budget = resolve_slots(spec, args.moe_slots, args.moe_cache_gb, max_batch=args.max_batch)
         tokenizer = TextTokenizer(args.model)
         engine = load_model(args.model, device, num_slots=budget.slots, policy=args.moe_cache_policy,
-                            dtype=args.dtype, max_batch=args.max_batch, max_seq_len=max_seq_len,
+                            dtype=args.dtype, expert_format=args.moe_expert_format, max_batch=args.max_batch,
+                            max_seq_len=max_seq_len,
                             record_routing=bool(args.record_routing),
                             copy_overlap=True if args.moe_copy_overlap else None)
     except (CheckpointError, TokenizerError, ValueError) as e:

@@ -8,7 +8,9 @@
 
 One entry per decode step in the order the server ran them; row b of step n is the engine's row b
 then (rows are compacted when a sequence leaves, so a request may change rows between steps; the
-cache's ensure only sees the set of experts of a step, so the rows' order changes nothing). Prefill
+cache's ensure only sees the set of experts of a step, so the rows' order changes nothing). The meta names the experts'
+format (`expert_format`) and, for a registered one, the expert's shape (hidden_size,
+moe_intermediate_size), so `expertcache sim --expert-format` can price other formats. Prefill
 is not in the trace: it bypasses the cache (moe.engine.backends), so replaying the trace from a cold cache
 with the server's policy and slot count reproduces the server's miss counters exactly (CPU backend).
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from expertcache.formats import format_names
 from moe.serve.scheduler import Scheduler
 from sim.trace import Trace, TraceMeta, save_trace
 
@@ -41,10 +44,14 @@ def routing_trace(scheduler: Scheduler, model: str, **extra) -> Trace:
     req_index = np.full((n, width), -1, dtype=np.int32)
     for step, numbers in enumerate(scheduler.req_rows[:n]):
         req_index[step, : len(numbers)] = numbers
-    meta = TraceMeta(model=model, num_layers=spec.num_moe_layers, num_experts=spec.moe.num_experts,
-                     top_k=spec.moe.top_k, expert_bytes=int(engine.moe.store.bytes_per_expert),
+    moe = spec.moe
+    shape = {}  # the expert's shape, which sim.trace checks against a registered format's bytes
+    if moe.expert_format in format_names():
+        shape = {"hidden_size": moe.hidden, "moe_intermediate_size": moe.expert_intermediate}
+    meta = TraceMeta(model=model, num_layers=spec.num_moe_layers, num_experts=moe.num_experts,
+                     top_k=moe.top_k, expert_bytes=int(engine.moe.store.bytes_per_expert),
                      phase="decode", source="expertcache serve", license="same as the served model",
-                     extra=dict(extra))
+                     extra={"expert_format": moe.expert_format, **shape, **extra})
     return Trace(experts=experts, meta=meta, req_index=req_index)
 
 

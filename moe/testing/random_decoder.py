@@ -55,17 +55,30 @@ def _attention(spec: ModelSpec, dtype, device, gen) -> AttentionWeights:
         o_bias=bias(h) if spec.o_bias else None, q_norm=ones, k_norm=None if ones is None else ones.clone())
 
 
+def qwen3_30b_like(num_layers: int = 8, *, vocab_size: int = 32768, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A config.json dict at Qwen3-30B-A3B's geometry (qwen3_moe: H 2048, 128 experts of I 768, top-8,
+    no shared expert, norm_topk_prob; attention 32 / 4 heads of 128 with q/k norms), every layer MoE,
+    the vocabulary cut to `vocab_size` as qwen3_next_like does."""
+    return {"model_type": "qwen3_moe", "num_hidden_layers": num_layers, "hidden_size": 2048, "num_experts": 128,
+            "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+            "intermediate_size": 6144, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+            "attention_bias": False, "vocab_size": vocab_size, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+            "torch_dtype": dtype, "tie_word_embeddings": False}
+
+
 def random_decoder(config: dict[str, Any], device: str | torch.device = "cuda", *, seed: int = 0,
-                   pin: bool | None = None, copy_overlap: bool = False) -> ModelWeights:
+                   pin: bool | None = None, copy_overlap: bool = False, expert_format: str | None = None) -> ModelWeights:
     """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe keys; see moe.model.spec).
 
     device: where everything but the routed experts goes; the routed experts go to a HostStore
-    (pinned when `pin`, default: when CUDA is available). Deterministic for (config, device, seed).
-    Cost: one device randn per tensor, one host copy per 64 experts; host memory L_moe * E * 3 * I * H
-    elements. Raises CheckpointError naming a bad config key (ModelSpec.from_hf).
+    (pinned when `pin`, default: when CUDA is available), in `expert_format` (an expertcache.formats
+    name; default the model dtype's): the same random experts, quantized on `device`. Deterministic
+    for (config, device, seed). Cost: one device randn per tensor, one host copy per 64 experts; host
+    memory L_moe * E experts of the format's bytes. Raises CheckpointError naming a bad config key
+    (ModelSpec.from_hf).
     """
     device = torch.device(device)
-    spec = ModelSpec.from_hf(config, copy_overlap=copy_overlap)
+    spec = ModelSpec.from_hf(config, copy_overlap=copy_overlap, expert_format=expert_format)
     dtype = TORCH_DTYPES[spec.dtype]
     moe = random_weights(spec.moe, spec.num_moe_layers, device, seed=seed, pin=pin)
     gen = torch.Generator(device).manual_seed(seed + 1)

@@ -2,7 +2,9 @@
 
     MoEConfig, L layers, seed ──random_weights──► SyntheticWeights
         router [L, E, H], shared [(gate_up [2Is, H], down [H, Is], gate_w [1, H])] * L (or None),
-        HostStore banks gate_up [L*E, 2I, H], down [L*E, H, I]   (pinned where CUDA is present)
+        HostStore banks gate_up [L*E, 2I, H], down [L*E, H, I]   (pinned where CUDA is present;
+        with a quantized MoEConfig.expert_format the same random experts quantized on `device`, in
+        that format's banks)
     SyntheticWeights, S slots, device ──SyntheticModel──► SlotCache(store, SlotPool(S), DeviceCache)
         + L MoELayers; step(hidden [T, H]) runs layers 0..L-1, each on the previous one's output
 
@@ -21,9 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from expertcache.copy import miss_copy
-from expertcache.pool import Bank, HostStore, SlotPool
+from expertcache.pool import HostStore, SlotPool
 from moe.engine.layer import DTYPES, MoELayer, SlotCache
 from moe.kernels.plan import LaunchPlan
+from moe.model.checkpoint import write_experts
+from moe.kernels.slot_matrix import SlotMatrix
 from moe.model.config import MoEConfig, copy_overlap_from_env
 from moe.model.reference import SharedWeights, moe_reference
 
@@ -66,12 +70,18 @@ def random_weights(cfg: MoEConfig, num_layers: int, device: str | torch.device =
         shared = [(_randn((2 * s, h), h ** -0.5, dtype, device, gen),
                    _randn((h, s), s ** -0.5, dtype, device, gen),
                    _randn((1, h), h ** -0.5, dtype, device, gen)) for _ in range(num_layers)]
-    banks = (Bank("gate_up", (2 * i, h), dtype), Bank("down", (h, i), dtype))  # moe.engine.layer.BANKS
-    store = HostStore.empty(banks, num_layers * e, pin=pin)
+    fmt = cfg.format
+    store = HostStore.empty(fmt.expert_banks(h, i), num_layers * e, pin=pin)
     for first in range(0, num_layers * e, CHUNK_EXPERTS):
         n = min(CHUNK_EXPERTS, num_layers * e - first)
-        store.tensor("gate_up")[first:first + n].copy_(_randn((n, 2 * i, h), h ** -0.5, dtype, device, gen))
-        store.tensor("down")[first:first + n].copy_(_randn((n, h, i), i ** -0.5, dtype, device, gen))
+        gate_up = _randn((n, 2 * i, h), h ** -0.5, dtype, device, gen)
+        down = _randn((n, h, i), i ** -0.5, dtype, device, gen)
+        if fmt.dense and fmt.dtype == cfg.dtype:
+            store.tensor("gate_up")[first:first + n].copy_(gate_up)
+            store.tensor("down")[first:first + n].copy_(down)
+        else:
+            write_experts(store, fmt, "gate_up", gate_up, first, 2)
+            write_experts(store, fmt, "down", down, first, 1)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return SyntheticWeights(cfg, router, shared, store)
@@ -121,10 +131,16 @@ class SyntheticModel:
         return outs
 
     def layer_experts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full expert tensors of one layer, host views: gate_up [E, 2I, H], down [E, H, I]."""
-        e = self.cfg.num_experts
-        keys = slice(layer * e, (layer + 1) * e)
-        return self.weights.store.tensor("gate_up")[keys], self.weights.store.tensor("down")[keys]
+        """The full expert tensors of one layer: gate_up [E, 2I, H], down [E, H, I], host views of a
+        dense store, else the format's float32 dequantize of every expert (what the kernels compute with)."""
+        cfg = self.cfg
+        e, h, i = cfg.num_experts, cfg.hidden, cfg.expert_intermediate
+        keys = torch.arange(layer * e, (layer + 1) * e)
+        if cfg.format.dense:
+            return self.weights.store.tensor("gate_up")[keys], self.weights.store.tensor("down")[keys]
+        store = self.weights.store
+        return (SlotMatrix.of_pool(store, cfg.format, "gate_up", 2 * i, h, 2).dequantize(keys),
+                SlotMatrix.of_pool(store, cfg.format, "down", h, i).dequantize(keys))
 
     def reference(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """moe.model.reference.moe_reference of one layer on hidden's device, from the full expert tensors."""

@@ -219,13 +219,13 @@ def test_bench_decode_calibrates_on_the_miss_free_run(monkeypatch, tmp_path):
                                                            "idle_device_used_gb", "peak_device_used_gb"), 1.0)}
 
     fake = types.ModuleType("decode_gpu")
-    fake.measure, fake.build_weights = measure, lambda args: (None, {"stand_in": True})
+    fake.measure, fake.build_weights = measure, lambda args, fmt="bf16": (None, {"stand_in": True})
     monkeypatch.setitem(sys.modules, "decode_gpu", fake)
     monkeypatch.setattr(bench, "machine", lambda: {"gpu": "stand-in"})
     res = bench.main(["--layers", str(layers), "--warmup", "20", "--steps", "30", "--slots", "400",
                       "--batches", "1", "--configs", "lru,rule", "--out", str(tmp_path / "cal.json")])
     cal, *rows = res["rows"]
-    assert cal["config"] == "resident (calibration)" and cal["slots"] == layers * bench.NUM_EXPERTS
+    assert cal["config"] == "resident (calibration)" and cal["slots"] == layers * bench.GEOMETRIES["qwen3-next"].num_experts
     assert cal["implied_layer_overhead_us"] == pytest.approx(bench.H200_SM_COPY.layer_overhead_us + extra)
     assert cal["tps_ratio"] == pytest.approx(1.0, rel=1e-9)  # the calibrated model predicts its own run
     assert [r["config"] for r in rows] == ["lru", "rule"]
@@ -233,6 +233,31 @@ def test_bench_decode_calibrates_on_the_miss_free_run(monkeypatch, tmp_path):
         assert r["misses_equal"] and r["tps_ratio"] == pytest.approx(1.0, rel=1e-9)
         assert r["sim"]["layer_overhead_us"] == pytest.approx(cal["implied_layer_overhead_us"])
         assert r["sim_uncalibrated"]["tokens_per_s"] > r["sim"]["tokens_per_s"]  # 7 us less per layer
+
+
+def test_bench_decode_compares_expert_formats_at_one_budget(capsys):
+    """--moe-cache-gb gives each format the slots the budget holds (floor(G * 2**30 / its bytes per
+    expert), at most L * E); the simulator prices each format's misses at its bytes; the table says
+    how each compares with bf16 at the same budget."""
+    from expertcache.formats import GIB, get_format
+
+    bench = _bench()
+    res = bench.main(["--dry-run", "--geometry", "qwen3-30b", "--layers", "4", "--warmup", "20", "--steps", "40",
+                      "--moe-cache-gb", "0.5,1", "--expert-formats", "bf16,nvfp4", "--configs", "lru", "--batches", "1"])
+    rows = {(r["format"], r["budget_gib"]): r for r in res["rows"]}
+    for (fmt, gib), r in rows.items():
+        per = get_format(fmt).expert_bytes(2048, 768)
+        assert r["slots"] == min(int(gib * GIB) // per, 4 * 128)
+        assert r["sim"]["bytes_copied_per_step"] == pytest.approx(
+            r["sim"]["misses_per_layer_per_step"] * 4 * per, rel=1e-9)
+    assert rows[("nvfp4", 0.5)]["vs_bf16_sim"] > 1 and rows[("bf16", 1.0)]["vs_bf16_sim"] == 1
+    assert "| nvfp4 | 0.5 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--expert-formats"):
+        bench.parse(["--expert-formats", "fp4"])
+    with pytest.raises(SystemExit, match="--slots or --moe-cache-gb"):
+        bench.parse(["--slots", "400", "--moe-cache-gb", "1"])
+    with pytest.raises(SystemExit, match="--moe-cache-gb"):
+        bench.parse(["--moe-cache-gb", "0.001", "--geometry", "qwen3-30b"])
 
 
 def test_collector_paused_collects_first_and_then_pauses():

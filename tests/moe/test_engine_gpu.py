@@ -91,7 +91,13 @@ def test_float32_greedy_tokens_and_logits_match_transformers(family, policy, ove
     engine = _engine(path, k, "float32", policy, overlap)
     assert engine.graphs is not None
     _check_overlap(engine, overlap)
-    prompts = [_tokens(5, seed=20), _tokens(7, seed=21)]
+    _greedy_matches(engine, hf, [_tokens(5, seed=20), _tokens(7, seed=21)])
+    assert engine.graphs.batch_sizes == [2]
+
+
+def _greedy_matches(engine, hf, prompts: list[list[int]]) -> None:
+    """STEPS greedy tokens of the engine (every decode step missing) identical to transformers', and
+    the logits of each step within 1e-4 of transformers' on the same tokens."""
     logits = [engine.prefill(prompts)]  # [2, V] per step
     tokens = [logits[0].argmax(dim=-1)]
     for _ in range(STEPS - 1):
@@ -99,7 +105,6 @@ def test_float32_greedy_tokens_and_logits_match_transformers(family, policy, ove
         logits.append(engine.decode_step(tokens[-1]))
         tokens.append(logits[-1].argmax(dim=-1))
         assert _misses(engine) > before, "every decode step must miss (and evict: the pool is full)"
-    assert engine.graphs.batch_sizes == [2]
     got = torch.stack(tokens, dim=1).tolist()  # [2, STEPS]
     for row, prompt in enumerate(prompts):
         assert got[row] == _hf_greedy(hf, prompt, STEPS), f"row {row}"
@@ -243,3 +248,28 @@ def test_no_garbage_collection_runs_inside_a_decode_capture():
     torch.cuda.synchronize()
     assert alive_at_capture == [False] and collections_in_capture == []
     assert torch.equal(out, x[:2] + 1) and gc.isenabled()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "int4", "mxfp4"])
+@OVERLAP
+def test_quantized_experts_greedy_tokens_match_transformers_on_the_decoded_experts(family, fmt, overlap, tmp_path):
+    """--moe-expert-format on the float32 checkpoint, the cache evicting every step: greedy tokens identical
+    to, and logits within 1e-4 of, transformers running the same checkpoint with every expert replaced by
+    the format's decode of its quantize (gate_proj, up_proj, down_proj each alone)."""
+    from safetensors.torch import load_file
+
+    from expertcache.formats import get_format
+    from tests.moe.test_model import _broken_copy
+
+    name, models, path = family
+    f = get_format(fmt)
+    tensors = load_file(str(path / "model.safetensors"))
+    decoded = {n: f.dequantize(f.quantize(t)) for n, t in tensors.items()
+               if ".mlp.experts." in n and n.endswith("_proj.weight")}
+    hf = type(models["float32"]).from_pretrained(_broken_copy(path, tmp_path, lambda t: t.update(decoded)),
+                                                 dtype=torch.float32).to("cuda").eval()
+    k = hf.config.num_experts_per_tok
+    engine = _engine(path, k, "float32", "lru", overlap, expert_format=fmt)
+    assert engine.spec.moe.expert_format == fmt
+    _check_overlap(engine, overlap)
+    _greedy_matches(engine, hf, [_tokens(5, seed=40), _tokens(7, seed=41)])

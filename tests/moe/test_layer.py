@@ -245,12 +245,13 @@ class Runner:
 
 
 def state(model: SyntheticModel) -> dict[str, torch.Tensor]:
-    """slot_of, key_of and the bytes of every filled slot."""
+    """slot_of, key_of and the bytes of every filled slot (every bank of the experts' format)."""
     cache, pool = model.slots.cache, model.slots.pool
     filled = torch.nonzero(cache.key_of >= 0).flatten()
     out = {"slot_of": cache.slot_of.clone(), "key_of": cache.key_of.clone()}
-    for bank in ("gate_up", "down"):
-        out[bank] = pool.tensor(bank)[filled].view(torch.int16).clone()
+    for bank in pool.banks:
+        t = pool.tensor(bank.name)
+        out[bank.name] = t.view(t.shape[0], -1).view(torch.uint8)[filled].clone()
     return out
 
 

@@ -1,0 +1,124 @@
+"""One weight matrix of every slot, in an expert format, as the routed kernels read it.
+
+    SlotPool banks "gate_up.q", "gate_up.s", ... (expertcache.formats: the format's parts, each
+    [S, *part shape]) ──SlotMatrix.of_pool──► SlotMatrix(fmt, parts, out, in, stack)
+    a plain tensor [S, out, in] (bf16 / f16 / f32) ──SlotMatrix.dense──► the same for a dense format
+    SlotMatrix ──kernel_args──► (q, s, s2, z) pointers (an absent part: q again) + FMT / ZP constexprs
+               ──dequantize──► float32 [S', out, in] of chosen slots: the torch reference
+
+gate_up is a stack of 2 sub-matrices (gate_proj over up_proj, each with its own scales), down a stack
+of 1. No device work except `dequantize`. Legend: S = pool slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from expertcache.formats import ExpertFormat, bank_name, dense_format, resolve_format
+from moe.kernels.quant_kernels import CODES
+
+DENSE_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class SlotMatrix:
+    """Matrix [out_features, in_features] (of `stack` sub-matrices) of every slot in format `fmt`:
+    `parts`, one tensor [S, *part shape] per part of fmt.layout(out, in, stack), in that order.
+
+    Raises ValueError naming the part whose shape, dtype, device or layout disagrees with the format.
+    """
+
+    fmt: ExpertFormat
+    parts: tuple[torch.Tensor, ...]
+    out_features: int
+    in_features: int
+    stack: int = 1
+
+    def __post_init__(self) -> None:
+        layout = self.fmt.layout(self.out_features, self.in_features, self.stack)
+        if not isinstance(self.parts, tuple) or len(self.parts) != len(layout):
+            raise ValueError(f"SlotMatrix: {self.fmt.name} needs {len(layout)} parts "
+                             f"({[p.suffix for p in layout]}), got {len(getattr(self, 'parts', ()))}")
+        num = None
+        for p, t in zip(layout, self.parts):
+            want = getattr(torch, p.dtype)
+            ok = isinstance(t, torch.Tensor) and t.dtype == want and t.dim() == 1 + len(p.shape)
+            ok = ok and tuple(t.shape[1:]) == p.shape and t.is_contiguous() and t.shape[0] >= 1
+            if not ok:
+                got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"SlotMatrix: {self.fmt.name} part {p.suffix or 'weights'!r} must be a contiguous "
+                                 f"{p.dtype} [S, {', '.join(map(str, p.shape))}], got {got}")
+            num = t.shape[0] if num is None else num
+            if t.shape[0] != num or t.device != self.parts[0].device:
+                raise ValueError(f"SlotMatrix: every part needs the same slots S on one device, part "
+                                 f"{p.suffix!r} has {t.shape[0]} on {t.device}")
+        if self.fmt.pack == 2 and self.in_features % 8:
+            raise ValueError(f"SlotMatrix: the routed kernels read {self.fmt.name} values as 32-bit words of 8: "
+                             f"in_features={self.in_features} must be a multiple of 8")
+
+    @classmethod
+    def of_pool(cls, pool, fmt: ExpertFormat | str, name: str, out_features: int, in_features: int,
+                stack: int = 1) -> "SlotMatrix":
+        """Matrix `name` ("gate_up" [2I, H], stack 2; "down" [H, I]) of a SlotPool or HostStore (anything
+        with `.tensor(bank)`) or a mapping bank -> tensor, whose banks are fmt.banks(name, ...)."""
+        fmt = resolve_format(fmt) if isinstance(fmt, str) else fmt
+        get = pool.__getitem__ if isinstance(pool, Mapping) else pool.tensor
+        parts = tuple(get(bank_name(name, p.suffix)) for p in fmt.layout(out_features, in_features, stack))
+        return cls(fmt, parts, out_features, in_features, stack)
+
+    @classmethod
+    def dense(cls, weights: torch.Tensor, stack: int = 1) -> "SlotMatrix":
+        """A plain [S, out, in] tensor of bf16 / f16 / f32 as the dense format of its dtype."""
+        if not isinstance(weights, torch.Tensor) or weights.dim() != 3 or weights.dtype not in DENSE_DTYPES:
+            got = f"{weights.dtype} {list(weights.shape)}" if isinstance(weights, torch.Tensor) else type(weights).__name__
+            raise ValueError(f"SlotMatrix.dense: weights must be a bf16 / f16 / f32 tensor [S, out, in], got {got}")
+        return cls(dense_format(DENSE_DTYPES[weights.dtype]), (weights,), weights.shape[1], weights.shape[2], stack)
+
+    @property
+    def num_slots(self) -> int:
+        return self.parts[0].shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    @property
+    def code(self) -> int:
+        """The kernels' FMT constexpr: 0 for a dense format, else moe.kernels.quant_kernels.CODES."""
+        return 0 if self.fmt.dense else CODES[self.fmt.name]
+
+    @property
+    def zero_points(self) -> bool:
+        """The kernels' ZP constexpr: int4 with a zero-point part."""
+        return bool(getattr(self.fmt, "zero_points", False))
+
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, s, s2, z): the parts by role; a part the format lacks is q again (never read). fp8 values
+        go as their uint8 bytes (the kernels' masked loads need an integer `other`), 4-bit values as int32
+        words of 8 (in_features is a multiple of 8)."""
+        by = {p.suffix: t for p, t in zip(self.fmt.layout(self.out_features, self.in_features, self.stack),
+                                          self.parts)}
+        q = by[self.fmt.main]
+        if q.dtype == torch.float8_e4m3fn:
+            q = q.view(torch.uint8)
+        elif self.fmt.pack == 2:  # 4-bit values two a byte: 8 a word
+            q = q.view(torch.int32)
+        return q, by.get("s", q), by.get("s2", q), by.get("z", q)
+
+    def dequantize(self, slots: torch.Tensor | list[int], device: torch.device | None = None) -> torch.Tensor:
+        """float32 [n, out, in]: the format's torch dequantize of each slot in `slots` (ints, each in [0, S)),
+        on `device` (default the matrix's; the slot's parts move there first). The reference the kernels are
+        checked against, and prefill's weights. Cost: one dequantize per slot; one host read of `slots`."""
+        ids = slots.reshape(-1).tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        device = self.device if device is None else torch.device(device)
+        layout = self.fmt.layout(self.out_features, self.in_features, self.stack)
+        out = []
+        for s in ids:
+            parts = {p.suffix: t[s].to(device, non_blocking=True) for p, t in zip(layout, self.parts)}
+            out.append(self.fmt.decode(parts, self.out_features, self.in_features, self.stack))
+        if not out:
+            return torch.empty((0, self.out_features, self.in_features), dtype=torch.float32, device=device)
+        return torch.stack(out)

@@ -1,0 +1,108 @@
+"""benchmarks/bench_routed.py's command line, config names, per-format floor and table (CPU: no timing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from expertcache.formats import get_format
+from moe.kernels.plan import DEFAULT_ROUTED_TILES, QUANTIZED_ROUTED_TILES
+from moe.kernels.tiles import RoutedTiles
+from tests.conftest import load_bench
+
+
+def _bench():
+    return load_bench("bench_routed")
+
+
+def test_defaults_cover_every_format_on_both_qwen_shapes():
+    args = _bench().parse([])
+    assert args.formats == ["bf16", "fp8", "nvfp4", "mxfp4", "int4"]
+    assert args.shapes == ["qwen3-next", "qwen3-30b"]
+    assert args.tokens == [1, 2, 4, 8]
+    assert args.configs == ["default"]
+    assert _bench().SHAPES["qwen3-30b"] == (2048, 768, 8, 512)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--formats", "bf16,fp4"], "--formats: 'fp4' is not one of"),
+    (["--shapes", "llama"], "--shapes: 'llama' is not one of"),
+    (["--formats", "nvfp4", "--read-floor"], "add bf16 to --formats"),
+    (["--tokens", "0,1"], "--tokens: each in 1..8"),
+    (["--tokens", "one"], "not a comma list of ints"),
+])
+def test_bad_options_are_refused_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _bench().parse(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_config_names_parse_and_refuse():
+    bench = _bench()
+    cfg = bench.parse_config("i4x1024w8-h8x512w4-dr-pf2")
+    assert cfg.tiles == RoutedTiles(4, 1024, 8, 8, 512, 4)
+    assert (cfg.down_release, cfg.down_prefetch, cfg.name) == (True, 2, "i4x1024w8-h8x512w4-dr-pf2")
+    assert bench.parse_config(DEFAULT_ROUTED_TILES.name) == bench.DEFAULT
+    for bad in ("i4x1024w8", "i3x1024w8-h8x512w4", "i4x1024w32-h8x512w4"):
+        with pytest.raises(SystemExit, match="--configs"):
+            bench.parse_config(bad)
+    with pytest.raises(SystemExit, match="--configs"):
+        bench.parse(["--configs", "default,nonsense"])
+
+
+def test_default_and_named_configs_per_format():
+    bench = _bench()
+    bf16, nvfp4 = get_format("bf16"), get_format("nvfp4")
+    assert [c.tiles for c in bench.format_configs(["default"], bf16)] == [DEFAULT_ROUTED_TILES]
+    assert [c.tiles for c in bench.format_configs(["default"], nvfp4)] == [QUANTIZED_ROUTED_TILES]
+    assert bench.format_configs(["default"], nvfp4)[0].down_prefetch is None  # quantized: no prefetch
+    names = ["i4x1024w8-h8x512w4", "i4x1024w8-h8x512w4-pf2"]
+    # bf16 keeps -pfN and always times its default (the speedup's baseline)
+    assert [c.name for c in bench.format_configs(names, bf16)] == [DEFAULT_ROUTED_TILES.name, *names]
+    # a quantized format prefetches nothing: the two names are one config there
+    quant = bench.format_configs(names, nvfp4)
+    assert [c.name for c in quant] == ["i4x1024w8-h8x512w4"] and quant[0].down_options["prefetch"] == 0
+
+
+def test_sweep_names_every_tile_set_once_per_format():
+    bench = _bench()
+    names = bench.parse(["--configs", "sweep"]).configs
+    assert names[0] == "default" and set(bench.SWEEP) | set(bench.QUANT_SWEEP) <= set(names)
+    for fmt in ("bf16", "int4"):
+        cfgs = bench.format_configs(names, get_format(fmt))
+        assert len({c.name for c in cfgs}) == len(cfgs) == len(set(bench.SWEEP) | set(bench.QUANT_SWEEP))
+        assert cfgs[0] == bench.default_config(get_format(fmt))
+
+
+def test_floor_bytes_are_each_formats_own():
+    bench = _bench()
+    hid, inter = 2048, 768
+    assert bench.call_bytes(get_format("bf16"), 8, hid, inter) == 8 * 3 * hid * inter * 2
+    assert bench.call_bytes(get_format("nvfp4"), 8, hid, inter) == 8 * 2654220
+    assert bench.call_bytes(get_format("fp8"), 2.5, hid, inter) == 2.5 * get_format("fp8").expert_bytes(hid, inter)
+    assert bench.launch_shares(get_format("bf16"), hid, inter) == pytest.approx({"gate_up": 2 / 3, "down": 1 / 3})
+    for name in ("fp8", "nvfp4", "mxfp4", "int4"):
+        shares = bench.launch_shares(get_format(name), hid, inter)
+        assert sum(shares.values()) == pytest.approx(1) and 0.6 < shares["gate_up"] < 0.7
+
+
+def _row(fmt, config, us, floor, base, default=True, tokens=1):
+    return {"shape": "qwen3-30b", "format": fmt, "tokens": tokens, "config": config, "us_median": us,
+            "us_min": us - 0.5, "us_max": us + 0.5, "floor_us": floor, "ratio_to_floor": us / floor, "gbps": 1000.0,
+            "speedup_vs_bf16": base / us, "speedup_vs_torch": None, "default": default,
+            "launches": {"gate_up": {"us_median": us * 0.6, "ratio_to_floor": 1.1},
+                         "down": {"us_median": us * 0.4, "ratio_to_floor": 1.2}}}
+
+
+def test_table_has_a_row_per_format_and_config_and_the_target_lines():
+    bench = _bench()
+    q = QUANTIZED_ROUTED_TILES.name
+    rows = [_row("bf16", DEFAULT_ROUTED_TILES.name, 30.0, 25.0, 30.0),
+            _row("nvfp4", q, 12.0, 7.0, 30.0), _row("nvfp4", "i4x1024w4-h8x512w4", 9.0, 7.0, 30.0, default=False)]
+    text = bench.table(rows)
+    lines = text.splitlines()
+    assert lines[0] == bench.TARGET
+    body = [ln for ln in lines if ln.split()[:2] == ["qwen3-30b", "nvfp4"] and "alone" not in ln]
+    assert [ln.split()[3] for ln in body] == ["i4x1024w4-h8x512w4", q]  # fastest first
+    assert body[0].split()[-2:] == ["3.33x", "-"]  # vs bf16, vs torch
+    assert f"T=1 qwen3-30b bf16: default {DEFAULT_ROUTED_TILES.name} 1.20x the floor (meets 1.3x)" in text
+    assert f"T=1 qwen3-30b nvfp4: default {q} 1.71x the floor (misses 1.3x); best i4x1024w4-h8x512w4 1.29x" in text

@@ -1,0 +1,241 @@
+"""Quantized checkpoints and --moe-expert-format, on the CPU, against transformers on the decoded weights.
+
+    transformers Qwen3MoeForCausalLM (tiny, random) ─save_pretrained─► base (float32)
+        ─tests/moe/quant_layouts.write_layout─► fp8 / modelopt NVFP4 / GPTQ / compressed-tensors int4 copy
+    load_checkpoint: the HostStore rows are the checkpoint's own bytes in the format's layout (gate's
+    part over up's); load_model (CPU backend, a pool of top_k slots: every decode call evicts): greedy
+    tokens identical to, and logits within 1e-4 of, transformers running a float32 checkpoint of the
+    weights the layout decodes to (attention dequantized too, as the loader serves it);
+    --moe-expert-format on a float (or another quantized) checkpoint: the store holds the format's
+    round-to-nearest quantize of each of gate_proj, up_proj, down_proj; bad quantization metadata is
+    refused naming the tensor or the field.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from expertcache.formats import GIB, INT4, bank_name, get_format
+from moe.engine.loading import CheckpointError, load_model
+from moe.model.checkpoint import load_checkpoint
+from tests.moe.quant_layouts import CONFIGS, FORMATS, write_layout
+from tests.moe.test_model import _broken_copy, _close, _randomize
+
+CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
+              norm_topk_prob=True, max_position_embeddings=64)
+METHODS = sorted(CONFIGS)
+PROMPT = [5, 17, 3, 60, 22, 9]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny float32 Qwen3-MoE checkpoint directory."""
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).eval()
+    _randomize(model, seed=7)
+    path = tmp_path_factory.mktemp("qwen3")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _quantized(base, tmp_path, method, asymmetric=False):
+    """(dir in `method`'s layout, {weight name: decoded float32}, {weight name: parts written})."""
+    out = {}
+
+    def edit(tensors):
+        out["decoded"], out["parts"] = write_layout(tensors, method, asymmetric=asymmetric)
+
+    config = {**CONFIGS[method]}
+    if asymmetric:
+        config = json.loads(json.dumps(config).replace('"sym": true', '"sym": false')
+                            .replace('"symmetric": true', '"symmetric": false'))
+    path = _broken_copy(base, tmp_path / method, edit, lambda c: c.update(quantization_config=config))
+    return path, out["decoded"], out["parts"]
+
+
+def _reference(base, tmp_path, decoded) -> Qwen3MoeForCausalLM:
+    """transformers on a float32 copy of `base` whose projections are `decoded`."""
+    path = _broken_copy(base, tmp_path / "decoded", lambda t: t.update(decoded))
+    return Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _generate(model, tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(PROMPT):].tolist()
+
+
+def _check_engine(path, reference, **kw) -> None:
+    """Greedy tokens identical and teacher-forced logits within 1e-4 of `reference`, the cache evicting."""
+    engine = load_model(path, "cpu", num_slots=CONFIG["num_experts_per_tok"], max_seq_len=32, progress=False, **kw)
+    want = _generate(reference, 6)
+    assert engine.generate([PROMPT], max_new_tokens=6) == [want]
+    seq = PROMPT + want
+    engine = load_model(path, "cpu", num_slots=CONFIG["num_experts_per_tok"], max_seq_len=32, progress=False, **kw)
+    got = [engine.prefill([PROMPT], all_logits=True)[0]] + [engine.decode_step([t]) for t in want[:-1]]
+    with torch.no_grad():
+        ref = reference(torch.tensor([seq[:-1]])).logits[0]
+    _close(torch.cat(got), ref, rel=1e-4)
+    assert int(engine.moe.cache.counters[:, 2].sum()) > 0
+
+
+def _store_rows(store, fmt, key: int) -> dict[str, torch.Tensor]:
+    h, i = CONFIG["hidden_size"], CONFIG["moe_intermediate_size"]
+    names = [bank_name(m, p.suffix) for m, (o, n, st) in (("gate_up", (2 * i, h, 2)), ("down", (h, i, 1)))
+             for p in fmt.layout(o, n, st)]
+    return {n: store.tensor(n)[key] for n in names}
+
+
+def _expected_rows(parts, fmt, layer: int, expert: int) -> dict[str, torch.Tensor]:
+    p = f"model.layers.{layer}.mlp.experts.{expert}."
+    gate, up, down = (parts[p + f"{m}_proj.weight"] for m in ("gate", "up", "down"))
+    out = {bank_name("gate_up", k): torch.cat([gate[k], up[k]]) for k in gate}
+    out.update({bank_name("down", k): v for k, v in down.items()})
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("method, asymmetric", [(m, False) for m in METHODS] + [("gptq", True),
+                                                                               ("compressed-tensors", True)],
+                         ids=METHODS + ["gptq-asym", "compressed-tensors-asym"])
+def test_the_store_holds_the_checkpoints_bytes(base, tmp_path, method, asymmetric):
+    path, _, parts = _quantized(base, tmp_path, method, asymmetric)
+    weights = load_checkpoint(path, "cpu", pin=False, progress=False)
+    fmt = FORMATS[method] if not asymmetric else INT4(scale_dtype=FORMATS[method].scale_dtype, zero_points=True)
+    assert weights.spec.quant.method == method and weights.spec.moe.expert_format == fmt.key
+    assert weights.store.banks == fmt.expert_banks(CONFIG["hidden_size"], CONFIG["moe_intermediate_size"])
+    e = CONFIG["num_experts"]
+    for layer, expert in ((0, 0), (1, 4)):
+        got = _store_rows(weights.store, fmt, layer * e + expert)
+        want = _expected_rows(parts, fmt, layer, expert)
+        assert sorted(got) == sorted(want)
+        for name in got:
+            assert torch.equal(_bytes(got[name]), _bytes(want[name])), name
+    q = weights.layers[1].attn.q  # attention is served dequantized, in the model dtype
+    assert q.dtype == torch.float32
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_tokens_match_transformers_on_the_decoded_weights(base, tmp_path, method):
+    path, decoded, _ = _quantized(base, tmp_path, method)
+    _check_engine(path, _reference(base, tmp_path, decoded))
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "fp8", "int4", "mxfp4", "bf16"])
+def test_moe_expert_format_quantizes_a_float_checkpoint(base, tmp_path, name):
+    fmt = get_format(name)
+    tensors = load_file(str(base / "model.safetensors"))
+    experts = {n: t for n, t in tensors.items() if ".mlp.experts." in n and n.endswith("_proj.weight")}
+    decoded = {n: fmt.dequantize(fmt.quantize(t)) for n, t in experts.items()}
+    weights = load_checkpoint(base, "cpu", pin=False, progress=False, expert_format=name)
+    assert weights.spec.moe.expert_format == name and weights.spec.quant is None
+    parts = {n: fmt.quantize(t) for n, t in experts.items()}
+    for name_ in _store_rows(weights.store, fmt, 7):
+        assert torch.equal(_bytes(_store_rows(weights.store, fmt, 7)[name_]),
+                           _bytes(_expected_rows(parts, fmt, 1, 1)[name_]))
+    _check_engine(base, _reference(base, tmp_path, decoded), expert_format=name)
+
+
+def test_a_quantized_checkpoint_served_in_another_format(base, tmp_path):
+    path, decoded, _ = _quantized(base, tmp_path, "fp8")
+    nvfp4 = get_format("nvfp4")
+    weights = load_checkpoint(path, "cpu", pin=False, progress=False, expert_format="nvfp4")
+    assert weights.spec.moe.expert_format == "nvfp4" and weights.spec.quant.method == "fp8"
+    experts = {n: nvfp4.quantize(w) for n, w in decoded.items() if ".mlp.experts." in n}
+    got, want = _store_rows(weights.store, nvfp4, 9), _expected_rows(experts, nvfp4, 1, 3)
+    assert all(torch.equal(_bytes(got[n]), _bytes(want[n])) for n in want)
+
+
+def test_modelopt_hf_quant_config_file_and_the_budget(base, tmp_path):
+    """ModelOpt's hf_quant_config.json stands in for quantization_config; --moe-cache-gb prices nvfp4."""
+    path, _, _ = _quantized(base, tmp_path, "modelopt")
+    config = json.loads((path / "config.json").read_text())
+    config.pop("quantization_config")
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16}}))
+    per = get_format("nvfp4").expert_bytes(CONFIG["hidden_size"], CONFIG["moe_intermediate_size"])
+    engine = load_model(path, "cpu", cache_gb=5 * per / GIB, progress=False)
+    assert engine.moe.cache.geometry.num_slots == 5 and engine.spec.moe.expert_format == "nvfp4"
+
+
+FIRST = "model.layers.0.mlp.experts.0.gate_proj"
+
+
+def _edit(prefix: str, fn):
+    def edit(tensors):
+        for name in [n for n in tensors if n.startswith(prefix)]:
+            fn(tensors, name)
+    return edit
+
+
+@pytest.mark.parametrize("method, edit_tensors, edit_config, pattern", [
+    ("fp8", None, lambda q: q.update(weight_block_size=[64, 64]),
+     r"quantization_config\.weight_block_size=\[64, 64\]: only fine-grained FP8 with 128 x 128"),
+    ("fp8", lambda t: t.pop(FIRST + ".weight"), None, rf"tensor '{FIRST}\.weight' is missing"),
+    ("fp8", lambda t: t.update({FIRST + ".weight_scale_inv": torch.ones(2, 1)}), None,
+     rf"tensor '{FIRST}\.weight_scale_inv' has shape \[2, 1\], expected \[1, 1\]"),
+    ("fp8", lambda t: t.update({FIRST + ".weight_scale_inv": torch.full((1, 1), float("nan"))}), None,
+     rf"{FIRST}: fp8: parts\['s'\] holds NaN"),
+    ("fp8", lambda t: t.update({FIRST + ".weight": t[FIRST + ".weight"].float()}), None,
+     rf"tensor '{FIRST}\.weight' is stored as F32, expected F8_E4M3"),
+    ("modelopt", None, lambda q: q.update(group_size=32), r"group_size=32: NVFP4 has one scale per 16"),
+    ("modelopt", None, lambda q: q.update(quant_algo="FP8"), r"quant_algo='FP8': of ModelOpt's checkpoints only NVFP4"),
+    ("modelopt", lambda t: t.update({FIRST + ".weight_scale_2": torch.zeros(())}), None,
+     rf"{FIRST}: nvfp4: parts\['s2'\] \(weight_scale_2\) must be > 0"),
+    ("gptq", None, lambda q: q.update(desc_act=True), r"desc_act=true: act-order GPTQ"),
+    ("gptq", None, lambda q: q.update(bits=8), r"quantization_config\.bits=8: only bits=4"),
+    ("gptq", None, lambda q: q.update(group_size=64), r"group_size=64: only group_size=128"),
+    ("gptq", lambda t: t.update({FIRST + ".g_idx": torch.arange(64, dtype=torch.int32) % 2}), None,
+     r"g_idx is not i // 128 in order"),
+    ("gptq", lambda t: t.update({FIRST + ".qzeros": torch.zeros(1, 4, dtype=torch.int32) + 0x12345678}), None,
+     r"zero points other than 8 in a checkpoint that says it is symmetric"),
+    ("compressed-tensors", None, lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="channel"),
+     r"weights\.strategy='channel': only strategy='group'"),
+    ("compressed-tensors", None, lambda q: q.update(format="nvfp4-pack-quantized"),
+     r"format='nvfp4-pack-quantized': of compressed-tensors checkpoints only 'pack-quantized'"),
+    ("compressed-tensors", lambda t: t.update({FIRST + ".weight_shape": torch.tensor([32, 32])}), None,
+     r"weight_shape is \[32, 32\], expected \[32, 64\]"),
+], ids=lambda v: v if isinstance(v, str) and " " not in v else None)
+def test_bad_quantization_metadata_is_refused_naming_it(base, tmp_path, method, edit_tensors, edit_config, pattern):
+    path, _, _ = _quantized(base, tmp_path, method)
+    if edit_config is not None:
+        path = _broken_copy(path, tmp_path / "config", None, lambda c: edit_config(c["quantization_config"]))
+    if edit_tensors is not None:
+        path = _broken_copy(path, tmp_path / "tensors", edit_tensors)
+    with pytest.raises(CheckpointError, match=pattern):
+        load_model(path, "cpu", num_slots=4, progress=False)
+
+
+@pytest.mark.parametrize("bad", ["fp4", "float32", "int4-f16"])
+def test_unknown_moe_expert_format_is_refused_by_flag(base, bad):
+    with pytest.raises(CheckpointError, match=r"unknown expert format .* \(--moe-expert-format\)"):
+        load_model(base, "cpu", num_slots=4, progress=False, expert_format=bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs Triton's interpreter (no CUDA)")
+def test_gpu_backend_on_the_cpu_serves_a_quantized_checkpoint(base, tmp_path):
+    """The GPU backend's kernels (Triton's interpreter) on the NVFP4 layout: logits within 1e-4 of
+    transformers on the decoded weights through evicting decode steps."""
+    from moe.engine.backends import GpuMoE
+    from moe.engine.engine import Engine
+
+    path, decoded, _ = _quantized(base, tmp_path, "modelopt")
+    reference = _reference(base, tmp_path, decoded)
+    weights = load_checkpoint(path, "cpu", pin=False, progress=False)
+    engine = Engine(weights, GpuMoE(weights, CONFIG["num_experts_per_tok"], "lru"), max_seq_len=32)
+    seq = PROMPT + [11, 2, 40]
+    got = [engine.prefill([PROMPT], all_logits=True)[0]] + [engine.decode_step([t]) for t in seq[len(PROMPT):]]
+    with torch.no_grad():
+        ref = reference(torch.tensor([seq])).logits[0]
+    _close(torch.cat(got), ref, rel=1e-4)
+    assert int(engine.moe.slots.cache.counters[:, 2].sum()) > 0
