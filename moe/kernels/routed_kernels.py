@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moe.kernels.quant_kernels import MXFP4, NVFP4, _qacc, _qacc_zeros, _qsum
+from moe.kernels.quant_kernels import _qacc, _qacc_zeros, _qsum
 
 JIT_OPTIONS = {"do_not_specialize": ["num_slots"]}  # a pool rebuilt with new S keeps its kernels
 HITS_JIT_OPTIONS = {"do_not_specialize": ["num_slots", "n_pairs"]}  # _gate_up_hits: and any T

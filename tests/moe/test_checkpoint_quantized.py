@@ -17,7 +17,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from expertcache.formats import GIB, INT4, bank_name, get_format

@@ -19,7 +19,6 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from moe.engine.loading import CheckpointError, load_model
