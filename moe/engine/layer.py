@@ -122,7 +122,7 @@ class MoELayer:
 
     router_w: [E, H], kept in the config's dtype (the router kernel accumulates in float32).
     shared: (gate_up [2Is, H], down [H, Is], gate_w [1, H]) in the config's dtype, exactly when
-    cfg.shared_intermediate > 0. `cfg.copy_overlap` is the user's side-stream choice; resolve
+    cfg.shared_intermediate > 0; gate_up and down may be one-slot SlotMatrix in a quantized format. `cfg.copy_overlap` is the user's side-stream choice; resolve
     EXPERTCACHE_MOE_COPY_OVERLAP into it (moe.model.config.copy_overlap_from_env) before building.
     plan: None (the product) resolves the LaunchPlan from the config, the pool and the device at
     each build and rebuild (`refresh`); a LaunchPlan (tests, benchmarks) is used as given and kept.
@@ -138,7 +138,8 @@ class MoELayer:
         self.device = slots.pool.device
         _check_weights(cfg, layer, router_w, shared, slots, self.dtype)
         self.router_w = router_w.to(self.device, self.dtype).contiguous()  # [E, H] model dtype
-        self.shared = None if shared is None else tuple(w.to(self.device).contiguous() for w in shared)
+        self.shared = None if shared is None else tuple(
+            w.to(self.device) if isinstance(w, SlotMatrix) else w.to(self.device).contiguous() for w in shared)
         self._matrices: tuple[SlotMatrix, SlotMatrix] | None = None
         self._make_buffers()
         self._given_plan = plan
@@ -155,8 +156,8 @@ class MoELayer:
         router_scratch(dev, cfg.num_experts)
         routed_scratch(dev, cfg.top_k, cfg.expert_intermediate)
         if self.shared is not None:  # the shared expert as a one-slot pool, written only by its launches
-            gate_up, down, _ = self.shared
-            self._shared_pool = (gate_up[None], down[None])  # [1, 2Is, H], [1, H, Is]
+            gate_up, down, _ = self.shared  # tensors, or one-slot SlotMatrix in a checkpoint's format
+            self._shared_pool = tuple(w if isinstance(w, SlotMatrix) else w[None] for w in (gate_up, down))
             self._shared_slots = torch.zeros((n, 1), dtype=torch.int32, device=dev)
             self._shared_act = torch.empty((n, cfg.shared_intermediate), dtype=torch.float32, device=dev)
             self._shared_out = torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)

@@ -92,7 +92,7 @@ def _device_ctx(device: torch.device):
 
 
 def _format_args(matrix: SlotMatrix) -> dict:
-    """The FMT / ZP constexprs of a routed (not shared) launch over `matrix`."""
+    """The FMT / ZP constexprs of a launch over `matrix`."""
     return {"FMT": matrix.code, "ZP": matrix.zero_points}
 
 
@@ -125,7 +125,7 @@ def _launch_gate_up(hidden, slots, weights, gate_up: SlotMatrix, gate_w, act, di
                      act, num_slots, slots if pre is None else pre, K=top_k, H=hid, I=inter, BLOCK_I=block_i,
                      CHUNK_H=chunk_h, EVEN=tiles.even(hid, inter)[0], GATED=gated, GDC=int(gdc),
                      PICK=PARTS.index(part), num_warps=tiles.warps_gate_up,
-                     **({} if gated else _format_args(gate_up)), **({"launch_pdl": True} if gdc else {}))
+                     **_format_args(gate_up), **({"launch_pdl": True} if gdc else {}))
     return act[:tokens * top_k]
 
 
@@ -140,13 +140,13 @@ def _launch_down(act, slots, down: SlotMatrix, out, addend, out_cast, shared, di
     kernel = kernel_for(DOWN_ENTRIES[bool(shared)], device, JIT_OPTIONS, "routed_experts")
     # programmatic launch only right behind a programmatic gate_up (its producer)
     gdc = after_gate_up and not shared and device.type == "cuda"
-    routed = {"RELEASE": release, "PREFETCH": min(prefetch, top_k) if down.fmt.dense else 0, **_format_args(down)}
+    routed = {"RELEASE": release, "PREFETCH": min(prefetch, top_k) if down.fmt.dense else 0}
     with _device_ctx(device):
         kernel[grid](act, slots, down.kernel_args(), act if addend is None else addend, act if out is None else out,
                      act if out_cast is None else out_cast, num_slots, K=top_k, H=hid, I=inter,
                      BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=tiles.even(hid, inter)[1],
                      ADDEND=addend is not None, WRITE_OUT=out is not None, WRITE_CAST=out_cast is not None,
-                     GDC=int(gdc), num_warps=tiles.warps_down, **({} if shared else routed),
+                     GDC=int(gdc), num_warps=tiles.warps_down, **({} if shared else routed), **_format_args(down),
                      **({"launch_pdl": True} if gdc else {}))
     return out_cast if out is None else out
 

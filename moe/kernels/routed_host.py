@@ -45,16 +45,29 @@ def _matrix_types(expert_format: str | None, dtype: str, out: int, inn: int, sta
     return q, by.get("s", q), by.get("s2", q), by.get("z", q)
 
 
+def _variant(expert_format: str | None, dtype: str, hidden: int, inter: int) -> tuple[dict, tuple, tuple]:
+    """(FMT / ZP constexprs, gate_up's and down's pointer types) of weights in `expert_format` (None: dense
+    of `dtype`; a dense format: dense of its dtype)."""
+    fmt = None if expert_format is None else resolve_format(expert_format)
+    if fmt is None or fmt.dense:
+        weights = dtype if fmt is None else TRITON_TYPES[fmt.dtype]
+        return {}, _matrix_types(None, weights, 2 * inter, hidden, 2), _matrix_types(None, weights, hidden, inter, 1)
+    quant = {"FMT": CODES[fmt.name], "ZP": bool(getattr(fmt, "zero_points", False))}
+    return (quant, _matrix_types(expert_format, dtype, 2 * inter, hidden, 2),
+            _matrix_types(expert_format, dtype, hidden, inter, 1))
+
+
 def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
                        tiles: RoutedTiles = DEFAULT_ROUTED_TILES, arch: int = 90, shared_inter: int | None = None,
                        down_release: bool = False, down_prefetch: int = DOWN_PREFETCH,
-                       expert_format: str | None = None) -> dict[str, dict]:
+                       expert_format: str | None = None, shared_format: str | None = None) -> dict[str, dict]:
     """Compile every variant MoELayer launches, ahead of time for CUDA sm_<arch> (no GPU; needs ptxas).
 
     dtype: Triton's name of the activation dtype ("bf16", "fp16", "fp32"), and of the dense weights.
     expert_format: the routed experts' format (fp8, nvfp4, mxfp4, int4, or bf16 / float16 / float32:
     expertcache.formats); None: dense weights of `dtype`. shared_inter: the shared expert's width Is
-    (default I; always dense of `dtype`). down_release / down_prefetch: the routed down's (routed_down's
+    (default I). shared_format: the shared expert's format (a quantized checkpoint's), None: dense of
+    `dtype`. down_release / down_prefetch: the routed down's (routed_down's
     release / prefetch, min(prefetch, k) experts, none for a quantized format). T is not compiled in
     (it only sizes the grids), so one binary per variant serves T = 1..GEMV_MAX_TOKENS. Returns
     {variant: Triton's asm dict (ttir .. cubin)} for "_gate_up_hits" (the early hits), "_gate_up_kernel",
@@ -64,15 +77,8 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
     """
     shared_inter = inter if shared_inter is None else shared_inter
     p = f"*{dtype}"
-    fmt = None if expert_format is None else resolve_format(expert_format)
-    quant = {} if fmt is None or fmt.dense else {"FMT": CODES[fmt.name], "ZP": bool(getattr(fmt, "zero_points", False))}
-    if fmt is not None and fmt.dense:  # a dense format names the weights' dtype
-        expert_format = None
-        weights_dtype = TRITON_TYPES[fmt.dtype]
-    else:
-        weights_dtype = dtype
-    w13 = _matrix_types(expert_format, weights_dtype, 2 * inter, hidden, 2)
-    w2 = _matrix_types(expert_format, weights_dtype, hidden, inter, 1)
+    quant, w13, w2 = _variant(expert_format, dtype, hidden, inter)
+    shared_quant, s13, s2 = _variant(shared_format, dtype, hidden, shared_inter)
     block_i, chunk_h, _, _ = tiles.capped(hidden, inter)
     result = {"_gate_up_hits": compile_for_sm(
         _gate_up_hits, (p, "*fp32", w13, "*fp32", "i32", "*i32", "i32"),
@@ -89,21 +95,21 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
         block_i, chunk_h, block_h, chunk_i = tiles.capped(hidden, width)
         even_a, even_b = tiles.even(hidden, width)
         shape = {"K": k, "H": hidden, "I": width}
-        routed = {} if is_shared else {"FMT": 0, "ZP": False, **quant}
+        routed = {"FMT": 0, "ZP": False, **(shared_quant if is_shared else quant)}
         if down_flags is None:
             pick = PARTS.index("rest" if name.endswith("+rest") else "all")
             kernel, warps = GATE_UP_ENTRIES[is_shared], tiles.warps_gate_up
-            types = (p, "*i32", "*fp32", p, (p,) * 4 if is_shared else w13, "*fp32", "i32", "*i32")
+            types = (p, "*i32", "*fp32", p, s13 if is_shared else w13, "*fp32", "i32", "*i32")
             constexprs = dict(shape, BLOCK_I=block_i, CHUNK_H=chunk_h, EVEN=even_a, GATED=is_shared,
                               GDC=int(not is_shared), PICK=pick, **routed)
         else:
             kernel, warps = DOWN_ENTRIES[is_shared], tiles.warps_down
-            types = ("*fp32", "*i32", (p,) * 4 if is_shared else w2, "*fp32", "*fp32", p, "i32")
+            types = ("*fp32", "*i32", s2 if is_shared else w2, "*fp32", "*fp32", p, "i32")
             prefetch = min(down_prefetch, top_k) if not quant else 0
             constexprs = dict(shape, BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=even_b,
                               ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2],
-                              GDC=int(not is_shared),
-                              **({} if is_shared else {"RELEASE": down_release, "PREFETCH": prefetch, **routed}))
+                              GDC=int(not is_shared), **routed,
+                              **({} if is_shared else {"RELEASE": down_release, "PREFETCH": prefetch}))
         result[name] = compile_for_sm(kernel, types, constexprs, warps, arch, JIT_OPTIONS)
     return result
 
@@ -194,8 +200,6 @@ def check_gate_up(who, hidden, slots, weights, gate_up, gate_w, act) -> tuple[tu
     num_slots, two_i, gate_h = matrix.num_slots, matrix.out_features, matrix.in_features
     if two_i % 2 or gate_h != hid or num_slots < 1:
         raise ValueError(f"{who}: gate_up must be [S, 2I, {hid}], got {[num_slots, two_i, gate_h]}")
-    if gate_w is not None and not matrix.fmt.dense:
-        raise ValueError(f"{who}: the gated shared expert (gate_w) reads a dense gate_up, got {matrix.fmt.name}")
     if act is not None:
         check_tensor(who, "act", act, (torch.float32,), 2, dev)
         if act.shape[0] < tokens * top_k or act.shape[1] != two_i // 2:

@@ -17,7 +17,8 @@ matrix's pool banks (q, s, s2, z). FMT = 0 (dense bf16 / f16 / f32) reads q as a
 formats (fp8, nvfp4, mxfp4, int4) dequantize each tile in registers (moe.kernels.quant_kernels): a
 gate_up program takes its BLOCK_I gate rows and their up rows together (one pass over hidden), a down
 program its BLOCK_H rows of every expert in order j = 0..K-1, accumulating elementwise in float32 and
-summing once at the end, so the combine order is the dense one. The shared expert (GATED) is dense.
+summing once at the end, so the combine order is the dense one. The shared expert (GATED) is dense or
+in its checkpoint's format; its gate row sigmoid(hidden · gate_w) is dense either way.
 
 Programmatic dependent launch (GDC = 1, CUDA only; never for the shared expert's launches nor the
 early hits, which wait on an event of another stream): the routed gate_up and down are launched with
@@ -93,12 +94,26 @@ def _gate_up_rows(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13, act_ptr
     rows = tile * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] gate rows
     if FMT != 0:
         gate_dot, up_dot = _gate_up_qdots(x_ptr + token * H, slot, live, tile, w13, H, I, BLOCK_I, CHUNK_H, FMT, ZP)
-        weight = tl.load(weights_ptr + pair)
+        if GATED:  # the shared expert's gate: sigmoid(hidden · gate_w), a dense row
+            weight = _gate_weight(x_ptr + token * H, gate_w_ptr, H, CHUNK_H)
+        else:
+            weight = tl.load(weights_ptr + pair)
         act = tl.where(live, weight * gate_dot * tl.sigmoid(gate_dot) * up_dot, 0.0)
         tl.store(act_ptr + pair * I + rows, act, mask=rows < I)
     else:
         _gate_up_dense(x_ptr, slot, pair, tile, weights_ptr, gate_w_ptr, w13[0], act_ptr, live, rows,
                        K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED)
+
+
+@triton.jit
+def _gate_weight(x_ptr, gate_w_ptr, H: tl.constexpr, CHUNK_H: tl.constexpr):
+    """sigmoid(x · gate_w) in float32 over H (x and gate_w rows [H] of any float dtype)."""
+    acc = tl.zeros([CHUNK_H], dtype=tl.float32)
+    for h0 in tl.static_range(0, H, CHUNK_H):
+        cols = h0 + tl.arange(0, CHUNK_H)
+        x = tl.load(x_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+        acc += tl.load(gate_w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32) * x
+    return tl.sigmoid(tl.sum(acc, axis=0))
 
 
 @triton.jit
@@ -291,9 +306,9 @@ def _gate_up_hits(x_ptr, weights_ptr, w13, act_ptr, num_slots, pre_ptr, n_pairs,
 def _shared_gate_up(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13, act_ptr, num_slots, pre_ptr,
                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
                     CHUNK_H: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr,
-                    PICK: tl.constexpr):
+                    PICK: tl.constexpr, FMT: tl.constexpr = 0, ZP: tl.constexpr = False):
     _gate_up_body(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13, act_ptr, num_slots, pre_ptr,
-                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC, PICK, 0, False)
+                  K, H, I, BLOCK_I, CHUNK_H, EVEN, GATED, GDC, PICK, FMT, ZP)
 
 
 @triton.jit(**JIT_OPTIONS)
@@ -311,9 +326,10 @@ def _down_kernel(act_ptr, slots_ptr, w2, addend_ptr, out_ptr, cast_ptr, num_slot
 def _shared_down(act_ptr, slots_ptr, w2, addend_ptr, out_ptr, cast_ptr, num_slots,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                  CHUNK_I: tl.constexpr, EVEN: tl.constexpr, ADDEND: tl.constexpr,
-                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr):
+                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
+                 FMT: tl.constexpr = 0, ZP: tl.constexpr = False):
     _down_body(act_ptr, slots_ptr, w2, addend_ptr, out_ptr, cast_ptr, num_slots,
-               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC)
+               K, H, I, BLOCK_H, CHUNK_I, EVEN, ADDEND, WRITE_OUT, WRITE_CAST, GDC, False, 0, FMT, ZP)
 
 
 GATE_UP_ENTRIES = {False: _gate_up_kernel, True: _shared_gate_up}  # keyed by "is the shared expert"

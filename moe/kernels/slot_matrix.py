@@ -77,6 +77,14 @@ class SlotMatrix:
             raise ValueError(f"SlotMatrix.dense: weights must be a bf16 / f16 / f32 tensor [S, out, in], got {got}")
         return cls(dense_format(DENSE_DTYPES[weights.dtype]), (weights,), weights.shape[1], weights.shape[2], stack)
 
+    def to(self, device: torch.device | str) -> "SlotMatrix":
+        """The same matrix with every part on `device` (self when already there)."""
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        return SlotMatrix(self.fmt, tuple(t.to(device) for t in self.parts), self.out_features, self.in_features,
+                          self.stack)
+
     @property
     def num_slots(self) -> int:
         return self.parts[0].shape[0]

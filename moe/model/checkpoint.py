@@ -19,9 +19,10 @@ its banks `gate_up.q`, `gate_up.s`, ... or `gate_up` / `down` for a dense one). 
 (spec.quant, moe.model.quantized: fp8, ModelOpt NVFP4, GPTQ, compressed-tensors int4) whose format is
 the one asked for keeps its experts' bytes (repacked, no value changed); another format is reached by
 the checkpoint format's dequantize (float32) and the target's round-to-nearest quantize, gate_proj and
-up_proj each alone (the stack of gate_up). Every other weight (attention, norms, router, shared
-expert, dense MLPs, embedding, lm_head) is served in the model dtype: a quantized one is dequantized
-on load.
+up_proj each alone (the stack of gate_up). A shared expert that the checkpoint quantized stays in the
+checkpoint's format (one-slot SlotMatrix on the device, whatever --moe-expert-format says). Every other
+weight (attention, norms, router, shared expert gate, dense MLPs, embedding, lm_head) is served in the
+model dtype: a quantized one is dequantized on load.
 
 Without a quantization_config every tensor read must be stored as BF16 / F16 / F32 (or F64), and no
 quantization tensor may sit beside it. A quantized layout is then refused naming its tensor: float8 /
@@ -47,6 +48,7 @@ from tqdm.auto import tqdm
 
 from expertcache.formats import ExpertFormat, bank_name
 from expertcache.pool import Bank, HostStore
+from moe.kernels.slot_matrix import SlotMatrix
 from moe.model.quantized import read_parts
 from moe.model.reference import SharedWeights
 from moe.model.spec import UNQUANTIZED_ONLY, CheckpointError, ModelSpec, read_config
@@ -314,11 +316,27 @@ def _load_moe(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: in
     _load_experts(reader, spec, store, p + "experts.", index)
     shared = None
     if cfg.has_shared_expert:
-        gate_up = torch.cat([reader.get(p + "shared_expert.gate_proj.weight", (s, h)),
-                             reader.get(p + "shared_expert.up_proj.weight", (s, h))])
-        shared = (gate_up, reader.get(p + "shared_expert.down_proj.weight", (h, s)),
-                  reader.get(p + "shared_expert_gate.weight", (1, h)))
+        gate_up, down = _shared_quantized(reader, p + "shared_expert.", h, s)
+        if gate_up is None:
+            gate_up = torch.cat([reader.get(p + "shared_expert.gate_proj.weight", (s, h)),
+                                 reader.get(p + "shared_expert.up_proj.weight", (s, h))])
+            down = reader.get(p + "shared_expert.down_proj.weight", (h, s))
+        shared = (gate_up, down, reader.get(p + "shared_expert_gate.weight", (1, h)))
     return MoEWeights(index, reader.get(p + "gate.weight", (e, h)), shared)
+
+
+def _shared_quantized(reader: TensorReader, p: str, h: int, s: int) -> tuple[SlotMatrix | None, SlotMatrix | None]:
+    """The shared expert in the checkpoint's format, as one-slot SlotMatrix on the reader's device (gate_up:
+    gate_proj's parts over up_proj's), when the checkpoint quantized all three of its linears; else
+    (None, None) and it is read in the model dtype."""
+    gate, up = reader.parts(p + "gate_proj", s, h), reader.parts(p + "up_proj", s, h)
+    down = reader.parts(p + "down_proj", h, s)
+    if gate is None or up is None or down is None:
+        return None, None
+    fmt = reader.quant.format
+    stacked = tuple(torch.cat([gate[q.suffix], up[q.suffix]])[None].to(reader.device) for q in fmt.layout(s, h))
+    return (SlotMatrix(fmt, stacked, 2 * s, h, 2),
+            SlotMatrix(fmt, tuple(down[q.suffix][None].to(reader.device) for q in fmt.layout(h, s)), h, s))
 
 
 def _load_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p: str, index: int) -> None:

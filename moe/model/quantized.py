@@ -17,8 +17,9 @@ Repacking (exact): GPTQ `qweight` holds 8 values along the input per int32 (valu
 and `qzeros` 8 zero points along the output, stored minus one (AutoGPTQ's format; `checkpoint_format:
 gptq_v2` stores them as they are); compressed-tensors `weight_packed` is already our byte order (8
 values along the input, the lower index in the lower bits, each value + 8). A symmetric checkpoint
-whose zero points are all 8 gets no zero-point part. Everything else in these checkpoints
-(attention, dense MLPs, shared experts) is dequantized to the model dtype by the loader.
+whose zero points are all 8 gets no zero-point part. The loader keeps the routed experts (and a
+quantized shared expert) in the format and dequantizes everything else (attention, dense MLPs) to the
+model dtype.
 """
 
 from __future__ import annotations

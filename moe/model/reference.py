@@ -20,12 +20,16 @@ whereas transformers rounds after each linear (and the routing weights) to the m
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from moe.model.config import MoEConfig
 
-SharedWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (gate_up [2Is, H], down [H, Is], gate_w [1, H])
+# (gate_up [2Is, H], down [H, Is], gate_w [1, H]); gate_up and down may instead be one-slot SlotMatrix
+# (moe.kernels.slot_matrix) in a quantized checkpoint's format, gate_up a stack of 2 [1, 2Is, H]
+SharedWeights = tuple[Any, Any, torch.Tensor]
 
 
 def route(
@@ -66,12 +70,18 @@ def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
 
 
 def shared_expert(x: torch.Tensor, shared: SharedWeights) -> torch.Tensor:
-    """Gated shared expert: x [T, H] -> sigmoid(x @ gate_wᵀ) * expert_mlp(x, gate_up, down), [T, H] float32."""
-    gate_up, down, gate_w = shared
+    """Gated shared expert: x [T, H] -> sigmoid(x @ gate_wᵀ) * expert_mlp(x, gate_up, down), [T, H] float32
+    (a quantized gate_up / down decoded with its format's torch reference first)."""
+    gate_up, down, gate_w = (_dense(w) for w in shared)
     if tuple(gate_w.shape) != (1, x.shape[-1]):
         raise ValueError(f"shared: gate_w must be [1, {x.shape[-1]}], got {tuple(gate_w.shape)}")
     gate = torch.sigmoid(x.float() @ gate_w.float().T)  # [T, 1]
     return gate * expert_mlp(x, gate_up, down)
+
+
+def _dense(w):
+    """A shared expert's weight as a tensor: a one-slot SlotMatrix decoded to float32 [out, in]."""
+    return w if isinstance(w, torch.Tensor) else w.dequantize([0])[0]
 
 
 def moe_reference(
@@ -133,6 +143,12 @@ def check_shared(cfg: MoEConfig, shared: SharedWeights | None, who: str, dtype: 
         return
     h, s = cfg.hidden, cfg.shared_intermediate
     for name, w, shape in zip(("gate_up", "down", "gate_w"), shared, ((2 * s, h), (h, s), (1, h))):
+        if not isinstance(w, torch.Tensor) and name != "gate_w" and hasattr(w, "fmt"):  # a one-slot SlotMatrix
+            got = (w.num_slots, w.out_features, w.in_features, w.stack)
+            if got != (1, *shape, 2 if name == "gate_up" else 1):
+                raise ValueError(f"{who}: shared {name} must be one slot of {list(shape)} (stack "
+                                 f"{2 if name == 'gate_up' else 1}), got {got[0]} slots of {list(got[1:3])} stack {got[3]}")
+            continue
         if tuple(w.shape) != shape or (dtype is not None and w.dtype != dtype):
             raise ValueError(f"{who}: shared {name} must be {list(shape)}{'' if dtype is None else f' {dtype}'}, "
                              f"got {list(w.shape)} {w.dtype}")

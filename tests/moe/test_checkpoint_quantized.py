@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from expertcache.formats import GIB, INT4, bank_name, get_format
 from moe.engine.loading import CheckpointError, load_model
@@ -43,6 +43,18 @@ def base(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def base_shared(tmp_path_factory):
+    """A tiny float32 Qwen2-MoE checkpoint directory: a gated shared expert in every MoE layer, layer 1 dense."""
+    config = {**{k: v for k, v in CONFIG.items() if k != "head_dim"}, "num_hidden_layers": 3}
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**config, shared_expert_intermediate_size=48,
+                                               mlp_only_layers=[1])).eval()
+    _randomize(model, seed=8)
+    path = tmp_path_factory.mktemp("qwen2")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def _quantized(base, tmp_path, method, asymmetric=False):
     """(dir in `method`'s layout, {weight name: decoded float32}, {weight name: parts written})."""
     out = {}
@@ -58,10 +70,10 @@ def _quantized(base, tmp_path, method, asymmetric=False):
     return path, out["decoded"], out["parts"]
 
 
-def _reference(base, tmp_path, decoded) -> Qwen3MoeForCausalLM:
+def _reference(base, tmp_path, decoded, cls=Qwen3MoeForCausalLM):
     """transformers on a float32 copy of `base` whose projections are `decoded`."""
     path = _broken_copy(base, tmp_path / "decoded", lambda t: t.update(decoded))
-    return Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return cls.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def _generate(model, tokens: int) -> list[int]:
@@ -222,15 +234,30 @@ def test_unknown_moe_expert_format_is_refused_by_flag(base, bad):
         load_model(base, "cpu", num_slots=4, progress=False, expert_format=bad)
 
 
+def test_a_quantized_shared_expert_stays_in_its_format(base_shared, tmp_path):
+    """Qwen2-MoE in the fp8 layout: the shared expert is served as fp8 (one-slot SlotMatrix), the dense
+    layer's MLP dequantized; greedy tokens identical to transformers on the decoded weights."""
+    from moe.kernels.slot_matrix import SlotMatrix
+
+    path, decoded, _ = _quantized(base_shared, tmp_path, "fp8")
+    weights = load_checkpoint(path, "cpu", pin=False, progress=False)
+    gate_up, down, gate_w = weights.layers[0].mlp.shared
+    assert isinstance(gate_up, SlotMatrix) and gate_up.fmt.name == "fp8" and gate_up.stack == 2
+    assert isinstance(down, SlotMatrix) and gate_w.dtype == torch.float32
+    assert weights.layers[1].mlp.gate_up.dtype == torch.float32  # the dense layer, dequantized
+    _check_engine(path, _reference(base_shared, tmp_path, decoded, Qwen2MoeForCausalLM))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs Triton's interpreter (no CUDA)")
-def test_gpu_backend_on_the_cpu_serves_a_quantized_checkpoint(base, tmp_path):
-    """The GPU backend's kernels (Triton's interpreter) on the NVFP4 layout: logits within 1e-4 of
-    transformers on the decoded weights through evicting decode steps."""
+def test_gpu_backend_on_the_cpu_serves_a_quantized_checkpoint(base_shared, tmp_path):
+    """The GPU backend's kernels (Triton's interpreter) on a Qwen2-MoE NVFP4 layout, the routed and the
+    shared experts in nvfp4: logits within 1e-4 of transformers on the decoded weights through evicting
+    decode steps."""
     from moe.engine.backends import GpuMoE
     from moe.engine.engine import Engine
 
-    path, decoded, _ = _quantized(base, tmp_path, "modelopt")
-    reference = _reference(base, tmp_path, decoded)
+    path, decoded, _ = _quantized(base_shared, tmp_path, "modelopt")
+    reference = _reference(base_shared, tmp_path, decoded, Qwen2MoeForCausalLM)
     weights = load_checkpoint(path, "cpu", pin=False, progress=False)
     engine = Engine(weights, GpuMoE(weights, CONFIG["num_experts_per_tok"], "lru"), max_seq_len=32)
     seq = PROMPT + [11, 2, 40]
@@ -239,3 +266,26 @@ def test_gpu_backend_on_the_cpu_serves_a_quantized_checkpoint(base, tmp_path):
         ref = reference(torch.tensor([seq])).logits[0]
     _close(torch.cat(got), ref, rel=1e-4)
     assert int(engine.moe.slots.cache.counters[:, 2].sum()) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["fp8", "modelopt"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
+def test_gpu_quantized_checkpoint_with_a_shared_expert(base_shared, tmp_path, method, overlap):
+    """On the GPU (CUDA graphs, the cache evicting every step), a Qwen2-MoE checkpoint in the fp8 / NVFP4
+    layout, the routed and the shared experts in that format, the shared one on the side stream with the
+    overlap on: greedy tokens identical to transformers on the decoded weights, logits within 1e-4."""
+    path, decoded, _ = _quantized(base_shared, tmp_path, method)
+    reference = _reference(base_shared, tmp_path, decoded, Qwen2MoeForCausalLM).to("cuda")
+    k = CONFIG["num_experts_per_tok"]
+    engine = load_model(path, "cuda", num_slots=k, max_seq_len=32, progress=False, copy_overlap=overlap)
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([PROMPT], device="cuda"), max_new_tokens=6, min_new_tokens=6,
+                                  do_sample=False, pad_token_id=0)[0, len(PROMPT):].tolist()
+        got = [engine.prefill([PROMPT])[0]]
+        for t in want[:-1]:
+            got.append(engine.decode_step([t])[0])
+        ref = reference(torch.tensor([PROMPT + want[:-1]], device="cuda")).logits[0, len(PROMPT) - 1:]
+    assert [int(g.argmax()) for g in got] == want
+    _close(torch.stack(got), ref, rel=1e-4)

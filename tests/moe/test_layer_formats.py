@@ -3,7 +3,7 @@ dequantized experts, and the side-stream overlap against the single stream, bit 
 
     random_weights(MoEConfig(expert_format=F)): the random bf16 experts quantized, in F's host-store banks
     SyntheticModel: the miss copy moves every bank of a missing expert; the routed launches dequantize
-    CPU (interpreter, tiny): each step evicts; every layer within bf16 tolerance of moe_reference on the
+    CPU (interpreter, tiny): an evicting step; every layer within bf16 tolerance of moe_reference on the
         dequantized experts (tests/moe/test_layer.close_to_reference); warm_all fills every bank's bytes
     GPU (`gpu`): every format against the reference; fp8 and nvfp4 with overlap on vs off: outputs, slot
         maps and every bank of every filled slot bitwise equal, batch 1 and 2, eager and CUDA graph,
@@ -39,17 +39,14 @@ FORMATS = ("fp8", "nvfp4", "mxfp4", "int4")
 
 
 @interpreter
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_layer_matches_reference_cpu(fmt):
-    cfg = dataclasses.replace(CPU_CFG, expert_format=fmt)
+def test_layer_matches_reference_cpu():
+    """nvfp4 (the routed kernels of every format: tests/moe/test_routed_formats.py), an evicting step."""
+    cfg = dataclasses.replace(CPU_CFG, expert_format="nvfp4")
     model = SyntheticModel(random_weights(cfg, CPU_L, "cpu", seed=3), CPU_S, "cpu")
     plan = model.layers[0].plan
     assert plan.routed_tiles == QUANTIZED_ROUTED_TILES and plan.down_prefetch == 0
-    gen = torch.Generator().manual_seed(4)
-    for _ in range(2):
-        before = misses(model)
-        close_to_reference(model, torch.randn(2, cfg.hidden, generator=gen).to(BF16))
-        assert misses(model) > before, "every step must miss (and evict)"
+    close_to_reference(model, torch.randn(2, cfg.hidden, generator=torch.Generator().manual_seed(4)).to(BF16))
+    assert misses(model) > 0
 
 
 @interpreter

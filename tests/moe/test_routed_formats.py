@@ -22,6 +22,7 @@ from moe.kernels.plan import QUANTIZED_ROUTED_TILES
 from moe.kernels.routed import NO_SLOT, routed_down, routed_experts, routed_gate_up, routed_reference
 from moe.kernels.slot_matrix import SlotMatrix
 from moe.kernels.tiles import RoutedTiles
+from moe.model.reference import shared_expert
 from tests.conftest import compile_check, device_or_skip
 from tests.moe.test_routed import assert_close, make_route
 
@@ -55,9 +56,9 @@ SMALL = RoutedTiles(block_i=8, chunk_h=64, warps_gate_up=2, block_h=16, chunk_i=
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_matches_the_reference_of_the_same_bytes(name):
-    """H 96, I 48 (64 for mxfp4): no chunk divides them; the fp8 blocks and int4 groups are partial."""
+    """H 96, I 48 (32 for mxfp4): no chunk divides H; the fp8 blocks and int4 groups are partial."""
     device, _ = device_or_skip()
-    inter = 64 if name == "mxfp4" else 48  # mxfp4: inputs a multiple of 32
+    inter = 32 if name == "mxfp4" else 48  # mxfp4: inputs a multiple of 32
     gate_up, down = make_pool(FORMATS[name], 5, 96, inter, device, seed=1)
     slots, weights = make_route(2, 3, 5, device, seed=2, pad=1)
     slots[1, 2] = 9  # >= S: adds nothing
@@ -94,6 +95,21 @@ def test_hits_and_rest_are_one_gate_up_and_the_combine_fuses(name):
         assert torch.equal(cast, out.bfloat16())
 
 
+@pytest.mark.parametrize("name", ["fp8", "nvfp4"])
+def test_a_quantized_shared_expert(name):
+    """The gated one-slot call (the shared expert) over a quantized pool: sigmoid(x · gate_w) times the
+    expert of the decoded bytes."""
+    device, _ = device_or_skip()
+    gate_up, down = make_pool(FORMATS[name], 1, 64, 32, device, seed=9)
+    gate_w = (torch.randn(1, 64, generator=torch.Generator().manual_seed(10)) / 8).bfloat16().to(device)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(11)).bfloat16().to(device)
+    zeros = torch.zeros(2, 1, dtype=torch.int32, device=device)
+    got = routed_experts(x, zeros, None, gate_up, down, gate_w=gate_w, act=torch.empty(8, 32, device=device),
+                         tiles=SMALL)
+    want = shared_expert(x, (gate_up.dequantize([0])[0], down.dequantize([0])[0], gate_w))
+    assert_close(got, want, 1e-4)
+
+
 def test_a_format_mismatch_is_named():
     gate_up, _ = make_pool(FORMATS["fp8"], 2, 64, 32, "cpu", seed=8)
     _, down = make_pool(FORMATS["nvfp4"], 2, 64, 32, "cpu", seed=8)
@@ -102,9 +118,6 @@ def test_a_format_mismatch_is_named():
         routed_experts(x, slots, w, gate_up, down)
     with pytest.raises(ValueError, match=r"part 's' must be a contiguous float32"):
         SlotMatrix(gate_up.fmt, (gate_up.parts[0], gate_up.parts[1].double()), 64, 64, 2)
-    with pytest.raises(ValueError, match=r"gated shared expert \(gate_w\) reads a dense gate_up"):
-        routed_experts(x, torch.zeros(1, 1, dtype=torch.int32), None, gate_up, down,
-                       gate_w=torch.zeros(1, 64, dtype=torch.bfloat16))
 
 
 SM90_FORMATS = r"""
@@ -113,7 +126,7 @@ from moe.kernels.plan import QUANTIZED_ROUTED_TILES
 from moe.kernels.routed_host import compile_for_target
 out = {}
 for fmt in ("fp8", "nvfp4", "mxfp4", "int4", "int4-f16-z"):
-    asm = compile_for_target(8, 2048, 768, "bf16", tiles=QUANTIZED_ROUTED_TILES, expert_format=fmt)
+    asm = compile_for_target(8, 2048, 768, "bf16", tiles=QUANTIZED_ROUTED_TILES, expert_format=fmt, shared_format=fmt)
     out[fmt] = sorted(name for name, a in asm.items() if a.get("cubin"))
 print(json.dumps(out))
 """
