@@ -157,7 +157,8 @@ class MoELayer:
         routed_scratch(dev, cfg.top_k, cfg.expert_intermediate)
         if self.shared is not None:  # the shared expert as a one-slot pool, written only by its launches
             gate_up, down, _ = self.shared  # tensors, or one-slot SlotMatrix in a checkpoint's format
-            self._shared_pool = tuple(w if isinstance(w, SlotMatrix) else w[None] for w in (gate_up, down))
+            self._shared_pool = tuple(w if isinstance(w, SlotMatrix) else SlotMatrix.dense(w[None], stack)
+                                      for w, stack in ((gate_up, 2), (down, 1)))
             self._shared_slots = torch.zeros((n, 1), dtype=torch.int32, device=dev)
             self._shared_act = torch.empty((n, cfg.shared_intermediate), dtype=torch.float32, device=dev)
             self._shared_out = torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)

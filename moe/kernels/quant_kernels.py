@@ -28,7 +28,6 @@ import triton.language as tl
 
 # Kernel codes of the formats (constexpr FMT); 0 is a dense float matrix, read by the dense bodies.
 CODES = {"fp8": 1, "nvfp4": 2, "mxfp4": 3, "int4": 4}
-DENSE = tl.constexpr(0)
 FP8 = tl.constexpr(CODES["fp8"])
 NVFP4 = tl.constexpr(CODES["nvfp4"])
 MXFP4 = tl.constexpr(CODES["mxfp4"])

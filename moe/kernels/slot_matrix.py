@@ -13,6 +13,7 @@ of 1. No device work except `dequantize`. Legend: S = pool slots.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping
 
 import torch
@@ -106,7 +107,11 @@ class SlotMatrix:
     def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, s, s2, z): the parts by role; a part the format lacks is q again (never read). fp8 values
         go as their uint8 bytes (the kernels' masked loads need an integer `other`), 4-bit values as int32
-        words of 8 (in_features is a multiple of 8)."""
+        words of 8 (in_features is a multiple of 8). Made once per SlotMatrix."""
+        return self._kernel_args
+
+    @cached_property
+    def _kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         by = {p.suffix: t for p, t in zip(self.fmt.layout(self.out_features, self.in_features, self.stack),
                                           self.parts)}
         q = by[self.fmt.main]

@@ -24,7 +24,7 @@ model dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -44,7 +44,7 @@ class CheckpointQuant:
     method: quant_method ("fp8", "modelopt", "gptq", "compressed-tensors"). format: the ExpertFormat its
     parts become (int4 variants by scale dtype and zero points). marker: the tensor suffix whose presence
     beside a module says the module is quantized (else it is a plain `.weight`). gptq_v1: GPTQ zero
-    points stored minus one. source: where the configuration was read (config.json key or file).
+    points stored minus one. source: where the configuration was read (its config.json key).
     """
 
     method: str
@@ -52,7 +52,6 @@ class CheckpointQuant:
     marker: str
     gptq_v1: bool = True
     source: str = "config.json quantization_config"
-    options: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 def parse_quantization(config: Mapping[str, Any]) -> CheckpointQuant | None:
@@ -123,7 +122,7 @@ def _parse_compressed(quant: dict[str, Any], where: str) -> CheckpointQuant:
     if w.get("actorder"):
         raise CheckpointError(f"{sub}.actorder={w.get('actorder')!r}: activation-ordered groups are not served")
     fmt = INT4(zero_points=not w.get("symmetric", True))  # the scale dtype comes from the tensors
-    return CheckpointQuant("compressed-tensors", fmt, "weight_packed", source=where, options=dict(w))
+    return CheckpointQuant("compressed-tensors", fmt, "weight_packed", source=where)
 
 
 def read_parts(quant: CheckpointQuant, reader, module: str, out: int, inn: int) -> dict[str, torch.Tensor] | None:
