@@ -170,8 +170,7 @@ class ExpertFormat:
         out_features, in_features = main.shape[0], main.shape[1] * self.pack
         self._check_parts(parts, self.layout(out_features, in_features, stack))
         self._check_values(parts)
-        subs = [{k: v.chunk(stack)[i] for k, v in parts.items()} for i in range(stack)]
-        return torch.cat([self._dequantize(p, out_features // stack, in_features) for p in subs])
+        return self.decode(parts, out_features, in_features, stack)
 
     def decode(self, parts: Mapping[str, "torch.Tensor"], out_features: int, in_features: int,
                stack: int = 1) -> "torch.Tensor":

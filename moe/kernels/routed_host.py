@@ -161,9 +161,9 @@ def _check_slots(who: str, slots, device) -> tuple[int, int]:
 def as_matrix(who: str, name: str, w, device, stack: int, dtype: torch.dtype | None) -> SlotMatrix:
     """A pool matrix argument as a SlotMatrix: a SlotMatrix as it is (any format, on `device`), or a plain
     tensor [S, out, in] that must be contiguous, of `dtype` (the activations', when given) and on
-    `device`. Raises ValueError naming `name`."""
+    `device` (None: any). Raises ValueError naming `name`."""
     if isinstance(w, SlotMatrix):
-        if w.device != device:
+        if device is not None and w.device != device:
             raise ValueError(f"{who}: {name} is on {w.device}, expected {device} (hidden's / slots' device)")
         if w.stack != stack:
             raise ValueError(f"{who}: {name} must be a stack of {stack} matrices, got stack={w.stack}")
@@ -211,11 +211,7 @@ def check_gate_up(who, hidden, slots, weights, gate_up, gate_w, act) -> tuple[tu
 def check_down(who, act, slots, down, out, addend, out_cast) -> tuple[tuple[int, int, int, int, int], SlotMatrix]:
     """Validate routed_down's arguments on the host; return ((T, k, S, H, I), down as a SlotMatrix).
     out_cast: the dtype of a plain down tensor, or any of bf16 / f16 / f32 with a SlotMatrix."""
-    if isinstance(down, SlotMatrix):
-        matrix = as_matrix(who, "down", down, down.device, 1, None)
-    else:
-        check_tensor(who, "down", down, DTYPES, 3, None)
-        matrix = SlotMatrix.dense(down)
+    matrix = as_matrix(who, "down", down, None, 1, None)
     dev = matrix.device
     num_slots, hid, inter = matrix.num_slots, matrix.out_features, matrix.in_features
     tokens, top_k = _check_slots(who, slots, dev)
