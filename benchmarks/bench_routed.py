@@ -22,9 +22,10 @@ format's HBM floor, bf16 and a torch baseline.
        measured in this run); ratio = median / floor; vs bf16 = bf16's default-config median at the
        same shape and T / this median
     -> each launch alone (gate_up, down), against its share of the format's bytes
-    -> read calibration (--read-floor, bf16): "read1" streams the same weight rows (every (token, j)
-       pair's gate_up and down rows, 16 KB per program, no arithmetic) in one launch, "read2" in two
-       dependent launches (gate_up bank, then down bank): what bare streaming reaches with one and two
+    -> read calibration (--read-floor, every format): "read1" streams the same slots' bytes (every
+       (token, j) pair's gate_up and down banks, values and scales, 16 KB per program, no arithmetic)
+       in one launch, "read2" in two dependent launches (gate_up banks, then down banks): what bare
+       streaming of the format's bytes reaches with one and two launches (the two the GEMM needs)
     -> table (last): one row per (shape, format, T, config), and JSON (GPU name, torch / triton
        versions, commit; one row per (shape, format, T, config))
 
@@ -110,41 +111,53 @@ SWEEP = (  # tile names (RoutedTiles.name); the first is bf16's default
     "i16x256w8-h16x128w4", "i4x1024w8-h4x512w4", "i4x512w4-h8x512w8",
     "i4x1024w8-h8x512w4", "i4x1024w8-h8x256w8", "i4x1024w8-h16x256w8", "i4x1024w8-h2x512w4",
 )
-QUANT_SWEEP = (  # tiles for 4-bit weights (more rows per program, 4 warps); the first is their default
-    QUANTIZED_DEFAULT.name, "i4x1024w4-h8x512w4", "i8x1024w4-h16x512w4", "i2x512w4-h4x512w4",
-    "i4x512w4-h8x512w4", "i8x512w4-h16x512w4", "i4x1024w4-h4x512w4", "i2x1024w4-h8x512w4",
+QUANT_SWEEP = (  # tiles for quantized weights (more rows per program); the first is their default
+    QUANTIZED_DEFAULT.name, "i4x1024w4-h8x256w4", "i8x1024w4-h16x256w4", "i8x1024w4-h8x256w4",
+    "i16x1024w8-h16x256w8", "i4x1024w4-h4x256w4", "i8x512w4-h8x512w4",
 )
 NAME_HELP = "i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_i>w<warps>[-dr][-pfN]"
 NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-dr)?(?:-pf(\d+))?$")
 
 
 @triton.jit
-def _stream_read(a_ptr, a_row, b_ptr, b_row, slots_ptr, out_ptr, A_BLOCKS: tl.constexpr, B_BLOCKS: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """Program (pair, blk): block blk of bank a's row of slot slots[pair] (blk < A_BLOCKS), else block
-    blk - A_BLOCKS of bank b's; an xor of the words is stored so the loads stay."""
+def _stream_read(banks, rows, firsts, slots_ptr, out_ptr, NBANK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (pair, blk): block blk of the concatenation of slot slots[pair]'s rows of the banks
+    (banks: int32 [S, rows[b]] each; firsts[b]: bank b's first block, firsts[NBANK] the total); an xor of the words is stored so
+    the loads stay."""
     pair = tl.program_id(0)
     blk = tl.program_id(1)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    if blk < A_BLOCKS:
-        v = tl.load(a_ptr + slot * a_row + blk * BLOCK + offs)
-    else:
-        v = tl.load(b_ptr + slot * b_row + (blk - A_BLOCKS) * BLOCK + offs)
-    tl.store(out_ptr + pair * (A_BLOCKS + B_BLOCKS) + blk, tl.xor_sum(v, axis=0))
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for b in tl.static_range(NBANK):
+        if (blk >= firsts[b]) & (blk < firsts[b + 1]):
+            col = (blk - firsts[b]) * BLOCK + offs
+            acc = tl.load(banks[b] + slot * rows[b] + col, mask=col < rows[b], other=0)
+    tl.store(out_ptr + pair * tl.num_programs(1) + blk, tl.xor_sum(acc, axis=0))
 
 
 READ_BLOCK = 4096  # int32 words per program (16 KB)
 
 
+def read_banks(matrix: "torch.Tensor | SlotMatrix") -> list[torch.Tensor]:
+    """A pool matrix's banks (a dense tensor, or a SlotMatrix's parts: values and scales) as int32
+    [S, words] views (every format's slot rows are whole words: the miss copy needs it too)."""
+    parts = matrix.parts if isinstance(matrix, SlotMatrix) else (matrix,)
+    return [p.reshape(p.shape[0], -1).view(torch.int32) for p in parts]
+
+
+def read_blocks(banks: list[torch.Tensor]) -> int:
+    """Programs per pair of stream_read over `banks`."""
+    return sum(-(-b.shape[1] // READ_BLOCK) for b in banks)
+
+
 def stream_read(banks: list[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> None:
-    """One launch reading rows slots[...] of every bank in `banks` (one or two), viewed as int32."""
-    words = [b.view(torch.int32).reshape(b.shape[0], -1) for b in banks]
-    blocks = [w.shape[1] // READ_BLOCK for w in words]
-    a, b = words[0], words[-1]
-    nb = blocks[1] if len(banks) > 1 else 0
-    _stream_read[(slots.numel(), blocks[0] + nb)](a, a.shape[1], b, b.shape[1], slots, out,
-                                                 A_BLOCKS=blocks[0], B_BLOCKS=nb, BLOCK=READ_BLOCK)
+    """One launch reading slot rows slots[...] of every bank (int32 [S, words] views), every byte once."""
+    firsts = [0]
+    for b in banks:
+        firsts.append(firsts[-1] + -(-b.shape[1] // READ_BLOCK))
+    _stream_read[(slots.numel(), firsts[-1])](tuple(banks), tuple(b.shape[1] for b in banks), tuple(firsts), slots,
+                                         out, NBANK=len(banks), BLOCK=READ_BLOCK)
 
 
 def parse_config(name: str) -> Config:
@@ -277,7 +290,7 @@ class Case:
             self.inputs.append((hidden.cuda(), slots.to(torch.int32).cuda(), weights.cuda()))
         self.outs = [torch.empty(tokens, self.hid, device="cuda") for _ in self.inputs]
         self.distinct = float(np.mean([len(set(s.view(-1).tolist())) for _, s, _ in self.inputs]))
-        self.read_out = None  # the read calibration's output, made on first use
+        self.read_out: dict[str, torch.Tensor] = {}  # per format: the read calibration's output
         self.refs: dict[tuple[str, int], torch.Tensor] = {}  # (format, call): float32 reference
 
     def bytes_per_call(self, fmt: ExpertFormat) -> float:
@@ -285,14 +298,16 @@ class Case:
 
     def call(self, pool: Pool, variant, c: int) -> torch.Tensor:
         hidden, slots, weights = self.inputs[c]
-        if variant in ("read1", "read2"):  # calibration (bf16): the same rows streamed, no arithmetic
-            blocks = (pool.gate_up[0].numel() + pool.down[0].numel()) // 2 // READ_BLOCK
-            if self.read_out is None:
-                self.read_out = torch.empty(slots.numel() * blocks, dtype=torch.int32, device="cuda")
+        if variant in ("read1", "read2"):  # calibration: the same slots' bytes streamed, no arithmetic
+            gate_up, down = read_banks(pool.gate_up), read_banks(pool.down)
+            out = self.read_out.get(pool.fmt.name)
+            if out is None:
+                out = torch.empty(slots.numel() * read_blocks([*gate_up, *down]), dtype=torch.int32, device="cuda")
+                self.read_out[pool.fmt.name] = out
             if variant == "read1":
-                return stream_read([pool.gate_up, pool.down], slots, self.read_out)
-            stream_read([pool.gate_up], slots, self.read_out)
-            return stream_read([pool.down], slots, self.read_out)
+                return stream_read([*gate_up, *down], slots, out)
+            stream_read(gate_up, slots, out)
+            return stream_read(down, slots, out)
         if variant == "torch":
             return routed_reference(hidden, slots, weights, pool.gate_up, pool.down, compute_dtype=torch.bfloat16)
         if isinstance(variant, tuple):  # (config, "gate_up" | "down"): one of the two launches alone
@@ -364,9 +379,10 @@ def run_case(pools: dict[str, Pool], shape: str, tokens: int, num_slots: int, ba
         if name != "torch" and (chk["max_rel_err"] > 1e-3 or not chk["bitwise_repeat"]):
             raise SystemExit(f"{shape} T={tokens} {fname} {name}: check failed {chk}; not timing")
     if args.read_floor:
-        for name in ("read1", "read2"):
-            variants[("bf16", name)] = (pools["bf16"], name)
-            checks[("bf16", name)] = {"max_rel_err": None, "bitwise_repeat": None}
+        for fname, pool in pools.items():
+            for name in ("read1", "read2"):
+                variants[(fname, name)] = (pool, name)
+                checks[(fname, name)] = {"max_rel_err": None, "bitwise_repeat": None}
     graphs = {key: case.graph(pool, v) for key, (pool, v) in variants.items()}
     timed = time_variants(graphs, args.calls, args.reps, args.warmup)
     del graphs
@@ -427,9 +443,12 @@ def table(rows: list[dict]) -> str:
         if r["tokens"] == 1 and r.get("default"):
             best = min((o for o in rows if (o["shape"], o["format"], o["tokens"]) == (r["shape"], r["format"], 1)
                         and "launches" in o), key=lambda o: o["us_median"])
+            reads = {o["config"]: o["ratio_to_floor"] for o in rows if o["config"] in ("read1", "read2")
+                     and (o["shape"], o["format"], o["tokens"]) == (r["shape"], r["format"], 1)}
             lines.append(f"T=1 {r['shape']} {r['format']}: default {r['config']} {r['ratio_to_floor']:.2f}x the floor "
                          f"({'meets' if r['ratio_to_floor'] <= TARGET_RATIO else 'misses'} {TARGET_RATIO}x)"
-                         + ("" if best is r else f"; best {best['config']} {best['ratio_to_floor']:.2f}x"))
+                         + ("" if best is r else f"; best {best['config']} {best['ratio_to_floor']:.2f}x")
+                         + "".join(f"; {name} (bare streaming) {reads[name]:.2f}x" for name in sorted(reads)))
     return "\n".join(lines)
 
 
@@ -449,7 +468,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--read-floor", action="store_true",
-                    help="also time read1 / read2 (bf16 only): the same weight rows streamed in one / two launches")
+                    help="also time read1 / read2 per format: the same slots' bytes (values and scales) streamed in "
+                         "one / two launches, no arithmetic")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/routed-<date>.json)")
     args = ap.parse_args(argv)
     args.shapes = args.shapes.split(",")
@@ -466,8 +486,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                 get_format(f).expert_bytes(hid, inter)
             except FormatError as e:
                 ap.error(f"--formats: {f} cannot store shape {s}: {e}")
-    if args.read_floor and "bf16" not in args.formats:
-        ap.error("--read-floor streams the bf16 pool: add bf16 to --formats")
     try:
         args.tokens = [int(t) for t in args.tokens.split(",")]
     except ValueError:

@@ -26,7 +26,6 @@ def test_defaults_cover_every_format_on_both_qwen_shapes():
 @pytest.mark.parametrize("argv, message", [
     (["--formats", "bf16,fp4"], "--formats: 'fp4' is not one of"),
     (["--shapes", "llama"], "--shapes: 'llama' is not one of"),
-    (["--formats", "nvfp4", "--read-floor"], "add bf16 to --formats"),
     (["--tokens", "0,1"], "--tokens: each in 1..8"),
     (["--tokens", "one"], "not a comma list of ints"),
 ])
@@ -34,6 +33,36 @@ def test_bad_options_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
         _bench().parse(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["bf16", "nvfp4", "int4"])
+def test_read_calibration_streams_every_byte_of_the_slots_banks(name, monkeypatch):
+    """stream_read over a pool's banks (values and scales, rows not a whole number of blocks) reads
+    each pair's slot rows once: its per-block xors equal the words' own."""
+    import torch
+
+    bench = _bench()
+    monkeypatch.setattr(bench, "READ_BLOCK", 64)
+    g = torch.Generator().manual_seed(3)
+    fmt = get_format(name)
+    w = torch.randn(5, 96, 64, generator=g).bfloat16()
+    matrix = w if name == "bf16" else bench.quantize_slots(fmt, w, 1)
+    banks = bench.read_banks(matrix)
+    assert sum(b.shape[1] * 4 for b in banks) == (w[0].numel() * 2 if name == "bf16" else fmt.matrix_bytes(96, 64))
+    slots = torch.tensor([3, 0, 4], dtype=torch.int32)
+    blocks = bench.read_blocks(banks)
+    out = torch.full((3 * blocks,), -1, dtype=torch.int32)
+    bench.stream_read(banks, slots, out)
+    want = []
+    for s in slots.tolist():
+        for b in banks:
+            row = b[s]
+            for first in range(0, row.numel(), 64):
+                x = 0
+                for v in row[first:first + 64].tolist():
+                    x ^= v
+                want.append(x)
+    assert out.tolist() == want
 
 
 def test_config_names_parse_and_refuse():
@@ -98,11 +127,16 @@ def test_table_has_a_row_per_format_and_config_and_the_target_lines():
     q = QUANTIZED_ROUTED_TILES.name
     rows = [_row("bf16", DEFAULT_ROUTED_TILES.name, 30.0, 25.0, 30.0),
             _row("nvfp4", q, 12.0, 7.0, 30.0), _row("nvfp4", "i4x1024w4-h8x512w4", 9.0, 7.0, 30.0, default=False)]
+    for name, us in (("read1", 8.4), ("read2", 9.1)):
+        row = _row("nvfp4", name, us, 7.0, 30.0, default=False)
+        del row["launches"]
+        rows.append(row)
     text = bench.table(rows)
     lines = text.splitlines()
     assert lines[0] == bench.TARGET
     body = [ln for ln in lines if ln.split()[:2] == ["qwen3-30b", "nvfp4"] and "alone" not in ln]
-    assert [ln.split()[3] for ln in body] == ["i4x1024w4-h8x512w4", q]  # fastest first
-    assert body[0].split()[-2:] == ["3.33x", "-"]  # vs bf16, vs torch
+    assert [ln.split()[3] for ln in body] == ["read1", "i4x1024w4-h8x512w4", "read2", q]  # fastest first
+    assert body[1].split()[-2:] == ["3.33x", "-"]  # vs bf16, vs torch
     assert f"T=1 qwen3-30b bf16: default {DEFAULT_ROUTED_TILES.name} 1.20x the floor (meets 1.3x)" in text
-    assert f"T=1 qwen3-30b nvfp4: default {q} 1.71x the floor (misses 1.3x); best i4x1024w4-h8x512w4 1.29x" in text
+    assert (f"T=1 qwen3-30b nvfp4: default {q} 1.71x the floor (misses 1.3x); best i4x1024w4-h8x512w4 1.29x; "
+            "read1 (bare streaming) 1.20x; read2 (bare streaming) 1.30x") in text
