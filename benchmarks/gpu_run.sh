@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
-# parts: any of env tests ensure copy sanitize moe formats router routed overlap resident engine decode
-# decode-formats (default:
-# all but resident, engine and decode: the decode engine's GPU tests and bench_decode.py, run by name). Wheels for
+# parts: any of env tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
+# decode decode-formats (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -41,12 +40,15 @@ for part in $parts; do
         tests/moe/test_layer.py tests/moe/test_router.py tests/moe/test_routed.py tests/moe/test_kernel_trace.py \
         tests/expertcache/test_streams.py ${MOE_TEST_EXTRA:-} 2>&1 | tee "$OUT/gpu-tests-moe.log" | tail -12 ;;
     formats)
-      # the expert formats: routed GEMM and layer (overlap on / off bitwise) against their references,
-      # then the engine against transformers on the decoded experts (one process: graphs)
-      timeout ${FORMATS_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" -m gpu \
-        tests/moe/test_routed_formats.py tests/moe/test_layer_formats.py 2>&1 | tee "$OUT/gpu-tests-formats.log" | tail -6
+      # the expert formats: routed GEMM and layer (overlap on / off bitwise) against their references, the
+      # quantized checkpoints with a shared expert; compiles dominate (about 9 minutes on 14 workers)
+      timeout ${FORMATS_TEST_TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-14}" -m gpu \
+        tests/moe/test_routed_formats.py tests/moe/test_layer_formats.py tests/moe/test_checkpoint_quantized.py \
+        2>&1 | tee "$OUT/gpu-tests-formats.log" | tail -6 ;;
+    formats-engine)
+      # the engine with every format's experts against transformers on the decoded experts (one process: graphs)
       timeout ${FORMATS_ENGINE_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_engine_gpu.py \
-        -k quantized 2>&1 | tee -a "$OUT/gpu-tests-formats.log" | tail -4 ;;
+        -k quantized 2>&1 | tee "$OUT/gpu-tests-formats-engine.log" | tail -4 ;;
     decode-formats)
       timeout ${DECODE_FORMATS_TIMEOUT:-300} python3 benchmarks/bench_decode.py --geometry qwen3-30b --layers 16 \
         --moe-cache-gb ${DECODE_FORMATS_GB:-2.5,4.5} --expert-formats bf16,fp8,nvfp4,int4 --configs lru --batches 1 \
