@@ -7,7 +7,8 @@
         weights with MoEConfig.copy_overlap = overlap ─► GpuMoE(forced_routing) of --slots slots ─► Engine
         memory idle ─► prefill B prompts ─► warm-up steps ─► counters ─► timed steps (events) ─► counters
         ─► memory peak; every step: set_routing(trace ids / weights of step n, on the device) ─►
-        decode_step(previous argmax) ─► argmax (no host sync inside the loop)
+        decode_step(previous argmax) ─► argmax (no host sync inside the loop); trace None: the model's
+        own router routes every step (benchmarks/peer_llamacpp.py)
 
 Legend: B = batch rows, L = layers, k = top_k, N = warmup + steps decode steps.
 """
@@ -62,13 +63,14 @@ def _spread(values: list[float]) -> dict:
 
 
 class Runner:
-    """One configuration's engine, fed the trace's routing step by step."""
+    """One configuration's engine, fed the trace's routing step by step (trace None: the model's own
+    router routes)."""
 
-    def __init__(self, weights: ModelWeights, trace: Trace, args: argparse.Namespace, policy: str,
+    def __init__(self, weights: ModelWeights, trace: Trace | None, args: argparse.Namespace, policy: str,
                  overlap: bool, batch: int) -> None:
         moe_cfg = dataclasses.replace(weights.spec.moe, copy_overlap=overlap)
         weights = dataclasses.replace(weights, spec=dataclasses.replace(weights.spec, moe=moe_cfg))
-        self.backend = GpuMoE(weights, args.slots, policy, max_batch=batch, forced_routing=True)
+        self.backend = GpuMoE(weights, args.slots, policy, max_batch=batch, forced_routing=trace is not None)
         plans = [layer.plan for layer in self.backend.layers.values()]
         if {plan.mode.side_stream for plan in plans} != {overlap}:
             raise SystemExit(f"overlap {'on' if overlap else 'off'} did not apply: {plans[0].reason}")
@@ -76,9 +78,10 @@ class Runner:
         steps = args.warmup + args.steps
         self.engine = Engine(weights, self.backend, max_batch=batch, max_seq_len=PROMPT + steps + 1,
                              cuda_graphs=not args.eager)
-        # [N, L, B, k] on the device: each step's routing is a device-to-device copy
-        self.ids = torch.from_numpy(np.ascontiguousarray(trace.experts)).cuda()
-        self.route_weights = torch.from_numpy(np.ascontiguousarray(trace.weights, dtype=np.float32)).cuda()
+        self.ids = self.route_weights = None
+        if trace is not None:  # [N, L, B, k] on the device: each step's routing is a device-to-device copy
+            self.ids = torch.from_numpy(np.ascontiguousarray(trace.experts)).cuda()
+            self.route_weights = torch.from_numpy(np.ascontiguousarray(trace.weights, dtype=np.float32)).cuda()
         self.batch, self.vocab = batch, weights.spec.vocab_size
 
     def prefill(self, seed: int) -> torch.Tensor:
@@ -87,7 +90,8 @@ class Runner:
         return self.engine.prefill(prompts).argmax(dim=-1)
 
     def step(self, n: int, tokens: torch.Tensor) -> torch.Tensor:
-        self.backend.set_routing(self.ids[n], self.route_weights[n])  # [L, B, k]
+        if self.ids is not None:
+            self.backend.set_routing(self.ids[n], self.route_weights[n])  # [L, B, k]
         return self.engine.decode_step(tokens).argmax(dim=-1)
 
     def counters(self) -> np.ndarray:
@@ -98,7 +102,7 @@ class Runner:
         self.backend.slots.close()
 
 
-def measure(weights: ModelWeights, trace: Trace, args: argparse.Namespace, policy: str, overlap: bool,
+def measure(weights: ModelWeights, trace: Trace | None, args: argparse.Namespace, policy: str, overlap: bool,
             batch: int) -> dict:
     """Time `args.steps` decode steps after `args.warmup` for one configuration. See the module."""
     gc.collect()

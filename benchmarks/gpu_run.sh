@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# decode decode-formats (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# decode decode-formats peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -54,6 +54,28 @@ for part in $parts; do
         --moe-cache-gb ${DECODE_FORMATS_GB:-2.5,4.5} --expert-formats bf16,fp8,nvfp4,int4 --configs lru --batches 1 \
         --warmup ${DECODE_FORMATS_WARMUP:-200} --steps ${DECODE_FORMATS_STEPS:-300} --out "$OUT/decode-formats.json" \
         2>&1 | tee "$OUT/decode-formats.log" | tail -14 ;;
+    peer-build)
+      # llama.cpp beside expertcache (benchmarks/peer_llamacpp.py; carry .peer from `peer_llamacpp.py prepare`):
+      # the build, then the shared random-weight checkpoint; PEER_WORK (ignored by git) is kept between calls
+      timeout 560 sh -c "python3 benchmarks/peer_llamacpp.py build --build-dir ${PEER_WORK:-.peer/work} > $OUT/peer-build.log 2>&1 &&
+        python3 benchmarks/peer_llamacpp.py checkpoint --out ${PEER_WORK:-.peer/work}/qwen3moe --layers ${PEER_LAYERS:-12} \
+          --device cuda >> $OUT/peer-build.log 2>&1"; echo "peer-build: exit $?"; tail -4 "$OUT/peer-build.log" ;;
+    peer-convert)
+      timeout 560 python3 benchmarks/peer_llamacpp.py convert --model ${PEER_WORK:-.peer/work}/qwen3moe \
+        --build-dir ${PEER_WORK:-.peer/work} > "$OUT/peer-convert.log" 2>&1; echo "peer-convert: exit $?"; tail -14 "$OUT/peer-convert.log" ;;
+    peer-llama)
+      # results gather in PEER_WORK/results (kept between calls); each part copies them to $OUT
+      timeout 560 python3 benchmarks/peer_llamacpp.py bench-llama --model ${PEER_WORK:-.peer/work}/qwen3moe \
+        --build-dir ${PEER_WORK:-.peer/work} --out ${PEER_WORK:-.peer/work}/results 2>&1 | grep -v '^ ' \
+        | tee "$OUT/peer-llama.log" | tail -14; cp ${PEER_WORK:-.peer/work}/results/*.json "$OUT/" ;;
+    peer-ours)
+      timeout 560 python3 benchmarks/peer_llamacpp.py bench-ours --model ${PEER_WORK:-.peer/work}/qwen3moe \
+        --out ${PEER_WORK:-.peer/work}/results --formats ${PEER_FORMATS:-bf16,fp8,int4,nvfp4} ${PEER_OURS_ARGS:-} 2>&1 \
+        | grep -v '^ ' | tee "$OUT/peer-ours.log" | tail -34; cp ${PEER_WORK:-.peer/work}/results/*.json "$OUT/" ;;
+    peer-report)
+      python3 benchmarks/peer_llamacpp.py limits --out ${PEER_WORK:-.peer/work}/results > "$OUT/peer-limits.log" 2>&1
+      python3 benchmarks/peer_llamacpp.py report --out ${PEER_WORK:-.peer/work}/results 2>&1 | grep -v '^ ' \
+        | tee "$OUT/peer-report.log" | tail -20; cp ${PEER_WORK:-.peer/work}/results/*.json "$OUT/" ;;
     router)
       timeout ${ROUTER_TIMEOUT:-200} python3 benchmarks/bench_router.py ${ROUTER_ARGS:-} --out "$OUT/router.json" \
         2>&1 | tee "$OUT/router.log" | tail -30 ;;
