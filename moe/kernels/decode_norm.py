@@ -1,0 +1,160 @@
+"""The small fused launches of a decode layer's non-MoE part: the residual add with RMSNorm, and q / k
+per-head RMSNorm with RoPE and the KV-cache write.
+
+    add_rms_norm:  x [B, H] (+ residual [B, H]) -> s = x + residual (the residual stream, model dtype)
+                   and h = weight * rms_norm(s), one program a row: a read of x, residual and weight,
+                   a write of s and h (the torch path: an add, then RMSNorm in 5 kernels)
+    qk_rope_write: q [B, Hq * D], k, v [B, Hkv * D] (the projections' outputs), positions [B] int64
+                   -> q heads normed (qwen3's q_norm) and rotated at position[b], returned [B, Hq, D];
+                   k heads normed (k_norm) and rotated, written with v into the layer's cache rows
+                   [b, :, position[b]]; one program a (row, head) (the torch path: about 20 kernels)
+
+Rounding follows moe.model.attention exactly where it rounds: the add in the model dtype, RMSNorm's
+statistic in float32 then a cast and the weight's multiply in the model dtype, RoPE's cos / sin from
+float32 frequencies cast to the model dtype and x·cos + rot(x)·sin with each product and the sum
+rounded; only the order of RMSNorm's float32 sum differs. Legend: B = rows, H = hidden, Hq / Hkv =
+query / kv heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms(x, n: tl.constexpr, eps):
+    """rsqrt(mean(x²) + eps) of a float32 vector of n valid entries (the rest 0)."""
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                         ADD: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < N
+    x = tl.load(x_ptr + row * N + offs, mask=ok, other=0.0)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * N + offs, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * N + offs, x, mask=ok)
+    xf = x.to(tl.float32)
+    y = (xf * _rms(xf, N, eps)).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + row * N + offs, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, h): s = x + residual in x's dtype (x itself without residual), h = weight * rms_norm(s)
+    (moe.model.attention.rms_norm's rounding). x, residual [B, H] contiguous, weight [H], one dtype and
+    device. Raises ValueError naming the argument that does not fit."""
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"add_rms_norm: x must be a contiguous [B, H] tensor, got {list(x.shape)}")
+    for name, t, shape in (("weight", weight, (x.shape[1],)), ("residual", residual, tuple(x.shape))):
+        if t is not None and (tuple(t.shape) != shape or t.dtype != x.dtype or t.device != x.device
+                              or not t.is_contiguous()):
+            raise ValueError(f"add_rms_norm: {name} must be a contiguous {list(shape)} tensor of x's dtype "
+                             f"{x.dtype} on {x.device}, got {list(t.shape)} {t.dtype} on {t.device}")
+    b, n = x.shape
+    s = torch.empty_like(x) if residual is not None else x
+    out = torch.empty_like(x) if out is None else out
+    _add_rms_norm_kernel[(b,)](x, x if residual is None else residual, weight, s, out, eps, N=n,
+                               BLOCK=triton.next_power_of_2(n), ADD=residual is not None)
+    return s, out
+
+
+@triton.jit
+def _rope_head(src_ptr, norm_ptr, d, cos, sin, eps, D: tl.constexpr, NORM: tl.constexpr):
+    """One head [D] (src_ptr its first element), normed by norm_ptr's weight when NORM, rotated by
+    cos / sin [D] (model dtype as float32): x·cos + rot(x)·sin, each product and the sum rounded to the
+    model dtype (rot(x) = (-x[D/2:], x[:D/2]))."""
+    HALF: tl.constexpr = D // 2
+    x = tl.load(src_ptr + d)
+    partner = tl.load(src_ptr + (d + HALF) % D)
+    dtype = x.dtype
+    if NORM:
+        xf = x.to(tl.float32)
+        r = _rms(xf, D, eps)
+        x = (tl.load(norm_ptr + d).to(tl.float32) * (xf * r).to(dtype).to(tl.float32)).to(dtype)
+        partner = (tl.load(norm_ptr + (d + HALF) % D).to(tl.float32)
+                   * (partner.to(tl.float32) * r).to(dtype).to(tl.float32)).to(dtype)
+    rot = tl.where(d < HALF, -partner.to(tl.float32), partner.to(tl.float32))
+    a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+    b = (rot * sin).to(dtype).to(tl.float32)
+    return (a + b).to(dtype)
+
+
+@triton.jit
+def _qk_rope_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, inv_freq_ptr, pos_ptr, q_out_ptr,
+                          k_cache_ptr, v_cache_ptr, eps, max_len, HQ: tl.constexpr, HKV: tl.constexpr,
+                          D: tl.constexpr, NORM: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)  # 0..HQ-1: a query head; HQ..HQ+HKV-1: a kv head
+    d = tl.arange(0, D)
+    pos = tl.load(pos_ptr + row)
+    freq = pos.to(tl.float32) * tl.load(inv_freq_ptr + d % (D // 2))  # emb = cat(freqs, freqs)
+    dtype = q_out_ptr.dtype.element_ty
+    cos = tl.cos(freq).to(dtype).to(tl.float32)
+    sin = tl.sin(freq).to(dtype).to(tl.float32)
+    if head < HQ:
+        y = _rope_head(q_ptr + (row * HQ + head) * D, q_norm_ptr, d, cos, sin, eps, D, NORM)
+        tl.store(q_out_ptr + (row * HQ + head) * D + d, y)
+    else:
+        h = head - HQ
+        y = _rope_head(k_ptr + (row * HKV + h) * D, k_norm_ptr, d, cos, sin, eps, D, NORM)
+        at = ((row * HKV + h).to(tl.int64) * max_len + pos) * D + d
+        tl.store(k_cache_ptr + at, y)
+        tl.store(v_cache_ptr + at, tl.load(v_ptr + (row * HKV + h) * D + d))
+
+
+def qk_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float,
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq * D], k, v [B, Hkv * D] -> q normed (q_norm given) and rotated at positions[b], as
+    [B, Hq, D]; k normed (k_norm) and rotated, and v, written to k_cache / v_cache [B', Hkv, max_len, D]
+    at [b, :, positions[b]] (positions int64 [>= B] on the device, each < max_len: not checked, a device
+    value). inv_freq: float32 [D / 2] (moe.model.attention.Rope.inv_freq). Raises ValueError naming
+    the argument that does not fit."""
+    b = q.shape[0]
+    hkv, max_len, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    hq = q.shape[1] // d if q.dim() == 2 else 0
+    if q.dim() != 2 or q.shape[1] != hq * d or hq % max(hkv, 1) or d & (d - 1) or d < 2:
+        raise ValueError(f"qk_rope_write: q {list(q.shape)} must be [B, Hq * D] with Hq a multiple of the cache's "
+                         f"{hkv} kv heads of D = {d} (a power of two)")
+    for name, t, shape in (("k", k, (b, hkv * d)), ("v", v, (b, hkv * d)), ("v_cache", v_cache, tuple(k_cache.shape)),
+                           ("q_norm", q_norm, (d,)), ("k_norm", k_norm, (d,))):
+        if t is not None and (tuple(t.shape) != shape or t.dtype != q.dtype or t.device != q.device
+                              or not t.is_contiguous()):
+            raise ValueError(f"qk_rope_write: {name} must be a contiguous {list(shape)} tensor of q's dtype {q.dtype} "
+                             f"on {q.device}, got {list(t.shape)} {t.dtype} on {t.device}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("qk_rope_write: give both q_norm and k_norm, or neither")
+    if (k_cache.dtype != q.dtype or not k_cache.is_contiguous() or k_cache.shape[0] < b
+            or inv_freq.shape != (d // 2,) or inv_freq.dtype != torch.float32
+            or positions.dtype != torch.int64 or positions.shape[0] < b):
+        raise ValueError(f"qk_rope_write: k_cache must be a contiguous [>= {b}, Hkv, max_len, D] tensor of q's dtype, "
+                         f"inv_freq float32 [{d // 2}], positions int64 [>= {b}]; got k_cache {list(k_cache.shape)} "
+                         f"{k_cache.dtype}, inv_freq {list(inv_freq.shape)} {inv_freq.dtype}, positions "
+                         f"{list(positions.shape)} {positions.dtype}")
+    q_out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    norm = q_norm is not None
+    _qk_rope_write_kernel[(b, hq + hkv)](q.contiguous(), k.contiguous(), v.contiguous(), q_norm if norm else q,
+                                         k_norm if norm else q, inv_freq, positions, q_out, k_cache, v_cache, eps,
+                                         max_len, HQ=hq, HKV=hkv, D=d, NORM=norm)
+    return q_out
+
+
+def compile_for_target(hidden: int, heads: int, kv_heads: int, head_dim: int, dtype: str = "bf16",
+                       arch: int = 90) -> dict[str, dict]:
+    """Both kernels (qk_rope_write with q / k norms) compiled ahead of time for CUDA sm_<arch> (no GPU;
+    needs ptxas): {name: Triton's asm dict}. dtype: Triton's name of the model dtype."""
+    from moe.kernels.triton_launch import compile_for_sm
+
+    p = f"*{dtype}"
+    norm = compile_for_sm(_add_rms_norm_kernel, (p, p, p, p, p, "fp32"),
+                          {"N": hidden, "BLOCK": triton.next_power_of_2(hidden), "ADD": True}, 4, arch, {})
+    rope = compile_for_sm(_qk_rope_write_kernel, (p, p, p, p, p, "*fp32", "*i64", p, p, p, "fp32", "i32"),
+                          {"HQ": heads, "HKV": kv_heads, "D": head_dim, "NORM": True}, 4, arch, {})
+    return {"_add_rms_norm_kernel": norm, "_qk_rope_write_kernel": rope}

@@ -1,0 +1,119 @@
+"""moe.kernels.decode_norm against the torch path of moe.model.attention (rms_norm, Rope, apply_rope,
+the cache writes): the same rounding steps, so equal up to RMSNorm's float32 sum order and the cos /
+sin implementations (2 units in the last place of the largest value); bad arguments named. CPU: Triton's interpreter, whose cast
+from float32 to bfloat16 truncates where the GPU rounds to nearest even, so there a bf16 result is held
+to one unit in the last place where the GPU's is bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe.kernels.decode_norm import add_rms_norm, qk_rope_write
+from moe.model.attention import Rope, apply_rope, rms_norm
+from tests.conftest import device_or_skip
+
+ULP = {torch.float32: 2.0 ** -22, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _close(got, want, dtype, gpu):
+    """Within 2 units in the last place of the largest |want| (4 for bf16 in the interpreter, which
+    truncates at each of the path's roundings)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    ulps = 4 if dtype == torch.bfloat16 and not gpu else 2
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= ulps * ULP[dtype] * want.float().abs().max().item(), err
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("add", [True, False], ids=["residual", "norm-only"])
+def test_add_rms_norm_is_the_add_then_rms_norm(dtype, add):
+    device, gpu = device_or_skip()
+    g = torch.Generator().manual_seed(4)
+    x, res = (torch.randn(3, 200, generator=g).to(dtype).to(device) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(200, generator=g)).to(dtype).to(device)
+    s, h = add_rms_norm(x, w, 1e-6, residual=res if add else None)
+    want_s = x + res if add else x
+    if gpu or dtype != torch.bfloat16:
+        assert torch.equal(s, want_s)
+    else:
+        _close(s, want_s, dtype, gpu)
+    _close(h, rms_norm(want_s, w, 1e-6), dtype, gpu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "no-norm"])
+def test_qk_rope_write_is_the_torch_projection_tail(dtype, norm):
+    device, gpu = device_or_skip()
+    g = torch.Generator().manual_seed(5)
+    b, hq, hkv, d, max_len = 3, 8, 2, 32, 50
+    q = torch.randn(b, hq * d, generator=g).to(dtype).to(device)
+    k = torch.randn(b, hkv * d, generator=g).to(dtype).to(device)
+    v = torch.randn(b, hkv * d, generator=g).to(dtype).to(device)
+    qn, kn = ((1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(device) for _ in range(2))
+    pos = torch.tensor([0, 17, 49], dtype=torch.int64, device=device)
+    rope = Rope(d, 1e6, torch.device(device))
+    kc = torch.randn(b + 1, hkv, max_len, d, generator=g).to(dtype).to(device)
+    vc = torch.randn(b + 1, hkv, max_len, d, generator=g).to(dtype).to(device)
+    want_k, want_v = kc.clone(), vc.clone()
+    got_q = qk_rope_write(q, k, v, pos, rope.inv_freq, kc, vc, 1e-6, *((qn, kn) if norm else ()))
+    q3, k3, v3 = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+    if norm:
+        q3, k3 = rms_norm(q3, qn, 1e-6), rms_norm(k3, kn, 1e-6)
+    cos, sin = rope.cos_sin(pos, dtype)
+    _close(got_q, apply_rope(q3, cos, sin), dtype, gpu)
+    rows = torch.arange(b, device=device)
+    want_k[rows, :, pos] = apply_rope(k3, cos, sin)
+    want_v[rows, :, pos] = v3
+    _close(kc, want_k, dtype, gpu)
+    assert torch.equal(vc, want_v)  # v is copied, and nothing else in the caches moved
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("weight", "weight must be a contiguous [5]"), ("residual", "residual must be a contiguous [2, 5]"),
+])
+def test_add_rms_norm_names_a_bad_argument(bad, message):
+    device, _ = device_or_skip()
+    x = torch.randn(2, 5, device=device)
+    w, res = torch.ones(5, device=device), torch.randn(2, 5, device=device)
+    if bad == "weight":
+        w = w[:4]
+    else:
+        res = res.double()
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        add_rms_norm(x, w, 1e-6, residual=res)
+
+
+@pytest.mark.parametrize("bad, message", [("q", "q [2, 30]"), ("v", "v must be a contiguous [2, 16]"),
+                                          ("norms", "give both q_norm and k_norm"), ("pos", "positions int64")])
+def test_qk_rope_write_names_a_bad_argument(bad, message):
+    device, _ = device_or_skip()
+    q, k, v = torch.randn(2, 32, device=device), torch.randn(2, 16, device=device), torch.randn(2, 16, device=device)
+    kc, vc = torch.zeros(2, 2, 4, 8, device=device), torch.zeros(2, 2, 4, 8, device=device)
+    pos, inv = torch.zeros(2, dtype=torch.int64, device=device), torch.ones(4, device=device)
+    norms = ()
+    if bad == "q":
+        q = q[:, :30].contiguous()
+    if bad == "v":
+        v = v[:, :8].contiguous()
+    if bad == "norms":
+        norms = (torch.ones(8, device=device),)
+    if bad == "pos":
+        pos = pos.int()
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        qk_rope_write(q, k, v, pos, inv, kc, vc, 1e-6, *norms)
+
+
+SM90 = """
+import json
+from moe.kernels.decode_norm import compile_for_target
+asm = compile_for_target(2048, 32, 4, 128)
+print(json.dumps(sorted(name for name, a in asm.items() if a.get("cubin"))))
+"""
+
+
+def test_compiles_for_sm90_at_qwen3_30b_a3b_shapes():
+    from tests.conftest import compile_check
+
+    assert compile_check(SM90) == ["_add_rms_norm_kernel", "_qk_rope_write_kernel"]
