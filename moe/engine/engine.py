@@ -6,6 +6,9 @@
     tokens [B] ──decode_step──► all B sequences together, one token each:
         embed [B, H] ─► per decoder layer: x += attn(rms(x)) at each row's own position;
                         x += mlp(rms(x))   (MoE layers: backend.decode → ensure, miss copy, routed)
+                        (on CUDA each add fused into the norm after it, q / k norm + RoPE + KV write
+                        in one launch, split-K attention over each row's own length:
+                        moe.kernels.decode_norm, moe.kernels.decode_attention)
         ─► logits [B, V]; KV lengths += 1;   with record_routing: ids [L_moe, B, k] kept per step
     generate = prefill, then argmax → decode_step → argmax ... (greedy)
     on a CUDA device decode_step replays one captured CUDA graph per batch size B (moe.engine.graphs): the
@@ -34,7 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moe.model.attention import KVCache, Rope, attention_decode, attention_prefill, rms_norm
+from moe.kernels.decode_norm import add_rms_norm
+from moe.model.attention import KVCache, Rope, attention_decode, attention_decode_fused, attention_prefill, rms_norm
 from moe.engine.backends import MoEBackend
 from moe.model.checkpoint import DenseWeights, LayerWeights, ModelWeights, MoEWeights
 from moe.engine.graphs import DecodeGraphs
@@ -64,6 +68,10 @@ class Engine:
         self.record_routing = record_routing
         self._routing: list[torch.Tensor] = []  # per decode step: int32 [L_moe, B, k]
         self._lengths: list[int] = []  # host mirror of kv.lengths for the active batch
+        # on a CUDA device the decode step's non-MoE part runs the fused Triton launches (_decode_body_fused);
+        # their head-dim tiles need a power of two >= 16 (every supported family's), else the torch step
+        d = self.spec.head_dim
+        self._fused = on_cuda and d >= 16 and d & (d - 1) == 0
         use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self._decode_body, max_batch, weights.device) if use_graphs else None
 
@@ -177,6 +185,8 @@ class Engine:
         """The device work of one decode step (what moe.engine.graphs captures): tokens int64 [B] on the device
         -> (logits float32 [B, V], routed ids int32 [L_moe, B, k] when recording, else None). Writes
         each row's k, v at its position and advances kv.lengths[:B]; no host sync, no host state."""
+        if self._fused:
+            return self._decode_body_fused(tokens)
         b = tokens.shape[0]
         x = self.weights.embed[tokens]  # [B, H]
         step_ids = []
@@ -186,6 +196,25 @@ class Engine:
             x = x + self._decode_mlp(lw, rms_norm(x, lw.post_norm, self.spec.rms_eps), step_ids)
         self.kv.lengths[:b] += 1
         return self._logits(x), torch.stack(step_ids) if self.record_routing else None
+
+    def _decode_body_fused(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """_decode_body with each residual add fused into the RMSNorm after it (moe.kernels.decode_norm:
+        the attention's output with the post-attention norm, the MLP's with the next layer's input
+        norm or the final norm) and attention_decode_fused: the same result up to sum orders."""
+        b, eps = tokens.shape[0], self.spec.rms_eps
+        x = self.weights.embed[tokens]  # [B, H], the residual stream
+        pending = None  # the last sublayer's output, not yet added to x
+        step_ids = []
+        for i, lw in enumerate(self.weights.layers):
+            x, h = add_rms_norm(x, lw.input_norm, eps) if pending is None else \
+                add_rms_norm(pending, lw.input_norm, eps, residual=x)
+            a = attention_decode_fused(h, lw.attn, self.spec, self.rope, self.kv, i, b)
+            x, h = add_rms_norm(a, lw.post_norm, eps, residual=x)
+            pending = self._decode_mlp(lw, h, step_ids)
+        _, h = add_rms_norm(pending, self.weights.norm, eps, residual=x)
+        self.kv.lengths[:b] += 1
+        logits = F.linear(h, self.weights.lm_head).float()
+        return logits, torch.stack(step_ids) if self.record_routing else None
 
     def _decode_mlp(self, lw: LayerWeights, h: torch.Tensor, step_ids: list) -> torch.Tensor:
         if isinstance(lw.mlp, DenseWeights):
