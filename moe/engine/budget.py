@@ -10,6 +10,10 @@ The format priced is the one the experts are stored in (expertcache.formats): a 
 are "bf16" (2 bytes a parameter), a float16 / float32 model's unquantized banks of that dtype (2 / 4
 bytes a parameter), a quantized checkpoint's or --moe-expert-format's fp8 (~1), nvfp4 / mxfp4 / int4
 (~0.5); either way P is the banks' row bytes (slots_for_bytes).
+The KV cache is the other per-request memory on the device: kv_cache_bytes = 2 (k, v) x decoder layers x
+max_batch x Hkv x max_seq_len x D x the model dtype's bytes, allocated at start (moe.model.attention.KVCache);
+memory_split reports it beside the slots, the split between --moe-cache-gb (or --moe-slots) and
+--max-batch x --max-seq-len that the server prints at start.
 The model dtype is config.json's torch_dtype or the dtype= / --dtype override. A budget that holds
 every expert gives L * E slots (a slot beyond them would never hold one) and says so in `describe`.
 GiB are 2**30 bytes. Legend: L = MoE layers, E = routed experts per layer, S = slots.
@@ -65,6 +69,28 @@ class SlotBudget:
         if self.capped:
             line += f", more than every expert: capped at {self.keys:,} slots, every expert resident"
         return line
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_cache_bytes(spec: ModelSpec, max_batch: int, max_seq_len: int) -> int:
+    """Bytes of the KV cache an Engine allocates: k and v [max_batch, Hkv, max_seq_len, D] per decoder
+    layer, in the model dtype."""
+    return (2 * spec.num_layers * max_batch * spec.num_kv_heads * max_seq_len * spec.head_dim
+            * DTYPE_BYTES[spec.moe.dtype])
+
+
+def memory_split(budget: SlotBudget, spec: ModelSpec, max_batch: int, max_seq_len: int) -> str:
+    """One line: the device memory of the expert slots and of the KV cache, and their sum."""
+    kv = kv_cache_bytes(spec, max_batch, max_seq_len)
+    per_token = kv // (max_batch * max_seq_len)
+    source = f"--moe-cache-gb {budget.cache_gb:g}" if budget.cache_gb is not None else f"--moe-slots {budget.slots}"
+    return (f"device memory for the cache and the context: expert slots {budget.slot_bytes / GIB:.3g} GiB ({source}) "
+            f"+ KV cache {kv / GIB:.3g} GiB (--max-batch {max_batch} x --max-seq-len {max_seq_len} tokens x "
+            f"{per_token:,} bytes a token: {spec.num_layers} layers x k, v x {spec.num_kv_heads} heads x "
+            f"{spec.head_dim} x {DTYPE_BYTES[spec.moe.dtype]} bytes) = {(budget.slot_bytes + kv) / GIB:.3g} GiB, "
+            "beside the model's dense weights")
 
 
 def expert_pricing(spec: ModelSpec) -> tuple[str, int]:

@@ -24,7 +24,7 @@ from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
 from moe.model.checkpoint import ModelWeights, load_checkpoint
 from moe.model.config import copy_overlap_from_env
 from moe.engine.engine import Engine
-from moe.engine.budget import resolve_slots
+from moe.engine.budget import kv_cache_bytes, memory_split, resolve_slots
 from moe.model.spec import FAMILIES, CheckpointError, ModelSpec, read_config
 
 CUDA_GRAPHS_ENV = "EXPERTCACHE_CUDA_GRAPHS"
@@ -68,6 +68,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     weights = load_checkpoint(path, device, dtype=dtype, progress=progress, expert_format=expert_format,
                               copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap)
     backend = make_backend(weights, num_slots, policy, max_batch=max_batch, **constants)
+    if weights.device.type == "cuda":  # the KV cache is allocated last: say which flags to lower if it cannot be
+        kv = kv_cache_bytes(weights.spec, max_batch, max_seq_len)
+        free = torch.cuda.mem_get_info(weights.device)[0]
+        if kv > free:
+            raise ValueError(f"the KV cache needs {kv / 2**30:.3g} GiB (max_batch={max_batch} x max_seq_len="
+                             f"{max_seq_len}) but {free / 2**30:.3g} GiB of the device are free after the weights "
+                             f"and {budget.slot_bytes / 2**30:.3g} GiB of expert slots: lower --max-seq-len or "
+                             "--max-batch, or --moe-cache-gb / --moe-slots")
+    logger.info("%s", memory_split(budget, weights.spec, max_batch, max_seq_len))
     if cuda_graphs is None:
         cuda_graphs = cuda_graphs_from_env(weights.device)
     return Engine(weights, backend, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=record_routing,

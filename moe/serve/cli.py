@@ -220,8 +220,12 @@ def run(args: argparse.Namespace) -> int:
     from moe.serve.server import make_server
 
     state = build_state(args)
-    spec, slots = state.scheduler.engine.spec, state.options.slot_budget.slots
+    from moe.engine.budget import memory_split
+
+    engine = state.scheduler.engine
+    spec, slots = engine.spec, state.options.slot_budget.slots
     print(state.options.slot_budget.describe(), flush=True)
+    print(memory_split(state.options.slot_budget, spec, engine.max_batch, engine.max_seq_len), flush=True)
     print(f"serving {state.options.served_name} ({spec.model_type}, {spec.num_moe_layers} MoE layers x "
           f"{spec.moe.num_experts} experts, top-{spec.moe.top_k}) on http://{args.host}:{args.port} with "
           f"{slots} slots, policy {args.moe_cache_policy}, device {state.scheduler.engine.weights.device}; "

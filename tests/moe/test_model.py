@@ -282,8 +282,8 @@ def test_a_budget_that_holds_every_expert_gives_each_a_slot_and_says_so(checkpoi
     with caplog.at_level(logging.INFO, logger="moe.engine.loading"):
         engine = load_model(path, "cpu", cache_gb=1, max_seq_len=32, progress=False)
     assert engine.moe.cache.geometry.num_slots == keys
-    (record,) = [r for r in caplog.records if r.name == "moe.engine.loading"]
-    assert record.levelno == logging.WARNING
+    record, split = [r for r in caplog.records if r.name == "moe.engine.loading"]
+    assert record.levelno == logging.WARNING and split.message.startswith("device memory for the cache and the context")
     assert f"budget --moe-cache-gb 1 holds {GIB // engine.moe.store.bytes_per_expert:,}" in record.message
     assert f"capped at {keys} slots, every expert resident" in record.message
 
@@ -318,3 +318,33 @@ def test_a_budget_below_the_batch_names_the_flag_and_the_budget_that_fits(checkp
         load_model(path, "cpu", cache_gb=(2 * k - 0.5) * per / GIB, max_batch=2, progress=False)
     enough = float(str(e.value).split("give --moe-cache-gb ")[1].split()[0])
     assert int(enough * GIB) // per >= 2 * k  # the budget the message gives does fit the batch
+
+
+@pytest.mark.parametrize("dtype, itemsize", [(None, 4), ("bfloat16", 2)])
+def test_the_kv_cache_is_priced_as_allocated_and_reported_beside_the_slots(checkpoint, caplog, dtype, itemsize):
+    from moe.engine.budget import kv_cache_bytes
+
+    name, model, path = checkpoint
+    cfg = model.config
+    with caplog.at_level(logging.INFO, logger="moe.engine.loading"):
+        engine = load_model(path, "cpu", num_slots=12, dtype=dtype, max_batch=3, max_seq_len=40, progress=False)
+    allocated = sum(t.numel() * t.element_size() for t in engine.kv.k + engine.kv.v)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    assert kv_cache_bytes(engine.spec, 3, 40) == allocated == (
+        2 * cfg.num_hidden_layers * 3 * cfg.num_key_value_heads * 40 * head_dim * itemsize)
+    (split,) = [r.message for r in caplog.records if r.message.startswith("device memory")]
+    per_token = allocated // (3 * 40)
+    assert (f"expert slots {12 * engine.moe.store.bytes_per_expert / GIB:.3g} GiB (--moe-slots 12) + KV cache "
+            f"{allocated / GIB:.3g} GiB (--max-batch 3 x --max-seq-len 40 tokens x {per_token:,} bytes a token: "
+            f"{cfg.num_hidden_layers} layers x k, v x {cfg.num_key_value_heads} heads x {head_dim} x {itemsize} bytes)"
+            ) in split
+
+
+@pytest.mark.gpu
+def test_a_kv_cache_beyond_the_free_device_memory_names_the_flags(checkpoint):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    name, model, path = checkpoint
+    with pytest.raises(ValueError, match=r"the KV cache needs \S+ GiB \(max_batch=1 x max_seq_len=1000000000\) but "
+                                         r".* lower --max-seq-len or --max-batch, or --moe-cache-gb / --moe-slots"):
+        load_model(path, "cuda", num_slots=12, max_seq_len=10 ** 9, progress=False)

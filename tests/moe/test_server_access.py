@@ -216,4 +216,6 @@ def test_the_start_line_gives_slots_bytes_gib_experts_and_budget(tiny_dir, monke
     out = capsys.readouterr().out.splitlines()
     assert out[0] == line
     slots = line.split()[2]
-    assert f" with {slots} slots, policy lru" in out[1]
+    assert out[1].startswith("device memory for the cache and the context: expert slots ")
+    assert " + KV cache " in out[1] and " x --max-seq-len " in out[1] and "(--max-batch " in out[1]
+    assert f" with {slots} slots, policy lru" in out[2]
