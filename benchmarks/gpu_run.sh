@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# decode decode-formats peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# decode decode-formats step peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -76,6 +76,10 @@ for part in $parts; do
       python3 benchmarks/peer_llamacpp.py limits --out ${PEER_WORK:-.peer/work}/results > "$OUT/peer-limits.log" 2>&1
       python3 benchmarks/peer_llamacpp.py report --out ${PEER_WORK:-.peer/work}/results 2>&1 | grep -v '^ ' \
         | tee "$OUT/peer-report.log" | tail -20; cp ${PEER_WORK:-.peer/work}/results/*.json "$OUT/" ;;
+    step)
+      # a whole decode step, every expert resident, against its HBM floor (issue: the non-MoE part)
+      timeout ${STEP_TIMEOUT:-540} python3 benchmarks/bench_step.py ${STEP_ARGS:---transformers} --out "$OUT/step.json" \
+        --trace-out "$OUT/step-trace.json" 2>&1 | tee "$OUT/step.log" | tail -8 ;;
     router)
       timeout ${ROUTER_TIMEOUT:-200} python3 benchmarks/bench_router.py ${ROUTER_ARGS:-} --out "$OUT/router.json" \
         2>&1 | tee "$OUT/router.log" | tail -30 ;;
