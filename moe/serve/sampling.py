@@ -1,14 +1,16 @@
 """Next-token choice of a decode step: logits [B, V] -> one token id per row, greedy or sampled.
 
     logits float32 [B, V] (one row per active sequence, on the model's device)
-      ─argmax over all rows (one launch, one host copy of B ids)─► the greedy rows' tokens
-      rows with temperature > 0: logits[b] ─to host─► softmax(logits / temperature)
-          ─► keep the smallest set of most probable tokens whose mass reaches top_p ─► renormalise
-          ─► torch.multinomial with the request's own torch.Generator
+      ─argmax over all rows─► the greedy rows' tokens
+      rows with temperature > 0, on the same device: softmax(logits[b] / temperature)
+          ─► keep the smallest set of most probable tokens whose mass reaches top_p
+          ─► torch.multinomial with the request's own torch.Generator on that device
+      ─► one host copy of the B ids
     rows asking for logprobs: log_softmax(logits[b]) (the model's distribution, before temperature and
         top-p, as OpenAI and vLLM report it) ─► the chosen token's logprob and the top-n alternatives
 The generator is per request, seeded from the request's `seed` (or from the OS when absent), so a
-seeded request draws the same tokens whatever else shares its decode steps.
+seeded request draws the same tokens whatever else shares its decode steps (on one device: a CUDA
+generator's stream differs from the CPU's).
 Legend: B = active sequences, V = vocab.
 """
 
@@ -69,38 +71,54 @@ class SamplingParams:
 
 
 class Sampler:
-    """The token chooser of one request: greedy, or temperature / top-p with a seeded generator."""
+    """The token chooser of one request: greedy, or temperature / top-p with a seeded generator on the
+    device of the logits it is given (one per device, made on first use from the request's seed: a
+    seeded request repeats on one device; a CUDA generator's stream is not the CPU's)."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        self.generator = None
+        self.seed = None
+        self._generators: dict[torch.device, torch.Generator] = {}
         if not params.greedy:
-            seed = params.seed if params.seed is not None else secrets.randbits(63)
-            self.generator = torch.Generator().manual_seed(seed)
+            self.seed = params.seed if params.seed is not None else secrets.randbits(63)
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """logits float32 [V] on the host -> a token id drawn from the top-p nucleus at the temperature."""
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The request's generator on `device`, seeded from its seed on first use."""
+        g = self._generators.get(device)
+        if g is None:
+            g = self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return g
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] on any device -> int64 [1] on that device: a token drawn from the top-p nucleus at
+        the temperature, with no host copy."""
         p = self.params
         probs = torch.softmax(logits.float() / p.temperature, dim=-1)  # [V]
         if p.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             before = sorted_probs.cumsum(0) - sorted_probs  # mass of the more probable tokens
             keep = before < p.top_p  # always keeps the most probable token
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            probs = torch.zeros_like(probs).scatter_(0, order, torch.where(keep, sorted_probs, 0.0))
+        return torch.multinomial(probs, 1, generator=self.generator(logits.device))
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """logits [V] -> a token id (draw, then one host copy)."""
+        return int(self.draw(logits))
 
 
 def choose(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:
     """One token per row: logits float32 [B, V] (any device), samplers [B] -> B token ids.
 
-    Cost: one argmax over [B, V] and a host copy of B ids; per sampled row, a host copy of its [V]
-    logits and a sort of V when top_p < 1.
+    Everything runs on the logits' device: one argmax over [B, V], per sampled row a softmax (and a
+    sort of V when top_p < 1) and a draw, then one host copy of the B ids.
     """
-    tokens = logits.argmax(dim=-1).tolist()  # [B]
-    for row, sampler in enumerate(samplers):
-        if not sampler.params.greedy:
-            tokens[row] = sampler.sample(logits[row].cpu())
-    return tokens
+    tokens = logits.argmax(dim=-1)  # [B]
+    sampled = [row for row, sampler in enumerate(samplers) if not sampler.params.greedy]
+    if sampled:
+        tokens = tokens.clone()
+        for row in sampled:
+            tokens[row] = samplers[row].draw(logits[row])[0]
+    return tokens.tolist()
 
 
 def logprobs_of(samplers: Sequence[Sampler], logits: torch.Tensor, tokens: Sequence[int]) -> list[TokenLogprob | None]:

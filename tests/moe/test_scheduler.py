@@ -261,3 +261,21 @@ def test_logprobs_on_a_gpu_engine_match_its_own_logits(tiny_dir):
         values, ids = row.topk(3)
         assert [i for i, _ in lp.top] == ids.tolist()
         assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_choose_draws_each_sampled_row_on_the_logits_device_whatever_shares_the_step(device):
+    from moe.serve.sampling import choose
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g).to(device)
+    params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, seed=11),
+              SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, temperature=1.3, seed=12)]
+    together = [Sampler(p) for p in params]
+    alone = [Sampler(p) for p in params]
+    for _ in range(5):
+        got = choose(together, logits)
+        assert got[0] == int(logits[0].argmax()) and got[2] == int(logits[2].argmax())
+        assert [got[1], got[3]] == [alone[1].sample(logits[1]), alone[3].sample(logits[3])]
+    assert set(together[1]._generators) == {logits.device}
