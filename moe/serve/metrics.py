@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from moe.engine.cachestats import CacheStats, cache_stats
@@ -119,7 +119,9 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 class ServerMetrics:
-    """The server's registry: the HTTP request counter and the snapshot collector."""
+    """The server's registry: the HTTP request counter, the snapshot collector, and histograms of the
+    finished requests' timing (time to first token, queue, prefill and decode tokens per second,
+    cached prompt tokens)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -127,6 +129,35 @@ class ServerMetrics:
                                 registry=self.registry)
         self._collector = _SnapshotCollector()
         self.registry.register(self._collector)
+        seconds = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+        rates = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+        self.ttft = Histogram("expertcache_request_time_to_first_token_seconds",
+                              "time from a request's arrival to its first token (queue + prefill)", buckets=seconds,
+                              registry=self.registry)
+        self.queue = Histogram("expertcache_request_queue_seconds", "time a request waited for a row",
+                               buckets=seconds, registry=self.registry)
+        self.prefill_rate = Histogram("expertcache_request_prefill_tokens_per_second",
+                                      "prompt tokens per second of a request's prefill", buckets=rates,
+                                      registry=self.registry)
+        self.decode_rate = Histogram("expertcache_request_decode_tokens_per_second",
+                                     "decode tokens per second of a request (its tokens after the first)",
+                                     buckets=rates, registry=self.registry)
+        self.cached = Histogram("expertcache_request_cached_prompt_tokens",
+                                "prompt tokens a request took from a prefix cache", buckets=(0, 1, 16, 256, 4096),
+                                registry=self.registry)
+
+    def observe(self, timing) -> None:
+        """Add one finished request's RequestTiming (moe.serve.scheduler) to the histograms; None
+        (a request that ended with an error) adds nothing. A request that ended at its first token
+        adds no decode rate."""
+        if timing is None:
+            return
+        self.ttft.observe(timing.time_to_first_token_s)
+        self.queue.observe(timing.queue_s)
+        self.prefill_rate.observe(timing.prefill_tokens_per_s)
+        if timing.decode_tokens:
+            self.decode_rate.observe(timing.decode_tokens_per_s)
+        self.cached.observe(timing.cached_prompt_tokens)
 
     def render(self, snap: Snapshot) -> bytes:
         """The exposition text of every metric, the cache and scheduler ones read from `snap`."""

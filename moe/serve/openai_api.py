@@ -125,9 +125,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, timing=None) -> dict:
+    """OpenAI's usage; with the request's RequestTiming (moe.serve.scheduler), also OpenAI's
+    prompt_tokens_details.cached_tokens and the extension field "expertcache": seconds in the queue,
+    of prefill, to the first token and of decode, and prefill and decode tokens per second."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if timing is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": timing.cached_prompt_tokens}
+        out["expertcache"] = {"queue_s": timing.queue_s, "prefill_s": timing.prefill_s,
+                              "time_to_first_token_s": timing.time_to_first_token_s, "decode_s": timing.decode_s,
+                              "prefill_tokens_per_s": timing.prefill_tokens_per_s,
+                              "decode_tokens_per_s": timing.decode_tokens_per_s}
+    return out
 
 
 def completion_logprobs(tokenizer: TextTokenizer, lps: Sequence[TokenLogprob], offset: int = 0) -> dict | None:

@@ -18,7 +18,9 @@ A request joins between decode steps and runs in the same steps as every other a
 whose consumer went away (`cancel()`, or an `emit` that raises) leaves at the next loop turn and
 frees its row. `emit` runs on the scheduler thread: it must be quick and thread-safe (the server's
 puts onto an asyncio queue with loop.call_soon_threadsafe). Token accounting: completion_tokens counts
-every sampled token, an eos included; the eos itself adds no text.
+every sampled token, an eos included; the eos itself adds no text. Timing: the final Event of a request
+that finished carries its RequestTiming (time in the queue, prefill, time to first token, decode), on
+the scheduler thread's monotonic clock.
 Legend: B = active sequences, V = vocab.
 """
 
@@ -45,6 +47,35 @@ class SchedulerClosed(RuntimeError):
 
 
 @dataclass(frozen=True)
+class RequestTiming:
+    """How one finished request's time went, in seconds: queue_s from submit to its prefill's start,
+    prefill_s the prefill and its first token's choice, time_to_first_token_s = queue_s + prefill_s,
+    decode_s from the first token to the last. prompt_tokens prefilled, decode_tokens produced by
+    decode steps (every token after the first), cached_prompt_tokens served from a prefix cache (none
+    exists yet: always 0, reported so clients can read it as OpenAI's cached_tokens)."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+    prompt_tokens: int
+    decode_tokens: int
+    cached_prompt_tokens: int = 0
+
+    @property
+    def time_to_first_token_s(self) -> float:
+        return self.queue_s + self.prefill_s
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode tokens per second of this request (0 when it ended at its first token)."""
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 and self.decode_tokens else 0.0
+
+
+@dataclass(frozen=True)
 class Event:
     """What a request's consumer receives: a text delta, and on the last event the finish_reason
     ("stop": eos or a stop string; "length": max_tokens or max_seq_len) or an error message.
@@ -56,6 +87,7 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
     logprob: TokenLogprob | None = None
+    timing: RequestTiming | None = None  # on the final event of a request that finished
 
     @property
     def final(self) -> bool:
@@ -69,6 +101,7 @@ class Request:
     def __init__(self, prompt: Sequence[int], params: SamplingParams, emit: Callable[[Event], Any]) -> None:
         self.prompt, self.params, self.emit = list(prompt), params, emit
         self.number = -1
+        self.submitted = time.monotonic()
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -107,6 +140,8 @@ class _Seq:
     stream: TextStream
     generated: int = 0
     last: int = -1
+    admitted: float = 0.0  # monotonic time its prefill started
+    first_token: float = 0.0  # monotonic time its first token was chosen
 
 
 class _Call:
@@ -260,16 +295,18 @@ class Scheduler:
         engine = self.engine
         while self._waiting and engine.batch < engine.max_batch:
             req = self._waiting.popleft()
+            admitted = time.monotonic()
             try:
                 row, logits = engine.join(req.prompt)  # logits [V]
             except ValueError as e:
                 self.stats.finished["error"] += 1
                 _emit(req, Event(error=str(e), prompt_tokens=len(req.prompt)))
                 continue
-            seq = _Seq(req, Sampler(req.params), TextStream(self.tokenizer, req.params.stop))
+            seq = _Seq(req, Sampler(req.params), TextStream(self.tokenizer, req.params.stop), admitted=admitted)
             self.rows.append(seq)
             self.stats.prefill_tokens += len(req.prompt)
             token = choose([seq.sampler], logits[None])[0]
+            seq.first_token = time.monotonic()
             logprob = logprobs_of([seq.sampler], logits[None], [token])[0]
             if self._advance(seq, token, engine.lengths()[row], logprob):
                 self._leave(row)
@@ -312,7 +349,14 @@ class Scheduler:
             reason = "stop" if stopped else "length" if full else None
             if reason == "length":
                 text += seq.stream.finish()
-        ok = _emit(seq.request, Event(text, reason, len(seq.request.prompt), seq.generated, logprob=logprob))
+        timing = None
+        if reason is not None:
+            req = seq.request
+            timing = RequestTiming(queue_s=seq.admitted - req.submitted, prefill_s=seq.first_token - seq.admitted,
+                                   decode_s=time.monotonic() - seq.first_token, prompt_tokens=len(req.prompt),
+                                   decode_tokens=seq.generated - 1)
+        ok = _emit(seq.request, Event(text, reason, len(seq.request.prompt), seq.generated, logprob=logprob,
+                                      timing=timing))
         if reason is not None:
             self.stats.finished[reason] += 1
         elif not ok:

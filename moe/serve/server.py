@@ -155,6 +155,7 @@ async def _collect(state: ServeState, req: Request, events: asyncio.Queue, http:
             if ev.error is not None:
                 raise _event_error(state, ev)
             if ev.final:
+                state.metrics.observe(ev.timing)
                 return "".join(parts), logprobs, ev
     finally:
         watcher.cancel()
@@ -196,9 +197,11 @@ async def _stream(state: ServeState, events: asyncio.Queue, rid: str, chunk: Cal
                 yield _sse(chunk(rid, model, ev.text, None, logprobs(pending)))
                 pending = []
             if ev.final:
+                state.metrics.observe(ev.timing)
                 yield _sse(chunk(rid, model, "" if first is None else {}, ev.finish_reason, logprobs(pending)))
                 if include_usage:
-                    yield _sse(api.usage_chunk(rid, model, obj, api.usage(ev.prompt_tokens, ev.completion_tokens)))
+                    yield _sse(api.usage_chunk(rid, model, obj, api.usage(ev.prompt_tokens, ev.completion_tokens,
+                                                                          ev.timing)))
                 break
     except Exception as e:  # a bug: the stream has begun, so end it with an error event
         logger.exception("a stream failed")
@@ -254,8 +257,8 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
         if prep.stream:
             return _EventStream(_stream(state, events, rid, chunk, first, obj, prep.include_usage, logprobs), req)
         text, lps, ev = await _collect(state, req, events, http)
-        return body(rid, opts.served_name, text, ev.finish_reason, api.usage(ev.prompt_tokens, ev.completion_tokens),
-                    logprobs(lps))
+        return body(rid, opts.served_name, text, ev.finish_reason,
+                    api.usage(ev.prompt_tokens, ev.completion_tokens, ev.timing), logprobs(lps))
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):

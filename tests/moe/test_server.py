@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -250,3 +251,33 @@ def test_serve_flags_and_missing_tokenizer_are_refused(tiny_dir, tmp_path):
                                       "--device", "cpu"])
     with pytest.raises(SystemExit, match="--moe-slots 5 is below"):
         build_state(args)
+
+
+def test_usage_reports_the_request_s_timing_and_metrics_histogram_it(srv):
+    def counts():
+        text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    before = counts()
+    t0 = time.monotonic()
+    out = _complete(srv, "w10 w11 w12 w13", max_tokens=5)
+    wall = time.monotonic() - t0
+    ext = out.usage.model_extra["expertcache"]
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 <= ext["queue_s"] <= ext["time_to_first_token_s"] <= wall
+    assert ext["time_to_first_token_s"] == pytest.approx(ext["queue_s"] + ext["prefill_s"])
+    assert ext["prefill_tokens_per_s"] == pytest.approx(4 / ext["prefill_s"])
+    assert ext["decode_tokens_per_s"] == pytest.approx(4 / ext["decode_s"])  # the 4 tokens after the first
+    chunks = list(_complete(srv, "w20", max_tokens=1, stream=True, stream_options={"include_usage": True}))
+    last = chunks[-1].usage.model_extra["expertcache"]
+    assert last["decode_tokens_per_s"] == 0 and last["prefill_tokens_per_s"] > 0  # ended at its first token
+    after = counts()
+    for name, added in (("expertcache_request_time_to_first_token_seconds_count", 2),
+                        ("expertcache_request_prefill_tokens_per_second_count", 2),
+                        ("expertcache_request_decode_tokens_per_second_count", 1),
+                        ("expertcache_request_cached_prompt_tokens_count", 2)):
+        assert after[(name, ())] - before.get((name, ()), 0) == added, name
+    le = (("le", "0.0"),)
+    assert after[("expertcache_request_cached_prompt_tokens_bucket", le)] == after[
+        ("expertcache_request_cached_prompt_tokens_count", ())]
