@@ -43,10 +43,13 @@ from moe.engine.backends import MoEBackend
 from moe.model.checkpoint import DenseWeights, LayerWeights, ModelWeights, MoEWeights
 from moe.engine.graphs import DecodeGraphs
 
+PREFILL_CHUNK = 4096  # prompt tokens a prefill pass takes at once (a longer prompt runs in chunks)
+
 
 class Engine:
     """Runs a ModelWeights with `moe` (CpuCachedMoE or GpuMoE) for up to `max_batch` sequences of at
-    most `max_seq_len` tokens (prompt + generated). record_routing: keep each decode step's routed
+    most `max_seq_len` tokens (prompt + generated), prefilling a prompt prefill_chunk tokens at a time
+    (PREFILL_CHUNK: a longer prompt's activations stay those of a chunk). record_routing: keep each decode step's routed
     expert ids (`routing()`), for an expertcache-trace/1 file. cuda_graphs: capture and replay decode
     steps per batch size (moe.engine.graphs; `graphs` holds them); None = on for a CUDA device, off on the
     CPU; False = eager GPU decode (debugging).
@@ -55,9 +58,12 @@ class Engine:
     """
 
     def __init__(self, weights: ModelWeights, moe: MoEBackend, *, max_batch: int = 1, max_seq_len: int = 2048,
-                 record_routing: bool = False, cuda_graphs: bool | None = None) -> None:
-        if max_batch < 1 or max_seq_len < 1:
-            raise ValueError(f"max_batch={max_batch} and max_seq_len={max_seq_len} must be >= 1")
+                 record_routing: bool = False, cuda_graphs: bool | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+        if max_batch < 1 or max_seq_len < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_batch={max_batch}, max_seq_len={max_seq_len} and prefill_chunk={prefill_chunk} "
+                             "must be >= 1")
+        self.prefill_chunk = prefill_chunk
         on_cuda = weights.device.type == "cuda"
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA device, the model is on {weights.device}")
@@ -152,14 +158,20 @@ class Engine:
         return row, logits
 
     def _prefill_row(self, tokens: torch.Tensor, row: int, all_logits: bool) -> torch.Tensor:
-        x = self.weights.embed[tokens]  # [T, H]
-        for i, lw in enumerate(self.weights.layers):
-            x = x + attention_prefill(rms_norm(x, lw.input_norm, self.spec.rms_eps), lw.attn, self.spec,
-                                      self.rope, self.kv, i, row)
-            h = rms_norm(x, lw.post_norm, self.spec.rms_eps)
-            x = x + (self.moe.prefill(lw.mlp, h) if isinstance(lw.mlp, MoEWeights) else _dense(lw.mlp, h))
+        """The prompt through every layer in chunks of prefill_chunk tokens (activation memory bounded
+        by a chunk; a chunk attends to the row's cached positions before it)."""
+        logits = []
+        for start in range(0, tokens.shape[0], self.prefill_chunk):
+            x = self.weights.embed[tokens[start:start + self.prefill_chunk]]  # [T_chunk, H]
+            for i, lw in enumerate(self.weights.layers):
+                x = x + attention_prefill(rms_norm(x, lw.input_norm, self.spec.rms_eps), lw.attn, self.spec,
+                                          self.rope, self.kv, i, row, start)
+                h = rms_norm(x, lw.post_norm, self.spec.rms_eps)
+                x = x + (self.moe.prefill(lw.mlp, h) if isinstance(lw.mlp, MoEWeights) else _dense(lw.mlp, h))
+            if all_logits:
+                logits.append(self._logits(x))  # [T_chunk, V]
         if all_logits:
-            return self._logits(x)  # [T, V]
+            return torch.cat(logits)  # [T, V]
         return self._logits(x[-1:])[0]  # [V]
 
     def decode_step(self, tokens) -> torch.Tensor:

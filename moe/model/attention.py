@@ -5,7 +5,8 @@
              ─► write k, v into KVCache row b at positions [pos, pos + T)
              ─► softmax(q kᵀ / √D + causal / length mask) v ─► [T, Hq * D] ─o proj─► [T, H]
 
-    prefill: one sequence (row b), T prompt tokens at positions 0..T-1, causal.
+    prefill: one sequence (row b), T prompt tokens at positions 0..T-1, causal; in chunks, a chunk at
+             positions start..start+T-1 attends to the row's cached 0..start-1 and causally to itself.
     decode:  B sequences (rows 0..B-1), one token each at position lengths[b], attending to
              cache positions 0..lengths[b]; lengths may differ per row, so no padding is needed.
 
@@ -82,21 +83,30 @@ def _project(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, positions: t
 
 
 def attention_prefill(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope: Rope, cache: KVCache,
-                      layer: int, row: int) -> torch.Tensor:
-    """Prompt x [T, H] of sequence `row` at positions 0..T-1 -> [T, H]; fills cache row `row`.
+                      layer: int, row: int, start: int = 0) -> torch.Tensor:
+    """Prompt tokens x [T, H] of sequence `row` at positions start..start+T-1 -> [T, H]; writes their
+    k, v into cache row `row` there. start > 0 is a later chunk of a chunked prefill: its queries attend
+    to the row's cached positions 0..start-1 and causally within the chunk (start = 0: exactly the
+    one-chunk computation).
 
-    Cost O(T * H * (Hq + 2 Hkv) * D / H + T² * Hq * D). Raises ValueError naming max_seq_len when the
-    prompt does not fit the cache.
+    Cost O(T * H * (Hq + 2 Hkv) * D / H + T * (start + T) * Hq * D). Raises ValueError naming max_seq_len
+    when the prompt does not fit the cache.
     """
     t = x.shape[0]
-    if t > cache.max_len:
-        raise ValueError(f"a prompt of {t} tokens exceeds max_seq_len={cache.max_len}: raise max_seq_len")
-    q, k, v = _project(x, w, spec, torch.arange(t, device=x.device), rope)
-    cache.k[layer][row, :, :t] = k.transpose(0, 1)
-    cache.v[layer][row, :, :t] = v.transpose(0, 1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                         v.transpose(0, 1)[None], is_causal=True,
-                                         enable_gqa=spec.num_heads != spec.num_kv_heads)  # [1, Hq, T, D]
+    if start + t > cache.max_len:
+        raise ValueError(f"a prompt of {start + t} tokens exceeds max_seq_len={cache.max_len}: raise max_seq_len")
+    q, k, v = _project(x, w, spec, torch.arange(start, start + t, device=x.device), rope)
+    cache.k[layer][row, :, start:start + t] = k.transpose(0, 1)
+    cache.v[layer][row, :, start:start + t] = v.transpose(0, 1)
+    gqa = spec.num_heads != spec.num_kv_heads
+    if start == 0:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True, enable_gqa=gqa)  # [1, Hq, T, D]
+    else:
+        n = start + t
+        mask = torch.arange(n, device=x.device)[None, :] <= torch.arange(start, n, device=x.device)[:, None]  # [T, n]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], cache.k[layer][row:row + 1, :, :n],
+                                             cache.v[layer][row:row + 1, :, :n], attn_mask=mask, enable_gqa=gqa)
     return F.linear(out[0].transpose(0, 1).reshape(t, -1), w.o, w.o_bias)
 
 

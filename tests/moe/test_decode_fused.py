@@ -4,7 +4,8 @@ its torch decode step, on the CPU under Triton's interpreter: two engines over t
 each way, rows of different lengths, both families (qwen2_moe with a shared expert and q/k/v bias;
 qwen3_moe with q/k norms), float32 (greedy tokens identical, logits within 1e-4), float16 and
 bfloat16 (GPU only: the interpreter truncates float32 -> bfloat16 casts where the GPU and torch round to
-nearest, so on the CPU the two paths drift apart by design, not by error)."""
+nearest, so on the CPU the two paths drift apart by design, not by error). Also: a prompt prefilled in
+chunks against the same prompt in one pass."""
 
 from __future__ import annotations
 
@@ -59,3 +60,33 @@ def test_the_fused_step_is_the_torch_step(family, dtype):
         tol = 1e-5 if dtype == "float32" else 2e-2
         assert (a.float() - b.float()).abs().max().item() <= tol * a.float().abs().max().item()
     assert torch.equal(torch_engine.kv.lengths, fused_engine.kv.lengths)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_prompt_prefilled_in_chunks_is_the_prompt_prefilled_at_once(family):
+    """Chunks of 3 tokens (a chunk attends to the row's cached positions before it) against one pass:
+    the same logits for every prompt position within float32 rounding, the same KV cache, the same
+    decode after it; prefill_chunk is checked."""
+    device, _ = device_or_skip()
+    engines = []
+    for chunk in (4096, 3):
+        weights = random_decoder({**FAMILIES[family], "torch_dtype": "float32"}, device, seed=12)
+        engines.append(Engine(weights, make_backend(weights, 32, "lru", max_batch=2), max_batch=2, max_seq_len=24,
+                              cuda_graphs=False, prefill_chunk=chunk))
+    whole, chunked = engines
+    prompts = [[3, 9, 27, 17, 51, 4, 40, 33, 12, 7, 61], [8, 1]]
+    want = [whole.join(p)[1] for p in prompts]
+    got = [chunked.join(p)[1] for p in prompts]
+    for a, b in zip(got, want):
+        assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()
+    assert whole.kv.lengths.tolist() == chunked.kv.lengths.tolist() == [11, 2]
+    for a, b in zip(whole.kv.k + whole.kv.v, chunked.kv.k + chunked.kv.v):
+        assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()
+    step = [e.decode_step([5, 6]) for e in engines]
+    assert (step[0] - step[1]).abs().max().item() <= 1e-4 * step[0].abs().max().item()
+    (every,) = chunked.prefill([prompts[0]], all_logits=True)  # the logits after every prompt token
+    (want_every,) = whole.prefill([prompts[0]], all_logits=True)
+    assert every.shape == (11, FAMILIES[family]["vocab_size"])
+    assert (every - want_every).abs().max().item() <= 1e-5 * want_every.abs().max().item()
+    with pytest.raises(ValueError, match="prefill_chunk=0"):
+        Engine(whole.weights, whole.moe, prefill_chunk=0)
