@@ -185,8 +185,13 @@ def transformers_decode(args: argparse.Namespace, batch: int, context: int) -> d
     cfg = qwen3_30b_like(args.layers, vocab_size=args.vocab)
     config = Qwen3MoeConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype")})
     torch.manual_seed(args.seed)
-    with torch.device("cuda"):
-        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no float32 copy of the weights first
+    try:
+        with torch.device("cuda"):
+            model = Qwen3MoeForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(prev)
     prompt = torch.randint(0, args.vocab, (batch, context), device="cuda")
     with torch.no_grad():
         cache = DynamicCache()

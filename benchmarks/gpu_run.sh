@@ -56,26 +56,27 @@ for part in $parts; do
         2>&1 | tee "$OUT/decode-formats.log" | tail -14 ;;
     peer-build)
       # llama.cpp beside expertcache (benchmarks/peer_llamacpp.py; carry .peer from `peer_llamacpp.py prepare`):
-      # the build, then the shared random-weight checkpoint; PEER_WORK (ignored by git) is kept between calls
-      timeout 560 sh -c "python3 benchmarks/peer_llamacpp.py build --build-dir ${PEER_WORK:-.peer/work} > $OUT/peer-build.log 2>&1 &&
-        python3 benchmarks/peer_llamacpp.py checkpoint --out ${PEER_WORK:-.peer/work}/qwen3moe --layers ${PEER_LAYERS:-12} \
+      # the build, then the shared random-weight checkpoint; PEER_WORK (.peer-work, ignored by git, not carried)
+      # is kept between calls while the machine is held
+      timeout 560 sh -c "python3 benchmarks/peer_llamacpp.py build --build-dir ${PEER_WORK:-.peer-work} > $OUT/peer-build.log 2>&1 &&
+        python3 benchmarks/peer_llamacpp.py checkpoint --out ${PEER_WORK:-.peer-work}/qwen3moe --layers ${PEER_LAYERS:-12} \
           --device cuda >> $OUT/peer-build.log 2>&1"; echo "peer-build: exit $?"; tail -4 "$OUT/peer-build.log" ;;
     peer-convert)
-      timeout 560 python3 benchmarks/peer_llamacpp.py convert --model ${PEER_WORK:-.peer/work}/qwen3moe \
-        --build-dir ${PEER_WORK:-.peer/work} > "$OUT/peer-convert.log" 2>&1; echo "peer-convert: exit $?"; tail -14 "$OUT/peer-convert.log" ;;
+      timeout 560 python3 benchmarks/peer_llamacpp.py convert --model ${PEER_WORK:-.peer-work}/qwen3moe \
+        --build-dir ${PEER_WORK:-.peer-work} > "$OUT/peer-convert.log" 2>&1; echo "peer-convert: exit $?"; tail -14 "$OUT/peer-convert.log" ;;
     peer-llama)
       # results gather in PEER_WORK/results (kept between calls); each part copies them to $OUT
-      timeout 560 python3 benchmarks/peer_llamacpp.py bench-llama --model ${PEER_WORK:-.peer/work}/qwen3moe \
-        --build-dir ${PEER_WORK:-.peer/work} --out ${PEER_WORK:-.peer/work}/results 2>&1 | grep -v '^ ' \
-        | tee "$OUT/peer-llama.log" | tail -14; cp ${PEER_WORK:-.peer/work}/results/*.json "$OUT/" ;;
+      timeout 560 python3 benchmarks/peer_llamacpp.py bench-llama --model ${PEER_WORK:-.peer-work}/qwen3moe \
+        --build-dir ${PEER_WORK:-.peer-work} --out ${PEER_WORK:-.peer-work}/results 2>&1 | grep -v '^ ' \
+        | tee "$OUT/peer-llama.log" | tail -14; cp ${PEER_WORK:-.peer-work}/results/*.json "$OUT/" ;;
     peer-ours)
-      timeout 560 python3 benchmarks/peer_llamacpp.py bench-ours --model ${PEER_WORK:-.peer/work}/qwen3moe \
-        --out ${PEER_WORK:-.peer/work}/results --formats ${PEER_FORMATS:-bf16,fp8,int4,nvfp4} ${PEER_OURS_ARGS:-} 2>&1 \
-        | grep -v '^ ' | tee "$OUT/peer-ours.log" | tail -34; cp ${PEER_WORK:-.peer/work}/results/*.json "$OUT/" ;;
+      timeout 560 python3 benchmarks/peer_llamacpp.py bench-ours --model ${PEER_WORK:-.peer-work}/qwen3moe \
+        --out ${PEER_WORK:-.peer-work}/results --formats ${PEER_FORMATS:-bf16,fp8,int4,nvfp4} ${PEER_OURS_ARGS:-} 2>&1 \
+        | grep -v '^ ' | tee "$OUT/peer-ours.log" | tail -34; cp ${PEER_WORK:-.peer-work}/results/*.json "$OUT/" ;;
     peer-report)
-      python3 benchmarks/peer_llamacpp.py limits --out ${PEER_WORK:-.peer/work}/results > "$OUT/peer-limits.log" 2>&1
-      python3 benchmarks/peer_llamacpp.py report --out ${PEER_WORK:-.peer/work}/results 2>&1 | grep -v '^ ' \
-        | tee "$OUT/peer-report.log" | tail -20; cp ${PEER_WORK:-.peer/work}/results/*.json "$OUT/" ;;
+      python3 benchmarks/peer_llamacpp.py limits --out ${PEER_WORK:-.peer-work}/results > "$OUT/peer-limits.log" 2>&1
+      python3 benchmarks/peer_llamacpp.py report --out ${PEER_WORK:-.peer-work}/results 2>&1 | grep -v '^ ' \
+        | tee "$OUT/peer-report.log" | tail -20; cp ${PEER_WORK:-.peer-work}/results/*.json "$OUT/" ;;
     step)
       # a whole decode step, every expert resident, against its HBM floor (issue: the non-MoE part)
       timeout ${STEP_TIMEOUT:-540} python3 benchmarks/bench_step.py ${STEP_ARGS:---transformers} --out "$OUT/step.json" \

@@ -212,8 +212,13 @@ def make_checkpoint(out: Path, layers: int, vocab: int, seed: int, device: str =
                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                             torch_dtype="bfloat16")
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no float32 copy of the weights first
+    try:
+        with torch.device(device):
+            model = Qwen3MoeForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return config.to_dict()
