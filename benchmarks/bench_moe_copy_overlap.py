@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmeta import machine
+from benchmeta import d2d_bandwidth, machine
 
 from moe.model.config import MoEConfig
 from moe.testing.kernel_trace import kernels, kernels_in_range, load_trace, named
@@ -250,18 +250,6 @@ def step_trace(graph: Graph, x: torch.Tensor, path: Path) -> None:
         graph(x)
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(path))
-
-
-def d2d_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
-    """Device-to-device copy, bytes read plus written per second (median)."""
-    src = torch.empty(nbytes // 2, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    out = []
-    for _ in range(reps + 3):
-        s, e = timed(lambda _: dst.copy_(src), None)
-        torch.cuda.synchronize()
-        out.append(2 * nbytes / (s.elapsed_time(e) * 1e-3))
-    return float(np.median(out[3:]))
 
 
 def overlap_models(weights, num_slots: int) -> dict:

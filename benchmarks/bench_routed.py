@@ -211,21 +211,6 @@ def launch_shares(fmt: ExpertFormat, hidden: int, inter: int) -> dict[str, float
     return {"gate_up": fmt.matrix_bytes(2 * inter, hidden, 2) / total, "down": fmt.matrix_bytes(hidden, inter) / total}
 
 
-def copy_bandwidth(reps: int = 20) -> float:
-    """Device-to-device copy of 2 GiB: bytes read + written per second, median of reps."""
-    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda").random_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return 2 * src.nbytes / float(np.median(times[3:]))
-
-
 @dataclass
 class Pool:
     """One format's slot pool of a shape: gate_up [S, 2I, H] and down [S, H, I], plain bf16 tensors
@@ -505,7 +490,7 @@ def main() -> None:
         print("bench_routed needs a CUDA GPU; see --help", file=sys.stderr)
         sys.exit(2)
     info = benchmeta.machine()
-    bandwidth = copy_bandwidth()
+    bandwidth = benchmeta.d2d_bandwidth()
     print(f"{info['gpu']}: device-to-device copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
     for shape in args.shapes:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import benchmeta
 import torch
-from bench_routed import copy_bandwidth, time_variants
+from bench_routed import time_variants
 
 from moe.kernels.router import router_reference, router_scratch, router_topk
 from moe.kernels.tiles import RouterTiles
@@ -138,7 +138,7 @@ def main() -> None:
         print("bench_router needs a CUDA GPU; see --help", file=sys.stderr)
         sys.exit(2)
     info = benchmeta.machine()
-    bandwidth = copy_bandwidth()
+    bandwidth = benchmeta.d2d_bandwidth()
     rows = []
     for shape in shapes:
         for tokens in (int(t) for t in args.tokens.split(",")):

@@ -73,23 +73,6 @@ def step_bytes(spec, batch: int, context: int, distinct_experts: float) -> dict[
             "head": (spec.vocab_size * h + h) * itemsize, "embedding": batch * h * itemsize}
 
 
-def copy_bandwidth(reps: int = 10) -> float:
-    """Device-to-device copy of 2 GiB: bytes read + written per second, median of reps."""
-    import torch
-
-    src = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        out.append(2 * src.numel() / (start.elapsed_time(end) * 1e-3))
-    return float(np.median(out))
-
-
 def measure(weights, args: argparse.Namespace, batch: int, context: int, trace_out: Path | None) -> dict:
     """One (B, C): tokens/s over the timed steps, the distinct experts per step, the profile's parts."""
     import torch
@@ -258,7 +241,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from moe.testing.random_decoder import qwen3_30b_like, random_decoder
 
     weights = random_decoder(qwen3_30b_like(args.layers, vocab_size=args.vocab), "cuda", seed=args.seed)
-    bandwidth = copy_bandwidth()
+    bandwidth = benchmeta.d2d_bandwidth()
     rows = []
     for batch in args.batches:
         for context in args.contexts:

@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# decode decode-formats step peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# decode decode-formats step prefill peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -54,6 +54,10 @@ for part in $parts; do
         --moe-cache-gb ${DECODE_FORMATS_GB:-2.5,4.5} --expert-formats bf16,fp8,nvfp4,int4 --configs lru --batches 1 \
         --warmup ${DECODE_FORMATS_WARMUP:-200} --steps ${DECODE_FORMATS_STEPS:-300} --out "$OUT/decode-formats.json" \
         2>&1 | tee "$OUT/decode-formats.log" | tail -14 ;;
+    prefill)
+      # time to first token of 1K / 8K / 32K prompts with a quarter of the experts in slots, against the copy limit
+      timeout ${PREFILL_TIMEOUT:-540} python3 benchmarks/bench_prefill.py ${PREFILL_ARGS:-} --out "$OUT/prefill.json" \
+        --trace-out "$OUT/prefill-trace.json" 2>&1 | tee "$OUT/prefill.log" | tail -6 ;;
     peer-build)
       # llama.cpp beside expertcache (benchmarks/peer_llamacpp.py; carry .peer from `peer_llamacpp.py prepare`):
       # the build, then the shared random-weight checkpoint; PEER_WORK (.peer-work, ignored by git, not carried)

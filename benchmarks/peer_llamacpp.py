@@ -447,18 +447,11 @@ def limits(args: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - t0)
     host = x.numel() * 4 / float(np.median(times[1:]))
     del x
-    src = torch.empty(2 ** 28, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(2 ** 28, dtype=torch.uint8, device="cuda")
-    link = []
-    for _ in range(6):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        link.append(src.numel() / (start.elapsed_time(end) * 1e-3))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import benchmeta
+
     result = {"host_read_bytes_per_s": host, "host_threads": args.threads,
-              "link_bytes_per_s": float(np.median(link[1:]))}
+              "link_bytes_per_s": benchmeta.link_bandwidth()}
     _write(Path(args.out) / "limits.json", result)
     return result
 

@@ -43,7 +43,7 @@ from moe.engine.backends import MoEBackend
 from moe.model.checkpoint import DenseWeights, LayerWeights, ModelWeights, MoEWeights
 from moe.engine.graphs import DecodeGraphs
 
-PREFILL_CHUNK = 4096  # prompt tokens a prefill pass takes at once (a longer prompt runs in chunks)
+PREFILL_CHUNK = 16384  # prompt tokens a prefill pass takes at once (a longer prompt runs in chunks)
 
 
 class Engine:
