@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def resident_routing(layers: int, experts: int, top_k: int, slots: int) -> np.ndarray:
-    """int32 [N, L, 1, k] forced routing of N decode steps that route every layer to its experts
-    0..slots/L - 1 (k distinct a step), so an LRU cache of `slots` slots ends up holding them."""
+def resident_routing(layers: int, experts: int, top_k: int, slots: int, batch: int = 1) -> np.ndarray:
+    """int32 [N, L, batch, k] forced routing of N decode steps that route every layer to its experts
+    0..slots/L - 1 (k distinct a step, every row alike), so an LRU cache of `slots` slots ends up
+    holding them (bench_step: slots = L * E, every expert)."""
     per_layer = min(experts, slots // layers)
     steps = -(-per_layer // top_k)
     ids = (np.arange(steps * top_k) % per_layer).reshape(steps, 1, 1, top_k)
@@ -41,7 +42,7 @@ def resident_routing(layers: int, experts: int, top_k: int, slots: int) -> np.nd
         row = ids[n, 0, 0]
         if len(set(row.tolist())) < top_k:
             ids[n, 0, 0] = np.arange(top_k) % experts
-    return np.ascontiguousarray(np.broadcast_to(ids, (steps, layers, 1, top_k))).astype(np.int32)
+    return np.ascontiguousarray(np.broadcast_to(ids, (steps, layers, batch, top_k))).astype(np.int32)
 
 
 def copy_limit(streamed: int, bytes_per_expert: int, link_bytes_per_s: float) -> float:

@@ -6,7 +6,7 @@ goes, and transformers on the same geometry beside it.
     tokens (default Qwen3's 151,936: the head is part of the step), random bf16 weights on the GPU
     -> per batch B (--batches) and context C (--contexts):
          GpuMoE over L * E slots (every expert resident) with forced routing; first every expert is
-         routed once (E / k warm-up steps), so the timed steps never miss; Engine (CUDA graphs)
+         routed once (E / k warm-up steps, bench_prefill.resident_routing), so the timed steps never miss; Engine (CUDA graphs)
          prefill B short prompts, then every row's KV cache is filled with random keys and values to
          C - 1 positions (the step's cost depends on the length, not on what was said)
          -> --warmup steps, then --steps timed steps (CUDA events), routed by the synthetic
@@ -81,16 +81,17 @@ def measure(weights, args: argparse.Namespace, batch: int, context: int, trace_o
     from moe.engine.backends import GpuMoE
     from moe.engine.engine import Engine
 
+    from bench_prefill import resident_routing
+
     spec = weights.spec
     layers, experts, k = spec.num_moe_layers, spec.moe.num_experts, spec.moe.top_k
-    fill = -(-experts // (k * batch))  # steps that route every expert once
+    every = torch.from_numpy(resident_routing(layers, experts, k, layers * experts, batch)).cuda()  # every expert
+    fill = every.shape[0]
     run = argparse.Namespace(geometry="qwen3-30b", layers=layers, warmup=args.warmup, steps=args.steps, seed=args.seed,
                              trace=None)
     trace = make_trace(run, batch)
     ids = torch.from_numpy(np.ascontiguousarray(trace.experts)).cuda()  # [N, L, B, k]
     route_w = torch.from_numpy(np.ascontiguousarray(trace.weights, dtype=np.float32)).cuda()
-    every = torch.arange(fill * batch * k, device="cuda").remainder(experts).view(fill, 1, batch, k)
-    every = every.expand(fill, layers, batch, k).to(ids.dtype).contiguous()
     backend = GpuMoE(weights, layers * experts, "lru", max_batch=batch, forced_routing=True)
     engine = Engine(weights, backend, max_batch=batch, max_seq_len=context + fill + args.warmup + args.steps + 8,
                     cuda_graphs=True)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moe.kernels.decode_attention import decode_attention
+from moe.kernels.decode_norm import qk_rope_write
 from moe.model.checkpoint import AttentionWeights
 from moe.model.spec import ModelSpec
 
@@ -117,9 +119,6 @@ def attention_decode_fused(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec
     that walks each row's own cached length, read on the device (moe.kernels.decode_attention), so a
     step's cost grows with the rows' lengths, not max_len. The same rounding steps as the torch path
     up to the sum orders (tests/moe/test_decode_fused.py). The engine's path on a CUDA device."""
-    from moe.kernels.decode_attention import decode_attention
-    from moe.kernels.decode_norm import qk_rope_write
-
     b = batch
     pos = cache.lengths[:b]  # [B]
     q = F.linear(x, w.q, w.q_bias)

@@ -112,12 +112,10 @@ def choose(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[int]:
     Everything runs on the logits' device: one argmax over [B, V], per sampled row a softmax (and a
     sort of V when top_p < 1) and a draw, then one host copy of the B ids.
     """
-    tokens = logits.argmax(dim=-1)  # [B]
-    sampled = [row for row, sampler in enumerate(samplers) if not sampler.params.greedy]
-    if sampled:
-        tokens = tokens.clone()
-        for row in sampled:
-            tokens[row] = samplers[row].draw(logits[row])[0]
+    tokens = logits.argmax(dim=-1)  # [B], a new tensor: written in place below
+    for row, sampler in enumerate(samplers):
+        if not sampler.params.greedy:
+            tokens[row] = sampler.draw(logits[row])[0]
     return tokens.tolist()
 
 
