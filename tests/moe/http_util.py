@@ -2,8 +2,8 @@
 
     serve(tiny_dir, flags...) ─moe.cli parser → serve_cli.build_state─► ServeState
         ─uvicorn in a thread on a pre-bound 127.0.0.1 socket─► Running (url, openai client, scheduler)
-    slow_decode(running, s): every decode step takes at least s seconds, so that a test can act while
-        a request is still generating.
+    slow_decode(running, s): every decode step takes at least s seconds and no token ends a request
+        early, so that a test can act while a request is still generating.
 """
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ def serve(tiny_dir, *extra: str, key: str | None = KEY, max_seq_len: int = 64) -
 
 
 def slow_decode(running: Running, seconds: float) -> None:
-    """Make every decode step of `running`'s engine take at least `seconds`."""
+    """Make every decode step of `running`'s engine take at least `seconds`, and empty its scheduler's
+    eos ids: a sampled eos would otherwise end a request before the test acts on it."""
+    running.scheduler.eos_ids = frozenset()
     engine = running.scheduler.engine
     step = engine.decode_step
 
