@@ -46,7 +46,7 @@ from expertcache.device_policies import (
 from expertcache.errors import EnsureError
 from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
 from expertcache.host import Snapshot
-from expertcache.policies import Policy, get_policy
+from expertcache.policies import REGISTRY, Policy, get_policy
 from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_RULE, PolicyState
 
 DEVICE_KINDS = {KIND_LRU: POLICY_LRU.value, KIND_RULE: POLICY_RULE.value, KIND_LFUDA: POLICY_LFUDA.value}
@@ -149,6 +149,11 @@ class EnsureBuffers:
     block_q: int
 
 
+def device_policy_names() -> list[str]:
+    """The registered policies that have a device ensure (a kind in DEVICE_KINDS), sorted."""
+    return sorted(n for n, info in REGISTRY.items() if getattr(info.factory, "kind", None) in DEVICE_KINDS)
+
+
 class DeviceCache:
     """One slot pool's maps on a device, under one policy (not an oracle).
 
@@ -161,8 +166,9 @@ class DeviceCache:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
         if self.policy.oracle or self.policy.kind not in DEVICE_KINDS:
-            raise EnsureError(f"policy {self.policy.name!r} has no device ensure "
-                              "(--moe-cache-policy): oracles run in the simulator only")
+            raise EnsureError(f"policy {self.policy.name!r} has no device ensure (--moe-cache-policy): "
+                              f"on a GPU choose one of {', '.join(device_policy_names())}; it runs in "
+                              "the simulator and the CPU engine")
         if geometry.num_slots >= MAX_SLOTS:
             raise EnsureError(f"{geometry.num_slots} slots (--moe-slots): the device ensure "
                               f"handles fewer than {MAX_SLOTS}")

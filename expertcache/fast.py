@@ -30,7 +30,7 @@ from numba import njit
 
 from expertcache.errors import EnsureError
 from expertcache.geometry import CacheGeometry, distinct_counts
-from expertcache.policies import lfuda, lru, oracle, rule
+from expertcache.policies import lfuda, lru, markov, oracle, rule
 from expertcache.policies.base import (
     CLK_EXPERTS,
     CLK_LAYER,
@@ -40,11 +40,12 @@ from expertcache.policies.base import (
     CLOCK_LEN,
     KIND_LFUDA,
     KIND_LRU,
+    KIND_MARKOV,
     KIND_RULE,
 )
 from expertcache import victim_index
 from expertcache.policies import base
-from expertcache.victim_index import FREE, ix_best, ix_new, ix_set
+from expertcache.victim_index import FREE, ix_best, ix_fill, ix_new, ix_set
 
 
 
@@ -54,7 +55,7 @@ def _drop_stale_kernels() -> None:
     file's cached kernels so they are compiled again. (With NUMBA_CACHE_DIR set, numba
     keeps its cache elsewhere and this does nothing.)"""
     cache = Path(__file__).with_name("__pycache__")
-    deps = (lfuda, lru, oracle, rule, victim_index, base)
+    deps = (lfuda, lru, markov, oracle, rule, victim_index, base)
     digest = hashlib.sha256(b"".join(inspect.getsource(m).encode() for m in deps)).hexdigest()
     stamp = cache / "fast.kernel-deps.sha256"
     try:
@@ -113,7 +114,7 @@ def _touch(tag, kst, sst, gst, prm, clk, aux, key, slot, access, installed):
         rule.touch(kst, prm, clk, key)
     elif kind == KIND_LFUDA:
         lfuda.touch(sst, gst, slot, installed)
-    else:
+    elif kind != KIND_MARKOV:  # markov learns from the whole call (markov.observe)
         oracle.touch(kst, aux, key, access)
 
 
@@ -126,14 +127,18 @@ def _score(tag, kst, sst, prm, clk, key, slot):
         return rule.score(kst, prm, clk, key)
     if kind == KIND_LFUDA:
         return lfuda.score(sst, slot)
+    if kind == KIND_MARKOV:
+        return markov.score(kst, prm, clk, key)
     return oracle.score(kst, key)
 
 
 @njit(cache=True, inline="always")
 def _order(tag, kst, sst, prm, clk, key, slot):
-    """The victim index's order (see policies.base): the score, except for `rule`."""
+    """The victim index's order (see policies.base): the score, except for `rule` and `markov`."""
     if tag.ndim - 1 == KIND_RULE:
         return rule.order(kst, prm, key)
+    if tag.ndim - 1 == KIND_MARKOV:
+        return markov.order(kst, key)
     return _score(tag, kst, sst, prm, clk, key, slot)
 
 
@@ -142,6 +147,8 @@ def _offsets(tag, prm, clk, off):
     """Fill off [L] and return the shift of the victim index's lower bound."""
     if tag.ndim - 1 == KIND_RULE:
         return rule.offsets(prm, clk, off)
+    if tag.ndim - 1 == KIND_MARKOV:
+        return markov.offsets(prm, clk, off)
     off[:] = 0
     return 0
 
@@ -227,6 +234,9 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
     clk[CLK_STEP] = clock[0]
     clk[CLK_TOK] = clock[1]
     off = np.zeros(L, dtype=np.int64)
+    lv = np.empty(E, dtype=np.int64)
+    acc = np.empty((markov.MAX_LAGS, E), dtype=np.int64)
+    ls = np.empty(E, dtype=np.int64)
     filled = 0
     while filled < S and key_of[filled] >= 0:
         key = np.int64(key_of[filled])
@@ -270,6 +280,16 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
             else:
                 miss_pos[m] = i
                 m += 1
+        if tag.ndim - 1 == KIND_MARKOV:  # the call rewrites the order of every key of its layer
+            markov.observe(kst, gst, prm, layer, E, q, n, acc, slot_of)
+            for e in range(E):
+                s = slot_of[layer * E + e]
+                lv[e] = markov.order(kst, layer * E + e) if s >= 0 else FREE
+                ls[e] = s if s >= 0 else FREE
+            for i in range(n):  # the call's hits stay pinned (out of the index)
+                lv[q[i] - layer * E] = FREE
+                ls[q[i] - layer * E] = FREE
+            ix_fill(tv, ts, mv, ms, layer, lv, ls)
         ne = min(m, S - filled)
         for j in range(ne):
             vslot[j] = filled + j

@@ -166,6 +166,7 @@ class HostCache:
         slots = self.slot_of[keys].astype(np.int64)
         hit = slots != NO_SLOT
         pol.on_hit(st, clk, keys[hit], slots[hit], access[hit])
+        pol.observe(st, clk, keys, self.slot_of)
         victims, vscores = self._victims(clk, pinned=slots[hit], m=int((~hit).sum()))
 
         plan = np.zeros((victims.shape[0], 2), dtype=np.int32)

@@ -6,7 +6,7 @@
                           children 2i and 2i+1 by (value, slot)
     mv, ms int64 [L]:     each tree's root, kept contiguous for the scan across layers
 
-Setting a leaf is O(log E). The lowest candidate overall is the lowest (mv + off, ms)
+Setting a leaf is O(log E); refilling a whole layer (ix_fill) is O(E). The lowest candidate overall is the lowest (mv + off, ms)
 over the layers, an O(L) scan of two short arrays; taking it out sets its leaf to FREE.
 """
 
@@ -29,6 +29,17 @@ def ix_new(num_layers: int, num_experts: int):
 
 
 @njit(cache=True, inline="always")
+def _pull(tv, ts, layer, i):
+    """Node i of layer's tree becomes the lower of its children by (value, slot)."""
+    a = 2 * i
+    b = a + 1
+    if tv[layer, b] < tv[layer, a] or (tv[layer, b] == tv[layer, a] and ts[layer, b] < ts[layer, a]):
+        a = b
+    tv[layer, i] = tv[layer, a]
+    ts[layer, i] = ts[layer, a]
+
+
+@njit(cache=True, inline="always")
 def ix_set(tv, ts, mv, ms, layer, expert, v, s):
     """Leaf `expert` of `layer` becomes (v, s); (FREE, FREE) takes it out."""
     i = (tv.shape[1] >> 1) + expert
@@ -36,13 +47,26 @@ def ix_set(tv, ts, mv, ms, layer, expert, v, s):
     ts[layer, i] = s
     i >>= 1
     while i >= 1:
-        a = 2 * i
-        b = a + 1
-        if tv[layer, b] < tv[layer, a] or (tv[layer, b] == tv[layer, a] and ts[layer, b] < ts[layer, a]):
-            a = b
-        tv[layer, i] = tv[layer, a]
-        ts[layer, i] = ts[layer, a]
+        _pull(tv, ts, layer, i)
         i >>= 1
+    mv[layer] = tv[layer, 1]
+    ms[layer] = ts[layer, 1]
+
+
+@njit(cache=True)
+def ix_fill(tv, ts, mv, ms, layer, v, s):
+    """Every leaf of `layer` at once: leaf e becomes (v[e], s[e]) for e < len(v), (FREE, FREE) past
+    it; then every node above them. O(E), against O(E log E) for E ix_set calls."""
+    p = tv.shape[1] >> 1
+    for e in range(p):
+        if e < v.shape[0]:
+            tv[layer, p + e] = v[e]
+            ts[layer, p + e] = s[e]
+        else:
+            tv[layer, p + e] = FREE
+            ts[layer, p + e] = FREE
+    for i in range(p - 1, 0, -1):
+        _pull(tv, ts, layer, i)
     mv[layer] = tv[layer, 1]
     ms[layer] = ts[layer, 1]
 

@@ -1,7 +1,7 @@
 """The policy registry: one name per policy; `--moe-cache-policy` offers its keys.
 
     >>> policy_names()
-    ['lfuda', 'lru', 'rule']
+    ['lfuda', 'lru', 'markov', 'rule']
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from expertcache.geometry import CacheGeometry
 from expertcache.policies.base import Policy, PolicyInfo
 from expertcache.policies.lfuda import LFUDA
 from expertcache.policies.lru import LRU
+from expertcache.policies.markov import Markov
 from expertcache.policies.rule import Rule
 
 REGISTRY: dict[str, PolicyInfo] = {}
@@ -26,6 +27,7 @@ def register(info: PolicyInfo) -> None:
 register(PolicyInfo("lru", LRU, "least recently used (score = call of last use)"))
 register(PolicyInfo("rule", Rule, "cycle-aware recency + decayed log frequency + near-miss refresh"))
 register(PolicyInfo("lfuda", LFUDA, "least frequently used with dynamic aging"))
+register(PolicyInfo("markov", Markov, "per-layer routing transitions predict each expert's next use"))
 
 
 def policy_names(include_oracles: bool = False) -> list[str]:

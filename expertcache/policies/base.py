@@ -9,10 +9,10 @@ Every policy keeps its state in three int64 arrays whose layout is the same on t
 
 A policy implements the contract's verbs twice, over the same arrays:
 
-* the reference verbs (`on_hit`, `on_install`, `scores`, `on_evict`, `refresh`): numpy,
-  vectorised over the keys of one call, written to be read;
+* the reference verbs (`on_hit`, `on_install`, `scores`, `on_evict`, `refresh`, `observe`):
+  numpy, vectorised over the keys of one call, written to be read;
 * the fast verbs: numba `@njit` scalar functions in the policy's module (`touch`, `score`,
-  and where the policy needs them `evicted`, `refresh`, `order`, `offsets`), which the
+  and where the policy needs them `evicted`, `refresh`, `order`, `offsets`, `observe`), which the
   compiled replay calls per key and per slot through a dispatch on `Policy.kind`
   (expertcache.fast). Tests hold the two to bit-for-bit agreement.
 
@@ -75,7 +75,7 @@ class PolicyState:
 
 
 # Policy kinds: the compiled replay (expertcache.fast) dispatches its verbs on these.
-KIND_LRU, KIND_RULE, KIND_LFUDA, KIND_ORACLE = 0, 1, 2, 3
+KIND_LRU, KIND_RULE, KIND_LFUDA, KIND_ORACLE, KIND_MARKOV = 0, 1, 2, 3, 4
 
 
 class Policy:
@@ -143,6 +143,11 @@ class Policy:
 
     def on_evict(self, st: PolicyState, clk: Clock, key: int, slot: int, score: int) -> None:
         """The resident `key` leaves `slot` (its score was `score`). Default: nothing."""
+
+    def observe(self, st: PolicyState, clk: Clock, keys: np.ndarray, slot_of: np.ndarray) -> None:
+        """The call's distinct keys `keys` (ascending), after its hits are touched and before its
+        victims are chosen (slot_of: the slot map before the call): for a policy that learns from
+        the whole call (markov). Default: nothing."""
 
     def describe(self) -> str:
         return self.name

@@ -31,7 +31,7 @@ def policy(request) -> str:
 def test_registry_names_and_unknown_policy():
     assert {"lru", "rule", "lfuda"} <= set(POLICIES)
     assert "belady" not in POLICIES, "oracles are not deployable"
-    with pytest.raises(PolicyError, match=r"--moe-cache-policy.*lfuda, lru, rule"):
+    with pytest.raises(PolicyError, match=r"--moe-cache-policy.*lfuda, lru, markov, rule"):
         get_policy("nope", CacheGeometry(2, 4, 4))
     with pytest.raises(PolicyError, match="bad constants"):
         get_policy("lru", CacheGeometry(2, 4, 4), beta=3)

@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from expertcache import CacheGeometry, EnsureError, HostCache, policy_names
+from expertcache import CacheGeometry, EnsureError, HostCache
 from tests.conftest import device_or_skip
 
 torch = pytest.importorskip("torch")
@@ -22,6 +22,7 @@ import triton.language as tl  # noqa: E402
 
 from expertcache.device import (  # noqa: E402
     DeviceCache,
+    device_policy_names,
     EnsureLaunch,
     EnsureTuning,
     resolve_launch,
@@ -104,7 +105,7 @@ def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, tuning=None, call_layer
     return ref
 
 
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", device_policy_names())
 @pytest.mark.parametrize("E, S, rows, k, T", [(8, 5, 1, 2, 0), (8, 12, 2, 3, 5), (16, 40, 1, 4, 6)])
 def test_device_matches_host_small(policy, E, S, rows, k, T):
     """Several programs (chunk 8) score and merge, as on a large pool."""
@@ -112,7 +113,7 @@ def test_device_matches_host_small(policy, E, S, rows, k, T):
     assert ref.counters[:, 2].sum() > S, "the case must evict"
 
 
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", device_policy_names())
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_device_matches_host_many_victims(policy, chunk):
     """Calls needing more victims than successive minima take (a sort per program and in
@@ -121,7 +122,7 @@ def test_device_matches_host_many_victims(policy, chunk):
     assert ref.counters[:, 2].sum() > 60
 
 
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", device_policy_names())
 @pytest.mark.parametrize("chunk, seq_max", [(8, 0), (8, 16), (64, 0), (64, 16)])
 def test_victims_by_minima_or_by_sort_agree(policy, chunk, seq_max):
     """Every call's victims by successive minima (seq_max 16: kept in registers up to the
@@ -148,7 +149,7 @@ def test_rule_mirror_and_through_keys(chunk, T, S, layers):
     assert ref.counters[:, 2].sum() > 32
 
 
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", device_policy_names())
 @pytest.mark.parametrize("chunk", [8, 64])
 def test_kernel_matches_host_with_a_filling_pool(policy, chunk):
     """Calls with misses while the pool still has empty slots (victims and empty slots in one
@@ -272,7 +273,7 @@ def test_launch_resolved_by_pool_policy_and_layers():
     assert replace(EnsureTuning(), seq_max=4).chunk == 512
 
 
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", device_policy_names())
 def test_calls_without_misses_commit_at_once_on_many_programs(policy):
     """A call without misses is committed by program 0 with no arrival; the interpreter runs the
     other programs after that commit, so they read the committed state (the late-reader case)."""

@@ -11,17 +11,17 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from expertcache import CacheGeometry, HostCache, get_policy, policy_names
+from expertcache import CacheGeometry, HostCache, get_policy
 from tests.conftest import device_or_skip, real_trace
 from tests.expertcache.test_device_ensure import KEYED, WIDE, random_calls, run_parity
 
 torch = pytest.importorskip("torch")
 
-from expertcache.device import DeviceCache, EnsureTuning, resolve_launch  # noqa: E402
+from expertcache.device import DeviceCache, EnsureTuning, device_policy_names, resolve_launch  # noqa: E402
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", device_policy_names())
 @pytest.mark.parametrize("S", [8, 64, 512, 1650, 4096, 16384])
 def test_device_parity_grid(policy, S):
     device, gpu = device_or_skip()
@@ -35,7 +35,7 @@ def test_device_parity_grid(policy, S):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", device_policy_names())
 @pytest.mark.parametrize("S, variant", [(1650, "four-programs"), (1650, "sort"), (16384, "sort")])
 def test_device_parity_variants(policy, S, variant):
     """Tiles other than the defaults: 1650 slots on 4 programs of 512, and victims by a sort
@@ -59,7 +59,7 @@ def _gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", device_policy_names())
 @pytest.mark.parametrize("with_logits", [False, True])
 def test_graph_replay_matches_host(policy, with_logits):
     """A decode step of 4 layers captured once; new routing copied in before each replay."""
@@ -105,7 +105,7 @@ def test_graph_replay_matches_host(policy, with_logits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", device_policy_names())
 @pytest.mark.parametrize("name, slots", [("mixtral-gsm8k.npz", 64), ("mixtral-gsm8k.npz", 160),
                                          ("flame-290m-a.npz", 51), ("flame-290m-a.npz", 256)])
 def test_device_parity_on_the_real_trace(policy, name, slots):

@@ -1,0 +1,252 @@
+"""`markov`: evict the key least likely to be routed again soon, by per-layer routing transitions.
+
+Which experts a layer routes to at this token says much about which it routes to at the next:
+`markov` learns, per layer, how often expert b follows expert a one and two tokens later (a
+decode step's routing is a set B of distinct experts per layer), predicts from the layer's latest
+set how likely each of its experts is at the layer's next two calls, and evicts the resident key
+with the lowest prediction, less a term for how far off its layer's next call is (a key whose layer
+runs soon is needed soon). Everything is integer: counts in Q4 (a use adds 16), probabilities in
+Q16 (ONE = 2**16).
+
+State, per key (layer l, expert e; survives eviction), with J = `lags` (1 or 2):
+
+    key[V]          the prediction: sum over lags j of p_j(e), Q16, set at the layer's last call
+    key[HIST]       bit j: e was routed at the layer's call j + 1 calls ago (J bits)
+    key[FREQ]       e's use count at its layer, Q4
+    key[T + j*E + a]  Q4 count of "a routed at call c, e routed at call c + j + 1" (row a of the
+                    layer's lag-j table, stored at e's key)
+    key[R + j]      row total of the lag-j row whose source is e: sum over b of key[T + j*E + e]
+                    at the keys (l, b)
+    glob[l]         the layer's total FREQ (sum of key[FREQ] over its experts)
+
+At a call of layer l with distinct experts B (n = |B|), before its victims are chosen:
+
+    1. for j < J, every a with HIST bit j, every b in B: T_j[a, b] += 16, R_j[a] += 16; a row
+       whose total passes 16 * row_cap is halved (each count >> 1) and its total recounted
+    2. FREQ[b] += 16 for b in B; a layer whose total passes 16 * freq_cap is halved the same way
+    3. HIST = (HIST << 1 | routed now) & (2**J - 1) for every expert of the layer
+    4. for every expert e of the layer that has a slot or is in B (V = 0 for the others: only a
+       resident key's V is ever read), with f = (n * (FREQ[e] + 8) << 16) // (glob[l] + 8 * E)
+       (its smoothed share of the layer's uses, Q16) and for each lag j
+       P_j = sum over b in B of T_j[b, e], D_j = sum over b in B of R_j[b]:
+           p_j = ((n * P_j << 16) + 16 * prior * f) // (D_j + 16 * prior)
+           V = sum over j of p_j
+       (with no transitions seen, p_j = f)
+
+The score of a resident key of layer lk at a call of layer l is
+
+    score = V - d * BETA_Q,   d = lk - l if lk > l else L - l + lk  (layer calls until lk runs),
+    BETA_Q = round(beta * ONE / L)
+
+V changes only at a call of the key's own layer and d only with the clock, so the compiled
+replay's victim index uses order = V and offsets[lk] = -d * BETA_Q (exact, shift 0); at each
+call it re-indexes the layer's resident keys, whose V the call rewrote.
+
+Hits and installs touch nothing of their own: the call's routing enters the state in steps 1-4
+before its victims are chosen, so the layer's own resident keys are scored on what the call says
+of the layer's next call (its routing is known when ensure runs), not on a prediction of this one.
+Constants (docs/policies.md says how they were chosen): lags 2, beta 0.3, row_cap 100,
+freq_cap 300, prior 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from expertcache.errors import PolicyError
+from expertcache.geometry import CacheGeometry
+from expertcache.policies.base import CLK_EXPERTS, CLK_LAYER, CLK_LAYERS, KIND_MARKOV, Clock, Policy, PolicyState
+
+ONE_SHIFT = 16
+Q4 = 16  # a use adds 16 to a count
+FLOOR_Q4 = 8  # half a use: the frequency's smoothing per expert
+MAX_LAGS = 2
+
+V, HIST, FREQ, T = 0, 1, 2, 3
+# Integer parameter vector: lags, BETA_Q, 16 * row_cap, 16 * freq_cap, prior
+P_LAGS, P_BETA_Q, P_ROW_CAP, P_FREQ_CAP, P_PRIOR = 0, 1, 2, 3, 4
+
+
+def row_field(lag: int, num_experts: int) -> int:
+    """Index of the first row-total field (R) for `lag` lags of E experts."""
+    return T + lag * num_experts
+
+
+@njit(cache=True, inline="always")
+def _div(a, b):
+    # a // b for 0 <= a < 2**52, 0 < b < 2**52 (Markov.__init__ bounds both): both are exact in
+    # float64, and a quotient below 2**52 of two such integers is never rounded up to the next
+    # integer (as in rule._dc). Far cheaper than an int64 division on a CPU.
+    return np.int64(np.floor(np.float64(a) / np.float64(b)))
+
+
+@njit(cache=True, inline="always")
+def score(kst, prm, clk, key):
+    num_layers = clk[CLK_LAYERS]
+    layer = clk[CLK_LAYER]
+    lk = key // clk[CLK_EXPERTS]
+    d = lk - layer if lk > layer else num_layers - layer + lk
+    return kst[V, key] - d * prm[P_BETA_Q]
+
+
+@njit(cache=True, inline="always")
+def order(kst, key):
+    return kst[V, key]
+
+
+@njit(cache=True)
+def offsets(prm, clk, off):
+    num_layers = clk[CLK_LAYERS]
+    layer = clk[CLK_LAYER]
+    for lk in range(num_layers):
+        d = lk - layer if lk > layer else num_layers - layer + lk
+        off[lk] = -d * prm[P_BETA_Q]
+    return 0
+
+
+@njit(cache=True)
+def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
+    """Steps 1-4 of the module docstring for the call of `layer` whose distinct keys are q[:n]
+    (ascending), before its victims are chosen. Rewrites V of every expert of the layer (0 where it
+    has no slot and is not routed now: only a resident key's V is ever read). acc: int64
+    [>= lags, >= E] scratch."""
+    E = num_experts
+    base = layer * E
+    lags = prm[P_LAGS]
+    R = T + lags * E
+    mask = (1 << lags) - 1
+    for j in range(lags):  # 1. transitions from the layer's call j + 1 calls ago to this one
+        for a in range(E):
+            if (kst[HIST, base + a] >> j) & 1 == 0:
+                continue
+            for i in range(n):
+                kst[T + j * E + a, q[i]] += Q4
+            kst[R + j, base + a] += Q4 * n
+            if kst[R + j, base + a] > prm[P_ROW_CAP]:
+                tot = 0
+                for b in range(E):
+                    c = kst[T + j * E + a, base + b] >> 1
+                    kst[T + j * E + a, base + b] = c
+                    tot += c
+                kst[R + j, base + a] = tot
+    for i in range(n):  # 2. frequency
+        kst[FREQ, q[i]] += Q4
+    gst[layer] += Q4 * n
+    if gst[layer] > prm[P_FREQ_CAP]:
+        tot = 0
+        for b in range(E):
+            c = kst[FREQ, base + b] >> 1
+            kst[FREQ, base + b] = c
+            tot += c
+        gst[layer] = tot
+    for e in range(E):  # 3. history
+        kst[HIST, base + e] = (kst[HIST, base + e] << 1) & mask
+    for i in range(n):
+        kst[HIST, q[i]] |= 1
+    for j in range(lags):  # 4. predictions: acc[j, e] = P_j of e, rows of the call's experts
+        for e in range(E):
+            acc[j, e] = 0
+        for i in range(n):
+            row = T + j * E + (q[i] - base)
+            for e in range(E):
+                acc[j, e] += kst[row, base + e]
+    den_f = gst[layer] + FLOOR_Q4 * E
+    prior = Q4 * prm[P_PRIOR]
+    d0 = prior
+    d1 = prior
+    for i in range(n):
+        d0 += kst[R, q[i]]
+        if lags > 1:
+            d1 += kst[R + 1, q[i]]
+    for e in range(E):  # p_j from P_j, D_j and the frequency share f, for the resident keys
+        if slot_of[base + e] < 0 and kst[HIST, base + e] & 1 == 0:
+            kst[V, base + e] = 0
+            continue
+        f = _div((n * (kst[FREQ, base + e] + FLOOR_Q4)) << ONE_SHIFT, den_f)
+        v = _div(((n * acc[0, e]) << ONE_SHIFT) + prior * f, d0)
+        if lags > 1:
+            v += _div(((n * acc[1, e]) << ONE_SHIFT) + prior * f, d1)
+        kst[V, base + e] = v
+
+
+class Markov(Policy):
+    name = "markov"
+    kind = KIND_MARKOV
+
+    def __init__(self, geometry: CacheGeometry, lags: int = 2, beta: float = 0.3, row_cap: int = 100,
+                 freq_cap: int = 300, prior: int = 1) -> None:
+        super().__init__(geometry)
+        if isinstance(lags, bool) or lags not in range(1, MAX_LAGS + 1):
+            raise PolicyError(f"markov lags must be 1 or {MAX_LAGS}, got {lags!r}")
+        if not beta >= 0 or row_cap < 1 or freq_cap < 1 or prior < 1:
+            raise PolicyError("markov constants need beta >= 0, row_cap >= 1, freq_cap >= 1, prior >= 1; "
+                              f"got beta={beta}, row_cap={row_cap}, freq_cap={freq_cap}, prior={prior}")
+        E = geometry.num_experts
+        self.lags = int(lags)
+        self.beta_q = int(np.floor(beta * (1 << ONE_SHIFT) / geometry.num_layers + 0.5))
+        self.row_cap, self.freq_cap, self.prior = int(row_cap), int(freq_cap), int(prior)
+        self.constants = dict(lags=lags, beta=beta, row_cap=row_cap, freq_cap=freq_cap, prior=prior)
+        self.key_fields = (("v", "hist", "freq")
+                           + tuple(f"t{j}_{a}" for j in range(self.lags) for a in range(E))
+                           + tuple(f"r{j}" for j in range(self.lags)))
+        self.glob_fields = tuple(f"freq_total_{l}" for l in range(geometry.num_layers))
+
+    def state_bytes(self) -> int:
+        """Bytes of this policy's state at its geometry (int64 fields): (3 + J * (E + 1)) per key
+        and one per layer."""
+        g = self.geometry
+        return 8 * (len(self.key_fields) * g.num_keys + len(self.glob_fields))
+
+    def params(self) -> np.ndarray:
+        return np.array([self.lags, self.beta_q, Q4 * self.row_cap, Q4 * self.freq_cap, self.prior],
+                        dtype=np.int64)
+
+    # ---- reference verbs ---------------------------------------------------------------------
+    def on_hit(self, st: PolicyState, clk: Clock, keys, slots, access) -> None:
+        """Nothing: the call's routing enters the state in observe, before its victims are chosen."""
+
+    on_install = on_hit
+
+    def scores(self, st: PolicyState, clk: Clock, keys, slots) -> np.ndarray:
+        L, l = clk.num_layers, clk.layer
+        lk = keys // clk.num_experts
+        d = np.where(lk > l, lk - l, L - l + lk)
+        return st.key[V, keys] - d * self.beta_q
+
+    def observe(self, st: PolicyState, clk: Clock, keys: np.ndarray, slot_of: np.ndarray) -> None:
+        E, l, J = clk.num_experts, clk.layer, self.lags
+        base = l * E
+        own = slice(base, base + E)
+        B = keys - base  # the call's experts, ascending
+        n = B.shape[0]
+        R = T + J * E
+        for j in range(J):  # 1
+            rows = np.flatnonzero((st.key[HIST, own] >> j) & 1)
+            tj = st.key[T + j * E: T + (j + 1) * E, own]  # [a, b]: a view
+            tj[np.ix_(rows, B)] += Q4
+            st.key[R + j, base + rows] += Q4 * n
+            full = rows[st.key[R + j, base + rows] > Q4 * self.row_cap]
+            tj[full] >>= 1
+            st.key[R + j, base + full] = tj[full].sum(axis=1)
+        st.key[FREQ, keys] += Q4  # 2
+        st.glob[l] += Q4 * n
+        if st.glob[l] > Q4 * self.freq_cap:
+            st.key[FREQ, own] >>= 1
+            st.glob[l] = st.key[FREQ, own].sum()
+        routed = np.zeros(E, dtype=np.int64)  # 3
+        routed[B] = 1
+        st.key[HIST, own] = ((st.key[HIST, own] << 1) & ((1 << J) - 1)) | routed
+        f = ((n * (st.key[FREQ, own] + FLOOR_Q4)) << ONE_SHIFT) // (st.glob[l] + FLOOR_Q4 * E)  # 4
+        prior = Q4 * self.prior
+        v = np.zeros(E, dtype=np.int64)
+        for j in range(J):
+            p = st.key[T + j * E + B, own].sum(axis=0)
+            dj = st.key[R + j, keys].sum()
+            v += (((n * p) << ONE_SHIFT) + prior * f) // (dj + prior)
+        st.key[V, own] = np.where((slot_of[own] >= 0) | (routed == 1), v, 0)
+
+    def describe(self) -> str:
+        c = self.constants
+        return (f"markov(lags={c['lags']}, beta={c['beta']}, row_cap={c['row_cap']}, "
+                f"freq_cap={c['freq_cap']}, prior={c['prior']})")

@@ -1,0 +1,126 @@
+"""`markov` against a scalar transcription of its documented formulas, and what it learns."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from expertcache import CacheGeometry, HostCache, PolicyError, get_policy
+from expertcache.fast import run_calls
+from expertcache.policies.base import Clock
+from expertcache.policies.markov import FREQ, HIST, T, V
+
+ONE = 1 << 16
+
+
+class Scalar:
+    """The module docstring's steps 1-4 and score, one python int at a time. call(): the routing of
+    one call; resident(key): whether V is kept (a slot before the call, or routed now)."""
+
+    def __init__(self, L, E, lags=2, beta=0.3, row_cap=100, freq_cap=300, prior=1):
+        self.L, self.E, self.J = L, E, lags
+        self.beta_q = math.floor(beta * ONE / L + 0.5)
+        self.row_cap, self.freq_cap, self.prior = 16 * row_cap, 16 * freq_cap, 16 * prior
+        self.t = {}  # (l, j, a, b) -> count
+        self.r = {}  # (l, j, a) -> row total
+        self.freq = [[0] * E for _ in range(L)]
+        self.total = [0] * L
+        self.hist = [[0] * E for _ in range(L)]
+        self.v = [[0] * E for _ in range(L)]
+
+    def call(self, l, experts, resident):
+        E, n = self.E, len(experts)
+        for j in range(self.J):
+            for a in range(E):
+                if not (self.hist[l][a] >> j) & 1:
+                    continue
+                for b in experts:
+                    self.t[l, j, a, b] = self.t.get((l, j, a, b), 0) + 16
+                self.r[l, j, a] = self.r.get((l, j, a), 0) + 16 * n
+                if self.r[l, j, a] > self.row_cap:
+                    for b in range(E):
+                        self.t[l, j, a, b] = self.t.get((l, j, a, b), 0) // 2
+                    self.r[l, j, a] = sum(self.t[l, j, a, b] for b in range(E))
+        for b in experts:
+            self.freq[l][b] += 16
+        self.total[l] += 16 * n
+        if self.total[l] > self.freq_cap:
+            self.freq[l] = [c // 2 for c in self.freq[l]]
+            self.total[l] = sum(self.freq[l])
+        for e in range(E):
+            self.hist[l][e] = ((self.hist[l][e] << 1) & ((1 << self.J) - 1)) | int(e in experts)
+        for e in range(E):
+            f = (n * (self.freq[l][e] + 8) * ONE) // (self.total[l] + 8 * E)
+            v = 0
+            for j in range(self.J):
+                p = sum(self.t.get((l, j, b, e), 0) for b in experts)
+                d = sum(self.r.get((l, j, b), 0) for b in experts)
+                v += (n * p * ONE + self.prior * f) // (d + self.prior)
+            self.v[l][e] = v if resident(l * E + e) else 0
+
+    def score(self, layer, key):
+        lk, e = divmod(key, self.E)
+        d = lk - layer if lk > layer else self.L - layer + lk
+        return self.v[lk][e] - d * self.beta_q
+
+
+@pytest.mark.parametrize("lags, row_cap, freq_cap", [(2, 100, 300), (1, 3, 5), (2, 2, 4)])
+def test_markov_state_and_scores_follow_the_formulas(lags, row_cap, freq_cap):
+    L, E = 3, 7
+    cache = HostCache(CacheGeometry(L, E, 9), "markov", lags=lags, row_cap=row_cap, freq_cap=freq_cap)
+    ref = Scalar(L, E, lags=lags, row_cap=row_cap, freq_cap=freq_cap)
+    rng = np.random.default_rng(lags * 100 + row_cap)
+    R = T + lags * E
+    for c in range(240):
+        layer = c % L
+        ids = np.stack([rng.choice(E, 2, replace=False) for _ in range(int(rng.integers(1, 3)))]).astype(np.int32)
+        if layer != 0:  # scores before the call, as its victims see them
+            clk = Clock(cache.step + 1, cache.tok, layer, L, E)
+            full = np.flatnonzero(cache.key_of >= 0)
+            keys = cache.key_of[full].astype(np.int64)
+            got = cache.policy.scores(cache.state, clk, keys, full)
+            assert got.tolist() == [ref.score(layer, int(k)) for k in keys]
+        before = cache.slot_of.copy()
+        res = cache.ensure(layer, ids)
+        routed = sorted(int(k) - layer * E for k in res.keys)
+        ref.call(layer, routed, lambda key: before[key] >= 0 or key - layer * E in routed)
+        st = cache.state
+        for e in range(E):
+            key = layer * E + e
+            assert st.key[V, key] == ref.v[layer][e], (c, e)
+            assert st.key[HIST, key] == ref.hist[layer][e]
+            assert st.key[FREQ, key] == ref.freq[layer][e]
+            for j in range(lags):
+                assert st.key[R + j, key] == ref.r.get((layer, j, e), 0)
+                for a in range(E):
+                    assert st.key[T + j * E + a, key] == ref.t.get((layer, j, a, e), 0)
+        assert st.glob[layer] == ref.total[layer]
+
+
+def test_markov_keeps_the_expert_that_follows_and_lru_does_not():
+    """One layer cycles 0 -> 1 -> 2 -> 3 -> 0 among 4 experts with 3 slots: LRU evicts exactly the
+    expert needed next (it never hits); markov learns the cycle and, once it has, evicts the expert
+    needed last, as Belady does (a miss every third call)."""
+    ids = np.array([[[t % 4]] for t in range(400)], dtype=np.int32)
+    misses = {}
+    for policy in ("lru", "markov"):
+        cache = HostCache(CacheGeometry(1, 4, 3), policy)
+        run_calls(cache, ids, np.zeros(400, dtype=np.int64))
+        misses[policy] = int(cache.counters[0, 2])
+    assert misses["lru"] == 400
+    assert misses["markov"] < 400 // 3 + 20, misses
+
+
+def test_markov_constants_and_state_size():
+    g = CacheGeometry(48, 128, 1650)
+    p = get_policy("markov", g)
+    assert p.constants == dict(lags=2, beta=0.3, row_cap=100, freq_cap=300, prior=1)
+    assert p.state_bytes() == 8 * ((3 + 2 * 129) * 48 * 128 + 48)
+    st = p.init_state()
+    assert st.key.nbytes + st.glob.nbytes + st.slot.nbytes == p.state_bytes()
+    assert get_policy("markov", g, lags=1).state_bytes() == 8 * ((3 + 129) * 48 * 128 + 48)
+    for bad in (dict(lags=3), dict(lags=0), dict(beta=-1), dict(row_cap=0), dict(freq_cap=0), dict(prior=0)):
+        with pytest.raises(PolicyError, match="markov"):
+            get_policy("markov", g, **bad)
