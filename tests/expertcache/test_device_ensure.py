@@ -330,7 +330,7 @@ def test_refused_calls_change_nothing_and_are_reported():
     with pytest.raises(EnsureError, match="rows \\* top_k"):
         dev.ensure(0, torch.full((2, 512), -1, dtype=torch.int32, device=device))
     assert dev.snapshot().equals(before)
-    with pytest.raises(EnsureError, match="oracles"):
+    with pytest.raises(EnsureError, match="no device ensure.*lfuda, lru, rule"):
         from sim.belady import Belady
         DeviceCache(g, Belady(g, np.zeros(1, np.int64)), device=device)
 

@@ -39,6 +39,7 @@ def expected_victim_order(cache: HostCache, layer: int, ids: np.ndarray, lidx, l
     slots = cache.slot_of[keys].astype(np.int64)
     hit = slots >= 0
     pol.on_hit(st_, clk, keys[hit], slots[hit], base + np.flatnonzero(hit))
+    pol.observe(st_, clk, keys, cache.slot_of)
     cand = np.setdiff1d(np.flatnonzero(cache.key_of != NO_KEY), slots[hit])
     score = pol.scores(st_, clk, cache.key_of[cand].astype(np.int64), cand)
     return cand[np.lexsort((cand, score))]
