@@ -68,11 +68,6 @@ V, HIST, FREQ, T = 0, 1, 2, 3
 P_LAGS, P_BETA_Q, P_ROW_CAP, P_FREQ_CAP, P_PRIOR = 0, 1, 2, 3, 4
 
 
-def row_field(lag: int, num_experts: int) -> int:
-    """Index of the first row-total field (R) for `lag` lags of E experts."""
-    return T + lag * num_experts
-
-
 @njit(cache=True, inline="always")
 def _div(a, b):
     # a // b for 0 <= a < 2**52, 0 < b < 2**52 (Markov.__init__ bounds both): both are exact in
