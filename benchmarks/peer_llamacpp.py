@@ -451,7 +451,7 @@ def limits(args: argparse.Namespace) -> dict:
     import benchmeta
 
     result = {"host_read_bytes_per_s": host, "host_threads": args.threads,
-              "link_bytes_per_s": benchmeta.link_bandwidth()}
+              "link_bytes_per_s": benchmeta.link_bandwidth(), "machine": benchmeta.machine()}
     _write(Path(args.out) / "limits.json", result)
     return result
 
@@ -509,7 +509,8 @@ def report(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     llama, ours, lim = (json.loads((out / f"{n}.json").read_text()) for n in ("llama", "ours", "limits"))
     rows = report_rows(llama, ours, lim)
-    result = {"bench": "peer_llamacpp", "limits": lim, "build": llama.get("build"), "rows": rows}
+    result = {"bench": "peer_llamacpp", "machine": lim.get("machine"), "limits": lim, "build": llama.get("build"),
+              "rows": rows}
     _write(out / "peer-llamacpp.json", result)
     print(table(rows))
     return result
