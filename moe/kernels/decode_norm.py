@@ -4,7 +4,8 @@ per-head RMSNorm with RoPE and the KV-cache write.
     add_rms_norm:  x [B, H] (+ residual [B, H]) -> s = x + residual (the residual stream, model dtype)
                    and h = weight * rms_norm(s), one program a row: a read of x, residual and weight,
                    a write of s and h (the torch path: an add, then RMSNorm in 5 kernels)
-    qk_rope_write: q [B, Hq * D], k, v [B, Hkv * D] (the projections' outputs), positions [B] int64
+    qk_rope_write: q [B, Hq * D], k, v [B, Hkv * D] (the projections' outputs, each row contiguous: column
+                   slices of one [B, (Hq + 2 Hkv) * D] projection do), positions [B] int64
                    -> q heads normed (qwen3's q_norm) and rotated at position[b], returned [B, Hq, D];
                    k heads normed (k_norm) and rotated, written with v into the layer's cache rows
                    [b, :, position[b]]; one program a (row, head) (the torch path: about 20 kernels)
@@ -88,7 +89,7 @@ def _rope_head(src_ptr, norm_ptr, d, cos, sin, eps, D: tl.constexpr, NORM: tl.co
 
 @triton.jit
 def _qk_rope_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, inv_freq_ptr, pos_ptr, q_out_ptr,
-                          k_cache_ptr, v_cache_ptr, eps, max_len, HQ: tl.constexpr, HKV: tl.constexpr,
+                          k_cache_ptr, v_cache_ptr, eps, max_len, sq, skv, HQ: tl.constexpr, HKV: tl.constexpr,
                           D: tl.constexpr, NORM: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)  # 0..HQ-1: a query head; HQ..HQ+HKV-1: a kv head
@@ -99,20 +100,26 @@ def _qk_rope_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, inv_freq_
     cos = tl.cos(freq).to(dtype).to(tl.float32)
     sin = tl.sin(freq).to(dtype).to(tl.float32)
     if head < HQ:
-        y = _rope_head(q_ptr + (row * HQ + head) * D, q_norm_ptr, d, cos, sin, eps, D, NORM)
+        y = _rope_head(q_ptr + row * sq + head * D, q_norm_ptr, d, cos, sin, eps, D, NORM)
         tl.store(q_out_ptr + (row * HQ + head) * D + d, y)
     else:
         h = head - HQ
-        y = _rope_head(k_ptr + (row * HKV + h) * D, k_norm_ptr, d, cos, sin, eps, D, NORM)
+        y = _rope_head(k_ptr + row * skv + h * D, k_norm_ptr, d, cos, sin, eps, D, NORM)
         at = ((row * HKV + h).to(tl.int64) * max_len + pos) * D + d
         tl.store(k_cache_ptr + at, y)
-        tl.store(v_cache_ptr + at, tl.load(v_ptr + (row * HKV + h) * D + d))
+        tl.store(v_cache_ptr + at, tl.load(v_ptr + row * skv + h * D + d))
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """A 2-D tensor whose rows are contiguous (a column slice of a contiguous matrix is)."""
+    return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1)
 
 
 def qk_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float,
                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, Hq * D], k, v [B, Hkv * D] -> q normed (q_norm given) and rotated at positions[b], as
+    """q [B, Hq * D], k, v [B, Hkv * D] (rows contiguous, k and v of one row stride: column slices of
+    one q / k / v projection qualify) -> q normed (q_norm given) and rotated at positions[b], as
     [B, Hq, D]; k normed (k_norm) and rotated, and v, written to k_cache / v_cache [B', Hkv, max_len, D]
     at [b, :, positions[b]] (positions int64 [>= B] on the device, each < max_len: not checked, a device
     value). inv_freq: float32 [D / 2] (moe.model.attention.Rope.inv_freq). Raises ValueError naming
@@ -126,9 +133,13 @@ def qk_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     for name, t, shape in (("k", k, (b, hkv * d)), ("v", v, (b, hkv * d)), ("v_cache", v_cache, tuple(k_cache.shape)),
                            ("q_norm", q_norm, (d,)), ("k_norm", k_norm, (d,))):
         if t is not None and (tuple(t.shape) != shape or t.dtype != q.dtype or t.device != q.device
-                              or not t.is_contiguous()):
-            raise ValueError(f"qk_rope_write: {name} must be a contiguous {list(shape)} tensor of q's dtype {q.dtype} "
-                             f"on {q.device}, got {list(t.shape)} {t.dtype} on {t.device}")
+                              or not (_rows_contiguous(t) if name in ("k", "v") else t.is_contiguous())):
+            raise ValueError(f"qk_rope_write: {name} must be a {list(shape)} tensor of q's dtype {q.dtype} on "
+                             f"{q.device}, {'each row' if name in ('k', 'v') else 'all'} contiguous, got {list(t.shape)} "
+                             f"{t.dtype} on {t.device} with strides {tuple(t.stride())}")
+    if not _rows_contiguous(q) or k.stride(0) != v.stride(0):
+        raise ValueError(f"qk_rope_write: q's rows must be contiguous and k, v of one row stride, got strides "
+                         f"q {tuple(q.stride())}, k {tuple(k.stride())}, v {tuple(v.stride())}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("qk_rope_write: give both q_norm and k_norm, or neither")
     if (k_cache.dtype != q.dtype or not k_cache.is_contiguous() or k_cache.shape[0] < b
@@ -140,9 +151,9 @@ def qk_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
                          f"{list(positions.shape)} {positions.dtype}")
     q_out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     norm = q_norm is not None
-    _qk_rope_write_kernel[(b, hq + hkv)](q.contiguous(), k.contiguous(), v.contiguous(), q_norm if norm else q,
-                                         k_norm if norm else q, inv_freq, positions, q_out, k_cache, v_cache, eps,
-                                         max_len, HQ=hq, HKV=hkv, D=d, NORM=norm)
+    _qk_rope_write_kernel[(b, hq + hkv)](q, k, v, q_norm if norm else q, k_norm if norm else q, inv_freq, positions,
+                                         q_out, k_cache, v_cache, eps, max_len, q.stride(0), k.stride(0), HQ=hq,
+                                         HKV=hkv, D=d, NORM=norm)
     return q_out
 
 
@@ -155,6 +166,6 @@ def compile_for_target(hidden: int, heads: int, kv_heads: int, head_dim: int, dt
     p = f"*{dtype}"
     norm = compile_for_sm(_add_rms_norm_kernel, (p, p, p, p, p, "fp32"),
                           {"N": hidden, "BLOCK": triton.next_power_of_2(hidden), "ADD": True}, 4, arch, {})
-    rope = compile_for_sm(_qk_rope_write_kernel, (p, p, p, p, p, "*fp32", "*i64", p, p, p, "fp32", "i32"),
+    rope = compile_for_sm(_qk_rope_write_kernel, (p, p, p, p, p, "*fp32", "*i64", p, p, p, "fp32", "i32", "i32", "i32"),
                           {"HQ": heads, "HKV": kv_heads, "D": head_dim, "NORM": True}, 4, arch, {})
     return {"_add_rms_norm_kernel": norm, "_qk_rope_write_kernel": rope}

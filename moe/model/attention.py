@@ -114,16 +114,15 @@ def attention_prefill(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rop
 
 def attention_decode_fused(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope: Rope, cache: KVCache,
                            layer: int, batch: int) -> torch.Tensor:
-    """attention_decode in three Triton launches beside the q / k / v / o projections: q / k norm, RoPE
-    and the cache write in one (moe.kernels.decode_norm.qk_rope_write), then split-K decode attention
+    """attention_decode in one GEMM of the q / k / v projections together (w.qkv), q / k norm, RoPE and
+    the cache write in one launch (moe.kernels.decode_norm.qk_rope_write, reading the projection's
+    column slices in place), then split-K decode attention
     that walks each row's own cached length, read on the device (moe.kernels.decode_attention), so a
     step's cost grows with the rows' lengths, not max_len. The same rounding steps as the torch path
     up to the sum orders (tests/moe/test_decode_fused.py). The engine's path on a CUDA device."""
     b = batch
     pos = cache.lengths[:b]  # [B]
-    q = F.linear(x, w.q, w.q_bias)
-    k = F.linear(x, w.k, w.k_bias)
-    v = F.linear(x, w.v, w.v_bias)
+    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split((w.q.shape[0], w.k.shape[0], w.v.shape[0]), dim=1)
     norms = (w.q_norm, w.k_norm) if spec.qk_norm else ()
     q = qk_rope_write(q, k, v, pos, rope.inv_freq, cache.k[layer], cache.v[layer], spec.rms_eps, *norms)
     out = decode_attention(q, cache.k[layer], cache.v[layer], pos, spec.head_dim ** -0.5)  # [B, Hq, D]

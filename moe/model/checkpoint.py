@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -66,7 +66,11 @@ BNB_QUANT = re.compile(r"(.+\.weight)\.(absmax|quant_map|SCB|nested_absmax|neste
 
 @dataclass
 class AttentionWeights:
-    """q [Hq*D, H], k / v [Hkv*D, H], o [H, Hq*D]; biases [rows] or None; q_norm / k_norm [D] or None."""
+    """q [Hq*D, H], k / v [Hkv*D, H], o [H, Hq*D]; biases [rows] or None; q_norm / k_norm [D] or None.
+
+    q, k and v are stored as one matrix, qkv [(Hq + 2 Hkv) * D, H] (and their biases as qkv_bias), with
+    q, k, v (q_bias, k_bias, v_bias) views of its rows: the fused decode step projects a token with one
+    GEMM of the three, no copy of the weights."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -78,6 +82,19 @@ class AttentionWeights:
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    qkv: torch.Tensor = field(init=False, repr=False)
+    qkv_bias: torch.Tensor | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        rows = (self.q.shape[0], self.k.shape[0], self.v.shape[0])
+        self.qkv = torch.cat([self.q, self.k, self.v])
+        self.q, self.k, self.v = self.qkv.split(rows)
+        biases = (self.q_bias, self.k_bias, self.v_bias)
+        if any(b is None for b in biases) != all(b is None for b in biases):
+            raise ValueError("AttentionWeights: give q, k and v biases together, or none")
+        self.qkv_bias = None if self.q_bias is None else torch.cat(biases)
+        if self.qkv_bias is not None:
+            self.q_bias, self.k_bias, self.v_bias = self.qkv_bias.split(rows)
 
 
 @dataclass

@@ -44,7 +44,8 @@ def test_add_rms_norm_is_the_add_then_rms_norm(dtype, add):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "no-norm"])
-def test_qk_rope_write_is_the_torch_projection_tail(dtype, norm):
+@pytest.mark.parametrize("packed", [False, True], ids=["apart", "qkv-slices"])
+def test_qk_rope_write_is_the_torch_projection_tail(dtype, norm, packed):
     device, gpu = device_or_skip()
     g = torch.Generator().manual_seed(5)
     b, hq, hkv, d, max_len = 3, 8, 2, 32, 50
@@ -57,7 +58,11 @@ def test_qk_rope_write_is_the_torch_projection_tail(dtype, norm):
     kc = torch.randn(b + 1, hkv, max_len, d, generator=g).to(dtype).to(device)
     vc = torch.randn(b + 1, hkv, max_len, d, generator=g).to(dtype).to(device)
     want_k, want_v = kc.clone(), vc.clone()
-    got_q = qk_rope_write(q, k, v, pos, rope.inv_freq, kc, vc, 1e-6, *((qn, kn) if norm else ()))
+    args = (q, k, v)
+    if packed:  # column slices of one [B, (Hq + 2 Hkv) D] projection, as the fused decode step passes them
+        args = torch.cat([q, k, v], dim=1).split((hq * d, hkv * d, hkv * d), dim=1)
+        assert args[1].stride(0) == (hq + 2 * hkv) * d
+    got_q = qk_rope_write(*args, pos, rope.inv_freq, kc, vc, 1e-6, *((qn, kn) if norm else ()))
     q3, k3, v3 = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
     if norm:
         q3, k3 = rms_norm(q3, qn, 1e-6), rms_norm(k3, kn, 1e-6)
@@ -85,7 +90,8 @@ def test_add_rms_norm_names_a_bad_argument(bad, message):
         add_rms_norm(x, w, 1e-6, residual=res)
 
 
-@pytest.mark.parametrize("bad, message", [("q", "q [2, 30]"), ("v", "v must be a contiguous [2, 16]"),
+@pytest.mark.parametrize("bad, message", [("q", "q [2, 30]"), ("v", "v must be a [2, 16] tensor"),
+                                          ("v-rows", "each row contiguous"), ("kv-stride", "k, v of one row stride"),
                                           ("norms", "give both q_norm and k_norm"), ("pos", "positions int64")])
 def test_qk_rope_write_names_a_bad_argument(bad, message):
     device, _ = device_or_skip()
@@ -97,6 +103,10 @@ def test_qk_rope_write_names_a_bad_argument(bad, message):
         q = q[:, :30].contiguous()
     if bad == "v":
         v = v[:, :8].contiguous()
+    if bad == "v-rows":
+        v = torch.randn(16, 2, device=device).t()  # [2, 16], columns contiguous
+    if bad == "kv-stride":
+        v = torch.randn(2, 24, device=device)[:, :16]  # rows contiguous, of another stride than k's
     if bad == "norms":
         norms = (torch.ones(8, device=device),)
     if bad == "pos":

@@ -9,7 +9,8 @@ its "on" runs only the early hits on the side stream; asserted):
                1e-4 (relative to the largest) of transformers' float32
       bfloat16: teacher-forced logits within bf16 tolerance of transformers' own bf16 (the approach of
                test_model.py: 6 % of the largest logit, and no further from the float32 truth than
-               transformers' bf16 run is)
+               transformers' bf16 run is) at every token both route alike; a decode token whose routing
+               differs must differ first at a layer where transformers' router had a near tie (ROUTER_TIE)
     graph replay against eager decode (cuda_graphs=False): bitwise equal logits, slot maps and recorded
     routing at batch 1 and 2, rows leaving and joining in between; recorded routing = the layers' own.
 
@@ -17,6 +18,12 @@ Why token identity is checked in float32: the engine's MoE kernels accumulate in
 while transformers rounds after every bf16 linear, so bf16 logits differ by up to a few per cent and
 greedy choices between near-tied tokens would flip for reasons that are not bugs. In float32 both sides
 are exact to ~1e-6, so any token mismatch is a real error, and the result does not depend on luck.
+The same rounding differences can flip a routed expert where two router logits are within bf16's
+resolution (the fused decode step rounds in other places than transformers; measured on the H200, 3 of
+36 bf16 decode steps of two small random models), and a flipped expert moved that token's logits by 8-14 %
+of the largest:
+so the bf16 test compares values only where the routing agrees, and requires every disagreement to start
+at a near tie.
 """
 
 from __future__ import annotations
@@ -117,7 +124,7 @@ def _greedy_matches(engine, hf, prompts: list[list[int]]) -> None:
 def test_bfloat16_logits_within_bf16_tolerance(family, policy, overlap):
     name, models, path = family
     k = models["float32"].config.num_experts_per_tok
-    engine = _engine(path, k, "bfloat16", policy, overlap)
+    engine = _engine(path, k, "bfloat16", policy, overlap, record_routing=True)
     _check_overlap(engine, overlap)
     seqs = [_tokens(10, seed=30), _tokens(12, seed=31)]
     plen = [5, 7]  # then 5 teacher-forced decode steps per row
@@ -127,12 +134,44 @@ def test_bfloat16_logits_within_bf16_tolerance(family, policy, overlap):
         before = _misses(engine)
         steps.append(engine.decode_step([seqs[0][plen[0] + j], seqs[1][plen[1] + j]]))
         assert _misses(engine) > before, "every decode step must miss (and evict: the pool is full)"
+    ours = torch.as_tensor(engine.routing())  # [5, L, 2, k]: each decode step's routed ids
     for row, seq in enumerate(seqs):
         got = torch.cat([first[row], torch.stack([s[row] for s in steps])])  # [T, V]
-        ref32, ref16 = _hf_logits(models["float32"], seq), _hf_logits(models["bfloat16"], seq)
-        _close(got, ref16, rel=0.06)
+        ref32 = _hf_logits(models["float32"], seq)
+        ref16, router16 = _hf_logits_and_router(models["bfloat16"], seq)
+        alike = [True] * plen[row] + [_routing_alike(ours[j, :, row], router16[:, plen[row] + j], k)
+                                      for j in range(len(steps))]
+        assert sum(alike) >= len(seq) - 2, (row, alike)  # a flip is rare: at most 2 tokens of 10-12
+        keep = torch.tensor(alike, device=got.device)
+        _close(got[keep], ref16[keep], rel=0.06)
         own, theirs = (got - ref32).abs().mean().item(), (ref16 - ref32).abs().mean().item()
         assert own <= 1.5 * theirs + 2**-8 * ref32.abs().mean().item(), (row, own, theirs)
+
+
+ROUTER_TIE = 2**-5  # of the token's largest router logit: a few bf16 ulps of the router's input noise
+
+
+def _hf_logits_and_router(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' float32 logits [T, V] and router logits [L, T, E] of one sequence."""
+    with torch.no_grad():
+        out = model(torch.tensor([seq], device=model.device), output_router_logits=True)
+    return out.logits[0].float(), torch.stack([r.float() for r in out.router_logits])
+
+
+def _routing_alike(ids: torch.Tensor, router: torch.Tensor, k: int) -> bool:
+    """ids [L, k] the engine routed one token to, router [L, E] transformers' router logits for it ->
+    True where every layer chose the same k experts; False where the first layer that differs had a
+    near tie (the experts only the engine chose within ROUTER_TIE of transformers' k-th logit);
+    AssertionError where it had none."""
+    for layer in range(router.shape[0]):
+        theirs = set(router[layer].topk(k).indices.tolist())
+        mine = set(ids[layer].tolist())
+        if mine != theirs:
+            logits = router[layer]
+            gap = logits.topk(k).values[-1] - logits[sorted(mine - theirs)].min()
+            assert gap <= ROUTER_TIE * logits.abs().max(), (layer, sorted(mine), sorted(theirs), gap.item())
+            return False
+    return True
 
 
 def _run_script(engine, family_tokens: list[list[int]]) -> list[torch.Tensor]:
