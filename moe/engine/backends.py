@@ -17,7 +17,8 @@ every layer, so pushing it through ensure would evict the whole decode working s
 already decoding would then miss on every expert of their next step), and one call may need more
 distinct experts than there are slots (ensure refuses that). Chunking the prompt to S // k tokens
 would work but still flush the pool. Instead prefill reads each used expert's rows straight from the
-HostStore once per layer (on a GPU: a copy-engine transfer from pinned memory per used expert) and
+HostStore once per layer (on a GPU: copy-engine transfers from pinned memory into a ring of
+PREFILL_STAGING staging slots, on their own stream, running ahead of the compute) and
 leaves the slot map, policy state, clocks and counters untouched; an expert that already has a slot is computed from the pool instead (read only,
 no transfer: the slot holds the same bytes). Both backends share this one function; the decode math
 is the same formula.
@@ -39,6 +40,7 @@ from expertcache.copy import reference_copy
 from expertcache.geometry import CacheGeometry
 from expertcache.host import HostCache
 from expertcache.pool import HostStore, SlotPool
+from moe.engine.budget import PREFILL_STAGING
 from moe.model.checkpoint import ModelWeights, MoEWeights
 from moe.model.config import MoEConfig
 from moe.engine.layer import MoELayer, SlotCache
@@ -65,39 +67,117 @@ def expert_matrices(banks, cfg: MoEConfig) -> tuple[SlotMatrix, SlotMatrix]:
             SlotMatrix.of_pool(banks, cfg.format, "down", h, i))
 
 
+class PrefillStaging:
+    """A ring of `num_slots` device slots (a SlotPool over the store's banks) and a copy stream: prefill
+    copies the experts it needs that have no cache slot into the ring ahead of the compute, so the copy
+    engine moves expert i + 1 .. i + num_slots while expert i is computed. Bytes: num_slots * the bytes
+    of one expert, allocated once. Raises PoolError where the ring does not fit."""
+
+    def __init__(self, store: HostStore, num_slots: int, device: torch.device) -> None:
+        self.store = store
+        self.pool = SlotPool(store.banks, num_slots, device=device)
+        self.stream = torch.cuda.Stream(device=self.pool.device)
+
+    def run(self, keys: list[int]) -> "_StagedCopies":
+        """Start copying `keys` (store keys, in the order they will be computed) into the ring."""
+        return _StagedCopies(self, keys)
+
+
+class _StagedCopies:
+    """The copies of one layer's streamed experts through a PrefillStaging ring. slot(i) makes the
+    current stream wait for key i's copy and returns its ring slot; release(i) tells the ring the
+    current stream's work with slot i is queued, which frees the slot for key i + ring size."""
+
+    def __init__(self, staging: PrefillStaging, keys: list[int]) -> None:
+        self.staging, self.keys = staging, keys
+        self.ring = staging.pool.num_slots
+        self.copied: list[torch.cuda.Event] = []
+        self.freed: list[torch.cuda.Event] = []
+        for i in range(min(self.ring, len(keys))):
+            self._copy(i)
+
+    def _copy(self, i: int) -> None:
+        st = self.staging
+        with torch.cuda.stream(st.stream):
+            if i >= self.ring:  # the compute that read this slot last is queued before this copy
+                st.stream.wait_event(self.freed[i - self.ring])
+            for bank in st.store.banks:
+                st.pool.tensor(bank.name)[i % self.ring].copy_(st.store.tensor(bank.name)[self.keys[i]],
+                                                               non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(st.stream)
+        self.copied.append(done)
+
+    def slot(self, i: int) -> int:
+        torch.cuda.current_stream().wait_event(self.copied[i])
+        return i % self.ring
+
+    def release(self, i: int) -> None:
+        freed = torch.cuda.Event()
+        freed.record(torch.cuda.current_stream())
+        self.freed.append(freed)
+        if i + self.ring < len(self.keys):
+            self._copy(i + self.ring)
+
+
 def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.Tensor,
                 resident: tuple[torch.Tensor, SlotPool] | None = None,
-                counts: list[int] | None = None) -> torch.Tensor:
+                counts: list[int] | None = None, staging: PrefillStaging | None = None) -> torch.Tensor:
     """One MoE block over a prompt, experts read from `store` (cache bypassed): [T, H] -> [T, H].
 
     Math and precision of moe.model.reference.moe_reference: float32 products, one cast at the end;
-    each expert's weights are its format's float32 decode (expertcache.formats). Each used expert's
-    banks move to hidden's device once (non-blocking from pinned memory), unless `resident` = (slot_of
-    [L_moe * E] int32, the SlotPool) gives it a slot: then its rows are read from the pool (the same
-    bytes, so the same result bit for bit) and nothing moves. Nothing of the cache is written. counts:
-    optional [streamed, reused], incremented. Cost O(T * k * 3 * I * H + T * E * H) compute, (used
-    experts without a slot) * the expert's bytes moved; one host sync (the set of used experts, and this
-    layer's E slot ids).
+    each expert's weights are its format's float32 decode (expertcache.formats). The used experts are
+    computed in increasing id order, each over its tokens in increasing order (index_add_ into a
+    float32 sum). An expert with a slot in `resident` = (slot_of [L_moe * E] int32, the SlotPool) is
+    read from the pool (the same bytes, so the same result bit for bit) and nothing moves; the others
+    are streamed: through `staging` (a GPU's PrefillStaging: copies on its stream, up to its ring size
+    ahead of the compute) or, without one, moved to hidden's device as each is computed. Nothing of the
+    cache is written. counts: optional [streamed, reused], incremented. Cost O(T * k * 3 * I * H +
+    T * E * H) compute, (used experts without a slot) * the expert's bytes moved; one host sync (the
+    layer's per-expert token counts and its E slot ids).
     """
     weights, ids = route(hidden, w.router, cfg.top_k, cfg.norm_topk_prob)  # [T, k] f32, i32
+    k, e_count = ids.shape[1], cfg.num_experts
     gate_up, down = expert_matrices(store, cfg)
     pool = None if resident is None else expert_matrices(resident[1], cfg)
-    base = w.index * cfg.num_experts
-    slot_of = None
-    if resident is not None:
-        slot_of = resident[0][base:base + cfg.num_experts].tolist()  # this layer's experts' slots
+    base = w.index * e_count
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # (token, choice) pairs by expert, tokens ascending
+    per = torch.bincount(flat, minlength=e_count)
+    if resident is not None:  # the one host read: token counts and slot ids together
+        both = torch.cat([per, resident[0][base:base + e_count].to(per.device, torch.int64)]).tolist()
+        per, slot_of = both[:e_count], both[e_count:]
+    else:
+        per, slot_of = per.tolist(), [-1] * e_count
+    used = [e for e in range(e_count) if per[e]]
+    streamed = [e for e in used if slot_of[e] < 0]
+    staged = staging.run([base + e for e in streamed]) if staging is not None and streamed else None
+    if staged is not None:
+        st_gate_up, st_down = expert_matrices(staging.pool, cfg)
+    starts = [0]
+    for n in per:
+        starts.append(starts[-1] + n)
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
-    for expert in torch.unique(ids).tolist():
-        rows, cols = torch.nonzero(ids == expert, as_tuple=True)
-        slot = -1 if slot_of is None else slot_of[expert]
+    j = 0  # the next streamed expert
+    for expert in used:
+        pairs = order[starts[expert]:starts[expert + 1]]
+        rows, cols = pairs // k, pairs % k
+        slot = slot_of[expert]
         if slot >= 0:
             gu, dn = pool[0].dequantize([slot])[0], pool[1].dequantize([slot])[0]
+        elif staged is not None:
+            r = staged.slot(j)
+            gu, dn = st_gate_up.dequantize([r])[0], st_down.dequantize([r])[0]
         else:
             gu = gate_up.dequantize([base + expert], hidden.device)[0]
             dn = down.dequantize([base + expert], hidden.device)[0]
         if counts is not None:
             counts[int(slot >= 0)] += 1
         out.index_add_(0, rows, expert_mlp(hidden[rows], gu, dn) * weights[rows, cols, None])
+        if slot < 0:
+            if staged is not None:
+                staged.release(j)
+            j += 1
     if w.shared is not None:
         out += shared_expert(hidden, w.shared)
     return out.to(hidden.dtype)
@@ -177,6 +257,8 @@ class GpuMoE:
                        for lw in weights.layers if isinstance(lw.mlp, MoEWeights)}
         self.routing_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self.prefill_counts = [0, 0]  # prefill's used experts: [streamed from the store, read from a slot]
+        self.staging = (PrefillStaging(self.store, PREFILL_STAGING, weights.device) if weights.device.type == "cuda"
+                        else None)  # under Triton's interpreter on the CPU nothing is copied ahead
         if forced_routing:
             shape, dev = (geometry.num_layers, max_batch, self.cfg.top_k), weights.device
             self.routing_buffers = (torch.full(shape, -1, dtype=torch.int32, device=dev),
@@ -215,9 +297,11 @@ class GpuMoE:
 
     def prefill(self, w: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
         """Eager, on the current stream, after the decode steps queued before it (their miss copies
-        filled the slots it reads). One host sync for the layer's slot ids."""
+        filled the slots it reads); the experts without a slot stream through self.staging's ring, their
+        copies on its stream overlapping the compute. One host sync for the layer's counts and slot ids."""
         slots = self.slots
-        return moe_prefill(self.store, self.cfg, w, hidden, (slots.cache.slot_of, slots.pool), self.prefill_counts)
+        return moe_prefill(self.store, self.cfg, w, hidden, (slots.cache.slot_of, slots.pool), self.prefill_counts,
+                           self.staging)
 
 
 def make_backend(weights: ModelWeights, num_slots: int, policy: str = "lru", *, max_batch: int = 1,

@@ -27,6 +27,8 @@ from expertcache.formats import GIB, gib_at_least, slots_for_bytes
 from moe.model.checkpoint import expert_banks
 from moe.model.spec import ModelSpec
 
+PREFILL_STAGING = 8  # experts in a GPU's prefill staging ring (moe.engine.backends.PrefillStaging)
+
 
 @dataclass(frozen=True)
 class SlotBudget:
@@ -90,7 +92,8 @@ def memory_split(budget: SlotBudget, spec: ModelSpec, max_batch: int, max_seq_le
             f"+ KV cache {kv / GIB:.3g} GiB (--max-batch {max_batch} x --max-seq-len {max_seq_len} tokens x "
             f"{per_token:,} bytes a token: {spec.num_layers} layers x k, v x {spec.num_kv_heads} heads x "
             f"{spec.head_dim} x {DTYPE_BYTES[spec.moe.dtype]} bytes) = {(budget.slot_bytes + kv) / GIB:.3g} GiB, "
-            "beside the model's dense weights")
+            f"beside the model's dense weights and, on a GPU, prefill's staging ring of {PREFILL_STAGING} experts "
+            f"({PREFILL_STAGING * expert_pricing(spec)[1] / GIB:.3g} GiB)")
 
 
 def expert_pricing(spec: ModelSpec) -> tuple[str, int]:

@@ -163,6 +163,37 @@ def test_prefill_touching_every_expert_keeps_the_decode_working_set(checkpoint):
     assert cold.moe.prefill_counts == [engine.spec.num_moe_layers * cfg.num_experts, 0]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("ring", [1, 3, 64])
+def test_prefill_streamed_through_the_staging_ring_is_bitwise_the_direct_reads(checkpoint, ring):
+    """A prompt that routes to every expert on a GPU: the experts without a slot copied through a
+    PrefillStaging ring of 1, 3 or 64 slots on its own stream (the ring wraps many times, or never),
+    against the same prefill moving each expert as it is computed (no ring): logits and KV bitwise,
+    the cache untouched, the same counts; transformers within 1e-4."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from moe.engine.backends import PrefillStaging
+
+    name, model, path = checkpoint
+    cfg = model.config
+    long = _tokens(120, seed=7)
+    engines = [load_model(path, "cuda", num_slots=cfg.num_experts_per_tok + 1, max_seq_len=128, progress=False,
+                          cuda_graphs=False) for _ in range(2)]
+    direct, staged = engines
+    direct.moe.staging = None
+    staged.moe.staging = PrefillStaging(staged.moe.store, ring, torch.device("cuda"))
+    for engine in engines:
+        engine.generate([_tokens(5, seed=6)], max_new_tokens=4)
+    before = staged.moe.slots.cache.snapshot()
+    want, got = (engine.prefill([long], all_logits=True)[0] for engine in engines)
+    assert torch.equal(got, want)
+    for a, b in zip(direct.kv.k + direct.kv.v, staged.kv.k + staged.kv.v):
+        assert torch.equal(a, b)
+    assert staged.moe.slots.cache.snapshot().equals(before)
+    assert staged.moe.prefill_counts == direct.moe.prefill_counts and staged.moe.prefill_counts[0] > ring
+    _close(got.cpu(), _hf_logits(model, long).logits[0], rel=1e-4)
+
+
 def test_recorded_routing_is_transformers_router_topk(checkpoint):
     name, model, path = checkpoint
     k = model.config.num_experts_per_tok
