@@ -67,57 +67,104 @@ def expert_matrices(banks, cfg: MoEConfig) -> tuple[SlotMatrix, SlotMatrix]:
             SlotMatrix.of_pool(banks, cfg.format, "down", h, i))
 
 
+PREFETCH_MIN_USES = 4  # T * k / E at which a prompt is expected to use nearly every expert (1 - e^-4 = 98 %)
+
+
 class PrefillStaging:
-    """A ring of `num_slots` device slots (a SlotPool over the store's banks) and a copy stream: prefill
-    copies the experts it needs that have no cache slot into the ring ahead of the compute, so the copy
-    engine moves expert i + 1 .. i + num_slots while expert i is computed. Bytes: num_slots * the bytes
-    of one expert, allocated once. Raises PoolError where the ring does not fit."""
+    """A ring of `num_slots` device slots (a SlotPool over the store's banks) and a copy stream through
+    which prefill moves the experts it needs that have no cache slot, ahead of the compute.
+
+    Copies are issued in the order the experts will be computed; copy n goes to ring slot n % R once
+    the compute that read copy n - R is queued (an event), so up to R copies run ahead on the copy
+    engine. `layer(keys)` serves one layer's keys in order; `prefetch(keys)` starts the next layer's
+    likely keys (a long prompt's: every expert without a slot) before that layer's attention and router
+    have run, so the copies continue across layers; a later `layer` uses the prefetched copies its keys
+    include, in order, and drops the rest. Bytes: num_slots * the bytes of one expert, allocated once.
+    Raises PoolError where the ring does not fit."""
 
     def __init__(self, store: HostStore, num_slots: int, device: torch.device) -> None:
         self.store = store
         self.pool = SlotPool(store.banks, num_slots, device=device)
         self.stream = torch.cuda.Stream(device=self.pool.device)
+        self.ring = num_slots
+        self.issued = 0  # copies issued so far: copy n is in ring slot n % ring
+        self.freed: dict[int, torch.cuda.Event] = {}  # copy n -> its slot's last read is queued
+        self.pending: list[tuple[int, int, torch.cuda.Event]] = []  # prefetched (key, copy n, copied)
+        self.wanted: list[int] = []  # keys to copy next, in order, as ring slots free
+        self.prefetched_unused = 0  # prefetched copies no layer used (counted for the docs' measurements)
 
-    def run(self, keys: list[int]) -> "_StagedCopies":
-        """Start copying `keys` (store keys, in the order they will be computed) into the ring."""
-        return _StagedCopies(self, keys)
+    def _issue(self) -> None:
+        """Copy wanted keys while their ring slot's previous read is queued."""
+        while self.wanted and (self.issued < self.ring or self.issued - self.ring in self.freed):
+            key, n = self.wanted.pop(0), self.issued
+            with torch.cuda.stream(self.stream):
+                if n >= self.ring:
+                    self.stream.wait_event(self.freed.pop(n - self.ring))
+                for bank in self.store.banks:
+                    self.pool.tensor(bank.name)[n % self.ring].copy_(self.store.tensor(bank.name)[key],
+                                                                     non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            self.pending.append((key, n, done))
+            self.issued += 1
+
+    def _free(self, n: int) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        self.freed[n] = event
+
+    def prefetch(self, keys: list[int]) -> None:
+        """Start copying `keys` (increasing) for the next layer, before its routing is known."""
+        self.wanted = list(keys)
+        self._issue()
+
+    def layer(self, keys: list[int]) -> "_StagedLayer":
+        """Serve `keys` (increasing store keys, the compute's order): the prefetched copies of a prefix of
+        them are used, every other prefetched copy is dropped, the rest are copied as the ring frees."""
+        used, p, pending = [], 0, self.pending
+        for key in keys:
+            while p < len(pending) and pending[p][0] < key:  # prefetched, not needed
+                self._drop(pending[p])
+                p += 1
+            if p < len(pending) and pending[p][0] == key:
+                used.append(pending[p])
+                p += 1
+            else:  # not prefetched: it and every later key are copied afresh, in order
+                break
+        for entry in pending[p:]:
+            self._drop(entry)
+        self.pending, self.wanted = [], list(keys[len(used):])
+        return _StagedLayer(self, used)
+
+    def _drop(self, entry: tuple[int, int, torch.cuda.Event]) -> None:
+        """A prefetched copy no layer reads: its slot is free (a later copy into it follows this one on
+        the copy stream)."""
+        self.prefetched_unused += 1
+        self._free(entry[1])
 
 
-class _StagedCopies:
-    """The copies of one layer's streamed experts through a PrefillStaging ring. slot(i) makes the
-    current stream wait for key i's copy and returns its ring slot; release(i) tells the ring the
-    current stream's work with slot i is queued, which frees the slot for key i + ring size."""
+class _StagedLayer:
+    """One layer's keys through a PrefillStaging ring: slot(j) makes the current stream wait for the
+    j-th key's copy and returns its ring slot; release(j) records that the current stream's reads of it
+    are queued, which lets the ring copy further keys into that slot."""
 
-    def __init__(self, staging: PrefillStaging, keys: list[int]) -> None:
-        self.staging, self.keys = staging, keys
-        self.ring = staging.pool.num_slots
-        self.copied: list[torch.cuda.Event] = []
-        self.freed: list[torch.cuda.Event] = []
-        for i in range(min(self.ring, len(keys))):
-            self._copy(i)
+    def __init__(self, staging: PrefillStaging, used: list[tuple[int, int, torch.cuda.Event]]) -> None:
+        self.staging = staging
+        self.copies = [(n, done) for _, n, done in used]
+        staging._issue()
 
-    def _copy(self, i: int) -> None:
+    def slot(self, j: int) -> int:
         st = self.staging
-        with torch.cuda.stream(st.stream):
-            if i >= self.ring:  # the compute that read this slot last is queued before this copy
-                st.stream.wait_event(self.freed[i - self.ring])
-            for bank in st.store.banks:
-                st.pool.tensor(bank.name)[i % self.ring].copy_(st.store.tensor(bank.name)[self.keys[i]],
-                                                               non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(st.stream)
-        self.copied.append(done)
+        while len(self.copies) <= j:  # the key's copy is issued in order, as the ring frees slots
+            key, n, done = st.pending.pop(0)
+            self.copies.append((n, done))
+        n, done = self.copies[j]
+        torch.cuda.current_stream().wait_event(done)
+        return n % st.ring
 
-    def slot(self, i: int) -> int:
-        torch.cuda.current_stream().wait_event(self.copied[i])
-        return i % self.ring
-
-    def release(self, i: int) -> None:
-        freed = torch.cuda.Event()
-        freed.record(torch.cuda.current_stream())
-        self.freed.append(freed)
-        if i + self.ring < len(self.keys):
-            self._copy(i + self.ring)
+    def release(self, j: int) -> None:
+        self.staging._free(self.copies[j][0])
+        self.staging._issue()
 
 
 def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.Tensor,
@@ -131,10 +178,12 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
     float32 sum). An expert with a slot in `resident` = (slot_of [L_moe * E] int32, the SlotPool) is
     read from the pool (the same bytes, so the same result bit for bit) and nothing moves; the others
     are streamed: through `staging` (a GPU's PrefillStaging: copies on its stream, up to its ring size
-    ahead of the compute) or, without one, moved to hidden's device as each is computed. Nothing of the
-    cache is written. counts: optional [streamed, reused], incremented. Cost O(T * k * 3 * I * H +
-    T * E * H) compute, (used experts without a slot) * the expert's bytes moved; one host sync (the
-    layer's per-expert token counts and its E slot ids).
+    ahead of the compute; where T * k >= PREFETCH_MIN_USES * E the next MoE layer's experts without a
+    slot are prefetched into it at the end) or, without one, moved to hidden's device as each is
+    computed. Nothing of the cache is written. counts: optional [streamed, reused], incremented. Cost
+    O(T * k * 3 * I * H + T * E * H) compute, (used experts without a slot) * the expert's bytes moved
+    (and the prefetched experts the next layer does not use); one host sync (the layer's per-expert
+    token counts and its E slot ids, and the next layer's when prefetching).
     """
     weights, ids = route(hidden, w.router, cfg.top_k, cfg.norm_topk_prob)  # [T, k] f32, i32
     k, e_count = ids.shape[1], cfg.num_experts
@@ -144,14 +193,19 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)  # (token, choice) pairs by expert, tokens ascending
     per = torch.bincount(flat, minlength=e_count)
-    if resident is not None:  # the one host read: token counts and slot ids together
-        both = torch.cat([per, resident[0][base:base + e_count].to(per.device, torch.int64)]).tolist()
-        per, slot_of = both[:e_count], both[e_count:]
+    # a long prompt uses nearly every expert: the next MoE layer's experts without a slot are copied
+    # ahead, from the end of this layer's compute through the next layer's attention and router
+    ahead = (staging is not None and resident is not None and ids.numel() >= PREFETCH_MIN_USES * e_count
+             and base + 2 * e_count <= resident[0].numel())
+    if resident is not None:  # the one host read: token counts and slot ids (this layer's, the next's) together
+        slots = resident[0][base:base + (2 if ahead else 1) * e_count].to(per.device, torch.int64)
+        both = torch.cat([per, slots]).tolist()
+        per, slot_of, next_slot_of = both[:e_count], both[e_count:2 * e_count], both[2 * e_count:]
     else:
-        per, slot_of = per.tolist(), [-1] * e_count
+        per, slot_of, next_slot_of = per.tolist(), [-1] * e_count, []
     used = [e for e in range(e_count) if per[e]]
     streamed = [e for e in used if slot_of[e] < 0]
-    staged = staging.run([base + e for e in streamed]) if staging is not None and streamed else None
+    staged = staging.layer([base + e for e in streamed]) if staging is not None else None
     if staged is not None:
         st_gate_up, st_down = expert_matrices(staging.pool, cfg)
     starts = [0]
@@ -178,6 +232,8 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
             if staged is not None:
                 staged.release(j)
             j += 1
+    if ahead:
+        staging.prefetch([base + e_count + e for e in range(e_count) if next_slot_of[e] < 0])
     if w.shared is not None:
         out += shared_expert(hidden, w.shared)
     return out.to(hidden.dtype)

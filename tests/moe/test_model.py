@@ -172,7 +172,7 @@ def test_prefill_streamed_through_the_staging_ring_is_bitwise_the_direct_reads(c
     the cache untouched, the same counts; transformers within 1e-4."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from moe.engine.backends import PrefillStaging
+    from moe.engine.backends import PREFETCH_MIN_USES, PrefillStaging
 
     name, model, path = checkpoint
     cfg = model.config
@@ -185,13 +185,53 @@ def test_prefill_streamed_through_the_staging_ring_is_bitwise_the_direct_reads(c
     for engine in engines:
         engine.generate([_tokens(5, seed=6)], max_new_tokens=4)
     before = staged.moe.slots.cache.snapshot()
-    want, got = (engine.prefill([long], all_logits=True)[0] for engine in engines)
-    assert torch.equal(got, want)
+    short = _tokens(3, seed=9)  # T * k below PREFETCH_MIN_USES * E: no prefetch into the next layer
+    assert 3 * cfg.num_experts_per_tok < PREFETCH_MIN_USES * cfg.num_experts <= 120 * cfg.num_experts_per_tok
+    for prompt in (long, short):
+        want, got = (engine.prefill([prompt], all_logits=True)[0] for engine in engines)
+        assert torch.equal(got, want)
+        _close(got.cpu(), _hf_logits(model, prompt).logits[0], rel=1e-4)
     for a, b in zip(direct.kv.k + direct.kv.v, staged.kv.k + staged.kv.v):
         assert torch.equal(a, b)
     assert staged.moe.slots.cache.snapshot().equals(before)
     assert staged.moe.prefill_counts == direct.moe.prefill_counts and staged.moe.prefill_counts[0] > ring
-    _close(got.cpu(), _hf_logits(model, long).logits[0], rel=1e-4)
+    # the long prompt used every expert: every prefetched copy was read
+    assert staged.moe.staging.prefetched_unused == 0
+    assert staged.moe.staging.issued == staged.moe.prefill_counts[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ring", [1, 2, 5])
+def test_the_staging_ring_serves_each_key_its_bytes_and_drops_what_no_layer_reads(checkpoint, ring):
+    """PrefillStaging alone: a prefetch of keys [1, 3, 4, 6, 9] (the ring holds the first `ring` copies),
+    then a layer needing [3, 5, 6, 7]: 1 is dropped, 3 used where it was copied, 4 dropped, 5 not
+    prefetched (it, 6 and 7 copied afresh, the prefetched 6 and 9 dropped); then a layer with no
+    prefetch. Each served slot holds the store's bytes of its key."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from moe.engine.backends import PrefillStaging
+
+    name, model, path = checkpoint
+    engine = load_model(path, "cuda", num_slots=model.config.num_experts_per_tok, max_seq_len=16, progress=False,
+                        cuda_graphs=False)
+    store = engine.moe.store
+    staging = PrefillStaging(store, ring, torch.device("cuda"))
+    staging.prefetch([1, 3, 4, 6, 9])
+    issued = min(ring, 5)  # the ring's slots take the first prefetched keys at once, the others wait
+    assert staging.issued == issued
+    used = int(ring >= 2)  # 3, where the ring reached it: the rest of the prefetched copies are dropped
+    dropped = issued - used
+    for keys in ([3, 5, 6, 7], [0, 2, 8]):
+        layer = staging.layer(keys)
+        assert staging.prefetched_unused == dropped
+        for j, key in enumerate(keys):
+            r = layer.slot(j)
+            for bank in store.banks:
+                got = staging.pool.tensor(bank.name)[r].clone()  # read on the current stream, after the copy
+                assert torch.equal(got.cpu(), store.tensor(bank.name)[key]), (keys, key, bank.name)
+            layer.release(j)
+    torch.cuda.synchronize()
+    assert staging.issued == issued + (4 - used) + 3  # a used prefetched copy is not copied again
 
 
 def test_recorded_routing_is_transformers_router_topk(checkpoint):
