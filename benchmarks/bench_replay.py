@@ -24,8 +24,8 @@ import numpy as np
 from sim.replay import replay
 from sim.synthetic import generate, preset
 
-POLICIES = ("lru", "rule", "lfuda", "belady")
-TARGETS = {"lru": 2e6, "rule": 2e6, "belady": 0.5e6}  # accesses/s on one core
+POLICIES = ("lru", "rule", "lfuda", "markov", "belady")
+TARGETS = {"lru": 2e6, "rule": 2e6, "markov": 1e6, "belady": 0.5e6}  # accesses/s on one core
 
 
 def machine() -> dict:
