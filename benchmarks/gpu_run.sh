@@ -57,7 +57,8 @@ for part in $parts; do
     prefill)
       # time to first token of 1K / 8K / 32K prompts with a quarter of the experts in slots, against the copy limit
       timeout ${PREFILL_TIMEOUT:-540} python3 benchmarks/bench_prefill.py ${PREFILL_ARGS:-} --out "$OUT/prefill.json" \
-        --trace-out "$OUT/prefill-trace.json" 2>&1 | tee "$OUT/prefill.log" | tail -6 ;;
+        --trace-out "$OUT/prefill-trace.json" 2>&1 | tee "$OUT/prefill.log" | tail -6
+      gzip -f "$OUT/prefill-trace.json" ;;  # tens of MB of JSON: compressed, it comes back
     peer-build)
       # llama.cpp beside expertcache (benchmarks/peer_llamacpp.py; carry .peer from `peer_llamacpp.py prepare`):
       # the build, then the shared random-weight checkpoint; PEER_WORK (.peer-work, ignored by git, not carried)
