@@ -1,0 +1,127 @@
+"""`markov`'s learning step on the device: steps 1-4 of expertcache.policies.markov for one ensure call,
+in one Triton launch over the DeviceCache's own state tensors, bit for bit the host's `Markov.observe`.
+
+    ids [R] (the call's routed expert ids of `layer`, any order, duplicates and -1 padding allowed)
+      -> routed[e] (the call's distinct experts, n of them), then, with the state's fields
+         (kst [fields, L * E] int64, gst [L] int64, as expertcache.policies.markov lays them out):
+         1. for each lag j, each row a with HIST bit j: T_j[a, b] += 16 for routed b, R_j[a] += 16 n;
+            a row past the cap is halved and recounted
+         2. FREQ[b] += 16 for routed b, the layer's total += 16 n, halved past the cap
+         3. HIST = (HIST << 1 | routed) masked to the lags' bits
+         4. V of every expert of the layer that has a slot or is routed now (0 for the others):
+            the Q16 transition shares at each lag smoothed towards the frequency share
+
+One program does the layer: the experts are one vector, the call's ids are compared with it at once,
+and the rows are visited in loops over the set bits of a vector (the rows HIST marks, about k of them,
+each read and written whole; the routed experts' rows, read whole), so the launch reads some 2 J k
+rows of E counts and is graph capturable, needing no host value but `layer`, a launch argument. The divisions
+are int64 floor divisions: the host's float division trick (markov._div) gives the same quotient for
+the bounded operands Markov.__init__ allows. Not yet on the ensure path: DeviceCache still refuses
+`markov` (expertcache.device.device_policy_names).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from expertcache.policies import markov
+
+# the state's layout and fixed-point constants, as constexprs the compiled kernel may read
+FLOOR_Q4, FREQ, HIST = tl.constexpr(markov.FLOOR_Q4), tl.constexpr(markov.FREQ), tl.constexpr(markov.HIST)
+ONE_SHIFT, Q4, T, V = (tl.constexpr(markov.ONE_SHIFT), tl.constexpr(markov.Q4), tl.constexpr(markov.T),
+                       tl.constexpr(markov.V))
+MAX_LAGS = markov.MAX_LAGS
+
+
+@triton.jit
+def _markov_observe_kernel(kst_ptr, gst_ptr, ids_ptr, slot_of_ptr, layer, num_ids, row_stride,
+                           lags, row_cap, freq_cap, prior,
+                           E: tl.constexpr, BLOCK: tl.constexpr, IDS: tl.constexpr, MAXJ: tl.constexpr):
+    offs = tl.arange(0, BLOCK).to(tl.int64)
+    ok = offs < E
+    base = layer * E
+    col = base + offs  # the layer's keys, as kst columns
+    hist = tl.load(kst_ptr + HIST * row_stride + col, mask=ok, other=0)
+    # the call's distinct experts: a flag per expert (every id compared at once), and their count
+    at = tl.arange(0, IDS)
+    idv = tl.load(ids_ptr + at, mask=at < num_ids, other=-1).to(tl.int64)
+    hits = tl.sum((offs[:, None] == idv[None, :]).to(tl.int64), axis=1)
+    routed = tl.where(ok & (hits > 0), 1, 0).to(tl.int64)
+    n = tl.sum(routed, axis=0)
+    R = T + lags * E
+    # 1. transitions from the layer's call j + 1 calls ago (HIST bit j) to this one: each such row a
+    #    (a loop over them, lowest first) gets 16 at the routed columns, its total 16 n, and is halved
+    #    and recounted past the cap
+    for j in tl.static_range(MAXJ):
+        if j < lags:
+            left = ok & (((hist >> j) & 1) == 1)
+            while tl.sum(left.to(tl.int32), axis=0) > 0:
+                a = tl.min(tl.where(left, offs, BLOCK), axis=0)
+                left = left & (offs != a)
+                row = kst_ptr + (T + j * E + a) * row_stride + col
+                vals = tl.load(row, mask=ok, other=0) + Q4 * routed
+                tot = tl.load(kst_ptr + (R + j) * row_stride + base + a) + Q4 * n
+                if tot > row_cap:
+                    vals = vals >> 1
+                    tot = tl.sum(vals, axis=0)
+                tl.store(row, vals, mask=ok)
+                tl.store(kst_ptr + (R + j) * row_stride + base + a, tot)
+    # 2. frequency
+    freq = tl.load(kst_ptr + FREQ * row_stride + col, mask=ok, other=0) + Q4 * routed
+    total = tl.load(gst_ptr + layer) + Q4 * n
+    if total > freq_cap:
+        freq = freq >> 1
+        total = tl.sum(tl.where(ok, freq, 0), axis=0)
+    tl.store(kst_ptr + FREQ * row_stride + col, freq, mask=ok)
+    tl.store(gst_ptr + layer, total)
+    # 3. history
+    hist = ((hist << 1) & ((1 << lags) - 1)) | routed
+    tl.store(kst_ptr + HIST * row_stride + col, hist, mask=ok)
+    # 4. predictions for the experts with a slot or routed now: the routed experts' rows summed
+    f = ((n * (freq + FLOOR_Q4)) << ONE_SHIFT) // (total + FLOOR_Q4 * E)
+    pq = prior.to(tl.int64) * Q4
+    v = tl.zeros([BLOCK], dtype=tl.int64)
+    for j in tl.static_range(MAXJ):
+        if j < lags:
+            acc = tl.zeros([BLOCK], dtype=tl.int64)
+            left = routed == 1
+            while tl.sum(left.to(tl.int32), axis=0) > 0:
+                b = tl.min(tl.where(left, offs, BLOCK), axis=0)
+                left = left & (offs != b)
+                acc += tl.load(kst_ptr + (T + j * E + b) * row_stride + col, mask=ok, other=0)
+            rj = tl.load(kst_ptr + (R + j) * row_stride + col, mask=ok, other=0)
+            d = pq + tl.sum(tl.where(routed == 1, rj, 0), axis=0)
+            v += (((n * acc) << ONE_SHIFT) + pq * f) // d
+    keep = (tl.load(slot_of_ptr + col, mask=ok, other=-1) >= 0) | (routed == 1)
+    tl.store(kst_ptr + V * row_stride + col, tl.where(keep, v, 0), mask=ok)
+
+
+def markov_observe(kst: torch.Tensor, gst: torch.Tensor, params: torch.Tensor | tuple, layer: int,
+                   ids: torch.Tensor, slot_of: torch.Tensor, num_experts: int) -> None:
+    """Steps 1-4 of `markov` for one call of `layer` with routed ids `ids` (int32 or int64 [any];
+    -1 = none), on the device state kst int64 [fields, L * E], gst int64 [>= L] and slot_of int32
+    [L * E], in place. params: Markov.params() (lags, BETA_Q, 16 * row_cap, 16 * freq_cap, prior).
+    Raises ValueError naming the argument that does not fit."""
+    lags, _, row_cap, freq_cap, prior = (int(p) for p in params)
+    E = num_experts
+    if kst.dtype != torch.int64 or kst.dim() != 2 or not kst.is_contiguous() or kst.shape[1] % E:
+        raise ValueError(f"markov_observe: kst must be a contiguous int64 [fields, L * {E}] tensor, got "
+                         f"{kst.dtype} {list(kst.shape)}")
+    L = kst.shape[1] // E
+    if kst.shape[0] != T + lags * (E + 1):
+        raise ValueError(f"markov_observe: kst has {kst.shape[0]} fields, markov with lags {lags} at E = {E} "
+                         f"has {T + lags * (E + 1)}")
+    if lags not in range(1, MAX_LAGS + 1):
+        raise ValueError(f"markov_observe: params' lags must be 1 or {MAX_LAGS}, got {lags}")
+    if not 0 <= layer < L:
+        raise ValueError(f"markov_observe: layer {layer} is outside [0, {L})")
+    for name, t, dtypes, size in (("gst", gst, (torch.int64,), L), ("slot_of", slot_of, (torch.int32,), L * E),
+                                  ("ids", ids, (torch.int32, torch.int64), 1)):
+        if t.dtype not in dtypes or t.device != kst.device or not t.is_contiguous() or t.numel() < size:
+            raise ValueError(f"markov_observe: {name} must be a contiguous {' or '.join(map(str, dtypes))} tensor "
+                             f"of at least {size} values on {kst.device}, got {t.dtype} {list(t.shape)} on {t.device}")
+    _markov_observe_kernel[(1,)](kst, gst, ids, slot_of, layer, ids.numel(), kst.stride(0), lags, row_cap,
+                                 freq_cap, prior, E=E, BLOCK=triton.next_power_of_2(E),
+                                 IDS=triton.next_power_of_2(max(ids.numel(), 2)), MAXJ=MAX_LAGS)

@@ -1,0 +1,76 @@
+"""expertcache.device_markov.markov_observe against the host's Markov.observe, bit for bit: the whole
+state (every table row, row total, frequency, history, prediction and the layers' totals) after each of
+many calls over random routing, with caps small enough that rows and layers are halved often, one and
+two lags, duplicate and padded ids; bad arguments named. CPU: Triton's interpreter; the same on a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from expertcache import CacheGeometry, get_policy
+from expertcache.device_markov import markov_observe
+from expertcache.policies.base import Clock
+from tests.conftest import device_or_skip
+
+
+@pytest.mark.parametrize("lags, row_cap, freq_cap", [(2, 3, 5), (1, 2, 4), (2, 100, 300)])
+def test_observe_is_the_hosts_bit_for_bit(lags, row_cap, freq_cap):
+    device, _ = device_or_skip()
+    L, E, k = 3, 24, 4
+    geometry = CacheGeometry(L, E, 20)
+    pol = get_policy("markov", geometry, lags=lags, row_cap=row_cap, freq_cap=freq_cap)
+    st = pol.init_state()
+    rng = np.random.default_rng(lags * 100 + row_cap)
+    hot = rng.choice(E, size=8, replace=False)  # a skewed routing: rows fill and pass their caps
+    kst, gst = torch.from_numpy(st.key.copy()).to(device), torch.from_numpy(st.glob.copy()).to(device)
+    params = pol.params()
+    for c in range(60):
+        layer = c % L
+        ids = np.where(rng.random(2 * k) < 0.7, rng.choice(hot, 2 * k), rng.integers(0, E, 2 * k))
+        ids[rng.random(2 * k) < 0.15] = -1  # padding
+        slot_of = np.where(rng.random(L * E) < 0.3, rng.integers(0, 20, L * E), -1).astype(np.int32)
+        keys = np.unique(ids[ids >= 0]).astype(np.int64) + layer * E
+        if keys.size == 0:
+            continue
+        pol.observe(st, Clock(c + 1, c // L + 1, layer, L, E), keys, slot_of)
+        markov_observe(kst, gst, params, layer, torch.from_numpy(ids.astype(np.int32)).to(device),
+                       torch.from_numpy(slot_of).to(device), E)
+        got = kst.cpu().numpy()
+        bad = np.argwhere(got != st.key)
+        assert bad.size == 0, (c, bad[:5], pol.key_fields[bad[0][0]] if bad.size else None)
+        assert np.array_equal(gst.cpu().numpy(), st.glob), c
+
+
+def test_bad_arguments_are_named():
+    device, _ = device_or_skip()
+    pol = get_policy("markov", CacheGeometry(2, 8, 4))
+    st = pol.init_state()
+    kst, gst = torch.from_numpy(st.key.copy()).to(device), torch.from_numpy(st.glob.copy()).to(device)
+    ids = torch.tensor([1, 2], dtype=torch.int32, device=device)
+    slot_of = torch.full((16,), -1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="layer 2 is outside"):
+        markov_observe(kst, gst, pol.params(), 2, ids, slot_of, 8)
+    with pytest.raises(ValueError, match="slot_of must be"):
+        markov_observe(kst, gst, pol.params(), 0, ids, slot_of.long(), 8)
+    with pytest.raises(ValueError, match="fields"):
+        markov_observe(kst[:-1].contiguous(), gst, pol.params(), 0, ids, slot_of, 8)
+    with pytest.raises(ValueError, match="kst must be"):
+        markov_observe(kst.int(), gst, pol.params(), 0, ids, slot_of, 8)
+
+
+SM90 = """
+import json
+from expertcache.device_markov import _markov_observe_kernel
+from moe.kernels.triton_launch import compile_for_sm
+types = ("*i64", "*i64", "*i32", "*i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32")
+asm = compile_for_sm(_markov_observe_kernel, types, {"E": 512, "BLOCK": 512, "IDS": 16, "MAXJ": 2}, 4, 90, {})
+print(json.dumps(bool(asm.get("cubin"))))
+"""
+
+
+def test_compiles_for_sm90_at_qwen3_next_experts():
+    from tests.conftest import compile_check
+
+    assert compile_check(SM90) is True
