@@ -41,15 +41,18 @@ from expertcache.device_policies import (
     MIRROR_MAX_LAYERS,
     POLICY_LFUDA,
     POLICY_LRU,
+    POLICY_MARKOV,
     POLICY_RULE,
 )
 from expertcache.errors import EnsureError
 from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
 from expertcache.host import Snapshot
 from expertcache.policies import REGISTRY, Policy, get_policy
-from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_RULE, PolicyState
+from expertcache.device_markov import markov_observe
+from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_MARKOV, KIND_RULE, PolicyState
 
-DEVICE_KINDS = {KIND_LRU: POLICY_LRU.value, KIND_RULE: POLICY_RULE.value, KIND_LFUDA: POLICY_LFUDA.value}
+DEVICE_KINDS = {KIND_LRU: POLICY_LRU.value, KIND_RULE: POLICY_RULE.value, KIND_LFUDA: POLICY_LFUDA.value,
+                KIND_MARKOV: POLICY_MARKOV.value}
 # Default tiles, the fastest at every pool size measured (docs/ensure.md): programs of CHUNK slots and
 # NUM_WARPS warps, ceil(S / CHUNK) of them that merge; but lru, lfuda and rule with its mirror, whose
 # score is one or two loads per slot, score up to ONE_PROGRAM slots in one program of their warps.
@@ -195,6 +198,7 @@ class DeviceCache:
                                      self.prm, self.fprm, self.clock, self.counters, self.missed,
                                      self.status, self.arrive)
         self._constexprs = self.launch.constexprs()
+        self._markov_params = tuple(int(p) for p in self.policy.params()) if self.policy.kind == KIND_MARKOV else ()
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
         self._cand: dict[int, torch.Tensor] = {}
 
@@ -244,6 +248,9 @@ class DeviceCache:
         io = CallTensors(ids, logit_idx if has_logits else buf.count, logit_val if has_logits else self.fprm,
                          buf.slots, buf.plan, buf.count, self._cand[block_c])
         g = self.geometry
+        if self.policy.kind == KIND_MARKOV:  # the call's routing enters the state before victims are chosen
+            markov_observe(self.kst, self.gst, self._markov_params, layer, ids, self.slot_of, g.num_experts,
+                           g.num_slots)
         ensure_kernel[(self.grid,)](
             self._tensors, io, layer, g.num_experts, g.num_layers, g.num_slots, rows * k, k, rows, T,
             HAS_LOGITS=has_logits, BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T),

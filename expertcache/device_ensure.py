@@ -327,8 +327,9 @@ def _commit(cache, io, q, t, mrank, best, mine, nearset, now, g, early, POLICY: 
         tl.store(cache.sst + sl, now.step + 0 * sl, mask=q.first)
     elif POLICY == POLICY_LFUDA:
         _touch_lfuda(cache, q, sl, evict, vscore, g.num_slots, early[0], early[1])
-    else:
+    elif POLICY == POLICY_RULE:
         _touch_rule(cache, q, sl, now, g, early[0], MIRROR)
+    # markov: no touch (its learning step is device_markov's launch, before this one)
     i = tl.arange(0, BLOCK_Q)
     tl.store(io.slots + i, tl.where(q.valid, sl, -1).to(tl.int32), mask=i < g.n_ids)
     tl.store(io.count, t.m)

@@ -16,8 +16,8 @@ and the rows are visited in loops over the set bits of a vector (the rows HIST m
 each read and written whole; the routed experts' rows, read whole), so the launch reads some 2 J k
 rows of E counts and is graph capturable, needing no host value but `layer`, a launch argument. The divisions
 are int64 floor divisions: the host's float division trick (markov._div) gives the same quotient for
-the bounded operands Markov.__init__ allows. Not yet on the ensure path: DeviceCache still refuses
-`markov` (expertcache.device.device_policy_names).
+the bounded operands Markov.__init__ allows. DeviceCache.ensure launches it before the ensure kernel,
+which then scores markov's keys from V (expertcache.device_policies._keyed_scores).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ MAX_LAGS = markov.MAX_LAGS
 
 
 @triton.jit
-def _markov_observe_kernel(kst_ptr, gst_ptr, ids_ptr, slot_of_ptr, layer, num_ids, row_stride,
+def _markov_observe_kernel(kst_ptr, gst_ptr, ids_ptr, slot_of_ptr, layer, num_ids, row_stride, num_slots,
                            lags, row_cap, freq_cap, prior,
                            E: tl.constexpr, BLOCK: tl.constexpr, IDS: tl.constexpr, MAXJ: tl.constexpr):
     offs = tl.arange(0, BLOCK).to(tl.int64)
@@ -50,6 +50,11 @@ def _markov_observe_kernel(kst_ptr, gst_ptr, ids_ptr, slot_of_ptr, layer, num_id
     hits = tl.sum((offs[:, None] == idv[None, :]).to(tl.int64), axis=1)
     routed = tl.where(ok & (hits > 0), 1, 0).to(tl.int64)
     n = tl.sum(routed, axis=0)
+    # a call the ensure refuses (an id outside [-1, E), more distinct experts than slots) changes
+    # nothing: it is not learned from either
+    bad = tl.sum(((at < num_ids) & ((idv < -1) | (idv >= E))).to(tl.int32), axis=0)
+    if (bad > 0) | (n > num_slots):
+        return
     R = T + lags * E
     # 1. transitions from the layer's call j + 1 calls ago (HIST bit j) to this one: each such row a
     #    (a loop over them, lowest first) gets 16 at the routed columns, its total 16 n, and is halved
@@ -99,11 +104,13 @@ def _markov_observe_kernel(kst_ptr, gst_ptr, ids_ptr, slot_of_ptr, layer, num_id
 
 
 def markov_observe(kst: torch.Tensor, gst: torch.Tensor, params: torch.Tensor | tuple, layer: int,
-                   ids: torch.Tensor, slot_of: torch.Tensor, num_experts: int) -> None:
+                   ids: torch.Tensor, slot_of: torch.Tensor, num_experts: int, num_slots: int | None = None) -> None:
     """Steps 1-4 of `markov` for one call of `layer` with routed ids `ids` (int32 or int64 [any];
     -1 = none), on the device state kst int64 [fields, L * E], gst int64 [>= L] and slot_of int32
-    [L * E], in place. params: Markov.params() (lags, BETA_Q, 16 * row_cap, 16 * freq_cap, prior).
-    Raises ValueError naming the argument that does not fit."""
+    [L * E] (the slot map before the call), in place. params: Markov.params() (lags, BETA_Q,
+    16 * row_cap, 16 * freq_cap, prior). A call the ensure refuses (an id outside [-1, E), more
+    distinct experts than `num_slots`) leaves the state as it was. Raises ValueError naming the
+    argument that does not fit."""
     lags, _, row_cap, freq_cap, prior = (int(p) for p in params)
     E = num_experts
     if kst.dtype != torch.int64 or kst.dim() != 2 or not kst.is_contiguous() or kst.shape[1] % E:
@@ -122,6 +129,6 @@ def markov_observe(kst: torch.Tensor, gst: torch.Tensor, params: torch.Tensor | 
         if t.dtype not in dtypes or t.device != kst.device or not t.is_contiguous() or t.numel() < size:
             raise ValueError(f"markov_observe: {name} must be a contiguous {' or '.join(map(str, dtypes))} tensor "
                              f"of at least {size} values on {kst.device}, got {t.dtype} {list(t.shape)} on {t.device}")
-    _markov_observe_kernel[(1,)](kst, gst, ids, slot_of, layer, ids.numel(), kst.stride(0), lags, row_cap,
-                                 freq_cap, prior, E=E, BLOCK=triton.next_power_of_2(E),
+    _markov_observe_kernel[(1,)](kst, gst, ids, slot_of, layer, ids.numel(), kst.stride(0),
+                                 L * E if num_slots is None else num_slots, lags, row_cap, freq_cap, prior, E=E, BLOCK=triton.next_power_of_2(E),
                                  IDS=triton.next_power_of_2(max(ids.numel(), 2)), MAXJ=MAX_LAGS)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-POLICY_LRU, POLICY_RULE, POLICY_LFUDA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+POLICY_LRU, POLICY_RULE, POLICY_LFUDA, POLICY_MARKOV = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 # rule's mirror, row 0 per slot: lt | layer << LT_BITS (at most MIRROR_MAX_LAYERS layers, lt < 2**56), or PINNED
 # while the call being scored holds the slot's key as a hit (the call's commit rewrites the word)
 LT_BITS = tl.constexpr(56)
@@ -168,8 +168,9 @@ def _rule_mirror_scores(c, filled, cache, q, nearset, g, now, rc, HAS_LOGITS: tl
 @triton.jit
 def _keyed_scores(c, cache, ids_ptr, q, nearset, g, now, rc, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
                   BLOCK_Q: tl.constexpr, NARROW: tl.constexpr):
-    """lfuda, and rule past MIRROR_MAX_LAYERS layers: each slot's key from key_of, the call's hits
-    pinned, and the score from the slot's priority (lfuda) or its key's per-key rows (rule). Returns
+    """lfuda, markov, and rule past MIRROR_MAX_LAYERS layers: each slot's key from key_of, the call's
+    hits pinned, and the score from the slot's priority (lfuda) or its key's per-key rows (markov's V
+    and layer distance, rule). Returns
     (evictable, score, the late miss ranks)."""
     cm = c < g.num_slots
     key = tl.load(cache.key_of + c, mask=cm, other=-1).to(tl.int64)
@@ -186,6 +187,15 @@ def _keyed_scores(c, cache, ids_ptr, q, nearset, g, now, rc, POLICY: tl.constexp
     if POLICY == POLICY_LFUDA:
         # loaded beside key_of (masked by cm, not by ev, so the two loads are independent and overlap)
         score = tl.load(cache.sst + g.num_slots + c, mask=cm, other=0)
+        mrank = tl.zeros_like(q.key)
+    elif POLICY == POLICY_MARKOV:
+        # V (row 0 of the key's state, written by device_markov's launch before this one) less the
+        # distance to the key's layer times BETA_Q (prm[1])
+        kq = tl.where(ev, key, 0)
+        v = tl.load(cache.kst + kq, mask=ev, other=0)
+        lk = kq.to(tl.int32) // g.num_experts
+        d = tl.where(lk > g.layer, lk - g.layer, g.num_layers - g.layer + lk).to(tl.int64)
+        score = v - d * tl.load(cache.prm + 1)
         mrank = tl.zeros_like(q.key)
     else:
         kq = tl.where(ev, key, 0)

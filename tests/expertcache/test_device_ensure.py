@@ -309,10 +309,11 @@ def test_stats_follow_the_counters():
     assert st["misses_per_layer_per_token"].tolist() == [1.5, 1.5]
 
 
-def test_refused_calls_change_nothing_and_are_reported():
+@pytest.mark.parametrize("policy", device_policy_names())
+def test_refused_calls_change_nothing_and_are_reported(policy):
     device, _ = device_or_skip()
     g = CacheGeometry(2, 8, 3)
-    dev = DeviceCache(g, "lru", device=device)
+    dev = DeviceCache(g, policy, device=device)
     dev.ensure(0, torch.tensor([[1, 2]], dtype=torch.int32, device=device))
     before = dev.snapshot()
     dev.ensure(1, torch.tensor([[9, 1]], dtype=torch.int32, device=device))
@@ -330,7 +331,7 @@ def test_refused_calls_change_nothing_and_are_reported():
     with pytest.raises(EnsureError, match="rows \\* top_k"):
         dev.ensure(0, torch.full((2, 512), -1, dtype=torch.int32, device=device))
     assert dev.snapshot().equals(before)
-    with pytest.raises(EnsureError, match="no device ensure.*lfuda, lru, rule"):
+    with pytest.raises(EnsureError, match="no device ensure.*lfuda, lru, markov, rule"):
         from sim.belady import Belady
         DeviceCache(g, Belady(g, np.zeros(1, np.int64)), device=device)
 
@@ -397,3 +398,23 @@ def test_rule_mirror_compiles_for_sm90():
     process without TRITON_INTERPRET."""
     from tests.conftest import compile_check
     assert compile_check(MIRROR_CHECK) == [True] * 8
+
+
+MARKOV_CHECK = r"""
+import json
+from expertcache.device_ensure import JIT_OPTIONS, KERNEL_TYPES, ensure_kernel
+from moe.kernels.triton_launch import compile_for_sm
+
+cx = dict(POLICY=3, HAS_LOGITS=False, CHUNK=512, BLOCK_Q=16, BLOCK_R=1, BLOCK_C=64, SINGLE=False, SEQ_MAX=16,
+          MIRROR=False, NARROW=False)
+asm = compile_for_sm(ensure_kernel, KERNEL_TYPES, cx, 4, 90, JIT_OPTIONS)
+print(json.dumps(bool(asm.get("cubin"))))
+"""
+
+
+def test_markov_ensure_compiles_for_sm90():
+    """The ensure kernel's markov variant (scores from V through key_of, no touch) compiles for sm_90
+    (its learning step's launch: tests/expertcache/test_device_markov.py). A child process without
+    TRITON_INTERPRET."""
+    from tests.conftest import compile_check
+    assert compile_check(MARKOV_CHECK) is True

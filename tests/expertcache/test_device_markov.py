@@ -64,7 +64,7 @@ SM90 = """
 import json
 from expertcache.device_markov import _markov_observe_kernel
 from moe.kernels.triton_launch import compile_for_sm
-types = ("*i64", "*i64", "*i32", "*i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32")
+types = ("*i64", "*i64", "*i32", "*i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32")
 asm = compile_for_sm(_markov_observe_kernel, types, {"E": 512, "BLOCK": 512, "IDS": 16, "MAXJ": 2}, 4, 90, {})
 print(json.dumps(bool(asm.get("cubin"))))
 """
