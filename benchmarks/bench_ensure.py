@@ -172,7 +172,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--calls", type=int, default=64)
-    ap.add_argument("--policies", default="lru,rule,lfuda",
+    ap.add_argument("--policies", default="lru,rule,lfuda,markov",
                     help="policies, each optionally with :wN (warps), :cN (chunk), :sN (seq_max), :LN (a pool "
                          "geometry of N layers, calls at layer 0) and :p1 (programmatic dependent launch, as the "
                          "MoE layer launches it), e.g. rule:c512:w4, lru:L48, rule:L128, lru:p1")
