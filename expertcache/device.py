@@ -48,7 +48,7 @@ from expertcache.errors import EnsureError
 from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
 from expertcache.host import Snapshot
 from expertcache.policies import REGISTRY, Policy, get_policy
-from expertcache.device_markov import markov_observe
+from expertcache.device_markov import launch_observe
 from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_MARKOV, KIND_RULE, PolicyState
 
 DEVICE_KINDS = {KIND_LRU: POLICY_LRU.value, KIND_RULE: POLICY_RULE.value, KIND_LFUDA: POLICY_LFUDA.value,
@@ -249,7 +249,7 @@ class DeviceCache:
                          buf.slots, buf.plan, buf.count, self._cand[block_c])
         g = self.geometry
         if self.policy.kind == KIND_MARKOV:  # the call's routing enters the state before victims are chosen
-            markov_observe(self.kst, self.gst, self._markov_params, layer, ids, self.slot_of, g.num_experts,
+            launch_observe(self.kst, self.gst, self._markov_params, layer, ids, self.slot_of, g.num_experts,
                            g.num_slots)
         ensure_kernel[(self.grid,)](
             self._tensors, io, layer, g.num_experts, g.num_layers, g.num_slots, rows * k, k, rows, T,

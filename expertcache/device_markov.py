@@ -111,7 +111,8 @@ def markov_observe(kst: torch.Tensor, gst: torch.Tensor, params: torch.Tensor | 
     16 * row_cap, 16 * freq_cap, prior). A call the ensure refuses (an id outside [-1, E), more
     distinct experts than `num_slots`) leaves the state as it was. Raises ValueError naming the
     argument that does not fit."""
-    lags, _, row_cap, freq_cap, prior = (int(p) for p in params)
+    params = tuple(int(p) for p in params)
+    lags = params[0]
     E = num_experts
     if kst.dtype != torch.int64 or kst.dim() != 2 or not kst.is_contiguous() or kst.shape[1] % E:
         raise ValueError(f"markov_observe: kst must be a contiguous int64 [fields, L * {E}] tensor, got "
@@ -129,6 +130,13 @@ def markov_observe(kst: torch.Tensor, gst: torch.Tensor, params: torch.Tensor | 
         if t.dtype not in dtypes or t.device != kst.device or not t.is_contiguous() or t.numel() < size:
             raise ValueError(f"markov_observe: {name} must be a contiguous {' or '.join(map(str, dtypes))} tensor "
                              f"of at least {size} values on {kst.device}, got {t.dtype} {list(t.shape)} on {t.device}")
-    _markov_observe_kernel[(1,)](kst, gst, ids, slot_of, layer, ids.numel(), kst.stride(0),
-                                 L * E if num_slots is None else num_slots, lags, row_cap, freq_cap, prior, E=E, BLOCK=triton.next_power_of_2(E),
+    launch_observe(kst, gst, params, layer, ids, slot_of, E, L * E if num_slots is None else num_slots)
+
+
+def launch_observe(kst, gst, params: tuple, layer: int, ids, slot_of, num_experts: int, num_slots: int) -> None:
+    """markov_observe's launch without its checks: for DeviceCache.ensure, whose own tensors and
+    checked ids these are (no per-call validation on the decode path)."""
+    lags, _, row_cap, freq_cap, prior = params
+    _markov_observe_kernel[(1,)](kst, gst, ids, slot_of, layer, ids.numel(), kst.stride(0), num_slots, lags,
+                                 row_cap, freq_cap, prior, E=num_experts, BLOCK=triton.next_power_of_2(num_experts),
                                  IDS=triton.next_power_of_2(max(ids.numel(), 2)), MAXJ=MAX_LAGS)
