@@ -11,11 +11,14 @@ limit of the experts that must cross PCIe.
        timed); the experts prefill streamed and read from slots (GpuMoE.prefill_counts)
     -> limit = the streamed experts' bytes / the link's speed (pinned -> device copies of 256 MiB,
        measured in the run): the copy-engine time that prefill cannot go below while it streams
+    -> the same prefill without the overlap (--no-serial skips it): GpuMoE's staging ring removed, so
+       each streamed expert is copied on the compute stream when its turn comes and the compute waits
+       for it; the overlap's saving is that TTFT less the streamed one, on the same prompt and slots
     -> --trace-out: a Chrome / Perfetto trace of the shortest prompt's prefill
     -> table and --out JSON (GPU, versions, commit)
 
 Run: python benchmarks/bench_prefill.py [--layers 8] [--prompts 1024,8192,32768] [--slots-frac 0.25]
-     [--out prefill.json] [--trace-out prefill-trace.json]
+     [--no-serial] [--out prefill.json] [--trace-out prefill-trace.json]
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ def copy_limit(streamed: int, bytes_per_expert: int, link_bytes_per_s: float) ->
     return streamed * bytes_per_expert / link_bytes_per_s
 
 
-def measure(weights, args: argparse.Namespace, prompt_len: int, trace_out: Path | None) -> dict:
+def measure(weights, args: argparse.Namespace, prompt_len: int, trace_out: Path | None,
+            overlap: bool = True) -> dict:
     import torch
 
     from moe.engine.backends import GpuMoE
@@ -60,6 +64,8 @@ def measure(weights, args: argparse.Namespace, prompt_len: int, trace_out: Path 
     layers, experts, k = spec.num_moe_layers, spec.moe.num_experts, spec.moe.top_k
     slots = max(k, int(args.slots_frac * layers * experts))
     backend = GpuMoE(weights, slots, "lru", max_batch=1, forced_routing=True)
+    if not overlap:  # every streamed expert copied on the compute stream as its turn comes
+        backend.staging = None
     engine = Engine(weights, backend, max_batch=1, max_seq_len=prompt_len + 8, cuda_graphs=False,
                     prefill_chunk=args.prefill_chunk)
     fill = torch.from_numpy(resident_routing(layers, experts, k, slots)).cuda()
@@ -71,9 +77,10 @@ def measure(weights, args: argparse.Namespace, prompt_len: int, trace_out: Path 
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, spec.vocab_size, (prompt_len,), generator=gen).tolist()
     engine.prefill([prompt])  # compiles; not timed
-    times, counts = [], []
+    times, counts, unused = [], [], []
     for _ in range(args.reps):
         before = list(backend.prefill_counts)
+        unused_before = backend.staging.prefetched_unused if backend.staging is not None else 0
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -82,6 +89,7 @@ def measure(weights, args: argparse.Namespace, prompt_len: int, trace_out: Path 
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
         counts.append([a - b for a, b in zip(backend.prefill_counts, before)])
+        unused.append((backend.staging.prefetched_unused if backend.staging is not None else 0) - unused_before)
     if trace_out is not None:
         from torch.profiler import ProfilerActivity, profile
 
@@ -93,7 +101,8 @@ def measure(weights, args: argparse.Namespace, prompt_len: int, trace_out: Path 
     streamed, reused = counts[-1]
     return {"prompt_tokens": prompt_len, "slots": slots, "ttft_s": float(np.median(times)),
             "ttft_s_min": min(times), "ttft_s_max": max(times), "prefill_tokens_per_s": prompt_len / float(np.median(times)),
-            "experts_streamed": streamed, "experts_from_slots": reused, "bytes_per_expert": weights.store.bytes_per_expert}
+            "experts_streamed": streamed, "experts_from_slots": reused,
+            "prefetched_unused": unused[-1], "bytes_per_expert": weights.store.bytes_per_expert}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,6 +114,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-chunk", type=int, default=None, help="Engine prefill_chunk (default the engine's)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-serial", dest="serial", action="store_false",
+                    help="skip the same prefill without the staging ring's overlap")
     ap.add_argument("--out")
     ap.add_argument("--trace-out")
     args = ap.parse_args(argv)
@@ -135,10 +146,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         r = measure(weights, args, p, Path(args.trace_out) if args.trace_out and i == 0 else None)
         r["copy_limit_s"] = copy_limit(r["experts_streamed"], r["bytes_per_expert"], link)
         r["ttft_over_limit"] = r["ttft_s"] / r["copy_limit_s"] if r["copy_limit_s"] else None
+        serial = ""
+        if args.serial:
+            s = measure(weights, args, p, None, overlap=False)
+            r.update(serial_ttft_s=s["ttft_s"], serial_ttft_s_min=s["ttft_s_min"], serial_ttft_s_max=s["ttft_s_max"],
+                     serial_experts_streamed=s["experts_streamed"], overlap_saving_s=s["ttft_s"] - r["ttft_s"],
+                     serial_over_overlap=s["ttft_s"] / r["ttft_s"])
+            serial = (f"; without the overlap {s['ttft_s'] * 1e3:.1f} ms (saves {r['overlap_saving_s'] * 1e3:.1f} ms, "
+                      f"{r['serial_over_overlap']:.2f}x)")
         rows.append(r)
         print(f"prompt {p:>6}: TTFT {r['ttft_s'] * 1e3:8.1f} ms ({r['prefill_tokens_per_s']:8.0f} tok/s), "
               f"{r['experts_streamed']} experts streamed, {r['experts_from_slots']} from slots, copy limit "
-              f"{r['copy_limit_s'] * 1e3:.1f} ms ({r['ttft_over_limit'] or 0:.2f}x)", flush=True)
+              f"{r['copy_limit_s'] * 1e3:.1f} ms ({r['ttft_over_limit'] or 0:.2f}x){serial}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"bench": "bench_prefill", "machine": benchmeta.machine(),
                                               "link_bytes_per_s": link, "settings": vars(args), "rows": rows},

@@ -23,7 +23,7 @@ goes, and transformers on the same geometry beside it.
     -> table and --out JSON (GPU, versions, commit)
 
 Target (the issue this serves): at least 0.6x the floor at B = 1, C = 1K.
-Run: python benchmarks/bench_step.py [--layers 8] [--batches 1,4] [--contexts 1024,32768,131072] [--transformers]
+Run: python benchmarks/bench_step.py [--layers 8] [--batches 1,4] [--contexts 1024,8192,32768,131072] [--transformers]
      [--out step.json] [--trace-out step-trace.json]
 """
 
@@ -211,7 +211,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--batches", default="1,4")
-    ap.add_argument("--contexts", default="1024,32768,131072")
+    ap.add_argument("--contexts", default="1024,8192,32768,131072")
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--profile-steps", type=int, default=8)
