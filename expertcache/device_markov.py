@@ -33,9 +33,13 @@ FLOOR_Q4, FREQ, HIST = tl.constexpr(markov.FLOOR_Q4), tl.constexpr(markov.FREQ),
 ONE_SHIFT, Q4, T, V = (tl.constexpr(markov.ONE_SHIFT), tl.constexpr(markov.Q4), tl.constexpr(markov.T),
                        tl.constexpr(markov.V))
 MAX_LAGS = markov.MAX_LAGS
+# Every scalar argument: Triton would otherwise compile a kernel per value of 1 (and make it a constant,
+# on which `.to` fails) and per alignment of the others.
+JIT_OPTIONS = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "row_cap", "freq_cap",
+                                     "prior"]}
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _markov_observe_kernel(kst_ptr, gst_ptr, ids_ptr, slot_of_ptr, layer, num_ids, row_stride, num_slots,
                            lags, row_cap, freq_cap, prior,
                            E: tl.constexpr, BLOCK: tl.constexpr, IDS: tl.constexpr, MAXJ: tl.constexpr):

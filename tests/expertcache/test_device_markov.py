@@ -74,3 +74,16 @@ def test_compiles_for_sm90_at_qwen3_next_experts():
     from tests.conftest import compile_check
 
     assert compile_check(SM90) is True
+
+
+def test_no_scalar_argument_is_specialised():
+    """Triton turns an int argument equal to 1 into a constant unless told not to (and compiles a kernel per
+    such value): every scalar of the learning step's kernel is listed, so prior = 1 or layer = 1 compiles."""
+    import inspect
+
+    from expertcache.device_markov import JIT_OPTIONS, _markov_observe_kernel
+
+    fn = getattr(_markov_observe_kernel, "fn", _markov_observe_kernel)
+    scalars = [name for name, p in inspect.signature(fn).parameters.items()
+               if not name.endswith("_ptr") and "constexpr" not in str(p.annotation)]
+    assert scalars and set(scalars) == set(JIT_OPTIONS["do_not_specialize"])
