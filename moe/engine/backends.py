@@ -211,23 +211,26 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
     starts = [0]
     for n in per:
         starts.append(starts[-1] + n)
+    # the (token, choice) pairs' tokens and gate weights by expert, once a layer: each expert's are a slice
+    # (the host's op count per expert, not the GPU, bounds a prompt's MoE layer)
+    rows_all, weight_all = order // k, weights.reshape(-1)[order].unsqueeze(1)
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
     j = 0  # the next streamed expert
     for expert in used:
-        pairs = order[starts[expert]:starts[expert + 1]]
-        rows, cols = pairs // k, pairs % k
+        lo, n = starts[expert], per[expert]
+        rows = rows_all.narrow(0, lo, n)
         slot = slot_of[expert]
         if slot >= 0:
-            gu, dn = pool[0].dequantize([slot])[0], pool[1].dequantize([slot])[0]
+            gu, dn = pool[0].dequantize_one(slot), pool[1].dequantize_one(slot)
         elif staged is not None:
             r = staged.slot(j)
-            gu, dn = st_gate_up.dequantize([r])[0], st_down.dequantize([r])[0]
+            gu, dn = st_gate_up.dequantize_one(r), st_down.dequantize_one(r)
         else:
-            gu = gate_up.dequantize([base + expert], hidden.device)[0]
-            dn = down.dequantize([base + expert], hidden.device)[0]
+            gu = gate_up.dequantize_one(base + expert, hidden.device)
+            dn = down.dequantize_one(base + expert, hidden.device)
         if counts is not None:
             counts[int(slot >= 0)] += 1
-        out.index_add_(0, rows, expert_mlp(hidden[rows], gu, dn) * weights[rows, cols, None])
+        out.index_add_(0, rows, expert_mlp(hidden.index_select(0, rows), gu, dn) * weight_all.narrow(0, lo, n))
         if slot < 0:
             if staged is not None:
                 staged.release(j)

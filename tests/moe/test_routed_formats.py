@@ -50,6 +50,23 @@ def make_pool(fmt, slots: int, hidden: int, inter: int, device, seed: int) -> tu
             matrix(rnd(slots, hidden, inter, fan_in=inter), hidden, inter, 1))
 
 
+@pytest.mark.parametrize("name", [*sorted(FORMATS), "bf16", "float32"])
+def test_dequantize_one_is_dequantize_of_that_slot_bitwise(name):
+    """prefill's per-expert decode (no stack copy; a dense stack in one cast) gives dequantize's values."""
+    if name in FORMATS:
+        gate_up, down = make_pool(FORMATS[name], 3, 128, 64, "cpu", seed=11)
+    else:
+        dtype = torch.bfloat16 if name == "bf16" else torch.float32
+        g = torch.Generator().manual_seed(12)
+        gate_up = SlotMatrix.dense(torch.randn(3, 128, 128, generator=g).to(dtype), stack=2)
+        down = SlotMatrix.dense(torch.randn(3, 128, 64, generator=g).to(dtype))
+    for m in (gate_up, down):
+        for slot in (0, 2):
+            one = m.dequantize_one(slot)
+            assert one.dtype == torch.float32 and one.shape == (m.out_features, m.in_features)
+            assert torch.equal(one, m.dequantize([slot])[0])
+
+
 # chunks of 64 inputs (two tiles of 32 for the 128-blocks of fp8 and int4, four of 16 for nvfp4)
 SMALL = RoutedTiles(block_i=8, chunk_h=64, warps_gate_up=2, block_h=16, chunk_i=32)
 
