@@ -44,7 +44,7 @@ from moe.engine.budget import PREFILL_STAGING
 from moe.model.checkpoint import ModelWeights, MoEWeights
 from moe.model.config import MoEConfig
 from moe.engine.layer import MoELayer, SlotCache
-from moe.model.reference import expert_mlp, route, shared_expert
+from moe.model.reference import route, shared_expert
 from moe.kernels.routed import routed_reference
 from moe.kernels.slot_matrix import SlotMatrix
 
@@ -68,6 +68,61 @@ def expert_matrices(banks, cfg: MoEConfig) -> tuple[SlotMatrix, SlotMatrix]:
 
 
 PREFETCH_MIN_USES = 4  # T * k / E at which a prompt is expected to use nearly every expert (1 - e^-4 = 98 %)
+PREFILL_GROUP = 8  # used experts prefill computes in one batched GEMM (fewer host ops per expert)
+GROUP_BYTES = 256 << 20  # at most this many bytes of float32 expert weights a group (fewer experts when large)
+
+
+def expert_f32_bytes(cfg: MoEConfig) -> int:
+    """Bytes of one expert's float32 weights (gate_up [2I, H] and down [H, I]) as prefill computes them."""
+    return 3 * cfg.expert_intermediate * cfg.hidden * 4
+
+
+def prefill_groups(used: list[int], per: list[int], size: int) -> list[tuple[int, list[int]]]:
+    """The used experts (increasing ids) in consecutive groups of at most `size`, as (the first one's
+    index in `used`, the group): a group's token rows are padded to its largest count, so an expert
+    joins only while the padded rows stay within twice the real ones (a hot expert goes alone)."""
+    groups: list[tuple[int, list[int]]] = []
+    for u, expert in enumerate(used):
+        n = per[expert]
+        if groups:
+            _, g = groups[-1]
+            rows = sum(per[e] for e in g) + n
+            if len(g) < size and (len(g) + 1) * max(n, max(per[e] for e in g)) <= 2 * rows:
+                g.append(expert)
+                continue
+        groups.append((u, [expert]))
+    return groups
+
+
+def _stack(mats: list[torch.Tensor]) -> torch.Tensor:
+    """[G, out, in] of G matrices [out, in]."""
+    return mats[0].unsqueeze(0) if len(mats) == 1 else torch.stack(mats)
+
+
+def out_group(out: torch.Tensor, hidden: torch.Tensor, w_gu: torch.Tensor, w_dn: torch.Tensor, counts: list[int],
+              lo: int, u0: int, rows_all: torch.Tensor, weight_all: torch.Tensor, rank: torch.Tensor,
+              used_at: torch.Tensor) -> None:
+    """Add a group of G consecutive used experts' gated outputs to out [T, H] (float32): their tokens
+    (sorted pairs lo .. lo + sum(counts), each expert's a run) padded to [G, max count, H], two batched
+    float32 GEMMs (moe_reference's expert_mlp per expert: silu(gate) * up, then down), the padding
+    dropped, each expert's rows times their gate weights added with one index_add_ per expert (a token
+    appears once per expert, so the sum is deterministic: the experts in increasing id order)."""
+    g, n, inter = len(counts), sum(counts), w_dn.shape[2]
+    width = max(counts)
+    x = hidden.index_select(0, rows_all.narrow(0, lo, n)).float()  # [n, H]
+    if g == 1:
+        padded, at = x.unsqueeze(0), None
+    else:  # pair i of expert u goes to row (u - u0) * width + its rank
+        at = (used_at.narrow(0, lo, n) - u0) * width + rank.narrow(0, lo, n)
+        padded = x.new_zeros(g * width, x.shape[1]).index_copy_(0, at, x).view(g, width, -1)
+    gate_up = torch.bmm(padded, w_gu.transpose(1, 2))  # [G, width, 2I]
+    act = torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    y = torch.bmm(act, w_dn.transpose(1, 2)).view(g * width, -1)  # [G * width, H]
+    y = (y if at is None else y.index_select(0, at)) * weight_all.narrow(0, lo, n)  # [n, H], pair order
+    start = 0
+    for c in counts:
+        out.index_add_(0, rows_all.narrow(0, lo + start, c), y.narrow(0, start, c))
+        start += c
 
 
 class PrefillStaging:
@@ -174,8 +229,10 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
 
     Math and precision of moe.model.reference.moe_reference: float32 products, one cast at the end;
     each expert's weights are its format's float32 decode (expertcache.formats). The used experts are
-    computed in increasing id order, each over its tokens in increasing order (index_add_ into a
-    float32 sum). An expert with a slot in `resident` = (slot_of [L_moe * E] int32, the SlotPool) is
+    computed in increasing id order, in groups of up to PREFILL_GROUP (out_group: batched float32
+    GEMMs over their tokens padded to the group's largest count; a prompt's MoE layer is bound by the
+    host's ops per expert, not the GPU, until experts are batched), each expert's rows then added in
+    increasing id order (index_add_ into a float32 sum). An expert with a slot in `resident` = (slot_of [L_moe * E] int32, the SlotPool) is
     read from the pool (the same bytes, so the same result bit for bit) and nothing moves; the others
     are streamed: through `staging` (a GPU's PrefillStaging: copies on its stream, up to its ring size
     ahead of the compute; where T * k >= PREFETCH_MIN_USES * E the next MoE layer's experts without a
@@ -192,7 +249,7 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
     base = w.index * e_count
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)  # (token, choice) pairs by expert, tokens ascending
-    per = torch.bincount(flat, minlength=e_count)
+    per = per_dev = torch.bincount(flat, minlength=e_count)
     # a long prompt uses nearly every expert: the next MoE layer's experts without a slot are copied
     # ahead, from the end of this layer's compute through the next layer's attention and router
     ahead = (staging is not None and resident is not None and ids.numel() >= PREFETCH_MIN_USES * e_count
@@ -211,30 +268,36 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
     starts = [0]
     for n in per:
         starts.append(starts[-1] + n)
-    # the (token, choice) pairs' tokens and gate weights by expert, once a layer: each expert's are a slice
-    # (the host's op count per expert, not the GPU, bounds a prompt's MoE layer)
+    # per layer, on the device: the sorted pairs' tokens, gate weights, rank within their expert and their
+    # expert's place among the used ones; a group of experts is then one contiguous slice of each
+    flat_sorted = flat[order]
     rows_all, weight_all = order // k, weights.reshape(-1)[order].unsqueeze(1)
+    rank = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(per_dev, 0) - per_dev)[flat_sorted]
+    used_at = (torch.cumsum(per_dev > 0, 0) - 1)[flat_sorted]
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
+    size = max(1, min(PREFILL_GROUP, GROUP_BYTES // expert_f32_bytes(cfg)))
     j = 0  # the next streamed expert
-    for expert in used:
-        lo, n = starts[expert], per[expert]
-        rows = rows_all.narrow(0, lo, n)
-        slot = slot_of[expert]
-        if slot >= 0:
-            gu, dn = pool[0].dequantize_one(slot), pool[1].dequantize_one(slot)
-        elif staged is not None:
-            r = staged.slot(j)
-            gu, dn = st_gate_up.dequantize_one(r), st_down.dequantize_one(r)
-        else:
-            gu = gate_up.dequantize_one(base + expert, hidden.device)
-            dn = down.dequantize_one(base + expert, hidden.device)
-        if counts is not None:
-            counts[int(slot >= 0)] += 1
-        out.index_add_(0, rows, expert_mlp(hidden.index_select(0, rows), gu, dn) * weight_all.narrow(0, lo, n))
-        if slot < 0:
-            if staged is not None:
+    for u0, group in prefill_groups(used, per, size):
+        mats = []  # each expert's float32 (gate_up, down)
+        for expert in group:
+            slot = slot_of[expert]
+            if slot >= 0:
+                mats.append((pool[0].dequantize_one(slot), pool[1].dequantize_one(slot)))
+            elif staged is not None:  # decoded into new tensors: the ring slot may then be refilled
+                r = staged.slot(j)
+                mats.append(tuple(m.dequantize_one(r, cast=False).to(torch.float32, copy=True)
+                                  for m in (st_gate_up, st_down)))
                 staged.release(j)
-            j += 1
+            else:
+                mats.append((gate_up.dequantize_one(base + expert, hidden.device),
+                             down.dequantize_one(base + expert, hidden.device)))
+            if counts is not None:
+                counts[int(slot >= 0)] += 1
+            if slot < 0:
+                j += 1
+        w_gu, w_dn = (_stack([m[i] for m in mats]) for i in (0, 1))  # float32 [G, 2I, H], [G, H, I]
+        out_group(out, hidden, w_gu, w_dn, [per[e] for e in group], starts[group[0]], u0,
+                  rows_all, weight_all, rank, used_at)
     if ahead:
         staging.prefetch([base + e_count + e for e in range(e_count) if next_slot_of[e] < 0])
     if w.shared is not None:

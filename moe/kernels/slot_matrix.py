@@ -136,13 +136,16 @@ class SlotMatrix:
             return torch.empty((0, self.out_features, self.in_features), dtype=torch.float32, device=device)
         return torch.stack(out)
 
-    def dequantize_one(self, slot: int, device: torch.device | None = None) -> torch.Tensor:
+    def dequantize_one(self, slot: int, device: torch.device | None = None, cast: bool = True) -> torch.Tensor:
         """float32 [out, in]: `dequantize([slot], device)[0]`, the same values, without the stack's copy
         and, for a dense format, in one cast (its decode is elementwise, so decoding the stack whole equals
-        decoding each sub-matrix): prefill's per-expert weights, where the host's op count bounds it."""
+        decoding each sub-matrix): prefill's per-expert weights, where the host's op count bounds it.
+        cast=False leaves a dense format's matrix in its stored dtype (a view where no move is needed);
+        a quantized one is decoded all the same."""
         device = self.device if device is None else torch.device(device)
         if self.fmt.dense:
-            return self.parts[0][slot].to(device, non_blocking=True).to(torch.float32)
+            raw = self.parts[0][slot].to(device, non_blocking=True)
+            return raw.to(torch.float32) if cast else raw
         layout = self.fmt.layout(self.out_features, self.in_features, self.stack)
         parts = {p.suffix: t[slot].to(device, non_blocking=True) for p, t in zip(layout, self.parts)}
         return self.fmt.decode(parts, self.out_features, self.in_features, self.stack)

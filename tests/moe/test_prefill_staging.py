@@ -105,3 +105,60 @@ def test_prefill_through_the_ring_is_bitwise_the_direct_reads(checkpoint, device
     assert moe.prefill_counts == direct.moe.prefill_counts
     assert moe.staging.issued == moe.prefill_counts[0] + moe.staging.prefetched_unused
     assert ring == 64 or moe.staging.issued > ring  # the small rings wrap
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("size", [1, 3, 8])
+def test_prefill_groups_are_consecutive_bounded_and_pad_at_most_twice(seed, size):
+    g = torch.Generator().manual_seed(seed)
+    per = (torch.randint(0, 40, (64,), generator=g) * (torch.rand(64, generator=g) < 0.8)).tolist()
+    per[5] = 900  # a hot expert
+    used = [e for e in range(64) if per[e]]
+    groups = backends.prefill_groups(used, per, size)
+    assert [e for _, grp in groups for e in grp] == used
+    for u0, grp in groups:
+        assert used[u0:u0 + len(grp)] == grp and 1 <= len(grp) <= size
+        assert len(grp) == 1 or len(grp) * max(per[e] for e in grp) <= 2 * sum(per[e] for e in grp)
+    assert [len(grp) <= 2 for _, grp in groups if 5 in grp] == [True]  # the hot one pads at most one other
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_group_adds_each_experts_gated_mlp_as_moe_reference_does(seed):
+    """out_group over padded, batched GEMMs against expert_mlp per expert (float32, tolerance of the
+    GEMM's summation order), and bit for bit the same on a second run (deterministic)."""
+    from moe.model.reference import expert_mlp
+
+    g = torch.Generator().manual_seed(seed)
+    T, H, I, E, k = 37, 64, 48, 6, 2
+    hidden = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])  # k distinct a token
+    gates = torch.rand(T, k, generator=g)
+    w_gu, w_dn = torch.randn(E, 2 * I, H, generator=g) / 8, torch.randn(E, H, I, generator=g) / 7
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    per_dev = torch.bincount(flat, minlength=E)
+    per = per_dev.tolist()
+    flat_sorted = flat[order]
+    rank = torch.arange(flat.numel()) - (torch.cumsum(per_dev, 0) - per_dev)[flat_sorted]
+    used_at = (torch.cumsum(per_dev > 0, 0) - 1)[flat_sorted]
+    rows_all, weight_all = order // k, gates.reshape(-1)[order].unsqueeze(1)
+    used = [e for e in range(E) if per[e]]
+    starts = [0]
+    for n in per:
+        starts.append(starts[-1] + n)
+
+    def run():
+        out = torch.zeros(T, H)
+        for u0, grp in backends.prefill_groups(used, per, 4):
+            backends.out_group(out, hidden, w_gu[grp], w_dn[grp], [per[e] for e in grp], starts[grp[0]], u0,
+                               rows_all, weight_all, rank, used_at)
+        return out
+
+    want = torch.zeros(T, H)
+    for e in used:
+        rows, cols = torch.nonzero(ids == e, as_tuple=True)
+        want.index_add_(0, rows, expert_mlp(hidden[rows], w_gu[e], w_dn[e]) * gates[rows, cols, None])
+    got = run()
+    assert any(len(grp) > 1 for _, grp in backends.prefill_groups(used, per, 4))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(run(), got)
