@@ -37,24 +37,33 @@ MISSES = (0, 1, 2, 4, 10)
 
 
 @functools.lru_cache(maxsize=8)
-def sequence(policy: str, S: int, m: int, n_calls: int, seed: int):
-    """(warm ids [W, 1, K], calls ids [N, 1, K]) for a 1-layer pool of S slots whose
-    every timed call has exactly m misses under `policy`."""
-    E = 4 * S
+def sequence(policy: str, S: int, m: int, n_calls: int, seed: int, experts: int = 0):
+    """(warm ids [W, 1, K], calls ids [N, 1, K], E, warm layers [W], call layers [N]) for a pool of S
+    slots whose every timed call has exactly m misses under `policy`: one layer of E = 4 S experts, or
+    with `experts`, ceil(4 S / experts) layers of that many, the calls going round the layers (markov's
+    cost grows with a layer's experts, so it is timed at a model's)."""
+    E = experts or 4 * S
+    L = 1 if not experts else -(-4 * S // experts)
     rng = np.random.default_rng(seed)
-    host = HostCache(CacheGeometry(1, E, S), policy)
-    warm = rng.permutation(E)[: (S // K) * K].reshape(-1, 1, K).astype(np.int32)
-    run_calls(host, warm, np.zeros(len(warm), np.int64))
+    host = HostCache(CacheGeometry(L, E, S), policy)
+    if L == 1:
+        warm = rng.permutation(E)[: (S // K) * K].reshape(-1, 1, K).astype(np.int32)
+    else:
+        warm = np.stack([rng.choice(E, K, replace=False) for _ in range(2 * S // K)]).reshape(-1, 1, K).astype(np.int32)
+    warm_layers = np.arange(len(warm), dtype=np.int64) % L
+    run_calls(host, warm, warm_layers)
     calls = np.empty((n_calls, 1, K), np.int32)
+    call_layers = np.arange(n_calls, dtype=np.int64) % L
     for c in range(n_calls):
-        resident = np.flatnonzero(host.slot_of >= 0)
-        absent = np.flatnonzero(host.slot_of < 0)
+        own = host.slot_of[call_layers[c] * E:(call_layers[c] + 1) * E]
+        resident, absent = np.flatnonzero(own >= 0), np.flatnonzero(own < 0)
         ids = np.concatenate([rng.choice(resident, K - m, replace=False),
                               rng.choice(absent, m, replace=False)]).astype(np.int32)
         calls[c, 0] = rng.permutation(ids)
-        run_calls(host, calls[c:c + 1], np.zeros(1, np.int64))
-    assert host.counters[0, 2] == len(warm) * K + n_calls * m
-    return warm, calls, E
+        before = int(host.counters[:, 2].sum())
+        run_calls(host, calls[c:c + 1], call_layers[c:c + 1])
+        assert int(host.counters[:, 2].sum()) - before == m
+    return warm, calls, E, warm_layers, call_layers
 
 
 def time_graph(launch, state: list[torch.Tensor], reps: int) -> np.ndarray:
@@ -90,10 +99,12 @@ def variant(label: str) -> tuple[str, dict, dict]:
     goes to layer 0; lru's and lfuda's misses are the sequence's, rule's decay clock counts layers so
     its measured misses may differ; past 127 layers rule scores through the keys, not its mirror);
     "lru:p1" -> pdl=True: every call a programmatic dependent launch, as the MoE layer makes it (it
-    waits for its predecessor before reading; flashlib has no such launch)."""
+    waits for its predecessor before reading; flashlib has no such launch);
+    "markov:E512" -> experts=512: layers of 512 experts, ceil(4 S / 512) of them, the calls going round
+    them (sequence)."""
     name, *opts = label.split(":")
     tile_keys = {"w": "num_warps", "c": "chunk", "s": "seq_max"}
-    other_keys = {"L": "layers", "p": "pdl"}
+    other_keys = {"L": "layers", "p": "pdl", "E": "experts"}
     tiles, other = {}, {}
     for o in opts:
         if o[0] in tile_keys:
@@ -101,28 +112,31 @@ def variant(label: str) -> tuple[str, dict, dict]:
         elif o[0] in other_keys:
             other[other_keys[o[0]]] = int(o[1:])
         else:
-            raise SystemExit(f"--policies {label!r}: unknown option {o!r} (:wN, :cN, :sN, :LN, :p1)")
+            raise SystemExit(f"--policies {label!r}: unknown option {o!r} (:wN, :cN, :sN, :LN, :EN, :p1)")
     if "pdl" in other:
         other["pdl"] = bool(other["pdl"])
     return name, tiles, other
 
 
-def ours(label, S, warm, calls, E, reps):
+def ours(label, S, warm, calls, E, reps, warm_layers=None, call_layers=None):
     policy, tiles, other = variant(label)
-    g = CacheGeometry(other.get("layers", 1), E, S)
+    L = int(warm_layers.max()) + 1 if warm_layers is not None and len(warm_layers) else 1
+    g = CacheGeometry(max(other.get("layers", 1), L), E, S)
     tuning = replace(resolve_launch(g, get_policy(policy, g)).tuning, **tiles)
     dev = DeviceCache(g, policy, tuning=tuning)
     pdl = other.get("pdl", False)  # launched as the MoE layer launches it (programmatic dependent launch)
-    for w in torch.as_tensor(warm, device="cuda"):
-        dev.ensure(0, w)
+    wl = [0] * len(warm) if warm_layers is None else [int(x) for x in warm_layers]
+    cl = [0] * len(calls) if call_layers is None else [int(x) for x in call_layers]
+    for w, layer in zip(torch.as_tensor(warm, device="cuda"), wl):
+        dev.ensure(layer, w)
     ids = torch.as_tensor(calls, device="cuda")
     state = [dev.slot_of, dev.key_of, dev.kst, dev.sst, dev.gst, dev.clock, dev.counters, dev.missed, dev.mirror]
-    t = time_graph(lambda: [dev.ensure(0, ids[c], pdl=pdl) for c in range(len(calls))], state, reps)
-    before = int(dev.counters[0, 2])
+    t = time_graph(lambda: [dev.ensure(cl[c], ids[c], pdl=pdl) for c in range(len(calls))], state, reps)
+    before = int(dev.counters[:, 2].sum())
     for c in range(len(calls)):
-        dev.ensure(0, ids[c])
+        dev.ensure(cl[c], ids[c])
     dev.check()
-    return t / len(calls), (int(dev.counters[0, 2]) - before) / len(calls)
+    return t / len(calls), (int(dev.counters[:, 2].sum()) - before) / len(calls)
 
 
 def flashlib_state(S: int, E: int) -> tuple[dict, dict]:
@@ -172,10 +186,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--calls", type=int, default=64)
-    ap.add_argument("--policies", default="lru,rule,lfuda,markov",
+    ap.add_argument("--policies", default="lru,rule,lfuda,markov:E128,markov:E512",
                     help="policies, each optionally with :wN (warps), :cN (chunk), :sN (seq_max), :LN (a pool "
                          "geometry of N layers, calls at layer 0) and :p1 (programmatic dependent launch, as the "
-                         "MoE layer launches it), e.g. rule:c512:w4, lru:L48, rule:L128, lru:p1")
+                         "MoE layer launches it), :EN (layers of N experts, the calls going round them; markov's cost grows "
+                         "with a layer's experts), e.g. rule:c512:w4, lru:L48, rule:L128, lru:p1, markov:E512")
     ap.add_argument("--slots", default=",".join(map(str, SLOTS)))
     ap.add_argument("--misses", default=",".join(map(str, MISSES)))
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ensure.json)")
@@ -195,8 +210,8 @@ def main() -> None:
     for S in slots:
         for m in misses:
             for policy in args.policies.split(",") + ["flashlib-lru"]:
-                base = "lru" if policy == "flashlib-lru" else variant(policy)[0]
-                warm, calls, E = sequence(base, S, m, args.calls, seed=S + m)
+                base, _, other = ("lru", {}, {}) if policy == "flashlib-lru" else variant(policy)
+                warm, calls, E, wl, cl = sequence(base, S, m, args.calls, seed=S + m, experts=other.get("experts", 0))
                 if policy == "flashlib-lru":
                     try:
                         t, got = flashlib_lru(S, warm, calls, E, args.reps)
@@ -204,7 +219,7 @@ def main() -> None:
                         total -= 1
                         continue
                 else:
-                    t, got = ours(policy, S, warm, calls, E, args.reps)
+                    t, got = ours(policy, S, warm, calls, E, args.reps, wl, cl)
                 rows.append(dict(policy=policy, slots=S, m=m, m_measured=got,
                                  us_median=float(np.median(t)), us_min=float(t.min()),
                                  us_max=float(t.max())))

@@ -199,6 +199,9 @@ class DeviceCache:
                                      self.status, self.arrive)
         self._constexprs = self.launch.constexprs()
         self._markov_params = tuple(int(p) for p in self.policy.params()) if self.policy.kind == KIND_MARKOV else ()
+        # markov's call's distinct experts, between its two learning launches
+        self._markov_scratch = (torch.empty(geometry.num_experts, dtype=torch.int64, device=self.device)
+                                if self.policy.kind == KIND_MARKOV else None)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
         self._cand: dict[int, torch.Tensor] = {}
 
@@ -250,7 +253,7 @@ class DeviceCache:
         g = self.geometry
         if self.policy.kind == KIND_MARKOV:  # the call's routing enters the state before victims are chosen
             launch_observe(self.kst, self.gst, self._markov_params, layer, ids, self.slot_of, g.num_experts,
-                           g.num_slots)
+                           g.num_slots, self._markov_scratch)
         ensure_kernel[(self.grid,)](
             self._tensors, io, layer, g.num_experts, g.num_layers, g.num_slots, rows * k, k, rows, T,
             HAS_LOGITS=has_logits, BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T),

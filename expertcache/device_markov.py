@@ -1,5 +1,5 @@
 """`markov`'s learning step on the device: steps 1-4 of expertcache.policies.markov for one ensure call,
-in one Triton launch over the DeviceCache's own state tensors, bit for bit the host's `Markov.observe`.
+in two Triton launches over the DeviceCache's own state tensors, bit for bit the host's `Markov.observe`.
 
     ids [R] (the call's routed expert ids of `layer`, any order, duplicates and -1 padding allowed)
       -> routed[e] (the call's distinct experts, n of them), then, with the state's fields
@@ -11,13 +11,16 @@ in one Triton launch over the DeviceCache's own state tensors, bit for bit the h
          4. V of every expert of the layer that has a slot or is routed now (0 for the others):
             the Q16 transition shares at each lag smoothed towards the frequency share
 
-One program does the layer: the experts are one vector, the call's ids are compared with it at once,
-and the rows are visited in loops over the set bits of a vector (the rows HIST marks, about k of them,
-each read and written whole; the routed experts' rows, read whole), so the launch reads some 2 J k
-rows of E counts and is graph capturable, needing no host value but `layer`, a launch argument. The divisions
-are int64 floor divisions: the host's float division trick (markov._div) gives the same quotient for
-the bounded operands Markov.__init__ allows. DeviceCache.ensure launches it before the ensure kernel,
-which then scores markov's keys from V (expertcache.device_policies._keyed_scores).
+Two launches, graph capturable, needing no host value but `layer`, a launch argument:
+  rows     (ROW_PROGRAMS programs a lag) step 1, one transition row per program (the rows are
+           independent; each program finds its row as the i-th bit HIST marks, by a prefix sum), and
+           the list of the call's distinct experts, written to a scratch vector
+  predict  (one program over the layer's experts as one vector) steps 2-4, the routed experts' rows
+           read UNROLL at a time from that list (independent loads, no reduction between them)
+so a call reads some 2 J k rows of E counts, in parallel. The divisions are int64 floor divisions: the
+host's float division trick (markov._div) gives the same quotient for the bounded operands
+Markov.__init__ allows. DeviceCache.ensure launches both before the ensure kernel, which then scores
+markov's keys from V (expertcache.device_policies._keyed_scores).
 """
 
 from __future__ import annotations
@@ -35,76 +38,104 @@ ONE_SHIFT, Q4, T, V = (tl.constexpr(markov.ONE_SHIFT), tl.constexpr(markov.Q4), 
 MAX_LAGS = markov.MAX_LAGS
 # Every scalar argument: Triton would otherwise compile a kernel per value of 1 (and make it a constant,
 # on which `.to` fails) and per alignment of the others.
-JIT_OPTIONS = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "row_cap", "freq_cap",
-                                     "prior"]}
+ROWS_JIT = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "row_cap"]}
+PREDICT_JIT = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "freq_cap", "prior"]}
+ROW_PROGRAMS = tl.constexpr(16)  # programs per lag of the rows launch: each updates marked rows i, i + 16, ...
+UNROLL = tl.constexpr(8)  # routed rows read at once by the predictions' loop (independent loads in flight)
 
 
-@triton.jit(**JIT_OPTIONS)
-def _markov_observe_kernel(kst_ptr, gst_ptr, ids_ptr, slot_of_ptr, layer, num_ids, row_stride, num_slots,
-                           lags, row_cap, freq_cap, prior,
-                           E: tl.constexpr, BLOCK: tl.constexpr, IDS: tl.constexpr, MAXJ: tl.constexpr):
+@triton.jit
+def _routed(ids_ptr, num_ids, num_slots, offs, ok, E: tl.constexpr, IDS: tl.constexpr):
+    """(routed[e] int64 0 / 1 over the layer's experts, n distinct, refused: an id outside [-1, E) or more
+    distinct experts than slots, as the ensure refuses them)."""
+    at = tl.arange(0, IDS)
+    idv = tl.load(ids_ptr + at, mask=at < num_ids, other=-1).to(tl.int64)
+    hits = tl.sum((offs[:, None] == idv[None, :]).to(tl.int32), axis=1)
+    routed = tl.where(ok & (hits > 0), 1, 0).to(tl.int64)
+    n = tl.sum(routed, axis=0)
+    bad = tl.sum(((at < num_ids) & ((idv < -1) | (idv >= E))).to(tl.int32), axis=0)
+    return routed, n, ((bad > 0) | (n > num_slots)).to(tl.int32)
+
+
+@triton.jit(**ROWS_JIT)
+def _markov_rows_kernel(kst_ptr, ids_ptr, routed_ptr, layer, num_ids, row_stride, num_slots, lags, row_cap,
+                        E: tl.constexpr, BLOCK: tl.constexpr, IDS: tl.constexpr):
+    """Step 1, one row per program (the rows are independent): program (j, i) updates the transition rows
+    of lag j whose HIST bit j is set, the i-th, (i + ROW_PROGRAMS)-th, ... of them (about k a lag);
+    program (0, 0) also lists the call's distinct experts, ascending, in routed_ptr for the second launch."""
+    pid = tl.program_id(0)
+    j = pid // ROW_PROGRAMS
+    i = pid % ROW_PROGRAMS
     offs = tl.arange(0, BLOCK).to(tl.int64)
     ok = offs < E
     base = layer * E
-    col = base + offs  # the layer's keys, as kst columns
-    hist = tl.load(kst_ptr + HIST * row_stride + col, mask=ok, other=0)
-    # the call's distinct experts: a flag per expert (every id compared at once), and their count
-    at = tl.arange(0, IDS)
-    idv = tl.load(ids_ptr + at, mask=at < num_ids, other=-1).to(tl.int64)
-    hits = tl.sum((offs[:, None] == idv[None, :]).to(tl.int64), axis=1)
-    routed = tl.where(ok & (hits > 0), 1, 0).to(tl.int64)
-    n = tl.sum(routed, axis=0)
-    # a call the ensure refuses (an id outside [-1, E), more distinct experts than slots) changes
-    # nothing: it is not learned from either
-    bad = tl.sum(((at < num_ids) & ((idv < -1) | (idv >= E))).to(tl.int32), axis=0)
-    if (bad > 0) | (n > num_slots):
-        return
-    R = T + lags * E
-    # 1. transitions from the layer's call j + 1 calls ago (HIST bit j) to this one: each such row a
-    #    (a loop over them, lowest first) gets 16 at the routed columns, its total 16 n, and is halved
-    #    and recounted past the cap
-    for j in tl.static_range(MAXJ):
-        if j < lags:
-            left = ok & (((hist >> j) & 1) == 1)
-            while tl.sum(left.to(tl.int32), axis=0) > 0:
-                a = tl.min(tl.where(left, offs, BLOCK), axis=0)
-                left = left & (offs != a)
-                row = kst_ptr + (T + j * E + a) * row_stride + col
-                vals = tl.load(row, mask=ok, other=0) + Q4 * routed
-                tot = tl.load(kst_ptr + (R + j) * row_stride + base + a) + Q4 * n
-                if tot > row_cap:
-                    vals = vals >> 1
-                    tot = tl.sum(vals, axis=0)
-                tl.store(row, vals, mask=ok)
-                tl.store(kst_ptr + (R + j) * row_stride + base + a, tot)
-    # 2. frequency
-    freq = tl.load(kst_ptr + FREQ * row_stride + col, mask=ok, other=0) + Q4 * routed
-    total = tl.load(gst_ptr + layer) + Q4 * n
-    if total > freq_cap:
-        freq = freq >> 1
-        total = tl.sum(tl.where(ok, freq, 0), axis=0)
-    tl.store(kst_ptr + FREQ * row_stride + col, freq, mask=ok)
-    tl.store(gst_ptr + layer, total)
-    # 3. history
-    hist = ((hist << 1) & ((1 << lags) - 1)) | routed
-    tl.store(kst_ptr + HIST * row_stride + col, hist, mask=ok)
-    # 4. predictions for the experts with a slot or routed now: the routed experts' rows summed
-    f = ((n * (freq + FLOOR_Q4)) << ONE_SHIFT) // (total + FLOOR_Q4 * E)
-    pq = prior.to(tl.int64) * Q4
-    v = tl.zeros([BLOCK], dtype=tl.int64)
-    for j in tl.static_range(MAXJ):
-        if j < lags:
-            acc = tl.zeros([BLOCK], dtype=tl.int64)
-            left = routed == 1
-            while tl.sum(left.to(tl.int32), axis=0) > 0:
-                b = tl.min(tl.where(left, offs, BLOCK), axis=0)
-                left = left & (offs != b)
-                acc += tl.load(kst_ptr + (T + j * E + b) * row_stride + col, mask=ok, other=0)
-            rj = tl.load(kst_ptr + (R + j) * row_stride + col, mask=ok, other=0)
-            d = pq + tl.sum(tl.where(routed == 1, rj, 0), axis=0)
-            v += (((n * acc) << ONE_SHIFT) + pq * f) // d
-    keep = (tl.load(slot_of_ptr + col, mask=ok, other=-1) >= 0) | (routed == 1)
-    tl.store(kst_ptr + V * row_stride + col, tl.where(keep, v, 0), mask=ok)
+    col = base + offs
+    routed, n, refused = _routed(ids_ptr, num_ids, num_slots, offs, ok, E, IDS)
+    if (j < lags) & (refused == 0):
+        if pid == 0:
+            tl.store(routed_ptr + tl.cumsum(routed, axis=0) - 1, offs, mask=routed == 1)
+        bit = tl.where(ok, (tl.load(kst_ptr + HIST * row_stride + col, mask=ok, other=0) >> j) & 1, 0)
+        rank = tl.cumsum(bit, axis=0)  # the r-th marked row has rank r + 1
+        marked = tl.sum(bit, axis=0)
+        R = T + lags * E
+        r = i.to(tl.int64)
+        while r < marked:
+            a = tl.sum(tl.where((bit == 1) & (rank == r + 1), offs, 0), axis=0)
+            row = kst_ptr + (T + j * E + a) * row_stride + col
+            vals = tl.load(row, mask=ok, other=0) + Q4 * routed
+            tot = tl.load(kst_ptr + (R + j) * row_stride + base + a) + Q4 * n
+            if tot > row_cap:
+                vals = vals >> 1
+                tot = tl.sum(vals, axis=0)
+            tl.store(row, vals, mask=ok)
+            tl.store(kst_ptr + (R + j) * row_stride + base + a, tot)
+            r += ROW_PROGRAMS
+
+
+@triton.jit(**PREDICT_JIT)
+def _markov_predict_kernel(kst_ptr, gst_ptr, ids_ptr, routed_ptr, slot_of_ptr, layer, num_ids, row_stride,
+                           num_slots, lags, freq_cap, prior,
+                           E: tl.constexpr, BLOCK: tl.constexpr, IDS: tl.constexpr, MAXJ: tl.constexpr):
+    """Steps 2-4 in one program, after the rows launch: frequency, history, and V from the routed
+    experts' (updated) rows, read UNROLL at a time from the list the rows launch wrote."""
+    offs = tl.arange(0, BLOCK).to(tl.int64)
+    ok = offs < E
+    base = layer * E
+    col = base + offs
+    routed, n, refused = _routed(ids_ptr, num_ids, num_slots, offs, ok, E, IDS)
+    if refused == 0:
+        # 2. frequency
+        freq = tl.load(kst_ptr + FREQ * row_stride + col, mask=ok, other=0) + Q4 * routed
+        total = tl.load(gst_ptr + layer) + Q4 * n
+        if total > freq_cap:
+            freq = freq >> 1
+            total = tl.sum(tl.where(ok, freq, 0), axis=0)
+        tl.store(kst_ptr + FREQ * row_stride + col, freq, mask=ok)
+        tl.store(gst_ptr + layer, total)
+        # 3. history
+        hist = tl.load(kst_ptr + HIST * row_stride + col, mask=ok, other=0)
+        hist = ((hist << 1) & ((1 << lags) - 1)) | routed
+        tl.store(kst_ptr + HIST * row_stride + col, hist, mask=ok)
+        # 4. predictions for the experts with a slot or routed now: the routed experts' rows summed
+        f = ((n * (freq + FLOOR_Q4)) << ONE_SHIFT) // (total + FLOOR_Q4 * E)
+        pq = prior.to(tl.int64) * Q4
+        R = T + lags * E
+        v = tl.zeros([BLOCK], dtype=tl.int64)
+        for j in tl.static_range(MAXJ):
+            if j < lags:
+                acc = tl.zeros([BLOCK], dtype=tl.int64)
+                d = pq
+                i = tl.full([], 0, tl.int64)
+                while i < n:
+                    for u in tl.static_range(UNROLL):
+                        m = i + u < n
+                        b = tl.load(routed_ptr + i + u, mask=m, other=0)
+                        acc += tl.load(kst_ptr + (T + j * E + b) * row_stride + col, mask=ok & m, other=0)
+                        d += tl.load(kst_ptr + (R + j) * row_stride + base + b, mask=m, other=0)
+                    i += UNROLL
+                v += (((n * acc) << ONE_SHIFT) + pq * f) // d
+        keep = (tl.load(slot_of_ptr + col, mask=ok, other=-1) >= 0) | (routed == 1)
+        tl.store(kst_ptr + V * row_stride + col, tl.where(keep, v, 0), mask=ok)
 
 
 def markov_observe(kst: torch.Tensor, gst: torch.Tensor, params: torch.Tensor | tuple, layer: int,
@@ -137,10 +168,17 @@ def markov_observe(kst: torch.Tensor, gst: torch.Tensor, params: torch.Tensor | 
     launch_observe(kst, gst, params, layer, ids, slot_of, E, L * E if num_slots is None else num_slots)
 
 
-def launch_observe(kst, gst, params: tuple, layer: int, ids, slot_of, num_experts: int, num_slots: int) -> None:
-    """markov_observe's launch without its checks: for DeviceCache.ensure, whose own tensors and
-    checked ids these are (no per-call validation on the decode path)."""
+def launch_observe(kst, gst, params: tuple, layer: int, ids, slot_of, num_experts: int, num_slots: int,
+                   scratch: torch.Tensor | None = None) -> None:
+    """markov_observe's two launches without its checks: for DeviceCache.ensure, whose own tensors and
+    checked ids these are (no per-call validation on the decode path). scratch: int64 [>= E] on kst's
+    device, the call's distinct experts between the launches (allocated here when None; a captured
+    caller passes its own)."""
     lags, _, row_cap, freq_cap, prior = params
-    _markov_observe_kernel[(1,)](kst, gst, ids, slot_of, layer, ids.numel(), kst.stride(0), num_slots, lags,
-                                 row_cap, freq_cap, prior, E=num_experts, BLOCK=triton.next_power_of_2(num_experts),
-                                 IDS=triton.next_power_of_2(max(ids.numel(), 2)), MAXJ=MAX_LAGS)
+    if scratch is None:
+        scratch = torch.empty(num_experts, dtype=torch.int64, device=kst.device)
+    block, width = triton.next_power_of_2(num_experts), triton.next_power_of_2(max(ids.numel(), 2))
+    _markov_rows_kernel[(MAX_LAGS * ROW_PROGRAMS.value,)](kst, ids, scratch, layer, ids.numel(), kst.stride(0), num_slots,
+                                                    lags, row_cap, E=num_experts, BLOCK=block, IDS=width)
+    _markov_predict_kernel[(1,)](kst, gst, ids, scratch, slot_of, layer, ids.numel(), kst.stride(0), num_slots, lags,
+                                 freq_cap, prior, E=num_experts, BLOCK=block, IDS=width, MAXJ=MAX_LAGS)

@@ -62,28 +62,33 @@ def test_bad_arguments_are_named():
 
 SM90 = """
 import json
-from expertcache.device_markov import _markov_observe_kernel
+from expertcache.device_markov import _markov_predict_kernel, _markov_rows_kernel
 from moe.kernels.triton_launch import compile_for_sm
-types = ("*i64", "*i64", "*i32", "*i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32")
-asm = compile_for_sm(_markov_observe_kernel, types, {"E": 512, "BLOCK": 512, "IDS": 16, "MAXJ": 2}, 4, 90, {})
-print(json.dumps(bool(asm.get("cubin"))))
+rows = compile_for_sm(_markov_rows_kernel, ("*i64", "*i32", "*i64") + ("i32",) * 6,
+                      {"E": 512, "BLOCK": 512, "IDS": 16}, 4, 90, {})
+predict = compile_for_sm(_markov_predict_kernel, ("*i64", "*i64", "*i32", "*i64", "*i32") + ("i32",) * 7,
+                         {"E": 512, "BLOCK": 512, "IDS": 16, "MAXJ": 2}, 4, 90, {})
+print(json.dumps([bool(rows.get("cubin")), bool(predict.get("cubin"))]))
 """
 
 
 def test_compiles_for_sm90_at_qwen3_next_experts():
     from tests.conftest import compile_check
 
-    assert compile_check(SM90) is True
+    assert compile_check(SM90) == [True, True]
 
 
-def test_no_scalar_argument_is_specialised():
+@pytest.mark.parametrize("kernel, options", [("_markov_rows_kernel", "ROWS_JIT"),
+                                             ("_markov_predict_kernel", "PREDICT_JIT")])
+def test_no_scalar_argument_is_specialised(kernel, options):
     """Triton turns an int argument equal to 1 into a constant unless told not to (and compiles a kernel per
-    such value): every scalar of the learning step's kernel is listed, so prior = 1 or layer = 1 compiles."""
+    such value): every scalar of the learning step's kernels is listed, so prior = 1 or layer = 1 compiles."""
     import inspect
 
-    from expertcache.device_markov import JIT_OPTIONS, _markov_observe_kernel
+    from expertcache import device_markov
 
-    fn = getattr(_markov_observe_kernel, "fn", _markov_observe_kernel)
+    k = getattr(device_markov, kernel)
+    fn = getattr(k, "fn", k)
     scalars = [name for name, p in inspect.signature(fn).parameters.items()
                if not name.endswith("_ptr") and "constexpr" not in str(p.annotation)]
-    assert scalars and set(scalars) == set(JIT_OPTIONS["do_not_specialize"])
+    assert scalars and set(scalars) == set(getattr(device_markov, options)["do_not_specialize"])
