@@ -55,8 +55,15 @@ def sequence(policy: str, S: int, m: int, n_calls: int, seed: int, experts: int 
     calls = np.empty((n_calls, 1, K), np.int32)
     call_layers = np.arange(n_calls, dtype=np.int64) % L
     for c in range(n_calls):
-        own = host.slot_of[call_layers[c] * E:(call_layers[c] + 1) * E]
-        resident, absent = np.flatnonzero(own >= 0), np.flatnonzero(own < 0)
+        for step in range(L):  # from layer c % L on, the first that can give k - m hits and m misses
+            layer = (c + step) % L
+            own = host.slot_of[layer * E:(layer + 1) * E]
+            resident, absent = np.flatnonzero(own >= 0), np.flatnonzero(own < 0)
+            if len(resident) >= K - m and len(absent) >= m:
+                break
+        else:
+            raise SystemExit(f"sequence: no layer of {E} experts holds {K - m} keys with {S} slots")
+        call_layers[c] = layer
         ids = np.concatenate([rng.choice(resident, K - m, replace=False),
                               rng.choice(absent, m, replace=False)]).astype(np.int32)
         calls[c, 0] = rng.permutation(ids)
