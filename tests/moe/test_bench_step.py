@@ -47,4 +47,4 @@ def test_bad_options_are_refused_by_name(argv, message, capsys):
 
 def test_defaults_are_the_issue_s_grid():
     args = _bench().parse([])
-    assert (args.layers, args.vocab, args.batches, args.contexts) == (8, 151936, [1, 4], [1024, 32768, 131072])
+    assert (args.layers, args.vocab, args.batches, args.contexts) == (8, 151936, [1, 4], [1024, 8192, 32768, 131072])
