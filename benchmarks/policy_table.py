@@ -1,9 +1,10 @@
-"""Every policy against lru and belady on real traces, at 25, 50 and 75 % of all experts.
+"""Every policy against lru, belady and the next-token oracle on real traces, at 25, 50 and 75 % of all
+experts (TRACE.npz@0.1,0.2,0.3 for other shares: a trace that touches few of its experts).
 
     trace files -> sim.replay.sweep (every simulator policy x 3 slot counts)
     -> markdown table (printed last) and JSON (default benchmarks/results/policy-table.json)
 
-Run: python benchmarks/policy_table.py TRACE.npz [TRACE.npz ...] [--out FILE]
+Run: python benchmarks/policy_table.py TRACE.npz[@FRACS] [TRACE.npz ...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -20,13 +21,18 @@ from sim.trace import load_trace
 FRACS = (0.25, 0.5, 0.75)
 
 
-def table(path: str) -> tuple[str, list[dict]]:
+def table(arg: str) -> tuple[str, list[dict]]:
+    path, _, fracs_text = arg.partition("@")
+    try:
+        fracs = tuple(float(f) for f in fracs_text.split(",")) if fracs_text else FRACS
+    except ValueError:
+        raise SystemExit(f"{arg!r}: the shares after @ must be a comma list of numbers, e.g. @0.1,0.2,0.3")
     trace = load_trace(path)
     total = trace.num_layers * trace.num_experts
-    slots = [round(f * total) for f in FRACS]
+    slots = [round(f * total) for f in fracs]
     rows = build_rows(trace, sweep(trace, sim_policy_names(), slots, progress=False))
     by = {(r.result.policy, r.result.slots): r for r in rows}
-    head = "| policy | " + " | ".join(f"{s} slots ({int(100 * f)} %)" for s, f in zip(slots, FRACS)) + " |"
+    head = "| policy | " + " | ".join(f"{s} slots ({int(100 * f)} %)" for s, f in zip(slots, fracs)) + " |"
     lines = [f"**{Path(path).name}** ({trace.meta.model}; {trace.num_tokens} tokens, "
              f"{trace.num_layers} x {trace.num_experts} experts, top-{trace.top_k}, "
              f"{trace.accesses} accesses). Cell: hit rate / misses / share of the LRU-to-Belady "

@@ -5,7 +5,8 @@
     -> ReplayResult: per-layer accesses and misses, miss histogram [L, B*k + 1]
 
 `sweep` runs many (policy, slots) replays in parallel processes with a progress bar.
-Policies come from the expertcache registry plus the simulator's oracles (`belady`).
+Policies come from the expertcache registry plus the simulator's oracles (`belady`, the whole future;
+`next-token`, the next token's routing: sim.next_token).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from expertcache.fast import run_calls
 from expertcache.geometry import distinct_counts
 from expertcache.host import ACCESSES, MISSES
 from sim.belady import Belady
+from sim.next_token import replay_next_token
 from sim.trace import Trace, TraceError
 
-ORACLES = ("belady",)
+ORACLES = ("belady", "next-token")
 
 
 def sim_policy_names() -> list[str]:
@@ -126,6 +128,8 @@ def make_policy(name: str, geometry: CacheGeometry, ids, layers, **constants):
         if constants:
             raise PolicyError("belady takes no constants")
         return Belady.for_calls(geometry, ids, layers)
+    if name == "next-token":
+        raise PolicyError("next-token is no HostCache policy: sim.replay.replay runs it (sim.next_token)")
     check_policies([name])
     return get_policy(name, geometry, **constants)
 
@@ -140,6 +144,14 @@ def replay(trace: Trace, policy: str, slots: int, *, use_logits: bool = True,
     if not use_logits:
         lidx = lval = None
     geometry = CacheGeometry(trace.num_layers, trace.num_experts, int(slots))
+    if policy == "next-token":  # its own pass (sim.next_token): its scores move with the clock
+        if constants:
+            raise PolicyError("next-token takes no constants")
+        if min_slots(trace) > int(slots):
+            raise EnsureError(f"{slots} slots is too few (--slots): one call of this trace asks for "
+                              f"{min_slots(trace)} distinct experts")
+        acc, miss, hist = replay_next_token(ids, layers, trace.num_layers, trace.num_experts, int(slots))
+        return ReplayResult(policy, int(slots), trace.num_tokens, int(ids.shape[0]), acc, miss, hist)
     cache = HostCache(geometry, make_policy(policy, geometry, ids, layers, **constants))
     hist = np.zeros((geometry.num_layers, ids.shape[1] * ids.shape[2] + 1), dtype=np.int64)
     run_calls(cache, ids, layers, lidx, lval, hist=hist)

@@ -112,13 +112,14 @@ def _fmt(v, spec: str, none: str = "-") -> str:
 
 def format_table(rows: list[Row], title: str = "") -> str:
     """A fixed-width table, one line per row, grouped by slot count."""
-    head = (f"{'policy':<8} {'slots':>7} {'%exp':>5} {'hit rate':>8} {'miss/tok':>9} "
+    w = max([8] + [len(row.result.policy) for row in rows])  # the policy column: its longest name
+    head = (f"{'policy':<{w}} {'slots':>7} {'%exp':>5} {'hit rate':>8} {'miss/tok':>9} "
             f"{'MB/tok':>8} {'gap rec.':>8} {'us/tok':>9} {'tok/s':>8} {'tok/s ov':>8}")
     lines = ([title] if title else []) + [head, "-" * len(head)]
     for row in sorted(rows, key=lambda x: (x.result.slots, x.result.policy)):
         r = row.result
         lines.append(
-            f"{r.policy:<8} {r.slots:>7} {100 * row.slots_frac:>5.1f} {r.hit_rate:>8.4f} "
+            f"{r.policy:<{w}} {r.slots:>7} {100 * row.slots_frac:>5.1f} {r.hit_rate:>8.4f} "
             f"{r.misses_per_token:>9.2f} {_fmt(row.mb_copied_per_token, '8.1f'):>8} "
             f"{_fmt(row.gap_recovered, '8.3f'):>8} {_fmt(row.us_per_token, '9.1f'):>9} "
             f"{_fmt(row.tokens_per_s, '8.1f'):>8} {_fmt(row.tokens_per_s_overlap, '8.1f'):>8}")
@@ -129,8 +130,9 @@ def format_budget_table(rows: list[Row], title: str = "") -> str:
     """The table of format rows: per run (budget, then format, in the order given) one line per
     (slots, policy), with the format, its bytes per expert and the GiB its slots take. Slots of a
     budget that holds every expert carry a '*', explained under the table."""
+    w = max([8] + [len(row.result.policy) for row in rows])  # the policy column: its longest name
     head = (f"{'budget':>6} {'format':<6} {'B/expert':>11} {'slots':>7} {'GiB':>6} {'%exp':>5} "
-            f"{'policy':<8} {'hit rate':>8} {'miss/tok':>9} {'MB/tok':>8} {'gap rec.':>8} "
+            f"{'policy':<{w}} {'hit rate':>8} {'miss/tok':>9} {'MB/tok':>8} {'gap rec.':>8} "
             f"{'us/tok':>9} {'tok/s':>8} {'tok/s ov':>8}")
     lines = ([title] if title else []) + [head, "-" * len(head)]
     order = list(dict.fromkeys(row.run for row in rows))
@@ -144,7 +146,7 @@ def format_budget_table(rows: list[Row], title: str = "") -> str:
             fit[run.budget_gib].append(run.fmt)
         lines.append(
             f"{budget:>6} {run.fmt:<6} {_fmt(run.expert_bytes, '11,d'):>11} {slots:>8}"
-            f"{_fmt(row.slots_gib, '6.2f'):>6} {100 * row.slots_frac:>5.1f} {r.policy:<8} "
+            f"{_fmt(row.slots_gib, '6.2f'):>6} {100 * row.slots_frac:>5.1f} {r.policy:<{w}} "
             f"{r.hit_rate:>8.4f} {r.misses_per_token:>9.2f} {_fmt(row.mb_copied_per_token, '8.1f'):>8} "
             f"{_fmt(row.gap_recovered, '8.3f'):>8} {_fmt(row.us_per_token, '9.1f'):>9} "
             f"{_fmt(row.tokens_per_s, '8.1f'):>8} {_fmt(row.tokens_per_s_overlap, '8.1f'):>8}")
