@@ -8,6 +8,11 @@ Real traces: ../shared/traces (or --traces DIR). The comparison uses the `mixtra
 ones every preset shares; the synthetic curve is the mean over --seeds seeds. --fit runs a
 coordinate descent on those four parameters, minimising the worse of the two traces' RMS
 hit-rate error, and prints the result (paste it into sim/synthetic.py to adopt it).
+
+Beyond the curves, per trace: the routing's predictability from the previous token
+(sim.synthetic.predictability: transition, frequency, lift) and the deployable policies' shares of the
+LRU-to-Belady gap at half the keys, real against synthetic (seed 0): the temporal structure the
+curves do not pin down, and whether the synthetic trace ranks the policies as the real one does.
 """
 
 from __future__ import annotations
@@ -29,6 +34,15 @@ CASES = {
     "flame-290m-a.npz": ("flame-like", [64, 128, 256, 384, 448]),
 }
 STEPS = {"spread": 0.04, "reuse": 0.02, "reuse_decay": 0.1, "topic": 0.1}
+RANKED = ("rule", "lfuda", "markov", "next-token")  # the policies whose order the real traces set
+
+
+def policy_shares(trace, slots: int) -> dict[str, float]:
+    """Each of RANKED's share of the LRU-to-Belady gap at `slots` slots (cold start)."""
+    from sim.replay import replay
+
+    lru, opt = replay(trace, "lru", slots).misses, replay(trace, "belady", slots).misses
+    return {p: (lru - replay(trace, p, slots).misses) / (lru - opt) if lru > opt else 0.0 for p in RANKED}
 
 
 def _config(name: str, params: dict[str, float]) -> syn.SyntheticConfig:
@@ -101,8 +115,19 @@ def main() -> None:
                   f"{r['belady_real']:.4f} | {r['belady_synth']:.4f} |")
         print(f"max gap {syn.max_gap(rows):.4f}, rms {_rms(rows):.4f}; single seeds: max gap "
               f"{min(per_seed):.4f} .. {max(per_seed):.4f}")
+        pred = {"real": syn.predictability(real),
+                "synthetic": {key: float(np.mean([syn.predictability(syn.generate(syn.preset(name, seed=s)))[key]
+                                                  for s in seeds])) for key in ("transition", "frequency", "lift")}}
+        half = real.num_layers * real.num_experts // 2
+        ranks = {"real": policy_shares(real, half), "synthetic": policy_shares(syn.generate(syn.preset(name)), half)}
+        print(f"predictability from the previous token, transition / frequency / lift: real "
+              + " / ".join(f"{pred['real'][k]:.3f}" for k in ("transition", "frequency", "lift")) + ", synthetic "
+              + " / ".join(f"{pred['synthetic'][k]:.3f}" for k in ("transition", "frequency", "lift")))
+        print(f"share of the LRU-to-Belady gap at {half} slots, real / synthetic: "
+              + ", ".join(f"{p} {ranks['real'][p]:+.3f} / {ranks['synthetic'][p]:+.3f}" for p in RANKED))
         report["traces"][f] = {"preset": name, "rows": rows, "max_gap": syn.max_gap(rows),
-                               "rms": _rms(rows), "single_seed_max_gap": per_seed}
+                               "rms": _rms(rows), "single_seed_max_gap": per_seed,
+                               "predictability": pred, "gap_shares_at_half": {"slots": half, **ranks}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"\nwrote {args.out}")

@@ -179,3 +179,40 @@ def test_calibrated_presets_track_the_real_hit_rate_curves(trace, name, slots):
     rows = syn.calibration_table(real, cfg, syn.calibration_slots(real, slots))
     assert [r["slots"] for r in rows] == sorted(set(slots))  # the README slots cover 25/50/75 %
     assert syn.max_gap(rows) < 0.04, rows
+
+
+def _trace_of(experts: np.ndarray, num_experts: int):
+    from tests.sim.test_replay import make_trace
+
+    return make_trace(experts.astype(np.int32), num_experts)
+
+
+def test_predictability_counts_a_small_trace_by_hand():
+    # one layer, top-1 of 3: 0, 1, 0, 1. Token 3 is the first with a transition counted (0 -> 1 at
+    # token 1): predicted 1, right; by popularity (1 and 0 once each, the lower id first) 0, wrong
+    trace = _trace_of(np.array([0, 1, 0, 1]).reshape(4, 1, 1, 1), 3)
+    assert syn.predictability(trace, warm=1) == {"transition": 1.0, "frequency": 0.0, "lift": 1.0}
+
+
+def test_successor_routing_is_predicted_by_transitions_and_iid_routing_is_not():
+    rng = np.random.default_rng(4)
+    N, L, E = 400, 3, 16
+    succ = np.stack([rng.permutation(E) for _ in range(L)])  # each layer's fixed successor of each expert
+    ex = np.empty((N, L, 1, 2), dtype=np.int64)
+    ex[0, :, 0] = [[0, 1]] * L
+    for t in range(1, N):
+        for layer in range(L):
+            a = ex[t - 1, layer, 0, 0]
+            ex[t, layer, 0] = [succ[layer, a], (succ[layer, a] + 1 + rng.integers(E - 1)) % E]
+    got = syn.predictability(_trace_of(ex, E))
+    assert got["transition"] > 0.45 and got["lift"] > 0.3  # the first of the two is always predictable
+    iid = np.stack([rng.choice(E, 2, replace=False) for _ in range(N * L)]).reshape(N, L, 1, 2)
+    got = syn.predictability(_trace_of(iid, E))
+    assert abs(got["lift"]) < 0.05
+
+
+def test_the_synthetic_model_has_no_transitions():
+    """Its routing follows the previous token only through the working set (docs/synthetic.md): as
+    predictable from popularity as from transitions, unlike real routing."""
+    got = syn.predictability(syn.generate(syn.preset("flame-like")))
+    assert abs(got["lift"]) < 0.01 and got["transition"] > 0.1
