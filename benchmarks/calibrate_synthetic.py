@@ -120,7 +120,7 @@ def main() -> None:
                                                   for s in seeds])) for key in ("transition", "frequency", "lift")}}
         half = real.num_layers * real.num_experts // 2
         ranks = {"real": policy_shares(real, half), "synthetic": policy_shares(syn.generate(syn.preset(name)), half)}
-        print(f"predictability from the previous token, transition / frequency / lift: real "
+        print("predictability from the previous token, transition / frequency / lift: real "
               + " / ".join(f"{pred['real'][k]:.3f}" for k in ("transition", "frequency", "lift")) + ", synthetic "
               + " / ".join(f"{pred['synthetic'][k]:.3f}" for k in ("transition", "frequency", "lift")))
         print(f"share of the LRU-to-Belady gap at {half} slots, real / synthetic: "
