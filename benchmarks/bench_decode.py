@@ -3,7 +3,8 @@
     --layers L decoder layers at --geometry: qwen3-next (moe.testing.random_decoder.qwen3_next_like: H 2048,
     512 experts of I 512, top-10, shared expert 512, bf16; attention 16 / 2 heads of 128) or qwen3-30b
     (qwen3_30b_like: H 2048, 128 experts of I 768, top-8, no shared expert; attention 32 / 4 heads of
-    128 with q/k norms); --vocab; random weights; per --expert-formats F (bf16, fp8, nvfp4, mxfp4,
+    128 with q/k norms) or flame-290m (flame_290m_like: H 1024, 64 experts of I 704, top-6, shared
+    expert 1408: FLAME-MoE-290M's block, for its real trace); --vocab; random weights; per --expert-formats F (bf16, fp8, nvfp4, mxfp4,
     int4; default bf16) one pinned HostStore of every routed expert in F (the same random experts,
     quantized; L * 512 * 6 MiB: 25.8 GB at L = 8 in bf16), built and freed one format at a time
     slots: --slots N, --slots-frac f of L * E, or --moe-cache-gb G[,G..]: per format floor(G * 2**30 /
@@ -60,10 +61,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmeta import machine  # noqa: E402
 from expertcache.formats import FormatError, format_names, get_format, slots_for_budget  # noqa: E402
 from sim.costmodel import H200_SM_COPY, SHAPES, HardwareProfile, estimate_decode  # noqa: E402
+from expertcache import policy_names  # noqa: E402
 from sim.replay import replay  # noqa: E402
 from sim.trace import Trace  # noqa: E402
 
-DEVICE_POLICIES = ("lru", "rule", "lfuda")
+DEVICE_POLICIES = tuple(policy_names())  # every registered policy has a device ensure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,8 @@ class Geometry:
 
 
 GEOMETRIES = {"qwen3-next": Geometry("qwen3_next_like", "qwen3-next", "qwen3-next", 512, 10, 2048, 512),
-              "qwen3-30b": Geometry("qwen3_30b_like", "qwen3-30b-a3b", "qwen3-30b-a3b", 128, 8, 2048, 768)}
+              "qwen3-30b": Geometry("qwen3_30b_like", "qwen3-30b-a3b", "qwen3-30b-a3b", 128, 8, 2048, 768),
+              "flame-290m": Geometry("flame_290m_like", "flame-like", "flame-290m", 64, 6, 1024, 704)}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# decode decode-formats step prefill peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# decode decode-formats decode-trace step prefill peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -59,6 +59,14 @@ for part in $parts; do
       timeout ${PREFILL_TIMEOUT:-540} python3 benchmarks/bench_prefill.py ${PREFILL_ARGS:-} --out "$OUT/prefill.json" \
         --trace-out "$OUT/prefill-trace.json" 2>&1 | tee "$OUT/prefill.log" | tail -6
       gzip -f "$OUT/prefill-trace.json" ;;  # tens of MB of JSON: compressed, it comes back
+    decode-trace)
+      # markov beside lru and rule on FLAME-MoE-290M's real routing at its MoE geometry, a quarter and half
+      # of the experts in slots, the simulator's prediction beside each (carry .traces)
+      for frac in 0.25 0.5; do
+        timeout ${DECODE_TRACE_TIMEOUT:-250} python3 benchmarks/bench_decode.py --geometry flame-290m \
+          --trace .traces/flame-290m-a.npz --layers 8 --slots-frac $frac --configs lru,rule,markov --batches 1 \
+          --out "$OUT/decode-trace-$frac.json" 2>&1 | tee "$OUT/decode-trace-$frac.log" | tail -6
+      done ;;
     peer-build)
       # llama.cpp beside expertcache (benchmarks/peer_llamacpp.py; carry .peer from `peer_llamacpp.py prepare`):
       # the build, then the shared random-weight checkpoint; PEER_WORK (.peer-work, ignored by git, not carried)

@@ -199,6 +199,23 @@ def test_bench_decode_dry_run_and_arguments(tmp_path, capsys):
             bench.parse(bad)
 
 
+def test_bench_decode_replays_a_real_trace_at_its_geometry_with_markov():
+    """FLAME's real routing at the flame-290m geometry, markov beside lru and rule: the simulator's
+    misses of each are those of sim.replay on the same slice (dry run; the GPU half runs the same)."""
+    from tests.conftest import real_trace
+
+    path = real_trace("flame-290m-a.npz")
+    bench = _bench()
+    res = bench.main(["--dry-run", "--geometry", "flame-290m", "--trace", str(path), "--layers", "8",
+                      "--warmup", "100", "--steps", "200", "--slots-frac", "0.5", "--batches", "1",
+                      "--configs", "lru,rule,markov"])
+    sims = {r["config"]: r["sim"] for r in res["rows"]}
+    assert list(sims) == ["lru", "rule", "markov"]
+    assert sims["markov"]["hit_rate"] > sims["lru"]["hit_rate"]
+    with pytest.raises(SystemExit, match="--geometry qwen3-next needs 512"):
+        bench.main(["--dry-run", "--trace", str(path), "--configs", "markov"])
+
+
 def test_bench_decode_calibrates_on_the_miss_free_run(monkeypatch, tmp_path):
     """The GPU half's bookkeeping, with the measurement replaced by a stand-in whose step time is
     the uncalibrated prediction plus 7 us per layer: the calibration row must find 7 us more than
