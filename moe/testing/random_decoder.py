@@ -71,12 +71,10 @@ def flame_290m_like(num_layers: int = 8, *, vocab_size: int = 32768, dtype: str 
     expert of I 1408), so its real routing trace (../shared/traces/flame-290m-a.npz) can drive the
     engine: qwen2_moe (FLAME's two ungated shared experts become one gated expert of their width),
     attention 16 / 16 heads of 64, the vocabulary cut to `vocab_size`."""
-    return {"model_type": "qwen2_moe", "num_hidden_layers": num_layers, "hidden_size": 1024,
+    return {**qwen3_next_like(num_layers, vocab_size=vocab_size, dtype=dtype), "hidden_size": 1024,
             "num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 704,
             "shared_expert_intermediate_size": 1408, "norm_topk_prob": False, "intermediate_size": 2816,
-            "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64, "qkv_bias": False,
-            "vocab_size": vocab_size, "rope_theta": 1e4, "rms_norm_eps": 1e-6, "torch_dtype": dtype,
-            "tie_word_embeddings": False}
+            "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64, "rope_theta": 1e4}
 
 
 def random_decoder(config: dict[str, Any], device: str | torch.device = "cuda", *, seed: int = 0,
