@@ -20,6 +20,16 @@ torch = pytest.importorskip("torch")
 from expertcache.device import DeviceCache, EnsureTuning, device_policy_names, resolve_launch  # noqa: E402
 
 
+def grid_geometry(policy: str, S: int) -> tuple[int, int]:
+    """(layers, experts a layer) of the grid at S slots: 8 layers of max(16, S / 8) experts; for markov,
+    whose state holds an E x E table a layer (compared after every call), layers of at most 512 experts
+    (a model's), as many more layers as keep the same keys."""
+    E = max(16, S // 8)
+    if policy == "markov" and E > 512:
+        return 8 * E // 512, 512
+    return 8, E
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", device_policy_names())
 @pytest.mark.parametrize("S", [8, 64, 512, 1650, 4096, 16384])
@@ -27,11 +37,11 @@ def test_device_parity_grid(policy, S):
     device, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
-    E = max(16, S // 8)
+    L, E = grid_geometry(policy, S)
     for rows, k, T in ((1, 1, 0), (1, 10, 20), (2, 8, 0), (4, 16, 24)):
         if rows * k > min(S, E):
             continue
-        run_parity(policy, L=8, E=E, S=S, rows=rows, k=k, C=120, T=T, seed=S + k)
+        run_parity(policy, L=L, E=E, S=S, rows=rows, k=k, C=120, T=T, seed=S + k)
 
 
 @pytest.mark.gpu
@@ -44,11 +54,11 @@ def test_device_parity_variants(policy, S, variant):
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
-    E = max(16, S // 8)
-    tiles = resolve_launch(CacheGeometry(8, E, S), get_policy(policy, CacheGeometry(8, E, S))).tuning
+    L, E = grid_geometry(policy, S)
+    tiles = resolve_launch(CacheGeometry(L, E, S), get_policy(policy, CacheGeometry(L, E, S))).tuning
     tuning = EnsureTuning(512, 4) if variant == "four-programs" else replace(tiles, seq_max=4)
     for rows, k, T in ((1, 10, 20), (4, 16, 24)):
-        run_parity(policy, L=8, E=E, S=S, rows=rows, k=k, C=120, T=T, seed=S + k, tuning=tuning)
+        run_parity(policy, L=L, E=E, S=S, rows=rows, k=k, C=120, T=T, seed=S + k, tuning=tuning)
 
 
 def _gpu():
