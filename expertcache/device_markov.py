@@ -9,7 +9,8 @@ in two Triton launches over the DeviceCache's own state tensors, bit for bit the
          2. FREQ[b] += 16 for routed b, the layer's total += 16 n, halved past the cap
          3. HIST = (HIST << 1 | routed) masked to the lags' bits
          4. V of every expert of the layer that has a slot or is routed now (0 for the others):
-            the Q16 transition shares at each lag smoothed towards the frequency share
+            the Q16 transition shares at each lag smoothed towards the frequency share, + RECENCY_Q
+            for the experts routed now
 
 Two launches, graph capturable, needing no host value but `layer`, a launch argument:
   rows     (ROW_PROGRAMS programs a lag) step 1, one transition row per program (the rows are
@@ -39,7 +40,8 @@ MAX_LAGS = markov.MAX_LAGS
 # Every scalar argument: Triton would otherwise compile a kernel per value of 1 (and make it a constant,
 # on which `.to` fails) and per alignment of the others.
 ROWS_JIT = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "row_cap"]}
-PREDICT_JIT = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "freq_cap", "prior"]}
+PREDICT_JIT = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "freq_cap", "prior",
+                                     "recency"]}
 ROW_PROGRAMS = tl.constexpr(16)  # programs per lag of the rows launch: each updates marked rows i, i + 16, ...
 UNROLL = tl.constexpr(8)  # routed rows read at once by the predictions' loop (independent loads in flight)
 
@@ -94,7 +96,7 @@ def _markov_rows_kernel(kst_ptr, ids_ptr, routed_ptr, layer, num_ids, row_stride
 
 @triton.jit(**PREDICT_JIT)
 def _markov_predict_kernel(kst_ptr, gst_ptr, ids_ptr, routed_ptr, slot_of_ptr, layer, num_ids, row_stride,
-                           num_slots, lags, freq_cap, prior,
+                           num_slots, lags, freq_cap, prior, recency,
                            E: tl.constexpr, BLOCK: tl.constexpr, IDS: tl.constexpr, MAXJ: tl.constexpr):
     """Steps 2-4 in one program, after the rows launch: frequency, history, and V from the routed
     experts' (updated) rows, read UNROLL at a time from the list the rows launch wrote."""
@@ -134,6 +136,7 @@ def _markov_predict_kernel(kst_ptr, gst_ptr, ids_ptr, routed_ptr, slot_of_ptr, l
                         d += tl.load(kst_ptr + (R + j) * row_stride + base + b, mask=m, other=0)
                     i += UNROLL
                 v += (((n * acc) << ONE_SHIFT) + pq * f) // d
+        v += recency.to(tl.int64) * routed
         keep = (tl.load(slot_of_ptr + col, mask=ok, other=-1) >= 0) | (routed == 1)
         tl.store(kst_ptr + V * row_stride + col, tl.where(keep, v, 0), mask=ok)
 
@@ -143,7 +146,7 @@ def markov_observe(kst: torch.Tensor, gst: torch.Tensor, params: torch.Tensor | 
     """Steps 1-4 of `markov` for one call of `layer` with routed ids `ids` (int32 or int64 [any];
     -1 = none), on the device state kst int64 [fields, L * E], gst int64 [>= L] and slot_of int32
     [L * E] (the slot map before the call), in place. params: Markov.params() (lags, BETA_Q,
-    16 * row_cap, 16 * freq_cap, prior). A call the ensure refuses (an id outside [-1, E), more
+    16 * row_cap, 16 * freq_cap, prior, RECENCY_Q). A call the ensure refuses (an id outside [-1, E), more
     distinct experts than `num_slots`) leaves the state as it was. Raises ValueError naming the
     argument that does not fit."""
     params = tuple(int(p) for p in params)
@@ -174,11 +177,11 @@ def launch_observe(kst, gst, params: tuple, layer: int, ids, slot_of, num_expert
     checked ids these are (no per-call validation on the decode path). scratch: int64 [>= E] on kst's
     device, the call's distinct experts between the launches (allocated here when None; a captured
     caller passes its own)."""
-    lags, _, row_cap, freq_cap, prior = params
+    lags, _, row_cap, freq_cap, prior, recency = params
     if scratch is None:
         scratch = torch.empty(num_experts, dtype=torch.int64, device=kst.device)
     block, width = triton.next_power_of_2(num_experts), triton.next_power_of_2(max(ids.numel(), 2))
     _markov_rows_kernel[(MAX_LAGS * ROW_PROGRAMS.value,)](kst, ids, scratch, layer, ids.numel(), kst.stride(0), num_slots,
                                                     lags, row_cap, E=num_experts, BLOCK=block, IDS=width)
     _markov_predict_kernel[(1,)](kst, gst, ids, scratch, slot_of, layer, ids.numel(), kst.stride(0), num_slots, lags,
-                                 freq_cap, prior, E=num_experts, BLOCK=block, IDS=width, MAXJ=MAX_LAGS)
+                                 freq_cap, prior, recency, E=num_experts, BLOCK=block, IDS=width, MAXJ=MAX_LAGS)

@@ -30,8 +30,9 @@ At a call of layer l with distinct experts B (n = |B|), before its victims are c
        (its smoothed share of the layer's uses, Q16) and for each lag j
        P_j = sum over b in B of T_j[b, e], D_j = sum over b in B of R_j[b]:
            p_j = ((n * P_j << 16) + 16 * prior * f) // (D_j + 16 * prior)
-           V = sum over j of p_j
-       (with no transitions seen, p_j = f)
+           V = sum over j of p_j, + RECENCY_Q if e is in B
+       (with no transitions seen, p_j = f; RECENCY_Q = round(recency * ONE): a key routed now is
+       kept a little longer than its transitions alone say, which the real traces reward)
 
 The score of a resident key of layer lk at a call of layer l is
 
@@ -46,7 +47,7 @@ Hits and installs touch nothing of their own: the call's routing enters the stat
 before its victims are chosen, so the layer's own resident keys are scored on what the call says
 of the layer's next call (its routing is known when ensure runs), not on a prediction of this one.
 Constants (docs/policies.md says how they were chosen): lags 2, beta 0.3, row_cap 100,
-freq_cap 300, prior 1.
+freq_cap 300, prior 1, recency 0.2.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ FLOOR_Q4 = 8  # half a use: the frequency's smoothing per expert
 MAX_LAGS = 2
 
 V, HIST, FREQ, T = 0, 1, 2, 3
-# Integer parameter vector: lags, BETA_Q, 16 * row_cap, 16 * freq_cap, prior
-P_LAGS, P_BETA_Q, P_ROW_CAP, P_FREQ_CAP, P_PRIOR = 0, 1, 2, 3, 4
+# Integer parameter vector: lags, BETA_Q, 16 * row_cap, 16 * freq_cap, prior, RECENCY_Q
+P_LAGS, P_BETA_Q, P_ROW_CAP, P_FREQ_CAP, P_PRIOR, P_RECENCY_Q = 0, 1, 2, 3, 4, 5
 
 
 @njit(cache=True, inline="always")
@@ -162,6 +163,8 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
         v = _div(((n * acc[0, e]) << ONE_SHIFT) + prior * f, d0)
         if lags > 1:
             v += _div(((n * acc[1, e]) << ONE_SHIFT) + prior * f, d1)
+        if kst[HIST, base + e] & 1:
+            v += prm[P_RECENCY_Q]
         kst[V, base + e] = v
 
 
@@ -170,18 +173,21 @@ class Markov(Policy):
     kind = KIND_MARKOV
 
     def __init__(self, geometry: CacheGeometry, lags: int = 2, beta: float = 0.3, row_cap: int = 100,
-                 freq_cap: int = 300, prior: int = 1) -> None:
+                 freq_cap: int = 300, prior: int = 1, recency: float = 0.2) -> None:
         super().__init__(geometry)
         if isinstance(lags, bool) or lags not in range(1, MAX_LAGS + 1):
             raise PolicyError(f"markov lags must be 1 or {MAX_LAGS}, got {lags!r}")
-        if not beta >= 0 or row_cap < 1 or freq_cap < 1 or prior < 1:
-            raise PolicyError("markov constants need beta >= 0, row_cap >= 1, freq_cap >= 1, prior >= 1; "
-                              f"got beta={beta}, row_cap={row_cap}, freq_cap={freq_cap}, prior={prior}")
+        if not beta >= 0 or row_cap < 1 or freq_cap < 1 or prior < 1 or not 0 <= recency <= 4:
+            raise PolicyError("markov constants need beta >= 0, row_cap >= 1, freq_cap >= 1, prior >= 1, "
+                              f"0 <= recency <= 4; got beta={beta}, row_cap={row_cap}, freq_cap={freq_cap}, "
+                              f"prior={prior}, recency={recency}")
         E = geometry.num_experts
         self.lags = int(lags)
         self.beta_q = int(np.floor(beta * (1 << ONE_SHIFT) / geometry.num_layers + 0.5))
         self.row_cap, self.freq_cap, self.prior = int(row_cap), int(freq_cap), int(prior)
-        self.constants = dict(lags=lags, beta=beta, row_cap=row_cap, freq_cap=freq_cap, prior=prior)
+        self.recency_q = int(np.floor(recency * (1 << ONE_SHIFT) + 0.5))
+        self.constants = dict(lags=lags, beta=beta, row_cap=row_cap, freq_cap=freq_cap, prior=prior,
+                              recency=recency)
         self.key_fields = (("v", "hist", "freq")
                            + tuple(f"t{j}_{a}" for j in range(self.lags) for a in range(E))
                            + tuple(f"r{j}" for j in range(self.lags)))
@@ -194,8 +200,8 @@ class Markov(Policy):
         return 8 * (len(self.key_fields) * g.num_keys + len(self.glob_fields))
 
     def params(self) -> np.ndarray:
-        return np.array([self.lags, self.beta_q, Q4 * self.row_cap, Q4 * self.freq_cap, self.prior],
-                        dtype=np.int64)
+        return np.array([self.lags, self.beta_q, Q4 * self.row_cap, Q4 * self.freq_cap, self.prior,
+                         self.recency_q], dtype=np.int64)
 
     # ---- reference verbs ---------------------------------------------------------------------
     def on_hit(self, st: PolicyState, clk: Clock, keys, slots, access) -> None:
@@ -239,9 +245,10 @@ class Markov(Policy):
             p = st.key[T + j * E + B, own].sum(axis=0)
             dj = st.key[R + j, keys].sum()
             v += (((n * p) << ONE_SHIFT) + prior * f) // (dj + prior)
+        v += self.recency_q * routed
         st.key[V, own] = np.where((slot_of[own] >= 0) | (routed == 1), v, 0)
 
     def describe(self) -> str:
         c = self.constants
         return (f"markov(lags={c['lags']}, beta={c['beta']}, row_cap={c['row_cap']}, "
-                f"freq_cap={c['freq_cap']}, prior={c['prior']})")
+                f"freq_cap={c['freq_cap']}, prior={c['prior']}, recency={c['recency']})")

@@ -19,8 +19,9 @@ class Scalar:
     """The module docstring's steps 1-4 and score, one python int at a time. call(): the routing of
     one call; resident(key): whether V is kept (a slot before the call, or routed now)."""
 
-    def __init__(self, L, E, lags=2, beta=0.3, row_cap=100, freq_cap=300, prior=1):
+    def __init__(self, L, E, lags=2, beta=0.3, row_cap=100, freq_cap=300, prior=1, recency=0.2):
         self.L, self.E, self.J = L, E, lags
+        self.recency = math.floor(recency * ONE + 0.5)
         self.beta_q = math.floor(beta * ONE / L + 0.5)
         self.row_cap, self.freq_cap, self.prior = 16 * row_cap, 16 * freq_cap, 16 * prior
         self.t = {}  # (l, j, a, b) -> count
@@ -58,6 +59,7 @@ class Scalar:
                 p = sum(self.t.get((l, j, b, e), 0) for b in experts)
                 d = sum(self.r.get((l, j, b), 0) for b in experts)
                 v += (n * p * ONE + self.prior * f) // (d + self.prior)
+            v += self.recency if e in experts else 0
             self.v[l][e] = v if resident(l * E + e) else 0
 
     def score(self, layer, key):
@@ -116,11 +118,12 @@ def test_markov_keeps_the_expert_that_follows_and_lru_does_not():
 def test_markov_constants_and_state_size():
     g = CacheGeometry(48, 128, 1650)
     p = get_policy("markov", g)
-    assert p.constants == dict(lags=2, beta=0.3, row_cap=100, freq_cap=300, prior=1)
+    assert p.constants == dict(lags=2, beta=0.3, row_cap=100, freq_cap=300, prior=1, recency=0.2)
     assert p.state_bytes() == 8 * ((3 + 2 * 129) * 48 * 128 + 48)
     st = p.init_state()
     assert st.key.nbytes + st.glob.nbytes + st.slot.nbytes == p.state_bytes()
     assert get_policy("markov", g, lags=1).state_bytes() == 8 * ((3 + 129) * 48 * 128 + 48)
-    for bad in (dict(lags=3), dict(lags=0), dict(beta=-1), dict(row_cap=0), dict(freq_cap=0), dict(prior=0)):
+    for bad in (dict(lags=3), dict(lags=0), dict(beta=-1), dict(row_cap=0), dict(freq_cap=0), dict(prior=0),
+                dict(recency=-0.1), dict(recency=5)):
         with pytest.raises(PolicyError, match="markov"):
             get_policy("markov", g, **bad)
