@@ -30,7 +30,7 @@ from sim.report import (build_format_rows, build_rows, format_budget_table, form
 from sim.trace import Trace, TraceError, load_trace
 
 DEFAULT_PRESET = "qwen3-next"
-DEFAULT_POLICIES = "lru,rule,lfuda,belady"
+DEFAULT_POLICIES = "lru,rule,lfuda,markov,next-token,belady"  # every policy and both oracles
 DEFAULT_FRACS = "0.25,0.5,0.75"
 PROFILES = {  # --profile: which H200 cost model prices the misses and the layer (sim/costmodel.py)
     "engine": H200_SM_COPY,  # this engine's measured path: the SM miss copy and its MoE layer's time
