@@ -24,10 +24,13 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from expertcache.policies.markov import P_BETA_Q
+
 POLICY_LRU, POLICY_RULE, POLICY_LFUDA, POLICY_MARKOV = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 # rule's mirror, row 0 per slot: lt | layer << LT_BITS (at most MIRROR_MAX_LAYERS layers, lt < 2**56), or PINNED
 # while the call being scored holds the slot's key as a hit (the call's commit rewrites the word)
 LT_BITS = tl.constexpr(56)
+MARKOV_BETA_Q = tl.constexpr(P_BETA_Q)  # markov's BETA_Q in the policy's params (prm)
 LT_MASK = tl.constexpr((1 << 56) - 1)
 MIRROR_MAX_LAYERS = 127  # layer indices <= 126: a packed word never equals PINNED
 PINNED = tl.constexpr(0x7FFFFFFFFFFFFFFF)
@@ -190,12 +193,12 @@ def _keyed_scores(c, cache, ids_ptr, q, nearset, g, now, rc, POLICY: tl.constexp
         mrank = tl.zeros_like(q.key)
     elif POLICY == POLICY_MARKOV:
         # V (row 0 of the key's state, written by device_markov's launch before this one) less the
-        # distance to the key's layer times BETA_Q (prm[1])
+        # distance to the key's layer times BETA_Q
         kq = tl.where(ev, key, 0)
         v = tl.load(cache.kst + kq, mask=ev, other=0)
         lk = kq.to(tl.int32) // g.num_experts
         d = tl.where(lk > g.layer, lk - g.layer, g.num_layers - g.layer + lk).to(tl.int64)
-        score = v - d * tl.load(cache.prm + 1)
+        score = v - d * tl.load(cache.prm + MARKOV_BETA_Q)
         mrank = tl.zeros_like(q.key)
     else:
         kq = tl.where(ev, key, 0)

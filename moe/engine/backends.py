@@ -285,8 +285,7 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
                 mats.append((pool[0].dequantize_one(slot), pool[1].dequantize_one(slot)))
             elif staged is not None:  # decoded into new tensors: the ring slot may then be refilled
                 r = staged.slot(j)
-                mats.append(tuple(m.dequantize_one(r, cast=False).to(torch.float32, copy=True)
-                                  for m in (st_gate_up, st_down)))
+                mats.append((st_gate_up.dequantize_one(r, copy=True), st_down.dequantize_one(r, copy=True)))
                 staged.release(j)
             else:
                 mats.append((gate_up.dequantize_one(base + expert, hidden.device),

@@ -124,28 +124,22 @@ class SlotMatrix:
     def dequantize(self, slots: torch.Tensor | list[int], device: torch.device | None = None) -> torch.Tensor:
         """float32 [n, out, in]: the format's torch dequantize of each slot in `slots` (ints, each in [0, S)),
         on `device` (default the matrix's; the slot's parts move there first). The reference the kernels are
-        checked against, and prefill's weights. Cost: one dequantize per slot; one host read of `slots`."""
+        checked against. Cost: one dequantize_one per slot; one host read of `slots`."""
         ids = slots.reshape(-1).tolist() if isinstance(slots, torch.Tensor) else list(slots)
         device = self.device if device is None else torch.device(device)
-        layout = self.fmt.layout(self.out_features, self.in_features, self.stack)
-        out = []
-        for s in ids:
-            parts = {p.suffix: t[s].to(device, non_blocking=True) for p, t in zip(layout, self.parts)}
-            out.append(self.fmt.decode(parts, self.out_features, self.in_features, self.stack))
-        if not out:
+        if not ids:
             return torch.empty((0, self.out_features, self.in_features), dtype=torch.float32, device=device)
-        return torch.stack(out)
+        return torch.stack([self.dequantize_one(s, device) for s in ids])
 
-    def dequantize_one(self, slot: int, device: torch.device | None = None, cast: bool = True) -> torch.Tensor:
-        """float32 [out, in]: `dequantize([slot], device)[0]`, the same values, without the stack's copy
-        and, for a dense format, in one cast (its decode is elementwise, so decoding the stack whole equals
-        decoding each sub-matrix): prefill's per-expert weights, where the host's op count bounds it.
-        cast=False leaves a dense format's matrix in its stored dtype (a view where no move is needed);
-        a quantized one is decoded all the same."""
+    def dequantize_one(self, slot: int, device: torch.device | None = None, copy: bool = False) -> torch.Tensor:
+        """float32 [out, in]: the format's decode of slot `slot` on `device` (default the matrix's), without
+        a stack's copy and, for a dense format, in one cast (its decode is elementwise, so decoding the
+        stack whole equals decoding each sub-matrix): prefill's per-expert weights, where the host's op
+        count bounds it. copy=True: always a new tensor (a float32 dense matrix is otherwise the slot's
+        own memory), for a caller about to let the slot be overwritten."""
         device = self.device if device is None else torch.device(device)
         if self.fmt.dense:
-            raw = self.parts[0][slot].to(device, non_blocking=True)
-            return raw.to(torch.float32) if cast else raw
+            return self.parts[0][slot].to(device, non_blocking=True).to(torch.float32, copy=copy)
         layout = self.fmt.layout(self.out_features, self.in_features, self.stack)
         parts = {p.suffix: t[slot].to(device, non_blocking=True) for p, t in zip(layout, self.parts)}
         return self.fmt.decode(parts, self.out_features, self.in_features, self.stack)

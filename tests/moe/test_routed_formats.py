@@ -51,8 +51,9 @@ def make_pool(fmt, slots: int, hidden: int, inter: int, device, seed: int) -> tu
 
 
 @pytest.mark.parametrize("name", [*sorted(FORMATS), "bf16", "float32"])
-def test_dequantize_one_is_dequantize_of_that_slot_bitwise(name):
-    """prefill's per-expert decode (no stack copy; a dense stack in one cast) gives dequantize's values."""
+def test_dequantize_one_is_the_formats_dequantize_of_that_slot_bitwise(name):
+    """prefill's per-expert decode (no stack copy; a dense stack in one cast) gives the format's checked
+    dequantize of the slot's parts, sub-matrix by sub-matrix; copy=True never aliases the slot."""
     if name in FORMATS:
         gate_up, down = make_pool(FORMATS[name], 3, 128, 64, "cpu", seed=11)
     else:
@@ -64,7 +65,11 @@ def test_dequantize_one_is_dequantize_of_that_slot_bitwise(name):
         for slot in (0, 2):
             one = m.dequantize_one(slot)
             assert one.dtype == torch.float32 and one.shape == (m.out_features, m.in_features)
-            assert torch.equal(one, m.dequantize([slot])[0])
+            parts = {p.suffix: t[slot] for p, t in zip(m.fmt.layout(m.out_features, m.in_features, m.stack), m.parts)}
+            assert torch.equal(one, m.fmt.dequantize(parts, m.stack))
+            assert torch.equal(m.dequantize([slot])[0], one)
+            fresh = m.dequantize_one(slot, copy=True)
+            assert torch.equal(fresh, one) and fresh.data_ptr() != m.parts[0].data_ptr() + slot * m.parts[0][0].nbytes
 
 
 # chunks of 64 inputs (two tiles of 32 for the 128-blocks of fp8 and int4, four of 16 for nvfp4)
