@@ -32,11 +32,13 @@ def ix_new(num_layers: int, num_experts: int):
 def _pull(tv, ts, layer, i):
     """Node i of layer's tree becomes the lower of its children by (value, slot)."""
     a = 2 * i
-    b = a + 1
-    if tv[layer, b] < tv[layer, a] or (tv[layer, b] == tv[layer, a] and ts[layer, b] < ts[layer, a]):
-        a = b
-    tv[layer, i] = tv[layer, a]
-    ts[layer, i] = ts[layer, a]
+    va = tv[layer, a]
+    vb = tv[layer, a + 1]
+    sa = ts[layer, a]
+    sb = ts[layer, a + 1]
+    b = (vb < va) | ((vb == va) & (sb < sa))  # no branch: which child wins is data, unpredictable
+    tv[layer, i] = vb if b else va
+    ts[layer, i] = sb if b else sa
 
 
 @njit(cache=True, inline="always")

@@ -102,7 +102,8 @@ class Policy:
         def block(fields: tuple[str, ...], n: int) -> np.ndarray:
             arr = np.zeros((len(fields), n), dtype=np.int64)
             for i, f in enumerate(fields):
-                arr[i] = self.initial.get(f, 0)
+                if self.initial.get(f, 0):  # zero rows stay untouched: markov's tables are large
+                    arr[i] = self.initial[f]
             return arr
 
         glob = np.array([self.initial.get(f, 0) for f in self.glob_fields], dtype=np.int64)

@@ -63,6 +63,7 @@ ONE_SHIFT = 16
 Q4 = 16  # a use adds 16 to a count
 FLOOR_Q4 = 8  # half a use: the frequency's smoothing per expert
 MAX_LAGS = 2
+TWO52 = np.int64(1 << 52)
 
 V, HIST, FREQ, T = 0, 1, 2, 3
 # Integer parameter vector: lags, BETA_Q, 16 * row_cap, 16 * freq_cap, prior, RECENCY_Q
@@ -70,11 +71,20 @@ P_LAGS, P_BETA_Q, P_ROW_CAP, P_FREQ_CAP, P_PRIOR, P_RECENCY_Q = 0, 1, 2, 3, 4, 5
 
 
 @njit(cache=True, inline="always")
-def _div(a, b):
-    # a // b for 0 <= a < 2**52, 0 < b < 2**52 (Markov.__init__ bounds both): both are exact in
-    # float64, and a quotient below 2**52 of two such integers is never rounded up to the next
-    # integer (as in rule._dc). Far cheaper than an int64 division on a CPU.
-    return np.int64(np.floor(np.float64(a) / np.float64(b)))
+def _div_r(a, b, rb):
+    """a // b for a >= 0, b > 0, given rb = 1.0 / b: one float division per loop of the same b
+    instead of an int64 division per key, far cheaper on a CPU. Below 2**52 both are exact in
+    float64 and a * rb is within 1 of a / b, so the truncated estimate is off by at most one and
+    the remainder's sign corrects it; larger operands (huge row_cap or prior) take the division."""
+    if a >= TWO52 or b >= TWO52:
+        return a // b
+    d = np.int64(np.float64(a) * rb)
+    r = a - d * b
+    if r < 0:
+        d -= 1
+    elif r >= b:
+        d += 1
+    return d
 
 
 @njit(cache=True, inline="always")
@@ -112,41 +122,48 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
     lags = prm[P_LAGS]
     R = T + lags * E
     mask = (1 << lags) - 1
+    # One-dimensional views of the layer's part of each field: the loops over E below vectorise.
+    hist = kst[HIST, base:base + E]
+    freq = kst[FREQ, base:base + E]
+    val = kst[V, base:base + E]
+    slots = slot_of[base:base + E]
     for j in range(lags):  # 1. transitions from the layer's call j + 1 calls ago to this one
+        tot_j = kst[R + j, base:base + E]
         for a in range(E):
-            if (kst[HIST, base + a] >> j) & 1 == 0:
+            if (hist[a] >> j) & 1 == 0:
                 continue
+            row = kst[T + j * E + a, base:base + E]
             for i in range(n):
-                kst[T + j * E + a, q[i]] += Q4
-            kst[R + j, base + a] += Q4 * n
-            if kst[R + j, base + a] > prm[P_ROW_CAP]:
+                row[q[i] - base] += Q4
+            tot_j[a] += Q4 * n
+            if tot_j[a] > prm[P_ROW_CAP]:
                 tot = 0
                 for b in range(E):
-                    c = kst[T + j * E + a, base + b] >> 1
-                    kst[T + j * E + a, base + b] = c
+                    c = row[b] >> 1
+                    row[b] = c
                     tot += c
-                kst[R + j, base + a] = tot
+                tot_j[a] = tot
     for i in range(n):  # 2. frequency
-        kst[FREQ, q[i]] += Q4
+        freq[q[i] - base] += Q4
     gst[layer] += Q4 * n
     if gst[layer] > prm[P_FREQ_CAP]:
         tot = 0
         for b in range(E):
-            c = kst[FREQ, base + b] >> 1
-            kst[FREQ, base + b] = c
+            c = freq[b] >> 1
+            freq[b] = c
             tot += c
         gst[layer] = tot
     for e in range(E):  # 3. history
-        kst[HIST, base + e] = (kst[HIST, base + e] << 1) & mask
+        hist[e] = (hist[e] << 1) & mask
     for i in range(n):
-        kst[HIST, q[i]] |= 1
+        hist[q[i] - base] |= 1
     for j in range(lags):  # 4. predictions: acc[j, e] = P_j of e, rows of the call's experts
-        for e in range(E):
-            acc[j, e] = 0
+        aj = acc[j]
+        aj[:E] = 0
         for i in range(n):
-            row = T + j * E + (q[i] - base)
+            src = kst[T + j * E + (q[i] - base), base:base + E]
             for e in range(E):
-                acc[j, e] += kst[row, base + e]
+                aj[e] += src[e]
     den_f = gst[layer] + FLOOR_Q4 * E
     prior = Q4 * prm[P_PRIOR]
     d0 = prior
@@ -155,17 +172,22 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
         d0 += kst[R, q[i]]
         if lags > 1:
             d1 += kst[R + 1, q[i]]
+    a0 = acc[0]
+    a1 = acc[1]
+    recency = prm[P_RECENCY_Q]
+    r_f = 1.0 / np.float64(den_f)
+    r0 = 1.0 / np.float64(d0)
+    r1 = 1.0 / np.float64(d1)
     for e in range(E):  # p_j from P_j, D_j and the frequency share f, for the resident keys
-        if slot_of[base + e] < 0 and kst[HIST, base + e] & 1 == 0:
-            kst[V, base + e] = 0
+        now = hist[e] & 1
+        if slots[e] < 0 and now == 0:
+            val[e] = 0
             continue
-        f = _div((n * (kst[FREQ, base + e] + FLOOR_Q4)) << ONE_SHIFT, den_f)
-        v = _div(((n * acc[0, e]) << ONE_SHIFT) + prior * f, d0)
+        f = _div_r((n * (freq[e] + FLOOR_Q4)) << ONE_SHIFT, den_f, r_f)
+        v = _div_r(((n * a0[e]) << ONE_SHIFT) + prior * f, d0, r0)
         if lags > 1:
-            v += _div(((n * acc[1, e]) << ONE_SHIFT) + prior * f, d1)
-        if kst[HIST, base + e] & 1:
-            v += prm[P_RECENCY_Q]
-        kst[V, base + e] = v
+            v += _div_r(((n * a1[e]) << ONE_SHIFT) + prior * f, d1, r1)
+        val[e] = v + recency * now
 
 
 class Markov(Policy):

@@ -6,11 +6,14 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numba import njit
 
 from expertcache import CacheGeometry, HostCache, PolicyError, get_policy
 from expertcache.fast import run_calls
 from expertcache.policies.base import Clock
-from expertcache.policies.markov import FREQ, HIST, T, V
+from expertcache.policies.markov import FREQ, HIST, T, V, _div_r
 
 ONE = 1 << 16
 
@@ -127,3 +130,24 @@ def test_markov_constants_and_state_size():
                 dict(recency=-0.1), dict(recency=5)):
         with pytest.raises(PolicyError, match="markov"):
             get_policy("markov", g, **bad)
+
+
+@njit
+def _div_r_many(a, b):
+    out = np.empty_like(a)
+    for i in range(a.shape[0]):
+        out[i] = _div_r(a[i], b[i], 1.0 / np.float64(b[i]))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 2**20, 2**40, 2**52 - 1, 2**52, 2**62]),
+       st.sampled_from([1, 3, 2**16 + 1, 2**30, 2**45, 2**52 - 1, 2**53 + 5]))
+def test_div_r_is_floor_division(seed, a_max, b_max):
+    """The compiled replay's division by a reciprocal is exact: quotients at and around integers
+    (a = q * b + {-1, 0, 1}), operands up to 2**52 and past it (the integer fallback)."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(1, b_max, size=400, endpoint=True, dtype=np.int64)
+    a = rng.integers(0, a_max, size=400, endpoint=True, dtype=np.int64)
+    a[200:] = np.clip((a[200:] // b[200:]) * b[200:] + rng.integers(-1, 2, size=200), 0, None)  # around exact quotients
+    np.testing.assert_array_equal(_div_r_many(a, b), a // b)
