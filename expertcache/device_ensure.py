@@ -72,7 +72,7 @@ class CacheTensors(NamedTuple):
 
     slot_of: object  # int32 [L * E]: slot of each key, -1 = absent
     key_of: object  # int32 [S]: key in each slot, -1 = empty (always a suffix)
-    kst: object  # int64 [NK, L * E]: per-key policy state
+    kst: object  # int64 [NK, L * E] (markov: int32): per-key policy state
     sst: object  # int64 [NS, S]: per-slot policy state
     gst: object  # int64 [NG]: policy-wide state
     mirror: object  # int64 [2, S] (rule with MIRROR): per slot its key's lt | layer << LT_BITS (PINNED

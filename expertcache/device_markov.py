@@ -3,7 +3,8 @@ in two Triton launches over the DeviceCache's own state tensors, bit for bit the
 
     ids [R] (the call's routed expert ids of `layer`, any order, duplicates and -1 padding allowed)
       -> routed[e] (the call's distinct experts, n of them), then, with the state's fields
-         (kst [fields, L * E] int64, gst [L] int64, as expertcache.policies.markov lays them out):
+         (kst [fields, L * E] int32, gst [L] int64, as expertcache.policies.markov lays them out; the
+         arithmetic is in int64, as the host's):
          1. for each lag j, each row a with HIST bit j: T_j[a, b] += 16 for routed b, R_j[a] += 16 n;
             a row past the cap is halved and recounted
          2. FREQ[b] += 16 for routed b, the layer's total += 16 n, halved past the cap
@@ -18,9 +19,8 @@ Two launches, graph capturable, needing no host value but `layer`, a launch argu
            the list of the call's distinct experts, written to a scratch vector
   predict  (one program over the layer's experts as one vector) steps 2-4, the routed experts' rows
            read UNROLL at a time from that list (independent loads, no reduction between them)
-so a call reads some 2 J k rows of E counts, in parallel. The divisions are int64 floor divisions: the
-host's float division trick (markov._div) gives the same quotient for the bounded operands
-Markov.__init__ allows. DeviceCache.ensure launches both before the ensure kernel, which then scores
+so a call reads some 2 J k rows of E counts, in parallel. The divisions are int64 floor divisions, which
+the host's float division by a reciprocal (markov._div_r, markov._qdiv) reproduces exactly. DeviceCache.ensure launches both before the ensure kernel, which then scores
 markov's keys from V (expertcache.device_policies._keyed_scores).
 """
 
@@ -76,7 +76,7 @@ def _markov_rows_kernel(kst_ptr, ids_ptr, routed_ptr, layer, num_ids, row_stride
     if (j < lags) & (refused == 0):
         if pid == 0:
             tl.store(routed_ptr + tl.cumsum(routed, axis=0) - 1, offs, mask=routed == 1)
-        bit = tl.where(ok, (tl.load(kst_ptr + HIST * row_stride + col, mask=ok, other=0) >> j) & 1, 0)
+        bit = tl.where(ok, (tl.load(kst_ptr + HIST * row_stride + col, mask=ok, other=0).to(tl.int64) >> j) & 1, 0)
         rank = tl.cumsum(bit, axis=0)  # the r-th marked row has rank r + 1
         marked = tl.sum(bit, axis=0)
         R = T + lags * E
@@ -84,13 +84,13 @@ def _markov_rows_kernel(kst_ptr, ids_ptr, routed_ptr, layer, num_ids, row_stride
         while r < marked:
             a = tl.sum(tl.where((bit == 1) & (rank == r + 1), offs, 0), axis=0)
             row = kst_ptr + (T + j * E + a) * row_stride + col
-            vals = tl.load(row, mask=ok, other=0) + Q4 * routed
-            tot = tl.load(kst_ptr + (R + j) * row_stride + base + a) + Q4 * n
+            vals = tl.load(row, mask=ok, other=0).to(tl.int64) + Q4 * routed
+            tot = tl.load(kst_ptr + (R + j) * row_stride + base + a).to(tl.int64) + Q4 * n
             if tot > row_cap:
                 vals = vals >> 1
                 tot = tl.sum(vals, axis=0)
-            tl.store(row, vals, mask=ok)
-            tl.store(kst_ptr + (R + j) * row_stride + base + a, tot)
+            tl.store(row, vals.to(tl.int32), mask=ok)
+            tl.store(kst_ptr + (R + j) * row_stride + base + a, tot.to(tl.int32))
             r += ROW_PROGRAMS
 
 
@@ -107,17 +107,17 @@ def _markov_predict_kernel(kst_ptr, gst_ptr, ids_ptr, routed_ptr, slot_of_ptr, l
     routed, n, refused = _routed(ids_ptr, num_ids, num_slots, offs, ok, E, IDS)
     if refused == 0:
         # 2. frequency
-        freq = tl.load(kst_ptr + FREQ * row_stride + col, mask=ok, other=0) + Q4 * routed
+        freq = tl.load(kst_ptr + FREQ * row_stride + col, mask=ok, other=0).to(tl.int64) + Q4 * routed
         total = tl.load(gst_ptr + layer) + Q4 * n
         if total > freq_cap:
             freq = freq >> 1
             total = tl.sum(tl.where(ok, freq, 0), axis=0)
-        tl.store(kst_ptr + FREQ * row_stride + col, freq, mask=ok)
+        tl.store(kst_ptr + FREQ * row_stride + col, freq.to(tl.int32), mask=ok)
         tl.store(gst_ptr + layer, total)
         # 3. history
-        hist = tl.load(kst_ptr + HIST * row_stride + col, mask=ok, other=0)
+        hist = tl.load(kst_ptr + HIST * row_stride + col, mask=ok, other=0).to(tl.int64)
         hist = ((hist << 1) & ((1 << lags) - 1)) | routed
-        tl.store(kst_ptr + HIST * row_stride + col, hist, mask=ok)
+        tl.store(kst_ptr + HIST * row_stride + col, hist.to(tl.int32), mask=ok)
         # 4. predictions for the experts with a slot or routed now: the routed experts' rows summed
         f = ((n * (freq + FLOOR_Q4)) << ONE_SHIFT) // (total + FLOOR_Q4 * E)
         pq = prior.to(tl.int64) * Q4
@@ -132,19 +132,19 @@ def _markov_predict_kernel(kst_ptr, gst_ptr, ids_ptr, routed_ptr, slot_of_ptr, l
                     for u in tl.static_range(UNROLL):
                         m = i + u < n
                         b = tl.load(routed_ptr + i + u, mask=m, other=0)
-                        acc += tl.load(kst_ptr + (T + j * E + b) * row_stride + col, mask=ok & m, other=0)
-                        d += tl.load(kst_ptr + (R + j) * row_stride + base + b, mask=m, other=0)
+                        acc += tl.load(kst_ptr + (T + j * E + b) * row_stride + col, mask=ok & m, other=0).to(tl.int64)
+                        d += tl.load(kst_ptr + (R + j) * row_stride + base + b, mask=m, other=0).to(tl.int64)
                     i += UNROLL
                 v += (((n * acc) << ONE_SHIFT) + pq * f) // d
         v += recency.to(tl.int64) * routed
         keep = (tl.load(slot_of_ptr + col, mask=ok, other=-1) >= 0) | (routed == 1)
-        tl.store(kst_ptr + V * row_stride + col, tl.where(keep, v, 0), mask=ok)
+        tl.store(kst_ptr + V * row_stride + col, tl.where(keep, v, 0).to(tl.int32), mask=ok)
 
 
 def markov_observe(kst: torch.Tensor, gst: torch.Tensor, params: torch.Tensor | tuple, layer: int,
                    ids: torch.Tensor, slot_of: torch.Tensor, num_experts: int, num_slots: int | None = None) -> None:
     """Steps 1-4 of `markov` for one call of `layer` with routed ids `ids` (int32 or int64 [any];
-    -1 = none), on the device state kst int64 [fields, L * E], gst int64 [>= L] and slot_of int32
+    -1 = none), on the device state kst int32 [fields, L * E], gst int64 [>= L] and slot_of int32
     [L * E] (the slot map before the call), in place. params: Markov.params() (lags, BETA_Q,
     16 * row_cap, 16 * freq_cap, prior, RECENCY_Q). A call the ensure refuses (an id outside [-1, E), more
     distinct experts than `num_slots`) leaves the state as it was. Raises ValueError naming the
@@ -152,8 +152,8 @@ def markov_observe(kst: torch.Tensor, gst: torch.Tensor, params: torch.Tensor | 
     params = tuple(int(p) for p in params)
     lags = params[0]
     E = num_experts
-    if kst.dtype != torch.int64 or kst.dim() != 2 or not kst.is_contiguous() or kst.shape[1] % E:
-        raise ValueError(f"markov_observe: kst must be a contiguous int64 [fields, L * {E}] tensor, got "
+    if kst.dtype != torch.int32 or kst.dim() != 2 or not kst.is_contiguous() or kst.shape[1] % E:
+        raise ValueError(f"markov_observe: kst must be a contiguous int32 [fields, L * {E}] tensor, got "
                          f"{kst.dtype} {list(kst.shape)}")
     L = kst.shape[1] // E
     if kst.shape[0] != T + lags * (E + 1):

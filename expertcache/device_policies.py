@@ -195,7 +195,7 @@ def _keyed_scores(c, cache, ids_ptr, q, nearset, g, now, rc, POLICY: tl.constexp
         # V (row 0 of the key's state, written by device_markov's launch before this one) less the
         # distance to the key's layer times BETA_Q
         kq = tl.where(ev, key, 0)
-        v = tl.load(cache.kst + kq, mask=ev, other=0)
+        v = tl.load(cache.kst + kq, mask=ev, other=0).to(tl.int64)  # markov's key rows are int32
         lk = kq.to(tl.int32) // g.num_experts
         d = tl.where(lk > g.layer, lk - g.layer, g.num_layers - g.layer + lk).to(tl.int64)
         score = v - d * tl.load(cache.prm + MARKOV_BETA_Q)

@@ -57,7 +57,8 @@ class Clock:
 
 @dataclass
 class PolicyState:
-    """A policy's integer state: key [nk, K], slot [ns, S], glob [ng], all int64."""
+    """A policy's integer state: key [nk, K] (the policy's key_dtype: int64, or int32 where its
+    per-key tables dominate, as markov's), slot [ns, S] and glob [ng] int64."""
 
     key: np.ndarray
     slot: np.ndarray
@@ -87,6 +88,9 @@ class Policy:
     glob_fields: ClassVar[tuple[str, ...]] = ()
     # Initial value of every field, by name (0 where absent).
     initial: ClassVar[dict[str, int]] = {}
+    # dtype of the key rows: int64, or int32 where the policy bounds every key field below 2**31 (half
+    # the bytes of per-key tables to move, on the host and on the device)
+    key_dtype: ClassVar[type] = np.int64
     uses_logits: ClassVar[bool] = False
     # Oracles see the future and exist in the simulator only.
     oracle: ClassVar[bool] = False
@@ -99,8 +103,8 @@ class Policy:
     def init_state(self) -> PolicyState:
         g = self.geometry
 
-        def block(fields: tuple[str, ...], n: int) -> np.ndarray:
-            arr = np.zeros((len(fields), n), dtype=np.int64)
+        def block(fields: tuple[str, ...], n: int, dtype=np.int64) -> np.ndarray:
+            arr = np.zeros((len(fields), n), dtype=dtype)
             for i, f in enumerate(fields):
                 if self.initial.get(f, 0):  # zero rows stay untouched: markov's tables are large
                     arr[i] = self.initial[f]
@@ -108,7 +112,7 @@ class Policy:
 
         glob = np.array([self.initial.get(f, 0) for f in self.glob_fields], dtype=np.int64)
         return PolicyState(
-            block(self.key_fields, g.num_keys), block(self.slot_fields, g.num_slots), glob
+            block(self.key_fields, g.num_keys, self.key_dtype), block(self.slot_fields, g.num_slots), glob
         )
 
     def params(self) -> np.ndarray:

@@ -8,7 +8,8 @@ with the lowest prediction, less a term for how far off its layer's next call is
 runs soon is needed soon). Everything is integer: counts in Q4 (a use adds 16), probabilities in
 Q16 (ONE = 2**16).
 
-State, per key (layer l, expert e; survives eviction), with J = `lags` (1 or 2):
+State, int32 per key (layer l, expert e; survives eviction; Markov.__init__ bounds every field below
+2**31, half the bytes of int64 to move), with J = `lags` (1 or 2):
 
     key[V]          the prediction: sum over lags j of p_j(e), Q16, set at the layer's last call
     key[HIST]       bit j: e was routed at the layer's call j + 1 calls ago (J bits)
@@ -85,6 +86,15 @@ def _div_r(a, b, rb):
     elif r >= b:
         d += 1
     return d
+
+
+@njit(cache=True, inline="always")
+def _qdiv(a, b, rb):
+    """_div_r without its branches, for 0 <= a, b < 2**52 (the caller checks): the loops over a
+    layer's experts vectorise."""
+    d = np.int64(np.float64(a) * rb)
+    r = a - d * b
+    return d - np.int64(r < 0) + np.int64(r >= b)
 
 
 @njit(cache=True, inline="always")
@@ -178,7 +188,20 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
     r_f = 1.0 / np.float64(den_f)
     r0 = 1.0 / np.float64(d0)
     r1 = 1.0 / np.float64(d1)
-    for e in range(E):  # p_j from P_j, D_j and the frequency share f, for the resident keys
+    # Bounds of this call's dividends: FREQ[e] <= the layer's total, P_j <= D_j - prior (a row's
+    # entries sum to its total), f <= n ONE. Below 2**52 every expert takes the branch-free loop.
+    top = max((n * den_f) << ONE_SHIFT, ((n * d0) << ONE_SHIFT) + prior * (n << ONE_SHIFT),
+              ((n * d1) << ONE_SHIFT) + prior * (n << ONE_SHIFT), d0, d1)
+    if top < TWO52:
+        for e in range(E):  # p_j from P_j, D_j and f for every expert, kept where resident or routed now
+            now = hist[e] & 1
+            f = _qdiv((n * (freq[e] + FLOOR_Q4)) << ONE_SHIFT, den_f, r_f)
+            v = _qdiv(((n * a0[e]) << ONE_SHIFT) + prior * f, d0, r0)
+            if lags > 1:
+                v += _qdiv(((n * a1[e]) << ONE_SHIFT) + prior * f, d1, r1)
+            val[e] = v + recency * now if (slots[e] >= 0) | (now == 1) else 0
+        return 0
+    for e in range(E):  # the same with the integer division past 2**52 (a huge row_cap or prior)
         now = hist[e] & 1
         if slots[e] < 0 and now == 0:
             val[e] = 0
@@ -188,11 +211,13 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
         if lags > 1:
             v += _div_r(((n * a1[e]) << ONE_SHIFT) + prior * f, d1, r1)
         val[e] = v + recency * now
+    return 0
 
 
 class Markov(Policy):
     name = "markov"
     kind = KIND_MARKOV
+    key_dtype = np.int32  # every key field stays below 2**31 (__init__ bounds them): half the bytes
 
     def __init__(self, geometry: CacheGeometry, lags: int = 2, beta: float = 0.3, row_cap: int = 100,
                  freq_cap: int = 300, prior: int = 1, recency: float = 0.2) -> None:
@@ -204,6 +229,14 @@ class Markov(Policy):
                               f"0 <= recency <= 4; got beta={beta}, row_cap={row_cap}, freq_cap={freq_cap}, "
                               f"prior={prior}, recency={recency}")
         E = geometry.num_experts
+        # int32 key fields: a count stays below 16 * (cap + E) and V below (2 E + 4) * ONE
+        if (2 * E + 4) << ONE_SHIFT >= 1 << 31:
+            raise PolicyError(f"markov keeps its state in int32: at most {(1 << 14) - 3} experts a layer, "
+                              f"got {E} (num_experts)")
+        for name, cap in (("row_cap", row_cap), ("freq_cap", freq_cap)):
+            if Q4 * (cap + E) >= 1 << 31:
+                raise PolicyError(f"markov {name} must be below {(1 << 27) - E} at {E} experts a layer "
+                                  f"(its counts are int32), got {cap}")
         self.lags = int(lags)
         self.beta_q = int(np.floor(beta * (1 << ONE_SHIFT) / geometry.num_layers + 0.5))
         self.row_cap, self.freq_cap, self.prior = int(row_cap), int(freq_cap), int(prior)
@@ -216,10 +249,10 @@ class Markov(Policy):
         self.glob_fields = tuple(f"freq_total_{l}" for l in range(geometry.num_layers))
 
     def state_bytes(self) -> int:
-        """Bytes of this policy's state at its geometry (int64 fields): (3 + J * (E + 1)) per key
-        and one per layer."""
+        """Bytes of this policy's state at its geometry: (3 + J * (E + 1)) int32 fields per key and
+        one int64 per layer."""
         g = self.geometry
-        return 8 * (len(self.key_fields) * g.num_keys + len(self.glob_fields))
+        return 4 * len(self.key_fields) * g.num_keys + 8 * len(self.glob_fields)
 
     def params(self) -> np.ndarray:
         return np.array([self.lags, self.beta_q, Q4 * self.row_cap, Q4 * self.freq_cap, self.prior,
@@ -251,21 +284,22 @@ class Markov(Policy):
             st.key[R + j, base + rows] += Q4 * n
             full = rows[st.key[R + j, base + rows] > Q4 * self.row_cap]
             tj[full] >>= 1
-            st.key[R + j, base + full] = tj[full].sum(axis=1)
+            st.key[R + j, base + full] = tj[full].sum(axis=1, dtype=np.int64)
         st.key[FREQ, keys] += Q4  # 2
         st.glob[l] += Q4 * n
         if st.glob[l] > Q4 * self.freq_cap:
             st.key[FREQ, own] >>= 1
-            st.glob[l] = st.key[FREQ, own].sum()
+            st.glob[l] = st.key[FREQ, own].sum(dtype=np.int64)
         routed = np.zeros(E, dtype=np.int64)  # 3
         routed[B] = 1
         st.key[HIST, own] = ((st.key[HIST, own] << 1) & ((1 << J) - 1)) | routed
-        f = ((n * (st.key[FREQ, own] + FLOOR_Q4)) << ONE_SHIFT) // (st.glob[l] + FLOOR_Q4 * E)  # 4
+        freq = st.key[FREQ, own].astype(np.int64)  # 4, in int64: the products pass 2**31
+        f = ((n * (freq + FLOOR_Q4)) << ONE_SHIFT) // (st.glob[l] + FLOOR_Q4 * E)
         prior = Q4 * self.prior
         v = np.zeros(E, dtype=np.int64)
         for j in range(J):
-            p = st.key[T + j * E + B, own].sum(axis=0)
-            dj = st.key[R + j, keys].sum()
+            p = st.key[T + j * E + B, own].sum(axis=0, dtype=np.int64)
+            dj = st.key[R + j, keys].sum(dtype=np.int64)
             v += (((n * p) << ONE_SHIFT) + prior * f) // (dj + prior)
         v += self.recency_q * routed
         st.key[V, own] = np.where((slot_of[own] >= 0) | (routed == 1), v, 0)

@@ -57,7 +57,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="fields"):
         markov_observe(kst[:-1].contiguous(), gst, pol.params(), 0, ids, slot_of, 8)
     with pytest.raises(ValueError, match="kst must be"):
-        markov_observe(kst.int(), gst, pol.params(), 0, ids, slot_of, 8)
+        markov_observe(kst.long(), gst, pol.params(), 0, ids, slot_of, 8)
 
 
 SM90 = """

@@ -122,14 +122,19 @@ def test_markov_constants_and_state_size():
     g = CacheGeometry(48, 128, 1650)
     p = get_policy("markov", g)
     assert p.constants == dict(lags=2, beta=0.3, row_cap=100, freq_cap=300, prior=1, recency=0.2)
-    assert p.state_bytes() == 8 * ((3 + 2 * 129) * 48 * 128 + 48)
+    assert p.state_bytes() == 4 * (3 + 2 * 129) * 48 * 128 + 8 * 48  # int32 key rows, int64 layer totals
     st = p.init_state()
+    assert st.key.dtype == np.int32 and st.glob.dtype == np.int64
     assert st.key.nbytes + st.glob.nbytes + st.slot.nbytes == p.state_bytes()
-    assert get_policy("markov", g, lags=1).state_bytes() == 8 * ((3 + 129) * 48 * 128 + 48)
+    assert get_policy("markov", g, lags=1).state_bytes() == 4 * (3 + 129) * 48 * 128 + 8 * 48
     for bad in (dict(lags=3), dict(lags=0), dict(beta=-1), dict(row_cap=0), dict(freq_cap=0), dict(prior=0),
-                dict(recency=-0.1), dict(recency=5)):
+                dict(recency=-0.1), dict(recency=5), dict(row_cap=2**27 - 128), dict(freq_cap=2**27)):
         with pytest.raises(PolicyError, match="markov"):
             get_policy("markov", g, **bad)
+    get_policy("markov", g, row_cap=2**27 - 129, freq_cap=2**27 - 129)  # the largest int32 counts allow
+    with pytest.raises(PolicyError, match="num_experts"):  # V of 16382 routed experts passes 2**31
+        get_policy("markov", CacheGeometry(1, 16382, 16))
+    get_policy("markov", CacheGeometry(1, 16381, 16))
 
 
 @njit
