@@ -137,11 +137,24 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
     freq = kst[FREQ, base:base + E]
     val = kst[V, base:base + E]
     slots = slot_of[base:base + E]
+    # The rows step 1 updates (HIST bit j set: routed j + 1 calls ago), listed in acc's rows (free
+    # until step 4), in one pass that also shifts HIST (step 3; its bit 0 is set below).
+    cnt0 = 0
+    cnt1 = 0
+    for a in range(E):
+        h = hist[a]
+        if h != 0:
+            if h & 1:
+                acc[0, cnt0] = a
+                cnt0 += 1
+            if (h >> 1) & 1:
+                acc[1, cnt1] = a
+                cnt1 += 1
+            hist[a] = (h << 1) & mask
     for j in range(lags):  # 1. transitions from the layer's call j + 1 calls ago to this one
         tot_j = kst[R + j, base:base + E]
-        for a in range(E):
-            if (hist[a] >> j) & 1 == 0:
-                continue
+        for r in range(cnt0 if j == 0 else cnt1):
+            a = acc[j, r]
             row = kst[T + j * E + a, base:base + E]
             for i in range(n):
                 row[q[i] - base] += Q4
@@ -163,9 +176,7 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
             freq[b] = c
             tot += c
         gst[layer] = tot
-    for e in range(E):  # 3. history
-        hist[e] = (hist[e] << 1) & mask
-    for i in range(n):
+    for i in range(n):  # 3. history (shifted above)
         hist[q[i] - base] |= 1
     for j in range(lags):  # 4. predictions: acc[j, e] = P_j of e, rows of the call's experts
         aj = acc[j]
@@ -192,7 +203,10 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
     # entries sum to its total), f <= n ONE. Below 2**52 every expert takes the branch-free loop.
     top = max((n * den_f) << ONE_SHIFT, ((n * d0) << ONE_SHIFT) + prior * (n << ONE_SHIFT),
               ((n * d1) << ONE_SHIFT) + prior * (n << ONE_SHIFT), d0, d1)
-    if top < TWO52:
+    resident = 0
+    for e in range(E):
+        resident += slots[e] >= 0
+    if top < TWO52 and 4 * resident >= E:
         for e in range(E):  # p_j from P_j, D_j and f for every expert, kept where resident or routed now
             now = hist[e] & 1
             f = _qdiv((n * (freq[e] + FLOOR_Q4)) << ONE_SHIFT, den_f, r_f)
@@ -201,7 +215,9 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
                 v += _qdiv(((n * a1[e]) << ONE_SHIFT) + prior * f, d1, r1)
             val[e] = v + recency * now if (slots[e] >= 0) | (now == 1) else 0
         return 0
-    for e in range(E):  # the same with the integer division past 2**52 (a huge row_cap or prior)
+    # Few resident experts, or dividends past 2**52 (a huge row_cap or prior): the experts that need
+    # V one by one, _div_r taking the integer division where the float one could round.
+    for e in range(E):
         now = hist[e] & 1
         if slots[e] < 0 and now == 0:
             val[e] = 0
@@ -237,6 +253,12 @@ class Markov(Policy):
             if Q4 * (cap + E) >= 1 << 31:
                 raise PolicyError(f"markov {name} must be below {(1 << 27) - E} at {E} experts a layer "
                                   f"(its counts are int32), got {cap}")
+        # step 4's int64 dividends: n P_j << 16 + prior f with n distinct experts, P_j <= D_j
+        n = min(E, geometry.num_slots)
+        d_max = Q4 * prior + n * Q4 * (row_cap + E)
+        if ((n * d_max) << ONE_SHIFT) + Q4 * prior * (n << ONE_SHIFT) >= 1 << 62:
+            raise PolicyError(f"markov row_cap={row_cap} with prior={prior} at {n} routed experts a call "
+                              "overflow its int64 predictions: lower row_cap or prior")
         self.lags = int(lags)
         self.beta_q = int(np.floor(beta * (1 << ONE_SHIFT) / geometry.num_layers + 0.5))
         self.row_cap, self.freq_cap, self.prior = int(row_cap), int(freq_cap), int(prior)

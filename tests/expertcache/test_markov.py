@@ -128,13 +128,35 @@ def test_markov_constants_and_state_size():
     assert st.key.nbytes + st.glob.nbytes + st.slot.nbytes == p.state_bytes()
     assert get_policy("markov", g, lags=1).state_bytes() == 4 * (3 + 129) * 48 * 128 + 8 * 48
     for bad in (dict(lags=3), dict(lags=0), dict(beta=-1), dict(row_cap=0), dict(freq_cap=0), dict(prior=0),
-                dict(recency=-0.1), dict(recency=5), dict(row_cap=2**27 - 128), dict(freq_cap=2**27)):
+                dict(recency=-0.1), dict(recency=5), dict(row_cap=2**27 - 128), dict(freq_cap=2**27),
+                dict(prior=2**40)):
         with pytest.raises(PolicyError, match="markov"):
             get_policy("markov", g, **bad)
-    get_policy("markov", g, row_cap=2**27 - 129, freq_cap=2**27 - 129)  # the largest int32 counts allow
+    get_policy("markov", g, freq_cap=2**27 - 129)  # the largest int32 counts allow
+    get_policy("markov", CacheGeometry(4, 8, 4), row_cap=2**27 - 9)
+    with pytest.raises(PolicyError, match="row_cap=262144 with prior=1"):  # 4096 routed: int64 products
+        get_policy("markov", CacheGeometry(1, 4096, 4096), row_cap=2**18)
+    get_policy("markov", CacheGeometry(1, 4096, 4096), row_cap=2**16)
     with pytest.raises(PolicyError, match="num_experts"):  # V of 16382 routed experts passes 2**31
         get_policy("markov", CacheGeometry(1, 16382, 16))
     get_policy("markov", CacheGeometry(1, 16381, 16))
+
+
+@pytest.mark.parametrize("slots, rows, prior", [(6, 1, 1), (40, 2, 1), (70, 4, 2**26)])
+def test_compiled_replay_equals_the_reference(slots, rows, prior):
+    """run_calls (the compiled observe) against HostCache.ensure (the numpy reference) after every call:
+    few experts resident (V one by one), most resident (every expert at once), and a prior so large
+    that the dividends pass 2**52 at 32 routed experts (the integer division)."""
+    g = CacheGeometry(2, 80, slots)
+    ref, fast = HostCache(g, "markov", prior=prior), HostCache(g, "markov", prior=prior)
+    rng = np.random.default_rng(slots)
+    for c in range(160):
+        ids = rng.integers(-1, 80, size=(rows, 16 if rows == 4 else 3)).astype(np.int32)
+        ref.ensure(c % 2, ids)
+        run_calls(fast, ids[None], np.array([c % 2]))
+        assert np.array_equal(ref.slot_of, fast.slot_of) and np.array_equal(ref.key_of, fast.key_of), c
+        assert ref.state.equals(fast.state), c
+        assert np.array_equal(ref.counters, fast.counters), c
 
 
 @njit
