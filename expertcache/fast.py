@@ -234,7 +234,6 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
     clk[CLK_STEP] = clock[0]
     clk[CLK_TOK] = clock[1]
     off = np.zeros(L, dtype=np.int64)
-    lv = np.empty(E, dtype=np.int64)
     acc = np.empty((markov.MAX_LAGS, E), dtype=np.int64)
     ls = np.empty(E, dtype=np.int64)
     filled = 0
@@ -276,20 +275,17 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
             qslot[i] = s
             if s >= 0:
                 _touch(tag, kst, sst, gst, prm, clk, aux, q[i], np.int64(s), access + i, False)
-                ix_set(tv, ts, mv, ms, layer, q[i] - layer * E, FREE, FREE)
+                if tag.ndim - 1 != KIND_MARKOV:  # markov's ix_fill below pins them with the layer
+                    ix_set(tv, ts, mv, ms, layer, q[i] - layer * E, FREE, FREE)
             else:
                 miss_pos[m] = i
                 m += 1
         if tag.ndim - 1 == KIND_MARKOV:  # the call rewrites the order of every key of its layer
             markov.observe(kst, gst, prm, layer, E, q, n, acc, slot_of)
-            for e in range(E):
-                s = slot_of[layer * E + e]
-                lv[e] = markov.order(kst, layer * E + e) if s >= 0 else FREE
-                ls[e] = s if s >= 0 else FREE
             for i in range(n):  # the call's hits stay pinned (out of the index)
-                lv[q[i] - layer * E] = FREE
-                ls[q[i] - layer * E] = FREE
-            ix_fill(tv, ts, mv, ms, layer, lv, ls)
+                ls[i] = q[i] - layer * E
+            ix_fill(tv, ts, mv, ms, layer, kst[markov.V, layer * E:(layer + 1) * E],
+                    slot_of[layer * E:(layer + 1) * E], ls, n)
         ne = min(m, S - filled)
         for j in range(ne):
             vslot[j] = filled + j

@@ -56,17 +56,19 @@ def ix_set(tv, ts, mv, ms, layer, expert, v, s):
 
 
 @njit(cache=True)
-def ix_fill(tv, ts, mv, ms, layer, v, s):
-    """Every leaf of `layer` at once: leaf e becomes (v[e], s[e]) for e < len(v), (FREE, FREE) past
-    it; then every node above them. O(E), against O(E log E) for E ix_set calls."""
+def ix_fill(tv, ts, mv, ms, layer, v, s, pinned, num_pinned):
+    """Every leaf of `layer` at once: leaf e becomes (v[e], s[e]) where s[e] >= 0 (a resident key,
+    v its order), (FREE, FREE) where s[e] < 0, past len(v) and at the experts pinned[:num_pinned];
+    then every node above them. O(E), against O(E log E) for E ix_set calls."""
     p = tv.shape[1] >> 1
+    E = v.shape[0]
     for e in range(p):
-        if e < v.shape[0]:
-            tv[layer, p + e] = v[e]
-            ts[layer, p + e] = s[e]
-        else:
-            tv[layer, p + e] = FREE
-            ts[layer, p + e] = FREE
+        live = e < E and s[min(e, E - 1)] >= 0
+        tv[layer, p + e] = v[min(e, E - 1)] if live else FREE
+        ts[layer, p + e] = s[min(e, E - 1)] if live else FREE
+    for i in range(num_pinned):
+        tv[layer, p + pinned[i]] = FREE
+        ts[layer, p + pinned[i]] = FREE
     for i in range(p - 1, 0, -1):
         _pull(tv, ts, layer, i)
     mv[layer] = tv[layer, 1]
