@@ -224,14 +224,16 @@ def replay_window(trace: Trace, policy: str, slots: int, warmup: int) -> dict:
 
 
 def predict(window: dict, overlap: bool, profile: HardwareProfile = H200_SM_COPY, geometry: str = "qwen3-next",
-            fmt: str = "bf16") -> dict:
+            fmt: str = "bf16", policy: str | None = None) -> dict:
     """Hit rate, per-layer misses and the cost model's predicted us per step and tokens/s of a
-    replay_window under `profile`, the geometry's routed experts priced at `fmt`'s bytes."""
+    replay_window under `profile`, the geometry's routed experts priced at `fmt`'s bytes, `policy`'s
+    extra ensure time (profile.policy_call_us) charged to every layer call."""
     miss, steps = window["misses"], window["steps"]
     layers, geo = miss.shape[0], GEOMETRIES[geometry]
     shape = dataclasses.replace(SHAPES[geo.shape], num_layers=layers,
                                 routed_expert_bytes=get_format(fmt).expert_bytes(geo.hidden, geo.inter))
-    est = estimate_decode(window["hist"], steps, shape, profile, batch=window["batch"], overlap=overlap)
+    est = estimate_decode(window["hist"], steps, shape, profile, batch=window["batch"], overlap=overlap,
+                          policy=policy)
     acc = window["accesses"]
     return {"hit_rate": 1.0 - int(miss.sum()) / acc if acc else 0.0,
             "misses_per_layer_per_step": float(miss.sum()) / layers / steps,
@@ -246,7 +248,7 @@ def predict(window: dict, overlap: bool, profile: HardwareProfile = H200_SM_COPY
 def simulate(trace: Trace, policy: str, slots: int, warmup: int, overlap: bool,
              profile: HardwareProfile = H200_SM_COPY, geometry: str = "qwen3-next", fmt: str = "bf16") -> dict:
     """predict(replay_window(...)): one configuration under one profile."""
-    return predict(replay_window(trace, policy, slots, warmup), overlap, profile, geometry, fmt)
+    return predict(replay_window(trace, policy, slots, warmup), overlap, profile, geometry, fmt, policy)
 
 
 def implied_overhead(measured_us: float, predicted_us: float, layers: int,
@@ -305,9 +307,9 @@ def run_format(fmt: str, traces: dict, args: argparse.Namespace, res: dict) -> N
 
 def _row(weights, trace, args, fmt, budget, slots, batch, policy, overlap, window, profile) -> dict:
     row = {"config": config_name(policy, overlap), "format": fmt, "budget_gib": budget, "batch": batch,
-           "slots": slots, "sim": predict(window, overlap, profile, args.geometry, fmt)}
+           "slots": slots, "sim": predict(window, overlap, profile, args.geometry, fmt, policy)}
     if profile is not H200_SM_COPY:  # the uncalibrated profile's prediction, for reference
-        row["sim_uncalibrated"] = predict(window, overlap, geometry=args.geometry, fmt=fmt)
+        row["sim_uncalibrated"] = predict(window, overlap, geometry=args.geometry, fmt=fmt, policy=policy)
     if not args.dry_run:
         from decode_gpu import measure
 

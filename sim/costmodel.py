@@ -59,7 +59,9 @@ class HardwareProfile:
         never faster than the smallest point's own bandwidth.
     back_to_back_gbps: bandwidth of each further expert copied right after another.
     hbm_gbps: device memory bandwidth for reading weights.
-    layer_overhead_us: fixed per-MoE-layer time beyond the weight-read floor.
+    layer_overhead_us: fixed per-MoE-layer time beyond the weight-read floor (with lru's ensure).
+    policy_us: (policy, base, per_expert): a policy's extra ensure time a call beyond lru's,
+        base + per_expert * experts of a layer (markov's learning launches); absent: none.
     """
 
     name: str
@@ -68,6 +70,7 @@ class HardwareProfile:
     back_to_back_gbps: float
     hbm_gbps: float
     layer_overhead_us: float
+    policy_us: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -84,6 +87,16 @@ class HardwareProfile:
         for field in ("h2d_ceiling_gbps", "back_to_back_gbps", "hbm_gbps"):
             _check_positive(field, getattr(self, field))
         _check_positive("layer_overhead_us", self.layer_overhead_us, allow_zero=True)
+        for name, base, per_expert in self.policy_us:
+            _check_positive(f"policy_us[{name!r}] base", base, allow_zero=True)
+            _check_positive(f"policy_us[{name!r}] per_expert", per_expert, allow_zero=True)
+
+    def policy_call_us(self, policy: str | None, num_experts: int) -> float:
+        """A policy's extra ensure microseconds a layer call beyond lru's (0 where none is held)."""
+        for name, base, per_expert in self.policy_us:
+            if name == policy:
+                return base + per_expert * num_experts
+        return 0.0
 
     def single_copy_us(self, expert_bytes: int) -> float:
         """Microseconds for one DMA of `expert_bytes` (> 0). Raises ValueError otherwise."""
@@ -131,6 +144,9 @@ H200 = HardwareProfile(
     back_to_back_gbps=53.2,
     hbm_gbps=4219.0,
     layer_overhead_us=10.0,
+    # markov's two learning launches before its ensure: bench_ensure.py at m = 0, 1650 slots, above lru:
+    # 7.26 us at 128 experts a layer, 15.02 at 512 (int32 state, benchmarks/results/ensure.json)
+    policy_us=(("markov", 4.67, 0.0202),),
 )
 
 
@@ -316,17 +332,20 @@ def _check_hist(hist: np.ndarray, tokens: int, shape: ModelShape, batch: int) ->
 
 def estimate_decode(hist: np.ndarray, tokens: int, shape: ModelShape,
                     profile: HardwareProfile = H200, *, batch: int = 1,
-                    overlap: bool = False) -> DecodeEstimate:
+                    overlap: bool = False, policy: str | None = None) -> DecodeEstimate:
     """Modeled decode time from a replay's miss histogram.
 
     hist: integer [shape.num_layers, batch * shape.top_k + 1], hist[l, m] = calls of layer
         l with m misses; every row sums to `tokens` (decode steps, > 0).
     overlap: the shared expert runs on a side stream during the miss copy.
+    policy: the eviction policy replayed; its extra ensure time a call (profile.policy_call_us) is
+        charged to every layer call.
     Cost: O(L * Q). Raises ValueError naming the bad argument.
     """
     _check_hist(hist, tokens, shape, batch)
     hbm = _gbps_to_bytes_per_us(profile.hbm_gbps)
-    compute = shape.layer_read_bytes(batch) / hbm + profile.layer_overhead_us
+    compute = (shape.layer_read_bytes(batch) / hbm + profile.layer_overhead_us
+               + profile.policy_call_us(policy, shape.num_experts))
     shared = shape.shared_bytes / hbm
     misses = np.arange(hist.shape[1])
     copy = np.array([profile.copy_us(shape.expert_bytes, int(m)) for m in misses])

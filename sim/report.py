@@ -84,8 +84,8 @@ def build_rows(trace: Trace, results: list[ReplayResult],
             gap = 1.0 if width == 0 else (lru.misses - r.misses) / width
         us = tps = us_ov = tps_ov = mb = per_tok = None
         if shape is not None:
-            est = estimate_decode(r.hist, r.tokens, shape, profile, batch=trace.batch)
-            ov = estimate_decode(r.hist, r.tokens, shape, profile, batch=trace.batch, overlap=True)
+            est = estimate_decode(r.hist, r.tokens, shape, profile, batch=trace.batch, policy=r.policy)
+            ov = estimate_decode(r.hist, r.tokens, shape, profile, batch=trace.batch, overlap=True, policy=r.policy)
             us, tps = est.us_per_token, est.tokens_per_s
             us_ov, tps_ov = ov.us_per_token, ov.tokens_per_s
             per_tok = est.bytes_copied_per_token

@@ -36,6 +36,24 @@ SHAPE = ModelShape(num_layers=2, num_experts=4, top_k=2, hidden=10, expert_inter
 HIST = np.array([[3, 1, 0], [2, 1, 1]], dtype=np.int64)
 
 
+def test_a_policys_ensure_time_is_charged_every_call():
+    """markov's learning launches: base + per_expert * E a layer call, on top of what lru pays; a policy
+    the profile holds nothing for (and None) pays what lru does."""
+    from dataclasses import replace
+
+    prof = replace(TOY, policy_us=(("markov", 2.0, 0.5),))  # 2 + 0.5 * 4 experts = 4 us a call
+    lru = estimate_decode(HIST, 4, SHAPE, prof, policy="lru")
+    markov = estimate_decode(HIST, 4, SHAPE, prof, policy="markov")
+    assert markov.compute_us_per_token == pytest.approx(lru.compute_us_per_token + 8 * 4.0 / 4)
+    assert markov.copy_us_per_token == lru.copy_us_per_token
+    assert estimate_decode(HIST, 4, SHAPE, prof).us_per_token == lru.us_per_token
+    assert H200.policy_call_us("markov", 128) == pytest.approx(7.26, abs=0.01)  # bench_ensure, 1650 slots
+    assert H200.policy_call_us("markov", 512) == pytest.approx(15.02, abs=0.01)
+    assert H200.policy_call_us("rule", 512) == 0.0
+    with pytest.raises(ValueError, match="policy_us"):
+        replace(TOY, policy_us=(("markov", -1.0, 0.0),))
+
+
 def test_toy_shape_bytes():
     assert SHAPE.expert_bytes == 3000
     assert SHAPE.shared_bytes == 3000
