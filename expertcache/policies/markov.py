@@ -139,28 +139,16 @@ def offsets(prm, clk, off):
     return 0
 
 
-@njit(cache=True)
-def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
-    """Steps 1-4 of the module docstring for the call of `layer` whose distinct keys are q[:n]
-    (ascending), before its victims are chosen. Rewrites V of every expert of the layer (0 where it
-    has no slot and is not routed now: only a resident key's V is ever read). acc: int64
-    [>= lags, >= E] scratch."""
-    E = num_experts
+@njit(cache=True, inline="always")
+def _learn(kst, gst, prm, layer, E, q, n, acc):
+    """Steps 1-3. The rows step 1 updates (HIST bit j set: routed j + 1 calls ago) are listed in acc's
+    rows (free until step 4) in one pass that also shifts HIST."""
     base = layer * E
     lags = prm[P_LAGS]
     R = T + lags * E
     mask = (1 << lags) - 1
-    # One-dimensional views of the layer's part of each field: the loops over E below vectorise.
-    hist = kst[HIST, base:base + E]
+    hist = kst[HIST, base:base + E]  # one-dimensional views of the layer's part: the loops vectorise
     freq = kst[FREQ, base:base + E]
-    val = kst[V, base:base + E]
-    slots = slot_of[base:base + E]
-    for j in range(lags):  # step 4's rows stream in while step 1 waits on its scattered updates
-        for i in range(n):
-            for e in range(0, E, 16):
-                _prefetch(kst, T + j * E + (q[i] - base), base + e)
-    # The rows step 1 updates (HIST bit j set: routed j + 1 calls ago), listed in acc's rows (free
-    # until step 4), in one pass that also shifts HIST (step 3; its bit 0 is set below).
     cnt0 = 0
     cnt1 = 0
     for a in range(E):
@@ -200,11 +188,18 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
         gst[layer] = tot
     for i in range(n):  # 3. history (shifted above)
         hist[q[i] - base] |= 1
-    for j in range(lags):  # 4. predictions: acc[j, e] = P_j of e, rows of the call's experts
+
+
+@njit(cache=True, inline="always")
+def _row_sums(kst, prm, layer, E, q, n, acc):
+    """Step 4's P_j: acc[j, e] = the sum over the call's experts b of T_j[b, e], four rows a pass over
+    acc (a quarter of the passes)."""
+    base = layer * E
+    for j in range(prm[P_LAGS]):
         aj = acc[j]
         aj[:E] = 0
         i = 0
-        while i + 4 <= n:  # four rows a pass: a quarter of the passes over aj
+        while i + 4 <= n:
             s0 = kst[T + j * E + (q[i] - base), base:base + E]
             s1 = kst[T + j * E + (q[i + 1] - base), base:base + E]
             s2 = kst[T + j * E + (q[i + 2] - base), base:base + E]
@@ -217,6 +212,16 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
             for e in range(E):
                 aj[e] += src[e]
             i += 1
+
+
+@njit(cache=True, inline="always")
+def _predict(kst, gst, prm, layer, E, q, n, acc, slot_of):
+    """Step 4's V of every expert of the layer from P_j (acc), D_j and the frequency share."""
+    base = layer * E
+    lags = prm[P_LAGS]
+    R = T + lags * E
+    hist, freq, val = kst[HIST, base:base + E], kst[FREQ, base:base + E], kst[V, base:base + E]
+    slots = slot_of[base:base + E]
     den_f = gst[layer] + FLOOR_Q4 * E
     prior = Q4 * prm[P_PRIOR]
     d0 = prior
@@ -225,14 +230,11 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
         d0 += kst[R, q[i]]
         if lags > 1:
             d1 += kst[R + 1, q[i]]
-    a0 = acc[0]
-    a1 = acc[1]
+    a0, a1 = acc[0], acc[1]
     recency = prm[P_RECENCY_Q]
-    r_f = 1.0 / np.float64(den_f)
-    r0 = 1.0 / np.float64(d0)
-    r1 = 1.0 / np.float64(d1)
+    r_f, r0, r1 = 1.0 / np.float64(den_f), 1.0 / np.float64(d0), 1.0 / np.float64(d1)
     # Bounds of this call's dividends: FREQ[e] <= the layer's total, P_j <= D_j - prior (a row's
-    # entries sum to its total), f <= n ONE. Below 2**52 every expert takes the branch-free loop.
+    # entries sum to its total), f <= n ONE. Below 2**52 every expert may take the branch-free loop.
     top = max((n * den_f) << ONE_SHIFT, ((n * d0) << ONE_SHIFT) + prior * (n << ONE_SHIFT),
               ((n * d1) << ONE_SHIFT) + prior * (n << ONE_SHIFT), d0, d1)
     resident = 0
@@ -246,7 +248,7 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
             if lags > 1:
                 v += _qdiv(((n * a1[e]) << ONE_SHIFT) + prior * f, d1, r1)
             val[e] = v + recency * now if (slots[e] >= 0) | (now == 1) else 0
-        return 0
+        return
     # Few resident experts, or dividends past 2**52 (a huge row_cap or prior): the experts that need
     # V one by one, _div_r taking the integer division where the float one could round.
     for e in range(E):
@@ -259,6 +261,23 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
         if lags > 1:
             v += _div_r(((n * a1[e]) << ONE_SHIFT) + prior * f, d1, r1)
         val[e] = v + recency * now
+
+
+@njit(cache=True)
+def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
+    """Steps 1-4 of the module docstring for the call of `layer` whose distinct keys are q[:n]
+    (ascending), before its victims are chosen. Rewrites V of every expert of the layer (0 where it
+    has no slot and is not routed now: only a resident key's V is ever read). acc: int64
+    [>= lags, >= E] scratch."""
+    E = num_experts
+    base = layer * E
+    for j in range(prm[P_LAGS]):  # step 4's rows stream in while step 1 waits on its scattered updates
+        for i in range(n):
+            for e in range(0, E, 16):
+                _prefetch(kst, T + j * E + (q[i] - base), base + e)
+    _learn(kst, gst, prm, layer, E, q, n, acc)
+    _row_sums(kst, prm, layer, E, q, n, acc)
+    _predict(kst, gst, prm, layer, E, q, n, acc, slot_of)
     return 0
 
 
