@@ -235,7 +235,7 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
     clk[CLK_TOK] = clock[1]
     off = np.zeros(L, dtype=np.int64)
     acc = np.empty((markov.MAX_LAGS, E), dtype=np.int64)
-    ls = np.empty(E, dtype=np.int64)
+    pins = np.empty(E, dtype=np.int64)  # markov: the call's experts, pinned in ix_fill
     filled = 0
     while filled < S and key_of[filled] >= 0:
         key = np.int64(key_of[filled])
@@ -283,9 +283,9 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
         if tag.ndim - 1 == KIND_MARKOV:  # the call rewrites the order of every key of its layer
             markov.observe(kst, gst, prm, layer, E, q, n, acc, slot_of)
             for i in range(n):  # the call's hits stay pinned (out of the index)
-                ls[i] = q[i] - layer * E
+                pins[i] = q[i] - layer * E
             ix_fill(tv, ts, mv, ms, layer, kst[markov.V, layer * E:(layer + 1) * E],
-                    slot_of[layer * E:(layer + 1) * E], ls, n)
+                    slot_of[layer * E:(layer + 1) * E], pins, n)
         ne = min(m, S - filled)
         for j in range(ne):
             vslot[j] = filled + j

@@ -74,23 +74,6 @@ V, HIST, FREQ, T = 0, 1, 2, 3
 P_LAGS, P_BETA_Q, P_ROW_CAP, P_FREQ_CAP, P_PRIOR, P_RECENCY_Q = 0, 1, 2, 3, 4, 5
 
 
-@njit(cache=True, inline="always")
-def _div_r(a, b, rb):
-    """a // b for a >= 0, b > 0, given rb = 1.0 / b: one float division per loop of the same b
-    instead of an int64 division per key, far cheaper on a CPU. Below 2**52 both are exact in
-    float64 and a * rb is within 1 of a / b, so the truncated estimate is off by at most one and
-    the remainder's sign corrects it; larger operands (huge row_cap or prior) take the division."""
-    if a >= TWO52 or b >= TWO52:
-        return a // b
-    d = np.int64(np.float64(a) * rb)
-    r = a - d * b
-    if r < 0:
-        d -= 1
-    elif r >= b:
-        d += 1
-    return d
-
-
 @intrinsic
 def _prefetch(typingctx, arr, i, j):
     """A hint that arr[i, j] is read soon (LLVM's prefetch: read, keep in every cache level)."""
@@ -108,11 +91,21 @@ def _prefetch(typingctx, arr, i, j):
 
 @njit(cache=True, inline="always")
 def _qdiv(a, b, rb):
-    """_div_r without its branches, for 0 <= a, b < 2**52 (the caller checks): the loops over a
-    layer's experts vectorise."""
+    """a // b for 0 <= a, b < 2**52 given rb = 1.0 / b, without a branch (the loops over a layer's
+    experts vectorise): one float division per loop of the same b instead of an int64 division per
+    key. Both are exact in float64 and a * rb is within 1 of a / b, so the truncated estimate is off by
+    at most one and the remainder's sign corrects it."""
     d = np.int64(np.float64(a) * rb)
     r = a - d * b
     return d - np.int64(r < 0) + np.int64(r >= b)
+
+
+@njit(cache=True, inline="always")
+def _div_r(a, b, rb):
+    """a // b for a >= 0, b > 0: _qdiv below 2**52, the integer division past it (huge row_cap or prior)."""
+    if a >= TWO52 or b >= TWO52:
+        return a // b
+    return _qdiv(a, b, rb)
 
 
 @njit(cache=True, inline="always")
