@@ -4,7 +4,10 @@
     512 experts of I 512, top-10, shared expert 512, bf16; attention 16 / 2 heads of 128) or qwen3-30b
     (qwen3_30b_like: H 2048, 128 experts of I 768, top-8, no shared expert; attention 32 / 4 heads of
     128 with q/k norms) or flame-290m (flame_290m_like: H 1024, 64 experts of I 704, top-6, shared
-    expert 1408: FLAME-MoE-290M's block, for its real trace); --vocab; random weights; per --expert-formats F (bf16, fp8, nvfp4, mxfp4,
+    expert 1408: FLAME-MoE-290M's block, for its real trace) or qwen3-next-hybrid (random_decoder.qwen3_next:
+    Qwen3-Next-80B-A3B's own decoder, model_type qwen3_next: every fourth layer gated full attention of
+    16 / 2 heads of 256, the others Gated DeltaNet linear attention, the same MoE block as qwen3-next);
+    --vocab; random weights; per --expert-formats F (bf16, fp8, nvfp4, mxfp4,
     int4; default bf16) one pinned HostStore of every routed expert in F (the same random experts,
     quantized; L * 512 * 6 MiB: 25.8 GB at L = 8 in bf16), built and freed one format at a time
     slots: --slots N, --slots-frac f of L * E, or --moe-cache-gb G[,G..]: per format floor(G * 2**30 /
@@ -82,6 +85,7 @@ class Geometry:
 
 
 GEOMETRIES = {"qwen3-next": Geometry("qwen3_next_like", "qwen3-next", "qwen3-next", 512, 10, 2048, 512),
+              "qwen3-next-hybrid": Geometry("qwen3_next", "qwen3-next", "qwen3-next", 512, 10, 2048, 512),
               "qwen3-30b": Geometry("qwen3_30b_like", "qwen3-30b-a3b", "qwen3-30b-a3b", 128, 8, 2048, 768),
               "flame-290m": Geometry("flame_290m_like", "flame-like", "flame-290m", 64, 6, 1024, 704)}
 

@@ -104,6 +104,8 @@ def measure(weights, args: argparse.Namespace, batch: int, context: int, trace_o
     # every row's context: random keys and values up to position C - 1, the next token at C - 1
     start = engine.kv.lengths[0].item()
     for kc, vc in zip(engine.kv.k, engine.kv.v):
+        if kc is None:  # a linear-attention layer: no KV cache
+            continue
         kc[:batch, :, start:context].normal_()
         vc[:batch, :, start:context].normal_()
     engine.kv.lengths[:batch] = context - 1

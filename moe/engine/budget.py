@@ -10,8 +10,10 @@ The format priced is the one the experts are stored in (expertcache.formats): a 
 are "bf16" (2 bytes a parameter), a float16 / float32 model's unquantized banks of that dtype (2 / 4
 bytes a parameter), a quantized checkpoint's or --moe-expert-format's fp8 (~1), nvfp4 / mxfp4 / int4
 (~0.5); either way P is the banks' row bytes (slots_for_bytes).
-The KV cache is the other per-request memory on the device: kv_cache_bytes = 2 (k, v) x decoder layers x
-max_batch x Hkv x max_seq_len x D x the model dtype's bytes, allocated at start (moe.model.attention.KVCache);
+The KV cache is the other per-request memory on the device: kv_cache_bytes = 2 (k, v) x full-attention
+layers x max_batch x Hkv x max_seq_len x D x the model dtype's bytes, allocated at start
+(moe.model.attention.KVCache); a hybrid model (Qwen3-Next) adds its linear-attention layers' fixed-size
+state per sequence (recurrent_state_bytes);
 memory_split reports it beside the slots, the split between --moe-cache-gb (or --moe-slots) and
 --max-batch x --max-seq-len that the server prints at start.
 The model dtype is config.json's torch_dtype or the dtype= / --dtype override. A budget that holds
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 from expertcache.formats import GIB, gib_at_least, slots_for_bytes
 from moe.model.checkpoint import expert_banks
+from moe.model.linear_attention import RecurrentCache
 from moe.model.spec import ModelSpec
 
 PREFILL_STAGING = 8  # experts in a GPU's prefill staging ring (moe.engine.backends.PrefillStaging)
@@ -77,21 +80,41 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def kv_cache_bytes(spec: ModelSpec, max_batch: int, max_seq_len: int) -> int:
-    """Bytes of the KV cache an Engine allocates: k and v [max_batch, Hkv, max_seq_len, D] per decoder
-    layer, in the model dtype."""
-    return (2 * spec.num_layers * max_batch * spec.num_kv_heads * max_seq_len * spec.head_dim
+    """Bytes of the KV cache an Engine allocates: k and v [max_batch, Hkv, max_seq_len, D] per
+    full-attention decoder layer, in the model dtype (moe.model.attention.KVCache)."""
+    return (2 * len(spec.full_layers) * max_batch * spec.num_kv_heads * max_seq_len * spec.head_dim
             * DTYPE_BYTES[spec.moe.dtype])
 
 
+def recurrent_state_bytes(spec: ModelSpec, max_batch: int) -> int:
+    """Bytes of the linear-attention layers' state an Engine allocates (moe.model.linear_attention.RecurrentCache;
+    0 without such layers): per layer and row a conv window and a float32 delta-rule state, whatever
+    the context length."""
+    if spec.linear is None:
+        return 0
+    return RecurrentCache.state_bytes(spec.linear, len(spec.linear_layers), max_batch, DTYPE_BYTES[spec.moe.dtype])
+
+
+def context_bytes(spec: ModelSpec, max_batch: int, max_seq_len: int) -> int:
+    """The per-request device memory: the KV cache plus the recurrent state."""
+    return kv_cache_bytes(spec, max_batch, max_seq_len) + recurrent_state_bytes(spec, max_batch)
+
+
 def memory_split(budget: SlotBudget, spec: ModelSpec, max_batch: int, max_seq_len: int) -> str:
-    """One line: the device memory of the expert slots and of the KV cache, and their sum."""
+    """One line: the device memory of the expert slots, of the KV cache (and of a hybrid model's
+    recurrent state), and their sum."""
     kv = kv_cache_bytes(spec, max_batch, max_seq_len)
+    state = recurrent_state_bytes(spec, max_batch)
     per_token = kv // (max_batch * max_seq_len)
     source = f"--moe-cache-gb {budget.cache_gb:g}" if budget.cache_gb is not None else f"--moe-slots {budget.slots}"
+    recurrent = "" if not state else (
+        f" + linear-attention state {state / GIB:.3g} GiB (--max-batch {max_batch} x {state // max_batch:,} bytes "
+        f"a sequence: {len(spec.linear_layers)} layers)")
     return (f"device memory for the cache and the context: expert slots {budget.slot_bytes / GIB:.3g} GiB ({source}) "
             f"+ KV cache {kv / GIB:.3g} GiB (--max-batch {max_batch} x --max-seq-len {max_seq_len} tokens x "
-            f"{per_token:,} bytes a token: {spec.num_layers} layers x k, v x {spec.num_kv_heads} heads x "
-            f"{spec.head_dim} x {DTYPE_BYTES[spec.moe.dtype]} bytes) = {(budget.slot_bytes + kv) / GIB:.3g} GiB, "
+            f"{per_token:,} bytes a token: {len(spec.full_layers)} layers x k, v x {spec.num_kv_heads} heads x "
+            f"{spec.head_dim} x {DTYPE_BYTES[spec.moe.dtype]} bytes){recurrent} = "
+            f"{(budget.slot_bytes + kv + state) / GIB:.3g} GiB, "
             f"beside the model's dense weights and, on a GPU, prefill's staging ring of {PREFILL_STAGING} experts "
             f"({PREFILL_STAGING * expert_pricing(spec)[1] / GIB:.3g} GiB)")
 

@@ -17,6 +17,12 @@
     prompt ──join──► prefill into row B (the next free row) while rows 0..B-1 keep their state; B += 1
     row ──leave──► swap-remove: the last row's KV (its cached positions only) moves into `row`; B -= 1
 
+Hybrid models (Qwen3-Next): a linear-attention layer (moe.model.linear_attention) takes the place of
+attention where ModelSpec.layer_types says so; its per-row state (conv window, delta-rule state) lives
+in `recurrent` (RecurrentCache, allocated once like the KV cache, which then holds only the
+full-attention layers): reset when a row joins, advanced in place by prefill (chunked delta rule) and
+by every decode step (the step kernel; captured in the decode graph), moved with the row by `leave`.
+
 Batching: sequences step together. Each row keeps its own length in the KV cache and attends only to
 its own cached positions, so prompts of different lengths need no padding and no pad token; prefill
 runs the prompts one after another (its attention is per sequence anyway), and every decode step
@@ -41,6 +47,8 @@ from moe.kernels.decode_norm import add_rms_norm
 from moe.model.attention import KVCache, Rope, attention_decode, attention_decode_fused, attention_prefill, rms_norm
 from moe.engine.backends import MoEBackend
 from moe.model.checkpoint import DenseWeights, LayerWeights, ModelWeights, MoEWeights
+from moe.model.linear_attention import (LinearAttentionWeights, RecurrentCache, linear_attention_decode,
+                                        linear_attention_prefill)
 from moe.engine.graphs import DecodeGraphs
 
 PREFILL_CHUNK = 16384  # prompt tokens a prefill pass takes at once (a longer prompt runs in chunks)
@@ -68,8 +76,11 @@ class Engine:
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA device, the model is on {weights.device}")
         self.weights, self.spec, self.moe = weights, weights.spec, moe
-        self.rope = Rope(self.spec.head_dim, self.spec.rope_theta, weights.device)
+        self.rope = Rope(self.spec.rotary_dim, self.spec.rope_theta, weights.device)
         self.kv = KVCache(self.spec, max_batch, max_seq_len, weights.dtype, weights.device)
+        linear = self.spec.linear_layers  # Qwen3-Next's linear-attention layers keep a recurrent state instead
+        self.recurrent = (RecurrentCache(self.spec.linear, linear, max_batch, weights.dtype, weights.device)
+                          if linear else None)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.record_routing = record_routing
         self._routing: list[torch.Tensor] = []  # per decode step: int32 [L_moe, B, k]
@@ -132,12 +143,23 @@ class Engine:
         n = self._lengths.pop()
         if row == last:
             return None
-        for k, v in zip(self.kv.k, self.kv.v):  # each [max_batch, Hkv, max_len, D]
-            k[row, :, :n] = k[last, :, :n]
-            v[row, :, :n] = v[last, :, :n]
+        for k, v in zip(self.kv.k, self.kv.v):  # each [max_batch, Hkv, max_len, D], None at a linear layer
+            if k is not None:
+                k[row, :, :n] = k[last, :, :n]
+                v[row, :, :n] = v[last, :, :n]
+        if self.recurrent is not None:
+            self.recurrent.move(last, row)
         self.kv.lengths[row] = n
         self._lengths[row] = n
         return last
+
+    def context_state(self) -> list[torch.Tensor]:
+        """Every per-sequence buffer of the decoder, in layer order: the full-attention layers' k and v
+        caches, then the linear-attention layers' conv and delta states (what a row's context is)."""
+        kv = [t for pair in zip(self.kv.k, self.kv.v) for t in pair if t is not None]
+        states = [] if self.recurrent is None else self.recurrent.states.values()
+        rec = [t for st in states for t in (st.conv, st.delta)]
+        return kv + rec
 
     def lengths(self) -> list[int]:
         """Tokens cached per active row (prompt + decoded tokens fed back), a host copy [B]."""
@@ -152,6 +174,8 @@ class Engine:
 
     def _join(self, prompt: list[int], all_logits: bool) -> tuple[int, torch.Tensor]:
         row = self.batch
+        if self.recurrent is not None:
+            self.recurrent.reset(row)
         logits = self._prefill_row(self._tokens(prompt), row, all_logits)
         self._lengths.append(len(prompt))
         self.kv.lengths[row] = len(prompt)
@@ -164,8 +188,12 @@ class Engine:
         for start in range(0, tokens.shape[0], self.prefill_chunk):
             x = self.weights.embed[tokens[start:start + self.prefill_chunk]]  # [T_chunk, H]
             for i, lw in enumerate(self.weights.layers):
-                x = x + attention_prefill(rms_norm(x, lw.input_norm, self.spec.rms_eps), lw.attn, self.spec,
-                                          self.rope, self.kv, i, row, start)
+                h = rms_norm(x, lw.input_norm, self.spec.rms_eps)
+                if isinstance(lw.attn, LinearAttentionWeights):
+                    x = x + linear_attention_prefill(h[None], lw.attn, self.spec.linear,
+                                                     self.recurrent.rows(i, row, row + 1))[0]
+                else:
+                    x = x + attention_prefill(h, lw.attn, self.spec, self.rope, self.kv, i, row, start)
                 h = rms_norm(x, lw.post_norm, self.spec.rms_eps)
                 x = x + (self.moe.prefill(lw.mlp, h) if isinstance(lw.mlp, MoEWeights) else _dense(lw.mlp, h))
             if all_logits:
@@ -203,8 +231,9 @@ class Engine:
         x = self.weights.embed[tokens]  # [B, H]
         step_ids = []
         for i, lw in enumerate(self.weights.layers):
-            x = x + attention_decode(rms_norm(x, lw.input_norm, self.spec.rms_eps), lw.attn, self.spec,
-                                     self.rope, self.kv, i, b)
+            h = rms_norm(x, lw.input_norm, self.spec.rms_eps)
+            x = x + (self._linear_decode(h, lw.attn, i, b) if isinstance(lw.attn, LinearAttentionWeights)
+                     else attention_decode(h, lw.attn, self.spec, self.rope, self.kv, i, b))
             x = x + self._decode_mlp(lw, rms_norm(x, lw.post_norm, self.spec.rms_eps), step_ids)
         self.kv.lengths[:b] += 1
         return self._logits(x), torch.stack(step_ids) if self.record_routing else None
@@ -220,13 +249,18 @@ class Engine:
         for i, lw in enumerate(self.weights.layers):
             x, h = add_rms_norm(x, lw.input_norm, eps) if pending is None else \
                 add_rms_norm(pending, lw.input_norm, eps, residual=x)
-            a = attention_decode_fused(h, lw.attn, self.spec, self.rope, self.kv, i, b)
+            a = (self._linear_decode(h, lw.attn, i, b) if isinstance(lw.attn, LinearAttentionWeights)
+                 else attention_decode_fused(h, lw.attn, self.spec, self.rope, self.kv, i, b))
             x, h = add_rms_norm(a, lw.post_norm, eps, residual=x)
             pending = self._decode_mlp(lw, h, step_ids)
         _, h = add_rms_norm(pending, self.weights.norm, eps, residual=x)
         self.kv.lengths[:b] += 1
         logits = F.linear(h, self.weights.lm_head).float()
         return logits, torch.stack(step_ids) if self.record_routing else None
+
+    def _linear_decode(self, h: torch.Tensor, w: LinearAttentionWeights, layer: int, b: int) -> torch.Tensor:
+        """A linear-attention layer's decode of rows 0..b-1 (their recurrent state advanced in place)."""
+        return linear_attention_decode(h, w, self.spec.linear, self.recurrent.rows(layer, 0, b))
 
     def _decode_mlp(self, lw: LayerWeights, h: torch.Tensor, step_ids: list) -> torch.Tensor:
         if isinstance(lw.mlp, DenseWeights):

@@ -5,7 +5,7 @@
                           (or of the slots cache_gb GiB hold: moe.engine.budget, from config.json first)
         ──Engine──► prefill / decode_step / generate
 
-Supported `model_type`s: moe.model.spec.FAMILIES (qwen2_moe, qwen3_moe). The pieces are public for callers
+Supported `model_type`s: moe.model.spec.FAMILIES (qwen2_moe, qwen3_moe, qwen3_next). The pieces are public for callers
 that need them apart: moe.model.spec (config), moe.model.checkpoint (tensors), moe.engine.backends (MoE blocks),
 moe.engine.engine (decoder). The GPU side-stream overlap is load_model's `copy_overlap`, or when that is None
 EXPERTCACHE_MOE_COPY_OVERLAP; CUDA-graph decode is load_model's `cuda_graphs`, or when that is None
@@ -24,7 +24,7 @@ from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
 from moe.model.checkpoint import ModelWeights, load_checkpoint
 from moe.model.config import copy_overlap_from_env
 from moe.engine.engine import Engine
-from moe.engine.budget import kv_cache_bytes, memory_split, resolve_slots
+from moe.engine.budget import context_bytes, memory_split, resolve_slots
 from moe.model.spec import FAMILIES, CheckpointError, ModelSpec, read_config
 
 CUDA_GRAPHS_ENV = "EXPERTCACHE_CUDA_GRAPHS"
@@ -69,7 +69,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                               copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap)
     backend = make_backend(weights, num_slots, policy, max_batch=max_batch, **constants)
     if weights.device.type == "cuda":  # the KV cache is allocated last: say which flags to lower if it cannot be
-        kv = kv_cache_bytes(weights.spec, max_batch, max_seq_len)
+        kv = context_bytes(weights.spec, max_batch, max_seq_len)
         free = torch.cuda.mem_get_info(weights.device)[0]
         if kv > free:
             raise ValueError(f"the KV cache needs {kv / 2**30:.3g} GiB (max_batch={max_batch} x max_seq_len="

@@ -11,7 +11,9 @@ per-head RMSNorm with RoPE and the KV-cache write.
                    [b, :, position[b]]; one program a (row, head) (the torch path: about 20 kernels)
 
 Rounding follows moe.model.attention exactly where it rounds: the add in the model dtype, RMSNorm's
-statistic in float32 then a cast and the weight's multiply in the model dtype, RoPE's cos / sin from
+statistic in float32 then a cast and the weight's multiply in the model dtype (a float32 weight,
+Qwen3-Next's 1 + w: the multiply in float32 before the one cast), RoPE over the first R dims of a head
+(all D, or Qwen3-Next's partial rotary; the rest pass through) with cos / sin from
 float32 frequencies cast to the model dtype and x·cos + rot(x)·sin with each product and the sum
 rounded; only the order of RMSNorm's float32 sum differs. Legend: B = rows, H = hidden, Hq / Hkv =
 query / kv heads, D = head dim.
@@ -32,7 +34,7 @@ def _rms(x, n: tl.constexpr, eps):
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-                         ADD: tl.constexpr):
+                         ADD: tl.constexpr, W_F32: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < N
@@ -41,70 +43,87 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, eps, N: tl.con
         x = (x.to(tl.float32) + tl.load(res_ptr + row * N + offs, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + row * N + offs, x, mask=ok)
     xf = x.to(tl.float32)
-    y = (xf * _rms(xf, N, eps)).to(x.dtype)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + row * N + offs, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=ok)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if W_F32:  # (x / rms) * w in float32, one cast
+        tl.store(out_ptr + row * N + offs, (xf * _rms(xf, N, eps) * w).to(x.dtype), mask=ok)
+    else:
+        y = (xf * _rms(xf, N, eps)).to(x.dtype)
+        tl.store(out_ptr + row * N + offs, (w * y.to(tl.float32)).to(x.dtype), mask=ok)
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, h): s = x + residual in x's dtype (x itself without residual), h = weight * rms_norm(s)
-    (moe.model.attention.rms_norm's rounding). x, residual [B, H] contiguous, weight [H], one dtype and
-    device. Raises ValueError naming the argument that does not fit."""
+    (moe.model.attention.rms_norm's rounding). x, residual [B, H] contiguous, weight [H] (x's dtype, or
+    float32: multiplied before the cast), one device. Raises ValueError naming the argument that does
+    not fit."""
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"add_rms_norm: x must be a contiguous [B, H] tensor, got {list(x.shape)}")
     for name, t, shape in (("weight", weight, (x.shape[1],)), ("residual", residual, tuple(x.shape))):
-        if t is not None and (tuple(t.shape) != shape or t.dtype != x.dtype or t.device != x.device
+        dtypes = (x.dtype, torch.float32) if name == "weight" else (x.dtype,)
+        if t is not None and (tuple(t.shape) != shape or t.dtype not in dtypes or t.device != x.device
                               or not t.is_contiguous()):
             raise ValueError(f"add_rms_norm: {name} must be a contiguous {list(shape)} tensor of x's dtype "
-                             f"{x.dtype} on {x.device}, got {list(t.shape)} {t.dtype} on {t.device}")
+                             f"{x.dtype}{' (or float32)' if name == 'weight' else ''} on {x.device}, got "
+                             f"{list(t.shape)} {t.dtype} on {t.device}")
     b, n = x.shape
     s = torch.empty_like(x) if residual is not None else x
     out = torch.empty_like(x) if out is None else out
     _add_rms_norm_kernel[(b,)](x, x if residual is None else residual, weight, s, out, eps, N=n,
-                               BLOCK=triton.next_power_of_2(n), ADD=residual is not None)
+                               BLOCK=triton.next_power_of_2(n), ADD=residual is not None,
+                               W_F32=weight.dtype == torch.float32 and x.dtype != torch.float32)
     return s, out
 
 
 @triton.jit
-def _rope_head(src_ptr, norm_ptr, d, cos, sin, eps, D: tl.constexpr, NORM: tl.constexpr):
-    """One head [D] (src_ptr its first element), normed by norm_ptr's weight when NORM, rotated by
-    cos / sin [D] (model dtype as float32): x·cos + rot(x)·sin, each product and the sum rounded to the
-    model dtype (rot(x) = (-x[D/2:], x[:D/2]))."""
-    HALF: tl.constexpr = D // 2
+def _normed(x, w_ptr, at, r, dtype, NORM_F32: tl.constexpr):
+    """x (float32) / rms times the norm weight at `at`, rounded as moe.model.attention.rms_norm."""
+    w = tl.load(w_ptr + at).to(tl.float32)
+    if NORM_F32:
+        return (x * r * w).to(dtype)
+    return (w * (x * r).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _rope_head(src_ptr, norm_ptr, d, cos, sin, eps, D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr,
+               NORM_F32: tl.constexpr):
+    """One head [D] (src_ptr its first element), normed by norm_ptr's weight when NORM, its first R dims
+    rotated by cos / sin [D] (model dtype as float32; only the first R used): x·cos + rot(x)·sin, each
+    product and the sum rounded to the model dtype (rot(x) = (-x[R/2:R], x[:R/2])); dims R.. pass."""
+    HALF: tl.constexpr = R // 2
+    at = tl.where(d < R, (d + HALF) % R, d)  # the rotation partner of each rotated dim
     x = tl.load(src_ptr + d)
-    partner = tl.load(src_ptr + (d + HALF) % D)
+    partner = tl.load(src_ptr + at)
     dtype = x.dtype
     if NORM:
         xf = x.to(tl.float32)
         r = _rms(xf, D, eps)
-        x = (tl.load(norm_ptr + d).to(tl.float32) * (xf * r).to(dtype).to(tl.float32)).to(dtype)
-        partner = (tl.load(norm_ptr + (d + HALF) % D).to(tl.float32)
-                   * (partner.to(tl.float32) * r).to(dtype).to(tl.float32)).to(dtype)
+        x = _normed(xf, norm_ptr, d, r, dtype, NORM_F32)
+        partner = _normed(partner.to(tl.float32), norm_ptr, at, r, dtype, NORM_F32)
     rot = tl.where(d < HALF, -partner.to(tl.float32), partner.to(tl.float32))
     a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
     b = (rot * sin).to(dtype).to(tl.float32)
-    return (a + b).to(dtype)
+    return tl.where(d < R, (a + b).to(dtype), x)
 
 
 @triton.jit
 def _qk_rope_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, inv_freq_ptr, pos_ptr, q_out_ptr,
                           k_cache_ptr, v_cache_ptr, eps, max_len, sq, skv, HQ: tl.constexpr, HKV: tl.constexpr,
-                          D: tl.constexpr, NORM: tl.constexpr):
+                          D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, NORM_F32: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)  # 0..HQ-1: a query head; HQ..HQ+HKV-1: a kv head
     d = tl.arange(0, D)
     pos = tl.load(pos_ptr + row)
-    freq = pos.to(tl.float32) * tl.load(inv_freq_ptr + d % (D // 2))  # emb = cat(freqs, freqs)
+    freq = pos.to(tl.float32) * tl.load(inv_freq_ptr + d % (R // 2))  # emb = cat(freqs, freqs) over R dims
     dtype = q_out_ptr.dtype.element_ty
     cos = tl.cos(freq).to(dtype).to(tl.float32)
     sin = tl.sin(freq).to(dtype).to(tl.float32)
     if head < HQ:
-        y = _rope_head(q_ptr + row * sq + head * D, q_norm_ptr, d, cos, sin, eps, D, NORM)
+        y = _rope_head(q_ptr + row * sq + head * D, q_norm_ptr, d, cos, sin, eps, D, R, NORM, NORM_F32)
         tl.store(q_out_ptr + (row * HQ + head) * D + d, y)
     else:
         h = head - HQ
-        y = _rope_head(k_ptr + row * skv + h * D, k_norm_ptr, d, cos, sin, eps, D, NORM)
+        y = _rope_head(k_ptr + row * skv + h * D, k_norm_ptr, d, cos, sin, eps, D, R, NORM, NORM_F32)
         at = ((row * HKV + h).to(tl.int64) * max_len + pos) * D + d
         tl.store(k_cache_ptr + at, y)
         tl.store(v_cache_ptr + at, tl.load(v_ptr + row * skv + h * D + d))
@@ -122,19 +141,22 @@ def qk_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     one q / k / v projection qualify) -> q normed (q_norm given) and rotated at positions[b], as
     [B, Hq, D]; k normed (k_norm) and rotated, and v, written to k_cache / v_cache [B', Hkv, max_len, D]
     at [b, :, positions[b]] (positions int64 [>= B] on the device, each < max_len: not checked, a device
-    value). inv_freq: float32 [D / 2] (moe.model.attention.Rope.inv_freq). Raises ValueError naming
-    the argument that does not fit."""
+    value). inv_freq: float32 [R / 2] (moe.model.attention.Rope.inv_freq): the first R dims of a head
+    turn (R even, <= D). q_norm / k_norm: q's dtype, or both float32 (Qwen3-Next's 1 + w, multiplied
+    before the cast). Raises ValueError naming the argument that does not fit."""
     b = q.shape[0]
     hkv, max_len, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     hq = q.shape[1] // d if q.dim() == 2 else 0
     if q.dim() != 2 or q.shape[1] != hq * d or hq % max(hkv, 1) or d & (d - 1) or d < 2:
         raise ValueError(f"qk_rope_write: q {list(q.shape)} must be [B, Hq * D] with Hq a multiple of the cache's "
                          f"{hkv} kv heads of D = {d} (a power of two)")
+    norm_f32 = q_norm is not None and q_norm.dtype == torch.float32 and q.dtype != torch.float32
     for name, t, shape in (("k", k, (b, hkv * d)), ("v", v, (b, hkv * d)), ("v_cache", v_cache, tuple(k_cache.shape)),
                            ("q_norm", q_norm, (d,)), ("k_norm", k_norm, (d,))):
-        if t is not None and (tuple(t.shape) != shape or t.dtype != q.dtype or t.device != q.device
+        dtype = torch.float32 if norm_f32 and name.endswith("norm") else q.dtype
+        if t is not None and (tuple(t.shape) != shape or t.dtype != dtype or t.device != q.device
                               or not (_rows_contiguous(t) if name in ("k", "v") else t.is_contiguous())):
-            raise ValueError(f"qk_rope_write: {name} must be a {list(shape)} tensor of q's dtype {q.dtype} on "
+            raise ValueError(f"qk_rope_write: {name} must be a {list(shape)} tensor of dtype {dtype} on "
                              f"{q.device}, {'each row' if name in ('k', 'v') else 'all'} contiguous, got {list(t.shape)} "
                              f"{t.dtype} on {t.device} with strides {tuple(t.stride())}")
     if not _rows_contiguous(q) or k.stride(0) != v.stride(0):
@@ -142,30 +164,34 @@ def qk_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
                          f"q {tuple(q.stride())}, k {tuple(k.stride())}, v {tuple(v.stride())}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("qk_rope_write: give both q_norm and k_norm, or neither")
+    rot = 2 * inv_freq.shape[0] if inv_freq.dim() == 1 else 0
     if (k_cache.dtype != q.dtype or not k_cache.is_contiguous() or k_cache.shape[0] < b
-            or inv_freq.shape != (d // 2,) or inv_freq.dtype != torch.float32
+            or not 2 <= rot <= d or inv_freq.dtype != torch.float32
             or positions.dtype != torch.int64 or positions.shape[0] < b):
-        raise ValueError(f"qk_rope_write: k_cache must be a contiguous [>= {b}, Hkv, max_len, D] tensor of q's dtype, "
-                         f"inv_freq float32 [{d // 2}], positions int64 [>= {b}]; got k_cache {list(k_cache.shape)} "
+        raise ValueError(f"qk_rope_write: k_cache must be a contiguous [>= {b}, Hkv, max_len, D] tensor of q's "
+                         f"dtype, inv_freq float32 [R / 2], 2 <= R <= {d}, positions int64 [>= {b}]; got k_cache "
+                         f"{list(k_cache.shape)} "
                          f"{k_cache.dtype}, inv_freq {list(inv_freq.shape)} {inv_freq.dtype}, positions "
                          f"{list(positions.shape)} {positions.dtype}")
     q_out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     norm = q_norm is not None
     _qk_rope_write_kernel[(b, hq + hkv)](q, k, v, q_norm if norm else q, k_norm if norm else q, inv_freq, positions,
                                          q_out, k_cache, v_cache, eps, max_len, q.stride(0), k.stride(0), HQ=hq,
-                                         HKV=hkv, D=d, NORM=norm)
+                                         HKV=hkv, D=d, R=rot, NORM=norm, NORM_F32=norm_f32)
     return q_out
 
 
 def compile_for_target(hidden: int, heads: int, kv_heads: int, head_dim: int, dtype: str = "bf16",
-                       arch: int = 90) -> dict[str, dict]:
+                       arch: int = 90, rotary_dim: int = 0) -> dict[str, dict]:
     """Both kernels (qk_rope_write with q / k norms) compiled ahead of time for CUDA sm_<arch> (no GPU;
     needs ptxas): {name: Triton's asm dict}. dtype: Triton's name of the model dtype."""
     from moe.kernels.triton_launch import compile_for_sm
 
     p = f"*{dtype}"
     norm = compile_for_sm(_add_rms_norm_kernel, (p, p, p, p, p, "fp32"),
-                          {"N": hidden, "BLOCK": triton.next_power_of_2(hidden), "ADD": True}, 4, arch, {})
+                          {"N": hidden, "BLOCK": triton.next_power_of_2(hidden), "ADD": True, "W_F32": False}, 4,
+                          arch, {})
     rope = compile_for_sm(_qk_rope_write_kernel, (p, p, p, p, p, "*fp32", "*i64", p, p, p, "fp32", "i32", "i32", "i32"),
-                          {"HQ": heads, "HKV": kv_heads, "D": head_dim, "NORM": True}, 4, arch, {})
+                          {"HQ": heads, "HKV": kv_heads, "D": head_dim, "R": rotary_dim or head_dim, "NORM": True,
+                           "NORM_F32": False}, 4, arch, {})
     return {"_add_rms_norm_kernel": norm, "_qk_rope_write_kernel": rope}

@@ -10,7 +10,11 @@
     decode:  B sequences (rows 0..B-1), one token each at position lengths[b], attending to
              cache positions 0..lengths[b]; lengths may differ per row, so no padding is needed.
 
-KVCache holds k, v per decoder layer as [B, Hkv, max_len, D] in the model dtype, allocated once;
+Qwen3-Next (ModelSpec.attn_gate, rotary_dim < D): the output before o proj is multiplied by
+sigmoid(gate proj(x)) in the model dtype, and RoPE turns only the first rotary_dim dims of a head.
+
+KVCache holds k, v per full-attention decoder layer as [B, Hkv, max_len, D] in the model dtype
+(None for a linear-attention layer, whose state is moe.model.linear_attention's), allocated once;
 decode writes with index tensors and masks by `lengths` (a device tensor), so a decode step has fixed
 shapes and reads nothing back to the host (CUDA-graph capturable). The arithmetic follows
 transformers' Qwen2-MoE / Qwen3-MoE: RMSNorm in float32 then cast and scaled by the weight, RoPE
@@ -30,45 +34,67 @@ from moe.model.spec import ModelSpec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., N] -> weight * (x / rms(x)) in x's dtype, the statistic in float32 (transformers' RMSNorm)."""
+    """x [..., N] -> weight * (x / rms(x)) in x's dtype, the statistic in float32 (transformers' RMSNorm).
+
+    The weight's dtype says where it multiplies: a weight of x's dtype multiplies after the cast to it
+    (Qwen2-MoE / Qwen3-MoE); a float32 weight (Qwen3-Next's 1 + w, stored so by the loader) before it,
+    in float32 (for a float32 x the two are the same)."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (x32 * weight).to(x.dtype)
     return weight * x32.to(x.dtype)
 
 
 class Rope:
-    """Rotary embedding of head_dim D and base theta: cos / sin [T, D] for integer positions [T]."""
+    """Rotary embedding of the first `dims` dims of a head (all of them, or Qwen3-Next's partial
+    rotary) and base theta: cos / sin [T, dims] for integer positions [T]."""
 
-    def __init__(self, head_dim: int, theta: float, device: torch.device) -> None:
-        exps = torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim
-        self.inv_freq = 1.0 / (theta ** exps)  # [D/2] float32
+    def __init__(self, dims: int, theta: float, device: torch.device) -> None:
+        exps = torch.arange(0, dims, 2, dtype=torch.float, device=device) / dims
+        self.inv_freq = 1.0 / (theta ** exps)  # [dims / 2] float32
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dims / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, dims]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated by cos / sin [T, D] (rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """x [T, heads, D] with its first R dims rotated by cos / sin [T, R] (rotate-half convention within
+    those R; the other D - R dims pass through)."""
+    r = cos.shape[-1]
+    rot, keep = (x, None) if r == x.shape[-1] else (x[..., :r], x[..., r:])
+    half = r // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return out if keep is None else torch.cat((out, keep), dim=-1)
 
 
 class KVCache:
-    """Per decoder layer k, v [B, Hkv, max_len, D]; `lengths` int64 [B] tokens cached per row.
+    """Per full-attention decoder layer k, v [B, Hkv, max_len, D] (None at a linear-attention layer);
+    `lengths` int64 [B] tokens cached per row.
 
-    Cost: 2 * layers * B * Hkv * max_len * D elements of the model dtype, allocated at construction.
+    Cost: 2 * full-attention layers * B * Hkv * max_len * D elements of the model dtype, allocated at
+    construction.
     """
 
     def __init__(self, spec: ModelSpec, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        full = set(spec.full_layers)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) if i in full else None
+                  for i in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) if i in full else None
+                  for i in range(spec.num_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)
         self.batch, self.max_len = batch, max_len
+
+
+def _gated(out: torch.Tensor, x: torch.Tensor, w: AttentionWeights) -> torch.Tensor:
+    """The attention's output [T, Hq * D] times sigmoid of the output gate (Qwen3-Next), in the model
+    dtype; unchanged without a gate. x: the layer's input [T, H]."""
+    return out if w.gate is None else out * torch.sigmoid(F.linear(x, w.gate, w.gate_bias))
 
 
 def _project(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, positions: torch.Tensor,
@@ -109,7 +135,7 @@ def attention_prefill(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rop
         mask = torch.arange(n, device=x.device)[None, :] <= torch.arange(start, n, device=x.device)[:, None]  # [T, n]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], cache.k[layer][row:row + 1, :, :n],
                                              cache.v[layer][row:row + 1, :, :n], attn_mask=mask, enable_gqa=gqa)
-    return F.linear(out[0].transpose(0, 1).reshape(t, -1), w.o, w.o_bias)
+    return F.linear(_gated(out[0].transpose(0, 1).reshape(t, -1), x, w), w.o, w.o_bias)
 
 
 def attention_decode_fused(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope: Rope, cache: KVCache,
@@ -122,11 +148,13 @@ def attention_decode_fused(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec
     up to the sum orders (tests/moe/test_decode_fused.py). The engine's path on a CUDA device."""
     b = batch
     pos = cache.lengths[:b]  # [B]
-    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split((w.q.shape[0], w.k.shape[0], w.v.shape[0]), dim=1)
+    q, k, v, *gate = F.linear(x, w.qkv, w.qkv_bias).split(w.qkv_rows, dim=1)
     norms = (w.q_norm, w.k_norm) if spec.qk_norm else ()
     q = qk_rope_write(q, k, v, pos, rope.inv_freq, cache.k[layer], cache.v[layer], spec.rms_eps, *norms)
-    out = decode_attention(q, cache.k[layer], cache.v[layer], pos, spec.head_dim ** -0.5)  # [B, Hq, D]
-    return F.linear(out.reshape(b, -1), w.o, w.o_bias)
+    out = decode_attention(q, cache.k[layer], cache.v[layer], pos, spec.head_dim ** -0.5).reshape(b, -1)
+    if gate:
+        out = out * torch.sigmoid(gate[0])
+    return F.linear(out, w.o, w.o_bias)
 
 
 def attention_decode(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope: Rope, cache: KVCache,
@@ -147,4 +175,4 @@ def attention_decode(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope
     out = F.scaled_dot_product_attention(q[:, :, None, :], cache.k[layer][:b], cache.v[layer][:b],
                                          attn_mask=live[:, None, None, :],
                                          enable_gqa=spec.num_heads != spec.num_kv_heads)  # [B, Hq, 1, D]
-    return F.linear(out.reshape(b, -1), w.o, w.o_bias)
+    return F.linear(_gated(out.reshape(b, -1), x, w), w.o, w.o_bias)

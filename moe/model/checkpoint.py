@@ -49,9 +49,10 @@ from tqdm.auto import tqdm
 from expertcache.formats import ExpertFormat, bank_name
 from expertcache.pool import Bank, HostStore
 from moe.kernels.slot_matrix import SlotMatrix
+from moe.model.linear_attention import LinearAttentionWeights
 from moe.model.quantized import read_parts
 from moe.model.reference import SharedWeights
-from moe.model.spec import UNQUANTIZED_ONLY, CheckpointError, ModelSpec, read_config
+from moe.model.spec import LINEAR, UNQUANTIZED_ONLY, CheckpointError, ModelSpec, read_config
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # safetensors dtypes converted faithfully to the model dtype (F64 rounds as F32 does); anything else
@@ -66,11 +67,14 @@ BNB_QUANT = re.compile(r"(.+\.weight)\.(absmax|quant_map|SCB|nested_absmax|neste
 
 @dataclass
 class AttentionWeights:
-    """q [Hq*D, H], k / v [Hkv*D, H], o [H, Hq*D]; biases [rows] or None; q_norm / k_norm [D] or None.
+    """q [Hq*D, H], k / v [Hkv*D, H], o [H, Hq*D]; biases [rows] or None; q_norm / k_norm [D] or None
+    (float32 1 + w for Qwen3-Next, moe.model.attention.rms_norm); gate [Hq*D, H] (and gate_bias): Qwen3-Next's
+    output gate, the gate half of each head's rows of its q_proj (which interleaves per head D query
+    rows and D gate rows), or None.
 
-    q, k and v are stored as one matrix, qkv [(Hq + 2 Hkv) * D, H] (and their biases as qkv_bias), with
-    q, k, v (q_bias, k_bias, v_bias) views of its rows: the fused decode step projects a token with one
-    GEMM of the three, no copy of the weights."""
+    q, k, v (and the gate) are stored as one matrix, qkv [(Hq + 2 Hkv (+ Hq)) * D, H] (and their biases as
+    qkv_bias), with q, k, v, gate (q_bias, ...) views of its rows: the fused decode step projects a token
+    with one GEMM of them all, no copy of the weights. qkv_rows: the rows of each, in order."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -82,19 +86,27 @@ class AttentionWeights:
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    gate: torch.Tensor | None = None
+    gate_bias: torch.Tensor | None = None
     qkv: torch.Tensor = field(init=False, repr=False)
     qkv_bias: torch.Tensor | None = field(init=False, repr=False)
+    qkv_rows: tuple[int, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        rows = (self.q.shape[0], self.k.shape[0], self.v.shape[0])
-        self.qkv = torch.cat([self.q, self.k, self.v])
-        self.q, self.k, self.v = self.qkv.split(rows)
-        biases = (self.q_bias, self.k_bias, self.v_bias)
+        mats = [self.q, self.k, self.v] + ([] if self.gate is None else [self.gate])
+        biases = [self.q_bias, self.k_bias, self.v_bias] + ([] if self.gate is None else [self.gate_bias])
+        self.qkv_rows = tuple(m.shape[0] for m in mats)
+        self.qkv = torch.cat(mats)
+        parts = self.qkv.split(self.qkv_rows)
+        self.q, self.k, self.v = parts[:3]
+        self.gate = parts[3] if self.gate is not None else None
         if any(b is None for b in biases) != all(b is None for b in biases):
-            raise ValueError("AttentionWeights: give q, k and v biases together, or none")
+            raise ValueError("AttentionWeights: give the q, k, v (and gate) biases together, or none")
         self.qkv_bias = None if self.q_bias is None else torch.cat(biases)
         if self.qkv_bias is not None:
-            self.q_bias, self.k_bias, self.v_bias = self.qkv_bias.split(rows)
+            parts = self.qkv_bias.split(self.qkv_rows)
+            self.q_bias, self.k_bias, self.v_bias = parts[:3]
+            self.gate_bias = parts[3] if self.gate is not None else None
 
 
 @dataclass
@@ -117,9 +129,9 @@ class DenseWeights:
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # [H]
+    input_norm: torch.Tensor  # [H] (float32 1 + w for Qwen3-Next)
     post_norm: torch.Tensor  # [H]
-    attn: AttentionWeights
+    attn: AttentionWeights | LinearAttentionWeights  # the token mixer: full or (Qwen3-Next) linear attention
     mlp: MoEWeights | DenseWeights
 
 
@@ -274,7 +286,7 @@ def write_experts(store: HostStore, fmt: ExpertFormat, name: str, weights: torch
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", *, dtype: str | None = None,
                     pin: bool | None = None, progress: bool = True, copy_overlap: bool = False,
                     expert_format: str | None = None) -> ModelWeights:
-    """Load a qwen2_moe / qwen3_moe checkpoint directory, unquantized or quantized (module docstring).
+    """Load a qwen2_moe / qwen3_moe / qwen3_next checkpoint directory, unquantized or quantized (module docstring).
 
     device: where everything but the routed experts goes. dtype: "float32" / "float16" / "bfloat16"
     (default: the config's). expert_format: the routed experts' storage (--moe-expert-format, one of
@@ -293,7 +305,14 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", *, dty
     layers = [_load_layer(reader, spec, store, i)
               for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}", disable=not progress)]
     lm_head = embed if spec.tie_word_embeddings else reader.get("lm_head.weight", (v, h))
-    return ModelWeights(spec, embed, reader.get("model.norm.weight", (h,)), lm_head, layers, store, device)
+    return ModelWeights(spec, embed, _norm(reader, spec, "model.norm.weight", h), lm_head, layers, store, device)
+
+
+def _norm(reader: TensorReader, spec: ModelSpec, name: str, n: int) -> torch.Tensor:
+    """An RMSNorm weight [n]: in the model dtype, or for a (1 + w) norm (Qwen3-Next) the float32 1 + w of
+    the model-dtype w, the factor transformers computes each call (moe.model.attention.rms_norm)."""
+    w = reader.get(name, (n,))
+    return 1.0 + w.float() if spec.norm_one_plus else w
 
 
 def _load_layer(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: int) -> LayerWeights:
@@ -305,25 +324,48 @@ def _load_layer(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: 
         gate_up = torch.cat([reader.get(p + "mlp.gate_proj.weight", (i, h)),
                              reader.get(p + "mlp.up_proj.weight", (i, h))])
         mlp = DenseWeights(gate_up, reader.get(p + "mlp.down_proj.weight", (h, i)))
-    return LayerWeights(reader.get(p + "input_layernorm.weight", (h,)),
-                        reader.get(p + "post_attention_layernorm.weight", (h,)),
-                        _load_attention(reader, spec, p + "self_attn."), mlp)
+    mixer = (_load_linear_attention(reader, spec, p + "linear_attn.") if spec.layer_types[layer] == LINEAR
+             else _load_attention(reader, spec, p + "self_attn."))
+    return LayerWeights(_norm(reader, spec, p + "input_layernorm.weight", h),
+                        _norm(reader, spec, p + "post_attention_layernorm.weight", h), mixer, mlp)
 
 
 def _load_attention(reader: TensorReader, spec: ModelSpec, p: str) -> AttentionWeights:
     h, d = spec.hidden, spec.head_dim
     q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
     bias, norm = spec.qkv_bias, spec.qk_norm
+    gated = 2 if spec.attn_gate else 1  # Qwen3-Next's q_proj: per head D query rows, then D gate rows
+    q = reader.get(p + "q_proj.weight", (gated * q_rows, h))
+    q_bias = reader.optional(p + "q_proj.bias", (gated * q_rows,), bias)
+    gate = gate_bias = None
+    if spec.attn_gate:
+        q, gate = q.view(spec.num_heads, 2, d, h).unbind(1)
+        q, gate = q.reshape(q_rows, h), gate.reshape(q_rows, h)
+        if q_bias is not None:
+            q_bias, gate_bias = (b.reshape(q_rows) for b in q_bias.view(spec.num_heads, 2, d).unbind(1))
     return AttentionWeights(
-        q=reader.get(p + "q_proj.weight", (q_rows, h)), k=reader.get(p + "k_proj.weight", (kv_rows, h)),
+        q=q, k=reader.get(p + "k_proj.weight", (kv_rows, h)),
         v=reader.get(p + "v_proj.weight", (kv_rows, h)), o=reader.get(p + "o_proj.weight", (h, q_rows)),
-        q_bias=reader.optional(p + "q_proj.bias", (q_rows,), bias),
+        q_bias=q_bias,
         k_bias=reader.optional(p + "k_proj.bias", (kv_rows,), bias),
         v_bias=reader.optional(p + "v_proj.bias", (kv_rows,), bias),
         o_bias=reader.optional(p + "o_proj.bias", (h,), spec.o_bias),
-        q_norm=reader.optional(p + "q_norm.weight", (d,), norm),
-        k_norm=reader.optional(p + "k_norm.weight", (d,), norm),
+        q_norm=_norm(reader, spec, p + "q_norm.weight", d) if norm else None,
+        k_norm=_norm(reader, spec, p + "k_norm.weight", d) if norm else None,
+        gate=gate, gate_bias=gate_bias,
     )
+
+
+def _load_linear_attention(reader: TensorReader, spec: ModelSpec, p: str) -> LinearAttentionWeights:
+    """Qwen3-Next's Gated DeltaNet layer (linear_attn.*) in the model dtype."""
+    s, h = spec.linear, spec.hidden
+    kd, vd = s.key_heads * s.key_dim, s.value_heads * s.value_dim
+    return LinearAttentionWeights(
+        in_proj_qkvz=reader.get(p + "in_proj_qkvz.weight", (2 * kd + 2 * vd, h)),
+        in_proj_ba=reader.get(p + "in_proj_ba.weight", (2 * s.value_heads, h)),
+        conv_w=reader.get(p + "conv1d.weight", (s.channels, 1, s.conv_kernel))[:, 0].contiguous(),
+        a_log=reader.get(p + "A_log", (s.value_heads,)), dt_bias=reader.get(p + "dt_bias", (s.value_heads,)),
+        norm_w=reader.get(p + "norm.weight", (s.value_dim,)), out_proj=reader.get(p + "out_proj.weight", (h, vd)))
 
 
 def _load_moe(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: int) -> MoEWeights:

@@ -80,6 +80,44 @@ class LinearAttentionState:
             torch.zeros(rows, shape.value_heads, shape.key_dim, shape.value_dim, device=device))
 
 
+class RecurrentCache:
+    """The linear-attention layers' per-sequence state, the KV cache's counterpart: for each decoder
+    layer in `layers`, a LinearAttentionState of `batch` rows (conv [batch, C, K - 1] in the model dtype,
+    delta [batch, Hv, Dk, Dv] float32), allocated once, changed only in place (CUDA graphs read it).
+
+    Cost: layers * batch * (C * (K - 1) * the dtype's bytes + Hv * Dk * Dv * 4) bytes (state_bytes).
+    """
+
+    def __init__(self, shape: LinearAttentionShape, layers: tuple[int, ...], batch: int, dtype: torch.dtype,
+                 device) -> None:
+        self.shape = shape
+        self.states = {i: LinearAttentionState.zeros(shape, batch, dtype, device) for i in layers}
+
+    @staticmethod
+    def state_bytes(shape: LinearAttentionShape, layers: int, batch: int, dtype_bytes: int) -> int:
+        """Bytes a RecurrentCache of `layers` layers and `batch` rows allocates."""
+        conv = shape.channels * (shape.conv_kernel - 1) * dtype_bytes
+        per_row = conv + shape.value_heads * shape.key_dim * shape.value_dim * 4
+        return layers * batch * per_row
+
+    def rows(self, layer: int, lo: int, hi: int) -> LinearAttentionState:
+        """Rows lo..hi-1 of decoder layer `layer`'s state, as views (contiguous: the leading dim)."""
+        st = self.states[layer]
+        return LinearAttentionState(st.conv[lo:hi], st.delta[lo:hi])
+
+    def reset(self, row: int) -> None:
+        """A fresh sequence in `row`: its state zeroed in every layer."""
+        for st in self.states.values():
+            st.conv[row].zero_()
+            st.delta[row].zero_()
+
+    def move(self, src: int, dst: int) -> None:
+        """Row `src`'s state copied into row `dst` in every layer (the engine's swap-remove)."""
+        for st in self.states.values():
+            st.conv[dst].copy_(st.conv[src])
+            st.delta[dst].copy_(st.delta[src])
+
+
 def _project(x: torch.Tensor, w: LinearAttentionWeights, s: LinearAttentionShape):
     """x [..., H] -> (mixed q | k | v [..., C], z [..., Hv, Dv], b, a [..., Hv]) in the checkpoint's
     per-key-head interleaving."""

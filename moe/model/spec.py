@@ -6,19 +6,30 @@
 
 Families (`model_type`), the fields read beyond the MoE block, and how they differ:
 
-| model_type | q/k/v bias                   | o bias          | q/k RMSNorm | shared expert |
-|------------|------------------------------|-----------------|-------------|---------------|
-| qwen2_moe  | `qkv_bias` (default true)    | none            | no          | sigmoid-gated |
-| qwen3_moe  | `attention_bias` (def false) | `attention_bias`| per head    | none          |
+| model_type | q/k/v bias                   | o bias          | q/k RMSNorm | shared expert | token mixers |
+|------------|------------------------------|-----------------|-------------|---------------|--------------|
+| qwen2_moe  | `qkv_bias` (default true)    | none            | no          | sigmoid-gated | attention    |
+| qwen3_moe  | `attention_bias` (def false) | `attention_bias`| per head    | none          | attention    |
+| qwen3_next | `attention_bias` (def false) | `attention_bias`| per head    | sigmoid-gated | hybrid       |
 
-Both read num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim (default
+qwen3_next (Qwen3-Next, Qwen3NextForCausalLM) is a hybrid stack: `layer_types` (or, without it, every
+`full_attention_interval`-th layer, default 4) names each layer's token mixer, "full_attention" or
+"linear_attention" (Gated DeltaNet, moe.model.linear_attention, its shape from the linear_* keys). Its
+full attention has an output gate (q_proj yields a query and a gate per head: out * sigmoid(gate)
+before o_proj) and rotates only the first head_dim * partial_rotary_factor dims (default 0.25; read
+from rope_parameters or the top level). Its RMSNorms (input, post-attention, final, q / k) scale by
+(1 + weight) in float32 before the cast; the loader stores that float32 factor (ModelSpec.norm_one_plus,
+moe.model.attention.rms_norm). norm_topk_prob defaults to true for it, as transformers' config does.
+
+All read num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim (default
 hidden_size // num_attention_heads), rope theta (`rope_parameters.rope_theta`, transformers >= 5, or
 `rope_theta`), rms_norm_eps, vocab_size, tie_word_embeddings, decoder_sparse_step, mlp_only_layers and
 intermediate_size (the dense MLP of layers that are not sparse). `num_local_experts` stands in for a
 missing `num_experts` (transformers >= 5 writes Qwen3-MoE configs that way). Layer l is sparse (an MoE layer) when
 `l not in mlp_only_layers and (l + 1) % decoder_sparse_step == 0`, as transformers decides. MoE layers
 are numbered 0..L_moe-1 in layer order; that number is the cache's `layer` (key = moe_index * E + e).
-Only the default rope and full attention are served: a scaled rope or a sliding window is refused.
+Only the default rope and full (or qwen3_next's linear) attention are served: a scaled rope or a
+sliding window is refused.
 
 Quantized checkpoints: a `quantization_config` (or `compression_config`, or ModelOpt's
 hf_quant_config.json beside config.json, which `read_config` folds in) is read by
@@ -40,6 +51,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from moe.model.config import DTYPES, MoEConfig
+from moe.model.linear_attention import LinearAttentionShape
 
 
 class CheckpointError(ValueError):
@@ -62,12 +74,17 @@ class Family:
     bias_default: bool
     o_bias: bool  # whether o_proj follows bias_key (else o_proj has no bias)
     qk_norm: bool  # per-head RMSNorm of q and k before RoPE
+    hybrid: bool = False  # Qwen3-Next: layer_types, output-gated partial-rotary attention, (1 + w) norms
+    norm_topk_default: bool = False  # norm_topk_prob when config.json lacks it (transformers' default)
 
 
 FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family(bias_key="qkv_bias", bias_default=True, o_bias=False, qk_norm=False),
     "qwen3_moe": Family(bias_key="attention_bias", bias_default=False, o_bias=True, qk_norm=True),
+    "qwen3_next": Family(bias_key="attention_bias", bias_default=False, o_bias=True, qk_norm=True, hybrid=True,
+                         norm_topk_default=True),
 }
+FULL, LINEAR = "full_attention", "linear_attention"  # layer_types values
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,10 @@ class ModelSpec:
     sparse: per layer, True for an MoE layer. moe: the MoE block (its dtype is the model's dtype, its
     expert_format the routed experts' storage). quant: how the checkpoint stores its quantized linears
     (moe.model.quantized.CheckpointQuant), None for an unquantized one.
+    layer_types: per layer FULL or LINEAR (() = every layer FULL). rotary_dim: the rotated dims of a
+    head (0 = head_dim). attn_gate: full attention's sigmoid output gate. norm_one_plus: RMSNorm scales
+    by (1 + weight) in float32 (the loader stores that factor as a float32 weight). linear: the
+    linear-attention layers' shape (None without any).
     """
 
     model_type: str
@@ -100,8 +121,17 @@ class ModelSpec:
     sparse: tuple[bool, ...]
     moe: MoEConfig
     quant: Any = None
+    layer_types: tuple[str, ...] = ()
+    rotary_dim: int = 0
+    attn_gate: bool = False
+    norm_one_plus: bool = False
+    linear: LinearAttentionShape | None = None
 
     def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
         for name in ("num_layers", "hidden", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -116,6 +146,24 @@ class ModelSpec:
         if not any(self.sparse):
             raise CheckpointError("config.json: no layer is an MoE layer (check mlp_only_layers and "
                                   "decoder_sparse_step); expertcache serves MoE models")
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {FULL, LINEAR}:
+            raise CheckpointError(f"config.json: layer_types must list {FULL!r} or {LINEAR!r} for each of the "
+                                  f"{self.num_layers} layers, got {list(self.layer_types)}")
+        if (LINEAR in self.layer_types) != (self.linear is not None):
+            raise CheckpointError("ModelSpec.linear must be given exactly when a layer is linear_attention")
+        if self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim:
+            raise CheckpointError(f"config.json: partial_rotary_factor gives {self.rotary_dim} rotated dims of "
+                                  f"head_dim={self.head_dim}; it must give an even number in 2..head_dim")
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """The decoder layers with full attention (those that hold a KV cache)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The decoder layers with linear attention (those that hold a recurrent state)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
 
     @property
     def dtype(self) -> str:
@@ -150,6 +198,7 @@ class ModelSpec:
         family = FAMILIES[model_type]
         quant = parse_quantization(config)
         config = _aliased(config)
+        config.setdefault("norm_topk_prob", family.norm_topk_default)
         config["torch_dtype"] = _model_dtype(config, dtype)  # what MoEConfig.from_hf reads
         fmt = _expert_format(expert_format, quant)
         try:
@@ -164,16 +213,18 @@ class ModelSpec:
         num_layers, hidden = _require(config, "num_hidden_layers"), _require(config, "hidden_size")
         heads = _require(config, "num_attention_heads")
         bias = bool(config.get(family.bias_key, family.bias_default))
+        head_dim = config.get("head_dim") or hidden // heads
+        hybrid = _hybrid_fields(config, num_layers, head_dim) if family.hybrid else {}
         return cls(
             model_type=model_type, num_layers=num_layers, hidden=hidden,
             vocab_size=_require(config, "vocab_size"), num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             rope_theta=float(_rope_theta(config)), rms_eps=float(_require(config, "rms_norm_eps")),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bias, o_bias=bias and family.o_bias, qk_norm=family.qk_norm,
             dense_intermediate=int(config.get("intermediate_size") or 0),
-            sparse=_sparse_layers(config, num_layers), moe=moe, quant=quant,
+            sparse=_sparse_layers(config, num_layers), moe=moe, quant=quant, **hybrid,
         )
 
 
@@ -262,6 +313,40 @@ def _check_attention_kind(config: Mapping[str, Any]) -> None:
     if config.get("use_sliding_window"):
         raise CheckpointError("config.json use_sliding_window=true: only full attention is served; "
                               "set it to false to serve within the window-free context")
+
+
+def _hybrid_fields(config: Mapping[str, Any], num_layers: int, head_dim: int) -> dict[str, Any]:
+    """qwen3_next's ModelSpec fields: layer_types (given, or every full_attention_interval-th layer
+    full, default 4, as transformers decides), rotary_dim = int(head_dim * partial_rotary_factor)
+    (default 0.25), the output gate, (1 + w) norms and the linear-attention shape (transformers'
+    defaults for absent linear_* keys). Raises CheckpointError naming the key."""
+    types = config.get("layer_types")
+    if types is None:
+        interval = config.get("full_attention_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise CheckpointError(f"config.json full_attention_interval must be an int >= 1, got {interval!r}")
+        types = [LINEAR if (i + 1) % interval else FULL for i in range(num_layers)]
+    params = config.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise CheckpointError(f"config.json partial_rotary_factor must be in (0, 1], got {factor!r}")
+    rotary = int(head_dim * factor)
+    if rotary < 2 or rotary % 2:
+        raise CheckpointError(f"config.json: partial_rotary_factor gives {rotary} rotated dims of head_dim={head_dim}; "
+                              "it must give an even number in 2..head_dim")
+    linear = None
+    if LINEAR in types:
+        try:
+            linear = LinearAttentionShape(
+                key_heads=int(config.get("linear_num_key_heads", 16)),
+                value_heads=int(config.get("linear_num_value_heads", 32)),
+                key_dim=int(config.get("linear_key_head_dim", 128)),
+                value_dim=int(config.get("linear_value_head_dim", 128)),
+                conv_kernel=int(config.get("linear_conv_kernel_dim", 4)), eps=float(_require(config, "rms_norm_eps")))
+        except ValueError as e:
+            raise CheckpointError(f"config.json: {e}") from None
+    return {"layer_types": tuple(types), "rotary_dim": rotary, "attn_gate": True,
+            "norm_one_plus": True, "linear": linear}
 
 
 def _sparse_layers(config: Mapping[str, Any], num_layers: int) -> tuple[bool, ...]:

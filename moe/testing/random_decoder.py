@@ -8,6 +8,10 @@
         attention q / k / v / o, embedding, lm_head: N(0, 1/fan_in) on `device` (embedding N(0, 1));
         norms 1
 
+`qwen3_next(num_layers)` is Qwen3-Next-80B-A3B's own decoder (model_type qwen3_next): every fourth layer
+gated full attention (16 query heads, 2 KV heads, head_dim 256, a quarter rotated), the others Gated
+DeltaNet linear attention (16 key / 32 value heads of 128, conv kernel 4), (1 + w) norms, every layer an
+MoE layer of 512 experts (I 512, top-10) and a shared expert of 512.
 `qwen3_next_like(num_layers)` is the MoE geometry of Qwen3-Next-80B-A3B (H 2048, 512 experts of
 I 512, top-10, one shared expert of 512, bf16) with standard attention (16 query heads, 2 KV heads,
 head_dim 128) in place of its hybrid linear / gated attention, and every layer an MoE layer. The
@@ -23,7 +27,8 @@ from typing import Any
 import torch
 
 from moe.model.checkpoint import TORCH_DTYPES, AttentionWeights, DenseWeights, LayerWeights, ModelWeights, MoEWeights
-from moe.model.spec import ModelSpec
+from moe.model.linear_attention import LinearAttentionWeights
+from moe.model.spec import LINEAR, ModelSpec
 from moe.testing.synthetic import random_weights
 
 
@@ -37,22 +42,60 @@ def qwen3_next_like(num_layers: int = 8, *, vocab_size: int = 32768, dtype: str 
             "tie_word_embeddings": False}
 
 
+def qwen3_next(num_layers: int = 8, *, vocab_size: int = 32768, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A config.json dict of Qwen3-Next-80B-A3B's decoder (module docstring), `num_layers` layers deep
+    (every fourth full attention), the vocabulary cut to `vocab_size`."""
+    return {"model_type": "qwen3_next", "num_hidden_layers": num_layers, "hidden_size": 2048,
+            "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "intermediate_size": 5120,
+            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
+            "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+            "vocab_size": vocab_size, "rope_theta": 1e7, "rms_norm_eps": 1e-6, "torch_dtype": dtype,
+            "tie_word_embeddings": False}
+
+
 def _randn(shape, std: float, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> torch.Tensor:
     return (torch.randn(shape, dtype=torch.float32, device=device, generator=gen) * std).to(dtype)
+
+
+def _norm(spec: ModelSpec, n: int, dtype, device, gen) -> torch.Tensor:
+    """An RMSNorm weight: ones, or for (1 + w) norms the float32 1 + w with w ~ 0.1 N(0, 1) drawn in the
+    model dtype (as the loader stores it)."""
+    if not spec.norm_one_plus:
+        return torch.ones(n, dtype=dtype, device=device)
+    return 1.0 + _randn((n,), 0.1, dtype, device, gen).float()
 
 
 def _attention(spec: ModelSpec, dtype, device, gen) -> AttentionWeights:
     h, d = spec.hidden, spec.head_dim
     q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
     bias = (lambda n: _randn((n,), 0.02, dtype, device, gen)) if spec.qkv_bias else (lambda n: None)
-    ones = torch.ones(d, dtype=dtype, device=device) if spec.qk_norm else None
+    norm = (lambda: _norm(spec, d, dtype, device, gen)) if spec.qk_norm else (lambda: None)
+    gate = _randn((q_rows, h), h ** -0.5, dtype, device, gen) if spec.attn_gate else None
     return AttentionWeights(
         q=_randn((q_rows, h), h ** -0.5, dtype, device, gen),
         k=_randn((kv_rows, h), h ** -0.5, dtype, device, gen),
         v=_randn((kv_rows, h), h ** -0.5, dtype, device, gen),
         o=_randn((h, q_rows), q_rows ** -0.5, dtype, device, gen),
         q_bias=bias(q_rows), k_bias=bias(kv_rows), v_bias=bias(kv_rows),
-        o_bias=bias(h) if spec.o_bias else None, q_norm=ones, k_norm=None if ones is None else ones.clone())
+        o_bias=bias(h) if spec.o_bias else None, q_norm=norm(), k_norm=norm(),
+        gate=gate, gate_bias=bias(q_rows) if gate is not None else None)
+
+
+def _linear_attention(spec: ModelSpec, dtype, device, gen) -> LinearAttentionWeights:
+    """Gated DeltaNet weights: projections N(0, 1/fan_in), conv taps N(0, 1/K), decay rates A = e^A_log
+    uniform in [1, 16) as transformers initialises them, dt_bias 1, the gated norm's weight 1."""
+    s, h = spec.linear, spec.hidden
+    kd, vd = s.key_heads * s.key_dim, s.value_heads * s.value_dim
+    a = torch.rand(s.value_heads, device=device, generator=gen) * 15 + 1
+    return LinearAttentionWeights(
+        in_proj_qkvz=_randn((2 * kd + 2 * vd, h), h ** -0.5, dtype, device, gen),
+        in_proj_ba=_randn((2 * s.value_heads, h), h ** -0.5, dtype, device, gen),
+        conv_w=_randn((s.channels, s.conv_kernel), s.conv_kernel ** -0.5, dtype, device, gen),
+        a_log=a.log().to(dtype), dt_bias=torch.ones(s.value_heads, dtype=dtype, device=device),
+        norm_w=torch.ones(s.value_dim, dtype=dtype, device=device),
+        out_proj=_randn((h, vd), vd ** -0.5, dtype, device, gen))
 
 
 def qwen3_30b_like(num_layers: int = 8, *, vocab_size: int = 32768, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -79,7 +122,7 @@ def flame_290m_like(num_layers: int = 8, *, vocab_size: int = 32768, dtype: str 
 
 def random_decoder(config: dict[str, Any], device: str | torch.device = "cuda", *, seed: int = 0,
                    pin: bool | None = None, copy_overlap: bool = False, expert_format: str | None = None) -> ModelWeights:
-    """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe keys; see moe.model.spec).
+    """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe / qwen3_next keys; see moe.model.spec).
 
     device: where everything but the routed experts goes; the routed experts go to a HostStore
     (pinned when `pin`, default: when CUDA is available), in `expert_format` (an expertcache.formats
@@ -103,8 +146,10 @@ def random_decoder(config: dict[str, Any], device: str | torch.device = "cuda", 
             i = spec.dense_intermediate
             mlp = DenseWeights(_randn((2 * i, h), h ** -0.5, dtype, device, gen),
                                _randn((h, i), i ** -0.5, dtype, device, gen))
-        norm = torch.ones(h, dtype=dtype, device=device)
-        layers.append(LayerWeights(norm, norm.clone(), _attention(spec, dtype, device, gen), mlp))
+        mixer = (_linear_attention(spec, dtype, device, gen) if spec.layer_types[layer] == LINEAR
+                 else _attention(spec, dtype, device, gen))
+        layers.append(LayerWeights(_norm(spec, h, dtype, device, gen), _norm(spec, h, dtype, device, gen), mixer,
+                                   mlp))
     embed = _randn((v, h), 1.0, dtype, device, gen)
     lm_head = embed if spec.tie_word_embeddings else _randn((v, h), h ** -0.5, dtype, device, gen)
-    return ModelWeights(spec, embed, torch.ones(h, dtype=dtype, device=device), lm_head, layers, moe.store, device)
+    return ModelWeights(spec, embed, _norm(spec, h, dtype, device, gen), lm_head, layers, moe.store, device)

@@ -8,7 +8,9 @@ Vocabulary: 0 <unk>, 1 <|endoftext|>, 2 <|im_start|>, 3 <|im_end|> (special), 4 
 6 system, 7..127 the words w7..w127. Decoding joins words with spaces. The lm_head rows of the
 special tokens are zero, so their logit is 0 while the words' spread over about ±6: greedy decoding
 never picks eos, and every greedy request runs to max_tokens (tests of eos pass eos ids explicitly).
-Model: 3 layers (layer 1 dense), 8 experts top-2, shared expert: 2 MoE layers, 16 cache keys.
+Model: 3 layers (layer 1 dense), 8 experts top-2, shared expert: 2 MoE layers, 16 cache keys. The other
+families (FAMILY_CONFIGS) take the same sizes in their own classes: qwen3_moe (q / k norms, no shared
+expert) and qwen3_next (linear / dense-MLP full / linear attention, head_dim 32 half rotated).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+from transformers import (Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
+                          Qwen3NextForCausalLM)
 
 VOCAB = 128
 SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -32,6 +35,16 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['conte
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=48, mlp_only_layers=[1])
+
+FAMILY_CONFIGS = {
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, CONFIG),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {**CONFIG, "head_dim": 16, "mlp_only_layers": [1]}),
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM,
+                   {**CONFIG, "head_dim": 32, "partial_rotary_factor": 0.5,
+                    "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+                    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                    "linear_value_head_dim": 16}),
+}
 
 
 def write_tokenizer(path) -> None:
@@ -45,14 +58,15 @@ def write_tokenizer(path) -> None:
         {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
 
 
-def make_tiny_checkpoint(path: Path) -> Path:
-    """Write the tiny random Qwen2-MoE checkpoint with its tokenizer into `path`; returns it."""
-    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**CONFIG)).eval()
-    gen = torch.Generator().manual_seed(7)
+def make_tiny_checkpoint(path: Path, family: str = "qwen2_moe") -> Path:
+    """Write the tiny random checkpoint of `family` (a FAMILY_CONFIGS key) with its tokenizer into `path`;
+    returns it."""
+    from tests.moe.test_model import _randomize
+
+    config_cls, model_cls, config = FAMILY_CONFIGS[family]
+    model = model_cls(config_cls(**config)).eval()
+    _randomize(model, seed=7)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.2 * noise if "norm" in name else 0.3 * noise)
         model.lm_head.weight[: len(SPECIALS)] = 0
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)

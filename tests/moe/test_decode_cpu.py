@@ -92,7 +92,7 @@ def test_forced_routing_refuses_bad_pairs():
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     config_cls, model_cls, extra = FAMILIES[request.param]
-    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    model = model_cls(config_cls(**{**COMMON, **extra})).eval()
     _randomize(model, seed=7 + sorted(FAMILIES).index(request.param))
     path = tmp_path_factory.mktemp(f"cpu-gpu-backend-{request.param}")
     model.save_pretrained(path, safe_serialization=True)

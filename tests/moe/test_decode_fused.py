@@ -1,8 +1,9 @@
 """The engine's fused decode step (Engine._decode_body_fused: residual adds fused into RMSNorm, q / k
 norm + RoPE + cache write in one launch, split-K decode attention over each row's own length) against
 its torch decode step, on the CPU under Triton's interpreter: two engines over the same weights, one
-each way, rows of different lengths, both families (qwen2_moe with a shared expert and q/k/v bias;
-qwen3_moe with q/k norms), float32 (greedy tokens identical, logits within 1e-4), float16 and
+each way, rows of different lengths, every family (qwen2_moe with a shared expert and q/k/v bias;
+qwen3_moe with q/k norms; qwen3_next with linear-attention layers around an output-gated, half-rotated
+attention layer and float32 (1 + w) norms), float32 (greedy tokens identical, logits within 1e-4), float16 and
 bfloat16 (GPU only: the interpreter truncates float32 -> bfloat16 casts where the GPU and torch round to
 nearest, so on the CPU the two paths drift apart by design, not by error). In 16 bits every expert is
 routed (top-k = E): the router's top-k is discontinuous, and the two paths' rounding differences flip an
@@ -24,7 +25,12 @@ BASE = {"num_hidden_layers": 2, "hidden_size": 64, "num_experts": 16, "num_exper
         "moe_intermediate_size": 32, "norm_topk_prob": True, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "vocab_size": 64, "rope_theta": 1e4, "rms_norm_eps": 1e-6}
 FAMILIES = {"qwen2": {**BASE, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 32, "qkv_bias": True},
-            "qwen3": {**BASE, "model_type": "qwen3_moe", "attention_bias": False}}
+            "qwen3": {**BASE, "model_type": "qwen3_moe", "attention_bias": False},
+            "qwen3_next": {**BASE, "model_type": "qwen3_next", "num_hidden_layers": 3,
+                           "shared_expert_intermediate_size": 32,
+                           "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+                           "partial_rotary_factor": 0.5, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                           "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}}
 
 
 def _engines(family, dtype, **overrides):
@@ -60,7 +66,7 @@ def test_the_fused_step_is_the_torch_step(family, dtype):
         else:  # 16-bit rounding at every sublayer: the paths' sum orders may move a value by an ulp there
             assert (got - want).abs().max().item() <= 2e-2 * scale
         tokens = [want.argmax(dim=-1), want.argmax(dim=-1)]  # both fed the same tokens
-    for a, b in zip(torch_engine.kv.k + torch_engine.kv.v, fused_engine.kv.k + fused_engine.kv.v):
+    for a, b in zip(torch_engine.context_state(), fused_engine.context_state(), strict=True):
         tol = 1e-5 if dtype == "float32" else 2e-2
         assert (a.float() - b.float()).abs().max().item() <= tol * a.float().abs().max().item()
     assert torch.equal(torch_engine.kv.lengths, fused_engine.kv.lengths)
@@ -84,7 +90,7 @@ def test_a_prompt_prefilled_in_chunks_is_the_prompt_prefilled_at_once(family):
     for a, b in zip(got, want):
         assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()
     assert whole.kv.lengths.tolist() == chunked.kv.lengths.tolist() == [11, 2]
-    for a, b in zip(whole.kv.k + whole.kv.v, chunked.kv.k + chunked.kv.v):
+    for a, b in zip(whole.context_state(), chunked.context_state(), strict=True):
         assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()
     step = [e.decode_step([5, 6]) for e in engines]
     assert (step[0] - step[1]).abs().max().item() <= 1e-4 * step[0].abs().max().item()
@@ -117,7 +123,7 @@ def test_a_32k_context_decodes_as_the_torch_step(family):
         engine._fused = fused
         engine.prefill([[3, 9, 27], [8, 1, 60]])
         engines.append(engine)
-    for layer in range(len(engines[0].kv.k)):
+    for layer in engines[0].spec.full_layers:
         for cache in ("k", "v"):
             fill = torch.randn(engines[0].kv.k[layer].shape, generator=gen, device=device)
             for engine in engines:

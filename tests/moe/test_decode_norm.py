@@ -28,11 +28,13 @@ def _close(got, want, dtype, gpu):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("add", [True, False], ids=["residual", "norm-only"])
-def test_add_rms_norm_is_the_add_then_rms_norm(dtype, add):
+@pytest.mark.parametrize("w_f32", [False, True], ids=["w-model-dtype", "w-f32"])
+def test_add_rms_norm_is_the_add_then_rms_norm(dtype, add, w_f32):
+    """w_f32: a float32 weight (Qwen3-Next's 1 + w), multiplied before the cast."""
     device, gpu = device_or_skip()
     g = torch.Generator().manual_seed(4)
     x, res = (torch.randn(3, 200, generator=g).to(dtype).to(device) for _ in range(2))
-    w = (1 + 0.1 * torch.randn(200, generator=g)).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(200, generator=g)).to(torch.float32 if w_f32 else dtype).to(device)
     s, h = add_rms_norm(x, w, 1e-6, residual=res if add else None)
     want_s = x + res if add else x
     if gpu or dtype != torch.bfloat16:
@@ -42,19 +44,26 @@ def test_add_rms_norm_is_the_add_then_rms_norm(dtype, add):
     _close(h, rms_norm(want_s, w, 1e-6), dtype, gpu)
 
 
+# (q / k norm, its weight's dtype, rotated dims of 32): qwen2 (none), qwen3 (model dtype, all), and
+# qwen3_next ((1 + w) in float32, a quarter rotated) with the other combinations
+VARIANTS = {"no-norm": (False, None, 32), "qk-norm": (True, None, 32), "no-norm-partial": (False, None, 8),
+            "f32-norm": (True, torch.float32, 32), "f32-norm-partial": (True, torch.float32, 8)}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "no-norm"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("packed", [False, True], ids=["apart", "qkv-slices"])
-def test_qk_rope_write_is_the_torch_projection_tail(dtype, norm, packed):
+def test_qk_rope_write_is_the_torch_projection_tail(dtype, variant, packed):
     device, gpu = device_or_skip()
+    norm, norm_dtype, rot = VARIANTS[variant]
     g = torch.Generator().manual_seed(5)
     b, hq, hkv, d, max_len = 3, 8, 2, 32, 50
     q = torch.randn(b, hq * d, generator=g).to(dtype).to(device)
     k = torch.randn(b, hkv * d, generator=g).to(dtype).to(device)
     v = torch.randn(b, hkv * d, generator=g).to(dtype).to(device)
-    qn, kn = ((1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(device) for _ in range(2))
+    qn, kn = ((1 + 0.1 * torch.randn(d, generator=g)).to(norm_dtype or dtype).to(device) for _ in range(2))
     pos = torch.tensor([0, 17, 49], dtype=torch.int64, device=device)
-    rope = Rope(d, 1e6, torch.device(device))
+    rope = Rope(rot, 1e6, torch.device(device))
     kc = torch.randn(b + 1, hkv, max_len, d, generator=g).to(dtype).to(device)
     vc = torch.randn(b + 1, hkv, max_len, d, generator=g).to(dtype).to(device)
     want_k, want_v = kc.clone(), vc.clone()
@@ -92,7 +101,9 @@ def test_add_rms_norm_names_a_bad_argument(bad, message):
 
 @pytest.mark.parametrize("bad, message", [("q", "q [2, 30]"), ("v", "v must be a [2, 16] tensor"),
                                           ("v-rows", "each row contiguous"), ("kv-stride", "k, v of one row stride"),
-                                          ("norms", "give both q_norm and k_norm"), ("pos", "positions int64")])
+                                          ("norms", "give both q_norm and k_norm"), ("pos", "positions int64"),
+                                          ("rotary", "inv_freq float32 [R / 2], 2 <= R <= 8"),
+                                          ("norm-dtypes", "k_norm must be a [8] tensor of dtype torch.float32")])
 def test_qk_rope_write_names_a_bad_argument(bad, message):
     device, _ = device_or_skip()
     q, k, v = torch.randn(2, 32, device=device), torch.randn(2, 16, device=device), torch.randn(2, 16, device=device)
@@ -111,6 +122,11 @@ def test_qk_rope_write_names_a_bad_argument(bad, message):
         norms = (torch.ones(8, device=device),)
     if bad == "pos":
         pos = pos.int()
+    if bad == "rotary":
+        inv = torch.ones(5, device=device)  # 10 rotated dims of 8
+    if bad == "norm-dtypes":
+        q, k, v, kc, vc = (t.half() for t in (q, k, v, kc, vc))
+        norms = (torch.ones(8, device=device), torch.ones(8, device=device).half())
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         qk_rope_write(q, k, v, pos, inv, kc, vc, 1e-6, *norms)
 

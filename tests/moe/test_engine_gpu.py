@@ -1,6 +1,6 @@
 """The decode engine on a GPU (GpuMoE + CUDA-graph decode) against Hugging Face transformers on the GPU.
 
-    tiny random transformers checkpoints (tests/moe/test_model.py's, both families) ─save─► dir
+    tiny random transformers checkpoints (tests/moe/test_model.py's, every family) ─save─► dir
         ─load_model(dir, "cuda", dtype)─► Engine: MoELayer per MoE layer, decode steps as CUDA graphs
     compared, at slot counts that make every decode step miss and evict (asserted from the counters),
     for every policy (lru, rule, lfuda) with the copy overlap off and on (qwen3 has no shared expert:
@@ -14,7 +14,8 @@ its "on" runs only the early hits on the side stream; asserted):
                chose, or where the logit gap it crossed is within the bf16 noise of transformers' own
                router there (twice the largest |bf16 - float32| router logit difference)
     graph replay against eager decode (cuda_graphs=False): bitwise equal logits, slot maps and recorded
-    routing at batch 1 and 2, rows leaving and joining in between; recorded routing = the layers' own.
+    routing at batch 1 and 2, rows leaving and joining in between; recorded routing = the layers' own;
+    overlap on against off through the same script: bitwise equal logits, slot maps and context state.
 
 Why token identity is checked in float32: the engine's MoE kernels accumulate in float32 and round once,
 while transformers rounds after every bf16 linear, so bf16 logits differ by up to a few per cent and
@@ -38,7 +39,7 @@ import torch
 from expertcache.host import MISSES
 from moe.engine.loading import load_model
 from moe.kernels.plan import OverlapMode
-from tests.moe.test_model import COMMON, FAMILIES, _close, _randomize, _tokens
+from tests.moe.test_model import COMMON, FAMILIES, _close, _hf_logits_and_router, _randomize, _routing_alike, _tokens
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -52,7 +53,7 @@ STEPS = 8
 def family(request, tmp_path_factory):
     """(name, {"float32": HF model on cuda, "bfloat16": its bf16 copy}, checkpoint dir), built once."""
     config_cls, model_cls, extra = FAMILIES[request.param]
-    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    model = model_cls(config_cls(**{**COMMON, **extra})).eval()
     _randomize(model, seed=len(request.param) + sorted(FAMILIES).index(request.param))
     path = tmp_path_factory.mktemp(f"gpu-{request.param}")
     model.save_pretrained(path, safe_serialization=True)
@@ -151,33 +152,6 @@ def test_bfloat16_logits_within_bf16_tolerance(family, policy, overlap):
         assert own <= 1.5 * theirs + 2**-8 * ref32.abs().mean().item(), (row, own, theirs)
 
 
-def _hf_logits_and_router(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' float32 logits [T, V] and router logits [L, T, E] of one sequence."""
-    with torch.no_grad():
-        out = model(torch.tensor([seq], device=model.device), output_router_logits=True)
-    return out.logits[0].float(), torch.stack([r.float() for r in out.router_logits])
-
-
-def _routing_alike(ids: torch.Tensor, router16: torch.Tensor, router32: torch.Tensor, k: int) -> bool:
-    """ids [L, k] the engine routed one token to; router16 / router32 [L, E] transformers' bf16 / float32
-    router logits for it -> True where every layer chose transformers' bf16 experts; False where the
-    first layer that differs is explained: the engine chose the float32 router's experts there, or the
-    gap it crossed (transformers' k-th bf16 logit less the lowest of the experts only the engine chose)
-    is within twice transformers' own bf16 noise at that layer (max |router16 - router32|);
-    AssertionError where it is not."""
-    for layer in range(router16.shape[0]):
-        theirs = set(router16[layer].topk(k).indices.tolist())
-        mine = set(ids[layer].tolist())
-        if mine != theirs:
-            logits = router16[layer]
-            gap = (logits.topk(k).values[-1] - logits[sorted(mine - theirs)].min()).item()
-            noise = (router16[layer] - router32[layer]).abs().max().item()
-            truth = set(router32[layer].topk(k).indices.tolist())
-            assert mine == truth or gap <= 2 * noise, (layer, sorted(mine), sorted(theirs), sorted(truth), gap, noise)
-            return False
-    return True
-
-
 def _run_script(engine, family_tokens: list[list[int]]) -> list[torch.Tensor]:
     """Prefill two prompts, 3 steps at batch 2, row 0 leaves, 2 steps at batch 1, a third prompt joins,
     3 steps at batch 2; teacher-forced from family_tokens (3 sequences). Returns every step's logits."""
@@ -224,6 +198,28 @@ def test_graph_replay_bitwise_equals_eager_through_leave_and_join(family, overla
     assert torch.equal(ce.counters, cg.counters)
     assert (cg.counters[:, MISSES] > 0).all(), "the pool of batch * top_k slots must miss in every layer"
     assert (eager.routing() == graph.routing()).all()
+
+
+def test_overlap_on_and_off_decode_bitwise_equal_while_evicting(family):
+    """The side stream changes where work runs, not a bit of the result: bf16 CUDA-graph decode through
+    the leave / join script, every step missing and evicting, with the overlap off and on: logits,
+    slot maps, counters and the context state (KV, and a hybrid model's recurrent state) bitwise."""
+    name, models, path = family
+    k = models["float32"].config.num_experts_per_tok
+    seqs = [_tokens(12, seed=43), _tokens(14, seed=44), _tokens(12, seed=45)]
+    runs = []
+    for overlap in (False, True):
+        engine = _engine(path, k, "bfloat16", "lru", overlap)
+        _check_overlap(engine, overlap)
+        runs.append((engine, _run_script(engine, seqs)))
+    (off, out_off), (on, out_on) = runs
+    for n, (x, y) in enumerate(zip(out_off, out_on, strict=True)):
+        assert torch.equal(x, y), f"step {n}: overlap on differs from overlap off"
+    c_off, c_on = off.moe.slots.cache, on.moe.slots.cache
+    assert torch.equal(c_off.slot_of, c_on.slot_of) and torch.equal(c_off.counters, c_on.counters)
+    assert (c_on.counters[:, MISSES] > 0).all()
+    for x, y in zip(off.context_state(), on.context_state(), strict=True):
+        assert torch.equal(x, y)
 
 
 @OVERLAP

@@ -7,7 +7,11 @@
 
 qwen2: 3 layers (layer 1 dense via mlp_only_layers), 8 experts top-2, shared expert, q/k/v bias, GQA 4/2.
 qwen3: 3 layers, 16 experts top-4, norm_topk_prob, q/k norms, attention bias, head_dim 32 != H / heads,
-tied embeddings. Slot counts of top_k (or batch * top_k) make every decode call evict.
+tied embeddings.
+qwen3_next: 4 layers, linear / linear / full / linear attention (Gated DeltaNet with 2 key and 4 value
+heads of 16, conv kernel 4; gated full attention of head_dim 32, half of it rotated), layer 1 dense,
+8 experts top-3 with a sigmoid-gated shared expert, (1 + w) norms.
+Slot counts of top_k (or batch * top_k) make every decode call evict.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
+                          Qwen3NextForCausalLM)
 
 from expertcache.formats import GIB, get_format
 from expertcache.host import ACCESSES, CALLS, MISSES
@@ -36,24 +41,36 @@ FAMILIES = {
     "qwen3": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
               dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, head_dim=32, attention_bias=True,
                    tie_word_embeddings=True)),
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM,
+                   dict(num_hidden_layers=4, head_dim=32, partial_rotary_factor=0.5, num_experts=8,
+                        num_experts_per_tok=3, shared_expert_intermediate_size=48, mlp_only_layers=[1],
+                        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4)),
 }
 EXPERT = "model.layers.0.mlp.experts.3.up_proj.weight"
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Draw every parameter (norm weights around 1, biases too) so no term of the math is trivial."""
+    """Draw every parameter (norm scales around 1, biases too) so no term of the math is trivial. A
+    (1 + w) RMSNorm (Qwen3-Next's, all but its linear attention's gated norm) gets w around 0, so its
+    scale is around 1 as every other family's."""
     gen = torch.Generator().manual_seed(seed)
+    one_plus = getattr(model.config, "model_type", "") == "qwen3_next"
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.2 * noise if "norm" in name else 0.3 * noise)
+            if "norm" in name:
+                p.copy_((0 if one_plus and "linear_attn" not in name else 1) + 0.2 * noise)
+            else:
+                p.copy_(0.3 * noise)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     """(family name, transformers model in eval mode, saved checkpoint directory)."""
     config_cls, model_cls, extra = FAMILIES[request.param]
-    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    model = model_cls(config_cls(**{**COMMON, **extra})).eval()
     _randomize(model, seed=len(request.param) + sorted(FAMILIES).index(request.param))
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path, safe_serialization=True)
@@ -96,18 +113,54 @@ def test_float32_logits_match_transformers_through_evicting_decode(checkpoint):
 
 
 def test_bfloat16_logits_within_bf16_tolerance(checkpoint):
+    """Teacher-forced bf16 logits within bf16 tolerance of transformers' own bf16 run, and as close to
+    the float32 truth as that run, at every token both route alike (a decode token whose routing differs
+    must differ where the engine chose the float32 router's experts or crossed a gap within
+    transformers' own bf16 noise: _routing_alike)."""
     name, model, path = checkpoint
-    engine = load_model(path, "cpu", num_slots=2 * model.config.num_experts_per_tok, dtype="bfloat16",
-                        max_seq_len=32, progress=False)
-    seq = _tokens(10, seed=2)
-    ref32 = _hf_logits(model, seq).logits[0]
-    ref16 = _hf_logits(copy.deepcopy(model).to(torch.bfloat16), seq).logits[0].float()
-    got = _teacher_forced(engine, seq, prompt_len=6)
+    k = model.config.num_experts_per_tok
+    engine = load_model(path, "cpu", num_slots=2 * k, dtype="bfloat16", max_seq_len=32, progress=False,
+                        record_routing=True)
+    seq, plen = _tokens(10, seed=2), 6
+    ref32, router32 = _hf_logits_and_router(model, seq)
+    ref16, router16 = _hf_logits_and_router(copy.deepcopy(model).to(torch.bfloat16), seq)
+    got = _teacher_forced(engine, seq, prompt_len=plen)
     assert got.dtype == torch.float32 and engine.weights.embed.dtype == torch.bfloat16
-    _close(got, ref16, rel=0.06)
-    # as close to the float32 truth as transformers' own bf16 run is (with bf16 rounding slack)
+    ours = torch.as_tensor(engine.routing())[:, :, 0]  # [decode steps, L_moe, k]
+    alike = [True] * plen + [_routing_alike(ours[j], router16[:, t], router32[:, t], k)
+                             for j, t in enumerate(range(plen, len(seq)))]
+    assert sum(alike) >= len(seq) - 2, alike  # a flip is rare: at most 2 tokens of 10
+    keep = torch.tensor(alike)
+    _close(got[keep], ref16[keep], rel=0.06)
     own, theirs = (got - ref32).abs().mean().item(), (ref16 - ref32).abs().mean().item()
     assert own <= 1.5 * theirs + 2**-8 * ref32.abs().mean().item()
+
+
+def _hf_logits_and_router(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' float32 logits [T, V] and router logits [L_moe, T, E] of one sequence."""
+    with torch.no_grad():
+        out = model(torch.tensor([seq], device=model.device), output_router_logits=True)
+    return out.logits[0].float(), torch.stack([r.float() for r in out.router_logits])
+
+
+def _routing_alike(ids: torch.Tensor, router16: torch.Tensor, router32: torch.Tensor, k: int) -> bool:
+    """ids [L, k] the engine routed one token to; router16 / router32 [L, E] transformers' bf16 / float32
+    router logits for it -> True where every layer chose transformers' bf16 experts; False where the
+    first layer that differs is explained: the engine chose the float32 router's experts there, or the
+    gap it crossed (transformers' k-th bf16 logit less the lowest of the experts only the engine chose)
+    is within twice transformers' own bf16 noise at that layer (max |router16 - router32|);
+    AssertionError where it is not."""
+    for layer in range(router16.shape[0]):
+        theirs = set(router16[layer].topk(k).indices.tolist())
+        mine = set(ids[layer].tolist())
+        if mine != theirs:
+            logits = router16[layer]
+            gap = (logits.topk(k).values[-1] - logits[sorted(mine - theirs)].min()).item()
+            noise = (router16[layer] - router32[layer]).abs().max().item()
+            truth = set(router32[layer].topk(k).indices.tolist())
+            assert mine == truth or gap <= 2 * noise, (layer, sorted(mine), sorted(theirs), sorted(truth), gap, noise)
+            return False
+    return True
 
 
 def test_greedy_generation_token_identical_while_evicting(checkpoint):
@@ -138,6 +191,48 @@ def test_batch_of_unequal_prompts_decodes_like_single_sequences(checkpoint):
         got = torch.stack([first[row]] + [s[row] for s in steps])
         _close(got, ref[len(prompts[row]) - 1:], rel=1e-4)
     assert engine.moe.cache.counters[:, MISSES].sum() > 0
+
+
+def test_rows_joining_and_leaving_keep_each_sequence_its_own_context(checkpoint):
+    """Continuous batching: a row that leaves hands its place to the last row, whose KV cache (and, for a
+    hybrid model, linear-attention state) moves with it; a row that joins starts from a fresh state.
+    Every sequence's logits stay transformers' own."""
+    name, model, path = checkpoint
+    engine = load_model(path, "cpu", num_slots=3 * model.config.num_experts_per_tok, max_batch=3,
+                        max_seq_len=32, progress=False)
+    seqs = [_tokens(10, seed=40), _tokens(11, seed=41), _tokens(9, seed=42), _tokens(8, seed=43)]
+    got: dict[int, list[torch.Tensor]] = {}
+    rows = []  # sequence index per row
+    fed = {}  # tokens of each sequence in the engine so far
+
+    def join(s: int, n: int) -> None:
+        row, logits = engine.join(seqs[s][:n])
+        assert row == len(rows)
+        rows.append(s)
+        fed[s], got[s] = n, [logits]
+
+    def step() -> None:
+        out = engine.decode_step([seqs[s][fed[s]] for s in rows])
+        for row, s in enumerate(rows):
+            got[s].append(out[row])
+            fed[s] += 1
+
+    join(0, 4)
+    join(1, 6)
+    join(2, 3)
+    step()
+    step()
+    assert engine.leave(0) == 2  # sequence 2 moves into row 0
+    rows[0] = rows.pop()
+    step()
+    join(3, 5)  # into the freed row 2, after a sequence that left: a fresh state
+    step()
+    assert engine.leave(1) == 2
+    rows[1] = rows.pop()
+    step()
+    for s, outs in got.items():
+        start = fed[s] - len(outs)  # the first logits came after token start (the prompt's last)
+        _close(torch.stack(outs), _hf_logits(model, seqs[s][:fed[s]]).logits[0, start:], rel=1e-4)
 
 
 def test_prefill_touching_every_expert_keeps_the_decode_working_set(checkpoint):
@@ -228,7 +323,7 @@ def _broken_copy(path, tmp_path, edit_tensors=None, edit_config=None):
     ("wrong shape", lambda t: t.update({"model.layers.2.self_attn.k_proj.weight": torch.zeros(16, 64)}), None,
      r"'model\.layers\.2\.self_attn\.k_proj\.weight' has shape \[16, 64\], expected \[\d+, 64\]"),
     ("unsupported model_type", None, lambda c: c.update(model_type="llama"),
-     r"model_type='llama' is not supported; supported: \['qwen2_moe', 'qwen3_moe'\]"),
+     r"model_type='llama' is not supported; supported: \['qwen2_moe', 'qwen3_moe', 'qwen3_next'\]"),
     ("missing config key", None, lambda c: c.pop("num_attention_heads"), r"missing 'num_attention_heads'"),
     ("scaled rope", None, lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
      r"rope_type='yarn'"),
@@ -322,22 +417,31 @@ def test_a_budget_below_the_batch_names_the_flag_and_the_budget_that_fits(checkp
 
 @pytest.mark.parametrize("dtype, itemsize", [(None, 4), ("bfloat16", 2)])
 def test_the_kv_cache_is_priced_as_allocated_and_reported_beside_the_slots(checkpoint, caplog, dtype, itemsize):
-    from moe.engine.budget import kv_cache_bytes
+    from moe.engine.budget import kv_cache_bytes, recurrent_state_bytes
 
     name, model, path = checkpoint
     cfg = model.config
     with caplog.at_level(logging.INFO, logger="moe.engine.loading"):
         engine = load_model(path, "cpu", num_slots=12, dtype=dtype, max_batch=3, max_seq_len=40, progress=False)
-    allocated = sum(t.numel() * t.element_size() for t in engine.kv.k + engine.kv.v)
+    allocated = sum(t.numel() * t.element_size() for t in engine.kv.k + engine.kv.v if t is not None)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    full = types.count("full_attention")
     assert kv_cache_bytes(engine.spec, 3, 40) == allocated == (
-        2 * cfg.num_hidden_layers * 3 * cfg.num_key_value_heads * 40 * head_dim * itemsize)
+        2 * full * 3 * cfg.num_key_value_heads * 40 * head_dim * itemsize)
     (split,) = [r.message for r in caplog.records if r.message.startswith("device memory")]
     per_token = allocated // (3 * 40)
     assert (f"expert slots {12 * engine.moe.store.bytes_per_expert / GIB:.3g} GiB (--moe-slots 12) + KV cache "
             f"{allocated / GIB:.3g} GiB (--max-batch 3 x --max-seq-len 40 tokens x {per_token:,} bytes a token: "
-            f"{cfg.num_hidden_layers} layers x k, v x {cfg.num_key_value_heads} heads x {head_dim} x {itemsize} bytes)"
+            f"{full} layers x k, v x {cfg.num_key_value_heads} heads x {head_dim} x {itemsize} bytes)"
             ) in split
+    state = 0 if engine.recurrent is None else sum(
+        t.numel() * t.element_size() for st in engine.recurrent.states.values() for t in (st.conv, st.delta))
+    assert recurrent_state_bytes(engine.spec, 3) == state
+    if name == "qwen3_next":  # 3 linear layers x (conv [C = 2*2*16 + 4*16, K - 1 = 3] + delta [4, 16, 16] f32)
+        assert state == 3 * 3 * (128 * 3 * itemsize + 4 * 16 * 16 * 4)
+        assert f"+ linear-attention state {state / GIB:.3g} GiB (--max-batch 3 x {state // 3:,} bytes a " \
+               "sequence: 3 layers)" in split
 
 
 @pytest.mark.gpu

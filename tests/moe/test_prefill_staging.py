@@ -99,7 +99,7 @@ def test_prefill_through_the_ring_is_bitwise_the_direct_reads(checkpoint, device
         want, got = (engine.prefill([prompt], all_logits=True)[0] for engine in engines)
         assert torch.equal(got, want)
         _close(got.cpu(), _hf_logits(model, prompt).logits[0], rel=1e-4)
-    for a, b in zip(direct.kv.k + direct.kv.v, staged.kv.k + staged.kv.v):
+    for a, b in zip(direct.context_state(), staged.context_state(), strict=True):
         assert torch.equal(a, b)
     assert _snapshot(moe).equals(before)
     assert moe.prefill_counts == direct.moe.prefill_counts

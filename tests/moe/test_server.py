@@ -67,6 +67,32 @@ def test_completions_and_chat_equal_engine_generate(srv, ref):
     assert chat.usage.prompt_tokens == len(tok.encode_chat(messages)) and chat.usage.completion_tokens == 5
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_every_family_is_served_end_to_end(family, tmp_path):
+    """The other families behind the same server (the fixtures' is qwen2_moe): completions and chat,
+    streamed and not, through the openai client, each the engine's own greedy text."""
+    from tests.moe.serving_util import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / family, family)
+    running = _serve(path)
+    try:
+        assert running.state.scheduler.engine.spec.model_type == family
+        ref = load_model(path, "cpu", num_slots=16, max_seq_len=64, progress=False)
+        tok = running.state.tokenizer
+        out = _complete(running, "w10 w20 w30", max_tokens=6)
+        assert out.choices[0].text == _greedy(running, ref, tok.encode("w10 w20 w30"), 6)
+        chunks = list(_complete(running, "w10 w20 w30", max_tokens=6, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+        messages = [{"role": "system", "content": "w7"}, {"role": "user", "content": "w40 w41"}]
+        chat = running.client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=5)
+        assert chat.choices[0].message.content == _greedy(running, ref, tok.encode_chat(messages), 5)
+        stream = running.client.chat.completions.create(model=NAME, messages=messages, temperature=0,
+                                                        max_tokens=5, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
+    finally:
+        running.stop()
+
+
 def test_streaming_equals_non_streaming(srv):
     whole = _complete(srv, "w50 w51", max_tokens=7).choices[0].text
     chunks = list(_complete(srv, "w50 w51", max_tokens=7, stream=True, stream_options={"include_usage": True}))
