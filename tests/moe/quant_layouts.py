@@ -36,7 +36,9 @@ FORMATS = {"fp8": FP8(), "modelopt": NVFP4(), "gptq": INT4(scale_dtype="float16"
 
 
 def projections(tensors) -> list[str]:
-    return sorted(n for n, t in tensors.items() if n.endswith("_proj.weight") and t.dim() == 2)
+    """The 2-D linear weights a quantized release stores quantized: every `*_proj.weight` (and Qwen3-Next's
+    `in_proj_qkvz` / `in_proj_ba`)."""
+    return sorted(n for n, t in tensors.items() if (n.endswith("_proj.weight") or ".in_proj_" in n) and t.dim() == 2)
 
 
 def pack_words(values: torch.Tensor) -> torch.Tensor:

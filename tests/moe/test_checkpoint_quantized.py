@@ -18,7 +18,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
+                          Qwen3NextForCausalLM)
 
 from expertcache.formats import GIB, INT4, bank_name, get_format
 from moe.engine.loading import CheckpointError, load_model
@@ -51,6 +52,20 @@ def base_shared(tmp_path_factory):
                                                mlp_only_layers=[1])).eval()
     _randomize(model, seed=8)
     path = tmp_path_factory.mktemp("qwen2")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def base_next(tmp_path_factory):
+    """A tiny float32 Qwen3-Next checkpoint directory: linear / full / linear attention, a shared expert."""
+    config = {**CONFIG, "num_hidden_layers": 3, "head_dim": 32, "partial_rotary_factor": 0.5,
+              "shared_expert_intermediate_size": 48,
+              "layer_types": ["linear_attention", "full_attention", "linear_attention"], "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**config)).eval()
+    _randomize(model, seed=9)
+    path = tmp_path_factory.mktemp("qwen3_next")
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -246,6 +261,22 @@ def test_a_quantized_shared_expert_stays_in_its_format(base_shared, tmp_path):
     assert isinstance(down, SlotMatrix) and gate_w.dtype == torch.float32
     assert weights.layers[1].mlp.gate_up.dtype == torch.float32  # the dense layer, dequantized
     _check_engine(path, _reference(base_shared, tmp_path, decoded, Qwen2MoeForCausalLM))
+
+
+def test_a_qwen3_next_fp8_checkpoint_as_the_family_ships_it(base_next, tmp_path):
+    """Qwen3-Next in the fine-grained fp8 layout of its official FP8 release: every projection quantized,
+    the linear-attention ones (in_proj_qkvz, in_proj_ba, out_proj) and the gated q_proj among them. The
+    experts keep their fp8 bytes, the rest is dequantized; greedy tokens identical to transformers on the
+    decoded weights, the cache evicting every decode call."""
+    path, decoded, parts = _quantized(base_next, tmp_path, "fp8")
+    assert {"model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.0.linear_attn.out_proj.weight",
+            "model.layers.1.self_attn.q_proj.weight"} <= set(parts)
+    weights = load_checkpoint(path, "cpu", pin=False, progress=False)
+    assert weights.spec.moe.expert_format == "fp8" and weights.spec.model_type == "qwen3_next"
+    want = _expected_rows(parts, get_format("fp8"), 2, 5)
+    got = _store_rows(weights.store, get_format("fp8"), 2 * CONFIG["num_experts"] + 5)
+    assert all(torch.equal(_bytes(got[n]), _bytes(want[n])) for n in want)
+    _check_engine(path, _reference(base_next, tmp_path, decoded, Qwen3NextForCausalLM))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs Triton's interpreter (no CUDA)")
