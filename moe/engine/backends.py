@@ -41,10 +41,10 @@ from expertcache.geometry import CacheGeometry
 from expertcache.host import HostCache
 from expertcache.pool import HostStore, SlotPool
 from moe.engine.budget import PREFILL_STAGING
-from moe.model.checkpoint import ModelWeights, MoEWeights
+from moe.model.checkpoint import EXPERT_BIAS_BANKS, ModelWeights, MoEWeights
 from moe.model.config import MoEConfig
 from moe.engine.layer import MoELayer, SlotCache
-from moe.model.reference import route, shared_expert
+from moe.model.reference import gated_activation, route, shared_expert
 from moe.kernels.routed import routed_reference
 from moe.kernels.slot_matrix import SlotMatrix
 
@@ -65,6 +65,14 @@ def expert_matrices(banks, cfg: MoEConfig) -> tuple[SlotMatrix, SlotMatrix]:
     h, i = cfg.hidden, cfg.expert_intermediate
     return (SlotMatrix.of_pool(banks, cfg.format, "gate_up", 2 * i, h, 2),
             SlotMatrix.of_pool(banks, cfg.format, "down", h, i))
+
+
+def expert_biases(banks, cfg: MoEConfig) -> dict[str, torch.Tensor]:
+    """routed_reference's gate_up_bias [N, 2I] / down_bias [N, H] keywords: the bias banks of a HostStore
+    or SlotPool whose block has expert biases (gpt-oss), else none."""
+    if not cfg.expert_bias:
+        return {}
+    return {name: banks.tensor(name) for name in EXPERT_BIAS_BANKS}
 
 
 PREFETCH_MIN_USES = 4  # T * k / E at which a prompt is expected to use nearly every expert (1 - e^-4 = 98 %)
@@ -101,12 +109,14 @@ def _stack(mats: list[torch.Tensor]) -> torch.Tensor:
 
 def out_group(out: torch.Tensor, hidden: torch.Tensor, w_gu: torch.Tensor, w_dn: torch.Tensor, counts: list[int],
               lo: int, u0: int, rows_all: torch.Tensor, weight_all: torch.Tensor, rank: torch.Tensor,
-              used_at: torch.Tensor) -> None:
+              used_at: torch.Tensor, cfg: MoEConfig | None = None,
+              biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Add a group of G consecutive used experts' gated outputs to out [T, H] (float32): their tokens
     (sorted pairs lo .. lo + sum(counts), each expert's a run) padded to [G, max count, H], two batched
     float32 GEMMs (moe_reference's expert_mlp per expert: silu(gate) * up, then down), the padding
     dropped, each expert's rows times their gate weights added with one index_add_ per expert (a token
-    appears once per expert, so the sum is deterministic: the experts in increasing id order)."""
+    appears once per expert, so the sum is deterministic: the experts in increasing id order). cfg: the
+    activation (gated_activation); biases: the group's (gate_up [G, 2I], down [G, H]) float32 (gpt-oss)."""
     g, n, inter = len(counts), sum(counts), w_dn.shape[2]
     width = max(counts)
     x = hidden.index_select(0, rows_all.narrow(0, lo, n)).float()  # [n, H]
@@ -116,8 +126,14 @@ def out_group(out: torch.Tensor, hidden: torch.Tensor, w_gu: torch.Tensor, w_dn:
         at = (used_at.narrow(0, lo, n) - u0) * width + rank.narrow(0, lo, n)
         padded = x.new_zeros(g * width, x.shape[1]).index_copy_(0, at, x).view(g, width, -1)
     gate_up = torch.bmm(padded, w_gu.transpose(1, 2))  # [G, width, 2I]
-    act = torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
-    y = torch.bmm(act, w_dn.transpose(1, 2)).view(g * width, -1)  # [G * width, H]
+    if biases is not None:
+        gate_up = gate_up + biases[0][:, None, :]
+    act = gated_activation(gate_up, cfg) if cfg is not None else \
+        torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    y = torch.bmm(act, w_dn.transpose(1, 2))  # [G, width, H]
+    if biases is not None:
+        y = y + biases[1][:, None, :]
+    y = y.view(g * width, -1)  # [G * width, H]
     y = (y if at is None else y.index_select(0, at)) * weight_all.narrow(0, lo, n)  # [n, H], pair order
     start = 0
     for c in counts:
@@ -242,7 +258,7 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
     (and the prefetched experts the next layer does not use); one host sync (the layer's per-expert
     token counts and its E slot ids, and the next layer's when prefetching).
     """
-    weights, ids = route(hidden, w.router, cfg.top_k, cfg.norm_topk_prob)  # [T, k] f32, i32
+    weights, ids = route(hidden, w.router, cfg.top_k, cfg.norm_topk_prob, w.router_bias)  # [T, k] f32, i32
     k, e_count = ids.shape[1], cfg.num_experts
     gate_up, down = expert_matrices(store, cfg)
     pool = None if resident is None else expert_matrices(resident[1], cfg)
@@ -276,6 +292,10 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
     used_at = (torch.cumsum(per_dev > 0, 0) - 1)[flat_sorted]
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
     size = max(1, min(PREFILL_GROUP, GROUP_BYTES // expert_f32_bytes(cfg)))
+    layer_biases = None  # gpt-oss: the layer's expert biases, float32 [E, 2I] and [E, H], the store's values
+    if cfg.expert_bias:
+        layer_biases = tuple(store.tensor(name)[base:base + e_count].to(hidden.device, torch.float32)
+                             for name in EXPERT_BIAS_BANKS)
     j = 0  # the next streamed expert
     for u0, group in prefill_groups(used, per, size):
         mats = []  # each expert's float32 (gate_up, down)
@@ -295,8 +315,9 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
             if slot < 0:
                 j += 1
         w_gu, w_dn = (_stack([m[i] for m in mats]) for i in (0, 1))  # float32 [G, 2I, H], [G, H, I]
+        picked = None if layer_biases is None else tuple(b[group] for b in layer_biases)
         out_group(out, hidden, w_gu, w_dn, [per[e] for e in group], starts[group[0]], u0,
-                  rows_all, weight_all, rank, used_at)
+                  rows_all, weight_all, rank, used_at, cfg, picked)
     if ahead:
         staging.prefetch([base + e_count + e for e in range(e_count) if next_slot_of[e] < 0])
     if w.shared is not None:
@@ -340,13 +361,13 @@ class CpuCachedMoE:
         """hidden [B, H] -> (out [B, H], ids [B, k] int32). Cost: one ensure, misses * 3 * I * H copied,
         B * k * 3 * I * H routed multiply-adds."""
         cfg = self.cfg
-        weights, ids = route(hidden, w.router, cfg.top_k, cfg.norm_topk_prob)  # [B, k]
+        weights, ids = route(hidden, w.router, cfg.top_k, cfg.norm_topk_prob, w.router_bias)  # [B, k]
         res = self.cache.ensure(w.index, ids.numpy())
         if res.misses:
             count = torch.tensor([res.misses], dtype=torch.int32)
             reference_copy(self.store, self.pool, torch.from_numpy(res.plan), count)
-        out = routed_reference(hidden, torch.from_numpy(res.slots), weights,
-                               *expert_matrices(self.pool, cfg))  # [B, H] f32
+        out = routed_reference(hidden, torch.from_numpy(res.slots), weights, *expert_matrices(self.pool, cfg),
+                               cfg=cfg, **expert_biases(self.pool, cfg))  # [B, H] f32
         if w.shared is not None:
             out = out + shared_expert(hidden, w.shared)
         return out.to(hidden.dtype), ids

@@ -127,12 +127,18 @@ class MoELayer:
     plan: None (the product) resolves the LaunchPlan from the config, the pool and the device at
     each build and rebuild (`refresh`); a LaunchPlan (tests, benchmarks) is used as given and kept.
     Attribute `plan` holds the plan every call launches from.
-    Raises ValueError naming the argument whose shape, dtype or device disagrees with cfg, or the
-    plan field the layer cannot launch (a side stream on a CPU device, a shared expert it lacks).
+    Raises ValueError naming the argument whose shape, dtype or device disagrees with cfg, the
+    plan field the layer cannot launch (a side stream on a CPU device, a shared expert it lacks), or the
+    MoEConfig fields of a block its kernels do not compute (gpt-oss's biases and clamped SwiGLU: its
+    router and routed kernels compute a bias-free SiLU block).
     """
 
     def __init__(self, cfg: MoEConfig, layer: int, router_w: torch.Tensor, slots: SlotCache,
                  shared: SharedWeights | None = None, plan: LaunchPlan | None = None) -> None:
+        if cfg.activation != "silu" or cfg.expert_bias or cfg.router_bias:
+            raise ValueError(f"MoELayer: activation={cfg.activation!r}, expert_bias={cfg.expert_bias}, router_bias="
+                             f"{cfg.router_bias}: the GPU layer computes SiLU experts without biases; serve this "
+                             "block on the CPU backend (--device cpu)")
         self.cfg, self.layer, self.slots = cfg, layer, slots
         self.dtype = DTYPES[cfg.dtype]
         self.device = slots.pool.device

@@ -58,6 +58,8 @@ from moe.kernels.routed_kernels import (
 from moe.kernels.slot_matrix import SlotMatrix
 from moe.kernels.tiles import RoutedTiles
 from moe.kernels.triton_launch import kernel_for
+from moe.model.config import MoEConfig
+from moe.model.reference import gated_activation
 
 NO_SLOT = -1
 DEFAULT_TILES = DEFAULT_ROUTED_TILES
@@ -272,8 +274,11 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
 
 def routed_reference(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
                      gate_up: torch.Tensor | SlotMatrix, down: torch.Tensor | SlotMatrix, *,
-                     compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     compute_dtype: torch.dtype = torch.float32, cfg: MoEConfig | None = None,
+                     gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of routed_experts (same arguments): gathers the T * k experts' rows, then bmm.
+    cfg: the experts' activation (moe.model.reference.gated_activation; SiLU without it); gate_up_bias
+    [S, 2I] and down_bias [S, H]: per-slot biases (gpt-oss), added after each linear.
 
     A SlotMatrix in a quantized format is dequantized (its format's torch `dequantize`, float32) slot
     by slot first: the reference of the dequantize-in-registers kernels. Linears run in `compute_dtype`
@@ -291,7 +296,12 @@ def routed_reference(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.T
     two_i, hid = w13.shape[1], w13.shape[2]
     x = hidden.to(compute_dtype).repeat_interleave(top_k, dim=0)  # [T * k, H]
     gu = torch.bmm(w13.to(compute_dtype), x[:, :, None])[..., 0]  # [T * k, 2I]
-    act = F.silu(gu[:, : two_i // 2]) * gu[:, two_i // 2:]  # [T * k, I]
-    y = torch.bmm(w2.to(compute_dtype), act[:, :, None])[..., 0].float()  # [T * k, H]
+    if gate_up_bias is not None:
+        gu = gu + gate_up_bias[idx].to(compute_dtype)
+    act = gated_activation(gu, cfg) if cfg is not None else F.silu(gu[:, : two_i // 2]) * gu[:, two_i // 2:]
+    y = torch.bmm(w2.to(compute_dtype), act[:, :, None])[..., 0]  # [T * k, H]
+    if down_bias is not None:
+        y = y + down_bias[idx].to(compute_dtype)
+    y = y.float()
     y = y * (weights * live).flatten()[:, None]
     return y.view(tokens, top_k, hid).sum(dim=1)

@@ -112,11 +112,13 @@ class AttentionWeights:
 @dataclass
 class MoEWeights:
     """One MoE block's device weights: router [E, H], shared (gate_up [2Is, H], down [H, Is], gate_w
-    [1, H]) or None. Its routed experts live in the HostStore at keys index * E .. index * E + E - 1."""
+    [1, H]) or None, router_bias [E] (gpt-oss) or None. Its routed experts live in the HostStore at
+    keys index * E .. index * E + E - 1 (with their biases, where the block has them: EXPERT_BIAS_BANKS)."""
 
     index: int
     router: torch.Tensor
     shared: SharedWeights | None
+    router_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -265,12 +267,21 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return out
 
 
+EXPERT_BIAS_BANKS = ("gate_up_bias", "down_bias")  # gpt-oss's per-expert biases [2I], [H], in the model dtype
+
+
 def expert_banks(spec: ModelSpec) -> tuple[Bank, ...]:
     """The HostStore banks of the routed experts: those of spec.moe.expert_format (expertcache.formats),
-    e.g. "gate_up" [2I, H] and "down" [H, I] in the model dtype for an unquantized model, so one expert
-    costs the banks' row bytes (what `--moe-cache-gb` prices, moe.engine.budget)."""
+    e.g. "gate_up" [2I, H] and "down" [H, I] in the model dtype for an unquantized model, and for a block
+    with expert biases (gpt-oss) EXPERT_BIAS_BANKS, so one expert costs the banks' row bytes (what
+    `--moe-cache-gb` prices, moe.engine.budget) and a miss copies its biases with its weights."""
     cfg = spec.moe
-    return cfg.format.expert_banks(cfg.hidden, cfg.expert_intermediate)
+    banks = cfg.format.expert_banks(cfg.hidden, cfg.expert_intermediate)
+    if cfg.expert_bias:
+        dtype = TORCH_DTYPES[cfg.dtype]
+        banks += (Bank(EXPERT_BIAS_BANKS[0], (2 * cfg.expert_intermediate,), dtype),
+                  Bank(EXPERT_BIAS_BANKS[1], (cfg.hidden,), dtype))
+    return banks
 
 
 def write_experts(store: HostStore, fmt: ExpertFormat, name: str, weights: torch.Tensor, first: int,

@@ -10,11 +10,15 @@ Families read by `MoEConfig.from_hf` (chosen by `model_type`, or by the keys pre
 | qwen2_moe, qwen3_next     | `num_experts`       | `moe_intermediate_size` | `shared_expert_intermediate_size`  | `norm_topk_prob`   |
 | qwen3_moe                 | `num_experts`       | `moe_intermediate_size` | none                               | `norm_topk_prob`   |
 | mixtral                   | `num_local_experts` | `intermediate_size`     | none                               | always             |
+| gpt_oss                   | `num_local_experts` | `intermediate_size`     | none                               | always             |
 
 All families read `hidden_size` and `num_experts_per_tok`. `norm_topk_prob` defaults to False when
 absent (the transformers default for the Qwen configs). Mixtral takes the softmax over its top-k
 logits, which equals the full softmax's top-k renormalised to sum to 1, so it maps to
-`norm_topk_prob=True`. The dtype comes from `torch_dtype` (or `dtype`), default "bfloat16".
+`norm_topk_prob=True`; so does gpt-oss's. gpt-oss's block also has a router bias, per-expert biases of
+gate_up and down, and its clamped SwiGLU (activation "swiglu_clamped": gate clamped above at
+`swiglu_limit`, up to +-`swiglu_limit`, act = (up + 1) * gate * sigmoid(`swiglu_alpha` * gate); defaults 7.0
+and 1.702 as transformers'). The dtype comes from `torch_dtype` (or `dtype`), default "bfloat16".
 The routed experts' storage format (`expert_format`, expertcache.formats) is not in config.json: the
 loader gives it (the checkpoint's quantization, or --moe-expert-format); by default the experts are
 unquantized in the model dtype ("bf16", "float16" or "float32").
@@ -31,7 +35,8 @@ from expertcache.formats import ExpertFormat, FormatError, dense_format, resolve
 COPY_OVERLAP_ENV = "EXPERTCACHE_MOE_COPY_OVERLAP"
 DTYPES = ("float32", "float16", "bfloat16")
 SHARED_FAMILIES = ("qwen2_moe", "qwen3_next")
-FAMILIES = SHARED_FAMILIES + ("qwen3_moe", "mixtral")
+FAMILIES = SHARED_FAMILIES + ("qwen3_moe", "mixtral", "gpt_oss")
+ACTIVATIONS = ("silu", "swiglu_clamped")  # silu(gate) * up; gpt-oss's clamped SwiGLU
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,9 @@ class MoEConfig:
     expert_format: how the routed experts are stored in the host store and the slots (an
     expertcache.formats name: bf16, fp8, nvfp4, mxfp4, int4, or the dense float16 / float32); "" (the
     default) resolves at construction to the model dtype's dense format (bf16 for bfloat16).
+    activation: the experts' gated activation, an ACTIVATIONS name ("silu": silu(gate) * up;
+    "swiglu_clamped": gpt-oss's, with swiglu_alpha and swiglu_limit). expert_bias: each routed expert
+    has a gate_up bias [2I] and a down bias [H] (gpt-oss). router_bias: the router has a bias [E].
 
     Raises ValueError naming the field on any invalid value.
     """
@@ -61,6 +69,11 @@ class MoEConfig:
     dtype: str = "bfloat16"
     copy_overlap: bool = False
     expert_format: str = ""
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False
+    router_bias: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden", "num_experts", "top_k", "expert_intermediate"):
@@ -68,9 +81,15 @@ class MoEConfig:
         _check_int("shared_intermediate", self.shared_intermediate, minimum=0)
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        for name in ("norm_topk_prob", "copy_overlap"):
+        for name in ("norm_topk_prob", "copy_overlap", "expert_bias", "router_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoEConfig.activation={self.activation!r} is not one of {ACTIVATIONS}")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"MoEConfig.{name} must be a finite number > 0, got {value!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"MoEConfig.dtype={self.dtype!r} is not one of {DTYPES}")
         if self.expert_format == "":
@@ -98,7 +117,8 @@ class MoEConfig:
         Raises KeyError naming the missing key, ValueError for an unknown `model_type` or an invalid value.
         """
         family = _family(config)
-        mixtral = family == "mixtral"
+        mixtral = family in ("mixtral", "gpt_oss")  # experts under num_local_experts, softmax over the top-k
+        oai = family == "gpt_oss"
         shared = _require(config, "shared_expert_intermediate_size") if family in SHARED_FAMILIES else 0
         return cls(
             hidden=_require(config, "hidden_size"),
@@ -110,6 +130,10 @@ class MoEConfig:
             dtype=str(config.get("torch_dtype", config.get("dtype", "bfloat16"))),
             copy_overlap=copy_overlap,
             expert_format=expert_format,
+            activation="swiglu_clamped" if oai else "silu",
+            swiglu_alpha=float(config.get("swiglu_alpha", 1.702)) if oai else 1.702,
+            swiglu_limit=float(config.get("swiglu_limit", 7.0)) if oai else 7.0,
+            expert_bias=oai, router_bias=oai,
         )
 
 

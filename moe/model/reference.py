@@ -15,7 +15,10 @@ float32; (weights, ids) = topk(probs, k) sorted by weight descending; if norm_to
 weights.sum(-1); expert MLP = down(silu(gate(x)) * up(x)); out = Σ routed + sigmoid(shared_gate(x)) *
 shared(x). Precision differs on purpose: every product here is in float32 and rounded once at the end,
 whereas transformers rounds after each linear (and the routing weights) to the model dtype. Mixtral
-(softmax over the top-k logits) equals this with norm_topk_prob=True and no shared expert.
+(softmax over the top-k logits) equals this with norm_topk_prob=True and no shared expert. gpt-oss
+(GptOssMLP) too, with a router bias added to the logits, each expert's biases added after gate_up and
+after down, and its clamped SwiGLU as the activation (gated_activation; its checkpoints interleave gate
+and up columns, which the loader splits into this layout).
 """
 
 from __future__ import annotations
@@ -33,18 +36,25 @@ SharedWeights = tuple[Any, Any, torch.Tensor]
 
 
 def route(
-    hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool
+    hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool,
+    router_b: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router: hidden [T, H], router_w [E, H] -> (weights [T, k] float32, ids [T, k] int32).
+    """Router: hidden [T, H], router_w [E, H] (and gpt-oss's bias router_b [E]) -> (weights [T, k]
+    float32, ids [T, k] int32).
 
     Softmax in float32 over all E logits, top-k ordered by weight descending, optionally renormalised
-    to sum to 1 per row. Cost O(T * E * H). Raises ValueError naming `top_k` or `router_w` on bad shapes.
+    to sum to 1 per row (equal to a softmax over the top-k logits, gpt-oss's and Mixtral's router). Cost
+    O(T * E * H). Raises ValueError naming `top_k`, `router_w` or `router_b` on bad shapes.
     """
     if router_w.dim() != 2 or router_w.shape[1] != hidden.shape[-1]:
         raise ValueError(f"route: router_w must be [E, {hidden.shape[-1]}], got {tuple(router_w.shape)}")
     if not 1 <= top_k <= router_w.shape[0]:
         raise ValueError(f"route: top_k={top_k} must be in [1, E={router_w.shape[0]}]")
+    if router_b is not None and tuple(router_b.shape) != (router_w.shape[0],):
+        raise ValueError(f"route: router_b must be [E={router_w.shape[0]}], got {tuple(router_b.shape)}")
     logits = hidden.float() @ router_w.float().T  # [T, E]
+    if router_b is not None:
+        logits = logits + router_b.float()
     probs = torch.softmax(logits, dim=-1)  # [T, E] float32
     weights, ids = torch.topk(probs, top_k, dim=-1, sorted=True)  # [T, k]
     if norm_topk_prob:
@@ -52,11 +62,26 @@ def route(
     return weights, ids.to(torch.int32)
 
 
-def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """SiLU-gated MLP: x [T, H], w_gate_up [2I, H], w_down [H, I] -> [T, H] float32.
+def gated_activation(gate_up: torch.Tensor, cfg: MoEConfig | None = None) -> torch.Tensor:
+    """gate_up [..., 2I] float32 (gate in the first I, up in the last I) -> act [..., I] float32:
+    silu(gate) * up, or for cfg.activation "swiglu_clamped" (gpt-oss) (clamp(up, -l, l) + 1) *
+    g * sigmoid(alpha * g) with g = min(gate, l), l = swiglu_limit, alpha = swiglu_alpha."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]
+    if cfg is None or cfg.activation == "silu":
+        return F.silu(gate) * up
+    limit = cfg.swiglu_limit
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * cfg.swiglu_alpha))
 
-    down(silu(gate(x)) * up(x)) in float32. Cost O(T * 3 * I * H). Raises ValueError naming the weight
-    whose shape does not match.
+
+def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, cfg: MoEConfig | None = None,
+               b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None) -> torch.Tensor:
+    """Gated MLP: x [T, H], w_gate_up [2I, H], w_down [H, I] (and gpt-oss's biases b_gate_up [2I],
+    b_down [H]) -> [T, H] float32.
+
+    down(act(gate_up(x) + b_gate_up)) + b_down in float32, act = gated_activation (cfg's; SiLU without
+    cfg). Cost O(T * 3 * I * H). Raises ValueError naming the weight whose shape does not match.
     """
     hidden = x.shape[-1]
     if w_gate_up.dim() != 2 or w_gate_up.shape[0] % 2 or w_gate_up.shape[1] != hidden:
@@ -65,8 +90,10 @@ def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
     if tuple(w_down.shape) != (hidden, inter):
         raise ValueError(f"expert_mlp: w_down must be [{hidden}, {inter}], got {tuple(w_down.shape)}")
     gate_up = x.float() @ w_gate_up.float().T  # [T, 2I]
-    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [T, I]
-    return act @ w_down.float().T  # [T, H]
+    if b_gate_up is not None:
+        gate_up = gate_up + b_gate_up.float()
+    out = gated_activation(gate_up, cfg) @ w_down.float().T  # [T, H]
+    return out if b_down is None else out + b_down.float()
 
 
 def shared_expert(x: torch.Tensor, shared: SharedWeights) -> torch.Tensor:
@@ -91,19 +118,27 @@ def moe_reference(
     experts_down: torch.Tensor,
     cfg: MoEConfig,
     shared: SharedWeights | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One MoE block: hidden [T, H] -> out [T, H] in hidden's dtype.
 
     router_w [E, H], experts_gate_up [E, 2I, H], experts_down [E, H, I], shared as `SharedWeights`
-    (required exactly when cfg.shared_intermediate > 0). Cost O(T * k * 3 * I * H + T * E * H).
-    Raises ValueError naming the argument whose shape or presence disagrees with `cfg`.
+    (required exactly when cfg.shared_intermediate > 0), biases = (router [E], gate_up [E, 2I], down
+    [E, H]) for a block with cfg.router_bias and cfg.expert_bias (gpt-oss). The experts' activation is
+    cfg's (gated_activation). Cost O(T * k * 3 * I * H + T * E * H). Raises ValueError naming the
+    argument whose shape or presence disagrees with `cfg`.
     """
     _check_shapes(hidden, router_w, experts_gate_up, experts_down, cfg, shared)
-    weights, ids = route(hidden, router_w, cfg.top_k, cfg.norm_topk_prob)  # [T, k] float32, int32
+    if (biases is not None) != (cfg.router_bias or cfg.expert_bias):
+        raise ValueError("moe_reference: give biases exactly when cfg.router_bias / cfg.expert_bias say so")
+    b_router, b_gate_up, b_down = biases if biases is not None else (None, None, None)
+    weights, ids = route(hidden, router_w, cfg.top_k, cfg.norm_topk_prob, b_router)  # [T, k] float32, int32
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
     for expert in torch.unique(ids).tolist():
         rows, cols = torch.nonzero(ids == expert, as_tuple=True)  # tokens routed to `expert`
-        y = expert_mlp(hidden[rows], experts_gate_up[expert], experts_down[expert])  # [n, H]
+        y = expert_mlp(hidden[rows], experts_gate_up[expert], experts_down[expert], cfg,
+                       None if b_gate_up is None else b_gate_up[expert],
+                       None if b_down is None else b_down[expert])  # [n, H]
         out.index_add_(0, rows, y * weights[rows, cols, None])
     if shared is not None:
         out += shared_expert(hidden, shared)
