@@ -76,7 +76,7 @@ class Engine:
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA device, the model is on {weights.device}")
         self.weights, self.spec, self.moe = weights, weights.spec, moe
-        self.rope = Rope(self.spec.rotary_dim, self.spec.rope_theta, weights.device)
+        self.rope = Rope(self.spec.rotary_dim, self.spec.rope_theta, weights.device, self.spec.rope_yarn)
         self.kv = KVCache(self.spec, max_batch, max_seq_len, weights.dtype, weights.device)
         linear = self.spec.linear_layers  # Qwen3-Next's linear-attention layers keep a recurrent state instead
         self.recurrent = (RecurrentCache(self.spec.linear, linear, max_batch, weights.dtype, weights.device)
@@ -88,7 +88,9 @@ class Engine:
         # on a CUDA device the decode step's non-MoE part runs the fused Triton launches (_decode_body_fused);
         # their head-dim tiles need a power of two >= 16 (every supported family's), else the torch step
         d = self.spec.head_dim
-        self._fused = on_cuda and d >= 16 and d & (d - 1) == 0
+        # (gpt-oss's sinks and sliding windows: the torch step, which computes them)
+        self._fused = (on_cuda and d >= 16 and d & (d - 1) == 0 and not self.spec.sinks
+                       and not self.spec.sliding_window)
         use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self._decode_body, max_batch, weights.device) if use_graphs else None
 

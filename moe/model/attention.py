@@ -12,6 +12,9 @@
 
 Qwen3-Next (ModelSpec.attn_gate, rotary_dim < D): the output before o proj is multiplied by
 sigmoid(gate proj(x)) in the model dtype, and RoPE turns only the first rotary_dim dims of a head.
+gpt-oss (ModelSpec.sinks, sliding_window): each head's softmax has one more logit, its learned sink,
+whose value is zero; a sliding layer's query sees itself and the window - 1 keys before it; both in
+torch (_softmax_attend, in blocks of QUERY_BLOCK queries in prefill); the rope is YaRN (Rope's yarn).
 
 KVCache holds k, v per full-attention decoder layer as [B, Hkv, max_len, D] in the model dtype
 (None for a linear-attention layer, whose state is moe.model.linear_attention's), allocated once;
@@ -23,6 +26,8 @@ Legend: T = tokens, B = sequences, H = hidden, Hq / Hkv = query / kv heads, D = 
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -48,15 +53,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class Rope:
     """Rotary embedding of the first `dims` dims of a head (all of them, or Qwen3-Next's partial
-    rotary) and base theta: cos / sin [T, dims] for integer positions [T]."""
+    rotary) and base theta: cos / sin [T, dims] for integer positions [T].
 
-    def __init__(self, dims: int, theta: float, device: torch.device) -> None:
+    yarn: ModelSpec.rope_yarn (gpt-oss): the inverse frequencies blend interpolated (/ factor) and
+    extrapolated ones along a linear ramp between the dims where beta_fast and beta_slow rotations fit
+    the original context, and cos / sin are scaled by the attention factor before the cast
+    (transformers' YaRN, float32)."""
+
+    def __init__(self, dims: int, theta: float, device: torch.device, yarn: tuple[float, ...] = ()) -> None:
         exps = torch.arange(0, dims, 2, dtype=torch.float, device=device) / dims
         self.inv_freq = 1.0 / (theta ** exps)  # [dims / 2] float32
+        self.scaling = 1.0
+        if yarn:
+            factor, fast, slow, original, truncate, self.scaling = yarn
+            pos_freqs = theta ** exps
+
+            def correction(rotations: float) -> float:  # the dim at which `rotations` turns fit `original`
+                return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+            low, high = correction(fast), correction(slow)
+            if truncate:
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, dims - 1)
+            ramp = ((torch.arange(dims // 2, dtype=torch.float32, device=device) - low)
+                    / (high - low if high != low else 0.001)).clamp(0, 1)
+            extrapolate = 1 - ramp
+            self.inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dims / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, dims]
+        if self.scaling != 1.0:
+            return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -110,6 +138,36 @@ def _project(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, positions: t
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+QUERY_BLOCK = 256  # queries the sink / window attention scores at once (its [Hq, block, keys] float32 scores)
+
+
+def _softmax_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                    sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [N, Hq, D] against k, v [N, Hkv, S, D] (each query its own keys: rows of a batch, or one
+    sequence's broadcast), visible [N, S] bool -> [N, Hq, D] in v's dtype: softmax over the visible
+    keys' scores (float32, scaled) and, with sinks [Hq], each head's sink logit as one more key whose
+    value is zero (gpt-oss: the sink takes a share of the probability and contributes nothing)."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.float().view(n, hkv, hq // hkv, d)
+    scores = torch.einsum("nhgd,nhsd->nhgs", qg, k.float()) * scale  # [N, Hkv, G, S]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, hkv, hq // hkv, 1).expand(n, -1, -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("nhgs,nhsd->nhgd", probs.to(v.dtype), v)  # [N, Hkv, G, D]
+    return out.reshape(n, hq, d)
+
+
+def _windowed(positions: torch.Tensor, keys: int, window: int) -> torch.Tensor:
+    """visible [N, keys]: key j seen by a query at position p when j <= p and, with a window, j > p - window."""
+    j = torch.arange(keys, device=positions.device)[None, :]
+    seen = j <= positions[:, None]
+    return seen & (j > positions[:, None] - window) if window else seen
+
+
 def attention_prefill(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope: Rope, cache: KVCache,
                       layer: int, row: int, start: int = 0) -> torch.Tensor:
     """Prompt tokens x [T, H] of sequence `row` at positions start..start+T-1 -> [T, H]; writes their
@@ -127,6 +185,17 @@ def attention_prefill(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rop
     cache.k[layer][row, :, start:start + t] = k.transpose(0, 1)
     cache.v[layer][row, :, start:start + t] = v.transpose(0, 1)
     gqa = spec.num_heads != spec.num_kv_heads
+    window = spec.window(layer)
+    if w.sinks is not None or window:  # gpt-oss: sinks, sliding windows; in blocks of queries
+        n = start + t
+        keys, values = cache.k[layer][row:row + 1, :, :n], cache.v[layer][row:row + 1, :, :n]
+        out = torch.cat([
+            _softmax_attend(q[i:i + QUERY_BLOCK], keys.expand(min(QUERY_BLOCK, t - i), -1, -1, -1),
+                            values.expand(min(QUERY_BLOCK, t - i), -1, -1, -1),
+                            _windowed(torch.arange(start + i, min(start + i + QUERY_BLOCK, n), device=x.device), n,
+                                      window), w.sinks, spec.head_dim ** -0.5)
+            for i in range(0, t, QUERY_BLOCK)])  # [T, Hq, D]
+        return F.linear(_gated(out.reshape(t, -1), x, w), w.o, w.o_bias)
     if start == 0:
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None], is_causal=True, enable_gqa=gqa)  # [1, Hq, T, D]
@@ -171,6 +240,11 @@ def attention_decode(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope
     rows = torch.arange(b, device=x.device)
     cache.k[layer][rows, :, pos] = k
     cache.v[layer][rows, :, pos] = v
+    window = spec.window(layer)
+    if w.sinks is not None or window:  # gpt-oss: sinks, sliding windows
+        out = _softmax_attend(q, cache.k[layer][:b], cache.v[layer][:b], _windowed(pos, cache.max_len, window),
+                              w.sinks, spec.head_dim ** -0.5)
+        return F.linear(_gated(out.reshape(b, -1), x, w), w.o, w.o_bias)
     live = torch.arange(cache.max_len, device=x.device)[None, :] <= pos[:, None]  # [B, max_len]
     out = F.scaled_dot_product_attention(q[:, :, None, :], cache.k[layer][:b], cache.v[layer][:b],
                                          attn_mask=live[:, None, None, :],

@@ -88,6 +88,7 @@ class AttentionWeights:
     k_norm: torch.Tensor | None = None
     gate: torch.Tensor | None = None
     gate_bias: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # [Hq] gpt-oss's per-head sink logits, model dtype
     qkv: torch.Tensor = field(init=False, repr=False)
     qkv_bias: torch.Tensor | None = field(init=False, repr=False)
     qkv_rows: tuple[int, ...] = field(init=False, repr=False)
@@ -323,7 +324,9 @@ def _norm(reader: TensorReader, spec: ModelSpec, name: str, n: int) -> torch.Ten
     """An RMSNorm weight [n]: in the model dtype, or for a (1 + w) norm (Qwen3-Next) the float32 1 + w of
     the model-dtype w, the factor transformers computes each call (moe.model.attention.rms_norm)."""
     w = reader.get(name, (n,))
-    return 1.0 + w.float() if spec.norm_one_plus else w
+    if spec.norm_one_plus:
+        return 1.0 + w.float()
+    return w.float() if spec.norm_float32 else w
 
 
 def _load_layer(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: int) -> LayerWeights:
@@ -364,6 +367,7 @@ def _load_attention(reader: TensorReader, spec: ModelSpec, p: str) -> AttentionW
         q_norm=_norm(reader, spec, p + "q_norm.weight", d) if norm else None,
         k_norm=_norm(reader, spec, p + "k_norm.weight", d) if norm else None,
         gate=gate, gate_bias=gate_bias,
+        sinks=reader.get(p + "sinks", (spec.num_heads,)) if spec.sinks else None,
     )
 
 
@@ -383,6 +387,9 @@ def _load_moe(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: in
     cfg, p = spec.moe, f"model.layers.{layer}.mlp."
     h, e, s = cfg.hidden, cfg.num_experts, cfg.shared_intermediate
     index = spec.moe_index(layer)
+    if cfg.expert_bias:  # gpt-oss: mlp.router.{weight,bias}, interleaved gate / up columns, expert biases
+        _load_oai_experts(reader, spec, store, p + "experts.", index)
+        return MoEWeights(index, reader.get(p + "router.weight", (e, h)), None, reader.get(p + "router.bias", (e,)))
     _load_experts(reader, spec, store, p + "experts.", index)
     shared = None
     if cfg.has_shared_expert:
@@ -434,6 +441,28 @@ def _load_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p: st
             row[:part.shape[0]], row[part.shape[0]:] = gate[part.suffix], up[part.suffix]
         for part in fmt.layout(h, i):
             store.tensor(bank_name("down", part.suffix))[base + x] = down[part.suffix]
+
+
+def _load_oai_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p: str, index: int) -> None:
+    """gpt-oss's experts into HostStore rows index * E ..: gate_up_proj [E, H, 2I] holds gate in its even
+    columns and up in its odd ones, down_proj is [E, I, H] (both the transpose of this project's [out, in]);
+    the biases gate_up_proj_bias [E, 2I] (interleaved alike) and down_proj_bias [E, H] go to the bias
+    banks in the model dtype. The experts are stored in spec.moe's format (a cast for a dense one)."""
+    cfg, fmt = spec.moe, spec.moe.format
+    h, e, i = cfg.hidden, cfg.num_experts, cfg.expert_intermediate
+    base, dtype = index * e, TORCH_DTYPES[cfg.dtype]
+    gu = reader.raw(p + "gate_up_proj", (e, h, 2 * i))
+    gate_up = torch.cat([gu[..., ::2], gu[..., 1::2]], dim=-1).transpose(1, 2)  # [E, 2I, H]
+    down = reader.raw(p + "down_proj", (e, i, h)).transpose(1, 2)  # [E, H, I]
+    if fmt.dense:
+        store.tensor("gate_up")[base:base + e] = gate_up
+        store.tensor("down")[base:base + e] = down
+    else:
+        write_experts(store, fmt, "gate_up", gate_up.contiguous(), base, 2)
+        write_experts(store, fmt, "down", down.contiguous(), base, 1)
+    bias = reader.raw(p + "gate_up_proj_bias", (e, 2 * i)).to(dtype)
+    store.tensor(EXPERT_BIAS_BANKS[0])[base:base + e] = torch.cat([bias[:, ::2], bias[:, 1::2]], dim=-1)
+    store.tensor(EXPERT_BIAS_BANKS[1])[base:base + e] = reader.raw(p + "down_proj_bias", (e, h)).to(dtype)
 
 
 def _expert_parts(reader: TensorReader, fmt: ExpertFormat, module: str, out: int, inn: int) -> dict[str, torch.Tensor]:

@@ -11,6 +11,14 @@ Families (`model_type`), the fields read beyond the MoE block, and how they diff
 | qwen2_moe  | `qkv_bias` (default true)    | none            | no          | sigmoid-gated | attention    |
 | qwen3_moe  | `attention_bias` (def false) | `attention_bias`| per head    | none          | attention    |
 | qwen3_next | `attention_bias` (def false) | `attention_bias`| per head    | sigmoid-gated | hybrid       |
+| gpt_oss    | `attention_bias` (def true)  | `attention_bias`| no          | none          | sinks, SWA   |
+
+gpt_oss (GptOssForCausalLM): `layer_types` alternates "sliding_attention" (the last `sliding_window` keys)
+and "full_attention"; each head has a learned sink logit (`self_attn.sinks`) in its softmax; the rope is
+YaRN (`rope_parameters` rope_type "yarn": factor, beta_fast, beta_slow, original_max_position_embeddings,
+truncate, and its attention factor scaling cos / sin); its RMSNorm multiplies the weight in float32
+before the cast (stored so by the loader); its MoE block (router bias, expert biases, clamped SwiGLU)
+is moe.model.config's.
 
 qwen3_next (Qwen3-Next, Qwen3NextForCausalLM) is a hybrid stack: `layer_types` (or, without it, every
 `full_attention_interval`-th layer, default 4) names each layer's token mixer, "full_attention" or
@@ -46,6 +54,7 @@ tensors themselves (float8 / integer dtypes, scale tensors beside a weight).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -76,6 +85,7 @@ class Family:
     qk_norm: bool  # per-head RMSNorm of q and k before RoPE
     hybrid: bool = False  # Qwen3-Next: layer_types, output-gated partial-rotary attention, (1 + w) norms
     norm_topk_default: bool = False  # norm_topk_prob when config.json lacks it (transformers' default)
+    oai: bool = False  # gpt-oss: attention sinks, sliding / full layers, YaRN rope, float32 norm multiply
 
 
 FAMILIES: dict[str, Family] = {
@@ -83,8 +93,9 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(bias_key="attention_bias", bias_default=False, o_bias=True, qk_norm=True),
     "qwen3_next": Family(bias_key="attention_bias", bias_default=False, o_bias=True, qk_norm=True, hybrid=True,
                          norm_topk_default=True),
+    "gpt_oss": Family(bias_key="attention_bias", bias_default=True, o_bias=True, qk_norm=False, oai=True),
 }
-FULL, LINEAR = "full_attention", "linear_attention"  # layer_types values
+FULL, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"  # layer_types values
 
 
 @dataclass(frozen=True)
@@ -98,10 +109,14 @@ class ModelSpec:
     sparse: per layer, True for an MoE layer. moe: the MoE block (its dtype is the model's dtype, its
     expert_format the routed experts' storage). quant: how the checkpoint stores its quantized linears
     (moe.model.quantized.CheckpointQuant), None for an unquantized one.
-    layer_types: per layer FULL or LINEAR (() = every layer FULL). rotary_dim: the rotated dims of a
-    head (0 = head_dim). attn_gate: full attention's sigmoid output gate. norm_one_plus: RMSNorm scales
-    by (1 + weight) in float32 (the loader stores that factor as a float32 weight). linear: the
-    linear-attention layers' shape (None without any).
+    layer_types: per layer FULL, LINEAR or SLIDING (() = every layer FULL). rotary_dim: the rotated dims
+    of a head (0 = head_dim). attn_gate: full attention's sigmoid output gate. norm_one_plus: RMSNorm
+    scales by (1 + weight) in float32 (the loader stores that factor as a float32 weight). linear: the
+    linear-attention layers' shape (None without any). norm_float32: RMSNorm multiplies its weight in
+    float32 before the cast (gpt-oss; stored as a float32 weight). sinks: each attention head has a
+    learned sink logit in its softmax (gpt-oss). sliding_window: the keys a SLIDING layer's query sees
+    (itself and the window - 1 before it). rope_yarn: YaRN's (factor, beta_fast, beta_slow,
+    original_max_position_embeddings, truncate, attention_factor) or () for the plain rope.
     """
 
     model_type: str
@@ -126,6 +141,10 @@ class ModelSpec:
     attn_gate: bool = False
     norm_one_plus: bool = False
     linear: LinearAttentionShape | None = None
+    norm_float32: bool = False
+    sinks: bool = False
+    sliding_window: int = 0
+    rope_yarn: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -146,9 +165,10 @@ class ModelSpec:
         if not any(self.sparse):
             raise CheckpointError("config.json: no layer is an MoE layer (check mlp_only_layers and "
                                   "decoder_sparse_step); expertcache serves MoE models")
-        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {FULL, LINEAR}:
-            raise CheckpointError(f"config.json: layer_types must list {FULL!r} or {LINEAR!r} for each of the "
-                                  f"{self.num_layers} layers, got {list(self.layer_types)}")
+        kinds = {FULL, SLIDING} if self.sliding_window or self.sinks else {FULL, LINEAR}  # gpt-oss's, Qwen3-Next's
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= kinds:
+            raise CheckpointError(f"config.json: layer_types must list {' or '.join(map(repr, sorted(kinds)))} for "
+                                  f"each of the {self.num_layers} layers, got {list(self.layer_types)}")
         if (LINEAR in self.layer_types) != (self.linear is not None):
             raise CheckpointError("ModelSpec.linear must be given exactly when a layer is linear_attention")
         if self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim:
@@ -157,8 +177,13 @@ class ModelSpec:
 
     @property
     def full_layers(self) -> tuple[int, ...]:
-        """The decoder layers with full attention (those that hold a KV cache)."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+        """The decoder layers with softmax attention, full or sliding-window (those that hold a KV cache)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t != LINEAR)
+
+    def window(self, layer: int) -> int:
+        """The keys a query of decoder layer `layer` sees at most: sliding_window for a SLIDING layer, else 0
+        (all of its row's)."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else 0
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
@@ -209,12 +234,14 @@ class ModelSpec:
             if "expert_format" not in str(e):
                 raise
             raise CheckpointError(f"--moe-expert-format {fmt}: {e}") from None
-        _check_attention_kind(config)
+        _check_attention_kind(config, family)
         num_layers, hidden = _require(config, "num_hidden_layers"), _require(config, "hidden_size")
         heads = _require(config, "num_attention_heads")
         bias = bool(config.get(family.bias_key, family.bias_default))
         head_dim = config.get("head_dim") or hidden // heads
         hybrid = _hybrid_fields(config, num_layers, head_dim) if family.hybrid else {}
+        if family.oai:
+            hybrid = _oai_fields(config, num_layers)
         return cls(
             model_type=model_type, num_layers=num_layers, hidden=hidden,
             vocab_size=_require(config, "vocab_size"), num_heads=heads,
@@ -303,16 +330,49 @@ def _rope_theta(config: Mapping[str, Any]) -> float:
     return theta
 
 
-def _check_attention_kind(config: Mapping[str, Any]) -> None:
-    """Refuse rope scaling and sliding windows, which the engine does not implement."""
+def _check_attention_kind(config: Mapping[str, Any], family: Family) -> None:
+    """Refuse rope scaling (but gpt-oss's YaRN) and Qwen's sliding windows, which the engine does not implement."""
     for key in ("rope_parameters", "rope_scaling"):
         params = config.get(key) or {}
         kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
-            raise CheckpointError(f"config.json {key}.rope_type={kind!r}: only the default rope is served")
+        if kind != "default" and not (family.oai and kind == "yarn"):
+            raise CheckpointError(f"config.json {key}.rope_type={kind!r}: only the default rope is served"
+                                  f"{' (and yarn)' if family.oai else ''}")
     if config.get("use_sliding_window"):
         raise CheckpointError("config.json use_sliding_window=true: only full attention is served; "
                               "set it to false to serve within the window-free context")
+
+
+def _oai_fields(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """gpt-oss's ModelSpec fields: layer_types (given, or sliding / full alternating from layer 0, as
+    transformers decides), sliding_window, sinks, the float32 norm multiply and YaRN's parameters
+    (transformers' defaults for absent ones: beta_fast 32, beta_slow 1, truncate true, the attention
+    factor 0.1 ln(factor) + 1). Raises CheckpointError naming the key."""
+    types = config.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(num_layers)]
+    window = config.get("sliding_window")
+    if SLIDING in types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise CheckpointError(f"config.json sliding_window must be an int >= 1 for the sliding_attention layers, "
+                              f"got {window!r}")
+    yarn: tuple[float, ...] = ()
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type", "default")) == "yarn":
+        factor = params.get("factor")
+        original = params.get("original_max_position_embeddings")
+        for key, value in (("factor", factor), ("original_max_position_embeddings", original)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise CheckpointError(f"config.json rope_parameters.{key} must be a number > 0 for yarn, got {value!r}")
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 0.1 * m * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+        attention = params.get("attention_factor")
+        if attention is None and params.get("mscale") and params.get("mscale_all_dim"):
+            attention = mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+        elif attention is None:
+            attention = mscale(factor)
+        yarn = (float(factor), float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1),
+                float(original), float(bool(params.get("truncate", True))), float(attention))
+    return {"layer_types": tuple(types), "sliding_window": int(window or 0) if SLIDING in types else 0,
+            "sinks": True, "norm_float32": True, "rope_yarn": yarn}
 
 
 def _hybrid_fields(config: Mapping[str, Any], num_layers: int, head_dim: int) -> dict[str, Any]:

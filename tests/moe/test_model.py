@@ -323,7 +323,7 @@ def _broken_copy(path, tmp_path, edit_tensors=None, edit_config=None):
     ("wrong shape", lambda t: t.update({"model.layers.2.self_attn.k_proj.weight": torch.zeros(16, 64)}), None,
      r"'model\.layers\.2\.self_attn\.k_proj\.weight' has shape \[16, 64\], expected \[\d+, 64\]"),
     ("unsupported model_type", None, lambda c: c.update(model_type="llama"),
-     r"model_type='llama' is not supported; supported: \['qwen2_moe', 'qwen3_moe', 'qwen3_next'\]"),
+     r"model_type='llama' is not supported; supported: \['gpt_oss', 'qwen2_moe', 'qwen3_moe', 'qwen3_next'\]"),
     ("missing config key", None, lambda c: c.pop("num_attention_heads"), r"missing 'num_attention_heads'"),
     ("scaled rope", None, lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
      r"rope_type='yarn'"),
