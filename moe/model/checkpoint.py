@@ -46,7 +46,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from expertcache.formats import ExpertFormat, bank_name
+from expertcache.formats import ExpertFormat, FormatError, bank_name
 from expertcache.pool import Bank, HostStore
 from moe.kernels.slot_matrix import SlotMatrix
 from moe.model.linear_attention import LinearAttentionWeights
@@ -451,6 +451,45 @@ def _load_oai_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p
     cfg, fmt = spec.moe, spec.moe.format
     h, e, i = cfg.hidden, cfg.num_experts, cfg.expert_intermediate
     base, dtype = index * e, TORCH_DTYPES[cfg.dtype]
+    if reader.quant is not None and reader.quant.method == "mxfp4":
+        for name, out, inn, stack in (("gate_up", 2 * i, h, 2), ("down", h, i, 1)):
+            _write_mxfp4_experts(reader, store, fmt, p + f"{name}_proj", name, out, inn, stack, base, e)
+    else:
+        _write_oai_dense(reader, store, fmt, p, base, e, h, i)
+    bias = reader.raw(p + "gate_up_proj_bias", (e, 2 * i)).to(dtype)
+    store.tensor(EXPERT_BIAS_BANKS[0])[base:base + e] = torch.cat([bias[:, ::2], bias[:, 1::2]], dim=-1)
+    store.tensor(EXPERT_BIAS_BANKS[1])[base:base + e] = reader.raw(p + "down_proj_bias", (e, h)).to(dtype)
+
+
+def _write_mxfp4_experts(reader: TensorReader, store: HostStore, fmt: ExpertFormat, name: str, bank: str,
+                         out: int, inn: int, stack: int, base: int, e: int) -> None:
+    """gpt-oss's MXFP4 experts `name`_blocks [E, out, in/32, 16] / `name`_scales [E, out, in/32] (gate_up's
+    rows interleave gate and up: de-interleaved, a permutation of whole rows) into the store: their own
+    bytes when the store is mxfp4, else decoded (float32, exact) and quantized to `fmt`."""
+    q = reader.raw_quantized(name + "_blocks", (e, out, inn // 32, 16), ("U8",)).reshape(e, out, inn // 2)
+    s = reader.raw_quantized(name + "_scales", (e, out, inn // 32), ("U8",))
+    if stack == 2:
+        q, s = (torch.cat([t[:, ::2], t[:, 1::2]], dim=1) for t in (q, s))
+    mx = reader.quant.format
+    if fmt.key == mx.key:
+        parts = {"q": q, "s": s}
+        try:
+            mx.check({k: v.reshape(e * out, -1) for k, v in parts.items()}, e * out, inn)  # every expert's codes
+        except FormatError as err:
+            raise CheckpointError(f"{reader.path}: {name}: {err}") from None
+        for part in fmt.layout(out, inn, stack):
+            store.tensor(bank_name(bank, part.suffix))[base:base + e] = parts[part.suffix].reshape(e, *part.shape)
+        return
+    w = torch.stack([mx.dequantize({"q": q[x], "s": s[x]}) for x in range(e)])  # [E, out, in] float32
+    if fmt.dense:
+        store.tensor(bank)[base:base + e] = w
+    else:
+        write_experts(store, fmt, bank, w, base, stack)
+
+
+def _write_oai_dense(reader: TensorReader, store: HostStore, fmt: ExpertFormat, p: str, base: int, e: int, h: int,
+                     i: int) -> None:
+    """gpt-oss's unquantized experts (gate_up_proj [E, H, 2I], down_proj [E, I, H]) into the store."""
     gu = reader.raw(p + "gate_up_proj", (e, h, 2 * i))
     gate_up = torch.cat([gu[..., ::2], gu[..., 1::2]], dim=-1).transpose(1, 2)  # [E, 2I, H]
     down = reader.raw(p + "down_proj", (e, i, h)).transpose(1, 2)  # [E, H, I]
@@ -460,9 +499,6 @@ def _load_oai_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p
     else:
         write_experts(store, fmt, "gate_up", gate_up.contiguous(), base, 2)
         write_experts(store, fmt, "down", down.contiguous(), base, 1)
-    bias = reader.raw(p + "gate_up_proj_bias", (e, 2 * i)).to(dtype)
-    store.tensor(EXPERT_BIAS_BANKS[0])[base:base + e] = torch.cat([bias[:, ::2], bias[:, 1::2]], dim=-1)
-    store.tensor(EXPERT_BIAS_BANKS[1])[base:base + e] = reader.raw(p + "down_proj_bias", (e, h)).to(dtype)
 
 
 def _expert_parts(reader: TensorReader, fmt: ExpertFormat, module: str, out: int, inn: int) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@
 | `fp8` (Qwen / DeepSeek fine-grained FP8) | `weight` F8_E4M3 [out, in], `weight_scale_inv` F32 / BF16 [ceil(out/128), ceil(in/128)] | q, s (fp8) | weight_block_size other than [128, 128]; fmt other than e4m3 |
 | `modelopt` NVFP4 | `weight` U8 [out, in/2], `weight_scale` F8_E4M3 [out, in/16], `weight_scale_2` F32 [] or [1]; `input_scale` (activations, unused: weight-only) | q, s, s2 (nvfp4) | quant_algo other than NVFP4; group_size other than 16 |
 | `gptq` | `qweight` I32 [in/8, out], `qzeros` I32 [in/128, out/8], `scales` F16 [in/128, out], `g_idx` I32 [in] | q, s, z (int4-f16, int4-f16-z) | bits other than 4; group_size other than 128; desc_act / a g_idx out of order |
+| `mxfp4` (gpt-oss) | the experts only, fused per layer: `experts.{gate_up,down}_proj_blocks` U8 [E, out, in/32, 16], `_scales` U8 [E, out, in/32] (read by moe.model.checkpoint's gpt-oss loader); every other linear a plain `.weight` | q, s (mxfp4) | - |
 | `compressed-tensors` pack-quantized | `weight_packed` I32 [out, in/8], `weight_scale` BF16 / F16 [out, in/128], `weight_shape`, optional `weight_zero_point` (I32 packed along out, or int8 [out, in/128]) | q, s, z (int4, int4-f16, -z) | num_bits other than 4, type other than int, strategy other than group, group_size other than 128, actorder, other formats |
 
 Repacking (exact): GPTQ `qweight` holds 8 values along the input per int32 (value 8r + j in bits 4j..4j+3)
@@ -29,7 +30,7 @@ from typing import Any, Mapping
 
 import torch
 
-from expertcache.formats import FP8, INT4, NVFP4, ExpertFormat, FormatError
+from expertcache.formats import FP8, INT4, MXFP4, NVFP4, ExpertFormat, FormatError
 from moe.model.spec import QUANT_CONFIG_KEYS, CheckpointError
 
 # The safetensors dtype each quantized tensor must have, and what it becomes.
@@ -96,9 +97,11 @@ def _parse(quant: dict[str, Any], where: str) -> CheckpointQuant:
         return CheckpointQuant("gptq", fmt, "qweight", gptq_v1=v1, source=where)
     if method == "compressed-tensors":
         return _parse_compressed(quant, where)
+    if method == "mxfp4":  # gpt-oss: the routed experts' `*_blocks` / `*_scales`; no other linear is quantized
+        return CheckpointQuant("mxfp4", MXFP4(), "blocks", source=where)
     raise CheckpointError(f"{where}.quant_method={method!r} is not served; the loader reads fp8 (fine-grained "
-                          "128 x 128), modelopt (NVFP4), gptq (4-bit, group 128) and compressed-tensors "
-                          "(pack-quantized int4, group 128) checkpoints")
+                          "128 x 128), modelopt (NVFP4), gptq (4-bit, group 128), compressed-tensors "
+                          "(pack-quantized int4, group 128) and mxfp4 (gpt-oss's experts) checkpoints")
 
 
 def _require_value(quant: Mapping[str, Any], where: str, key: str, want: Any) -> None:

@@ -42,7 +42,8 @@ sliding window is refused.
 Quantized checkpoints: a `quantization_config` (or `compression_config`, or ModelOpt's
 hf_quant_config.json beside config.json, which `read_config` folds in) is read by
 moe.model.quantized.parse_quantization: fine-grained fp8, ModelOpt NVFP4, GPTQ and compressed-tensors
-int4 load (ModelSpec.quant), any other is refused naming the field. The routed experts are stored in
+int4 load (ModelSpec.quant), and gpt-oss's MXFP4 experts (for model_type gpt_oss only); any other is
+refused naming the field. The routed experts are stored in
 `expert_format` (the `--moe-expert-format` flag): by default the checkpoint's own format (fp8, nvfp4,
 int4...), or the model dtype's for an unquantized checkpoint. The model dtype (`torch_dtype`, or
 `dtype` as transformers >= 5 writes it; default bfloat16) must be one of moe.model.config.DTYPES unless
@@ -68,7 +69,7 @@ class CheckpointError(ValueError):
 
 
 # quant_method values the loader implements (moe.model.quantized); any other is refused.
-SUPPORTED_QUANT_METHODS: tuple[str, ...] = ("fp8", "modelopt", "gptq", "compressed-tensors")
+SUPPORTED_QUANT_METHODS: tuple[str, ...] = ("fp8", "modelopt", "gptq", "compressed-tensors", "mxfp4")
 QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")  # the latter: older compressed-tensors
 UNQUANTIZED_ONLY = ("a tensor that config.json does not declare quantized must be a bfloat16 / float16 / "
                     "float32 tensor: declare the checkpoint's quantization_config (fp8, modelopt NVFP4, gptq "
@@ -222,6 +223,10 @@ class ModelSpec:
                                   f"{sorted(FAMILIES)}")
         family = FAMILIES[model_type]
         quant = parse_quantization(config)
+        if quant is not None and quant.method == "mxfp4" and not family.oai:
+            raise CheckpointError(f"config.json quantization_config.quant_method='mxfp4' is gpt-oss's expert layout; "
+                                  f"model_type={model_type!r} does not ship it (serve the unquantized checkpoint, "
+                                  "with --moe-expert-format mxfp4 for MXFP4 experts)")
         config = _aliased(config)
         config.setdefault("norm_topk_prob", family.norm_topk_default)
         config["torch_dtype"] = _model_dtype(config, dtype)  # what MoEConfig.from_hf reads

@@ -9,11 +9,14 @@
     limit lowered to 2 so it clamps), float32 norms' multiply.
     compared: float32 logits of prefill and evicting decode within 1e-4 and greedy tokens identical; a
     batch of unequal prompts with rows joining and leaving; a prompt prefilled in chunks; the store's
-    de-interleaved experts and their bias rows; the rope and layer fields read from config.json.
+    de-interleaved experts and their bias rows; the rope and layer fields read from config.json; the
+    experts in the released MXFP4 layout (`*_blocks` / `*_scales`) kept as their bytes, logits against
+    transformers on the values they decode to, and served in another format.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -181,3 +184,73 @@ def test_the_gpu_layer_refuses_gpt_oss_by_name(checkpoint):
     weights = load_checkpoint(checkpoint[1], "cpu", pin=False, progress=False)
     with pytest.raises(ValueError, match="the GPU layer computes SiLU experts without biases"):
         GpuMoE(weights, 8)
+
+
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                     "model.embed_tokens", "lm_head"]}
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory):
+    """gpt-oss as released: the experts as MXFP4 `*_blocks` / `*_scales` (this model's experts quantized
+    to MXFP4, rows in the checkpoint's interleaved order), everything else unquantized; and transformers
+    on a float32 copy whose experts are the values those bytes decode to. The expert width is 64 here
+    (MXFP4 needs in_features in multiples of 32)."""
+    from safetensors.torch import load_file, save_file
+
+    from expertcache.formats import get_format
+
+    model = GptOssForCausalLM(GptOssConfig(**{**CONFIG, "intermediate_size": 64})).eval()
+    _randomize(model, seed=23)
+    base = tmp_path_factory.mktemp("gpt_oss_bf")
+    model.save_pretrained(base, safe_serialization=True)
+    mx = get_format("mxfp4")
+    tensors = load_file(str(base / "model.safetensors"))
+    decoded = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name).transpose(1, 2).contiguous()  # [E, out, in], gate_up's rows interleaved
+        e, out, inn = w.shape
+        parts = mx.quantize(w.reshape(e * out, inn))
+        tensors[name + "_blocks"] = parts["q"].reshape(e, out, inn // 32, 16)
+        tensors[name + "_scales"] = parts["s"].reshape(e, out, inn // 32)
+        decoded[name] = mx.dequantize(parts).reshape(e, out, inn).transpose(1, 2).contiguous()
+    path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    for f in ("config.json", "generation_config.json"):
+        if (base / f).exists():
+            (path / f).write_text((base / f).read_text())
+    save_file(tensors, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_CONFIG}))
+    with torch.no_grad():
+        for name, w in decoded.items():
+            model.get_parameter(name).copy_(w)
+    return model, path, tensors
+
+
+def test_mxfp4_experts_keep_their_bytes_and_decode_like_transformers(mxfp4_checkpoint):
+    model, path, tensors = mxfp4_checkpoint
+    weights = load_checkpoint(path, "cpu", pin=False, progress=False)
+    assert weights.spec.quant.method == "mxfp4" and weights.spec.moe.expert_format == "mxfp4"
+    e, key = 3, 1 * CONFIG["num_local_experts"] + 3  # layer 1, expert 3
+    blocks = tensors["model.layers.1.mlp.experts.gate_up_proj_blocks"][e].reshape(128, 32)
+    scales = tensors["model.layers.1.mlp.experts.gate_up_proj_scales"][e]
+    assert torch.equal(weights.store.tensor("gate_up.q")[key], torch.cat([blocks[::2], blocks[1::2]]))
+    assert torch.equal(weights.store.tensor("gate_up.s")[key], torch.cat([scales[::2], scales[1::2]]))
+    assert torch.equal(weights.store.tensor("down.q")[key],
+                       tensors["model.layers.1.mlp.experts.down_proj_blocks"][e].reshape(64, 32))
+    engine = load_model(path, "cpu", num_slots=K, max_seq_len=32, progress=False)
+    seq = _tokens(12, seed=8)
+    got = [engine.prefill([seq[:6]], all_logits=True)[0]] + [engine.decode_step([t]) for t in seq[6:]]
+    _close(torch.cat(got), _hf_logits(model, seq).logits[0], rel=1e-4)
+    assert int(engine.moe.cache.counters[:, MISSES].sum()) > 0
+
+
+def test_mxfp4_experts_served_in_another_format(mxfp4_checkpoint):
+    from expertcache.formats import get_format
+
+    model, path, tensors = mxfp4_checkpoint
+    weights = load_checkpoint(path, "cpu", pin=False, progress=False, expert_format="bf16")
+    gu = model.model.layers[0].mlp.experts.gate_up_proj[2].detach()  # the decoded values, [H, 2I] interleaved
+    want = torch.cat([gu[:, ::2], gu[:, 1::2]], dim=1).T.to(torch.bfloat16)
+    assert torch.equal(weights.store.tensor("gate_up")[2], want)  # MXFP4 values are exact in bf16
+    assert weights.store.bytes_per_expert > get_format("mxfp4").expert_bytes(64, 64)
