@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from expertcache.formats import GIB, gib_at_least, slots_for_bytes
+from moe.model.attention import cache_positions
 from moe.model.checkpoint import expert_banks
 from moe.model.linear_attention import RecurrentCache
 from moe.model.spec import ModelSpec
@@ -80,10 +81,11 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def kv_cache_bytes(spec: ModelSpec, max_batch: int, max_seq_len: int) -> int:
-    """Bytes of the KV cache an Engine allocates: k and v [max_batch, Hkv, max_seq_len, D] per
-    full-attention decoder layer, in the model dtype (moe.model.attention.KVCache)."""
-    return (2 * len(spec.full_layers) * max_batch * spec.num_kv_heads * max_seq_len * spec.head_dim
-            * DTYPE_BYTES[spec.moe.dtype])
+    """Bytes of the KV cache an Engine allocates: k and v [max_batch, Hkv, P, D] per softmax-attention
+    decoder layer, P = max_seq_len or a sliding layer's window (moe.model.attention.cache_positions), in
+    the model dtype (moe.model.attention.KVCache)."""
+    positions = sum(cache_positions(spec, i, max_seq_len) for i in spec.full_layers)
+    return 2 * positions * max_batch * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[spec.moe.dtype]
 
 
 def recurrent_state_bytes(spec: ModelSpec, max_batch: int) -> int:
@@ -105,15 +107,19 @@ def memory_split(budget: SlotBudget, spec: ModelSpec, max_batch: int, max_seq_le
     recurrent state), and their sum."""
     kv = kv_cache_bytes(spec, max_batch, max_seq_len)
     state = recurrent_state_bytes(spec, max_batch)
-    per_token = kv // (max_batch * max_seq_len)
+    rings = [i for i in spec.full_layers if cache_positions(spec, i, max_seq_len) < max_seq_len]
+    whole = len(spec.full_layers) - len(rings)  # the layers that hold every position
+    per_token = 2 * whole * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[spec.moe.dtype]
     source = f"--moe-cache-gb {budget.cache_gb:g}" if budget.cache_gb is not None else f"--moe-slots {budget.slots}"
     recurrent = "" if not state else (
         f" + linear-attention state {state / GIB:.3g} GiB (--max-batch {max_batch} x {state // max_batch:,} bytes "
         f"a sequence: {len(spec.linear_layers)} layers)")
     return (f"device memory for the cache and the context: expert slots {budget.slot_bytes / GIB:.3g} GiB ({source}) "
             f"+ KV cache {kv / GIB:.3g} GiB (--max-batch {max_batch} x --max-seq-len {max_seq_len} tokens x "
-            f"{per_token:,} bytes a token: {len(spec.full_layers)} layers x k, v x {spec.num_kv_heads} heads x "
-            f"{spec.head_dim} x {DTYPE_BYTES[spec.moe.dtype]} bytes){recurrent} = "
+            f"{per_token:,} bytes a token: {whole} layers x k, v x {spec.num_kv_heads} heads x "
+            f"{spec.head_dim} x {DTYPE_BYTES[spec.moe.dtype]} bytes"
+            f"{f'; {len(rings)} sliding layers hold their window of {spec.sliding_window} tokens' if rings else ''})"
+            f"{recurrent} = "
             f"{(budget.slot_bytes + kv + state) / GIB:.3g} GiB, "
             f"beside the model's dense weights and, on a GPU, prefill's staging ring of {PREFILL_STAGING} experts "
             f"({PREFILL_STAGING * expert_pricing(spec)[1] / GIB:.3g} GiB)")

@@ -13,8 +13,9 @@
 Qwen3-Next (ModelSpec.attn_gate, rotary_dim < D): the output before o proj is multiplied by
 sigmoid(gate proj(x)) in the model dtype, and RoPE turns only the first rotary_dim dims of a head.
 gpt-oss (ModelSpec.sinks, sliding_window): each head's softmax has one more logit, its learned sink,
-whose value is zero; a sliding layer's query sees itself and the window - 1 keys before it; both in
-torch (_softmax_attend, in blocks of QUERY_BLOCK queries in prefill); the rope is YaRN (Rope's yarn).
+whose value is zero; a sliding layer's query sees itself and the window - 1 keys before it, and its
+KV cache is a ring of the window's positions (cache_positions); both in torch (_softmax_attend, in
+blocks of QUERY_BLOCK queries in prefill); the rope is YaRN (Rope's yarn).
 
 KVCache holds k, v per full-attention decoder layer as [B, Hkv, max_len, D] in the model dtype
 (None for a linear-attention layer, whose state is moe.model.linear_attention's), allocated once;
@@ -99,22 +100,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out if keep is None else torch.cat((out, keep), dim=-1)
 
 
-class KVCache:
-    """Per full-attention decoder layer k, v [B, Hkv, max_len, D] (None at a linear-attention layer);
-    `lengths` int64 [B] tokens cached per row.
+def cache_positions(spec: ModelSpec, layer: int, max_len: int) -> int:
+    """The positions decoder layer `layer`'s KV cache holds a row: max_len, or a sliding layer's window
+    when it is shorter (a ring: position p at p % window, the older ones overwritten, never seen again)."""
+    window = spec.window(layer)
+    return window if 0 < window < max_len else max_len
 
-    Cost: 2 * full-attention layers * B * Hkv * max_len * D elements of the model dtype, allocated at
-    construction.
+
+class KVCache:
+    """Per softmax-attention decoder layer k, v [B, Hkv, P, D] (None at a linear-attention layer), P =
+    cache_positions (max_len, or a sliding layer's window as a ring); `lengths` int64 [B] tokens cached
+    per row; ring[layer]: P for a ring layer, else 0.
+
+    Cost: 2 * B * Hkv * D * (the layers' P summed) elements of the model dtype, allocated at construction.
     """
 
     def __init__(self, spec: ModelSpec, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
         full = set(spec.full_layers)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) if i in full else None
-                  for i in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) if i in full else None
-                  for i in range(spec.num_layers)]
+        self.k, self.v, self.ring = [], [], []
+        for i in range(spec.num_layers):
+            positions = cache_positions(spec, i, max_len)
+            shape = (batch, spec.num_kv_heads, positions, spec.head_dim)
+            self.k.append(torch.zeros(shape, dtype=dtype, device=device) if i in full else None)
+            self.v.append(torch.zeros(shape, dtype=dtype, device=device) if i in full else None)
+            self.ring.append(positions if positions < max_len else 0)
         self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)
         self.batch, self.max_len = batch, max_len
 
@@ -161,11 +171,34 @@ def _softmax_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     return out.reshape(n, hq, d)
 
 
-def _windowed(positions: torch.Tensor, keys: int, window: int) -> torch.Tensor:
-    """visible [N, keys]: key j seen by a query at position p when j <= p and, with a window, j > p - window."""
-    j = torch.arange(keys, device=positions.device)[None, :]
+def _windowed(positions: torch.Tensor, keys: int | torch.Tensor, window: int) -> torch.Tensor:
+    """visible [N, S]: a key at position j (keys: the positions 0..keys-1, or a tensor [S] of them) seen
+    by a query at position p when j <= p and, with a window, j > p - window."""
+    j = (torch.arange(keys, device=positions.device) if isinstance(keys, int) else keys)[None, :]
     seen = j <= positions[:, None]
     return seen & (j > positions[:, None] - window) if window else seen
+
+
+def _ring_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: AttentionWeights, spec: ModelSpec,
+                  cache: KVCache, layer: int, row: int, start: int) -> torch.Tensor:
+    """A sliding layer's prefill through its ring of P = window positions: the chunk's queries [T, Hq, D]
+    attend to the ring's last P - 1 positions before `start` and to the chunk's own k, v [T, Hkv, D];
+    then the chunk's last P positions go into the ring (at p % P). Returns [T, Hq, D]."""
+    t, ring, dev = q.shape[0], cache.ring[layer], q.device
+    before = torch.arange(max(0, start - ring + 1), start, device=dev)  # positions still in the ring
+    kp = torch.cat([before, torch.arange(start, start + t, device=dev)])  # [S] key positions
+    keys = torch.cat([cache.k[layer][row, :, before % ring], k.transpose(0, 1)], dim=1)[None]  # [1, Hkv, S, D]
+    values = torch.cat([cache.v[layer][row, :, before % ring], v.transpose(0, 1)], dim=1)[None]
+    out = torch.cat([
+        _softmax_attend(q[i:i + QUERY_BLOCK], keys.expand(min(QUERY_BLOCK, t - i), -1, -1, -1),
+                        values.expand(min(QUERY_BLOCK, t - i), -1, -1, -1),
+                        _windowed(torch.arange(start + i, min(start + i + QUERY_BLOCK, start + t), device=dev), kp,
+                                  spec.window(layer)), w.sinks, spec.head_dim ** -0.5)
+        for i in range(0, t, QUERY_BLOCK)])
+    last = torch.arange(max(start, start + t - ring), start + t, device=dev)
+    cache.k[layer][row, :, last % ring] = k[last - start].transpose(0, 1)
+    cache.v[layer][row, :, last % ring] = v[last - start].transpose(0, 1)
+    return out
 
 
 def attention_prefill(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope: Rope, cache: KVCache,
@@ -182,6 +215,9 @@ def attention_prefill(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rop
     if start + t > cache.max_len:
         raise ValueError(f"a prompt of {start + t} tokens exceeds max_seq_len={cache.max_len}: raise max_seq_len")
     q, k, v = _project(x, w, spec, torch.arange(start, start + t, device=x.device), rope)
+    if cache.ring[layer]:  # a sliding layer's ring
+        out = _ring_prefill(q, k, v, w, spec, cache, layer, row, start)
+        return F.linear(_gated(out.reshape(t, -1), x, w), w.o, w.o_bias)
     cache.k[layer][row, :, start:start + t] = k.transpose(0, 1)
     cache.v[layer][row, :, start:start + t] = v.transpose(0, 1)
     gqa = spec.num_heads != spec.num_kv_heads
@@ -238,9 +274,16 @@ def attention_decode(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope
     pos = cache.lengths[:b]  # [B]
     q, k, v = _project(x, w, spec, pos, rope)  # [B, Hq, D], [B, Hkv, D] x2
     rows = torch.arange(b, device=x.device)
-    cache.k[layer][rows, :, pos] = k
-    cache.v[layer][rows, :, pos] = v
+    ring = cache.ring[layer]
+    at = pos % ring if ring else pos
+    cache.k[layer][rows, :, at] = k
+    cache.v[layer][rows, :, at] = v
     window = spec.window(layer)
+    if ring:  # entry i holds position i until the ring fills, then one of the last `ring`: all seen
+        entries = torch.arange(ring, device=x.device)[None, :]
+        visible = (entries <= pos[:, None]) | (pos[:, None] >= ring)
+        out = _softmax_attend(q, cache.k[layer][:b], cache.v[layer][:b], visible, w.sinks, spec.head_dim ** -0.5)
+        return F.linear(_gated(out.reshape(b, -1), x, w), w.o, w.o_bias)
     if w.sinks is not None or window:  # gpt-oss: sinks, sliding windows
         out = _softmax_attend(q, cache.k[layer][:b], cache.v[layer][:b], _windowed(pos, cache.max_len, window),
                               w.sinks, spec.head_dim ** -0.5)

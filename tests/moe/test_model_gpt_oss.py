@@ -254,3 +254,21 @@ def test_mxfp4_experts_served_in_another_format(mxfp4_checkpoint):
     want = torch.cat([gu[:, ::2], gu[:, 1::2]], dim=1).T.to(torch.bfloat16)
     assert torch.equal(weights.store.tensor("gate_up")[2], want)  # MXFP4 values are exact in bf16
     assert weights.store.bytes_per_expert > get_format("mxfp4").expert_bytes(64, 64)
+
+
+def test_sliding_layers_keep_a_ring_of_their_window_and_are_priced_so(checkpoint, caplog):
+    """A sliding layer's KV cache holds its window's positions (a ring), a full layer's every position;
+    the start-up line and kv_cache_bytes price exactly what is allocated."""
+    import logging
+
+    from moe.engine.budget import kv_cache_bytes
+
+    model, path = checkpoint
+    with caplog.at_level(logging.INFO, logger="moe.engine.loading"):
+        engine = load_model(path, "cpu", num_slots=3 * K, max_batch=3, max_seq_len=40, progress=False)
+    assert [t.shape[2] for t in engine.kv.k] == [4, 40, 4, 40] and engine.kv.ring == [4, 0, 4, 0]
+    allocated = sum(t.numel() * t.element_size() for t in engine.context_state())
+    assert kv_cache_bytes(engine.spec, 3, 40) == allocated == 2 * 3 * 2 * 16 * 4 * (4 + 40 + 4 + 40)
+    (split,) = [r.message for r in caplog.records if r.message.startswith("device memory")]
+    assert ("x 512 bytes a token: 2 layers x k, v x 2 heads x 16 x 4 bytes; 2 sliding layers hold their window "
+            "of 4 tokens)") in split
