@@ -10,7 +10,8 @@ special tokens are zero, so their logit is 0 while the words' spread over about 
 never picks eos, and every greedy request runs to max_tokens (tests of eos pass eos ids explicitly).
 Model: 3 layers (layer 1 dense), 8 experts top-2, shared expert: 2 MoE layers, 16 cache keys. The other
 families (FAMILY_CONFIGS) take the same sizes in their own classes: qwen3_moe (q / k norms, no shared
-expert) and qwen3_next (linear / dense-MLP full / linear attention, head_dim 32 half rotated).
+expert), qwen3_next (linear / dense-MLP full / linear attention, head_dim 32 half rotated) and gpt_oss
+(sliding / full / sliding attention with sinks, YaRN, biased experts).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
-                          Qwen3NextForCausalLM)
+from transformers import (GptOssConfig, GptOssForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
 
 VOCAB = 128
 SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -44,6 +45,11 @@ FAMILY_CONFIGS = {
                     "layer_types": ["linear_attention", "full_attention", "linear_attention"],
                     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                     "linear_value_head_dim": 16}),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM,
+                {**{k: v for k, v in CONFIG.items() if k not in ("shared_expert_intermediate_size", "mlp_only_layers")},
+                 "intermediate_size": 32, "num_local_experts": 8, "head_dim": 16, "sliding_window": 4,
+                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                     "original_max_position_embeddings": 16, "truncate": False}}),
 }
 
 
