@@ -11,8 +11,11 @@
 Routed experts are read in either layout transformers writes: per expert
 (`mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I]; what
 `save_pretrained` writes) or fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
-[E, H, I]; transformers >= 5's in-memory layout). Every tensor's shape is checked against the spec
-before it is converted; a missing or misshapen tensor raises CheckpointError naming it.
+[E, H, I]; transformers >= 5's in-memory layout); gpt-oss's experts are `mlp.experts.gate_up_proj`
+[E, H, 2I] with gate and up in alternating columns and `down_proj` [E, I, H] (or, as released, their
+MXFP4 `*_blocks` / `*_scales`), with biases (_load_oai_experts). Qwen3-Next's linear-attention layers are
+`linear_attn.*` (_load_linear_attention). Every tensor's shape is checked against the spec before it
+is converted; a missing or misshapen tensor raises CheckpointError naming it.
 
 Expert formats: the HostStore holds the routed experts in spec.moe.expert_format (expertcache.formats;
 its banks `gate_up.q`, `gate_up.s`, ... or `gate_up` / `down` for a dense one). A quantized checkpoint
@@ -298,7 +301,8 @@ def write_experts(store: HostStore, fmt: ExpertFormat, name: str, weights: torch
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", *, dtype: str | None = None,
                     pin: bool | None = None, progress: bool = True, copy_overlap: bool = False,
                     expert_format: str | None = None) -> ModelWeights:
-    """Load a qwen2_moe / qwen3_moe / qwen3_next checkpoint directory, unquantized or quantized (module docstring).
+    """Load a qwen2_moe / qwen3_moe / qwen3_next / gpt_oss checkpoint directory, unquantized or quantized
+    (module docstring).
 
     device: where everything but the routed experts goes. dtype: "float32" / "float16" / "bfloat16"
     (default: the config's). expert_format: the routed experts' storage (--moe-expert-format, one of
