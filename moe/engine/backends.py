@@ -117,7 +117,7 @@ def out_group(out: torch.Tensor, hidden: torch.Tensor, w_gu: torch.Tensor, w_dn:
     dropped, each expert's rows times their gate weights added with one index_add_ per expert (a token
     appears once per expert, so the sum is deterministic: the experts in increasing id order). cfg: the
     activation (gated_activation); biases: the group's (gate_up [G, 2I], down [G, H]) float32 (gpt-oss)."""
-    g, n, inter = len(counts), sum(counts), w_dn.shape[2]
+    g, n = len(counts), sum(counts)
     width = max(counts)
     x = hidden.index_select(0, rows_all.narrow(0, lo, n)).float()  # [n, H]
     if g == 1:
@@ -128,9 +128,7 @@ def out_group(out: torch.Tensor, hidden: torch.Tensor, w_gu: torch.Tensor, w_dn:
     gate_up = torch.bmm(padded, w_gu.transpose(1, 2))  # [G, width, 2I]
     if biases is not None:
         gate_up = gate_up + biases[0][:, None, :]
-    act = gated_activation(gate_up, cfg) if cfg is not None else \
-        torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
-    y = torch.bmm(act, w_dn.transpose(1, 2))  # [G, width, H]
+    y = torch.bmm(gated_activation(gate_up, cfg), w_dn.transpose(1, 2))  # [G, width, H]
     if biases is not None:
         y = y + biases[1][:, None, :]
     y = y.view(g * width, -1)  # [G * width, H]

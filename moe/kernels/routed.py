@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 import triton
 
 from moe.kernels.plan import DEFAULT_ROUTED_TILES, DOWN_PREFETCH, HITS_PROGRAMS_PER_SM
@@ -293,12 +292,12 @@ def routed_reference(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.T
     idx = torch.where(live, slots, 0).long().flatten()  # [T * k]
     w13 = gate_up.dequantize(idx) if isinstance(gate_up, SlotMatrix) else gate_up[idx]  # [T * k, 2I, H]
     w2 = down.dequantize(idx) if isinstance(down, SlotMatrix) else down[idx]  # [T * k, H, I]
-    two_i, hid = w13.shape[1], w13.shape[2]
+    hid = w13.shape[2]
     x = hidden.to(compute_dtype).repeat_interleave(top_k, dim=0)  # [T * k, H]
     gu = torch.bmm(w13.to(compute_dtype), x[:, :, None])[..., 0]  # [T * k, 2I]
     if gate_up_bias is not None:
         gu = gu + gate_up_bias[idx].to(compute_dtype)
-    act = gated_activation(gu, cfg) if cfg is not None else F.silu(gu[:, : two_i // 2]) * gu[:, two_i // 2:]
+    act = gated_activation(gu, cfg)  # [T * k, I]
     y = torch.bmm(w2.to(compute_dtype), act[:, :, None])[..., 0]  # [T * k, H]
     if down_bias is not None:
         y = y + down_bias[idx].to(compute_dtype)

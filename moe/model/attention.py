@@ -179,6 +179,21 @@ def _windowed(positions: torch.Tensor, keys: int | torch.Tensor, window: int) ->
     return seen & (j > positions[:, None] - window) if window else seen
 
 
+def _attend_in_blocks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                      key_positions: int | torch.Tensor, window: int, sinks: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
+    """One sequence's queries q [T, Hq, D] at positions start..start+T-1 against its keys, values
+    [1, Hkv, S, D] at key_positions (_windowed's keys), QUERY_BLOCK queries at a time
+    (_softmax_attend) -> [T, Hq, D]."""
+    t = q.shape[0]
+    return torch.cat([
+        _softmax_attend(q[i:i + QUERY_BLOCK], keys.expand(min(QUERY_BLOCK, t - i), -1, -1, -1),
+                        values.expand(min(QUERY_BLOCK, t - i), -1, -1, -1),
+                        _windowed(torch.arange(start + i, start + min(i + QUERY_BLOCK, t), device=q.device),
+                                  key_positions, window), sinks, scale)
+        for i in range(0, t, QUERY_BLOCK)])
+
+
 def _ring_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: AttentionWeights, spec: ModelSpec,
                   cache: KVCache, layer: int, row: int, start: int) -> torch.Tensor:
     """A sliding layer's prefill through its ring of P = window positions: the chunk's queries [T, Hq, D]
@@ -189,12 +204,7 @@ def _ring_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Attentio
     kp = torch.cat([before, torch.arange(start, start + t, device=dev)])  # [S] key positions
     keys = torch.cat([cache.k[layer][row, :, before % ring], k.transpose(0, 1)], dim=1)[None]  # [1, Hkv, S, D]
     values = torch.cat([cache.v[layer][row, :, before % ring], v.transpose(0, 1)], dim=1)[None]
-    out = torch.cat([
-        _softmax_attend(q[i:i + QUERY_BLOCK], keys.expand(min(QUERY_BLOCK, t - i), -1, -1, -1),
-                        values.expand(min(QUERY_BLOCK, t - i), -1, -1, -1),
-                        _windowed(torch.arange(start + i, min(start + i + QUERY_BLOCK, start + t), device=dev), kp,
-                                  spec.window(layer)), w.sinks, spec.head_dim ** -0.5)
-        for i in range(0, t, QUERY_BLOCK)])
+    out = _attend_in_blocks(q, keys, values, start, kp, spec.window(layer), w.sinks, spec.head_dim ** -0.5)
     last = torch.arange(max(start, start + t - ring), start + t, device=dev)
     cache.k[layer][row, :, last % ring] = k[last - start].transpose(0, 1)
     cache.v[layer][row, :, last % ring] = v[last - start].transpose(0, 1)
@@ -224,13 +234,8 @@ def attention_prefill(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rop
     window = spec.window(layer)
     if w.sinks is not None or window:  # gpt-oss: sinks, sliding windows; in blocks of queries
         n = start + t
-        keys, values = cache.k[layer][row:row + 1, :, :n], cache.v[layer][row:row + 1, :, :n]
-        out = torch.cat([
-            _softmax_attend(q[i:i + QUERY_BLOCK], keys.expand(min(QUERY_BLOCK, t - i), -1, -1, -1),
-                            values.expand(min(QUERY_BLOCK, t - i), -1, -1, -1),
-                            _windowed(torch.arange(start + i, min(start + i + QUERY_BLOCK, n), device=x.device), n,
-                                      window), w.sinks, spec.head_dim ** -0.5)
-            for i in range(0, t, QUERY_BLOCK)])  # [T, Hq, D]
+        out = _attend_in_blocks(q, cache.k[layer][row:row + 1, :, :n], cache.v[layer][row:row + 1, :, :n], start,
+                                n, window, w.sinks, spec.head_dim ** -0.5)  # [T, Hq, D]
         return F.linear(_gated(out.reshape(t, -1), x, w), w.o, w.o_bias)
     if start == 0:
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
@@ -279,14 +284,13 @@ def attention_decode(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope
     cache.k[layer][rows, :, at] = k
     cache.v[layer][rows, :, at] = v
     window = spec.window(layer)
-    if ring:  # entry i holds position i until the ring fills, then one of the last `ring`: all seen
-        entries = torch.arange(ring, device=x.device)[None, :]
-        visible = (entries <= pos[:, None]) | (pos[:, None] >= ring)
+    if ring or w.sinks is not None or window:  # gpt-oss: sinks, sliding windows
+        if ring:  # entry i holds position i until the ring fills, then one of the last `ring`: all seen
+            entries = torch.arange(ring, device=x.device)[None, :]
+            visible = (entries <= pos[:, None]) | (pos[:, None] >= ring)
+        else:
+            visible = _windowed(pos, cache.max_len, window)
         out = _softmax_attend(q, cache.k[layer][:b], cache.v[layer][:b], visible, w.sinks, spec.head_dim ** -0.5)
-        return F.linear(_gated(out.reshape(b, -1), x, w), w.o, w.o_bias)
-    if w.sinks is not None or window:  # gpt-oss: sinks, sliding windows
-        out = _softmax_attend(q, cache.k[layer][:b], cache.v[layer][:b], _windowed(pos, cache.max_len, window),
-                              w.sinks, spec.head_dim ** -0.5)
         return F.linear(_gated(out.reshape(b, -1), x, w), w.o, w.o_bias)
     live = torch.arange(cache.max_len, device=x.device)[None, :] <= pos[:, None]  # [B, max_len]
     out = F.scaled_dot_product_attention(q[:, :, None, :], cache.k[layer][:b], cache.v[layer][:b],
