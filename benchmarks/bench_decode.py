@@ -6,7 +6,10 @@
     128 with q/k norms) or flame-290m (flame_290m_like: H 1024, 64 experts of I 704, top-6, shared
     expert 1408: FLAME-MoE-290M's block, for its real trace) or qwen3-next-hybrid (random_decoder.qwen3_next:
     Qwen3-Next-80B-A3B's own decoder, model_type qwen3_next: every fourth layer gated full attention of
-    16 / 2 heads of 256, the others Gated DeltaNet linear attention, the same MoE block as qwen3-next);
+    16 / 2 heads of 256, the others Gated DeltaNet linear attention, the same MoE block as qwen3-next)
+    or gpt-oss-20b (random_decoder.gpt_oss_20b: gpt-oss-20b's own decoder, 32 experts of I 2880 top-4
+    with biases and the clamped SwiGLU, sliding and full attention with sinks; --expert-formats mxfp4 is
+    its released format);
     --vocab; random weights; per --expert-formats F (bf16, fp8, nvfp4, mxfp4,
     int4; default bf16) one pinned HostStore of every routed expert in F (the same random experts,
     quantized; L * 512 * 6 MiB: 25.8 GB at L = 8 in bf16), built and freed one format at a time
@@ -87,7 +90,8 @@ class Geometry:
 GEOMETRIES = {"qwen3-next": Geometry("qwen3_next_like", "qwen3-next", "qwen3-next", 512, 10, 2048, 512),
               "qwen3-next-hybrid": Geometry("qwen3_next", "qwen3-next", "qwen3-next", 512, 10, 2048, 512),
               "qwen3-30b": Geometry("qwen3_30b_like", "qwen3-30b-a3b", "qwen3-30b-a3b", 128, 8, 2048, 768),
-              "flame-290m": Geometry("flame_290m_like", "flame-like", "flame-290m", 64, 6, 1024, 704)}
+              "flame-290m": Geometry("flame_290m_like", "flame-like", "flame-290m", 64, 6, 1024, 704),
+              "gpt-oss-20b": Geometry("gpt_oss_20b", "gpt-oss-20b", "gpt-oss-20b", 32, 4, 2880, 2880)}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# hybrid decode-hybrid decode decode-formats decode-trace step prefill peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# hybrid decode-hybrid gpt-oss decode-gpt-oss decode decode-formats decode-trace step prefill peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -127,6 +127,21 @@ for part in $parts; do
         timeout ${DECODE_HYBRID_TIMEOUT:-250} python3 benchmarks/bench_decode.py --geometry qwen3-next-hybrid \
           --layers 8 --slots-frac $frac --configs ${DECODE_HYBRID_CONFIGS:-lru,rule+overlap} --batches 1 \
           --out "$OUT/decode-hybrid-$frac.json" 2>&1 | tee "$OUT/decode-hybrid-$frac.log" | tail -6
+      done ;;
+    gpt-oss)
+      # gpt-oss's block on the GPU: the router with its bias, the routed kernels with biases and the clamped
+      # SwiGLU (dense and MXFP4), the engine against transformers (CUDA graphs, every policy, overlap on / off)
+      timeout ${GPT_OSS_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" -m gpu \
+        tests/moe/test_routed_gpt_oss.py tests/moe/test_router.py tests/moe/test_model_gpt_oss.py \
+        2>&1 | tee "$OUT/gpu-tests-gpt-oss.log" | tail -6 ;;
+    decode-gpt-oss)
+      # gpt-oss-20b's own decoder (8 of its 24 layers) at a quarter and half of the experts in slots, its released
+      # MXFP4 experts and bf16, the simulator's prediction beside each
+      for frac in 0.25 0.5; do
+        timeout ${DECODE_GPT_OSS_TIMEOUT:-280} python3 benchmarks/bench_decode.py --geometry gpt-oss-20b \
+          --layers 8 --slots-frac $frac --expert-formats ${DECODE_GPT_OSS_FORMATS:-mxfp4,bf16} \
+          --configs ${DECODE_GPT_OSS_CONFIGS:-lru,rule} --batches 1 \
+          --out "$OUT/decode-gpt-oss-$frac.json" 2>&1 | tee "$OUT/decode-gpt-oss-$frac.log" | tail -8
       done ;;
     decode)
       timeout ${DECODE_TIMEOUT:-540} python3 benchmarks/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -12 ;;

@@ -236,7 +236,8 @@ class ModelShape:
                 + self.non_moe_bytes_per_layer)
 
 
-# Hugging Face configs (Qwen3-Next-80B-A3B, Qwen3-30B-A3B, Mixtral-8x7B) and the FLAME-MoE
+# Hugging Face configs (Qwen3-Next-80B-A3B, Qwen3-30B-A3B, Mixtral-8x7B, gpt-oss-20b / 120b: their
+# experts' biases, 2I + H values, are left out: 0.07 % of a bf16 expert) and the FLAME-MoE
 # training scripts (290M-1.3B: 9 layers, the first dense, hidden 1024, MoE FFN 704, two
 # shared experts as one of intermediate 2 * 704). Qwen3-Next at batch 1 reads
 # router 2,097,152 + 10 routed x 6,291,456 + shared 6,291,456 = 71,303,168 B = 71.3 MB (the
@@ -247,6 +248,8 @@ SHAPES: dict[str, ModelShape] = {
     "qwen3-30b-a3b": ModelShape(48, 128, 8, 2048, 768),
     "mixtral-8x7b": ModelShape(32, 8, 2, 4096, 14336),
     "flame-290m": ModelShape(8, 64, 6, 1024, 704, shared_intermediate=1408),
+    "gpt-oss-20b": ModelShape(24, 32, 4, 2880, 2880),
+    "gpt-oss-120b": ModelShape(36, 128, 4, 2880, 2880),
 }
 
 GENERIC_HIDDEN = 2048  # hidden assumed for a shape known only by its expert bytes

@@ -10,6 +10,10 @@
        │  6 _gate_up_kernel: act [T * k, I] f32 (with 6a: only the other pairs, "rest")
        └─ 7 _down_kernel:    out [T, H] = cast(Σ_j (in order) down[slots[t, j]] · act + shared)
 
+gpt-oss's block (MoEConfig.router_bias, expert_bias, activation "swiglu_clamped") runs the same
+launches: 3 adds the router bias, 6 / 6a add each slot's gate_up bias and take the clamped SwiGLU, 7
+adds Σ_j weights[t, j] * down bias (the bias banks are pool banks: a miss copies them with the expert).
+
 Legend: T = tokens (1..GEMV_MAX_TOKENS), H = hidden, E = experts, k = top_k, I / Is = routed / shared
 width, S = pool slots. One `SlotCache` per model: every layer shares its HostStore (the banks of
 MoEConfig.expert_format, expertcache.formats: "gate_up" [L*E, 2I, H] and "down" [L*E, H, I] for bf16,
@@ -62,7 +66,7 @@ from moe.kernels.routed import device_sms, routed_down, routed_experts, routed_g
 from moe.kernels.routed_host import routed_scratch
 from moe.kernels.slot_matrix import SlotMatrix
 from moe.kernels.router import ROUTER_MAX_EXPERTS, router_scratch, router_topk
-from moe.model.config import MoEConfig
+from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig
 from moe.model.reference import SharedWeights, check_shared
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -128,22 +132,21 @@ class MoELayer:
     each build and rebuild (`refresh`); a LaunchPlan (tests, benchmarks) is used as given and kept.
     Attribute `plan` holds the plan every call launches from.
     Raises ValueError naming the argument whose shape, dtype or device disagrees with cfg, the
-    plan field the layer cannot launch (a side stream on a CPU device, a shared expert it lacks), or the
-    MoEConfig fields of a block its kernels do not compute (gpt-oss's biases and clamped SwiGLU: its
-    router and routed kernels compute a bias-free SiLU block).
+    plan field the layer cannot launch (a side stream on a CPU device, a shared expert it lacks).
+    router_b: [E], exactly when cfg.router_bias (gpt-oss's router bias). With cfg.expert_bias the
+    pool's EXPERT_BIAS_BANKS hold each slot's biases (a miss copies them with the expert) and the routed
+    launches add them; cfg.activation picks the experts' activation (gpt-oss's clamped SwiGLU).
     """
 
     def __init__(self, cfg: MoEConfig, layer: int, router_w: torch.Tensor, slots: SlotCache,
-                 shared: SharedWeights | None = None, plan: LaunchPlan | None = None) -> None:
-        if cfg.activation != "silu" or cfg.expert_bias or cfg.router_bias:
-            raise ValueError(f"MoELayer: activation={cfg.activation!r}, expert_bias={cfg.expert_bias}, router_bias="
-                             f"{cfg.router_bias}: the GPU layer computes SiLU experts without biases; serve this "
-                             "block on the CPU backend (--device cpu)")
+                 shared: SharedWeights | None = None, plan: LaunchPlan | None = None,
+                 router_b: torch.Tensor | None = None) -> None:
         self.cfg, self.layer, self.slots = cfg, layer, slots
         self.dtype = DTYPES[cfg.dtype]
         self.device = slots.pool.device
-        _check_weights(cfg, layer, router_w, shared, slots, self.dtype)
+        _check_weights(cfg, layer, router_w, shared, slots, self.dtype, router_b)
         self.router_w = router_w.to(self.device, self.dtype).contiguous()  # [E, H] model dtype
+        self.router_b = None if router_b is None else router_b.to(self.device, self.dtype).contiguous()  # [E]
         self.shared = None if shared is None else tuple(
             w.to(self.device) if isinstance(w, SlotMatrix) else w.to(self.device).contiguous() for w in shared)
         self._matrices: tuple[SlotMatrix, SlotMatrix] | None = None
@@ -218,10 +221,10 @@ class MoELayer:
                 shared = self.shared_expert(hidden)  # [T, H] f32, a buffer of this layer
         elif self.shared is not None:
             shared = self.shared_expert(hidden)
-        act, slots = self._routed_front(hidden, routing, (side, compute) if hits_side else None)
+        act, slots, weights = self._routed_front(hidden, routing, (side, compute) if hits_side else None)
         if compute is not None:
             side.join(compute)  # the down launch below reads `shared` and the early hits' rows
-        self._down(act, slots, addend=shared, out_cast=out)
+        self._down(act, slots, weights, addend=shared, out_cast=out)
         return out
 
     def pool_matrices(self) -> tuple[SlotMatrix, SlotMatrix]:
@@ -235,16 +238,26 @@ class MoELayer:
                               SlotMatrix.of_pool(pool, cfg.format, "down", h, i))
         return self._matrices
 
-    def _down(self, act: torch.Tensor, slots: torch.Tensor, **outs) -> torch.Tensor:
-        """Launch 7: the routed down right behind the gate_up, with the plan's release and prefetch."""
-        plan = self.plan
+    def _biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(gate_up [S, 2I], down [S, H]) bias banks of the pool as it is now, or (None, None) for a
+        block without expert biases."""
+        if not self.cfg.expert_bias:
+            return None, None
+        pool = self.slots.pool
+        return pool.tensor(EXPERT_BIAS_BANKS[0]), pool.tensor(EXPERT_BIAS_BANKS[1])
+
+    def _down(self, act: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, **outs) -> torch.Tensor:
+        """Launch 7: the routed down right behind the gate_up, with the plan's release and prefetch
+        (and the slots' down biases, weighted as the gate_up weighted act, where the block has them)."""
+        plan, down_bias = self.plan, self._biases()[1]
         return routed_down(act, slots, self.pool_matrices()[1], after_gate_up=True, tiles=plan.routed_tiles,
-                           release=plan.down_release, prefetch=plan.down_prefetch, **outs)
+                           release=plan.down_release, prefetch=plan.down_prefetch, down_bias=down_bias,
+                           weights=None if down_bias is None else weights, **outs)
 
     def _routed_front(self, hidden: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
                       early: tuple[SideStream, torch.cuda.Stream] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Launches 3-6: hidden [T, H] -> (act [T * k, I] f32, slots [T, k] int32) for the down:
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Launches 3-6: hidden [T, H] -> (act [T * k, I] f32, slots [T, k] int32, weights [T, k] f32) for the down:
         router, ensure, miss copy and gate_up back to back. With `routing` (ids, weights) given, the
         router is skipped.
 
@@ -255,10 +268,10 @@ class MoELayer:
         slot through its ensure and the copy writes only victims' slots, so both halves read what the
         single gate_up would: the same act bits."""
         cfg, slots, plan, tokens = self.cfg, self.slots, self.plan, hidden.shape[0]
-        gate_up = self.pool_matrices()[0]
+        gate_up, gate_up_bias = self.pool_matrices()[0], self._biases()[0]
         pre = self._pre[:tokens] if early is not None else None
         if routing is None:
-            weights, ids = router_topk(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob,
+            weights, ids = router_topk(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob, router_b=self.router_b,
                                        weights=self._weights[:tokens], ids=self._ids[:tokens], pdl=plan.pdl,
                                        tiles=plan.router_tiles, early_weights=plan.router_early_weights[tokens - 1],
                                        pre=None if pre is None else (slots.cache.slot_of,
@@ -270,12 +283,12 @@ class MoELayer:
             side.fork(compute)  # the side stream sees weights and pre
             with torch.cuda.stream(side.stream):
                 routed_gate_up(hidden, pre, weights, gate_up, part="hits", pre=pre, tiles=plan.routed_tiles,
-                               programs=plan.hits_programs)
+                               programs=plan.hits_programs, cfg=cfg, gate_up_bias=gate_up_bias)
         buf = slots.cache.ensure(self.layer, ids, pdl=plan.pdl)  # slots [T, k], plan [Q, 2], count [1]
         miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=plan.pdl, release_after_wait=plan.copy_release)
         act = routed_gate_up(hidden, buf.slots, weights, gate_up, part="all" if pre is None else "rest", pre=pre,
-                             tiles=plan.routed_tiles)
-        return act, buf.slots
+                             tiles=plan.routed_tiles, cfg=cfg, gate_up_bias=gate_up_bias)
+        return act, buf.slots, weights
 
     def last_routing(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, ids [T, k] int32) that the last forward / routed call of T tokens
@@ -287,8 +300,8 @@ class MoELayer:
 
     def routed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The routed half alone: hidden [T, H] -> [T, H] float32 (a buffer of this layer, reused)."""
-        act, slots = self._routed_front(hidden)
-        return self._down(act, slots, out=self._routed_out[:hidden.shape[0]])
+        act, slots, weights = self._routed_front(hidden)
+        return self._down(act, slots, weights, out=self._routed_out[:hidden.shape[0]])
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sigmoid(x · gate_w) * down(silu(gate(x)) * up(x)), [T, H] float32.
@@ -348,14 +361,19 @@ def _check_plan(plan: LaunchPlan, cfg: MoEConfig, device: torch.device) -> None:
 
 
 def _check_weights(cfg: MoEConfig, layer: int, router_w: torch.Tensor, shared: SharedWeights | None,
-                   slots: SlotCache, dtype: torch.dtype) -> None:
+                   slots: SlotCache, dtype: torch.dtype, router_b: torch.Tensor | None) -> None:
     """Raise ValueError naming the argument that disagrees with cfg or the cache."""
     if not 0 <= layer < slots.num_layers or slots.num_experts != cfg.num_experts:
         raise ValueError(f"MoELayer: layer={layer} must be in [0, {slots.num_layers}) and the SlotCache's "
                          f"num_experts={slots.num_experts} must equal MoEConfig.num_experts={cfg.num_experts}")
     if tuple(router_w.shape) != (cfg.num_experts, cfg.hidden):
         raise ValueError(f"MoELayer: router_w must be [{cfg.num_experts}, {cfg.hidden}], got {list(router_w.shape)}")
-    want = cfg.format.expert_banks(cfg.hidden, cfg.expert_intermediate)
+    if (router_b is not None) != cfg.router_bias:
+        raise ValueError(f"MoELayer: router_b must be given exactly when MoEConfig.router_bias (={cfg.router_bias}), "
+                         f"got {'none' if router_b is None else 'one'}")
+    if router_b is not None and tuple(router_b.shape) != (cfg.num_experts,):
+        raise ValueError(f"MoELayer: router_b must be [{cfg.num_experts}], got {list(router_b.shape)}")
+    want = cfg.expert_banks()
     if slots.store.banks != want:
         raise ValueError(f"MoELayer: the HostStore banks must be those of MoEConfig.expert_format={cfg.expert_format!r} "
                          f"at hidden={cfg.hidden}, expert_intermediate={cfg.expert_intermediate}: "

@@ -7,12 +7,14 @@
         │
         ├─ routed_gate_up: 1 launch, grid (T * k, ceil(I / block_i))
         │     -> act [T * k, I] float32 = weight[t, j] * silu(gate) * up   (0 when no expert)
+        │        (gpt-oss: + gate_up_bias[slot] first, its clamped SwiGLU for silu(gate) * up: cfg)
         │        weight = weights[t, j], or sigmoid(hidden[t] · gate_w) when gate_w is given
         │     (part="hits": a persistent launch of the pairs resident before the ensure, at pre;
         │      part="rest": the others; together the bits of one part="all" launch)
         │
         └─ routed_down: 1 launch, grid (T, ceil(H / block_h))
               y[t] = Σ_{j = 0..k-1 in order} down[slots[t, j]] · act[t * k + j]   (+ addend[t])
+                     (gpt-oss: + Σ_j weights[t, j] * down_bias[slots[t, j]] before the addend)
               -> out [T, H] float32 and / or out_cast [T, H] = cast(y) in the pool's dtype
 
     routed_experts = routed_gate_up then routed_down; a caller that must wait for other work between
@@ -42,6 +44,7 @@ from moe.kernels.plan import DEFAULT_ROUTED_TILES, DOWN_PREFETCH, HITS_PROGRAMS_
 from moe.kernels.routed_host import (
     PARTS,
     as_matrix,
+    check_bias,
     check_down,
     check_gate_up,
     check_tensor,
@@ -97,7 +100,17 @@ def _format_args(matrix: SlotMatrix) -> dict:
     return {"FMT": matrix.code, "ZP": matrix.zero_points}
 
 
-def _launch_hits(hidden, weights, gate_up: SlotMatrix, act, pre, dims, tiles, programs) -> None:
+def activation_args(cfg: MoEConfig | None, bias: bool) -> dict:
+    """The ACT / ALPHA / LIMIT / BIAS constexprs of a routed gate_up launch: the experts' activation of
+    `cfg` (None: SiLU) and whether their gate_up biases are added; {} for the plain SiLU block (the
+    kernels' defaults, so its binaries are those of a block without these options)."""
+    if cfg is None or cfg.activation == "silu":
+        return {"BIAS": True} if bias else {}
+    return {"ACT": 1, "ALPHA": float(cfg.swiglu_alpha), "LIMIT": float(cfg.swiglu_limit), "BIAS": bool(bias)}
+
+
+def _launch_hits(hidden, weights, gate_up: SlotMatrix, act, pre, dims, tiles, programs, cfg=None,
+                 gate_up_bias=None) -> None:
     """One persistent launch of at most `programs` programs over the (pair, tile) items of the pairs
     with pre >= 0; never programmatic (it waits on another stream's event, not its producer)."""
     tokens, top_k, num_slots, hid, inter = dims
@@ -106,13 +119,14 @@ def _launch_hits(hidden, weights, gate_up: SlotMatrix, act, pre, dims, tiles, pr
     kernel = kernel_for(_gate_up_hits, hidden.device, HITS_JIT_OPTIONS, "routed_gate_up")
     with _device_ctx(hidden.device):
         kernel[(min(programs, items),)](hidden, weights, gate_up.kernel_args(), act, num_slots, pre, tokens * top_k,
+                                        act if gate_up_bias is None else gate_up_bias,
                                         K=top_k, H=hid, I=inter, BLOCK_I=block_i, CHUNK_H=chunk_h,
                                         EVEN=tiles.even(hid, inter)[0], num_warps=tiles.warps_gate_up,
-                                        **_format_args(gate_up))
+                                        **_format_args(gate_up), **activation_args(cfg, gate_up_bias is not None))
 
 
 def _launch_gate_up(hidden, slots, weights, gate_up: SlotMatrix, gate_w, act, dims, tiles, part="all",
-                    pre=None) -> torch.Tensor:
+                    pre=None, cfg=None, gate_up_bias=None) -> torch.Tensor:
     """part "all" or "rest" (PICK 0 / 2): one program per (pair, row tile); programmatic on CUDA
     unless gated (the shared expert)."""
     tokens, top_k, num_slots, hid, inter = dims
@@ -123,15 +137,17 @@ def _launch_gate_up(hidden, slots, weights, gate_up: SlotMatrix, gate_w, act, di
     with _device_ctx(hidden.device):
         gdc = not gated and hidden.device.type == "cuda"
         kernel[grid](hidden, slots, act if gated else weights, gate_w if gated else hidden, gate_up.kernel_args(),
-                     act, num_slots, slots if pre is None else pre, K=top_k, H=hid, I=inter, BLOCK_I=block_i,
+                     act, num_slots, slots if pre is None else pre, act if gate_up_bias is None else gate_up_bias,
+                     K=top_k, H=hid, I=inter, BLOCK_I=block_i,
                      CHUNK_H=chunk_h, EVEN=tiles.even(hid, inter)[0], GATED=gated, GDC=int(gdc),
                      PICK=PARTS.index(part), num_warps=tiles.warps_gate_up,
-                     **_format_args(gate_up), **({"launch_pdl": True} if gdc else {}))
+                     **_format_args(gate_up), **({} if gated else activation_args(cfg, gate_up_bias is not None)),
+                     **({"launch_pdl": True} if gdc else {}))
     return act[:tokens * top_k]
 
 
 def _launch_down(act, slots, down: SlotMatrix, out, addend, out_cast, shared, dims, tiles, after_gate_up,
-                 release, prefetch) -> torch.Tensor:
+                 release, prefetch, down_bias=None) -> torch.Tensor:
     tokens, top_k, num_slots, hid, inter = dims
     _, _, block_h, chunk_i = tiles.capped(hid, inter)
     _, grid = routed_grids(tokens, top_k, hid, inter, tiles)
@@ -142,9 +158,12 @@ def _launch_down(act, slots, down: SlotMatrix, out, addend, out_cast, shared, di
     # programmatic launch only right behind a programmatic gate_up (its producer)
     gdc = after_gate_up and not shared and device.type == "cuda"
     routed = {"RELEASE": release, "PREFETCH": min(prefetch, top_k) if down.fmt.dense else 0}
+    if down_bias is not None:
+        routed["BIAS"] = True
+    b2, weights = (act, act) if down_bias is None else down_bias
     with _device_ctx(device):
         kernel[grid](act, slots, down.kernel_args(), act if addend is None else addend, act if out is None else out,
-                     act if out_cast is None else out_cast, num_slots, K=top_k, H=hid, I=inter,
+                     act if out_cast is None else out_cast, num_slots, weights, b2, K=top_k, H=hid, I=inter,
                      BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=tiles.even(hid, inter)[1],
                      ADDEND=addend is not None, WRITE_OUT=out is not None, WRITE_CAST=out_cast is not None,
                      GDC=int(gdc), num_warps=tiles.warps_down, **({} if shared else routed), **_format_args(down),
@@ -171,7 +190,8 @@ def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
                    gate_up: torch.Tensor, *, gate_w: torch.Tensor | None = None,
                    act: torch.Tensor | None = None, tiles: RoutedTiles = DEFAULT_TILES,
                    part: str = "all", pre: torch.Tensor | None = None,
-                   programs: int | None = None) -> torch.Tensor:
+                   programs: int | None = None, cfg: MoEConfig | None = None,
+                   gate_up_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The first launch of routed_experts (same arguments): returns act [T * k, I] float32, rows
     [0, T * k) of `act` (default routed_scratch(device, k, I)), to pass to routed_down.
 
@@ -183,12 +203,14 @@ def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     program per pair), so the hits can run before the ensure decides the rest (MoELayer's early hits).
     The "hits" launch is persistent: `programs` programs (default hits_programs(device)) walk the
     pairs' row tiles, so work launched beside it on another stream still finds room on the SMs.
-    Raises ValueError naming the argument whose shape, dtype, device or value is wrong.
+    cfg / gate_up_bias: routed_experts'. Raises ValueError naming the argument whose shape, dtype,
+    device or value is wrong.
     """
     _check_options("routed_gate_up", tiles, programs=programs)
     dims, gate_up = check_gate_up("routed_gate_up", hidden, slots, weights, gate_up, gate_w, act)
     if part not in PARTS:
         raise ValueError(f"routed_gate_up: part must be one of {PARTS}, got {part!r}")
+    _check_block("routed_gate_up", gate_w, cfg, gate_up_bias, dims, hidden.device)
     if part != "all":
         if gate_w is not None:
             raise ValueError("routed_gate_up: part='hits' / 'rest' is for routed experts (gate_w=None)")
@@ -198,17 +220,18 @@ def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     act = routed_scratch(hidden.device, dims[1], dims[4]) if act is None else act
     if part == "hits":
         programs = hits_programs(hidden.device) if programs is None else programs
-        _launch_hits(hidden, weights, gate_up, act, pre, dims, tiles, programs)
+        _launch_hits(hidden, weights, gate_up, act, pre, dims, tiles, programs, cfg, gate_up_bias)
         return act[:dims[0] * dims[1]]
     return _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, tiles, part,
-                           pre if part == "rest" else None)
+                           pre if part == "rest" else None, cfg, gate_up_bias)
 
 
 def routed_down(act: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, *,
                 out: torch.Tensor | None = None, addend: torch.Tensor | None = None,
                 out_cast: torch.Tensor | None = None, shared: bool = False,
                 tiles: RoutedTiles = DEFAULT_TILES, after_gate_up: bool = False, release: bool = False,
-                prefetch: int = DOWN_PREFETCH) -> torch.Tensor:
+                prefetch: int = DOWN_PREFETCH, down_bias: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> torch.Tensor:
     """The second launch of routed_experts: act [>= T * k, I] float32 from routed_gate_up, slots
     [T, k], down [S, H, I]; out / addend / out_cast as routed_experts. Returns out, else out_cast.
 
@@ -218,12 +241,46 @@ def routed_down(act: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, *,
     that): the next programmatic launch on the stream may start right after the down's own wait.
     prefetch: each program loads all k slots, then the weight tiles of the first min(prefetch, k)
     experts, before its wait (0: each slot in the loop, right before its expert's tiles); the same
-    bits. Raises ValueError naming the argument whose shape, dtype, device or value is wrong.
+    bits. down_bias [S, H] (gpt-oss's per-slot down biases, with `weights` [T, k] float32, the routing
+    weights the gate_up applied): y += Σ_j weights[t, j] * down_bias[slots[t, j]] after the routed sum.
+    Raises ValueError naming the argument whose shape, dtype, device or value is wrong.
     """
     _check_options("routed_down", tiles, release, prefetch)
     dims, down = check_down("routed_down", act, slots, down, out, addend, out_cast)
+    bias = _down_bias("routed_down", down_bias, weights, slots, dims, shared)
     return _launch_down(act, slots, down, out, addend, out_cast, shared, dims, tiles, after_gate_up,
-                        release, prefetch)
+                        release, prefetch, bias)
+
+
+def _check_block(who: str, gate_w, cfg, gate_up_bias, dims, device) -> None:
+    """Raise ValueError naming cfg / gate_up_bias unless they suit a routed gate_up (the shared
+    expert's, with gate_w, takes neither)."""
+    if cfg is not None and not isinstance(cfg, MoEConfig):
+        raise ValueError(f"{who}: cfg must be a MoEConfig or None, got {type(cfg).__name__}")  # noqa: TRY004
+    if gate_w is not None and (gate_up_bias is not None or (cfg is not None and cfg.activation != "silu")):
+        raise ValueError(f"{who}: the shared expert (gate_w) is a SiLU block without biases: pass cfg=None "
+                         "and gate_up_bias=None")
+    if gate_up_bias is not None:
+        check_bias(who, "gate_up_bias", gate_up_bias, dims[2], 2 * dims[4], device)
+
+
+def _down_bias(who: str, down_bias, weights, slots, dims, shared: bool):
+    """(down_bias, weights) checked for the down launch, or None without a bias. Raises ValueError
+    naming down_bias or weights."""
+    if down_bias is None:
+        if weights is not None:
+            raise ValueError(f"{who}: weights are read only with down_bias; pass weights=None")
+        return None
+    if shared:
+        raise ValueError(f"{who}: the shared expert has no down bias; pass down_bias=None")
+    check_bias(who, "down_bias", down_bias, dims[2], dims[3], slots.device)
+    if weights is None:
+        raise ValueError(f"{who}: down_bias needs weights (the routing weights [T, k] float32 the gate_up applied)")
+    check_tensor(who, "weights", weights, (torch.float32,), 2, slots.device)
+    if tuple(weights.shape) != tuple(slots.shape):
+        raise ValueError(f"{who}: weights must be {list(slots.shape)} like slots (the routing weights), "
+                         f"got {list(weights.shape)}")
+    return down_bias, weights
 
 
 def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None,
@@ -231,7 +288,9 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
                    tiles: RoutedTiles = DEFAULT_TILES, gate_w: torch.Tensor | None = None,
                    addend: torch.Tensor | None = None, out_cast: torch.Tensor | None = None,
                    act: torch.Tensor | None = None, down_release: bool = False,
-                   down_prefetch: int = DOWN_PREFETCH) -> torch.Tensor:
+                   down_prefetch: int = DOWN_PREFETCH, cfg: MoEConfig | None = None,
+                   gate_up_bias: torch.Tensor | None = None,
+                   down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """addend[t] + Σ_j weights[t, j] * down(silu(gate(x_t)) * up(x_t)) over the experts in slots[t, j].
 
     hidden:  [T, H] bf16 / f16 / f32, contiguous, 1 <= T <= GEMV_MAX_TOKENS.
@@ -246,6 +305,9 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     out_cast: optional [T, H] in hidden's dtype: receives cast(addend + sum), the layer's output.
     act:     optional float32 [>= T * k, I] activation buffer; default routed_scratch(device, k, I).
     tiles:   RoutedTiles of both launches. down_release / down_prefetch: routed_down's release / prefetch.
+    cfg:     the experts' activation (cfg.activation; None: SiLU), gpt-oss's clamped SwiGLU included.
+    gate_up_bias [S, 2I], down_bias [S, H]: per-slot expert biases (gpt-oss), added after each linear
+             (routed_reference's); not with gate_w.
     Returns out when given; else out_cast when given; else a new float32 [T, H]. Without out and
     with out_cast, no float32 result is written. The sum over j runs in order j = 0..k-1 and the
     result is bitwise repeatable. All tensors on one device: CUDA, or CPU under TRITON_INTERPRET=1.
@@ -266,9 +328,12 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     if out_cast is not None:
         check_tensor("routed_experts", "out_cast", out_cast, (hidden.dtype,), 2, hidden.device)
     check_down("routed_experts", act, slots, down, out, addend, out_cast)
-    act = _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, tiles)
+    _check_block("routed_experts", gate_w, cfg, gate_up_bias, dims, hidden.device)
+    bias = _down_bias("routed_experts", down_bias, None if down_bias is None else weights, slots, dims,
+                      gate_w is not None)
+    act = _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, tiles, cfg=cfg, gate_up_bias=gate_up_bias)
     return _launch_down(act, slots, down, out, addend, out_cast, gate_w is not None, dims, tiles, True,
-                        down_release, down_prefetch)
+                        down_release, down_prefetch, bias)
 
 
 def routed_reference(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,

@@ -26,6 +26,7 @@ from moe.kernels.quant_kernels import CODES
 from moe.kernels.slot_matrix import SlotMatrix
 from moe.kernels.tiles import RoutedTiles
 from moe.kernels.triton_launch import compile_for_sm
+from moe.model.config import MoEConfig
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PARTS = ("all", "hits", "rest")  # routed_gate_up's part; its index is the gate_up kernels' PICK
@@ -60,14 +61,16 @@ def _variant(expert_format: str | None, dtype: str, hidden: int, inter: int) -> 
 def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
                        tiles: RoutedTiles = DEFAULT_ROUTED_TILES, arch: int = 90, shared_inter: int | None = None,
                        down_release: bool = False, down_prefetch: int = DOWN_PREFETCH,
-                       expert_format: str | None = None, shared_format: str | None = None) -> dict[str, dict]:
+                       expert_format: str | None = None, shared_format: str | None = None,
+                       cfg: MoEConfig | None = None, expert_bias: bool = False) -> dict[str, dict]:
     """Compile every variant MoELayer launches, ahead of time for CUDA sm_<arch> (no GPU; needs ptxas).
 
     dtype: Triton's name of the activation dtype ("bf16", "fp16", "fp32"), and of the dense weights.
     expert_format: the routed experts' format (fp8, nvfp4, mxfp4, int4, or bf16 / float16 / float32:
     expertcache.formats); None: dense weights of `dtype`. shared_inter: the shared expert's width Is
     (default I). shared_format: the shared expert's format (a quantized checkpoint's), None: dense of
-    `dtype`. down_release / down_prefetch: the routed down's (routed_down's
+    `dtype`. cfg / expert_bias: the routed experts' activation (None: SiLU) and biases (gpt-oss;
+    the bias banks in `dtype`). down_release / down_prefetch: the routed down's (routed_down's
     release / prefetch, min(prefetch, k) experts, none for a quantized format). T is not compiled in
     (it only sizes the grids), so one binary per variant serves T = 1..GEMV_MAX_TOKENS. Returns
     {variant: Triton's asm dict (ttir .. cubin)} for "_gate_up_hits" (the early hits), "_gate_up_kernel",
@@ -79,11 +82,14 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
     p = f"*{dtype}"
     quant, w13, w2 = _variant(expert_format, dtype, hidden, inter)
     shared_quant, s13, s2 = _variant(shared_format, dtype, hidden, shared_inter)
+    from moe.kernels.routed import activation_args  # the launch's own constexprs (routed imports this module)
+    act = activation_args(cfg, expert_bias)
+    bias = p if expert_bias else "*fp32"  # unread without biases: the launches pass the act buffer
     block_i, chunk_h, _, _ = tiles.capped(hidden, inter)
     result = {"_gate_up_hits": compile_for_sm(
-        _gate_up_hits, (p, "*fp32", w13, "*fp32", "i32", "*i32", "i32"),
+        _gate_up_hits, (p, "*fp32", w13, "*fp32", "i32", "*i32", "i32", bias),
         {"K": top_k, "H": hidden, "I": inter, "BLOCK_I": block_i, "CHUNK_H": chunk_h,
-         "EVEN": tiles.even(hidden, inter)[0], "FMT": 0, "ZP": False, **quant}, tiles.warps_gate_up, arch,
+         "EVEN": tiles.even(hidden, inter)[0], "FMT": 0, "ZP": False, **quant, **act}, tiles.warps_gate_up, arch,
         HITS_JIT_OPTIONS)}
     for name, k, width, is_shared, down_flags in (
             ("_gate_up_kernel", top_k, inter, False, None),
@@ -99,16 +105,19 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
         if down_flags is None:
             pick = PARTS.index("rest" if name.endswith("+rest") else "all")
             kernel, warps = GATE_UP_ENTRIES[is_shared], tiles.warps_gate_up
-            types = (p, "*i32", "*fp32", p, s13 if is_shared else w13, "*fp32", "i32", "*i32")
+            types = (p, "*i32", "*fp32", p, s13 if is_shared else w13, "*fp32", "i32", "*i32",
+                     "*fp32" if is_shared else bias)
             constexprs = dict(shape, BLOCK_I=block_i, CHUNK_H=chunk_h, EVEN=even_a, GATED=is_shared,
-                              GDC=int(not is_shared), PICK=pick, **routed)
+                              GDC=int(not is_shared), PICK=pick, **routed, **({} if is_shared else act))
         else:
             kernel, warps = DOWN_ENTRIES[is_shared], tiles.warps_down
-            types = ("*fp32", "*i32", s2 if is_shared else w2, "*fp32", "*fp32", p, "i32")
+            types = ("*fp32", "*i32", s2 if is_shared else w2, "*fp32", "*fp32", p, "i32", "*fp32",
+                     "*fp32" if is_shared else bias)
             prefetch = min(down_prefetch, top_k) if not quant else 0
+            down_bias = {"BIAS": True} if expert_bias and not is_shared else {}
             constexprs = dict(shape, BLOCK_H=block_h, CHUNK_I=chunk_i, EVEN=even_b,
                               ADDEND=down_flags[0], WRITE_OUT=down_flags[1], WRITE_CAST=down_flags[2],
-                              GDC=int(not is_shared), **routed,
+                              GDC=int(not is_shared), **routed, **down_bias,
                               **({} if is_shared else {"RELEASE": down_release, "PREFETCH": prefetch}))
         result[name] = compile_for_sm(kernel, types, constexprs, warps, arch, JIT_OPTIONS)
     return result
@@ -206,6 +215,14 @@ def check_gate_up(who, hidden, slots, weights, gate_up, gate_w, act) -> tuple[tu
             raise ValueError(f"{who}: act must be float32 [>= {tokens * top_k}, {two_i // 2}] (T * k, I), "
                              f"got {list(act.shape)}")
     return (tokens, top_k, num_slots, hid, two_i // 2), matrix
+
+
+def check_bias(who: str, name: str, bias, rows: int, width: int, device) -> None:
+    """Raise ValueError naming `name` unless bias is a contiguous bf16 / f16 / f32 tensor [rows, width]
+    (per-slot expert biases: [S, 2I] for the gate_up, [S, H] for the down) on `device`."""
+    check_tensor(who, name, bias, DTYPES, 2, device)
+    if tuple(bias.shape) != (rows, width):
+        raise ValueError(f"{who}: {name} must be [{rows}, {width}] (one row a slot), got {list(bias.shape)}")
 
 
 def check_down(who, act, slots, down, out, addend, out_cast) -> tuple[tuple[int, int, int, int, int], SlotMatrix]:

@@ -3,6 +3,7 @@
     hidden [T, H], router_w [E, H] (both the model dtype)
         │  grid (T, ceil(E / block_e)): program (t, b); block_e by the token count (RouterTiles)
         ├─ every program: logits[t, b * block_e + i] = Σ_h hidden[t, h] * router_w[e, h]   (f32 accumulate)
+        │     (+ router_b[e] in float32: gpt-oss's router bias)
         │     -> scratch logits [T, E] float32; then one atomic arrival on counter[t]
         └─ the last program of token t to arrive (it resets counter[t] to 0):
               one bitonic top-k over the logits' order-preserving keys (ties: the lower expert id)
@@ -115,6 +116,7 @@ def _router_kernel(
     slot_of_ptr,  # *i32 [L * E] the slot map (read if PRE)
     key_base,  # this layer's first key, layer * E (read if PRE)
     pre_ptr,  # *i32 [T, K] out if PRE: slot_of[key_base + ids] as this launch found it (-1: absent)
+    bias_ptr,  # [E] router bias (model dtype; read if BIAS)
     E: tl.constexpr,  # experts
     H: tl.constexpr,  # hidden
     K: tl.constexpr,  # top_k
@@ -127,6 +129,7 @@ def _router_kernel(
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
     PRE: tl.constexpr = False,  # also write pre (the slots of the chosen experts before their ensure)
     EARLY_W: tl.constexpr = False,  # router_w's rows loaded before the wait (router_topk's early_weights)
+    BIAS: tl.constexpr = False,  # add bias[e] to each logit (gpt-oss's router)
 ):
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] experts
@@ -149,7 +152,10 @@ def _router_kernel(
         else:
             w = _router_tile(w_ptr, rows, h0, E, H, CHUNK_H, EVEN)  # [BLOCK_E, CHUNK_H]
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(logits_ptr + token * E + rows, tl.sum(acc, axis=1), mask=rows < E)
+    logit = tl.sum(acc, axis=1)
+    if BIAS:
+        logit += tl.load(bias_ptr + rows, mask=rows < E, other=0.0).to(tl.float32)
+    tl.store(logits_ptr + token * E + rows, logit, mask=rows < E)
     tl.debug_barrier()  # every thread's logits stored before the arrival
     arrived = tl.atomic_add(arrive_ptr + token, 1)  # acq_rel, gpu scope
     if arrived == tl.num_programs(1) - 1:
@@ -239,7 +245,8 @@ def _check_pre(pre, tokens: int, top_k: int, num_experts: int, device) -> None:
 def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, *,
                 weights: torch.Tensor | None = None, ids: torch.Tensor | None = None,
                 tiles: RouterTiles = DEFAULT_TILES, pdl: bool = False, early_weights: bool = False,
-                pre: tuple[torch.Tensor, int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                pre: tuple[torch.Tensor, int, torch.Tensor] | None = None,
+                router_b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: hidden [T, H], router_w [E, H] -> (weights [T, k] float32, ids [T, k] int32).
 
     hidden and router_w share one dtype (bf16 / f16 / f32), contiguous; 1 <= T <= GEMV_MAX_TOKENS,
@@ -259,6 +266,8 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
     this layer's E slots beside the logits and carries each in its key's low 20 bits, so no load
     follows the selection: slot_of's entries must be -1 or below 2**20 - 1
     (expertcache.device_ensure.MAX_SLOTS - 1, as DeviceCache's are).
+    router_b: [E] in router_w's dtype, added to every logit in float32 before the selection (gpt-oss's
+    router: top-k of the biased logits, softmax over them with norm_topk_prob).
     Raises ValueError naming the argument whose shape, dtype, device or value is wrong (early_weights
     whose rows do not fit included); RuntimeError for CPU tensors without Triton's interpreter.
     """
@@ -271,6 +280,8 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
     device = hidden.device
     if pre is not None:
         _check_pre(pre, tokens, top_k, num_experts, device)
+    if router_b is not None:
+        _check("router_b", router_b, (router_w.dtype,), (num_experts,), device)
     if early_weights and not tiles.early_weights_fit(num_experts, hid, tokens):
         raise ValueError(f"router_topk: early_weights would hold {tiles.early_weights_held(num_experts, hid, tokens)} "
                          f"router_w elements per program (block_e * H), more than {EARLY_WEIGHTS_MAX_ELEMENTS}; "
@@ -286,17 +297,22 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         gdc = bool(pdl) and device.type == "cuda"
         slot_of, key_base, pre_out = (ids, 0, ids) if pre is None else pre
-        kernel[grid](hidden, router_w, logits, arrive, ids, weights, slot_of, key_base, pre_out, **meta,
-                     num_warps=tiles.warps, PRE=pre is not None,
+        kernel[grid](hidden, router_w, logits, arrive, ids, weights, slot_of, key_base, pre_out,
+                     router_w if router_b is None else router_b, **meta,
+                     num_warps=tiles.warps, PRE=pre is not None, **({"BIAS": True} if router_b is not None else {}),
                      **({"GDC": True, "launch_pdl": True} if gdc else {}))
     return weights, ids
 
 
 def router_reference(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int,
-                     norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     norm_topk_prob: bool, router_b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """router_topk's math in torch: (weights [T, k] float32, ids [T, k] int32), weights upcast,
-    float32 logits and softmax, a stable descending sort (ties: lower id), renormalised when asked."""
-    probs = torch.softmax(hidden.float() @ router_w.float().T, dim=-1)  # [T, E]
+    float32 logits (+ router_b) and softmax, a stable descending sort (ties: lower id), renormalised
+    when asked."""
+    logits = hidden.float() @ router_w.float().T  # [T, E]
+    if router_b is not None:
+        logits = logits + router_b.float()
+    probs = torch.softmax(logits, dim=-1)
     values, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     weights = values[:, :top_k]
     if norm_topk_prob:
@@ -307,16 +323,18 @@ def router_reference(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int,
 def compile_router_for_target(num_experts: int, hidden: int, top_k: int, dtype: str = "bf16",
                               norm_topk_prob: bool = True, tiles: RouterTiles = DEFAULT_TILES,
                               arch: int = 90, tokens: int = 1, pdl: bool = False, pre: bool = False,
-                              early_weights: bool = False) -> dict:
+                              early_weights: bool = False, bias: bool = False) -> dict:
     """Compile the router ahead of time for CUDA sm_<arch> (no GPU; needs ptxas); Triton's asm dict.
 
     T sizes the grid and picks the experts per program (RouterTiles.block_e_for): one binary serves
-    T = 1..SMALL_T, another the rest. pdl, pre, early_weights: those variants (router_topk's
-    arguments). Run it without TRITON_INTERPRET=1.
+    T = 1..SMALL_T, another the rest. pdl, pre, early_weights, bias (router_b): those variants
+    (router_topk's arguments). Run it without TRITON_INTERPRET=1.
     """
     p = f"*{dtype}"
-    types = (p, p, "*fp32", "*i32", "*i32", "*fp32", "*i32", "i32", "*i32")
+    types = (p, p, "*fp32", "*i32", "*i32", "*fp32", "*i32", "i32", "*i32", p)
     meta = _constexprs(num_experts, hidden, top_k, norm_topk_prob, tiles, tokens, early_weights)
+    if bias:
+        meta["BIAS"] = True
     if pdl:
         meta["GDC"] = True
     if pre:

@@ -52,6 +52,7 @@ from tqdm.auto import tqdm
 from expertcache.formats import ExpertFormat, FormatError, bank_name
 from expertcache.pool import Bank, HostStore
 from moe.kernels.slot_matrix import SlotMatrix
+from moe.model.config import EXPERT_BIAS_BANKS
 from moe.model.linear_attention import LinearAttentionWeights
 from moe.model.quantized import read_parts
 from moe.model.reference import SharedWeights
@@ -271,21 +272,11 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return out
 
 
-EXPERT_BIAS_BANKS = ("gate_up_bias", "down_bias")  # gpt-oss's per-expert biases [2I], [H], in the model dtype
-
-
 def expert_banks(spec: ModelSpec) -> tuple[Bank, ...]:
-    """The HostStore banks of the routed experts: those of spec.moe.expert_format (expertcache.formats),
-    e.g. "gate_up" [2I, H] and "down" [H, I] in the model dtype for an unquantized model, and for a block
-    with expert biases (gpt-oss) EXPERT_BIAS_BANKS, so one expert costs the banks' row bytes (what
-    `--moe-cache-gb` prices, moe.engine.budget) and a miss copies its biases with its weights."""
-    cfg = spec.moe
-    banks = cfg.format.expert_banks(cfg.hidden, cfg.expert_intermediate)
-    if cfg.expert_bias:
-        dtype = TORCH_DTYPES[cfg.dtype]
-        banks += (Bank(EXPERT_BIAS_BANKS[0], (2 * cfg.expert_intermediate,), dtype),
-                  Bank(EXPERT_BIAS_BANKS[1], (cfg.hidden,), dtype))
-    return banks
+    """The HostStore banks of the routed experts (MoEConfig.expert_banks): those of spec.moe.expert_format
+    (expertcache.formats) and, for a block with expert biases (gpt-oss), EXPERT_BIAS_BANKS, so one expert
+    costs the banks' row bytes (what `--moe-cache-gb` prices, moe.engine.budget)."""
+    return spec.moe.expert_banks()
 
 
 def write_experts(store: HostStore, fmt: ExpertFormat, name: str, weights: torch.Tensor, first: int,

@@ -37,6 +37,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 SHARED_FAMILIES = ("qwen2_moe", "qwen3_next")
 FAMILIES = SHARED_FAMILIES + ("qwen3_moe", "mixtral", "gpt_oss")
 ACTIVATIONS = ("silu", "swiglu_clamped")  # silu(gate) * up; gpt-oss's clamped SwiGLU
+EXPERT_BIAS_BANKS = ("gate_up_bias", "down_bias")  # gpt-oss's per-expert biases [2I], [H], in the model dtype
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,22 @@ class MoEConfig:
     def format(self) -> ExpertFormat:
         """The routed experts' ExpertFormat (expertcache.formats) of `expert_format`."""
         return resolve_format(self.expert_format)
+
+    def expert_banks(self) -> tuple:
+        """The HostStore banks of one routed expert (expertcache.pool.Bank): those of expert_format
+        (e.g. "gate_up" [2I, H] and "down" [H, I] unquantized), and with expert_bias EXPERT_BIAS_BANKS
+        in the model dtype, so a miss copies an expert's biases with its weights and `--moe-cache-gb`
+        prices them."""
+        import torch
+
+        from expertcache.pool import Bank
+
+        banks = self.format.expert_banks(self.hidden, self.expert_intermediate)
+        if self.expert_bias:
+            dtype = getattr(torch, self.dtype)
+            banks += (Bank(EXPERT_BIAS_BANKS[0], (2 * self.expert_intermediate,), dtype),
+                      Bank(EXPERT_BIAS_BANKS[1], (self.hidden,), dtype))
+        return banks
 
     @property
     def has_shared_expert(self) -> bool:

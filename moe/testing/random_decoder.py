@@ -12,6 +12,8 @@
 gated full attention (16 query heads, 2 KV heads, head_dim 256, a quarter rotated), the others Gated
 DeltaNet linear attention (16 key / 32 value heads of 128, conv kernel 4), (1 + w) norms, every layer an
 MoE layer of 512 experts (I 512, top-10) and a shared expert of 512.
+`gpt_oss_20b(num_layers)` is gpt-oss-20b's decoder (model_type gpt_oss, its block's biases, clamped
+SwiGLU, sinks and sliding windows; random norms stay 1).
 `qwen3_next_like(num_layers)` is the MoE geometry of Qwen3-Next-80B-A3B (H 2048, 512 experts of
 I 512, top-10, one shared expert of 512, bf16) with standard attention (16 query heads, 2 KV heads,
 head_dim 128) in place of its hybrid linear / gated attention, and every layer an MoE layer. The
@@ -62,8 +64,8 @@ def _randn(shape, std: float, dtype: torch.dtype, device: torch.device, gen: tor
 def _norm(spec: ModelSpec, n: int, dtype, device, gen) -> torch.Tensor:
     """An RMSNorm weight: ones, or for (1 + w) norms the float32 1 + w with w ~ 0.1 N(0, 1) drawn in the
     model dtype (as the loader stores it)."""
-    if not spec.norm_one_plus:
-        return torch.ones(n, dtype=dtype, device=device)
+    if not spec.norm_one_plus:  # gpt-oss multiplies in float32: its weights are stored so (the loader's)
+        return torch.ones(n, dtype=torch.float32 if spec.norm_float32 else dtype, device=device)
     return 1.0 + _randn((n,), 0.1, dtype, device, gen).float()
 
 
@@ -80,7 +82,8 @@ def _attention(spec: ModelSpec, dtype, device, gen) -> AttentionWeights:
         o=_randn((h, q_rows), q_rows ** -0.5, dtype, device, gen),
         q_bias=bias(q_rows), k_bias=bias(kv_rows), v_bias=bias(kv_rows),
         o_bias=bias(h) if spec.o_bias else None, q_norm=norm(), k_norm=norm(),
-        gate=gate, gate_bias=bias(q_rows) if gate is not None else None)
+        gate=gate, gate_bias=bias(q_rows) if gate is not None else None,
+        sinks=_randn((spec.num_heads,), 1.0, dtype, device, gen) if spec.sinks else None)
 
 
 def _linear_attention(spec: ModelSpec, dtype, device, gen) -> LinearAttentionWeights:
@@ -120,9 +123,25 @@ def flame_290m_like(num_layers: int = 8, *, vocab_size: int = 32768, dtype: str 
             "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64, "rope_theta": 1e4}
 
 
+def gpt_oss_20b(num_layers: int = 8, *, vocab_size: int = 32768, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A config.json dict of gpt-oss-20b's decoder (model_type gpt_oss: H 2880, 32 experts of I 2880,
+    top-4, router and expert biases, the clamped SwiGLU; attention 64 / 8 heads of 64 with biases and
+    sinks, sliding (window 128) and full layers alternating, YaRN rope), `num_layers` layers deep, the
+    vocabulary cut to `vocab_size` (the release's: 201088)."""
+    return {"model_type": "gpt_oss", "num_hidden_layers": num_layers, "hidden_size": 2880,
+            "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
+            "layer_types": ["sliding_attention" if j % 2 == 0 else "full_attention" for j in range(num_layers)],
+            "attention_bias": True, "swiglu_limit": 7.0, "vocab_size": vocab_size, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 131072, "torch_dtype": dtype, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False}}
+
+
 def random_decoder(config: dict[str, Any], device: str | torch.device = "cuda", *, seed: int = 0,
                    pin: bool | None = None, copy_overlap: bool = False, expert_format: str | None = None) -> ModelWeights:
-    """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe / qwen3_next keys; see moe.model.spec).
+    """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe / qwen3_next / gpt_oss keys; see
+    moe.model.spec).
 
     device: where everything but the routed experts goes; the routed experts go to a HostStore
     (pinned when `pin`, default: when CUDA is available), in `expert_format` (an expertcache.formats
@@ -141,7 +160,8 @@ def random_decoder(config: dict[str, Any], device: str | torch.device = "cuda", 
     for layer in range(spec.num_layers):
         if spec.sparse[layer]:
             m = spec.moe_index(layer)
-            mlp = MoEWeights(m, moe.router[m], None if moe.shared is None else moe.shared[m])
+            mlp = MoEWeights(m, moe.router[m], None if moe.shared is None else moe.shared[m],
+                             None if moe.router_bias is None else moe.router_bias[m])
         else:
             i = spec.dense_intermediate
             mlp = DenseWeights(_randn((2 * i, h), h ** -0.5, dtype, device, gen),

@@ -28,7 +28,7 @@ from moe.engine.layer import DTYPES, MoELayer, SlotCache
 from moe.kernels.plan import LaunchPlan
 from moe.model.checkpoint import write_experts
 from moe.kernels.slot_matrix import SlotMatrix
-from moe.model.config import MoEConfig, copy_overlap_from_env
+from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig, copy_overlap_from_env
 from moe.model.reference import SharedWeights, moe_reference
 
 CHUNK_EXPERTS = 64  # experts generated on the device per host copy
@@ -37,12 +37,14 @@ CHUNK_EXPERTS = 64  # experts generated on the device per host copy
 @dataclass
 class SyntheticWeights:
     """router [L, E, H] on the device; shared: per layer SharedWeights on the device, or None; store:
-    every routed expert, key = layer * E + expert."""
+    every routed expert, key = layer * E + expert (with its bias rows where cfg.expert_bias);
+    router_bias [L, E] on the device where cfg.router_bias (gpt-oss), else None."""
 
     cfg: MoEConfig
     router: torch.Tensor
     shared: list[SharedWeights] | None
     store: HostStore
+    router_bias: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -57,7 +59,8 @@ def random_weights(cfg: MoEConfig, num_layers: int, device: str | torch.device =
                    pin: bool | None = None) -> SyntheticWeights:
     """Random weights of `num_layers` layers of `cfg` (deterministic for a seed and device).
 
-    pin: pin the host store (default: when CUDA is available). Cost: one device randn and one
+    pin: pin the host store (default: when CUDA is available). gpt-oss's block (cfg.router_bias,
+    cfg.expert_bias): a router bias and expert biases N(0, 0.02^2) too. Cost: one device randn and one
     host copy per CHUNK_EXPERTS experts; host memory L * E * 3 * I * H * itemsize bytes.
     """
     device = torch.device(device)
@@ -70,8 +73,9 @@ def random_weights(cfg: MoEConfig, num_layers: int, device: str | torch.device =
         shared = [(_randn((2 * s, h), h ** -0.5, dtype, device, gen),
                    _randn((h, s), s ** -0.5, dtype, device, gen),
                    _randn((1, h), h ** -0.5, dtype, device, gen)) for _ in range(num_layers)]
+    router_bias = _randn((num_layers, e), 0.02, dtype, device, gen) if cfg.router_bias else None
     fmt = cfg.format
-    store = HostStore.empty(fmt.expert_banks(h, i), num_layers * e, pin=pin)
+    store = HostStore.empty(cfg.expert_banks(), num_layers * e, pin=pin)
     for first in range(0, num_layers * e, CHUNK_EXPERTS):
         n = min(CHUNK_EXPERTS, num_layers * e - first)
         gate_up = _randn((n, 2 * i, h), h ** -0.5, dtype, device, gen)
@@ -82,9 +86,12 @@ def random_weights(cfg: MoEConfig, num_layers: int, device: str | torch.device =
         else:
             write_experts(store, fmt, "gate_up", gate_up, first, 2)
             write_experts(store, fmt, "down", down, first, 1)
+        if cfg.expert_bias:
+            for name, width in zip(EXPERT_BIAS_BANKS, (2 * i, h)):
+                store.tensor(name)[first:first + n].copy_(_randn((n, width), 0.02, dtype, device, gen))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return SyntheticWeights(cfg, router, shared, store)
+    return SyntheticWeights(cfg, router, shared, store, router_bias)
 
 
 class SyntheticModel:

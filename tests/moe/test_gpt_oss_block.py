@@ -7,7 +7,8 @@
     compared: moe_reference (route with the router bias, softmax over the top-k, experts with biases and
     the clamped SwiGLU), routed_reference over a pool in another slot order, moe_prefill streaming the
     experts from a HostStore with their bias banks: each within float32 rounding of transformers;
-    MoEConfig.from_hf on transformers' own GptOssConfig; the GPU layer refuses the block by name.
+    MoEConfig.from_hf on transformers' own GptOssConfig; the GPU layer (MoELayer, under Triton's
+    interpreter) call after call while it evicts.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import torch
 from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-from expertcache.pool import Bank, HostStore
+from expertcache.pool import Bank, HostStore, SlotPool
 from moe.engine.backends import moe_prefill
-from moe.engine.layer import MoELayer
+from moe.engine.layer import MoELayer, SlotCache
 from moe.kernels.routed import routed_reference
 from moe.model.checkpoint import EXPERT_BIAS_BANKS, MoEWeights
 from moe.model.config import MoEConfig
@@ -120,7 +121,26 @@ def test_gated_activation_is_silu_by_default():
     assert torch.equal(gated_activation(gu, MoEConfig(hidden=8, num_experts=4, top_k=2, expert_intermediate=I)), want)
 
 
-def test_the_gpu_layer_refuses_the_block_by_name(block):
-    with pytest.raises(ValueError, match=r"activation='swiglu_clamped', expert_bias=True, router_bias=True: the GPU "
-                                         r"layer computes SiLU experts without biases; serve this block on the CPU"):
-        MoELayer(block[1], 0, block[2][0], None)
+def test_the_gpu_layer_computes_the_block_while_evicting(block):
+    """MoELayer (router with its bias, device ensure, miss copy of the experts and their bias rows, routed
+    launches with biases and the clamped SwiGLU; Triton's interpreter on the CPU) equals GptOssMLP call
+    after call, with 5 slots for 8 experts, so most calls evict."""
+    mlp, cfg, (rw, rb, gu, dn, bgu, bdn) = block
+    assert cfg.expert_banks() == cfg.format.expert_banks(H, I) + (Bank(EXPERT_BIAS_BANKS[0], (2 * I,), torch.float32),
+                                                                   Bank(EXPERT_BIAS_BANKS[1], (H,), torch.float32))
+    store = HostStore.empty(cfg.expert_banks(), E, pin=False)
+    for name, t in (("gate_up", gu), ("down", dn), (EXPERT_BIAS_BANKS[0], bgu), (EXPERT_BIAS_BANKS[1], bdn)):
+        store.tensor(name).copy_(t)
+    slots = SlotCache(store, SlotPool(store.banks, 5, device="cpu"), 1, E, "lru")
+    layer = MoELayer(cfg, 0, rw, slots, router_b=rb)
+    misses = 0
+    for step in range(6):
+        x = _hidden(1, seed=10 + step)
+        want = _theirs(mlp, x)  # float32 sums in another order: within 1e-5 of the output's scale
+        torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
+        misses = int(slots.cache.counters[0, 2])
+    assert misses > K  # calls after the first evicted and copied bias rows back in
+    with pytest.raises(ValueError, match=r"router_b must be given exactly when MoEConfig.router_bias"):
+        MoELayer(cfg, 0, rw, slots)
+    with pytest.raises(ValueError, match=r"router_b must be \[8\]"):
+        MoELayer(cfg, 0, rw, slots, router_b=rb[:-1])

@@ -11,7 +11,9 @@
     batch of unequal prompts with rows joining and leaving; a prompt prefilled in chunks; the store's
     de-interleaved experts and their bias rows; the rope and layer fields read from config.json; the
     experts in the released MXFP4 layout (`*_blocks` / `*_scales`) kept as their bytes, logits against
-    transformers on the values they decode to, and served in another format.
+    transformers on the values they decode to, and served in another format; the GPU backend (GpuMoE's
+    kernels) under Triton's interpreter, and on a GPU (`gpu`) with CUDA graphs, every policy, the early
+    hits on the side stream or not (bitwise), and the MXFP4 experts.
 """
 
 from __future__ import annotations
@@ -178,12 +180,108 @@ def test_bad_gpt_oss_fields_are_refused_naming_them(checkpoint, tmp_path, edit, 
         load_model(broken, "cpu", num_slots=K, progress=False)
 
 
-def test_the_gpu_layer_refuses_gpt_oss_by_name(checkpoint):
+@pytest.mark.parametrize("which", ["bf16 layout", "mxfp4"])
+def test_the_gpu_backend_decodes_gpt_oss_like_transformers(checkpoint, mxfp4_checkpoint, which):
+    """GpuMoE (MoELayer per layer: the router kernel with its bias, the device ensure, the miss copy of the
+    experts with their bias rows, the routed launches with biases and the clamped SwiGLU) under Triton's
+    interpreter on the CPU, every decode call evicting: float32 logits within 1e-4 of transformers, for
+    the float32 experts and for the MXFP4 bytes (transformers on the values they decode to)."""
     from moe.engine.backends import GpuMoE
+    from moe.engine.engine import Engine
 
-    weights = load_checkpoint(checkpoint[1], "cpu", pin=False, progress=False)
-    with pytest.raises(ValueError, match="the GPU layer computes SiLU experts without biases"):
-        GpuMoE(weights, 8)
+    model, path = checkpoint if which == "bf16 layout" else mxfp4_checkpoint[:2]
+    weights = load_checkpoint(path, "cpu", pin=False, progress=False)
+    engine = Engine(weights, GpuMoE(weights, K), max_seq_len=32)
+    seq = _tokens(9, seed=31)
+    got = [engine.prefill([seq[:5]], all_logits=True)[0]] + [engine.decode_step([t]) for t in seq[5:]]
+    _close(torch.cat(got), _hf_logits(model, seq).logits[0], rel=1e-4)
+    counters = engine.moe.slots.cache.counters.cpu()
+    assert (counters[:, CALLS] == 4).all() and int(counters[:, MISSES].sum()) > 3 * K
+
+
+# ---------------------------------------------------------------- on a GPU (CUDA graphs, the H200 runs)
+
+def _cuda_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+def _cuda_logits(model, seq: list[int]) -> torch.Tensor:
+    """transformers' float32 logits [T, V] of `seq` on the GPU, returned on the CPU."""
+    with torch.no_grad():
+        return model(torch.tensor([seq], device="cuda")).logits[0].cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
+@pytest.mark.parametrize("policy", ["lru", "rule", "lfuda"])
+def test_gpu_float32_greedy_tokens_and_logits_match_transformers(checkpoint, policy, overlap):
+    """CUDA-graph decode, batch 2 of unequal prompts, 2 * top_k slots (every step evicts): greedy tokens
+    identical to transformers' for 8 steps and every logit within 1e-4; overlap on runs the early hits
+    on the side stream (gpt-oss has no shared expert) and changes no bit."""
+    from moe.kernels.plan import OverlapMode
+
+    _cuda_or_skip()
+    model, path = checkpoint
+    cuda = model.to("cuda")
+    try:
+        engine = load_model(path, "cuda", num_slots=2 * K, policy=policy, max_batch=2, max_seq_len=64,
+                            progress=False, copy_overlap=overlap)
+        for layer in engine.moe.layers.values():
+            assert layer.plan.mode is (OverlapMode.HITS_ON_SIDE if overlap else OverlapMode.INLINE), layer.plan.reason
+        prompts = [_tokens(5, seed=41), _tokens(9, seed=42)]
+        outs = engine.generate(prompts, max_new_tokens=8)
+        for prompt, out in zip(prompts, outs):
+            with torch.no_grad():
+                want = cuda.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8, min_new_tokens=8,
+                                     do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+            assert out == want
+            seq = prompt + out
+            fresh = load_model(path, "cuda", num_slots=K, policy=policy, max_seq_len=64, progress=False,
+                               copy_overlap=overlap)
+            got = [fresh.prefill([seq[:len(prompt)]], all_logits=True)[0]]
+            got += [fresh.decode_step([t]) for t in seq[len(prompt):]]
+            _close(torch.cat(got).cpu(), _cuda_logits(cuda, seq), rel=1e-4)
+            counters = fresh.moe.slots.cache.counters.cpu()
+            assert int(counters[:, MISSES].sum()) > len(out) * K  # the decode steps missed and evicted
+    finally:
+        model.to("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_and_overlap_change_no_bit(checkpoint):
+    """Eager decode, CUDA-graph decode and graph decode with the early hits on the side stream: bitwise
+    equal logits and slot maps, through a row leaving and another joining."""
+    _cuda_or_skip()
+    _, path = checkpoint
+    runs = []
+    for graphs, overlap in ((False, False), (True, False), (True, True)):
+        engine = load_model(path, "cuda", num_slots=2 * K, max_batch=2, max_seq_len=64, progress=False,
+                            copy_overlap=overlap, cuda_graphs=graphs)
+        logits = list(engine.prefill([_tokens(4, seed=51), _tokens(7, seed=52)]))
+        for step in range(6):
+            if step == 3:
+                engine.leave(0)
+                logits.append(engine.join(_tokens(5, seed=53))[1])
+            logits.append(engine.decode_step([(step * 7 + r) % CONFIG["vocab_size"] for r in range(engine.batch)]))
+        runs.append((torch.cat([t.reshape(-1) for t in logits]).cpu(), engine.moe.slots.cache.slot_of.cpu()))
+    for logits, slot_of in runs[1:]:
+        assert torch.equal(logits, runs[0][0]) and torch.equal(slot_of, runs[0][1])
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp4_experts_match_transformers_on_the_decoded_values(mxfp4_checkpoint):
+    _cuda_or_skip()
+    model, path, _ = mxfp4_checkpoint
+    engine = load_model(path, "cuda", num_slots=K, max_seq_len=64, progress=False)
+    assert engine.spec.moe.expert_format == "mxfp4"
+    seq = _tokens(12, seed=61)
+    got = [engine.prefill([seq[:6]], all_logits=True)[0]] + [engine.decode_step([t]) for t in seq[6:]]
+    cuda = model.to("cuda")
+    try:
+        _close(torch.cat(got).cpu(), _cuda_logits(cuda, seq), rel=1e-4)
+    finally:
+        model.to("cpu")
 
 
 MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",

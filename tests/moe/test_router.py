@@ -27,9 +27,10 @@ def make_inputs(tokens: int, experts: int, hidden: int, dtype, device, seed: int
     return x, w
 
 
-def decisive(x: torch.Tensor, w: torch.Tensor, top_k: int) -> torch.Tensor:
+def decisive(x: torch.Tensor, w: torch.Tensor, top_k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """[T] bool: the first k + 1 sorted probabilities pairwise apart by more than MARGIN (relative)."""
-    probs = torch.softmax(x.float() @ w.float().T, dim=-1)
+    logits = x.float() @ w.float().T
+    probs = torch.softmax(logits if bias is None else logits + bias.float(), dim=-1)
     top = torch.sort(probs, dim=-1, descending=True).values[:, :top_k + 1]
     gaps = top[:, :-1] - top[:, 1:]
     return (gaps > MARGIN * top[:, :-1]).all(dim=-1)
@@ -83,6 +84,27 @@ def test_matches_reference(dtype, tokens, experts, hidden, top_k, norm):
     sums = got[0].sum(dim=-1)
     assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5) if norm else bool((sums < 1).all())
     assert not router_scratch(device, experts)[1].any(), "every arrival counter must be reset to 0"
+
+
+@pytest.mark.parametrize("dtype, tokens, experts, hidden, top_k", [
+    (torch.bfloat16, 1, 32, 64, 4), (torch.bfloat16, 6, 37, 80, 4), (torch.float32, 3, 12, 32, 2),
+])
+def test_router_bias_is_added_before_the_selection(dtype, tokens, experts, hidden, top_k):
+    """gpt-oss's router: top-k of logits + router_b, softmax over the chosen; the bias (as large as the
+    logits) changes which experts are chosen."""
+    device, _ = device_or_skip()
+    x, w = make_inputs(tokens, experts, hidden, dtype, device, seed=tokens + experts)
+    bias = torch.randn(experts, generator=torch.Generator().manual_seed(5)).to(dtype).to(device)
+    got = router_topk(x, w, top_k, True, router_b=bias)
+    keep = decisive(x, w, top_k, bias)
+    check_against(got, router_reference(x, w, top_k, True, bias), keep)
+    check_against(got, route(x, w, top_k, True, bias), keep)
+    assert not torch.equal(got[1], router_topk(x, w, top_k, True)[1])
+    x8, w8 = make_inputs(2, experts, hidden, dtype, device, seed=9)
+    bad = [bias[:-1].contiguous(), bias.double(), bias.to("meta")]
+    for b in bad:
+        with pytest.raises(ValueError, match="router_b must be"):
+            router_topk(x8, w8, top_k, True, router_b=b)
 
 
 def test_uneven_tiles_and_outputs_reused():
@@ -193,7 +215,11 @@ print(json.dumps([bool(asm.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v
                   "atom.global" in ptx, ".local" not in ptx,
                   "griddepcontrol.wait" not in ptx, "griddepcontrol.wait" in pdl,
                   all(bool(a.get("cubin")) and ".local" not in a["ptx"] for a in pre),
-                  (loads_before_wait(pdl), loads_before_wait(early)) == (0, 4)]))
+                  (loads_before_wait(pdl), loads_before_wait(early)) == (0, 4),
+                  all(bool(a.get("cubin")) and ".local" not in a["ptx"]  # gpt-oss-20b's router, with its bias
+                      for a in [compile_router_for_target(32, 2880, 4, "bf16", True, pdl=True, pre=pre, bias=True,
+                                                          early_weights=early, tokens=t)
+                                for pre, early, t in ((True, True, 1), (False, False, 8))])]))
 """
 
 
@@ -202,7 +228,7 @@ def test_compiles_for_sm90():
     no register spills (also with pre, with and without renormalisation); with early_weights the
     weights' four 16-byte loads per thread come before the programmatic wait (without it none). A
     child process without TRITON_INTERPRET (which replaces the compiler's hooks)."""
-    assert compile_check(SM90_CHECK) == [True] * 8  # 5, 6: only router_topk(pdl=True) waits; 7: with pre
+    assert compile_check(SM90_CHECK) == [True] * 9  # 5, 6: only router_topk(pdl=True) waits; 7: with pre; 9: bias
 
 
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
@@ -212,6 +238,16 @@ def _gpu_or_skip():
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_gpu_gpt_oss_20b_shape_with_router_bias(tokens):
+    _gpu_or_skip()
+    x, w = make_inputs(tokens, 32, 2880, torch.bfloat16, "cuda", seed=tokens)
+    bias = torch.randn(32, device="cuda").bfloat16()
+    got = router_topk(x, w, 4, True, router_b=bias)
+    check_against(got, router_reference(x, w, 4, True, bias), decisive(x, w, 4, bias))
 
 
 @pytest.mark.gpu
