@@ -40,9 +40,23 @@ CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=48, num_hidden_l
 K = CONFIG["num_experts_per_tok"]
 
 
+def _cuda_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+def _with_config_limit(model: GptOssForCausalLM) -> GptOssForCausalLM:
+    """Some transformers releases (5.17 among them) fix each GptOssExperts' clamp at 7.0 whatever the
+    config's swiglu_limit says; the reference here clamps where its config says, as the engine does (every
+    released gpt-oss config says 7.0, where both agree)."""
+    for layer in model.model.layers:
+        layer.mlp.experts.limit = model.config.swiglu_limit
+    return model
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    model = GptOssForCausalLM(GptOssConfig(**CONFIG)).eval()
+    model = _with_config_limit(GptOssForCausalLM(GptOssConfig(**CONFIG)).eval())
     _randomize(model, seed=21)
     path = tmp_path_factory.mktemp("gpt_oss")
     model.save_pretrained(path, safe_serialization=True)
@@ -102,20 +116,25 @@ def test_float32_logits_and_greedy_tokens_match_transformers_while_evicting(chec
     assert engine.generate([prompt], max_new_tokens=8) == [want]
 
 
-def test_bfloat16_logits_within_bf16_tolerance(checkpoint):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bfloat16_logits_within_bf16_tolerance(checkpoint, device):
     """As tests/moe/test_model.py's, with one change: a token that routes differently from transformers'
     bf16 (each difference explained by _routing_alike) also changes the context of the tokens after it,
     so values are compared with transformers' bf16 (within 6 %) up to the first such token; at every token
-    the engine's bf16 is as close to the float32 truth as transformers' own bf16 run (1.5x, with slack)."""
+    the engine's bf16 is as close to the float32 truth as transformers' own bf16 run (1.5x, with slack).
+    On "cuda" the engine runs its GPU kernels and CUDA graphs, transformers still on the CPU."""
     import copy
 
+    if device == "cuda":
+        _cuda_or_skip()
     model, path = checkpoint
-    engine = load_model(path, "cpu", num_slots=2 * K, dtype="bfloat16", max_seq_len=32, progress=False,
+    engine = load_model(path, device, num_slots=2 * K, dtype="bfloat16", max_seq_len=32, progress=False,
                         record_routing=True)
     seq, plen = _tokens(12, seed=2), 6
     ref32, router32 = _hf_logits_and_router(model, seq)
     ref16, router16 = _hf_logits_and_router(copy.deepcopy(model).to(torch.bfloat16), seq)
-    got = torch.cat([engine.prefill([seq[:plen]], all_logits=True)[0]] + [engine.decode_step([t]) for t in seq[plen:]])
+    got = torch.cat([engine.prefill([seq[:plen]], all_logits=True)[0]]
+                    + [engine.decode_step([t]) for t in seq[plen:]]).cpu()
     ours = torch.as_tensor(engine.routing())[:, :, 0]
     alike = [True] * plen + [_routing_alike(ours[j], router16[:, t], router32[:, t], K)
                              for j, t in enumerate(range(plen, len(seq)))]
@@ -200,11 +219,6 @@ def test_the_gpu_backend_decodes_gpt_oss_like_transformers(checkpoint, mxfp4_che
 
 
 # ---------------------------------------------------------------- on a GPU (CUDA graphs, the H200 runs)
-
-def _cuda_or_skip():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-
 
 def _cuda_logits(model, seq: list[int]) -> torch.Tensor:
     """transformers' float32 logits [T, V] of `seq` on the GPU, returned on the CPU."""
@@ -298,7 +312,7 @@ def mxfp4_checkpoint(tmp_path_factory):
 
     from expertcache.formats import get_format
 
-    model = GptOssForCausalLM(GptOssConfig(**{**CONFIG, "intermediate_size": 64})).eval()
+    model = _with_config_limit(GptOssForCausalLM(GptOssConfig(**{**CONFIG, "intermediate_size": 64})).eval())
     _randomize(model, seed=23)
     base = tmp_path_factory.mktemp("gpt_oss_bf")
     model.save_pretrained(base, safe_serialization=True)
