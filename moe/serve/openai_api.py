@@ -16,11 +16,13 @@ its own decode, special tokens included.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from moe.serve.harmony import harmony_ids
 from moe.serve.openai_schema import ApiError, ChatBody, CompletionBody, parse_body
 from moe.serve.sampling import SamplingParams, TokenLogprob
 from moe.serve.tokenizer import TextStream, TextTokenizer, TokenizerError, TooManyTokens
@@ -36,6 +38,7 @@ class Prepared:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    channels: bool = False  # a chat reply of a harmony model: split into reasoning and content (moe.serve.harmony)
 
 
 def _too_long(param: str, count: str, max_seq_len: int) -> ApiError:
@@ -118,7 +121,8 @@ def prepare_chat(raw: bytes, tokenizer: TextTokenizer, *, served: str, max_seq_l
     """A /v1/chat/completions body (JSON bytes) as a Prepared request. Raises ApiError."""
     body = parse_body(ChatBody, raw)
     _check_model(body, served)
-    return prepare(body, chat_prompt(body, tokenizer, max_seq_len), max_seq_len=max_seq_len, default_max=None)
+    prep = prepare(body, chat_prompt(body, tokenizer, max_seq_len), max_seq_len=max_seq_len, default_max=None)
+    return dataclasses.replace(prep, channels=harmony_ids(tokenizer) is not None)
 
 
 def new_id(prefix: str) -> str:
@@ -179,10 +183,14 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None, logpro
 
 
 def chat_body(rid: str, model: str, text: str, finish: str | None, use: dict[str, int],
-              logprobs: dict | None = None) -> dict:
+              logprobs: dict | None = None, reasoning: str | None = None) -> dict:
+    """A chat.completion; `reasoning` (a harmony model's analysis channel) as message.reasoning_content."""
+    message = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": finish}], "usage": use}
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
+            "usage": use}
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, str], finish: str | None, logprobs: dict | None = None) -> dict:

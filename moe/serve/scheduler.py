@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 
 from moe.engine.engine import Engine
 from moe.serve.sampling import Sampler, SamplingParams, TokenLogprob, choose, logprobs_of
+from moe.serve.harmony import HarmonyStream, harmony_ids
 from moe.serve.tokenizer import TextStream, TextTokenizer
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class Event:
     error: str | None = None
     logprob: TokenLogprob | None = None
     timing: RequestTiming | None = None  # on the final event of a request that finished
+    reasoning: str = ""  # a harmony reply's analysis text decoded with this token (Request.channels)
 
     @property
     def final(self) -> bool:
@@ -95,11 +97,14 @@ class Event:
 
 
 class Request:
-    """One generation request: prompt token ids, sampling params, and `emit` for its Events.
+    """One generation request: prompt token ids, sampling params, and `emit` for its Events (with
+    `channels`, a harmony model's reply comes as Event.reasoning and Event.text apart).
     `number` (set by submit) is its index in submission order, the trace's req_index."""
 
-    def __init__(self, prompt: Sequence[int], params: SamplingParams, emit: Callable[[Event], Any]) -> None:
+    def __init__(self, prompt: Sequence[int], params: SamplingParams, emit: Callable[[Event], Any], *,
+                 channels: bool = False) -> None:
         self.prompt, self.params, self.emit = list(prompt), params, emit
+        self.channels = channels  # split a harmony reply into reasoning and content (moe.serve.harmony)
         self.number = -1
         self.submitted = time.monotonic()
         self._cancelled = threading.Event()
@@ -137,7 +142,7 @@ class SchedulerStats:
 class _Seq:
     request: Request
     sampler: Sampler
-    stream: TextStream
+    stream: TextStream | HarmonyStream
     generated: int = 0
     last: int = -1
     admitted: float = 0.0  # monotonic time its prefill started
@@ -168,6 +173,7 @@ class Scheduler:
                  poll_s: float = 0.1) -> None:
         self.engine, self.tokenizer = engine, tokenizer
         self.eos_ids = frozenset(tokenizer.eos_ids if eos_ids is None else eos_ids)
+        self.harmony = harmony_ids(tokenizer)  # a harmony model's specials (gpt-oss), or None
         self.poll_s = poll_s
         self.stats = SchedulerStats()
         self.rows: list[_Seq] = []
@@ -302,7 +308,9 @@ class Scheduler:
                 self.stats.finished["error"] += 1
                 _emit(req, Event(error=str(e), prompt_tokens=len(req.prompt)))
                 continue
-            seq = _Seq(req, Sampler(req.params), TextStream(self.tokenizer, req.params.stop), admitted=admitted)
+            stream = (HarmonyStream(self.tokenizer, self.harmony, req.params.stop) if req.channels and self.harmony
+                      else TextStream(self.tokenizer, req.params.stop))
+            seq = _Seq(req, Sampler(req.params), stream, admitted=admitted)
             self.rows.append(seq)
             self.stats.prefill_tokens += len(req.prompt)
             token = choose([seq.sampler], logits[None])[0]
@@ -355,8 +363,9 @@ class Scheduler:
             timing = RequestTiming(queue_s=seq.admitted - req.submitted, prefill_s=seq.first_token - seq.admitted,
                                    decode_s=time.monotonic() - seq.first_token, prompt_tokens=len(req.prompt),
                                    decode_tokens=seq.generated - 1)
+        reasoning = seq.stream.pop_reasoning() if isinstance(seq.stream, HarmonyStream) else ""
         ok = _emit(seq.request, Event(text, reason, len(seq.request.prompt), seq.generated, logprob=logprob,
-                                      timing=timing))
+                                      timing=timing, reasoning=reasoning))
         if reason is not None:
             self.stats.finished[reason] += 1
         elif not ok:

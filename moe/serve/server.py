@@ -118,7 +118,8 @@ _DISCONNECTED = Event(error="the client disconnected")
 def _submit(state: ServeState, prep: api.Prepared) -> tuple[Request, asyncio.Queue]:
     """Queue a generation; its Events arrive on the returned asyncio.Queue. Raises ApiError 503."""
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    req = Request(prep.prompt, prep.params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+    req = Request(prep.prompt, prep.params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                  channels=prep.channels)
     try:
         state.scheduler.submit(req)
     except SchedulerClosed as e:
@@ -133,9 +134,10 @@ def _event_error(state: ServeState, ev: Event) -> api.ApiError:
     return api.ApiError(500, f"generation failed: {ev.error}", type="server_error", code="internal_error")
 
 
-async def _collect(state: ServeState, req: Request, events: asyncio.Queue, http: HttpRequest) -> tuple[str, list, Event]:
-    """Wait for every Event of `req`: (text, logprobs, last Event). Cancels it the moment the client
-    disconnects (ApiError 499)."""
+async def _collect(state: ServeState, req: Request, events: asyncio.Queue,
+                   http: HttpRequest) -> tuple[str, list, Event, str]:
+    """Wait for every Event of `req`: (text, logprobs, last Event, reasoning text). Cancels it the
+    moment the client disconnects (ApiError 499)."""
     def gone(task: asyncio.Task) -> None:  # the disconnect arrived (or receive() failed: the same to us)
         if not task.cancelled():
             task.exception()  # retrieved, so that asyncio does not log it
@@ -143,20 +145,21 @@ async def _collect(state: ServeState, req: Request, events: asyncio.Queue, http:
 
     watcher = asyncio.create_task(until_disconnect(http.receive))
     watcher.add_done_callback(gone)
-    parts, logprobs = [], []
+    parts, logprobs, reasoning = [], [], []
     try:
         while True:
             ev = await events.get()
             if ev is _DISCONNECTED:
                 raise api.ApiError(499, "the client disconnected", code="client_closed")
             parts.append(ev.text)
+            reasoning.append(ev.reasoning)
             if ev.logprob is not None:
                 logprobs.append(ev.logprob)
             if ev.error is not None:
                 raise _event_error(state, ev)
             if ev.final:
                 state.metrics.observe(ev.timing)
-                return "".join(parts), logprobs, ev
+                return "".join(parts), logprobs, ev, "".join(reasoning)
     finally:
         watcher.cancel()
         req.cancel()  # no-op once finished
@@ -193,6 +196,8 @@ async def _stream(state: ServeState, events: asyncio.Queue, rid: str, chunk: Cal
                 break
             if ev.logprob is not None:
                 pending.append(ev.logprob)
+            if ev.reasoning:  # only a chat request of a harmony model has any
+                yield _sse(chunk(rid, model, {"reasoning_content": ev.reasoning}, None))
             if ev.text:
                 yield _sse(chunk(rid, model, ev.text, None, logprobs(pending)))
                 pending = []
@@ -256,9 +261,10 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
         rid = api.new_id("cmpl" if obj == "text_completion" else "chatcmpl")
         if prep.stream:
             return _EventStream(_stream(state, events, rid, chunk, first, obj, prep.include_usage, logprobs), req)
-        text, lps, ev = await _collect(state, req, events, http)
+        text, lps, ev, reasoning = await _collect(state, req, events, http)
+        extra = {"reasoning": reasoning} if prep.channels else {}
         return body(rid, opts.served_name, text, ev.finish_reason,
-                    api.usage(ev.prompt_tokens, ev.completion_tokens, ev.timing), logprobs(lps))
+                    api.usage(ev.prompt_tokens, ev.completion_tokens, ev.timing), logprobs(lps), **extra)
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):

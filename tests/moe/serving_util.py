@@ -11,7 +11,8 @@ never picks eos, and every greedy request runs to max_tokens (tests of eos pass 
 Model: 3 layers (layer 1 dense), 8 experts top-2, shared expert: 2 MoE layers, 16 cache keys. The other
 families (FAMILY_CONFIGS) take the same sizes in their own classes: qwen3_moe (q / k norms, no shared
 expert), qwen3_next (linear / dense-MLP full / linear attention, head_dim 32 half rotated) and gpt_oss
-(sliding / full / sliding attention with sinks, YaRN, biased experts).
+(sliding / full / sliding attention with sinks, YaRN, biased experts), whose tokenizer has the harmony
+specials (<|start|>, <|end|>, <|message|>, <|channel|>, <|return|>, <|call|>) and a harmony chat template.
 """
 
 from __future__ import annotations
@@ -33,6 +34,37 @@ WORDS = ["user", "assistant", "system"] + [f"w{i}" for i in range(7, VOCAB)]
 EOS = 3
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+# gpt-oss's harmony format, as its released template writes it: a system message (identity, dates,
+# reasoning effort, channels), the request's system message as the developer's instructions, each turn
+# as <|start|>role<|message|>text<|end|>, an assistant turn on a channel (its `thinking` on analysis
+# where it follows the last user turn), and <|start|>assistant to generate. Written for these tests.
+HARMONY_SPECIALS = ["<unk>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
+                    "<|call|>"]
+HARMONY_WORDS = ["system", "developer", "user", "assistant", "analysis", "final", "Reasoning:", "low", "medium",
+                 "high", "#", "Instructions", "Current", "date:"]
+HARMONY_TEMPLATE = """{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
+<|start|>system<|message|>Current date: {{ strftime_now('%Y-%m-%d') }}
+
+Reasoning: {{ reasoning_effort | default('medium') }}<|end|>
+{%- if messages and messages[0]['role'] in ('system', 'developer') -%}
+<|start|>developer<|message|># Instructions
+
+{{ messages[0]['content'] }}<|end|>
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m['role'] == 'user' -%}
+<|start|>user<|message|>{{ m['content'] }}<|end|>
+{%- elif m['role'] == 'assistant' -%}
+{%- if m.get('thinking') and loop.index0 > ns.last_user -%}
+<|start|>assistant<|channel|>analysis<|message|>{{ m['thinking'] }}<|end|>
+{%- endif -%}
+<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}<|end|>
+{%- elif m['role'] not in ('system', 'developer') -%}
+{{ raise_exception('role ' ~ m['role'] ~ ' is not one this template writes') }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"""
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=48, mlp_only_layers=[1])
@@ -53,13 +85,26 @@ FAMILY_CONFIGS = {
 }
 
 
-def write_tokenizer(path) -> None:
-    """tokenizer.json (WordLevel, whitespace split, specials added) and tokenizer_config.json."""
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
+def write_tokenizer(path, harmony: bool = False) -> None:
+    """tokenizer.json (WordLevel, whitespace split, specials added) and tokenizer_config.json; with
+    `harmony` (gpt-oss) the harmony specials and template, and generation_config.json's eos ids
+    <|return|> and <|call|> as gpt-oss's release lists them."""
+    specials = HARMONY_SPECIALS if harmony else SPECIALS
+    words = HARMONY_WORDS + [f"w{i}" for i in range(7, VOCAB - len(specials) - len(HARMONY_WORDS) + 7)] if harmony \
+        else WORDS
+    vocab = {tok: i for i, tok in enumerate(specials + words)}
+    assert len(vocab) == VOCAB
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(SPECIALS)
+    tok.add_special_tokens(specials)
     tok.save(str(path / "tokenizer.json"))
+    if harmony:
+        (path / "tokenizer_config.json").write_text(json.dumps(
+            {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "chat_template": HARMONY_TEMPLATE}))
+        gen = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").exists() else {}
+        (path / "generation_config.json").write_text(json.dumps(
+            {**gen, "eos_token_id": [vocab["<|return|>"], vocab["<|call|>"]]}))
+        return
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
 
@@ -72,10 +117,11 @@ def make_tiny_checkpoint(path: Path, family: str = "qwen2_moe") -> Path:
     config_cls, model_cls, config = FAMILY_CONFIGS[family]
     model = model_cls(config_cls(**config)).eval()
     _randomize(model, seed=7)
+    harmony = family == "gpt_oss"
     with torch.no_grad():
-        model.lm_head.weight[: len(SPECIALS)] = 0
+        model.lm_head.weight[: len(HARMONY_SPECIALS if harmony else SPECIALS)] = 0
     model.save_pretrained(path, safe_serialization=True)
-    write_tokenizer(path)
+    write_tokenizer(path, harmony)
     return path
 
 

@@ -112,3 +112,45 @@ def test_encode_within_refuses_a_long_text_from_its_prefix(tiny_dir, monkeypatch
     lengths.clear()
     assert tok.encode_within(spaced, 50) == want
     assert len(lengths) == 2 and lengths[-1] == len(spaced)
+
+
+HARMONY_CHATS = [
+    [{"role": "user", "content": "w10 w11"}],
+    [{"role": "system", "content": "w20 w21"}, {"role": "user", "content": "w12"},
+     {"role": "assistant", "content": "w13", "thinking": "w14 w15"}, {"role": "user", "content": "w16"}],
+    [{"role": "developer", "content": "w30"}, {"role": "user", "content": "w31"},
+     {"role": "assistant", "content": "w32", "thinking": "w33"}],
+]
+
+
+@pytest.mark.parametrize("chat", range(len(HARMONY_CHATS)))
+def test_the_harmony_template_renders_as_transformers_renders_it(tmp_path, chat):
+    """gpt-oss's harmony chat template (the tests' own, with the release's constructs: a namespace set in a
+    loop, strftime_now, a filter default, raise_exception, whitespace control) rendered by the server
+    equals transformers' apply_chat_template; the ids come out as the harmony specials; the eos ids are
+    generation_config.json's <|return|> and <|call|> (and the tokenizer's eos_token, <|return|>)."""
+    from transformers import AutoTokenizer
+
+    from tests.moe.serving_util import HARMONY_SPECIALS, write_tokenizer
+
+    write_tokenizer(tmp_path, harmony=True)
+    ours = TextTokenizer(tmp_path)
+    messages = HARMONY_CHATS[chat]
+    want = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False,
+                                                                        add_generation_prompt=True)
+    text = ours.render_chat(messages)
+    assert text == want and text.endswith("<|start|>assistant")
+    assert ("<|channel|>analysis<|message|>w33<|end|>" in text) == (chat == 2)  # thinking after the last user turn
+    assert "w14" not in text  # thinking before the last user turn is dropped
+    ids = ours.encode_chat(messages)
+    assert ids.count(HARMONY_SPECIALS.index("<|start|>")) == text.count("<|start|>")
+    assert ours.eos_ids == {HARMONY_SPECIALS.index("<|return|>"), HARMONY_SPECIALS.index("<|call|>")}
+
+
+def test_the_harmony_template_refuses_a_role_it_does_not_write(tmp_path):
+    from moe.serve.tokenizer import TokenizerError
+    from tests.moe.serving_util import write_tokenizer
+
+    write_tokenizer(tmp_path, harmony=True)
+    with pytest.raises(TokenizerError, match="chat template refused the messages: role tool is not one"):
+        TextTokenizer(tmp_path).render_chat([{"role": "tool", "content": "w9"}])
