@@ -237,7 +237,8 @@ class ModelShape:
 
 
 # Hugging Face configs (Qwen3-Next-80B-A3B, Qwen3-30B-A3B, Mixtral-8x7B, gpt-oss-20b / 120b: their
-# experts' biases, 2I + H values, are left out: 0.07 % of a bf16 expert) and the FLAME-MoE
+# experts' biases, 2I + H values, are left out: 0.07 % of a bf16 expert; GLM-4.5-Air and GLM-4.5: their
+# MoE layers, past the first 1 / 3 dense ones, one ungated shared expert of the routed width) and the FLAME-MoE
 # training scripts (290M-1.3B: 9 layers, the first dense, hidden 1024, MoE FFN 704, two
 # shared experts as one of intermediate 2 * 704). Qwen3-Next at batch 1 reads
 # router 2,097,152 + 10 routed x 6,291,456 + shared 6,291,456 = 71,303,168 B = 71.3 MB (the
@@ -250,6 +251,8 @@ SHAPES: dict[str, ModelShape] = {
     "flame-290m": ModelShape(8, 64, 6, 1024, 704, shared_intermediate=1408),
     "gpt-oss-20b": ModelShape(24, 32, 4, 2880, 2880),
     "gpt-oss-120b": ModelShape(36, 128, 4, 2880, 2880),
+    "glm-4.5-air": ModelShape(45, 128, 8, 4096, 1408, shared_intermediate=1408),
+    "glm-4.5": ModelShape(89, 160, 8, 5120, 1536, shared_intermediate=1536),
 }
 
 GENERIC_HIDDEN = 2048  # hidden assumed for a shape known only by its expert bytes

@@ -44,7 +44,7 @@ from moe.engine.budget import PREFILL_STAGING
 from moe.model.checkpoint import EXPERT_BIAS_BANKS, ModelWeights, MoEWeights
 from moe.model.config import MoEConfig
 from moe.engine.layer import MoELayer, SlotCache
-from moe.model.reference import gated_activation, route, shared_expert
+from moe.model.reference import gated_activation, route_block, shared_expert
 from moe.kernels.routed import routed_reference
 from moe.kernels.slot_matrix import SlotMatrix
 
@@ -256,7 +256,7 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
     (and the prefetched experts the next layer does not use); one host sync (the layer's per-expert
     token counts and its E slot ids, and the next layer's when prefetching).
     """
-    weights, ids = route(hidden, w.router, cfg.top_k, cfg.norm_topk_prob, w.router_bias)  # [T, k] f32, i32
+    weights, ids = route_block(hidden, w.router, cfg, w.router_bias, w.score_bias)  # [T, k] f32, i32
     k, e_count = ids.shape[1], cfg.num_experts
     gate_up, down = expert_matrices(store, cfg)
     pool = None if resident is None else expert_matrices(resident[1], cfg)
@@ -359,7 +359,7 @@ class CpuCachedMoE:
         """hidden [B, H] -> (out [B, H], ids [B, k] int32). Cost: one ensure, misses * 3 * I * H copied,
         B * k * 3 * I * H routed multiply-adds."""
         cfg = self.cfg
-        weights, ids = route(hidden, w.router, cfg.top_k, cfg.norm_topk_prob, w.router_bias)  # [B, k]
+        weights, ids = route_block(hidden, w.router, cfg, w.router_bias, w.score_bias)  # [B, k]
         res = self.cache.ensure(w.index, ids.numpy())
         if res.misses:
             count = torch.tensor([res.misses], dtype=torch.int32)

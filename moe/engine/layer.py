@@ -141,6 +141,11 @@ class MoELayer:
     def __init__(self, cfg: MoEConfig, layer: int, router_w: torch.Tensor, slots: SlotCache,
                  shared: SharedWeights | None = None, plan: LaunchPlan | None = None,
                  router_b: torch.Tensor | None = None) -> None:
+        if cfg.scoring != "softmax" or cfg.n_group > 1 or cfg.routed_scaling != 1.0 or not cfg.shared_gate:
+            raise ValueError(f"MoELayer: scoring={cfg.scoring!r}, n_group={cfg.n_group}, routed_scaling="
+                             f"{cfg.routed_scaling}, shared_gate={cfg.shared_gate}: the GPU layer's router takes a "
+                             "softmax over ungrouped experts and its shared expert is gated; serve this block "
+                             "(GLM-4.5) on the CPU backend (--device cpu)")
         self.cfg, self.layer, self.slots = cfg, layer, slots
         self.dtype = DTYPES[cfg.dtype]
         self.device = slots.pool.device

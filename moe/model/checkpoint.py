@@ -117,13 +117,15 @@ class AttentionWeights:
 @dataclass
 class MoEWeights:
     """One MoE block's device weights: router [E, H], shared (gate_up [2Is, H], down [H, Is], gate_w
-    [1, H]) or None, router_bias [E] (gpt-oss) or None. Its routed experts live in the HostStore at
+    [1, H], or None for GLM-4.5's ungated shared experts) or None, router_bias [E] (gpt-oss) or None,
+    score_bias [E] float32 (GLM-4.5's e_score_correction_bias) or None. Its routed experts live in the HostStore at
     keys index * E .. index * E + E - 1 (with their biases, where the block has them: EXPERT_BIAS_BANKS)."""
 
     index: int
     router: torch.Tensor
     shared: SharedWeights | None
     router_bias: torch.Tensor | None = None
+    score_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -387,14 +389,17 @@ def _load_moe(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: in
         return MoEWeights(index, reader.get(p + "router.weight", (e, h)), None, reader.get(p + "router.bias", (e,)))
     _load_experts(reader, spec, store, p + "experts.", index)
     shared = None
-    if cfg.has_shared_expert:
-        gate_up, down = _shared_quantized(reader, p + "shared_expert.", h, s)
+    if cfg.has_shared_expert:  # Qwen: shared_expert.* and its gate; GLM-4.5: shared_experts.*, ungated
+        q = p + ("shared_expert." if cfg.shared_gate else "shared_experts.")
+        gate_up, down = _shared_quantized(reader, q, h, s)
         if gate_up is None:
-            gate_up = torch.cat([reader.get(p + "shared_expert.gate_proj.weight", (s, h)),
-                                 reader.get(p + "shared_expert.up_proj.weight", (s, h))])
-            down = reader.get(p + "shared_expert.down_proj.weight", (h, s))
-        shared = (gate_up, down, reader.get(p + "shared_expert_gate.weight", (1, h)))
-    return MoEWeights(index, reader.get(p + "gate.weight", (e, h)), shared)
+            gate_up = torch.cat([reader.get(q + "gate_proj.weight", (s, h)), reader.get(q + "up_proj.weight", (s, h))])
+            down = reader.get(q + "down_proj.weight", (h, s))
+        shared = (gate_up, down, reader.get(p + "shared_expert_gate.weight", (1, h)) if cfg.shared_gate else None)
+    score_bias = None  # GLM-4.5's e_score_correction_bias: float32, as transformers keeps it
+    if cfg.score_bias:
+        score_bias = reader.raw(p + "gate.e_score_correction_bias", (e,)).float().to(reader.device)
+    return MoEWeights(index, reader.get(p + "gate.weight", (e, h)), shared, score_bias=score_bias)
 
 
 def _shared_quantized(reader: TensorReader, p: str, h: int, s: int) -> tuple[SlotMatrix | None, SlotMatrix | None]:

@@ -11,6 +11,7 @@ Families read by `MoEConfig.from_hf` (chosen by `model_type`, or by the keys pre
 | qwen3_moe                 | `num_experts`       | `moe_intermediate_size` | none                               | `norm_topk_prob`   |
 | mixtral                   | `num_local_experts` | `intermediate_size`     | none                               | always             |
 | gpt_oss                   | `num_local_experts` | `intermediate_size`     | none                               | always             |
+| glm4_moe                  | `n_routed_experts`  | `moe_intermediate_size` | `n_shared_experts` x I, ungated    | `norm_topk_prob`   |
 
 All families read `hidden_size` and `num_experts_per_tok`. `norm_topk_prob` defaults to False when
 absent (the transformers default for the Qwen configs). Mixtral takes the softmax over its top-k
@@ -18,7 +19,11 @@ logits, which equals the full softmax's top-k renormalised to sum to 1, so it ma
 `norm_topk_prob=True`; so does gpt-oss's. gpt-oss's block also has a router bias, per-expert biases of
 gate_up and down, and its clamped SwiGLU (activation "swiglu_clamped": gate clamped above at
 `swiglu_limit`, up to +-`swiglu_limit`, act = (up + 1) * gate * sigmoid(`swiglu_alpha` * gate); defaults 7.0
-and 1.702 as transformers'). The dtype comes from `torch_dtype` (or `dtype`), default "bfloat16".
+and 1.702 as transformers'). glm4_moe (GLM-4.5, GLM-4.5-Air) scores experts with a sigmoid
+(`scoring` "sigmoid"), chooses them on score + `e_score_correction_bias` (`score_bias`, a per-layer
+[E] vector) within the `topk_group` best of `n_group` groups (a group's worth: its two best biased
+scores), weights the chosen by their unbiased scores (renormalised with `norm_topk_prob`) times
+`routed_scaling_factor`, and adds an ungated shared expert (`shared_gate` False). The dtype comes from `torch_dtype` (or `dtype`), default "bfloat16".
 The routed experts' storage format (`expert_format`, expertcache.formats) is not in config.json: the
 loader gives it (the checkpoint's quantization, or --moe-expert-format); by default the experts are
 unquantized in the model dtype ("bf16", "float16" or "float32").
@@ -35,7 +40,8 @@ from expertcache.formats import ExpertFormat, FormatError, dense_format, resolve
 COPY_OVERLAP_ENV = "EXPERTCACHE_MOE_COPY_OVERLAP"
 DTYPES = ("float32", "float16", "bfloat16")
 SHARED_FAMILIES = ("qwen2_moe", "qwen3_next")
-FAMILIES = SHARED_FAMILIES + ("qwen3_moe", "mixtral", "gpt_oss")
+FAMILIES = SHARED_FAMILIES + ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe")
+SCORINGS = ("softmax", "sigmoid")  # the router's score of an expert (glm4_moe: sigmoid)
 ACTIVATIONS = ("silu", "swiglu_clamped")  # silu(gate) * up; gpt-oss's clamped SwiGLU
 EXPERT_BIAS_BANKS = ("gate_up_bias", "down_bias")  # gpt-oss's per-expert biases [2I], [H], in the model dtype
 
@@ -57,6 +63,12 @@ class MoEConfig:
     activation: the experts' gated activation, an ACTIVATIONS name ("silu": silu(gate) * up;
     "swiglu_clamped": gpt-oss's, with swiglu_alpha and swiglu_limit). expert_bias: each routed expert
     has a gate_up bias [2I] and a down bias [H] (gpt-oss). router_bias: the router has a bias [E].
+    scoring: "softmax" (over the E logits) or "sigmoid" (each logit alone; glm4_moe). score_bias: a
+    bias [E] added to the scores to choose the experts only (glm4_moe's e_score_correction_bias).
+    n_group / topk_group: the experts form n_group equal groups and the choice stays within the
+    topk_group groups whose two best biased scores sum highest (1 / 1: no grouping). routed_scaling:
+    the chosen weights' factor (after the renormalisation). shared_gate: the shared expert's output
+    is scaled by sigmoid(x · gate_w) (Qwen); False: added as it is (glm4_moe).
 
     Raises ValueError naming the field on any invalid value.
     """
@@ -75,6 +87,12 @@ class MoEConfig:
     swiglu_limit: float = 7.0
     expert_bias: bool = False
     router_bias: bool = False
+    scoring: str = "softmax"
+    score_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
+    shared_gate: bool = True
 
     def __post_init__(self) -> None:
         for name in ("hidden", "num_experts", "top_k", "expert_intermediate"):
@@ -82,9 +100,25 @@ class MoEConfig:
         _check_int("shared_intermediate", self.shared_intermediate, minimum=0)
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        for name in ("norm_topk_prob", "copy_overlap", "expert_bias", "router_bias"):
+        for name in ("norm_topk_prob", "copy_overlap", "expert_bias", "router_bias", "score_bias", "shared_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"MoEConfig.scoring={self.scoring!r} is not one of {SCORINGS}")
+        _check_int("n_group", self.n_group, minimum=1)
+        _check_int("topk_group", self.topk_group, minimum=1)
+        if self.num_experts % self.n_group or self.topk_group > self.n_group:
+            raise ValueError(f"MoEConfig.n_group={self.n_group} must divide num_experts={self.num_experts} and "
+                             f"topk_group={self.topk_group} may not exceed it")
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds the {self.topk_group} groups' "
+                             f"{self.topk_group * (self.num_experts // self.n_group)} experts (topk_group)")
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError(f"MoEConfig.n_group={self.n_group}: a group's worth is its two best experts, so "
+                             "each group needs at least 2")
+        value = self.routed_scaling
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"MoEConfig.routed_scaling must be a finite number > 0, got {value!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MoEConfig.activation={self.activation!r} is not one of {ACTIVATIONS}")
         for name in ("swiglu_alpha", "swiglu_limit"):
@@ -128,18 +162,21 @@ class MoEConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], *, copy_overlap: bool = False, expert_format: str = "") -> "MoEConfig":
-        """Read a Qwen2-MoE / Qwen3-Next / Qwen3-MoE / Mixtral config.json dict (expert_format: the
+        """Read a Qwen2-MoE / Qwen3-Next / Qwen3-MoE / Mixtral / gpt-oss / GLM-4.5 config.json dict (expert_format: the
         experts' storage, from the loader; "" = the model dtype's dense format).
 
         Raises KeyError naming the missing key, ValueError for an unknown `model_type` or an invalid value.
         """
         family = _family(config)
         mixtral = family in ("mixtral", "gpt_oss")  # experts under num_local_experts, softmax over the top-k
-        oai = family == "gpt_oss"
+        oai, glm = family == "gpt_oss", family == "glm4_moe"
         shared = _require(config, "shared_expert_intermediate_size") if family in SHARED_FAMILIES else 0
+        if glm:
+            shared = _require(config, "moe_intermediate_size") * int(config.get("n_shared_experts") or 0)
+        experts = "num_local_experts" if mixtral else "n_routed_experts" if glm else "num_experts"
         return cls(
             hidden=_require(config, "hidden_size"),
-            num_experts=_require(config, "num_local_experts" if mixtral else "num_experts"),
+            num_experts=_require(config, experts),
             top_k=_require(config, "num_experts_per_tok"),
             expert_intermediate=_require(config, "intermediate_size" if mixtral else "moe_intermediate_size"),
             shared_intermediate=shared,
@@ -151,6 +188,11 @@ class MoEConfig:
             swiglu_alpha=float(config.get("swiglu_alpha", 1.702)) if oai else 1.702,
             swiglu_limit=float(config.get("swiglu_limit", 7.0)) if oai else 7.0,
             expert_bias=oai, router_bias=oai,
+            scoring="sigmoid" if glm else "softmax", score_bias=glm,
+            n_group=int(config.get("n_group") or 1) if glm else 1,
+            topk_group=int(config.get("topk_group") or 1) if glm else 1,
+            routed_scaling=float(config.get("routed_scaling_factor", 1.0)) if glm else 1.0,
+            shared_gate=not glm,
         )
 
 

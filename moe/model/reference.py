@@ -37,29 +37,71 @@ SharedWeights = tuple[Any, Any, torch.Tensor]
 
 def route(
     hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool,
-    router_b: torch.Tensor | None = None,
+    router_b: torch.Tensor | None = None, *, scoring: str = "softmax", score_bias: torch.Tensor | None = None,
+    n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: hidden [T, H], router_w [E, H] (and gpt-oss's bias router_b [E]) -> (weights [T, k]
     float32, ids [T, k] int32).
 
-    Softmax in float32 over all E logits, top-k ordered by weight descending, optionally renormalised
-    to sum to 1 per row (equal to a softmax over the top-k logits, gpt-oss's and Mixtral's router). Cost
-    O(T * E * H). Raises ValueError naming `top_k`, `router_w` or `router_b` on bad shapes.
+    "softmax" scoring: softmax in float32 over all E logits, top-k ordered by weight descending,
+    optionally renormalised to sum to 1 per row (equal to a softmax over the top-k logits, gpt-oss's
+    and Mixtral's router). "sigmoid" (GLM-4.5): each expert's score is sigmoid(logit); the experts are
+    chosen by score + score_bias [E] (descending), within the topk_group of n_group equal groups whose
+    two best biased scores sum highest; the weights are the chosen experts' unbiased scores,
+    renormalised (plus 1e-20) when norm_topk_prob. Either way the weights are then multiplied by
+    `scaling` (routed_scaling_factor). Cost O(T * E * H). Raises ValueError naming `top_k`,
+    `router_w`, `router_b` or `score_bias` on bad shapes.
     """
     if router_w.dim() != 2 or router_w.shape[1] != hidden.shape[-1]:
         raise ValueError(f"route: router_w must be [E, {hidden.shape[-1]}], got {tuple(router_w.shape)}")
-    if not 1 <= top_k <= router_w.shape[0]:
-        raise ValueError(f"route: top_k={top_k} must be in [1, E={router_w.shape[0]}]")
-    if router_b is not None and tuple(router_b.shape) != (router_w.shape[0],):
-        raise ValueError(f"route: router_b must be [E={router_w.shape[0]}], got {tuple(router_b.shape)}")
+    experts = router_w.shape[0]
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"route: top_k={top_k} must be in [1, E={experts}]")
+    for name, b in (("router_b", router_b), ("score_bias", score_bias)):
+        if b is not None and tuple(b.shape) != (experts,):
+            raise ValueError(f"route: {name} must be [E={experts}], got {tuple(b.shape)}")
     logits = hidden.float() @ router_w.float().T  # [T, E]
     if router_b is not None:
         logits = logits + router_b.float()
-    probs = torch.softmax(logits, dim=-1)  # [T, E] float32
-    weights, ids = torch.topk(probs, top_k, dim=-1, sorted=True)  # [T, k]
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scoring == "sigmoid":
+        weights, ids = _route_sigmoid(logits, top_k, norm_topk_prob, score_bias, n_group, topk_group)
+    else:
+        probs = torch.softmax(logits, dim=-1)  # [T, E] float32
+        weights, ids = torch.topk(probs, top_k, dim=-1, sorted=True)  # [T, k]
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scaling != 1.0:
+        weights = weights * scaling
     return weights, ids.to(torch.int32)
+
+
+def _route_sigmoid(logits: torch.Tensor, top_k: int, norm: bool, score_bias: torch.Tensor | None,
+                   n_group: int, topk_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """route's "sigmoid" choice (GLM-4.5 as transformers computes it): (weights, ids [T, k] int64)."""
+    scores = torch.sigmoid(logits)  # [T, E]
+    choice = scores if score_bias is None else scores + score_bias.float()
+    if n_group > 1:
+        tokens, experts = choice.shape
+        grouped = choice.view(tokens, n_group, experts // n_group)
+        worth = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+        keep = torch.zeros_like(worth, dtype=torch.bool).scatter_(1, worth.topk(topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(tokens, experts), float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1, sorted=True).indices  # [T, k] by biased score, descending
+    weights = scores.gather(1, ids)
+    if norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights, ids
+
+
+def route_block(hidden: torch.Tensor, router_w: torch.Tensor, cfg: MoEConfig, router_b: torch.Tensor | None = None,
+                score_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """route with the routing fields of `cfg` (scoring, groups, scaling): (weights [T, k] float32, ids
+    [T, k] int32). Raises ValueError naming router_b / score_bias when given against cfg (or missing)."""
+    if (router_b is not None) != cfg.router_bias or (score_bias is not None) != cfg.score_bias:
+        raise ValueError(f"route_block: give router_b exactly when cfg.router_bias (={cfg.router_bias}) and "
+                         f"score_bias exactly when cfg.score_bias (={cfg.score_bias})")
+    return route(hidden, router_w, cfg.top_k, cfg.norm_topk_prob, router_b, scoring=cfg.scoring,
+                 score_bias=score_bias, n_group=cfg.n_group, topk_group=cfg.topk_group, scaling=cfg.routed_scaling)
 
 
 def gated_activation(gate_up: torch.Tensor, cfg: MoEConfig | None = None) -> torch.Tensor:
@@ -98,8 +140,12 @@ def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, c
 
 def shared_expert(x: torch.Tensor, shared: SharedWeights) -> torch.Tensor:
     """Gated shared expert: x [T, H] -> sigmoid(x @ gate_wᵀ) * expert_mlp(x, gate_up, down), [T, H] float32
-    (a quantized gate_up / down decoded with its format's torch reference first)."""
-    gate_up, down, gate_w = (_dense(w) for w in shared)
+    (a quantized gate_up / down decoded with its format's torch reference first); gate_w None (GLM-4.5's
+    shared experts): expert_mlp(x, gate_up, down) as it is."""
+    gate_up, down, gate_w = shared
+    gate_up, down = _dense(gate_up), _dense(down)
+    if gate_w is None:
+        return expert_mlp(x, gate_up, down)
     if tuple(gate_w.shape) != (1, x.shape[-1]):
         raise ValueError(f"shared: gate_w must be [1, {x.shape[-1]}], got {tuple(gate_w.shape)}")
     gate = torch.sigmoid(x.float() @ gate_w.float().T)  # [T, 1]
@@ -119,12 +165,14 @@ def moe_reference(
     cfg: MoEConfig,
     shared: SharedWeights | None = None,
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    score_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One MoE block: hidden [T, H] -> out [T, H] in hidden's dtype.
 
     router_w [E, H], experts_gate_up [E, 2I, H], experts_down [E, H, I], shared as `SharedWeights`
     (required exactly when cfg.shared_intermediate > 0), biases = (router [E], gate_up [E, 2I], down
-    [E, H]) for a block with cfg.router_bias and cfg.expert_bias (gpt-oss). The experts' activation is
+    [E, H]) for a block with cfg.router_bias and cfg.expert_bias (gpt-oss), score_bias [E] for one with
+    cfg.score_bias (GLM-4.5: route_block's routing). The experts' activation is
     cfg's (gated_activation). Cost O(T * k * 3 * I * H + T * E * H). Raises ValueError naming the
     argument whose shape or presence disagrees with `cfg`.
     """
@@ -132,7 +180,7 @@ def moe_reference(
     if (biases is not None) != (cfg.router_bias or cfg.expert_bias):
         raise ValueError("moe_reference: give biases exactly when cfg.router_bias / cfg.expert_bias say so")
     b_router, b_gate_up, b_down = biases if biases is not None else (None, None, None)
-    weights, ids = route(hidden, router_w, cfg.top_k, cfg.norm_topk_prob, b_router)  # [T, k] float32, int32
+    weights, ids = route_block(hidden, router_w, cfg, b_router, score_bias)  # [T, k] float32, int32
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
     for expert in torch.unique(ids).tolist():
         rows, cols = torch.nonzero(ids == expert, as_tuple=True)  # tokens routed to `expert`
@@ -170,14 +218,20 @@ def _check_shapes(
 
 def check_shared(cfg: MoEConfig, shared: SharedWeights | None, who: str, dtype: torch.dtype | None = None) -> None:
     """Raise ValueError (prefixed by `who`) unless `shared` is given exactly when cfg has a shared
-    expert, with gate_up [2Is, H], down [H, Is], gate_w [1, H] (and `dtype`, when given)."""
+    expert, with gate_up [2Is, H], down [H, Is], gate_w [1, H] (None exactly when not cfg.shared_gate)
+    (and `dtype`, when given)."""
     if (shared is None) == cfg.has_shared_expert:
         raise ValueError(f"{who}: shared weights must be given exactly when MoEConfig.shared_intermediate > 0 "
                          f"(it is {cfg.shared_intermediate}, shared is {'absent' if shared is None else 'given'})")
     if shared is None:
         return
+    if (shared[2] is None) == cfg.shared_gate:
+        raise ValueError(f"{who}: the shared expert's gate_w must be given exactly when MoEConfig.shared_gate "
+                         f"(={cfg.shared_gate}; GLM-4.5's shared experts have none)")
     h, s = cfg.hidden, cfg.shared_intermediate
     for name, w, shape in zip(("gate_up", "down", "gate_w"), shared, ((2 * s, h), (h, s), (1, h))):
+        if w is None:
+            continue
         if not isinstance(w, torch.Tensor) and name != "gate_w" and hasattr(w, "fmt"):  # a one-slot SlotMatrix
             got = (w.num_slots, w.out_features, w.in_features, w.stack)
             if got != (1, *shape, 2 if name == "gate_up" else 1):

@@ -12,6 +12,14 @@ Families (`model_type`), the fields read beyond the MoE block, and how they diff
 | qwen3_moe  | `attention_bias` (def false) | `attention_bias`| per head    | none          | attention    |
 | qwen3_next | `attention_bias` (def false) | `attention_bias`| per head    | sigmoid-gated | hybrid       |
 | gpt_oss    | `attention_bias` (def true)  | `attention_bias`| no          | none          | sinks, SWA   |
+| glm4_moe   | `attention_bias` (def false) | none            | `use_qk_norm` | ungated     | attention    |
+
+glm4_moe (GLM-4.5, GLM-4.5-Air; Glm4MoeForCausalLM): the first `first_k_dense_replace` layers are dense
+(`intermediate_size`), the others MoE; its attention rotates the first head_dim * partial_rotary_factor
+dims (default 0.5, from rope_parameters or the top level); its router (sigmoid scores, a correction
+bias for the choice, groups, a scaling factor) and ungated shared experts are moe.model.config's. The
+multi-token-prediction layers its releases carry (`num_nextn_predict_layers`, decoder layers past
+num_hidden_layers) are not read: they draft tokens, and the engine decodes one at a time.
 
 gpt_oss (GptOssForCausalLM): `layer_types` alternates "sliding_attention" (the last `sliding_window` keys)
 and "full_attention"; each head has a learned sink logit (`self_attn.sinks`) in its softmax; the rope is
@@ -87,6 +95,9 @@ class Family:
     hybrid: bool = False  # Qwen3-Next: layer_types, output-gated partial-rotary attention, (1 + w) norms
     norm_topk_default: bool = False  # norm_topk_prob when config.json lacks it (transformers' default)
     oai: bool = False  # gpt-oss: attention sinks, sliding / full layers, YaRN rope, float32 norm multiply
+    qk_norm_key: str = ""  # config key that turns qk_norm on (its default False), where the family has one
+    partial_rotary_default: float = 0.0  # > 0: partial_rotary_factor's default (glm4_moe: 0.5)
+    dense_first_key: str = ""  # config key of the number of leading dense layers (glm4_moe: first_k_dense_replace)
 
 
 FAMILIES: dict[str, Family] = {
@@ -95,6 +106,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3_next": Family(bias_key="attention_bias", bias_default=False, o_bias=True, qk_norm=True, hybrid=True,
                          norm_topk_default=True),
     "gpt_oss": Family(bias_key="attention_bias", bias_default=True, o_bias=True, qk_norm=False, oai=True),
+    "glm4_moe": Family(bias_key="attention_bias", bias_default=False, o_bias=False, qk_norm=False,
+                       qk_norm_key="use_qk_norm", partial_rotary_default=0.5, dense_first_key="first_k_dense_replace"),
 }
 FULL, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"  # layer_types values
 
@@ -247,6 +260,11 @@ class ModelSpec:
         hybrid = _hybrid_fields(config, num_layers, head_dim) if family.hybrid else {}
         if family.oai:
             hybrid = _oai_fields(config, num_layers)
+        if family.partial_rotary_default:
+            hybrid = {"rotary_dim": _rotary_dim(config, head_dim, family.partial_rotary_default)}
+        qk_norm = bool(config.get(family.qk_norm_key, False)) if family.qk_norm_key else family.qk_norm
+        sparse = (_dense_first(config, num_layers, family.dense_first_key) if family.dense_first_key
+                  else _sparse_layers(config, num_layers))
         return cls(
             model_type=model_type, num_layers=num_layers, hidden=hidden,
             vocab_size=_require(config, "vocab_size"), num_heads=heads,
@@ -254,9 +272,9 @@ class ModelSpec:
             head_dim=head_dim,
             rope_theta=float(_rope_theta(config)), rms_eps=float(_require(config, "rms_norm_eps")),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=bias, o_bias=bias and family.o_bias, qk_norm=family.qk_norm,
+            qkv_bias=bias, o_bias=bias and family.o_bias, qk_norm=qk_norm,
             dense_intermediate=int(config.get("intermediate_size") or 0),
-            sparse=_sparse_layers(config, num_layers), moe=moe, quant=quant, **hybrid,
+            sparse=sparse, moe=moe, quant=quant, **hybrid,
         )
 
 
@@ -391,14 +409,7 @@ def _hybrid_fields(config: Mapping[str, Any], num_layers: int, head_dim: int) ->
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise CheckpointError(f"config.json full_attention_interval must be an int >= 1, got {interval!r}")
         types = [LINEAR if (i + 1) % interval else FULL for i in range(num_layers)]
-    params = config.get("rope_parameters") or {}
-    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-        raise CheckpointError(f"config.json partial_rotary_factor must be in (0, 1], got {factor!r}")
-    rotary = int(head_dim * factor)
-    if rotary < 2 or rotary % 2:
-        raise CheckpointError(f"config.json: partial_rotary_factor gives {rotary} rotated dims of head_dim={head_dim}; "
-                              "it must give an even number in 2..head_dim")
+    rotary = _rotary_dim(config, head_dim, 0.25)
     linear = None
     if LINEAR in types:
         try:
@@ -412,6 +423,31 @@ def _hybrid_fields(config: Mapping[str, Any], num_layers: int, head_dim: int) ->
             raise CheckpointError(f"config.json: {e}") from None
     return {"layer_types": tuple(types), "rotary_dim": rotary, "attn_gate": True,
             "norm_one_plus": True, "linear": linear}
+
+
+def _rotary_dim(config: Mapping[str, Any], head_dim: int, default: float) -> int:
+    """int(head_dim * partial_rotary_factor) (read from rope_parameters or the top level, else `default`),
+    as transformers rotates. Raises CheckpointError naming the key unless it is an even number in 2..head_dim."""
+    params = config.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", default))
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise CheckpointError(f"config.json partial_rotary_factor must be in (0, 1], got {factor!r}")
+    rotary = int(head_dim * factor)
+    if rotary < 2 or rotary % 2:
+        raise CheckpointError(f"config.json: partial_rotary_factor gives {rotary} rotated dims of head_dim={head_dim}; "
+                              "it must give an even number in 2..head_dim")
+    return rotary
+
+
+def _dense_first(config: Mapping[str, Any], num_layers: int, key: str) -> tuple[bool, ...]:
+    """Per layer, True past the first config[key] (dense) layers, as transformers builds glm4_moe. Raises
+    CheckpointError naming the key, or intermediate_size when dense layers need it."""
+    first = config.get(key, 1)
+    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < num_layers:
+        raise CheckpointError(f"config.json {key} must be an int in [0, num_hidden_layers={num_layers}), got {first!r}")
+    if first and not config.get("intermediate_size"):
+        raise CheckpointError(f"config.json is missing 'intermediate_size', which the {key}={first} dense layers need")
+    return tuple(i >= first for i in range(num_layers))
 
 
 def _sparse_layers(config: Mapping[str, Any], num_layers: int) -> tuple[bool, ...]:

@@ -11,7 +11,8 @@ never picks eos, and every greedy request runs to max_tokens (tests of eos pass 
 Model: 3 layers (layer 1 dense), 8 experts top-2, shared expert: 2 MoE layers, 16 cache keys. The other
 families (FAMILY_CONFIGS) take the same sizes in their own classes: qwen3_moe (q / k norms, no shared
 expert), qwen3_next (linear / dense-MLP full / linear attention, head_dim 32 half rotated) and gpt_oss
-(sliding / full / sliding attention with sinks, YaRN, biased experts), whose tokenizer has the harmony
+(sliding / full / sliding attention with sinks, YaRN, biased experts) and glm4_moe (layer 0 dense, grouped
+sigmoid routing, an ungated shared expert, half-rotated heads); gpt_oss's tokenizer has the harmony
 specials (<|start|>, <|end|>, <|message|>, <|channel|>, <|return|>, <|call|>) and a harmony chat template.
 """
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (GptOssConfig, GptOssForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, GptOssConfig, GptOssForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
 
 VOCAB = 128
@@ -82,6 +83,11 @@ FAMILY_CONFIGS = {
                  "intermediate_size": 32, "num_local_experts": 8, "head_dim": 16, "sliding_window": 4,
                  "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
                                      "original_max_position_embeddings": 16, "truncate": False}}),
+    "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM,
+                 {**{k: v for k, v in CONFIG.items() if k not in ("num_experts", "shared_expert_intermediate_size",
+                                                                  "mlp_only_layers")},
+                  "n_routed_experts": 8, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+                  "first_k_dense_replace": 1, "routed_scaling_factor": 1.5, "head_dim": 16}),
 }
 
 

@@ -31,7 +31,7 @@ from moe.model.reference import expert_mlp, shared_expert
 from moe.testing.synthetic import SyntheticModel, random_weights
 from sim.replay import replay
 from sim.synthetic import SyntheticConfig, generate
-from tests.moe.test_model import COMMON, FAMILIES, _close, _randomize, _tokens
+from tests.moe.test_model import COMMON, FAMILIES, GPU_FAMILIES, _close, family_index, _randomize, _tokens
 
 interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="runs Triton's interpreter (no CUDA)")
 BF16 = torch.bfloat16
@@ -89,11 +89,11 @@ def test_forced_routing_refuses_bad_pairs():
     assert int(model.slots.cache.counters.sum()) == 0, "a refused call launches nothing"
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(GPU_FAMILIES))
 def checkpoint(request, tmp_path_factory):
     config_cls, model_cls, extra = FAMILIES[request.param]
     model = model_cls(config_cls(**{**COMMON, **extra})).eval()
-    _randomize(model, seed=7 + sorted(FAMILIES).index(request.param))
+    _randomize(model, seed=7 + family_index(request.param))
     path = tmp_path_factory.mktemp(f"cpu-gpu-backend-{request.param}")
     model.save_pretrained(path, safe_serialization=True)
     return model, path

@@ -39,7 +39,7 @@ import torch
 from expertcache.host import MISSES
 from moe.engine.loading import load_model
 from moe.kernels.plan import OverlapMode
-from tests.moe.test_model import COMMON, FAMILIES, _close, _hf_logits_and_router, _randomize, _routing_alike, _tokens
+from tests.moe.test_model import COMMON, FAMILIES, GPU_FAMILIES, _close, family_index, _hf_logits_and_router, _randomize, _routing_alike, _tokens
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -49,12 +49,12 @@ POLICY = pytest.mark.parametrize("policy", POLICIES)
 STEPS = 8
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(GPU_FAMILIES))
 def family(request, tmp_path_factory):
     """(name, {"float32": HF model on cuda, "bfloat16": its bf16 copy}, checkpoint dir), built once."""
     config_cls, model_cls, extra = FAMILIES[request.param]
     model = model_cls(config_cls(**{**COMMON, **extra})).eval()
-    _randomize(model, seed=len(request.param) + sorted(FAMILIES).index(request.param))
+    _randomize(model, seed=len(request.param) + family_index(request.param))
     path = tmp_path_factory.mktemp(f"gpu-{request.param}")
     model.save_pretrained(path, safe_serialization=True)
     models = {"float32": model.to("cuda"), "bfloat16": copy.deepcopy(model).to("cuda", torch.bfloat16)}

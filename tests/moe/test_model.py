@@ -11,6 +11,11 @@ tied embeddings.
 qwen3_next: 4 layers, linear / linear / full / linear attention (Gated DeltaNet with 2 key and 4 value
 heads of 16, conv kernel 4; gated full attention of head_dim 32, half of it rotated), layer 1 dense,
 8 experts top-3 with a sigmoid-gated shared expert, (1 + w) norms.
+glm4_moe: 3 layers (layer 0 dense: first_k_dense_replace), 8 experts top-2 in 4 groups of which 2 are
+chosen, sigmoid scores with a drawn correction bias, routed_scaling_factor 2.5, an ungated shared
+expert, q/k/v bias, q/k norms, half of each head rotated.
+Router comparisons use each family's choice scores (_choice: the router logits, or GLM's biased sigmoid
+scores within its chosen groups), whose top-k is the choice.
 Slot counts of top_k (or batch * top_k) make every decode call evict.
 """
 
@@ -26,8 +31,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
-                          Qwen3NextForCausalLM)
+from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
 
 from expertcache.formats import GIB, get_format
 from expertcache.host import ACCESSES, CALLS, MISSES
@@ -47,8 +52,19 @@ FAMILIES = {
                         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                         linear_value_head_dim=16, linear_conv_kernel_dim=4)),
+    "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM,
+                 dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                      routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, head_dim=16,
+                      attention_bias=True, use_qk_norm=True)),
 }
-EXPERT = "model.layers.0.mlp.experts.3.up_proj.weight"
+GPU_FAMILIES = ("qwen2", "qwen3", "qwen3_next")  # those whose block the GPU layer computes (GLM-4.5's: not yet)
+ORDER = ("qwen2", "qwen3", "qwen3_next", "glm4_moe")  # fixes each family's index in the seeds as families are added
+
+
+def family_index(name: str) -> int:
+    """The family's place in ORDER (its models' seeds depend on it, not on how many families sort before it)."""
+    return ORDER.index(name)
+EXPERT = "mlp.experts.3.up_proj.weight"  # of the first MoE layer
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -64,6 +80,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_((0 if one_plus and "linear_attn" not in name else 1) + 0.2 * noise)
             else:
                 p.copy_(0.3 * noise)
+        for name, b in model.named_buffers():  # GLM-4.5's e_score_correction_bias, about a score's spread
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -71,10 +90,14 @@ def checkpoint(request, tmp_path_factory):
     """(family name, transformers model in eval mode, saved checkpoint directory)."""
     config_cls, model_cls, extra = FAMILIES[request.param]
     model = model_cls(config_cls(**{**COMMON, **extra})).eval()
-    _randomize(model, seed=len(request.param) + sorted(FAMILIES).index(request.param))
+    _randomize(model, seed=len(request.param) + family_index(request.param))
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path, safe_serialization=True)
     return request.param, model, path
+
+
+def _num_experts(cfg) -> int:
+    return cfg.n_routed_experts if cfg.model_type == "glm4_moe" else cfg.num_experts
 
 
 def _hf_logits(model, tokens: list[int], **kw):
@@ -127,8 +150,11 @@ def test_bfloat16_logits_within_bf16_tolerance(checkpoint):
     got = _teacher_forced(engine, seq, prompt_len=plen)
     assert got.dtype == torch.float32 and engine.weights.embed.dtype == torch.bfloat16
     ours = torch.as_tensor(engine.routing())[:, :, 0]  # [decode steps, L_moe, k]
-    alike = [True] * plen + [_routing_alike(ours[j], router16[:, t], router32[:, t], k)
-                             for j, t in enumerate(range(plen, len(seq)))]
+    # a prompt token is compared where transformers' bf16 router chose its float32 router's experts (the
+    # engine's prefill routing is not recorded; GLM-4.5's rounded correction bias flips one such token)
+    alike = [all(set(router16[m, t].topk(k).indices.tolist()) == set(router32[m, t].topk(k).indices.tolist())
+                 for m in range(router16.shape[0])) for t in range(plen)]
+    alike += [_routing_alike(ours[j], router16[:, t], router32[:, t], k) for j, t in enumerate(range(plen, len(seq)))]
     assert sum(alike) >= len(seq) - 2, alike  # a flip is rare: at most 2 tokens of 10
     keep = torch.tensor(alike)
     _close(got[keep], ref16[keep], rel=0.06)
@@ -136,16 +162,33 @@ def test_bfloat16_logits_within_bf16_tolerance(checkpoint):
     assert own <= 1.5 * theirs + 2**-8 * ref32.abs().mean().item()
 
 
+def _choice(model, router_logits) -> torch.Tensor:
+    """transformers' router logits (L_moe x [T, E]) as the scores whose top-k is its choice, [L_moe, T, E]
+    float32: the logits themselves (softmax routers), or GLM-4.5's sigmoid scores plus each layer's
+    e_score_correction_bias, -inf outside the topk_group groups whose two best such scores sum highest."""
+    logits = torch.stack([r.float() for r in router_logits])
+    cfg = model.config
+    if cfg.model_type != "glm4_moe":
+        return logits
+    biases = [layer.mlp.gate.e_score_correction_bias.float() for layer in model.model.layers
+              if hasattr(layer.mlp, "gate")]
+    scores = torch.sigmoid(logits) + torch.stack(biases)[:, None, :]  # [L, T, E]
+    grouped = scores.view(*scores.shape[:2], cfg.n_group, -1)
+    worth = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [L, T, n_group]
+    keep = torch.zeros_like(worth, dtype=torch.bool).scatter_(-1, worth.topk(cfg.topk_group, dim=-1).indices, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(scores)
+
+
 def _hf_logits_and_router(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' float32 logits [T, V] and router logits [L_moe, T, E] of one sequence."""
+    """transformers' float32 logits [T, V] and router choice scores [L_moe, T, E] (_choice) of one sequence."""
     with torch.no_grad():
         out = model(torch.tensor([seq], device=model.device), output_router_logits=True)
-    return out.logits[0].float(), torch.stack([r.float() for r in out.router_logits])
+    return out.logits[0].float(), _choice(model, out.router_logits).to(out.logits.device)
 
 
 def _routing_alike(ids: torch.Tensor, router16: torch.Tensor, router32: torch.Tensor, k: int) -> bool:
     """ids [L, k] the engine routed one token to; router16 / router32 [L, E] transformers' bf16 / float32
-    router logits for it -> True where every layer chose transformers' bf16 experts; False where the
+    router choice scores for it (_choice) -> True where every layer chose transformers' bf16 experts; False where the
     first layer that differs is explained: the engine chose the float32 router's experts there, or the
     gap it crossed (transformers' k-th bf16 logit less the lowest of the experts only the engine chose)
     is within twice transformers' own bf16 noise at that layer (max |router16 - router32|);
@@ -243,19 +286,19 @@ def test_prefill_touching_every_expert_keeps_the_decode_working_set(checkpoint):
     before, counted = engine.moe.cache.snapshot(), list(engine.moe.prefill_counts)
     long = _tokens(120, seed=7)
     out = _hf_logits(model, long, output_router_logits=True)
-    for logits in out.router_logits:  # [T, E] per MoE layer: the prompt routes to every expert
-        assert torch.unique(logits.topk(cfg.num_experts_per_tok, dim=-1).indices).numel() == cfg.num_experts
+    for choice in _choice(model, out.router_logits):  # [T, E] per MoE layer: the prompt routes to every expert
+        assert torch.unique(choice.topk(cfg.num_experts_per_tok, dim=-1).indices).numel() == _num_experts(cfg)
     got = engine.prefill([long], all_logits=True)[0]
     _close(got, out.logits[0], rel=1e-4)
     assert engine.moe.cache.snapshot().equals(before)
     # every expert of every layer was used: the resident ones were read from their slots, the rest streamed
     resident = int((engine.moe.cache.key_of >= 0).sum())
     streamed, reused = (n - c for n, c in zip(engine.moe.prefill_counts, counted))
-    assert (streamed, reused) == (engine.spec.num_moe_layers * cfg.num_experts - resident, resident)
+    assert (streamed, reused) == (engine.spec.num_moe_layers * _num_experts(cfg) - resident, resident)
     assert resident > 0
     cold = load_model(path, "cpu", num_slots=cfg.num_experts_per_tok + 1, max_seq_len=128, progress=False)
     assert torch.equal(cold.prefill([long], all_logits=True)[0], got)  # slots hold the store's bytes
-    assert cold.moe.prefill_counts == [engine.spec.num_moe_layers * cfg.num_experts, 0]
+    assert cold.moe.prefill_counts == [engine.spec.num_moe_layers * _num_experts(cfg), 0]
 
 
 def test_recorded_routing_is_transformers_router_topk(checkpoint):
@@ -266,8 +309,8 @@ def test_recorded_routing_is_transformers_router_topk(checkpoint):
     _teacher_forced(engine, seq, prompt_len=6)
     routing = engine.routing()  # [N, L_moe, B, k]
     assert routing.dtype == np.int32 and routing.shape == (4, engine.spec.num_moe_layers, 1, k)
-    router = _hf_logits(model, seq, output_router_logits=True).router_logits  # L_moe x [T, E]
-    ref = np.stack([r[6:].topk(k, dim=-1).indices.numpy() for r in router], axis=1)  # [N, L_moe, k]
+    choice = _choice(model, _hf_logits(model, seq, output_router_logits=True).router_logits)  # [L_moe, T, E]
+    ref = choice[:, 6:].topk(k, dim=-1).indices.permute(1, 0, 2).numpy()  # [N, L_moe, k]
     np.testing.assert_array_equal(routing[:, :, 0], ref)
 
 
@@ -295,13 +338,53 @@ def test_fused_expert_layout_and_sharded_index_load_identically(checkpoint, tmp_
     fused.mkdir()
     shutil.copy(path / "config.json", fused)
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
     save_file(state, str(fused / "model.safetensors"))
     sharded = tmp_path / "sharded"
     model.save_pretrained(sharded, safe_serialization=True, max_shard_size="100KB")
     assert (sharded / "model.safetensors.index.json").is_file()
     base = logits(path)
     assert torch.equal(logits(fused), base) and torch.equal(logits(sharded), base)
+
+
+def test_glm_multi_token_prediction_layers_are_not_read(tmp_path):
+    """GLM-4.5's releases carry num_nextn_predict_layers more decoder layers (draft heads) past
+    num_hidden_layers: the loader reads none of their tensors, so the model is the same."""
+    config_cls, model_cls, extra = FAMILIES["glm4_moe"]
+    model = model_cls(config_cls(**{**COMMON, **extra})).eval()
+    _randomize(model, seed=3)
+    model.save_pretrained(tmp_path / "base", safe_serialization=True)
+    tensors = load_file(str(tmp_path / "base" / "model.safetensors"))
+    last = COMMON["num_hidden_layers"] - 1
+    extra_layer = {k.replace(f"model.layers.{last}.", f"model.layers.{last + 1}."): v.clone()
+                   for k, v in tensors.items() if k.startswith(f"model.layers.{last}.")}
+    extra_layer[f"model.layers.{last + 1}.eh_proj.weight"] = torch.randn(64, 128)  # the MTP head's own
+    mtp = tmp_path / "mtp"
+    shutil.copytree(tmp_path / "base", mtp)
+    save_file({**tensors, **extra_layer}, str(mtp / "model.safetensors"))
+    config = json.loads((mtp / "config.json").read_text())
+    (mtp / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    seq = _tokens(7, seed=5)
+    got = [load_model(p, "cpu", num_slots=4, max_seq_len=16, progress=False).prefill([seq], all_logits=True)[0]
+           for p in (tmp_path / "base", mtp)]
+    assert torch.equal(got[0], got[1])
+    _close(got[1], _hf_logits(model, seq).logits[0], rel=1e-4)
+
+
+@pytest.mark.parametrize("edit, pattern", [
+    ({"n_group": 3}, r"MoEConfig.n_group=3 must divide num_experts=8"),
+    ({"topk_group": 5}, r"topk_group=5 may not exceed it"),
+    ({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}, r"top_k=3 exceeds the 1 groups' 2 experts"),
+    ({"routed_scaling_factor": 0.0}, r"routed_scaling must be a finite number > 0"),
+    ({"first_k_dense_replace": 3}, r"first_k_dense_replace must be an int in \[0, num_hidden_layers=3\)"),
+    ({"partial_rotary_factor": 0.05, "rope_parameters": {"rope_theta": 1e4}}, r"partial_rotary_factor gives 0"),
+])
+def test_bad_glm_fields_are_refused_naming_them(tmp_path, edit, pattern):
+    config_cls, model_cls, extra = FAMILIES["glm4_moe"]
+    model_cls(config_cls(**{**COMMON, **extra})).save_pretrained(tmp_path / "glm", safe_serialization=True)
+    broken = _broken_copy(tmp_path / "glm", tmp_path, edit_config=lambda c: c.update(edit))
+    with pytest.raises(ValueError, match=pattern):
+        load_model(broken, "cpu", num_slots=8, progress=False)
 
 
 def _broken_copy(path, tmp_path, edit_tensors=None, edit_config=None):
@@ -319,11 +402,12 @@ def _broken_copy(path, tmp_path, edit_tensors=None, edit_config=None):
 
 
 @pytest.mark.parametrize("case, edit_tensors, edit_config, pattern", [
-    ("missing tensor", lambda t: t.pop(EXPERT), None, rf"tensor '{EXPERT}' is missing"),
+    ("missing tensor", lambda t: t.pop(next(k for k in sorted(t) if k.endswith(EXPERT))), None,
+     rf"tensor 'model\.layers\.\d\.{EXPERT}' is missing"),
     ("wrong shape", lambda t: t.update({"model.layers.2.self_attn.k_proj.weight": torch.zeros(16, 64)}), None,
      r"'model\.layers\.2\.self_attn\.k_proj\.weight' has shape \[16, 64\], expected \[\d+, 64\]"),
     ("unsupported model_type", None, lambda c: c.update(model_type="llama"),
-     r"model_type='llama' is not supported; supported: \['gpt_oss', 'qwen2_moe', 'qwen3_moe', 'qwen3_next'\]"),
+     r"model_type='llama' is not supported; supported: \['glm4_moe', 'gpt_oss', 'qwen2_moe', 'qwen3_moe', 'qwen3_next'\]"),
     ("missing config key", None, lambda c: c.pop("num_attention_heads"), r"missing 'num_attention_heads'"),
     ("scaled rope", None, lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
      r"rope_type='yarn'"),
@@ -345,6 +429,8 @@ def test_too_few_slots_for_the_batch_names_the_flag(checkpoint):
 # --moe-cache-gb: G GiB of slot memory -> floor(G * 2**30 / P) slots, P = one expert's HostStore bytes
 
 def _moe_layers(cfg) -> int:
+    if cfg.model_type == "glm4_moe":
+        return cfg.num_hidden_layers - cfg.first_k_dense_replace
     return cfg.num_hidden_layers - len(getattr(cfg, "mlp_only_layers", None) or [])
 
 
@@ -362,7 +448,7 @@ def test_cache_gb_gives_the_floor_of_the_budget_and_the_same_tokens(checkpoint, 
     slots = math.floor(gib * 2**30 / per)
     assert slots == k + 1 and engine.moe.cache.geometry.num_slots == engine.moe.pool.num_slots == slots
     assert engine.moe.store.bytes_per_expert == per
-    keys = _moe_layers(cfg) * cfg.num_experts
+    keys = _moe_layers(cfg) * _num_experts(cfg)
     assert f"expert cache: {slots} slots x {per:,} bytes per {'bf16' if dtype == 'bfloat16' else dtype or 'float32'} " \
            f"expert" in caplog.text and f"for {keys} experts" in caplog.text
     ref = load_model(path, "cpu", num_slots=slots, dtype=dtype, max_seq_len=32, progress=False)
@@ -373,7 +459,7 @@ def test_cache_gb_gives_the_floor_of_the_budget_and_the_same_tokens(checkpoint, 
 
 def test_a_budget_that_holds_every_expert_gives_each_a_slot_and_says_so(checkpoint, caplog):
     name, model, path = checkpoint
-    keys = _moe_layers(model.config) * model.config.num_experts
+    keys = _moe_layers(model.config) * _num_experts(model.config)
     with caplog.at_level(logging.INFO, logger="moe.engine.loading"):
         engine = load_model(path, "cpu", cache_gb=1, max_seq_len=32, progress=False)
     assert engine.moe.cache.geometry.num_slots == keys
@@ -442,6 +528,21 @@ def test_the_kv_cache_is_priced_as_allocated_and_reported_beside_the_slots(check
         assert state == 3 * 3 * (128 * 3 * itemsize + 4 * 16 * 16 * 4)
         assert f"+ linear-attention state {state / GIB:.3g} GiB (--max-batch 3 x {state // 3:,} bytes a " \
                "sequence: 3 layers)" in split
+
+
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - set(GPU_FAMILIES)))
+def test_the_gpu_backend_names_what_it_does_not_compute_yet(name, tmp_path):
+    """GPU_FAMILIES lists the families whose block the GPU layer computes; the others' (GLM-4.5's grouped
+    sigmoid router and ungated shared expert) are refused by name, pointing at the CPU backend."""
+    from moe.engine.backends import GpuMoE
+    from moe.model.checkpoint import load_checkpoint
+
+    config_cls, model_cls, extra = FAMILIES[name]
+    model_cls(config_cls(**{**COMMON, **extra})).save_pretrained(tmp_path, safe_serialization=True)
+    weights = load_checkpoint(tmp_path, "cpu", pin=False, progress=False)
+    with pytest.raises(ValueError, match=r"scoring='sigmoid', n_group=4, routed_scaling=2.5, shared_gate=False: the GPU "
+                                         r"layer's router .* serve this block \(GLM-4.5\) on the CPU backend"):
+        GpuMoE(weights, 8)
 
 
 @pytest.mark.gpu

@@ -194,13 +194,15 @@ def test_shape_for_meta():
     assert fp8.expert_bytes == 176_160_768 and fp8.hidden == 4096
     short = shape_for_meta("qwen3-next", 4, 512, 10, None)
     assert short.num_layers == 4 and short.shared_intermediate == 512
-    generic = shape_for_meta("unknown", 12, 32, 4, 3 * 2048 * 1024 * 2)
+    oss = shape_for_meta("gpt-oss-20b", 24, 32, 4, None)
+    assert oss == SHAPES["gpt-oss-20b"] and oss.hidden == 2880
+    generic = shape_for_meta("unknown", 12, 48, 4, 3 * 2048 * 1024 * 2)  # no shape has 48 experts top-4
     assert generic.expert_bytes == 3 * 2048 * 1024 * 2
-    assert (generic.num_layers, generic.num_experts, generic.top_k) == (12, 32, 4)
-    odd = shape_for_meta("unknown", 12, 32, 4, 1_000_001)
+    assert (generic.num_layers, generic.num_experts, generic.top_k) == (12, 48, 4)
+    odd = shape_for_meta("unknown", 12, 48, 4, 1_000_001)
     assert odd.expert_bytes == 1_000_001
     with pytest.raises(ValueError, match="expert_bytes"):
-        shape_for_meta("unknown", 12, 32, 4, None)
+        shape_for_meta("unknown", 12, 48, 4, None)
 
 
 def test_estimate_is_plain_floats():
