@@ -9,7 +9,8 @@
     16 / 2 heads of 256, the others Gated DeltaNet linear attention, the same MoE block as qwen3-next)
     or gpt-oss-20b (random_decoder.gpt_oss_20b: gpt-oss-20b's own decoder, 32 experts of I 2880 top-4
     with biases and the clamped SwiGLU, sliding and full attention with sinks; --expert-formats mxfp4 is
-    its released format);
+    its released format) or glm-4.5-air (random_decoder.glm_4_5_air: GLM-4.5-Air's own decoder, 128
+    experts of I 1408 top-8 by sigmoid scores, an ungated shared expert, 96 / 8 heads of 128);
     --vocab; random weights; per --expert-formats F (bf16, fp8, nvfp4, mxfp4,
     int4; default bf16) one pinned HostStore of every routed expert in F (the same random experts,
     quantized; L * 512 * 6 MiB: 25.8 GB at L = 8 in bf16), built and freed one format at a time
@@ -91,7 +92,8 @@ GEOMETRIES = {"qwen3-next": Geometry("qwen3_next_like", "qwen3-next", "qwen3-nex
               "qwen3-next-hybrid": Geometry("qwen3_next", "qwen3-next", "qwen3-next", 512, 10, 2048, 512),
               "qwen3-30b": Geometry("qwen3_30b_like", "qwen3-30b-a3b", "qwen3-30b-a3b", 128, 8, 2048, 768),
               "flame-290m": Geometry("flame_290m_like", "flame-like", "flame-290m", 64, 6, 1024, 704),
-              "gpt-oss-20b": Geometry("gpt_oss_20b", "gpt-oss-20b", "gpt-oss-20b", 32, 4, 2880, 2880)}
+              "gpt-oss-20b": Geometry("gpt_oss_20b", "gpt-oss-20b", "gpt-oss-20b", 32, 4, 2880, 2880),
+              "glm-4.5-air": Geometry("glm_4_5_air", "glm-4.5-air", "glm-4.5-air", 128, 8, 4096, 1408)}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

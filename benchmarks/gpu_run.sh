@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# hybrid decode-hybrid gpt-oss decode-gpt-oss decode decode-formats decode-trace step prefill peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# hybrid decode-hybrid gpt-oss decode-gpt-oss glm decode-glm decode decode-formats decode-trace step prefill peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -142,6 +142,19 @@ for part in $parts; do
           --layers 8 --slots-frac $frac --expert-formats ${DECODE_GPT_OSS_FORMATS:-mxfp4,bf16} \
           --configs ${DECODE_GPT_OSS_CONFIGS:-lru,rule} --batches 1 \
           --out "$OUT/decode-gpt-oss-$frac.json" 2>&1 | tee "$OUT/decode-gpt-oss-$frac.log" | tail -8
+      done ;;
+    glm)
+      # GLM-4.5's block on the GPU: the sigmoid / grouped router, the ungated shared expert, the engine
+      # against transformers (every family of test_engine_gpu.py runs; -k picks glm4_moe's)
+      timeout ${GLM_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_engine_gpu.py \
+        -k glm4 2>&1 | tee "$OUT/gpu-tests-glm.log" | tail -6 ;;
+    decode-glm)
+      # GLM-4.5-Air's own decoder (4 MoE layers of its 45, 35 GB of bf16 experts would not stay small) at a
+      # quarter and half of the experts in slots, the simulator's prediction beside each
+      for frac in 0.25 0.5; do
+        timeout ${DECODE_GLM_TIMEOUT:-280} python3 benchmarks/bench_decode.py --geometry glm-4.5-air \
+          --layers ${DECODE_GLM_LAYERS:-4} --slots-frac $frac --configs ${DECODE_GLM_CONFIGS:-lru,rule+overlap} \
+          --batches 1 --out "$OUT/decode-glm-$frac.json" 2>&1 | tee "$OUT/decode-glm-$frac.log" | tail -8
       done ;;
     decode)
       timeout ${DECODE_TIMEOUT:-540} python3 benchmarks/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -12 ;;

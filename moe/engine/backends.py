@@ -394,7 +394,7 @@ class GpuMoE:
         pool = SlotPool(self.store.banks, num_slots, device=weights.device)
         self.slots = SlotCache(self.store, pool, geometry.num_layers, geometry.num_experts, policy, **constants)
         self.layers = {lw.mlp.index: MoELayer(self.cfg, lw.mlp.index, lw.mlp.router, self.slots, lw.mlp.shared,
-                                              router_b=lw.mlp.router_bias)
+                                              router_b=lw.mlp.router_bias, score_bias=lw.mlp.score_bias)
                        for lw in weights.layers if isinstance(lw.mlp, MoEWeights)}
         self.routing_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self.prefill_counts = [0, 0]  # prefill's used experts: [streamed from the store, read from a slot]

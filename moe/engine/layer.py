@@ -10,8 +10,10 @@
        │  6 _gate_up_kernel: act [T * k, I] f32 (with 6a: only the other pairs, "rest")
        └─ 7 _down_kernel:    out [T, H] = cast(Σ_j (in order) down[slots[t, j]] · act + shared)
 
-gpt-oss's block (MoEConfig.router_bias, expert_bias, activation "swiglu_clamped") runs the same
-launches: 3 adds the router bias, 6 / 6a add each slot's gate_up bias and take the clamped SwiGLU, 7
+GLM-4.5's block (MoEConfig.scoring "sigmoid", score_bias, n_group / topk_group, routed_scaling,
+shared_gate False) runs the same launches: 3 takes its sigmoid, grouped choice and scaling, 1 and 2
+compute the shared expert without a gate (weights of one). gpt-oss's block (MoEConfig.router_bias,
+expert_bias, activation "swiglu_clamped") runs the same launches: 3 adds the router bias, 6 / 6a add each slot's gate_up bias and take the clamped SwiGLU, 7
 adds Σ_j weights[t, j] * down bias (the bias banks are pool banks: a miss copies them with the expert).
 
 Legend: T = tokens (1..GEMV_MAX_TOKENS), H = hidden, E = experts, k = top_k, I / Is = routed / shared
@@ -133,27 +135,27 @@ class MoELayer:
     Attribute `plan` holds the plan every call launches from.
     Raises ValueError naming the argument whose shape, dtype or device disagrees with cfg, the
     plan field the layer cannot launch (a side stream on a CPU device, a shared expert it lacks).
-    router_b: [E], exactly when cfg.router_bias (gpt-oss's router bias). With cfg.expert_bias the
+    router_b: [E], exactly when cfg.router_bias (gpt-oss's router bias). score_bias: [E] float32, exactly
+    when cfg.score_bias (GLM-4.5's e_score_correction_bias; the router then takes cfg's sigmoid scoring,
+    groups and scaling). With cfg.expert_bias the
     pool's EXPERT_BIAS_BANKS hold each slot's biases (a miss copies them with the expert) and the routed
     launches add them; cfg.activation picks the experts' activation (gpt-oss's clamped SwiGLU).
     """
 
     def __init__(self, cfg: MoEConfig, layer: int, router_w: torch.Tensor, slots: SlotCache,
                  shared: SharedWeights | None = None, plan: LaunchPlan | None = None,
-                 router_b: torch.Tensor | None = None) -> None:
-        if cfg.scoring != "softmax" or cfg.n_group > 1 or cfg.routed_scaling != 1.0 or not cfg.shared_gate:
-            raise ValueError(f"MoELayer: scoring={cfg.scoring!r}, n_group={cfg.n_group}, routed_scaling="
-                             f"{cfg.routed_scaling}, shared_gate={cfg.shared_gate}: the GPU layer's router takes a "
-                             "softmax over ungrouped experts and its shared expert is gated; serve this block "
-                             "(GLM-4.5) on the CPU backend (--device cpu)")
+                 router_b: torch.Tensor | None = None, score_bias: torch.Tensor | None = None) -> None:
         self.cfg, self.layer, self.slots = cfg, layer, slots
         self.dtype = DTYPES[cfg.dtype]
         self.device = slots.pool.device
-        _check_weights(cfg, layer, router_w, shared, slots, self.dtype, router_b)
+        _check_weights(cfg, layer, router_w, shared, slots, self.dtype, router_b, score_bias)
         self.router_w = router_w.to(self.device, self.dtype).contiguous()  # [E, H] model dtype
         self.router_b = None if router_b is None else router_b.to(self.device, self.dtype).contiguous()  # [E]
+        self.score_bias = (None if score_bias is None  # [E] float32, GLM-4.5's e_score_correction_bias
+                           else score_bias.to(self.device, torch.float32).contiguous())
         self.shared = None if shared is None else tuple(
-            w.to(self.device) if isinstance(w, SlotMatrix) else w.to(self.device).contiguous() for w in shared)
+            w if w is None else w.to(self.device) if isinstance(w, SlotMatrix) else w.to(self.device).contiguous()
+            for w in shared)
         self._matrices: tuple[SlotMatrix, SlotMatrix] | None = None
         self._make_buffers()
         self._given_plan = plan
@@ -174,6 +176,7 @@ class MoELayer:
             self._shared_pool = tuple(w if isinstance(w, SlotMatrix) else SlotMatrix.dense(w[None], stack)
                                       for w, stack in ((gate_up, 2), (down, 1)))
             self._shared_slots = torch.zeros((n, 1), dtype=torch.int32, device=dev)
+            self._shared_ones = torch.ones((n, 1), dtype=torch.float32, device=dev)  # an ungated one's weights
             self._shared_act = torch.empty((n, cfg.shared_intermediate), dtype=torch.float32, device=dev)
             self._shared_out = torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)
 
@@ -277,6 +280,8 @@ class MoELayer:
         pre = self._pre[:tokens] if early is not None else None
         if routing is None:
             weights, ids = router_topk(hidden, self.router_w, cfg.top_k, cfg.norm_topk_prob, router_b=self.router_b,
+                                       scoring=cfg.scoring, score_bias=self.score_bias, n_group=cfg.n_group,
+                                       topk_group=cfg.topk_group, scaling=cfg.routed_scaling,
                                        weights=self._weights[:tokens], ids=self._ids[:tokens], pdl=plan.pdl,
                                        tiles=plan.router_tiles, early_weights=plan.router_early_weights[tokens - 1],
                                        pre=None if pre is None else (slots.cache.slot_of,
@@ -309,16 +314,18 @@ class MoELayer:
         return self._down(act, slots, weights, out=self._routed_out[:hidden.shape[0]])
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> sigmoid(x · gate_w) * down(silu(gate(x)) * up(x)), [T, H] float32.
+        """x [T, H] -> sigmoid(x · gate_w) * down(silu(gate(x)) * up(x)), [T, H] float32 (without gate_w,
+        GLM-4.5's ungated shared expert: down(silu(gate(x)) * up(x)), weighted by ones).
 
         Two launches (moe.kernels.routed.routed_experts over the one-slot pool, gate computed inside the first);
         float32 accumulation. Returns a buffer of this layer, overwritten by the next call. Cost
         O(T * (3 * Is + 1) * H).
         """
         gate_up, down = self._shared_pool
-        tokens = x.shape[0]
-        return routed_experts(x, self._shared_slots[:tokens], None, gate_up, down, gate_w=self.shared[2],
-                              out=self._shared_out[:tokens], act=self._shared_act, tiles=self.plan.routed_tiles)
+        tokens, gate_w = x.shape[0], self.shared[2]
+        return routed_experts(x, self._shared_slots[:tokens], self._shared_ones[:tokens] if gate_w is None else None,
+                              gate_up, down, gate_w=gate_w, shared=True, out=self._shared_out[:tokens],
+                              act=self._shared_act, tiles=self.plan.routed_tiles)
 
     def _check_routing(self, routing, tokens: int) -> None:
         _check_routing_pair(routing, tokens, self.cfg.top_k, self.device)
@@ -366,7 +373,8 @@ def _check_plan(plan: LaunchPlan, cfg: MoEConfig, device: torch.device) -> None:
 
 
 def _check_weights(cfg: MoEConfig, layer: int, router_w: torch.Tensor, shared: SharedWeights | None,
-                   slots: SlotCache, dtype: torch.dtype, router_b: torch.Tensor | None) -> None:
+                   slots: SlotCache, dtype: torch.dtype, router_b: torch.Tensor | None,
+                   score_bias: torch.Tensor | None) -> None:
     """Raise ValueError naming the argument that disagrees with cfg or the cache."""
     if not 0 <= layer < slots.num_layers or slots.num_experts != cfg.num_experts:
         raise ValueError(f"MoELayer: layer={layer} must be in [0, {slots.num_layers}) and the SlotCache's "
@@ -378,6 +386,10 @@ def _check_weights(cfg: MoEConfig, layer: int, router_w: torch.Tensor, shared: S
                          f"got {'none' if router_b is None else 'one'}")
     if router_b is not None and tuple(router_b.shape) != (cfg.num_experts,):
         raise ValueError(f"MoELayer: router_b must be [{cfg.num_experts}], got {list(router_b.shape)}")
+    if (score_bias is not None) != cfg.score_bias or (score_bias is not None
+                                                       and tuple(score_bias.shape) != (cfg.num_experts,)):
+        raise ValueError(f"MoELayer: score_bias must be a [{cfg.num_experts}] tensor exactly when MoEConfig.score_bias "
+                         f"(={cfg.score_bias}), got {None if score_bias is None else list(score_bias.shape)}")
     want = cfg.expert_banks()
     if slots.store.banks != want:
         raise ValueError(f"MoELayer: the HostStore banks must be those of MoEConfig.expert_format={cfg.expert_format!r} "

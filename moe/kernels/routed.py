@@ -126,16 +126,17 @@ def _launch_hits(hidden, weights, gate_up: SlotMatrix, act, pre, dims, tiles, pr
 
 
 def _launch_gate_up(hidden, slots, weights, gate_up: SlotMatrix, gate_w, act, dims, tiles, part="all",
-                    pre=None, cfg=None, gate_up_bias=None) -> torch.Tensor:
+                    pre=None, cfg=None, gate_up_bias=None, shared=False) -> torch.Tensor:
     """part "all" or "rest" (PICK 0 / 2): one program per (pair, row tile); programmatic on CUDA
-    unless gated (the shared expert)."""
+    unless the shared expert's (gated, or `shared`: an ungated one, weighted by `weights`)."""
     tokens, top_k, num_slots, hid, inter = dims
     block_i, chunk_h, _, _ = tiles.capped(hid, inter)
     grid, _ = routed_grids(tokens, top_k, hid, inter, tiles)
     gated = gate_w is not None
-    kernel = kernel_for(GATE_UP_ENTRIES[gated], hidden.device, JIT_OPTIONS, "routed_experts")
+    shared = shared or gated
+    kernel = kernel_for(GATE_UP_ENTRIES[shared], hidden.device, JIT_OPTIONS, "routed_experts")
     with _device_ctx(hidden.device):
-        gdc = not gated and hidden.device.type == "cuda"
+        gdc = not shared and hidden.device.type == "cuda"
         kernel[grid](hidden, slots, act if gated else weights, gate_w if gated else hidden, gate_up.kernel_args(),
                      act, num_slots, slots if pre is None else pre, act if gate_up_bias is None else gate_up_bias,
                      K=top_k, H=hid, I=inter, BLOCK_I=block_i,
@@ -290,7 +291,7 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
                    act: torch.Tensor | None = None, down_release: bool = False,
                    down_prefetch: int = DOWN_PREFETCH, cfg: MoEConfig | None = None,
                    gate_up_bias: torch.Tensor | None = None,
-                   down_bias: torch.Tensor | None = None) -> torch.Tensor:
+                   down_bias: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
     """addend[t] + Σ_j weights[t, j] * down(silu(gate(x_t)) * up(x_t)) over the experts in slots[t, j].
 
     hidden:  [T, H] bf16 / f16 / f32, contiguous, 1 <= T <= GEMV_MAX_TOKENS.
@@ -308,6 +309,8 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     cfg:     the experts' activation (cfg.activation; None: SiLU), gpt-oss's clamped SwiGLU included.
     gate_up_bias [S, 2I], down_bias [S, H]: per-slot expert biases (gpt-oss), added after each linear
              (routed_reference's); not with gate_w.
+    shared:  launch the shared expert's entry kernels (never programmatic) without a gate: an ungated
+             shared expert (GLM-4.5's), weighted by `weights` (ones); implied by gate_w.
     Returns out when given; else out_cast when given; else a new float32 [T, H]. Without out and
     with out_cast, no float32 result is written. The sum over j runs in order j = 0..k-1 and the
     result is bitwise repeatable. All tensors on one device: CUDA, or CPU under TRITON_INTERPRET=1.
@@ -329,10 +332,13 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
         check_tensor("routed_experts", "out_cast", out_cast, (hidden.dtype,), 2, hidden.device)
     check_down("routed_experts", act, slots, down, out, addend, out_cast)
     _check_block("routed_experts", gate_w, cfg, gate_up_bias, dims, hidden.device)
-    bias = _down_bias("routed_experts", down_bias, None if down_bias is None else weights, slots, dims,
-                      gate_w is not None)
-    act = _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, tiles, cfg=cfg, gate_up_bias=gate_up_bias)
-    return _launch_down(act, slots, down, out, addend, out_cast, gate_w is not None, dims, tiles, True,
+    if not isinstance(shared, bool):
+        raise ValueError(f"routed_experts: shared must be a bool, got {shared!r}")  # noqa: TRY004 (house: ValueError)
+    shared = shared or gate_w is not None
+    bias = _down_bias("routed_experts", down_bias, None if down_bias is None else weights, slots, dims, shared)
+    act = _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, tiles, cfg=cfg, gate_up_bias=gate_up_bias,
+                          shared=shared)
+    return _launch_down(act, slots, down, out, addend, out_cast, shared, dims, tiles, True,
                         down_release, down_prefetch, bias)
 
 

@@ -56,12 +56,18 @@ _JIT_OPTIONS: dict = {"do_not_specialize": ["key_base"]}
 
 
 @triton.jit
-def _select_topk(row_ptr, ids_ptr, weights_ptr, slot_row_ptr, pre_ptr, E: tl.constexpr, K: tl.constexpr,
-                 BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, PRE: tl.constexpr):
+def _select_topk(row_ptr, ids_ptr, weights_ptr, slot_row_ptr, pre_ptr, score_bias_ptr, E: tl.constexpr,
+                 K: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                 PRE: tl.constexpr, SIGMOID: tl.constexpr, SCORE_BIAS: tl.constexpr, GROUPS: tl.constexpr,
+                 TOPK_GROUP: tl.constexpr, SCALE: tl.constexpr, BLOCK_G: tl.constexpr):
     """The top K of the E logits at row_ptr (ties: lower id) into ids / weights, by one tl.topk over
     int64 keys: an order-preserving int32 of each logit's bits << 32 | (E - 1 - id) << PRE_SLOT_BITS
     | (slot + 1 with PRE, else 0). NORM: weights = softmax of the chosen K logits; else the full
     softmax's values (one sum over E).
+    SIGMOID (GLM-4.5): the keys order sigmoid(logit) (+ score_bias[e] with SCORE_BIAS) instead, -inf
+    outside the TOPK_GROUP of GROUPS equal groups whose two best such values sum highest (ties: the
+    lower group); the weights are the chosen experts' sigmoid(logit), over their sum + 1e-20 with NORM.
+    Either way the weights are multiplied by SCALE (routed_scaling_factor; 1.0: no multiply).
     PRE: also pre[j] = slot_row[ids[j]]; the E slots are loaded beside the logits and ride in the
     keys' low bits (below the id, so they never change the order): no load after the selection."""
     e = tl.arange(0, BLOCK_ALL)
@@ -71,7 +77,15 @@ def _select_topk(row_ptr, ids_ptr, weights_ptr, slot_row_ptr, pre_ptr, E: tl.con
     else:
         low = tl.zeros([BLOCK_ALL], dtype=tl.int32)
     kk = tl.arange(0, BLOCK_K)
-    b = logit.to(tl.int32, bitcast=True)
+    value = logit
+    if SIGMOID:
+        value = tl.sigmoid(logit)
+        if SCORE_BIAS:
+            value += tl.load(score_bias_ptr + e, mask=e < E, other=0.0).to(tl.float32)
+        value = tl.where(e < E, value, float("-inf"))
+        if GROUPS > 1:
+            value = _keep_best_groups(value, e, E, GROUPS, TOPK_GROUP, BLOCK_G)
+    b = value.to(tl.int32, bitcast=True)
     ordered = b ^ ((b >> 31) & 0x7FFFFFFF)  # int32 order == float order (negatives' magnitude flipped)
     keys = tl.where(e < E, (ordered.to(tl.int64) << 32) | ((E - 1 - e).to(tl.int64) << PRE_SLOT_BITS)
                     | low.to(tl.int64), -0x7FFFFFFFFFFFFFFF - 1)  # int64 min: never selected
@@ -80,19 +94,55 @@ def _select_topk(row_ptr, ids_ptr, weights_ptr, slot_row_ptr, pre_ptr, E: tl.con
     else:
         top = tl.topk(keys, BLOCK_K)  # descending
     ids = E - 1 - ((top >> PRE_SLOT_BITS) & 0xFFF).to(tl.int32)
-    hi = (top >> 32).to(tl.int32)
-    chosen = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-    top_logit = tl.max(tl.where(kk < K, chosen, float("-inf")), axis=0)  # the largest of all E
-    ex = tl.where(kk < K, tl.exp(chosen - top_logit), 0.0)
-    if NORM:
-        ws = ex / tl.sum(ex, axis=0)
-    else:  # the full softmax's exponentials and sum
-        ws = ex / tl.sum(tl.exp(logit - top_logit), axis=0)
+    if SIGMOID:  # the weights are the chosen experts' own scores, without the bias
+        chosen = tl.load(row_ptr + ids, mask=kk < K, other=0.0, cache_modifier=".cg")
+        ex = tl.where(kk < K, tl.sigmoid(chosen), 0.0)
+        if NORM:
+            ws = ex / (tl.sum(ex, axis=0) + 1e-20)
+        else:
+            ws = ex
+    else:
+        hi = (top >> 32).to(tl.int32)
+        chosen = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        top_logit = tl.max(tl.where(kk < K, chosen, float("-inf")), axis=0)  # the largest of all E
+        ex = tl.where(kk < K, tl.exp(chosen - top_logit), 0.0)
+        if NORM:
+            ws = ex / tl.sum(ex, axis=0)
+        else:  # the full softmax's exponentials and sum
+            ws = ex / tl.sum(tl.exp(logit - top_logit), axis=0)
+    if SCALE != 1.0:
+        ws = ws * SCALE
     tl.store(ids_ptr + kk, ids, mask=kk < K)
     tl.store(weights_ptr + kk, ws, mask=kk < K)
     if PRE:
         pre = (top & PRE_SLOT_MASK).to(tl.int32) - 1
         tl.store(pre_ptr + kk, pre, mask=kk < K)
+
+
+@triton.jit
+def _keep_best_groups(value, e, E: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                      BLOCK_G: tl.constexpr):
+    """value [BLOCK_ALL] with -inf outside the TOPK_GROUP best of GROUPS groups of E // GROUPS experts
+    (a group's worth: its two largest values summed; ties: the lower group), as transformers' GLM-4.5
+    router masks them. Unrolled over the groups: a few max reductions each."""
+    SIZE: tl.constexpr = E // GROUPS
+    group = e // SIZE
+    g = tl.arange(0, BLOCK_G)
+    worth = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    for j in tl.static_range(GROUPS):
+        mine = tl.where(group == j, value, float("-inf"))
+        best = tl.max(mine, axis=0)
+        first = tl.min(tl.where(mine == best, e, E), axis=0)  # the best's lowest index
+        second = tl.max(tl.where(e == first, float("-inf"), mine), axis=0)
+        worth = tl.where(g == j, best + second, worth)
+    keep = g < 0  # [BLOCK_G] all False
+    for _ in tl.static_range(TOPK_GROUP):  # the best group not kept yet, lowest index on ties
+        left = tl.where(keep | (g >= GROUPS), float("-inf"), worth)
+        top = tl.max(left, axis=0)
+        pick = tl.min(tl.where((left == top) & ~keep & (g < GROUPS), g, BLOCK_G), axis=0)
+        keep = keep | (g == pick)
+    kept = tl.sum(tl.where(keep[None, :] & (group[:, None] == g[None, :]), 1, 0), axis=1) > 0  # [BLOCK_ALL]
+    return tl.where(kept & (e < E), value, float("-inf"))
 
 
 @triton.jit
@@ -117,6 +167,7 @@ def _router_kernel(
     key_base,  # this layer's first key, layer * E (read if PRE)
     pre_ptr,  # *i32 [T, K] out if PRE: slot_of[key_base + ids] as this launch found it (-1: absent)
     bias_ptr,  # [E] router bias (model dtype; read if BIAS)
+    score_bias_ptr,  # *fp32 [E] GLM-4.5's e_score_correction_bias (read if SCORE_BIAS)
     E: tl.constexpr,  # experts
     H: tl.constexpr,  # hidden
     K: tl.constexpr,  # top_k
@@ -130,6 +181,12 @@ def _router_kernel(
     PRE: tl.constexpr = False,  # also write pre (the slots of the chosen experts before their ensure)
     EARLY_W: tl.constexpr = False,  # router_w's rows loaded before the wait (router_topk's early_weights)
     BIAS: tl.constexpr = False,  # add bias[e] to each logit (gpt-oss's router)
+    SIGMOID: tl.constexpr = False,  # GLM-4.5's scores: sigmoid(logit) (_select_topk)
+    SCORE_BIAS: tl.constexpr = False,  # + score_bias[e] for the choice only
+    GROUPS: tl.constexpr = 1,  # n_group
+    TOPK_GROUP: tl.constexpr = 1,  # topk_group
+    SCALE: tl.constexpr = 1.0,  # routed_scaling_factor
+    BLOCK_G: tl.constexpr = 1,  # next power of two >= GROUPS
 ):
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] experts
@@ -162,7 +219,8 @@ def _router_kernel(
         tl.debug_barrier()
         tl.store(arrive_ptr + token, 0)
         _select_topk(logits_ptr + token * E, ids_ptr + token * K, weights_ptr + token * K,
-                     slot_of_ptr + key_base, pre_ptr + token * K, E, K, BLOCK_ALL, BLOCK_K, NORM, PRE)
+                     slot_of_ptr + key_base, pre_ptr + token * K, score_bias_ptr, E, K, BLOCK_ALL, BLOCK_K, NORM, PRE,
+                     SIGMOID, SCORE_BIAS, GROUPS, TOPK_GROUP, SCALE, BLOCK_G)
 
 
 def _constexprs(num_experts: int, hidden: int, top_k: int, norm: bool, tiles: RouterTiles, tokens: int,
@@ -246,7 +304,9 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
                 weights: torch.Tensor | None = None, ids: torch.Tensor | None = None,
                 tiles: RouterTiles = DEFAULT_TILES, pdl: bool = False, early_weights: bool = False,
                 pre: tuple[torch.Tensor, int, torch.Tensor] | None = None,
-                router_b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                router_b: torch.Tensor | None = None, scoring: str = "softmax",
+                score_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+                scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: hidden [T, H], router_w [E, H] -> (weights [T, k] float32, ids [T, k] int32).
 
     hidden and router_w share one dtype (bf16 / f16 / f32), contiguous; 1 <= T <= GEMV_MAX_TOKENS,
@@ -282,6 +342,7 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
         _check_pre(pre, tokens, top_k, num_experts, device)
     if router_b is not None:
         _check("router_b", router_b, (router_w.dtype,), (num_experts,), device)
+    _check_selection(scoring, score_bias, n_group, topk_group, scaling, num_experts, top_k, device)
     if early_weights and not tiles.early_weights_fit(num_experts, hid, tokens):
         raise ValueError(f"router_topk: early_weights would hold {tiles.early_weights_held(num_experts, hid, tokens)} "
                          f"router_w elements per program (block_e * H), more than {EARLY_WEIGHTS_MAX_ELEMENTS}; "
@@ -298,17 +359,55 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
         gdc = bool(pdl) and device.type == "cuda"
         slot_of, key_base, pre_out = (ids, 0, ids) if pre is None else pre
         kernel[grid](hidden, router_w, logits, arrive, ids, weights, slot_of, key_base, pre_out,
-                     router_w if router_b is None else router_b, **meta,
+                     router_w if router_b is None else router_b, logits if score_bias is None else score_bias, **meta,
                      num_warps=tiles.warps, PRE=pre is not None, **({"BIAS": True} if router_b is not None else {}),
+                     **_selection(scoring, score_bias is not None, n_group, topk_group, scaling),
                      **({"GDC": True, "launch_pdl": True} if gdc else {}))
     return weights, ids
 
 
+def _check_selection(scoring, score_bias, n_group, topk_group, scaling, num_experts: int, top_k: int, device) -> None:
+    """Raise ValueError naming scoring / score_bias / n_group / topk_group / scaling unless they are a
+    selection the kernel makes (grouping and the score bias only with "sigmoid" scoring)."""
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"router_topk: scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    if score_bias is not None:
+        if scoring != "sigmoid":
+            raise ValueError("router_topk: score_bias is the sigmoid router's (scoring='sigmoid')")
+        _check("score_bias", score_bias, (torch.float32,), (num_experts,), device)
+    for name, value in (("n_group", n_group), ("topk_group", topk_group)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"router_topk: {name} must be an int >= 1, got {value!r}")
+    if n_group > 1 and (scoring != "sigmoid" or num_experts % n_group or num_experts // n_group < 2
+                        or topk_group > n_group or top_k > topk_group * (num_experts // n_group)):
+        raise ValueError(f"router_topk: n_group={n_group}, topk_group={topk_group} must group the {num_experts} "
+                         f"experts evenly in groups of >= 2 (scoring='sigmoid'), keep topk_group <= n_group and "
+                         f"leave >= top_k={top_k} experts")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling < float("inf"):
+        raise ValueError(f"router_topk: scaling must be a finite number > 0, got {scaling!r}")
+
+
+def _selection(scoring: str, score_bias: bool, n_group: int, topk_group: int, scaling: float) -> dict:
+    """The kernel's selection constexprs ({} for the softmax router without scaling: its own binaries)."""
+    out: dict = {}
+    if scoring == "sigmoid":
+        out.update(SIGMOID=True, SCORE_BIAS=score_bias, GROUPS=n_group, TOPK_GROUP=topk_group,
+                   BLOCK_G=triton.next_power_of_2(n_group))
+    if scaling != 1.0:
+        out["SCALE"] = float(scaling)
+    return out
+
+
 def router_reference(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int,
-                     norm_topk_prob: bool, router_b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     norm_topk_prob: bool, router_b: torch.Tensor | None = None, **selection) -> tuple[torch.Tensor, torch.Tensor]:
     """router_topk's math in torch: (weights [T, k] float32, ids [T, k] int32), weights upcast,
     float32 logits (+ router_b) and softmax, a stable descending sort (ties: lower id), renormalised
-    when asked."""
+    when asked. `selection` (scoring="sigmoid", score_bias, n_group, topk_group, scaling): that router,
+    moe.model.reference.route's."""
+    if selection:
+        from moe.model.reference import route
+
+        return route(hidden, router_w, top_k, norm_topk_prob, router_b, **selection)
     logits = hidden.float() @ router_w.float().T  # [T, E]
     if router_b is not None:
         logits = logits + router_b.float()
@@ -323,7 +422,7 @@ def router_reference(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int,
 def compile_router_for_target(num_experts: int, hidden: int, top_k: int, dtype: str = "bf16",
                               norm_topk_prob: bool = True, tiles: RouterTiles = DEFAULT_TILES,
                               arch: int = 90, tokens: int = 1, pdl: bool = False, pre: bool = False,
-                              early_weights: bool = False, bias: bool = False) -> dict:
+                              early_weights: bool = False, bias: bool = False, selection: dict | None = None) -> dict:
     """Compile the router ahead of time for CUDA sm_<arch> (no GPU; needs ptxas); Triton's asm dict.
 
     T sizes the grid and picks the experts per program (RouterTiles.block_e_for): one binary serves
@@ -331,10 +430,14 @@ def compile_router_for_target(num_experts: int, hidden: int, top_k: int, dtype: 
     (router_topk's arguments). Run it without TRITON_INTERPRET=1.
     """
     p = f"*{dtype}"
-    types = (p, p, "*fp32", "*i32", "*i32", "*fp32", "*i32", "i32", "*i32", p)
+    types = (p, p, "*fp32", "*i32", "*i32", "*fp32", "*i32", "i32", "*i32", p, "*fp32")
     meta = _constexprs(num_experts, hidden, top_k, norm_topk_prob, tiles, tokens, early_weights)
     if bias:
         meta["BIAS"] = True
+    if selection:  # router_topk's scoring / score_bias (a bool here) / n_group / topk_group / scaling
+        meta.update(_selection(selection.get("scoring", "softmax"), bool(selection.get("score_bias")),
+                               selection.get("n_group", 1), selection.get("topk_group", 1),
+                               selection.get("scaling", 1.0)))
     if pdl:
         meta["GDC"] = True
     if pre:

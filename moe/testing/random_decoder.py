@@ -14,6 +14,7 @@ DeltaNet linear attention (16 key / 32 value heads of 128, conv kernel 4), (1 + 
 MoE layer of 512 experts (I 512, top-10) and a shared expert of 512.
 `gpt_oss_20b(num_layers)` is gpt-oss-20b's decoder (model_type gpt_oss, its block's biases, clamped
 SwiGLU, sinks and sliding windows; random norms stay 1).
+`glm_4_5_air(num_layers)` is GLM-4.5-Air's decoder (model_type glm4_moe), every layer MoE.
 `qwen3_next_like(num_layers)` is the MoE geometry of Qwen3-Next-80B-A3B (H 2048, 512 experts of
 I 512, top-10, one shared expert of 512, bf16) with standard attention (16 query heads, 2 KV heads,
 head_dim 128) in place of its hybrid linear / gated attention, and every layer an MoE layer. The
@@ -138,9 +139,24 @@ def gpt_oss_20b(num_layers: int = 8, *, vocab_size: int = 32768, dtype: str = "b
                                 "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False}}
 
 
+def glm_4_5_air(num_layers: int = 8, *, vocab_size: int = 32768, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A config.json dict of GLM-4.5-Air's decoder (model_type glm4_moe: H 4096, 128 experts of I 1408,
+    top-8 by sigmoid scores with a correction bias, one ungated shared expert of 1408; attention 96 / 8
+    heads of 128 with q / k / v biases, half of each head rotated), `num_layers` layers deep and every
+    one an MoE layer (the release's first layer is dense), the vocabulary cut to `vocab_size` (151552)."""
+    return {"model_type": "glm4_moe", "num_hidden_layers": num_layers, "hidden_size": 4096,
+            "intermediate_size": 10944, "moe_intermediate_size": 1408, "n_routed_experts": 128,
+            "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+            "routed_scaling_factor": 1.0, "first_k_dense_replace": 0, "norm_topk_prob": True,
+            "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "attention_bias": True,
+            "use_qk_norm": False, "vocab_size": vocab_size, "rms_norm_eps": 1e-5, "torch_dtype": dtype,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}}
+
+
 def random_decoder(config: dict[str, Any], device: str | torch.device = "cuda", *, seed: int = 0,
                    pin: bool | None = None, copy_overlap: bool = False, expert_format: str | None = None) -> ModelWeights:
-    """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe / qwen3_next / gpt_oss keys; see
+    """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe / qwen3_next / gpt_oss / glm4_moe keys; see
     moe.model.spec).
 
     device: where everything but the routed experts goes; the routed experts go to a HostStore
@@ -161,7 +177,8 @@ def random_decoder(config: dict[str, Any], device: str | torch.device = "cuda", 
         if spec.sparse[layer]:
             m = spec.moe_index(layer)
             mlp = MoEWeights(m, moe.router[m], None if moe.shared is None else moe.shared[m],
-                             None if moe.router_bias is None else moe.router_bias[m])
+                             None if moe.router_bias is None else moe.router_bias[m],
+                             None if moe.score_bias is None else moe.score_bias[m])
         else:
             i = spec.dense_intermediate
             mlp = DenseWeights(_randn((2 * i, h), h ** -0.5, dtype, device, gen),

@@ -45,6 +45,7 @@ class SyntheticWeights:
     shared: list[SharedWeights] | None
     store: HostStore
     router_bias: torch.Tensor | None = None
+    score_bias: torch.Tensor | None = None  # [L, E] float32 where cfg.score_bias (GLM-4.5)
 
     @property
     def num_layers(self) -> int:
@@ -60,7 +61,8 @@ def random_weights(cfg: MoEConfig, num_layers: int, device: str | torch.device =
     """Random weights of `num_layers` layers of `cfg` (deterministic for a seed and device).
 
     pin: pin the host store (default: when CUDA is available). gpt-oss's block (cfg.router_bias,
-    cfg.expert_bias): a router bias and expert biases N(0, 0.02^2) too. Cost: one device randn and one
+    cfg.expert_bias): a router bias and expert biases N(0, 0.02^2) too; GLM-4.5's (cfg.score_bias): a
+    float32 correction bias N(0, 0.02^2), and an ungated shared expert where cfg.shared_gate is False. Cost: one device randn and one
     host copy per CHUNK_EXPERTS experts; host memory L * E * 3 * I * H * itemsize bytes.
     """
     device = torch.device(device)
@@ -72,8 +74,10 @@ def random_weights(cfg: MoEConfig, num_layers: int, device: str | torch.device =
     if cfg.has_shared_expert:
         shared = [(_randn((2 * s, h), h ** -0.5, dtype, device, gen),
                    _randn((h, s), s ** -0.5, dtype, device, gen),
-                   _randn((1, h), h ** -0.5, dtype, device, gen)) for _ in range(num_layers)]
+                   _randn((1, h), h ** -0.5, dtype, device, gen) if cfg.shared_gate else None)
+                  for _ in range(num_layers)]
     router_bias = _randn((num_layers, e), 0.02, dtype, device, gen) if cfg.router_bias else None
+    score_bias = _randn((num_layers, e), 0.02, torch.float32, device, gen) if cfg.score_bias else None
     fmt = cfg.format
     store = HostStore.empty(cfg.expert_banks(), num_layers * e, pin=pin)
     for first in range(0, num_layers * e, CHUNK_EXPERTS):
@@ -91,7 +95,7 @@ def random_weights(cfg: MoEConfig, num_layers: int, device: str | torch.device =
                 store.tensor(name)[first:first + n].copy_(_randn((n, width), 0.02, dtype, device, gen))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return SyntheticWeights(cfg, router, shared, store, router_bias)
+    return SyntheticWeights(cfg, router, shared, store, router_bias, score_bias)
 
 
 class SyntheticModel:

@@ -31,7 +31,7 @@ from moe.model.reference import expert_mlp, shared_expert
 from moe.testing.synthetic import SyntheticModel, random_weights
 from sim.replay import replay
 from sim.synthetic import SyntheticConfig, generate
-from tests.moe.test_model import COMMON, FAMILIES, GPU_FAMILIES, _close, family_index, _randomize, _tokens
+from tests.moe.test_model import COMMON, FAMILIES, _choice, _close, family_index, _randomize, _tokens
 
 interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="runs Triton's interpreter (no CUDA)")
 BF16 = torch.bfloat16
@@ -89,7 +89,7 @@ def test_forced_routing_refuses_bad_pairs():
     assert int(model.slots.cache.counters.sum()) == 0, "a refused call launches nothing"
 
 
-@pytest.fixture(scope="module", params=sorted(GPU_FAMILIES))
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     config_cls, model_cls, extra = FAMILIES[request.param]
     model = model_cls(config_cls(**{**COMMON, **extra})).eval()
@@ -115,8 +115,8 @@ def test_gpu_backend_engine_matches_transformers_float32(checkpoint):
             out = model(torch.tensor([seq]), output_router_logits=True)
             got = torch.stack([first[row]] + [s[row] for s in steps])
             _close(got, out.logits[0, plen - 1:], rel=1e-4)
-            for m, logits in enumerate(out.router_logits):
-                ref = logits[plen:plen + 3].topk(k, dim=-1).indices.numpy()
+            for m, choice in enumerate(_choice(model, out.router_logits)):  # the family's choice scores
+                ref = choice[plen:plen + 3].topk(k, dim=-1).indices.numpy()
                 np.testing.assert_array_equal(engine.routing()[:, m, row], ref)
     assert int(engine.moe.slots.cache.counters[:, 2].sum()) > 0
 

@@ -57,7 +57,6 @@ FAMILIES = {
                       routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, head_dim=16,
                       attention_bias=True, use_qk_norm=True)),
 }
-GPU_FAMILIES = ("qwen2", "qwen3", "qwen3_next")  # those whose block the GPU layer computes (GLM-4.5's: not yet)
 ORDER = ("qwen2", "qwen3", "qwen3_next", "glm4_moe")  # fixes each family's index in the seeds as families are added
 
 
@@ -286,19 +285,21 @@ def test_prefill_touching_every_expert_keeps_the_decode_working_set(checkpoint):
     before, counted = engine.moe.cache.snapshot(), list(engine.moe.prefill_counts)
     long = _tokens(120, seed=7)
     out = _hf_logits(model, long, output_router_logits=True)
-    for choice in _choice(model, out.router_logits):  # [T, E] per MoE layer: the prompt routes to every expert
-        assert torch.unique(choice.topk(cfg.num_experts_per_tok, dim=-1).indices).numel() == _num_experts(cfg)
+    e = _num_experts(cfg)
+    used = {m * e + x for m, choice in enumerate(_choice(model, out.router_logits))  # [T, E] per MoE layer
+            for x in torch.unique(choice.topk(cfg.num_experts_per_tok, dim=-1).indices).tolist()}
+    assert len(used) >= 0.85 * engine.spec.num_moe_layers * e  # the prompt routes to (nearly) every expert
     got = engine.prefill([long], all_logits=True)[0]
     _close(got, out.logits[0], rel=1e-4)
     assert engine.moe.cache.snapshot().equals(before)
-    # every expert of every layer was used: the resident ones were read from their slots, the rest streamed
-    resident = int((engine.moe.cache.key_of >= 0).sum())
+    # every used expert was computed once: the resident ones read from their slots, the rest streamed
+    resident = len(used & set(engine.moe.cache.key_of[engine.moe.cache.key_of >= 0].tolist()))
     streamed, reused = (n - c for n, c in zip(engine.moe.prefill_counts, counted))
-    assert (streamed, reused) == (engine.spec.num_moe_layers * _num_experts(cfg) - resident, resident)
+    assert (streamed, reused) == (len(used) - resident, resident)
     assert resident > 0
     cold = load_model(path, "cpu", num_slots=cfg.num_experts_per_tok + 1, max_seq_len=128, progress=False)
     assert torch.equal(cold.prefill([long], all_logits=True)[0], got)  # slots hold the store's bytes
-    assert cold.moe.prefill_counts == [engine.spec.num_moe_layers * _num_experts(cfg), 0]
+    assert cold.moe.prefill_counts == [len(used), 0]
 
 
 def test_recorded_routing_is_transformers_router_topk(checkpoint):
@@ -528,21 +529,6 @@ def test_the_kv_cache_is_priced_as_allocated_and_reported_beside_the_slots(check
         assert state == 3 * 3 * (128 * 3 * itemsize + 4 * 16 * 16 * 4)
         assert f"+ linear-attention state {state / GIB:.3g} GiB (--max-batch 3 x {state // 3:,} bytes a " \
                "sequence: 3 layers)" in split
-
-
-@pytest.mark.parametrize("name", sorted(set(FAMILIES) - set(GPU_FAMILIES)))
-def test_the_gpu_backend_names_what_it_does_not_compute_yet(name, tmp_path):
-    """GPU_FAMILIES lists the families whose block the GPU layer computes; the others' (GLM-4.5's grouped
-    sigmoid router and ungated shared expert) are refused by name, pointing at the CPU backend."""
-    from moe.engine.backends import GpuMoE
-    from moe.model.checkpoint import load_checkpoint
-
-    config_cls, model_cls, extra = FAMILIES[name]
-    model_cls(config_cls(**{**COMMON, **extra})).save_pretrained(tmp_path, safe_serialization=True)
-    weights = load_checkpoint(tmp_path, "cpu", pin=False, progress=False)
-    with pytest.raises(ValueError, match=r"scoring='sigmoid', n_group=4, routed_scaling=2.5, shared_gate=False: the GPU "
-                                         r"layer's router .* serve this block \(GLM-4.5\) on the CPU backend"):
-        GpuMoE(weights, 8)
 
 
 @pytest.mark.gpu

@@ -285,6 +285,38 @@ def test_gated_one_slot_call_is_the_shared_expert(tokens):
                                                                    gate_up, down), 1e-4)
 
 
+def test_ungated_shared_expert_is_the_expert_mlp_under_its_own_entry_kernels():
+    """shared=True without gate_w (GLM-4.5's shared experts): weights of one, the shared expert's entry
+    kernels (their names in a trace), bit for bit the routed entries' result."""
+    from moe.kernels import routed_kernels
+
+    device, _ = device_or_skip()
+    gate_up, down = make_pool(1, 64, 24, torch.bfloat16, device, seed=21)
+    hidden = torch.randn(3, 64).bfloat16().to(device)
+    zeros = torch.zeros(3, 1, dtype=torch.int32, device=device)
+    ones = torch.ones(3, 1, device=device)
+    got = routed_experts(hidden, zeros, ones, gate_up, down, shared=True)
+    assert_close(got, shared_expert(hidden, (gate_up[0], down[0], None)), 1e-4)
+    assert torch.equal(got, routed_experts(hidden, zeros, ones, gate_up, down))
+    from moe.kernels import routed as routed_mod
+
+    launched = []
+    real = routed_mod.kernel_for
+
+    def recording(fn, *args, **kwargs):
+        launched.append(fn)
+        return real(fn, *args, **kwargs)
+
+    try:
+        routed_mod.kernel_for = recording
+        routed_experts(hidden, zeros, ones, gate_up, down, shared=True)
+    finally:
+        routed_mod.kernel_for = real
+    assert launched == [routed_kernels._shared_gate_up, routed_kernels._shared_down]
+    with pytest.raises(ValueError, match="shared must be a bool"):
+        routed_experts(hidden, zeros, ones, gate_up, down, shared=1)
+
+
 @pytest.mark.parametrize("name, kwargs", [
     ("weights", {"gate_w": torch.zeros(1, 16, dtype=torch.bfloat16)}),  # weights given too
     ("gate_w", {"weights": None, "gate_w": torch.zeros(1, 8, dtype=torch.bfloat16)}),

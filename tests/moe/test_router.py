@@ -107,6 +107,48 @@ def test_router_bias_is_added_before_the_selection(dtype, tokens, experts, hidde
             router_topk(x8, w8, top_k, True, router_b=b)
 
 
+@pytest.mark.parametrize("tokens, experts, top_k, n_group, topk_group, scaling, norm", [
+    (3, 8, 2, 4, 2, 2.5, True), (5, 16, 4, 1, 1, 1.0, True), (2, 24, 3, 3, 1, 1.5, False),
+    (4, 160, 8, 1, 1, 2.5, True), (2, 64, 6, 8, 3, 1.0, True),
+])
+def test_sigmoid_router_chooses_by_biased_scores_within_the_best_groups(tokens, experts, top_k, n_group, topk_group,
+                                                                       scaling, norm):
+    """GLM-4.5's router (scoring="sigmoid"): the ids of moe.model.reference.route exactly (in its order: the
+    biased score descending), the weights within float32 rounding; a bias as large as the scores' spread
+    and the group mask both change the choice."""
+    device, _ = device_or_skip()
+    x, w = make_inputs(tokens, experts, 32, torch.bfloat16, device, seed=experts + n_group)
+    bias = 0.2 * torch.randn(experts, generator=torch.Generator().manual_seed(experts)).to(device)
+    sel = dict(scoring="sigmoid", score_bias=bias, n_group=n_group, topk_group=topk_group, scaling=scaling)
+    got = router_topk(x, w, top_k, norm, **sel)
+    want = route(x, w, top_k, norm, **sel)
+    assert torch.equal(got[1].cpu(), want[1].cpu())
+    assert torch.allclose(got[0].cpu(), want[0].cpu(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(router_reference(x, w, top_k, norm, **sel)[1].cpu(), want[1].cpu())
+    unbiased = router_topk(x, w, top_k, norm, **{**sel, "score_bias": None})[1]
+    assert not torch.equal(unbiased, got[1])
+    if n_group > 1:
+        ungrouped = router_topk(x, w, top_k, norm, **{**sel, "n_group": 1, "topk_group": 1})[1]
+        assert not torch.equal(ungrouped, got[1])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"scoring": "relu"}, "scoring must be"), ({"score_bias": "softmax"}, "score_bias is the sigmoid router's"),
+    ({"scoring": "sigmoid", "n_group": 3}, "n_group=3"), ({"scoring": "sigmoid", "n_group": 2, "topk_group": 3},
+                                                          "topk_group <= n_group"),
+    ({"n_group": 2}, "scoring='sigmoid'"), ({"scaling": 0.0}, "scaling must be"),
+    ({"scoring": "sigmoid", "score_bias": "half"}, "score_bias must be"),
+])
+def test_bad_selections_are_named(kwargs, match):
+    x, w = make_inputs(2, 8, 16, torch.bfloat16, "cpu", seed=0)
+    if kwargs.get("score_bias") == "softmax":
+        kwargs = {"score_bias": torch.zeros(8)}
+    elif kwargs.get("score_bias") == "half":
+        kwargs = {**kwargs, "score_bias": torch.zeros(8, dtype=torch.float16)}
+    with pytest.raises(ValueError, match=match):
+        router_topk(x, w, 2, True, **kwargs)
+
+
 def test_uneven_tiles_and_outputs_reused():
     """E and H that no tile divides (every mask used); outputs given are the ones returned and rewritten."""
     device, _ = device_or_skip()
@@ -219,7 +261,12 @@ print(json.dumps([bool(asm.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v
                   all(bool(a.get("cubin")) and ".local" not in a["ptx"]  # gpt-oss-20b's router, with its bias
                       for a in [compile_router_for_target(32, 2880, 4, "bf16", True, pdl=True, pre=pre, bias=True,
                                                           early_weights=early, tokens=t)
-                                for pre, early, t in ((True, True, 1), (False, False, 8))])]))
+                                for pre, early, t in ((True, True, 1), (False, False, 8))]),
+                  all(bool(a.get("cubin")) and ".local" not in a["ptx"]  # GLM-4.5-Air's, and a grouped one
+                      for a in [compile_router_for_target(e, 4096, 8, "bf16", True, pdl=True, pre=True,
+                                                          selection=dict(scoring="sigmoid", score_bias=True, n_group=g,
+                                                                         topk_group=tg, scaling=sc))
+                                for e, g, tg, sc in ((128, 1, 1, 1.0), (256, 8, 4, 2.5))])]))
 """
 
 
@@ -228,7 +275,7 @@ def test_compiles_for_sm90():
     no register spills (also with pre, with and without renormalisation); with early_weights the
     weights' four 16-byte loads per thread come before the programmatic wait (without it none). A
     child process without TRITON_INTERPRET (which replaces the compiler's hooks)."""
-    assert compile_check(SM90_CHECK) == [True] * 9  # 5, 6: only router_topk(pdl=True) waits; 7: with pre; 9: bias
+    assert compile_check(SM90_CHECK) == [True] * 10  # 5, 6: only router_topk(pdl=True) waits; 7: pre; 9: bias; 10: sigmoid
 
 
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
@@ -238,6 +285,22 @@ def _gpu_or_skip():
     _, gpu = device_or_skip()
     if not gpu:
         pytest.skip("needs CUDA")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+@pytest.mark.parametrize("shape", ["glm-4.5-air", "grouped"])
+def test_gpu_sigmoid_router_at_real_shapes(tokens, shape):
+    """GLM-4.5-Air's router (128 experts of H 4096, top-8, scaling 1) and a grouped one (256 experts in 8
+    groups, 4 kept, top-8, scaling 2.5, as DeepSeek-V3-style configs of this family set)."""
+    _gpu_or_skip()
+    experts, hidden, groups, kept, scaling = (128, 4096, 1, 1, 1.0) if shape == "glm-4.5-air" else (256, 2048, 8, 4, 2.5)
+    x, w = make_inputs(tokens, experts, hidden, torch.bfloat16, "cuda", seed=tokens)
+    bias = 0.05 * torch.randn(experts, device="cuda")
+    sel = dict(scoring="sigmoid", score_bias=bias, n_group=groups, topk_group=kept, scaling=scaling)
+    got = router_topk(x, w, 8, True, **sel)
+    want = route(x, w, 8, True, **sel)
+    assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu
