@@ -31,7 +31,7 @@ from moe.model.reference import expert_mlp, shared_expert
 from moe.testing.synthetic import SyntheticModel, random_weights
 from sim.replay import replay
 from sim.synthetic import SyntheticConfig, generate
-from tests.moe.test_model import COMMON, FAMILIES, _choice, _close, family_index, _randomize, _tokens
+from tests.moe.test_model import COMMON, FAMILIES, _choice, _close, _hf_run, family_index, _randomize, _tokens
 
 interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="runs Triton's interpreter (no CUDA)")
 BF16 = torch.bfloat16
@@ -112,10 +112,10 @@ def test_gpu_backend_engine_matches_transformers_float32(checkpoint):
     steps = [engine.decode_step([seqs[0][5 + j], seqs[1][7 + j]]) for j in range(3)]
     with torch.no_grad():
         for row, (seq, plen) in enumerate(zip(seqs, (5, 7))):
-            out = model(torch.tensor([seq]), output_router_logits=True)
+            out, router = _hf_run(model, seq)
             got = torch.stack([first[row]] + [s[row] for s in steps])
             _close(got, out.logits[0, plen - 1:], rel=1e-4)
-            for m, choice in enumerate(_choice(model, out.router_logits)):  # the family's choice scores
+            for m, choice in enumerate(_choice(model, router)):  # the family's choice scores
                 ref = choice[plen:plen + 3].topk(k, dim=-1).indices.numpy()
                 np.testing.assert_array_equal(engine.routing()[:, m, row], ref)
     assert int(engine.moe.slots.cache.counters[:, 2].sum()) > 0

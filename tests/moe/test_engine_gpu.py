@@ -39,7 +39,7 @@ import torch
 from expertcache.host import MISSES
 from moe.engine.loading import load_model
 from moe.kernels.plan import OverlapMode
-from tests.moe.test_model import COMMON, FAMILIES, _choice, _close, family_index, _hf_logits_and_router, _randomize, _routing_alike, _tokens
+from tests.moe.test_model import COMMON, FAMILIES, _choice, _close, _hf_run, family_index, _hf_logits_and_router, _randomize, _routing_alike, _tokens
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -238,8 +238,8 @@ def test_recorded_routing_is_the_layers_routing(family, overlap):
     assert routing.shape == (4, engine.spec.num_moe_layers, 2, k)
     with torch.no_grad():  # and they are transformers' router top-k (float32: no near ties at this size)
         for row, (seq, plen) in enumerate(zip(seqs, (5, 7))):
-            out = models["float32"](torch.tensor([seq], device="cuda"), output_router_logits=True)
-            for m, choice in enumerate(_choice(models["float32"], out.router_logits)):  # [T, E] per MoE layer
+            router = _hf_run(models["float32"], seq)[1]
+            for m, choice in enumerate(_choice(models["float32"], router)):  # [T, E] per MoE layer
                 ref = choice[plen:plen + 4].topk(k, dim=-1).indices.cpu().numpy()
                 assert (routing[:, m, row] == ref).all(), (row, m)
 

@@ -161,6 +161,28 @@ def test_bfloat16_logits_within_bf16_tolerance(checkpoint):
     assert own <= 1.5 * theirs + 2**-8 * ref32.abs().mean().item()
 
 
+def _hf_run(model, seq: list[int]):
+    """transformers' forward of one sequence: (its output, its router logits L_moe x [T, E]). The logits
+    are recorded by hooks on GLM-4.5's routers (transformers 5.17 does not return them for it) and read
+    from the output (output_router_logits) for the others."""
+    ids = torch.tensor([seq], device=model.device)
+    if model.config.model_type != "glm4_moe":
+        with torch.no_grad():
+            out = model(ids, output_router_logits=True)
+        return out, list(out.router_logits)
+    recorded = []
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    hooks = [g.register_forward_hook(lambda mod, args, out: recorded.append(out[0] if isinstance(out, tuple) else out))
+             for g in gates]
+    try:
+        with torch.no_grad():
+            out = model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, recorded
+
+
 def _choice(model, router_logits) -> torch.Tensor:
     """transformers' router logits (L_moe x [T, E]) as the scores whose top-k is its choice, [L_moe, T, E]
     float32: the logits themselves (softmax routers), or GLM-4.5's sigmoid scores plus each layer's
@@ -180,9 +202,8 @@ def _choice(model, router_logits) -> torch.Tensor:
 
 def _hf_logits_and_router(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' float32 logits [T, V] and router choice scores [L_moe, T, E] (_choice) of one sequence."""
-    with torch.no_grad():
-        out = model(torch.tensor([seq], device=model.device), output_router_logits=True)
-    return out.logits[0].float(), _choice(model, out.router_logits).to(out.logits.device)
+    out, router = _hf_run(model, seq)
+    return out.logits[0].float(), _choice(model, router).to(out.logits.device)
 
 
 def _routing_alike(ids: torch.Tensor, router16: torch.Tensor, router32: torch.Tensor, k: int) -> bool:
@@ -284,9 +305,9 @@ def test_prefill_touching_every_expert_keeps_the_decode_working_set(checkpoint):
     engine.generate([_tokens(5, seed=6)], max_new_tokens=4)
     before, counted = engine.moe.cache.snapshot(), list(engine.moe.prefill_counts)
     long = _tokens(120, seed=7)
-    out = _hf_logits(model, long, output_router_logits=True)
+    out, router = _hf_run(model, long)
     e = _num_experts(cfg)
-    used = {m * e + x for m, choice in enumerate(_choice(model, out.router_logits))  # [T, E] per MoE layer
+    used = {m * e + x for m, choice in enumerate(_choice(model, router))  # [T, E] per MoE layer
             for x in torch.unique(choice.topk(cfg.num_experts_per_tok, dim=-1).indices).tolist()}
     assert len(used) >= 0.85 * engine.spec.num_moe_layers * e  # the prompt routes to (nearly) every expert
     got = engine.prefill([long], all_logits=True)[0]
@@ -310,7 +331,7 @@ def test_recorded_routing_is_transformers_router_topk(checkpoint):
     _teacher_forced(engine, seq, prompt_len=6)
     routing = engine.routing()  # [N, L_moe, B, k]
     assert routing.dtype == np.int32 and routing.shape == (4, engine.spec.num_moe_layers, 1, k)
-    choice = _choice(model, _hf_logits(model, seq, output_router_logits=True).router_logits)  # [L_moe, T, E]
+    choice = _choice(model, _hf_run(model, seq)[1])  # [L_moe, T, E]
     ref = choice[:, 6:].topk(k, dim=-1).indices.permute(1, 0, 2).numpy()  # [N, L_moe, k]
     np.testing.assert_array_equal(routing[:, :, 0], ref)
 
