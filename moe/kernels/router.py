@@ -9,6 +9,8 @@
               one bitonic top-k over the logits' order-preserving keys (ties: the lower expert id)
               weights = softmax over the chosen k logits (norm) or their full-softmax values (no norm)
               (weights [t, k] float32 descending, ids [t, k] int32)
+              (GLM-4.5, SIGMOID: the keys order sigmoid(logit) + score_bias within the best groups;
+               weights = the chosen sigmoids, renormalised; ids in the keys' order; x SCALE)
               (pre: also the chosen experts' slots before the ensure, carried in the keys' low bits)
     -> weights [T, k] float32, ids [T, k] int32 (the order of moe.model.reference.route)
 
