@@ -17,6 +17,11 @@ a tournament tree over the resident keys' `order` (policies.base), visited acros
 increasing lower bound of the score until no lower score can remain. Cost per call:
 O(n^2) to sort n <= rows * k routed ids, O(log E) per key touched, and O(L + log E) per
 candidate visited: a few per miss for the registered policies, never the whole pool.
+
+markov's step 1 (its transition counts) is applied ahead within a batch: each call, right after its
+step 4 has read its experts' rows, adds the layer's next two calls' transitions to those rows while
+they are in cache (markov._ahead; the batch's later calls are known), with the same integers as
+running step 1 at each call.
 """
 
 from __future__ import annotations
@@ -88,6 +93,18 @@ def _sorted_distinct(q, n):
             q[d] = q[i]
             d += 1
     return d
+
+
+@njit(cache=True)
+def _call_experts(ids, c, out):
+    """The distinct experts of call c (ids [C, rows, k], -1 padding), ascending, into out; their count."""
+    n = 0
+    for r in range(ids.shape[1]):
+        for j in range(ids.shape[2]):
+            if ids[c, r, j] >= 0:
+                out[n] = ids[c, r, j]
+                n += 1
+    return _sorted_distinct(out, n)
 
 
 @njit(cache=True, inline="always")
@@ -235,7 +252,22 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
     clk[CLK_TOK] = clock[1]
     off = np.zeros(L, dtype=np.int64)
     acc = np.empty((markov.MAX_LAGS, E), dtype=np.int64)
+    acc32 = np.empty((markov.MAX_LAGS, E), dtype=np.int32)
     pins = np.empty(E, dtype=np.int64)  # markov: the call's experts, pinned in ix_fill
+    # markov's step 1 ahead (markov._ahead): per layer the experts of its previous, current and next
+    # two calls in the batch (ring[l, i] with count rn[l, i], -1: none), the calls seen, and each
+    # call's next of the same layer
+    is_markov = tag.ndim - 1 == KIND_MARKOV
+    ring = np.empty((L if is_markov else 0, 4, Q), dtype=np.int64)
+    rn = np.full((L if is_markov else 0, 4), -1, dtype=np.int64)
+    rc = np.full((L if is_markov else 0, 4), -1, dtype=np.int64)
+    seen = np.zeros(L if is_markov else 0, dtype=np.int64)
+    nxt = np.full(C if is_markov else 0, -1, dtype=np.int64)
+    if is_markov:
+        last = np.full(L, -1, dtype=np.int64)
+        for c in range(C - 1, -1, -1):
+            nxt[c] = last[layers[c]]
+            last[layers[c]] = c
     filled = 0
     while filled < S and key_of[filled] >= 0:
         key = np.int64(key_of[filled])
@@ -252,14 +284,38 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
         clk[CLK_STEP] = clock[0]
         clk[CLK_TOK] = clock[1]
         clk[CLK_LAYER] = layer
-        n = 0
-        for r in range(rows):
-            for j in range(k):
-                e = ids[c, r, j]
-                if e >= 0:
-                    q[n] = layer * E + e
-                    n += 1
-        n = _sorted_distinct(q, n)
+        if is_markov:
+            done = 0
+            if seen[layer] == 0:
+                rc[layer, 0] = -1
+                rn[layer, 0] = -1
+                rc[layer, 1] = c
+                rn[layer, 1] = _call_experts(ids, c, ring[layer, 1])
+                rc[layer, 2] = nxt[c]
+                rn[layer, 2] = -1 if nxt[c] < 0 else _call_experts(ids, nxt[c], ring[layer, 2])
+            else:
+                done = 1 if seen[layer] == 1 else (3 if seen[layer] == 2 else 7)
+                for i in range(3):
+                    rc[layer, i] = rc[layer, i + 1]
+                    rn[layer, i] = rn[layer, i + 1]
+                    for r in range(max(rn[layer, i], 0)):
+                        ring[layer, i, r] = ring[layer, i + 1, r]
+            nn = -1 if rc[layer, 2] < 0 else nxt[rc[layer, 2]]
+            rc[layer, 3] = nn
+            rn[layer, 3] = -1 if nn < 0 else _call_experts(ids, nn, ring[layer, 3])
+            seen[layer] += 1
+            n = rn[layer, 1]
+            for i in range(n):
+                q[i] = layer * E + ring[layer, 1, i]
+        else:
+            n = 0
+            for r in range(rows):
+                for j in range(k):
+                    e = ids[c, r, j]
+                    if e >= 0:
+                        q[n] = layer * E + e
+                        n += 1
+            n = _sorted_distinct(q, n)
         if has_logits:
             nch = 0
             if tag.ndim - 1 == KIND_RULE:
@@ -281,7 +337,7 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
                 miss_pos[m] = i
                 m += 1
         if tag.ndim - 1 == KIND_MARKOV:  # the call rewrites the order of every key of its layer
-            markov.observe(kst, gst, prm, layer, E, q, n, acc, slot_of)
+            markov.observe(kst, gst, prm, layer, E, q, n, acc, acc32, slot_of, done, ring[layer], rn[layer])
             for i in range(n):  # the call's hits stay pinned (out of the index)
                 pins[i] = q[i] - layer * E
             ix_fill(tv, ts, mv, ms, layer, kst[markov.V, layer * E:(layer + 1) * E],

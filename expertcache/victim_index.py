@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit
 
 FREE = np.int64(2**62)
+MAX = np.int64(2**63 - 1)
 
 
 def ix_new(num_layers: int, num_experts: int):
@@ -62,10 +63,14 @@ def ix_fill(tv, ts, mv, ms, layer, v, s, pinned, num_pinned):
     then every node above them. O(E), against O(E log E) for E ix_set calls."""
     p = tv.shape[1] >> 1
     E = v.shape[0]
-    for e in range(p):
-        live = e < E and s[min(e, E - 1)] >= 0
-        tv[layer, p + e] = v[min(e, E - 1)] if live else FREE
-        ts[layer, p + e] = s[min(e, E - 1)] if live else FREE
+    lv = tv[layer, p:p + E]
+    ls = ts[layer, p:p + E]
+    for e in range(E):  # no branch: the loop vectorises
+        live = s[e] >= 0
+        lv[e] = v[e] if live else FREE
+        ls[e] = s[e] if live else FREE
+    tv[layer, p + E:] = FREE
+    ts[layer, p + E:] = FREE
     for i in range(num_pinned):
         tv[layer, p + pinned[i]] = FREE
         ts[layer, p + pinned[i]] = FREE
@@ -77,16 +82,17 @@ def ix_fill(tv, ts, mv, ms, layer, v, s, pinned, num_pinned):
 
 @njit(cache=True, inline="always")
 def ix_best(mv, ms, off):
-    """The layer whose root has the lowest (value + off, slot); -1 if every tree is empty."""
-    best = -1
-    bv = FREE
-    bs = FREE
+    """The layer whose root has the lowest (value + off, slot); -1 if every tree is empty. Two min
+    reductions without a branch (they vectorise), then the layer that holds both minima."""
+    bv = MAX
     for lk in range(mv.shape[0]):
-        if mv[lk] == FREE:
-            continue
         v = mv[lk] + off[lk]
-        if best < 0 or v < bv or (v == bv and ms[lk] < bs):
-            best = lk
-            bv = v
-            bs = ms[lk]
-    return best
+        bv = min(bv, v if mv[lk] != FREE else MAX)
+    bs = MAX
+    for lk in range(mv.shape[0]):
+        v = mv[lk] + off[lk]
+        bs = min(bs, ms[lk] if (mv[lk] != FREE) & (v == bv) else MAX)
+    for lk in range(mv.shape[0]):
+        if mv[lk] != FREE and ms[lk] == bs and mv[lk] + off[lk] == bv:
+            return lk
+    return -1

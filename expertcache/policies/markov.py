@@ -76,7 +76,9 @@ P_LAGS, P_BETA_Q, P_ROW_CAP, P_FREQ_CAP, P_PRIOR, P_RECENCY_Q = 0, 1, 2, 3, 4, 5
 
 @intrinsic
 def _prefetch(typingctx, arr, i, j):
-    """A hint that arr[i, j] is read soon (LLVM's prefetch: read, keep in every cache level)."""
+    """A hint that arr[i, j] is read soon (LLVM's prefetch: read, locality 2, prefetcht1 on x86). At
+    locality 3 (into L1 as well) the replay was slower: a call's 20 rows of 2 KiB, one stride of the
+    state apart, fall into the same L1 sets and evict each other before they are read."""
     def codegen(context, builder, signature, args):
         aryty = signature.args[0]
         ary = context.make_array(aryty)(context, builder, args[0])
@@ -84,7 +86,7 @@ def _prefetch(typingctx, arr, i, j):
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         # the overloaded name (llvm.prefetch.p0, or .p0i8 where pointers are typed) from the pointer type
         fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])
         return context.get_dummy_value()
     return types.void(arr, i, j), codegen
 
@@ -133,42 +135,58 @@ def offsets(prm, clk, off):
 
 
 @njit(cache=True, inline="always")
-def _learn(kst, gst, prm, layer, E, q, n, acc):
-    """Steps 1-3. The rows step 1 updates (HIST bit j set: routed j + 1 calls ago) are listed in acc's
-    rows (free until step 4) in one pass that also shifts HIST."""
+def _update_rows(kst, prm, j, E, base, rows, nr, cols, nc, off):
+    """Step 1 for lag j of one call whose experts are cols[:nc] - off: T_j[a, b] += 16 and R_j[a] += 16 nc
+    for every row a in rows[:nr] (the layer's experts), a row whose total passes the cap halved and
+    recounted."""
+    R = T + prm[P_LAGS] * E + j
+    for r in range(nr):
+        a = rows[r]
+        row = kst[T + j * E + a, base:base + E]
+        for i in range(nc):
+            row[cols[i] - off] += Q4
+        kst[R, base + a] += Q4 * nc
+        if kst[R, base + a] > prm[P_ROW_CAP]:
+            tot = 0
+            for e in range(E):
+                c = row[e] >> 1
+                row[e] = c
+                tot += c
+            kst[R, base + a] = tot
+
+
+@njit(cache=True, inline="always")
+def _learn(kst, gst, prm, layer, E, q, n, acc, done):
+    """Steps 1-3, step 1 without what the compiled replay applied ahead (_ahead): `done` bit 0 lag 0,
+    bit 1 lag 1's rows routed at the layer's last call, bit 2 its other rows. The rows step 1 updates
+    (HIST bit j set: routed j + 1 calls ago) are listed in acc's rows (free until step 4) in one pass
+    that also shifts HIST."""
     base = layer * E
     lags = prm[P_LAGS]
-    R = T + lags * E
     mask = (1 << lags) - 1
     hist = kst[HIST, base:base + E]  # one-dimensional views of the layer's part: the loops vectorise
     freq = kst[FREQ, base:base + E]
+    skip1 = 3 if lags < 2 else (done >> 1) & 3  # lag 1's rows done ahead: 1 routed last call, 2 not
     cnt0 = 0
     cnt1 = 0
-    for a in range(E):
-        h = hist[a]
-        if h != 0:
-            if h & 1:
-                acc[0, cnt0] = a
-                cnt0 += 1
-            if (h >> 1) & 1:
-                acc[1, cnt1] = a
-                cnt1 += 1
-            hist[a] = (h << 1) & mask
-    for j in range(lags):  # 1. transitions from the layer's call j + 1 calls ago to this one
-        tot_j = kst[R + j, base:base + E]
-        for r in range(cnt0 if j == 0 else cnt1):
-            a = acc[j, r]
-            row = kst[T + j * E + a, base:base + E]
-            for i in range(n):
-                row[q[i] - base] += Q4
-            tot_j[a] += Q4 * n
-            if tot_j[a] > prm[P_ROW_CAP]:
-                tot = 0
-                for b in range(E):
-                    c = row[b] >> 1
-                    row[b] = c
-                    tot += c
-                tot_j[a] = tot
+    if done & 1 and skip1 == 3:
+        for a in range(E):
+            hist[a] = (hist[a] << 1) & mask
+    else:
+        for a in range(E):
+            h = hist[a]
+            if h != 0:
+                if h & 1:
+                    acc[0, cnt0] = a
+                    cnt0 += 1
+                if (h >> 1) & 1 and not (skip1 >> (1 - (h & 1))) & 1:
+                    acc[1, cnt1] = a
+                    cnt1 += 1
+                hist[a] = (h << 1) & mask
+    if not done & 1:  # 1. transitions from the layer's call j + 1 calls ago to this one
+        _update_rows(kst, prm, 0, E, base, acc[0], cnt0, q, n, base)
+    if skip1 != 3:
+        _update_rows(kst, prm, 1, E, base, acc[1], cnt1, q, n, base)
     for i in range(n):  # 2. frequency
         freq[q[i] - base] += Q4
     gst[layer] += Q4 * n
@@ -184,93 +202,168 @@ def _learn(kst, gst, prm, layer, E, q, n, acc):
 
 
 @njit(cache=True, inline="always")
-def _row_sums(kst, prm, layer, E, q, n, acc):
-    """Step 4's P_j: acc[j, e] = the sum over the call's experts b of T_j[b, e], four rows a pass over
-    acc (a quarter of the passes)."""
+def _ahead(kst, prm, layer, E, ring, rn, acc):
+    """Step 1 of the layer's next two calls applied now, to the rows this call's step 4 has just read
+    (in cache): ring [4, >= n] holds the sorted experts (layer-local) of the layer's calls px, x (this
+    one), c and c2 (its previous and next two in the batch), rn [4] their counts, -1 for a call outside
+    the batch. Row a of T_j changes only at step 1 and is read only by step 4 of the layer's calls
+    that route a, so an update may move back to just after the last such read before its call,
+    keeping the order of the row's updates:
+        lag 0 of c, rows x (read last by x)
+        lag 1 of c, rows px & x (read last by x; px - x were done at px, as lag 1 of c2 below)
+        lag 1 of c2, rows x - c (x & c are read by c and done there); only where px is in the batch,
+            so that lag 1 of c, rows px & x (routed at x), is done first
+    Step 1 of a call then runs only what was not done ahead: lag 0 from its layer's second call in
+    the batch on, lag 1's rows px & x from the third (`done` 3), all of it from the fourth (7)."""
     base = layer * E
-    for j in range(prm[P_LAGS]):
-        aj = acc[j]
-        aj[:E] = 0
-        i = 0
-        while i + 4 <= n:
-            s0 = kst[T + j * E + (q[i] - base), base:base + E]
-            s1 = kst[T + j * E + (q[i + 1] - base), base:base + E]
-            s2 = kst[T + j * E + (q[i + 2] - base), base:base + E]
-            s3 = kst[T + j * E + (q[i + 3] - base), base:base + E]
-            for e in range(E):
-                aj[e] += (np.int64(s0[e]) + np.int64(s1[e])) + (np.int64(s2[e]) + np.int64(s3[e]))
-            i += 4
-        while i < n:
-            src = kst[T + j * E + (q[i] - base), base:base + E]
-            for e in range(E):
-                aj[e] += src[e]
+    nx, nc, n2 = rn[1], rn[2], rn[3]
+    x = ring[1]
+    if nc < 0:
+        return
+    _update_rows(kst, prm, 0, E, base, x, nx, ring[2], nc, 0)
+    if prm[P_LAGS] < 2 or rn[0] < 0:
+        return
+    rows = acc[0]
+    nr = 0
+    i = 0
+    px = ring[0]
+    for r in range(nx):  # px & x
+        while i < rn[0] and px[i] < x[r]:
             i += 1
+        if i < rn[0] and px[i] == x[r]:
+            rows[nr] = x[r]
+            nr += 1
+    _update_rows(kst, prm, 1, E, base, rows, nr, ring[2], nc, 0)
+    if n2 >= 0:  # x - c
+        nr = 0
+        i = 0
+        cc = ring[2]
+        for r in range(nx):
+            while i < nc and cc[i] < x[r]:
+                i += 1
+            if not (i < nc and cc[i] == x[r]):
+                rows[nr] = x[r]
+                nr += 1
+        _update_rows(kst, prm, 1, E, base, rows, nr, ring[3], n2, 0)
 
 
 @njit(cache=True, inline="always")
-def _predict(kst, gst, prm, layer, E, q, n, acc, slot_of):
-    """Step 4's V of every expert of the layer from P_j (acc), D_j and the frequency share."""
+def _sum_rows(kst, r0, base, E, q, n, aj):
+    """aj[:E] = the sum over i < n of the rows kst[r0 + q[i] - base, base:base + E], in aj's dtype,
+    up to four rows a pass over aj (the first pass assigns: no zeroing pass)."""
+    if n == 0:
+        aj[:E] = 0
+        return
+    head = n - 4 * ((n - 1) // 4)  # 1-4 rows in the first pass, then four a pass
+    s0 = kst[r0 + (q[0] - base), base:base + E]
+    if head == 1:
+        for e in range(E):
+            aj[e] = s0[e]
+    elif head == 2:
+        s1 = kst[r0 + (q[1] - base), base:base + E]
+        for e in range(E):
+            aj[e] = s0[e] + s1[e]
+    elif head == 3:
+        s1 = kst[r0 + (q[1] - base), base:base + E]
+        s2 = kst[r0 + (q[2] - base), base:base + E]
+        for e in range(E):
+            aj[e] = (s0[e] + s1[e]) + s2[e]
+    else:
+        s1 = kst[r0 + (q[1] - base), base:base + E]
+        s2 = kst[r0 + (q[2] - base), base:base + E]
+        s3 = kst[r0 + (q[3] - base), base:base + E]
+        for e in range(E):
+            aj[e] = (s0[e] + s1[e]) + (s2[e] + s3[e])
+    i = head
+    while i < n:
+        s0 = kst[r0 + (q[i] - base), base:base + E]
+        s1 = kst[r0 + (q[i + 1] - base), base:base + E]
+        s2 = kst[r0 + (q[i + 2] - base), base:base + E]
+        s3 = kst[r0 + (q[i + 3] - base), base:base + E]
+        for e in range(E):
+            aj[e] += (s0[e] + s1[e]) + (s2[e] + s3[e])
+        i += 4
+
+
+@njit(cache=True, inline="always")
+def _row_sums(kst, prm, layer, E, q, n, acc):
+    """Step 4's P_j: acc[j, e] = the sum over the call's experts b of T_j[b, e]."""
+    for j in range(prm[P_LAGS]):
+        _sum_rows(kst, T + j * E, layer * E, E, q, n, acc[j])
+
+
+@njit(cache=True, inline="always")
+def _predict(kst, gst, prm, layer, E, n, a0, a1, d0, d1, slot_of):
+    """Step 4's V of every expert of the layer from P_j (a0, a1), D_j (d0, d1) and the frequency share."""
     base = layer * E
     lags = prm[P_LAGS]
-    R = T + lags * E
     hist, freq, val = kst[HIST, base:base + E], kst[FREQ, base:base + E], kst[V, base:base + E]
     slots = slot_of[base:base + E]
     den_f = gst[layer] + FLOOR_Q4 * E
     prior = Q4 * prm[P_PRIOR]
-    d0 = prior
-    d1 = prior
-    for i in range(n):
-        d0 += kst[R, q[i]]
-        if lags > 1:
-            d1 += kst[R + 1, q[i]]
-    a0, a1 = acc[0], acc[1]
     recency = prm[P_RECENCY_Q]
     r_f, r0, r1 = 1.0 / np.float64(den_f), 1.0 / np.float64(d0), 1.0 / np.float64(d1)
     # Bounds of this call's dividends: FREQ[e] <= the layer's total, P_j <= D_j - prior (a row's
-    # entries sum to its total), f <= n ONE. Below 2**52 every expert may take the branch-free loop.
+    # entries sum to its total), f <= n ONE. Below 2**52 every expert takes the branch-free loop (at
+    # any residency: it vectorises, and a branch per expert on its slot costs more than the work).
     top = max((n * den_f) << ONE_SHIFT, ((n * d0) << ONE_SHIFT) + prior * (n << ONE_SHIFT),
               ((n * d1) << ONE_SHIFT) + prior * (n << ONE_SHIFT), d0, d1)
-    resident = 0
-    for e in range(E):
-        resident += slots[e] >= 0
-    if top < TWO52 and 4 * resident >= E:
+    if top < TWO52:
         for e in range(E):  # p_j from P_j, D_j and f for every expert, kept where resident or routed now
             now = hist[e] & 1
             f = _qdiv((n * (freq[e] + FLOOR_Q4)) << ONE_SHIFT, den_f, r_f)
-            v = _qdiv(((n * a0[e]) << ONE_SHIFT) + prior * f, d0, r0)
+            v = _qdiv(((n * np.int64(a0[e])) << ONE_SHIFT) + prior * f, d0, r0)
             if lags > 1:
-                v += _qdiv(((n * a1[e]) << ONE_SHIFT) + prior * f, d1, r1)
+                v += _qdiv(((n * np.int64(a1[e])) << ONE_SHIFT) + prior * f, d1, r1)
             val[e] = v + recency * now if (slots[e] >= 0) | (now == 1) else 0
         return
-    # Few resident experts, or dividends past 2**52 (a huge row_cap or prior): the experts that need
-    # V one by one, _div_r taking the integer division where the float one could round.
+    # Dividends past 2**52 (a huge row_cap or prior): the experts that need V one by one, _div_r
+    # taking the integer division where the float one could round.
     for e in range(E):
         now = hist[e] & 1
         if slots[e] < 0 and now == 0:
             val[e] = 0
             continue
         f = _div_r((n * (freq[e] + FLOOR_Q4)) << ONE_SHIFT, den_f, r_f)
-        v = _div_r(((n * a0[e]) << ONE_SHIFT) + prior * f, d0, r0)
+        v = _div_r(((n * np.int64(a0[e])) << ONE_SHIFT) + prior * f, d0, r0)
         if lags > 1:
-            v += _div_r(((n * a1[e]) << ONE_SHIFT) + prior * f, d1, r1)
+            v += _div_r(((n * np.int64(a1[e])) << ONE_SHIFT) + prior * f, d1, r1)
         val[e] = v + recency * now
 
 
 @njit(cache=True)
-def observe(kst, gst, prm, layer, num_experts, q, n, acc, slot_of):
+def observe(kst, gst, prm, layer, num_experts, q, n, acc, acc32, slot_of, done, ring, rn):
     """Steps 1-4 of the module docstring for the call of `layer` whose distinct keys are q[:n]
     (ascending), before its victims are chosen. Rewrites V of every expert of the layer (0 where it
-    has no slot and is not routed now: only a resident key's V is ever read). acc: int64
-    [>= lags, >= E] scratch."""
+    has no slot and is not routed now: only a resident key's V is ever read). acc: int64, acc32:
+    int32 [>= lags, >= E] scratch. done: the lags (bit j) whose step 1 was applied ahead; ring, rn:
+    the layer's neighbouring calls for step 1 ahead (_ahead; rn[2] = -1: none)."""
     E = num_experts
     base = layer * E
-    for j in range(prm[P_LAGS]):  # step 4's rows stream in while step 1 waits on its scattered updates
+    for j in range(prm[P_LAGS]):  # step 4's rows stream in while steps 1-3 run
         for i in range(n):
             for e in range(0, E, 16):
                 _prefetch(kst, T + j * E + (q[i] - base), base + e)
-    _learn(kst, gst, prm, layer, E, q, n, acc)
-    _row_sums(kst, prm, layer, E, q, n, acc)
-    _predict(kst, gst, prm, layer, E, q, n, acc, slot_of)
+    _learn(kst, gst, prm, layer, E, q, n, acc, done)
+    lags = prm[P_LAGS]
+    R = T + lags * E
+    prior = Q4 * prm[P_PRIOR]
+    d0 = prior  # D_j
+    d1 = prior
+    for i in range(n):
+        d0 += kst[R, q[i]]
+        if lags > 1:
+            d1 += kst[R + 1, q[i]]
+    # P_j[e] <= D_j - prior (a row's entries sum to its total): in int32 while that fits, a quarter
+    # of the instructions of int64 (no widening, 16 lanes a vector)
+    if max(d0, d1) - prior < 1 << 31:
+        _row_sums(kst, prm, layer, E, q, n, acc32)
+        _ahead(kst, prm, layer, E, ring, rn, acc)
+        _predict(kst, gst, prm, layer, E, n, acc32[0], acc32[1], d0, d1, slot_of)
+    else:
+        _row_sums(kst, prm, layer, E, q, n, acc)
+        _predict(kst, gst, prm, layer, E, n, acc[0], acc[1], d0, d1, slot_of)
+        _ahead(kst, prm, layer, E, ring, rn, acc)
     return 0
 
 

@@ -382,6 +382,10 @@ def _load_linear_attention(reader: TensorReader, spec: ModelSpec, p: str) -> Lin
 
 def _load_moe(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: int) -> MoEWeights:
     cfg, p = spec.moe, f"model.layers.{layer}.mlp."
+    if spec.model_type == "mixtral" and not reader.has(p + "gate.weight"):  # the release's (and save_pretrained's)
+        q = f"model.layers.{layer}.block_sparse_moe."                        # names: experts.{e}.w1 / w3 / w2
+        _load_experts(reader, spec, store, q + "experts.", spec.moe_index(layer), names=("w1", "w3", "w2"))
+        return MoEWeights(spec.moe_index(layer), reader.get(q + "gate.weight", (cfg.num_experts, cfg.hidden)), None)
     h, e, s = cfg.hidden, cfg.num_experts, cfg.shared_intermediate
     index = spec.moe_index(layer)
     if cfg.expert_bias:  # gpt-oss: mlp.router.{weight,bias}, interleaved gate / up columns, expert biases
@@ -416,12 +420,14 @@ def _shared_quantized(reader: TensorReader, p: str, h: int, s: int) -> tuple[Slo
             SlotMatrix(fmt, tuple(down[q.suffix][None].to(reader.device) for q in fmt.layout(h, s)), h, s))
 
 
-def _load_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p: str, index: int) -> None:
-    """Fill HostStore rows index * E .. index * E + E - 1 from the per-expert or the fused layout."""
+def _load_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p: str, index: int,
+                  names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+    """Fill HostStore rows index * E .. index * E + E - 1 from the per-expert layout (each expert's gate,
+    up and down linears under `names`: Mixtral's release calls them w1, w3, w2) or the fused one."""
     cfg, fmt = spec.moe, spec.moe.format
     h, e, i = cfg.hidden, cfg.num_experts, cfg.expert_intermediate
     base = index * e
-    if reader.has(p + "gate_up_proj") and not reader.has(p + "0.gate_proj.weight"):
+    if reader.has(p + "gate_up_proj") and not reader.has(p + f"0.{names[0]}.weight"):
         gate_up = reader.raw(p + "gate_up_proj", (e, 2 * i, h))
         down = reader.raw(p + "down_proj", (e, h, i))
         if fmt.dense:
@@ -433,9 +439,9 @@ def _load_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p: st
         return
     for x in range(e):
         q = f"{p}{x}."
-        gate = _expert_parts(reader, fmt, q + "gate_proj", i, h)
-        up = _expert_parts(reader, fmt, q + "up_proj", i, h)
-        down = _expert_parts(reader, fmt, q + "down_proj", h, i)
+        gate = _expert_parts(reader, fmt, q + names[0], i, h)
+        up = _expert_parts(reader, fmt, q + names[1], i, h)
+        down = _expert_parts(reader, fmt, q + names[2], h, i)
         for part in fmt.layout(i, h):  # gate_up's part: gate's over up's (its stack of 2)
             row = store.tensor(bank_name("gate_up", part.suffix))[base + x]
             row[:part.shape[0]], row[part.shape[0]:] = gate[part.suffix], up[part.suffix]

@@ -13,6 +13,13 @@ Families (`model_type`), the fields read beyond the MoE block, and how they diff
 | qwen3_next | `attention_bias` (def false) | `attention_bias`| per head    | sigmoid-gated | hybrid       |
 | gpt_oss    | `attention_bias` (def true)  | `attention_bias`| no          | none          | sinks, SWA   |
 | glm4_moe   | `attention_bias` (def false) | none            | `use_qk_norm` | ungated     | attention    |
+| mixtral    | none                         | none            | no          | none          | attention (SWA with `sliding_window`) |
+
+mixtral (Mixtral-8x7B, 8x22B; MixtralForCausalLM): softmax over the top-k logits (norm_topk_prob), the
+experts as the release names them (`block_sparse_moe.experts.{e}.w1` gate, `w3` up, `w2` down, and
+`block_sparse_moe.gate`) or transformers' fused names; a `sliding_window` makes every layer a sliding
+one (the gpt-oss window machinery: a ring of the window's positions), null (the releases') keeps full
+attention.
 
 glm4_moe (GLM-4.5, GLM-4.5-Air; Glm4MoeForCausalLM): the first `first_k_dense_replace` layers are dense
 (`intermediate_size`), the others MoE; its attention rotates the first head_dim * partial_rotary_factor
@@ -106,6 +113,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_next": Family(bias_key="attention_bias", bias_default=False, o_bias=True, qk_norm=True, hybrid=True,
                          norm_topk_default=True),
     "gpt_oss": Family(bias_key="attention_bias", bias_default=True, o_bias=True, qk_norm=False, oai=True),
+    "mixtral": Family(bias_key="attention_bias", bias_default=False, o_bias=False, qk_norm=False),
     "glm4_moe": Family(bias_key="attention_bias", bias_default=False, o_bias=False, qk_norm=False,
                        qk_norm_key="use_qk_norm", partial_rotary_default=0.5, dense_first_key="first_k_dense_replace"),
 }
@@ -260,6 +268,8 @@ class ModelSpec:
         hybrid = _hybrid_fields(config, num_layers, head_dim) if family.hybrid else {}
         if family.oai:
             hybrid = _oai_fields(config, num_layers)
+        if model_type == "mixtral" and config.get("sliding_window"):
+            hybrid = _sliding_everywhere(config, num_layers)
         if family.partial_rotary_default:
             hybrid = {"rotary_dim": _rotary_dim(config, head_dim, family.partial_rotary_default)}
         qk_norm = bool(config.get(family.qk_norm_key, False)) if family.qk_norm_key else family.qk_norm
@@ -423,6 +433,15 @@ def _hybrid_fields(config: Mapping[str, Any], num_layers: int, head_dim: int) ->
             raise CheckpointError(f"config.json: {e}") from None
     return {"layer_types": tuple(types), "rotary_dim": rotary, "attn_gate": True,
             "norm_one_plus": True, "linear": linear}
+
+
+def _sliding_everywhere(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """Mixtral with a `sliding_window`: every layer attends to the window's keys (itself and the
+    window - 1 before it, as transformers masks). Raises CheckpointError naming the key."""
+    window = config["sliding_window"]
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise CheckpointError(f"config.json sliding_window must be an int >= 1 or null, got {window!r}")
+    return {"layer_types": (SLIDING,) * num_layers, "sliding_window": window}
 
 
 def _rotary_dim(config: Mapping[str, Any], head_dim: int, default: float) -> int:

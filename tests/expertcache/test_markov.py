@@ -145,8 +145,8 @@ def test_markov_constants_and_state_size():
 @pytest.mark.parametrize("slots, rows, prior", [(6, 1, 1), (40, 2, 1), (70, 4, 2**26)])
 def test_compiled_replay_equals_the_reference(slots, rows, prior):
     """run_calls (the compiled observe) against HostCache.ensure (the numpy reference) after every call:
-    few experts resident (V one by one), most resident (every expert at once), and a prior so large
-    that the dividends pass 2**52 at 32 routed experts (the integer division)."""
+    few experts resident, most resident, and a prior so large that the dividends pass 2**52 at 32
+    routed experts (V one by one, the integer division)."""
     g = CacheGeometry(2, 80, slots)
     ref, fast = HostCache(g, "markov", prior=prior), HostCache(g, "markov", prior=prior)
     rng = np.random.default_rng(slots)
@@ -157,6 +157,33 @@ def test_compiled_replay_equals_the_reference(slots, rows, prior):
         assert np.array_equal(ref.slot_of, fast.slot_of) and np.array_equal(ref.key_of, fast.key_of), c
         assert ref.state.equals(fast.state), c
         assert np.array_equal(ref.counters, fast.counters), c
+
+
+@pytest.mark.parametrize("lags, row_cap, slots, rows, prior", [(2, 100, 12, 1, 1), (2, 3, 40, 2, 1), (1, 2, 20, 1, 1),
+                                                          (2, 5, 70, 4, 2**26)])
+def test_compiled_replay_of_many_calls_equals_the_reference(lags, row_cap, slots, rows, prior):
+    """run_calls over batches of many calls (step 1 applied ahead to the rows step 4 has just read,
+    markov._ahead) against HostCache.ensure one call at a time: the batches cut at random points, the
+    layers in turn and out of turn (a layer called twice in a row, or skipped), row caps that halve
+    often."""
+    L, E = 3, 40
+    g = CacheGeometry(L, E, slots)
+    kw = dict(lags=lags, row_cap=row_cap, prior=prior)
+    ref, fast = HostCache(g, "markov", **kw), HostCache(g, "markov", **kw)
+    rng = np.random.default_rng(slots + rows)
+    C = 300
+    k = 16 if rows == 4 else 5
+    ids = rng.integers(-1, E, size=(C, rows, k)).astype(np.int32)
+    ids[ids >= 0] %= rng.integers(8, E + 1)  # some calls of few distinct experts
+    layers = np.where(rng.random(C) < 0.8, np.arange(C) % L, rng.integers(0, L, size=C))
+    cuts = np.sort(np.concatenate([[0, C], rng.choice(np.arange(1, C), size=6, replace=False)]))
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        for c in range(a, b):
+            ref.ensure(int(layers[c]), ids[c])
+        run_calls(fast, ids[a:b], layers[a:b])
+        assert np.array_equal(ref.slot_of, fast.slot_of) and np.array_equal(ref.key_of, fast.key_of), b
+        assert ref.state.equals(fast.state), b
+        assert np.array_equal(ref.counters, fast.counters), b
 
 
 @njit

@@ -18,8 +18,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import (Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
-                          Qwen3NextForCausalLM)
+from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
 
 from expertcache.formats import GIB, INT4, bank_name, get_format
 from moe.engine.loading import CheckpointError, load_model
@@ -66,6 +66,20 @@ def base_next(tmp_path_factory):
     model = Qwen3NextForCausalLM(Qwen3NextConfig(**config)).eval()
     _randomize(model, seed=9)
     path = tmp_path_factory.mktemp("qwen3_next")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def base_glm(tmp_path_factory):
+    """A tiny float32 GLM-4.5 checkpoint directory: layer 0 dense, 6 experts in 3 groups, an ungated
+    shared expert, q / k / v biases."""
+    config = {k: v for k, v in CONFIG.items() if k != "num_experts"}
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(**config, n_routed_experts=6, n_group=3, topk_group=2,
+                                             n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
+                                             routed_scaling_factor=1.5)).eval()
+    _randomize(model, seed=10)
+    path = tmp_path_factory.mktemp("glm4_moe")
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -277,6 +291,27 @@ def test_a_qwen3_next_fp8_checkpoint_as_the_family_ships_it(base_next, tmp_path)
     got = _store_rows(weights.store, get_format("fp8"), 2 * CONFIG["num_experts"] + 5)
     assert all(torch.equal(_bytes(got[n]), _bytes(want[n])) for n in want)
     _check_engine(path, _reference(base_next, tmp_path, decoded, Qwen3NextForCausalLM))
+
+
+def test_a_glm_fp8_checkpoint_as_the_family_ships_it(base_glm, tmp_path):
+    """GLM-4.5 in the fine-grained fp8 layout of its FP8 releases (GLM-4.5-FP8, GLM-4.5-Air-FP8): the
+    routed experts keep their fp8 bytes, the ungated shared experts stay fp8 (one-slot SlotMatrix), the
+    router and its correction bias stay float; greedy tokens identical to transformers on the decoded
+    weights, the cache evicting every decode call."""
+    from moe.kernels.slot_matrix import SlotMatrix
+
+    path, decoded, parts = _quantized(base_glm, tmp_path, "fp8")
+    assert "model.layers.1.mlp.shared_experts.gate_proj.weight" in parts
+    assert not any(".mlp.gate." in n for n in parts)
+    weights = load_checkpoint(path, "cpu", pin=False, progress=False)
+    assert weights.spec.moe.expert_format == "fp8" and weights.spec.model_type == "glm4_moe"
+    want = _expected_rows(parts, get_format("fp8"), 1, 4)
+    got = _store_rows(weights.store, get_format("fp8"), 4)  # MoE layer 0 is decoder layer 1
+    assert all(torch.equal(_bytes(got[n]), _bytes(want[n])) for n in want)
+    gate_up, down, gate_w = weights.layers[1].mlp.shared
+    assert isinstance(gate_up, SlotMatrix) and gate_up.fmt.name == "fp8" and gate_w is None
+    assert weights.layers[1].mlp.score_bias.dtype == torch.float32
+    _check_engine(path, _reference(base_glm, tmp_path, decoded, Glm4MoeForCausalLM))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs Triton's interpreter (no CUDA)")

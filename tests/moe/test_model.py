@@ -14,6 +14,8 @@ heads of 16, conv kernel 4; gated full attention of head_dim 32, half of it rota
 glm4_moe: 3 layers (layer 0 dense: first_k_dense_replace), 8 experts top-2 in 4 groups of which 2 are
 chosen, sigmoid scores with a drawn correction bias, routed_scaling_factor 2.5, an ungated shared
 expert, q/k/v bias, q/k norms, half of each head rotated.
+mixtral: 3 layers, 8 experts top-2 (softmax over the top-k), the release's expert names (w1 / w3 / w2),
+no sliding window (the releases'); a windowed variant has its own test.
 Router comparisons use each family's choice scores (_choice: the router logits, or GLM's biased sigmoid
 scores within its chosen groups), whose top-k is the choice.
 Slot counts of top_k (or batch * top_k) make every decode call evict.
@@ -31,7 +33,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
 
 from expertcache.formats import GIB, get_format
@@ -56,14 +58,16 @@ FAMILIES = {
                  dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
                       routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, head_dim=16,
                       attention_bias=True, use_qk_norm=True)),
+    "mixtral": (MixtralConfig, MixtralForCausalLM,
+                dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=None)),
 }
-ORDER = ("qwen2", "qwen3", "qwen3_next", "glm4_moe")  # fixes each family's index in the seeds as families are added
+ORDER = ("qwen2", "qwen3", "qwen3_next", "glm4_moe", "mixtral")  # fixes each family's index in the seeds as families are added
 
 
 def family_index(name: str) -> int:
     """The family's place in ORDER (its models' seeds depend on it, not on how many families sort before it)."""
     return ORDER.index(name)
-EXPERT = "mlp.experts.3.up_proj.weight"  # of the first MoE layer
+EXPERT = ("mlp.experts.3.up_proj.weight", "block_sparse_moe.experts.3.w3.weight")  # the first MoE layer's (Mixtral: w3)
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -96,7 +100,8 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _num_experts(cfg) -> int:
-    return cfg.n_routed_experts if cfg.model_type == "glm4_moe" else cfg.num_experts
+    return {"glm4_moe": getattr(cfg, "n_routed_experts", 0),
+            "mixtral": getattr(cfg, "num_local_experts", 0)}.get(cfg.model_type) or cfg.num_experts
 
 
 def _hf_logits(model, tokens: list[int], **kw):
@@ -369,6 +374,22 @@ def test_fused_expert_layout_and_sharded_index_load_identically(checkpoint, tmp_
     assert torch.equal(logits(fused), base) and torch.equal(logits(sharded), base)
 
 
+def test_mixtral_with_a_sliding_window_slides_every_layer(tmp_path):
+    """A Mixtral config with sliding_window (older copies of the releases set 4096): every layer attends
+    to the last `window` keys, through prefill and evicting decode, as transformers masks them."""
+    config_cls, model_cls, extra = FAMILIES["mixtral"]
+    model = model_cls(config_cls(**{**COMMON, **extra, "sliding_window": 4})).eval()
+    _randomize(model, seed=4)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    engine = load_model(tmp_path, "cpu", num_slots=2, max_seq_len=32, progress=False)
+    assert set(engine.spec.layer_types) == {"sliding_attention"} and engine.spec.sliding_window == 4
+    seq = _tokens(13, seed=6)
+    _close(_teacher_forced(engine, seq, prompt_len=6), _hf_logits(model, seq).logits[0], rel=1e-4)
+    unwindowed = model_cls(config_cls(**{**COMMON, **extra})).eval()
+    unwindowed.load_state_dict(model.state_dict())
+    assert (_hf_logits(unwindowed, seq).logits[0] - _hf_logits(model, seq).logits[0]).abs().max() > 1e-2
+
+
 def test_glm_multi_token_prediction_layers_are_not_read(tmp_path):
     """GLM-4.5's releases carry num_nextn_predict_layers more decoder layers (draft heads) past
     num_hidden_layers: the loader reads none of their tensors, so the model is the same."""
@@ -425,11 +446,11 @@ def _broken_copy(path, tmp_path, edit_tensors=None, edit_config=None):
 
 @pytest.mark.parametrize("case, edit_tensors, edit_config, pattern", [
     ("missing tensor", lambda t: t.pop(next(k for k in sorted(t) if k.endswith(EXPERT))), None,
-     rf"tensor 'model\.layers\.\d\.{EXPERT}' is missing"),
+     r"tensor 'model\.layers\.\d\.(mlp|block_sparse_moe)\.experts\.3\.(up_proj|w3)\.weight' is missing"),
     ("wrong shape", lambda t: t.update({"model.layers.2.self_attn.k_proj.weight": torch.zeros(16, 64)}), None,
      r"'model\.layers\.2\.self_attn\.k_proj\.weight' has shape \[16, 64\], expected \[\d+, 64\]"),
     ("unsupported model_type", None, lambda c: c.update(model_type="llama"),
-     r"model_type='llama' is not supported; supported: \['glm4_moe', 'gpt_oss', 'qwen2_moe', 'qwen3_moe', 'qwen3_next'\]"),
+     r"model_type='llama' is not supported; supported: \['glm4_moe', 'gpt_oss', 'mixtral', 'qwen2_moe', 'qwen3_moe', 'qwen3_next'\]"),
     ("missing config key", None, lambda c: c.pop("num_attention_heads"), r"missing 'num_attention_heads'"),
     ("scaled rope", None, lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
      r"rope_type='yarn'"),
@@ -451,6 +472,8 @@ def test_too_few_slots_for_the_batch_names_the_flag(checkpoint):
 # --moe-cache-gb: G GiB of slot memory -> floor(G * 2**30 / P) slots, P = one expert's HostStore bytes
 
 def _moe_layers(cfg) -> int:
+    if cfg.model_type == "mixtral":
+        return cfg.num_hidden_layers
     if cfg.model_type == "glm4_moe":
         return cfg.num_hidden_layers - cfg.first_k_dense_replace
     return cfg.num_hidden_layers - len(getattr(cfg, "mlp_only_layers", None) or [])
