@@ -1,6 +1,6 @@
 """The expert cache's size: `--moe-slots N`, or a VRAM budget `--moe-cache-gb G` turned into slots.
 
-    config.json (+ --moe-expert-format) ─ModelSpec─► the HostStore's expert banks (moe.model.checkpoint.expert_banks):
+    config.json (+ --moe-expert-format) ─ModelSpec─► the HostStore's expert banks (MoEConfig.expert_banks):
         the banks of MoEConfig.expert_format (gate_up [2I, H] + down [H, I] in the model dtype for an
         unquantized model; values and scales for fp8 / nvfp4 / mxfp4 / int4) ─► P = bytes per expert = per slot
     --moe-slots N    ─► S = N                                   (checked by the backend, as always)
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from expertcache.formats import GIB, gib_at_least, slots_for_bytes
 from moe.model.attention import cache_positions
-from moe.model.checkpoint import expert_banks
 from moe.model.linear_attention import RecurrentCache
 from moe.model.spec import ModelSpec
 
@@ -127,8 +126,8 @@ def memory_split(budget: SlotBudget, spec: ModelSpec, max_batch: int, max_seq_le
 
 def expert_pricing(spec: ModelSpec) -> tuple[str, int]:
     """(format, bytes per expert) of the routed experts as the HostStore holds them: the row bytes of
-    moe.model.checkpoint.expert_banks(spec). No tensor is read."""
-    per_expert = sum(b.row_bytes for b in expert_banks(spec))
+    spec.moe.expert_banks() (MoEConfig.expert_banks). No tensor is read."""
+    per_expert = sum(b.row_bytes for b in spec.moe.expert_banks())
     return spec.moe.format.key, per_expert
 
 

@@ -211,7 +211,7 @@ def routed_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     dims, gate_up = check_gate_up("routed_gate_up", hidden, slots, weights, gate_up, gate_w, act)
     if part not in PARTS:
         raise ValueError(f"routed_gate_up: part must be one of {PARTS}, got {part!r}")
-    _check_block("routed_gate_up", gate_w, cfg, gate_up_bias, dims, hidden.device)
+    _check_block("routed_gate_up", gate_w is not None, cfg, gate_up_bias, dims, hidden.device)
     if part != "all":
         if gate_w is not None:
             raise ValueError("routed_gate_up: part='hits' / 'rest' is for routed experts (gate_w=None)")
@@ -253,14 +253,14 @@ def routed_down(act: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, *,
                         release, prefetch, bias)
 
 
-def _check_block(who: str, gate_w, cfg, gate_up_bias, dims, device) -> None:
+def _check_block(who: str, shared: bool, cfg, gate_up_bias, dims, device) -> None:
     """Raise ValueError naming cfg / gate_up_bias unless they suit a routed gate_up (the shared
-    expert's, with gate_w, takes neither)."""
+    expert's, gated or not, takes neither)."""
     if cfg is not None and not isinstance(cfg, MoEConfig):
         raise ValueError(f"{who}: cfg must be a MoEConfig or None, got {type(cfg).__name__}")  # noqa: TRY004
-    if gate_w is not None and (gate_up_bias is not None or (cfg is not None and cfg.activation != "silu")):
-        raise ValueError(f"{who}: the shared expert (gate_w) is a SiLU block without biases: pass cfg=None "
-                         "and gate_up_bias=None")
+    if shared and (gate_up_bias is not None or (cfg is not None and cfg.activation != "silu")):
+        raise ValueError(f"{who}: the shared expert (gate_w or shared=True) is a SiLU block without biases: "
+                         "pass cfg=None and gate_up_bias=None")
     if gate_up_bias is not None:
         check_bias(who, "gate_up_bias", gate_up_bias, dims[2], 2 * dims[4], device)
 
@@ -331,10 +331,10 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     if out_cast is not None:
         check_tensor("routed_experts", "out_cast", out_cast, (hidden.dtype,), 2, hidden.device)
     check_down("routed_experts", act, slots, down, out, addend, out_cast)
-    _check_block("routed_experts", gate_w, cfg, gate_up_bias, dims, hidden.device)
     if not isinstance(shared, bool):
         raise ValueError(f"routed_experts: shared must be a bool, got {shared!r}")  # noqa: TRY004 (house: ValueError)
     shared = shared or gate_w is not None
+    _check_block("routed_experts", shared, cfg, gate_up_bias, dims, hidden.device)
     bias = _down_bias("routed_experts", down_bias, None if down_bias is None else weights, slots, dims, shared)
     act = _launch_gate_up(hidden, slots, weights, gate_up, gate_w, act, dims, tiles, cfg=cfg, gate_up_bias=gate_up_bias,
                           shared=shared)

@@ -50,7 +50,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from expertcache.formats import ExpertFormat, FormatError, bank_name
-from expertcache.pool import Bank, HostStore
+from expertcache.pool import HostStore
 from moe.kernels.slot_matrix import SlotMatrix
 from moe.model.config import EXPERT_BIAS_BANKS
 from moe.model.linear_attention import LinearAttentionWeights
@@ -274,13 +274,6 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return out
 
 
-def expert_banks(spec: ModelSpec) -> tuple[Bank, ...]:
-    """The HostStore banks of the routed experts (MoEConfig.expert_banks): those of spec.moe.expert_format
-    (expertcache.formats) and, for a block with expert biases (gpt-oss), EXPERT_BIAS_BANKS, so one expert
-    costs the banks' row bytes (what `--moe-cache-gb` prices, moe.engine.budget)."""
-    return spec.moe.expert_banks()
-
-
 def write_experts(store: HostStore, fmt: ExpertFormat, name: str, weights: torch.Tensor, first: int,
                   stack: int) -> None:
     """Quantize weights [n, out, in] (each expert `stack` stacked matrices, each quantized alone) into
@@ -308,7 +301,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", *, dty
     path, device = Path(path), torch.device(device)
     spec = ModelSpec.from_hf(read_config(path), dtype=dtype, copy_overlap=copy_overlap, expert_format=expert_format)
     reader = TensorReader(path, TORCH_DTYPES[spec.dtype], device, spec.quant)
-    store = HostStore.empty(expert_banks(spec), spec.num_moe_layers * spec.moe.num_experts, pin=pin)
+    store = HostStore.empty(spec.moe.expert_banks(), spec.num_moe_layers * spec.moe.num_experts, pin=pin)
     h, v = spec.hidden, spec.vocab_size
     embed = reader.get("model.embed_tokens.weight", (v, h))
     layers = [_load_layer(reader, spec, store, i)

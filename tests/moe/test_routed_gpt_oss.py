@@ -145,10 +145,13 @@ def test_down_bias_needs_the_weights_and_the_shared_expert_takes_no_options():
         routed_down(act, s, down, weights=w)
     one = torch.zeros((2, 1), dtype=torch.int32, device=x.device)
     gate_w = torch.randn(1, 64).bfloat16().to(x.device)
-    with pytest.raises(ValueError, match=r"shared expert \(gate_w\) is a SiLU block"):
+    with pytest.raises(ValueError, match=r"shared expert \(gate_w or shared=True\) is a SiLU block"):
         routed_experts(x, one, None, gate_up[:1], down[:1], gate_w=gate_w, cfg=OAI)
-    with pytest.raises(ValueError, match=r"shared expert \(gate_w\) is a SiLU block"):
+    with pytest.raises(ValueError, match=r"shared expert \(gate_w or shared=True\) is a SiLU block"):
         routed_experts(x, one, None, gate_up[:1], down[:1], gate_w=gate_w, gate_up_bias=b13[:1])
+    ones = torch.ones((2, 1), device=x.device)
+    with pytest.raises(ValueError, match=r"shared expert \(gate_w or shared=True\) is a SiLU block"):
+        routed_experts(x, one, ones, gate_up[:1], down[:1], shared=True, cfg=OAI)
 
 
 SM90_OAI = r"""
