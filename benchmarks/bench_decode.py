@@ -10,7 +10,10 @@
     or gpt-oss-20b (random_decoder.gpt_oss_20b: gpt-oss-20b's own decoder, 32 experts of I 2880 top-4
     with biases and the clamped SwiGLU, sliding and full attention with sinks; --expert-formats mxfp4 is
     its released format) or glm-4.5-air (random_decoder.glm_4_5_air: GLM-4.5-Air's own decoder, 128
-    experts of I 1408 top-8 by sigmoid scores, an ungated shared expert, 96 / 8 heads of 128);
+    experts of I 1408 top-8 by sigmoid scores, an ungated shared expert, 96 / 8 heads of 128) or
+    mixtral-8x7b (random_decoder.mixtral_8x7b: 8 experts of I 14336 top-2, 32 / 8 heads of 128) or
+    olmoe-1b-7b (random_decoder.olmoe_1b_7b: 64 experts of I 1024 top-8, 16 / 16 heads of 128 with
+    whole-projection q / k norms);
     --vocab; random weights; per --expert-formats F (bf16, fp8, nvfp4, mxfp4,
     int4; default bf16) one pinned HostStore of every routed expert in F (the same random experts,
     quantized; L * 512 * 6 MiB: 25.8 GB at L = 8 in bf16), built and freed one format at a time
@@ -93,7 +96,9 @@ GEOMETRIES = {"qwen3-next": Geometry("qwen3_next_like", "qwen3-next", "qwen3-nex
               "qwen3-30b": Geometry("qwen3_30b_like", "qwen3-30b-a3b", "qwen3-30b-a3b", 128, 8, 2048, 768),
               "flame-290m": Geometry("flame_290m_like", "flame-like", "flame-290m", 64, 6, 1024, 704),
               "gpt-oss-20b": Geometry("gpt_oss_20b", "gpt-oss-20b", "gpt-oss-20b", 32, 4, 2880, 2880),
-              "glm-4.5-air": Geometry("glm_4_5_air", "glm-4.5-air", "glm-4.5-air", 128, 8, 4096, 1408)}
+              "glm-4.5-air": Geometry("glm_4_5_air", "glm-4.5-air", "glm-4.5-air", 128, 8, 4096, 1408),
+              "mixtral-8x7b": Geometry("mixtral_8x7b", "mixtral", "mixtral-8x7b", 8, 2, 4096, 14336),
+              "olmoe-1b-7b": Geometry("olmoe_1b_7b", "olmoe-1b-7b", "olmoe-1b-7b", 64, 8, 2048, 1024)}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

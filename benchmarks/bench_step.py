@@ -66,7 +66,8 @@ def step_bytes(spec, batch: int, context: int, distinct_experts: float) -> dict[
     itemsize = 4 if spec.moe.dtype == "float32" else 2
     h, d = spec.hidden, spec.head_dim
     qkvo = (spec.num_heads * d * h * 2 + spec.num_kv_heads * d * h * 2) * itemsize  # q, o and k, v
-    norms = (2 * h + (2 * d if spec.qk_norm else 0)) * itemsize
+    qk = 2 * d if spec.qk_norm else (spec.num_heads + spec.num_kv_heads) * d if spec.qk_norm_full else 0
+    norms = (2 * h + qk) * itemsize
     expert = 3 * spec.moe.expert_intermediate * h * itemsize
     return {"attention_weights": spec.num_layers * (qkvo + norms), "experts": distinct_experts * expert,
             "kv_cache": 2 * spec.num_layers * batch * spec.num_kv_heads * context * d * itemsize,

@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# hybrid decode-hybrid gpt-oss decode-gpt-oss glm decode-glm decode decode-formats decode-trace step prefill peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# hybrid decode-hybrid gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode decode-formats decode-trace step prefill peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -155,6 +155,27 @@ for part in $parts; do
         timeout ${DECODE_GLM_TIMEOUT:-280} python3 benchmarks/bench_decode.py --geometry glm-4.5-air \
           --layers ${DECODE_GLM_LAYERS:-4} --slots-frac $frac --configs ${DECODE_GLM_CONFIGS:-lru,rule+overlap} \
           --batches 1 --out "$OUT/decode-glm-$frac.json" 2>&1 | tee "$OUT/decode-glm-$frac.log" | tail -8
+      done ;;
+    mixtral-olmoe)
+      # Mixtral's and OLMoE's engines against transformers (CUDA graphs, every policy, overlap on / off), and
+      # OLMoE's whole-projection q / k norms and clip_qkv in the fused decode step against the torch step
+      timeout ${MIXTRAL_OLMOE_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/moe/test_engine_gpu.py tests/moe/test_decode_fused.py -k "mixtral or olmoe" \
+        2>&1 | tee "$OUT/gpu-tests-mixtral-olmoe.log" | tail -6 ;;
+    decode-mixtral)
+      # Mixtral-8x7B's own decoder (4 of its 32 layers: 352 MB a bf16 expert) at a quarter and half of the
+      # experts in slots, the simulator's prediction beside each
+      for frac in 0.25 0.5; do
+        timeout ${DECODE_MIXTRAL_TIMEOUT:-200} python3 benchmarks/bench_decode.py --geometry mixtral-8x7b \
+          --layers ${DECODE_MIXTRAL_LAYERS:-4} --slots-frac $frac --configs ${DECODE_MIXTRAL_CONFIGS:-lru,rule} \
+          --vocab 32000 --batches 1 --out "$OUT/decode-mixtral-$frac.json" 2>&1 | tee "$OUT/decode-mixtral-$frac.log" | tail -8
+      done ;;
+    decode-olmoe)
+      # OLMoE-1B-7B's own decoder, all 16 layers, at a quarter and half of the experts in slots
+      for frac in 0.25 0.5; do
+        timeout ${DECODE_OLMOE_TIMEOUT:-200} python3 benchmarks/bench_decode.py --geometry olmoe-1b-7b \
+          --layers 16 --slots-frac $frac --configs ${DECODE_OLMOE_CONFIGS:-lru,rule} --vocab 50304 --batches 1 \
+          --out "$OUT/decode-olmoe-$frac.json" 2>&1 | tee "$OUT/decode-olmoe-$frac.log" | tail -8
       done ;;
     decode)
       timeout ${DECODE_TIMEOUT:-540} python3 benchmarks/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -12 ;;

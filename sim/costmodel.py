@@ -236,7 +236,7 @@ class ModelShape:
                 + self.non_moe_bytes_per_layer)
 
 
-# Hugging Face configs (Qwen3-Next-80B-A3B, Qwen3-30B-A3B, Mixtral-8x7B, gpt-oss-20b / 120b: their
+# Hugging Face configs (Qwen3-Next-80B-A3B, Qwen3-30B-A3B, Mixtral-8x7B, OLMoE-1B-7B, gpt-oss-20b / 120b: their
 # experts' biases, 2I + H values, are left out: 0.07 % of a bf16 expert; GLM-4.5-Air and GLM-4.5: their
 # MoE layers, past the first 1 / 3 dense ones, one ungated shared expert of the routed width) and the FLAME-MoE
 # training scripts (290M-1.3B: 9 layers, the first dense, hidden 1024, MoE FFN 704, two
@@ -253,6 +253,7 @@ SHAPES: dict[str, ModelShape] = {
     "gpt-oss-120b": ModelShape(36, 128, 4, 2880, 2880),
     "glm-4.5-air": ModelShape(45, 128, 8, 4096, 1408, shared_intermediate=1408),
     "glm-4.5": ModelShape(89, 160, 8, 5120, 1536, shared_intermediate=1536),
+    "olmoe-1b-7b": ModelShape(16, 64, 8, 2048, 1024),
 }
 
 GENERIC_HIDDEN = 2048  # hidden assumed for a shape known only by its expert bytes

@@ -153,6 +153,8 @@ PRESETS: dict[str, SyntheticConfig] = {
                        logit_scale=0.5, model="synthetic:glm-4.5"),
     "mixtral": _routed(32, 8, 2, 2000, **_bf16_expert(4096, 14336),
                        request_tokens=122, logit_scale=0.9, model="synthetic:mixtral"),
+    "olmoe-1b-7b": _routed(16, 64, 8, 2000, **_bf16_expert(2048, 1024),
+                           logit_scale=0.5, model="synthetic:olmoe-1b-7b"),
     "mixtral-like": _routed(32, 8, 2, 244, request_tokens=122, logit_scale=0.9,
                             model="synthetic:mixtral-like"),
     "flame-like": _routed(8, 64, 6, 1024, request_tokens=256, logit_scale=0.5,

@@ -135,13 +135,26 @@ def _gated(out: torch.Tensor, x: torch.Tensor, w: AttentionWeights) -> torch.Ten
     return out if w.gate is None else out * torch.sigmoid(F.linear(x, w.gate, w.gate_bias))
 
 
+def _norm_and_clip(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: AttentionWeights,
+                   spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """OLMoE's steps between the projection and RoPE, on q [T, Hq * D], k, v [T, Hkv * D]: RMSNorm of the
+    whole q and k (spec.qk_norm_full), then q, k, v clamped to +-spec.clip_qkv (when > 0), in the model
+    dtype as transformers does. Unchanged (the same tensors) for the other families."""
+    if spec.qk_norm_full:
+        q, k = rms_norm(q, w.q_norm, spec.rms_eps), rms_norm(k, w.k_norm, spec.rms_eps)
+    if spec.clip_qkv:
+        c = spec.clip_qkv
+        q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+    return q, k, v
+
+
 def _project(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, positions: torch.Tensor,
              rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H] -> q [T, Hq, D], k [T, Hkv, D] (normed, rotated), v [T, Hkv, D]."""
     t, d = x.shape[0], spec.head_dim
-    q = F.linear(x, w.q, w.q_bias).view(t, spec.num_heads, d)
-    k = F.linear(x, w.k, w.k_bias).view(t, spec.num_kv_heads, d)
-    v = F.linear(x, w.v, w.v_bias).view(t, spec.num_kv_heads, d)
+    q, k, v = _norm_and_clip(F.linear(x, w.q, w.q_bias), F.linear(x, w.k, w.k_bias), F.linear(x, w.v, w.v_bias),
+                             w, spec)
+    q, k, v = q.view(t, spec.num_heads, d), k.view(t, spec.num_kv_heads, d), v.view(t, spec.num_kv_heads, d)
     if spec.qk_norm:
         q, k = rms_norm(q, w.q_norm, spec.rms_eps), rms_norm(k, w.k_norm, spec.rms_eps)
     cos, sin = rope.cos_sin(positions, x.dtype)
@@ -252,13 +265,17 @@ def attention_decode_fused(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec
                            layer: int, batch: int) -> torch.Tensor:
     """attention_decode in one GEMM of the q / k / v projections together (w.qkv), q / k norm, RoPE and
     the cache write in one launch (moe.kernels.decode_norm.qk_rope_write, reading the projection's
-    column slices in place), then split-K decode attention
+    column slices in place; OLMoE's whole-projection norms and clamp run before it in torch, a few
+    small element-wise launches not worth a kernel variant), then split-K decode attention
     that walks each row's own cached length, read on the device (moe.kernels.decode_attention), so a
     step's cost grows with the rows' lengths, not max_len. The same rounding steps as the torch path
     up to the sum orders (tests/moe/test_decode_fused.py). The engine's path on a CUDA device."""
     b = batch
     pos = cache.lengths[:b]  # [B]
     q, k, v, *gate = F.linear(x, w.qkv, w.qkv_bias).split(w.qkv_rows, dim=1)
+    if spec.qk_norm_full or spec.clip_qkv:  # OLMoE's whole-projection norms and clamp, in torch before the launch
+        q, k, v = _norm_and_clip(q, k, v, w, spec)
+        k, v = torch.cat([k, v], dim=1).split(k.shape[1], dim=1)  # one row stride, as qk_rope_write reads them
     norms = (w.q_norm, w.k_norm) if spec.qk_norm else ()
     q = qk_rope_write(q, k, v, pos, rope.inv_freq, cache.k[layer], cache.v[layer], spec.rms_eps, *norms)
     out = decode_attention(q, cache.k[layer], cache.v[layer], pos, spec.head_dim ** -0.5).reshape(b, -1)

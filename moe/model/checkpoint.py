@@ -72,7 +72,7 @@ BNB_QUANT = re.compile(r"(.+\.weight)\.(absmax|quant_map|SCB|nested_absmax|neste
 @dataclass
 class AttentionWeights:
     """q [Hq*D, H], k / v [Hkv*D, H], o [H, Hq*D]; biases [rows] or None; q_norm / k_norm [D] or None
-    (float32 1 + w for Qwen3-Next, moe.model.attention.rms_norm); gate [Hq*D, H] (and gate_bias): Qwen3-Next's
+    (float32 1 + w for Qwen3-Next, moe.model.attention.rms_norm; OLMoE's [Hq*D] / [Hkv*D]); gate [Hq*D, H] (and gate_bias): Qwen3-Next's
     output gate, the gate half of each head's rows of its q_proj (which interleaves per head D query
     rows and D gate rows), or None.
 
@@ -337,7 +337,8 @@ def _load_layer(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: 
 def _load_attention(reader: TensorReader, spec: ModelSpec, p: str) -> AttentionWeights:
     h, d = spec.hidden, spec.head_dim
     q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
-    bias, norm = spec.qkv_bias, spec.qk_norm
+    bias, norm = spec.qkv_bias, spec.qk_norm or spec.qk_norm_full
+    q_norm_rows, k_norm_rows = (q_rows, kv_rows) if spec.qk_norm_full else (d, d)  # OLMoE's: the whole projection
     gated = 2 if spec.attn_gate else 1  # Qwen3-Next's q_proj: per head D query rows, then D gate rows
     q = reader.get(p + "q_proj.weight", (gated * q_rows, h))
     q_bias = reader.optional(p + "q_proj.bias", (gated * q_rows,), bias)
@@ -354,8 +355,8 @@ def _load_attention(reader: TensorReader, spec: ModelSpec, p: str) -> AttentionW
         k_bias=reader.optional(p + "k_proj.bias", (kv_rows,), bias),
         v_bias=reader.optional(p + "v_proj.bias", (kv_rows,), bias),
         o_bias=reader.optional(p + "o_proj.bias", (h,), spec.o_bias),
-        q_norm=_norm(reader, spec, p + "q_norm.weight", d) if norm else None,
-        k_norm=_norm(reader, spec, p + "k_norm.weight", d) if norm else None,
+        q_norm=_norm(reader, spec, p + "q_norm.weight", q_norm_rows) if norm else None,
+        k_norm=_norm(reader, spec, p + "k_norm.weight", k_norm_rows) if norm else None,
         gate=gate, gate_bias=gate_bias,
         sinks=reader.get(p + "sinks", (spec.num_heads,)) if spec.sinks else None,
     )

@@ -12,6 +12,7 @@ Families read by `MoEConfig.from_hf` (chosen by `model_type`, or by the keys pre
 | mixtral                   | `num_local_experts` | `intermediate_size`     | none                               | always             |
 | gpt_oss                   | `num_local_experts` | `intermediate_size`     | none                               | always             |
 | glm4_moe                  | `n_routed_experts`  | `moe_intermediate_size` | `n_shared_experts` x I, ungated    | `norm_topk_prob`   |
+| olmoe                     | `num_experts`       | `intermediate_size`     | none                               | `norm_topk_prob`   |
 
 All families read `hidden_size` and `num_experts_per_tok`. `norm_topk_prob` defaults to False when
 absent (the transformers default for the Qwen configs). Mixtral takes the softmax over its top-k
@@ -40,7 +41,7 @@ from expertcache.formats import ExpertFormat, FormatError, dense_format, resolve
 COPY_OVERLAP_ENV = "EXPERTCACHE_MOE_COPY_OVERLAP"
 DTYPES = ("float32", "float16", "bfloat16")
 SHARED_FAMILIES = ("qwen2_moe", "qwen3_next")
-FAMILIES = SHARED_FAMILIES + ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe")
+FAMILIES = SHARED_FAMILIES + ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe")
 SCORINGS = ("softmax", "sigmoid")  # the router's score of an expert (glm4_moe: sigmoid)
 ACTIVATIONS = ("silu", "swiglu_clamped")  # silu(gate) * up; gpt-oss's clamped SwiGLU
 EXPERT_BIAS_BANKS = ("gate_up_bias", "down_bias")  # gpt-oss's per-expert biases [2I], [H], in the model dtype
@@ -162,7 +163,7 @@ class MoEConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], *, copy_overlap: bool = False, expert_format: str = "") -> "MoEConfig":
-        """Read a Qwen2-MoE / Qwen3-Next / Qwen3-MoE / Mixtral / gpt-oss / GLM-4.5 config.json dict (expert_format: the
+        """Read a Qwen2-MoE / Qwen3-Next / Qwen3-MoE / Mixtral / gpt-oss / GLM-4.5 / OLMoE config.json dict (expert_format: the
         experts' storage, from the loader; "" = the model dtype's dense format).
 
         Raises KeyError naming the missing key, ValueError for an unknown `model_type` or an invalid value.
@@ -174,11 +175,12 @@ class MoEConfig:
         if glm:
             shared = _require(config, "moe_intermediate_size") * int(config.get("n_shared_experts") or 0)
         experts = "num_local_experts" if mixtral else "n_routed_experts" if glm else "num_experts"
+        width = "intermediate_size" if mixtral or family == "olmoe" else "moe_intermediate_size"  # OLMoE: no dense MLP
         return cls(
             hidden=_require(config, "hidden_size"),
             num_experts=_require(config, experts),
             top_k=_require(config, "num_experts_per_tok"),
-            expert_intermediate=_require(config, "intermediate_size" if mixtral else "moe_intermediate_size"),
+            expert_intermediate=_require(config, width),
             shared_intermediate=shared,
             norm_topk_prob=True if mixtral else bool(config.get("norm_topk_prob", False)),
             dtype=str(config.get("torch_dtype", config.get("dtype", "bfloat16"))),

@@ -14,6 +14,13 @@ Families (`model_type`), the fields read beyond the MoE block, and how they diff
 | gpt_oss    | `attention_bias` (def true)  | `attention_bias`| no          | none          | sinks, SWA   |
 | glm4_moe   | `attention_bias` (def false) | none            | `use_qk_norm` | ungated     | attention    |
 | mixtral    | none                         | none            | no          | none          | attention (SWA with `sliding_window`) |
+| olmoe      | `attention_bias` (def false) | `attention_bias`| whole width | none          | attention (`clip_qkv`) |
+
+olmoe (OLMoE-1B-7B; OlmoeForCausalLM): its q / k RMSNorms normalise the whole projection (q_norm
+[Hq * D], k_norm [Hkv * D]), not each head; `clip_qkv` (null in the releases), when set, clamps q, k
+(after those norms) and v to +-clip_qkv before RoPE; every layer is MoE, its experts `intermediate_size`
+wide, the router a softmax over all experts whose top-k is renormalised only with `norm_topk_prob`
+(false in the releases); expert names as Qwen's (`mlp.experts.{e}.gate_proj`, `mlp.gate`).
 
 mixtral (Mixtral-8x7B, 8x22B; MixtralForCausalLM): softmax over the top-k logits (norm_topk_prob), the
 experts as the release names them (`block_sparse_moe.experts.{e}.w1` gate, `w3` up, `w2` down, and
@@ -105,6 +112,7 @@ class Family:
     qk_norm_key: str = ""  # config key that turns qk_norm on (its default False), where the family has one
     partial_rotary_default: float = 0.0  # > 0: partial_rotary_factor's default (glm4_moe: 0.5)
     dense_first_key: str = ""  # config key of the number of leading dense layers (glm4_moe: first_k_dense_replace)
+    olmo: bool = False  # OLMoE: q / k RMSNorm over the whole projection, clip_qkv
 
 
 FAMILIES: dict[str, Family] = {
@@ -116,6 +124,7 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(bias_key="attention_bias", bias_default=False, o_bias=False, qk_norm=False),
     "glm4_moe": Family(bias_key="attention_bias", bias_default=False, o_bias=False, qk_norm=False,
                        qk_norm_key="use_qk_norm", partial_rotary_default=0.5, dense_first_key="first_k_dense_replace"),
+    "olmoe": Family(bias_key="attention_bias", bias_default=False, o_bias=True, qk_norm=False, olmo=True),
 }
 FULL, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"  # layer_types values
 
@@ -139,6 +148,9 @@ class ModelSpec:
     learned sink logit in its softmax (gpt-oss). sliding_window: the keys a SLIDING layer's query sees
     (itself and the window - 1 before it). rope_yarn: YaRN's (factor, beta_fast, beta_slow,
     original_max_position_embeddings, truncate, attention_factor) or () for the plain rope.
+    qk_norm_full: q / k RMSNorm over the whole projection (q_norm [Hq * D], k_norm [Hkv * D]; OLMoE), in
+    place of qk_norm's per head. clip_qkv: > 0 clamps q, k (after their norms) and v to +-clip_qkv (OLMoE's
+    clip_qkv; 0 = none).
     """
 
     model_type: str
@@ -167,6 +179,8 @@ class ModelSpec:
     sinks: bool = False
     sliding_window: int = 0
     rope_yarn: tuple[float, ...] = ()
+    qk_norm_full: bool = False
+    clip_qkv: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -193,6 +207,11 @@ class ModelSpec:
                                   f"each of the {self.num_layers} layers, got {list(self.layer_types)}")
         if (LINEAR in self.layer_types) != (self.linear is not None):
             raise CheckpointError("ModelSpec.linear must be given exactly when a layer is linear_attention")
+        if self.qk_norm and self.qk_norm_full:
+            raise CheckpointError("ModelSpec: qk_norm (per head) and qk_norm_full (whole projection) exclude each other")
+        if isinstance(self.clip_qkv, bool) or not isinstance(self.clip_qkv, (int, float)) \
+                or not (math.isfinite(self.clip_qkv) and self.clip_qkv >= 0):
+            raise CheckpointError(f"config.json: clip_qkv must be a finite number > 0 (or null), got {self.clip_qkv!r}")
         if self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim:
             raise CheckpointError(f"config.json: partial_rotary_factor gives {self.rotary_dim} rotated dims of "
                                   f"head_dim={self.head_dim}; it must give an even number in 2..head_dim")
@@ -273,6 +292,8 @@ class ModelSpec:
         if family.partial_rotary_default:
             hybrid = {"rotary_dim": _rotary_dim(config, head_dim, family.partial_rotary_default)}
         qk_norm = bool(config.get(family.qk_norm_key, False)) if family.qk_norm_key else family.qk_norm
+        if family.olmo:
+            hybrid = {"qk_norm_full": True, "clip_qkv": _clip_qkv(config)}
         sparse = (_dense_first(config, num_layers, family.dense_first_key) if family.dense_first_key
                   else _sparse_layers(config, num_layers))
         return cls(
@@ -286,6 +307,16 @@ class ModelSpec:
             dense_intermediate=int(config.get("intermediate_size") or 0),
             sparse=sparse, moe=moe, quant=quant, **hybrid,
         )
+
+
+def _clip_qkv(config: Mapping[str, Any]) -> float:
+    """OLMoE's clip_qkv: null (the releases') -> 0 (no clamp); else a finite number > 0, or CheckpointError."""
+    value = config.get("clip_qkv")
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise CheckpointError(f"config.json clip_qkv must be a finite number > 0 or null, got {value!r}")
+    return float(value)
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

@@ -15,6 +15,7 @@ MoE layer of 512 experts (I 512, top-10) and a shared expert of 512.
 `gpt_oss_20b(num_layers)` is gpt-oss-20b's decoder (model_type gpt_oss, its block's biases, clamped
 SwiGLU, sinks and sliding windows; random norms stay 1).
 `glm_4_5_air(num_layers)` is GLM-4.5-Air's decoder (model_type glm4_moe), every layer MoE.
+`mixtral_8x7b(num_layers)` and `olmoe_1b_7b(num_layers)` are those releases' decoders.
 `qwen3_next_like(num_layers)` is the MoE geometry of Qwen3-Next-80B-A3B (H 2048, 512 experts of
 I 512, top-10, one shared expert of 512, bf16) with standard attention (16 query heads, 2 KV heads,
 head_dim 128) in place of its hybrid linear / gated attention, and every layer an MoE layer. The
@@ -74,7 +75,8 @@ def _attention(spec: ModelSpec, dtype, device, gen) -> AttentionWeights:
     h, d = spec.hidden, spec.head_dim
     q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
     bias = (lambda n: _randn((n,), 0.02, dtype, device, gen)) if spec.qkv_bias else (lambda n: None)
-    norm = (lambda: _norm(spec, d, dtype, device, gen)) if spec.qk_norm else (lambda: None)
+    full = spec.qk_norm_full  # OLMoE's norms span the whole projection, the others' one head
+    norm = (lambda n: _norm(spec, n, dtype, device, gen)) if spec.qk_norm or full else (lambda n: None)
     gate = _randn((q_rows, h), h ** -0.5, dtype, device, gen) if spec.attn_gate else None
     return AttentionWeights(
         q=_randn((q_rows, h), h ** -0.5, dtype, device, gen),
@@ -82,7 +84,7 @@ def _attention(spec: ModelSpec, dtype, device, gen) -> AttentionWeights:
         v=_randn((kv_rows, h), h ** -0.5, dtype, device, gen),
         o=_randn((h, q_rows), q_rows ** -0.5, dtype, device, gen),
         q_bias=bias(q_rows), k_bias=bias(kv_rows), v_bias=bias(kv_rows),
-        o_bias=bias(h) if spec.o_bias else None, q_norm=norm(), k_norm=norm(),
+        o_bias=bias(h) if spec.o_bias else None, q_norm=norm(q_rows if full else d), k_norm=norm(kv_rows if full else d),
         gate=gate, gate_bias=bias(q_rows) if gate is not None else None,
         sinks=_randn((spec.num_heads,), 1.0, dtype, device, gen) if spec.sinks else None)
 
@@ -154,9 +156,30 @@ def glm_4_5_air(num_layers: int = 8, *, vocab_size: int = 32768, dtype: str = "b
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}}
 
 
+def mixtral_8x7b(num_layers: int = 4, *, vocab_size: int = 32000, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A config.json dict of Mixtral-8x7B's decoder (model_type mixtral: H 4096, 8 experts of I 14336, top-2,
+    softmax over the top-k; attention 32 / 8 heads of 128, no sliding window as the releases), `num_layers`
+    layers deep (the release's 32), its own vocabulary of 32000."""
+    return {"model_type": "mixtral", "num_hidden_layers": num_layers, "hidden_size": 4096,
+            "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "sliding_window": None,
+            "vocab_size": vocab_size, "rope_theta": 1e6, "rms_norm_eps": 1e-5, "torch_dtype": dtype,
+            "tie_word_embeddings": False}
+
+
+def olmoe_1b_7b(num_layers: int = 16, *, vocab_size: int = 50304, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A config.json dict of OLMoE-1B-7B's decoder (model_type olmoe: H 2048, 64 experts of I 1024, top-8,
+    no renormalisation; attention 16 / 16 heads of 128 with whole-projection q / k norms), all of its 16
+    layers by default, its own vocabulary of 50304."""
+    return {"model_type": "olmoe", "num_hidden_layers": num_layers, "hidden_size": 2048,
+            "intermediate_size": 1024, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
+            "num_attention_heads": 16, "num_key_value_heads": 16, "clip_qkv": None, "vocab_size": vocab_size,
+            "rope_theta": 1e4, "rms_norm_eps": 1e-5, "torch_dtype": dtype, "tie_word_embeddings": False}
+
+
 def random_decoder(config: dict[str, Any], device: str | torch.device = "cuda", *, seed: int = 0,
                    pin: bool | None = None, copy_overlap: bool = False, expert_format: str | None = None) -> ModelWeights:
-    """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe / qwen3_next / gpt_oss / glm4_moe keys; see
+    """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe / qwen3_next / gpt_oss / glm4_moe / mixtral / olmoe keys; see
     moe.model.spec).
 
     device: where everything but the routed experts goes; the routed experts go to a HostStore

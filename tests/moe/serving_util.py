@@ -12,7 +12,9 @@ Model: 3 layers (layer 1 dense), 8 experts top-2, shared expert: 2 MoE layers, 1
 families (FAMILY_CONFIGS) take the same sizes in their own classes: qwen3_moe (q / k norms, no shared
 expert), qwen3_next (linear / dense-MLP full / linear attention, head_dim 32 half rotated) and gpt_oss
 (sliding / full / sliding attention with sinks, YaRN, biased experts) and glm4_moe (layer 0 dense, grouped
-sigmoid routing, an ungated shared expert, half-rotated heads); gpt_oss's tokenizer has the harmony
+sigmoid routing, an ungated shared expert, half-rotated heads), mixtral (every layer MoE, softmax over the
+top-2, the release's w1 / w3 / w2 expert names) and olmoe (whole-projection q / k norms, top-2 of 8 not
+renormalised); gpt_oss's tokenizer has the harmony
 specials (<|start|>, <|end|>, <|message|>, <|channel|>, <|return|>, <|call|>) and a harmony chat template.
 """
 
@@ -26,7 +28,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, GptOssConfig, GptOssForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, GptOssConfig, GptOssForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
 
 VOCAB = 128
@@ -88,6 +91,13 @@ FAMILY_CONFIGS = {
                                                                   "mlp_only_layers")},
                   "n_routed_experts": 8, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
                   "first_k_dense_replace": 1, "routed_scaling_factor": 1.5, "head_dim": 16}),
+    "mixtral": (MixtralConfig, MixtralForCausalLM,
+                {**{k: v for k, v in CONFIG.items() if k not in ("num_experts", "shared_expert_intermediate_size",
+                                                                 "mlp_only_layers")},
+                 "num_local_experts": 8, "intermediate_size": 32, "sliding_window": None}),
+    "olmoe": (OlmoeConfig, OlmoeForCausalLM,
+              {**{k: v for k, v in CONFIG.items() if k not in ("shared_expert_intermediate_size", "mlp_only_layers")},
+               "intermediate_size": 32}),
 }
 
 

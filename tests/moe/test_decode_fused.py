@@ -3,7 +3,7 @@ norm + RoPE + cache write in one launch, split-K decode attention over each row'
 its torch decode step, on the CPU under Triton's interpreter: two engines over the same weights, one
 each way, rows of different lengths, every family (qwen2_moe with a shared expert and q/k/v bias;
 qwen3_moe with q/k norms; qwen3_next with linear-attention layers around an output-gated, half-rotated
-attention layer and float32 (1 + w) norms), float32 (greedy tokens identical, logits within 1e-4), float16 and
+attention layer and float32 (1 + w) norms; olmoe with whole-projection q / k norms and clip_qkv), float32 (greedy tokens identical, logits within 1e-4), float16 and
 bfloat16 (GPU only: the interpreter truncates float32 -> bfloat16 casts where the GPU and torch round to
 nearest, so on the CPU the two paths drift apart by design, not by error). In 16 bits every expert is
 routed (top-k = E): the router's top-k is discontinuous, and the two paths' rounding differences flip an
@@ -30,7 +30,9 @@ FAMILIES = {"qwen2": {**BASE, "model_type": "qwen2_moe", "shared_expert_intermed
                            "shared_expert_intermediate_size": 32,
                            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
                            "partial_rotary_factor": 0.5, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                           "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}}
+                           "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4},
+            "olmoe": {**BASE, "model_type": "olmoe", "intermediate_size": 32, "norm_topk_prob": False,
+                      "attention_bias": True, "clip_qkv": 1.0}}
 
 
 def _engines(family, dtype, **overrides):

@@ -16,6 +16,8 @@ chosen, sigmoid scores with a drawn correction bias, routed_scaling_factor 2.5, 
 expert, q/k/v bias, q/k norms, half of each head rotated.
 mixtral: 3 layers, 8 experts top-2 (softmax over the top-k), the release's expert names (w1 / w3 / w2),
 no sliding window (the releases'); a windowed variant has its own test.
+olmoe: 3 layers, 16 experts top-4 without renormalisation (the releases'), q / k RMSNorms over the whole
+projection, attention biases (o_proj's too), GQA 4/2; clip_qkv has its own test.
 Router comparisons use each family's choice scores (_choice: the router logits, or GLM's biased sigmoid
 scores within its chosen groups), whose top-k is the choice.
 Slot counts of top_k (or batch * top_k) make every decode call evict.
@@ -33,7 +35,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, MixtralConfig, MixtralForCausalLM, OlmoeConfig,
+                          OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
 
 from expertcache.formats import GIB, get_format
@@ -60,8 +63,10 @@ FAMILIES = {
                       attention_bias=True, use_qk_norm=True)),
     "mixtral": (MixtralConfig, MixtralForCausalLM,
                 dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=None)),
+    "olmoe": (OlmoeConfig, OlmoeForCausalLM,
+              dict(num_experts=16, num_experts_per_tok=4, intermediate_size=32, attention_bias=True)),
 }
-ORDER = ("qwen2", "qwen3", "qwen3_next", "glm4_moe", "mixtral")  # fixes each family's index in the seeds as families are added
+ORDER = ("qwen2", "qwen3", "qwen3_next", "glm4_moe", "mixtral", "olmoe")  # fixes each family's index in the seeds as families are added
 
 
 def family_index(name: str) -> int:
@@ -390,6 +395,32 @@ def test_mixtral_with_a_sliding_window_slides_every_layer(tmp_path):
     assert (_hf_logits(unwindowed, seq).logits[0] - _hf_logits(model, seq).logits[0]).abs().max() > 1e-2
 
 
+def test_olmoe_clip_qkv_clamps_as_transformers_does(tmp_path):
+    """OLMoE with clip_qkv set (null in the releases): q and k after their whole-projection norms, and v,
+    clamped before RoPE, through prefill and evicting decode, as transformers clamps them; the clamp bites
+    (the logits move without it)."""
+    config_cls, model_cls, extra = FAMILIES["olmoe"]
+    model = model_cls(config_cls(**{**COMMON, **extra, "clip_qkv": 0.6})).eval()
+    _randomize(model, seed=9)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    engine = load_model(tmp_path, "cpu", num_slots=4, max_seq_len=32, progress=False)
+    assert engine.spec.clip_qkv == 0.6 and engine.spec.qk_norm_full and not engine.spec.qk_norm
+    seq = _tokens(12, seed=3)
+    _close(_teacher_forced(engine, seq, prompt_len=5), _hf_logits(model, seq).logits[0], rel=1e-4)
+    unclipped = model_cls(config_cls(**{**COMMON, **extra})).eval()
+    unclipped.load_state_dict(model.state_dict())
+    assert (_hf_logits(unclipped, seq).logits[0] - _hf_logits(model, seq).logits[0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("clip", [0, -1.0, float("inf"), True, "1"])
+def test_bad_olmoe_clip_qkv_is_refused_naming_it(tmp_path, clip):
+    config_cls, model_cls, extra = FAMILIES["olmoe"]
+    model_cls(config_cls(**{**COMMON, **extra})).save_pretrained(tmp_path / "olmoe", safe_serialization=True)
+    broken = _broken_copy(tmp_path / "olmoe", tmp_path, edit_config=lambda c: c.update(clip_qkv=clip))
+    with pytest.raises(CheckpointError, match=r"config.json clip_qkv must be a finite number > 0 or null, got"):
+        load_model(broken, "cpu", num_slots=8, progress=False)
+
+
 def test_glm_multi_token_prediction_layers_are_not_read(tmp_path):
     """GLM-4.5's releases carry num_nextn_predict_layers more decoder layers (draft heads) past
     num_hidden_layers: the loader reads none of their tensors, so the model is the same."""
@@ -450,7 +481,8 @@ def _broken_copy(path, tmp_path, edit_tensors=None, edit_config=None):
     ("wrong shape", lambda t: t.update({"model.layers.2.self_attn.k_proj.weight": torch.zeros(16, 64)}), None,
      r"'model\.layers\.2\.self_attn\.k_proj\.weight' has shape \[16, 64\], expected \[\d+, 64\]"),
     ("unsupported model_type", None, lambda c: c.update(model_type="llama"),
-     r"model_type='llama' is not supported; supported: \['glm4_moe', 'gpt_oss', 'mixtral', 'qwen2_moe', 'qwen3_moe', 'qwen3_next'\]"),
+     r"model_type='llama' is not supported; supported: \['glm4_moe', 'gpt_oss', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe', "
+     r"'qwen3_next'\]"),
     ("missing config key", None, lambda c: c.pop("num_attention_heads"), r"missing 'num_attention_heads'"),
     ("scaled rope", None, lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
      r"rope_type='yarn'"),

@@ -32,6 +32,10 @@ MIXTRAL = {  # Mixtral-8x7B
     "model_type": "mixtral", "hidden_size": 4096, "num_local_experts": 8, "num_experts_per_tok": 2,
     "intermediate_size": 14336, "torch_dtype": "bfloat16",
 }
+OLMOE = {  # OLMoE-1B-7B-0924
+    "model_type": "olmoe", "hidden_size": 2048, "num_experts": 64, "num_experts_per_tok": 8,
+    "intermediate_size": 1024, "norm_topk_prob": False, "torch_dtype": "bfloat16",
+}
 CFG = MoEConfig(hidden=2048, num_experts=60, top_k=4, expert_intermediate=1408, shared_intermediate=5632,
                 copy_overlap=True)
 SAFE = RoutedPlan("gemv-slots", 1, (4, 44), False, False)
@@ -56,6 +60,15 @@ def test_from_hf_mixtral_renormalises():
     cfg = MoEConfig.from_hf(MIXTRAL, copy_overlap=True)
     assert (cfg.hidden, cfg.num_experts, cfg.top_k, cfg.expert_intermediate) == (4096, 8, 2, 14336)
     assert cfg.norm_topk_prob and cfg.shared_intermediate == 0 and cfg.copy_overlap
+
+
+def test_from_hf_olmoe_reads_intermediate_size_and_keeps_norm_topk_prob():
+    cfg = MoEConfig.from_hf(OLMOE)
+    assert (cfg.hidden, cfg.num_experts, cfg.top_k, cfg.expert_intermediate) == (2048, 64, 8, 1024)
+    assert not cfg.norm_topk_prob and cfg.shared_intermediate == 0 and cfg.scoring == "softmax"
+    assert MoEConfig.from_hf({**OLMOE, "norm_topk_prob": True}).norm_topk_prob
+    with pytest.raises(KeyError, match="'intermediate_size'"):
+        MoEConfig.from_hf({k: v for k, v in OLMOE.items() if k != "intermediate_size"})
 
 
 def test_from_hf_infers_family_without_model_type():

@@ -67,7 +67,7 @@ def test_completions_and_chat_equal_engine_generate(srv, ref):
     assert chat.usage.prompt_tokens == len(tok.encode_chat(messages)) and chat.usage.completion_tokens == 5
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gpt_oss", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gpt_oss", "glm4_moe", "mixtral", "olmoe"])
 def test_every_family_is_served_end_to_end(family, tmp_path):
     """The other families behind the same server (the fixtures' is qwen2_moe): completions and chat,
     streamed and not, through the openai client, each the engine's own greedy text."""
