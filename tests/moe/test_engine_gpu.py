@@ -32,6 +32,7 @@ where the float32 router agrees with the engine or the crossed gap is within tra
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -39,7 +40,8 @@ import torch
 from expertcache.host import MISSES
 from moe.engine.loading import load_model
 from moe.kernels.plan import OverlapMode
-from tests.moe.test_model import COMMON, FAMILIES, _choice, _close, _hf_run, family_index, _hf_logits_and_router, _randomize, _routing_alike, _tokens
+from tests.moe.test_model import (COMMON, FAMILIES, _choice, _close, _hf_logits_and_router, _hf_run, _moe_layers,
+                                  _num_experts, _randomize, _routing_alike, _tokens, family_index)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -303,8 +305,9 @@ def test_quantized_experts_greedy_tokens_match_transformers_on_the_decoded_exper
     name, models, path = family
     f = get_format(fmt)
     tensors = load_file(str(path / "model.safetensors"))
-    decoded = {n: f.dequantize(f.quantize(t)) for n, t in tensors.items()
-               if ".mlp.experts." in n and n.endswith("_proj.weight")}
+    routed = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")  # Mixtral's: w1 / w3 / w2
+    decoded = {n: f.dequantize(f.quantize(t)) for n, t in tensors.items() if routed.search(n)}
+    assert len(decoded) == 3 * _num_experts(models["float32"].config) * _moe_layers(models["float32"].config)
     hf = type(models["float32"]).from_pretrained(_broken_copy(path, tmp_path, lambda t: t.update(decoded)),
                                                  dtype=torch.float32).to("cuda").eval()
     k = hf.config.num_experts_per_tok
