@@ -180,6 +180,25 @@ def _bench():
     return module
 
 
+def test_bench_decode_geometries_agree_with_their_decoder_preset_and_shape():
+    """Each --geometry's random_decoder config, simulator preset and cost-model shape describe one MoE block
+    (experts, top-k, H, I, bf16 bytes per expert), so the simulator prices what the engine runs."""
+    from moe.model.spec import ModelSpec
+    from moe.testing import random_decoder
+    from sim.costmodel import SHAPES
+    from sim.synthetic import PRESETS
+
+    for name, geo in _bench().GEOMETRIES.items():
+        moe = ModelSpec.from_hf(getattr(random_decoder, geo.config)(2)).moe
+        preset, shape = PRESETS[geo.preset], SHAPES[geo.shape]
+        block = (geo.num_experts, geo.top_k, geo.hidden, geo.inter)
+        assert (moe.num_experts, moe.top_k, moe.hidden, moe.expert_intermediate) == block, name
+        assert (preset.num_experts, preset.top_k) == (shape.num_experts, shape.top_k) == block[:2], name
+        assert (shape.hidden, shape.expert_intermediate) == block[2:], name
+        if preset.expert_bytes is not None:
+            assert preset.expert_bytes == 3 * geo.hidden * geo.inter * 2, name
+
+
 def test_bench_decode_dry_run_and_arguments(tmp_path, capsys):
     bench = _bench()
     out = tmp_path / "dry.json"
