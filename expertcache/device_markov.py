@@ -15,10 +15,11 @@ in two Triton launches over the DeviceCache's own state tensors, bit for bit the
 
 Two launches, graph capturable, needing no host value but `layer`, a launch argument:
   rows     (ROW_PROGRAMS programs a lag) step 1, one transition row per program (the rows are
-           independent; each program finds its row as the i-th bit HIST marks, by a prefix sum), and
-           the list of the call's distinct experts, written to a scratch vector
-  predict  (one program over the layer's experts as one vector) steps 2-4, the routed experts' rows
-           read UNROLL at a time from that list (independent loads, no reduction between them)
+           independent; each program finds its row as the i-th bit HIST marks, by a prefix sum); its
+           first program also lists the call's distinct experts in a scratch vector and takes step 2
+           (the frequencies, which no other program of the launch reads)
+  predict  (E / PREDICT_CHUNK programs, a chunk of the layer's experts each) steps 3-4, the routed
+           experts' rows read PREDICT_ROWS at a time from that list as one 2-D tile
 so a call reads some 2 J k rows of E counts, in parallel. The divisions are int64 floor divisions, which
 the host's float division by a reciprocal (markov._div_r, markov._qdiv) reproduces exactly. DeviceCache.ensure launches both before the ensure kernel, which then scores
 markov's keys from V (expertcache.device_policies._keyed_scores).
@@ -39,11 +40,11 @@ ONE_SHIFT, Q4, T, V = (tl.constexpr(markov.ONE_SHIFT), tl.constexpr(markov.Q4), 
 MAX_LAGS = markov.MAX_LAGS
 # Every scalar argument: Triton would otherwise compile a kernel per value of 1 (and make it a constant,
 # on which `.to` fails) and per alignment of the others.
-ROWS_JIT = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "row_cap"]}
-PREDICT_JIT = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "freq_cap", "prior",
-                                     "recency"]}
+ROWS_JIT = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "row_cap", "freq_cap"]}
+PREDICT_JIT = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "prior", "recency"]}
 ROW_PROGRAMS = tl.constexpr(16)  # programs per lag of the rows launch: each updates marked rows i, i + 16, ...
-UNROLL = tl.constexpr(8)  # routed rows read at once by the predictions' loop (independent loads in flight)
+PREDICT_CHUNK = 64  # experts a program of the predictions launch (E / 64 programs)
+PREDICT_ROWS = 16  # routed rows the predictions read at once, as one [16, PREDICT_CHUNK] tile
 
 
 @triton.jit
@@ -60,11 +61,12 @@ def _routed(ids_ptr, num_ids, num_slots, offs, ok, E: tl.constexpr, IDS: tl.cons
 
 
 @triton.jit(**ROWS_JIT)
-def _markov_rows_kernel(kst_ptr, ids_ptr, routed_ptr, layer, num_ids, row_stride, num_slots, lags, row_cap,
-                        E: tl.constexpr, BLOCK: tl.constexpr, IDS: tl.constexpr):
+def _markov_rows_kernel(kst_ptr, gst_ptr, ids_ptr, routed_ptr, layer, num_ids, row_stride, num_slots, lags, row_cap,
+                        freq_cap, E: tl.constexpr, BLOCK: tl.constexpr, IDS: tl.constexpr):
     """Step 1, one row per program (the rows are independent): program (j, i) updates the transition rows
     of lag j whose HIST bit j is set, the i-th, (i + ROW_PROGRAMS)-th, ... of them (about k a lag);
-    program (0, 0) also lists the call's distinct experts, ascending, in routed_ptr for the second launch."""
+    program (0, 0) also lists the call's distinct experts, ascending, in routed_ptr for the second launch,
+    and takes step 2 (the frequencies and the layer's total: no other program here reads them)."""
     pid = tl.program_id(0)
     j = pid // ROW_PROGRAMS
     i = pid % ROW_PROGRAMS
@@ -76,6 +78,14 @@ def _markov_rows_kernel(kst_ptr, ids_ptr, routed_ptr, layer, num_ids, row_stride
     if (j < lags) & (refused == 0):
         if pid == 0:
             tl.store(routed_ptr + tl.cumsum(routed, axis=0) - 1, offs, mask=routed == 1)
+            # 2. frequency (read by no other program of this launch; the predictions read it after)
+            freq = tl.load(kst_ptr + FREQ * row_stride + col, mask=ok, other=0).to(tl.int64) + Q4 * routed
+            total = tl.load(gst_ptr + layer) + Q4 * n
+            if total > freq_cap:
+                freq = freq >> 1
+                total = tl.sum(tl.where(ok, freq, 0), axis=0)
+            tl.store(kst_ptr + FREQ * row_stride + col, freq.to(tl.int32), mask=ok)
+            tl.store(gst_ptr + layer, total)
         bit = tl.where(ok, (tl.load(kst_ptr + HIST * row_stride + col, mask=ok, other=0).to(tl.int64) >> j) & 1, 0)
         rank = tl.cumsum(bit, axis=0)  # the r-th marked row has rank r + 1
         marked = tl.sum(bit, axis=0)
@@ -96,45 +106,43 @@ def _markov_rows_kernel(kst_ptr, ids_ptr, routed_ptr, layer, num_ids, row_stride
 
 @triton.jit(**PREDICT_JIT)
 def _markov_predict_kernel(kst_ptr, gst_ptr, ids_ptr, routed_ptr, slot_of_ptr, layer, num_ids, row_stride,
-                           num_slots, lags, freq_cap, prior, recency,
-                           E: tl.constexpr, BLOCK: tl.constexpr, IDS: tl.constexpr, MAXJ: tl.constexpr):
-    """Steps 2-4 in one program, after the rows launch: frequency, history, and V from the routed
-    experts' (updated) rows, read UNROLL at a time from the list the rows launch wrote."""
-    offs = tl.arange(0, BLOCK).to(tl.int64)
+                           num_slots, lags, prior, recency, E: tl.constexpr, BLOCK: tl.constexpr,
+                           IDS: tl.constexpr, CHUNK: tl.constexpr, RB: tl.constexpr, MAXJ: tl.constexpr):
+    """Steps 3-4 after the rows launch, CHUNK of the layer's experts a program: history, and V from the
+    routed experts' (updated) rows, RB of them at once as one [RB, CHUNK] tile, listed by the rows launch."""
+    full = tl.arange(0, BLOCK).to(tl.int64)
+    every, n, refused = _routed(ids_ptr, num_ids, num_slots, full, full < E, E, IDS)  # n and the refusal: the layer's
+    offs = tl.program_id(0).to(tl.int64) * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
     ok = offs < E
-    base = layer * E
-    col = base + offs
-    routed, n, refused = _routed(ids_ptr, num_ids, num_slots, offs, ok, E, IDS)
     if refused == 0:
-        # 2. frequency
-        freq = tl.load(kst_ptr + FREQ * row_stride + col, mask=ok, other=0).to(tl.int64) + Q4 * routed
-        total = tl.load(gst_ptr + layer) + Q4 * n
-        if total > freq_cap:
-            freq = freq >> 1
-            total = tl.sum(tl.where(ok, freq, 0), axis=0)
-        tl.store(kst_ptr + FREQ * row_stride + col, freq.to(tl.int32), mask=ok)
-        tl.store(gst_ptr + layer, total)
+        routed, n_here, bad_here = _routed(ids_ptr, num_ids, num_slots, offs, ok, E, IDS)  # this chunk's experts
+        base = layer * E
+        col = base + offs
         # 3. history
         hist = tl.load(kst_ptr + HIST * row_stride + col, mask=ok, other=0).to(tl.int64)
         hist = ((hist << 1) & ((1 << lags) - 1)) | routed
         tl.store(kst_ptr + HIST * row_stride + col, hist.to(tl.int32), mask=ok)
         # 4. predictions for the experts with a slot or routed now: the routed experts' rows summed
+        freq = tl.load(kst_ptr + FREQ * row_stride + col, mask=ok, other=0).to(tl.int64)  # step 2's, launch 1
+        total = tl.load(gst_ptr + layer)
         f = ((n * (freq + FLOOR_Q4)) << ONE_SHIFT) // (total + FLOOR_Q4 * E)
         pq = prior.to(tl.int64) * Q4
         R = T + lags * E
-        v = tl.zeros([BLOCK], dtype=tl.int64)
+        v = tl.zeros([CHUNK], dtype=tl.int64)
+        at = tl.arange(0, RB)
         for j in tl.static_range(MAXJ):
             if j < lags:
-                acc = tl.zeros([BLOCK], dtype=tl.int64)
+                acc = tl.zeros([CHUNK], dtype=tl.int64)
                 d = pq
                 i = tl.full([], 0, tl.int64)
                 while i < n:
-                    for u in tl.static_range(UNROLL):
-                        m = i + u < n
-                        b = tl.load(routed_ptr + i + u, mask=m, other=0)
-                        acc += tl.load(kst_ptr + (T + j * E + b) * row_stride + col, mask=ok & m, other=0).to(tl.int64)
-                        d += tl.load(kst_ptr + (R + j) * row_stride + base + b, mask=m, other=0).to(tl.int64)
-                    i += UNROLL
+                    m = i + at < n
+                    b = tl.load(routed_ptr + i + at, mask=m, other=0)  # [RB]
+                    rows = tl.load(kst_ptr + (T + j * E + b[:, None]) * row_stride + col[None, :],
+                                   mask=m[:, None] & ok[None, :], other=0)  # [RB, CHUNK]
+                    acc += tl.sum(rows.to(tl.int64), axis=0)
+                    d += tl.sum(tl.load(kst_ptr + (R + j) * row_stride + base + b, mask=m, other=0).to(tl.int64), axis=0)
+                    i += RB
                 v += (((n * acc) << ONE_SHIFT) + pq * f) // d
         v += recency.to(tl.int64) * routed
         keep = (tl.load(slot_of_ptr + col, mask=ok, other=-1) >= 0) | (routed == 1)
@@ -181,7 +189,10 @@ def launch_observe(kst, gst, params: tuple, layer: int, ids, slot_of, num_expert
     if scratch is None:
         scratch = torch.empty(num_experts, dtype=torch.int64, device=kst.device)
     block, width = triton.next_power_of_2(num_experts), triton.next_power_of_2(max(ids.numel(), 2))
-    _markov_rows_kernel[(MAX_LAGS * ROW_PROGRAMS.value,)](kst, ids, scratch, layer, ids.numel(), kst.stride(0), num_slots,
-                                                    lags, row_cap, E=num_experts, BLOCK=block, IDS=width)
-    _markov_predict_kernel[(1,)](kst, gst, ids, scratch, slot_of, layer, ids.numel(), kst.stride(0), num_slots, lags,
-                                 freq_cap, prior, recency, E=num_experts, BLOCK=block, IDS=width, MAXJ=MAX_LAGS)
+    _markov_rows_kernel[(MAX_LAGS * ROW_PROGRAMS.value,)](kst, gst, ids, scratch, layer, ids.numel(), kst.stride(0),
+                                                         num_slots, lags, row_cap, freq_cap, E=num_experts,
+                                                         BLOCK=block, IDS=width)
+    chunk = min(block, PREDICT_CHUNK)
+    _markov_predict_kernel[(triton.cdiv(num_experts, chunk),)](
+        kst, gst, ids, scratch, slot_of, layer, ids.numel(), kst.stride(0), num_slots, lags, prior, recency,
+        E=num_experts, BLOCK=block, IDS=width, CHUNK=chunk, RB=PREDICT_ROWS, MAXJ=MAX_LAGS)

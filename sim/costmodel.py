@@ -145,8 +145,8 @@ H200 = HardwareProfile(
     hbm_gbps=4219.0,
     layer_overhead_us=10.0,
     # markov's two learning launches before its ensure: bench_ensure.py at m = 0, 1650 slots, above lru:
-    # 7.26 us at 128 experts a layer, 15.02 at 512 (int32 state, benchmarks/results/ensure.json)
-    policy_us=(("markov", 4.67, 0.0202),),
+    # 7.21 us at 128 experts a layer, 10.71 at 512 (benchmarks/results/ensure-markov.json)
+    policy_us=(("markov", 6.04, 0.00911),),
 )
 
 

@@ -64,10 +64,10 @@ SM90 = """
 import json
 from expertcache.device_markov import _markov_predict_kernel, _markov_rows_kernel
 from moe.kernels.triton_launch import compile_for_sm
-rows = compile_for_sm(_markov_rows_kernel, ("*i64", "*i32", "*i64") + ("i32",) * 6,
+rows = compile_for_sm(_markov_rows_kernel, ("*i32", "*i64", "*i32", "*i64") + ("i32",) * 7,
                       {"E": 512, "BLOCK": 512, "IDS": 16}, 4, 90, {})
-predict = compile_for_sm(_markov_predict_kernel, ("*i64", "*i64", "*i32", "*i64", "*i32") + ("i32",) * 8,
-                         {"E": 512, "BLOCK": 512, "IDS": 16, "MAXJ": 2}, 4, 90, {})
+predict = compile_for_sm(_markov_predict_kernel, ("*i32", "*i64", "*i32", "*i64", "*i32") + ("i32",) * 7,
+                         {"E": 512, "BLOCK": 512, "IDS": 16, "CHUNK": 64, "RB": 16, "MAXJ": 2}, 4, 90, {})
 print(json.dumps([bool(rows.get("cubin")), bool(predict.get("cubin"))]))
 """
 
