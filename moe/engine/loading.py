@@ -5,8 +5,8 @@
                           (or of the slots cache_gb GiB hold: moe.engine.budget, from config.json first)
         ──Engine──► prefill / decode_step / generate
 
-Supported `model_type`s: moe.model.spec.FAMILIES (qwen2_moe, qwen3_moe, qwen3_next, gpt_oss; gpt_oss on the CPU
-backend so far). The pieces are public for callers
+Supported `model_type`s: moe.model.spec.FAMILIES (qwen2_moe, qwen3_moe, qwen3_next, gpt_oss, glm4_moe, mixtral,
+olmoe), on the GPU and the CPU backend. The pieces are public for callers
 that need them apart: moe.model.spec (config), moe.model.checkpoint (tensors), moe.engine.backends (MoE blocks),
 moe.engine.engine (decoder). The GPU side-stream overlap is load_model's `copy_overlap`, or when that is None
 EXPERTCACHE_MOE_COPY_OVERLAP; CUDA-graph decode is load_model's `cuda_graphs`, or when that is None
