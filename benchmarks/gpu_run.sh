@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# hybrid decode-hybrid gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode decode-formats decode-trace step prefill peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# hybrid decode-hybrid gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -66,6 +66,15 @@ for part in $parts; do
         timeout ${DECODE_TRACE_TIMEOUT:-250} python3 benchmarks/bench_decode.py --geometry flame-290m \
           --trace .traces/flame-290m-a.npz --layers 8 --slots-frac $frac --configs lru,rule,markov --batches 1 \
           --out "$OUT/decode-trace-$frac.json" 2>&1 | tee "$OUT/decode-trace-$frac.log" | tail -6
+      done ;;
+    decode-trace-mixtral)
+      # markov beside lru and rule on Mixtral-8x7B's real routing (GSM8K, its first 8 layers) at Mixtral's
+      # geometry (352 MB bf16 experts), a quarter and half of the experts in slots (carry .traces)
+      for frac in 0.25 0.5; do
+        timeout ${DECODE_TRACE_MIXTRAL_TIMEOUT:-280} python3 benchmarks/bench_decode.py --geometry mixtral-8x7b \
+          --trace .traces/mixtral-gsm8k.npz --layers 8 --slots-frac $frac --configs lru,rule,markov --batches 1 \
+          --warmup 44 --steps 200 --vocab 32000 --out "$OUT/decode-trace-mixtral-$frac.json" 2>&1 \
+          | tee "$OUT/decode-trace-mixtral-$frac.log" | tail -6
       done ;;
     peer-build)
       # llama.cpp beside expertcache (benchmarks/peer_llamacpp.py; carry .peer from `peer_llamacpp.py prepare`):
