@@ -88,9 +88,7 @@ class Engine:
         # on a CUDA device the decode step's non-MoE part runs the fused Triton launches (_decode_body_fused);
         # their head-dim tiles need a power of two >= 16 (every supported family's), else the torch step
         d = self.spec.head_dim
-        # (gpt-oss's sinks and sliding windows: the torch step, which computes them)
-        self._fused = (on_cuda and d >= 16 and d & (d - 1) == 0 and not self.spec.sinks
-                       and not self.spec.sliding_window)
+        self._fused = on_cuda and d >= 16 and d & (d - 1) == 0
         use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self._decode_body, max_batch, weights.device) if use_graphs else None
 

@@ -2,7 +2,9 @@
 "flash decoding", GQA-aware, fixed shapes for CUDA graphs).
 
     q [B, Hq, D] (one new token a row), k / v cache [B, Hkv, max_len, D], lengths int64 [B]
-    (row b's new token sits at position lengths[b], already written; it attends to 0..lengths[b])
+    (row b's new token sits at position lengths[b], already written; it attends to 0..lengths[b]; a
+    ring cache, a sliding layer's window of P = max_len positions, holds min(lengths[b] + 1, P) keys,
+    every one seen)
         │
         ├─ _split_kernel, grid (B, Hkv, S): program (b, h, s) takes the G = Hq / Hkv query heads of kv
         │     head h and the s-th of S equal ranges of row b's lengths[b] + 1 keys, in blocks of
@@ -12,7 +14,9 @@
         │     -> partial acc [B, Hq, S, D], (m, l) [B, Hq, S, 2]   (an empty range: m = -inf, l = 0)
         │
         └─ _combine_kernel, grid (B, Hq): M = max_s m_s; out = Σ_s acc_s e^(m_s - M) / Σ_s l_s e^(m_s - M),
-              the splits in order s = 0..S-1 -> out [B, Hq, D] in q's dtype
+              the splits in order s = 0..S-1 -> out [B, Hq, D] in q's dtype; with sinks [Hq] (gpt-oss)
+              the head's sink is one more logit of value zero: M = max(M, sink), the denominator
+              + e^(sink - M)
 
 The work of a step grows with the real lengths, not with max_len: a program walks only its share of
 its row's keys, and S is fixed by the caller's shapes (so one CUDA graph serves every length). No
@@ -34,12 +38,14 @@ TARGET_PROGRAMS = 264  # split programs a call aims for (two per SM of an H200):
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, acc_ptr, ml_ptr, scale, max_len,
                   HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-                  SPLITS: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
+                  SPLITS: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr, RING: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     G: tl.constexpr = HQ // HKV
     n_keys = tl.load(lengths_ptr + b).to(tl.int32) + 1
+    if RING:  # a ring of max_len positions: full once the row has that many
+        n_keys = tl.minimum(n_keys, max_len)
     per = (n_keys + SPLITS - 1) // SPLITS
     start = s * per
     end = tl.minimum(start + per, n_keys)
@@ -82,7 +88,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, acc_ptr, ml_ptr, scale, max_
 
 
 @triton.jit
-def _combine_kernel(acc_ptr, ml_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+def _combine_kernel(acc_ptr, ml_ptr, sinks_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+                    SINKS: tl.constexpr):
     b = tl.program_id(0)
     hq = tl.program_id(1)
     d = tl.arange(0, D)
@@ -92,6 +99,10 @@ def _combine_kernel(acc_ptr, ml_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr,
         big = tl.maximum(big, tl.load(ml_ptr + (base + s) * 2))
     num = tl.zeros([D], dtype=tl.float32)
     den = 0.0
+    if SINKS:  # the head's sink: one more logit, whose value is zero
+        sink = tl.load(sinks_ptr + hq).to(tl.float32)
+        big = tl.maximum(big, sink)
+        den = tl.exp(sink - big)
     for s in tl.static_range(SPLITS):  # in order: a fixed sum
         w = tl.exp(tl.load(ml_ptr + (base + s) * 2) - big)  # an empty split: e^-inf = 0
         num += tl.load(acc_ptr + (base + s).to(tl.int64) * D + d) * w
@@ -106,12 +117,16 @@ def splits_for(batch: int, kv_heads: int, max_len: int, programs: int = TARGET_P
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     scale: float, splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, splits: int | None = None, out: torch.Tensor | None = None, *,
+                     sinks: torch.Tensor | None = None, ring: bool = False) -> torch.Tensor:
     """softmax(q kᵀ * scale) v of one new token a row over cache positions 0..lengths[b] (module
     docstring). q [B, Hq, D]; k_cache, v_cache [B', Hkv, max_len, D] with B' >= B (rows 0..B-1 are
     read), contiguous, q's dtype; lengths int64 [>= B] on q's device, each < max_len (not checked:
-    a device value). splits: S (default splits_for). Returns out [B, Hq, D] in q's dtype. Raises
-    ValueError naming the argument whose shape, dtype or device does not fit.
+    a device value) unless `ring`: the cache is a ring of max_len positions (a sliding layer's window,
+    moe.model.attention.cache_positions) and a row sees its min(lengths[b] + 1, max_len) entries.
+    sinks: [Hq] (any float dtype, on q's device): each head's sink logit, one more in its softmax with a
+    value of zero (gpt-oss). splits: S (default splits_for). Returns out [B, Hq, D] in q's dtype.
+    Raises ValueError naming the argument whose shape, dtype or device does not fit.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"decode_attention: q must be [B, Hq, D] and k_cache, v_cache one [B, Hkv, max_len, D] "
@@ -128,6 +143,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if lengths.dtype != torch.int64 or lengths.device != q.device or lengths.shape[0] < b:
         raise ValueError(f"decode_attention: lengths must be int64 [>= {b}] on {q.device}, got "
                          f"{lengths.dtype} {list(lengths.shape)} on {lengths.device}")
+    if sinks is not None and (tuple(sinks.shape) != (hq,) or not sinks.is_floating_point()
+                              or sinks.device != q.device or not sinks.is_contiguous()):
+        raise ValueError(f"decode_attention: sinks must be a contiguous float [{hq}] tensor on {q.device}, got "
+                         f"{sinks.dtype} {list(sinks.shape)} on {sinks.device}")
     splits = splits_for(b, hkv, max_len) if splits is None else splits
     if splits < 1:
         raise ValueError(f"decode_attention: splits={splits} must be >= 1")
@@ -139,36 +158,45 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # float32 dots for a float32 cache, and on the CPU: Triton's interpreter multiplies 16-bit floats wrongly
     ieee = q.dtype == torch.float32 or q.device.type == "cpu"
     _split_kernel[(b, hkv, splits)](q, k_cache, v_cache, lengths, acc, ml, scale, max_len, HQ=hq, HKV=hkv, D=d,
-                                    G_PAD=g_pad, SPLITS=splits, BLOCK=BLOCK_N, IEEE=ieee)
-    _combine_kernel[(b, hq)](acc, ml, out, HQ=hq, D=d, SPLITS=splits)
+                                    G_PAD=g_pad, SPLITS=splits, BLOCK=BLOCK_N, IEEE=ieee, RING=bool(ring))
+    _combine_kernel[(b, hq)](acc, ml, acc if sinks is None else sinks, out, HQ=hq, D=d, SPLITS=splits,
+                             SINKS=sinks is not None)
     return out
 
 
 def compile_for_target(heads: int, kv_heads: int, head_dim: int, splits: int, dtype: str = "bf16",
-                       arch: int = 90) -> dict[str, dict]:
+                       arch: int = 90, sinks: bool = False, ring: bool = False) -> dict[str, dict]:
     """Both kernels compiled ahead of time for CUDA sm_<arch> (no GPU; needs ptxas): {name: Triton's asm
-    dict}. dtype: Triton's name of the cache dtype ("bf16", "fp16", "fp32")."""
+    dict}. dtype: Triton's name of the cache dtype ("bf16", "fp16", "fp32"); sinks, ring: gpt-oss's
+    sinks (of the cache dtype) and a sliding layer's ring."""
     from moe.kernels.triton_launch import compile_for_sm
 
     g_pad = max(16, triton.next_power_of_2(heads // kv_heads))
     p = f"*{dtype}"
     split = compile_for_sm(_split_kernel, (p, p, p, "*i64", "*fp32", "*fp32", "fp32", "i32"),
                            {"HQ": heads, "HKV": kv_heads, "D": head_dim, "G_PAD": g_pad, "SPLITS": splits,
-                            "BLOCK": BLOCK_N, "IEEE": dtype == "fp32"}, 4, arch, {})
-    combine = compile_for_sm(_combine_kernel, ("*fp32", "*fp32", p), {"HQ": heads, "D": head_dim, "SPLITS": splits},
-                             4, arch, {})
+                            "BLOCK": BLOCK_N, "IEEE": dtype == "fp32", "RING": ring}, 4, arch, {})
+    combine = compile_for_sm(_combine_kernel, ("*fp32", "*fp32", p if sinks else "*fp32", p),
+                             {"HQ": heads, "D": head_dim, "SPLITS": splits, "SINKS": sinks}, 4, arch, {})
     return {"_split_kernel": split, "_combine_kernel": combine}
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """float32 [B, Hq, D]: softmax(q kᵀ * scale) v over positions 0..lengths[b] of each row, each query
-    head h reading kv head h // (Hq / Hkv)."""
+                               lengths: torch.Tensor, scale: float, sinks: torch.Tensor | None = None,
+                               ring: bool = False) -> torch.Tensor:
+    """float32 [B, Hq, D]: softmax(q kᵀ * scale) v over positions 0..lengths[b] of each row (a ring: its
+    first min(lengths[b] + 1, max_len) entries), each query head h reading kv head h // (Hq / Hkv); with
+    sinks [Hq], each head's sink one more logit in the softmax, of value zero."""
     b, hq, _ = q.shape
     hkv, max_len = k_cache.shape[1], k_cache.shape[2]
     k = k_cache[:b].float().repeat_interleave(hq // hkv, dim=1)  # [B, Hq, max_len, D]
     v = v_cache[:b].float().repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("bhd,bhnd->bhn", q.float(), k) * scale
-    live = torch.arange(max_len, device=q.device)[None, :] <= lengths[:b, None]
+    seen = lengths[:b, None].clamp(max=max_len - 1) if ring else lengths[:b, None]
+    live = torch.arange(max_len, device=q.device)[None, :] <= seen
     scores = scores.masked_fill(~live[:, None, :], float("-inf"))
-    return torch.einsum("bhn,bhnd->bhd", torch.softmax(scores, dim=-1), v)
+    if sinks is None:
+        return torch.einsum("bhn,bhnd->bhd", torch.softmax(scores, dim=-1), v)
+    sink = sinks.float()[None, :, None].expand(b, hq, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("bhn,bhnd->bhd", probs, v)

@@ -108,23 +108,30 @@ def _rope_head(src_ptr, norm_ptr, d, cos, sin, eps, D: tl.constexpr, R: tl.const
 
 @triton.jit
 def _qk_rope_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, inv_freq_ptr, pos_ptr, q_out_ptr,
-                          k_cache_ptr, v_cache_ptr, eps, max_len, sq, skv, HQ: tl.constexpr, HKV: tl.constexpr,
-                          D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, NORM_F32: tl.constexpr):
+                          k_cache_ptr, v_cache_ptr, eps, scaling, max_len, sq, skv, HQ: tl.constexpr,
+                          HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr,
+                          NORM_F32: tl.constexpr, SCALED: tl.constexpr, RING: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)  # 0..HQ-1: a query head; HQ..HQ+HKV-1: a kv head
     d = tl.arange(0, D)
     pos = tl.load(pos_ptr + row)
     freq = pos.to(tl.float32) * tl.load(inv_freq_ptr + d % (R // 2))  # emb = cat(freqs, freqs) over R dims
     dtype = q_out_ptr.dtype.element_ty
-    cos = tl.cos(freq).to(dtype).to(tl.float32)
-    sin = tl.sin(freq).to(dtype).to(tl.float32)
+    cos = tl.cos(freq)
+    sin = tl.sin(freq)
+    if SCALED:  # YaRN's attention factor, in float32 before the cast (Rope.cos_sin)
+        cos = cos * scaling
+        sin = sin * scaling
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
     if head < HQ:
         y = _rope_head(q_ptr + row * sq + head * D, q_norm_ptr, d, cos, sin, eps, D, R, NORM, NORM_F32)
         tl.store(q_out_ptr + (row * HQ + head) * D + d, y)
     else:
         h = head - HQ
         y = _rope_head(k_ptr + row * skv + h * D, k_norm_ptr, d, cos, sin, eps, D, R, NORM, NORM_F32)
-        at = ((row * HKV + h).to(tl.int64) * max_len + pos) * D + d
+        slot = pos % max_len if RING else pos  # a ring: position p at p % max_len
+        at = ((row * HKV + h).to(tl.int64) * max_len + slot) * D + d
         tl.store(k_cache_ptr + at, y)
         tl.store(v_cache_ptr + at, tl.load(v_ptr + row * skv + h * D + d))
 
@@ -136,14 +143,18 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
 
 def qk_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float,
-                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> torch.Tensor:
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, *,
+                  scaling: float = 1.0, ring: bool = False) -> torch.Tensor:
     """q [B, Hq * D], k, v [B, Hkv * D] (rows contiguous, k and v of one row stride: column slices of
     one q / k / v projection qualify) -> q normed (q_norm given) and rotated at positions[b], as
     [B, Hq, D]; k normed (k_norm) and rotated, and v, written to k_cache / v_cache [B', Hkv, max_len, D]
     at [b, :, positions[b]] (positions int64 [>= B] on the device, each < max_len: not checked, a device
     value). inv_freq: float32 [R / 2] (moe.model.attention.Rope.inv_freq): the first R dims of a head
     turn (R even, <= D). q_norm / k_norm: q's dtype, or both float32 (Qwen3-Next's 1 + w, multiplied
-    before the cast). Raises ValueError naming the argument that does not fit."""
+    before the cast). scaling: cos and sin multiplied by it in float32 before the cast (YaRN's attention
+    factor, Rope.scaling). ring: the cache is a ring of max_len positions (a sliding layer's window),
+    position p written at p % max_len; positions may then pass max_len. Raises ValueError naming the
+    argument that does not fit."""
     b = q.shape[0]
     hkv, max_len, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     hq = q.shape[1] // d if q.dim() == 2 else 0
@@ -176,8 +187,9 @@ def qk_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     q_out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     norm = q_norm is not None
     _qk_rope_write_kernel[(b, hq + hkv)](q, k, v, q_norm if norm else q, k_norm if norm else q, inv_freq, positions,
-                                         q_out, k_cache, v_cache, eps, max_len, q.stride(0), k.stride(0), HQ=hq,
-                                         HKV=hkv, D=d, R=rot, NORM=norm, NORM_F32=norm_f32)
+                                         q_out, k_cache, v_cache, eps, float(scaling), max_len, q.stride(0),
+                                         k.stride(0), HQ=hq, HKV=hkv, D=d, R=rot, NORM=norm, NORM_F32=norm_f32,
+                                         SCALED=scaling != 1.0, RING=bool(ring))
     return q_out
 
 
@@ -191,7 +203,8 @@ def compile_for_target(hidden: int, heads: int, kv_heads: int, head_dim: int, dt
     norm = compile_for_sm(_add_rms_norm_kernel, (p, p, p, p, p, "fp32"),
                           {"N": hidden, "BLOCK": triton.next_power_of_2(hidden), "ADD": True, "W_F32": False}, 4,
                           arch, {})
-    rope = compile_for_sm(_qk_rope_write_kernel, (p, p, p, p, p, "*fp32", "*i64", p, p, p, "fp32", "i32", "i32", "i32"),
+    rope = compile_for_sm(_qk_rope_write_kernel,
+                          (p, p, p, p, p, "*fp32", "*i64", p, p, p, "fp32", "fp32", "i32", "i32", "i32"),
                           {"HQ": heads, "HKV": kv_heads, "D": head_dim, "R": rotary_dim or head_dim, "NORM": True,
-                           "NORM_F32": False}, 4, arch, {})
+                           "NORM_F32": False, "SCALED": False, "RING": False}, 4, arch, {})
     return {"_add_rms_norm_kernel": norm, "_qk_rope_write_kernel": rope}

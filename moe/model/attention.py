@@ -15,7 +15,8 @@ sigmoid(gate proj(x)) in the model dtype, and RoPE turns only the first rotary_d
 gpt-oss (ModelSpec.sinks, sliding_window): each head's softmax has one more logit, its learned sink,
 whose value is zero; a sliding layer's query sees itself and the window - 1 keys before it, and its
 KV cache is a ring of the window's positions (cache_positions); both in torch (_softmax_attend, in
-blocks of QUERY_BLOCK queries in prefill); the rope is YaRN (Rope's yarn).
+blocks of QUERY_BLOCK queries in prefill) and in the fused decode step's launches
+(attention_decode_fused); the rope is YaRN (Rope's yarn).
 
 KVCache holds k, v per full-attention decoder layer as [B, Hkv, max_len, D] in the model dtype
 (None for a linear-attention layer, whose state is moe.model.linear_attention's), allocated once;
@@ -268,8 +269,10 @@ def attention_decode_fused(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec
     column slices in place; OLMoE's whole-projection norms and clamp run before it in torch, a few
     small element-wise launches not worth a kernel variant), then split-K decode attention
     that walks each row's own cached length, read on the device (moe.kernels.decode_attention), so a
-    step's cost grows with the rows' lengths, not max_len. The same rounding steps as the torch path
-    up to the sum orders (tests/moe/test_decode_fused.py). The engine's path on a CUDA device."""
+    step's cost grows with the rows' lengths, not max_len. gpt-oss: YaRN's attention factor scales
+    cos / sin in the rope launch, a sliding layer's ring is written at position % window and read whole
+    once full, and the heads' sinks enter the attention's combine. The same rounding steps as the torch
+    path up to the sum orders (tests/moe/test_decode_fused.py). The engine's path on a CUDA device."""
     b = batch
     pos = cache.lengths[:b]  # [B]
     q, k, v, *gate = F.linear(x, w.qkv, w.qkv_bias).split(w.qkv_rows, dim=1)
@@ -277,8 +280,11 @@ def attention_decode_fused(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec
         q, k, v = _norm_and_clip(q, k, v, w, spec)
         k, v = torch.cat([k, v], dim=1).split(k.shape[1], dim=1)  # one row stride, as qk_rope_write reads them
     norms = (w.q_norm, w.k_norm) if spec.qk_norm else ()
-    q = qk_rope_write(q, k, v, pos, rope.inv_freq, cache.k[layer], cache.v[layer], spec.rms_eps, *norms)
-    out = decode_attention(q, cache.k[layer], cache.v[layer], pos, spec.head_dim ** -0.5).reshape(b, -1)
+    ring = bool(cache.ring[layer])
+    q = qk_rope_write(q, k, v, pos, rope.inv_freq, cache.k[layer], cache.v[layer], spec.rms_eps, *norms,
+                      scaling=rope.scaling, ring=ring)
+    out = decode_attention(q, cache.k[layer], cache.v[layer], pos, spec.head_dim ** -0.5, sinks=w.sinks,
+                           ring=ring).reshape(b, -1)
     if gate:
         out = out * torch.sigmoid(gate[0])
     return F.linear(out, w.o, w.o_bias)

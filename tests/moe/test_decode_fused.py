@@ -3,7 +3,8 @@ norm + RoPE + cache write in one launch, split-K decode attention over each row'
 its torch decode step, on the CPU under Triton's interpreter: two engines over the same weights, one
 each way, rows of different lengths, every family (qwen2_moe with a shared expert and q/k/v bias;
 qwen3_moe with q/k norms; qwen3_next with linear-attention layers around an output-gated, half-rotated
-attention layer and float32 (1 + w) norms; olmoe with whole-projection q / k norms and clip_qkv), float32 (greedy tokens identical, logits within 1e-4), float16 and
+attention layer and float32 (1 + w) norms; olmoe with whole-projection q / k norms and clip_qkv; gpt_oss
+with sinks, a sliding layer's ring and YaRN), float32 (greedy tokens identical, logits within 1e-4), float16 and
 bfloat16 (GPU only: the interpreter truncates float32 -> bfloat16 casts where the GPU and torch round to
 nearest, so on the CPU the two paths drift apart by design, not by error). In 16 bits every expert is
 routed (top-k = E): the router's top-k is discontinuous, and the two paths' rounding differences flip an
@@ -32,7 +33,14 @@ FAMILIES = {"qwen2": {**BASE, "model_type": "qwen2_moe", "shared_expert_intermed
                            "partial_rotary_factor": 0.5, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                            "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4},
             "olmoe": {**BASE, "model_type": "olmoe", "intermediate_size": 32, "norm_topk_prob": False,
-                      "attention_bias": True, "clip_qkv": 1.0}}
+                      "attention_bias": True, "clip_qkv": 1.0},
+            # sliding (a ring of 4, which the prompts and steps pass) and full layers, sinks, YaRN
+            "gpt_oss": {**BASE, "model_type": "gpt_oss", "num_local_experts": 16, "intermediate_size": 32,
+                        "attention_bias": True, "swiglu_limit": 7.0, "sliding_window": 4,
+                        "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 512,
+                        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 32.0,
+                                            "beta_fast": 32.0, "beta_slow": 1.0,
+                                            "original_max_position_embeddings": 16, "truncate": False}}}
 
 
 def _engines(family, dtype, **overrides):

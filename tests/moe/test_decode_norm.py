@@ -84,6 +84,32 @@ def test_qk_rope_write_is_the_torch_projection_tail(dtype, variant, packed):
     assert torch.equal(vc, want_v)  # v is copied, and nothing else in the caches moved
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qk_rope_write_scales_by_yarn_and_writes_a_ring(dtype):
+    """gpt-oss: YaRN's inverse frequencies and attention factor (cos and sin scaled before the cast, as
+    Rope.cos_sin) and a sliding layer's ring of 12 positions, written at position % 12 (positions 3, 12
+    and 29 land on entries 3, 0 and 5)."""
+    device, gpu = device_or_skip()
+    g = torch.Generator().manual_seed(6)
+    b, hq, hkv, d, ring = 3, 4, 2, 32, 12
+    q, k, v = (torch.randn(b, h * d, generator=g).to(dtype).to(device) for h in (hq, hkv, hkv))
+    pos = torch.tensor([3, 12, 29], dtype=torch.int64, device=device)
+    rope = Rope(d, 1.5e5, torch.device(device), yarn=(32.0, 32.0, 1.0, 4096, False, 1.3466))
+    kc = torch.randn(b + 1, hkv, ring, d, generator=g).to(dtype).to(device)
+    vc = torch.randn(b + 1, hkv, ring, d, generator=g).to(dtype).to(device)
+    want_k, want_v = kc.clone(), vc.clone()
+    got_q = qk_rope_write(q, k, v, pos, rope.inv_freq, kc, vc, 1e-5, scaling=rope.scaling, ring=True)
+    cos, sin = rope.cos_sin(pos, dtype)
+    _close(got_q, apply_rope(q.view(b, hq, d), cos, sin), dtype, gpu)
+    rows = torch.arange(b, device=device)
+    want_k[rows, :, pos % ring] = apply_rope(k.view(b, hkv, d), cos, sin)
+    want_v[rows, :, pos % ring] = v.view(b, hkv, d)
+    _close(kc, want_k, dtype, gpu)
+    assert torch.equal(vc, want_v)
+    unscaled = qk_rope_write(q, k, v, pos, rope.inv_freq, kc.clone(), vc.clone(), 1e-5, ring=True)
+    assert (unscaled.float() - got_q.float()).abs().max().item() > 0.1 * got_q.float().abs().max().item()
+
+
 @pytest.mark.parametrize("bad, message", [
     ("weight", "weight must be a contiguous [5]"), ("residual", "residual must be a contiguous [2, 5]"),
 ])
