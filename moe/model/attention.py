@@ -266,23 +266,19 @@ def attention_decode_fused(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec
                            layer: int, batch: int) -> torch.Tensor:
     """attention_decode in one GEMM of the q / k / v projections together (w.qkv), q / k norm, RoPE and
     the cache write in one launch (moe.kernels.decode_norm.qk_rope_write, reading the projection's
-    column slices in place; OLMoE's whole-projection norms and clamp run before it in torch, a few
-    small element-wise launches not worth a kernel variant), then split-K decode attention
-    that walks each row's own cached length, read on the device (moe.kernels.decode_attention), so a
-    step's cost grows with the rows' lengths, not max_len. gpt-oss: YaRN's attention factor scales
+    column slices in place, OLMoE's whole-projection norms and clamp of q, k, v included), then split-K
+    decode attention that walks each row's own cached length, read on the device
+    (moe.kernels.decode_attention), so a step's cost grows with the rows' lengths, not max_len. gpt-oss: YaRN's attention factor scales
     cos / sin in the rope launch, a sliding layer's ring is written at position % window and read whole
     once full, and the heads' sinks enter the attention's combine. The same rounding steps as the torch
     path up to the sum orders (tests/moe/test_decode_fused.py). The engine's path on a CUDA device."""
     b = batch
     pos = cache.lengths[:b]  # [B]
     q, k, v, *gate = F.linear(x, w.qkv, w.qkv_bias).split(w.qkv_rows, dim=1)
-    if spec.qk_norm_full or spec.clip_qkv:  # OLMoE's whole-projection norms and clamp, in torch before the launch
-        q, k, v = _norm_and_clip(q, k, v, w, spec)
-        k, v = torch.cat([k, v], dim=1).split(k.shape[1], dim=1)  # one row stride, as qk_rope_write reads them
-    norms = (w.q_norm, w.k_norm) if spec.qk_norm else ()
+    norms = (w.q_norm, w.k_norm) if spec.qk_norm or spec.qk_norm_full else ()
     ring = bool(cache.ring[layer])
     q = qk_rope_write(q, k, v, pos, rope.inv_freq, cache.k[layer], cache.v[layer], spec.rms_eps, *norms,
-                      scaling=rope.scaling, ring=ring)
+                      scaling=rope.scaling, ring=ring, full_norm=spec.qk_norm_full, clip=spec.clip_qkv or 0.0)
     out = decode_attention(q, cache.k[layer], cache.v[layer], pos, spec.head_dim ** -0.5, sinks=w.sinks,
                            ring=ring).reshape(b, -1)
     if gate:

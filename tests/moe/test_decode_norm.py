@@ -6,6 +6,8 @@ to one unit in the last place where the GPU's is bitwise."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -85,6 +87,42 @@ def test_qk_rope_write_is_the_torch_projection_tail(dtype, variant, packed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("clip", [0.0, 0.75], ids=["no-clip", "clip"])
+def test_qk_rope_write_norms_the_whole_projection_and_clips(dtype, clip):
+    """OLMoE: RMSNorm over the whole q and k projection of a token (weights [Hq * D], [Hkv * D]), then q,
+    k and v clamped to +-clip (0.75, exact in 16 bits, clamps about two values in five), against moe.model.attention's
+    _norm_and_clip and the torch rope; q, k, v as column slices of one projection."""
+    from moe.model.attention import _norm_and_clip
+
+    device, gpu = device_or_skip()
+    g = torch.Generator().manual_seed(7)
+    b, hq, hkv, d, max_len = 3, 4, 2, 32, 20
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g).to(dtype).to(device)
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=1)
+    qn = (1 + 0.2 * torch.randn(hq * d, generator=g)).to(dtype).to(device)
+    kn = (1 + 0.2 * torch.randn(hkv * d, generator=g)).to(dtype).to(device)
+    pos = torch.tensor([0, 7, 19], dtype=torch.int64, device=device)
+    rope = Rope(d, 1e4, torch.device(device))
+    kc = torch.randn(b + 1, hkv, max_len, d, generator=g).to(dtype).to(device)
+    vc = torch.randn(b + 1, hkv, max_len, d, generator=g).to(dtype).to(device)
+    want_k, want_v = kc.clone(), vc.clone()
+    got_q = qk_rope_write(q, k, v, pos, rope.inv_freq, kc, vc, 1e-6, qn, kn, full_norm=True, clip=clip)
+
+    # the two fields of AttentionWeights and three of ModelSpec that _norm_and_clip reads
+    q2, k2, v2 = _norm_and_clip(q, k, v, SimpleNamespace(q_norm=qn, k_norm=kn),
+                                SimpleNamespace(qk_norm_full=True, clip_qkv=clip, rms_eps=1e-6))
+    if clip:
+        assert (q2.abs() == clip).float().mean().item() > 0.2  # the clamp acts
+    cos, sin = rope.cos_sin(pos, dtype)
+    _close(got_q, apply_rope(q2.view(b, hq, d), cos, sin), dtype, gpu)
+    rows = torch.arange(b, device=device)
+    want_k[rows, :, pos] = apply_rope(k2.view(b, hkv, d), cos, sin)
+    want_v[rows, :, pos] = v2.view(b, hkv, d)
+    _close(kc, want_k, dtype, gpu)
+    assert torch.equal(vc, want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_qk_rope_write_scales_by_yarn_and_writes_a_ring(dtype):
     """gpt-oss: YaRN's inverse frequencies and attention factor (cos and sin scaled before the cast, as
     Rope.cos_sin) and a sliding layer's ring of 12 positions, written at position % 12 (positions 3, 12
@@ -129,15 +167,24 @@ def test_add_rms_norm_names_a_bad_argument(bad, message):
                                           ("v-rows", "each row contiguous"), ("kv-stride", "k, v of one row stride"),
                                           ("norms", "give both q_norm and k_norm"), ("pos", "positions int64"),
                                           ("rotary", "inv_freq float32 [R / 2], 2 <= R <= 8"),
-                                          ("norm-dtypes", "k_norm must be a [8] tensor of dtype torch.float32")])
+                                          ("norm-dtypes", "k_norm must be a [8] tensor of dtype torch.float32"),
+                                          ("full-norm", "q_norm must be a [32] tensor"),
+                                          ("full-norm-none", "full_norm needs both"),
+                                          ("clip", "clip must be >= 0")])
 def test_qk_rope_write_names_a_bad_argument(bad, message):
     device, _ = device_or_skip()
     q, k, v = torch.randn(2, 32, device=device), torch.randn(2, 16, device=device), torch.randn(2, 16, device=device)
     kc, vc = torch.zeros(2, 2, 4, 8, device=device), torch.zeros(2, 2, 4, 8, device=device)
     pos, inv = torch.zeros(2, dtype=torch.int64, device=device), torch.ones(4, device=device)
-    norms = ()
+    norms, kw = (), {}
     if bad == "q":
         q = q[:, :30].contiguous()
+    if bad == "full-norm":  # per-head weights where the whole projection's are needed
+        norms, kw = (torch.ones(8, device=device), torch.ones(8, device=device)), {"full_norm": True}
+    if bad == "full-norm-none":
+        kw = {"full_norm": True}
+    if bad == "clip":
+        kw = {"clip": -1.0}
     if bad == "v":
         v = v[:, :8].contiguous()
     if bad == "v-rows":
@@ -154,18 +201,23 @@ def test_qk_rope_write_names_a_bad_argument(bad, message):
         q, k, v, kc, vc = (t.half() for t in (q, k, v, kc, vc))
         norms = (torch.ones(8, device=device), torch.ones(8, device=device).half())
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        qk_rope_write(q, k, v, pos, inv, kc, vc, 1e-6, *norms)
+        qk_rope_write(q, k, v, pos, inv, kc, vc, 1e-6, *norms, **kw)
 
 
 SM90 = """
 import json
 from moe.kernels.decode_norm import compile_for_target
-asm = compile_for_target(2048, 32, 4, 128)
-print(json.dumps(sorted(name for name, a in asm.items() if a.get("cubin"))))
+out = {}
+for name, args, kw in (("qwen3-30b-a3b", (2048, 32, 4, 128), {}), ("olmoe-1b-7b", (2048, 16, 16, 128), {"olmoe": True})):
+    asm = compile_for_target(*args, **kw)
+    out[name] = sorted(name for name, a in asm.items() if a.get("cubin"))
+print(json.dumps(out))
 """
 
 
-def test_compiles_for_sm90_at_qwen3_30b_a3b_shapes():
+def test_compiles_for_sm90_at_qwen3_30b_a3b_and_olmoe_shapes():
+    """Qwen3-30B-A3B's heads with per-head norms; OLMoE-1B-7B's with whole-projection norms and the clamp."""
     from tests.conftest import compile_check
 
-    assert compile_check(SM90) == ["_add_rms_norm_kernel", "_qk_rope_write_kernel"]
+    names = ["_add_rms_norm_kernel", "_qk_rope_write_kernel"]
+    assert compile_check(SM90) == {"qwen3-30b-a3b": names, "olmoe-1b-7b": names}
