@@ -203,7 +203,9 @@ class TextStream:
 
     Decoding is windowed (as vLLM and TGI detokenize): the new text of a push is the decode of the
     ids since the last settled one minus the decode of its context, so a push costs the decode of a
-    few ids whatever the length; the window stays open while it ends inside a character (U+FFFD).
+    few ids whatever the length; the window stays open while it ends inside a character (U+FFFD), and
+    its context reaches back past special tokens (skipped in decoding) to the last text, so that a
+    SentencePiece decoder, which strips the leading space of the text's first token, strips none.
     Only the new text, with the len(stop) - 1 characters before it, is searched for each stop string.
     Cost per push: two decodes of the window and O(sum of stop lengths) of string search.
     """
@@ -247,8 +249,15 @@ class TextStream:
         if open_end:
             self._taken += len(new)
         else:
-            self._start, self._read, self._taken = self._read, len(self.ids), 0
-            self._context = self.tokenizer.decode(self.ids[self._start:self._read])
+            start = self._read
+            context = self.tokenizer.decode(self.ids[start:])
+            if not context and start > self._start:
+                # the new context decodes to nothing (special tokens, skipped): keep the text before it, or
+                # a SentencePiece decoder would strip the next token's leading space as the text's first
+                start = self._start
+                context = self.tokenizer.decode(self.ids[start:])
+            self._start, self._read, self._taken = start, len(self.ids), 0
+            self._context = context
         return new
 
     def _send(self, end: int) -> str:

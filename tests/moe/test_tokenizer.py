@@ -2,7 +2,8 @@
 
     TextStream (windowed decode, incremental stop search) ≡ a reference that decodes every id so far
     and searches the whole text on every push, on random byte-level token sequences (multi-byte
-    characters split across tokens) and random stop strings; push decodes a bounded window.
+    characters split across tokens) and on SentencePiece-style words with special tokens between them,
+    with random stop strings; push decodes a bounded window.
     encode_within: exact ids under the limit; past it, refused after tokenizing a bounded prefix.
 """
 
@@ -13,7 +14,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from moe.serve.tokenizer import PREFIX_CHARS_PER_TOKEN, TextStream, TextTokenizer, TooManyTokens
 
@@ -70,6 +71,47 @@ class FullStream:
 def test_windowed_stream_equals_full_decoding(byte_tok, text, stops):
     ids = byte_tok.encode(text)
     fast, ref = TextStream(byte_tok, stops), FullStream(byte_tok, stops)
+    for token in ids:
+        got, want = fast.push(token), ref.push(token)
+        assert got == want
+        if got[1]:
+            break
+    else:
+        assert fast.finish() == ref.finish()
+    assert fast.text == ref.text
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tok(tmp_path_factory) -> TextTokenizer:
+    """Words with SentencePiece's space marker (Metaspace, Mixtral's and Llama's scheme: the decoder
+    strips the leading space of the text's first token) and two special tokens, skipped in decoding."""
+    vocab = {"<unk>": 0, "\u2581a": 1, "\u2581b": 2, "c": 3, "\u2581\u00e9": 4, "\u2581": 5}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</x>", special=True)])
+    path = tmp_path_factory.mktemp("sentencepiece")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({}))
+    return TextTokenizer(path)
+
+
+def test_a_special_token_between_words_keeps_the_space(sentencepiece_tok):
+    """"a </x> b" decodes to "a b": the window after the special reaches back to "a", so "b" is not the
+    first token of what it decodes (whose leading space the decoder would strip: "ab")."""
+    special = sentencepiece_tok.tokenizer.token_to_id("</x>")
+    ids = [1, special, 2, 3, special, special, 4]
+    stream = TextStream(sentencepiece_tok)
+    text = "".join(stream.push(t)[0] for t in ids) + stream.finish()
+    assert text == sentencepiece_tok.decode(ids) == "a bc \u00e9"
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(1, 7), min_size=1, max_size=30),
+       stops=st.lists(st.text(alphabet="ab c\u00e9", min_size=1, max_size=3), max_size=3))
+def test_sentencepiece_words_and_specials_stream_as_full_decoding(sentencepiece_tok, ids, stops):
+    """Random words, bare space markers and special tokens (ids 6, 7), stop strings among them."""
+    fast, ref = TextStream(sentencepiece_tok, stops), FullStream(sentencepiece_tok, stops)
     for token in ids:
         got, want = fast.push(token), ref.push(token)
         assert got == want
