@@ -24,8 +24,8 @@ from typing import NoReturn
 from expertcache.errors import EnsureError, PolicyError
 from sim.budget import BudgetError, BudgetFlags, FormatRun, describe, parse_flags, plan_runs
 from sim.costmodel import H200, H200_SM_COPY, HardwareProfile, format_profile
-from sim.replay import check_policies, check_replayable, min_slots, sim_policy_names, sweep
-from sim.report import (build_format_rows, build_rows, format_budget_table, format_per_layer,
+from sim.replay import ORACLES, check_policies, check_replayable, min_slots, sim_policy_names, sweep
+from sim.report import (build_format_rows, build_rows, format_budget_table, format_choices, format_per_layer,
                         format_table, plot_hit_rate)
 from sim.trace import Trace, TraceError, load_trace
 
@@ -335,6 +335,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             title = _title(name, trace, profile) + "\n" + describe(runs, trace, flags.shape)
             print(format_budget_table(rows, title))
+        if not args.json and (picks := format_choices(rows, ORACLES)):
+            print(picks)
         if args.per_layer and not args.json:
             print(format_per_layer(unique))
         if plots:

@@ -4,7 +4,9 @@
     -> rows: hit rate, misses and MB copied per token, share of the LRU-to-Belady gap
        recovered, modeled us/token and tokens/s without and with the shared-expert overlap
        (both from sim.costmodel.estimate_decode: tokens/s = batch * 1e6 / us per decode step)
-    -> format_table (terminal), rows as JSON, plot_hit_rate (PNG), format_per_layer
+    -> format_table (terminal), rows as JSON, plot_hit_rate (PNG), format_per_layer; choices: per
+       slot count the deployable policy with the most modeled tokens/s (format_choices, printed
+       under the table)
     [ReplayResult] + [sim.budget.FormatRun] -> build_format_rows: one row per (budget, format,
        policy, slots), priced at the format's bytes -> format_budget_table, the same JSON plus
        format, expert_bytes, moe_cache_gb, slots_gib, all_experts_fit, bytes_copied_per_token
@@ -153,6 +155,63 @@ def format_budget_table(rows: list[Row], title: str = "") -> str:
     for gib, fmts in fit.items():
         lines.append(f"* all experts fit: {gib:g} GiB holds every one of the trace's L x E experts "
                      f"in {', '.join(fmts)}: slots = L x E, and GiB is what they take")
+    return "\n".join(lines)
+
+
+def choices(rows: list[Row], oracles: tuple[str, ...]) -> list[dict]:
+    """Per slot count (and format run), the deployable policy a user would pick: the most modeled
+    tokens/s (no overlap), or the fewest misses where the trace has no price (ties: the name), with its
+    ratio to `lru` at the same slots and the oracles' figures as the limits. Oracles are never picked."""
+    groups: dict[tuple, list[Row]] = {}
+    for row in rows:
+        groups.setdefault((row.run, row.result.slots), []).append(row)
+    out = []
+    for (run, slots), group in groups.items():
+        deployable = [r for r in group if r.result.policy not in oracles]
+        if not deployable:
+            continue
+        priced = all(r.tokens_per_s is not None for r in group)
+        def key(r: Row) -> tuple:
+            return (-r.tokens_per_s if priced else r.result.misses, r.result.policy)
+        best = min(deployable, key=key)
+        lru = next((r for r in group if r.result.policy == "lru"), None)
+        ratio = None
+        if lru is not None:
+            ratio = (best.tokens_per_s / lru.tokens_per_s if priced
+                     else (lru.result.misses / best.result.misses if best.result.misses else None))
+        out.append({"run": run, "slots": slots, "slots_frac": best.slots_frac, "policy": best.result.policy,
+                    "tokens_per_s": best.tokens_per_s, "misses": best.result.misses, "vs_lru": ratio,
+                    "limits": {r.result.policy: (r.tokens_per_s if priced else r.result.misses)
+                               for r in group if r.result.policy in oracles}})
+    return out
+
+
+def format_choices(rows: list[Row], oracles: tuple[str, ...]) -> str:
+    """The lines of `choices`: one per slot count (budget and format), '' when no deployable policy ran."""
+    picks = choices(rows, oracles)
+    if not picks:
+        return ""
+    priced = picks[0]["tokens_per_s"] is not None
+    what = "modeled tok/s (no overlap)" if priced else "misses (the trace has no expert size to price them)"
+    lines = [f"choice by {what}; oracles are limits, never picked:"]
+    order = list(dict.fromkeys(c["run"] for c in picks))  # the runs in the rows' order
+    for c in sorted(picks, key=lambda c: (order.index(c["run"]), c["slots"])):
+        run = c["run"]
+        where = "" if run is None else f"{'-' if run.budget_gib is None else f'{run.budget_gib:g} GiB'} {run.fmt}, "
+        figure = f"{c['tokens_per_s']:.1f} tok/s" if priced else f"{c['misses']} misses"
+        vs = "" if c["vs_lru"] is None else f", {c['vs_lru']:.3f}x lru"
+        limits = ", ".join(f"{p} {v:.1f}" if priced else f"{p} {v}" for p, v in sorted(c["limits"].items()))
+        lines.append(f"  {where}{c['slots']} slots ({100 * c['slots_frac']:.1f} %): {c['policy']} {figure}{vs}"
+                     + (f"; limits: {limits}" if limits else ""))
+    budgets: dict[float | None, list[dict]] = {}
+    for c in picks:  # with formats: the best format and policy of each budget, where more than one format ran
+        if c["run"] is not None and priced:
+            budgets.setdefault(c["run"].budget_gib, []).append(c)
+    for gib, group in budgets.items():
+        if len({c["run"].fmt for c in group}) > 1:
+            top = max(group, key=lambda c: (c["tokens_per_s"], -c["slots"]))
+            lines.append(f"  {'-' if gib is None else f'{gib:g} GiB'}: {top['run'].fmt} experts under "
+                         f"{top['policy']}, {top['tokens_per_s']:.1f} tok/s, the most of its formats")
     return "\n".join(lines)
 
 

@@ -56,6 +56,53 @@ def test_table_plot_and_per_layer(capsys, small_trace, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_choice_under_the_table_is_the_fastest_deployable_policy(capsys, small_trace):
+    """Per slot count, the policy with the most modeled tok/s among those a server can run (never an
+    oracle, though belady is faster), with its ratio to lru: read back from the same run's JSON."""
+    argv = [small_trace, "--policies", "lru,rule,lfuda,markov,next-token,belady", "--slots", "64,128"]
+    rows = run_json(capsys, *argv)
+    assert main(["sim", *argv, "--workers", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    head = out.index("choice by modeled tok/s (no overlap); oracles are limits, never picked:")
+    for line, slots in zip(out[head + 1:head + 3], (64, 128)):
+        mine = {r["policy"]: r["tokens_per_s"] for r in rows if r["slots"] == slots}
+        best = max(("lru", "rule", "lfuda", "markov"), key=lambda p: (mine[p], [-ord(c) for c in p]))
+        assert mine["belady"] > mine[best]
+        assert line.startswith(f"  {slots} slots (") and f"): {best} {mine[best]:.1f} tok/s" in line
+        assert f"{mine[best] / mine['lru']:.3f}x lru" in line and f"belady {mine['belady']:.1f}" in line
+
+
+def test_the_choice_ranks_unpriced_traces_by_misses():
+    """A trace without an expert size has no tok/s: the choice is the fewest misses, the oracles the
+    limits, ties to the name."""
+    from sim.replay import ORACLES, replay
+    from sim.report import build_rows, choices, format_choices
+
+    from sim.synthetic import SyntheticConfig
+
+    trace = generate(SyntheticConfig(6, 10, 2, 60, seed=2))  # no expert size, no known model's shape
+    results = [replay(trace, p, 20) for p in ("lru", "rule", "belady")]
+    rows = build_rows(trace, results)
+    assert rows[0].tokens_per_s is None
+    (pick,) = choices(rows, ORACLES)
+    misses = {r.policy: r.misses for r in results}
+    want = min(("lru", "rule"), key=lambda p: (misses[p], p))
+    assert pick["policy"] == want and pick["limits"] == {"belady": misses["belady"]}
+    assert pick["vs_lru"] == pytest.approx(misses["lru"] / misses[want])
+    assert "choice by misses" in format_choices(rows, ORACLES)
+    assert choices([r for r in rows if r.result.policy == "belady"], ORACLES) == []
+
+
+def test_the_choice_under_a_budget_names_the_best_format(capsys):
+    """--moe-cache-gb with two formats: a choice per (format, slots) and, per budget, the format and
+    policy with the most tok/s."""
+    assert main(["sim", "--preset", "olmoe-1b-7b", "--tokens", "60", "--moe-cache-gb", "4",
+                 "--expert-format", "bf16,int4", "--policies", "lru,rule,belady", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "  4 GiB bf16, 341 slots (33.3 %): " in out and "  4 GiB int4, 1024 slots (100.0 %): " in out
+    assert "  4 GiB: int4 experts under " in out and "the most of its formats" in out
+
+
 def test_synthetic_preset_run(capsys):
     assert main(["sim", "--preset", "qwen3-30b-a3b", "--tokens", "40", "--policies", "lru,rule",
                  "--slots", "800", "--workers", "1"]) == 0
