@@ -268,10 +268,11 @@ def attention_decode_fused(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec
     the cache write in one launch (moe.kernels.decode_norm.qk_rope_write, reading the projection's
     column slices in place, OLMoE's whole-projection norms and clamp of q, k, v included), then split-K
     decode attention that walks each row's own cached length, read on the device
-    (moe.kernels.decode_attention), so a step's cost grows with the rows' lengths, not max_len. gpt-oss: YaRN's attention factor scales
-    cos / sin in the rope launch, a sliding layer's ring is written at position % window and read whole
-    once full, and the heads' sinks enter the attention's combine. The same rounding steps as the torch
-    path up to the sum orders (tests/moe/test_decode_fused.py). The engine's path on a CUDA device."""
+    (moe.kernels.decode_attention), so a step's cost grows with the rows' lengths, not max_len.
+    gpt-oss: YaRN's attention factor scales cos / sin in the rope launch, a sliding layer's ring is
+    written at position % window and read whole once full, and the heads' sinks enter the attention's
+    combine. The same rounding steps as the torch path up to the sum orders
+    (tests/moe/test_decode_fused.py). The engine's path on a CUDA device."""
     b = batch
     pos = cache.lengths[:b]  # [B]
     q, k, v, *gate = F.linear(x, w.qkv, w.qkv_bias).split(w.qkv_rows, dim=1)
