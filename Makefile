@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: sim test bench clean
+.PHONY: sim test lint bench clean
 
 # Without a GPU, torch's CPU build goes in before the package, so that pip finds torch (a base
 # dependency) satisfied instead of pulling a CUDA build of several GB; Triton then runs the kernels in
@@ -31,6 +31,10 @@ sim: $(BIN)/.installed
 # The test suite (GPU tests skip without CUDA). HYPOTHESIS_PROFILE=long for a longer search.
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -n auto
+
+# ruff's rules and the house's exceptions are in pyproject.toml ([tool.ruff]).
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_replay.py

@@ -60,20 +60,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from benchmeta import machine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmeta import machine  # noqa: E402
-from expertcache.formats import FormatError, format_names, get_format, slots_for_budget  # noqa: E402
-from sim.costmodel import H200_SM_COPY, SHAPES, HardwareProfile, estimate_decode  # noqa: E402
-from expertcache import policy_names  # noqa: E402
-from sim.replay import replay  # noqa: E402
-from sim.trace import Trace  # noqa: E402
+from expertcache import policy_names
+from expertcache.formats import FormatError, format_names, get_format, slots_for_budget
+from sim.costmodel import H200_SM_COPY, SHAPES, HardwareProfile, estimate_decode
+from sim.replay import replay
+from sim.trace import Trace
 
 DEVICE_POLICIES = tuple(policy_names())  # every registered policy has a device ensure
 
@@ -344,7 +341,11 @@ def speedups(rows: list[dict]) -> None:
             if r["format"] == "bf16" and r["config"] != "resident (calibration)"}
     for r in rows:
         b = base.get((r["budget_gib"], r["batch"], r["config"]))
-        if b is None or r["config"] == "resident (calibration)" or (r["budget_gib"] is None and r["slots"] != b["slots"]):
+        if (
+            b is None
+            or r["config"] == "resident (calibration)"
+            or (r["budget_gib"] is None and r["slots"] != b["slots"])
+        ):
             continue
         r["vs_bf16_sim"] = r["sim"]["tokens_per_s"] / b["sim"]["tokens_per_s"]
         if "gpu" in r and "gpu" in b:
@@ -373,15 +374,19 @@ def table(res: dict) -> str:
     s = res["settings"]
     geo = GEOMETRIES[s["geometry"]]
     calibrated = not (s["no_calibrate"] or s["dry_run"])
-    lines = [f"decode, {s['layers']} layers x {geo.num_experts} experts (top-{geo.top_k}, {s['geometry']} geometry), "
-             f"trace {s['trace'] or 'synthetic:' + geo.preset}, {s['steps']} timed steps after {s['warmup']}; "
-             f"sim = sim.costmodel {H200_SM_COPY.name} (SM miss copy) at each format's bytes per expert, its "
-             f"per-layer overhead {'from the miss-free run of each format and batch size' if calibrated else f'{H200_SM_COPY.layer_overhead_us:g} us'}"
-             f"; target |measured / sim - 1| <= 15 %",
-             "| format | GiB | slots | config | B | hit meas | hit sim | miss/layer/step | MB copied/step | "
-             "step us med [p10, p90] | tok/s meas [chunk min, max] | tok/s sim | meas/sim | vs bf16 (sim) | "
-             "GB idle / peak alloc |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    overhead = ("from the miss-free run of each format and batch size" if calibrated
+                else f"{H200_SM_COPY.layer_overhead_us:g} us")
+    lines = [
+        f"decode, {s['layers']} layers x {geo.num_experts} experts (top-{geo.top_k}, {s['geometry']} geometry), "
+        f"trace {s['trace'] or 'synthetic:' + geo.preset}, {s['steps']} timed steps after {s['warmup']}; "
+        f"sim = sim.costmodel {H200_SM_COPY.name} (SM miss copy) at each format's bytes per expert, its "
+        f"per-layer overhead {overhead}"
+        f"; target |measured / sim - 1| <= 15 %",
+        "| format | GiB | slots | config | B | hit meas | hit sim | miss/layer/step | MB copied/step | "
+        "step us med [p10, p90] | tok/s meas [chunk min, max] | tok/s sim | meas/sim | vs bf16 (sim) | "
+        "GB idle / peak alloc |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     keys = s["layers"] * geo.num_experts
     for r in res["rows"]:
         sim, g = r["sim"], r.get("gpu")  # the calibration row predicts itself exactly (meas/sim = 1)

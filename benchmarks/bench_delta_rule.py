@@ -127,8 +127,10 @@ def main() -> None:
                           for n, t in row["variants"].items())
         print(f"B={row['rows']:3d} floor {row['floor_us']:.2f}  {cells}")
     for row in prefill:
-        print(f"prefill T={row['tokens']}: chunked {row['chunked_ms']:.1f} ms, recurrence {row['recurrence_ms']:.1f} ms "
-              f"({row['speedup']:.1f}x), max abs err {row['max_abs_err']:.1e}")
+        print(
+            f"prefill T={row['tokens']}: chunked {row['chunked_ms']:.1f} ms, recurrence {row['recurrence_ms']:.1f} ms "
+            f"({row['speedup']:.1f}x), max abs err {row['max_abs_err']:.1e}"
+        )
     print(f"json: {args.out}")
 
 

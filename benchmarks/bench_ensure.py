@@ -193,11 +193,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--calls", type=int, default=64)
-    ap.add_argument("--policies", default="lru,rule,lfuda,markov:E128,markov:E512",
-                    help="policies, each optionally with :wN (warps), :cN (chunk), :sN (seq_max), :LN (a pool "
-                         "geometry of N layers, calls at layer 0) and :p1 (programmatic dependent launch, as the "
-                         "MoE layer launches it), :EN (layers of N experts, the calls going round them; markov's cost grows "
-                         "with a layer's experts), e.g. rule:c512:w4, lru:L48, rule:L128, lru:p1, markov:E512")
+    ap.add_argument(
+        "--policies",
+        default="lru,rule,lfuda,markov:E128,markov:E512",
+        help="policies, each optionally with :wN (warps), :cN (chunk), :sN (seq_max), :LN (a pool "
+        "geometry of N layers, calls at layer 0) and :p1 (programmatic dependent launch, as the "
+        "MoE layer launches it), :EN (layers of N experts, the calls going round them; markov's cost grows "
+        "with a layer's experts), e.g. rule:c512:w4, lru:L48, rule:L128, lru:p1, markov:E512",
+    )
     ap.add_argument("--slots", default=",".join(map(str, SLOTS)))
     ap.add_argument("--misses", default=",".join(map(str, MISSES)))
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ensure.json)")

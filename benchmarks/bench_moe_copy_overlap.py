@@ -40,9 +40,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmeta import d2d_bandwidth, machine
 
 from moe.model.config import MoEConfig
@@ -127,7 +124,9 @@ def calibrate(models: dict, x: torch.Tensor, out_dir: Path) -> dict:
                       "shared_streams": sorted({k.stream for k in shared}), "compute_streams": sorted(compute),
                       "other_names": sorted({k.name for k in every} - {k.name for k in shared})}
     on = info["on"]
-    on["side_stream_ok"] = not set(on["shared_streams"]) & set(on["compute_streams"]) and len(on["compute_streams"]) == 1
+    on["side_stream_ok"] = (
+        not set(on["shared_streams"]) & set(on["compute_streams"]) and len(on["compute_streams"]) == 1
+    )
     on["ambiguous_names"] = sorted(set(on["shared_names"]) & set(on["other_names"]))
     on["per_layer_exclusive"] = sum(n not in on["ambiguous_names"] for n in on["shared_kernels"]) // len(
         models["on"].layers)
@@ -302,7 +301,8 @@ def resident_breakdown(graph: Graph, xs: list[torch.Tensor], path: Path) -> dict
         durations.setdefault(k.name, []).append(k.duration)
     chain = [k for k in ks if any(c in k.name for c in CHAIN)]
     gaps: dict[str, list[float]] = {}
-    name = lambda k: next(c for c in CHAIN if c in k.name)
+    def name(k):
+        return next(c for c in CHAIN if c in k.name)
     for a, b in itertools.pairwise(chain):
         gaps.setdefault(f"{name(a)}->{name(b)}", []).append(b.start - a.end)
     # the early hits' gate_up (side stream): its start after its router's end, the down's start after its end
@@ -311,7 +311,8 @@ def resident_breakdown(graph: Graph, xs: list[torch.Tensor], path: Path) -> dict
         d = min((k for k in chain if "_down_kernel" in k.name and k.start >= r.start), key=lambda k: k.start)
         gaps.setdefault("_router_kernel->_gate_up_hits", []).append(h.start - r.end)
         gaps.setdefault("_gate_up_hits->_down_kernel", []).append(d.start - h.end)
-    med = lambda d: {n: float(np.median(v)) for n, v in sorted(d.items())}
+    def med(d):
+        return {n: float(np.median(v)) for n, v in sorted(d.items())}
     return {"kernel_us": med(durations), "gap_us": med(gaps), "kernels": len(ks), "replays": len(xs)}
 
 
@@ -356,11 +357,21 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
         m.close()
     del models, graphs, short
     torch.cuda.empty_cache()
-    return {"marginal": extra, "settings_layers": L, "plan": plans, "timing": timing, "misses_during_timing": new_misses,
-            "d2d_bytes_per_s": bw,
-            "weight_bytes_per_layer": weight_bytes, "hbm_floor_us": floor_us, "layer_us": per_layer,
-            "ratio_to_floor": {m: per_layer[m] / floor_us for m in per_layer}, "breakdown": breakdown,
-            "note": "router, experts and shared expert all read in bf16, as counted here", "phase_seconds": seconds}
+    return {
+        "marginal": extra,
+        "settings_layers": L,
+        "plan": plans,
+        "timing": timing,
+        "misses_during_timing": new_misses,
+        "d2d_bytes_per_s": bw,
+        "weight_bytes_per_layer": weight_bytes,
+        "hbm_floor_us": floor_us,
+        "layer_us": per_layer,
+        "ratio_to_floor": {m: per_layer[m] / floor_us for m in per_layer},
+        "breakdown": breakdown,
+        "note": "router, experts and shared expert all read in bf16, as counted here",
+        "phase_seconds": seconds,
+    }
 
 
 def plan_line(plan: dict) -> str:
@@ -384,27 +395,42 @@ def marginal_line(r: dict) -> str:
 
 def table(res: dict) -> str:
     resi = res["resident_mode"]
-    fmt = lambda v, spec=".1f": "n/a" if v is None else format(v, spec)
+    def fmt(v, spec=".1f"):
+        return "n/a" if v is None else format(v, spec)
     lines = []
     if "miss_mode" in res:
         miss = res["miss_mode"]
         t, p = miss["timing"], miss["profile"]
-        lines += [(f"bitwise on == off: eager {miss['bitwise_eager']}, graph {miss['bitwise_graph']}; "
-                  f"side stream separate: {miss['calibration']['on']['side_stream_ok']}"),
-                  f"miss mode ({res['settings']['slots']} slots, {miss['misses_per_layer_per_step']:.2f} misses/layer/step)",
-                  *(f"  plan {m}: {plan_line(plan)}" for m, plan in miss["plan"].items()),
-                  (f"  step median off {t['off']['median_us']:.1f} us, on {t['on']['median_us']:.1f} us; paired saving "
-                  f"{t['paired_saving']['median_us']:.1f} us [p10 {t['paired_saving']['p10_us']:.1f}, "
-                  f"p90 {t['paired_saving']['p90_us']:.1f}] = {miss['saving_per_layer_us']:.2f} us per layer"),
-                  (f"  copy start slip (median): off {fmt(p['off']['median_slip_us'], '.2f')} us, "
-                  f"on {fmt(p['on']['median_slip_us'], '.2f')} us"),
-                  (f"  copy duration (median, missing layers): off {fmt(p['off']['copy_us_median_missed'])} us, "
-                  f"on {fmt(p['on']['copy_us_median_missed'])} us"),
-                  (f"  shared expert ends inside the copy: {fmt(p['on'].get('shared_inside_copy_share_missed'), '.0%')} "
-                  f"of missing layers ({fmt(p['on'].get('shared_inside_copy_share_all'), '.0%')} of all)"),
-                  (f"  kernels per layer: eager step off {miss['calibration']['off']['kernels_per_layer']:.1f}, "
-                   f"on {miss['calibration']['on']['kernels_per_layer']:.1f}; graph replays off "
-                   f"{fmt(p['off']['kernels_per_layer'])}, on {fmt(p['on']['kernels_per_layer'])}")]
+        lines += [
+            (
+                f"bitwise on == off: eager {miss['bitwise_eager']}, graph {miss['bitwise_graph']}; "
+                f"side stream separate: {miss['calibration']['on']['side_stream_ok']}"
+            ),
+            f"miss mode ({res['settings']['slots']} slots, {miss['misses_per_layer_per_step']:.2f} misses/layer/step)",
+            *(f"  plan {m}: {plan_line(plan)}" for m, plan in miss["plan"].items()),
+            (
+                f"  step median off {t['off']['median_us']:.1f} us, on {t['on']['median_us']:.1f} us; paired saving "
+                f"{t['paired_saving']['median_us']:.1f} us [p10 {t['paired_saving']['p10_us']:.1f}, "
+                f"p90 {t['paired_saving']['p90_us']:.1f}] = {miss['saving_per_layer_us']:.2f} us per layer"
+            ),
+            (
+                f"  copy start slip (median): off {fmt(p['off']['median_slip_us'], '.2f')} us, "
+                f"on {fmt(p['on']['median_slip_us'], '.2f')} us"
+            ),
+            (
+                f"  copy duration (median, missing layers): off {fmt(p['off']['copy_us_median_missed'])} us, "
+                f"on {fmt(p['on']['copy_us_median_missed'])} us"
+            ),
+            (
+                f"  shared expert ends inside the copy: {fmt(p['on'].get('shared_inside_copy_share_missed'), '.0%')} "
+                f"of missing layers ({fmt(p['on'].get('shared_inside_copy_share_all'), '.0%')} of all)"
+            ),
+            (
+                f"  kernels per layer: eager step off {miss['calibration']['off']['kernels_per_layer']:.1f}, "
+                f"on {miss['calibration']['on']['kernels_per_layer']:.1f}; graph replays off "
+                f"{fmt(p['off']['kernels_per_layer'])}, on {fmt(p['on']['kernels_per_layer'])}"
+            ),
+        ]
     lines += [TARGET, *(f"  resident plan {m}: {plan_line(plan)}" for m, plan in resi["plan"].items()),
               (f"  HBM floor {resi['hbm_floor_us']:.1f} us/layer ({resi['weight_bytes_per_layer'] / 1e6:.1f} MB at "
               f"{resi['d2d_bytes_per_s'] / 1e12:.2f} TB/s); layer off {resi['layer_us']['off']:.1f} us "

@@ -25,13 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def resident_routing(layers: int, experts: int, top_k: int, slots: int, batch: int = 1) -> np.ndarray:
@@ -99,10 +95,18 @@ def measure(weights, args: argparse.Namespace, prompt_len: int, trace_out: Path 
         prof.export_chrome_trace(str(trace_out))
     backend.slots.close()
     streamed, reused = counts[-1]
-    return {"prompt_tokens": prompt_len, "slots": slots, "ttft_s": float(np.median(times)),
-            "ttft_s_min": min(times), "ttft_s_max": max(times), "prefill_tokens_per_s": prompt_len / float(np.median(times)),
-            "experts_streamed": streamed, "experts_from_slots": reused,
-            "prefetched_unused": unused[-1], "bytes_per_expert": weights.store.bytes_per_expert}
+    return {
+        "prompt_tokens": prompt_len,
+        "slots": slots,
+        "ttft_s": float(np.median(times)),
+        "ttft_s_min": min(times),
+        "ttft_s_max": max(times),
+        "prefill_tokens_per_s": prompt_len / float(np.median(times)),
+        "experts_streamed": streamed,
+        "experts_from_slots": reused,
+        "prefetched_unused": unused[-1],
+        "bytes_per_expert": weights.store.bytes_per_expert,
+    }
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -137,6 +141,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse(argv)
     import benchmeta
+
     from moe.testing.random_decoder import qwen3_30b_like, random_decoder
 
     weights = random_decoder(qwen3_30b_like(args.layers, vocab_size=args.vocab), "cuda", seed=args.seed)

@@ -30,17 +30,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from expertcache.geometry import CacheGeometry  # noqa: E402
-from expertcache.host import HostCache  # noqa: E402
-from sim.synthetic import generate, preset  # noqa: E402
-from sim.trace import load_trace  # noqa: E402
+from expertcache.geometry import CacheGeometry
+from expertcache.host import HostCache
+from sim.synthetic import generate, preset
+from sim.trace import load_trace
 
 MODES = ("bypass", "admit")
 

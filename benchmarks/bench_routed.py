@@ -52,22 +52,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import benchmeta
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchmeta  # noqa: E402
-
-from expertcache.errors import FormatError  # noqa: E402
-from expertcache.formats import ExpertFormat, format_names, get_format  # noqa: E402
-from moe.kernels.plan import DEFAULT_ROUTED_TILES, DOWN_PREFETCH, QUANTIZED_ROUTED_TILES  # noqa: E402
-from moe.kernels.routed import routed_down, routed_experts, routed_gate_up, routed_reference  # noqa: E402
-from moe.kernels.routed_host import routed_scratch  # noqa: E402
-from moe.kernels.slot_matrix import SlotMatrix  # noqa: E402
-from moe.kernels.tiles import RoutedTiles  # noqa: E402
+from expertcache.errors import FormatError
+from expertcache.formats import ExpertFormat, format_names, get_format
+from moe.kernels.plan import DEFAULT_ROUTED_TILES, DOWN_PREFETCH, QUANTIZED_ROUTED_TILES
+from moe.kernels.routed import routed_down, routed_experts, routed_gate_up, routed_reference
+from moe.kernels.routed_host import routed_scratch
+from moe.kernels.slot_matrix import SlotMatrix
+from moe.kernels.tiles import RoutedTiles
 
 TARGET = ("target: per format, routed_experts at T=1 <= 1.3x the HBM floor of that format's bytes "
           "(qwen3-next, qwen3-30b)")
@@ -99,7 +96,7 @@ class Config:
     def down_options(self) -> dict:
         return {"release": self.down_release, "prefetch": self.down_prefetch or 0}
 
-    def for_format(self, fmt: ExpertFormat) -> "Config":
+    def for_format(self, fmt: ExpertFormat) -> Config:
         """This config as `fmt` runs it: a quantized format's down prefetches nothing."""
         return self if fmt.dense else dataclasses.replace(self, down_prefetch=None)
 
@@ -122,7 +119,8 @@ NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-dr)?(?:-pf(\d+))?$")
 @triton.jit
 def _stream_read(banks, rows, firsts, slots_ptr, out_ptr, NBANK: tl.constexpr, BLOCK: tl.constexpr):
     """Program (pair, blk): block blk of the concatenation of slot slots[pair]'s rows of the banks
-    (banks: int32 [S, rows[b]] each; firsts[b]: bank b's first block, firsts[NBANK] the total); an xor of the words is stored so
+    (banks: int32 [S, rows[b]] each; firsts[b]: bank b's first block, firsts[NBANK] the total); an xor of the words is
+    stored so
     the loads stay."""
     pair = tl.program_id(0)
     blk = tl.program_id(1)
@@ -139,7 +137,7 @@ def _stream_read(banks, rows, firsts, slots_ptr, out_ptr, NBANK: tl.constexpr, B
 READ_BLOCK = 4096  # int32 words per program (16 KB)
 
 
-def read_banks(matrix: "torch.Tensor | SlotMatrix") -> list[torch.Tensor]:
+def read_banks(matrix: torch.Tensor | SlotMatrix) -> list[torch.Tensor]:
     """A pool matrix's banks (a dense tensor, or a SlotMatrix's parts: values and scales) as int32
     [S, words] views (every format's slot rows are whole words: the miss copy needs it too)."""
     parts = matrix.parts if isinstance(matrix, SlotMatrix) else (matrix,)
@@ -497,7 +495,9 @@ def main() -> None:
         num_slots = args.slots or SHAPES[shape][3]
         start = time.perf_counter()
         pools = make_pools(shape, num_slots, args.formats)
-        sizes = ", ".join(f"{f} {num_slots * p.fmt.expert_bytes(*SHAPES[shape][:2]) / 2**30:.2f}" for f, p in pools.items())
+        sizes = ", ".join(
+            f"{f} {num_slots * p.fmt.expert_bytes(*SHAPES[shape][:2]) / 2**30:.2f}" for f, p in pools.items()
+        )
         print(f"{shape}: {num_slots} slots, pools (GiB) {sizes}, built in {time.perf_counter() - start:.1f} s",
               flush=True)
         for tokens in args.tokens:

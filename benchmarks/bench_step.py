@@ -6,7 +6,8 @@ goes, and transformers on the same geometry beside it.
     tokens (default Qwen3's 151,936: the head is part of the step), random bf16 weights on the GPU
     -> per batch B (--batches) and context C (--contexts):
          GpuMoE over L * E slots (every expert resident) with forced routing; first every expert is
-         routed once (E / k warm-up steps, bench_prefill.resident_routing), so the timed steps never miss; Engine (CUDA graphs)
+         routed once (E / k warm-up steps, bench_prefill.resident_routing), so the timed steps never miss; Engine (CUDA
+         graphs)
          prefill B short prompts, then every row's KV cache is filled with random keys and values to
          C - 1 positions (the step's cost depends on the length, not on what was said)
          -> --warmup steps, then --steps timed steps (CUDA events), routed by the synthetic
@@ -32,14 +33,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 GB = 1e9
 PROMPT = 4
@@ -77,12 +74,11 @@ def step_bytes(spec, batch: int, context: int, distinct_experts: float) -> dict[
 def measure(weights, args: argparse.Namespace, batch: int, context: int, trace_out: Path | None) -> dict:
     """One (B, C): tokens/s over the timed steps, the distinct experts per step, the profile's parts."""
     import torch
-
     from bench_decode import make_trace
+    from bench_prefill import resident_routing
+
     from moe.engine.backends import GpuMoE
     from moe.engine.engine import Engine
-
-    from bench_prefill import resident_routing
 
     spec = weights.spec
     layers, experts, k = spec.num_moe_layers, spec.moe.num_experts, spec.moe.top_k
@@ -239,9 +235,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse(argv)
+    import benchmeta
     import torch
 
-    import benchmeta
     from moe.testing.random_decoder import qwen3_30b_like, random_decoder
 
     weights = random_decoder(qwen3_30b_like(args.layers, vocab_size=args.vocab), "cuda", seed=args.seed)

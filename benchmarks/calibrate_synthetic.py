@@ -95,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     seeds = list(range(args.seeds))
     reals = {}
-    for f, (name, slots) in CASES.items():
+    for f, (_name, slots) in CASES.items():
         real = load_trace(args.traces / f)
         reals[f] = (real, syn.calibration_slots(real, slots))
     if args.fit:

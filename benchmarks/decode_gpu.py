@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from moe.engine.backends import GpuMoE
-from moe.model.checkpoint import ModelWeights
 from moe.engine.engine import Engine
+from moe.model.checkpoint import ModelWeights
 from moe.testing import random_decoder as decoders
 from sim.trace import Trace
 

@@ -323,7 +323,7 @@ class DevicePeak:
         self.cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", f"-lms={ms}"]
         self.peak_mib = None
 
-    def __enter__(self) -> "DevicePeak":
+    def __enter__(self) -> DevicePeak:
         try:
             self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
         except FileNotFoundError:  # no NVIDIA driver (a CPU build): nothing to watch, peak_mib stays None
@@ -391,9 +391,6 @@ def cache_slots(gpu_expert_bytes: int, bytes_per_expert: int, layers: int, exper
 
 def bench_ours(args: argparse.Namespace) -> dict:
     import torch
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    sys.path.insert(0, str(ROOT))
     from bench_decode import make_trace
     from decode_gpu import measure
 
@@ -447,7 +444,6 @@ def limits(args: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - t0)
     host = x.numel() * 4 / float(np.median(times[1:]))
     del x
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import benchmeta
 
     result = {"host_read_bytes_per_s": host, "host_threads": args.threads,

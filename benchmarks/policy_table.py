@@ -26,7 +26,7 @@ def table(arg: str) -> tuple[str, list[dict]]:
     try:
         fracs = tuple(float(f) for f in fracs_text.split(",")) if fracs_text else FRACS
     except ValueError:
-        raise SystemExit(f"{arg!r}: the shares after @ must be a comma list of numbers, e.g. @0.1,0.2,0.3")
+        raise SystemExit(f"{arg!r}: the shares after @ must be a comma list of numbers, e.g. @0.1,0.2,0.3") from None
     trace = load_trace(path)
     total = trace.num_layers * trace.num_experts
     slots = [round(f * total) for f in fracs]

@@ -30,8 +30,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import httpx
 
@@ -177,47 +177,78 @@ def _cases() -> dict[str, tuple[Callable, Callable]]:
     raw = lambda s: _post("/v1/completions", s.encode() if isinstance(s, str) else s)  # noqa: E731
     chat = lambda content: {**m, "messages": [{"role": "user", "content": content}]}  # noqa: E731
     cases = {
-        "body 30 MB": (_post("/v1/completions", {**m, "prompt": "w9 " * 10_000_000}), _json_error(413, "request_too_large")),
+        "body 30 MB": (
+            _post("/v1/completions", {**m, "prompt": "w9 " * 10_000_000}),
+            _json_error(413, "request_too_large"),
+        ),
         "chunked body 9 MB": (_chunked(9 * 2**20), _json_error(413, "request_too_large")),
-        "prompt 6 MB": (_post("/v1/completions", {**m, "prompt": "w9 " * 2_000_000}),
-                        _json_error(400, "context_length_exceeded")),
+        "prompt 6 MB": (
+            _post("/v1/completions", {**m, "prompt": "w9 " * 2_000_000}),
+            _json_error(400, "context_length_exceeded"),
+        ),
         "4000 stops of 1000 chars": (_post("/v1/completions", {**p, "stop": ["x" * 1000] * 4000}), _json_error(400)),
         "lone surrogate prompt": (raw('{"model": "tiny", "prompt": "a\\ud800b"}'), _json_error(400, "invalid_json")),
-        "lone surrogate chat": (raw('{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}'),
-                                _json_error(400, "invalid_json")),
+        "lone surrogate chat": (
+            raw('{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}'),
+            _json_error(400, "invalid_json"),
+        ),
         "invalid UTF-8": (raw(b'{"model": "tiny", "prompt": "\xff\xfe"}'), _json_error(400)),
         "truncated JSON": (raw('{"model": "tiny", "prompt": '), _json_error(400, "invalid_json")),
         "JSON array": (raw("[1, 2]"), _json_error(400)),
         "empty body": (raw(""), _json_error(400)),
         "text/plain": (_post("/v1/completions", p, {"Content-Type": "text/plain"}), _json_error(415)),
-        "form": (_post("/v1/completions", "model=tiny&prompt=w9", {"Content-Type": "application/x-www-form-urlencoded"}),
-                 _json_error(415)),
+        "form": (
+            _post("/v1/completions", "model=tiny&prompt=w9", {"Content-Type": "application/x-www-form-urlencoded"}),
+            _json_error(415),
+        ),
         "no API key": (lambda url: httpx.post(url + "/v1/completions", json=p), _json_error(401, "invalid_api_key")),
         "/metrics without key": (lambda url: httpx.get(url + "/metrics"), _json_error(401, "invalid_api_key")),
-        "lowercase bearer": (_post("/v1/completions", {**p, "max_tokens": 1}, {"Authorization": f"bearer {KEY}"}),
-                             lambda r: r.status_code == 200),
+        "lowercase bearer": (
+            _post("/v1/completions", {**p, "max_tokens": 1}, {"Authorization": f"bearer {KEY}"}),
+            lambda r: r.status_code == 200,
+        ),
         "unknown field": (_post("/v1/completions", {**p, "top_k": 5}), _json_error(400, "unknown_parameter")),
         "max_tokens '5'": (_post("/v1/completions", {**p, "max_tokens": "5"}), _json_error(400)),
         "stream 'yes'": (_post("/v1/completions", {**p, "stream": "yes"}), _json_error(400)),
         "n 2": (_post("/v1/completions", {**p, "n": 2}), _json_error(400)),
-        "wrong model": (_post("/v1/completions", {"model": "gpt-4", "prompt": "w9"}), _json_error(404, "model_not_found")),
+        "wrong model": (
+            _post("/v1/completions", {"model": "gpt-4", "prompt": "w9"}),
+            _json_error(404, "model_not_found"),
+        ),
         "token id out of range": (_post("/v1/completions", {**m, "prompt": [5, 10_000]}), _json_error(400)),
-        "max_tokens past the context": (_post("/v1/completions", {**p, "max_tokens": 1000}),
-                                        _json_error(400, "context_length_exceeded")),
-        "image content part": (_post("/v1/chat/completions", chat([{"type": "image_url", "image_url": {"url": "x"}}])),
-                               _json_error(400)),
+        "max_tokens past the context": (
+            _post("/v1/completions", {**p, "max_tokens": 1000}),
+            _json_error(400, "context_length_exceeded"),
+        ),
+        "image content part": (
+            _post("/v1/chat/completions", chat([{"type": "image_url", "image_url": {"url": "x"}}])),
+            _json_error(400),
+        ),
         "GET on a POST endpoint": (lambda url: httpx.get(url + "/v1/completions", headers=AUTH), _json_error(405)),
         "unknown path": (lambda url: httpx.get(url + "/v2/nothing", headers=AUTH), _json_error(404)),
         "stalled headers": (_closed_by_server(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"), bool),
-        "half-open body": (_closed_by_server(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                                             b"application/json\r\nContent-Length: 1000\r\n\r\n{\"mod"), bool),
+        "half-open body": (
+            _closed_by_server(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b'application/json\r\nContent-Length: 1000\r\n\r\n{"mod'
+            ),
+            bool,
+        ),
         "silent connection": (_closed_by_server(b""), bool),
         "not HTTP": (_json_400_over_raw(b"GARBAGE\r\n\r\n"), bool),
         "TLS handshake on the plain port": (_json_400_over_raw(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"), bool),
     }
-    for field, value in (("logprobs", 9), ("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"}),
-                         ("echo", True), ("best_of", 3), ("suffix", "w9"), ("presence_penalty", 1.0),
-                         ("frequency_penalty", 0.5), ("logit_bias", {"9": 1})):
+    for field, value in (
+        ("logprobs", 9),
+        ("tools", [{"type": "function"}]),
+        ("response_format", {"type": "json_object"}),
+        ("echo", True),
+        ("best_of", 3),
+        ("suffix", "w9"),
+        ("presence_penalty", 1.0),
+        ("frequency_penalty", 0.5),
+        ("logit_bias", {"9": 1}),
+    ):
         cases[f"unsupported {field}"] = (_post("/v1/completions", {**p, field: value}), _json_error(400))
     return cases
 
@@ -318,8 +349,12 @@ def _shutdown(srv: Served) -> dict:
     for t in threads:
         t.join(60)
     code = srv.proc.wait(30)
-    return {"requests": len(threads), "answered_cleanly": outcomes.count("ok"), "bad": [o for o in outcomes if o != "ok"],
-            "exit_code": code}
+    return {
+        "requests": len(threads),
+        "answered_cleanly": outcomes.count("ok"),
+        "bad": [o for o in outcomes if o != "ok"],
+        "exit_code": code,
+    }
 
 
 def run(seconds: float, clients: int, model: Path | None, max_rss_growth_mb: float, seed: int = 0) -> dict:
@@ -327,8 +362,7 @@ def run(seconds: float, clients: int, model: Path | None, max_rss_growth_mb: flo
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if model is None:
-            sys.path.insert(0, str(ROOT))
-            from tests.moe.serving_util import make_tiny_checkpoint
+            from moe.testing.tiny_checkpoint import make_tiny_checkpoint
 
             model = make_tiny_checkpoint(work / "tiny")
         srv = Served(model, work)
@@ -387,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     print("slowest cases: " + ", ".join(f"{k} {v:.2f} s" for k, v in slow))
     print(f"server RSS {result['rss_mb'][0]} -> {result['rss_mb'][1]} MB; health {result['health']}")
     s = result["shutdown"]
-    print(f"shutdown: {s['answered_cleanly']}/{s['requests']} open requests answered cleanly, exit code {s['exit_code']}")
+    print(
+        f"shutdown: {s['answered_cleanly']}/{s['requests']} open requests answered cleanly, exit code {s['exit_code']}"
+    )
     print("checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in result["checks"].items()))
     if result["log_tail"]:
         print(result["log_tail"], file=sys.stderr)

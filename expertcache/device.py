@@ -37,6 +37,7 @@ from expertcache.device_ensure import (
     CallTensors,
     ensure_kernel,
 )
+from expertcache.device_markov import launch_observe
 from expertcache.device_policies import (
     MIRROR_MAX_LAYERS,
     POLICY_LFUDA,
@@ -48,7 +49,6 @@ from expertcache.errors import EnsureError
 from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
 from expertcache.host import Snapshot
 from expertcache.policies import REGISTRY, Policy, get_policy
-from expertcache.device_markov import launch_observe
 from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_MARKOV, KIND_RULE, PolicyState
 
 DEVICE_KINDS = {KIND_LRU: POLICY_LRU.value, KIND_RULE: POLICY_RULE.value, KIND_LFUDA: POLICY_LFUDA.value,
@@ -180,7 +180,8 @@ class DeviceCache:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         st = self.policy.init_state()
-        t = lambda a: torch.as_tensor(np.ascontiguousarray(a), device=self.device)
+        def t(a):
+            return torch.as_tensor(np.ascontiguousarray(a), device=self.device)
         self.slot_of = t(np.full(geometry.num_keys, NO_SLOT, np.int32))
         self.key_of = t(np.full(geometry.num_slots, NO_KEY, np.int32))
         self.kst, self.sst = t(st.key), t(st.slot)
@@ -292,7 +293,8 @@ class DeviceCache:
 
     def snapshot(self) -> Snapshot:
         """The state as numpy arrays, comparable with HostCache.snapshot() (syncs)."""
-        h = lambda x: x.detach().cpu().numpy().copy()
+        def h(x):
+            return x.detach().cpu().numpy().copy()
         glob = h(self.gst)[: len(self.policy.glob_fields)]
         return Snapshot(h(self.slot_of), h(self.key_of), PolicyState(h(self.kst), h(self.sst), glob),
                         h(self.clock), h(self.counters))

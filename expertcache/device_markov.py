@@ -21,7 +21,8 @@ Two launches, graph capturable, needing no host value but `layer`, a launch argu
   predict  (E / PREDICT_CHUNK programs, a chunk of the layer's experts each) steps 3-4, the routed
            experts' rows read PREDICT_ROWS at a time from that list as one 2-D tile
 so a call reads some 2 J k rows of E counts, in parallel. The divisions are int64 floor divisions, which
-the host's float division by a reciprocal (markov._div_r, markov._qdiv) reproduces exactly. DeviceCache.ensure launches both before the ensure kernel, which then scores
+the host's float division by a reciprocal (markov._div_r, markov._qdiv) reproduces exactly. DeviceCache.ensure launches
+both before the ensure kernel, which then scores
 markov's keys from V (expertcache.device_policies._keyed_scores).
 """
 
@@ -141,7 +142,9 @@ def _markov_predict_kernel(kst_ptr, gst_ptr, ids_ptr, routed_ptr, slot_of_ptr, l
                     rows = tl.load(kst_ptr + (T + j * E + b[:, None]) * row_stride + col[None, :],
                                    mask=m[:, None] & ok[None, :], other=0)  # [RB, CHUNK]
                     acc += tl.sum(rows.to(tl.int64), axis=0)
-                    d += tl.sum(tl.load(kst_ptr + (R + j) * row_stride + base + b, mask=m, other=0).to(tl.int64), axis=0)
+                    d += tl.sum(
+                        tl.load(kst_ptr + (R + j) * row_stride + base + b, mask=m, other=0).to(tl.int64), axis=0
+                    )
                     i += RB
                 v += (((n * acc) << ONE_SHIFT) + pq * f) // d
         v += recency.to(tl.int64) * routed

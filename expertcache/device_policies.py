@@ -26,7 +26,12 @@ import triton.language as tl
 
 from expertcache.policies.markov import P_BETA_Q
 
-POLICY_LRU, POLICY_RULE, POLICY_LFUDA, POLICY_MARKOV = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+POLICY_LRU, POLICY_RULE, POLICY_LFUDA, POLICY_MARKOV = (
+    tl.constexpr(0),
+    tl.constexpr(1),
+    tl.constexpr(2),
+    tl.constexpr(3),
+)
 # rule's mirror, row 0 per slot: lt | layer << LT_BITS (at most MIRROR_MAX_LAYERS layers, lt < 2**56), or PINNED
 # while the call being scored holds the slot's key as a hit (the call's commit rewrites the word)
 LT_BITS = tl.constexpr(56)

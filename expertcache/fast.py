@@ -33,9 +33,10 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
+from expertcache import victim_index
 from expertcache.errors import EnsureError
 from expertcache.geometry import CacheGeometry, distinct_counts
-from expertcache.policies import lfuda, lru, markov, oracle, rule
+from expertcache.policies import base, lfuda, lru, markov, oracle, rule
 from expertcache.policies.base import (
     CLK_EXPERTS,
     CLK_LAYER,
@@ -48,10 +49,7 @@ from expertcache.policies.base import (
     KIND_MARKOV,
     KIND_RULE,
 )
-from expertcache import victim_index
-from expertcache.policies import base
 from expertcache.victim_index import FREE, ix_best, ix_fill, ix_new, ix_set
-
 
 
 def _drop_stale_kernels() -> None:

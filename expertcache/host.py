@@ -58,7 +58,7 @@ class Snapshot:
     clock: np.ndarray
     counters: np.ndarray
 
-    def equals(self, other: "Snapshot") -> bool:
+    def equals(self, other: Snapshot) -> bool:
         return (
             np.array_equal(self.slot_of, other.slot_of)
             and np.array_equal(self.key_of, other.key_of)

@@ -11,8 +11,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import torch
 
@@ -138,7 +138,7 @@ class HostStore:
         self._views: dict[tuple[str, torch.dtype], DeviceView] = {}
 
     @classmethod
-    def from_tensors(cls, banks: Mapping[str, torch.Tensor], *, pin: bool | None = None) -> "HostStore":
+    def from_tensors(cls, banks: Mapping[str, torch.Tensor], *, pin: bool | None = None) -> HostStore:
         """A store of the given tensors, each [num_keys, *row_shape] of any dtype.
 
         pin: copy into pinned memory (default: when CUDA is available). Tensors that are
@@ -157,7 +157,7 @@ class HostStore:
         return cls(out, pinned=pin)
 
     @classmethod
-    def empty(cls, banks: Sequence[Bank], num_keys: int, *, pin: bool | None = None) -> "HostStore":
+    def empty(cls, banks: Sequence[Bank], num_keys: int, *, pin: bool | None = None) -> HostStore:
         """A store of uninitialised rows, [num_keys, *row_shape] per bank, for loaders to fill."""
         banks = _check_banks(banks)
         if isinstance(num_keys, bool) or not isinstance(num_keys, int) or num_keys < 1:

@@ -11,6 +11,7 @@ never used again (NEVER) goes first, then the furthest. Under the ensure contrac
 from __future__ import annotations
 
 import numpy as np
+
 from expertcache.geometry import CacheGeometry
 from expertcache.policies.base import KIND_ORACLE, Clock, Policy, PolicyState
 from expertcache.policies.oracle import NEXT
@@ -57,7 +58,7 @@ class Belady(Policy):
         self.next_use = np.ascontiguousarray(next_use, dtype=np.int64)
 
     @classmethod
-    def for_calls(cls, geometry: CacheGeometry, ids: np.ndarray, layers: np.ndarray) -> "Belady":
+    def for_calls(cls, geometry: CacheGeometry, ids: np.ndarray, layers: np.ndarray) -> Belady:
         return cls(geometry, next_use(*call_keys(ids, np.asarray(layers), geometry.num_experts)))
 
     def aux(self) -> np.ndarray:

@@ -25,8 +25,15 @@ from expertcache.errors import EnsureError, PolicyError
 from sim.budget import BudgetError, BudgetFlags, FormatRun, describe, parse_flags, plan_runs
 from sim.costmodel import H200, H200_SM_COPY, HardwareProfile, format_profile
 from sim.replay import ORACLES, check_policies, check_replayable, min_slots, sim_policy_names, sweep
-from sim.report import (build_format_rows, build_rows, format_budget_table, format_choices, format_per_layer,
-                        format_table, plot_hit_rate)
+from sim.report import (
+    build_format_rows,
+    build_rows,
+    format_budget_table,
+    format_choices,
+    format_per_layer,
+    format_table,
+    plot_hit_rate,
+)
 from sim.trace import Trace, TraceError, load_trace
 
 DEFAULT_PRESET = "qwen3-next"

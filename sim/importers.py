@@ -23,8 +23,7 @@ from typing import Any
 import numpy as np
 
 from sim.archive import read_npy
-from sim.trace import (FORMAT, MAX_KEYS, MAX_LAYERS, Trace, TraceError, TraceMeta, _check_distinct,
-                       _check_ids, _is_int)
+from sim.trace import FORMAT, MAX_KEYS, MAX_LAYERS, Trace, TraceError, TraceMeta, _check_distinct, _check_ids, _is_int
 
 _INT32 = np.iinfo(np.int32)
 # FreeToken file per Trace field: (file name, "i"nteger or "f"loat, ndim)

@@ -171,7 +171,8 @@ def choices(rows: list[Row], oracles: tuple[str, ...]) -> list[dict]:
         if not deployable:
             continue
         priced = all(r.tokens_per_s is not None for r in group)
-        def key(r: Row) -> tuple:
+
+        def key(r: Row, priced: bool = priced) -> tuple:
             return (-r.tokens_per_s if priced else r.result.misses, r.result.policy)
         best = min(deployable, key=key)
         lru = next((r for r in group if r.result.policy == "lru"), None)

@@ -67,13 +67,8 @@ def compile_check(script: str):
 
 
 def load_bench(name: str):
-    """benchmarks/<name>.py imported as module `name` (the benchmarks are scripts, not a package)."""
-    import importlib.util
-    import sys
+    """benchmarks/<name>.py as a module (pytest's `pythonpath` puts benchmarks/ on sys.path, as running
+    a script there does)."""
+    import importlib
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(name)

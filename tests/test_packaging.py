@@ -133,8 +133,16 @@ def test_every_module_the_expertcache_command_imports_is_a_declared_dependency()
     entry = PROJECT["scripts"]["expertcache"].split(":")[0]
     reached, third = _walk(entry)
     # the walk reaches both subcommands' code, the lazy imports of `serve` and the GPU path
-    assert {"moe.serve.cli", "moe.serve.server", "moe.engine.loading", "moe.model.checkpoint", "moe.engine.backends", "moe.engine.layer",
-            "expertcache.copy", "sim.cli"} <= reached
+    assert {
+        "moe.serve.cli",
+        "moe.serve.server",
+        "moe.engine.loading",
+        "moe.model.checkpoint",
+        "moe.engine.backends",
+        "moe.engine.layer",
+        "expertcache.copy",
+        "sim.cli",
+    } <= reached
     assert {"torch", "triton", "fastapi", "uvicorn", "numpy"} <= set(third)
     declared = _names(PROJECT["dependencies"])
     owners = importlib.metadata.packages_distributions()

@@ -142,7 +142,12 @@ def test_llama_bench_json_and_nvidia_smi_lines_are_read():
                        "model_size": 123, "model_type": "qwen3moe 30B.A3B BF16", "gpu_info": "NVIDIA H200",
                        "cpu_info": "Xeon", "avg_ts": 100.0, "samples_ts": [101.0, 97.5, 99.0]}])
     got = peer.parse_llama_bench(out)
-    assert (got["tokens_per_s"], got["tokens_per_s_min"], got["tokens_per_s_max"], got["reps"]) == (99.0, 97.5, 101.0, 3)
+    assert (got["tokens_per_s"], got["tokens_per_s_min"], got["tokens_per_s_max"], got["reps"]) == (
+        99.0,
+        97.5,
+        101.0,
+        3,
+    )
     assert got["n_cpu_moe"] == 6 and got["build_commit"] == "0c1e5709"
     with pytest.raises(SystemExit, match="2 tests"):
         peer.parse_llama_bench(json.dumps([json.loads(out)[0]] * 2))

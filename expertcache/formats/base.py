@@ -20,8 +20,9 @@ or scale block) is refused, never padded: the error names in_features and the mu
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Mapping
+from typing import TYPE_CHECKING, ClassVar
 
 from expertcache.errors import FormatError
 
@@ -116,7 +117,7 @@ class ExpertFormat:
         """Bytes of one expert: gate_up [2I, H] (gate_proj and up_proj, stack 2) plus down [H, I]."""
         return self.matrix_bytes(2 * intermediate, hidden, 2) + self.matrix_bytes(hidden, intermediate)
 
-    def banks(self, name: str, out_features: int, in_features: int, stack: int = 1) -> tuple["Bank", ...]:
+    def banks(self, name: str, out_features: int, in_features: int, stack: int = 1) -> tuple[Bank, ...]:
         """The HostStore / SlotPool banks of matrix `name` [out, in] of `stack` sub-matrices, in layout order."""
         import torch
 
@@ -125,11 +126,11 @@ class ExpertFormat:
         return tuple(Bank(bank_name(name, p.suffix), p.shape, getattr(torch, p.dtype))
                      for p in self.layout(out_features, in_features, stack))
 
-    def expert_banks(self, hidden: int, intermediate: int) -> tuple["Bank", ...]:
+    def expert_banks(self, hidden: int, intermediate: int) -> tuple[Bank, ...]:
         """The banks of one expert: those of "gate_up" [2I, H] (stack 2), then those of "down" [H, I]."""
         return self.banks("gate_up", 2 * intermediate, hidden, 2) + self.banks("down", hidden, intermediate)
 
-    def quantize(self, w: "torch.Tensor", stack: int = 1) -> dict[str, "torch.Tensor"]:
+    def quantize(self, w: torch.Tensor, stack: int = 1) -> dict[str, torch.Tensor]:
         """Parts of `w` [out, in] (bfloat16 / float16 / float32, finite), on w's device; with `stack`,
         each of its `stack` row blocks is quantized alone and the parts are concatenated (dim 0).
 
@@ -152,7 +153,7 @@ class ExpertFormat:
         self._check_parts(parts, layout)
         return parts
 
-    def dequantize(self, parts: Mapping[str, "torch.Tensor"], stack: int = 1) -> "torch.Tensor":
+    def dequantize(self, parts: Mapping[str, torch.Tensor], stack: int = 1) -> torch.Tensor:
         """W' float32 [out, in] from `parts` (exactly the layout's keys, shapes and dtypes) of a matrix
         of `stack` sub-matrices (each part's dim 0 split in `stack`, each sub-matrix decoded alone).
 
@@ -172,8 +173,8 @@ class ExpertFormat:
         self._check_values(parts)
         return self.decode(parts, out_features, in_features, stack)
 
-    def decode(self, parts: Mapping[str, "torch.Tensor"], out_features: int, in_features: int,
-               stack: int = 1) -> "torch.Tensor":
+    def decode(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int,
+               stack: int = 1) -> torch.Tensor:
         """W' float32 [out, in] of parts already checked (a store or pool's own rows): `dequantize` without
         the checks, so a GPU caller syncs nothing. The parts must have the layout's shapes."""
         import torch
@@ -181,14 +182,14 @@ class ExpertFormat:
         subs = [{k: v.chunk(stack)[i] for k, v in parts.items()} for i in range(stack)]
         return torch.cat([self._dequantize(p, out_features // stack, in_features) for p in subs])
 
-    def check(self, parts: Mapping[str, "torch.Tensor"], out_features: int, in_features: int, stack: int = 1) -> None:
+    def check(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int, stack: int = 1) -> None:
         """Refuse `parts` that are not exactly the layout of [out, in] (keys, shapes, dtypes, one device) or
         hold an invalid code or scale: FormatError naming the part. Cost: one pass over the scales (and
         over fp8 values for the NaN code)."""
         self._check_parts(parts, self.layout(out_features, in_features, stack))
         self._check_values(parts)
 
-    def _check_parts(self, parts: Mapping[str, "torch.Tensor"], layout: tuple[Part, ...]) -> None:
+    def _check_parts(self, parts: Mapping[str, torch.Tensor], layout: tuple[Part, ...]) -> None:
         import torch
 
         want = [p.suffix for p in layout]
@@ -203,20 +204,20 @@ class ExpertFormat:
         if len(devices) != 1:
             raise FormatError(f"{self.name}: every part must be on one device, got {sorted(map(str, devices))}")
 
-    def _check_values(self, parts: Mapping[str, "torch.Tensor"]) -> None:
+    def _check_values(self, parts: Mapping[str, torch.Tensor]) -> None:
         """Refuse invalid codes or scales (FormatError naming the part); nothing to check by default."""
 
     def _layout(self, out_features: int, in_features: int) -> tuple[Part, ...]:
         raise NotImplementedError
 
-    def _quantize(self, w: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+    def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def _dequantize(self, parts: Mapping[str, "torch.Tensor"], out_features: int, in_features: int) -> "torch.Tensor":
+    def _dequantize(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
         raise NotImplementedError
 
 
-def check_finite(fmt: ExpertFormat, parts: Mapping[str, "torch.Tensor"], *suffixes: str) -> None:
+def check_finite(fmt: ExpertFormat, parts: Mapping[str, torch.Tensor], *suffixes: str) -> None:
     """Refuse a NaN / inf in the given parts (decoded to float32), naming the part."""
     import torch
 

@@ -8,8 +8,9 @@ unregistered dense formats float16 / float32, the experts of a float16 / float32
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Mapping
+from typing import TYPE_CHECKING, ClassVar
 
 from expertcache.formats.base import ExpertFormat, Part
 
@@ -28,12 +29,12 @@ class BF16(ExpertFormat):
     def _layout(self, out_features: int, in_features: int) -> tuple[Part, ...]:
         return (Part("", (out_features, in_features), self.dtype),)
 
-    def _quantize(self, w: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+    def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         import torch
 
         return {"": w.to(getattr(torch, self.dtype)).contiguous()}
 
-    def _dequantize(self, parts: Mapping[str, "torch.Tensor"], out_features: int, in_features: int) -> "torch.Tensor":
+    def _dequantize(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
         import torch
 
         return parts[""].to(torch.float32)

@@ -15,8 +15,9 @@ q = e4m3(clamp(W / s, -448, 448)), round to nearest even (torch's float32 -> flo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from expertcache.errors import FormatError
 from expertcache.formats.base import ExpertFormat, Part, ceil_div, check_finite
@@ -28,7 +29,7 @@ BLOCK = 128
 E4M3_MAX = 448.0
 
 
-def expand_blocks(s: "torch.Tensor", rows: int, cols: int, block: int) -> "torch.Tensor":
+def expand_blocks(s: torch.Tensor, rows: int, cols: int, block: int) -> torch.Tensor:
     """s [ceil(rows / block), ceil(cols / block)] -> [rows, cols], each scale over its block."""
     return s.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
 
@@ -43,7 +44,7 @@ class FP8(ExpertFormat):
         return (Part("q", (out_features, in_features), "float8_e4m3fn"),
                 Part("s", (ceil_div(out_features, BLOCK), ceil_div(in_features, BLOCK)), "float32"))
 
-    def _quantize(self, w: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+    def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         import torch
 
         out_features, in_features = w.shape
@@ -56,14 +57,14 @@ class FP8(ExpertFormat):
         q = x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return {"q": q.contiguous(), "s": s.contiguous()}
 
-    def _check_values(self, parts: Mapping[str, "torch.Tensor"]) -> None:
+    def _check_values(self, parts: Mapping[str, torch.Tensor]) -> None:
         import torch
 
         check_finite(self, parts, "s")
         if bool(((parts["q"].view(torch.uint8) & 0x7F) == 0x7F).any()):
             raise FormatError("fp8: parts['q'] holds the e4m3fn NaN code (0x7F / 0xFF)")
 
-    def _dequantize(self, parts: Mapping[str, "torch.Tensor"], out_features: int, in_features: int) -> "torch.Tensor":
+    def _dequantize(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
         import torch
 
         s = expand_blocks(parts["s"], out_features, in_features, BLOCK)

@@ -20,8 +20,9 @@ that clips a positive extreme (round(7.5) = 8 > 7). Quantizing with zero_points=
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from expertcache.errors import FormatError
 from expertcache.formats.base import ExpertFormat, Part, ceil_div, check_finite
@@ -66,7 +67,7 @@ class INT4(ExpertFormat):
         parts = (Part("q", (out_features, in_features // 2), "uint8"), Part("s", groups, self.scale_dtype))
         return parts + ((Part("z", groups, "uint8"),) if self.zero_points else ())
 
-    def _quantize(self, w: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+    def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         import torch
 
         from expertcache.formats.packing import pack_nibbles
@@ -88,12 +89,12 @@ class INT4(ExpertFormat):
             parts["z"] = torch.full(s.shape, ZERO, dtype=torch.uint8, device=w.device)
         return parts
 
-    def _check_values(self, parts: Mapping[str, "torch.Tensor"]) -> None:
+    def _check_values(self, parts: Mapping[str, torch.Tensor]) -> None:
         check_finite(self, parts, "s")
         if self.zero_points and bool((parts["z"] > 15).any()):
             raise FormatError("int4: parts['z'] (zero points) must be in 0..15")
 
-    def _dequantize(self, parts: Mapping[str, "torch.Tensor"], out_features: int, in_features: int) -> "torch.Tensor":
+    def _dequantize(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
         import torch
 
         from expertcache.formats.packing import unpack_nibbles

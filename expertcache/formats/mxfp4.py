@@ -18,8 +18,9 @@ ModelOpt's MXFP4QTensor instead uses ceil(log2(amax / 6)), which never clips; we
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from expertcache.errors import FormatError
 from expertcache.formats.base import ExpertFormat, Part
@@ -32,7 +33,7 @@ E2M1_EMAX = 2
 E8M0_BIAS = 127
 
 
-def pow2(e: "torch.Tensor") -> "torch.Tensor":
+def pow2(e: torch.Tensor) -> torch.Tensor:
     """Exact float32 2^e for int e in [-127, 127], built from the bits (2^-127 is subnormal)."""
     import torch
 
@@ -53,7 +54,7 @@ class MXFP4(ExpertFormat):
         return (Part("q", (out_features, in_features // 2), "uint8"),
                 Part("s", (out_features, in_features // BLOCK), "uint8"))
 
-    def _quantize(self, w: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+    def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         import torch
 
         from expertcache.formats.packing import e2m1_encode, pack_nibbles
@@ -67,11 +68,11 @@ class MXFP4(ExpertFormat):
         q = pack_nibbles(e2m1_encode(x.view(out_features, in_features)))
         return {"q": q.contiguous(), "s": (e + E8M0_BIAS).to(torch.uint8).contiguous()}
 
-    def _check_values(self, parts: Mapping[str, "torch.Tensor"]) -> None:
+    def _check_values(self, parts: Mapping[str, torch.Tensor]) -> None:
         if bool((parts["s"] == 255).any()):
             raise FormatError("mxfp4: parts['s'] holds the e8m0 NaN code 255")
 
-    def _dequantize(self, parts: Mapping[str, "torch.Tensor"], out_features: int, in_features: int) -> "torch.Tensor":
+    def _dequantize(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
         from expertcache.formats.packing import e2m1_decode, unpack_nibbles
 
         v = e2m1_decode(unpack_nibbles(parts["q"])).view(out_features, in_features // BLOCK, BLOCK)

@@ -21,8 +21,9 @@ where the cast underflows to zero, whose codes ModelOpt leaves undefined). Eithe
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from expertcache.errors import FormatError
 from expertcache.formats.base import ExpertFormat, Part, check_finite
@@ -49,7 +50,7 @@ class NVFP4(ExpertFormat):
                 Part("s", (out_features, in_features // BLOCK), "float8_e4m3fn"),
                 Part("s2", (1,), "float32"))
 
-    def _quantize(self, w: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+    def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         import torch
 
         from expertcache.formats.packing import e2m1_encode, pack_nibbles
@@ -65,12 +66,12 @@ class NVFP4(ExpertFormat):
         q = pack_nibbles(e2m1_encode(x.view(out_features, in_features)))
         return {"q": q.contiguous(), "s": s.contiguous(), "s2": s2.contiguous()}
 
-    def _check_values(self, parts: Mapping[str, "torch.Tensor"]) -> None:
+    def _check_values(self, parts: Mapping[str, torch.Tensor]) -> None:
         check_finite(self, parts, "s", "s2")
         if not bool((parts["s2"] > 0).all()):
             raise FormatError(f"nvfp4: parts['s2'] (weight_scale_2) must be > 0, got {parts['s2'].tolist()}")
 
-    def _dequantize(self, parts: Mapping[str, "torch.Tensor"], out_features: int, in_features: int) -> "torch.Tensor":
+    def _dequantize(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
         from expertcache.formats.packing import e2m1_decode, unpack_nibbles
 
         v = e2m1_decode(unpack_nibbles(parts["q"])).view(out_features, in_features // BLOCK, BLOCK)

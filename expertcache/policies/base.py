@@ -27,8 +27,9 @@ Scores are int64; the lowest `(score, slot index)` among evictable slots is evic
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
@@ -64,10 +65,10 @@ class PolicyState:
     slot: np.ndarray
     glob: np.ndarray
 
-    def copy(self) -> "PolicyState":
+    def copy(self) -> PolicyState:
         return PolicyState(self.key.copy(), self.slot.copy(), self.glob.copy())
 
-    def equals(self, other: "PolicyState") -> bool:
+    def equals(self, other: PolicyState) -> bool:
         return (
             np.array_equal(self.key, other.key)
             and np.array_equal(self.slot, other.slot)

@@ -85,7 +85,9 @@ def _prefetch(typingctx, arr, i, j):
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]], wraparound=False)
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         # the overloaded name (llvm.prefetch.p0, or .p0i8 where pointers are typed) from the pointer type
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+        fn = builder.module.declare_intrinsic(
+            "llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        )
         builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])
         return context.get_dummy_value()
     return types.void(arr, i, j), codegen

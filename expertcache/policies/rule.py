@@ -52,8 +52,8 @@ from expertcache.policies.base import (
     CLK_LAYER,
     CLK_LAYERS,
     CLK_TOK,
-    Clock,
     KIND_RULE,
+    Clock,
     Policy,
     PolicyState,
 )

@@ -19,7 +19,8 @@ distinct experts than there are slots (ensure refuses that). Chunking the prompt
 would work but still flush the pool. Instead prefill reads each used expert's rows straight from the
 HostStore once per layer (on a GPU: copy-engine transfers from pinned memory into a ring of
 PREFILL_STAGING staging slots, on their own stream, running ahead of the compute) and
-leaves the slot map, policy state, clocks and counters untouched; an expert that already has a slot is computed from the pool instead (read only,
+leaves the slot map, policy state, clocks and counters untouched; an expert that already has a slot is computed from
+the pool instead (read only,
 no transfer: the slot holds the same bytes). Both backends share this one function; the decode math
 is the same formula.
 
@@ -41,12 +42,12 @@ from expertcache.geometry import CacheGeometry
 from expertcache.host import HostCache
 from expertcache.pool import HostStore, SlotPool
 from moe.engine.budget import PREFILL_STAGING
-from moe.model.checkpoint import EXPERT_BIAS_BANKS, ModelWeights, MoEWeights
-from moe.model.config import MoEConfig
 from moe.engine.layer import MoELayer, SlotCache
-from moe.model.reference import gated_activation, route_block, shared_expert
 from moe.kernels.routed import routed_reference
 from moe.kernels.slot_matrix import SlotMatrix
+from moe.model.checkpoint import EXPERT_BIAS_BANKS, ModelWeights, MoEWeights
+from moe.model.config import MoEConfig
+from moe.model.reference import gated_activation, route_block, shared_expert
 
 
 class MoEBackend(Protocol):
@@ -187,7 +188,7 @@ class PrefillStaging:
         self.wanted = list(keys)
         self._issue()
 
-    def layer(self, keys: list[int]) -> "_StagedLayer":
+    def layer(self, keys: list[int]) -> _StagedLayer:
         """Serve `keys` (increasing store keys, the compute's order): the prefetched copies of a prefix of
         them are used, every other prefetched copy is dropped, the rest are copied as the ring frees."""
         used, p, pending = [], 0, self.pending
@@ -246,7 +247,8 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
     computed in increasing id order, in groups of up to PREFILL_GROUP (out_group: batched float32
     GEMMs over their tokens padded to the group's largest count; a prompt's MoE layer is bound by the
     host's ops per expert, not the GPU, until experts are batched), each expert's rows then added in
-    increasing id order (index_add_ into a float32 sum). An expert with a slot in `resident` = (slot_of [L_moe * E] int32, the SlotPool) is
+    increasing id order (index_add_ into a float32 sum). An expert with a slot in `resident` = (slot_of [L_moe * E]
+    int32, the SlotPool) is
     read from the pool (the same bytes, so the same result bit for bit) and nothing moves; the others
     are streamed: through `staging` (a GPU's PrefillStaging: copies on its stream, up to its ring size
     ahead of the compute; where T * k >= PREFETCH_MIN_USES * E the next MoE layer's experts without a

@@ -37,19 +37,23 @@ Legend: B = sequences, T = prompt tokens, H = hidden, V = vocab, L_moe = MoE lay
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from moe.engine.backends import MoEBackend
+from moe.engine.graphs import DecodeGraphs
 from moe.kernels.decode_norm import add_rms_norm
 from moe.model.attention import KVCache, Rope, attention_decode, attention_decode_fused, attention_prefill, rms_norm
-from moe.engine.backends import MoEBackend
 from moe.model.checkpoint import DenseWeights, LayerWeights, ModelWeights, MoEWeights
-from moe.model.linear_attention import (LinearAttentionWeights, RecurrentCache, linear_attention_decode,
-                                        linear_attention_prefill)
-from moe.engine.graphs import DecodeGraphs
+from moe.model.linear_attention import (
+    LinearAttentionWeights,
+    RecurrentCache,
+    linear_attention_decode,
+    linear_attention_prefill,
+)
 
 PREFILL_CHUNK = 16384  # prompt tokens a prefill pass takes at once (a longer prompt runs in chunks)
 

@@ -34,9 +34,9 @@ invalidates a capture in global mode; torch >= 2.10 no longer collects at the st
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 

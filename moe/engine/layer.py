@@ -13,7 +13,8 @@
 GLM-4.5's block (MoEConfig.scoring "sigmoid", score_bias, n_group / topk_group, routed_scaling,
 shared_gate False) runs the same launches: 3 takes its sigmoid, grouped choice and scaling, 1 and 2
 compute the shared expert without a gate (weights of one). gpt-oss's block (MoEConfig.router_bias,
-expert_bias, activation "swiglu_clamped") runs the same launches: 3 adds the router bias, 6 / 6a add each slot's gate_up bias and take the clamped SwiGLU, 7
+expert_bias, activation "swiglu_clamped") runs the same launches: 3 adds the router bias, 6 / 6a add each slot's
+gate_up bias and take the clamped SwiGLU, 7
 adds Σ_j weights[t, j] * down bias (the bias banks are pool banks: a miss copies them with the expert).
 
 Legend: T = tokens (1..GEMV_MAX_TOKENS), H = hidden, E = experts, k = top_k, I / Is = routed / shared
@@ -66,8 +67,8 @@ from expertcache.streams import SideStream
 from moe.kernels.plan import GEMV_MAX_TOKENS, LaunchPlan, resolve_launch_plan
 from moe.kernels.routed import device_sms, routed_down, routed_experts, routed_gate_up
 from moe.kernels.routed_host import routed_scratch
-from moe.kernels.slot_matrix import SlotMatrix
 from moe.kernels.router import ROUTER_MAX_EXPERTS, router_scratch, router_topk
+from moe.kernels.slot_matrix import SlotMatrix
 from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig
 from moe.model.reference import SharedWeights, check_shared
 
@@ -128,7 +129,8 @@ class MoELayer:
 
     router_w: [E, H], kept in the config's dtype (the router kernel accumulates in float32).
     shared: (gate_up [2Is, H], down [H, Is], gate_w [1, H]) in the config's dtype, exactly when
-    cfg.shared_intermediate > 0; gate_up and down may be one-slot SlotMatrix in a quantized format. `cfg.copy_overlap` is the user's side-stream choice; resolve
+    cfg.shared_intermediate > 0; gate_up and down may be one-slot SlotMatrix in a quantized format. `cfg.copy_overlap`
+    is the user's side-stream choice; resolve
     EXPERTCACHE_MOE_COPY_OVERLAP into it (moe.model.config.copy_overlap_from_env) before building.
     plan: None (the product) resolves the LaunchPlan from the config, the pool and the device at
     each build and rebuild (`refresh`); a LaunchPlan (tests, benchmarks) is used as given and kept.
@@ -363,7 +365,7 @@ def _check_routing_pair(routing, tokens: int, top_k: int, device: torch.device) 
 def _check_plan(plan: LaunchPlan, cfg: MoEConfig, device: torch.device) -> None:
     """Raise ValueError naming the LaunchPlan field this layer cannot launch."""
     if not isinstance(plan, LaunchPlan):
-        raise ValueError(f"MoELayer: plan must be a LaunchPlan, got {type(plan).__name__}")  # noqa: TRY004
+        raise ValueError(f"MoELayer: plan must be a LaunchPlan, got {type(plan).__name__}")
     if plan.mode.shared_on_side and not cfg.has_shared_expert:
         raise ValueError(f"MoELayer: LaunchPlan.mode={plan.mode.value} runs a shared expert, which this block "
                          "has not (MoEConfig.shared_intermediate=0)")
@@ -392,10 +394,12 @@ def _check_weights(cfg: MoEConfig, layer: int, router_w: torch.Tensor, shared: S
                          f"(={cfg.score_bias}), got {None if score_bias is None else list(score_bias.shape)}")
     want = cfg.expert_banks()
     if slots.store.banks != want:
-        raise ValueError(f"MoELayer: the HostStore banks must be those of MoEConfig.expert_format={cfg.expert_format!r} "
-                         f"at hidden={cfg.hidden}, expert_intermediate={cfg.expert_intermediate}: "
-                         f"{[(b.name, list(b.row_shape), b.dtype) for b in want]}, got "
-                         f"{[(b.name, list(b.row_shape), b.dtype) for b in slots.store.banks]}")
+        raise ValueError(
+            f"MoELayer: the HostStore banks must be those of MoEConfig.expert_format={cfg.expert_format!r} "
+            f"at hidden={cfg.hidden}, expert_intermediate={cfg.expert_intermediate}: "
+            f"{[(b.name, list(b.row_shape), b.dtype) for b in want]}, got "
+            f"{[(b.name, list(b.row_shape), b.dtype) for b in slots.store.banks]}"
+        )
     if cfg.num_experts > ROUTER_MAX_EXPERTS:
         raise ValueError(f"MoELayer: MoEConfig.num_experts={cfg.num_experts} exceeds the router kernel's "
                          f"ROUTER_MAX_EXPERTS={ROUTER_MAX_EXPERTS}")

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
+from moe.engine.budget import context_bytes, memory_split, resolve_slots
+from moe.engine.engine import Engine
 from moe.model.checkpoint import ModelWeights, load_checkpoint
 from moe.model.config import copy_overlap_from_env
-from moe.engine.engine import Engine
-from moe.engine.budget import context_bytes, memory_split, resolve_slots
 from moe.model.spec import FAMILIES, CheckpointError, ModelSpec, read_config
 
 CUDA_GRAPHS_ENV = "EXPERTCACHE_CUDA_GRAPHS"

@@ -198,9 +198,11 @@ def qk_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         dtype = torch.float32 if norm_f32 and name.endswith("norm") else q.dtype
         if t is not None and (tuple(t.shape) != shape or t.dtype != dtype or t.device != q.device
                               or not (_rows_contiguous(t) if name in ("k", "v") else t.is_contiguous())):
-            raise ValueError(f"qk_rope_write: {name} must be a {list(shape)} tensor of dtype {dtype} on "
-                             f"{q.device}, {'each row' if name in ('k', 'v') else 'all'} contiguous, got {list(t.shape)} "
-                             f"{t.dtype} on {t.device} with strides {tuple(t.stride())}")
+            raise ValueError(
+                f"qk_rope_write: {name} must be a {list(shape)} tensor of dtype {dtype} on "
+                f"{q.device}, {'each row' if name in ('k', 'v') else 'all'} contiguous, got {list(t.shape)} "
+                f"{t.dtype} on {t.device} with strides {tuple(t.stride())}"
+            )
     if not _rows_contiguous(q) or k.stride(0) != v.stride(0):
         raise ValueError(f"qk_rope_write: q's rows must be contiguous and k, v of one row stride, got strides "
                          f"q {tuple(q.stride())}, k {tuple(k.stride())}, v {tuple(v.stride())}")

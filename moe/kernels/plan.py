@@ -104,12 +104,12 @@ class LaunchPlan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, OverlapMode):
-            raise ValueError(f"LaunchPlan.mode must be an OverlapMode, got {self.mode!r}")  # noqa: TRY004
+            raise ValueError(f"LaunchPlan.mode must be an OverlapMode, got {self.mode!r}")
         if not isinstance(self.reason, str) or not self.reason:
             raise ValueError(f"LaunchPlan.reason must be a non-empty str, got {self.reason!r}")
         for name in ("pdl", "down_release", "copy_release"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"LaunchPlan.{name} must be a bool, "  # noqa: TRY004 (house: ValueError)
+                raise ValueError(f"LaunchPlan.{name} must be a bool, "
                                  f"got {getattr(self, name)!r}")
         early = self.router_early_weights
         if not (isinstance(early, tuple) and len(early) == GEMV_MAX_TOKENS and all(isinstance(v, bool) for v in early)):
@@ -121,7 +121,7 @@ class LaunchPlan:
                 raise ValueError(f"LaunchPlan.{name} must be an int >= {minimum}, got {v!r}")
         for name, cls in (("router_tiles", RouterTiles), ("routed_tiles", RoutedTiles)):
             if not isinstance(getattr(self, name), cls):
-                raise ValueError(f"LaunchPlan.{name} must be a {cls.__name__}, "  # noqa: TRY004
+                raise ValueError(f"LaunchPlan.{name} must be a {cls.__name__}, "
                                  f"got {getattr(self, name)!r}")
 
     def summary(self) -> dict:
@@ -150,7 +150,7 @@ def resolve_launch_plan(cfg: MoEConfig, *, num_slots: int, num_keys: int, device
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
             raise ValueError(f"resolve_launch_plan: {name} must be an int >= {minimum}, got {v!r}")
     if not isinstance(copy_overlap, bool):
-        raise ValueError(f"resolve_launch_plan: copy_overlap must be a bool, "  # noqa: TRY004
+        raise ValueError(f"resolve_launch_plan: copy_overlap must be a bool, "
                          f"got {copy_overlap!r}")
     if not isinstance(device, str) or not _DEVICE.match(device):
         raise ValueError(f"resolve_launch_plan: device={device!r} is not 'cpu', 'cuda' or 'cuda:N'")
@@ -215,7 +215,7 @@ class RoutedPlan:
             raise ValueError(f"RoutedPlan.grid must be a tuple of 1-3 ints >= 1, got {self.grid!r}")
         for name in ("needs_coresident_grid", "cooperative_launch"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"RoutedPlan.{name} must be a bool, "  # noqa: TRY004 (house: ValueError)
+                raise ValueError(f"RoutedPlan.{name} must be a bool, "
                                  f"got {getattr(self, name)!r}")
 
     @property

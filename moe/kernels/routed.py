@@ -177,10 +177,10 @@ def _check_options(who: str, tiles, release=False, prefetch=0, programs=None,
     """Raise ValueError naming the option unless tiles is RoutedTiles, release a bool, prefetch an
     int >= 0 and programs None or an int >= 1 (`names`: the caller's names of release and prefetch)."""
     if not isinstance(tiles, RoutedTiles):
-        raise ValueError(f"{who}: tiles must be a RoutedTiles, "  # noqa: TRY004 (house: ValueError)
+        raise ValueError(f"{who}: tiles must be a RoutedTiles, "
                          f"got {type(tiles).__name__}")
     if not isinstance(release, bool):
-        raise ValueError(f"{who}: {names[0]} must be a bool, got {release!r}")  # noqa: TRY004
+        raise ValueError(f"{who}: {names[0]} must be a bool, got {release!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"{who}: {names[1]} must be an int >= 0, got {prefetch!r}")
     if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
@@ -257,7 +257,7 @@ def _check_block(who: str, shared: bool, cfg, gate_up_bias, dims, device) -> Non
     """Raise ValueError naming cfg / gate_up_bias unless they suit a routed gate_up (the shared
     expert's, gated or not, takes neither)."""
     if cfg is not None and not isinstance(cfg, MoEConfig):
-        raise ValueError(f"{who}: cfg must be a MoEConfig or None, got {type(cfg).__name__}")  # noqa: TRY004
+        raise ValueError(f"{who}: cfg must be a MoEConfig or None, got {type(cfg).__name__}")
     if shared and (gate_up_bias is not None or (cfg is not None and cfg.activation != "silu")):
         raise ValueError(f"{who}: the shared expert (gate_w or shared=True) is a SiLU block without biases: "
                          "pass cfg=None and gate_up_bias=None")
@@ -324,15 +324,17 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     dims, gate_up = check_gate_up("routed_experts", hidden, slots, weights, gate_up, gate_w, act)
     down = as_matrix("routed_experts", "down", down, hidden.device, 1, hidden.dtype)
     if (down.num_slots, down.out_features, down.in_features) != (dims[2], dims[3], dims[4]) or down.fmt != gate_up.fmt:
-        raise ValueError(f"routed_experts: down must be {[dims[2], dims[3], dims[4]]} (S, H, I of gate_up) in "
-                         f"gate_up's format {gate_up.fmt.name}, got {[down.num_slots, down.out_features, down.in_features]} "
-                         f"{down.fmt.name}")
+        raise ValueError(
+            f"routed_experts: down must be {[dims[2], dims[3], dims[4]]} (S, H, I of gate_up) in "
+            f"gate_up's format {gate_up.fmt.name}, got {[down.num_slots, down.out_features, down.in_features]} "
+            f"{down.fmt.name}"
+        )
     act = routed_scratch(hidden.device, dims[1], dims[4]) if act is None else act
     if out_cast is not None:
         check_tensor("routed_experts", "out_cast", out_cast, (hidden.dtype,), 2, hidden.device)
     check_down("routed_experts", act, slots, down, out, addend, out_cast)
     if not isinstance(shared, bool):
-        raise ValueError(f"routed_experts: shared must be a bool, got {shared!r}")  # noqa: TRY004 (house: ValueError)
+        raise ValueError(f"routed_experts: shared must be a bool, got {shared!r}")
     shared = shared or gate_w is not None
     _check_block("routed_experts", shared, cfg, gate_up_bias, dims, hidden.device)
     bias = _down_bias("routed_experts", down_bias, None if down_bias is None else weights, slots, dims, shared)

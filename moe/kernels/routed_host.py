@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from expertcache.formats import resolve_format
 from moe.kernels.plan import DEFAULT_ROUTED_TILES, DOWN_PREFETCH, GEMV_MAX_TOKENS
+from moe.kernels.quant_kernels import CODES
 from moe.kernels.routed_kernels import (
     DOWN_ENTRIES,
     GATE_UP_ENTRIES,
@@ -21,8 +23,6 @@ from moe.kernels.routed_kernels import (
     JIT_OPTIONS,
     _gate_up_hits,
 )
-from expertcache.formats import resolve_format
-from moe.kernels.quant_kernels import CODES
 from moe.kernels.slot_matrix import SlotMatrix
 from moe.kernels.tiles import RoutedTiles
 from moe.kernels.triton_launch import compile_for_sm
@@ -146,7 +146,7 @@ def routed_scratch(device: torch.device | str, top_k: int, inter: int) -> torch.
 def check_tensor(who: str, name: str, t, dtypes: tuple[torch.dtype, ...], ndim: int, device) -> None:
     """Raise ValueError naming `name` unless t is a contiguous `ndim`-d tensor of `dtypes` on `device`."""
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{who}: {name} must be a torch.Tensor, "  # noqa: TRY004 (house: ValueError)
+        raise ValueError(f"{who}: {name} must be a torch.Tensor, "
                          f"got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{who}: {name} must have {ndim} dims, got shape {list(t.shape)}")
@@ -184,7 +184,9 @@ def as_matrix(who: str, name: str, w, device, stack: int, dtype: torch.dtype | N
         raise ValueError(f"{who}: {name} {list(w.shape)}: {e}") from None
 
 
-def check_gate_up(who, hidden, slots, weights, gate_up, gate_w, act) -> tuple[tuple[int, int, int, int, int], SlotMatrix]:
+def check_gate_up(
+    who, hidden, slots, weights, gate_up, gate_w, act
+) -> tuple[tuple[int, int, int, int, int], SlotMatrix]:
     """Validate routed_gate_up's arguments on the host (no device reads); return ((T, k, S, H, I), gate_up
     as a SlotMatrix)."""
     check_tensor(who, "hidden", hidden, DTYPES, 2, None)

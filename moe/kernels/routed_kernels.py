@@ -310,7 +310,8 @@ def _down_dense_sum(act_ptr, slots_ptr, w2_ptr, num_slots, token, rows, K: tl.co
 #   [S, 2I] gate_up biases (read when BIAS); constexprs as the body (GDC: launched with programmatic
 #   serialization; FMT / ZP: the format, moe.kernels.quant_kernels; ACT / ALPHA / LIMIT: the activation).
 # Arguments of the down entries:
-#   act_ptr *fp32 [T * K, I]; slots_ptr *i32 [T * K]; w2: the down banks, dense: q [S, H, I]; addend_ptr *fp32 [T, H] (read
+#   act_ptr *fp32 [T * K, I]; slots_ptr *i32 [T * K]; w2: the down banks, dense: q [S, H, I]; addend_ptr *fp32 [T, H]
+#   (read
 #   when ADDEND); out_ptr *fp32 [T, H] (written when WRITE_OUT); cast_ptr [T, H] model dtype (written
 #   when WRITE_CAST); num_slots i32 S; weights_ptr *fp32 [T * K] and b2_ptr [S, H] down biases (read
 #   when BIAS); constexprs as the body (GDC as gate_up).

@@ -334,10 +334,10 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
     whose rows do not fit included); RuntimeError for CPU tensors without Triton's interpreter.
     """
     if not isinstance(tiles, RouterTiles):
-        raise ValueError(f"router_topk: tiles must be a RouterTiles, "  # noqa: TRY004 (house: ValueError)
+        raise ValueError(f"router_topk: tiles must be a RouterTiles, "
                          f"got {type(tiles).__name__}")
     if not isinstance(early_weights, bool):
-        raise ValueError(f"router_topk: early_weights must be a bool, got {early_weights!r}")  # noqa: TRY004
+        raise ValueError(f"router_topk: early_weights must be a bool, got {early_weights!r}")
     tokens, num_experts, hid = _check_args(hidden, router_w, top_k, weights, ids)
     device = hidden.device
     if pre is not None:
@@ -400,8 +400,14 @@ def _selection(scoring: str, score_bias: bool, n_group: int, topk_group: int, sc
     return out
 
 
-def router_reference(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int,
-                     norm_topk_prob: bool, router_b: torch.Tensor | None = None, **selection) -> tuple[torch.Tensor, torch.Tensor]:
+def router_reference(
+    hidden: torch.Tensor,
+    router_w: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    router_b: torch.Tensor | None = None,
+    **selection,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """router_topk's math in torch: (weights [T, k] float32, ids [T, k] int32), weights upcast,
     float32 logits (+ router_b) and softmax, a stable descending sort (ties: lower id), renormalised
     when asked. `selection` (scoring="sigmoid", score_bias, n_group, topk_group, scaling): that router,

@@ -12,9 +12,9 @@ of 1. No device work except `dequantize`. Legend: S = pool slots.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Mapping
 
 import torch
 
@@ -62,7 +62,7 @@ class SlotMatrix:
 
     @classmethod
     def of_pool(cls, pool, fmt: ExpertFormat | str, name: str, out_features: int, in_features: int,
-                stack: int = 1) -> "SlotMatrix":
+                stack: int = 1) -> SlotMatrix:
         """Matrix `name` ("gate_up" [2I, H], stack 2; "down" [H, I]) of a SlotPool or HostStore (anything
         with `.tensor(bank)`) or a mapping bank -> tensor, whose banks are fmt.banks(name, ...)."""
         fmt = resolve_format(fmt) if isinstance(fmt, str) else fmt
@@ -71,14 +71,18 @@ class SlotMatrix:
         return cls(fmt, parts, out_features, in_features, stack)
 
     @classmethod
-    def dense(cls, weights: torch.Tensor, stack: int = 1) -> "SlotMatrix":
+    def dense(cls, weights: torch.Tensor, stack: int = 1) -> SlotMatrix:
         """A plain [S, out, in] tensor of bf16 / f16 / f32 as the dense format of its dtype."""
         if not isinstance(weights, torch.Tensor) or weights.dim() != 3 or weights.dtype not in DENSE_DTYPES:
-            got = f"{weights.dtype} {list(weights.shape)}" if isinstance(weights, torch.Tensor) else type(weights).__name__
+            got = (
+                f"{weights.dtype} {list(weights.shape)}"
+                if isinstance(weights, torch.Tensor)
+                else type(weights).__name__
+            )
             raise ValueError(f"SlotMatrix.dense: weights must be a bf16 / f16 / f32 tensor [S, out, in], got {got}")
         return cls(dense_format(DENSE_DTYPES[weights.dtype]), (weights,), weights.shape[1], weights.shape[2], stack)
 
-    def to(self, device: torch.device | str) -> "SlotMatrix":
+    def to(self, device: torch.device | str) -> SlotMatrix:
         """The same matrix with every part on `device` (self when already there)."""
         device = torch.device(device)
         if self.device == device:

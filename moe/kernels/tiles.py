@@ -77,7 +77,9 @@ class RouterTiles:
     @property
     def name(self) -> str:
         """Short label, e.g. 'b2-4w4' (block_e_small-block_e, warps) or 'b8w2' when both are equal."""
-        block = f"{self.block_e_small}" if self.block_e_small == self.block_e else f"{self.block_e_small}-{self.block_e}"
+        block = (
+            f"{self.block_e_small}" if self.block_e_small == self.block_e else f"{self.block_e_small}-{self.block_e}"
+        )
         return f"b{block}w{self.warps}" + ("" if self.chunk_h == 1024 else f"c{self.chunk_h}")
 
 

@@ -3,28 +3,7 @@
     config.json (dict) ──from_hf──► MoEConfig ──► plan.resolve_launch_plan / reference.moe_reference
     EXPERTCACHE_MOE_COPY_OVERLAP ──copy_overlap_from_env──► MoEConfig.copy_overlap
 
-Families read by `MoEConfig.from_hf` (chosen by `model_type`, or by the keys present when it is absent):
-
-| family                    | experts             | expert MLP width        | shared expert                      | top-k renormalised |
-|---------------------------|---------------------|-------------------------|------------------------------------|--------------------|
-| qwen2_moe, qwen3_next     | `num_experts`       | `moe_intermediate_size` | `shared_expert_intermediate_size`  | `norm_topk_prob`   |
-| qwen3_moe                 | `num_experts`       | `moe_intermediate_size` | none                               | `norm_topk_prob`   |
-| mixtral                   | `num_local_experts` | `intermediate_size`     | none                               | always             |
-| gpt_oss                   | `num_local_experts` | `intermediate_size`     | none                               | always             |
-| glm4_moe                  | `n_routed_experts`  | `moe_intermediate_size` | `n_shared_experts` x I, ungated    | `norm_topk_prob`   |
-| olmoe                     | `num_experts`       | `intermediate_size`     | none                               | `norm_topk_prob`   |
-
-All families read `hidden_size` and `num_experts_per_tok`. `norm_topk_prob` defaults to False when
-absent (the transformers default for the Qwen configs). Mixtral takes the softmax over its top-k
-logits, which equals the full softmax's top-k renormalised to sum to 1, so it maps to
-`norm_topk_prob=True`; so does gpt-oss's. gpt-oss's block also has a router bias, per-expert biases of
-gate_up and down, and its clamped SwiGLU (activation "swiglu_clamped": gate clamped above at
-`swiglu_limit`, up to +-`swiglu_limit`, act = (up + 1) * gate * sigmoid(`swiglu_alpha` * gate); defaults 7.0
-and 1.702 as transformers'). glm4_moe (GLM-4.5, GLM-4.5-Air) scores experts with a sigmoid
-(`scoring` "sigmoid"), chooses them on score + `e_score_correction_bias` (`score_bias`, a per-layer
-[E] vector) within the `topk_group` best of `n_group` groups (a group's worth: its two best biased
-scores), weights the chosen by their unbiased scores (renormalised with `norm_topk_prob`) times
-`routed_scaling_factor`, and adds an ungated shared expert (`shared_gate` False). The dtype comes from `torch_dtype` (or `dtype`), default "bfloat16".
+The fields each family's MoE block reads (experts, widths, shared expert, routing): docs/models.md.
 The routed experts' storage format (`expert_format`, expertcache.formats) is not in config.json: the
 loader gives it (the checkpoint's quantization, or --moe-expert-format); by default the experts are
 unquantized in the model dtype ("bf16", "float16" or "float32").
@@ -33,8 +12,9 @@ unquantized in the model dtype ("bf16", "float16" or "float32").
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from expertcache.formats import ExpertFormat, FormatError, dense_format, resolve_format
 
@@ -162,8 +142,9 @@ class MoEConfig:
         return self.shared_intermediate > 0
 
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any], *, copy_overlap: bool = False, expert_format: str = "") -> "MoEConfig":
-        """Read a Qwen2-MoE / Qwen3-Next / Qwen3-MoE / Mixtral / gpt-oss / GLM-4.5 / OLMoE config.json dict (expert_format: the
+    def from_hf(cls, config: Mapping[str, Any], *, copy_overlap: bool = False, expert_format: str = "") -> MoEConfig:
+        """Read a Qwen2-MoE / Qwen3-Next / Qwen3-MoE / Mixtral / gpt-oss / GLM-4.5 / OLMoE config.json dict
+        (expert_format: the
         experts' storage, from the loader; "" = the model dtype's dense format).
 
         Raises KeyError naming the missing key, ValueError for an unknown `model_type` or an invalid value.

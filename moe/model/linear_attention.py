@@ -74,7 +74,7 @@ class LinearAttentionState:
     delta: torch.Tensor
 
     @staticmethod
-    def zeros(shape: LinearAttentionShape, rows: int, dtype: torch.dtype, device) -> "LinearAttentionState":
+    def zeros(shape: LinearAttentionShape, rows: int, dtype: torch.dtype, device) -> LinearAttentionState:
         return LinearAttentionState(
             torch.zeros(rows, shape.channels, shape.conv_kernel - 1, dtype=dtype, device=device),
             torch.zeros(rows, shape.value_heads, shape.key_dim, shape.value_dim, device=device))

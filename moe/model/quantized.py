@@ -6,13 +6,8 @@
                         checkpoint's bytes repacked without changing a value; None when the module is
                         stored unquantized (its `.weight`, read as a float tensor instead)
 
-| quant_method | tensors of a quantized linear [out, in] | parts (format) | refused |
-|---|---|---|---|
-| `fp8` (Qwen / DeepSeek fine-grained FP8) | `weight` F8_E4M3 [out, in], `weight_scale_inv` F32 / BF16 [ceil(out/128), ceil(in/128)] | q, s (fp8) | weight_block_size other than [128, 128]; fmt other than e4m3 |
-| `modelopt` NVFP4 | `weight` U8 [out, in/2], `weight_scale` F8_E4M3 [out, in/16], `weight_scale_2` F32 [] or [1]; `input_scale` (activations, unused: weight-only) | q, s, s2 (nvfp4) | quant_algo other than NVFP4; group_size other than 16 |
-| `gptq` | `qweight` I32 [in/8, out], `qzeros` I32 [in/128, out/8], `scales` F16 [in/128, out], `g_idx` I32 [in] | q, s, z (int4-f16, int4-f16-z) | bits other than 4; group_size other than 128; desc_act / a g_idx out of order |
-| `mxfp4` (gpt-oss) | the experts only, fused per layer: `experts.{gate_up,down}_proj_blocks` U8 [E, out, in/32, 16], `_scales` U8 [E, out, in/32] (read by moe.model.checkpoint's gpt-oss loader); every other linear a plain `.weight` | q, s (mxfp4) | - |
-| `compressed-tensors` pack-quantized | `weight_packed` I32 [out, in/8], `weight_scale` BF16 / F16 [out, in/128], `weight_shape`, optional `weight_zero_point` (I32 packed along out, or int8 [out, in/128]) | q, s, z (int4, int4-f16, -z) | num_bits other than 4, type other than int, strategy other than group, group_size other than 128, actorder, other formats |
+The tensors each `quant_method` stores, the format they become and what is refused: docs/formats.md,
+"Serving a format".
 
 Repacking (exact): GPTQ `qweight` holds 8 values along the input per int32 (value 8r + j in bits 4j..4j+3)
 and `qzeros` 8 zero points along the output, stored minus one (AutoGPTQ's format; `checkpoint_format:
@@ -25,8 +20,9 @@ model dtype.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

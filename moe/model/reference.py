@@ -235,8 +235,10 @@ def check_shared(cfg: MoEConfig, shared: SharedWeights | None, who: str, dtype: 
         if not isinstance(w, torch.Tensor) and name != "gate_w" and hasattr(w, "fmt"):  # a one-slot SlotMatrix
             got = (w.num_slots, w.out_features, w.in_features, w.stack)
             if got != (1, *shape, 2 if name == "gate_up" else 1):
-                raise ValueError(f"{who}: shared {name} must be one slot of {list(shape)} (stack "
-                                 f"{2 if name == 'gate_up' else 1}), got {got[0]} slots of {list(got[1:3])} stack {got[3]}")
+                raise ValueError(
+                    f"{who}: shared {name} must be one slot of {list(shape)} (stack "
+                    f"{2 if name == 'gate_up' else 1}), got {got[0]} slots of {list(got[1:3])} stack {got[3]}"
+                )
             continue
         if tuple(w.shape) != shape or (dtype is not None and w.dtype != dtype):
             raise ValueError(f"{who}: shared {name} must be {list(shape)}{'' if dtype is None else f' {dtype}'}, "

@@ -2,85 +2,23 @@
 
     <dir>/config.json ──read_config──► dict ──ModelSpec.from_hf──► ModelSpec
                                               ├─ MoEConfig.from_hf (the MoE block: H, E, k, I, Is, norm_topk_prob)
-                                              └─ attention / rope / norm / layout fields (table below)
+                                              └─ attention / rope / norm / layout fields (docs/models.md)
 
-Families (`model_type`), the fields read beyond the MoE block, and how they differ:
-
-| model_type | q/k/v bias                   | o bias          | q/k RMSNorm | shared expert | token mixers |
-|------------|------------------------------|-----------------|-------------|---------------|--------------|
-| qwen2_moe  | `qkv_bias` (default true)    | none            | no          | sigmoid-gated | attention    |
-| qwen3_moe  | `attention_bias` (def false) | `attention_bias`| per head    | none          | attention    |
-| qwen3_next | `attention_bias` (def false) | `attention_bias`| per head    | sigmoid-gated | hybrid       |
-| gpt_oss    | `attention_bias` (def true)  | `attention_bias`| no          | none          | sinks, SWA   |
-| glm4_moe   | `attention_bias` (def false) | none            | `use_qk_norm` | ungated     | attention    |
-| mixtral    | none                         | none            | no          | none          | attention (SWA with `sliding_window`) |
-| olmoe      | `attention_bias` (def false) | `attention_bias`| whole width | none          | attention (`clip_qkv`) |
-
-olmoe (OLMoE-1B-7B; OlmoeForCausalLM): its q / k RMSNorms normalise the whole projection (q_norm
-[Hq * D], k_norm [Hkv * D]), not each head; `clip_qkv` (null in the releases), when set, clamps q, k
-(after those norms) and v to +-clip_qkv before RoPE; every layer is MoE, its experts `intermediate_size`
-wide, the router a softmax over all experts whose top-k is renormalised only with `norm_topk_prob`
-(false in the releases); expert names as Qwen's (`mlp.experts.{e}.gate_proj`, `mlp.gate`).
-
-mixtral (Mixtral-8x7B, 8x22B; MixtralForCausalLM): softmax over the top-k logits (norm_topk_prob), the
-experts as the release names them (`block_sparse_moe.experts.{e}.w1` gate, `w3` up, `w2` down, and
-`block_sparse_moe.gate`) or transformers' fused names; a `sliding_window` makes every layer a sliding
-one (the gpt-oss window machinery: a ring of the window's positions), null (the releases') keeps full
-attention.
-
-glm4_moe (GLM-4.5, GLM-4.5-Air; Glm4MoeForCausalLM): the first `first_k_dense_replace` layers are dense
-(`intermediate_size`), the others MoE; its attention rotates the first head_dim * partial_rotary_factor
-dims (default 0.5, from rope_parameters or the top level); its router (sigmoid scores, a correction
-bias for the choice, groups, a scaling factor) and ungated shared experts are moe.model.config's. The
-multi-token-prediction layers its releases carry (`num_nextn_predict_layers`, decoder layers past
-num_hidden_layers) are not read: they draft tokens, and the engine decodes one at a time.
-
-gpt_oss (GptOssForCausalLM): `layer_types` alternates "sliding_attention" (the last `sliding_window` keys)
-and "full_attention"; each head has a learned sink logit (`self_attn.sinks`) in its softmax; the rope is
-YaRN (`rope_parameters` rope_type "yarn": factor, beta_fast, beta_slow, original_max_position_embeddings,
-truncate, and its attention factor scaling cos / sin); its RMSNorm multiplies the weight in float32
-before the cast (stored so by the loader); its MoE block (router bias, expert biases, clamped SwiGLU)
-is moe.model.config's.
-
-qwen3_next (Qwen3-Next, Qwen3NextForCausalLM) is a hybrid stack: `layer_types` (or, without it, every
-`full_attention_interval`-th layer, default 4) names each layer's token mixer, "full_attention" or
-"linear_attention" (Gated DeltaNet, moe.model.linear_attention, its shape from the linear_* keys). Its
-full attention has an output gate (q_proj yields a query and a gate per head: out * sigmoid(gate)
-before o_proj) and rotates only the first head_dim * partial_rotary_factor dims (default 0.25; read
-from rope_parameters or the top level). Its RMSNorms (input, post-attention, final, q / k) scale by
-(1 + weight) in float32 before the cast; the loader stores that float32 factor (ModelSpec.norm_one_plus,
-moe.model.attention.rms_norm). norm_topk_prob defaults to true for it, as transformers' config does.
-
-All read num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim (default
-hidden_size // num_attention_heads), rope theta (`rope_parameters.rope_theta`, transformers >= 5, or
-`rope_theta`), rms_norm_eps, vocab_size, tie_word_embeddings, decoder_sparse_step, mlp_only_layers and
-intermediate_size (the dense MLP of layers that are not sparse). `num_local_experts` stands in for a
-missing `num_experts` (transformers >= 5 writes Qwen3-MoE configs that way). Layer l is sparse (an MoE layer) when
-`l not in mlp_only_layers and (l + 1) % decoder_sparse_step == 0`, as transformers decides. MoE layers
-are numbered 0..L_moe-1 in layer order; that number is the cache's `layer` (key = moe_index * E + e).
-Only the default rope and full (or qwen3_next's linear) attention are served: a scaled rope or a
-sliding window is refused.
-
-Quantized checkpoints: a `quantization_config` (or `compression_config`, or ModelOpt's
-hf_quant_config.json beside config.json, which `read_config` folds in) is read by
-moe.model.quantized.parse_quantization: fine-grained fp8, ModelOpt NVFP4, GPTQ and compressed-tensors
-int4 load (ModelSpec.quant), and gpt-oss's MXFP4 experts (for model_type gpt_oss only); any other is
-refused naming the field. The routed experts are stored in
-`expert_format` (the `--moe-expert-format` flag): by default the checkpoint's own format (fp8, nvfp4,
-int4...), or the model dtype's for an unquantized checkpoint. The model dtype (`torch_dtype`, or
-`dtype` as transformers >= 5 writes it; default bfloat16) must be one of moe.model.config.DTYPES unless
-the caller overrides it; every tensor outside the routed experts is served in it (a quantized linear
-there is dequantized on load). Without a quantization_config, moe.model.checkpoint refuses quantized
-tensors themselves (float8 / integer dtypes, scale tensors beside a weight).
+Every family (`model_type`: FAMILIES), the fields it reads and how the families differ: docs/models.md.
+MoE layers are numbered 0..L_moe-1 in layer order; that number is the cache's `layer`
+(key = moe_index * E + e). A quantization_config (fine-grained fp8, ModelOpt NVFP4, GPTQ and
+compressed-tensors int4, gpt-oss's MXFP4) is read by moe.model.quantized.parse_quantization; any other
+is refused naming the field.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from moe.model.config import DTYPES, MoEConfig
 from moe.model.linear_attention import LinearAttentionShape
@@ -208,7 +146,9 @@ class ModelSpec:
         if (LINEAR in self.layer_types) != (self.linear is not None):
             raise CheckpointError("ModelSpec.linear must be given exactly when a layer is linear_attention")
         if self.qk_norm and self.qk_norm_full:
-            raise CheckpointError("ModelSpec: qk_norm (per head) and qk_norm_full (whole projection) exclude each other")
+            raise CheckpointError(
+                "ModelSpec: qk_norm (per head) and qk_norm_full (whole projection) exclude each other"
+            )
         if isinstance(self.clip_qkv, bool) or not isinstance(self.clip_qkv, (int, float)) \
                 or not (math.isfinite(self.clip_qkv) and self.clip_qkv >= 0):
             raise CheckpointError(f"config.json: clip_qkv must be a finite number > 0 (or null), got {self.clip_qkv!r}")
@@ -245,7 +185,7 @@ class ModelSpec:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], *, dtype: str | None = None, copy_overlap: bool = False,
-                expert_format: str | None = None) -> "ModelSpec":
+                expert_format: str | None = None) -> ModelSpec:
         """Read a config.json dict. dtype overrides the config's `dtype` / `torch_dtype`. expert_format:
         the routed experts' storage (--moe-expert-format: a name of expertcache.formats.format_names);
         None keeps the checkpoint's own (its quantization's format, else the model dtype's).

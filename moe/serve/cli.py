@@ -64,8 +64,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", help="cpu or cuda[:i] (default cuda when available)")
     p.add_argument("--dtype", choices=DTYPES, help="model dtype (default: config.json's)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
-    p.add_argument("--max-seq-len", type=int, help=f"context: prompt + new tokens (default {DEFAULT_MAX_SEQ_LEN}, or the "
-                   "model's max_position_embeddings when that is smaller)")
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        help=f"context: prompt + new tokens (default {DEFAULT_MAX_SEQ_LEN}, or the "
+        "model's max_position_embeddings when that is smaller)",
+    )
     p.add_argument("--served-model-name", help="model id of the API (default: the directory name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -171,12 +175,12 @@ def _context(args: argparse.Namespace) -> int:
 def build_state(args: argparse.Namespace) -> ServeState:
     """Tokenizer, engine, scheduler and options from the parsed flags. Raises SystemExit naming the flag
     or file on a bad value, a checkpoint that cannot be served or a pool that does not fit."""
-    from moe.serve.http_guard import GuardOptions
+    from moe.engine.budget import resolve_slots
     from moe.engine.loading import load_model
+    from moe.model.spec import CheckpointError, ModelSpec, read_config
+    from moe.serve.http_guard import GuardOptions
     from moe.serve.scheduler import Scheduler
     from moe.serve.server import ServeOptions, ServeState
-    from moe.engine.budget import resolve_slots
-    from moe.model.spec import CheckpointError, ModelSpec, read_config
     from moe.serve.tokenizer import TextTokenizer, TokenizerError
 
     _check(args)

@@ -17,8 +17,8 @@ has no header: it is content from that token on. Completions
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from moe.serve.tokenizer import TextStream, TextTokenizer
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol

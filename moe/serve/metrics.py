@@ -5,23 +5,23 @@
 
 Metrics (every counter is since the server started; "token" = one decode step, as in the simulator):
 
-| name                                             | kind    | what                                                      |
-|--------------------------------------------------|---------|-----------------------------------------------------------|
-| expertcache_hit_rate                             | gauge   | 1 - misses / accesses over all decode steps and MoE layers |
-| expertcache_misses_per_layer_per_token{layer}    | gauge   | misses of MoE layer `layer` / decode steps                 |
-| expertcache_cache_accesses_total{layer}          | counter | distinct experts asked of the cache                        |
-| expertcache_cache_misses_total{layer}            | counter | experts copied in                                          |
-| expertcache_bytes_copied_total                   | counter | misses x HostStore.bytes_per_expert                        |
-| expertcache_slots_in_use / expertcache_slots     | gauge   | slots holding an expert / all slots                        |
-| expertcache_decode_tokens_per_second             | gauge   | tokens of the last 64 decode steps / their wall time       |
-| expertcache_decode_steps_total{batch}            | counter | decode steps, by batch size                                |
-| expertcache_decode_tokens_total                  | counter | tokens produced by decode steps (steps x batch)            |
-| expertcache_decode_seconds_total                 | counter | wall time of decode steps (with sampling)                  |
-| expertcache_prefill_tokens_total                 | counter | prompt tokens prefilled                                    |
-| expertcache_prefill_experts_total{source}        | counter | experts prefill used, by source: store (streamed) or slot  |
-| expertcache_active_sequences / _waiting_requests | gauge   | sequences in batch rows / requests queued for a row        |
-| expertcache_requests_finished_total{reason}      | counter | stop, length, cancelled, error                             |
-| expertcache_requests_total{endpoint, status}     | counter | HTTP requests answered                                     |
+| name                                             | kind    | what                                                   |
+|--------------------------------------------------|---------|--------------------------------------------------------|
+| expertcache_hit_rate                             | gauge   | 1 - misses / accesses, all decode steps and layers     |
+| expertcache_misses_per_layer_per_token{layer}    | gauge   | misses of MoE layer `layer` / decode steps             |
+| expertcache_cache_accesses_total{layer}          | counter | distinct experts asked of the cache                    |
+| expertcache_cache_misses_total{layer}            | counter | experts copied in                                      |
+| expertcache_bytes_copied_total                   | counter | misses x HostStore.bytes_per_expert                    |
+| expertcache_slots_in_use / expertcache_slots     | gauge   | slots holding an expert / all slots                    |
+| expertcache_decode_tokens_per_second             | gauge   | tokens of the last 64 decode steps / their wall time   |
+| expertcache_decode_steps_total{batch}            | counter | decode steps, by batch size                            |
+| expertcache_decode_tokens_total                  | counter | tokens produced by decode steps (steps x batch)        |
+| expertcache_decode_seconds_total                 | counter | wall time of decode steps (with sampling)              |
+| expertcache_prefill_tokens_total                 | counter | prompt tokens prefilled                                |
+| expertcache_prefill_experts_total{source}        | counter | experts prefill used by source: store (streamed), slot |
+| expertcache_active_sequences / _waiting_requests | gauge   | sequences in batch rows / requests queued for a row    |
+| expertcache_requests_finished_total{reason}      | counter | stop, length, cancelled, error                         |
+| expertcache_requests_total{endpoint, status}     | counter | HTTP requests answered                                 |
 """
 
 from __future__ import annotations

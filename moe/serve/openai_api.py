@@ -19,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from moe.serve.harmony import harmony_ids
 from moe.serve.openai_schema import ApiError, ChatBody, CompletionBody, parse_body

@@ -14,7 +14,8 @@ id: accepted, no effect). Limits: at most MAX_STOP stop strings of at most MAX_S
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 

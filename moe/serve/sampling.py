@@ -17,8 +17,8 @@ Legend: B = active sequences, V = vocab.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -31,13 +31,14 @@ import queue
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from moe.engine.engine import Engine
-from moe.serve.sampling import Sampler, SamplingParams, TokenLogprob, choose, logprobs_of
 from moe.serve.harmony import HarmonyStream, harmony_ids
+from moe.serve.sampling import Sampler, SamplingParams, TokenLogprob, choose, logprobs_of
 from moe.serve.tokenizer import TextStream, TextTokenizer
 
 logger = logging.getLogger(__name__)

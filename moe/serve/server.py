@@ -26,10 +26,11 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
-
 
 # encode_within: a text longer than this many characters per allowed token is first tokenized in a
 # prefix of that length; SLACK tokens cover a word cut at the prefix's end.

@@ -79,14 +79,20 @@ def _attention(spec: ModelSpec, dtype, device, gen) -> AttentionWeights:
     norm = (lambda n: _norm(spec, n, dtype, device, gen)) if spec.qk_norm or full else (lambda n: None)
     gate = _randn((q_rows, h), h ** -0.5, dtype, device, gen) if spec.attn_gate else None
     return AttentionWeights(
-        q=_randn((q_rows, h), h ** -0.5, dtype, device, gen),
-        k=_randn((kv_rows, h), h ** -0.5, dtype, device, gen),
-        v=_randn((kv_rows, h), h ** -0.5, dtype, device, gen),
-        o=_randn((h, q_rows), q_rows ** -0.5, dtype, device, gen),
-        q_bias=bias(q_rows), k_bias=bias(kv_rows), v_bias=bias(kv_rows),
-        o_bias=bias(h) if spec.o_bias else None, q_norm=norm(q_rows if full else d), k_norm=norm(kv_rows if full else d),
-        gate=gate, gate_bias=bias(q_rows) if gate is not None else None,
-        sinks=_randn((spec.num_heads,), 1.0, dtype, device, gen) if spec.sinks else None)
+        q=_randn((q_rows, h), h**-0.5, dtype, device, gen),
+        k=_randn((kv_rows, h), h**-0.5, dtype, device, gen),
+        v=_randn((kv_rows, h), h**-0.5, dtype, device, gen),
+        o=_randn((h, q_rows), q_rows**-0.5, dtype, device, gen),
+        q_bias=bias(q_rows),
+        k_bias=bias(kv_rows),
+        v_bias=bias(kv_rows),
+        o_bias=bias(h) if spec.o_bias else None,
+        q_norm=norm(q_rows if full else d),
+        k_norm=norm(kv_rows if full else d),
+        gate=gate,
+        gate_bias=bias(q_rows) if gate is not None else None,
+        sinks=_randn((spec.num_heads,), 1.0, dtype, device, gen) if spec.sinks else None,
+    )
 
 
 def _linear_attention(spec: ModelSpec, dtype, device, gen) -> LinearAttentionWeights:
@@ -177,9 +183,17 @@ def olmoe_1b_7b(num_layers: int = 16, *, vocab_size: int = 50304, dtype: str = "
             "rope_theta": 1e4, "rms_norm_eps": 1e-5, "torch_dtype": dtype, "tie_word_embeddings": False}
 
 
-def random_decoder(config: dict[str, Any], device: str | torch.device = "cuda", *, seed: int = 0,
-                   pin: bool | None = None, copy_overlap: bool = False, expert_format: str | None = None) -> ModelWeights:
-    """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe / qwen3_next / gpt_oss / glm4_moe / mixtral / olmoe keys; see
+def random_decoder(
+    config: dict[str, Any],
+    device: str | torch.device = "cuda",
+    *,
+    seed: int = 0,
+    pin: bool | None = None,
+    copy_overlap: bool = False,
+    expert_format: str | None = None,
+) -> ModelWeights:
+    """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe / qwen3_next / gpt_oss / glm4_moe / mixtral /
+    olmoe keys; see
     moe.model.spec).
 
     device: where everything but the routed experts goes; the routed experts go to a HostStore

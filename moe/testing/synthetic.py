@@ -26,8 +26,8 @@ from expertcache.copy import miss_copy
 from expertcache.pool import HostStore, SlotPool
 from moe.engine.layer import DTYPES, MoELayer, SlotCache
 from moe.kernels.plan import LaunchPlan
-from moe.model.checkpoint import write_experts
 from moe.kernels.slot_matrix import SlotMatrix
+from moe.model.checkpoint import write_experts
 from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig, copy_overlap_from_env
 from moe.model.reference import SharedWeights, moe_reference
 
@@ -62,7 +62,8 @@ def random_weights(cfg: MoEConfig, num_layers: int, device: str | torch.device =
 
     pin: pin the host store (default: when CUDA is available). gpt-oss's block (cfg.router_bias,
     cfg.expert_bias): a router bias and expert biases N(0, 0.02^2) too; GLM-4.5's (cfg.score_bias): a
-    float32 correction bias N(0, 0.02^2), and an ungated shared expert where cfg.shared_gate is False. Cost: one device randn and one
+    float32 correction bias N(0, 0.02^2), and an ungated shared expert where cfg.shared_gate is False. Cost: one device
+    randn and one
     host copy per CHUNK_EXPERTS experts; host memory L * E * 3 * I * H * itemsize bytes.
     """
     device = torch.device(device)

@@ -22,9 +22,9 @@ import triton.language as tl  # noqa: E402
 
 from expertcache.device import (  # noqa: E402
     DeviceCache,
-    device_policy_names,
     EnsureLaunch,
     EnsureTuning,
+    device_policy_names,
     resolve_launch,
 )
 from expertcache.device_policies import (  # noqa: E402
@@ -218,7 +218,8 @@ def test_rule_score_int32_equals_int64(constants):
         k = np.clip(np.where(later, tok - 1, tok) - lt, 0, pol.k_max)
         d = np.where(later, lk - layer, L - layer + lk)
         want = -((k << 16) + d * pol.beta_q) + ((pol.w_q * np.maximum(lcd - dc_now, pol.lc_floor)) >> 4)
-        t = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)
+        def t(a):
+            return torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)
         for narrow in (False, True):
             out = torch.empty(N, dtype=torch.int64, device=device)
             score_kernel[(1,)](t(lk), t(lt), t(lcd), out, prm, layer, t([tok]), t([dc_now]), L, N=N,

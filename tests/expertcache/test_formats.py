@@ -358,7 +358,9 @@ def test_a_stacked_matrix_is_its_sub_matrices_quantized_alone(fmt):
     halves = fmt.quantize(gate), fmt.quantize(up)
     for k, v in parts.items():
         assert torch.equal(v.view(torch.uint8), torch.cat([h[k] for h in halves]).view(torch.uint8)), k
-    assert [(p.suffix, p.shape) for p in fmt.layout(520, 256, stack=2)] == [(k, tuple(v.shape)) for k, v in parts.items()]
+    assert [(p.suffix, p.shape) for p in fmt.layout(520, 256, stack=2)] == [
+        (k, tuple(v.shape)) for k, v in parts.items()
+    ]
     deq = fmt.dequantize(parts, stack=2)
     assert torch.equal(deq, torch.cat([fmt.dequantize(h) for h in halves]))
     assert fmt.matrix_bytes(520, 256, 2) == sum(t.numel() * t.element_size() for t in parts.values())

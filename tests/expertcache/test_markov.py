@@ -90,7 +90,7 @@ def test_markov_state_and_scores_follow_the_formulas(lags, row_cap, freq_cap):
         before = cache.slot_of.copy()
         res = cache.ensure(layer, ids)
         routed = sorted(int(k) - layer * E for k in res.keys)
-        ref.call(layer, routed, lambda key: before[key] >= 0 or key - layer * E in routed)
+        ref.call(layer, routed, lambda key, b=before, lo=layer * E, r=routed: b[key] >= 0 or key - lo in r)
         st = cache.state
         for e in range(E):
             key = layer * E + e

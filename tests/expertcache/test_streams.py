@@ -76,7 +76,7 @@ def test_never_aliases_pooled_current_or_capture_streams():
         x.add_(y)
     assert side.handle != seen["capture"]
     assert side.handle not in {s.cuda_stream for s in pooled}
-    for step in range(3):
+    for _step in range(3):
         graph.replay()
     torch.cuda.synchronize()
     # x: 0 -> 1 -> 4 -> 13 (x += 2x + 1 each replay, the side work ordered before the add)

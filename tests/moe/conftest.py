@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.moe.serving_util import make_tiny_checkpoint
+from moe.testing.tiny_checkpoint import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

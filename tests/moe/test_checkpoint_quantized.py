@@ -18,14 +18,23 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
+from transformers import (
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
 
 from expertcache.formats import GIB, INT4, bank_name, get_format
 from moe.engine.loading import CheckpointError, load_model
 from moe.model.checkpoint import load_checkpoint
+from moe.testing.tiny_checkpoint import randomize
 from tests.moe.quant_layouts import CONFIGS, FORMATS, write_layout
-from tests.moe.test_model import _broken_copy, _close, _randomize
+from tests.moe.test_model import _broken_copy, _close
 
 CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
@@ -38,7 +47,7 @@ PROMPT = [5, 17, 3, 60, 22, 9]
 def base(tmp_path_factory):
     """A tiny float32 Qwen3-MoE checkpoint directory."""
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).eval()
-    _randomize(model, seed=7)
+    randomize(model, seed=7)
     path = tmp_path_factory.mktemp("qwen3")
     model.save_pretrained(path, safe_serialization=True)
     return path
@@ -50,7 +59,7 @@ def base_shared(tmp_path_factory):
     config = {**{k: v for k, v in CONFIG.items() if k != "head_dim"}, "num_hidden_layers": 3}
     model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**config, shared_expert_intermediate_size=48,
                                                mlp_only_layers=[1])).eval()
-    _randomize(model, seed=8)
+    randomize(model, seed=8)
     path = tmp_path_factory.mktemp("qwen2")
     model.save_pretrained(path, safe_serialization=True)
     return path
@@ -64,7 +73,7 @@ def base_next(tmp_path_factory):
               "layer_types": ["linear_attention", "full_attention", "linear_attention"], "linear_num_key_heads": 2,
               "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}
     model = Qwen3NextForCausalLM(Qwen3NextConfig(**config)).eval()
-    _randomize(model, seed=9)
+    randomize(model, seed=9)
     path = tmp_path_factory.mktemp("qwen3_next")
     model.save_pretrained(path, safe_serialization=True)
     return path
@@ -78,7 +87,7 @@ def base_glm(tmp_path_factory):
     model = Glm4MoeForCausalLM(Glm4MoeConfig(**config, n_routed_experts=6, n_group=3, topk_group=2,
                                              n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
                                              routed_scaling_factor=1.5)).eval()
-    _randomize(model, seed=10)
+    randomize(model, seed=10)
     path = tmp_path_factory.mktemp("glm4_moe")
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -155,21 +155,37 @@ def test_quantized_tensors_without_quantization_config_are_refused_naming_the_te
         _load(quantized)
 
 
-SERVED = r"the loader reads fp8 \(fine-grained 128 x 128\), modelopt \(NVFP4\), gptq .*, compressed-tensors .* and mxfp4"
+SERVED = (
+    r"the loader reads fp8 \(fine-grained 128 x 128\), modelopt \(NVFP4\), gptq .*, compressed-tensors .* and mxfp4"
+)
 
 
-@pytest.mark.parametrize("key, quant, pattern", [
-    ("quantization_config", {"quant_method": "awq", "bits": 4, "version": "gemm"}, rf"quant_method='awq' is not served; {SERVED}"),
-    ("quantization_config", {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
-     r"format='nvfp4-pack-quantized': of compressed-tensors checkpoints only 'pack-quantized'"),
-    ("quantization_config", {"quant_method": "modelopt", "quant_algo": "FP8"}, r"quant_algo='FP8'"),
-    ("quantization_config", {"quant_method": "mxfp4"}, r"quant_method='mxfp4' is gpt-oss's expert layout; "
-                                                       r"model_type='qwen3_moe' does not ship it"),
-    ("quantization_config", {"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method='bitsandbytes'"),
-    ("quantization_config", {"load_in_8bit": True}, r"quant_method=None is not served"),
-    ("quantization_config", {"quant_method": "fp8", "weight_block_size": None}, r"weight_block_size=None"),
-    ("compression_config", {"quant_method": "compressed-tensors"}, r"\.format=None"),
-])
+@pytest.mark.parametrize(
+    "key, quant, pattern",
+    [
+        (
+            "quantization_config",
+            {"quant_method": "awq", "bits": 4, "version": "gemm"},
+            rf"quant_method='awq' is not served; {SERVED}",
+        ),
+        (
+            "quantization_config",
+            {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
+            r"format='nvfp4-pack-quantized': of compressed-tensors checkpoints only 'pack-quantized'",
+        ),
+        ("quantization_config", {"quant_method": "modelopt", "quant_algo": "FP8"}, r"quant_algo='FP8'"),
+        (
+            "quantization_config",
+            {"quant_method": "mxfp4"},
+            r"quant_method='mxfp4' is gpt-oss's expert layout; "
+            r"model_type='qwen3_moe' does not ship it",
+        ),
+        ("quantization_config", {"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method='bitsandbytes'"),
+        ("quantization_config", {"load_in_8bit": True}, r"quant_method=None is not served"),
+        ("quantization_config", {"quant_method": "fp8", "weight_block_size": None}, r"weight_block_size=None"),
+        ("compression_config", {"quant_method": "compressed-tensors"}, r"\.format=None"),
+    ],
+)
 def test_quantization_config_not_served_is_refused_naming_the_field(base, tmp_path, key, quant, pattern):
     # the tensors are unquantized: config.json alone decides
     quantized = _rewrite(base, tmp_path, edit_config=lambda c: c.update({key: quant}))

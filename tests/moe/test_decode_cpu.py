@@ -21,17 +21,18 @@ import pytest
 import torch
 
 from moe.engine.backends import GpuMoE
-from moe.model.checkpoint import load_checkpoint
-from moe.model.config import MoEConfig
 from moe.engine.engine import Engine
 from moe.engine.graphs import DecodeGraphs
 from moe.engine.loading import cuda_graphs_from_env, load_model
-from moe.testing.random_decoder import random_decoder
+from moe.model.checkpoint import load_checkpoint
+from moe.model.config import MoEConfig
 from moe.model.reference import expert_mlp, shared_expert
+from moe.testing.random_decoder import random_decoder
 from moe.testing.synthetic import SyntheticModel, random_weights
+from moe.testing.tiny_checkpoint import randomize
 from sim.replay import replay
 from sim.synthetic import SyntheticConfig, generate
-from tests.moe.test_model import COMMON, FAMILIES, _choice, _close, _hf_run, family_index, _randomize, _tokens
+from tests.moe.test_model import COMMON, FAMILIES, _choice, _close, _hf_run, _tokens, family_index
 
 interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="runs Triton's interpreter (no CUDA)")
 BF16 = torch.bfloat16
@@ -93,7 +94,7 @@ def test_forced_routing_refuses_bad_pairs():
 def checkpoint(request, tmp_path_factory):
     config_cls, model_cls, extra = FAMILIES[request.param]
     model = model_cls(config_cls(**{**COMMON, **extra})).eval()
-    _randomize(model, seed=7 + family_index(request.param))
+    randomize(model, seed=7 + family_index(request.param))
     path = tmp_path_factory.mktemp(f"cpu-gpu-backend-{request.param}")
     model.save_pretrained(path, safe_serialization=True)
     return model, path
@@ -261,7 +262,10 @@ def test_bench_decode_calibrates_on_the_miss_free_run(monkeypatch, tmp_path):
     res = bench.main(["--layers", str(layers), "--warmup", "20", "--steps", "30", "--slots", "400",
                       "--batches", "1", "--configs", "lru,rule", "--out", str(tmp_path / "cal.json")])
     cal, *rows = res["rows"]
-    assert cal["config"] == "resident (calibration)" and cal["slots"] == layers * bench.GEOMETRIES["qwen3-next"].num_experts
+    assert (
+        cal["config"] == "resident (calibration)"
+        and cal["slots"] == layers * bench.GEOMETRIES["qwen3-next"].num_experts
+    )
     assert cal["implied_layer_overhead_us"] == pytest.approx(bench.H200_SM_COPY.layer_overhead_us + extra)
     assert cal["tps_ratio"] == pytest.approx(1.0, rel=1e-9)  # the calibrated model predicts its own run
     assert [r["config"] for r in rows] == ["lru", "rule"]
@@ -278,8 +282,27 @@ def test_bench_decode_compares_expert_formats_at_one_budget(capsys):
     from expertcache.formats import GIB, get_format
 
     bench = _bench()
-    res = bench.main(["--dry-run", "--geometry", "qwen3-30b", "--layers", "4", "--warmup", "20", "--steps", "40",
-                      "--moe-cache-gb", "0.5,1", "--expert-formats", "bf16,nvfp4", "--configs", "lru", "--batches", "1"])
+    res = bench.main(
+        [
+            "--dry-run",
+            "--geometry",
+            "qwen3-30b",
+            "--layers",
+            "4",
+            "--warmup",
+            "20",
+            "--steps",
+            "40",
+            "--moe-cache-gb",
+            "0.5,1",
+            "--expert-formats",
+            "bf16,nvfp4",
+            "--configs",
+            "lru",
+            "--batches",
+            "1",
+        ]
+    )
     rows = {(r["format"], r["budget_gib"]): r for r in res["rows"]}
     for (fmt, gib), r in rows.items():
         per = get_format(fmt).expert_bytes(2048, 768)

@@ -1,6 +1,7 @@
 """moe.kernels.decode_norm against the torch path of moe.model.attention (rms_norm, Rope, apply_rope,
 the cache writes): the same rounding steps, so equal up to RMSNorm's float32 sum order and the cos /
-sin implementations (2 units in the last place of the largest value); bad arguments named. CPU: Triton's interpreter, whose cast
+sin implementations (2 units in the last place of the largest value); bad arguments named. CPU: Triton's interpreter,
+whose cast
 from float32 to bfloat16 truncates where the GPU rounds to nearest even, so there a bf16 result is held
 to one unit in the last place where the GPU's is bitwise."""
 
@@ -208,7 +209,8 @@ SM90 = """
 import json
 from moe.kernels.decode_norm import compile_for_target
 out = {}
-for name, args, kw in (("qwen3-30b-a3b", (2048, 32, 4, 128), {}), ("olmoe-1b-7b", (2048, 16, 16, 128), {"olmoe": True})):
+for name, args, kw in (("qwen3-30b-a3b", (2048, 32, 4, 128), {}),
+                       ("olmoe-1b-7b", (2048, 16, 16, 128), {"olmoe": True})):
     asm = compile_for_target(*args, **kw)
     out[name] = sorted(name for name, a in asm.items() if a.get("cubin"))
 print(json.dumps(out))

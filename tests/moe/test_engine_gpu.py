@@ -40,8 +40,20 @@ import torch
 from expertcache.host import MISSES
 from moe.engine.loading import load_model
 from moe.kernels.plan import OverlapMode
-from tests.moe.test_model import (COMMON, FAMILIES, _choice, _close, _hf_logits_and_router, _hf_run, _moe_layers,
-                                  _num_experts, _randomize, _routing_alike, _tokens, family_index)
+from moe.testing.tiny_checkpoint import randomize
+from tests.moe.test_model import (
+    COMMON,
+    FAMILIES,
+    _choice,
+    _close,
+    _hf_logits_and_router,
+    _hf_run,
+    _moe_layers,
+    _num_experts,
+    _routing_alike,
+    _tokens,
+    family_index,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -56,7 +68,7 @@ def family(request, tmp_path_factory):
     """(name, {"float32": HF model on cuda, "bfloat16": its bf16 copy}, checkpoint dir), built once."""
     config_cls, model_cls, extra = FAMILIES[request.param]
     model = model_cls(config_cls(**{**COMMON, **extra})).eval()
-    _randomize(model, seed=len(request.param) + family_index(request.param))
+    randomize(model, seed=len(request.param) + family_index(request.param))
     path = tmp_path_factory.mktemp(f"gpu-{request.param}")
     model.save_pretrained(path, safe_serialization=True)
     models = {"float32": model.to("cuda"), "bfloat16": copy.deepcopy(model).to("cuda", torch.bfloat16)}

@@ -8,8 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.model.linear_attention import (LinearAttentionShape, LinearAttentionState, LinearAttentionWeights,
-                                        linear_attention_decode, linear_attention_prefill)
+from moe.model.linear_attention import (
+    LinearAttentionShape,
+    LinearAttentionState,
+    LinearAttentionWeights,
+    linear_attention_decode,
+    linear_attention_prefill,
+)
 from tests.conftest import device_or_skip
 
 

@@ -35,13 +35,25 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, MixtralConfig, MixtralForCausalLM, OlmoeConfig,
-                          OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
+from transformers import (
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
 
 from expertcache.formats import GIB, get_format
 from expertcache.host import ACCESSES, CALLS, MISSES
 from moe.engine.loading import CheckpointError, load_model
+from moe.testing.tiny_checkpoint import randomize
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -66,7 +78,14 @@ FAMILIES = {
     "olmoe": (OlmoeConfig, OlmoeForCausalLM,
               dict(num_experts=16, num_experts_per_tok=4, intermediate_size=32, attention_bias=True)),
 }
-ORDER = ("qwen2", "qwen3", "qwen3_next", "glm4_moe", "mixtral", "olmoe")  # fixes each family's index in the seeds as families are added
+ORDER = (
+    "qwen2",
+    "qwen3",
+    "qwen3_next",
+    "glm4_moe",
+    "mixtral",
+    "olmoe",
+)  # fixes each family's index in the seeds as families are added
 
 
 def family_index(name: str) -> int:
@@ -75,30 +94,12 @@ def family_index(name: str) -> int:
 EXPERT = ("mlp.experts.3.up_proj.weight", "block_sparse_moe.experts.3.w3.weight")  # the first MoE layer's (Mixtral: w3)
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Draw every parameter (norm scales around 1, biases too) so no term of the math is trivial. A
-    (1 + w) RMSNorm (Qwen3-Next's, all but its linear attention's gated norm) gets w around 0, so its
-    scale is around 1 as every other family's."""
-    gen = torch.Generator().manual_seed(seed)
-    one_plus = getattr(model.config, "model_type", "") == "qwen3_next"
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_((0 if one_plus and "linear_attn" not in name else 1) + 0.2 * noise)
-            else:
-                p.copy_(0.3 * noise)
-        for name, b in model.named_buffers():  # GLM-4.5's e_score_correction_bias, about a score's spread
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     """(family name, transformers model in eval mode, saved checkpoint directory)."""
     config_cls, model_cls, extra = FAMILIES[request.param]
     model = model_cls(config_cls(**{**COMMON, **extra})).eval()
-    _randomize(model, seed=len(request.param) + family_index(request.param))
+    randomize(model, seed=len(request.param) + family_index(request.param))
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path, safe_serialization=True)
     return request.param, model, path
@@ -384,7 +385,7 @@ def test_mixtral_with_a_sliding_window_slides_every_layer(tmp_path):
     to the last `window` keys, through prefill and evicting decode, as transformers masks them."""
     config_cls, model_cls, extra = FAMILIES["mixtral"]
     model = model_cls(config_cls(**{**COMMON, **extra, "sliding_window": 4})).eval()
-    _randomize(model, seed=4)
+    randomize(model, seed=4)
     model.save_pretrained(tmp_path, safe_serialization=True)
     engine = load_model(tmp_path, "cpu", num_slots=2, max_seq_len=32, progress=False)
     assert set(engine.spec.layer_types) == {"sliding_attention"} and engine.spec.sliding_window == 4
@@ -401,7 +402,7 @@ def test_olmoe_clip_qkv_clamps_as_transformers_does(tmp_path):
     (the logits move without it)."""
     config_cls, model_cls, extra = FAMILIES["olmoe"]
     model = model_cls(config_cls(**{**COMMON, **extra, "clip_qkv": 0.6})).eval()
-    _randomize(model, seed=9)
+    randomize(model, seed=9)
     model.save_pretrained(tmp_path, safe_serialization=True)
     engine = load_model(tmp_path, "cpu", num_slots=4, max_seq_len=32, progress=False)
     assert engine.spec.clip_qkv == 0.6 and engine.spec.qk_norm_full and not engine.spec.qk_norm
@@ -426,7 +427,7 @@ def test_glm_multi_token_prediction_layers_are_not_read(tmp_path):
     num_hidden_layers: the loader reads none of their tensors, so the model is the same."""
     config_cls, model_cls, extra = FAMILIES["glm4_moe"]
     model = model_cls(config_cls(**{**COMMON, **extra})).eval()
-    _randomize(model, seed=3)
+    randomize(model, seed=3)
     model.save_pretrained(tmp_path / "base", safe_serialization=True)
     tensors = load_file(str(tmp_path / "base" / "model.safetensors"))
     last = COMMON["num_hidden_layers"] - 1
@@ -475,18 +476,38 @@ def _broken_copy(path, tmp_path, edit_tensors=None, edit_config=None):
     return out
 
 
-@pytest.mark.parametrize("case, edit_tensors, edit_config, pattern", [
-    ("missing tensor", lambda t: t.pop(next(k for k in sorted(t) if k.endswith(EXPERT))), None,
-     r"tensor 'model\.layers\.\d\.(mlp|block_sparse_moe)\.experts\.3\.(up_proj|w3)\.weight' is missing"),
-    ("wrong shape", lambda t: t.update({"model.layers.2.self_attn.k_proj.weight": torch.zeros(16, 64)}), None,
-     r"'model\.layers\.2\.self_attn\.k_proj\.weight' has shape \[16, 64\], expected \[\d+, 64\]"),
-    ("unsupported model_type", None, lambda c: c.update(model_type="llama"),
-     r"model_type='llama' is not supported; supported: \['glm4_moe', 'gpt_oss', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe', "
-     r"'qwen3_next'\]"),
-    ("missing config key", None, lambda c: c.pop("num_attention_heads"), r"missing 'num_attention_heads'"),
-    ("scaled rope", None, lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
-     r"rope_type='yarn'"),
-])
+@pytest.mark.parametrize(
+    "case, edit_tensors, edit_config, pattern",
+    [
+        (
+            "missing tensor",
+            lambda t: t.pop(next(k for k in sorted(t) if k.endswith(EXPERT))),
+            None,
+            r"tensor 'model\.layers\.\d\.(mlp|block_sparse_moe)\.experts\.3\.(up_proj|w3)\.weight' is missing",
+        ),
+        (
+            "wrong shape",
+            lambda t: t.update({"model.layers.2.self_attn.k_proj.weight": torch.zeros(16, 64)}),
+            None,
+            r"'model\.layers\.2\.self_attn\.k_proj\.weight' has shape \[16, 64\], expected \[\d+, 64\]",
+        ),
+        (
+            "unsupported model_type",
+            None,
+            lambda c: c.update(model_type="llama"),
+            r"model_type='llama' is not supported; supported: \['glm4_moe', 'gpt_oss', 'mixtral', 'olmoe', "
+            r"'qwen2_moe', 'qwen3_moe', "
+            r"'qwen3_next'\]",
+        ),
+        ("missing config key", None, lambda c: c.pop("num_attention_heads"), r"missing 'num_attention_heads'"),
+        (
+            "scaled rope",
+            None,
+            lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
+            r"rope_type='yarn'",
+        ),
+    ],
+)
 def test_load_errors_name_the_culprit(checkpoint, tmp_path, case, edit_tensors, edit_config, pattern):
     name, model, path = checkpoint
     broken = _broken_copy(path, tmp_path, edit_tensors, edit_config)

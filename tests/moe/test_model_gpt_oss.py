@@ -29,8 +29,8 @@ from expertcache.host import ACCESSES, CALLS, MISSES
 from moe.engine.loading import CheckpointError, load_model
 from moe.model.checkpoint import EXPERT_BIAS_BANKS, load_checkpoint
 from moe.model.spec import FULL, SLIDING
-from tests.moe.test_model import (_broken_copy, _close, _hf_logits, _hf_logits_and_router, _randomize, _routing_alike,
-                                  _tokens)
+from moe.testing.tiny_checkpoint import randomize
+from tests.moe.test_model import _broken_copy, _close, _hf_logits, _hf_logits_and_router, _routing_alike, _tokens
 
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
@@ -57,7 +57,7 @@ def _with_config_limit(model: GptOssForCausalLM) -> GptOssForCausalLM:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     model = _with_config_limit(GptOssForCausalLM(GptOssConfig(**CONFIG)).eval())
-    _randomize(model, seed=21)
+    randomize(model, seed=21)
     path = tmp_path_factory.mktemp("gpt_oss")
     model.save_pretrained(path, safe_serialization=True)
     return model, path
@@ -298,8 +298,15 @@ def test_gpu_mxfp4_experts_match_transformers_on_the_decoded_values(mxfp4_checkp
         model.to("cpu")
 
 
-MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                                     "model.embed_tokens", "lm_head"]}
+MXFP4_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -313,7 +320,7 @@ def mxfp4_checkpoint(tmp_path_factory):
     from expertcache.formats import get_format
 
     model = _with_config_limit(GptOssForCausalLM(GptOssConfig(**{**CONFIG, "intermediate_size": 64})).eval())
-    _randomize(model, seed=23)
+    randomize(model, seed=23)
     base = tmp_path_factory.mktemp("gpt_oss_bf")
     model.save_pretrained(base, safe_serialization=True)
     mx = get_format("mxfp4")

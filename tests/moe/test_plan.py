@@ -5,7 +5,6 @@ import dataclasses
 
 import pytest
 
-from moe.model.config import COPY_OVERLAP_ENV, MoEConfig, copy_overlap_from_env
 from moe.kernels.plan import (
     GEMV_BLOCK_I,
     GEMV_MAX_TOKENS,
@@ -18,6 +17,7 @@ from moe.kernels.plan import (
     resolve_launch_plan,
 )
 from moe.kernels.tiles import RoutedTiles, RouterTiles
+from moe.model.config import COPY_OVERLAP_ENV, MoEConfig, copy_overlap_from_env
 
 QWEN2_MOE = {  # Qwen1.5-MoE-A2.7B
     "model_type": "qwen2_moe", "hidden_size": 2048, "num_experts": 60, "num_experts_per_tok": 4,
@@ -233,7 +233,8 @@ def _old_layer(cfg: MoEConfig, slots: int, keys: int, device: str, sms: int, ove
     side = (cfg.has_shared_expert or early_hits) and overlap and device != "cpu"
     front = not (side and early_hits)  # front_release=None: on unless the layer runs early hits
     k, e, h = cfg.top_k, cfg.num_experts, cfg.hidden
-    pow2 = lambda n: 1 << (n - 1).bit_length()
+    def pow2(n):
+        return 1 << (n - 1).bit_length()
 
     def fits(tokens):  # RouterConfig.early_weights=None: where block_e * H fits
         block_e = min(2 if tokens <= 4 else 4, pow2(e))
@@ -315,7 +316,9 @@ def test_resolver_reasons(kwargs, word):
 def test_resolver_accepts_with_a_reason():
     plan = _resolve()
     assert plan.mode is OverlapMode.SHARED_AND_HITS_ON_SIDE and "overlap-safe" in plan.reason
-    assert plan.summary()["mode"] == "shared_and_hits_on_side" and plan.summary()["routed_tiles"] == "i1x1024w2-h2x512w4"
+    assert (
+        plan.summary()["mode"] == "shared_and_hits_on_side" and plan.summary()["routed_tiles"] == "i1x1024w2-h2x512w4"
+    )
 
 
 @pytest.mark.parametrize("kwargs, name", [

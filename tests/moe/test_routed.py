@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-from moe.model.config import MoEConfig
 from moe.kernels.plan import GEMV_MAX_TOKENS, make_routed_plan
 from moe.kernels.routed import (
     NO_SLOT,
@@ -21,6 +20,7 @@ from moe.kernels.routed import (
     routed_scratch,
 )
 from moe.kernels.tiles import RoutedTiles
+from moe.model.config import MoEConfig
 from moe.model.reference import expert_mlp, moe_reference, route, shared_expert
 from tests.conftest import compile_check, device_or_skip
 
@@ -436,8 +436,10 @@ def test_down_release_lets_the_next_launch_start_for_sm90():
     """Only down_release makes the down launches (both variants the layer launches) let the next
     programmatic launch start: griddepcontrol.launch_dependents in their PTX. A child process (no
     interpreter)."""
-    assert compile_check(RELEASE_CHECK) == {"False": {"_down_kernel": [True, False], "_down_kernel+combine": [True, False]},
-                                            "True": {"_down_kernel": [True, True], "_down_kernel+combine": [True, True]}}
+    assert compile_check(RELEASE_CHECK) == {
+        "False": {"_down_kernel": [True, False], "_down_kernel+combine": [True, False]},
+        "True": {"_down_kernel": [True, True], "_down_kernel+combine": [True, True]},
+    }
 
 
 PREFETCH_CHECK = r"""
@@ -477,9 +479,14 @@ def _qwen_case(tokens: int, seed: int):
     return hidden, slots, weights, gate_up, down
 
 
-LAUNCH_MODES = {"default": {}, "down-release": {"down_release": True},  # routed_experts options
-                "down-prefetch": {"down_prefetch": 1}, "down-prefetch-all": {"down_prefetch": 10},
-                "no-prefetch": {"down_prefetch": 0}, "down-release-prefetch-2": {"down_release": True, "down_prefetch": 2}}
+LAUNCH_MODES = {
+    "default": {},
+    "down-release": {"down_release": True},  # routed_experts options
+    "down-prefetch": {"down_prefetch": 1},
+    "down-prefetch-all": {"down_prefetch": 10},
+    "no-prefetch": {"down_prefetch": 0},
+    "down-release-prefetch-2": {"down_release": True, "down_prefetch": 2},
+}
 
 
 @pytest.mark.gpu

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from moe.kernels.plan import GEMV_MAX_TOKENS
-from moe.model.reference import route
 from moe.kernels.router import router_reference, router_scratch, router_topk
 from moe.kernels.tiles import RouterTiles
+from moe.model.reference import route
 from tests.conftest import compile_check, device_or_skip
 
 MARGIN = 1e-4  # relative gap between neighbouring sorted probabilities that summation order cannot close
@@ -64,7 +64,7 @@ def test_pre_is_the_slot_map_at_the_chosen_ids(tokens):
     assert torch.equal(ids, i0) and torch.equal(weights, w0)
     bad = [("slot_of", (slot_of.long(), 0, out)), ("key_base", (slot_of, 40, out)),
            ("key_base", (slot_of, 5, out)), ("out", (slot_of, 0, out[:, :1].contiguous()))]
-    for what, pre in bad:
+    for _what, pre in bad:
         with pytest.raises(ValueError, match="pre"):
             router_topk(x, w, top_k, True, pre=pre)
 
@@ -252,7 +252,8 @@ pdl = compile_router_for_target(512, 2048, 10, "bf16", True, pdl=True)["ptx"]
 pre = [compile_router_for_target(512, 2048, 10, "bf16", norm, pdl=True, pre=True) for norm in (True, False)]
 early = compile_router_for_target(512, 2048, 10, "bf16", True, pdl=True, early_weights=True)["ptx"]
 def loads_before_wait(text):  # 16-byte loads issued before the programmatic wait
-    return sum(1 for m in re.finditer(r"ld\.global(\.\w+)*\.v4\.b32", text) if m.start() < text.find("griddepcontrol.wait"))
+    wait = text.find("griddepcontrol.wait")
+    return sum(1 for m in re.finditer(r"ld\.global(\.\w+)*\.v4\.b32", text) if m.start() < wait)
 print(json.dumps([bool(asm.get("cubin")), bool(re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)),
                   "atom.global" in ptx, ".local" not in ptx,
                   "griddepcontrol.wait" not in ptx, "griddepcontrol.wait" in pdl,
@@ -275,7 +276,9 @@ def test_compiles_for_sm90():
     no register spills (also with pre, with and without renormalisation); with early_weights the
     weights' four 16-byte loads per thread come before the programmatic wait (without it none). A
     child process without TRITON_INTERPRET (which replaces the compiler's hooks)."""
-    assert compile_check(SM90_CHECK) == [True] * 10  # 5, 6: only router_topk(pdl=True) waits; 7: pre; 9: bias; 10: sigmoid
+    assert (
+        compile_check(SM90_CHECK) == [True] * 10
+    )  # 5, 6: only router_topk(pdl=True) waits; 7: pre; 9: bias; 10: sigmoid
 
 
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
@@ -294,7 +297,9 @@ def test_gpu_sigmoid_router_at_real_shapes(tokens, shape):
     """GLM-4.5-Air's router (128 experts of H 4096, top-8, scaling 1) and a grouped one (256 experts in 8
     groups, 4 kept, top-8, scaling 2.5, as DeepSeek-V3-style configs of this family set)."""
     _gpu_or_skip()
-    experts, hidden, groups, kept, scaling = (128, 4096, 1, 1, 1.0) if shape == "glm-4.5-air" else (256, 2048, 8, 4, 2.5)
+    experts, hidden, groups, kept, scaling = (
+        (128, 4096, 1, 1, 1.0) if shape == "glm-4.5-air" else (256, 2048, 8, 4, 2.5)
+    )
     x, w = make_inputs(tokens, experts, hidden, torch.bfloat16, "cuda", seed=tokens)
     bias = 0.05 * torch.randn(experts, device="cuda")
     sel = dict(scoring="sigmoid", score_bias=bias, n_group=groups, topk_group=kept, scaling=scaling)

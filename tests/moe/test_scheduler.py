@@ -19,7 +19,8 @@ from moe.engine.loading import load_model
 from moe.serve.sampling import Sampler, SamplingParams
 from moe.serve.scheduler import Request, Scheduler, SchedulerClosed
 from moe.serve.tokenizer import TextStream, TextTokenizer, TokenizerError
-from tests.moe.serving_util import EOS, held, wait_until
+from moe.testing.tiny_checkpoint import EOS
+from tests.moe.serving_util import held, wait_until
 
 
 def _engine(path, max_batch=3, **kw):

@@ -19,15 +19,16 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moe.engine.cachestats import cache_stats
 from moe.cli import build_parser
-from moe.serve.metrics import snapshot
+from moe.engine.cachestats import cache_stats
 from moe.engine.loading import load_model
 from moe.serve.cli import build_state
+from moe.serve.metrics import snapshot
 from sim.replay import replay
 from sim.trace import load_trace
 from tests.moe.http_util import KEY, NAME, Running, serve
 from tests.moe.serving_util import held, wait_until
+
 
 def _serve(tiny_dir, *extra: str) -> Running:
     return serve(tiny_dir, *extra)
@@ -71,7 +72,7 @@ def test_completions_and_chat_equal_engine_generate(srv, ref):
 def test_every_family_is_served_end_to_end(family, tmp_path):
     """The other families behind the same server (the fixtures' is qwen2_moe): completions and chat,
     streamed and not, through the openai client, each the engine's own greedy text."""
-    from tests.moe.serving_util import make_tiny_checkpoint
+    from moe.testing.tiny_checkpoint import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / family, family)
     running = _serve(path)

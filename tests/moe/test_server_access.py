@@ -119,8 +119,9 @@ def test_metrics_public_opens_metrics_only(tiny_dir):
     (["--read-timeout", "-1"], "--read-timeout"),
 ])
 def test_serve_flags_are_checked(tiny_dir, flags, message):
-    args = build_parser().parse_args(["serve", "--model", str(tiny_dir), "--moe-slots", "6", "--max-batch", "3", "--device", "cpu",
-                                      *flags])
+    args = build_parser().parse_args(
+        ["serve", "--model", str(tiny_dir), "--moe-slots", "6", "--max-batch", "3", "--device", "cpu", *flags]
+    )
     with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace("'", "'?")):
         build_state(args)
 
@@ -128,13 +129,17 @@ def test_serve_flags_are_checked(tiny_dir, flags, message):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:3"])
 def test_cuda_without_a_gpu_is_refused(tiny_dir, device):
-    args = build_parser().parse_args(["serve", "--model", str(tiny_dir), "--moe-slots", "6", "--max-batch", "3", "--device", device])
+    args = build_parser().parse_args(
+        ["serve", "--model", str(tiny_dir), "--moe-slots", "6", "--max-batch", "3", "--device", device]
+    )
     with pytest.raises(SystemExit, match=f"--device {device}: no CUDA GPU is available"):
         build_state(args)
 
 
 def test_the_default_context_is_capped_by_the_model(tiny_dir):
-    args = build_parser().parse_args(["serve", "--model", str(tiny_dir), "--moe-slots", "6", "--max-batch", "3", "--device", "cpu"])
+    args = build_parser().parse_args(
+        ["serve", "--model", str(tiny_dir), "--moe-slots", "6", "--max-batch", "3", "--device", "cpu"]
+    )
     assert build_state(args).options.max_seq_len == 256  # max_position_embeddings < 2048
 
 
@@ -200,16 +205,27 @@ class _Stopped:
         """The server returns at once (as after SIGTERM)."""
 
 
-@pytest.mark.parametrize("flags, line", [
-    (["--moe-cache-gb", "0.0002"], "expert cache: 8 slots x 24,576 bytes per float32 expert = 0.0001831 GiB of "
-                                   "slot memory, for 16 experts (2 MoE layers x 8); budget --moe-cache-gb 0.0002 holds 8"),
-    (["--moe-cache-gb", "0.0002", "--dtype", "bfloat16"],
-     "expert cache: 16 slots x 12,288 bytes per bf16 expert = 0.0001831 GiB of slot memory, for 16 experts "
-     "(2 MoE layers x 8); budget --moe-cache-gb 0.0002 holds 17, more than every expert: capped at 16 slots, "
-     "every expert resident"),
-    (["--moe-slots", "6"], "expert cache: 6 slots x 24,576 bytes per float32 expert = 0.0001373 GiB of slot memory, "
-                           "for 16 experts (2 MoE layers x 8)"),
-])
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            ["--moe-cache-gb", "0.0002"],
+            "expert cache: 8 slots x 24,576 bytes per float32 expert = 0.0001831 GiB of "
+            "slot memory, for 16 experts (2 MoE layers x 8); budget --moe-cache-gb 0.0002 holds 8",
+        ),
+        (
+            ["--moe-cache-gb", "0.0002", "--dtype", "bfloat16"],
+            "expert cache: 16 slots x 12,288 bytes per bf16 expert = 0.0001831 GiB of slot memory, for 16 experts "
+            "(2 MoE layers x 8); budget --moe-cache-gb 0.0002 holds 17, more than every expert: capped at 16 slots, "
+            "every expert resident",
+        ),
+        (
+            ["--moe-slots", "6"],
+            "expert cache: 6 slots x 24,576 bytes per float32 expert = 0.0001373 GiB of slot memory, "
+            "for 16 experts (2 MoE layers x 8)",
+        ),
+    ],
+)
 def test_the_start_line_gives_slots_bytes_gib_experts_and_budget(tiny_dir, monkeypatch, capsys, flags, line):
     monkeypatch.setattr("moe.serve.server.make_server", lambda *a, **k: _Stopped())
     assert main([*SERVE, "--model", str(tiny_dir), *flags]) == 0

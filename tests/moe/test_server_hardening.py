@@ -18,8 +18,8 @@ import httpx
 import pytest
 import torch
 
-from moe.serve import openai_api
 from moe.engine.loading import load_model
+from moe.serve import openai_api
 from tests.moe.http_util import AUTH, NAME, serve, slow_decode
 from tests.moe.serving_util import held, wait_until
 
@@ -117,7 +117,9 @@ def test_tokenizing_a_prompt_does_not_block_the_event_loop(srv, monkeypatch):
 def test_a_long_prompt_is_refused_before_the_rest_of_it_is_tokenized(srv, monkeypatch):
     tok, lengths = srv.state.tokenizer, []
     encode = type(tok).encode
-    monkeypatch.setattr(type(tok), "encode", lambda self, text, **kw: lengths.append(len(text)) or encode(self, text, **kw))
+    monkeypatch.setattr(
+        type(tok), "encode", lambda self, text, **kw: lengths.append(len(text)) or encode(self, text, **kw)
+    )
     prompt = "w9 " * 15000  # 45,000 characters, 15,000 tokens, context 256
     r = _post(srv, "/v1/completions", {"model": NAME, "prompt": prompt})
     err = _error(r, 400, param="prompt", code="context_length_exceeded")

@@ -144,7 +144,9 @@ def test_encode_within_is_exact_under_the_limit(tiny_dir):
 def test_encode_within_refuses_a_long_text_from_its_prefix(tiny_dir, monkeypatch):
     tok, lengths = TextTokenizer(tiny_dir), []
     encode = type(tok).encode
-    monkeypatch.setattr(type(tok), "encode", lambda self, text, **kw: lengths.append(len(text)) or encode(self, text, **kw))
+    monkeypatch.setattr(
+        type(tok), "encode", lambda self, text, **kw: lengths.append(len(text)) or encode(self, text, **kw)
+    )
     with pytest.raises(TooManyTokens) as e:
         tok.encode_within("w10 " * 100_000, 50)
     assert not e.value.exact and e.value.count > 50
@@ -173,7 +175,7 @@ def test_the_harmony_template_renders_as_transformers_renders_it(tmp_path, chat)
     generation_config.json's <|return|> and <|call|> (and the tokenizer's eos_token, <|return|>)."""
     from transformers import AutoTokenizer
 
-    from tests.moe.serving_util import HARMONY_SPECIALS, write_tokenizer
+    from moe.testing.tiny_checkpoint import HARMONY_SPECIALS, write_tokenizer
 
     write_tokenizer(tmp_path, harmony=True)
     ours = TextTokenizer(tmp_path)
@@ -191,7 +193,7 @@ def test_the_harmony_template_renders_as_transformers_renders_it(tmp_path, chat)
 
 def test_the_harmony_template_refuses_a_role_it_does_not_write(tmp_path):
     from moe.serve.tokenizer import TokenizerError
-    from tests.moe.serving_util import write_tokenizer
+    from moe.testing.tiny_checkpoint import write_tokenizer
 
     write_tokenizer(tmp_path, harmony=True)
     with pytest.raises(TokenizerError, match="chat template refused the messages: role tool is not one"):

@@ -77,7 +77,6 @@ def test_the_choice_ranks_unpriced_traces_by_misses():
     limits, ties to the name."""
     from sim.replay import ORACLES, replay
     from sim.report import build_rows, choices, format_choices
-
     from sim.synthetic import SyntheticConfig
 
     trace = generate(SyntheticConfig(6, 10, 2, 60, seed=2))  # no expert size, no known model's shape
@@ -299,10 +298,10 @@ def test_jsonl_keeps_its_sidecar_model(tmp_path):
 def test_tok_s_columns_count_the_batch(capsys, tmp_path):
     """tok/s and tok/s ov both count every batch row: each is the cost model's tokens_per_s of
     its estimate (batch * 1e6 / us per decode step), in the JSON and in the table."""
+    from sim.cli import PROFILES
     from sim.costmodel import estimate_decode
     from sim.replay import replay
     from sim.report import build_rows, format_table, model_shape
-    from sim.cli import PROFILES
 
     trace = generate(preset("mixtral", num_tokens=30, batch=4))
     save_trace(trace, tmp_path / "b4.npz")

@@ -257,7 +257,8 @@ def test_presets_write_their_expert_shape():
 # lines under it, added since).
 OLD_TABLE = """\
 synthetic:mixtral, 60 tokens, 32 layers x 8 experts, top-2, batch 1, 3840 accesses
-cost model: nvidia-h200-sm-copy: H2D 1.7-6.3 MiB in 40.9-139.3 us, ceiling 50.2 GB/s, back-to-back 50.2 GB/s; HBM 4219 GB/s; layer overhead 20.3 us
+cost model: nvidia-h200-sm-copy: H2D 1.7-6.3 MiB in 40.9-139.3 us, ceiling 50.2 GB/s, back-to-back 50.2 GB/s; \
+HBM 4219 GB/s; layer overhead 20.3 us
 policy     slots  %exp hit rate  miss/tok   MB/tok gap rec.    us/tok    tok/s tok/s ov
 ---------------------------------------------------------------------------------------
 belady        64  25.0   0.5878     26.38   9295.4    1.000  191327.6      5.2      5.2

@@ -20,10 +20,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.importers import (export_freetoken_dir, export_jsonl, import_freetoken_dir,
-                           import_jsonl)
-from tests.sim.gen import random_trace
+from sim.importers import export_freetoken_dir, export_jsonl, import_freetoken_dir, import_jsonl
 from sim.trace import MAX_KEYS, MAX_LAYERS, Trace, TraceError, load_trace
+from tests.sim.gen import random_trace
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 

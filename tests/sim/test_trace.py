@@ -20,9 +20,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sim.trace import (
+    FORMAT,
+    MAX_KEYS,
+    MAX_LAYERS,
+    REQUIRED_META_KEYS,
+    Trace,
+    TraceError,
+    TraceMeta,
+    concat_traces,
+    load_trace,
+    save_trace,
+)
 from tests.sim.gen import random_trace
-from sim.trace import (FORMAT, MAX_KEYS, MAX_LAYERS, REQUIRED_META_KEYS, Trace, TraceError,
-                       TraceMeta, concat_traces, load_trace, save_trace)
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 

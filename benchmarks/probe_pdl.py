@@ -8,7 +8,7 @@ Printed per setting (B waiting or not, eager or CUDA-graph replay), in us relati
 B's first start, B's end, C's first start, and C's first return from its wait. A negative
 "c_wait" with B not waiting means a launch that never waits can complete while its own predecessor
 still runs, so a wait for it says nothing about the launch before it. Needs a CUDA GPU (sm_90).
-Usage: python benchmarks/probes/pdl_probe.py [--out FILE]
+Usage: python benchmarks/probe_pdl.py [--out FILE]
 """
 import argparse
 import json

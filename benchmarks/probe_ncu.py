@@ -6,8 +6,8 @@ and tail in the graph; ncu times each kernel alone, caches flushed (its default)
 what a kernel does from what its launch costs. Two steps:
 
     ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum,\
-launch__registers_per_thread,launch__grid_size --csv --log-file ncu.csv python benchmarks/probes/ncu_probe.py
-    python benchmarks/probes/ncu_probe.py --summarize ncu.csv [--out probe.json]
+launch__registers_per_thread,launch__grid_size --csv --log-file ncu.csv python benchmarks/probe_ncu.py
+    python benchmarks/probe_ncu.py --summarize ncu.csv [--out probe.json]
 
 The run: for 512 and 1650 slots and m = 0 and 1 misses per call (k = 10, bench_ensure's sequences),
 the lru DeviceCache warmed then PROBE_CALLS timed calls, the same for flashlib (when installed);
@@ -31,9 +31,6 @@ SLOTS, MISSES = (512, 1650), (0, 1)
 
 def run() -> None:
     import torch
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: expertcache, moe
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_ensure, bench_routed
     from bench_ensure import flashlib_state, sequence
     from bench_routed import make_pool
 

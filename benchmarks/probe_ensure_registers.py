@@ -1,6 +1,6 @@
 """Registers, spills and code size of the device ensure kernel for sm_90 (no GPU needed).
 
-    python benchmarks/probes/ensure_registers.py [--chunk N] [--num-warps N] [--seq-max N]
+    python benchmarks/probe_ensure_registers.py [--chunk N] [--num-warps N] [--seq-max N]
         [--layers L] [--wide-score] [--policies lru,rule,lfuda] [--out FILE]
 
 Compiles expertcache.device_ensure.ensure_kernel with Triton for sm_90a as DeviceCache launches it
