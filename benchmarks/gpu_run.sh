@@ -37,17 +37,17 @@ for part in $parts; do
     moe)
       # files named: the server tests import fastapi, which the GPU image lacks
       timeout ${MOE_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" -m gpu \
-        tests/moe/test_layer.py tests/moe/test_router.py tests/moe/test_routed.py tests/moe/test_kernel_trace.py \
+        tests/moe/engine/test_layer.py tests/moe/kernels/test_router.py tests/moe/kernels/test_routed.py tests/benchmarks/test_kernel_trace.py \
         tests/expertcache/test_streams.py ${MOE_TEST_EXTRA:-} 2>&1 | tee "$OUT/gpu-tests-moe.log" | tail -12 ;;
     formats)
       # the expert formats: routed GEMM and layer (overlap on / off bitwise) against their references, the
       # quantized checkpoints with a shared expert; compiles dominate (about 9 minutes on 14 workers)
       timeout ${FORMATS_TEST_TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-14}" -m gpu \
-        tests/moe/test_routed_formats.py tests/moe/test_layer_formats.py tests/moe/test_checkpoint_quantized.py \
+        tests/moe/kernels/test_routed_formats.py tests/moe/engine/test_layer_formats.py tests/moe/model/test_checkpoint_quantized.py \
         2>&1 | tee "$OUT/gpu-tests-formats.log" | tail -6 ;;
     formats-engine)
       # the engine with every format's experts against transformers on the decoded experts (one process: graphs)
-      timeout ${FORMATS_ENGINE_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_engine_gpu.py \
+      timeout ${FORMATS_ENGINE_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe/engine/test_engine_gpu.py \
         -k quantized 2>&1 | tee "$OUT/gpu-tests-formats-engine.log" | tail -4 ;;
     decode-formats)
       timeout ${DECODE_FORMATS_TIMEOUT:-300} python3 benchmarks/bench_decode.py --geometry qwen3-30b --layers 16 \
@@ -121,14 +121,14 @@ for part in $parts; do
         --layers 12 --marginal-from 4 ${RESIDENT_ARGS:-} 2>&1 | tee "$OUT/resident/bench.log" | tail -14
       rm -f "$OUT"/resident/*replays_*.json ;;
     engine)
-      timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/moe/test_engine_gpu.py \
+      timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/moe/engine/test_engine_gpu.py \
         2>&1 | tee "$OUT/gpu-tests-engine.log" | tail -8 ;;
     hybrid)
       # Qwen3-Next's pieces: the delta-rule kernels, the linear-attention layer, the fused norms / RoPE with
       # (1 + w) norms and partial rotary, the fused step and chunked prefill, the prefill staging ring
       timeout ${HYBRID_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" \
-        tests/moe/test_delta_rule.py tests/moe/test_linear_attention.py tests/moe/test_decode_norm.py \
-        tests/moe/test_decode_fused.py tests/moe/test_prefill_staging.py 2>&1 | tee "$OUT/gpu-tests-hybrid.log" | tail -6 ;;
+        tests/moe/kernels/test_delta_rule.py tests/moe/engine/test_linear_attention.py tests/moe/kernels/test_decode_norm.py \
+        tests/moe/engine/test_decode_fused.py tests/moe/engine/test_prefill_staging.py 2>&1 | tee "$OUT/gpu-tests-hybrid.log" | tail -6 ;;
     decode-hybrid)
       # Qwen3-Next's own decoder (8 layers: 2 gated full attention, 6 Gated DeltaNet) at a quarter and half of
       # the experts in slots, the simulator's prediction beside each
@@ -141,7 +141,7 @@ for part in $parts; do
       # gpt-oss's block on the GPU: the router with its bias, the routed kernels with biases and the clamped
       # SwiGLU (dense and MXFP4), the engine against transformers (CUDA graphs, every policy, overlap on / off)
       timeout ${GPT_OSS_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" -m gpu \
-        tests/moe/test_routed_gpt_oss.py tests/moe/test_router.py tests/moe/test_model_gpt_oss.py \
+        tests/moe/kernels/test_routed_gpt_oss.py tests/moe/kernels/test_router.py tests/moe/engine/test_model_gpt_oss.py \
         2>&1 | tee "$OUT/gpu-tests-gpt-oss.log" | tail -6 ;;
     decode-gpt-oss)
       # gpt-oss-20b's own decoder (8 of its 24 layers) at a quarter and half of the experts in slots, its released
@@ -155,7 +155,7 @@ for part in $parts; do
     glm)
       # GLM-4.5's block on the GPU: the sigmoid / grouped router, the ungated shared expert, the engine
       # against transformers (every family of test_engine_gpu.py runs; -k picks glm4_moe's)
-      timeout ${GLM_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_engine_gpu.py \
+      timeout ${GLM_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe/engine/test_engine_gpu.py \
         -k glm4 2>&1 | tee "$OUT/gpu-tests-glm.log" | tail -6 ;;
     decode-glm)
       # GLM-4.5-Air's own decoder (4 MoE layers of its 45, 35 GB of bf16 experts would not stay small) at a
@@ -169,7 +169,7 @@ for part in $parts; do
       # Mixtral's and OLMoE's engines against transformers (CUDA graphs, every policy, overlap on / off), and
       # OLMoE's whole-projection q / k norms and clip_qkv in the fused decode step against the torch step
       timeout ${MIXTRAL_OLMOE_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m gpu \
-        tests/moe/test_engine_gpu.py tests/moe/test_decode_fused.py -k "mixtral or olmoe" \
+        tests/moe/engine/test_engine_gpu.py tests/moe/engine/test_decode_fused.py -k "mixtral or olmoe" \
         2>&1 | tee "$OUT/gpu-tests-mixtral-olmoe.log" | tail -6 ;;
     decode-mixtral)
       # Mixtral-8x7B's own decoder (4 of its 32 layers: 352 MB a bf16 expert) at a quarter and half of the

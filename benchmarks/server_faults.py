@@ -1,7 +1,7 @@
 """Fault battery of `expertcache serve`: the bad requests real clients send and 16 concurrent clients
 that disconnect at random, against a real server process on loopback, for a bounded time.
 
-    a tiny random Qwen2-MoE checkpoint (tests/moe/serving_util.py; or --model DIR with its prompts)
+    a tiny random Qwen2-MoE checkpoint (tests/moe/serve/serving_util.py; or --model DIR with its prompts)
     ─► `python -m moe.cli serve` subprocess on a free 127.0.0.1 port, API key from a file
     1. solo: the greedy text of every prompt, one request at a time (the reference)
     2. for --seconds: --clients threads, each looping over requests (streaming or not; a share of

@@ -1,4 +1,8 @@
-"""Shared test settings: hypothesis profiles and the location of the optional real traces.
+"""Shared test settings: the `gpu` and `cpu_only` markers, hypothesis profiles, the optional real traces.
+
+A test marked `gpu` needs a CUDA GPU and is skipped without one; a test marked `cpu_only` checks what
+happens without a GPU (Triton's interpreter, a refusal) and is skipped where CUDA is present. The
+skips are made here, once (pytest_collection_modifyitems), not by each file.
 
 HYPOTHESIS_PROFILE=ci (default) keeps the property tests inside CI's budget;
 HYPOTHESIS_PROFILE=long runs them for much longer locally.
@@ -17,6 +21,20 @@ except ImportError:
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+CUDA = torch is not None and torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `gpu` tests without CUDA and `cpu_only` tests with it."""
+    skip_gpu = pytest.mark.skip(reason="marked gpu: needs a CUDA GPU")
+    skip_cpu = pytest.mark.skip(reason="marked cpu_only: runs where CUDA is absent")
+    for item in items:
+        if "gpu" in item.keywords and not CUDA:
+            item.add_marker(skip_gpu)
+        if "cpu_only" in item.keywords and CUDA:
+            item.add_marker(skip_cpu)
+
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]

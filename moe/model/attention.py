@@ -272,7 +272,7 @@ def attention_decode_fused(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec
     gpt-oss: YaRN's attention factor scales cos / sin in the rope launch, a sliding layer's ring is
     written at position % window and read whole once full, and the heads' sinks enter the attention's
     combine. The same rounding steps as the torch path up to the sum orders
-    (tests/moe/test_decode_fused.py). The engine's path on a CUDA device."""
+    (tests/moe/engine/test_decode_fused.py). The engine's path on a CUDA device."""
     b = batch
     pos = cache.lengths[:b]  # [B]
     q, k, v, *gate = F.linear(x, w.qkv, w.qkv_bias).split(w.qkv_rows, dim=1)

@@ -1,7 +1,7 @@
 """A tiny servable checkpoint of every family: random transformers weights, a word-level tokenizer, a chat
 template; the serving tests and benchmarks/server_faults.py serve it.
 
-    transformers Qwen2MoeForCausalLM (as tests/moe/test_model.py builds it) ─save_pretrained─► dir
+    transformers Qwen2MoeForCausalLM (as tests/moe/engine/test_model.py builds it) ─save_pretrained─► dir
     tokenizers WordLevel over the model's 128 ids ─► dir/tokenizer.json
     dir/tokenizer_config.json: eos_token <|im_end|>, a ChatML-like chat_template
 

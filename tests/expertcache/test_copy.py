@@ -20,7 +20,6 @@ from expertcache.pool import Bank, HostStore, SlotPool
 
 BF16, FP8, U8 = torch.bfloat16, torch.float8_e4m3fn, torch.uint8
 POISON = 0xA5
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # Bank sets: one bank; bf16 + float8 bytes of different row sizes; three banks and dtypes; the six
 # banks of an nvfp4 expert (global scales of 8 and 4 bytes a row: words, not 16-byte vectors); int4
@@ -184,7 +183,6 @@ GPU_BANKS = {  # small rows, and expert-sized rows of many chunks with a tail
 }
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("bank_set", list(GPU_BANKS))
 @pytest.mark.parametrize("num_ctas", [1, 16, 200])
@@ -201,7 +199,6 @@ def test_gpu_miss_copy(bank_set, num_ctas):
 RELEASES = {"plain": {}, "pdl": {"pdl": True}, "pdl-release-after-wait": {"pdl": True, "release_after_wait": True}}
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch", list(RELEASES))
 def test_gpu_miss_copy_follows_new_plans_under_graph_replay(launch):
@@ -228,7 +225,6 @@ def test_gpu_miss_copy_follows_new_plans_under_graph_replay(launch):
         check(store, pool, rows[:n])
 
 
-@gpu
 @pytest.mark.gpu
 def test_gpu_copy_engine_path_on_a_side_stream():
     banks = GPU_BANKS["expert"]
@@ -242,7 +238,6 @@ def test_gpu_copy_engine_path_on_a_side_stream():
     check(store, pool, rows)
 
 
-@gpu
 @pytest.mark.gpu
 def test_gpu_miss_copy_needs_pinned_memory():
     banks = BANK_SETS["bf16"]

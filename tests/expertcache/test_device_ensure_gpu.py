@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from expertcache import CacheGeometry, HostCache, get_policy
-from tests.conftest import device_or_skip, real_trace
+from tests.conftest import real_trace
 from tests.expertcache.test_device_ensure import KEYED, WIDE, random_calls, run_parity
 
 torch = pytest.importorskip("torch")
@@ -34,9 +34,6 @@ def grid_geometry(policy: str, S: int) -> tuple[int, int]:
 @pytest.mark.parametrize("policy", device_policy_names())
 @pytest.mark.parametrize("S", [8, 64, 512, 1650, 4096, 16384])
 def test_device_parity_grid(policy, S):
-    device, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
     L, E = grid_geometry(policy, S)
     for rows, k, T in ((1, 1, 0), (1, 10, 20), (2, 8, 0), (4, 16, 24)):
         if rows * k > min(S, E):
@@ -51,9 +48,6 @@ def test_device_parity_variants(policy, S, variant):
     """Tiles other than the defaults: 1650 slots on 4 programs of 512, and victims by a sort
     (seq_max 4) on the default tiles at 1650 and 16384 slots; every other GPU parity test runs the
     default tiles."""
-    _, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
     L, E = grid_geometry(policy, S)
     tiles = resolve_launch(CacheGeometry(L, E, S), get_policy(policy, CacheGeometry(L, E, S))).tuning
     tuning = EnsureTuning(512, 4) if variant == "four-programs" else replace(tiles, seq_max=4)
@@ -61,19 +55,12 @@ def test_device_parity_variants(policy, S, variant):
         run_parity(policy, L=L, E=E, S=S, rows=rows, k=k, C=120, T=T, seed=S + k, tuning=tuning)
 
 
-def _gpu():
-    device, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA")
-    return device
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", device_policy_names())
 @pytest.mark.parametrize("with_logits", [False, True])
 def test_graph_replay_matches_host(policy, with_logits):
     """A decode step of 4 layers captured once; new routing copied in before each replay."""
-    device = _gpu()
+    device = torch.device("cuda")
     L, E, S, rows, k, T = 4, 64, 48, 2, 6, 10
     g = CacheGeometry(L, E, S)
     ref, dev = HostCache(g, policy), DeviceCache(g, policy, device=device, tuning=EnsureTuning(chunk=16))
@@ -119,7 +106,7 @@ def test_graph_replay_matches_host(policy, with_logits):
 @pytest.mark.parametrize("name, slots", [("mixtral-gsm8k.npz", 64), ("mixtral-gsm8k.npz", 160),
                                          ("flame-290m-a.npz", 51), ("flame-290m-a.npz", 256)])
 def test_device_parity_on_the_real_trace(policy, name, slots):
-    device = _gpu()
+    device = torch.device("cuda")
     from sim.replay import trace_calls
     from sim.trace import load_trace
 
@@ -147,9 +134,6 @@ def test_gpu_rule_paths(S, layers, variant):
     with router logits, on its default tiles (one program of 2048 at 1650 slots) and on 512-slot
     programs; through the keys past the mirror's layers; its score in int64 (constants past
     Rule.int32_scores). The calls visit eight layers."""
-    _, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA: the full grid is too slow for the interpreter")
     tuning = EnsureTuning(512, 4) if variant == "four-programs" else None
     constants = WIDE if variant == "int64" else {}
     for rows, k, T in ((1, 10, 20), (4, 16, 24)):

@@ -6,7 +6,6 @@ import torch
 from expertcache.pool import Bank, HostStore, PoolError, SlotPool
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 BANKS = (Bank("gate_up", (8, 16), BF16), Bank("down", (16, 4), BF16), Bank("scale", (4,), torch.float32))
 SLOT_BYTES = 8 * 16 * 2 + 16 * 4 * 2 + 4 * 4
@@ -55,7 +54,7 @@ def test_host_store_empty_and_validation():
         HostStore.from_tensors({"a": torch.zeros(3)}, pin=False)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+@pytest.mark.cpu_only
 def test_device_view_needs_cuda():
     store = HostStore.empty(BANKS, 2, pin=False)
     with pytest.raises(RuntimeError, match="CUDA"):
@@ -92,7 +91,6 @@ def test_slot_pool_over_memory_names_the_flag_and_the_maximum():
         SlotPool(BANKS, 1000, "cpu", max_bytes=budget)
 
 
-@gpu
 @pytest.mark.gpu
 def test_gpu_pool_over_device_memory_raises():
     free, _ = torch.cuda.mem_get_info()
@@ -101,7 +99,6 @@ def test_gpu_pool_over_device_memory_raises():
         SlotPool(BANKS, int(slots), "cuda")
 
 
-@gpu
 @pytest.mark.gpu
 def test_gpu_rebuild_frees_the_old_pool_first():
     big = Bank("w", (1 << 20,), torch.uint8)  # 1 MiB a slot
@@ -112,7 +109,6 @@ def test_gpu_rebuild_frees_the_old_pool_first():
     assert torch.cuda.memory_allocated() - base == 256 << 20
 
 
-@gpu
 @pytest.mark.gpu
 def test_gpu_device_view_of_pinned_store():
     store = HostStore.empty(BANKS, 4)

@@ -13,9 +13,6 @@ import torch
 from expertcache import streams
 from expertcache.streams import SideStream, create_nonblocking_stream, load_cudart
 
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
 
 def test_missing_cuda_python_names_the_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # makes the import fail
@@ -55,8 +52,7 @@ def test_a_cpu_device_is_refused():
         SideStream("cpu")
 
 
-@gpu
-@needs_cuda
+@pytest.mark.gpu
 def test_never_aliases_pooled_current_or_capture_streams():
     side = SideStream()
     pooled = [torch.cuda.Stream() for _ in range(64)]
@@ -84,8 +80,7 @@ def test_never_aliases_pooled_current_or_capture_streams():
     side.close()
 
 
-@gpu
-@needs_cuda
+@pytest.mark.gpu
 def test_fork_join_order_eager_and_close_once():
     side = SideStream()
     compute = torch.cuda.current_stream()

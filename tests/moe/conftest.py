@@ -1,11 +1,17 @@
-"""Fixtures of the serving tests (tests/moe/serving_util.py builds what they hand out)."""
+"""Fixtures of the model and engine tests: the tiny random checkpoint of every family (tests/moe/families.py)."""
 
 import pytest
 
-from moe.testing.tiny_checkpoint import make_tiny_checkpoint
+from moe.testing.tiny_checkpoint import randomize
+from tests.moe.families import COMMON, FAMILIES, family_index
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    """Directory of a tiny random Qwen2-MoE checkpoint with its tokenizer and chat template."""
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2-moe"))
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    """(family name, transformers model in eval mode, saved checkpoint directory)."""
+    config_cls, model_cls, extra = FAMILIES[request.param]
+    model = model_cls(config_cls(**{**COMMON, **extra})).eval()
+    randomize(model, seed=len(request.param) + family_index(request.param))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path, safe_serialization=True)
+    return request.param, model, path

@@ -17,7 +17,7 @@ import openai
 from moe.cli import build_parser
 from moe.serve.cli import build_state
 from moe.serve.server import make_server
-from tests.moe.serving_util import wait_until
+from tests.moe.serve.serving_util import wait_until
 
 KEY = "sk-test-key"
 NAME = "tiny-moe"

@@ -1,6 +1,6 @@
 """Continuous batching without HTTP: engine rows that join and leave, the scheduler, sampling, text.
 
-    tiny checkpoint (tests/moe/serving_util.py) ─load_model─► Engine(max_batch 3) ─► Scheduler thread
+    tiny checkpoint (tests/moe/serve/serving_util.py) ─load_model─► Engine(max_batch 3) ─► Scheduler thread
     checked against a second Engine that runs every sequence alone (Engine.generate / decode_step):
     logits of rows that join and leave mid-decode, greedy outputs under batching and queueing,
     eos / stop-string / max_tokens ends, cancellation, seeded sampling, tokenizer and chat template.
@@ -20,7 +20,7 @@ from moe.serve.sampling import Sampler, SamplingParams
 from moe.serve.scheduler import Request, Scheduler, SchedulerClosed
 from moe.serve.tokenizer import TextStream, TextTokenizer, TokenizerError
 from moe.testing.tiny_checkpoint import EOS
-from tests.moe.serving_util import held, wait_until
+from tests.moe.serve.serving_util import held, wait_until
 
 
 def _engine(path, max_batch=3, **kw):
@@ -238,7 +238,6 @@ def test_tokenizer_chat_template_and_eos_sources(tiny_dir, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_logprobs_on_a_gpu_engine_match_its_own_logits(tiny_dir):
     """The scheduler's logprobs on a CUDA engine (CUDA-graph decode, evictions every step) against
     log_softmax of the same engine's prefill logits over prompt + generated tokens."""
@@ -264,8 +263,7 @@ def test_logprobs_on_a_gpu_engine_match_its_own_logits(tiny_dir):
         assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_choose_draws_each_sampled_row_on_the_logits_device_whatever_shares_the_step(device):
     from moe.serve.sampling import choose
 

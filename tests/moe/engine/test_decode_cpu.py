@@ -32,16 +32,15 @@ from moe.testing.synthetic import SyntheticModel, random_weights
 from moe.testing.tiny_checkpoint import randomize
 from sim.replay import replay
 from sim.synthetic import SyntheticConfig, generate
-from tests.moe.test_model import COMMON, FAMILIES, _choice, _close, _hf_run, _tokens, family_index
+from tests.moe.families import COMMON, FAMILIES, assert_near, family_index, hf_run, random_tokens, router_choice
 
-interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="runs Triton's interpreter (no CUDA)")
 BF16 = torch.bfloat16
 CFG = MoEConfig(hidden=64, num_experts=16, top_k=4, expert_intermediate=32, shared_intermediate=32,
                 norm_topk_prob=True)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@interpreter
+@pytest.mark.cpu_only
 def test_forced_routing_of_the_routers_output_is_bitwise_the_router_path():
     weights = random_weights(CFG, 2, "cpu", seed=3)
     routed, forced = SyntheticModel(weights, 10, "cpu"), SyntheticModel(weights, 10, "cpu")
@@ -61,7 +60,7 @@ def test_forced_routing_of_the_routers_output_is_bitwise_the_router_path():
     assert int(cb.counters[:, 2].sum()) > 0
 
 
-@interpreter
+@pytest.mark.cpu_only
 def test_forced_routing_routes_as_told():
     weights = random_weights(CFG, 1, "cpu", seed=5)
     model = SyntheticModel(weights, 8, "cpu")
@@ -100,7 +99,7 @@ def checkpoint(request, tmp_path_factory):
     return model, path
 
 
-@interpreter
+@pytest.mark.cpu_only
 def test_gpu_backend_engine_matches_transformers_float32(checkpoint):
     model, path = checkpoint
     k = model.config.num_experts_per_tok
@@ -108,15 +107,15 @@ def test_gpu_backend_engine_matches_transformers_float32(checkpoint):
     engine = Engine(weights, GpuMoE(weights, 2 * k, "rule", max_batch=2), max_batch=2, max_seq_len=32,
                     record_routing=True)
     assert engine.graphs is None
-    seqs = [_tokens(8, seed=60), _tokens(10, seed=61)]
+    seqs = [random_tokens(8, seed=60), random_tokens(10, seed=61)]
     first = engine.prefill([seqs[0][:5], seqs[1][:7]])
     steps = [engine.decode_step([seqs[0][5 + j], seqs[1][7 + j]]) for j in range(3)]
     with torch.no_grad():
         for row, (seq, plen) in enumerate(zip(seqs, (5, 7))):
-            out, router = _hf_run(model, seq)
+            out, router = hf_run(model, seq)
             got = torch.stack([first[row]] + [s[row] for s in steps])
-            _close(got, out.logits[0, plen - 1:], rel=1e-4)
-            for m, choice in enumerate(_choice(model, router)):  # the family's choice scores
+            assert_near(got, out.logits[0, plen - 1:], rel=1e-4)
+            for m, choice in enumerate(router_choice(model, router)):  # the family's choice scores
                 ref = choice[plen:plen + 3].topk(k, dim=-1).indices.numpy()
                 np.testing.assert_array_equal(engine.routing()[:, m, row], ref)
     assert int(engine.moe.slots.cache.counters[:, 2].sum()) > 0
@@ -133,7 +132,7 @@ def test_cpu_engines_never_build_cuda_graphs(checkpoint, monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph", refuse)
     engine = load_model(path, "cpu", num_slots=16, max_seq_len=16, progress=False)
     assert engine.graphs is None
-    assert len(engine.generate([_tokens(3, seed=1)], max_new_tokens=3)[0]) == 3
+    assert len(engine.generate([random_tokens(3, seed=1)], max_new_tokens=3)[0]) == 3
     with pytest.raises(ValueError, match="cuda_graphs"):
         load_model(path, "cpu", num_slots=16, progress=False, cuda_graphs=True)
     with pytest.raises(ValueError, match="cuda_graphs"):
@@ -152,7 +151,7 @@ TINY = {"model_type": "qwen2_moe", "num_hidden_layers": 2, "hidden_size": 64, "n
         "qkv_bias": False, "vocab_size": 64, "rope_theta": 1e4, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
 
 
-@interpreter
+@pytest.mark.cpu_only
 def test_trace_driven_routing_gives_the_simulators_misses():
     weights = random_decoder(TINY, "cpu", seed=2)
     trace = generate(SyntheticConfig(2, 16, 4, 6, batch=2, seed=9))  # [6, 2, 2, 4]

@@ -367,7 +367,7 @@ def test_bad_arguments_are_named(name, bad):
         routed_experts(**args)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for a second device")
+@pytest.mark.gpu
 def test_device_mismatch_is_named():
     args = _args()
     args["slots"] = args["slots"].cuda()
@@ -493,9 +493,6 @@ LAUNCH_MODES = {
 @pytest.mark.parametrize("mode", list(LAUNCH_MODES))
 @pytest.mark.parametrize("tokens", [1, 2, 8])
 def test_gpu_qwen3_next_shape(tokens, mode):
-    _, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA")
     args = _qwen_case(tokens, seed=tokens)
     options = LAUNCH_MODES[mode]
     got = routed_experts(*args, **options)
@@ -509,9 +506,6 @@ def test_gpu_qwen3_next_shape(tokens, mode):
 def test_gpu_cuda_graph_replay_follows_slots_and_weights(mode):
     """Inside one graph a device copy rewrites a routed slot's weights right before the routed
     launches (as the miss copy does); with programmatic launches too, the replay sees the new bytes."""
-    _, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA")
     hidden, slots, weights, gate_up, down = _qwen_case(4, seed=11)
     slots[0, 0] = 7  # a live slot (padding is -1)
     src = torch.randn(down[:1].shape, device="cuda").bfloat16()
@@ -540,9 +534,6 @@ def test_gpu_cuda_graph_replay_follows_slots_and_weights(mode):
 @pytest.mark.gpu
 def test_gpu_qwen3_next_shared_expert_and_combine():
     """The layer's shared expert (one-slot pool, gate in the gate_up launch) and the fused combine."""
-    _, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA")
     hidden, slots, weights, gate_up, down = _qwen_case(2, seed=31)
     s_up, s_down = make_pool(1, QWEN3_NEXT["hidden"], 512, torch.bfloat16, "cuda", seed=32)
     gate_w = (torch.randn(1, QWEN3_NEXT["hidden"], device="cuda") / 45).bfloat16()
@@ -559,9 +550,6 @@ def test_gpu_qwen3_next_shared_expert_and_combine():
 def test_gpu_hits_equal_one_gate_up():
     """At the Qwen3-Next shape and the default tiles, the early hits (the default persistent grid,
     each item's next slot loaded ahead) write the same bits as one part="all" gate_up."""
-    _, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA")
     hidden, slots, weights, gate_up, _ = _qwen_case(3, seed=51)
     hit = torch.rand(slots.shape, generator=torch.Generator().manual_seed(52)) < 0.7
     pre = torch.where(hit.cuda(), slots, torch.full_like(slots, NO_SLOT))

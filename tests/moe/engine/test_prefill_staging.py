@@ -13,7 +13,7 @@ import torch
 
 from moe.engine import backends
 from moe.engine.loading import load_model
-from tests.moe.test_model import _close, _hf_logits, _num_experts, _tokens, checkpoint  # noqa: F401  (the checkpoint fixture)
+from tests.moe.families import assert_near, hf_logits, num_experts, random_tokens
 
 
 class _Event:
@@ -46,7 +46,7 @@ def _snapshot(moe):
 
 
 @pytest.mark.parametrize("ring", [1, 2, 3, 5, 64])
-def test_the_ring_serves_each_key_its_bytes_and_drops_what_no_layer_reads(checkpoint, device, ring):  # noqa: F811
+def test_the_ring_serves_each_key_its_bytes_and_drops_what_no_layer_reads(checkpoint, device, ring):
     """A prefetch of keys [1, 3, 4, 6, 9] (the ring holds the first `ring` copies), then a layer needing
     [3, 5, 6, 7]: 1 is dropped, 3 used where it was copied, 4 dropped, 5 not prefetched (it, 6 and 7
     copied afresh, the prefetched 6 and 9 dropped); then a layer with no prefetch. Each served slot holds
@@ -75,7 +75,7 @@ def test_the_ring_serves_each_key_its_bytes_and_drops_what_no_layer_reads(checkp
 
 
 @pytest.mark.parametrize("ring", [1, 3, 64])
-def test_prefill_through_the_ring_is_bitwise_the_direct_reads(checkpoint, device, ring):  # noqa: F811
+def test_prefill_through_the_ring_is_bitwise_the_direct_reads(checkpoint, device, ring):
     """A prompt using every expert (prefetching the next layer's), a short one (no prefetch) and one
     between, after decode steps that made some experts resident: logits and KV bitwise, the cache
     untouched, the same counts, transformers within 1e-4."""
@@ -92,13 +92,13 @@ def test_prefill_through_the_ring_is_bitwise_the_direct_reads(checkpoint, device
                                                              (torch.from_numpy(moe.cache.slot_of), moe.pool),
                                                              moe.prefill_counts, moe.staging)
     for engine in engines:
-        engine.generate([_tokens(5, seed=6)], max_new_tokens=4)
+        engine.generate([random_tokens(5, seed=6)], max_new_tokens=4)
     before = _snapshot(moe)
-    assert 3 * k < backends.PREFETCH_MIN_USES * _num_experts(model.config) <= 120 * k
-    for prompt in (_tokens(120, seed=7), _tokens(3, seed=9), _tokens(40, seed=4)):
+    assert 3 * k < backends.PREFETCH_MIN_USES * num_experts(model.config) <= 120 * k
+    for prompt in (random_tokens(120, seed=7), random_tokens(3, seed=9), random_tokens(40, seed=4)):
         want, got = (engine.prefill([prompt], all_logits=True)[0] for engine in engines)
         assert torch.equal(got, want)
-        _close(got.cpu(), _hf_logits(model, prompt).logits[0], rel=1e-4)
+        assert_near(got.cpu(), hf_logits(model, prompt).logits[0], rel=1e-4)
     for a, b in zip(direct.context_state(), staged.context_state(), strict=True):
         assert torch.equal(a, b)
     assert _snapshot(moe).equals(before)

@@ -22,8 +22,8 @@ from moe.kernels.routed import NO_SLOT, routed_down, routed_experts, routed_gate
 from moe.model.config import MoEConfig
 from moe.model.reference import expert_mlp
 from tests.conftest import compile_check, device_or_skip
-from tests.moe.test_routed import assert_close, make_pool, make_route
-from tests.moe.test_routed_formats import make_pool as make_quantized_pool
+from tests.moe.kernels.test_routed import assert_close, make_pool, make_route
+from tests.moe.kernels.test_routed_formats import make_pool as make_quantized_pool
 
 OAI = MoEConfig(hidden=64, num_experts=12, top_k=4, expert_intermediate=32, norm_topk_prob=True,
                 activation="swiglu_clamped", swiglu_alpha=1.702, swiglu_limit=7.0, expert_bias=True, router_bias=True)
@@ -183,9 +183,6 @@ def test_gpt_oss_variants_compile_for_sm90():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["bf16", "mxfp4"])
 def test_gpu_gpt_oss_20b_shape_eager_and_graph(name):
-    _, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA")
     hidden = inter = 2880
     cfg = MoEConfig(hidden=hidden, num_experts=32, top_k=4, expert_intermediate=inter, activation="swiglu_clamped",
                     expert_bias=True, router_bias=True)

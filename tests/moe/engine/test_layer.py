@@ -30,11 +30,8 @@ from moe.model.reference import route
 from moe.testing.kernel_trace import kernels, kernels_in_range, load_trace, named
 from moe.testing.synthetic import SyntheticModel, random_weights
 
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # The CPU model runs its Triton kernels in the interpreter, which is on only where CUDA is absent
-# (tests/conftest.py); on a GPU machine the gpu tests below cover the same checks.
-interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="runs Triton's interpreter (no CUDA)")
+# (cpu_only); on a GPU machine the gpu tests below cover the same checks.
 BF16 = torch.bfloat16
 # H, E, I, k, Is; L layers over S slots: every step asks for more keys than the pool holds
 CPU_CFG = MoEConfig(hidden=64, num_experts=16, top_k=4, expert_intermediate=32, shared_intermediate=32,
@@ -95,7 +92,7 @@ def without_releases(plan: LaunchPlan, top_k: int, prefetch: int | None = None) 
                                down_prefetch=min(4, top_k) if prefetch is None else prefetch)
 
 
-@interpreter
+@pytest.mark.cpu_only
 def test_warm_all_makes_every_expert_resident_cpu():
     """SyntheticModel.warm_all (the bench's resident mode): every key of every layer in a slot holding its
     expert's bytes, top_k ids per ensure (E = 18 is no multiple of k = 4: the last call is padded);
@@ -114,7 +111,7 @@ def test_warm_all_makes_every_expert_resident_cpu():
         SyntheticModel(weights, CPU_L * 18 - 1, "cpu").warm_all()
 
 
-@interpreter
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("shared, norm", [(32, True), (0, False)], ids=["shared", "no-shared"])
 def test_layer_matches_reference_cpu(shared, norm):
     cfg = dataclasses.replace(CPU_CFG, shared_intermediate=shared, norm_topk_prob=norm)
@@ -164,7 +161,7 @@ def test_layer_resolves_its_plan_and_keeps_a_given_one_cpu():
         SyntheticModel(no_shared, CPU_S, "cpu", plan=dataclasses.replace(given, mode=OverlapMode.SHARED_ON_SIDE))
 
 
-@interpreter
+@pytest.mark.cpu_only
 def test_last_routing_is_the_routers_output_cpu():
     """The ids the layer routed with equal the torch router's on decisive rows, and ensure got them."""
     model = SyntheticModel(random_weights(CPU_CFG, CPU_L, "cpu", seed=4), CPU_S, "cpu")
@@ -183,7 +180,7 @@ def test_last_routing_is_the_routers_output_cpu():
         layer.last_routing(0)
 
 
-@interpreter
+@pytest.mark.cpu_only
 def test_rebuild_cold_starts_and_stays_correct_cpu():
     model = SyntheticModel(random_weights(CPU_CFG, CPU_L, "cpu", seed=2), CPU_S, "cpu")
     gen = torch.Generator().manual_seed(3)
@@ -217,8 +214,6 @@ def test_bad_arguments_name_the_field():
 
 @pytest.fixture(scope="module")
 def gpu_weights():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     return random_weights(GPU_CFG, GPU_L, "cuda", seed=11)
 
 
@@ -255,8 +250,7 @@ def state(model: SyntheticModel) -> dict[str, torch.Tensor]:
     return out
 
 
-@gpu
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_overlap_on_off_bitwise(gpu_weights, graph, tokens):
@@ -295,8 +289,7 @@ def assert_steps_bitwise(a_model: SyntheticModel, b_model: SyntheticModel, graph
             assert torch.equal(sa[name], sb[name]), name
 
 
-@gpu
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_resident_pool_defaults_bitwise(gpu_weights, graph):
     """A pool that holds every expert: the plans resolve to no early hits and the front release on,
@@ -319,8 +312,7 @@ def test_resident_pool_defaults_bitwise(gpu_weights, graph):
         model.close()
 
 
-@gpu
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_pdl_chain_bitwise(gpu_weights, graph, overlap):
@@ -334,8 +326,7 @@ def test_pdl_chain_bitwise(gpu_weights, graph, overlap):
     chain.close()
 
 
-@gpu
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_no_shared_expert_early_hits_bitwise(graph):
     """A block without a shared expert (Qwen3-MoE, Mixtral) still overlaps with early hits: the side
@@ -349,8 +340,7 @@ def test_no_shared_expert_early_hits_bitwise(graph):
     on.close()
 
 
-@gpu
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_early_hits_bitwise(gpu_weights, graph):
     """The early hits (the resident experts' gate_up on the side stream, the rest after the copy)
@@ -375,8 +365,7 @@ RELEASES = {"dr": {"down_release": True}, "rw": {"router_early_weights": (True,)
                              "down_prefetch": 2, "copy_release": True}}
 
 
-@gpu
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("options", list(RELEASES))
 @pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
@@ -398,7 +387,7 @@ def test_releases_bitwise(gpu_weights, graph, overlap, options):
     early.close()
 
 
-@interpreter
+@pytest.mark.cpu_only
 def test_releases_match_none_cpu(monkeypatch):
     """The resolved plan's releases (down_release, router_early_weights, down_prefetch=2 and
     copy_release: a CPU layer never runs early hits, so all on) on the CPU interpreter: outputs, slot
@@ -458,8 +447,7 @@ def profile_step(model: SyntheticModel, x: torch.Tensor, path) -> list:
     return load_trace(path)
 
 
-@gpu
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [True, False], ids=["on", "off"])
 def test_copy_on_compute_stream_shared_on_side_stream(gpu_weights, overlap, tmp_path):
     model = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=overlap)
@@ -485,8 +473,7 @@ def test_copy_on_compute_stream_shared_on_side_stream(gpu_weights, overlap, tmp_
     model.close()
 
 
-@gpu
-@needs_cuda
+@pytest.mark.gpu
 def test_side_stream_survives_rebuild(gpu_weights):
     on = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=True)
     off = SyntheticModel(gpu_weights, GPU_S, "cuda", copy_overlap=False)
@@ -506,8 +493,7 @@ def test_side_stream_survives_rebuild(gpu_weights):
     on.close()
 
 
-@gpu
-@needs_cuda
+@pytest.mark.gpu
 def test_layer_matches_reference_gpu(gpu_weights):
     model = SyntheticModel(gpu_weights, 8 * GPU_CFG.top_k, "cuda", copy_overlap=True)  # 8 tokens fit
     gen = torch.Generator("cuda").manual_seed(9)

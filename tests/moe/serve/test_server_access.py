@@ -14,12 +14,11 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from moe.cli import build_parser, main
 from moe.serve.cli import API_KEY_ENV, build_state
-from tests.moe.http_util import AUTH, KEY, NAME, serve
-from tests.moe.test_server_hardening import _error, _post
+from tests.moe.serve.http_util import AUTH, KEY, NAME, serve
+from tests.moe.serve.test_server_hardening import _error, _post
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +125,7 @@ def test_serve_flags_are_checked(tiny_dir, flags, message):
         build_state(args)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:3"])
 def test_cuda_without_a_gpu_is_refused(tiny_dir, device):
     args = build_parser().parse_args(

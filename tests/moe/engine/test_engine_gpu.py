@@ -1,6 +1,6 @@
 """The decode engine on a GPU (GpuMoE + CUDA-graph decode) against Hugging Face transformers on the GPU.
 
-    tiny random transformers checkpoints (tests/moe/test_model.py's, every family) ─save─► dir
+    tiny random transformers checkpoints (tests/moe/engine/test_model.py's, every family) ─save─► dir
         ─load_model(dir, "cuda", dtype)─► Engine: MoELayer per MoE layer, decode steps as CUDA graphs
     compared, at slot counts that make every decode step miss and evict (asserted from the counters),
     for every policy (lru, rule, lfuda) with the copy overlap off and on (qwen3 has no shared expert:
@@ -41,22 +41,21 @@ from expertcache.host import MISSES
 from moe.engine.loading import load_model
 from moe.kernels.plan import OverlapMode
 from moe.testing.tiny_checkpoint import randomize
-from tests.moe.test_model import (
+from tests.moe.families import (
     COMMON,
     FAMILIES,
-    _choice,
-    _close,
-    _hf_logits_and_router,
-    _hf_run,
-    _moe_layers,
-    _num_experts,
-    _routing_alike,
-    _tokens,
+    assert_near,
     family_index,
+    hf_logits_and_router,
+    hf_run,
+    moe_layers,
+    num_experts,
+    random_tokens,
+    router_choice,
+    routing_alike,
 )
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 POLICIES = ("lru", "rule", "lfuda")
 OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
 POLICY = pytest.mark.parametrize("policy", POLICIES)
@@ -95,7 +94,7 @@ def _misses(engine) -> int:
     return int(engine.moe.slots.cache.stats()["total_misses"])
 
 
-def _hf_logits(model, seq: list[int]) -> torch.Tensor:
+def hf_logits(model, seq: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([seq], device="cuda")).logits[0].float()  # [T, V]
 
@@ -115,7 +114,7 @@ def test_float32_greedy_tokens_and_logits_match_transformers(family, policy, ove
     engine = _engine(path, k, "float32", policy, overlap)
     assert engine.graphs is not None
     _check_overlap(engine, overlap)
-    _greedy_matches(engine, hf, [_tokens(5, seed=20), _tokens(7, seed=21)])
+    _greedy_matches(engine, hf, [random_tokens(5, seed=20), random_tokens(7, seed=21)])
     assert engine.graphs.batch_sizes == [2]
 
 
@@ -132,8 +131,8 @@ def _greedy_matches(engine, hf, prompts: list[list[int]]) -> None:
     got = torch.stack(tokens, dim=1).tolist()  # [2, STEPS]
     for row, prompt in enumerate(prompts):
         assert got[row] == _hf_greedy(hf, prompt, STEPS), f"row {row}"
-        ref = _hf_logits(hf, prompt + got[row][:-1])[len(prompt) - 1:]  # [STEPS, V]
-        _close(torch.stack([step[row] for step in logits]), ref, rel=1e-4)
+        ref = hf_logits(hf, prompt + got[row][:-1])[len(prompt) - 1:]  # [STEPS, V]
+        assert_near(torch.stack([step[row] for step in logits]), ref, rel=1e-4)
 
 
 @POLICY
@@ -143,7 +142,7 @@ def test_bfloat16_logits_within_bf16_tolerance(family, policy, overlap):
     k = models["float32"].config.num_experts_per_tok
     engine = _engine(path, k, "bfloat16", policy, overlap, record_routing=True)
     _check_overlap(engine, overlap)
-    seqs = [_tokens(10, seed=30), _tokens(12, seed=31)]
+    seqs = [random_tokens(10, seed=30), random_tokens(12, seed=31)]
     plen = [5, 7]  # then 5 teacher-forced decode steps per row
     first = engine.prefill([s[:n] for s, n in zip(seqs, plen)], all_logits=True)  # 2 x [T_b, V]
     steps = []
@@ -154,14 +153,14 @@ def test_bfloat16_logits_within_bf16_tolerance(family, policy, overlap):
     ours = torch.as_tensor(engine.routing())  # [5, L, 2, k]: each decode step's routed ids
     for row, seq in enumerate(seqs):
         got = torch.cat([first[row], torch.stack([s[row] for s in steps])])  # [T, V]
-        ref32 = _hf_logits(models["float32"], seq)
-        ref16, router16 = _hf_logits_and_router(models["bfloat16"], seq)
-        router32 = _hf_logits_and_router(models["float32"], seq)[1]
-        alike = [True] * plen[row] + [_routing_alike(ours[j, :, row], router16[:, t], router32[:, t], k)
+        ref32 = hf_logits(models["float32"], seq)
+        ref16, router16 = hf_logits_and_router(models["bfloat16"], seq)
+        router32 = hf_logits_and_router(models["float32"], seq)[1]
+        alike = [True] * plen[row] + [routing_alike(ours[j, :, row], router16[:, t], router32[:, t], k)
                                       for j, t in enumerate(range(plen[row], len(seq)))]
         assert sum(alike) >= len(seq) - 2, (row, alike)  # a flip is rare: at most 2 tokens of 10-12
         keep = torch.tensor(alike, device=got.device)
-        _close(got[keep], ref16[keep], rel=0.06)
+        assert_near(got[keep], ref16[keep], rel=0.06)
         own, theirs = (got - ref32).abs().mean().item(), (ref16 - ref32).abs().mean().item()
         assert own <= 1.5 * theirs + 2**-8 * ref32.abs().mean().item(), (row, own, theirs)
 
@@ -196,7 +195,7 @@ def _run_script(engine, family_tokens: list[list[int]]) -> list[torch.Tensor]:
 def test_graph_replay_bitwise_equals_eager_through_leave_and_join(family, overlap):
     name, models, path = family
     k = models["float32"].config.num_experts_per_tok
-    seqs = [_tokens(12, seed=40), _tokens(14, seed=41), _tokens(12, seed=42)]
+    seqs = [random_tokens(12, seed=40), random_tokens(14, seed=41), random_tokens(12, seed=42)]
     runs = {}
     for graphs in (False, True):
         engine = _engine(path, k, "bfloat16", "rule", overlap, cuda_graphs=graphs, record_routing=True)
@@ -220,7 +219,7 @@ def test_overlap_on_and_off_decode_bitwise_equal_while_evicting(family):
     slot maps, counters and the context state (KV, and a hybrid model's recurrent state) bitwise."""
     name, models, path = family
     k = models["float32"].config.num_experts_per_tok
-    seqs = [_tokens(12, seed=43), _tokens(14, seed=44), _tokens(12, seed=45)]
+    seqs = [random_tokens(12, seed=43), random_tokens(14, seed=44), random_tokens(12, seed=45)]
     runs = []
     for overlap in (False, True):
         engine = _engine(path, k, "bfloat16", "lru", overlap)
@@ -241,7 +240,7 @@ def test_recorded_routing_is_the_layers_routing(family, overlap):
     name, models, path = family
     k = models["float32"].config.num_experts_per_tok
     engine = _engine(path, k, "float32", "lru", overlap, record_routing=True)
-    seqs = [_tokens(9, seed=50), _tokens(11, seed=51)]
+    seqs = [random_tokens(9, seed=50), random_tokens(11, seed=51)]
     engine.prefill([seqs[0][:5], seqs[1][:7]])
     for j in range(4):
         engine.decode_step([seqs[0][5 + j], seqs[1][7 + j]])
@@ -252,8 +251,8 @@ def test_recorded_routing_is_the_layers_routing(family, overlap):
     assert routing.shape == (4, engine.spec.num_moe_layers, 2, k)
     with torch.no_grad():  # and they are transformers' router top-k (float32: no near ties at this size)
         for row, (seq, plen) in enumerate(zip(seqs, (5, 7))):
-            router = _hf_run(models["float32"], seq)[1]
-            for m, choice in enumerate(_choice(models["float32"], router)):  # [T, E] per MoE layer
+            router = hf_run(models["float32"], seq)[1]
+            for m, choice in enumerate(router_choice(models["float32"], router)):  # [T, E] per MoE layer
                 ref = choice[plen:plen + 4].topk(k, dim=-1).indices.cpu().numpy()
                 assert (routing[:, m, row] == ref).all(), (row, m)
 
@@ -312,18 +311,18 @@ def test_quantized_experts_greedy_tokens_match_transformers_on_the_decoded_exper
     from safetensors.torch import load_file
 
     from expertcache.formats import get_format
-    from tests.moe.test_model import _broken_copy
+    from tests.moe.families import broken_copy
 
     name, models, path = family
     f = get_format(fmt)
     tensors = load_file(str(path / "model.safetensors"))
     routed = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")  # Mixtral's: w1 / w3 / w2
     decoded = {n: f.dequantize(f.quantize(t)) for n, t in tensors.items() if routed.search(n)}
-    assert len(decoded) == 3 * _num_experts(models["float32"].config) * _moe_layers(models["float32"].config)
-    hf = type(models["float32"]).from_pretrained(_broken_copy(path, tmp_path, lambda t: t.update(decoded)),
+    assert len(decoded) == 3 * num_experts(models["float32"].config) * moe_layers(models["float32"].config)
+    hf = type(models["float32"]).from_pretrained(broken_copy(path, tmp_path, lambda t: t.update(decoded)),
                                                  dtype=torch.float32).to("cuda").eval()
     k = hf.config.num_experts_per_tok
     engine = _engine(path, k, "float32", "lru", overlap, expert_format=fmt)
     assert engine.spec.moe.expert_format == fmt
     _check_overlap(engine, overlap)
-    _greedy_matches(engine, hf, [_tokens(5, seed=40), _tokens(7, seed=41)])
+    _greedy_matches(engine, hf, [random_tokens(5, seed=40), random_tokens(7, seed=41)])

@@ -284,19 +284,12 @@ def test_compiles_for_sm90():
 # ---------------------------------------------------------------- GPU: the Qwen3-Next shape
 
 
-def _gpu_or_skip():
-    _, gpu = device_or_skip()
-    if not gpu:
-        pytest.skip("needs CUDA")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 2, 8])
 @pytest.mark.parametrize("shape", ["glm-4.5-air", "grouped"])
 def test_gpu_sigmoid_router_at_real_shapes(tokens, shape):
     """GLM-4.5-Air's router (128 experts of H 4096, top-8, scaling 1) and a grouped one (256 experts in 8
     groups, 4 kept, top-8, scaling 2.5, as DeepSeek-V3-style configs of this family set)."""
-    _gpu_or_skip()
     experts, hidden, groups, kept, scaling = (
         (128, 4096, 1, 1, 1.0) if shape == "glm-4.5-air" else (256, 2048, 8, 4, 2.5)
     )
@@ -311,7 +304,6 @@ def test_gpu_sigmoid_router_at_real_shapes(tokens, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 2, 8])
 def test_gpu_gpt_oss_20b_shape_with_router_bias(tokens):
-    _gpu_or_skip()
     x, w = make_inputs(tokens, 32, 2880, torch.bfloat16, "cuda", seed=tokens)
     bias = torch.randn(32, device="cuda").bfloat16()
     got = router_topk(x, w, 4, True, router_b=bias)
@@ -322,7 +314,6 @@ def test_gpu_gpt_oss_20b_shape_with_router_bias(tokens):
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("tokens", [1, 2, 8])
 def test_gpu_qwen3_next_shape(tokens, norm):
-    _gpu_or_skip()
     x, w = make_inputs(tokens, 512, 2048, torch.bfloat16, "cuda", seed=tokens)
     got = router_topk(x, w, 10, norm)
     check_against(got, router_reference(x, w, 10, norm), decisive(x, w, 10))
@@ -335,7 +326,6 @@ def test_gpu_qwen3_next_shape(tokens, norm):
 def test_gpu_early_weights_change_no_bit(tokens):
     """early_weights with a programmatic launch behind a kernel that writes the hidden state: the
     same bits as the router without it, which reads everything after its wait."""
-    _gpu_or_skip()
     x, w = make_inputs(tokens, 512, 2048, torch.bfloat16, "cuda", seed=40 + tokens)
     src = make_inputs(tokens, 512, 2048, torch.bfloat16, "cuda", seed=50 + tokens)[0]
     outs = []
@@ -350,7 +340,6 @@ def test_gpu_early_weights_change_no_bit(tokens):
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay_resets_counters():
-    _gpu_or_skip()
     x, w = make_inputs(4, 512, 2048, torch.bfloat16, "cuda", seed=21)
     weights = torch.empty(4, 10, device="cuda")
     ids = torch.empty(4, 10, dtype=torch.int32, device="cuda")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from moe.serve.harmony import HarmonyStream, harmony_ids
 from moe.serve.tokenizer import TextTokenizer
 from moe.testing.tiny_checkpoint import HARMONY_SPECIALS, HARMONY_WORDS, make_tiny_checkpoint, write_tokenizer
-from tests.moe.http_util import KEY, NAME, serve
+from tests.moe.serve.http_util import KEY, NAME, serve
 
 SPECIAL = {t: HARMONY_SPECIALS.index(t) for t in HARMONY_SPECIALS}
 WORD = {w: len(HARMONY_SPECIALS) + i for i, w in enumerate(HARMONY_WORDS)}

@@ -1,5 +1,5 @@
 """Quantized layouts the loader does not serve are refused by name, never read as if they were bf16, on the CPU
-(the ones it serves: tests/moe/test_checkpoint_quantized.py).
+(the ones it serves: tests/moe/model/test_checkpoint_quantized.py).
 
     transformers Qwen3MoeForCausalLM (tiny, random) ─save_pretrained─► base dir (float32, loads)
         ─rewrite──► a copy in a quantized layout: tensors (FP8 blocks + weight_scale_inv, GPTQ, W8A8,
@@ -22,7 +22,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from moe.engine.loading import CheckpointError, load_model
-from tests.moe.test_model import _broken_copy
+from tests.moe.families import broken_copy
 
 CONFIG = dict(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
@@ -48,7 +48,7 @@ def _load(path, **kw):
 
 def _rewrite(base, tmp_path, edit_tensors=None, edit_config=None):
     """A copy of `base` with its tensors (name -> tensor dict) and / or config.json edited in place."""
-    return _broken_copy(base, tmp_path, edit_tensors, edit_config)
+    return broken_copy(base, tmp_path, edit_tensors, edit_config)
 
 
 def _projections(tensors) -> list[str]:

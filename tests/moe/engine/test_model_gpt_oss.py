@@ -30,7 +30,7 @@ from moe.engine.loading import CheckpointError, load_model
 from moe.model.checkpoint import EXPERT_BIAS_BANKS, load_checkpoint
 from moe.model.spec import FULL, SLIDING
 from moe.testing.tiny_checkpoint import randomize
-from tests.moe.test_model import _broken_copy, _close, _hf_logits, _hf_logits_and_router, _routing_alike, _tokens
+from tests.moe.families import assert_near, broken_copy, hf_logits, hf_logits_and_router, random_tokens, routing_alike
 
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
@@ -38,11 +38,6 @@ CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=48, num_hidden_l
               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                "beta_slow": 1.0, "original_max_position_embeddings": 16, "truncate": False})
 K = CONFIG["num_experts_per_tok"]
-
-
-def _cuda_or_skip():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
 
 
 def _with_config_limit(model: GptOssForCausalLM) -> GptOssForCausalLM:
@@ -102,14 +97,14 @@ def test_the_rope_is_transformers_yarn(checkpoint):
 def test_float32_logits_and_greedy_tokens_match_transformers_while_evicting(checkpoint):
     model, path = checkpoint
     engine = load_model(path, "cpu", num_slots=K, max_seq_len=32, progress=False)
-    seq = _tokens(13, seed=1)  # longer than the window: the sliding layers drop keys
-    ref = _hf_logits(model, seq).logits[0]
+    seq = random_tokens(13, seed=1)  # longer than the window: the sliding layers drop keys
+    ref = hf_logits(model, seq).logits[0]
     got = [engine.prefill([seq[:7]], all_logits=True)[0]] + [engine.decode_step([t]) for t in seq[7:]]
-    _close(torch.cat(got), ref, rel=1e-4)
+    assert_near(torch.cat(got), ref, rel=1e-4)
     counters = engine.moe.cache.counters
     assert (counters[:, CALLS] == 6).all() and (counters[:, MISSES] == counters[:, ACCESSES]).all()
     engine = load_model(path, "cpu", num_slots=K, max_seq_len=32, progress=False)
-    prompt = _tokens(5, seed=3)
+    prompt = random_tokens(5, seed=3)
     with torch.no_grad():
         want = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
                               pad_token_id=0)[0, len(prompt):].tolist()
@@ -118,30 +113,28 @@ def test_float32_logits_and_greedy_tokens_match_transformers_while_evicting(chec
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_bfloat16_logits_within_bf16_tolerance(checkpoint, device):
-    """As tests/moe/test_model.py's, with one change: a token that routes differently from transformers'
-    bf16 (each difference explained by _routing_alike) also changes the context of the tokens after it,
+    """As tests/moe/engine/test_model.py's, with one change: a token that routes differently from transformers'
+    bf16 (each difference explained by routing_alike) also changes the context of the tokens after it,
     so values are compared with transformers' bf16 (within 6 %) up to the first such token; at every token
     the engine's bf16 is as close to the float32 truth as transformers' own bf16 run (1.5x, with slack).
     On "cuda" the engine runs its GPU kernels and CUDA graphs, transformers still on the CPU."""
     import copy
 
-    if device == "cuda":
-        _cuda_or_skip()
     model, path = checkpoint
     engine = load_model(path, device, num_slots=2 * K, dtype="bfloat16", max_seq_len=32, progress=False,
                         record_routing=True)
-    seq, plen = _tokens(12, seed=2), 6
-    ref32, router32 = _hf_logits_and_router(model, seq)
-    ref16, router16 = _hf_logits_and_router(copy.deepcopy(model).to(torch.bfloat16), seq)
+    seq, plen = random_tokens(12, seed=2), 6
+    ref32, router32 = hf_logits_and_router(model, seq)
+    ref16, router16 = hf_logits_and_router(copy.deepcopy(model).to(torch.bfloat16), seq)
     got = torch.cat([engine.prefill([seq[:plen]], all_logits=True)[0]]
                     + [engine.decode_step([t]) for t in seq[plen:]]).cpu()
     ours = torch.as_tensor(engine.routing())[:, :, 0]
-    alike = [True] * plen + [_routing_alike(ours[j], router16[:, t], router32[:, t], K)
+    alike = [True] * plen + [routing_alike(ours[j], router16[:, t], router32[:, t], K)
                              for j, t in enumerate(range(plen, len(seq)))]
     assert sum(alike) >= len(seq) - 2, alike
     same = alike.index(False) if False in alike else len(seq)
     assert same >= plen + 2  # at least the prompt and two decode tokens compared
-    _close(got[:same], ref16[:same], rel=0.06)
+    assert_near(got[:same], ref16[:same], rel=0.06)
     own, theirs = (got - ref32).abs().amax(dim=1), (ref16 - ref32).abs().amax(dim=1)  # per token
     assert (own <= 1.5 * theirs + 0.02 * ref32.abs().max()).all(), (own, theirs)
 
@@ -149,7 +142,7 @@ def test_bfloat16_logits_within_bf16_tolerance(checkpoint, device):
 def test_rows_of_unequal_lengths_joining_and_leaving(checkpoint):
     model, path = checkpoint
     engine = load_model(path, "cpu", num_slots=3 * K, max_batch=3, max_seq_len=32, progress=False)
-    seqs = [_tokens(12, seed=4), _tokens(14, seed=5), _tokens(11, seed=6)]
+    seqs = [random_tokens(12, seed=4), random_tokens(14, seed=5), random_tokens(11, seed=6)]
     firsts = engine.prefill([seqs[0][:3], seqs[1][:8]])
     outs = {0: [firsts[0]], 1: [firsts[1]]}
     fed = {0: 3, 1: 8}
@@ -167,7 +160,7 @@ def test_rows_of_unequal_lengths_joining_and_leaving(checkpoint):
             fed[s] += 1
     for s, got in outs.items():
         start = fed[s] - len(got)
-        _close(torch.stack(got), _hf_logits(model, seqs[s][:fed[s]]).logits[0, start:], rel=1e-4)
+        assert_near(torch.stack(got), hf_logits(model, seqs[s][:fed[s]]).logits[0, start:], rel=1e-4)
 
 
 def test_a_prompt_prefilled_in_chunks_is_the_prompt_prefilled_at_once(checkpoint):
@@ -176,13 +169,13 @@ def test_a_prompt_prefilled_in_chunks_is_the_prompt_prefilled_at_once(checkpoint
 
     model, path = checkpoint
     weights = load_checkpoint(path, "cpu", pin=False, progress=False)
-    seq = _tokens(20, seed=7)
+    seq = random_tokens(20, seed=7)
     got = []
     for chunk in (4096, 3):
         engine = Engine(weights, make_backend(weights, 8, "lru"), max_seq_len=32, prefill_chunk=chunk)
         got.append(engine.prefill([seq], all_logits=True)[0])
     assert (got[0] - got[1]).abs().max().item() <= 1e-5 * got[0].abs().max().item()
-    _close(got[1], _hf_logits(model, seq).logits[0], rel=1e-4)
+    assert_near(got[1], hf_logits(model, seq).logits[0], rel=1e-4)
 
 
 @pytest.mark.parametrize("edit, pattern", [
@@ -194,7 +187,7 @@ def test_a_prompt_prefilled_in_chunks_is_the_prompt_prefilled_at_once(checkpoint
     (lambda c: c["rope_parameters"].update(factor=0), r"rope_parameters\.factor must be a number > 0 for yarn"),
 ])
 def test_bad_gpt_oss_fields_are_refused_naming_them(checkpoint, tmp_path, edit, pattern):
-    broken = _broken_copy(checkpoint[1], tmp_path, edit_config=edit)
+    broken = broken_copy(checkpoint[1], tmp_path, edit_config=edit)
     with pytest.raises(CheckpointError, match=pattern):
         load_model(broken, "cpu", num_slots=K, progress=False)
 
@@ -211,9 +204,9 @@ def test_the_gpu_backend_decodes_gpt_oss_like_transformers(checkpoint, mxfp4_che
     model, path = checkpoint if which == "bf16 layout" else mxfp4_checkpoint[:2]
     weights = load_checkpoint(path, "cpu", pin=False, progress=False)
     engine = Engine(weights, GpuMoE(weights, K), max_seq_len=32)
-    seq = _tokens(9, seed=31)
+    seq = random_tokens(9, seed=31)
     got = [engine.prefill([seq[:5]], all_logits=True)[0]] + [engine.decode_step([t]) for t in seq[5:]]
-    _close(torch.cat(got), _hf_logits(model, seq).logits[0], rel=1e-4)
+    assert_near(torch.cat(got), hf_logits(model, seq).logits[0], rel=1e-4)
     counters = engine.moe.slots.cache.counters.cpu()
     assert (counters[:, CALLS] == 4).all() and int(counters[:, MISSES].sum()) > 3 * K
 
@@ -235,7 +228,6 @@ def test_gpu_float32_greedy_tokens_and_logits_match_transformers(checkpoint, pol
     on the side stream (gpt-oss has no shared expert) and changes no bit."""
     from moe.kernels.plan import OverlapMode
 
-    _cuda_or_skip()
     model, path = checkpoint
     cuda = model.to("cuda")
     try:
@@ -243,7 +235,7 @@ def test_gpu_float32_greedy_tokens_and_logits_match_transformers(checkpoint, pol
                             progress=False, copy_overlap=overlap)
         for layer in engine.moe.layers.values():
             assert layer.plan.mode is (OverlapMode.HITS_ON_SIDE if overlap else OverlapMode.INLINE), layer.plan.reason
-        prompts = [_tokens(5, seed=41), _tokens(9, seed=42)]
+        prompts = [random_tokens(5, seed=41), random_tokens(9, seed=42)]
         outs = engine.generate(prompts, max_new_tokens=8)
         for prompt, out in zip(prompts, outs):
             with torch.no_grad():
@@ -255,7 +247,7 @@ def test_gpu_float32_greedy_tokens_and_logits_match_transformers(checkpoint, pol
                                copy_overlap=overlap)
             got = [fresh.prefill([seq[:len(prompt)]], all_logits=True)[0]]
             got += [fresh.decode_step([t]) for t in seq[len(prompt):]]
-            _close(torch.cat(got).cpu(), _cuda_logits(cuda, seq), rel=1e-4)
+            assert_near(torch.cat(got).cpu(), _cuda_logits(cuda, seq), rel=1e-4)
             counters = fresh.moe.slots.cache.counters.cpu()
             assert int(counters[:, MISSES].sum()) > len(out) * K  # the decode steps missed and evicted
     finally:
@@ -266,17 +258,16 @@ def test_gpu_float32_greedy_tokens_and_logits_match_transformers(checkpoint, pol
 def test_gpu_graph_replay_and_overlap_change_no_bit(checkpoint):
     """Eager decode, CUDA-graph decode and graph decode with the early hits on the side stream: bitwise
     equal logits and slot maps, through a row leaving and another joining."""
-    _cuda_or_skip()
     _, path = checkpoint
     runs = []
     for graphs, overlap in ((False, False), (True, False), (True, True)):
         engine = load_model(path, "cuda", num_slots=2 * K, max_batch=2, max_seq_len=64, progress=False,
                             copy_overlap=overlap, cuda_graphs=graphs)
-        logits = list(engine.prefill([_tokens(4, seed=51), _tokens(7, seed=52)]))
+        logits = list(engine.prefill([random_tokens(4, seed=51), random_tokens(7, seed=52)]))
         for step in range(6):
             if step == 3:
                 engine.leave(0)
-                logits.append(engine.join(_tokens(5, seed=53))[1])
+                logits.append(engine.join(random_tokens(5, seed=53))[1])
             logits.append(engine.decode_step([(step * 7 + r) % CONFIG["vocab_size"] for r in range(engine.batch)]))
         runs.append((torch.cat([t.reshape(-1) for t in logits]).cpu(), engine.moe.slots.cache.slot_of.cpu()))
     for logits, slot_of in runs[1:]:
@@ -285,15 +276,14 @@ def test_gpu_graph_replay_and_overlap_change_no_bit(checkpoint):
 
 @pytest.mark.gpu
 def test_gpu_mxfp4_experts_match_transformers_on_the_decoded_values(mxfp4_checkpoint):
-    _cuda_or_skip()
     model, path, _ = mxfp4_checkpoint
     engine = load_model(path, "cuda", num_slots=K, max_seq_len=64, progress=False)
     assert engine.spec.moe.expert_format == "mxfp4"
-    seq = _tokens(12, seed=61)
+    seq = random_tokens(12, seed=61)
     got = [engine.prefill([seq[:6]], all_logits=True)[0]] + [engine.decode_step([t]) for t in seq[6:]]
     cuda = model.to("cuda")
     try:
-        _close(torch.cat(got).cpu(), _cuda_logits(cuda, seq), rel=1e-4)
+        assert_near(torch.cat(got).cpu(), _cuda_logits(cuda, seq), rel=1e-4)
     finally:
         model.to("cpu")
 
@@ -358,9 +348,9 @@ def test_mxfp4_experts_keep_their_bytes_and_decode_like_transformers(mxfp4_check
     assert torch.equal(weights.store.tensor("down.q")[key],
                        tensors["model.layers.1.mlp.experts.down_proj_blocks"][e].reshape(64, 32))
     engine = load_model(path, "cpu", num_slots=K, max_seq_len=32, progress=False)
-    seq = _tokens(12, seed=8)
+    seq = random_tokens(12, seed=8)
     got = [engine.prefill([seq[:6]], all_logits=True)[0]] + [engine.decode_step([t]) for t in seq[6:]]
-    _close(torch.cat(got), _hf_logits(model, seq).logits[0], rel=1e-4)
+    assert_near(torch.cat(got), hf_logits(model, seq).logits[0], rel=1e-4)
     assert int(engine.moe.cache.counters[:, MISSES].sum()) > 0
 
 

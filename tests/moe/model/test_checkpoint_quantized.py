@@ -1,7 +1,7 @@
 """Quantized checkpoints and --moe-expert-format, on the CPU, against transformers on the decoded weights.
 
     transformers Qwen3MoeForCausalLM (tiny, random) ─save_pretrained─► base (float32)
-        ─tests/moe/quant_layouts.write_layout─► fp8 / modelopt NVFP4 / GPTQ / compressed-tensors int4 copy
+        ─tests/moe/model/quant_layouts.write_layout─► fp8 / modelopt NVFP4 / GPTQ / compressed-tensors int4 copy
     load_checkpoint: the HostStore rows are the checkpoint's own bytes in the format's layout (gate's
     part over up's); load_model (CPU backend, a pool of top_k slots: every decode call evicts): greedy
     tokens identical to, and logits within 1e-4 of, transformers running a float32 checkpoint of the
@@ -33,8 +33,8 @@ from expertcache.formats import GIB, INT4, bank_name, get_format
 from moe.engine.loading import CheckpointError, load_model
 from moe.model.checkpoint import load_checkpoint
 from moe.testing.tiny_checkpoint import randomize
-from tests.moe.quant_layouts import CONFIGS, FORMATS, write_layout
-from tests.moe.test_model import _broken_copy, _close
+from tests.moe.families import assert_near, broken_copy
+from tests.moe.model.quant_layouts import CONFIGS, FORMATS, write_layout
 
 CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
@@ -104,13 +104,13 @@ def _quantized(base, tmp_path, method, asymmetric=False):
     if asymmetric:
         config = json.loads(json.dumps(config).replace('"sym": true', '"sym": false')
                             .replace('"symmetric": true', '"symmetric": false'))
-    path = _broken_copy(base, tmp_path / method, edit, lambda c: c.update(quantization_config=config))
+    path = broken_copy(base, tmp_path / method, edit, lambda c: c.update(quantization_config=config))
     return path, out["decoded"], out["parts"]
 
 
 def _reference(base, tmp_path, decoded, cls=Qwen3MoeForCausalLM):
     """transformers on a float32 copy of `base` whose projections are `decoded`."""
-    path = _broken_copy(base, tmp_path / "decoded", lambda t: t.update(decoded))
+    path = broken_copy(base, tmp_path / "decoded", lambda t: t.update(decoded))
     return cls.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -131,7 +131,7 @@ def _check_engine(path, reference, **kw) -> None:
     got = [engine.prefill([PROMPT], all_logits=True)[0]] + [engine.decode_step([t]) for t in want[:-1]]
     with torch.no_grad():
         ref = reference(torch.tensor([seq[:-1]])).logits[0]
-    _close(torch.cat(got), ref, rel=1e-4)
+    assert_near(torch.cat(got), ref, rel=1e-4)
     assert int(engine.moe.cache.counters[:, 2].sum()) > 0
 
 
@@ -259,9 +259,9 @@ def _edit(prefix: str, fn):
 def test_bad_quantization_metadata_is_refused_naming_it(base, tmp_path, method, edit_tensors, edit_config, pattern):
     path, _, _ = _quantized(base, tmp_path, method)
     if edit_config is not None:
-        path = _broken_copy(path, tmp_path / "config", None, lambda c: edit_config(c["quantization_config"]))
+        path = broken_copy(path, tmp_path / "config", None, lambda c: edit_config(c["quantization_config"]))
     if edit_tensors is not None:
-        path = _broken_copy(path, tmp_path / "tensors", edit_tensors)
+        path = broken_copy(path, tmp_path / "tensors", edit_tensors)
     with pytest.raises(CheckpointError, match=pattern):
         load_model(path, "cpu", num_slots=4, progress=False)
 
@@ -323,7 +323,7 @@ def test_a_glm_fp8_checkpoint_as_the_family_ships_it(base_glm, tmp_path):
     _check_engine(path, _reference(base_glm, tmp_path, decoded, Glm4MoeForCausalLM))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="runs Triton's interpreter (no CUDA)")
+@pytest.mark.cpu_only
 def test_gpu_backend_on_the_cpu_serves_a_quantized_checkpoint(base_shared, tmp_path):
     """The GPU backend's kernels (Triton's interpreter) on a Qwen2-MoE NVFP4 layout, the routed and the
     shared experts in nvfp4: logits within 1e-4 of transformers on the decoded weights through evicting
@@ -339,12 +339,11 @@ def test_gpu_backend_on_the_cpu_serves_a_quantized_checkpoint(base_shared, tmp_p
     got = [engine.prefill([PROMPT], all_logits=True)[0]] + [engine.decode_step([t]) for t in seq[len(PROMPT):]]
     with torch.no_grad():
         ref = reference(torch.tensor([seq])).logits[0]
-    _close(torch.cat(got), ref, rel=1e-4)
+    assert_near(torch.cat(got), ref, rel=1e-4)
     assert int(engine.moe.slots.cache.counters[:, 2].sum()) > 0
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("method", ["fp8", "modelopt"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
 def test_gpu_quantized_checkpoint_with_a_shared_expert(base_shared, tmp_path, method, overlap):
@@ -363,4 +362,4 @@ def test_gpu_quantized_checkpoint_with_a_shared_expert(base_shared, tmp_path, me
             got.append(engine.decode_step([t])[0])
         ref = reference(torch.tensor([PROMPT + want[:-1]], device="cuda")).logits[0, len(PROMPT) - 1:]
     assert [int(g.argmax()) for g in got] == want
-    _close(torch.stack(got), ref, rel=1e-4)
+    assert_near(torch.stack(got), ref, rel=1e-4)

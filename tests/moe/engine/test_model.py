@@ -18,7 +18,7 @@ mixtral: 3 layers, 8 experts top-2 (softmax over the top-k), the release's exper
 no sliding window (the releases'); a windowed variant has its own test.
 olmoe: 3 layers, 16 experts top-4 without renormalisation (the releases'), q / k RMSNorms over the whole
 projection, attention biases (o_proj's too), GQA 4/2; clip_qkv has its own test.
-Router comparisons use each family's choice scores (_choice: the router logits, or GLM's biased sigmoid
+Router comparisons use each family's choice scores (router_choice: the router logits, or GLM's biased sigmoid
 scores within its chosen groups), whose top-k is the choice.
 Slot counts of top_k (or batch * top_k) make every decode call evict.
 """
@@ -35,94 +35,26 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (
-    Glm4MoeConfig,
-    Glm4MoeForCausalLM,
-    MixtralConfig,
-    MixtralForCausalLM,
-    OlmoeConfig,
-    OlmoeForCausalLM,
-    Qwen2MoeConfig,
-    Qwen2MoeForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-    Qwen3NextConfig,
-    Qwen3NextForCausalLM,
-)
 
 from expertcache.formats import GIB, get_format
 from expertcache.host import ACCESSES, CALLS, MISSES
 from moe.engine.loading import CheckpointError, load_model
 from moe.testing.tiny_checkpoint import randomize
-
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-FAMILIES = {
-    "qwen2": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
-              dict(num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=48, mlp_only_layers=[1])),
-    "qwen3": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
-              dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, head_dim=32, attention_bias=True,
-                   tie_word_embeddings=True)),
-    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM,
-                   dict(num_hidden_layers=4, head_dim=32, partial_rotary_factor=0.5, num_experts=8,
-                        num_experts_per_tok=3, shared_expert_intermediate_size=48, mlp_only_layers=[1],
-                        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                        linear_value_head_dim=16, linear_conv_kernel_dim=4)),
-    "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM,
-                 dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
-                      routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, head_dim=16,
-                      attention_bias=True, use_qk_norm=True)),
-    "mixtral": (MixtralConfig, MixtralForCausalLM,
-                dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=None)),
-    "olmoe": (OlmoeConfig, OlmoeForCausalLM,
-              dict(num_experts=16, num_experts_per_tok=4, intermediate_size=32, attention_bias=True)),
-}
-ORDER = (
-    "qwen2",
-    "qwen3",
-    "qwen3_next",
-    "glm4_moe",
-    "mixtral",
-    "olmoe",
-)  # fixes each family's index in the seeds as families are added
-
-
-def family_index(name: str) -> int:
-    """The family's place in ORDER (its models' seeds depend on it, not on how many families sort before it)."""
-    return ORDER.index(name)
-EXPERT = ("mlp.experts.3.up_proj.weight", "block_sparse_moe.experts.3.w3.weight")  # the first MoE layer's (Mixtral: w3)
-
-
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def checkpoint(request, tmp_path_factory):
-    """(family name, transformers model in eval mode, saved checkpoint directory)."""
-    config_cls, model_cls, extra = FAMILIES[request.param]
-    model = model_cls(config_cls(**{**COMMON, **extra})).eval()
-    randomize(model, seed=len(request.param) + family_index(request.param))
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path, safe_serialization=True)
-    return request.param, model, path
-
-
-def _num_experts(cfg) -> int:
-    return {"glm4_moe": getattr(cfg, "n_routed_experts", 0),
-            "mixtral": getattr(cfg, "num_local_experts", 0)}.get(cfg.model_type) or cfg.num_experts
-
-
-def _hf_logits(model, tokens: list[int], **kw):
-    with torch.no_grad():
-        return model(torch.tensor([tokens]), **kw)
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, COMMON["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _close(got: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
-    """Elementwise |got - ref| <= rel * (|ref| + max|ref|)."""
-    scale = ref.abs().max().item()
-    torch.testing.assert_close(got, ref, rtol=rel, atol=rel * scale)
+from tests.moe.families import (
+    COMMON,
+    EXPERT,
+    FAMILIES,
+    assert_near,
+    broken_copy,
+    hf_logits,
+    hf_logits_and_router,
+    hf_run,
+    moe_layers,
+    num_experts,
+    random_tokens,
+    router_choice,
+    routing_alike,
+)
 
 
 def _teacher_forced(engine, seq: list[int], prompt_len: int) -> torch.Tensor:
@@ -136,10 +68,10 @@ def test_float32_logits_match_transformers_through_evicting_decode(checkpoint):
     name, model, path = checkpoint
     top_k = model.config.num_experts_per_tok
     engine = load_model(path, "cpu", num_slots=top_k, max_seq_len=32, progress=False)
-    seq = _tokens(12, seed=1)
-    ref = _hf_logits(model, seq).logits[0]  # [12, V]
+    seq = random_tokens(12, seed=1)
+    ref = hf_logits(model, seq).logits[0]  # [12, V]
     got = _teacher_forced(engine, seq, prompt_len=7)
-    _close(got, ref, rel=1e-4)
+    assert_near(got, ref, rel=1e-4)
     counters = engine.moe.cache.counters  # [L_moe, 3]: decode calls only (prefill bypasses the cache)
     assert (counters[:, CALLS] == 5).all()
     assert (counters[:, MISSES] == counters[:, ACCESSES]).all() and counters[:, MISSES].sum() > 0
@@ -149,14 +81,14 @@ def test_bfloat16_logits_within_bf16_tolerance(checkpoint):
     """Teacher-forced bf16 logits within bf16 tolerance of transformers' own bf16 run, and as close to
     the float32 truth as that run, at every token both route alike (a decode token whose routing differs
     must differ where the engine chose the float32 router's experts or crossed a gap within
-    transformers' own bf16 noise: _routing_alike)."""
+    transformers' own bf16 noise: routing_alike)."""
     name, model, path = checkpoint
     k = model.config.num_experts_per_tok
     engine = load_model(path, "cpu", num_slots=2 * k, dtype="bfloat16", max_seq_len=32, progress=False,
                         record_routing=True)
-    seq, plen = _tokens(10, seed=2), 6
-    ref32, router32 = _hf_logits_and_router(model, seq)
-    ref16, router16 = _hf_logits_and_router(copy.deepcopy(model).to(torch.bfloat16), seq)
+    seq, plen = random_tokens(10, seed=2), 6
+    ref32, router32 = hf_logits_and_router(model, seq)
+    ref16, router16 = hf_logits_and_router(copy.deepcopy(model).to(torch.bfloat16), seq)
     got = _teacher_forced(engine, seq, prompt_len=plen)
     assert got.dtype == torch.float32 and engine.weights.embed.dtype == torch.bfloat16
     ours = torch.as_tensor(engine.routing())[:, :, 0]  # [decode steps, L_moe, k]
@@ -164,84 +96,19 @@ def test_bfloat16_logits_within_bf16_tolerance(checkpoint):
     # engine's prefill routing is not recorded; GLM-4.5's rounded correction bias flips one such token)
     alike = [all(set(router16[m, t].topk(k).indices.tolist()) == set(router32[m, t].topk(k).indices.tolist())
                  for m in range(router16.shape[0])) for t in range(plen)]
-    alike += [_routing_alike(ours[j], router16[:, t], router32[:, t], k) for j, t in enumerate(range(plen, len(seq)))]
+    alike += [routing_alike(ours[j], router16[:, t], router32[:, t], k) for j, t in enumerate(range(plen, len(seq)))]
     assert sum(alike) >= len(seq) - 2, alike  # a flip is rare: at most 2 tokens of 10
     keep = torch.tensor(alike)
-    _close(got[keep], ref16[keep], rel=0.06)
+    assert_near(got[keep], ref16[keep], rel=0.06)
     own, theirs = (got - ref32).abs().mean().item(), (ref16 - ref32).abs().mean().item()
     assert own <= 1.5 * theirs + 2**-8 * ref32.abs().mean().item()
-
-
-def _hf_run(model, seq: list[int]):
-    """transformers' forward of one sequence: (its output, its router logits L_moe x [T, E]). The logits
-    are recorded by hooks on GLM-4.5's routers (transformers 5.17 does not return them for it) and read
-    from the output (output_router_logits) for the others."""
-    ids = torch.tensor([seq], device=model.device)
-    if model.config.model_type != "glm4_moe":
-        with torch.no_grad():
-            out = model(ids, output_router_logits=True)
-        return out, list(out.router_logits)
-    recorded = []
-    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-    hooks = [g.register_forward_hook(lambda mod, args, out: recorded.append(out[0] if isinstance(out, tuple) else out))
-             for g in gates]
-    try:
-        with torch.no_grad():
-            out = model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    return out, recorded
-
-
-def _choice(model, router_logits) -> torch.Tensor:
-    """transformers' router logits (L_moe x [T, E]) as the scores whose top-k is its choice, [L_moe, T, E]
-    float32: the logits themselves (softmax routers), or GLM-4.5's sigmoid scores plus each layer's
-    e_score_correction_bias, -inf outside the topk_group groups whose two best such scores sum highest."""
-    logits = torch.stack([r.float() for r in router_logits])
-    cfg = model.config
-    if cfg.model_type != "glm4_moe":
-        return logits
-    biases = [layer.mlp.gate.e_score_correction_bias.float() for layer in model.model.layers
-              if hasattr(layer.mlp, "gate")]
-    scores = torch.sigmoid(logits) + torch.stack(biases)[:, None, :]  # [L, T, E]
-    grouped = scores.view(*scores.shape[:2], cfg.n_group, -1)
-    worth = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [L, T, n_group]
-    keep = torch.zeros_like(worth, dtype=torch.bool).scatter_(-1, worth.topk(cfg.topk_group, dim=-1).indices, True)
-    return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(scores)
-
-
-def _hf_logits_and_router(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' float32 logits [T, V] and router choice scores [L_moe, T, E] (_choice) of one sequence."""
-    out, router = _hf_run(model, seq)
-    return out.logits[0].float(), _choice(model, router).to(out.logits.device)
-
-
-def _routing_alike(ids: torch.Tensor, router16: torch.Tensor, router32: torch.Tensor, k: int) -> bool:
-    """ids [L, k] the engine routed one token to; router16 / router32 [L, E] transformers' bf16 / float32
-    router choice scores for it (_choice) -> True where every layer chose transformers' bf16 experts; False where the
-    first layer that differs is explained: the engine chose the float32 router's experts there, or the
-    gap it crossed (transformers' k-th bf16 logit less the lowest of the experts only the engine chose)
-    is within twice transformers' own bf16 noise at that layer (max |router16 - router32|);
-    AssertionError where it is not."""
-    for layer in range(router16.shape[0]):
-        theirs = set(router16[layer].topk(k).indices.tolist())
-        mine = set(ids[layer].tolist())
-        if mine != theirs:
-            logits = router16[layer]
-            gap = (logits.topk(k).values[-1] - logits[sorted(mine - theirs)].min()).item()
-            noise = (router16[layer] - router32[layer]).abs().max().item()
-            truth = set(router32[layer].topk(k).indices.tolist())
-            assert mine == truth or gap <= 2 * noise, (layer, sorted(mine), sorted(theirs), sorted(truth), gap, noise)
-            return False
-    return True
 
 
 def test_greedy_generation_token_identical_while_evicting(checkpoint):
     name, model, path = checkpoint
     top_k = model.config.num_experts_per_tok
     engine = load_model(path, "cpu", num_slots=top_k, max_seq_len=32, progress=False)
-    prompt = _tokens(6, seed=3)
+    prompt = random_tokens(6, seed=3)
     with torch.no_grad():
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
                              pad_token_id=0)[0, len(prompt):].tolist()
@@ -256,14 +123,14 @@ def test_batch_of_unequal_prompts_decodes_like_single_sequences(checkpoint):
     name, model, path = checkpoint
     engine = load_model(path, "cpu", num_slots=2 * model.config.num_experts_per_tok, max_batch=2,
                         max_seq_len=32, progress=False)
-    seqs = [_tokens(9, seed=4), _tokens(13, seed=5)]  # prompts of 5 and 9 tokens, 4 decode steps each
+    seqs = [random_tokens(9, seed=4), random_tokens(13, seed=5)]  # prompts of 5 and 9 tokens, 4 decode steps each
     prompts = [seqs[0][:5], seqs[1][:9]]
     first = engine.prefill(prompts)  # [2, V]
     steps = [engine.decode_step([seqs[0][5 + j], seqs[1][9 + j]]) for j in range(4)]  # 4 x [2, V]
     for row, seq in enumerate(seqs):
-        ref = _hf_logits(model, seq).logits[0]
+        ref = hf_logits(model, seq).logits[0]
         got = torch.stack([first[row]] + [s[row] for s in steps])
-        _close(got, ref[len(prompts[row]) - 1:], rel=1e-4)
+        assert_near(got, ref[len(prompts[row]) - 1:], rel=1e-4)
     assert engine.moe.cache.counters[:, MISSES].sum() > 0
 
 
@@ -274,7 +141,7 @@ def test_rows_joining_and_leaving_keep_each_sequence_its_own_context(checkpoint)
     name, model, path = checkpoint
     engine = load_model(path, "cpu", num_slots=3 * model.config.num_experts_per_tok, max_batch=3,
                         max_seq_len=32, progress=False)
-    seqs = [_tokens(10, seed=40), _tokens(11, seed=41), _tokens(9, seed=42), _tokens(8, seed=43)]
+    seqs = [random_tokens(n, seed=s) for n, s in ((10, 40), (11, 41), (9, 42), (8, 43))]
     got: dict[int, list[torch.Tensor]] = {}
     rows = []  # sequence index per row
     fed = {}  # tokens of each sequence in the engine so far
@@ -306,23 +173,23 @@ def test_rows_joining_and_leaving_keep_each_sequence_its_own_context(checkpoint)
     step()
     for s, outs in got.items():
         start = fed[s] - len(outs)  # the first logits came after token start (the prompt's last)
-        _close(torch.stack(outs), _hf_logits(model, seqs[s][:fed[s]]).logits[0, start:], rel=1e-4)
+        assert_near(torch.stack(outs), hf_logits(model, seqs[s][:fed[s]]).logits[0, start:], rel=1e-4)
 
 
 def test_prefill_touching_every_expert_keeps_the_decode_working_set(checkpoint):
     name, model, path = checkpoint
     cfg = model.config
     engine = load_model(path, "cpu", num_slots=cfg.num_experts_per_tok + 1, max_seq_len=128, progress=False)
-    engine.generate([_tokens(5, seed=6)], max_new_tokens=4)
+    engine.generate([random_tokens(5, seed=6)], max_new_tokens=4)
     before, counted = engine.moe.cache.snapshot(), list(engine.moe.prefill_counts)
-    long = _tokens(120, seed=7)
-    out, router = _hf_run(model, long)
-    e = _num_experts(cfg)
-    used = {m * e + x for m, choice in enumerate(_choice(model, router))  # [T, E] per MoE layer
+    long = random_tokens(120, seed=7)
+    out, router = hf_run(model, long)
+    e = num_experts(cfg)
+    used = {m * e + x for m, choice in enumerate(router_choice(model, router))  # [T, E] per MoE layer
             for x in torch.unique(choice.topk(cfg.num_experts_per_tok, dim=-1).indices).tolist()}
     assert len(used) >= 0.85 * engine.spec.num_moe_layers * e  # the prompt routes to (nearly) every expert
     got = engine.prefill([long], all_logits=True)[0]
-    _close(got, out.logits[0], rel=1e-4)
+    assert_near(got, out.logits[0], rel=1e-4)
     assert engine.moe.cache.snapshot().equals(before)
     # every used expert was computed once: the resident ones read from their slots, the rest streamed
     resident = len(used & set(engine.moe.cache.key_of[engine.moe.cache.key_of >= 0].tolist()))
@@ -338,11 +205,11 @@ def test_recorded_routing_is_transformers_router_topk(checkpoint):
     name, model, path = checkpoint
     k = model.config.num_experts_per_tok
     engine = load_model(path, "cpu", num_slots=k, max_seq_len=32, record_routing=True, progress=False)
-    seq = _tokens(10, seed=8)
+    seq = random_tokens(10, seed=8)
     _teacher_forced(engine, seq, prompt_len=6)
     routing = engine.routing()  # [N, L_moe, B, k]
     assert routing.dtype == np.int32 and routing.shape == (4, engine.spec.num_moe_layers, 1, k)
-    choice = _choice(model, _hf_run(model, seq)[1])  # [L_moe, T, E]
+    choice = router_choice(model, hf_run(model, seq)[1])  # [L_moe, T, E]
     ref = choice[:, 6:].topk(k, dim=-1).indices.permute(1, 0, 2).numpy()  # [N, L_moe, k]
     np.testing.assert_array_equal(routing[:, :, 0], ref)
 
@@ -353,8 +220,8 @@ def test_recorded_routing_pads_smaller_batches(checkpoint):
     engine = load_model(path, "cpu", num_slots=2 * k, max_batch=2, max_seq_len=16, record_routing=True,
                         progress=False)
     assert engine.routing().shape == (0, engine.spec.num_moe_layers, 0, k)
-    engine.generate([_tokens(3, seed=10)], max_new_tokens=2)  # one decode step of one row
-    engine.generate([_tokens(3, seed=11), _tokens(4, seed=12)], max_new_tokens=2)  # one step of two rows
+    engine.generate([random_tokens(3, seed=10)], max_new_tokens=2)  # one decode step of one row
+    engine.generate([random_tokens(3, seed=11), random_tokens(4, seed=12)], max_new_tokens=2)  # one step of two rows
     routing = engine.routing()
     assert routing.shape == (2, engine.spec.num_moe_layers, 2, k)
     assert (routing[0, :, 1] == -1).all() and (routing[0, :, 0] >= 0).all() and (routing[1] >= 0).all()
@@ -362,7 +229,7 @@ def test_recorded_routing_pads_smaller_batches(checkpoint):
 
 def test_fused_expert_layout_and_sharded_index_load_identically(checkpoint, tmp_path):
     name, model, path = checkpoint
-    seq = _tokens(8, seed=9)
+    seq = random_tokens(8, seed=9)
 
     def logits(p):
         return load_model(p, "cpu", num_slots=16, max_seq_len=16, progress=False).prefill([seq], all_logits=True)[0]
@@ -389,11 +256,11 @@ def test_mixtral_with_a_sliding_window_slides_every_layer(tmp_path):
     model.save_pretrained(tmp_path, safe_serialization=True)
     engine = load_model(tmp_path, "cpu", num_slots=2, max_seq_len=32, progress=False)
     assert set(engine.spec.layer_types) == {"sliding_attention"} and engine.spec.sliding_window == 4
-    seq = _tokens(13, seed=6)
-    _close(_teacher_forced(engine, seq, prompt_len=6), _hf_logits(model, seq).logits[0], rel=1e-4)
+    seq = random_tokens(13, seed=6)
+    assert_near(_teacher_forced(engine, seq, prompt_len=6), hf_logits(model, seq).logits[0], rel=1e-4)
     unwindowed = model_cls(config_cls(**{**COMMON, **extra})).eval()
     unwindowed.load_state_dict(model.state_dict())
-    assert (_hf_logits(unwindowed, seq).logits[0] - _hf_logits(model, seq).logits[0]).abs().max() > 1e-2
+    assert (hf_logits(unwindowed, seq).logits[0] - hf_logits(model, seq).logits[0]).abs().max() > 1e-2
 
 
 def test_olmoe_clip_qkv_clamps_as_transformers_does(tmp_path):
@@ -406,18 +273,18 @@ def test_olmoe_clip_qkv_clamps_as_transformers_does(tmp_path):
     model.save_pretrained(tmp_path, safe_serialization=True)
     engine = load_model(tmp_path, "cpu", num_slots=4, max_seq_len=32, progress=False)
     assert engine.spec.clip_qkv == 0.6 and engine.spec.qk_norm_full and not engine.spec.qk_norm
-    seq = _tokens(12, seed=3)
-    _close(_teacher_forced(engine, seq, prompt_len=5), _hf_logits(model, seq).logits[0], rel=1e-4)
+    seq = random_tokens(12, seed=3)
+    assert_near(_teacher_forced(engine, seq, prompt_len=5), hf_logits(model, seq).logits[0], rel=1e-4)
     unclipped = model_cls(config_cls(**{**COMMON, **extra})).eval()
     unclipped.load_state_dict(model.state_dict())
-    assert (_hf_logits(unclipped, seq).logits[0] - _hf_logits(model, seq).logits[0]).abs().max() > 1e-2
+    assert (hf_logits(unclipped, seq).logits[0] - hf_logits(model, seq).logits[0]).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("clip", [0, -1.0, float("inf"), True, "1"])
 def test_bad_olmoe_clip_qkv_is_refused_naming_it(tmp_path, clip):
     config_cls, model_cls, extra = FAMILIES["olmoe"]
     model_cls(config_cls(**{**COMMON, **extra})).save_pretrained(tmp_path / "olmoe", safe_serialization=True)
-    broken = _broken_copy(tmp_path / "olmoe", tmp_path, edit_config=lambda c: c.update(clip_qkv=clip))
+    broken = broken_copy(tmp_path / "olmoe", tmp_path, edit_config=lambda c: c.update(clip_qkv=clip))
     with pytest.raises(CheckpointError, match=r"config.json clip_qkv must be a finite number > 0 or null, got"):
         load_model(broken, "cpu", num_slots=8, progress=False)
 
@@ -439,11 +306,11 @@ def test_glm_multi_token_prediction_layers_are_not_read(tmp_path):
     save_file({**tensors, **extra_layer}, str(mtp / "model.safetensors"))
     config = json.loads((mtp / "config.json").read_text())
     (mtp / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-    seq = _tokens(7, seed=5)
+    seq = random_tokens(7, seed=5)
     got = [load_model(p, "cpu", num_slots=4, max_seq_len=16, progress=False).prefill([seq], all_logits=True)[0]
            for p in (tmp_path / "base", mtp)]
     assert torch.equal(got[0], got[1])
-    _close(got[1], _hf_logits(model, seq).logits[0], rel=1e-4)
+    assert_near(got[1], hf_logits(model, seq).logits[0], rel=1e-4)
 
 
 @pytest.mark.parametrize("edit, pattern", [
@@ -457,23 +324,9 @@ def test_glm_multi_token_prediction_layers_are_not_read(tmp_path):
 def test_bad_glm_fields_are_refused_naming_them(tmp_path, edit, pattern):
     config_cls, model_cls, extra = FAMILIES["glm4_moe"]
     model_cls(config_cls(**{**COMMON, **extra})).save_pretrained(tmp_path / "glm", safe_serialization=True)
-    broken = _broken_copy(tmp_path / "glm", tmp_path, edit_config=lambda c: c.update(edit))
+    broken = broken_copy(tmp_path / "glm", tmp_path, edit_config=lambda c: c.update(edit))
     with pytest.raises(ValueError, match=pattern):
         load_model(broken, "cpu", num_slots=8, progress=False)
-
-
-def _broken_copy(path, tmp_path, edit_tensors=None, edit_config=None):
-    out = tmp_path / "broken"
-    shutil.copytree(path, out)
-    if edit_tensors is not None:
-        tensors = load_file(str(out / "model.safetensors"))
-        edit_tensors(tensors)
-        save_file(tensors, str(out / "model.safetensors"))
-    if edit_config is not None:
-        config = json.loads((out / "config.json").read_text())
-        edit_config(config)
-        (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 @pytest.mark.parametrize(
@@ -510,7 +363,7 @@ def _broken_copy(path, tmp_path, edit_tensors=None, edit_config=None):
 )
 def test_load_errors_name_the_culprit(checkpoint, tmp_path, case, edit_tensors, edit_config, pattern):
     name, model, path = checkpoint
-    broken = _broken_copy(path, tmp_path, edit_tensors, edit_config)
+    broken = broken_copy(path, tmp_path, edit_tensors, edit_config)
     with pytest.raises(CheckpointError, match=pattern):
         load_model(broken, "cpu", num_slots=16, progress=False)
 
@@ -523,14 +376,6 @@ def test_too_few_slots_for_the_batch_names_the_flag(checkpoint):
 
 
 # --moe-cache-gb: G GiB of slot memory -> floor(G * 2**30 / P) slots, P = one expert's HostStore bytes
-
-def _moe_layers(cfg) -> int:
-    if cfg.model_type == "mixtral":
-        return cfg.num_hidden_layers
-    if cfg.model_type == "glm4_moe":
-        return cfg.num_hidden_layers - cfg.first_k_dense_replace
-    return cfg.num_hidden_layers - len(getattr(cfg, "mlp_only_layers", None) or [])
-
 
 @pytest.mark.parametrize("dtype, itemsize", [(None, 4), ("float16", 2), ("bfloat16", 2)])
 def test_cache_gb_gives_the_floor_of_the_budget_and_the_same_tokens(checkpoint, caplog, dtype, itemsize):
@@ -546,18 +391,18 @@ def test_cache_gb_gives_the_floor_of_the_budget_and_the_same_tokens(checkpoint, 
     slots = math.floor(gib * 2**30 / per)
     assert slots == k + 1 and engine.moe.cache.geometry.num_slots == engine.moe.pool.num_slots == slots
     assert engine.moe.store.bytes_per_expert == per
-    keys = _moe_layers(cfg) * _num_experts(cfg)
+    keys = moe_layers(cfg) * num_experts(cfg)
     assert f"expert cache: {slots} slots x {per:,} bytes per {'bf16' if dtype == 'bfloat16' else dtype or 'float32'} " \
            f"expert" in caplog.text and f"for {keys} experts" in caplog.text
     ref = load_model(path, "cpu", num_slots=slots, dtype=dtype, max_seq_len=32, progress=False)
-    prompt = _tokens(5, seed=9)
+    prompt = random_tokens(5, seed=9)
     assert engine.generate([prompt], max_new_tokens=8) == ref.generate([prompt], max_new_tokens=8)
     assert np.array_equal(engine.moe.cache.counters, ref.moe.cache.counters)
 
 
 def test_a_budget_that_holds_every_expert_gives_each_a_slot_and_says_so(checkpoint, caplog):
     name, model, path = checkpoint
-    keys = _moe_layers(model.config) * _num_experts(model.config)
+    keys = moe_layers(model.config) * num_experts(model.config)
     with caplog.at_level(logging.INFO, logger="moe.engine.loading"):
         engine = load_model(path, "cpu", cache_gb=1, max_seq_len=32, progress=False)
     assert engine.moe.cache.geometry.num_slots == keys
@@ -630,8 +475,6 @@ def test_the_kv_cache_is_priced_as_allocated_and_reported_beside_the_slots(check
 
 @pytest.mark.gpu
 def test_a_kv_cache_beyond_the_free_device_memory_names_the_flags(checkpoint):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     name, model, path = checkpoint
     with pytest.raises(ValueError, match=r"the KV cache needs \S+ GiB \(max_batch=1 x max_seq_len=1000000000\) but "
                                          r".* lower --max-seq-len or --max-batch, or --moe-cache-gb / --moe-slots"):

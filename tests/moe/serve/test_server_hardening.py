@@ -20,8 +20,8 @@ import torch
 
 from moe.engine.loading import load_model
 from moe.serve import openai_api
-from tests.moe.http_util import AUTH, NAME, serve, slow_decode
-from tests.moe.serving_util import held, wait_until
+from tests.moe.serve.http_util import AUTH, NAME, serve, slow_decode
+from tests.moe.serve.serving_util import held, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ dequantized experts, and the side-stream overlap against the single stream, bit 
     random_weights(MoEConfig(expert_format=F)): the random bf16 experts quantized, in F's host-store banks
     SyntheticModel: the miss copy moves every bank of a missing expert; the routed launches dequantize
     CPU (interpreter, tiny): an evicting step; every layer within bf16 tolerance of moe_reference on the
-        dequantized experts (tests/moe/test_layer.close_to_reference); warm_all fills every bank's bytes
+        dequantized experts (tests/moe/engine/test_layer.close_to_reference); warm_all fills every bank's bytes
     GPU (`gpu`): every format against the reference; fp8 and nvfp4 with overlap on vs off: outputs, slot
         maps and every bank of every filled slot bitwise equal, batch 1 and 2, eager and CUDA graph,
         evictions every step
@@ -19,7 +19,7 @@ import torch
 
 from moe.kernels.plan import QUANTIZED_ROUTED_TILES, OverlapMode
 from moe.testing.synthetic import SyntheticModel, random_weights
-from tests.moe.test_layer import (
+from tests.moe.engine.test_layer import (
     BF16,
     CPU_CFG,
     CPU_L,
@@ -29,18 +29,15 @@ from tests.moe.test_layer import (
     GPU_S,
     assert_steps_bitwise,
     close_to_reference,
-    gpu,
-    interpreter,
     misses,
-    needs_cuda,
 )
 
 FORMATS = ("fp8", "nvfp4", "mxfp4", "int4")
 
 
-@interpreter
+@pytest.mark.cpu_only
 def test_layer_matches_reference_cpu():
-    """nvfp4 (the routed kernels of every format: tests/moe/test_routed_formats.py), an evicting step."""
+    """nvfp4 (the routed kernels of every format: tests/moe/kernels/test_routed_formats.py), an evicting step."""
     cfg = dataclasses.replace(CPU_CFG, expert_format="nvfp4")
     model = SyntheticModel(random_weights(cfg, CPU_L, "cpu", seed=3), CPU_S, "cpu")
     plan = model.layers[0].plan
@@ -49,7 +46,7 @@ def test_layer_matches_reference_cpu():
     assert misses(model) > 0
 
 
-@interpreter
+@pytest.mark.cpu_only
 def test_warm_all_copies_every_bank_cpu():
     cfg = dataclasses.replace(CPU_CFG, num_experts=6, expert_format="nvfp4")
     weights = random_weights(cfg, CPU_L, "cpu", seed=5)
@@ -65,13 +62,10 @@ def test_warm_all_copies_every_bank_cpu():
 @pytest.fixture(scope="module")
 def gpu_models():
     """Per format, the random GPU_CFG experts quantized (built once)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     return {f: random_weights(dataclasses.replace(GPU_CFG, expert_format=f), GPU_L, "cuda", seed=11) for f in FORMATS}
 
 
-@gpu
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_layer_matches_reference_gpu(gpu_models, fmt):
     model = SyntheticModel(gpu_models[fmt], 8 * GPU_CFG.top_k, "cuda", copy_overlap=True)  # 8 tokens fit
@@ -81,8 +75,7 @@ def test_layer_matches_reference_gpu(gpu_models, fmt):
     model.close()
 
 
-@gpu
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("tokens", [1, 2])

@@ -26,8 +26,8 @@ from moe.serve.cli import build_state
 from moe.serve.metrics import snapshot
 from sim.replay import replay
 from sim.trace import load_trace
-from tests.moe.http_util import KEY, NAME, Running, serve
-from tests.moe.serving_util import held, wait_until
+from tests.moe.serve.http_util import KEY, NAME, Running, serve
+from tests.moe.serve.serving_util import held, wait_until
 
 
 def _serve(tiny_dir, *extra: str) -> Running:
