@@ -28,8 +28,8 @@ import torch
 import triton
 
 from expertcache import CacheGeometry, HostCache, get_policy
-from expertcache.device import DeviceCache, resolve_launch
-from expertcache.fast import run_calls
+from expertcache.device.cache import DeviceCache, resolve_launch
+from expertcache.replay import run_calls
 
 K = 10
 SLOTS = (512, 1650, 4096, 16384)

@@ -3,7 +3,7 @@
     python benchmarks/probe_ensure_registers.py [--chunk N] [--num-warps N] [--seq-max N]
         [--layers L] [--wide-score] [--policies lru,rule,lfuda] [--out FILE]
 
-Compiles expertcache.device_ensure.ensure_kernel with Triton for sm_90a as DeviceCache launches it
+Compiles expertcache.device.ensure.ensure_kernel with Triton for sm_90a as DeviceCache launches it
 (expertcache.device.resolve_launch for a pool of --layers layers, default 48: rule from its mirror up
 to 127 layers, through the keys past that; --wide-score gives rule constants past Rule.int32_scores,
 so its score is int64), for every policy, with and without router logits (32 entries), on one
@@ -24,8 +24,8 @@ import tempfile
 import triton
 
 from expertcache import CacheGeometry
-from expertcache.device import CHUNK, NUM_WARPS, EnsureTuning, resolve_launch
-from expertcache.device_ensure import JIT_OPTIONS, KERNEL_TYPES, SEQ_MAX, ensure_kernel
+from expertcache.device.cache import CHUNK, NUM_WARPS, EnsureTuning, resolve_launch
+from expertcache.device.ensure import JIT_OPTIONS, KERNEL_TYPES, SEQ_MAX, ensure_kernel
 from expertcache.policies import get_policy
 from moe.kernels.triton_launch import compile_for_sm
 
@@ -39,7 +39,8 @@ def ptxas_info(ptx: str) -> dict:
     err = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
                          capture_output=True, text=True, check=True).stderr
     os.unlink(f.name)
-    num = lambda pat: int(m.group(1)) if (m := re.search(pat, err)) else 0  # noqa: E731
+    def num(pat):
+        return int(m.group(1)) if (m := re.search(pat, err)) else 0
     return {"registers": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
             "spill_loads": num(r"(\d+) bytes spill loads")}
 

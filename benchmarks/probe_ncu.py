@@ -35,7 +35,7 @@ def run() -> None:
     from bench_routed import make_pool
 
     from expertcache import CacheGeometry
-    from expertcache.device import DeviceCache
+    from expertcache.device.cache import DeviceCache
     from moe.kernels.routed import routed_experts
     from moe.kernels.router import router_topk
 

@@ -16,7 +16,7 @@ import torch
 
 from expertcache import CacheGeometry, policy_names
 from expertcache.copy import miss_copy
-from expertcache.device import DeviceCache, EnsureTuning
+from expertcache.device.cache import DeviceCache, EnsureTuning
 from expertcache.pool import Bank, HostStore, SlotPool
 
 

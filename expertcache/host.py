@@ -7,7 +7,7 @@
         -> slot map update, plan [(key, slot)], per-layer counters
         -> slots [rows, k] int32 (NO_SLOT for padding)
 
-The device kernels and the compiled replay (`expertcache.fast`) are checked against this
+The device kernels and the compiled replay (`expertcache.replay`) are checked against this
 class bit for bit: same arrays, same values, after every call.
 """
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from expertcache.geometry import CacheGeometry
-from expertcache.policies.base import KIND_ORACLE, Clock, Policy, PolicyState
+from expertcache.policies.base import Clock, Policy, PolicyKind, PolicyState
 from expertcache.policies.oracle import NEXT
 
 NEVER = np.int64(2**62)
@@ -51,7 +51,7 @@ class Belady(Policy):
     key_fields = ("next",)
     initial = {"next": int(NEVER)}
     oracle = True
-    kind = KIND_ORACLE
+    kind = PolicyKind.ORACLE
 
     def __init__(self, geometry: CacheGeometry, next_use: np.ndarray) -> None:
         super().__init__(geometry)

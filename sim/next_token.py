@@ -10,7 +10,7 @@ contract (every key of a call resident at once, the call's hits pinned):
     ties by slot, ascending.
 So W = 0 is `lru`, slot for slot: the same free-slot order, victim order and install order (a call's
 misses in ascending key order into its victims in ascending (score, slot) order) as the compiled
-replay of expertcache.fast; and a window past the trace's end has `belady`'s misses, call for call
+replay of expertcache.replay; and a window past the trace's end has `belady`'s misses, call for call
 (tests/sim/test_next_token.py).
 
     ids [C, rows, k], layers [C] -> accesses (sim.belady.call_keys) and each one's next use

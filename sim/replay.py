@@ -1,7 +1,7 @@
 """Replay a routing trace through the ensure contract, in decode order, from a cold start.
 
     Trace experts [N, L, B, k] -> calls: token-major, layers 0..L-1 (ids [N*L, B, k])
-    -> one HostCache per (policy, slots), driven by the compiled kernel (expertcache.fast)
+    -> one HostCache per (policy, slots), driven by the compiled kernel (expertcache.replay)
     -> ReplayResult: per-layer accesses and misses, miss histogram [L, B*k + 1]
 
 `sweep` runs many (policy, slots) replays in parallel processes with a progress bar.
@@ -21,9 +21,9 @@ from tqdm import tqdm
 
 from expertcache import CacheGeometry, HostCache, get_policy, policy_names
 from expertcache.errors import EnsureError, PolicyError
-from expertcache.fast import run_calls
 from expertcache.geometry import distinct_counts
 from expertcache.host import ACCESSES, MISSES
+from expertcache.replay import run_calls
 from sim.belady import Belady
 from sim.next_token import replay_next_token
 from sim.trace import Trace, TraceError

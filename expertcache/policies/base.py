@@ -14,7 +14,7 @@ A policy implements the contract's verbs twice, over the same arrays:
 * the fast verbs: numba `@njit` scalar functions in the policy's module (`touch`, `score`,
   and where the policy needs them `evicted`, `refresh`, `order`, `offsets`, `observe`), which the
   compiled replay calls per key and per slot through a dispatch on `Policy.kind`
-  (expertcache.fast). Tests hold the two to bit-for-bit agreement.
+  (expertcache.replay). Tests hold the two to bit-for-bit agreement.
 
 The victim index of the compiled replay needs, for every resident key of layer lk at
 every clock, a lower bound `score >= (order(key) + offsets[lk]) >> shift` where `order`
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import ClassVar
 
 import numpy as np
@@ -76,8 +77,16 @@ class PolicyState:
         )
 
 
-# Policy kinds: the compiled replay (expertcache.fast) dispatches its verbs on these.
-KIND_LRU, KIND_RULE, KIND_LFUDA, KIND_ORACLE, KIND_MARKOV = 0, 1, 2, 3, 4
+class PolicyKind(IntEnum):
+    """The one numbering of the policies (Policy.kind), shared by the compiled replay, which dispatches
+    its verbs on it (expertcache.replay), and the device ensure, which takes it as its POLICY constexpr
+    (expertcache.device). A new policy adds a member here."""
+
+    LRU = 0
+    RULE = 1
+    LFUDA = 2
+    MARKOV = 3
+    ORACLE = 4  # future-knowing policies of the simulator: no device ensure
 
 
 class Policy:
@@ -95,7 +104,7 @@ class Policy:
     uses_logits: ClassVar[bool] = False
     # Oracles see the future and exist in the simulator only.
     oracle: ClassVar[bool] = False
-    kind: ClassVar[int]
+    kind: ClassVar[PolicyKind]
 
     def __init__(self, geometry: CacheGeometry) -> None:
         self.geometry = geometry

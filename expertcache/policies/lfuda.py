@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from expertcache.policies.base import KIND_LFUDA, Clock, Policy, PolicyState
+from expertcache.policies.base import Clock, Policy, PolicyKind, PolicyState
 
 FREQ, PRIO = 0, 1
 AGE = 0
@@ -48,7 +48,7 @@ class LFUDA(Policy):
     name = "lfuda"
     slot_fields = ("freq", "prio")
     glob_fields = ("age",)
-    kind = KIND_LFUDA
+    kind = PolicyKind.LFUDA
 
     def on_hit(self, st: PolicyState, clk: Clock, keys, slots, access) -> None:
         st.slot[FREQ, slots] += 1

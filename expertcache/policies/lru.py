@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from expertcache.policies.base import CLK_STEP, KIND_LRU, Clock, Policy, PolicyState
+from expertcache.policies.base import CLK_STEP, Clock, Policy, PolicyKind, PolicyState
 
 LAST = 0
 
@@ -27,7 +27,7 @@ def score(sst, slot):
 class LRU(Policy):
     name = "lru"
     slot_fields = ("last",)
-    kind = KIND_LRU
+    kind = PolicyKind.LRU
 
     def on_hit(self, st: PolicyState, clk: Clock, keys, slots, access) -> None:
         st.slot[LAST, slots] = clk.step

@@ -61,7 +61,7 @@ from numba.extending import intrinsic
 
 from expertcache.errors import PolicyError
 from expertcache.geometry import CacheGeometry
-from expertcache.policies.base import CLK_EXPERTS, CLK_LAYER, CLK_LAYERS, KIND_MARKOV, Clock, Policy, PolicyState
+from expertcache.policies.base import CLK_EXPERTS, CLK_LAYER, CLK_LAYERS, Clock, Policy, PolicyKind, PolicyState
 
 ONE_SHIFT = 16
 Q4 = 16  # a use adds 16 to a count
@@ -371,7 +371,7 @@ def observe(kst, gst, prm, layer, num_experts, q, n, acc, acc32, slot_of, done, 
 
 class Markov(Policy):
     name = "markov"
-    kind = KIND_MARKOV
+    kind = PolicyKind.MARKOV
     key_dtype = np.int32  # every key field stays below 2**31 (__init__ bounds them): half the bytes
 
     def __init__(self, geometry: CacheGeometry, lags: int = 2, beta: float = 0.3, row_cap: int = 100,

@@ -52,9 +52,9 @@ from expertcache.policies.base import (
     CLK_LAYER,
     CLK_LAYERS,
     CLK_TOK,
-    KIND_RULE,
     Clock,
     Policy,
+    PolicyKind,
     PolicyState,
 )
 
@@ -191,7 +191,7 @@ class Rule(Policy):
     key_fields = ("last_tok", "lc", "dct")
     initial = {"last_tok": -1, "lc": 0, "dct": -1}
     uses_logits = True
-    kind = KIND_RULE
+    kind = PolicyKind.RULE
 
     def __init__(
         self,

@@ -16,7 +16,7 @@
 
 Legend: T = tokens (1..GEMV_MAX_TOKENS), H = hidden, E = experts (<= ROUTER_MAX_EXPERTS), k = top_k.
 
-Why one launch with an arrival counter (as expertcache.device_ensure) rather than two launches
+Why one launch with an arrival counter (as expertcache.device.ensure) rather than two launches
 (logits, then one program per token for softmax + top-k): at decode size the router reads its
 E * H weights once and is bound by latency, not bytes, while each extra kernel in a CUDA graph adds
 a launch gap; the logits GEMV must be spread over ~E / block_e programs to reach bandwidth, and the
@@ -327,7 +327,7 @@ def router_topk(hidden: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_t
     before this layer's ensure (MoELayer's early hits). Same ids and weights as without. It reads
     this layer's E slots beside the logits and carries each in its key's low 20 bits, so no load
     follows the selection: slot_of's entries must be -1 or below 2**20 - 1
-    (expertcache.device_ensure.MAX_SLOTS - 1, as DeviceCache's are).
+    (expertcache.device.ensure.MAX_SLOTS - 1, as DeviceCache's are).
     router_b: [E] in router_w's dtype, added to every logit in float32 before the selection (gpt-oss's
     router: top-k of the biased logits, softmax over them with norm_topk_prob).
     Raises ValueError naming the argument whose shape, dtype, device or value is wrong (early_weights

@@ -14,7 +14,7 @@ from expertcache import (
     get_policy,
     policy_names,
 )
-from expertcache.fast import run_calls
+from expertcache.replay import run_calls
 
 POLICIES = policy_names()
 

@@ -12,31 +12,27 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
+import triton
+import triton.language as tl
 
 from expertcache import CacheGeometry, EnsureError, HostCache
-from tests.conftest import device_or_skip
-
-torch = pytest.importorskip("torch")
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from expertcache.device import (  # noqa: E402
+from expertcache.device.cache import (
     DeviceCache,
     EnsureLaunch,
     EnsureTuning,
     device_policy_names,
     resolve_launch,
 )
-from expertcache.device_policies import (  # noqa: E402
+from expertcache.device.policies import (
     LT_BITS,
     MIRROR_MAX_LAYERS,
-    POLICY_LFUDA,
-    POLICY_LRU,
     POLICY_RULE,
     _rule_constants,
     _rule_score,
 )
-from expertcache.policies.rule import (  # noqa: E402
+from expertcache.policies.base import PolicyKind
+from expertcache.policies.rule import (
     LC_MAX,
     LOG2_1P_TABLE,
     ONE,
@@ -44,6 +40,7 @@ from expertcache.policies.rule import (  # noqa: E402
     TABLE_SHIFT,
     Rule,
 )
+from tests.conftest import device_or_skip
 
 KEYED = MIRROR_MAX_LAYERS + 1  # layers past what rule's mirror packs: rule scores through key_of
 WIDE = {"w": 67.0}  # rule's constants past Rule.int32_scores: its score in int64
@@ -87,7 +84,8 @@ def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, tuning=None, call_layer
         li = None if lidx is None else lidx[c]
         lv = None if lval is None else lval[c]
         res = ref.ensure(int(layers[c]), ids[c], li, lv)
-        t = lambda a: None if a is None else torch.as_tensor(a, device=device)  # noqa: E731
+        def t(a):
+            return None if a is None else torch.as_tensor(a, device=device)
         buf = dev.ensure(int(layers[c]), t(ids[c]), t(li), t(lv))
         m = int(buf.count.item())
         assert m == res.misses, (policy, c)
@@ -188,7 +186,7 @@ def test_rule_int32_scores_by_constants():
         assert not DeviceCache(g, "rule", device=device, **constants).launch.narrow
     assert not DeviceCache(g, "lru", device=device).launch.narrow
     with pytest.raises(ValueError, match="EnsureLaunch.narrow is for the rule policy"):
-        EnsureLaunch(POLICY_LFUDA.value, False, True, EnsureTuning())
+        EnsureLaunch(PolicyKind.LFUDA, False, True, EnsureTuning())
 
 
 @pytest.mark.parametrize("constants", [{}, {"w": 66.0}, {"k_max": 2**15 - 1, "w": 0.5, "beta": 0.1, "lc_floor": -1}],
@@ -268,7 +266,7 @@ def test_launch_resolved_by_pool_policy_and_layers():
     with pytest.raises(ValueError, match="tuning must be an EnsureTuning"):
         DeviceCache(g, "lru", device=device, tuning=(512, 4))
     with pytest.raises(ValueError, match="EnsureLaunch.mirror is for the rule policy"):
-        EnsureLaunch(POLICY_LRU.value, True, False, EnsureTuning())
+        EnsureLaunch(PolicyKind.LRU, True, False, EnsureTuning())
     with pytest.raises(ValueError, match="EnsureLaunch.policy"):
         EnsureLaunch(7, False, False, EnsureTuning())
     assert replace(EnsureTuning(), seq_max=4).chunk == 512
@@ -344,7 +342,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 from expertcache.copy import _JIT_OPTIONS as COPY_JIT, _miss_copy_kernel
-from expertcache.device_ensure import JIT_OPTIONS, KERNEL_TYPES, ensure_kernel
+from expertcache.device.ensure import JIT_OPTIONS, KERNEL_TYPES, ensure_kernel
 from moe.kernels.triton_launch import compile_for_sm
 
 out = []
@@ -374,7 +372,7 @@ def test_programmatic_launch_variants_compile_for_sm90():
 
 MIRROR_CHECK = r"""
 import json
-from expertcache.device_ensure import JIT_OPTIONS, KERNEL_TYPES, ensure_kernel
+from expertcache.device.ensure import JIT_OPTIONS, KERNEL_TYPES, ensure_kernel
 from moe.kernels.triton_launch import compile_for_sm
 
 out = []
@@ -403,7 +401,7 @@ def test_rule_mirror_compiles_for_sm90():
 
 MARKOV_CHECK = r"""
 import json
-from expertcache.device_ensure import JIT_OPTIONS, KERNEL_TYPES, ensure_kernel
+from expertcache.device.ensure import JIT_OPTIONS, KERNEL_TYPES, ensure_kernel
 from moe.kernels.triton_launch import compile_for_sm
 
 cx = dict(POLICY=3, HAS_LOGITS=False, CHUNK=512, BLOCK_Q=16, BLOCK_R=1, BLOCK_C=64, SINGLE=False, SEQ_MAX=16,

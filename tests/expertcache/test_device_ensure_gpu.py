@@ -10,14 +10,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from expertcache import CacheGeometry, HostCache, get_policy
+from expertcache.device.cache import DeviceCache, EnsureTuning, device_policy_names, resolve_launch
 from tests.conftest import real_trace
 from tests.expertcache.test_device_ensure import KEYED, WIDE, random_calls, run_parity
-
-torch = pytest.importorskip("torch")
-
-from expertcache.device import DeviceCache, EnsureTuning, device_policy_names, resolve_launch  # noqa: E402
 
 
 def grid_geometry(policy: str, S: int) -> tuple[int, int]:

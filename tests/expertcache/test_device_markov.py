@@ -1,4 +1,4 @@
-"""expertcache.device_markov.markov_observe against the host's Markov.observe, bit for bit: the whole
+"""expertcache.device.markov.markov_observe against the host's Markov.observe, bit for bit: the whole
 state (every table row, row total, frequency, history, prediction and the layers' totals) after each of
 many calls over random routing, with caps small enough that rows and layers are halved often, one and
 two lags, duplicate and padded ids; bad arguments named. CPU: Triton's interpreter; the same on a GPU."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from expertcache import CacheGeometry, get_policy
-from expertcache.device_markov import markov_observe
+from expertcache.device.markov import markov_observe
 from expertcache.policies.base import Clock
 from tests.conftest import device_or_skip
 
@@ -62,7 +62,7 @@ def test_bad_arguments_are_named():
 
 SM90 = """
 import json
-from expertcache.device_markov import _markov_predict_kernel, _markov_rows_kernel
+from expertcache.device.markov import _markov_predict_kernel, _markov_rows_kernel
 from moe.kernels.triton_launch import compile_for_sm
 rows = compile_for_sm(_markov_rows_kernel, ("*i32", "*i64", "*i32", "*i64") + ("i32",) * 7,
                       {"E": 512, "BLOCK": 512, "IDS": 16}, 4, 90, {})

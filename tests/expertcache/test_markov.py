@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from numba import njit
 
 from expertcache import CacheGeometry, HostCache, PolicyError, get_policy
-from expertcache.fast import run_calls
 from expertcache.policies.base import Clock
 from expertcache.policies.markov import FREQ, HIST, T, V, _div_r
+from expertcache.replay import run_calls
 
 ONE = 1 << 16
 

@@ -20,7 +20,8 @@ def rule_score(L, E, layer, tok, key, last_tok, lc, dct, beta=4, w=3, halflife=6
     k = min(max((tok - 1 if later else tok) - last_tok, 0), 16384)
     d = lk - layer if later else L - layer + lk
     now = tok * L + layer
-    dc = lambda t: (t * ONE) // (halflife * L)  # noqa: E731
+    def dc(t):
+        return (t * ONE) // (halflife * L)
     lcv = max(lc - (dc(now) - dct), -30 * ONE)
     return -(k * ONE + d * math.floor(beta * ONE / L + 0.5)) + ((math.floor(w * 16 + 0.5) * lcv) >> 4)
 

@@ -19,9 +19,9 @@ from hypothesis.stateful import (
 )
 
 from expertcache import CacheGeometry, EnsureError, HostCache, policy_names
-from expertcache.fast import run_calls
 from expertcache.geometry import NO_KEY
 from expertcache.policies.base import Clock
+from expertcache.replay import run_calls
 
 
 def expected_victim_order(cache: HostCache, layer: int, ids: np.ndarray, lidx, lval):

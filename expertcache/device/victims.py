@@ -1,4 +1,4 @@
-"""Victim selection of the device ensure (expertcache.device_ensure): the lowest packed keys.
+"""Victim selection of the device ensure (expertcache.device.ensure): the lowest packed keys.
 
     packed [N] int64 per program (score << SLOT_BITS | slot, INT64_MAX where not evictable)
       need <= SEQ_MAX: successive minima over registers -> best [BLOCK_Q] (and, on several

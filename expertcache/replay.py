@@ -44,10 +44,7 @@ from expertcache.policies.base import (
     CLK_STEP,
     CLK_TOK,
     CLOCK_LEN,
-    KIND_LFUDA,
-    KIND_LRU,
-    KIND_MARKOV,
-    KIND_RULE,
+    PolicyKind,
 )
 from expertcache.victim_index import FREE, ix_best, ix_fill, ix_new, ix_set
 
@@ -60,11 +57,11 @@ def _drop_stale_kernels() -> None:
     cache = Path(__file__).with_name("__pycache__")
     deps = (lfuda, lru, markov, oracle, rule, victim_index, base)
     digest = hashlib.sha256(b"".join(inspect.getsource(m).encode() for m in deps)).hexdigest()
-    stamp = cache / "fast.kernel-deps.sha256"
+    stamp = cache / f"{Path(__file__).stem}.kernel-deps.sha256"
     try:
         if stamp.exists() and stamp.read_text() == digest:
             return
-        for f in cache.glob("fast.*.nb[ic]"):
+        for f in cache.glob(f"{Path(__file__).stem}.*.nb[ic]"):
             f.unlink(missing_ok=True)
         cache.mkdir(exist_ok=True)
         stamp.write_text(digest)
@@ -73,6 +70,10 @@ def _drop_stale_kernels() -> None:
 
 
 _drop_stale_kernels()
+
+# PolicyKind's members as module-level ints, which numba folds into its kernels as constants.
+KIND_LRU, KIND_RULE, KIND_LFUDA, KIND_MARKOV = (int(k) for k in (PolicyKind.LRU, PolicyKind.RULE, PolicyKind.LFUDA,
+                                                                PolicyKind.MARKOV))
 
 
 @njit(cache=True)

@@ -23,7 +23,7 @@ Two launches, graph capturable, needing no host value but `layer`, a launch argu
 so a call reads some 2 J k rows of E counts, in parallel. The divisions are int64 floor divisions, which
 the host's float division by a reciprocal (markov._div_r, markov._qdiv) reproduces exactly. DeviceCache.ensure launches
 both before the ensure kernel, which then scores
-markov's keys from V (expertcache.device_policies._keyed_scores).
+markov's keys from V (expertcache.device.policies._keyed_scores).
 """
 
 from __future__ import annotations

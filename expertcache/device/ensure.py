@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from expertcache.device_policies import (
+from expertcache.device.policies import (
     POLICY_LFUDA,
     POLICY_LRU,
     POLICY_RULE,
@@ -56,7 +56,7 @@ from expertcache.device_policies import (
     _touch_lfuda,
     _touch_rule,
 )
-from expertcache.device_victims import _lowest, _merge, _victims
+from expertcache.device.victims import _lowest, _merge, _victims
 
 SEQ_MAX = 16  # up to this many victims by successive minima, more by a sort (k <= 16: none is compiled)
 SLOT_BITS = 20  # packed key = score * 2**20 + slot: slots < 2**20, |score| < 2**43

@@ -1,4 +1,4 @@
-"""The per-policy pieces of the device ensure (expertcache.device_ensure), as Triton device functions.
+"""The per-policy pieces of the device ensure (expertcache.device.ensure), as Triton device functions.
 
     scoring, per program over its CHUNK of slots (a call that needs victims):
       lru     the stamps of the filled prefix [0, filled); the hits' stamps are raised to the call's
@@ -24,14 +24,12 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from expertcache.policies.base import PolicyKind
 from expertcache.policies.markov import P_BETA_Q
 
-POLICY_LRU, POLICY_RULE, POLICY_LFUDA, POLICY_MARKOV = (
-    tl.constexpr(0),
-    tl.constexpr(1),
-    tl.constexpr(2),
-    tl.constexpr(3),
-)
+# The kernel's POLICY constexpr is Policy.kind (PolicyKind), the numbering the host and the replay use.
+POLICY_LRU, POLICY_RULE = tl.constexpr(int(PolicyKind.LRU)), tl.constexpr(int(PolicyKind.RULE))
+POLICY_LFUDA, POLICY_MARKOV = tl.constexpr(int(PolicyKind.LFUDA)), tl.constexpr(int(PolicyKind.MARKOV))
 # rule's mirror, row 0 per slot: lt | layer << LT_BITS (at most MIRROR_MAX_LAYERS layers, lt < 2**56), or PINNED
 # while the call being scored holds the slot's key as a hit (the call's commit rewrites the word)
 LT_BITS = tl.constexpr(56)

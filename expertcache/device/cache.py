@@ -9,7 +9,7 @@
              mirror: mirror int64 [2, S] (lt | layer << 56 and lc + dct of each slot's key)
                                                                              (torch, on device)
       ensure(layer, ids [rows, k] int32 on device[, logit_idx, logit_val [rows, T]])
-        -> one ensure_kernel launch (expertcache.device_ensure) on the current stream
+        -> one ensure_kernel launch (expertcache.device.ensure) on the current stream
         -> EnsureBuffers: slots int32 [rows, k], plan int32 [BLOCK_Q, 2], count int32 [1]
 
 Same layout as HostCache, so `snapshot()` compares bit for bit. Output buffers are fixed
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import triton
 
-from expertcache.device_ensure import (
+from expertcache.device.ensure import (
     MAX_QUERY,
     MAX_SLOTS,
     SEQ_MAX,
@@ -37,28 +37,24 @@ from expertcache.device_ensure import (
     CallTensors,
     ensure_kernel,
 )
-from expertcache.device_markov import launch_observe
-from expertcache.device_policies import (
+from expertcache.device.markov import launch_observe
+from expertcache.device.policies import (
     MIRROR_MAX_LAYERS,
-    POLICY_LFUDA,
-    POLICY_LRU,
-    POLICY_MARKOV,
-    POLICY_RULE,
 )
 from expertcache.errors import EnsureError
 from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
 from expertcache.host import Snapshot
 from expertcache.policies import REGISTRY, Policy, get_policy
-from expertcache.policies.base import KIND_LFUDA, KIND_LRU, KIND_MARKOV, KIND_RULE, PolicyState
+from expertcache.policies.base import PolicyKind, PolicyState
 
-DEVICE_KINDS = {KIND_LRU: POLICY_LRU.value, KIND_RULE: POLICY_RULE.value, KIND_LFUDA: POLICY_LFUDA.value,
-                KIND_MARKOV: POLICY_MARKOV.value}
+# The policies the kernel has a branch for (expertcache.device.policies); the others run on the host only.
+DEVICE_POLICIES = frozenset({PolicyKind.LRU, PolicyKind.RULE, PolicyKind.LFUDA, PolicyKind.MARKOV})
 # Default tiles, the fastest at every pool size measured (docs/ensure.md): programs of CHUNK slots and
 # NUM_WARPS warps, ceil(S / CHUNK) of them that merge; but lru, lfuda and rule with its mirror, whose
 # score is one or two loads per slot, score up to ONE_PROGRAM slots in one program of their warps.
 CHUNK, NUM_WARPS = 512, 4
 ONE_PROGRAM = 2048
-ONE_PROGRAM_WARPS = {KIND_LRU: 4, KIND_LFUDA: 8, KIND_RULE: 8}
+ONE_PROGRAM_WARPS = {PolicyKind.LRU: 4, PolicyKind.LFUDA: 8, PolicyKind.RULE: 8}
 
 
 @dataclass(frozen=True)
@@ -84,7 +80,7 @@ class EnsureTuning:
 
 def default_tuning(kind: int, num_slots: int, mirror: bool) -> EnsureTuning:
     """The tiles DeviceCache uses when it is given none (see ONE_PROGRAM)."""
-    one = kind in ONE_PROGRAM_WARPS and (kind != KIND_RULE or mirror)
+    one = kind in ONE_PROGRAM_WARPS and (kind != PolicyKind.RULE or mirror)
     if one and CHUNK < num_slots <= ONE_PROGRAM:
         return EnsureTuning(triton.next_power_of_2(num_slots), ONE_PROGRAM_WARPS[kind])
     return EnsureTuning(CHUNK, NUM_WARPS)
@@ -92,31 +88,31 @@ def default_tuning(kind: int, num_slots: int, mirror: bool) -> EnsureTuning:
 
 @dataclass(frozen=True)
 class EnsureLaunch:
-    """What one DeviceCache launches, resolved once (resolve_launch): the kernel's policy (its
-    POLICY, a DEVICE_KINDS value), whether rule scores from its per-slot mirror (mirror) and in int32
-    (narrow), and the tiles."""
+    """What one DeviceCache launches, resolved once (resolve_launch): the kernel's policy (its POLICY
+    constexpr: its PolicyKind, one of DEVICE_POLICIES), whether rule scores from its per-slot mirror
+    (mirror) and in int32 (narrow), and the tiles."""
 
-    policy: int
+    policy: PolicyKind
     mirror: bool
     narrow: bool
     tuning: EnsureTuning
 
     def __post_init__(self) -> None:
-        if isinstance(self.policy, bool) or self.policy not in DEVICE_KINDS.values():
-            raise ValueError(f"EnsureLaunch.policy must be one of {sorted(DEVICE_KINDS.values())}, "
+        if isinstance(self.policy, bool) or self.policy not in DEVICE_POLICIES:
+            raise ValueError(f"EnsureLaunch.policy must be one of {sorted(map(int, DEVICE_POLICIES))} (PolicyKind), "
                              f"got {self.policy!r}")
         for name in ("mirror", "narrow"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"EnsureLaunch.{name} must be a bool, got {value!r}")
-            if value and self.policy != POLICY_RULE.value:
+            if value and self.policy != PolicyKind.RULE:
                 raise ValueError(f"EnsureLaunch.{name} is for the rule policy only")
         if not isinstance(self.tuning, EnsureTuning):
             raise ValueError(f"tuning must be an EnsureTuning, got {self.tuning!r}")
 
     def constexprs(self) -> dict:
         """ensure_kernel's constexprs that stay fixed for the cache."""
-        return {"POLICY": self.policy, "MIRROR": self.mirror, "NARROW": self.narrow,
+        return {"POLICY": int(self.policy), "MIRROR": self.mirror, "NARROW": self.narrow,
                 "CHUNK": self.tuning.chunk, "SEQ_MAX": self.tuning.seq_max}
 
 
@@ -133,12 +129,12 @@ def resolve_launch(geometry: CacheGeometry, policy: Policy, tuning: EnsureTuning
     tuning: the tiles, default_tuning's unless given.
     Hard-wired per policy in the kernel: rule reduces its miss ranks behind its scoring loads, lru and
     lfuda before them (device_policies._late_ranks)."""
-    rule = policy.kind == KIND_RULE
+    rule = policy.kind == PolicyKind.RULE
     mirror = rule and geometry.num_layers <= MIRROR_MAX_LAYERS
     narrow = rule and policy.int32_scores()
     if tuning is None:
         tuning = default_tuning(policy.kind, geometry.num_slots, mirror)
-    return EnsureLaunch(DEVICE_KINDS[policy.kind], mirror, narrow, tuning)
+    return EnsureLaunch(policy.kind, mirror, narrow, tuning)
 
 
 @dataclass
@@ -153,8 +149,8 @@ class EnsureBuffers:
 
 
 def device_policy_names() -> list[str]:
-    """The registered policies that have a device ensure (a kind in DEVICE_KINDS), sorted."""
-    return sorted(n for n, info in REGISTRY.items() if getattr(info.factory, "kind", None) in DEVICE_KINDS)
+    """The registered policies that have a device ensure (a kind in DEVICE_POLICIES), sorted."""
+    return sorted(n for n, info in REGISTRY.items() if getattr(info.factory, "kind", None) in DEVICE_POLICIES)
 
 
 class DeviceCache:
@@ -168,7 +164,7 @@ class DeviceCache:
                  tuning: EnsureTuning | None = None, **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
-        if self.policy.oracle or self.policy.kind not in DEVICE_KINDS:
+        if self.policy.oracle or self.policy.kind not in DEVICE_POLICIES:
             raise EnsureError(f"policy {self.policy.name!r} has no device ensure (--moe-cache-policy): "
                               f"on a GPU choose one of {', '.join(device_policy_names())}; it runs in "
                               "the simulator and the CPU engine")
@@ -199,10 +195,11 @@ class DeviceCache:
                                      self.prm, self.fprm, self.clock, self.counters, self.missed,
                                      self.status, self.arrive)
         self._constexprs = self.launch.constexprs()
-        self._markov_params = tuple(int(p) for p in self.policy.params()) if self.policy.kind == KIND_MARKOV else ()
+        markov = self.policy.kind == PolicyKind.MARKOV
+        self._markov_params = tuple(int(p) for p in self.policy.params()) if markov else ()
         # markov's call's distinct experts, between its two learning launches
         self._markov_scratch = (torch.empty(geometry.num_experts, dtype=torch.int64, device=self.device)
-                                if self.policy.kind == KIND_MARKOV else None)
+                                if markov else None)
         self._buffers: dict[tuple[int, int], EnsureBuffers] = {}
         self._cand: dict[int, torch.Tensor] = {}
 
@@ -252,7 +249,7 @@ class DeviceCache:
         io = CallTensors(ids, logit_idx if has_logits else buf.count, logit_val if has_logits else self.fprm,
                          buf.slots, buf.plan, buf.count, self._cand[block_c])
         g = self.geometry
-        if self.policy.kind == KIND_MARKOV:  # the call's routing enters the state before victims are chosen
+        if self.policy.kind == PolicyKind.MARKOV:  # the call's routing enters the state before victims are chosen
             launch_observe(self.kst, self.gst, self._markov_params, layer, ids, self.slot_of, g.num_experts,
                            g.num_slots, self._markov_scratch)
         ensure_kernel[(self.grid,)](
