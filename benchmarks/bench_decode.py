@@ -4,7 +4,7 @@
     512 experts of I 512, top-10, shared expert 512, bf16; attention 16 / 2 heads of 128) or qwen3-30b
     (qwen3_30b_like: H 2048, 128 experts of I 768, top-8, no shared expert; attention 32 / 4 heads of
     128 with q/k norms) or flame-290m (flame_290m_like: H 1024, 64 experts of I 704, top-6, shared
-    expert 1408: FLAME-MoE-290M's block, for its real trace) or qwen3-next-hybrid (random_decoder.qwen3_next:
+    expert 1408: FLAME-MoE-290M's block, for its real trace) or qwen3-next-80b (random_decoder.qwen3_next:
     Qwen3-Next-80B-A3B's own decoder, model_type qwen3_next: every fourth layer gated full attention of
     16 / 2 heads of 256, the others Gated DeltaNet linear attention, the same MoE block as qwen3-next)
     or gpt-oss-20b (random_decoder.gpt_oss_20b: gpt-oss-20b's own decoder, 32 experts of I 2880 top-4
@@ -89,7 +89,7 @@ class Geometry:
 
 
 GEOMETRIES = {"qwen3-next": Geometry("qwen3_next_like", "qwen3-next", "qwen3-next", 512, 10, 2048, 512),
-              "qwen3-next-hybrid": Geometry("qwen3_next", "qwen3-next", "qwen3-next", 512, 10, 2048, 512),
+              "qwen3-next-80b": Geometry("qwen3_next", "qwen3-next", "qwen3-next", 512, 10, 2048, 512),
               "qwen3-30b": Geometry("qwen3_30b_like", "qwen3-30b-a3b", "qwen3-30b-a3b", 128, 8, 2048, 768),
               "flame-290m": Geometry("flame_290m_like", "flame-like", "flame-290m", 64, 6, 1024, 704),
               "gpt-oss-20b": Geometry("gpt_oss_20b", "gpt-oss-20b", "gpt-oss-20b", 32, 4, 2880, 2880),
@@ -300,7 +300,7 @@ def run_format(fmt: str, traces: dict, args: argparse.Namespace, res: dict) -> N
     if not args.dry_run:
         from decode_gpu import build_weights
 
-        weights, res["build"][fmt] = build_weights(args, fmt)
+        weights, res["build"][fmt] = build_weights(args, GEOMETRIES[args.geometry].config, fmt)
     for batch in args.batches:
         profile = H200_SM_COPY
         if not args.dry_run and not args.no_calibrate:

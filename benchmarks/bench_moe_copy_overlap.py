@@ -376,7 +376,7 @@ def resident_mode(weights, args, xs, out_dir: Path) -> dict:
 
 def plan_line(plan: dict) -> str:
     """One line of a LaunchPlan.summary(): the mode and the releases that are on."""
-    on = [name for name in ("down_release", "copy_release") if plan[name]]
+    on = ["front_release"] if plan["front_release"] else []
     if any(plan["router_early_weights"]):
         on.append("router_early_weights")
     return f"{plan['mode']} ({', '.join(on) or 'no release'}; down_prefetch {plan['down_prefetch']})"

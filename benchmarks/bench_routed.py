@@ -5,7 +5,7 @@ format's HBM floor, bf16 and a torch baseline.
     k 2), S slots of random bf16 weights (N(0, 1 / fan_in)), once per shape
     -> one pool per --formats format, built once per shape: bf16 the weights themselves; fp8 / nvfp4
        / mxfp4 / int4 the same weights quantized on the GPU (expertcache.formats), as SlotMatrix
-       gate_up (stack 2) and down (moe.kernels.slot_matrix)
+       gate_up (stack 2) and down (moe.model.slot_matrix)
     -> per T in --tokens: --calls routes, each token k distinct random slots (so consecutive calls
        read different experts and L2 cannot serve them), each call its own hidden/slots/weights/out,
        the same routes for every format
@@ -63,8 +63,8 @@ from expertcache.formats import ExpertFormat, format_names, get_format
 from moe.kernels.plan import DEFAULT_ROUTED_TILES, DOWN_PREFETCH, QUANTIZED_ROUTED_TILES
 from moe.kernels.routed import routed_down, routed_experts, routed_gate_up, routed_reference
 from moe.kernels.routed_host import routed_scratch
-from moe.kernels.slot_matrix import SlotMatrix
 from moe.kernels.tiles import RoutedTiles
+from moe.model.slot_matrix import SlotMatrix
 
 TARGET = ("target: per format, routed_experts at T=1 <= 1.3x the HBM floor of that format's bytes "
           "(qwen3-next, qwen3-30b)")

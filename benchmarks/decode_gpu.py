@@ -1,6 +1,6 @@
 """The GPU half of benchmarks/bench_decode.py: build the random decoder once, time one configuration.
 
-    build_weights(args, fmt) -> ModelWeights on cuda (moe.testing.random_decoder: --geometry's config at --layers,
+    build_weights(args, config, fmt) -> ModelWeights on cuda (moe.testing.random_decoder's `config` at --layers,
                            --vocab), routed experts in format `fmt` in one pinned HostStore shared by every
                            configuration of the format
     measure(weights, trace, args, policy, overlap, B):
@@ -33,15 +33,14 @@ GB = 1e9
 PROMPT = 4  # prompt tokens per row (prefill bypasses the cache)
 
 
-def build_weights(args: argparse.Namespace, fmt: str = "bf16") -> tuple[ModelWeights, dict]:
+def build_weights(args: argparse.Namespace, config: str, fmt: str = "bf16") -> tuple[ModelWeights, dict]:
     """The decoder of every configuration of expert format `fmt`, and how long building (quantizing and
-    pinning) it took. The same seed gives the same random experts in every format."""
-    from bench_decode import GEOMETRIES
-
+    pinning) it took: moe.testing.random_decoder's config maker `config` at --layers and --vocab. The same
+    seed gives the same random experts in every format."""
     gc.collect()
     torch.cuda.empty_cache()
     t0 = time.time()
-    config = getattr(decoders, GEOMETRIES[args.geometry].config)(args.layers, vocab_size=args.vocab)
+    config = getattr(decoders, config)(args.layers, vocab_size=args.vocab)
     weights = decoders.random_decoder(config, "cuda", seed=args.seed, expert_format=fmt)
     torch.cuda.synchronize()
     store = weights.store

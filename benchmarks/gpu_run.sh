@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# hybrid decode-hybrid gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -123,19 +123,19 @@ for part in $parts; do
     engine)
       timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/moe/engine/test_engine_gpu.py \
         2>&1 | tee "$OUT/gpu-tests-engine.log" | tail -8 ;;
-    hybrid)
+    qwen3-next)
       # Qwen3-Next's pieces: the delta-rule kernels, the linear-attention layer, the fused norms / RoPE with
       # (1 + w) norms and partial rotary, the fused step and chunked prefill, the prefill staging ring
       timeout ${HYBRID_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" \
         tests/moe/kernels/test_delta_rule.py tests/moe/engine/test_linear_attention.py tests/moe/kernels/test_decode_norm.py \
-        tests/moe/engine/test_decode_fused.py tests/moe/engine/test_prefill_staging.py 2>&1 | tee "$OUT/gpu-tests-hybrid.log" | tail -6 ;;
-    decode-hybrid)
+        tests/moe/engine/test_decode_fused.py tests/moe/engine/test_prefill_staging.py 2>&1 | tee "$OUT/gpu-tests-qwen3-next.log" | tail -6 ;;
+    decode-qwen3-next)
       # Qwen3-Next's own decoder (8 layers: 2 gated full attention, 6 Gated DeltaNet) at a quarter and half of
       # the experts in slots, the simulator's prediction beside each
       for frac in 0.25 0.5; do
-        timeout ${DECODE_HYBRID_TIMEOUT:-250} python3 benchmarks/bench_decode.py --geometry qwen3-next-hybrid \
+        timeout ${DECODE_QWEN3_NEXT_TIMEOUT:-250} python3 benchmarks/bench_decode.py --geometry qwen3-next-80b \
           --layers 8 --slots-frac $frac --configs ${DECODE_HYBRID_CONFIGS:-lru,rule+overlap} --batches 1 \
-          --out "$OUT/decode-hybrid-$frac.json" 2>&1 | tee "$OUT/decode-hybrid-$frac.log" | tail -6
+          --out "$OUT/decode-qwen3-next-$frac.json" 2>&1 | tee "$OUT/decode-qwen3-next-$frac.log" | tail -6
       done ;;
     gpt-oss)
       # gpt-oss's block on the GPU: the router with its bias, the routed kernels with biases and the clamped

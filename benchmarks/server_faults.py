@@ -174,8 +174,10 @@ def _chunked(size: int):
 def _cases() -> dict[str, tuple[Callable, Callable]]:
     """name -> (request(url) -> response | bool, check(response) -> bool)."""
     m, p = {"model": NAME}, {"model": NAME, "prompt": "w9"}
-    raw = lambda s: _post("/v1/completions", s.encode() if isinstance(s, str) else s)  # noqa: E731
-    chat = lambda content: {**m, "messages": [{"role": "user", "content": content}]}  # noqa: E731
+    def raw(s):
+        return _post("/v1/completions", s.encode() if isinstance(s, str) else s)
+    def chat(content):
+        return {**m, "messages": [{"role": "user", "content": content}]}
     cases = {
         "body 30 MB": (
             _post("/v1/completions", {**m, "prompt": "w9 " * 10_000_000}),

@@ -19,7 +19,7 @@ blocks of QUERY_BLOCK queries in prefill) and in the fused decode step's launche
 (attention_decode_fused); the rope is YaRN (Rope's yarn).
 
 KVCache holds k, v per full-attention decoder layer as [B, Hkv, max_len, D] in the model dtype
-(None for a linear-attention layer, whose state is moe.model.linear_attention's), allocated once;
+(None for a linear-attention layer, whose state is moe.engine.linear_attention's), allocated once;
 decode writes with index tensors and masks by `lengths` (a device tensor), so a decode step has fixed
 shapes and reads nothing back to the host (CUDA-graph capturable). The arithmetic follows
 transformers' Qwen2-MoE / Qwen3-MoE: RMSNorm in float32 then cast and scaled by the weight, RoPE

@@ -44,10 +44,10 @@ from expertcache.pool import HostStore, SlotPool
 from moe.engine.budget import PREFILL_STAGING
 from moe.engine.layer import MoELayer, SlotCache
 from moe.kernels.routed import routed_reference
-from moe.kernels.slot_matrix import SlotMatrix
 from moe.model.checkpoint import EXPERT_BIAS_BANKS, ModelWeights, MoEWeights
 from moe.model.config import MoEConfig
 from moe.model.reference import gated_activation, route_block, shared_expert
+from moe.model.slot_matrix import SlotMatrix
 
 
 class MoEBackend(Protocol):

@@ -12,7 +12,7 @@ bytes a parameter), a quantized checkpoint's or --moe-expert-format's fp8 (~1), 
 (~0.5); either way P is the banks' row bytes (slots_for_bytes).
 The KV cache is the other per-request memory on the device: kv_cache_bytes = 2 (k, v) x full-attention
 layers x max_batch x Hkv x max_seq_len x D x the model dtype's bytes, allocated at start
-(moe.model.attention.KVCache); a hybrid model (Qwen3-Next) adds its linear-attention layers' fixed-size
+(moe.engine.attention.KVCache); a model with linear-attention layers (Qwen3-Next) adds their fixed-size
 state per sequence (recurrent_state_bytes);
 memory_split reports it beside the slots, the split between --moe-cache-gb (or --moe-slots) and
 --max-batch x --max-seq-len that the server prints at start.
@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from expertcache.formats import GIB, gib_at_least, slots_for_bytes
-from moe.model.attention import cache_positions
-from moe.model.linear_attention import RecurrentCache
+from moe.engine.attention import cache_positions
+from moe.engine.linear_attention import RecurrentCache
 from moe.model.spec import ModelSpec
 
 PREFILL_STAGING = 8  # experts in a GPU's prefill staging ring (moe.engine.backends.PrefillStaging)
@@ -82,14 +82,14 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def kv_cache_bytes(spec: ModelSpec, max_batch: int, max_seq_len: int) -> int:
     """Bytes of the KV cache an Engine allocates: k and v [max_batch, Hkv, P, D] per softmax-attention
-    decoder layer, P = max_seq_len or a sliding layer's window (moe.model.attention.cache_positions), in
-    the model dtype (moe.model.attention.KVCache)."""
+    decoder layer, P = max_seq_len or a sliding layer's window (moe.engine.attention.cache_positions), in
+    the model dtype (moe.engine.attention.KVCache)."""
     positions = sum(cache_positions(spec, i, max_seq_len) for i in spec.full_layers)
     return 2 * positions * max_batch * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[spec.moe.dtype]
 
 
 def recurrent_state_bytes(spec: ModelSpec, max_batch: int) -> int:
-    """Bytes of the linear-attention layers' state an Engine allocates (moe.model.linear_attention.RecurrentCache;
+    """Bytes of the linear-attention layers' state an Engine allocates (moe.engine.linear_attention.RecurrentCache;
     0 without such layers): per layer and row a conv window and a float32 delta-rule state, whatever
     the context length."""
     if spec.linear is None:
@@ -103,7 +103,7 @@ def context_bytes(spec: ModelSpec, max_batch: int, max_seq_len: int) -> int:
 
 
 def memory_split(budget: SlotBudget, spec: ModelSpec, max_batch: int, max_seq_len: int) -> str:
-    """One line: the device memory of the expert slots, of the KV cache (and of a hybrid model's
+    """One line: the device memory of the expert slots, of the KV cache (and of a model's linear-attention
     recurrent state), and their sum."""
     kv = kv_cache_bytes(spec, max_batch, max_seq_len)
     state = recurrent_state_bytes(spec, max_batch)

@@ -43,17 +43,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from moe.engine.attention import KVCache, Rope, attention_decode, attention_decode_fused, attention_prefill, rms_norm
 from moe.engine.backends import MoEBackend
 from moe.engine.graphs import DecodeGraphs
+from moe.engine.linear_attention import RecurrentCache, linear_attention_decode, linear_attention_prefill
 from moe.kernels.decode_norm import add_rms_norm
-from moe.model.attention import KVCache, Rope, attention_decode, attention_decode_fused, attention_prefill, rms_norm
 from moe.model.checkpoint import DenseWeights, LayerWeights, ModelWeights, MoEWeights
-from moe.model.linear_attention import (
-    LinearAttentionWeights,
-    RecurrentCache,
-    linear_attention_decode,
-    linear_attention_prefill,
-)
+from moe.model.linear_attention import LinearAttentionWeights
 
 PREFILL_CHUNK = 16384  # prompt tokens a prefill pass takes at once (a longer prompt runs in chunks)
 

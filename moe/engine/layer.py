@@ -22,7 +22,7 @@ width, S = pool slots. One `SlotCache` per model: every layer shares its HostSto
 MoEConfig.expert_format, expertcache.formats: "gate_up" [L*E, 2I, H] and "down" [L*E, H, I] for bf16,
 "gate_up.q", "gate_up.s", ... for a quantized format; rows indexed by key = layer * E + expert),
 SlotPool, DeviceCache and SideStream. The routed launches read the pool's banks as SlotMatrix
-(moe.kernels.slot_matrix) and dequantize a quantized slot in registers; the miss copy moves every
+(moe.model.slot_matrix) and dequantize a quantized slot in registers; the miss copy moves every
 bank of a missing expert in its one launch; the ensure does not know the format.
 
 Which stream runs what, by LaunchPlan.mode (moe.kernels.plan.resolve_launch_plan picks it):
@@ -37,8 +37,8 @@ Which stream runs what, by LaunchPlan.mode (moe.kernels.plan.resolve_launch_plan
 On CUDA every launch of the compute chain is a programmatic dependent launch (LaunchPlan.pdl for 3,
 4, 5; always for 6 and 7): each waits for its predecessor before it reads anything, and lets its
 successor be scheduled at a point the plan names. 3, 4 and 6 release their successor right after
-their own wait; 5 at its end, or right after its wait with LaunchPlan.copy_release; 7 at its end, or
-(LaunchPlan.down_release) the next layer's 3 right after its wait, and that 3 then loads its weights
+their own wait; 5 and 7 at their end, or with LaunchPlan.front_release right after their wait (7 then
+releases the next layer's 3), and that 3 then loads its weights
 before its own wait (LaunchPlan.router_early_weights). 7 loads its slots and the first
 LaunchPlan.down_prefetch experts' tiles before its wait. The side launches (1, 2, 6a) are plain:
 they follow events (fork: before 3, and after 3 for 6a; join: before 7). The resolver turns the
@@ -60,7 +60,7 @@ from __future__ import annotations
 import torch
 
 from expertcache.copy import miss_copy
-from expertcache.device import DeviceCache
+from expertcache.device.cache import DeviceCache
 from expertcache.geometry import CacheGeometry
 from expertcache.pool import HostStore, SlotPool
 from expertcache.streams import SideStream
@@ -68,9 +68,9 @@ from moe.kernels.plan import GEMV_MAX_TOKENS, LaunchPlan, resolve_launch_plan
 from moe.kernels.routed import device_sms, routed_down, routed_experts, routed_gate_up
 from moe.kernels.routed_host import routed_scratch
 from moe.kernels.router import ROUTER_MAX_EXPERTS, router_scratch, router_topk
-from moe.kernels.slot_matrix import SlotMatrix
 from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig
 from moe.model.reference import SharedWeights, check_shared
+from moe.model.slot_matrix import SlotMatrix
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -261,7 +261,7 @@ class MoELayer:
         (and the slots' down biases, weighted as the gate_up weighted act, where the block has them)."""
         plan, down_bias = self.plan, self._biases()[1]
         return routed_down(act, slots, self.pool_matrices()[1], after_gate_up=True, tiles=plan.routed_tiles,
-                           release=plan.down_release, prefetch=plan.down_prefetch, down_bias=down_bias,
+                           release=plan.front_release, prefetch=plan.down_prefetch, down_bias=down_bias,
                            weights=None if down_bias is None else weights, **outs)
 
     def _routed_front(self, hidden: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -297,7 +297,7 @@ class MoELayer:
                 routed_gate_up(hidden, pre, weights, gate_up, part="hits", pre=pre, tiles=plan.routed_tiles,
                                programs=plan.hits_programs, cfg=cfg, gate_up_bias=gate_up_bias)
         buf = slots.cache.ensure(self.layer, ids, pdl=plan.pdl)  # slots [T, k], plan [Q, 2], count [1]
-        miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=plan.pdl, release_after_wait=plan.copy_release)
+        miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=plan.pdl, release_after_wait=plan.front_release)
         act = routed_gate_up(hidden, buf.slots, weights, gate_up, part="all" if pre is None else "rest", pre=pre,
                              tiles=plan.routed_tiles, cfg=cfg, gate_up_bias=gate_up_bias)
         return act, buf.slots, weights

@@ -26,7 +26,8 @@ from moe.engine.budget import context_bytes, memory_split, resolve_slots
 from moe.engine.engine import Engine
 from moe.model.checkpoint import ModelWeights, load_checkpoint
 from moe.model.config import copy_overlap_from_env
-from moe.model.spec import FAMILIES, CheckpointError, ModelSpec, read_config
+from moe.model.errors import CheckpointError
+from moe.model.spec import FAMILIES, ModelSpec, read_config
 
 CUDA_GRAPHS_ENV = "EXPERTCACHE_CUDA_GRAPHS"
 logger = logging.getLogger(__name__)

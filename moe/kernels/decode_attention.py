@@ -123,7 +123,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     docstring). q [B, Hq, D]; k_cache, v_cache [B', Hkv, max_len, D] with B' >= B (rows 0..B-1 are
     read), contiguous, q's dtype; lengths int64 [>= B] on q's device, each < max_len (not checked:
     a device value) unless `ring`: the cache is a ring of max_len positions (a sliding layer's window,
-    moe.model.attention.cache_positions) and a row sees its min(lengths[b] + 1, max_len) entries.
+    moe.engine.attention.cache_positions) and a row sees its min(lengths[b] + 1, max_len) entries.
     sinks: [Hq] (any float dtype, on q's device): each head's sink logit, one more in its softmax with a
     value of zero (gpt-oss). splits: S (default splits_for). Returns out [B, Hq, D] in q's dtype.
     Raises ValueError naming the argument whose shape, dtype or device does not fit.

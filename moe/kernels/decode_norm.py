@@ -12,7 +12,7 @@ per-head RMSNorm with RoPE and the KV-cache write.
                    OLMoE's norms over the whole q and k projection and its clamp of q, k, v
                    (clip_qkv) in the same launch, each program reading its whole row for the statistic
 
-Rounding follows moe.model.attention exactly where it rounds: the add in the model dtype, RMSNorm's
+Rounding follows moe.engine.attention exactly where it rounds: the add in the model dtype, RMSNorm's
 statistic in float32 then a cast and the weight's multiply in the model dtype (a float32 weight,
 Qwen3-Next's 1 + w: the multiply in float32 before the one cast), RoPE over the first R dims of a head
 (all D, or Qwen3-Next's partial rotary; the rest pass through) with cos / sin from
@@ -56,7 +56,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, eps, N: tl.con
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, h): s = x + residual in x's dtype (x itself without residual), h = weight * rms_norm(s)
-    (moe.model.attention.rms_norm's rounding). x, residual [B, H] contiguous, weight [H] (x's dtype, or
+    (moe.engine.attention.rms_norm's rounding). x, residual [B, H] contiguous, weight [H] (x's dtype, or
     float32: multiplied before the cast), one device. Raises ValueError naming the argument that does
     not fit."""
     if x.dim() != 2 or not x.is_contiguous():
@@ -79,7 +79,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 
 @triton.jit
 def _normed(x, w_ptr, at, r, dtype, NORM_F32: tl.constexpr):
-    """x (float32) / rms times the norm weight at `at`, rounded as moe.model.attention.rms_norm."""
+    """x (float32) / rms times the norm weight at `at`, rounded as moe.engine.attention.rms_norm."""
     w = tl.load(w_ptr + at).to(tl.float32)
     if NORM_F32:
         return (x * r * w).to(dtype)
@@ -177,7 +177,7 @@ def qk_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     one q / k / v projection qualify) -> q normed (q_norm given) and rotated at positions[b], as
     [B, Hq, D]; k normed (k_norm) and rotated, and v, written to k_cache / v_cache [B', Hkv, max_len, D]
     at [b, :, positions[b]] (positions int64 [>= B] on the device, each < max_len: not checked, a device
-    value). inv_freq: float32 [R / 2] (moe.model.attention.Rope.inv_freq): the first R dims of a head
+    value). inv_freq: float32 [R / 2] (moe.engine.attention.Rope.inv_freq): the first R dims of a head
     turn (R even, <= D). q_norm / k_norm: q's dtype, or both float32 (Qwen3-Next's 1 + w, multiplied
     before the cast). scaling: cos and sin multiplied by it in float32 before the cast (YaRN's attention
     factor, Rope.scaling). ring: the cache is a ring of max_len positions (a sliding layer's window),

@@ -82,9 +82,9 @@ class LaunchPlan:
     predecessor before reading what it wrote):
       router_early_weights[T - 1]: a call of T tokens loads the router's weight rows before its wait;
         True only where they fit in registers (RouterTiles.early_weights_fit).
-      down_release: the routed down lets the next programmatic launch (the next layer's router) start
-        right after the down's own wait instead of at its end.
-      copy_release: the miss copy lets the routed gate_up launch right after the copy's own wait.
+      front_release: the routed down lets the next programmatic launch (the next layer's router) start
+        right after the down's own wait instead of at its end, and the miss copy lets the routed gate_up
+        launch right after the copy's own wait.
     down_prefetch: experts whose down weight tiles each down program loads before its wait (0..k).
     hits_programs: programs of the early hits' persistent launch (room for the ensure and copy).
     router_tiles / routed_tiles: the tiles of the router and of every routed launch (shared expert too).
@@ -95,8 +95,7 @@ class LaunchPlan:
     reason: str
     pdl: bool
     router_early_weights: tuple[bool, ...]
-    down_release: bool
-    copy_release: bool
+    front_release: bool
     down_prefetch: int
     hits_programs: int
     router_tiles: RouterTiles = DEFAULT_ROUTER_TILES
@@ -107,7 +106,7 @@ class LaunchPlan:
             raise ValueError(f"LaunchPlan.mode must be an OverlapMode, got {self.mode!r}")
         if not isinstance(self.reason, str) or not self.reason:
             raise ValueError(f"LaunchPlan.reason must be a non-empty str, got {self.reason!r}")
-        for name in ("pdl", "down_release", "copy_release"):
+        for name in ("pdl", "front_release"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LaunchPlan.{name} must be a bool, "
                                  f"got {getattr(self, name)!r}")
@@ -127,8 +126,8 @@ class LaunchPlan:
     def summary(self) -> dict:
         """The plan as plain values (for results JSON and logs)."""
         return {"mode": self.mode.value, "reason": self.reason, "pdl": self.pdl,
-                "router_early_weights": list(self.router_early_weights), "down_release": self.down_release,
-                "copy_release": self.copy_release, "down_prefetch": self.down_prefetch,
+                "router_early_weights": list(self.router_early_weights), "front_release": self.front_release,
+                "down_prefetch": self.down_prefetch,
                 "hits_programs": self.hits_programs, "router_tiles": self.router_tiles.name,
                 "routed_tiles": self.routed_tiles.name}
 
@@ -139,7 +138,7 @@ def resolve_launch_plan(cfg: MoEConfig, *, num_slots: int, num_keys: int, device
     (L * E) keys on `device` ("cpu", "cuda" or "cuda:N") with `num_sms` SMs. O(GEMV_MAX_TOKENS).
 
     copy_overlap: the user's choice (MoEConfig.copy_overlap / EXPERTCACHE_MOE_COPY_OVERLAP).
-    Early hits apply where num_slots < num_keys; the front release (down_release, copy_release,
+    Early hits apply where num_slots < num_keys; the front release (front_release,
     router_early_weights where they fit, down_prefetch min(FRONT_RELEASE_PREFETCH, k)) applies
     unless the early hits run on the side stream; else down_prefetch is min(DOWN_PREFETCH, k).
     A quantized MoEConfig.expert_format launches QUANTIZED_ROUTED_TILES and prefetches nothing (its
@@ -162,7 +161,7 @@ def resolve_launch_plan(cfg: MoEConfig, *, num_slots: int, num_keys: int, device
                           for t in range(1, GEMV_MAX_TOKENS + 1))
     prefetch = min(FRONT_RELEASE_PREFETCH if front else DOWN_PREFETCH, cfg.top_k) if dense else 0
     return LaunchPlan(mode, reason, pdl=device.startswith("cuda"), router_early_weights=early_weights,
-                      down_release=front, copy_release=front, down_prefetch=prefetch,
+                      front_release=front, down_prefetch=prefetch,
                       hits_programs=HITS_PROGRAMS_PER_SM * num_sms, router_tiles=router_tiles,
                       routed_tiles=routed_tiles)
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Kernel codes of the formats (constexpr FMT); 0 is a dense float matrix, read by the dense bodies.
-CODES = {"fp8": 1, "nvfp4": 2, "mxfp4": 3, "int4": 4}
+from moe.model.slot_matrix import CODES
+
+# Kernel codes of the formats (constexpr FMT, moe.model.slot_matrix.CODES); 0 is a dense float matrix.
 FP8 = tl.constexpr(CODES["fp8"])
 NVFP4 = tl.constexpr(CODES["nvfp4"])
 MXFP4 = tl.constexpr(CODES["mxfp4"])

@@ -3,7 +3,7 @@
     hidden [T, H], slots [T, k] int32, weights [T, k] float32 (or gate_w [1, H]: the shared expert)
     pool banks gate_up [S, 2I, H], down [S, H, I]        (expertcache.pool.SlotPool, indexed by slot;
         or SlotMatrix: those matrices in an expert format, fp8 / nvfp4 / mxfp4 / int4, dequantized in
-        registers by the same two launches, moe.kernels.slot_matrix)
+        registers by the same two launches, moe.model.slot_matrix)
         │
         ├─ routed_gate_up: 1 launch, grid (T * k, ceil(I / block_i))
         │     -> act [T * k, I] float32 = weight[t, j] * silu(gate) * up   (0 when no expert)
@@ -43,6 +43,7 @@ import triton
 from moe.kernels.plan import DEFAULT_ROUTED_TILES, DOWN_PREFETCH, HITS_PROGRAMS_PER_SM
 from moe.kernels.routed_host import (
     PARTS,
+    activation_args,
     as_matrix,
     check_bias,
     check_down,
@@ -57,11 +58,11 @@ from moe.kernels.routed_kernels import (
     JIT_OPTIONS,
     _gate_up_hits,
 )
-from moe.kernels.slot_matrix import SlotMatrix
 from moe.kernels.tiles import RoutedTiles
 from moe.kernels.triton_launch import kernel_for
 from moe.model.config import MoEConfig
 from moe.model.reference import gated_activation
+from moe.model.slot_matrix import SlotMatrix
 
 NO_SLOT = -1
 DEFAULT_TILES = DEFAULT_ROUTED_TILES
@@ -98,15 +99,6 @@ def _device_ctx(device: torch.device):
 def _format_args(matrix: SlotMatrix) -> dict:
     """The FMT / ZP constexprs of a launch over `matrix`."""
     return {"FMT": matrix.code, "ZP": matrix.zero_points}
-
-
-def activation_args(cfg: MoEConfig | None, bias: bool) -> dict:
-    """The ACT / ALPHA / LIMIT / BIAS constexprs of a routed gate_up launch: the experts' activation of
-    `cfg` (None: SiLU) and whether their gate_up biases are added; {} for the plain SiLU block (the
-    kernels' defaults, so its binaries are those of a block without these options)."""
-    if cfg is None or cfg.activation == "silu":
-        return {"BIAS": True} if bias else {}
-    return {"ACT": 1, "ALPHA": float(cfg.swiglu_alpha), "LIMIT": float(cfg.swiglu_limit), "BIAS": bool(bias)}
 
 
 def _launch_hits(hidden, weights, gate_up: SlotMatrix, act, pre, dims, tiles, programs, cfg=None,

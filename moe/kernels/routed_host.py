@@ -15,7 +15,6 @@ import torch
 
 from expertcache.formats import resolve_format
 from moe.kernels.plan import DEFAULT_ROUTED_TILES, DOWN_PREFETCH, GEMV_MAX_TOKENS
-from moe.kernels.quant_kernels import CODES
 from moe.kernels.routed_kernels import (
     DOWN_ENTRIES,
     GATE_UP_ENTRIES,
@@ -23,16 +22,25 @@ from moe.kernels.routed_kernels import (
     JIT_OPTIONS,
     _gate_up_hits,
 )
-from moe.kernels.slot_matrix import SlotMatrix
 from moe.kernels.tiles import RoutedTiles
 from moe.kernels.triton_launch import compile_for_sm
 from moe.model.config import MoEConfig
+from moe.model.slot_matrix import CODES, SlotMatrix
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PARTS = ("all", "hits", "rest")  # routed_gate_up's part; its index is the gate_up kernels' PICK
 
 
 TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8e4nv", "uint8": "u8"}
+
+
+def activation_args(cfg: MoEConfig | None, bias: bool) -> dict:
+    """The ACT / ALPHA / LIMIT / BIAS constexprs of a routed gate_up launch: the experts' activation of
+    `cfg` (None: SiLU) and whether their gate_up biases are added; {} for the plain SiLU block (the
+    kernels' defaults, so its binaries are those of a block without these options)."""
+    if cfg is None or cfg.activation == "silu":
+        return {"BIAS": True} if bias else {}
+    return {"ACT": 1, "ALPHA": float(cfg.swiglu_alpha), "LIMIT": float(cfg.swiglu_limit), "BIAS": bool(bias)}
 
 
 def _matrix_types(expert_format: str | None, dtype: str, out: int, inn: int, stack: int) -> tuple[str, ...]:
@@ -82,7 +90,6 @@ def compile_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16",
     p = f"*{dtype}"
     quant, w13, w2 = _variant(expert_format, dtype, hidden, inter)
     shared_quant, s13, s2 = _variant(shared_format, dtype, hidden, shared_inter)
-    from moe.kernels.routed import activation_args  # the launch's own constexprs (routed imports this module)
     act = activation_args(cfg, expert_bias)
     bias = p if expert_bias else "*fp32"  # unread without biases: the launches pass the act buffer
     block_i, chunk_h, _, _ = tiles.capped(hidden, inter)

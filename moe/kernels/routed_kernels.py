@@ -15,7 +15,7 @@
 
 Legend: T = tokens, H = hidden, I = expert width, K = top_k (1 for the shared expert), S = pool slots.
 
-Expert formats (FMT, ZP constexprs; moe.kernels.slot_matrix.SlotMatrix gives them): w13 and w2 are the
+Expert formats (FMT, ZP constexprs; moe.model.slot_matrix.SlotMatrix gives them): w13 and w2 are the
 matrix's pool banks (q, s, s2, z). FMT = 0 (dense bf16 / f16 / f32) reads q as above; the quantized
 formats (fp8, nvfp4, mxfp4, int4) dequantize each tile in registers (moe.kernels.quant_kernels): a
 gate_up program takes its BLOCK_I gate rows and their up rows together (one pass over hidden), a down
@@ -209,7 +209,7 @@ def _down_body(act_ptr, slots_ptr, w2, addend_ptr, out_ptr, cast_ptr, num_slots,
                WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, GDC: tl.constexpr,
                RELEASE: tl.constexpr = False, PREFETCH: tl.constexpr = 0, FMT: tl.constexpr = 0,
                ZP: tl.constexpr = False, BIAS: tl.constexpr = False):
-    """RELEASE (with GDC; the layer's LaunchPlan.down_release): right after the wait the next
+    """RELEASE (with GDC; the layer's LaunchPlan.front_release): right after the wait the next
     programmatic launch (the next layer's router) may start; it still waits for this launch to finish
     before it reads what this launch writes.
     PREFETCH > 0 (LaunchPlan.down_prefetch): every expert's slot, then the weight tiles of the first

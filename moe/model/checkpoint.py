@@ -51,12 +51,13 @@ from tqdm.auto import tqdm
 
 from expertcache.formats import ExpertFormat, FormatError, bank_name
 from expertcache.pool import HostStore
-from moe.kernels.slot_matrix import SlotMatrix
 from moe.model.config import EXPERT_BIAS_BANKS
+from moe.model.errors import CheckpointError
 from moe.model.linear_attention import LinearAttentionWeights
 from moe.model.quantized import read_parts
 from moe.model.reference import SharedWeights
-from moe.model.spec import LINEAR, UNQUANTIZED_ONLY, CheckpointError, ModelSpec, read_config
+from moe.model.slot_matrix import SlotMatrix
+from moe.model.spec import LINEAR, UNQUANTIZED_ONLY, ModelSpec, read_config
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # safetensors dtypes converted faithfully to the model dtype (F64 rounds as F32 does); anything else
@@ -72,7 +73,7 @@ BNB_QUANT = re.compile(r"(.+\.weight)\.(absmax|quant_map|SCB|nested_absmax|neste
 @dataclass
 class AttentionWeights:
     """q [Hq*D, H], k / v [Hkv*D, H], o [H, Hq*D]; biases [rows] or None; q_norm / k_norm [D] or None
-    (float32 1 + w for Qwen3-Next, moe.model.attention.rms_norm; OLMoE's [Hq*D] / [Hkv*D]); gate [Hq*D, H] (and
+    (float32 1 + w for Qwen3-Next, moe.engine.attention.rms_norm; OLMoE's [Hq*D] / [Hkv*D]); gate [Hq*D, H] (and
     gate_bias): Qwen3-Next's
     output gate, the gate half of each head's rows of its q_proj (which interleaves per head D query
     rows and D gate rows), or None.
@@ -313,7 +314,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", *, dty
 
 def _norm(reader: TensorReader, spec: ModelSpec, name: str, n: int) -> torch.Tensor:
     """An RMSNorm weight [n]: in the model dtype, or for a (1 + w) norm (Qwen3-Next) the float32 1 + w of
-    the model-dtype w, the factor transformers computes each call (moe.model.attention.rms_norm)."""
+    the model-dtype w, the factor transformers computes each call (moe.engine.attention.rms_norm)."""
     w = reader.get(name, (n,))
     if spec.norm_one_plus:
         return 1.0 + w.float()

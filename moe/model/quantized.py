@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 from expertcache.formats import FP8, INT4, MXFP4, NVFP4, ExpertFormat, FormatError
-from moe.model.spec import QUANT_CONFIG_KEYS, CheckpointError
+from moe.model.errors import CheckpointError
+
+QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")  # the latter: older compressed-tensors
 
 # The safetensors dtype each quantized tensor must have, and what it becomes.
 F8 = ("F8_E4M3",)

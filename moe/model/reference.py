@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from moe.model.config import MoEConfig
 
 # (gate_up [2Is, H], down [H, Is], gate_w [1, H]); gate_up and down may instead be one-slot SlotMatrix
-# (moe.kernels.slot_matrix) in a quantized checkpoint's format, gate_up a stack of 2 [1, 2Is, H]
+# (moe.model.slot_matrix) in a quantized checkpoint's format, gate_up a stack of 2 [1, 2Is, H]
 SharedWeights = tuple[Any, Any, torch.Tensor]
 
 

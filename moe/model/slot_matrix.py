@@ -19,8 +19,9 @@ from functools import cached_property
 import torch
 
 from expertcache.formats import ExpertFormat, bank_name, dense_format, resolve_format
-from moe.kernels.quant_kernels import CODES
 
+# Kernel codes of the quantized formats (the routed kernels' FMT constexpr); 0 is a dense float matrix.
+CODES = {"fp8": 1, "nvfp4": 2, "mxfp4": 3, "int4": 4}
 DENSE_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -100,7 +101,7 @@ class SlotMatrix:
 
     @property
     def code(self) -> int:
-        """The kernels' FMT constexpr: 0 for a dense format, else moe.kernels.quant_kernels.CODES."""
+        """The kernels' FMT constexpr: 0 for a dense format, else CODES."""
         return 0 if self.fmt.dense else CODES[self.fmt.name]
 
     @property

@@ -21,16 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from moe.model.config import DTYPES, MoEConfig
+from moe.model.errors import CheckpointError
 from moe.model.linear_attention import LinearAttentionShape
+from moe.model.quantized import QUANT_CONFIG_KEYS, parse_quantization
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be served as is; the message names the file, field or tensor to fix."""
-
-
-# quant_method values the loader implements (moe.model.quantized); any other is refused.
-SUPPORTED_QUANT_METHODS: tuple[str, ...] = ("fp8", "modelopt", "gptq", "compressed-tensors", "mxfp4")
-QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")  # the latter: older compressed-tensors
 UNQUANTIZED_ONLY = ("a tensor that config.json does not declare quantized must be a bfloat16 / float16 / "
                     "float32 tensor: declare the checkpoint's quantization_config (fp8, modelopt NVFP4, gptq "
                     "or compressed-tensors pack-quantized int4 load), or serve the model's unquantized original")
@@ -44,7 +38,7 @@ class Family:
     bias_default: bool
     o_bias: bool  # whether o_proj follows bias_key (else o_proj has no bias)
     qk_norm: bool  # per-head RMSNorm of q and k before RoPE
-    hybrid: bool = False  # Qwen3-Next: layer_types, output-gated partial-rotary attention, (1 + w) norms
+    linear_layers: bool = False  # Qwen3-Next: layer_types, output-gated partial-rotary attention, (1 + w) norms
     norm_topk_default: bool = False  # norm_topk_prob when config.json lacks it (transformers' default)
     oai: bool = False  # gpt-oss: attention sinks, sliding / full layers, YaRN rope, float32 norm multiply
     qk_norm_key: str = ""  # config key that turns qk_norm on (its default False), where the family has one
@@ -56,7 +50,7 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family(bias_key="qkv_bias", bias_default=True, o_bias=False, qk_norm=False),
     "qwen3_moe": Family(bias_key="attention_bias", bias_default=False, o_bias=True, qk_norm=True),
-    "qwen3_next": Family(bias_key="attention_bias", bias_default=False, o_bias=True, qk_norm=True, hybrid=True,
+    "qwen3_next": Family(bias_key="attention_bias", bias_default=False, o_bias=True, qk_norm=True, linear_layers=True,
                          norm_topk_default=True),
     "gpt_oss": Family(bias_key="attention_bias", bias_default=True, o_bias=True, qk_norm=False, oai=True),
     "mixtral": Family(bias_key="attention_bias", bias_default=False, o_bias=False, qk_norm=False),
@@ -195,8 +189,6 @@ class ModelSpec:
         field it cannot serve, an unsupported torch_dtype / dtype, or an expert format that is unknown
         or does not fit the experts' shape (naming --moe-expert-format).
         """
-        from moe.model.quantized import parse_quantization
-
         model_type = config.get("model_type")
         if model_type not in FAMILIES:
             raise CheckpointError(f"config.json model_type={model_type!r} is not supported; supported: "
@@ -224,16 +216,16 @@ class ModelSpec:
         heads = _require(config, "num_attention_heads")
         bias = bool(config.get(family.bias_key, family.bias_default))
         head_dim = config.get("head_dim") or hidden // heads
-        hybrid = _hybrid_fields(config, num_layers, head_dim) if family.hybrid else {}
+        extra = _qwen3_next_fields(config, num_layers, head_dim) if family.linear_layers else {}
         if family.oai:
-            hybrid = _oai_fields(config, num_layers)
+            extra = _oai_fields(config, num_layers)
         if model_type == "mixtral" and config.get("sliding_window"):
-            hybrid = _sliding_everywhere(config, num_layers)
+            extra = _sliding_everywhere(config, num_layers)
         if family.partial_rotary_default:
-            hybrid = {"rotary_dim": _rotary_dim(config, head_dim, family.partial_rotary_default)}
+            extra = {"rotary_dim": _rotary_dim(config, head_dim, family.partial_rotary_default)}
         qk_norm = bool(config.get(family.qk_norm_key, False)) if family.qk_norm_key else family.qk_norm
         if family.olmo:
-            hybrid = {"qk_norm_full": True, "clip_qkv": _clip_qkv(config)}
+            extra = {"qk_norm_full": True, "clip_qkv": _clip_qkv(config)}
         sparse = (_dense_first(config, num_layers, family.dense_first_key) if family.dense_first_key
                   else _sparse_layers(config, num_layers))
         return cls(
@@ -245,7 +237,7 @@ class ModelSpec:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bias, o_bias=bias and family.o_bias, qk_norm=qk_norm,
             dense_intermediate=int(config.get("intermediate_size") or 0),
-            sparse=sparse, moe=moe, quant=quant, **hybrid,
+            sparse=sparse, moe=moe, quant=quant, **extra,
         )
 
 
@@ -379,7 +371,7 @@ def _oai_fields(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
             "sinks": True, "norm_float32": True, "rope_yarn": yarn}
 
 
-def _hybrid_fields(config: Mapping[str, Any], num_layers: int, head_dim: int) -> dict[str, Any]:
+def _qwen3_next_fields(config: Mapping[str, Any], num_layers: int, head_dim: int) -> dict[str, Any]:
     """qwen3_next's ModelSpec fields: layer_types (given, or every full_attention_interval-th layer
     full, default 4, as transformers decides), rotary_dim = int(head_dim * partial_rotary_factor)
     (default 0.25), the output gate, (1 + w) norms and the linear-attention shape (transformers'

@@ -177,7 +177,8 @@ def build_state(args: argparse.Namespace) -> ServeState:
     or file on a bad value, a checkpoint that cannot be served or a pool that does not fit."""
     from moe.engine.budget import resolve_slots
     from moe.engine.loading import load_model
-    from moe.model.spec import CheckpointError, ModelSpec, read_config
+    from moe.model.errors import CheckpointError
+    from moe.model.spec import ModelSpec, read_config
     from moe.serve.http_guard import GuardOptions
     from moe.serve.scheduler import Scheduler
     from moe.serve.server import ServeOptions, ServeState

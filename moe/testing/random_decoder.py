@@ -18,7 +18,7 @@ SwiGLU, sinks and sliding windows; random norms stay 1).
 `mixtral_8x7b(num_layers)` and `olmoe_1b_7b(num_layers)` are those releases' decoders.
 `qwen3_next_like(num_layers)` is the MoE geometry of Qwen3-Next-80B-A3B (H 2048, 512 experts of
 I 512, top-10, one shared expert of 512, bf16) with standard attention (16 query heads, 2 KV heads,
-head_dim 128) in place of its hybrid linear / gated attention, and every layer an MoE layer. The
+head_dim 128) in place of its linear / gated attention, and every layer an MoE layer. The
 vocabulary defaults to 32768 rather than 151936 so the lm_head GEMV (V * H * 2 bytes per step) stays
 small next to the MoE layers the simulator models; pass vocab_size to change it.
 Legend: L_moe = MoE layers, E = experts, H = hidden, I = expert width, V = vocab.

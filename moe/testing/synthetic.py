@@ -26,10 +26,10 @@ from expertcache.copy import miss_copy
 from expertcache.pool import HostStore, SlotPool
 from moe.engine.layer import DTYPES, MoELayer, SlotCache
 from moe.kernels.plan import LaunchPlan
-from moe.kernels.slot_matrix import SlotMatrix
 from moe.model.checkpoint import write_experts
 from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig, copy_overlap_from_env
 from moe.model.reference import SharedWeights, moe_reference
+from moe.model.slot_matrix import SlotMatrix
 
 CHUNK_EXPERTS = 64  # experts generated on the device per host copy
 

@@ -40,7 +40,7 @@ def test_plan_line_names_the_mode_and_the_releases():
     keys = 4 * cfg.num_experts
     full = resolve_launch_plan(cfg, num_slots=keys, num_keys=keys, device="cuda", num_sms=132, copy_overlap=True)
     misses = resolve_launch_plan(cfg, num_slots=1650, num_keys=keys, device="cuda", num_sms=132, copy_overlap=True)
-    assert bench.plan_line(full.summary()) == ("shared_on_side (down_release, copy_release, router_early_weights; "
+    assert bench.plan_line(full.summary()) == ("shared_on_side (front_release, router_early_weights; "
                                                "down_prefetch 2)")
     assert bench.plan_line(misses.summary()) == "shared_and_hits_on_side (no release; down_prefetch 4)"
 

@@ -255,7 +255,7 @@ def test_bench_decode_calibrates_on_the_miss_free_run(monkeypatch, tmp_path):
                                                            "idle_device_used_gb", "peak_device_used_gb"), 1.0)}
 
     fake = types.ModuleType("decode_gpu")
-    fake.measure, fake.build_weights = measure, lambda args, fmt="bf16": (None, {"stand_in": True})
+    fake.measure, fake.build_weights = measure, lambda args, config, fmt="bf16": (None, {"stand_in": True})
     monkeypatch.setitem(sys.modules, "decode_gpu", fake)
     monkeypatch.setattr(bench, "machine", lambda: {"gpu": "stand-in"})
     res = bench.main(["--layers", str(layers), "--warmup", "20", "--steps", "30", "--slots", "400",
@@ -333,7 +333,8 @@ def test_collector_paused_collects_first_and_then_pauses():
     dead.self = dead
     ref, runs = weakref.ref(dead), []
     del dead
-    watch = lambda phase, info: runs.append(phase)  # noqa: E731
+    def watch(phase, info):
+        return runs.append(phase)
     threshold = gc.get_threshold()
     gc.set_threshold(1)
     gc.callbacks.append(watch)

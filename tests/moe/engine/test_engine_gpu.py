@@ -216,7 +216,7 @@ def test_graph_replay_bitwise_equals_eager_through_leave_and_join(family, overla
 def test_overlap_on_and_off_decode_bitwise_equal_while_evicting(family):
     """The side stream changes where work runs, not a bit of the result: bf16 CUDA-graph decode through
     the leave / join script, every step missing and evicting, with the overlap off and on: logits,
-    slot maps, counters and the context state (KV, and a hybrid model's recurrent state) bitwise."""
+    slot maps, counters and the context state (KV, and a linear-attention layer's recurrent state) bitwise."""
     name, models, path = family
     k = models["float32"].config.num_experts_per_tok
     seqs = [random_tokens(12, seed=43), random_tokens(14, seed=44), random_tokens(12, seed=45)]

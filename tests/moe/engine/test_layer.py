@@ -87,7 +87,7 @@ def plan_for(cfg: MoEConfig, num_slots: int, num_keys: int, device: str, overlap
 def without_releases(plan: LaunchPlan, top_k: int, prefetch: int | None = None) -> LaunchPlan:
     """`plan` with no release, no early router weights and down_prefetch min(4, k) (or `prefetch`):
     the launches before any front release existed."""
-    return dataclasses.replace(plan, down_release=False, copy_release=False,
+    return dataclasses.replace(plan, front_release=False,
                                router_early_weights=(False,) * GEMV_MAX_TOKENS,
                                down_prefetch=min(4, top_k) if prefetch is None else prefetch)
 
@@ -147,7 +147,7 @@ def test_layer_resolves_its_plan_and_keeps_a_given_one_cpu():
     keys = CPU_L * CPU_CFG.num_experts
     model = SyntheticModel(weights, CPU_S, "cpu", copy_overlap=True)
     assert model.layers[1].plan == plan_for(model.cfg, CPU_S, keys, "cpu", True)
-    assert model.layers[0].plan.down_release and model.layers[0].plan.down_prefetch == 2  # no early hits on a CPU
+    assert model.layers[0].plan.front_release and model.layers[0].plan.down_prefetch == 2  # no early hits on a CPU
     model.rebuild(keys)
     assert model.layers[0].plan == plan_for(model.cfg, keys, keys, "cpu", True)
     given = without_releases(model.layers[0].plan, CPU_CFG.top_k)
@@ -301,9 +301,9 @@ def test_resident_pool_defaults_bitwise(gpu_weights, graph):
     on = SyntheticModel(gpu_weights, keys, "cuda", copy_overlap=True)
     assert on.layers[0].plan.mode is OverlapMode.SHARED_ON_SIDE, on.layers[0].plan.reason
     for model in (off, on):
-        assert model.layers[0].plan.down_release and model.layers[0].plan.copy_release
+        assert model.layers[0].plan.front_release
     early = plan_for(on.cfg, keys - 1, keys, "cuda", True)
-    assert early.mode is OverlapMode.SHARED_AND_HITS_ON_SIDE and not early.down_release
+    assert early.mode is OverlapMode.SHARED_AND_HITS_ON_SIDE and not early.front_release
     plain = SyntheticModel(gpu_weights, keys, "cuda", copy_overlap=True, plan=early)
     assert_steps_bitwise(plain, on, graph, 2, seed=37, must_miss=False)
     plain_off = SyntheticModel(gpu_weights, keys, "cuda", plan=without_releases(off.layers[0].plan, GPU_CFG.top_k))
@@ -356,13 +356,11 @@ def test_early_hits_bitwise(gpu_weights, graph):
     early.close()
 
 
-RELEASES = {"dr": {"down_release": True}, "rw": {"router_early_weights": (True,) * GEMV_MAX_TOKENS},
-            "dr+rw": {"down_release": True, "router_early_weights": (True,) * GEMV_MAX_TOKENS},
+RELEASES = {"fr": {"front_release": True}, "rw": {"router_early_weights": (True,) * GEMV_MAX_TOKENS},
+            "fr+rw": {"front_release": True, "router_early_weights": (True,) * GEMV_MAX_TOKENS},
             "pf1": {"down_prefetch": 1}, "pf4": {"down_prefetch": 4},
-            "dr+rw+pf2": {"down_release": True, "router_early_weights": (True,) * GEMV_MAX_TOKENS, "down_prefetch": 2},
-            "cr": {"copy_release": True},
-            "dr+rw+pf2+cr": {"down_release": True, "router_early_weights": (True,) * GEMV_MAX_TOKENS,
-                             "down_prefetch": 2, "copy_release": True}}
+            "fr+rw+pf2": {"front_release": True, "router_early_weights": (True,) * GEMV_MAX_TOKENS,
+                          "down_prefetch": 2}}
 
 
 @pytest.mark.gpu
@@ -370,10 +368,10 @@ RELEASES = {"dr": {"down_release": True}, "rw": {"router_early_weights": (True,)
 @pytest.mark.parametrize("overlap", [False, True], ids=["off", "on"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_releases_bitwise(gpu_weights, graph, overlap, options):
-    """LaunchPlan.down_release (the next layer's router started by the down right after its wait),
-    router_early_weights (the router loading its weights before its wait), down_prefetch (the
-    down's slots and first weight tiles before its wait) and copy_release (the gate_up launched
-    right after the miss copy's wait, while it copies), alone and together, change no bit against
+    """LaunchPlan.front_release (the next layer's router started by the down right after its wait, the
+    gate_up launched right after the miss copy's wait, while it copies), router_early_weights (the
+    router loading its weights before its wait) and down_prefetch (the down's slots and first weight
+    tiles before its wait), alone and together, change no bit against
     the plan with none of them, overlap off and on (early hits on the side stream), with evictions
     every step, so every layer's router runs while the layer before it may still be writing; eager
     and in a CUDA graph."""
@@ -389,8 +387,8 @@ def test_releases_bitwise(gpu_weights, graph, overlap, options):
 
 @pytest.mark.cpu_only
 def test_releases_match_none_cpu(monkeypatch):
-    """The resolved plan's releases (down_release, router_early_weights, down_prefetch=2 and
-    copy_release: a CPU layer never runs early hits, so all on) on the CPU interpreter: outputs, slot
+    """The resolved plan's releases (front_release, router_early_weights, down_prefetch=2: a CPU layer
+    never runs early hits, so all on) on the CPU interpreter: outputs, slot
     maps and pool equal to the plan with none, with evictions every step; the copy is asked to
     release the gate_up after its wait and the router to load its weights early only by that plan."""
     asked = []
@@ -409,7 +407,7 @@ def test_releases_match_none_cpu(monkeypatch):
     weights = random_weights(CPU_CFG, CPU_L, "cpu", seed=31)
     early = SyntheticModel(weights, CPU_S, "cpu")
     resolved = early.layers[0].plan
-    assert resolved.down_release and resolved.copy_release and resolved.down_prefetch == 2
+    assert resolved.front_release and resolved.down_prefetch == 2
     plain = SyntheticModel(weights, CPU_S, "cpu", plan=without_releases(resolved, CPU_CFG.top_k, prefetch=0))
     gen = torch.Generator().manual_seed(32)
     for _ in range(3):

@@ -8,13 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.model.linear_attention import (
-    LinearAttentionShape,
-    LinearAttentionState,
-    LinearAttentionWeights,
-    linear_attention_decode,
-    linear_attention_prefill,
-)
+from moe.engine.linear_attention import LinearAttentionState, linear_attention_decode, linear_attention_prefill
+from moe.model.linear_attention import LinearAttentionShape, LinearAttentionWeights
 from tests.conftest import device_or_skip
 
 

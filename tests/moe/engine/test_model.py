@@ -136,7 +136,7 @@ def test_batch_of_unequal_prompts_decodes_like_single_sequences(checkpoint):
 
 def test_rows_joining_and_leaving_keep_each_sequence_its_own_context(checkpoint):
     """Continuous batching: a row that leaves hands its place to the last row, whose KV cache (and, for a
-    hybrid model, linear-attention state) moves with it; a row that joins starts from a fresh state.
+    model with linear-attention layers, their state) moves with it; a row that joins starts from a fresh state.
     Every sequence's logits stay transformers' own."""
     name, model, path = checkpoint
     engine = load_model(path, "cpu", num_slots=3 * model.config.num_experts_per_tok, max_batch=3,

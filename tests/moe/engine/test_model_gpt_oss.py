@@ -80,7 +80,7 @@ def test_the_spec_reads_gpt_oss(checkpoint):
 
 
 def test_the_rope_is_transformers_yarn(checkpoint):
-    from moe.model.attention import Rope
+    from moe.engine.attention import Rope
 
     model, path = checkpoint
     spec = load_checkpoint(path, "cpu", pin=False, progress=False).spec

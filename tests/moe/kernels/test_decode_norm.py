@@ -1,4 +1,4 @@
-"""moe.kernels.decode_norm against the torch path of moe.model.attention (rms_norm, Rope, apply_rope,
+"""moe.kernels.decode_norm against the torch path of moe.engine.attention (rms_norm, Rope, apply_rope,
 the cache writes): the same rounding steps, so equal up to RMSNorm's float32 sum order and the cos /
 sin implementations (2 units in the last place of the largest value); bad arguments named. CPU: Triton's interpreter,
 whose cast
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from moe.engine.attention import Rope, apply_rope, rms_norm
 from moe.kernels.decode_norm import add_rms_norm, qk_rope_write
-from moe.model.attention import Rope, apply_rope, rms_norm
 from tests.conftest import device_or_skip
 
 ULP = {torch.float32: 2.0 ** -22, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
@@ -91,9 +91,9 @@ def test_qk_rope_write_is_the_torch_projection_tail(dtype, variant, packed):
 @pytest.mark.parametrize("clip", [0.0, 0.75], ids=["no-clip", "clip"])
 def test_qk_rope_write_norms_the_whole_projection_and_clips(dtype, clip):
     """OLMoE: RMSNorm over the whole q and k projection of a token (weights [Hq * D], [Hkv * D]), then q,
-    k and v clamped to +-clip (0.75, exact in 16 bits, clamps about two values in five), against moe.model.attention's
+    k and v clamped to +-clip (0.75, exact in 16 bits, clamps about two values in five), against moe.engine.attention's
     _norm_and_clip and the torch rope; q, k, v as column slices of one projection."""
-    from moe.model.attention import _norm_and_clip
+    from moe.engine.attention import _norm_and_clip
 
     device, gpu = device_or_skip()
     g = torch.Generator().manual_seed(7)

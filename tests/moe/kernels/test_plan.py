@@ -243,18 +243,18 @@ def _old_layer(cfg: MoEConfig, slots: int, keys: int, device: str, sms: int, ove
 
     return {"side": side, "shared_side": side and cfg.has_shared_expert, "hits_side": side and early_hits,
             "pdl": device != "cpu", "early_weights": tuple(front and fits(t) for t in range(1, GEMV_MAX_TOKENS + 1)),
-            "down_release": front, "copy_release": front, "down_prefetch": min(2 if front else 4, k),
+            "front_release": front, "down_prefetch": min(2 if front else 4, k),
             "hits_programs": 8 * (sms if device != "cpu" else 4)}
 
 
 def _choices(plan: LaunchPlan) -> dict:
     return {"side": plan.mode.side_stream, "shared_side": plan.mode.shared_on_side,
             "hits_side": plan.mode.hits_on_side, "pdl": plan.pdl, "early_weights": plan.router_early_weights,
-            "down_release": plan.down_release, "copy_release": plan.copy_release,
-            "down_prefetch": plan.down_prefetch, "hits_programs": plan.hits_programs}
+            "front_release": plan.front_release, "down_prefetch": plan.down_prefetch,
+            "hits_programs": plan.hits_programs}
 
 
-# shared expert, pool full, overlap, device -> mode, releases (down_release = copy_release), prefetch at k = 4
+# shared expert, pool full, overlap, device -> mode, front_release, prefetch at k = 4
 RESOLVED = [
     (True, False, True, "cuda", OverlapMode.SHARED_AND_HITS_ON_SIDE, False, 4),
     (True, True, True, "cuda", OverlapMode.SHARED_ON_SIDE, True, 2),
@@ -272,7 +272,7 @@ def test_resolver_table(shared, full, overlap, device, mode, release, prefetch):
     cfg = dataclasses.replace(CFG, shared_intermediate=5632 if shared else 0)
     plan = _resolve(cfg, slots=1000 if full else 999, keys=1000, device=device, overlap=overlap)
     assert plan.mode is mode, plan.reason
-    assert (plan.down_release, plan.copy_release, plan.down_prefetch) == (release, release, prefetch)
+    assert (plan.front_release, plan.down_prefetch) == (release, prefetch)
     assert plan.router_early_weights == (release,) * GEMV_MAX_TOKENS  # H = 2048 fits at every T
     assert plan.pdl is (device != "cpu") and plan.router_tiles == RouterTiles() and plan.routed_tiles == RoutedTiles()
 
@@ -299,7 +299,7 @@ def test_resolver_equals_the_layer_before_the_plan(hidden, experts, k, shared, f
 def test_early_weights_follow_the_token_count():
     cfg = MoEConfig(hidden=8192, num_experts=512, top_k=8, expert_intermediate=64)
     plan = _resolve(cfg, slots=512, keys=512)  # no shared expert, full pool: inline, front release on
-    assert plan.mode is OverlapMode.INLINE and plan.down_release
+    assert plan.mode is OverlapMode.INLINE and plan.front_release
     assert plan.router_early_weights == (True,) * 4 + (False,) * 4
 
 
@@ -338,7 +338,7 @@ def test_modes_name_what_runs_on_the_side_stream():
 
 @pytest.mark.parametrize("field, value", [
     ("mode", "inline"), ("reason", ""), ("pdl", 1), ("router_early_weights", (True,) * 7),
-    ("router_early_weights", [False] * GEMV_MAX_TOKENS), ("down_release", None), ("copy_release", "yes"),
+    ("router_early_weights", [False] * GEMV_MAX_TOKENS), ("front_release", None), ("front_release", "yes"),
     ("down_prefetch", -1), ("down_prefetch", True), ("hits_programs", 0), ("router_tiles", RoutedTiles()),
     ("routed_tiles", None),
 ])

@@ -20,9 +20,9 @@ import torch
 from expertcache.formats import INT4, get_format
 from moe.kernels.plan import QUANTIZED_ROUTED_TILES
 from moe.kernels.routed import NO_SLOT, routed_down, routed_experts, routed_gate_up, routed_reference
-from moe.kernels.slot_matrix import SlotMatrix
 from moe.kernels.tiles import RoutedTiles
 from moe.model.reference import shared_expert
+from moe.model.slot_matrix import SlotMatrix
 from tests.conftest import compile_check, device_or_skip
 from tests.moe.kernels.test_routed import assert_close, make_route
 

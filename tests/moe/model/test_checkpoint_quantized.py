@@ -275,7 +275,7 @@ def test_unknown_moe_expert_format_is_refused_by_flag(base, bad):
 def test_a_quantized_shared_expert_stays_in_its_format(base_shared, tmp_path):
     """Qwen2-MoE in the fp8 layout: the shared expert is served as fp8 (one-slot SlotMatrix), the dense
     layer's MLP dequantized; greedy tokens identical to transformers on the decoded weights."""
-    from moe.kernels.slot_matrix import SlotMatrix
+    from moe.model.slot_matrix import SlotMatrix
 
     path, decoded, _ = _quantized(base_shared, tmp_path, "fp8")
     weights = load_checkpoint(path, "cpu", pin=False, progress=False)
@@ -307,7 +307,7 @@ def test_a_glm_fp8_checkpoint_as_the_family_ships_it(base_glm, tmp_path):
     routed experts keep their fp8 bytes, the ungated shared experts stay fp8 (one-slot SlotMatrix), the
     router and its correction bias stay float; greedy tokens identical to transformers on the decoded
     weights, the cache evicting every decode call."""
-    from moe.kernels.slot_matrix import SlotMatrix
+    from moe.model.slot_matrix import SlotMatrix
 
     path, decoded, parts = _quantized(base_glm, tmp_path, "fp8")
     assert "model.layers.1.mlp.shared_experts.gate_proj.weight" in parts

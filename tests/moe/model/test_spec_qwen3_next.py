@@ -1,5 +1,5 @@
-"""ModelSpec.from_hf for qwen3_next: the fields of its hybrid stack read as transformers reads them
-(layer_types or full_attention_interval, partial_rotary_factor from rope_parameters or the top level,
+"""ModelSpec.from_hf for qwen3_next: the fields of its mixed linear / full attention stack read as transformers
+reads them (layer_types or full_attention_interval, partial_rotary_factor from rope_parameters or the top level,
 the linear_* shape, norm_topk_prob's default), and bad values refused naming the key, checked against
 transformers' own Qwen3NextConfig where it decides."""
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 from transformers import Qwen3NextConfig
 
-from moe.model.spec import FULL, LINEAR, CheckpointError, ModelSpec
+from moe.model.errors import CheckpointError
+from moe.model.spec import FULL, LINEAR, ModelSpec
 from moe.testing.random_decoder import qwen3_next
 
 TINY = dict(qwen3_next(8, vocab_size=64), hidden_size=64, num_experts=8, num_experts_per_tok=2,
@@ -69,6 +70,6 @@ def test_the_other_families_are_unchanged():
     ({"linear_num_value_heads": 3}, r"linear_num_value_heads \(3\) must be a multiple of linear_num_key_heads \(2\)"),
     ({"linear_key_head_dim": 0}, r"linear_key_head_dim must be >= 1, got 0"),
 ])
-def test_bad_hybrid_fields_are_refused_naming_the_key(edit, pattern):
+def test_bad_qwen3_next_fields_are_refused_naming_the_key(edit, pattern):
     with pytest.raises(CheckpointError, match=pattern):
         _spec(**edit)
