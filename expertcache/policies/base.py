@@ -80,7 +80,7 @@ class PolicyState:
 class PolicyKind(IntEnum):
     """The one numbering of the policies (Policy.kind), shared by the compiled replay, which dispatches
     its verbs on it (expertcache.replay), and the device ensure, which takes it as its POLICY constexpr
-    (expertcache.device). A new policy adds a member here."""
+    (expertcache.device.cache). A new policy adds a member here."""
 
     LRU = 0
     RULE = 1
