@@ -23,7 +23,7 @@ goes, and transformers on the same geometry beside it.
        timed (contexts up to --transformers-max-context: its prefill is eager)
     -> table and --out JSON (GPU, versions, commit)
 
-Target (the issue this serves): at least 0.6x the floor at B = 1, C = 1K.
+Target: at least 0.6x the floor at B = 1, C = 1K.
 Run: python benchmarks/bench_step.py [--layers 8] [--batches 1,4] [--contexts 1024,8192,32768,131072] [--transformers]
      [--out step.json] [--trace-out step-trace.json]
 """

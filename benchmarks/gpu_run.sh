@@ -100,7 +100,7 @@ for part in $parts; do
       python3 benchmarks/peer_llamacpp.py report --out ${PEER_WORK:-.peer-work}/results 2>&1 | grep -v '^ ' \
         | tee "$OUT/peer-report.log" | tail -20; cp ${PEER_WORK:-.peer-work}/results/*.json "$OUT/" ;;
     step)
-      # a whole decode step, every expert resident, against its HBM floor (issue: the non-MoE part)
+      # a whole decode step, every expert resident, against its HBM floor
       timeout ${STEP_TIMEOUT:-540} python3 benchmarks/bench_step.py ${STEP_ARGS:---transformers} --out "$OUT/step.json" \
         --trace-out "$OUT/step-trace.json" 2>&1 | tee "$OUT/step.log" | tail -8 ;;
     router)
