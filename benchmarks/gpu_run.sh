@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
-# parts: any of env tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
+# parts: any of env gpu-tests tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
 # qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
@@ -19,6 +19,13 @@ for part in $parts; do
     env)
       { nvidia-smi; python3 -c "import torch, triton, numba, numpy; print(torch.__version__, triton.__version__, numba.__version__, numpy.__version__, torch.cuda.get_device_name())"; echo "commit ${EXPERTCACHE_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; } > "$OUT/env.txt" 2>&1
       tail -3 "$OUT/env.txt" ;;
+    gpu-tests)
+      # every gpu test but the HTTP server's (the image has no FastAPI): the cache, the kernels, the layer,
+      # the formats, the engine of every family; compiles dominate, spread over GPU_TEST_WORKERS processes
+      if [ -d .traces ]; then export EXPERTCACHE_TRACES=$PWD/.traces; fi
+      timeout ${GPU_TESTS_TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-14}" -m gpu \
+        tests/expertcache tests/moe/kernels tests/moe/model tests/moe/engine tests/moe/serve/test_scheduler.py \
+        2>&1 | tee "$OUT/gpu-tests-all.log" | tail -15 ;;
     tests)
       # the real traces, when a git-ignored copy was carried along as .traces/
       if [ -d .traces ]; then export EXPERTCACHE_TRACES=$PWD/.traces; fi

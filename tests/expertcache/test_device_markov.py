@@ -85,7 +85,7 @@ def test_no_scalar_argument_is_specialised(kernel, options):
     such value): every scalar of the learning step's kernels is listed, so prior = 1 or layer = 1 compiles."""
     import inspect
 
-    from expertcache import device_markov
+    from expertcache.device import markov as device_markov
 
     k = getattr(device_markov, kernel)
     fn = getattr(k, "fn", k)

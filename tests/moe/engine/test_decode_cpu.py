@@ -7,14 +7,9 @@
                                                        within 1e-4 of transformers; graphs off on CPU
     random_decoder + GpuMoE(forced_routing)           a synthetic trace's routing drives the cache:
                                                        recorded = trace, misses = the simulator's
-    benchmarks/bench_decode.py --dry-run               arguments and the simulator half
 """
 
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,7 +32,6 @@ from tests.moe.families import COMMON, FAMILIES, assert_near, family_index, hf_r
 BF16 = torch.bfloat16
 CFG = MoEConfig(hidden=64, num_experts=16, top_k=4, expert_intermediate=32, shared_intermediate=32,
                 norm_topk_prob=True)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.cpu_only
@@ -170,152 +164,6 @@ def test_trace_driven_routing_gives_the_simulators_misses():
     with pytest.raises(ValueError, match="forced_routing"):
         GpuMoE(weights, slots, "lru", max_batch=2).set_routing(torch.zeros(2, 2, 4, dtype=torch.int32),
                                                                 torch.zeros(2, 2, 4))
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "benchmarks" / "bench_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_decode", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_bench_decode_geometries_agree_with_their_decoder_preset_and_shape():
-    """Each --geometry's random_decoder config, simulator preset and cost-model shape describe one MoE block
-    (experts, top-k, H, I, bf16 bytes per expert), so the simulator prices what the engine runs."""
-    from moe.model.spec import ModelSpec
-    from moe.testing import random_decoder
-    from sim.costmodel import SHAPES
-    from sim.synthetic import PRESETS
-
-    for name, geo in _bench().GEOMETRIES.items():
-        moe = ModelSpec.from_hf(getattr(random_decoder, geo.config)(2)).moe
-        preset, shape = PRESETS[geo.preset], SHAPES[geo.shape]
-        block = (geo.num_experts, geo.top_k, geo.hidden, geo.inter)
-        assert (moe.num_experts, moe.top_k, moe.hidden, moe.expert_intermediate) == block, name
-        assert (preset.num_experts, preset.top_k) == (shape.num_experts, shape.top_k) == block[:2], name
-        assert (shape.hidden, shape.expert_intermediate) == block[2:], name
-        if preset.expert_bytes is not None:
-            assert preset.expert_bytes == 3 * geo.hidden * geo.inter * 2, name
-
-
-def test_bench_decode_dry_run_and_arguments(tmp_path, capsys):
-    bench = _bench()
-    out = tmp_path / "dry.json"
-    res = bench.main(["--dry-run", "--layers", "2", "--warmup", "20", "--steps", "30", "--slots", "400",
-                      "--configs", "lru,rule+overlap", "--out", str(out)])
-    assert [(r["config"], r["batch"]) for r in res["rows"]] == [
-        ("lru", 1), ("rule+overlap", 1), ("lru", 2), ("rule+overlap", 2)]
-    for r in res["rows"]:
-        sim = r["sim"]
-        assert 0 < sim["hit_rate"] < 1 and sim["tokens_per_s"] > 0 and len(sim["layer_misses_window"]) == 2
-        assert sum(sim["layer_misses_window"]) <= sum(sim["layer_misses_all"])
-    assert out.is_file() and "| rule+overlap | 2 |" in capsys.readouterr().out
-    assert bench.implied_overhead(110.0, 100.0, 2) == pytest.approx(bench.H200_SM_COPY.layer_overhead_us + 5.0)
-    for bad, flag in ((["--configs", "fifo"], "--configs"), (["--batches", "9"], "--batches"),
-                      (["--slots", "5"], "--slots"), (["--steps", "0"], "--steps")):
-        with pytest.raises(SystemExit, match=flag):
-            bench.parse(bad)
-
-
-def test_bench_decode_replays_a_real_trace_at_its_geometry_with_markov():
-    """FLAME's real routing at the flame-290m geometry, markov beside lru and rule: the simulator's
-    misses of each are those of sim.replay on the same slice (dry run; the GPU half runs the same)."""
-    from tests.conftest import real_trace
-
-    path = real_trace("flame-290m-a.npz")
-    bench = _bench()
-    res = bench.main(["--dry-run", "--geometry", "flame-290m", "--trace", str(path), "--layers", "8",
-                      "--warmup", "100", "--steps", "200", "--slots-frac", "0.5", "--batches", "1",
-                      "--configs", "lru,rule,markov"])
-    sims = {r["config"]: r["sim"] for r in res["rows"]}
-    assert list(sims) == ["lru", "rule", "markov"]
-    assert sims["markov"]["hit_rate"] > sims["lru"]["hit_rate"]
-    with pytest.raises(SystemExit, match="--geometry qwen3-next needs 512"):
-        bench.main(["--dry-run", "--trace", str(path), "--configs", "markov"])
-
-
-def test_bench_decode_calibrates_on_the_miss_free_run(monkeypatch, tmp_path):
-    """The GPU half's bookkeeping, with the measurement replaced by a stand-in whose step time is
-    the uncalibrated prediction plus 7 us per layer: the calibration row must find 7 us more than
-    the profile's overhead, and every cached configuration must then be predicted exactly (the
-    model is linear in the overhead), with the uncalibrated prediction kept beside it."""
-    import types
-
-    bench = _bench()
-    layers, extra = 2, 7.0
-
-    def measure(weights, trace, args, policy, overlap, batch):
-        sim = bench.simulate(trace, policy, args.slots, args.warmup, overlap)
-        us = sim["us_per_step"] + layers * extra
-        return {"us_per_step": us, "tokens_per_s": batch * 1e6 / us, "layer_misses_all": sim["layer_misses_all"],
-                "step_us": {"median": us, "p10": us, "p90": us}, "chunk_tokens_per_s": [batch * 1e6 / us],
-                "hit_rate": sim["hit_rate"], "misses_per_layer_per_step": sim["misses_per_layer_per_step"],
-                "graphs": [batch], "memory": dict.fromkeys(("idle_allocated_gb", "peak_allocated_gb",
-                                                           "idle_device_used_gb", "peak_device_used_gb"), 1.0)}
-
-    fake = types.ModuleType("decode_gpu")
-    fake.measure, fake.build_weights = measure, lambda args, config, fmt="bf16": (None, {"stand_in": True})
-    monkeypatch.setitem(sys.modules, "decode_gpu", fake)
-    monkeypatch.setattr(bench, "machine", lambda: {"gpu": "stand-in"})
-    res = bench.main(["--layers", str(layers), "--warmup", "20", "--steps", "30", "--slots", "400",
-                      "--batches", "1", "--configs", "lru,rule", "--out", str(tmp_path / "cal.json")])
-    cal, *rows = res["rows"]
-    assert (
-        cal["config"] == "resident (calibration)"
-        and cal["slots"] == layers * bench.GEOMETRIES["qwen3-next"].num_experts
-    )
-    assert cal["implied_layer_overhead_us"] == pytest.approx(bench.H200_SM_COPY.layer_overhead_us + extra)
-    assert cal["tps_ratio"] == pytest.approx(1.0, rel=1e-9)  # the calibrated model predicts its own run
-    assert [r["config"] for r in rows] == ["lru", "rule"]
-    for r in rows:
-        assert r["misses_equal"] and r["tps_ratio"] == pytest.approx(1.0, rel=1e-9)
-        assert r["sim"]["layer_overhead_us"] == pytest.approx(cal["implied_layer_overhead_us"])
-        assert r["sim_uncalibrated"]["tokens_per_s"] > r["sim"]["tokens_per_s"]  # 7 us less per layer
-
-
-def test_bench_decode_compares_expert_formats_at_one_budget(capsys):
-    """--moe-cache-gb gives each format the slots the budget holds (floor(G * 2**30 / its bytes per
-    expert), at most L * E); the simulator prices each format's misses at its bytes; the table says
-    how each compares with bf16 at the same budget."""
-    from expertcache.formats import GIB, get_format
-
-    bench = _bench()
-    res = bench.main(
-        [
-            "--dry-run",
-            "--geometry",
-            "qwen3-30b",
-            "--layers",
-            "4",
-            "--warmup",
-            "20",
-            "--steps",
-            "40",
-            "--moe-cache-gb",
-            "0.5,1",
-            "--expert-formats",
-            "bf16,nvfp4",
-            "--configs",
-            "lru",
-            "--batches",
-            "1",
-        ]
-    )
-    rows = {(r["format"], r["budget_gib"]): r for r in res["rows"]}
-    for (fmt, gib), r in rows.items():
-        per = get_format(fmt).expert_bytes(2048, 768)
-        assert r["slots"] == min(int(gib * GIB) // per, 4 * 128)
-        assert r["sim"]["bytes_copied_per_step"] == pytest.approx(
-            r["sim"]["misses_per_layer_per_step"] * 4 * per, rel=1e-9)
-    assert rows[("nvfp4", 0.5)]["vs_bf16_sim"] > 1 and rows[("bf16", 1.0)]["vs_bf16_sim"] == 1
-    assert "| nvfp4 | 0.5 |" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--expert-formats"):
-        bench.parse(["--expert-formats", "fp4"])
-    with pytest.raises(SystemExit, match="--slots or --moe-cache-gb"):
-        bench.parse(["--slots", "400", "--moe-cache-gb", "1"])
-    with pytest.raises(SystemExit, match="--moe-cache-gb"):
-        bench.parse(["--moe-cache-gb", "0.001", "--geometry", "qwen3-30b"])
 
 
 def test_collector_paused_collects_first_and_then_pauses():
