@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from expertcache.formats import FormatError, format_names, get_format, gib_at_least, slots_for_budget
 from sim.costmodel import ModelShape, shape_for_meta
-from sim.trace import Trace
+from sim.trace import Trace, format_bytes
 
 
 class BudgetError(ValueError):
@@ -53,18 +53,6 @@ class FormatRun:
     slots: tuple[int, ...]
     all_fit: bool
     shape: ModelShape | None
-
-
-def format_bytes(hidden: int, intermediate: int) -> dict[str, int]:
-    """Bytes of one expert [2I, H] + [H, I] in each expert format, bf16 first; a format that cannot
-    store the shape (in_features not a multiple of its block) is left out. No torch needed."""
-    out = {}
-    for name in sorted(format_names(), key=lambda n: (n != "bf16", n)):
-        try:
-            out[name] = get_format(name).expert_bytes(hidden, intermediate)
-        except FormatError:
-            continue
-    return out
 
 
 def _items(text: str, flag: str, example: str) -> list[str]:
