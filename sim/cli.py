@@ -1,15 +1,17 @@
 """`expertcache sim`: replay routing traces through policies and slot counts, and report.
 
     flags checked (--policies, --tokens, --seed, --workers, --plot's folder)
-    -> TRACE ... (.npz, a FreeToken-style directory, or .jsonl) | --preset NAME (synthetic)
+    -> TRACE ... (.npz, a FreeToken-style directory, or .jsonl; sim/inputs.py) | --preset NAME
+       (synthetic) | neither: the embedded default, a real gemma-4 decode trace (sim/data)
     -> slot counts checked against each trace (largest call <= slots <= L*E keys), or with
        --moe-cache-gb G per expert format (--expert-format) from the budget (sim/budget.py)
     -> sweep (policy x slots, parallel processes) -> table / JSON / PNG / per-layer view
 
 Every check runs before the first replay; a failure ends the command with
 "error: <what, naming the flag or field>: <fix>" on stderr and exit status 1.
-With no arguments it replays the embedded default, a seeded Qwen3-Next-like synthetic
-trace, at 25, 50 and 75 % of all experts as slots.
+With no arguments it replays the embedded default, a real gemma-4-26B-A4B decode trace
+(Apache-2.0, sim/data/README.md), at 10, 20 and 30 % of its keys as slots; a trace file or a
+synthetic preset replays at 25, 50 and 75 % unless --slots / --slots-frac say otherwise.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import NoReturn
 from expertcache.errors import EnsureError, PolicyError
 from sim.budget import BudgetError, BudgetFlags, FormatRun, describe, parse_flags, plan_runs
 from sim.costmodel import H200, H200_SM_COPY, HardwareProfile, format_profile
+from sim.errors import TraceError
+from sim.inputs import DEFAULT_TRACE_FRACS, DEFAULT_TRACE_LABEL, default_trace, load_any
 from sim.replay import ORACLES, check_policies, check_replayable, min_slots, sim_policy_names, sweep
 from sim.report import (
     build_format_rows,
@@ -34,9 +38,8 @@ from sim.report import (
     format_table,
     plot_hit_rate,
 )
-from sim.trace import Trace, TraceError, load_trace
+from sim.trace import Trace
 
-DEFAULT_PRESET = "qwen3-next"
 DEFAULT_POLICIES = "lru,rule,lfuda,markov,next-token,belady"  # every policy and both oracles
 DEFAULT_FRACS = "0.25,0.5,0.75"
 PROFILES = {  # --profile: which H200 cost model prices the misses and the layer (sim/costmodel.py)
@@ -53,15 +56,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sim", help="replay routing traces through cache policies",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("traces", nargs="*", help="trace files (.npz, .jsonl) or FreeToken-style directories")
-    p.add_argument("--preset", help="synthetic trace preset (default when no trace: "
-                   f"{DEFAULT_PRESET})")
-    p.add_argument("--tokens", type=int, help="tokens of the synthetic trace (>= 1)")
-    p.add_argument("--seed", type=int, help="seed of the synthetic trace (>= 0, default 0)")
+    p.add_argument("--preset", help="replay a synthetic trace of this preset instead of the embedded "
+                   "default, e.g. qwen3-next (sim/synthetic.py)")
+    p.add_argument("--tokens", type=int, help="tokens of the --preset trace (>= 1)")
+    p.add_argument("--seed", type=int, help="seed of the --preset trace (>= 0, default 0)")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma-separated, from: {', '.join(sim_policy_names())}")
     p.add_argument("--slots", help="comma-separated slot counts, at most L*E (overrides --slots-frac)")
     p.add_argument("--slots-frac", default=DEFAULT_FRACS, action=_Given,
-                   help="comma-separated fractions of all experts (L*E) to use as slots")
+                   help=f"comma-separated fractions of all experts (L*E) to use as slots (default "
+                        f"{DEFAULT_FRACS}; the embedded default trace: {DEFAULT_TRACE_FRACS})")
     p.add_argument("--moe-cache-gb", metavar="G[,G...]",
                    help="VRAM budget(s) of the slots in GiB: each expert format gets the slots that "
                         "fit (not with --slots / --slots-frac)")
@@ -140,6 +144,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.workers is not None and args.workers < 1:
         _fail(f"--workers must be an integer >= 1, got {args.workers}: give a process count, "
               f"or leave it out for the CPU count")
+    if args.preset is None and not args.traces and synthetic:
+        _fail(f"{synthetic[0]} sets up a synthetic trace: add --preset NAME (e.g. --preset qwen3-next), "
+              f"or drop {synthetic[0]} to replay the embedded default trace")
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -193,11 +200,18 @@ def _plot_paths(args: argparse.Namespace, count: int) -> list[Path]:
     return paths
 
 
+def _embedded(args: argparse.Namespace) -> bool:
+    """True when the command replays the embedded default trace (no trace, no --preset)."""
+    return not args.traces and args.preset is None
+
+
 def _slot_request(args: argparse.Namespace) -> tuple[str, list]:
-    """("--slots", counts) or ("--slots-frac", fractions), checked."""
+    """("--slots", counts) or ("--slots-frac", fractions), checked; the embedded default trace has
+    its own fractions unless --slots-frac is given."""
     if args.slots is not None:
         return "--slots", _ints(args.slots, "--slots")
-    return "--slots-frac", _fracs(args.slots_frac)
+    given = getattr(args, "slots_frac_given", False)
+    return "--slots-frac", _fracs(DEFAULT_TRACE_FRACS if _embedded(args) and not given else args.slots_frac)
 
 
 def _slots_for(name: str, trace: Trace, request: tuple[str, list]) -> list[int]:
@@ -220,33 +234,10 @@ def _slots_for(name: str, trace: Trace, request: tuple[str, list]) -> list[int]:
     return slots
 
 
-def load_any(path: str) -> Trace:
-    """A trace from an .npz file, a .jsonl file or a FreeToken-style directory.
-
-    Raises TraceError naming the path (and field) and the fix.
-    """
-    from sim.importers import import_freetoken_dir, import_jsonl
-
-    p = Path(path)
-    if not p.exists():
-        raise TraceError(f"{p}: no such file or directory: check the path (a trace is an .npz "
-                         f"file, a .jsonl file or a FreeToken-style directory)")
-    if p.is_dir():  # the model name defaults to the folder's or file's when the meta has none
-        return import_freetoken_dir(p, default_model=p.resolve().name)
-    if p.suffix.lower() == ".jsonl":
-        return import_jsonl(p, default_model=p.stem)
-    try:
-        return load_trace(p)
-    except TraceError as exc:
-        if p.suffix.lower() == ".npz":
-            raise
-        raise TraceError(f"{exc}; a JSON-lines trace must be named *.jsonl") from None
-
-
 def _synthetic(args: argparse.Namespace) -> tuple[str, Trace]:
     from sim.synthetic import PRESETS, generate, preset
 
-    name = DEFAULT_PRESET if args.preset is None else args.preset
+    name = args.preset
     if name not in PRESETS:
         _fail(f"--preset {name!r} is unknown: choose from {', '.join(sorted(PRESETS))}")
     overrides: dict = {"seed": args.seed or 0}
@@ -263,6 +254,11 @@ def _synthetic(args: argparse.Namespace) -> tuple[str, Trace]:
 
 
 def _traces(args: argparse.Namespace) -> list[tuple[str, Trace]]:
+    if _embedded(args):
+        try:
+            return [(DEFAULT_TRACE_LABEL, default_trace())]
+        except TraceError as exc:
+            _fail(exc)
     if not args.traces:
         return [_synthetic(args)]
     out = []
@@ -280,9 +276,11 @@ def _traces(args: argparse.Namespace) -> list[tuple[str, Trace]]:
 def _title(name: str, trace: Trace, profile: HardwareProfile) -> str:
     m = trace.meta
     label = name if name.endswith(m.model) else f"{name}: {m.model}"
-    return (f"{label}, {trace.num_tokens} tokens, {m.num_layers} layers x "
-            f"{m.num_experts} experts, top-{m.top_k}, batch {trace.batch}, "
-            f"{trace.accesses} accesses\ncost model: {format_profile(profile)}")
+    lines = [f"{label}, {trace.num_tokens} tokens, {m.num_layers} layers x {m.num_experts} experts, "
+             f"top-{m.top_k}, batch {trace.batch}, {trace.accesses} accesses"]
+    if not m.source.startswith("synthetic:"):  # a synthetic trace's source is its whole config
+        lines.append(f"source: {m.source}; license: {m.license}")
+    return "\n".join(lines + [f"cost model: {format_profile(profile)}"])
 
 
 def _plan(args: argparse.Namespace, flags: BudgetFlags,

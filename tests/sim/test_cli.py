@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from moe.cli import build_parser, main
-from sim.cli import DEFAULT_PRESET
+from sim.inputs import DEFAULT_TRACE_FRACS, default_trace
 from sim.synthetic import generate, preset
-from sim.trace import save_trace
+from sim.trace import load_trace, save_trace
 from tests.conftest import real_trace
 
 
@@ -109,13 +109,34 @@ def test_synthetic_preset_run(capsys):
     assert "40 tokens, 48 layers x 128 experts, top-8" in out
 
 
-def test_default_is_the_qwen3_next_preset():
+def test_the_default_is_the_embedded_gemma_trace_at_10_20_30_percent(capsys):
+    """No trace and no --preset: the shipped real gemma-4 trace, at 10/20/30 % of its 3,840 keys, with
+    the reference miss counts of lru and belady (the README of the real traces)."""
     args = build_parser().parse_args(["sim"])
     assert args.traces == [] and args.preset is None and args.slots is None
-    assert DEFAULT_PRESET == "qwen3-next"
-    cfg = preset(DEFAULT_PRESET)
-    assert (cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.num_tokens) == (48, 512, 10, 2000)
-    assert args.slots_frac == "0.25,0.5,0.75"
+    assert args.slots_frac == "0.25,0.5,0.75" and DEFAULT_TRACE_FRACS == "0.1,0.2,0.3"
+    trace = default_trace()
+    assert trace.experts.shape == (128, 30, 1, 6) and trace.num_experts == 128
+    assert trace.meta.license.startswith("Apache-2.0") and "Indoroid/DriftWood@31466a1" in trace.meta.source
+    rows = run_json(capsys, "--policies", "lru,belady")
+    assert [(r["policy"], r["slots"], r["misses"]) for r in rows] == [
+        ("lru", 384, 11762), ("lru", 768, 6594), ("lru", 1152, 3958),
+        ("belady", 384, 6323), ("belady", 768, 3533), ("belady", 1152, 2377)]
+    assert [r["slots"] for r in run_json(capsys, "--policies", "lru", "--slots-frac", "0.5")] == [1920]
+
+
+def test_the_embedded_trace_is_the_shared_one_byte_for_byte():
+    from importlib import resources
+
+    shipped = (resources.files("sim") / "data" / "gemma4-decode.npz").read_bytes()
+    assert shipped == real_trace("gemma4-decode.npz").read_bytes()
+    assert load_trace(real_trace("gemma4-decode.npz")) == default_trace()
+
+
+def test_synthetic_flags_without_a_preset_are_refused(no_work):
+    for flag, value in (("--tokens", "50"), ("--seed", "3")):
+        message = sim_error(flag, value)
+        assert f"{flag} sets up a synthetic trace: add --preset NAME" in message
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -185,7 +206,7 @@ def sim_error(*argv) -> str:
     (["--policies", ""], "--policies names no policy"),
     (["--policies", ","], "--policies names no policy"),
     (["--seed", "-1"], "--seed must be an integer >= 0"),
-    (["--tokens", "10000000"], "--tokens 10000000: the qwen3-next trace would hold"),
+    (["--preset", "qwen3-next", "--tokens", "10000000"], "--tokens 10000000: the qwen3-next trace would hold"),
     (["--preset", "nope"], "--preset 'nope' is unknown"),
     (["--plot", "/nonexistent-folder/hit.png"], "--plot /nonexistent-folder/hit.png: folder"),
     (["--plot", "hit.txt"], "--plot hit.txt: matplotlib cannot write .txt"),
