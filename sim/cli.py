@@ -24,7 +24,17 @@ from pathlib import Path
 from typing import NoReturn
 
 from expertcache.errors import EnsureError, PolicyError
-from sim.budget import BudgetError, BudgetFlags, FormatRun, describe, parse_flags, plan_runs
+from sim.budget import (
+    BudgetError,
+    BudgetFlags,
+    FormatRun,
+    describe,
+    describe_pricing,
+    expert_shape,
+    parse_flags,
+    plan_runs,
+    trace_shape,
+)
 from sim.costmodel import H200, H200_SM_COPY, HardwareProfile, format_profile
 from sim.errors import TraceError
 from sim.inputs import DEFAULT_TRACE_FRACS, DEFAULT_TRACE_LABEL, default_trace, load_any
@@ -39,6 +49,7 @@ from sim.report import (
     plot_hit_rate,
 )
 from sim.trace import Trace
+from sim.words import counted
 
 DEFAULT_POLICIES = "lru,rule,lfuda,markov,next-token,belady"  # every policy and both oracles
 DEFAULT_FRACS = "0.25,0.5,0.75"
@@ -73,8 +84,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="expert formats to price, one row each: bf16, fp8, int4, mxfp4, nvfp4 "
                         "(default with --moe-cache-gb: the trace's, from meta.expert_bytes, else bf16)")
     p.add_argument("--expert-shape", metavar="H,I",
-                   help="hidden and MoE intermediate size of a routed expert, when the trace's "
-                        "meta has no hidden_size / moe_intermediate_size")
+                   help="hidden and MoE intermediate size of a routed expert, when the trace's meta has no "
+                        "hidden_size / moe_intermediate_size: it prices the misses (bf16, or at "
+                        "meta.expert_bytes) instead of the shape the header says was assumed")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per (policy, slots)")
     p.add_argument("--plot", metavar="PNG", help="write hit rate against slots to this PNG "
                    "(one trace; with several, NAME-0.png, NAME-1.png, ... in the same folder)")
@@ -225,12 +237,12 @@ def _slots_for(name: str, trace: Trace, request: tuple[str, list]) -> list[int]:
     slots = values if flag == "--slots" else sorted({max(1, round(f * total)) for f in values})
     if slots[-1] > total:
         _fail(f"{name}: --slots {slots[-1]} is more than the trace's {trace.num_layers} x "
-              f"{trace.num_experts} = {total} keys (layer, expert): a larger pool never fills; "
+              f"{trace.num_experts} = {counted(total, 'key')} (layer, expert): a larger pool never fills; "
               f"give --slots <= {total}, or --slots-frac 1 for all of them")
     need = min_slots(trace)
     if slots[0] < need:
-        _fail(f"{name}: {flag} gives {slots[0]} slots, too few: one call of this trace asks "
-              f"for {need} distinct experts; give at least {need} slots (e.g. --slots {need})")
+        _fail(f"{name}: {flag} gives {counted(slots[0], 'slot')}, too few: one call of this trace asks "
+              f"for {counted(need, 'distinct expert')}; give at least {counted(need, 'slot')} (e.g. --slots {need})")
     return slots
 
 
@@ -273,14 +285,16 @@ def _traces(args: argparse.Namespace) -> list[tuple[str, Trace]]:
     return out
 
 
-def _title(name: str, trace: Trace, profile: HardwareProfile) -> str:
+def _title(name: str, trace: Trace, profile: HardwareProfile, pricing: str | None) -> str:
+    """The trace, its source and license, what prices the misses when its meta does not say, the cost model."""
     m = trace.meta
     label = name if name.endswith(m.model) else f"{name}: {m.model}"
-    lines = [f"{label}, {trace.num_tokens} tokens, {m.num_layers} layers x {m.num_experts} experts, "
-             f"top-{m.top_k}, batch {trace.batch}, {trace.accesses} accesses"]
+    lines = [f"{label}, {counted(trace.num_tokens, 'token')}, {counted(m.num_layers, 'layer')} x "
+             f"{counted(m.num_experts, 'expert')}, top-{m.top_k}, batch {trace.batch}, "
+             f"{counted(trace.accesses, 'access', 'accesses')}"]
     if not m.source.startswith("synthetic:"):  # a synthetic trace's source is its whole config
         lines.append(f"source: {m.source}; license: {m.license}")
-    return "\n".join(lines + [f"cost model: {format_profile(profile)}"])
+    return "\n".join(lines + ([pricing] if pricing else []) + [f"cost model: {format_profile(profile)}"])
 
 
 def _plan(args: argparse.Namespace, flags: BudgetFlags,
@@ -297,6 +311,10 @@ def _plan(args: argparse.Namespace, flags: BudgetFlags,
                 _fail(f"{name}: {exc}")
             slots = []
         runs = None
+        try:
+            expert_shape(name, trace, flags.shape)  # --expert-shape against the meta's shape and bytes
+        except BudgetError as exc:
+            _fail(exc)
         if flags.active:
             try:
                 runs = plan_runs(name, trace, flags, slots, min_slots(trace))
@@ -308,9 +326,10 @@ def _plan(args: argparse.Namespace, flags: BudgetFlags,
 
 
 def _rows(trace: Trace, results: list, runs: list[FormatRun] | None, policies: list[str],
-          profile: HardwareProfile) -> list:
+          profile: HardwareProfile, flags: BudgetFlags) -> list:
     if runs is None:
-        return [r for r in build_rows(trace, results, profile) if r.result.policy in policies]
+        shape = trace_shape(trace, flags.shape)
+        return [r for r in build_rows(trace, results, profile, shape) if r.result.policy in policies]
     return build_format_rows(trace, results, runs, profile, policies)
 
 
@@ -331,14 +350,15 @@ def run(args: argparse.Namespace) -> int:
                             use_logits=not args.no_logits)
         except (EnsureError, PolicyError, TraceError) as exc:
             _fail(f"{name}: {exc}")
-        rows = _rows(trace, results, runs, policies, profile)
+        rows = _rows(trace, results, runs, policies, profile, flags)
         unique = list({(r.result.policy, r.result.slots): r for r in rows}.values())
         if args.json:
             out_json += [dict(trace=name, **r.to_dict()) for r in rows]
         elif runs is None:
-            print(format_table(rows, _title(name, trace, profile)))
+            print(format_table(rows, _title(name, trace, profile, describe_pricing(trace, flags.shape))))
         else:
-            title = _title(name, trace, profile) + "\n" + describe(runs, trace, flags.shape)
+            pricing = describe_pricing(trace, None) if flags.shape is None else None
+            title = _title(name, trace, profile, pricing) + "\n" + describe(runs, trace, flags.shape)
             print(format_budget_table(rows, title))
         if not args.json and (picks := format_choices(rows, ORACLES)):
             print(picks)

@@ -27,6 +27,7 @@ from expertcache.host import ACCESSES, MISSES
 from sim.belady import Belady
 from sim.next_token import replay_next_token
 from sim.trace import Trace, TraceError
+from sim.words import counted
 
 ORACLES = ("belady", "next-token")
 
@@ -148,8 +149,8 @@ def replay(trace: Trace, policy: str, slots: int, *, use_logits: bool = True,
         if constants:
             raise PolicyError("next-token takes no constants")
         if min_slots(trace) > int(slots):
-            raise EnsureError(f"{slots} slots is too few (--slots): one call of this trace asks for "
-                              f"{min_slots(trace)} distinct experts")
+            raise EnsureError(f"{counted(int(slots), 'slot')} is too few (--slots): one call of this trace "
+                              f"asks for {counted(min_slots(trace), 'distinct expert')}")
         acc, miss, hist = replay_next_token(ids, layers, trace.num_layers, trace.num_experts, int(slots))
         return ReplayResult(policy, int(slots), trace.num_tokens, int(ids.shape[0]), acc, miss, hist)
     cache = HostCache(geometry, make_policy(policy, geometry, ids, layers, **constants))
@@ -186,8 +187,8 @@ def sweep(trace: Trace, policies: list[str], slots: list[int], *, workers: int |
     check_replayable(trace)
     need = min_slots(trace)
     if min(slots) < need:
-        raise EnsureError(f"{min(slots)} slots is too few (--slots): one call of this trace asks "
-                          f"for {need} distinct experts: give at least {need} slots")
+        raise EnsureError(f"{counted(min(slots), 'slot')} is too few (--slots): one call of this trace asks "
+                          f"for {counted(need, 'distinct expert')}: give at least {counted(need, 'slot')}")
     jobs = [(p, int(s), use_logits) for p in policies for s in slots]
     workers = min(workers or os.cpu_count() or 1, len(jobs))
     bar = tqdm(total=len(jobs), desc="replay", unit="run", disable=not progress, leave=False)

@@ -63,13 +63,15 @@ def test_the_choice_under_the_table_is_the_fastest_deployable_policy(capsys, sma
     rows = run_json(capsys, *argv)
     assert main(["sim", *argv, "--workers", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
-    head = out.index("choice by modeled tok/s (no overlap); oracles are limits, never picked:")
+    head = out.index("choice by modeled tok/s (no overlap), never an oracle; belady (knows the whole future) is "
+                     "the limit, next-token (knows the next token) an oracle to compare with:")
     for line, slots in zip(out[head + 1:head + 3], (64, 128)):
         mine = {r["policy"]: r["tokens_per_s"] for r in rows if r["slots"] == slots}
         best = max(("lru", "rule", "lfuda", "markov"), key=lambda p: (mine[p], [-ord(c) for c in p]))
         assert mine["belady"] > mine[best]
         assert line.startswith(f"  {slots} slots (") and f"): {best} {mine[best]:.1f} tok/s" in line
-        assert f"{mine[best] / mine['lru']:.3f}x lru" in line and f"belady {mine['belady']:.1f}" in line
+        assert f", {mine[best] / mine['lru']:.3f}x lru's;" in line
+        assert line.endswith(f"; limit: belady {mine['belady']:.1f}; oracle: next-token {mine['next-token']:.1f}")
 
 
 def test_the_choice_ranks_unpriced_traces_by_misses():
@@ -86,9 +88,11 @@ def test_the_choice_ranks_unpriced_traces_by_misses():
     (pick,) = choices(rows, ORACLES)
     misses = {r.policy: r.misses for r in results}
     want = min(("lru", "rule"), key=lambda p: (misses[p], p))
-    assert pick["policy"] == want and pick["limits"] == {"belady": misses["belady"]}
-    assert pick["vs_lru"] == pytest.approx(misses["lru"] / misses[want])
-    assert "choice by misses" in format_choices(rows, ORACLES)
+    assert pick["policy"] == want and pick["oracles"] == {"belady": misses["belady"]}
+    assert pick["vs_lru"] == pytest.approx(misses[want] / misses["lru"]) and pick["vs_lru"] < 1
+    head, line = format_choices(rows, ORACLES).splitlines()
+    assert head.startswith("choice by fewest misses (the trace has no expert size to price them)")
+    assert f"{want} {misses[want]} misses, {misses[want] / misses['lru']:.3f}x lru's; limit: belady" in line
     assert choices([r for r in rows if r.result.policy == "belady"], ORACLES) == []
 
 
@@ -238,7 +242,7 @@ def test_more_slots_than_keys_is_refused(no_work, small_trace):
 
 
 def test_too_few_slots_from_a_fraction_names_the_fraction(no_work, small_trace):
-    assert "--slots-frac gives 1 slots" in sim_error(small_trace, "--slots-frac", "0.001")
+    assert "--slots-frac gives 1 slot, too few" in sim_error(small_trace, "--slots-frac", "0.001")
 
 
 def test_zero_token_trace_is_a_clear_error(no_work, tmp_path):

@@ -6,10 +6,16 @@ environment of a shell (no TRITON_INTERPRET), this checkout's packages first on 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from sim.synthetic import SyntheticConfig, generate, preset
+from sim.trace import format_bytes, save_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,3 +51,75 @@ def test_no_arguments_replays_the_embedded_gemma_trace_and_says_where_it_is_from
     assert slots == {384, 768, 1152}
     for policy in ("lru", "rule", "lfuda", "markov", "next-token", "belady"):
         assert sum(line.split()[0] == policy for line in lines if line.strip()) == 3, policy
+    assert lines[2] == ("expert shape assumed: 4,336,640 B per routed expert (meta.expert_bytes) and a hidden size "
+                        "of 2048 for the router's bytes, as the trace's meta has no hidden_size / "
+                        "moe_intermediate_size and no built-in model has 128 experts top-6")
+    assert lines[-5:] == DEFAULT_CHOICES.splitlines() + [""]
+
+
+# The choice lines of `expertcache sim` on its embedded default (gemma-4, cost model `engine`).
+DEFAULT_CHOICES = """\
+choice by modeled tok/s (no overlap), never an oracle; belady (knows the whole future) is the limit, \
+next-token (knows the next token) an oracle to compare with:
+  384 slots (10.0 %): markov 133.2 tok/s, 1.189x lru's; limit: belady 191.6; oracle: next-token 130.3
+  768 slots (20.0 %): lfuda 204.2 tok/s, 1.104x lru's; limit: belady 304.3; oracle: next-token 195.4
+  1152 slots (30.0 %): lfuda 301.7 tok/s, 1.081x lru's; limit: belady 404.3; oracle: next-token 285.7
+"""
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory) -> dict[str, str]:
+    """Small traces: Mixtral's E and k without an expert size, a shape no built-in model has, one layer."""
+    d = tmp_path_factory.mktemp("user")
+    configs = {"unsized-8x2": preset("mixtral-like", num_tokens=40, seed=1),
+               "unpriced": SyntheticConfig(6, 10, 2, 60, seed=2),
+               "one": SyntheticConfig(1, 2, 1, 1, seed=2)}
+    for name, cfg in configs.items():
+        save_trace(generate(cfg), d / f"{name}.npz")
+    return {name: str(d / f"{name}.npz") for name in configs}
+
+
+def test_an_unsized_trace_says_which_shape_prices_it_and_expert_shape_changes_it(traces):
+    """No expert_bytes and no shape in the meta: the header names the released model whose E and k price
+    it, its H x I and bytes, and --expert-shape; given alone, --expert-shape prices the table."""
+    argv = [traces["unsized-8x2"], "--policies", "lru", "--slots", "64", "--workers", "1"]
+    proc = expertcache_sim(*argv)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[1] == (
+        "expert shape assumed: mixtral-8x7b's, the built-in model with 8 experts top-2: hidden 4096 x "
+        "intermediate 14336, 352,321,536 B (bf16) per routed expert, as the trace's meta has no expert_bytes, "
+        "hidden_size or moe_intermediate_size: give --expert-shape H,I if the trace is of another model")
+    shaped = expertcache_sim(*argv, "--expert-shape", "2048,768")
+    assert shaped.returncode == 0, shaped.stderr
+    assert ("expert shape: hidden 2048 x intermediate 768 (--expert-shape), 9,437,184 B per routed expert "
+            "(bf16)") in shaped.stdout
+    (assumed,) = json.loads(expertcache_sim(*argv, "--json").stdout)
+    (given,) = json.loads(expertcache_sim(*argv, "--json", "--expert-shape", "2048,768").stdout)
+    assert given["misses"] == assumed["misses"]
+    bf16 = format_bytes(2048, 768)["bf16"]
+    assert given["mb_copied_per_token"] == pytest.approx(given["misses_per_token"] * bf16 / 1e6)
+    assert assumed["mb_copied_per_token"] == pytest.approx(assumed["misses_per_token"] * 352_321_536 / 1e6)
+
+
+def test_an_unpriced_choice_reads_as_misses_against_lrus(traces):
+    """No price: the choice goes by misses, and its ratio is the choice's misses over lru's (below 1)."""
+    argv = [traces["unpriced"], "--slots", "20", "--workers", "1"]
+    proc = expertcache_sim(*argv)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1].startswith("not priced: the trace's meta has no expert_bytes, hidden_size or "
+                               "moe_intermediate_size and no built-in model has 10 experts top-2")
+    misses = {r["policy"]: r["misses"] for r in json.loads(expertcache_sim(*argv, "--json").stdout)}
+    best = min(("lfuda", "lru", "markov", "rule"), key=lambda p: (misses[p], p))
+    head = lines.index(next(line for line in lines if line.startswith("choice by fewest misses")))
+    assert lines[head + 1] == (f"  20 slots (33.3 %): {best} {misses[best]} misses, "
+                               f"{misses[best] / misses['lru']:.3f}x lru's; limit: belady {misses['belady']}; "
+                               f"oracle: next-token {misses['next-token']}")
+    assert misses[best] / misses["lru"] < 1
+
+
+def test_counts_of_one_are_singular(traces):
+    proc = expertcache_sim(traces["one"], "--slots", "1", "--workers", "1", "--policies", "lru,belady")
+    assert proc.returncode == 0, proc.stderr
+    assert ": synthetic, 1 token, 1 layer x 2 experts, top-1, batch 1, 1 access\n" in proc.stdout
+    assert "  1 slot (50.0 %): lru 1 miss, 1.000x lru's; limit: belady 1\n" in proc.stdout
