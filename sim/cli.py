@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import NoReturn
 
@@ -36,8 +37,9 @@ from sim.budget import (
     trace_shape,
 )
 from sim.costmodel import H200, H200_SM_COPY, HardwareProfile, format_profile
-from sim.errors import TraceError
+from sim.errors import TraceError, TraceWarning
 from sim.inputs import DEFAULT_TRACE_FRACS, DEFAULT_TRACE_LABEL, default_trace, load_any
+from sim.jsonl import FIELDS_HELP
 from sim.replay import ORACLES, check_policies, check_replayable, min_slots, sim_policy_names, sweep
 from sim.report import (
     build_format_rows,
@@ -64,8 +66,8 @@ MAX_SYNTH_ENTRIES = 2**25
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sim", help="replay routing traces through cache policies",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("sim", help="replay routing traces through cache policies", description=__doc__,
+                       epilog=FIELDS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("traces", nargs="*", help="trace files (.npz, .jsonl) or FreeToken-style directories")
     p.add_argument("--preset", help="replay a synthetic trace of this preset instead of the embedded "
                    "default, e.g. qwen3-next (sim/synthetic.py)")
@@ -265,6 +267,19 @@ def _synthetic(args: argparse.Namespace) -> tuple[str, Trace]:
     return f"synthetic:{name}", generate(cfg)
 
 
+def _load_warning(path: str) -> Trace:
+    """load_any, each TraceWarning it raises (tokens an importer dropped) printed as 'warning: ...' on stderr."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TraceWarning)
+        trace = load_any(path)
+    for w in caught:
+        if issubclass(w.category, TraceWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return trace
+
+
 def _traces(args: argparse.Namespace) -> list[tuple[str, Trace]]:
     if _embedded(args):
         try:
@@ -276,7 +291,7 @@ def _traces(args: argparse.Namespace) -> list[tuple[str, Trace]]:
     out = []
     for path in args.traces:
         try:
-            out.append((path, load_any(path)))
+            out.append((path, _load_warning(path)))
         except TraceError as exc:
             _fail(exc)
         except OSError as exc:

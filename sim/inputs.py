@@ -1,8 +1,8 @@
 """The traces `expertcache sim` replays: files a user names, or the embedded default.
 
     PATH.npz                          --sim.trace.load_trace-->            Trace
-    PATH.jsonl | FreeToken directory  --sim.importers (model from the name
-                                        when the meta has none)-->        Trace
+    PATH.jsonl | FreeToken directory  --sim.jsonl / sim.importers (model from
+                                        the name when the meta has none)--> Trace
     no path                           --sim/data/gemma4-decode.npz-->     Trace (DEFAULT_TRACE)
 
 The embedded default is a real decode trace of gemma-4-26B-A4B (Apache-2.0; attribution in
@@ -17,7 +17,8 @@ from importlib import resources
 from pathlib import Path
 
 from sim.errors import TraceError
-from sim.importers import import_freetoken_dir, import_jsonl
+from sim.importers import import_freetoken_dir
+from sim.jsonl import import_jsonl
 from sim.trace import Trace, load_trace
 
 DEFAULT_TRACE = "gemma4-decode.npz"  # in sim/data

@@ -122,7 +122,7 @@ class TraceMeta:
                              f"them to the meta JSON (expert_bytes may be null)")
         if d["format"] != FORMAT:
             raise TraceError(f"{_prefix(path)}meta.format is {d['format']!r}, expected "
-                             f"{FORMAT!r}: convert the trace with sim.importers or fix 'format'")
+                             f"{FORMAT!r}: convert the trace with sim.importers / sim.jsonl or fix 'format'")
         known = {k: d[k] for k in REQUIRED_META_KEYS if k != "format"}
         meta = cls(**known, extra={k: v for k, v in d.items() if k not in REQUIRED_META_KEYS})
         meta.validate(path)

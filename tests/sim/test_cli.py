@@ -311,7 +311,7 @@ def test_several_plots_go_to_the_plot_folder(capsys, small_trace, tmp_path, monk
 
 def test_jsonl_keeps_its_sidecar_model(tmp_path):
     from sim.cli import load_any
-    from sim.importers import export_jsonl
+    from sim.jsonl import export_jsonl
 
     t = generate(preset("mixtral", num_tokens=4))
     export_jsonl(t, tmp_path / "run.jsonl")

@@ -123,3 +123,53 @@ def test_counts_of_one_are_singular(traces):
     assert proc.returncode == 0, proc.stderr
     assert ": synthetic, 1 token, 1 layer x 2 experts, top-1, batch 1, 1 access\n" in proc.stdout
     assert "  1 slot (50.0 %): lru 1 miss, 1.000x lru's; limit: belady 1\n" in proc.stdout
+
+
+def test_help_lists_the_json_lines_fields():
+    proc = subprocess.run(command("sim", "--help"), capture_output=True, text=True, env=user_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    epilog = proc.stdout[proc.stdout.index("JSON-lines traces (FILE.jsonl)"):]
+    for field in ("layer", "token_idx", "experts", "problem_id", "dataset", "gating_probs", "logit_idx", "logit_val"):
+        assert f"\n  {field} " in epilog, field
+    assert "Any other field is refused" in epilog
+
+
+def write_jsonl(path: Path, records: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def records(layers: int = 3, tokens: int = 4, **extra) -> list[dict]:
+    return [{"problem_id": 0, "layer": layer, "token_idx": tok, "experts": [tok % 4, 4 + layer % 4], **extra}
+            for layer in range(layers) for tok in range(tokens)]
+
+
+def test_a_request_field_is_refused_by_name_not_ignored(tmp_path):
+    """`request` was silently ignored, then every line reported as a duplicate: now line 1 names it."""
+    path = write_jsonl(tmp_path / "run.jsonl", [{"request": r.pop("problem_id"), **r} for r in records()])
+    proc = expertcache_sim(path, "--workers", "1")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith(
+        f"error: {path}:1: field 'request' is not read by this layout, whose fields are problem_id, dataset, "
+        f"layer, token_idx, experts, gating_probs, logit_idx, logit_val: if 'request' is the problem_id field, "
+        f"rename it 'problem_id' on every line")
+
+
+def test_tokens_missing_from_a_layer_are_named_on_stderr_and_the_rest_replays(tmp_path):
+    rows = [r for r in records(tokens=6) if (r["layer"], r["token_idx"]) not in {(1, 2), (2, 5), (0, 5)}]
+    proc = expertcache_sim(write_jsonl(tmp_path / "run.jsonl", rows), "--slots", "8", "--workers", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == (f"warning: {tmp_path / 'run.jsonl'}: dropped 2 tokens without a record in every "
+                           f"layer 0..2: (request 0, token 2, missing from layer 1), (request 0, token 5, missing "
+                           f"from layers 0, 2); meta.dropped_tokens counts them\n")
+    assert ": run, 4 tokens, 3 layers x 7 experts" in proc.stdout
+
+
+def test_the_real_json_lines_file_loads_with_its_dropped_tokens_named():
+    from tests.conftest import real_trace
+
+    proc = expertcache_sim(str(real_trace("mixtral-gsm8k.raw.jsonl")), "--policies", "lru", "--slots", "64",
+                           "--workers", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "dropped 3 tokens without a record in every layer 0..31: (request gsm8k/0, token 166, " in proc.stderr
+    assert "244 tokens, 32 layers x 8 experts, top-2, batch 1, 15616 accesses" in proc.stdout
