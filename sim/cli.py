@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from expertcache.errors import EnsureError, PolicyError
+from sim import synthetic
 from sim.budget import (
     BudgetError,
     BudgetFlags,
@@ -38,9 +39,18 @@ from sim.budget import (
 )
 from sim.costmodel import H200, H200_SM_COPY, HardwareProfile, format_profile
 from sim.errors import TraceError, TraceWarning
-from sim.inputs import DEFAULT_TRACE_FRACS, DEFAULT_TRACE_LABEL, default_trace, load_any
+from sim.inputs import DEFAULT_TRACE_FRACS, DEFAULT_TRACE_LABEL, default_trace, load_any, synthetic_config
 from sim.jsonl import FIELDS_HELP
-from sim.replay import ORACLES, check_policies, check_replayable, min_slots, sim_policy_names, sweep
+from sim.replay import (
+    COMPILE_NOTICE,
+    ORACLES,
+    announce_compiles,
+    check_policies,
+    check_replayable,
+    min_slots,
+    sim_policy_names,
+    sweep,
+)
 from sim.report import (
     build_format_rows,
     build_rows,
@@ -59,10 +69,6 @@ PROFILES = {  # --profile: which H200 cost model prices the misses and the layer
     "engine": H200_SM_COPY,  # this engine's measured path: the SM miss copy and its MoE layer's time
     "copy-engine": H200,  # the copy engine's speeds and an assumed per-layer overhead
 }
-# --tokens bound: routed entries N x L x B x k of a synthetic trace. Generating one holds about
-# 36 bytes an entry (ids, float64 logits and their softmax, weights), so ~1.2 GB at the bound;
-# the qwen3-next preset (480 entries a token) reaches it at ~70,000 tokens, 35x its default.
-MAX_SYNTH_ENTRIES = 2**25
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -105,6 +111,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _fail(message: object) -> NoReturn:
     raise SystemExit(f"error: {message}")
+
+
+def _say(line: str):
+    """A callable printing `line` on stderr at once (before a compile that keeps the command silent)."""
+    return lambda: print(line, file=sys.stderr, flush=True)
 
 
 class _Given(argparse.Action):
@@ -249,22 +260,13 @@ def _slots_for(name: str, trace: Trace, request: tuple[str, list]) -> list[int]:
 
 
 def _synthetic(args: argparse.Namespace) -> tuple[str, Trace]:
-    from sim.synthetic import PRESETS, generate, preset
-
-    name = args.preset
-    if name not in PRESETS:
-        _fail(f"--preset {name!r} is unknown: choose from {', '.join(sorted(PRESETS))}")
-    overrides: dict = {"seed": args.seed or 0}
-    if args.tokens is not None:
-        overrides["num_tokens"] = args.tokens
-    cfg = preset(name, **overrides)
-    per_token = cfg.num_layers * cfg.batch * (cfg.logit_width if cfg.with_logits else cfg.top_k)
-    if cfg.num_tokens * per_token > MAX_SYNTH_ENTRIES:
-        _fail(f"--tokens {cfg.num_tokens}: the {name} trace would hold {cfg.num_tokens} x "
-              f"{per_token} = {cfg.num_tokens * per_token} routed entries, over the limit of "
-              f"{MAX_SYNTH_ENTRIES} (about 1.2 GB to generate): give --tokens <= "
-              f"{MAX_SYNTH_ENTRIES // per_token}")
-    return f"synthetic:{name}", generate(cfg)
+    """The --preset trace, its flags checked; the generator's first compile announced on stderr."""
+    try:
+        cfg = synthetic_config(args.preset, args.tokens, args.seed)
+    except ValueError as exc:
+        _fail(exc)
+    with announce_compiles(_say("compiling the synthetic trace generator (first run only; cached after)")):
+        return f"synthetic:{args.preset}", synthetic.generate(cfg)
 
 
 def _load_warning(path: str) -> Trace:
@@ -362,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             results = sweep(trace, policies + refs, slots, workers=args.workers,
                             progress=not args.no_progress and sys.stderr.isatty(),
-                            use_logits=not args.no_logits)
+                            use_logits=not args.no_logits, say_compiling=_say(COMPILE_NOTICE))
         except (EnsureError, PolicyError, TraceError) as exc:
             _fail(f"{name}: {exc}")
         rows = _rows(trace, results, runs, policies, profile, flags)

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from sim.replay import COMPILE_NOTICE, warm_up
 from sim.synthetic import SyntheticConfig, generate, preset
-from sim.trace import format_bytes, save_trace
+from sim.trace import format_bytes, load_trace, save_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -173,3 +176,50 @@ def test_the_real_json_lines_file_loads_with_its_dropped_tokens_named():
     assert proc.returncode == 0, proc.stderr
     assert "dropped 3 tokens without a record in every layer 0..31: (request gsm8k/0, token 166, " in proc.stderr
     assert "244 tokens, 32 layers x 8 experts, top-2, batch 1, 15616 accesses" in proc.stdout
+
+
+def _first_stderr_line(argv: list[str], env: dict[str, str], timeout: float = 120) -> str:
+    """The first line the command writes to stderr, a terminal (so its progress bar is on); then the command
+    is stopped (a compile it announced is not waited for)."""
+    import pty
+
+    master, tty = pty.openpty()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=tty, env=env, cwd=ROOT)
+    os.close(tty)
+    got = b""
+    try:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in got and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    got += os.read(master, 4096)
+                except OSError:  # the command ended and the terminal closed
+                    break
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(master)
+    return got.decode(errors="replace").split("\n")[0].rstrip("\r")
+
+
+@pytest.mark.parametrize("source, notice", [
+    ("file", COMPILE_NOTICE),
+    ("preset", "compiling the synthetic trace generator (first run only; cached after)"),
+])
+def test_a_first_run_says_it_compiles_before_compiling_and_before_its_progress_bar(traces, tmp_path, source,
+                                                                                   notice):
+    """An empty numba cache (NUMBA_CACHE_DIR): the first line on stderr is the notice, before the progress
+    bar, printed as the compile starts (the command is stopped there, not waited for)."""
+    what = [traces["unsized-8x2"]] if source == "file" else ["--preset", "mixtral-like", "--tokens", "5"]
+    argv = command("sim", *what, "--policies", "lru", "--slots", "64", "--workers", "2")
+    line = _first_stderr_line(argv, user_env(NUMBA_CACHE_DIR=str(tmp_path / "numba-cache")))
+    assert line == notice
+
+
+def test_a_run_whose_kernels_are_cached_says_nothing_of_compiling(traces):
+    """Once numba's cache holds the kernels (compiled here, in this process, if it did not), the command
+    announces no compile and its stderr is clean."""
+    trace = load_trace(traces["unsized-8x2"])
+    warm_up(trace, ["lru", "belady"])  # the command's replays: --policies and the lru / belady references
+    proc = expertcache_sim(traces["unsized-8x2"], "--policies", "lru", "--slots", "64", "--workers", "2")
+    assert proc.returncode == 0 and proc.stderr == ""
