@@ -269,7 +269,7 @@ def _synthetic(args: argparse.Namespace) -> tuple[str, Trace]:
         return f"synthetic:{args.preset}", synthetic.generate(cfg)
 
 
-def _load_warning(path: str) -> Trace:
+def _load_file(path: str) -> Trace:
     """load_any, each TraceWarning it raises (tokens an importer dropped) printed as 'warning: ...' on stderr."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TraceWarning)
@@ -293,7 +293,7 @@ def _traces(args: argparse.Namespace) -> list[tuple[str, Trace]]:
     out = []
     for path in args.traces:
         try:
-            out.append((path, _load_warning(path)))
+            out.append((path, _load_file(path)))
         except TraceError as exc:
             _fail(exc)
         except OSError as exc:
