@@ -24,7 +24,8 @@ $(BIN)/.installed: pyproject.toml
 	fi
 	touch $@
 
-# The main job on its embedded default: replay a Qwen3-Next-like trace through every policy.
+# The main job on its embedded default: replay a real gemma-4 decode trace (sim/data) through every
+# policy and both oracles, and name the policy to choose at each slot count.
 sim: $(BIN)/.installed
 	$(BIN)/expertcache sim
 

@@ -24,7 +24,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from sim.trace import TraceError
+from sim.errors import TraceError
 
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"

@@ -18,8 +18,9 @@ import math
 from dataclasses import dataclass, replace
 
 from expertcache.formats import FormatError, format_names, get_format, gib_at_least, slots_for_budget
-from sim.costmodel import ModelShape, shape_for_meta
-from sim.trace import Trace
+from sim.costmodel import GENERIC_HIDDEN, SHAPES, ModelShape, match_shape, shape_for_meta
+from sim.trace import Trace, format_bytes
+from sim.words import counted
 
 
 class BudgetError(ValueError):
@@ -53,18 +54,6 @@ class FormatRun:
     slots: tuple[int, ...]
     all_fit: bool
     shape: ModelShape | None
-
-
-def format_bytes(hidden: int, intermediate: int) -> dict[str, int]:
-    """Bytes of one expert [2I, H] + [H, I] in each expert format, bf16 first; a format that cannot
-    store the shape (in_features not a multiple of its block) is left out. No torch needed."""
-    out = {}
-    for name in sorted(format_names(), key=lambda n: (n != "bf16", n)):
-        try:
-            out[name] = get_format(name).expert_bytes(hidden, intermediate)
-        except FormatError:
-            continue
-    return out
 
 
 def _items(text: str, flag: str, example: str) -> list[str]:
@@ -149,10 +138,11 @@ def pricing_shape(trace: Trace, shape: tuple[int, int] | None, expert_bytes: int
         return None
 
 
-def trace_shape(trace: Trace) -> ModelShape | None:
-    """The shape that prices a trace without format flags: pricing_shape at the meta's (H, I) and
-    meta.expert_bytes (bf16's when null), or without meta shape keys meta.expert_bytes as before."""
-    shape = trace.meta.expert_shape
+def trace_shape(trace: Trace, flag: tuple[int, int] | None = None) -> ModelShape | None:
+    """The shape that prices a trace without format flags: pricing_shape at the meta's (H, I), else
+    --expert-shape's (`flag`, checked by expert_shape), and meta.expert_bytes (bf16's when null); with
+    neither, meta.expert_bytes and sim.costmodel.shape_for_meta's assumption (describe_pricing says which)."""
+    shape = trace.meta.expert_shape or flag
     nbytes = trace.meta.expert_bytes
     if shape is not None and nbytes is None:
         nbytes = get_format("bf16").expert_bytes(*shape)
@@ -169,7 +159,7 @@ def _budget_slots(name: str, fmt: str, gib: float, shape: tuple[int, int], total
         raise BudgetError(f"{name}: {exc}") from None
     if slots < need:
         per = f.expert_bytes(*shape)
-        raise BudgetError(f"{name}: --moe-cache-gb {gib:g} holds {slots} {fmt} experts of {per:,} "
+        raise BudgetError(f"{name}: --moe-cache-gb {gib:g} holds {counted(slots, fmt + ' expert')} of {per:,} "
                           f"bytes, fewer than the {need} distinct experts one call of this trace "
                           f"asks for: give --moe-cache-gb >= {gib_at_least(need * per)}")
     return min(slots, total), slots >= total
@@ -224,3 +214,33 @@ def describe(runs: list[FormatRun], trace: Trace, flag: tuple[int, int] | None) 
     sizes = ", ".join(dict.fromkeys(f"{r.fmt} {r.expert_bytes:,} B" for r in runs))
     return (f"expert formats: hidden {shape[0]}, intermediate {shape[1]} ({where}); {sizes} per "
             f"routed expert; router and shared expert priced in bf16")
+
+
+def describe_pricing(trace: Trace, flag: tuple[int, int] | None) -> str | None:
+    """One line for the report's title saying what prices the misses when the trace's meta gives no expert
+    shape (hidden_size, moe_intermediate_size): --expert-shape's, a released model's of the same E and k
+    (sim.costmodel.match_shape), a generic one at meta.expert_bytes, or nothing. None when the meta has one."""
+    m = trace.meta
+    if m.expert_shape is not None:
+        return None
+    if flag is not None:
+        nbytes = m.expert_bytes or get_format("bf16").expert_bytes(*flag)
+        return (f"expert shape: hidden {flag[0]} x intermediate {flag[1]} (--expert-shape), {nbytes:,} B per "
+                f"routed expert ({'meta.expert_bytes' if m.expert_bytes else 'bf16'})")
+    where = ("the trace's meta has no hidden_size / moe_intermediate_size" if m.expert_bytes
+             else "the trace's meta has no expert_bytes, hidden_size or moe_intermediate_size")
+    name = match_shape(m.model, m.num_layers, m.num_experts, m.top_k)
+    if name is not None:
+        s = SHAPES[name]
+        shared = f", a shared expert of intermediate {s.shared_intermediate}" if s.shared_intermediate else ""
+        nbytes = f"{m.expert_bytes:,} B (meta.expert_bytes)" if m.expert_bytes else f"{s.expert_bytes:,} B (bf16)"
+        fix = "" if m.expert_bytes else ": give --expert-shape H,I if the trace is of another model"
+        return (f"expert shape assumed: {name}'s, the built-in model with {m.num_experts} experts top-{m.top_k}: "
+                f"hidden {s.hidden} x intermediate {s.expert_intermediate}{shared}, {nbytes} per routed expert, "
+                f"as {where}{fix}")
+    if m.expert_bytes is not None:
+        return (f"expert shape assumed: {m.expert_bytes:,} B per routed expert (meta.expert_bytes) and a hidden "
+                f"size of {GENERIC_HIDDEN} for the router's bytes, as {where} and no built-in model has "
+                f"{m.num_experts} experts top-{m.top_k}")
+    return (f"not priced: {where} and no built-in model has {m.num_experts} experts top-{m.top_k}, so there "
+            f"is no tok/s: give --expert-shape H,I to price the misses")

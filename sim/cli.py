@@ -1,15 +1,17 @@
 """`expertcache sim`: replay routing traces through policies and slot counts, and report.
 
     flags checked (--policies, --tokens, --seed, --workers, --plot's folder)
-    -> TRACE ... (.npz, a FreeToken-style directory, or .jsonl) | --preset NAME (synthetic)
+    -> TRACE ... (.npz, a FreeToken-style directory, or .jsonl; sim/inputs.py) | --preset NAME
+       (synthetic) | neither: the embedded default, a real gemma-4 decode trace (sim/data)
     -> slot counts checked against each trace (largest call <= slots <= L*E keys), or with
        --moe-cache-gb G per expert format (--expert-format) from the budget (sim/budget.py)
     -> sweep (policy x slots, parallel processes) -> table / JSON / PNG / per-layer view
 
 Every check runs before the first replay; a failure ends the command with
 "error: <what, naming the flag or field>: <fix>" on stderr and exit status 1.
-With no arguments it replays the embedded default, a seeded Qwen3-Next-like synthetic
-trace, at 25, 50 and 75 % of all experts as slots.
+With no arguments it replays the embedded default, a real gemma-4-26B-A4B decode trace
+(Apache-2.0, sim/data/README.md), at 10, 20 and 30 % of its keys as slots; a trace file or a
+synthetic preset replays at 25, 50 and 75 % unless --slots / --slots-frac say otherwise.
 """
 
 from __future__ import annotations
@@ -18,13 +20,37 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import NoReturn
 
 from expertcache.errors import EnsureError, PolicyError
-from sim.budget import BudgetError, BudgetFlags, FormatRun, describe, parse_flags, plan_runs
+from sim import synthetic
+from sim.budget import (
+    BudgetError,
+    BudgetFlags,
+    FormatRun,
+    describe,
+    describe_pricing,
+    expert_shape,
+    parse_flags,
+    plan_runs,
+    trace_shape,
+)
 from sim.costmodel import H200, H200_SM_COPY, HardwareProfile, format_profile
-from sim.replay import ORACLES, check_policies, check_replayable, min_slots, sim_policy_names, sweep
+from sim.errors import TraceError, TraceWarning
+from sim.inputs import DEFAULT_TRACE_FRACS, DEFAULT_TRACE_LABEL, default_trace, load_any, synthetic_config
+from sim.jsonl import FIELDS_HELP
+from sim.replay import (
+    COMPILE_NOTICE,
+    ORACLES,
+    announce_compiles,
+    check_policies,
+    check_replayable,
+    min_slots,
+    sim_policy_names,
+    sweep,
+)
 from sim.report import (
     build_format_rows,
     build_rows,
@@ -34,34 +60,31 @@ from sim.report import (
     format_table,
     plot_hit_rate,
 )
-from sim.trace import Trace, TraceError, load_trace
+from sim.trace import Trace
+from sim.words import counted
 
-DEFAULT_PRESET = "qwen3-next"
 DEFAULT_POLICIES = "lru,rule,lfuda,markov,next-token,belady"  # every policy and both oracles
 DEFAULT_FRACS = "0.25,0.5,0.75"
 PROFILES = {  # --profile: which H200 cost model prices the misses and the layer (sim/costmodel.py)
     "engine": H200_SM_COPY,  # this engine's measured path: the SM miss copy and its MoE layer's time
     "copy-engine": H200,  # the copy engine's speeds and an assumed per-layer overhead
 }
-# --tokens bound: routed entries N x L x B x k of a synthetic trace. Generating one holds about
-# 36 bytes an entry (ids, float64 logits and their softmax, weights), so ~1.2 GB at the bound;
-# the qwen3-next preset (480 entries a token) reaches it at ~70,000 tokens, 35x its default.
-MAX_SYNTH_ENTRIES = 2**25
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sim", help="replay routing traces through cache policies",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("sim", help="replay routing traces through cache policies", description=__doc__,
+                       epilog=FIELDS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("traces", nargs="*", help="trace files (.npz, .jsonl) or FreeToken-style directories")
-    p.add_argument("--preset", help="synthetic trace preset (default when no trace: "
-                   f"{DEFAULT_PRESET})")
-    p.add_argument("--tokens", type=int, help="tokens of the synthetic trace (>= 1)")
-    p.add_argument("--seed", type=int, help="seed of the synthetic trace (>= 0, default 0)")
+    p.add_argument("--preset", help="replay a synthetic trace of this preset instead of the embedded "
+                   "default, e.g. qwen3-next (sim/synthetic.py)")
+    p.add_argument("--tokens", type=int, help="tokens of the --preset trace (>= 1)")
+    p.add_argument("--seed", type=int, help="seed of the --preset trace (>= 0, default 0)")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma-separated, from: {', '.join(sim_policy_names())}")
     p.add_argument("--slots", help="comma-separated slot counts, at most L*E (overrides --slots-frac)")
     p.add_argument("--slots-frac", default=DEFAULT_FRACS, action=_Given,
-                   help="comma-separated fractions of all experts (L*E) to use as slots")
+                   help=f"comma-separated fractions of all experts (L*E) to use as slots (default "
+                        f"{DEFAULT_FRACS}; the embedded default trace: {DEFAULT_TRACE_FRACS})")
     p.add_argument("--moe-cache-gb", metavar="G[,G...]",
                    help="VRAM budget(s) of the slots in GiB: each expert format gets the slots that "
                         "fit (not with --slots / --slots-frac)")
@@ -69,8 +92,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="expert formats to price, one row each: bf16, fp8, int4, mxfp4, nvfp4 "
                         "(default with --moe-cache-gb: the trace's, from meta.expert_bytes, else bf16)")
     p.add_argument("--expert-shape", metavar="H,I",
-                   help="hidden and MoE intermediate size of a routed expert, when the trace's "
-                        "meta has no hidden_size / moe_intermediate_size")
+                   help="hidden and MoE intermediate size of a routed expert, when the trace's meta has no "
+                        "hidden_size / moe_intermediate_size: it prices the misses (bf16, or at "
+                        "meta.expert_bytes) instead of the shape the header says was assumed")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per (policy, slots)")
     p.add_argument("--plot", metavar="PNG", help="write hit rate against slots to this PNG "
                    "(one trace; with several, NAME-0.png, NAME-1.png, ... in the same folder)")
@@ -87,6 +111,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _fail(message: object) -> NoReturn:
     raise SystemExit(f"error: {message}")
+
+
+def _say(line: str):
+    """A callable printing `line` on stderr at once (before a compile that keeps the command silent)."""
+    return lambda: print(line, file=sys.stderr, flush=True)
 
 
 class _Given(argparse.Action):
@@ -140,6 +169,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.workers is not None and args.workers < 1:
         _fail(f"--workers must be an integer >= 1, got {args.workers}: give a process count, "
               f"or leave it out for the CPU count")
+    if args.preset is None and not args.traces and synthetic:
+        _fail(f"{synthetic[0]} sets up a synthetic trace: add --preset NAME (e.g. --preset qwen3-next), "
+              f"or drop {synthetic[0]} to replay the embedded default trace")
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -193,11 +225,18 @@ def _plot_paths(args: argparse.Namespace, count: int) -> list[Path]:
     return paths
 
 
+def _embedded(args: argparse.Namespace) -> bool:
+    """True when the command replays the embedded default trace (no trace, no --preset)."""
+    return not args.traces and args.preset is None
+
+
 def _slot_request(args: argparse.Namespace) -> tuple[str, list]:
-    """("--slots", counts) or ("--slots-frac", fractions), checked."""
+    """("--slots", counts) or ("--slots-frac", fractions), checked; the embedded default trace has
+    its own fractions unless --slots-frac is given."""
     if args.slots is not None:
         return "--slots", _ints(args.slots, "--slots")
-    return "--slots-frac", _fracs(args.slots_frac)
+    given = getattr(args, "slots_frac_given", False)
+    return "--slots-frac", _fracs(DEFAULT_TRACE_FRACS if _embedded(args) and not given else args.slots_frac)
 
 
 def _slots_for(name: str, trace: Trace, request: tuple[str, list]) -> list[int]:
@@ -211,64 +250,50 @@ def _slots_for(name: str, trace: Trace, request: tuple[str, list]) -> list[int]:
     slots = values if flag == "--slots" else sorted({max(1, round(f * total)) for f in values})
     if slots[-1] > total:
         _fail(f"{name}: --slots {slots[-1]} is more than the trace's {trace.num_layers} x "
-              f"{trace.num_experts} = {total} keys (layer, expert): a larger pool never fills; "
+              f"{trace.num_experts} = {counted(total, 'key')} (layer, expert): a larger pool never fills; "
               f"give --slots <= {total}, or --slots-frac 1 for all of them")
     need = min_slots(trace)
     if slots[0] < need:
-        _fail(f"{name}: {flag} gives {slots[0]} slots, too few: one call of this trace asks "
-              f"for {need} distinct experts; give at least {need} slots (e.g. --slots {need})")
+        _fail(f"{name}: {flag} gives {counted(slots[0], 'slot')}, too few: one call of this trace asks "
+              f"for {counted(need, 'distinct expert')}; give at least {counted(need, 'slot')} (e.g. --slots {need})")
     return slots
 
 
-def load_any(path: str) -> Trace:
-    """A trace from an .npz file, a .jsonl file or a FreeToken-style directory.
-
-    Raises TraceError naming the path (and field) and the fix.
-    """
-    from sim.importers import import_freetoken_dir, import_jsonl
-
-    p = Path(path)
-    if not p.exists():
-        raise TraceError(f"{p}: no such file or directory: check the path (a trace is an .npz "
-                         f"file, a .jsonl file or a FreeToken-style directory)")
-    if p.is_dir():  # the model name defaults to the folder's or file's when the meta has none
-        return import_freetoken_dir(p, default_model=p.resolve().name)
-    if p.suffix.lower() == ".jsonl":
-        return import_jsonl(p, default_model=p.stem)
-    try:
-        return load_trace(p)
-    except TraceError as exc:
-        if p.suffix.lower() == ".npz":
-            raise
-        raise TraceError(f"{exc}; a JSON-lines trace must be named *.jsonl") from None
-
-
 def _synthetic(args: argparse.Namespace) -> tuple[str, Trace]:
-    from sim.synthetic import PRESETS, generate, preset
+    """The --preset trace, its flags checked; the generator's first compile announced on stderr."""
+    try:
+        cfg = synthetic_config(args.preset, args.tokens, args.seed)
+    except ValueError as exc:
+        _fail(exc)
+    with announce_compiles(_say("compiling the synthetic trace generator (first run only; cached after)")):
+        return f"synthetic:{args.preset}", synthetic.generate(cfg)
 
-    name = DEFAULT_PRESET if args.preset is None else args.preset
-    if name not in PRESETS:
-        _fail(f"--preset {name!r} is unknown: choose from {', '.join(sorted(PRESETS))}")
-    overrides: dict = {"seed": args.seed or 0}
-    if args.tokens is not None:
-        overrides["num_tokens"] = args.tokens
-    cfg = preset(name, **overrides)
-    per_token = cfg.num_layers * cfg.batch * (cfg.logit_width if cfg.with_logits else cfg.top_k)
-    if cfg.num_tokens * per_token > MAX_SYNTH_ENTRIES:
-        _fail(f"--tokens {cfg.num_tokens}: the {name} trace would hold {cfg.num_tokens} x "
-              f"{per_token} = {cfg.num_tokens * per_token} routed entries, over the limit of "
-              f"{MAX_SYNTH_ENTRIES} (about 1.2 GB to generate): give --tokens <= "
-              f"{MAX_SYNTH_ENTRIES // per_token}")
-    return f"synthetic:{name}", generate(cfg)
+
+def _load_file(path: str) -> Trace:
+    """load_any, each TraceWarning it raises (tokens an importer dropped) printed as 'warning: ...' on stderr."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TraceWarning)
+        trace = load_any(path)
+    for w in caught:
+        if issubclass(w.category, TraceWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return trace
 
 
 def _traces(args: argparse.Namespace) -> list[tuple[str, Trace]]:
+    if _embedded(args):
+        try:
+            return [(DEFAULT_TRACE_LABEL, default_trace())]
+        except TraceError as exc:
+            _fail(exc)
     if not args.traces:
         return [_synthetic(args)]
     out = []
     for path in args.traces:
         try:
-            out.append((path, load_any(path)))
+            out.append((path, _load_file(path)))
         except TraceError as exc:
             _fail(exc)
         except OSError as exc:
@@ -277,12 +302,16 @@ def _traces(args: argparse.Namespace) -> list[tuple[str, Trace]]:
     return out
 
 
-def _title(name: str, trace: Trace, profile: HardwareProfile) -> str:
+def _title(name: str, trace: Trace, profile: HardwareProfile, pricing: str | None) -> str:
+    """The trace, its source and license, what prices the misses when its meta does not say, the cost model."""
     m = trace.meta
     label = name if name.endswith(m.model) else f"{name}: {m.model}"
-    return (f"{label}, {trace.num_tokens} tokens, {m.num_layers} layers x "
-            f"{m.num_experts} experts, top-{m.top_k}, batch {trace.batch}, "
-            f"{trace.accesses} accesses\ncost model: {format_profile(profile)}")
+    lines = [f"{label}, {counted(trace.num_tokens, 'token')}, {counted(m.num_layers, 'layer')} x "
+             f"{counted(m.num_experts, 'expert')}, top-{m.top_k}, batch {trace.batch}, "
+             f"{counted(trace.accesses, 'access', 'accesses')}"]
+    if not m.source.startswith("synthetic:"):  # a synthetic trace's source is its whole config
+        lines.append(f"source: {m.source}; license: {m.license}")
+    return "\n".join(lines + ([pricing] if pricing else []) + [f"cost model: {format_profile(profile)}"])
 
 
 def _plan(args: argparse.Namespace, flags: BudgetFlags,
@@ -299,6 +328,10 @@ def _plan(args: argparse.Namespace, flags: BudgetFlags,
                 _fail(f"{name}: {exc}")
             slots = []
         runs = None
+        try:
+            expert_shape(name, trace, flags.shape)  # --expert-shape against the meta's shape and bytes
+        except BudgetError as exc:
+            _fail(exc)
         if flags.active:
             try:
                 runs = plan_runs(name, trace, flags, slots, min_slots(trace))
@@ -310,9 +343,10 @@ def _plan(args: argparse.Namespace, flags: BudgetFlags,
 
 
 def _rows(trace: Trace, results: list, runs: list[FormatRun] | None, policies: list[str],
-          profile: HardwareProfile) -> list:
+          profile: HardwareProfile, flags: BudgetFlags) -> list:
     if runs is None:
-        return [r for r in build_rows(trace, results, profile) if r.result.policy in policies]
+        shape = trace_shape(trace, flags.shape)
+        return [r for r in build_rows(trace, results, profile, shape) if r.result.policy in policies]
     return build_format_rows(trace, results, runs, profile, policies)
 
 
@@ -330,17 +364,18 @@ def run(args: argparse.Namespace) -> int:
         try:
             results = sweep(trace, policies + refs, slots, workers=args.workers,
                             progress=not args.no_progress and sys.stderr.isatty(),
-                            use_logits=not args.no_logits)
+                            use_logits=not args.no_logits, say_compiling=_say(COMPILE_NOTICE))
         except (EnsureError, PolicyError, TraceError) as exc:
             _fail(f"{name}: {exc}")
-        rows = _rows(trace, results, runs, policies, profile)
+        rows = _rows(trace, results, runs, policies, profile, flags)
         unique = list({(r.result.policy, r.result.slots): r for r in rows}.values())
         if args.json:
             out_json += [dict(trace=name, **r.to_dict()) for r in rows]
         elif runs is None:
-            print(format_table(rows, _title(name, trace, profile)))
+            print(format_table(rows, _title(name, trace, profile, describe_pricing(trace, flags.shape))))
         else:
-            title = _title(name, trace, profile) + "\n" + describe(runs, trace, flags.shape)
+            pricing = describe_pricing(trace, None) if flags.shape is None else None
+            title = _title(name, trace, profile, pricing) + "\n" + describe(runs, trace, flags.shape)
             print(format_budget_table(rows, title))
         if not args.json and (picks := format_choices(rows, ORACLES)):
             print(picks)

@@ -272,6 +272,16 @@ def _best_named(names: list[str], meta_model: str) -> str:
     return names[0]
 
 
+def match_shape(meta_model: str, num_layers: int, num_experts: int, top_k: int) -> str | None:
+    """The SHAPES entry a trace of this meta is priced as when its meta gives no expert shape: one with the
+    same num_experts and top_k (the same num_layers first, then a name appearing in meta_model), or None."""
+    matches = [n for n, s in SHAPES.items() if (s.num_experts, s.top_k) == (num_experts, top_k)]
+    if not matches:
+        return None
+    same_depth = [n for n in matches if SHAPES[n].num_layers == num_layers]
+    return _best_named(same_depth or matches, meta_model)
+
+
 def shape_for_meta(meta_model: str, num_layers: int, num_experts: int, top_k: int,
                    expert_bytes: int | None) -> ModelShape:
     """The ModelShape for a trace's meta fields.
@@ -283,11 +293,9 @@ def shape_for_meta(meta_model: str, num_layers: int, num_experts: int, top_k: in
     (router bytes from that assumed hidden, no shared expert). Raises ValueError when
     nothing matches and expert_bytes is None.
     """
-    matches = [n for n, s in SHAPES.items() if (s.num_experts, s.top_k) == (num_experts, top_k)]
-    if matches:
-        same_depth = [n for n in matches if SHAPES[n].num_layers == num_layers]
-        shape = SHAPES[_best_named(same_depth or matches, meta_model)]
-        shape = replace(shape, num_layers=num_layers)
+    name = match_shape(meta_model, num_layers, num_experts, top_k)
+    if name is not None:
+        shape = replace(SHAPES[name], num_layers=num_layers)
         if expert_bytes is not None and expert_bytes != shape.expert_bytes:
             shape = replace(shape, routed_expert_bytes=int(expert_bytes))
         return shape

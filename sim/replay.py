@@ -4,7 +4,12 @@
     -> one HostCache per (policy, slots), driven by the compiled kernel (expertcache.replay)
     -> ReplayResult: per-layer accesses and misses, miss histogram [L, B*k + 1]
 
-`sweep` runs many (policy, slots) replays in parallel processes with a progress bar.
+`sweep` runs many (policy, slots) replays in parallel processes with a progress bar. Its kernels are
+numba's, compiled on first use and kept in numba's on-disk cache: `warm_up` first replays the trace's
+first token through each policy in this process, so the kernels are compiled (or loaded) once, before
+the bar starts and before the worker processes fork (they inherit them), and `announce_compiles` says
+so just before numba compiles anything. Jobs are submitted slowest policy first, so the bar's estimate
+of the time left runs high early rather than low.
 Policies come from the expertcache registry plus the simulator's oracles (`belady`, the whole future;
 `next-token`, the next token's routing: sim.next_token).
 """
@@ -13,10 +18,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
+from numba.core import event
 from tqdm import tqdm
 
 from expertcache import CacheGeometry, HostCache, get_policy, policy_names
@@ -27,8 +35,13 @@ from expertcache.replay import run_calls
 from sim.belady import Belady
 from sim.next_token import replay_next_token
 from sim.trace import Trace, TraceError
+from sim.words import counted
 
 ORACLES = ("belady", "next-token")
+COMPILE_NOTICE = "compiling the replay (first run only; cached after): this takes a minute or two"
+# Submission order of a sweep's jobs, slowest replay first (the throughput table of
+# benchmarks/bench_replay.py, docs/simulator.md "Replay engine"); unlisted policies go last.
+SLOWEST_FIRST = ("markov", "belady", "next-token", "rule", "lfuda", "lru")
 
 
 def sim_policy_names() -> list[str]:
@@ -148,8 +161,8 @@ def replay(trace: Trace, policy: str, slots: int, *, use_logits: bool = True,
         if constants:
             raise PolicyError("next-token takes no constants")
         if min_slots(trace) > int(slots):
-            raise EnsureError(f"{slots} slots is too few (--slots): one call of this trace asks for "
-                              f"{min_slots(trace)} distinct experts")
+            raise EnsureError(f"{counted(int(slots), 'slot')} is too few (--slots): one call of this trace "
+                              f"asks for {counted(min_slots(trace), 'distinct expert')}")
         acc, miss, hist = replay_next_token(ids, layers, trace.num_layers, trace.num_experts, int(slots))
         return ReplayResult(policy, int(slots), trace.num_tokens, int(ids.shape[0]), acc, miss, hist)
     cache = HostCache(geometry, make_policy(policy, geometry, ids, layers, **constants))
@@ -157,6 +170,45 @@ def replay(trace: Trace, policy: str, slots: int, *, use_logits: bool = True,
     run_calls(cache, ids, layers, lidx, lval, hist=hist)
     return ReplayResult(policy, int(slots), trace.num_tokens, int(ids.shape[0]),
                         cache.counters[:, ACCESSES].copy(), cache.counters[:, MISSES].copy(), hist)
+
+
+class _FirstCompile(event.Listener):
+    """Calls `say()` when numba starts its first compile (a kernel found in no cache), once."""
+
+    def __init__(self, say: Callable[[], None]) -> None:
+        self.say = say
+        self.said = False
+
+    def on_start(self, ev: event.Event) -> None:
+        if not self.said:
+            self.said = True
+            self.say()
+
+    def on_end(self, ev: event.Event) -> None:
+        pass
+
+
+@contextmanager
+def announce_compiles(say: Callable[[], None]) -> Iterator[_FirstCompile]:
+    """Within the block, call `say()` once, just before numba compiles a kernel that neither this process
+    nor numba's on-disk cache holds (nothing is said when every kernel is cached); `.said` tells after."""
+    listener = _FirstCompile(say)
+    with event.install_listener("numba:compile", listener):
+        yield listener
+
+
+def warm_up(trace: Trace, policies: list[str], *, use_logits: bool = True,
+            say: Callable[[], None] | None = None) -> bool:
+    """Compile (or load from numba's cache) the kernels that replaying `trace` through `policies` runs, in
+    this process, by replaying its first decode step through each; `say()` is called once before the first
+    compile. Returns True when something was compiled. Cost: a few ms a policy once cached; the compile
+    itself when not. Raises what `replay` raises."""
+    first = trace.slice_tokens(0, 1)
+    slots = max(1, min_slots(first))
+    with announce_compiles(say or (lambda: None)) as listener:
+        for policy in policies:
+            replay(first, policy, slots, use_logits=use_logits)
+    return listener.said
 
 
 _WORKER_TRACE: Trace | None = None
@@ -174,21 +226,26 @@ def _run_one(args: tuple[str, int, bool]) -> ReplayResult:
 
 
 def sweep(trace: Trace, policies: list[str], slots: list[int], *, workers: int | None = None,
-          progress: bool = True, use_logits: bool = True) -> list[ReplayResult]:
+          progress: bool = True, use_logits: bool = True,
+          say_compiling: Callable[[], None] | None = None) -> list[ReplayResult]:
     """Replay every (policy, slots) pair; results ordered by policy, then slots.
 
     workers: processes (default: the CPU count, at most the number of jobs); 1 runs in
-    this process. Raises PolicyError / EnsureError / TraceError before any work for a bad
-    policy name, a slot count below the largest call (`min_slots`) or a trace without decode
+    this process. The kernels are compiled first, in this process (warm_up; say_compiling is
+    called before a compile). Raises PolicyError / EnsureError / TraceError before any work for
+    a bad policy name, a slot count below the largest call (`min_slots`) or a trace without decode
     steps (`check_replayable`).
     """
     check_policies(policies)
     check_replayable(trace)
     need = min_slots(trace)
     if min(slots) < need:
-        raise EnsureError(f"{min(slots)} slots is too few (--slots): one call of this trace asks "
-                          f"for {need} distinct experts: give at least {need} slots")
-    jobs = [(p, int(s), use_logits) for p in policies for s in slots]
+        raise EnsureError(f"{counted(min(slots), 'slot')} is too few (--slots): one call of this trace asks "
+                          f"for {counted(need, 'distinct expert')}: give at least {counted(need, 'slot')}")
+    warm_up(trace, policies, use_logits=use_logits, say=say_compiling)
+    rank = {p: i for i, p in enumerate(SLOWEST_FIRST)}
+    order = sorted(policies, key=lambda p: rank.get(p, len(rank)))
+    jobs = [(p, int(s), use_logits) for p in order for s in sorted(slots)]
     workers = min(workers or os.cpu_count() or 1, len(jobs))
     bar = tqdm(total=len(jobs), desc="replay", unit="run", disable=not progress, leave=False)
     results: dict[tuple[str, int], ReplayResult] = {}

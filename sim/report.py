@@ -5,8 +5,8 @@
        recovered, modeled us/token and tokens/s without and with the shared-expert overlap
        (both from sim.costmodel.estimate_decode: tokens/s = batch * 1e6 / us per decode step)
     -> format_table (terminal), rows as JSON, plot_hit_rate (PNG), format_per_layer; choices: per
-       slot count the deployable policy with the most modeled tokens/s (format_choices, printed
-       under the table)
+       slot count the deployable policy with the most modeled tokens/s, against lru's and beside the
+       limit (belady) and the other oracles (format_choices, printed under the table)
     [ReplayResult] + [sim.budget.FormatRun] -> build_format_rows: one row per (budget, format,
        policy, slots), priced at the format's bytes -> format_budget_table, the same JSON plus
        format, expert_bytes, moe_cache_gb, slots_gib, all_experts_fit, bytes_copied_per_token
@@ -23,6 +23,10 @@ from sim.budget import FormatRun, trace_shape
 from sim.costmodel import H200, HardwareProfile, ModelShape, estimate_decode
 from sim.replay import ReplayResult
 from sim.trace import Trace
+from sim.words import counted
+
+LIMIT = "belady"  # the one oracle no policy can beat
+ORACLE_KNOWS = {"belady": "knows the whole future", "next-token": "knows the next token"}
 
 
 @dataclass(frozen=True)
@@ -160,8 +164,9 @@ def format_budget_table(rows: list[Row], title: str = "") -> str:
 
 def choices(rows: list[Row], oracles: tuple[str, ...]) -> list[dict]:
     """Per slot count (and format run), the deployable policy a user would pick: the most modeled
-    tokens/s (no overlap), or the fewest misses where the trace has no price (ties: the name), with its
-    ratio to `lru` at the same slots and the oracles' figures as the limits. Oracles are never picked."""
+    tokens/s (no overlap), or the fewest misses where the trace has no price (ties: the name). vs_lru is
+    its figure over lru's at the same slots (tok/s, or misses: below 1 is better), None without lru (or
+    when lru has no misses); oracles: each oracle's figure, for comparison. Oracles are never picked."""
     groups: dict[tuple, list[Row]] = {}
     for row in rows:
         groups.setdefault((row.run, row.result.slots), []).append(row)
@@ -179,12 +184,40 @@ def choices(rows: list[Row], oracles: tuple[str, ...]) -> list[dict]:
         ratio = None
         if lru is not None:
             ratio = (best.tokens_per_s / lru.tokens_per_s if priced
-                     else (lru.result.misses / best.result.misses if best.result.misses else None))
+                     else (best.result.misses / lru.result.misses if lru.result.misses else None))
         out.append({"run": run, "slots": slots, "slots_frac": best.slots_frac, "policy": best.result.policy,
                     "tokens_per_s": best.tokens_per_s, "misses": best.result.misses, "vs_lru": ratio,
-                    "limits": {r.result.policy: (r.tokens_per_s if priced else r.result.misses)
-                               for r in group if r.result.policy in oracles}})
+                    "oracles": {r.result.policy: (r.tokens_per_s if priced else r.result.misses)
+                                for r in group if r.result.policy in oracles}})
     return out
+
+
+def _choice_head(picks: list[dict], priced: bool) -> str:
+    """The line above the choices: what ranks them, which oracle is the limit and which only compare."""
+    what = ("modeled tok/s (no overlap)" if priced
+            else "fewest misses (the trace has no expert size to price them)")
+    ran = sorted({p for c in picks for p in c["oracles"]})
+    notes = []
+    if LIMIT in ran:
+        notes.append(f"{LIMIT} ({ORACLE_KNOWS[LIMIT]}) is the limit")
+    others = [f"{p} ({ORACLE_KNOWS[p]})" if p in ORACLE_KNOWS else p for p in ran if p != LIMIT]
+    if others:
+        notes.append(f"{', '.join(others)} {'an oracle' if len(others) == 1 else 'oracles'} to compare with")
+    return f"choice by {what}, never an oracle" + ("; " + ", ".join(notes) if notes else "") + ":"
+
+
+def _choice_line(c: dict, priced: bool) -> str:
+    """One choice: where, slots, the policy, its figure, against lru's, then the limit and the oracles."""
+    run = c["run"]
+    where = "" if run is None else f"{'-' if run.budget_gib is None else f'{run.budget_gib:g} GiB'} {run.fmt}, "
+    figure = f"{c['tokens_per_s']:.1f} tok/s" if priced else counted(c["misses"], "miss", "misses")
+    vs = "" if c["vs_lru"] is None else f", {c['vs_lru']:.3f}x lru's"
+    value = {p: (f"{v:.1f}" if priced else f"{v}") for p, v in c["oracles"].items()}
+    limit = f"; limit: {LIMIT} {value[LIMIT]}" if LIMIT in value else ""
+    others = [f"{p} {v}" for p, v in sorted(value.items()) if p != LIMIT]
+    oracles = f"; {'oracle' if len(others) == 1 else 'oracles'}: {', '.join(others)}" if others else ""
+    return (f"  {where}{counted(c['slots'], 'slot')} ({100 * c['slots_frac']:.1f} %): {c['policy']} "
+            f"{figure}{vs}{limit}{oracles}")
 
 
 def format_choices(rows: list[Row], oracles: tuple[str, ...]) -> str:
@@ -193,17 +226,9 @@ def format_choices(rows: list[Row], oracles: tuple[str, ...]) -> str:
     if not picks:
         return ""
     priced = picks[0]["tokens_per_s"] is not None
-    what = "modeled tok/s (no overlap)" if priced else "misses (the trace has no expert size to price them)"
-    lines = [f"choice by {what}; oracles are limits, never picked:"]
+    lines = [_choice_head(picks, priced)]
     order = list(dict.fromkeys(c["run"] for c in picks))  # the runs in the rows' order
-    for c in sorted(picks, key=lambda c: (order.index(c["run"]), c["slots"])):
-        run = c["run"]
-        where = "" if run is None else f"{'-' if run.budget_gib is None else f'{run.budget_gib:g} GiB'} {run.fmt}, "
-        figure = f"{c['tokens_per_s']:.1f} tok/s" if priced else f"{c['misses']} misses"
-        vs = "" if c["vs_lru"] is None else f", {c['vs_lru']:.3f}x lru"
-        limits = ", ".join(f"{p} {v:.1f}" if priced else f"{p} {v}" for p, v in sorted(c["limits"].items()))
-        lines.append(f"  {where}{c['slots']} slots ({100 * c['slots_frac']:.1f} %): {c['policy']} {figure}{vs}"
-                     + (f"; limits: {limits}" if limits else ""))
+    lines += [_choice_line(c, priced) for c in sorted(picks, key=lambda c: (order.index(c["run"]), c["slots"]))]
     budgets: dict[float | None, list[dict]] = {}
     for c in picks:  # with formats: the best format and policy of each budget, where more than one format ran
         if c["run"] is not None and priced:

@@ -34,7 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from expertcache.formats import FormatError, format_names, get_format
 from expertcache.geometry import distinct_counts
+from sim.archive import read_npz
+from sim.errors import TraceError
 
 FORMAT = "expertcache-trace/1"
 REQUIRED_META_KEYS = ("format", "model", "num_layers", "num_experts", "top_k", "expert_bytes",
@@ -54,8 +57,16 @@ DTYPES = {"experts": np.int32, "weights": np.float32, "req_index": np.int32,
           "logit_idx": np.int32, "logit_val": np.float32}
 
 
-class TraceError(ValueError):
-    """A malformed trace file or Trace; the message names the field (or file) and the fix."""
+def format_bytes(hidden: int, intermediate: int) -> dict[str, int]:
+    """Bytes of one expert [2I, H] + [H, I] in each expert format, bf16 first; a format that cannot
+    store the shape (in_features not a multiple of its block) is left out. No torch needed."""
+    out = {}
+    for name in sorted(format_names(), key=lambda n: (n != "bf16", n)):
+        try:
+            out[name] = get_format(name).expert_bytes(hidden, intermediate)
+        except FormatError:
+            continue
+    return out
 
 
 def _prefix(path: str | os.PathLike | None) -> str:
@@ -111,7 +122,7 @@ class TraceMeta:
                              f"them to the meta JSON (expert_bytes may be null)")
         if d["format"] != FORMAT:
             raise TraceError(f"{_prefix(path)}meta.format is {d['format']!r}, expected "
-                             f"{FORMAT!r}: convert the trace with sim.importers or fix 'format'")
+                             f"{FORMAT!r}: convert the trace with sim.importers / sim.jsonl or fix 'format'")
         known = {k: d[k] for k in REQUIRED_META_KEYS if k != "format"}
         meta = cls(**known, extra={k: v for k, v in d.items() if k not in REQUIRED_META_KEYS})
         meta.validate(path)
@@ -188,8 +199,6 @@ class TraceMeta:
                 raise TraceError(f"{p}meta.{key} must be an integer >= 1, got {value!r}: fix it")
         if self.expert_bytes is None:
             return
-        from sim.budget import format_bytes  # sim.budget builds on this module
-
         hidden, inter = self.expert_shape  # type: ignore[misc]
         sizes = format_bytes(hidden, inter)
         if self.expert_bytes not in sizes.values():
@@ -412,8 +421,6 @@ def concat_traces(traces: Iterable[Trace]) -> Trace:
 
 def _read_npz(p: Path) -> tuple[dict[str, np.ndarray], str]:
     """The known arrays and the meta text of an .npz file. Raises TraceError."""
-    from sim.archive import read_npz  # sim.archive builds on this module's TraceError
-
     arrays = read_npz(p, ("experts", "meta") + OPTIONAL_ARRAYS)
     for key in ("experts", "meta"):
         if key not in arrays:

@@ -8,17 +8,21 @@ installs torch's CPU build before the package.
         ──importlib.metadata.packages_distributions──► distributions, each of which must be declared
     Makefile's `$(BIN)/.installed` recipe, run by make with a logging stand-in for python (and with /
         without a stand-in nvidia-smi) ──► the pip commands in order
+    a copy of the sources ──pip wheel (this environment's setuptools)──► the wheel's file list
+        ──pip install --target──► the installed `sim` package reads its embedded default trace
 
-No network, no virtual environment: a few hundred ms.
+No network, no virtual environment: a few seconds, most of it building the wheel.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
+import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -199,3 +203,32 @@ def test_makefile_installs_cpu_torch_before_the_package_without_a_gpu(tmp_path):
 def test_makefile_installs_the_gpu_extra_with_nvidia_smi(tmp_path):
     installs = _installs(_run_install_recipe(tmp_path, gpu=True))
     assert "-e .[dev,gpu]" in installs and not any("torch==" in c for c in installs), installs
+
+
+def test_the_wheel_ships_the_embedded_trace_and_the_installed_package_reads_it(tmp_path):
+    """`expertcache sim` with no trace replays sim/data/gemma4-decode.npz: the wheel must carry it and
+    its attribution, and an installed copy (not this checkout) must find it."""
+    pytest.importorskip("setuptools", reason="building the wheel without network needs setuptools installed")
+    src, dist, site = tmp_path / "src", tmp_path / "dist", tmp_path / "site"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    for package in FIRST_PARTY:
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(dist), str(src)],
+                   check=True, capture_output=True, timeout=300)
+    (wheel,) = dist.glob("expertcache-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read("sim/data/gemma4-decode.npz") == (ROOT / "sim" / "data" / "gemma4-decode.npz").read_bytes()
+        assert "Apache" in z.read("sim/data/README.md").decode()
+    subprocess.run(pip + ["install", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    script = ("import sim; from sim.inputs import default_trace; t = default_trace(); "
+              "print(sim.__file__); print(t.experts.shape, t.meta.license)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(site)
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=120).stdout.splitlines()
+    assert Path(out[0]).is_relative_to(site)
+    assert out[1].startswith("(128, 30, 1, 6) Apache-2.0")

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from moe.cli import build_parser, main
-from sim.cli import DEFAULT_PRESET
+from sim.inputs import DEFAULT_TRACE_FRACS, default_trace
 from sim.synthetic import generate, preset
-from sim.trace import save_trace
+from sim.trace import load_trace, save_trace
 from tests.conftest import real_trace
 
 
@@ -63,13 +63,15 @@ def test_the_choice_under_the_table_is_the_fastest_deployable_policy(capsys, sma
     rows = run_json(capsys, *argv)
     assert main(["sim", *argv, "--workers", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
-    head = out.index("choice by modeled tok/s (no overlap); oracles are limits, never picked:")
+    head = out.index("choice by modeled tok/s (no overlap), never an oracle; belady (knows the whole future) is "
+                     "the limit, next-token (knows the next token) an oracle to compare with:")
     for line, slots in zip(out[head + 1:head + 3], (64, 128)):
         mine = {r["policy"]: r["tokens_per_s"] for r in rows if r["slots"] == slots}
         best = max(("lru", "rule", "lfuda", "markov"), key=lambda p: (mine[p], [-ord(c) for c in p]))
         assert mine["belady"] > mine[best]
         assert line.startswith(f"  {slots} slots (") and f"): {best} {mine[best]:.1f} tok/s" in line
-        assert f"{mine[best] / mine['lru']:.3f}x lru" in line and f"belady {mine['belady']:.1f}" in line
+        assert f", {mine[best] / mine['lru']:.3f}x lru's;" in line
+        assert line.endswith(f"; limit: belady {mine['belady']:.1f}; oracle: next-token {mine['next-token']:.1f}")
 
 
 def test_the_choice_ranks_unpriced_traces_by_misses():
@@ -86,9 +88,11 @@ def test_the_choice_ranks_unpriced_traces_by_misses():
     (pick,) = choices(rows, ORACLES)
     misses = {r.policy: r.misses for r in results}
     want = min(("lru", "rule"), key=lambda p: (misses[p], p))
-    assert pick["policy"] == want and pick["limits"] == {"belady": misses["belady"]}
-    assert pick["vs_lru"] == pytest.approx(misses["lru"] / misses[want])
-    assert "choice by misses" in format_choices(rows, ORACLES)
+    assert pick["policy"] == want and pick["oracles"] == {"belady": misses["belady"]}
+    assert pick["vs_lru"] == pytest.approx(misses[want] / misses["lru"]) and pick["vs_lru"] < 1
+    head, line = format_choices(rows, ORACLES).splitlines()
+    assert head.startswith("choice by fewest misses (the trace has no expert size to price them)")
+    assert f"{want} {misses[want]} misses, {misses[want] / misses['lru']:.3f}x lru's; limit: belady" in line
     assert choices([r for r in rows if r.result.policy == "belady"], ORACLES) == []
 
 
@@ -109,13 +113,34 @@ def test_synthetic_preset_run(capsys):
     assert "40 tokens, 48 layers x 128 experts, top-8" in out
 
 
-def test_default_is_the_qwen3_next_preset():
+def test_the_default_is_the_embedded_gemma_trace_at_10_20_30_percent(capsys):
+    """No trace and no --preset: the shipped real gemma-4 trace, at 10/20/30 % of its 3,840 keys, with
+    the reference miss counts of lru and belady (the README of the real traces)."""
     args = build_parser().parse_args(["sim"])
     assert args.traces == [] and args.preset is None and args.slots is None
-    assert DEFAULT_PRESET == "qwen3-next"
-    cfg = preset(DEFAULT_PRESET)
-    assert (cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.num_tokens) == (48, 512, 10, 2000)
-    assert args.slots_frac == "0.25,0.5,0.75"
+    assert args.slots_frac == "0.25,0.5,0.75" and DEFAULT_TRACE_FRACS == "0.1,0.2,0.3"
+    trace = default_trace()
+    assert trace.experts.shape == (128, 30, 1, 6) and trace.num_experts == 128
+    assert trace.meta.license.startswith("Apache-2.0") and "Indoroid/DriftWood@31466a1" in trace.meta.source
+    rows = run_json(capsys, "--policies", "lru,belady")
+    assert [(r["policy"], r["slots"], r["misses"]) for r in rows] == [
+        ("lru", 384, 11762), ("lru", 768, 6594), ("lru", 1152, 3958),
+        ("belady", 384, 6323), ("belady", 768, 3533), ("belady", 1152, 2377)]
+    assert [r["slots"] for r in run_json(capsys, "--policies", "lru", "--slots-frac", "0.5")] == [1920]
+
+
+def test_the_embedded_trace_is_the_shared_one_byte_for_byte():
+    from importlib import resources
+
+    shipped = (resources.files("sim") / "data" / "gemma4-decode.npz").read_bytes()
+    assert shipped == real_trace("gemma4-decode.npz").read_bytes()
+    assert load_trace(real_trace("gemma4-decode.npz")) == default_trace()
+
+
+def test_synthetic_flags_without_a_preset_are_refused(no_work):
+    for flag, value in (("--tokens", "50"), ("--seed", "3")):
+        message = sim_error(flag, value)
+        assert f"{flag} sets up a synthetic trace: add --preset NAME" in message
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -185,7 +210,7 @@ def sim_error(*argv) -> str:
     (["--policies", ""], "--policies names no policy"),
     (["--policies", ","], "--policies names no policy"),
     (["--seed", "-1"], "--seed must be an integer >= 0"),
-    (["--tokens", "10000000"], "--tokens 10000000: the qwen3-next trace would hold"),
+    (["--preset", "qwen3-next", "--tokens", "10000000"], "--tokens 10000000: the qwen3-next trace would hold"),
     (["--preset", "nope"], "--preset 'nope' is unknown"),
     (["--plot", "/nonexistent-folder/hit.png"], "--plot /nonexistent-folder/hit.png: folder"),
     (["--plot", "hit.txt"], "--plot hit.txt: matplotlib cannot write .txt"),
@@ -217,7 +242,7 @@ def test_more_slots_than_keys_is_refused(no_work, small_trace):
 
 
 def test_too_few_slots_from_a_fraction_names_the_fraction(no_work, small_trace):
-    assert "--slots-frac gives 1 slots" in sim_error(small_trace, "--slots-frac", "0.001")
+    assert "--slots-frac gives 1 slot, too few" in sim_error(small_trace, "--slots-frac", "0.001")
 
 
 def test_zero_token_trace_is_a_clear_error(no_work, tmp_path):
@@ -286,7 +311,7 @@ def test_several_plots_go_to_the_plot_folder(capsys, small_trace, tmp_path, monk
 
 def test_jsonl_keeps_its_sidecar_model(tmp_path):
     from sim.cli import load_any
-    from sim.importers import export_jsonl
+    from sim.jsonl import export_jsonl
 
     t = generate(preset("mixtral", num_tokens=4))
     export_jsonl(t, tmp_path / "run.jsonl")

@@ -254,7 +254,7 @@ def test_presets_write_their_expert_shape():
 
 # `expertcache sim --preset mixtral --tokens 60 --seed 4 --policies lru,rule,belady --slots 64,128
 # --workers 1`, printed before --moe-cache-gb / --expert-format / --expert-shape existed (and the choice
-# lines under it, added since).
+# lines under it, added since, in their present wording).
 OLD_TABLE = """\
 synthetic:mixtral, 60 tokens, 32 layers x 8 experts, top-2, batch 1, 3840 accesses
 cost model: nvidia-h200-sm-copy: H2D 1.7-6.3 MiB in 40.9-139.3 us, ceiling 50.2 GB/s, back-to-back 50.2 GB/s; \
@@ -267,9 +267,9 @@ rule          64  25.0   0.3474     41.77  14715.3    0.006  299350.3      3.3  
 belady       128  50.0   0.7911     13.37   4709.4    1.000   99897.6     10.0     10.0
 lru          128  50.0   0.5193     30.77  10839.8    0.000  222113.2      4.5      4.5
 rule         128  50.0   0.6023     25.45   8966.6    0.306  184771.7      5.4      5.4
-choice by modeled tok/s (no overlap); oracles are limits, never picked:
-  64 slots (25.0 %): rule 3.3 tok/s, 1.002x lru; limits: belady 5.2
-  128 slots (50.0 %): rule 5.4 tok/s, 1.202x lru; limits: belady 10.0
+choice by modeled tok/s (no overlap), never an oracle; belady (knows the whole future) is the limit:
+  64 slots (25.0 %): rule 3.3 tok/s, 1.002x lru's; limit: belady 5.2
+  128 slots (50.0 %): rule 5.4 tok/s, 1.202x lru's; limit: belady 10.0
 
 """
 OLD_JSON_SHA256 = "4152adeec89e5a91906a2cd2cb98a8be2f8e358fe481415796ab4601d96f77b0"  # same run, --json

@@ -1,4 +1,4 @@
-"""Tests of sim.importers: FreeToken directories and JSONL logs to and from Trace.
+"""Tests of sim.importers and sim.jsonl: FreeToken directories and JSONL logs to and from Trace.
 
 Random B == 1 traces round-trip losslessly through both layouts; malformed inputs raise
 TraceError naming the file (and line and field); the real mixtral-gsm8k.raw.jsonl imports to
@@ -20,7 +20,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.importers import export_freetoken_dir, export_jsonl, import_freetoken_dir, import_jsonl
+from sim.errors import TraceWarning
+from sim.importers import export_freetoken_dir, import_freetoken_dir
+from sim.jsonl import export_jsonl, import_jsonl
 from sim.trace import MAX_KEYS, MAX_LAYERS, Trace, TraceError, load_trace
 from tests.sim.gen import random_trace
 
@@ -108,11 +110,40 @@ def write_jsonl(path: Path, records: list) -> Path:
 def test_jsonl_drops_tokens_missing_from_a_layer(tmp_path: Path) -> None:
     records = jsonl_records({0: 5, 1: 4, 2: 5})
     records = [r for r in records if not (r["layer"] == 2 and r["token_idx"] == 1)]
-    t = import_jsonl(write_jsonl(tmp_path / "t.jsonl", records), model="m")
+    with pytest.warns(TraceWarning) as caught:
+        t = import_jsonl(write_jsonl(tmp_path / "t.jsonl", records), model="m")
+    assert str(caught[0].message).endswith(
+        "t.jsonl: dropped 2 tokens without a record in every layer 0..2: (request 0, token 1, missing from "
+        "layer 2), (request 0, token 4, missing from layer 1); meta.dropped_tokens counts them")
     assert t.num_tokens == 3 and t.meta.extra["dropped_tokens"] == 2
     assert t.experts[:, 0, 0].tolist() == [[0, 4], [2, 6], [3, 4]]
     assert t.meta.num_experts == 7 and t.meta.extra["num_experts_inferred"] is True
     assert t.weights is None and t.req_index.tolist() == [[0], [0], [0]]
+
+
+@pytest.mark.parametrize("field, fix", [
+    ("request", "if 'request' is the problem_id field, rename it 'problem_id' on every line"),
+    ("position", "if 'position' is the token_idx field, rename it 'token_idx' on every line"),
+    ("latency_ms", "drop it from every line (e.g. jq -c 'del(.latency_ms)') or rename it to one of those"),
+])
+def test_jsonl_refuses_a_field_it_does_not_read(tmp_path: Path, field: str, fix: str) -> None:
+    """A field the layout does not read is named, with the fields it reads, never ignored."""
+    records = [dict(r, **{field: 0}) for r in jsonl_records({0: 2, 1: 2})]
+    with pytest.raises(TraceError) as err:
+        import_jsonl(write_jsonl(tmp_path / "t.jsonl", records), model="m")
+    assert str(err.value).startswith(
+        f"{tmp_path / 't.jsonl'}:1: field '{field}' is not read by this layout, whose fields are problem_id, "
+        f"dataset, layer, token_idx, experts, gating_probs, logit_idx, logit_val: {fix}")
+
+
+def test_jsonl_with_custom_keys_reads_only_those(tmp_path: Path) -> None:
+    records = [{"req": 0, "l": r["layer"], "t": r["token_idx"], "e": r["experts"]} for r in jsonl_records({0: 2, 1: 2})]
+    t = import_jsonl(write_jsonl(tmp_path / "t.jsonl", records), model="m", request_key="req", layer_key="l",
+                     token_key="t", experts_key="e")
+    assert t.num_tokens == 2
+    with pytest.raises(TraceError, match="field 'layer' is not read by this layout, whose fields are req, dataset, l"):
+        import_jsonl(write_jsonl(tmp_path / "u.jsonl", [dict(r, layer=0) for r in records]), model="m",
+                     request_key="req", layer_key="l", token_key="t", experts_key="e")
 
 
 def test_jsonl_dataset_makes_requests_distinct(tmp_path: Path) -> None:
@@ -261,7 +292,8 @@ def real(name: str) -> Path:
 
 def test_real_jsonl_reproduces_real_npz() -> None:
     raw, ref = real("mixtral-gsm8k.raw.jsonl"), load_trace(real("mixtral-gsm8k.npz"))
-    t = import_jsonl(raw, model=ref.meta.model, num_experts=8)
+    with pytest.warns(TraceWarning, match=r"dropped 3 tokens .*\(request gsm8k/0, token 166, missing from layer 9\)"):
+        t = import_jsonl(raw, model=ref.meta.model, num_experts=8)
     assert t.experts.shape == (244, 32, 1, 2) and t.meta.extra["dropped_tokens"] == 3
     assert np.array_equal(t.experts, ref.experts)
     assert np.array_equal(t.weights, ref.weights)
