@@ -223,3 +223,20 @@ def test_a_run_whose_kernels_are_cached_says_nothing_of_compiling(traces):
     warm_up(trace, ["lru", "belady"])  # the command's replays: --policies and the lru / belady references
     proc = expertcache_sim(traces["unsized-8x2"], "--policies", "lru", "--slots", "64", "--workers", "2")
     assert proc.returncode == 0 and proc.stderr == ""
+
+
+def test_a_reader_that_leaves_early_stops_the_command_without_a_traceback(tmp_path):
+    """`expertcache sim --per-layer | head -1`: the pipe, one page deep so that the 12 KB of output cannot
+    all fit in it, closes after one line; the command exits 141 (cut off by its pipe) and says nothing."""
+    import fcntl
+
+    read_fd, write_fd = os.pipe()
+    fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, 4096)
+    proc = subprocess.Popen(command("sim", "--workers", "1", "--per-layer"), stdout=write_fd,
+                            stderr=subprocess.PIPE, env=user_env(), cwd=tmp_path)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as reader:
+        first = reader.readline()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=600) == 141 and first.startswith(b"gemma4-decode.npz")
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
