@@ -6,7 +6,9 @@
         ──Engine──► prefill / decode_step / generate
 
 Supported `model_type`s: moe.model.spec.FAMILIES (qwen2_moe, qwen3_moe, qwen3_next, gpt_oss, glm4_moe, mixtral,
-olmoe), on the GPU and the CPU backend. The pieces are public for callers
+olmoe), on the GPU and the CPU backend. On the CPU every step is torch (the cache's host reference, the
+torch attention, the delta rule's torch step): nothing launches a Triton kernel, so neither a GPU driver
+nor Triton's interpreter is needed. The pieces are public for callers
 that need them apart: moe.model.spec (config), moe.model.checkpoint (tensors), moe.engine.backends (MoE blocks),
 moe.engine.engine (decoder). The GPU side-stream overlap is load_model's `copy_overlap`, or when that is None
 EXPERTCACHE_MOE_COPY_OVERLAP; CUDA-graph decode is load_model's `cuda_graphs`, or when that is None
