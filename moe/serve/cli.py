@@ -17,6 +17,7 @@ EXPERTCACHE_API_KEY environment variable), /v1/* and /metrics need 'Authorizatio
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import re
@@ -221,9 +222,25 @@ def _access(state: ServeState) -> str:
     return f"API key required on /v1/*{'' if guard.metrics_public else ' and /metrics'}; /health is open"
 
 
+def configure_logging(level: str) -> None:
+    """Show the records of the package's loggers (moe.*, expertcache.*) on stderr as uvicorn shows its own:
+    warnings and errors (a request that ended in a 500, with its traceback) at --log-level info and
+    warning, every record at debug, only the errors (critical) at error (critical)."""
+    from uvicorn.logging import DefaultFormatter
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(name)s: %(message)s"))
+    chosen = logging.getLevelName(level.upper())
+    for name in ("moe", "expertcache"):
+        log = logging.getLogger(name)
+        log.addHandler(handler)
+        log.setLevel(chosen if chosen == logging.DEBUG else max(chosen, logging.WARNING))
+
+
 def run(args: argparse.Namespace) -> int:
     from moe.serve.server import make_server
 
+    configure_logging(args.log_level)
     state = build_state(args)
     from moe.engine.budget import memory_split
 
