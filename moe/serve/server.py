@@ -32,6 +32,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -272,16 +273,16 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
-        prepare = lambda raw: api.prepare_completion(raw, tok, vocab_size=vocab, served=opts.served_name,  # noqa: E731
-                                                     max_seq_len=opts.max_seq_len)
+        prepare = partial(api.prepare_completion, tokenizer=tok, vocab_size=vocab, served=opts.served_name,
+                          max_seq_len=opts.max_seq_len)
         return await generate(http, prepare, api.completion_chunk, None, "text_completion", api.completion_body,
-                              lambda lps: api.completion_logprobs(tok, lps))
+                              partial(api.completion_logprobs, tok))
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
-        prepare = lambda raw: api.prepare_chat(raw, tok, served=opts.served_name, max_seq_len=opts.max_seq_len)  # noqa: E731
+        prepare = partial(api.prepare_chat, tokenizer=tok, served=opts.served_name, max_seq_len=opts.max_seq_len)
         return await generate(http, prepare, _chat_chunk, {"role": "assistant", "content": ""},
-                              "chat.completion.chunk", api.chat_body, lambda lps: api.chat_logprobs(tok, lps))
+                              "chat.completion.chunk", api.chat_body, partial(api.chat_logprobs, tok))
 
     @app.get("/v1/models")
     async def models():
