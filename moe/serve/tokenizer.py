@@ -119,8 +119,8 @@ class TextTokenizer:
         if not file.is_file():
             raise TokenizerError(f"{file} does not exist: serving needs the checkpoint's fast tokenizer; "
                                  "download tokenizer.json (and tokenizer_config.json) into the model "
-                                 "directory, e.g. huggingface-cli download REPO tokenizer.json "
-                                 "tokenizer_config.json --local-dir DIR")
+                                 "directory, e.g. hf download REPO tokenizer.json tokenizer_config.json "
+                                 f"--local-dir {path}")
         try:
             self.tokenizer = Tokenizer.from_file(str(file))
         except Exception as e:  # tokenizers raises a bare Exception for a malformed file

@@ -5,7 +5,7 @@
         id and the exception's traceback
     a route raises (openai_api.prepare_completion patched) ─► the Guard's 500 internal_error naming the
         request id ─► one error record of moe.serve.http_guard with the traceback (uvicorn logs nothing)
-    `expertcache serve`'s logging (configure_logging): those records reach stderr at --log-level debug
+    `expertcache serve`'s logging (serve_logging): those records reach stderr at --log-level debug
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from moe.serve import openai_api
-from moe.serve.cli import configure_logging
+from moe.serve.cli import serve_logging
 from tests.moe.serve.http_util import AUTH, NAME, serve
 
 BODY = {"model": NAME, "prompt": "w10 w20", "max_tokens": 3}
@@ -101,19 +101,13 @@ def test_a_route_that_raises_is_one_logged_500_and_the_server_goes_on(srv, monke
 
 
 def test_serve_shows_a_500s_traceback_on_stderr_at_debug(capsys):
-    loggers = [logging.getLogger(name) for name in ("moe", "expertcache")]
-    before = [(log.level, list(log.handlers)) for log in loggers]
-    try:
-        configure_logging("debug")
+    with serve_logging("debug"):
         try:
             raise RuntimeError("the decode step exploded")
         except RuntimeError as e:
             logging.getLogger("moe.serve.server").error("request cmpl-0: generation failed", exc_info=e)
         logging.getLogger("moe.engine.loading").debug("a debug record")
-    finally:
-        for log, (level, handlers) in zip(loggers, before):
-            log.setLevel(level)
-            log.handlers[:] = handlers
+    logging.getLogger("moe.serve.server").error("after the block")
     err = capsys.readouterr().err
     assert "ERROR" in err and "request cmpl-0: generation failed" in err and "Traceback" in err
-    assert "the decode step exploded" in err and "a debug record" in err
+    assert "the decode step exploded" in err and "a debug record" in err and "after the block" not in err
