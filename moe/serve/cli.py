@@ -173,9 +173,11 @@ def resolve_device(flag: str | None):
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
         raise SystemExit(f"error: --device {flag}: no CUDA GPU is available (torch {torch.__version__}, {build}); "
                          "pass --device cpu or run where a GPU is visible")
+    from moe.engine.budget import counted
+
     index, count = int(m.group(2) or 0), torch.cuda.device_count()
     if index >= count:
-        raise SystemExit(f"error: --device {flag}: this machine has {count} CUDA device(s): use cuda:0"
+        raise SystemExit(f"error: --device {flag}: this machine has {counted(count, 'CUDA device')}: use cuda:0"
                          f"{f' to cuda:{count - 1}' if count > 1 else ''}")
     return torch.device("cuda", index)
 
@@ -224,8 +226,8 @@ def build_state(args: argparse.Namespace) -> ServeState:
     except (CheckpointError, TokenizerError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     if tokenizer.vocab_size > engine.spec.vocab_size:
-        raise SystemExit(f"error: {args.model}/tokenizer.json has {tokenizer.vocab_size} tokens but config.json "
-                         f"vocab_size is {engine.spec.vocab_size}: the tokenizer belongs to another model")
+        raise SystemExit(f"error: {args.model}/tokenizer.json has {tokenizer.vocab_size:,} tokens but config.json "
+                         f"vocab_size is {engine.spec.vocab_size:,}: the tokenizer belongs to another model")
     name = args.served_model_name or Path(args.model).resolve().name
     guard = GuardOptions(api_key=key, metrics_public=args.metrics_public,
                          max_body_bytes=int(args.max_body_mb * 2**20))
@@ -274,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from moe.engine.budget import memory_split
+    from moe.engine.budget import counted, memory_split
     from moe.serve.server import make_server
 
     state = build_state(args)
@@ -282,9 +284,9 @@ def _serve(args: argparse.Namespace) -> int:
     spec, slots = engine.spec, state.options.slot_budget.slots
     print(state.options.slot_budget.describe(), flush=True)
     print(memory_split(state.options.slot_budget, spec, engine.max_batch, engine.max_seq_len), flush=True)
-    print(f"serving {state.options.served_name} ({spec.model_type}, {spec.num_moe_layers} MoE layers x "
-          f"{spec.moe.num_experts} experts, top-{spec.moe.top_k}) on http://{args.host}:{args.port} with "
-          f"{slots} slots, policy {args.moe_cache_policy}, device {state.scheduler.engine.weights.device}; "
+    print(f"serving {state.options.served_name} ({spec.model_type}, {counted(spec.num_moe_layers, 'MoE layer')} x "
+          f"{counted(spec.moe.num_experts, 'expert')}, top-{spec.moe.top_k}) on http://{args.host}:{args.port} with "
+          f"{counted(slots, 'slot')}, policy {args.moe_cache_policy}, device {engine.weights.device}; "
           f"{_access(state)}", flush=True)
     make_server(state, args.host, args.port, args.log_level).run()
     if state.options.record_routing is not None:

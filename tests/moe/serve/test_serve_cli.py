@@ -3,9 +3,12 @@
     expertcache serve --help ─► a short description, an example, every flag with its help, no diagram
     --model DIR that does not exist ─► one line naming --model and the `hf download` that fetches it
     a model directory without tokenizer.json ─► the same command for the tokenizer files
+    the start lines count in words ("1 layer"); EXPERTCACHE_CUDA_GRAPHS=1 on the CPU names the variable
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -51,3 +54,27 @@ def test_a_checkpoint_without_its_tokenizer_says_how_to_download_it(tiny_dir, tm
     with pytest.raises(TokenizerError, match=f"hf download REPO tokenizer.json tokenizer_config.json --local-dir "
                                              f"{tmp_path}$"):
         TextTokenizer(tmp_path)
+
+
+class _Stopped:
+    def run(self) -> None:
+        """The server returns at once (as after SIGTERM)."""
+
+
+def test_the_start_lines_count_in_words(tiny_family, monkeypatch, capsys):
+    """qwen3_next's tiny model has one full-attention layer: "1 layer", never "1 layers"."""
+    monkeypatch.setattr("moe.serve.server.make_server", lambda *a, **k: _Stopped())
+    assert main(["serve", "--model", str(tiny_family("qwen3_next")), "--moe-slots", "6", "--max-batch", "2",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "bytes a token: 1 layer x k, v x 2 heads" in out and "a sequence: 2 layers)" in out
+    assert not re.search(r"\b1 [a-zA-Z ]*s\b x", out) and "1 layers" not in out, out
+
+
+def test_cuda_graphs_asked_for_on_the_cpu_name_the_variable(tiny_dir, monkeypatch):
+    monkeypatch.setenv("EXPERTCACHE_CUDA_GRAPHS", "1")
+    monkeypatch.setattr("moe.engine.loading.load_checkpoint", lambda *a, **k: pytest.fail("tensors were read"))
+    with pytest.raises(SystemExit, match="error: EXPERTCACHE_CUDA_GRAPHS=1 asks for CUDA-graph decode, which needs "
+                                         "a CUDA device, and the model is to load on cpu: unset"):
+        build_state(build_parser().parse_args(["serve", "--model", str(tiny_dir), "--moe-slots", "16",
+                                               "--device", "cpu"]))

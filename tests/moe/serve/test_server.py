@@ -269,7 +269,8 @@ def test_serve_flags_and_missing_tokenizer_are_refused(tiny_dir, tmp_path):
     bare.mkdir()
     for f in ("config.json", "model.safetensors"):
         (bare / f).write_bytes((tiny_dir / f).read_bytes())
-    args = build_parser().parse_args(["serve", "--model", str(bare), "--moe-slots", "6", "--device", "cpu"])
+    args = build_parser().parse_args(["serve", "--model", str(bare), "--moe-slots", "6", "--max-batch", "3",
+                                      "--device", "cpu"])
     with pytest.raises(SystemExit, match="tokenizer.json does not exist"):
         build_state(args)
     args = build_parser().parse_args(["serve", "--model", str(tiny_dir), "--moe-slots", "5", "--max-batch", "3",
