@@ -41,7 +41,7 @@ from expertcache.copy import reference_copy
 from expertcache.geometry import CacheGeometry
 from expertcache.host import HostCache
 from expertcache.pool import HostStore, SlotPool
-from moe.engine.budget import PREFILL_STAGING
+from moe.engine.budget import PREFILL_STAGING, check_slots
 from moe.engine.layer import MoELayer, SlotCache
 from moe.kernels.routed import routed_reference
 from moe.model.checkpoint import EXPERT_BIAS_BANKS, ModelWeights, MoEWeights
@@ -329,15 +329,7 @@ def _geometry(weights: ModelWeights, num_slots: int, max_batch: int) -> CacheGeo
     """The cache geometry, refusing a pool too small for `max_batch` rows of top_k experts or larger
     than every routed expert of the model."""
     spec = weights.spec
-    if max_batch * spec.moe.top_k > num_slots:
-        raise ValueError(f"--moe-slots {num_slots} is below max_batch={max_batch} * top_k={spec.moe.top_k}: "
-                         "one decode step could route to more distinct experts than slots; raise "
-                         "--moe-slots or lower max_batch")
-    keys = spec.num_moe_layers * spec.moe.num_experts
-    if num_slots > keys:
-        raise ValueError(f"--moe-slots {num_slots} is above the model's {keys} routed experts ({spec.num_moe_layers} "
-                         f"MoE layers x {spec.moe.num_experts}): a slot beyond them never holds one; pass "
-                         f"--moe-slots {keys} to keep every expert resident")
+    check_slots(num_slots, spec.num_moe_layers, spec.moe.num_experts, spec.moe.top_k, max_batch)
     return CacheGeometry(spec.num_moe_layers, spec.moe.num_experts, num_slots)
 
 

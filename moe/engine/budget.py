@@ -3,8 +3,10 @@
     config.json (+ --moe-expert-format) ─ModelSpec─► the HostStore's expert banks (MoEConfig.expert_banks):
         the banks of MoEConfig.expert_format (gate_up [2I, H] + down [H, I] in the model dtype for an
         unquantized model; values and scales for fp8 / nvfp4 / mxfp4 / int4) ─► P = bytes per expert = per slot
-    --moe-slots N    ─► S = N                                   (checked by the backend, as always)
-    --moe-cache-gb G ─► S = min(floor(G * 2**30 / P), L * E)    (refused below max_batch * top_k)
+    --moe-slots N    ─► S = N                                   (refused below --max-batch x top_k or above L x E)
+    --moe-cache-gb G ─► S = min(floor(G * 2**30 / P), L * E)    (refused below --max-batch x top_k)
+both checked from config.json, before any weight is read; messages name the flags (the library's
+load_model takes the same values as num_slots, cache_gb and max_batch) and count in words (`counted`).
 
 The format priced is the one the experts are stored in (expertcache.formats): a bfloat16 model's experts
 are "bf16" (2 bytes a parameter), a float16 / float32 model's unquantized banks of that dtype (2 / 4
@@ -31,6 +33,12 @@ from moe.engine.linear_attention import RecurrentCache
 from moe.model.spec import ModelSpec
 
 PREFILL_STAGING = 8  # experts in a GPU's prefill staging ring (moe.engine.backends.PrefillStaging)
+
+
+def counted(n: int, noun: str, nouns: str | None = None) -> str:
+    """n and its noun in the number n takes: "1 layer", "2 layers", "1,024 slots" (nouns: an irregular
+    plural)."""
+    return f"{n:,} {noun if n == 1 else nouns or noun + 's'}"
 
 
 @dataclass(frozen=True)
@@ -66,14 +74,14 @@ class SlotBudget:
 
     def describe(self) -> str:
         """One line: slots, bytes per expert, GiB of slot memory, experts in all, and the budget."""
-        line = (f"expert cache: {self.slots:,} slots x {self.bytes_per_expert:,} bytes per {self.format} expert "
-                f"= {self.slot_bytes / GIB:.4g} GiB of slot memory, for {self.keys:,} experts "
-                f"({self.num_layers} MoE layers x {self.num_experts})")
+        line = (f"expert cache: {counted(self.slots, 'slot')} x {self.bytes_per_expert:,} bytes per {self.format} "
+                f"expert = {self.slot_bytes / GIB:.4g} GiB of slot memory, for {counted(self.keys, 'expert')} "
+                f"({counted(self.num_layers, 'MoE layer')} x {self.num_experts})")
         if self.cache_gb is None:
             return line
         line += f"; budget --moe-cache-gb {self.cache_gb:g} holds {self.budget_slots:,}"
         if self.capped:
-            line += f", more than every expert: capped at {self.keys:,} slots, every expert resident"
+            line += f", more than every expert: capped at {counted(self.keys, 'slot')}, every expert resident"
         return line
 
 
@@ -111,14 +119,16 @@ def memory_split(budget: SlotBudget, spec: ModelSpec, max_batch: int, max_seq_le
     whole = len(spec.full_layers) - len(rings)  # the layers that hold every position
     per_token = 2 * whole * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[spec.moe.dtype]
     source = f"--moe-cache-gb {budget.cache_gb:g}" if budget.cache_gb is not None else f"--moe-slots {budget.slots}"
+    holds = "holds its" if len(rings) == 1 else "hold their"
+    sliding = f"; {counted(len(rings), 'sliding layer')} {holds} window of {spec.sliding_window} tokens"
     recurrent = "" if not state else (
         f" + linear-attention state {state / GIB:.3g} GiB (--max-batch {max_batch} x {state // max_batch:,} bytes "
-        f"a sequence: {len(spec.linear_layers)} layers)")
+        f"a sequence: {counted(len(spec.linear_layers), 'layer')})")
     return (f"device memory for the cache and the context: expert slots {budget.slot_bytes / GIB:.3g} GiB ({source}) "
             f"+ KV cache {kv / GIB:.3g} GiB (--max-batch {max_batch} x --max-seq-len {max_seq_len} tokens x "
-            f"{per_token:,} bytes a token: {whole} layers x k, v x {spec.num_kv_heads} heads x "
-            f"{spec.head_dim} x {DTYPE_BYTES[spec.moe.dtype]} bytes"
-            f"{f'; {len(rings)} sliding layers hold their window of {spec.sliding_window} tokens' if rings else ''})"
+            f"{per_token:,} bytes a token: {counted(whole, 'layer')} x k, v x {counted(spec.num_kv_heads, 'head')} "
+            f"x {spec.head_dim} x {DTYPE_BYTES[spec.moe.dtype]} bytes"
+            f"{sliding if rings else ''})"
             f"{recurrent} = "
             f"{(budget.slot_bytes + kv + state) / GIB:.3g} GiB, "
             f"beside the model's dense weights and, on a GPU, prefill's staging ring of {PREFILL_STAGING} experts "
@@ -136,12 +146,12 @@ def resolve_slots(spec: ModelSpec, num_slots: int | None = None, cache_gb: float
                   max_batch: int = 1) -> SlotBudget:
     """The cache size from exactly one of `num_slots` (--moe-slots) and `cache_gb` (--moe-cache-gb, GiB).
 
-    num_slots is passed through (the backend checks it against max_batch * top_k and L * E, naming
-    --moe-slots). cache_gb gives min(floor(cache_gb * 2**30 / P), L * E) slots. Cost: arithmetic.
-    Raises ValueError naming both flags when both or neither are given; FormatError (a ValueError)
-    naming --moe-cache-gb for a budget that is not a finite number > 0 or holds no expert; ValueError
-    naming --moe-cache-gb when it holds fewer than max_batch * top_k experts (with the budget that
-    does), or max_batch when the model itself has fewer routed experts than that.
+    num_slots is passed through when check_slots accepts it. cache_gb gives min(floor(cache_gb * 2**30 / P),
+    L * E) slots. Cost: arithmetic. Raises ValueError naming both flags when both or neither are given;
+    check_slots' ValueError for num_slots; FormatError (a ValueError) naming --moe-cache-gb for a budget
+    that is not a finite number > 0 or holds no expert; ValueError naming --moe-cache-gb when it holds
+    fewer than max_batch * top_k experts (with the budget that does), or --max-batch when the model
+    itself has fewer routed experts than that.
     """
     if (num_slots is None) == (cache_gb is None):
         given = "both" if num_slots is not None else "neither"
@@ -151,17 +161,40 @@ def resolve_slots(spec: ModelSpec, num_slots: int | None = None, cache_gb: float
     cfg = spec.moe
     layers, experts = spec.num_moe_layers, cfg.num_experts
     if cache_gb is None:
+        check_slots(num_slots, layers, experts, cfg.top_k, max_batch)
         return SlotBudget(num_slots, per_expert, fmt, layers, experts)
     fitted = slots_for_bytes(cache_gb, per_expert, f"{fmt} expert of {per_expert:,} bytes "
                                                    f"(H {cfg.hidden}, I {cfg.expert_intermediate})")
     budget = SlotBudget(min(fitted, layers * experts), per_expert, fmt, layers, experts, cache_gb, fitted)
     need = max_batch * cfg.top_k
     if budget.slots < need and fitted < need:
-        raise ValueError(f"--moe-cache-gb {cache_gb:g} holds {fitted} {fmt} experts of {per_expert:,} bytes, below "
-                         f"max_batch={max_batch} * top_k={cfg.top_k}: one decode step could route to more distinct "
-                         f"experts than slots; give --moe-cache-gb {gib_at_least(need * per_expert)} or more, "
-                         "or lower max_batch")
+        raise ValueError(f"--moe-cache-gb {cache_gb:g} holds {counted(fitted, f'{fmt} expert')} of {per_expert:,} "
+                         f"bytes, below --max-batch {max_batch} x top_k {cfg.top_k} = {need}: one decode step could "
+                         f"route to more distinct experts than slots; give --moe-cache-gb "
+                         f"{gib_at_least(need * per_expert)} or more, or lower --max-batch")
     if budget.slots < need:
-        raise ValueError(f"max_batch={max_batch} * top_k={cfg.top_k} is above the model's {budget.keys} routed "
-                         "experts, the most slots a cache can have (it needs max_batch * top_k); lower max_batch")
+        raise ValueError(_too_many_rows(max_batch, cfg.top_k, budget.keys))
     return budget
+
+
+def _too_many_rows(max_batch: int, top_k: int, keys: int) -> str:
+    return (f"--max-batch {max_batch} x top_k {top_k} = {max_batch * top_k} is above the model's "
+            f"{counted(keys, 'routed expert')}, the most slots a cache can have (it needs --max-batch x top_k); "
+            f"lower --max-batch to {max(1, keys // top_k)} or less")
+
+
+def check_slots(num_slots: int, layers: int, experts: int, top_k: int, max_batch: int) -> None:
+    """Refuse --moe-slots N (num_slots) outside [--max-batch x top_k, L x E]: below, one decode step could
+    route to more distinct experts than slots; above, a slot would never hold an expert. Raises
+    ValueError naming the flags and the value that fits."""
+    keys, need = layers * experts, max_batch * top_k
+    if need > keys:
+        raise ValueError(_too_many_rows(max_batch, top_k, keys))
+    if num_slots < need:
+        raise ValueError(f"--moe-slots {num_slots} is below --max-batch {max_batch} x top_k {top_k} = {need}: one "
+                         f"decode step could route to more distinct experts than slots; raise --moe-slots to "
+                         f"{need} or more, or lower --max-batch")
+    if num_slots > keys:
+        raise ValueError(f"--moe-slots {num_slots} is above the model's {counted(keys, 'routed expert')} "
+                         f"({counted(layers, 'MoE layer')} x {experts}): a slot beyond them never holds one; pass "
+                         f"--moe-slots {keys} to keep every expert resident")

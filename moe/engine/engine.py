@@ -21,7 +21,8 @@ Hybrid models (Qwen3-Next): a linear-attention layer (moe.model.linear_attention
 attention where ModelSpec.layer_types says so; its per-row state (conv window, delta-rule state) lives
 in `recurrent` (RecurrentCache, allocated once like the KV cache, which then holds only the
 full-attention layers): reset when a row joins, advanced in place by prefill (chunked delta rule) and
-by every decode step (the step kernel; captured in the decode graph), moved with the row by `leave`.
+by every decode step (on a GPU the step kernel, captured in the decode graph; on the CPU its torch
+reference, so the CPU backend launches no Triton kernel), moved with the row by `leave`.
 
 Batching: sequences step together. Each row keeps its own length in the KV cache and attends only to
 its own cached positions, so prompts of different lengths need no padding and no pad token; prefill

@@ -6,7 +6,8 @@ moe.kernels.delta_rule, with the per-sequence state that replaces a KV cache.
     q | k | v (C = 2 Hk Dk + Hv Dv channels) ─ causal depthwise conv, kernel K, SiLU ─ continuing from
                                                conv [B, C, K - 1] (the last K - 1 inputs)
     beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) (float32)
-    o = the gated delta rule from state [B, Hv, Dk, Dv] float32 (chunked in prefill, the step kernel in decode)
+    o = the gated delta rule from state [B, Hv, Dk, Dv] float32 (chunked in prefill; in decode the step
+        kernel on a CUDA device, its torch reference on the CPU, which launches no Triton kernel)
     out [B, T, H] = out_proj(norm_w * rms_norm(o) * silu(z)), the norm per value head
 
 Rounding as the checkpoints' reference (transformers' Qwen3NextGatedDeltaNet): projections and the conv
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moe.kernels.delta_rule import delta_rule_chunked, delta_rule_step
+from moe.kernels.delta_rule import delta_rule_chunked, delta_rule_step, delta_rule_step_reference
 from moe.model.linear_attention import LinearAttentionShape, LinearAttentionWeights
 
 
@@ -129,13 +130,14 @@ def linear_attention_prefill(x: torch.Tensor, w: LinearAttentionWeights, s: Line
 def linear_attention_decode(x: torch.Tensor, w: LinearAttentionWeights, s: LinearAttentionShape,
                             state: LinearAttentionState) -> torch.Tensor:
     """x [B, H] (one token a row) -> out [B, H] in x's dtype; `state` advanced in place (the conv window
-    shifted, the delta state by delta_rule_step). No host sync: CUDA-graph capturable."""
+    shifted, the delta state by delta_rule_step on a CUDA device, by delta_rule_step_reference elsewhere:
+    the CPU backend runs without Triton). No host sync: CUDA-graph capturable."""
     mixed, z, b, a = _project(x, w, s)
     window = torch.cat([state.conv, mixed[..., None]], dim=-1)  # [B, C, K]
     conv = (window.float() * w.conv_w.float()).sum(-1).to(w.conv_w.dtype)  # [B, C], rounded once as conv1d
     state.conv.copy_(window[..., 1:])
     q, k, v = _split(F.silu(conv).to(x.dtype), s)
     beta, g = _gates(b, a, w)
-    o = delta_rule_step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-                        state.delta)
+    step = delta_rule_step if state.delta.device.type == "cuda" else delta_rule_step_reference
+    o = step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state.delta)
     return _out(o, z, w, s, x.dtype)

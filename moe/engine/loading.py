@@ -6,7 +6,9 @@
         ──Engine──► prefill / decode_step / generate
 
 Supported `model_type`s: moe.model.spec.FAMILIES (qwen2_moe, qwen3_moe, qwen3_next, gpt_oss, glm4_moe, mixtral,
-olmoe), on the GPU and the CPU backend. The pieces are public for callers
+olmoe), on the GPU and the CPU backend. On the CPU every step is torch (the cache's host reference, the
+torch attention, the delta rule's torch step): nothing launches a Triton kernel, so neither a GPU driver
+nor Triton's interpreter is needed. The pieces are public for callers
 that need them apart: moe.model.spec (config), moe.model.checkpoint (tensors), moe.engine.backends (MoE blocks),
 moe.engine.engine (decoder). The GPU side-stream overlap is load_model's `copy_overlap`, or when that is None
 EXPERTCACHE_MOE_COPY_OVERLAP; CUDA-graph decode is load_model's `cuda_graphs`, or when that is None
@@ -59,14 +61,20 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     Raises CheckpointError (config key or quantization field, file, tensor, --moe-expert-format),
     ValueError (both or neither of num_slots / cache_gb, a
     cache_gb that is not > 0 or holds fewer than max_batch * top_k experts, num_slots below
-    max_batch * top_k or above L * E, an unknown policy), PoolError (slots that do not fit on the
-    device). The slot count is checked from config.json before any tensor is read.
+    max_batch * top_k or above L * E, an unknown policy, EXPERTCACHE_CUDA_GRAPHS=1 on the CPU), PoolError
+    (slots that do not fit on the device). The slot count is checked from config.json before any tensor
+    is read; the messages name the serve flags (--moe-slots, --moe-cache-gb, --max-batch).
     """
     budget = resolve_slots(ModelSpec.from_hf(read_config(path), dtype=dtype, expert_format=expert_format),
                            num_slots, cache_gb, max_batch=max_batch)
     if cache_gb is not None:
         logger.log(logging.WARNING if budget.capped else logging.INFO, "%s", budget.describe())
     num_slots = budget.slots
+    if cuda_graphs is None:
+        cuda_graphs = cuda_graphs_from_env(device)
+        if cuda_graphs and torch.device(device).type != "cuda":
+            raise ValueError(f"{CUDA_GRAPHS_ENV}=1 asks for CUDA-graph decode, which needs a CUDA device, and the "
+                             f"model is to load on {device}: unset {CUDA_GRAPHS_ENV} or set it to 0")
     weights = load_checkpoint(path, device, dtype=dtype, progress=progress, expert_format=expert_format,
                               copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap)
     backend = make_backend(weights, num_slots, policy, max_batch=max_batch, **constants)
@@ -74,13 +82,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
         kv = context_bytes(weights.spec, max_batch, max_seq_len)
         free = torch.cuda.mem_get_info(weights.device)[0]
         if kv > free:
-            raise ValueError(f"the KV cache needs {kv / 2**30:.3g} GiB (max_batch={max_batch} x max_seq_len="
+            raise ValueError(f"the KV cache needs {kv / 2**30:.3g} GiB (--max-batch {max_batch} x --max-seq-len "
                              f"{max_seq_len}) but {free / 2**30:.3g} GiB of the device are free after the weights "
                              f"and {budget.slot_bytes / 2**30:.3g} GiB of expert slots: lower --max-seq-len or "
                              "--max-batch, or --moe-cache-gb / --moe-slots")
     logger.info("%s", memory_split(budget, weights.spec, max_batch, max_seq_len))
-    if cuda_graphs is None:
-        cuda_graphs = cuda_graphs_from_env(weights.device)
     return Engine(weights, backend, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=record_routing,
                   cuda_graphs=cuda_graphs)
 

@@ -12,7 +12,9 @@ the checkpoints lay them out.
                           state [B, Hv, Dk, Dv] float32 updated in place -> o [B, Hv, Dv] float32.
                           One Triton program a (row, value head, block of BV columns): given k and q the
                           columns of S are independent, so S is read and written once (the step's HBM
-                          floor) and nothing is reduced across programs
+                          floor) and nothing is reduced across programs. CUDA tensors (or CPU tensors
+                          under Triton's interpreter, for its tests)
+    delta_rule_step_reference  the same step in torch, any device: the CPU engine's decode step
     delta_rule_chunked    prefill, T tokens of each row in chunks of C (torch, float32): within a chunk,
                           with G the cumulative sum of g and b = exp(G),
                               (I + A) U = diag(beta) (V - diag(b) K S0),  A[t, j] = beta_t e^(G_t - G_j) k_t.k_j (j < t)
@@ -29,6 +31,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from moe.kernels.triton_launch import kernel_for
 
 EPS = 1e-6  # the l2 norm's epsilon, as the checkpoints' reference implementation uses
 
@@ -81,6 +85,16 @@ def delta_rule_reference(q, k, v, g, beta, state=None) -> tuple[torch.Tensor, to
         s = s + k[:, i, :, :, None] * u[:, :, None, :]
         o[:, i] = torch.einsum("bhkv,bhk->bhv", s, q[:, i])
     return o, s
+
+
+def delta_rule_step_reference(q, k, v, g, beta, state) -> torch.Tensor:
+    """delta_rule_step in torch: one decode token a row through delta_rule_reference, state [B, Hv, Dk, Dv]
+    float32 advanced in place, o [B, Hv, Dv] float32 returned. Same arguments (no contiguity needed);
+    works on any device without Triton. Cost O(B Hv Dk Dv) in a few torch ops. Raises ValueError
+    naming the argument that does not fit."""
+    o, s = delta_rule_reference(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], state)
+    state.copy_(s)
+    return o[:, 0]
 
 
 def delta_rule_chunked(q, k, v, g, beta, state=None, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,8 +165,10 @@ def block_v_for(rows: int, value_heads: int, value_dim: int) -> int:
 def delta_rule_step(q, k, v, g, beta, state, out=None, block_v: int | None = None) -> torch.Tensor:
     """One decode token a row: state [B, Hv, Dk, Dv] float32 advanced in place, o [B, Hv, Dv] float32
     returned (into `out` when given). q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv], any float
-    dtypes, contiguous, one device; Dk a power of two; block_v: columns a program (block_v_for when
-    None). Graph capturable: no host sync. Raises ValueError naming the argument that does not fit."""
+    dtypes, contiguous, one CUDA device (CPU tensors only under TRITON_INTERPRET=1: elsewhere use
+    delta_rule_step_reference); Dk a power of two; block_v: columns a program (block_v_for when None).
+    Graph capturable: no host sync. Raises ValueError naming the argument that does not fit,
+    RuntimeError for CPU tensors without Triton's interpreter."""
     _check(q, k, v, g, beta, state, tokens=False)
     b, hv, dv = v.shape
     dk = q.shape[-1]
@@ -166,6 +182,7 @@ def delta_rule_step(q, k, v, g, beta, state, out=None, block_v: int | None = Non
     elif tuple(out.shape) != (b, hv, dv) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"delta_rule_step: out must be a contiguous float32 {[b, hv, dv]} tensor")
     bv = min(block_v or block_v_for(b, hv, dv), triton.next_power_of_2(dv))
-    _delta_step_kernel[(b * hv, triton.cdiv(dv, bv))](q, k, v, g, beta, state, out, HV=hv, GROUP=hv // q.shape[1],
-                                                      DK=dk, DV=dv, BV=bv)
+    kernel = kernel_for(_delta_step_kernel, v.device, {}, "delta_rule_step")
+    kernel[(b * hv, triton.cdiv(dv, bv))](q, k, v, g, beta, state, out, HV=hv, GROUP=hv // q.shape[1], DK=dk, DV=dv,
+                                          BV=bv)
     return out

@@ -17,16 +17,17 @@ EXPERTCACHE_API_KEY environment variable), /v1/* and /metrics need 'Authorizatio
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from expertcache import policy_names
 from expertcache.formats import format_names
 from moe.model.config import DTYPES
-from sim.replay import ORACLES
 
 if TYPE_CHECKING:
     from moe.serve.server import ServeState
@@ -38,60 +39,82 @@ DEFAULT_MAX_SEQ_LEN = 2048
 # (and --help) start without them.
 
 
-def serve_policies() -> list[str]:
-    """Policies a server can run: the registry's, without the simulator's oracles (they need the future)."""
-    return sorted(p for p in policy_names() if p not in ORACLES)
+DESCRIPTION = """\
+Serve a Hugging Face MoE checkpoint over an OpenAI-compatible HTTP API
+(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+Every routed expert stays in host memory; a pool of expert slots on the GPU
+(--moe-slots, or --moe-cache-gb) holds those in use, evicted by
+--moe-cache-policy. Without a GPU (--device cpu) the same cache runs on the CPU.
+
+example:
+  hf download Qwen/Qwen1.5-MoE-A2.7B --local-dir models/Qwen1.5-MoE-A2.7B
+  expertcache serve --model models/Qwen1.5-MoE-A2.7B --moe-cache-gb 8
+"""
+EPILOG = f"""\
+The server listens on 127.0.0.1 unless --host says otherwise. With an API key
+(--api-key-file, --api-key or ${API_KEY_ENV}), /v1/* and /metrics need
+the header 'Authorization: Bearer KEY'; /health is always open. SIGINT or
+SIGTERM stops it once the open requests finish (--shutdown-timeout)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="DIR",
-                   help="checkpoint directory: config.json, *.safetensors, tokenizer.json, tokenizer_config.json")
-    p.add_argument("--moe-cache-policy", default="lru", choices=serve_policies(), help="eviction policy (default lru)")
-    size = p.add_mutually_exclusive_group(required=True)
+                       description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = p.add_argument_group("model and expert cache")
+    model.add_argument("--model", required=True, metavar="DIR",
+                       help="checkpoint directory: config.json, *.safetensors, tokenizer.json, "
+                            "tokenizer_config.json (hf download REPO --local-dir DIR)")
+    size = model.add_mutually_exclusive_group(required=True)
     size.add_argument("--moe-slots", type=int, metavar="N",
                       help="expert slots of the pool (at least --max-batch x top_k, at most L x E)")
-    size.add_argument("--moe-cache-gb", type=float, metavar="G",
-                      help="slot memory in GiB (2**30 bytes) instead: floor(G * 2**30 / bytes per expert) "
+    size.add_argument("--moe-cache-gb", type=float, metavar="GIB",
+                      help="slot memory in GiB (2**30 bytes) instead: floor(GIB * 2**30 / bytes per expert) "
                            "slots, at most L x E")
-    p.add_argument("--moe-expert-format", choices=format_names(),
-                   help="how the routed experts are stored in host memory and the slots (default: as the "
-                        "checkpoint stores them: its quantization's format, else the model dtype); another "
-                        "format is made on load by round-to-nearest quantization (docs/formats.md)")
-    p.add_argument("--moe-copy-overlap", action="store_true",
-                   help="GPU: run the shared expert on a side stream while misses copy")
-    p.add_argument("--device", help="cpu or cuda[:i] (default cuda when available)")
-    p.add_argument("--dtype", choices=DTYPES, help="model dtype (default: config.json's)")
-    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
-    p.add_argument(
-        "--max-seq-len",
-        type=int,
-        help=f"context: prompt + new tokens (default {DEFAULT_MAX_SEQ_LEN}, or the "
-        "model's max_position_embeddings when that is smaller)",
-    )
-    p.add_argument("--served-model-name", help="model id of the API (default: the directory name)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    key = p.add_mutually_exclusive_group()
+    model.add_argument("--moe-cache-policy", default="lru", choices=policy_names(),
+                       help="eviction policy of the slots (default lru)")
+    model.add_argument("--moe-expert-format", choices=format_names(),
+                       help="how the routed experts are stored in host memory and the slots (default: as the "
+                            "checkpoint stores them: its quantization's format, else the model dtype); another "
+                            "format is made on load by round-to-nearest quantization (docs/formats.md)")
+    model.add_argument("--moe-copy-overlap", action="store_true",
+                       help="GPU: run the shared expert on a side stream while misses copy")
+    model.add_argument("--device", metavar="DEVICE", help="cpu, cuda or cuda:INDEX (default cuda when available)")
+    model.add_argument("--dtype", choices=DTYPES, help="model dtype (default: config.json's)")
+    model.add_argument("--max-batch", type=int, default=8, metavar="N",
+                       help="sequences decoded together (default 8); more requests wait in order")
+    model.add_argument("--max-seq-len", type=int, metavar="TOKENS",
+                       help=f"context: prompt + new tokens (default {DEFAULT_MAX_SEQ_LEN}, or the model's "
+                            "max_position_embeddings when that is smaller)")
+    model.add_argument("--record-routing", metavar="PATH",
+                       help="write the decode routing as a trace (.npz) at shutdown, for expertcache sim PATH")
+    _add_http_flags(p)
+    p.set_defaults(func=run)
+
+
+def _add_http_flags(p: argparse.ArgumentParser) -> None:
+    http = p.add_argument_group("HTTP server")
+    http.add_argument("--served-model-name", metavar="NAME", help="model id of the API (default: the directory name)")
+    http.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (default 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    key = http.add_mutually_exclusive_group()
     key.add_argument("--api-key-file", metavar="PATH",
                      help="require 'Authorization: Bearer KEY' on /v1 and /metrics, KEY read from this file "
                           f"(default: the {API_KEY_ENV} environment variable, if set)")
-    key.add_argument("--api-key", help="the same with KEY on the command line (visible in `ps`: prefer "
-                                       f"--api-key-file or {API_KEY_ENV})")
-    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
-    p.add_argument("--max-body-mb", type=float, default=8.0,
-                   help="largest request body in MiB (default 8); larger ones get 413")
-    p.add_argument("--read-timeout", type=float, default=30.0,
-                   help="seconds a client has to send a whole request, headers and body (default 30)")
-    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
-                   help="seconds an idle keep-alive connection stays open (default 5)")
-    p.add_argument("--record-routing", metavar="PATH", help="write the decode routing as a trace (.npz) at shutdown")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds open requests get to finish at shutdown before they end with a 503 "
-                        "shutting_down error (default 30)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.set_defaults(func=run)
+    key.add_argument("--api-key", metavar="KEY", help="the same with KEY on the command line (visible in `ps`: "
+                                                      f"prefer --api-key-file or {API_KEY_ENV})")
+    http.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    http.add_argument("--max-body-mb", type=float, default=8.0, metavar="MIB",
+                      help="largest request body in MiB (default 8); larger ones get 413")
+    http.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="seconds a client has to send a whole request, headers and body (default 30)")
+    http.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+                      help="seconds an idle keep-alive connection stays open (default 5)")
+    http.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="seconds open requests get to finish at shutdown before they end with a 503 "
+                           "shutting_down error (default 30)")
+    http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                      help="server log level (default info); a request that ends in a 500 is logged with its "
+                           "traceback at error")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -108,7 +131,8 @@ def _check(args: argparse.Namespace) -> None:
     if not args.shutdown_timeout >= 0:
         raise SystemExit(f"error: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if not Path(args.model).is_dir():
-        raise SystemExit(f"error: --model {args.model} is not a directory: pass a downloaded checkpoint")
+        raise SystemExit(f"error: --model {args.model} is not a directory: pass a downloaded checkpoint, e.g. "
+                         f"from the Hugging Face Hub with `hf download REPO --local-dir {args.model}`")
     if args.record_routing and not Path(args.record_routing).resolve().parent.is_dir():
         raise SystemExit(f"error: --record-routing {args.record_routing}: its folder does not exist")
 
@@ -149,9 +173,11 @@ def resolve_device(flag: str | None):
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
         raise SystemExit(f"error: --device {flag}: no CUDA GPU is available (torch {torch.__version__}, {build}); "
                          "pass --device cpu or run where a GPU is visible")
+    from moe.engine.budget import counted
+
     index, count = int(m.group(2) or 0), torch.cuda.device_count()
     if index >= count:
-        raise SystemExit(f"error: --device {flag}: this machine has {count} CUDA device(s): use cuda:0"
+        raise SystemExit(f"error: --device {flag}: this machine has {counted(count, 'CUDA device')}: use cuda:0"
                          f"{f' to cuda:{count - 1}' if count > 1 else ''}")
     return torch.device("cuda", index)
 
@@ -200,8 +226,8 @@ def build_state(args: argparse.Namespace) -> ServeState:
     except (CheckpointError, TokenizerError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     if tokenizer.vocab_size > engine.spec.vocab_size:
-        raise SystemExit(f"error: {args.model}/tokenizer.json has {tokenizer.vocab_size} tokens but config.json "
-                         f"vocab_size is {engine.spec.vocab_size}: the tokenizer belongs to another model")
+        raise SystemExit(f"error: {args.model}/tokenizer.json has {tokenizer.vocab_size:,} tokens but config.json "
+                         f"vocab_size is {engine.spec.vocab_size:,}: the tokenizer belongs to another model")
     name = args.served_model_name or Path(args.model).resolve().name
     guard = GuardOptions(api_key=key, metrics_public=args.metrics_public,
                          max_body_bytes=int(args.max_body_mb * 2**20))
@@ -221,19 +247,46 @@ def _access(state: ServeState) -> str:
     return f"API key required on /v1/*{'' if guard.metrics_public else ' and /metrics'}; /health is open"
 
 
+@contextmanager
+def serve_logging(level: str):
+    """For the with-block, show the records of the package's loggers (moe.*, expertcache.*) on stderr as
+    uvicorn shows its own: warnings and errors (a request that ended in a 500, with its traceback) at
+    --log-level info and warning, every record at debug, only errors (critical ones) at error (critical)."""
+    from uvicorn.logging import DefaultFormatter
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(name)s: %(message)s"))
+    chosen = logging.getLevelName(level.upper())
+    loggers = [logging.getLogger(name) for name in ("moe", "expertcache")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.addHandler(handler)
+        log.setLevel(chosen if chosen == logging.DEBUG else max(chosen, logging.WARNING))
+    try:
+        yield
+    finally:
+        for log, old in zip(loggers, levels):
+            log.removeHandler(handler)
+            log.setLevel(old)
+
+
 def run(args: argparse.Namespace) -> int:
+    with serve_logging(args.log_level):
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from moe.engine.budget import counted, memory_split
     from moe.serve.server import make_server
 
     state = build_state(args)
-    from moe.engine.budget import memory_split
-
     engine = state.scheduler.engine
     spec, slots = engine.spec, state.options.slot_budget.slots
     print(state.options.slot_budget.describe(), flush=True)
     print(memory_split(state.options.slot_budget, spec, engine.max_batch, engine.max_seq_len), flush=True)
-    print(f"serving {state.options.served_name} ({spec.model_type}, {spec.num_moe_layers} MoE layers x "
-          f"{spec.moe.num_experts} experts, top-{spec.moe.top_k}) on http://{args.host}:{args.port} with "
-          f"{slots} slots, policy {args.moe_cache_policy}, device {state.scheduler.engine.weights.device}; "
+    print(f"serving {state.options.served_name} ({spec.model_type}, {counted(spec.num_moe_layers, 'MoE layer')} x "
+          f"{counted(spec.moe.num_experts, 'expert')}, top-{spec.moe.top_k}) on http://{args.host}:{args.port} with "
+          f"{counted(slots, 'slot')}, policy {args.moe_cache_policy}, device {engine.weights.device}; "
           f"{_access(state)}", flush=True)
     make_server(state, args.host, args.port, args.log_level).run()
     if state.options.record_routing is not None:

@@ -13,6 +13,9 @@
         POST body above --max-body-mb (Content-Length, or counted while it arrives) → 413, after
             reading and dropping the rest (up to 64 MiB) so that the client sees the answer
         otherwise the body is read whole and replayed to the route
+    ──route: an exception it raises (a bug) becomes a 500 internal_error naming the request id (the
+        route's response id, scope["state"]["request_id"], else a new one), logged at error level with
+        its traceback, once (Starlette would re-raise it to uvicorn, which logs it again)
     and counts every answer by endpoint and status (expertcache_requests_total).
 """
 
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +35,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from moe.serve.openai_schema import ApiError
 
+logger = logging.getLogger(__name__)
 DISCARD_BYTES = 64 * 2**20  # of a body past the limit, read and dropped before the 413
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
@@ -135,6 +141,8 @@ class Guard:
 
         try:
             await self._guarded(scope, receive, counted)
+        except Exception as e:  # a route's bug: answered here, so that it is logged once, with the request id
+            await _internal_error(scope, e, counted, started=status[0] != "499")
         finally:
             path = scope["path"]
             self.count(path if path in ENDPOINTS else "other", status[0])
@@ -198,6 +206,19 @@ class Guard:
         if over:
             raise _too_large(limit, declared if declared is not None else None if more else size)
         return b"".join(chunks)
+
+
+async def _internal_error(scope, e: Exception, send, started: bool) -> None:
+    """Log `e` with its traceback and the request id; answer a 500 internal_error unless the response
+    has begun (then re-raise: the server closes the connection)."""
+    state = scope.setdefault("state", {})
+    rid = state.setdefault("request_id", f"req-{uuid.uuid4().hex}")
+    logger.error("request %s: %s %s failed with an internal error", rid, scope["method"], scope["path"], exc_info=e)
+    if started:
+        raise e
+    err = ApiError(500, f"internal error (request {rid}): {type(e).__name__}: {e}", type="server_error",
+                   code="internal_error")
+    await error_response(err)(scope, None, send)
 
 
 def _too_large(limit: int, size: int | None = None) -> ApiError:

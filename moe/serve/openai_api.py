@@ -11,7 +11,9 @@ Errors are {"error": {"message", "type", "param", "code"}} with the HTTP status 
 max_tokens defaults to 16 for /v1/completions (OpenAI's default) and to the rest of the context for
 chat; prompt + max_tokens must fit in --max-seq-len. temperature defaults to 1 (OpenAI's default).
 Logprobs are the model's (log_softmax of the logits, before temperature and top-p); a token's text is
-its own decode, special tokens included.
+its own decode, special tokens included, or where that is not text OpenAI's "bytes:\\x.." form or
+"token_id:N" (TextTokenizer.token_text), so that every alternative asked for is reported, each with its
+own logprob.
 """
 
 from __future__ import annotations
@@ -155,12 +157,22 @@ def completion_logprobs(tokenizer: TextTokenizer, lps: Sequence[TokenLogprob], o
         offsets.append(offset + len(stream.decoded))
         stream.push(lp.token)
     return {"tokens": [tokenizer.token_text(lp.token) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{tokenizer.token_text(i): v for i, v in lp.top} for lp in lps], "text_offset": offsets}
+            "top_logprobs": [_top_texts(tokenizer, lp.top) for lp in lps], "text_offset": offsets}
+
+
+def _top_texts(tokenizer: TextTokenizer, top: Sequence[tuple[int, float]]) -> dict[str, float]:
+    """{text: logprob} of the alternatives, one key each: an id whose text an earlier one already holds
+    (two tokens that spell the same text) is named "token_id:N", so no alternative is lost."""
+    out: dict[str, float] = {}
+    for token, logprob in top:
+        text = tokenizer.token_text(token)
+        out[f"token_id:{token}" if text in out else text] = logprob
+    return out
 
 
 def _chat_entry(tokenizer: TextTokenizer, token: int, logprob: float) -> dict[str, Any]:
-    text = tokenizer.token_text(token)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
+    raw = tokenizer.token_bytes(token)
+    return {"token": tokenizer.token_text(token), "logprob": logprob, "bytes": None if raw is None else list(raw)}
 
 
 def chat_logprobs(tokenizer: TextTokenizer, lps: Sequence[TokenLogprob]) -> dict | None:

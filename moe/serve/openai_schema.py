@@ -14,6 +14,7 @@ id: accepted, no effect). Limits: at most MAX_STOP stop strings of at most MAX_S
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
@@ -159,18 +160,37 @@ class ChatBody(_Body):
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+# a \\uD800-\\uDBFF escape not followed by a \\uDC00-\\uDFFF one, or the latter without the former
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
-def validation_error(errors: list[dict[str, Any]]) -> ApiError:
+def json_error(detail: str, raw: bytes = b"") -> ApiError:
+    """400 invalid_json for a body (`raw`) the JSON parser refused with `detail`, saying what is wrong:
+    an empty body, one that ends early (truncated), a lone UTF-16 surrogate escape, bytes that are not
+    UTF-8, or else a syntax error; `detail` (with the parser's line and column) follows in parentheses."""
+    if not raw.strip():
+        what = "the body is empty; send a JSON object"
+    elif detail.startswith("EOF while parsing"):
+        what = "it ends before the JSON does (truncated?); send the whole document"
+    elif ("surrogate" in detail or "hex escape" in detail) and _LONE_SURROGATE.search(raw):
+        what = ("a string holds a lone UTF-16 surrogate escape (such as \\ud800), which is not text; send the "
+                "character itself or its surrogate pair")
+    elif detail.startswith("invalid unicode code point"):
+        what = "it is not UTF-8 text; encode the body as UTF-8"
+    else:
+        what = "a syntax error"
+    return ApiError(400, f"the request body is not valid JSON: {what} ({detail})", code="invalid_json")
+
+
+def validation_error(errors: list[dict[str, Any]], raw: bytes = b"") -> ApiError:
     """A pydantic ValidationError's most specific error (the deepest location: for a union it is the
-    member that came closest) as a 400 naming the field."""
+    member that came closest) as a 400 naming the field; invalid JSON as json_error of `raw`."""
     if not errors:
         return ApiError(400, "the request body is invalid", code="invalid_body")
     err = max(errors, key=lambda e: len(e.get("loc", ())))  # max keeps the first of equal depth
     if err.get("type") == "json_invalid":
-        return ApiError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}"
-                        " (text must be valid Unicode: a lone UTF-16 surrogate such as \\ud800 is not)",
-                        code="invalid_json")
+        return json_error(err.get("ctx", {}).get("error", err["msg"]), raw)
     # loc: field, index, field, ... plus pydantic's union member tags ("str", "list[TextPart]")
     loc = [str(x) for x in err.get("loc", ()) if isinstance(x, int) or (str(x).isidentifier()
                                                                         and x not in _TYPE_TAGS)]
@@ -227,6 +247,6 @@ def parse_body(model: type[_Body], raw: bytes) -> _Body:
     try:
         body = model.model_validate_json(raw, strict=True)
     except ValidationError as e:
-        raise validation_error(e.errors(include_url=False)) from None
+        raise validation_error(e.errors(include_url=False), raw) from None
     check_unsupported(body)
     return body

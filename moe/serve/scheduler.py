@@ -91,6 +91,7 @@ class Event:
     logprob: TokenLogprob | None = None
     timing: RequestTiming | None = None  # on the final event of a request that finished
     reasoning: str = ""  # a harmony reply's analysis text decoded with this token (Request.channels)
+    cause: BaseException | None = None  # the exception behind `error`, for the server's log (with its traceback)
 
     @property
     def final(self) -> bool:
@@ -247,16 +248,16 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive() and not self._stopped
 
     def _run(self) -> None:
-        message = "server shutting down"
+        message, cause = "server shutting down", None
         try:
             self._loop()
         except Exception as e:  # a bug: end every request with it rather than leave them hanging
             logger.exception("the scheduler thread failed")
-            message = f"the scheduler failed: {e!r}"
+            message, cause = f"the scheduler failed: {e!r}", e
             with self._lock:
                 self._closing = True
         finally:
-            self._abort_all(message)
+            self._abort_all(message, cause=cause)
             with self._lock:
                 self._stopped = True
             self._drain_inbox(block=False)
@@ -307,7 +308,7 @@ class Scheduler:
                 row, logits = engine.join(req.prompt)  # logits [V]
             except ValueError as e:
                 self.stats.finished["error"] += 1
-                _emit(req, Event(error=str(e), prompt_tokens=len(req.prompt)))
+                _emit(req, Event(error=str(e), prompt_tokens=len(req.prompt), cause=e))
                 continue
             stream = (HarmonyStream(self.tokenizer, self.harmony, req.params.stop) if req.channels and self.harmony
                       else TextStream(self.tokenizer, req.params.stop))
@@ -326,7 +327,7 @@ class Scheduler:
         try:
             logits = self.engine.decode_step([s.last for s in seqs])  # [B, V]
         except Exception as e:  # an engine failure ends every active request with its message
-            self._abort_all(f"decode step failed: {e}", reason="error")
+            self._abort_all(f"decode step failed: {e}", reason="error", cause=e)
             return
         if self.engine.record_routing:
             self.req_rows.append([s.request.number for s in seqs])
@@ -379,18 +380,18 @@ class Scheduler:
         if moved is not None:
             self.rows[row] = last
 
-    def _abort_all(self, message: str, reason: str = "cancelled") -> None:
-        """End every active and waiting request with an error Event carrying `message`."""
+    def _abort_all(self, message: str, reason: str = "cancelled", cause: BaseException | None = None) -> None:
+        """End every active and waiting request with an error Event carrying `message` (and `cause`)."""
         for row in reversed(range(len(self.rows))):
             seq = self.rows[row]
             self._leave(row)
             self.stats.finished[reason] += 1
             _emit(seq.request, Event(error=message, prompt_tokens=len(seq.request.prompt),
-                                     completion_tokens=seq.generated))
+                                     completion_tokens=seq.generated, cause=cause))
         while self._waiting:
             req = self._waiting.popleft()
             self.stats.finished[reason] += 1
-            _emit(req, Event(error=message, prompt_tokens=len(req.prompt)))
+            _emit(req, Event(error=message, prompt_tokens=len(req.prompt), cause=cause))
 
 
 def _emit(request: Request, event: Event) -> bool:

@@ -18,6 +18,9 @@ A request whose client goes away is cancelled as soon as the disconnect arrives,
 (a watcher awaits the connection's disconnect while the request waits or generates); the scheduler
 frees its batch row at its next turn. The engine is touched only by the scheduler thread. Every
 error is an OpenAI-style JSON body (or SSE error event once a stream has begun), never text/plain.
+A request that ends in a 500 (a generation failed, or a route raised: the Guard answers those) is
+logged at error level with its request id (the response id, also in the error's message) and the
+exception's traceback.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -128,17 +132,21 @@ def _submit(state: ServeState, prep: api.Prepared) -> tuple[Request, asyncio.Que
     return req, events
 
 
-def _event_error(state: ServeState, ev: Event) -> api.ApiError:
+def _event_error(state: ServeState, ev: Event, rid: str) -> api.ApiError:
+    """The error of response `rid` ended by `ev`: 503 while shutting down, else a 500, logged with the
+    traceback of the exception behind it."""
     if state.draining or state.scheduler.closing:
         return api.ApiError(503, f"the server is shutting down: {ev.error}", type="server_error",
                             code="shutting_down")
-    return api.ApiError(500, f"generation failed: {ev.error}", type="server_error", code="internal_error")
+    logger.error("request %s: generation failed: %s", rid, ev.error, exc_info=ev.cause)
+    return api.ApiError(500, f"generation failed (request {rid}): {ev.error}", type="server_error",
+                        code="internal_error")
 
 
-async def _collect(state: ServeState, req: Request, events: asyncio.Queue,
-                   http: HttpRequest) -> tuple[str, list, Event, str]:
-    """Wait for every Event of `req`: (text, logprobs, last Event, reasoning text). Cancels it the
-    moment the client disconnects (ApiError 499)."""
+async def _collect(state: ServeState, req: Request, events: asyncio.Queue, http: HttpRequest,
+                   rid: str) -> tuple[str, list, Event, str]:
+    """Wait for every Event of `req` (response `rid`): (text, logprobs, last Event, reasoning text).
+    Cancels it the moment the client disconnects (ApiError 499)."""
     def gone(task: asyncio.Task) -> None:  # the disconnect arrived (or receive() failed: the same to us)
         if not task.cancelled():
             task.exception()  # retrieved, so that asyncio does not log it
@@ -157,7 +165,7 @@ async def _collect(state: ServeState, req: Request, events: asyncio.Queue,
             if ev.logprob is not None:
                 logprobs.append(ev.logprob)
             if ev.error is not None:
-                raise _event_error(state, ev)
+                raise _event_error(state, ev, rid)
             if ev.final:
                 state.metrics.observe(ev.timing)
                 return "".join(parts), logprobs, ev, "".join(reasoning)
@@ -193,7 +201,7 @@ async def _stream(state: ServeState, events: asyncio.Queue, rid: str, chunk: Cal
         while True:
             ev: Event = await events.get()
             if ev.error is not None:
-                yield _sse(_event_error(state, ev).body())
+                yield _sse(_event_error(state, ev, rid).body())
                 break
             if ev.logprob is not None:
                 pending.append(ev.logprob)
@@ -210,8 +218,9 @@ async def _stream(state: ServeState, events: asyncio.Queue, rid: str, chunk: Cal
                                                                           ev.timing)))
                 break
     except Exception as e:  # a bug: the stream has begun, so end it with an error event
-        logger.exception("a stream failed")
-        yield _sse(api.ApiError(500, f"the stream failed: {e!r}", type="server_error", code="internal_error").body())
+        logger.exception("request %s: the stream failed", rid)
+        yield _sse(api.ApiError(500, f"the stream failed (request {rid}): {e!r}", type="server_error",
+                                code="internal_error").body())
     yield "data: [DONE]\n\n"
 
 
@@ -241,12 +250,6 @@ def create_app(state: ServeState) -> FastAPI:
         return _json_error(api.ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
                                         code="not_found" if e.status_code == 404 else None))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: HttpRequest, e: Exception):
-        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=e)
-        return _json_error(api.ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
-                                        code="internal_error"))
-
     _add_routes(app, state)
     return app
 
@@ -257,28 +260,29 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
 
     async def generate(http: HttpRequest, prepare: Callable, chunk: Callable, first: dict | None, obj: str,
                        body: Callable, logprobs: Callable):
+        rid = api.new_id("cmpl" if obj == "text_completion" else "chatcmpl")
+        http.state.request_id = rid  # the id the Guard logs should the route raise
         prep: api.Prepared = await asyncio.to_thread(prepare, await http.body())
         req, events = _submit(state, prep)
-        rid = api.new_id("cmpl" if obj == "text_completion" else "chatcmpl")
         if prep.stream:
             return _EventStream(_stream(state, events, rid, chunk, first, obj, prep.include_usage, logprobs), req)
-        text, lps, ev, reasoning = await _collect(state, req, events, http)
+        text, lps, ev, reasoning = await _collect(state, req, events, http, rid)
         extra = {"reasoning": reasoning} if prep.channels else {}
         return body(rid, opts.served_name, text, ev.finish_reason,
                     api.usage(ev.prompt_tokens, ev.completion_tokens, ev.timing), logprobs(lps), **extra)
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
-        prepare = lambda raw: api.prepare_completion(raw, tok, vocab_size=vocab, served=opts.served_name,  # noqa: E731
-                                                     max_seq_len=opts.max_seq_len)
+        prepare = partial(api.prepare_completion, tokenizer=tok, vocab_size=vocab, served=opts.served_name,
+                          max_seq_len=opts.max_seq_len)
         return await generate(http, prepare, api.completion_chunk, None, "text_completion", api.completion_body,
-                              lambda lps: api.completion_logprobs(tok, lps))
+                              partial(api.completion_logprobs, tok))
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
-        prepare = lambda raw: api.prepare_chat(raw, tok, served=opts.served_name, max_seq_len=opts.max_seq_len)  # noqa: E731
+        prepare = partial(api.prepare_chat, tokenizer=tok, served=opts.served_name, max_seq_len=opts.max_seq_len)
         return await generate(http, prepare, _chat_chunk, {"role": "assistant", "content": ""},
-                              "chat.completion.chunk", api.chat_body, lambda lps: api.chat_logprobs(tok, lps))
+                              "chat.completion.chunk", api.chat_body, partial(api.chat_logprobs, tok))
 
     @app.get("/v1/models")
     async def models():

@@ -11,6 +11,10 @@
         string (or end inside an unfinished UTF-8 character), cut at the first stop string; each
         push decodes a window of the last few ids and checks only the new text against the stops
 
+    one id of a logprobs entry ──token_text / token_bytes──► its own text, or where that is not text
+        (a piece of a multi-byte character, an id the tokenizer lacks) OpenAI's "bytes:\\xe2\\x80" form
+        of its bytes (byte-level and byte-fallback vocabularies) or "token_id:N"
+
 The rendered chat prompt is encoded without the tokenizer's own special tokens (the template writes
 them), a plain completion prompt with them, as transformers does. Decoding skips special tokens.
 Encoding goes through `encode_batch`, which releases the GIL while the tokenizer runs, so that a long
@@ -35,6 +39,23 @@ from tokenizers import Tokenizer
 PREFIX_CHARS_PER_TOKEN = 16
 PREFIX_SLACK = 16
 _LAST_SPACE = re.compile(r"\s(?=\S*$)")
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character standing for each byte in a ByteLevel vocabulary."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
+
+
+def _decodes_byte_level(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer's decoder is (or contains) ByteLevel: its tokens spell bytes."""
+    if tokenizer.decoder is None:
+        return False
+    found = json.loads(tokenizer.decoder.__getstate__())
+    decoders = found.get("decoders", [found]) if found.get("type") == "Sequence" else [found]
+    return any(d.get("type") == "ByteLevel" for d in decoders)
 
 
 class TokenizerError(ValueError):
@@ -119,8 +140,8 @@ class TextTokenizer:
         if not file.is_file():
             raise TokenizerError(f"{file} does not exist: serving needs the checkpoint's fast tokenizer; "
                                  "download tokenizer.json (and tokenizer_config.json) into the model "
-                                 "directory, e.g. huggingface-cli download REPO tokenizer.json "
-                                 "tokenizer_config.json --local-dir DIR")
+                                 "directory, e.g. hf download REPO tokenizer.json tokenizer_config.json "
+                                 f"--local-dir {path}")
         try:
             self.tokenizer = Tokenizer.from_file(str(file))
         except Exception as e:  # tokenizers raises a bare Exception for a malformed file
@@ -135,6 +156,7 @@ class TextTokenizer:
         if self.eos_token is not None and self.tokenizer.token_to_id(self.eos_token) is not None:
             eos.add(self.tokenizer.token_to_id(self.eos_token))
         self.eos_ids = frozenset(eos)
+        self._byte_level = _byte_level_table() if _decodes_byte_level(self.tokenizer) else None
 
     @property
     def vocab_size(self) -> int:
@@ -170,8 +192,37 @@ class TextTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def token_text(self, token: int) -> str:
-        """The text of one token id, special tokens included (the `token` of a logprobs entry)."""
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+        """The `token` of a logprobs entry for one id: its own decode (special tokens included) when that
+        is text; for a piece of a multi-byte character, which decodes to U+FFFD, OpenAI's "bytes:\\xe2\\x80"
+        form of its bytes; for an id the tokenizer lacks (a model's vocabulary padded past the
+        tokenizer's) or a piece whose bytes are unknown, "token_id:N". Distinct ids get distinct texts
+        except where two tokens spell the same text."""
+        text = self.tokenizer.decode([token], skip_special_tokens=False)
+        if text and "\ufffd" not in text:
+            return text
+        raw = self.token_bytes(token)
+        if raw is None:
+            return f"token_id:{token}"
+        try:
+            return raw.decode("utf-8")  # text that holds U+FFFD itself, or the empty text of an empty token
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def token_bytes(self, token: int) -> bytes | None:
+        """The bytes one id stands for (the `bytes` of a chat logprobs entry): a piece of a multi-byte
+        character as such in a byte-level or byte-fallback vocabulary, else its text's UTF-8; None for
+        an id the tokenizer lacks or a piece whose bytes are unknown."""
+        piece = self.tokenizer.id_to_token(token)
+        if piece is None:
+            return None
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        if self._byte_level is not None and all(c in self._byte_level for c in piece):
+            return bytes(self._byte_level[c] for c in piece)
+        text = self.tokenizer.decode([token], skip_special_tokens=False)
+        unknown = "\ufffd" in text and "\ufffd" not in piece  # a replacement, not the token's own character
+        return None if unknown else text.encode("utf-8")
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
         """The chat template rendered with `messages` and add_generation_prompt=True.

@@ -1,7 +1,8 @@
 """moe.model.linear_attention against transformers' Qwen3NextGatedDeltaNet with the same random weights:
-a prompt through the prefill, then tokens one at a time through decode (the step kernel; Triton's
-interpreter on the CPU), against the module's outputs for the whole sequence at once (it is causal),
-float32; a prompt split in two prefills; bad geometry named."""
+a prompt through the prefill, then tokens one at a time through decode (the step kernel on a GPU, its
+torch reference on the CPU), against the module's outputs for the whole sequence at once (it is causal),
+float32; a prompt split in two prefills; bad geometry named; the CPU decode never runs the Triton step,
+whose result the torch step meets."""
 
 from __future__ import annotations
 
@@ -72,3 +73,46 @@ def test_bad_geometry_is_named():
         LinearAttentionShape(2, 3, 16, 8, 4, 1e-6)
     with pytest.raises(ValueError, match="linear_conv_kernel"):
         LinearAttentionShape(2, 2, 16, 8, 0, 1e-6)
+
+
+def test_cpu_decode_runs_the_torch_step_not_the_kernel(monkeypatch):
+    """On CPU tensors linear_attention_decode advances the state with delta_rule_step_reference (the CPU
+    backend launches no Triton kernel); that reference and the step kernel (Triton's interpreter on the
+    CPU, CUDA on a GPU) agree on the output and the state."""
+    import moe.engine.linear_attention as la
+    from moe.kernels.delta_rule import delta_rule_step, delta_rule_step_reference
+
+    layer, shape, w = _module(2, 4, seed=5)
+    x = torch.randn(2, 3, 48)
+    with torch.no_grad():
+        want = layer(x)
+
+    def no_kernel(*args, **kw):
+        raise AssertionError("delta_rule_step (the Triton kernel) ran on CPU tensors")
+
+    monkeypatch.setattr(la, "delta_rule_step", no_kernel)
+    state = LinearAttentionState.zeros(shape, 2, torch.float32, "cpu")
+    got = torch.stack([linear_attention_decode(x[:, t], w, shape, state) for t in range(3)], dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+    device, _ = device_or_skip()
+    gen = torch.Generator().manual_seed(6)
+    q, k = (torch.randn(2, 2, 16, generator=gen) for _ in range(2))
+    v = torch.randn(2, 4, 8, generator=gen)
+    g, beta = -torch.rand(2, 4, generator=gen), torch.rand(2, 4, generator=gen)
+    s0 = torch.randn(2, 4, 16, 8, generator=gen)
+    ref_state, dev_state = s0.clone(), s0.to(device)
+    ref = delta_rule_step_reference(q, k, v, g, beta, ref_state)
+    out = delta_rule_step(*(t.to(device) for t in (q, k, v, g, beta)), dev_state)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dev_state.cpu(), ref_state, rtol=1e-5, atol=1e-5)
+
+
+def test_the_step_kernel_on_cpu_tensors_without_the_interpreter_names_the_fix(monkeypatch):
+    from moe.kernels.delta_rule import delta_rule_step
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = k = torch.randn(1, 1, 16)
+    v, g, beta, state = torch.randn(1, 1, 8), torch.zeros(1, 1), torch.ones(1, 1), torch.zeros(1, 1, 16, 8)
+    with pytest.raises(RuntimeError, match="delta_rule_step.*TRITON_INTERPRET=1"):
+        delta_rule_step(q, k, v, g, beta, state)

@@ -437,8 +437,8 @@ def test_a_budget_below_the_batch_names_the_flag_and_the_budget_that_fits(checkp
     k, per = cfg.num_experts_per_tok, 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
     monkeypatch.setattr("moe.engine.loading.load_checkpoint", lambda *a, **k: pytest.fail("tensors were read"))
     with pytest.raises(ValueError, match=rf"--moe-cache-gb \S+ holds {2 * k - 1} float32 experts of {per:,} bytes, "
-                                         rf"below max_batch=2 \* top_k={k}: .* give --moe-cache-gb (\S+) or more"
-                       ) as e:
+                                         rf"below --max-batch 2 x top_k {k} = {2 * k}: .* give --moe-cache-gb (\S+) "
+                                         "or more") as e:
         load_model(path, "cpu", cache_gb=(2 * k - 0.5) * per / GIB, max_batch=2, progress=False)
     enough = float(str(e.value).split("give --moe-cache-gb ")[1].split()[0])
     assert int(enough * GIB) // per >= 2 * k  # the budget the message gives does fit the batch
@@ -462,7 +462,7 @@ def test_the_kv_cache_is_priced_as_allocated_and_reported_beside_the_slots(check
     per_token = allocated // (3 * 40)
     assert (f"expert slots {12 * engine.moe.store.bytes_per_expert / GIB:.3g} GiB (--moe-slots 12) + KV cache "
             f"{allocated / GIB:.3g} GiB (--max-batch 3 x --max-seq-len 40 tokens x {per_token:,} bytes a token: "
-            f"{full} layers x k, v x {cfg.num_key_value_heads} heads x {head_dim} x {itemsize} bytes)"
+            f"{full} layer{'s' * (full != 1)} x k, v x {cfg.num_key_value_heads} heads x {head_dim} x {itemsize} bytes)"
             ) in split
     state = 0 if engine.recurrent is None else sum(
         t.numel() * t.element_size() for st in engine.recurrent.states.values() for t in (st.conv, st.delta))
@@ -476,6 +476,6 @@ def test_the_kv_cache_is_priced_as_allocated_and_reported_beside_the_slots(check
 @pytest.mark.gpu
 def test_a_kv_cache_beyond_the_free_device_memory_names_the_flags(checkpoint):
     name, model, path = checkpoint
-    with pytest.raises(ValueError, match=r"the KV cache needs \S+ GiB \(max_batch=1 x max_seq_len=1000000000\) but "
+    with pytest.raises(ValueError, match=r"the KV cache needs \S+ GiB \(--max-batch 1 x --max-seq-len 1000000000\) but "
                                          r".* lower --max-seq-len or --max-batch, or --moe-cache-gb / --moe-slots"):
         load_model(path, "cuda", num_slots=12, max_seq_len=10 ** 9, progress=False)

@@ -69,12 +69,10 @@ def test_completions_and_chat_equal_engine_generate(srv, ref):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gpt_oss", "glm4_moe", "mixtral", "olmoe"])
-def test_every_family_is_served_end_to_end(family, tmp_path):
+def test_every_family_is_served_end_to_end(family, tiny_family):
     """The other families behind the same server (the fixtures' is qwen2_moe): completions and chat,
     streamed and not, through the openai client, each the engine's own greedy text."""
-    from moe.testing.tiny_checkpoint import make_tiny_checkpoint
-
-    path = make_tiny_checkpoint(tmp_path / family, family)
+    path = tiny_family(family)
     running = _serve(path)
     try:
         assert running.state.scheduler.engine.spec.model_type == family
@@ -271,7 +269,8 @@ def test_serve_flags_and_missing_tokenizer_are_refused(tiny_dir, tmp_path):
     bare.mkdir()
     for f in ("config.json", "model.safetensors"):
         (bare / f).write_bytes((tiny_dir / f).read_bytes())
-    args = build_parser().parse_args(["serve", "--model", str(bare), "--moe-slots", "6", "--device", "cpu"])
+    args = build_parser().parse_args(["serve", "--model", str(bare), "--moe-slots", "6", "--max-batch", "3",
+                                      "--device", "cpu"])
     with pytest.raises(SystemExit, match="tokenizer.json does not exist"):
         build_state(args)
     args = build_parser().parse_args(["serve", "--model", str(tiny_dir), "--moe-slots", "5", "--max-batch", "3",

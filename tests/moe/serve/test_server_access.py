@@ -176,8 +176,16 @@ def _no_load(*args, **kwargs):
     (["--moe-cache-gb", "1e-9"], "error: --moe-cache-gb 1e-09 holds no float32 expert of 24,576 bytes"),
     (["--moe-cache-gb", "1e-9", "--dtype", "bfloat16"], "error: --moe-cache-gb 1e-09 holds no bf16 expert of 12,288"),
     (["--moe-cache-gb", "0.0001"], "error: --moe-cache-gb 0.0001 holds 4 float32 experts of 24,576 bytes, below "
-                                   "max_batch=3 * top_k=2"),
+                                   "--max-batch 3 x top_k 2 = 6: "),
+    (["--moe-cache-gb", "0.00003"], "error: --moe-cache-gb 3e-05 holds 1 float32 expert of 24,576 bytes, below "
+                                    "--max-batch 3 x top_k 2 = 6: "),
     (["--moe-slots", "0"], "error: --moe-slots must be >= 1, got 0"),  # the exit of the other flag errors
+    (["--moe-slots", "5"], "error: --moe-slots 5 is below --max-batch 3 x top_k 2 = 6: one decode step could route "
+                           "to more distinct experts than slots; raise --moe-slots to 6 or more, or lower --max-batch"),
+    (["--moe-slots", "17"], "error: --moe-slots 17 is above the model's 16 routed experts (2 MoE layers x 8)"),
+    (["--moe-slots", "16", "--max-batch", "9"], "error: --max-batch 9 x top_k 2 = 18 is above the model's 16 routed "
+                                                "experts, the most slots a cache can have (it needs --max-batch x "
+                                                "top_k); lower --max-batch to 8 or less"),
 ])
 def test_moe_cache_gb_is_refused_by_name_before_the_model_loads(tiny_dir, monkeypatch, flags, message):
     monkeypatch.setattr("moe.engine.loading.load_model", _no_load)

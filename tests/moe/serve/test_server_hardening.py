@@ -193,15 +193,20 @@ def test_shutdown_past_its_timeout_answers_every_open_request_with_503(tiny_dir,
 
 # 5. invalid text and unhandled errors
 
-@pytest.mark.parametrize("path, raw", [
-    ("/v1/completions", b'{"model": "tiny-moe", "prompt": "a\\ud800b"}'),
-    ("/v1/chat/completions", b'{"model": "tiny-moe", "messages": [{"role": "user", "content": "a\\udfffb"}]}'),
-    ("/v1/completions", b'{"model": "tiny-moe", "prompt": "\xff"}'),
-    ("/v1/completions", b'{"model": "tiny-moe", "prompt": '),
-    ("/v1/completions", b'[1, 2]'),
+@pytest.mark.parametrize("path, raw, says", [
+    ("/v1/completions", b'{"model": "tiny-moe", "prompt": "a\\ud800b"}', "lone UTF-16 surrogate"),
+    ("/v1/chat/completions", b'{"model": "tiny-moe", "messages": [{"role": "user", "content": "a\\udfffb"}]}',
+     "lone UTF-16 surrogate"),
+    ("/v1/completions", b'{"model": "tiny-moe", "prompt": "\xff"}', "not UTF-8 text"),
+    ("/v1/completions", b'{"model": "tiny-moe", "prompt": ', "ends before the JSON does (truncated?)"),
+    ("/v1/completions", b'{"model": "tiny-moe", "prompt": "\\ud83d\\ude00 \\u12"}', "a syntax error (invalid escape"),
+    ("/v1/completions", b'{"model": "tiny-moe" "prompt": "w9"}', "a syntax error (expected `,`"),
+    ("/v1/completions", b' ', "the body is empty"),
+    ("/v1/completions", b'[1, 2]', "the request body must be a JSON object"),
 ])
-def test_invalid_text_and_json_get_a_400_json_error(srv, path, raw):
-    _error(_post(srv, path, raw), 400)
+def test_invalid_text_and_json_get_a_400_json_error_saying_what_is_wrong(srv, path, raw, says):
+    err = _error(_post(srv, path, raw), 400)
+    assert says in err["message"] and (says.startswith("lone") or "surrogate" not in err["message"]), err["message"]
 
 
 def test_an_unhandled_error_comes_back_as_json(srv, monkeypatch):

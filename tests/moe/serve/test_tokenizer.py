@@ -198,3 +198,19 @@ def test_the_harmony_template_refuses_a_role_it_does_not_write(tmp_path):
     write_tokenizer(tmp_path, harmony=True)
     with pytest.raises(TokenizerError, match="chat template refused the messages: role tool is not one"):
         TextTokenizer(tmp_path).render_chat([{"role": "tool", "content": "w9"}])
+
+
+def test_token_text_of_byte_pieces_and_missing_ids(byte_tok, tmp_path):
+    """Byte-level: each byte of "€" (e2 82 ac) alone is OpenAI's bytes form, a whole ASCII byte its text,
+    an id past the vocabulary token_id:N. SentencePiece byte fallback (<0xE2>) the same."""
+    ids = byte_tok.encode("€a")
+    assert [byte_tok.token_text(i) for i in ids] == ["bytes:\\xe2", "bytes:\\x82", "bytes:\\xac", "a"]
+    assert [byte_tok.token_bytes(i) for i in ids] == [b"\xe2", b"\x82", b"\xac", b"a"]
+    missing = byte_tok.vocab_size + 3
+    assert byte_tok.token_text(missing) == f"token_id:{missing}" and byte_tok.token_bytes(missing) is None
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "<0xE2>": 1, "▁x": 2, "\ufffd": 3}, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    sp = TextTokenizer(tmp_path)
+    assert [sp.token_text(i) for i in range(4)] == ["<unk>", "bytes:\\xe2", " x", "\ufffd"]
+    assert [sp.token_bytes(i) for i in range(4)] == [b"<unk>", b"\xe2", b" x", "\ufffd".encode()]

@@ -1,0 +1,80 @@
+"""`expertcache serve`'s command line as a newcomer meets it: --help and the first mistakes.
+
+    expertcache serve --help ─► a short description, an example, every flag with its help, no diagram
+    --model DIR that does not exist ─► one line naming --model and the `hf download` that fetches it
+    a model directory without tokenizer.json ─► the same command for the tokenizer files
+    the start lines count in words ("1 layer"); EXPERTCACHE_CUDA_GRAPHS=1 on the CPU names the variable
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from moe.cli import build_parser, main
+from moe.serve.cli import build_state
+
+DIAGRAM = "─►├┐└┘│◄"
+FLAGS = ["--model", "--moe-slots", "--moe-cache-gb", "--moe-cache-policy", "--device", "--max-batch", "--max-seq-len",
+         "--host", "--port", "--api-key-file", "--log-level"]
+
+
+def _help(capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_is_for_users_not_a_class_diagram(capsys):
+    text = _help(capsys)
+    assert not set(text) & set(DIAGRAM), [c for c in DIAGRAM if c in text]
+    assert "TextTokenizer" not in text and "Scheduler" not in text and "moe.engine" not in text
+    assert "OpenAI-compatible" in text and "hf download" in text
+    for flag in FLAGS:
+        assert flag in text
+    sub = next(a for a in build_parser()._actions if a.choices and "serve" in a.choices).choices["serve"]
+    assert [a.option_strings for a in sub._actions if not a.help] == []  # every flag says what it does
+
+
+def test_a_missing_model_directory_says_how_to_download_it(tmp_path):
+    missing = tmp_path / "Qwen1.5-MoE-A2.7B"
+    with pytest.raises(SystemExit) as e:
+        build_state(build_parser().parse_args(["serve", "--model", str(missing), "--moe-slots", "8"]))
+    message = str(e.value.code)
+    assert message.startswith(f"error: --model {missing} is not a directory")
+    assert f"hf download REPO --local-dir {missing}" in message and "huggingface-cli" not in message
+
+
+def test_a_checkpoint_without_its_tokenizer_says_how_to_download_it(tiny_dir, tmp_path):
+    from moe.serve.tokenizer import TextTokenizer, TokenizerError
+
+    (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
+    with pytest.raises(TokenizerError, match=f"hf download REPO tokenizer.json tokenizer_config.json --local-dir "
+                                             f"{tmp_path}$"):
+        TextTokenizer(tmp_path)
+
+
+class _Stopped:
+    def run(self) -> None:
+        """The server returns at once (as after SIGTERM)."""
+
+
+def test_the_start_lines_count_in_words(tiny_family, monkeypatch, capsys):
+    """qwen3_next's tiny model has one full-attention layer: "1 layer", never "1 layers"."""
+    monkeypatch.setattr("moe.serve.server.make_server", lambda *a, **k: _Stopped())
+    assert main(["serve", "--model", str(tiny_family("qwen3_next")), "--moe-slots", "6", "--max-batch", "2",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "bytes a token: 1 layer x k, v x 2 heads" in out and "a sequence: 2 layers)" in out
+    assert not re.search(r"\b1 [a-zA-Z ]*s\b x", out) and "1 layers" not in out, out
+
+
+def test_cuda_graphs_asked_for_on_the_cpu_name_the_variable(tiny_dir, monkeypatch):
+    monkeypatch.setenv("EXPERTCACHE_CUDA_GRAPHS", "1")
+    monkeypatch.setattr("moe.engine.loading.load_checkpoint", lambda *a, **k: pytest.fail("tensors were read"))
+    with pytest.raises(SystemExit, match="error: EXPERTCACHE_CUDA_GRAPHS=1 asks for CUDA-graph decode, which needs "
+                                         "a CUDA device, and the model is to load on cpu: unset"):
+        build_state(build_parser().parse_args(["serve", "--model", str(tiny_dir), "--moe-slots", "16",
+                                               "--device", "cpu"]))

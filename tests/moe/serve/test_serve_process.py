@@ -1,0 +1,113 @@
+"""`expertcache serve --device cpu` run as a user runs it, once per served family.
+
+    tiny checkpoint of each family (tiny_family) ─the console script `expertcache serve --device cpu`
+        in a child process whose environment is this one's without TRITON_INTERPRET (the test suite
+        sets it; a user's shell does not)─► /health ─► a completion and a chat request over a socket
+        ─► SIGTERM ─► exit status 0, no traceback or error in the output
+
+Nothing of the CPU path may launch a Triton kernel: without a GPU driver or Triton's interpreter a
+launch fails, so each family's prefill and decode steps here show that none does. The servers of the
+collected families start together (their imports and loading overlap) and each test checks its own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from moe.testing.tiny_checkpoint import FAMILY_CONFIGS
+
+SCRIPT = Path(sys.executable).parent / "expertcache"
+MAX_TOKENS = 3
+START_S = 180.0  # to import torch and the HTTP stack and load the checkpoint, several servers at once on 2 cores
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """`expertcache serve` of `model` in a child process without TRITON_INTERPRET; its output in `log`."""
+
+    def __init__(self, model: Path, log: Path) -> None:
+        self.port, self.log = _free_port(), log
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        argv = [str(SCRIPT), "serve", "--model", str(model), "--device", "cpu", "--moe-slots", "6",
+                "--max-batch", "2", "--max-seq-len", "64", "--port", str(self.port), "--served-model-name", "tiny"]
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"expertcache serve exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"expertcache serve did not answer /health in {START_S} s:\n{self.output()[-3000:]}")
+
+    def post(self, path: str, body: dict) -> dict:
+        reply = httpx.post(self.url + path, json=body, timeout=60)
+        assert reply.status_code == 200, f"{path}: {reply.status_code} {reply.text}\n{self.output()[-3000:]}"
+        return reply.json()
+
+    def terminate(self) -> int | None:
+        """SIGTERM, then the exit status (None: still running after 30 s, then killed)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None
+
+
+@pytest.fixture(scope="module")
+def fleet(request, tiny_family, tmp_path_factory):
+    """family -> its Served, every collected family's server started at once (the checkpoints first)."""
+    wanted = sorted({item.callspec.params["family"] for item in request.session.items
+                     if item.module is request.module and hasattr(item, "callspec")})
+    models = {family: tiny_family(family) for family in wanted}
+    logs = tmp_path_factory.mktemp("serve-logs")
+    servers = {family: Served(model, logs / f"{family}.log") for family, model in models.items()}
+    yield servers
+    for served in servers.values():
+        served.terminate()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_serve_on_the_cpu_without_triton(family, fleet):
+    """A completion and a chat reply of MAX_TOKENS tokens each, then a clean exit on SIGTERM."""
+    served = fleet[family]
+    served.wait_healthy()
+    out = served.post("/v1/completions", {"model": "tiny", "prompt": "w10 w20 w30", "max_tokens": MAX_TOKENS,
+                                          "temperature": 0})
+    assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == MAX_TOKENS
+    assert out["choices"][0]["text"].strip()
+    chat = served.post("/v1/chat/completions", {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                "messages": [{"role": "user", "content": "w40 w41"}]})
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["choices"][0]["finish_reason"] == "length" and chat["usage"]["completion_tokens"] == MAX_TOKENS
+    status = served.terminate()
+    log = served.output()
+    assert status == 0, f"exit status {status}:\n{log[-3000:]}"
+    assert "Finished server process" in log and "Traceback" not in log and "ERROR" not in log, log[-3000:]
