@@ -18,9 +18,9 @@ import math
 from dataclasses import dataclass, replace
 
 from expertcache.formats import FormatError, format_names, get_format, gib_at_least, slots_for_budget
+from expertcache.words import counted
 from sim.costmodel import GENERIC_HIDDEN, SHAPES, ModelShape, match_shape, shape_for_meta
 from sim.trace import Trace, format_bytes
-from sim.words import counted
 
 
 class BudgetError(ValueError):

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from expertcache.errors import EnsureError, PolicyError
+from expertcache.words import counted
 from sim import synthetic
 from sim.budget import (
     BudgetError,
@@ -61,7 +62,6 @@ from sim.report import (
     plot_hit_rate,
 )
 from sim.trace import Trace
-from sim.words import counted
 
 DEFAULT_POLICIES = "lru,rule,lfuda,markov,next-token,belady"  # every policy and both oracles
 DEFAULT_FRACS = "0.25,0.5,0.75"

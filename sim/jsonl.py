@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from expertcache.words import counted
 from sim.errors import TraceWarning
 from sim.importers import INT32, build_meta, finish_import, read_meta_json
 from sim.trace import MAX_LAYERS, Trace, TraceError, _is_int
-from sim.words import counted
 
 FIELDS_HELP = """\
 JSON-lines traces (FILE.jsonl): one object per (request, layer, token), e.g.

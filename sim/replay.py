@@ -32,10 +32,10 @@ from expertcache.errors import EnsureError, PolicyError
 from expertcache.geometry import distinct_counts
 from expertcache.host import ACCESSES, MISSES
 from expertcache.replay import run_calls
+from expertcache.words import counted
 from sim.belady import Belady
 from sim.next_token import replay_next_token
 from sim.trace import Trace, TraceError
-from sim.words import counted
 
 ORACLES = ("belady", "next-token")
 COMPILE_NOTICE = "compiling the replay (first run only; cached after): this takes a minute or two"

@@ -19,11 +19,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from expertcache.formats import GIB
+from expertcache.words import counted
 from sim.budget import FormatRun, trace_shape
 from sim.costmodel import H200, HardwareProfile, ModelShape, estimate_decode
 from sim.replay import ReplayResult
 from sim.trace import Trace
-from sim.words import counted
 
 LIMIT = "belady"  # the one oracle no policy can beat
 ORACLE_KNOWS = {"belady": "knows the whole future", "next-token": "knows the next token"}

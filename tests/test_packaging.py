@@ -159,6 +159,17 @@ def test_every_module_the_expertcache_command_imports_is_a_declared_dependency()
                          f"`expertcache` imports them: {missing}")
 
 
+def test_the_hf_command_the_messages_suggest_is_installed_with_the_package():
+    """The README and serve's errors say `hf download`: huggingface-hub ships that command from 0.34, and
+    it is a base dependency at that version, so the environment that runs `expertcache` has it."""
+    from packaging.version import Version
+
+    hub = _requirement("huggingface-hub")
+    assert hub.specifier.contains("0.34") and not hub.specifier.contains("0.33.9")
+    assert Version(importlib.metadata.version("huggingface-hub")) >= Version("0.34")
+    assert (Path(sys.executable).parent / "hf").is_file()
+
+
 def test_packages_are_only_the_three_first_party_ones():
     include = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
     assert sorted(include) == ["expertcache*", "moe*", "sim*"]  # never tests, benchmarks or docs

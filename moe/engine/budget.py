@@ -28,17 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from expertcache.formats import GIB, gib_at_least, slots_for_bytes
+from expertcache.words import counted
 from moe.engine.attention import cache_positions
 from moe.engine.linear_attention import RecurrentCache
 from moe.model.spec import ModelSpec
 
 PREFILL_STAGING = 8  # experts in a GPU's prefill staging ring (moe.engine.backends.PrefillStaging)
-
-
-def counted(n: int, noun: str, nouns: str | None = None) -> str:
-    """n and its noun in the number n takes: "1 layer", "2 layers", "1,024 slots" (nouns: an irregular
-    plural)."""
-    return f"{n:,} {noun if n == 1 else nouns or noun + 's'}"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from expertcache.formats import ExpertFormat, FormatError, dense_format, resolve_format
+from expertcache.words import counted
 
 COPY_OVERLAP_ENV = "EXPERTCACHE_MOE_COPY_OVERLAP"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -92,8 +93,9 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.n_group={self.n_group} must divide num_experts={self.num_experts} and "
                              f"topk_group={self.topk_group} may not exceed it")
         if self.top_k > self.topk_group * (self.num_experts // self.n_group):
-            raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds the {self.topk_group} groups' "
-                             f"{self.topk_group * (self.num_experts // self.n_group)} experts (topk_group)")
+            kept = counted(self.topk_group * (self.num_experts // self.n_group), "expert")
+            raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds the {kept} of the "
+                             f"{counted(self.topk_group, 'group')} kept (topk_group)")
         if self.n_group > 1 and self.num_experts // self.n_group < 2:
             raise ValueError(f"MoEConfig.n_group={self.n_group}: a group's worth is its two best experts, so "
                              "each group needs at least 2")

@@ -173,7 +173,7 @@ def resolve_device(flag: str | None):
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
         raise SystemExit(f"error: --device {flag}: no CUDA GPU is available (torch {torch.__version__}, {build}); "
                          "pass --device cpu or run where a GPU is visible")
-    from moe.engine.budget import counted
+    from expertcache.words import counted
 
     index, count = int(m.group(2) or 0), torch.cuda.device_count()
     if index >= count:
@@ -276,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from moe.engine.budget import counted, memory_split
+    from expertcache.words import counted
+    from moe.engine.budget import memory_split
     from moe.serve.server import make_server
 
     state = build_state(args)

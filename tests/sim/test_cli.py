@@ -102,7 +102,7 @@ def test_the_choice_under_a_budget_names_the_best_format(capsys):
     assert main(["sim", "--preset", "olmoe-1b-7b", "--tokens", "60", "--moe-cache-gb", "4",
                  "--expert-format", "bf16,int4", "--policies", "lru,rule,belady", "--workers", "1"]) == 0
     out = capsys.readouterr().out
-    assert "  4 GiB bf16, 341 slots (33.3 %): " in out and "  4 GiB int4, 1024 slots (100.0 %): " in out
+    assert "  4 GiB bf16, 341 slots (33.3 %): " in out and "  4 GiB int4, 1,024 slots (100.0 %): " in out
     assert "  4 GiB: int4 experts under " in out and "the most of its formats" in out
 
 

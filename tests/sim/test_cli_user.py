@@ -47,7 +47,7 @@ def test_no_arguments_replays_the_embedded_gemma_trace_and_says_where_it_is_from
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("gemma4-decode.npz (embedded default, sim/data): gemma-4-26B-A4B-it")
-    assert "128 tokens, 30 layers x 128 experts, top-6, batch 1, 23040 accesses" in lines[0]
+    assert "128 tokens, 30 layers x 128 experts, top-6, batch 1, 23,040 accesses" in lines[0]
     assert lines[1].startswith("source: github.com/Indoroid/DriftWood@31466a1 ")
     assert "; license: Apache-2.0" in lines[1]
     slots = {int(line.split()[1]) for line in lines if line.split()[:1] in (["lru"], ["belady"])}
@@ -66,7 +66,7 @@ choice by modeled tok/s (no overlap), never an oracle; belady (knows the whole f
 next-token (knows the next token) an oracle to compare with:
   384 slots (10.0 %): markov 133.2 tok/s, 1.189x lru's; limit: belady 191.6; oracle: next-token 130.3
   768 slots (20.0 %): lfuda 204.2 tok/s, 1.104x lru's; limit: belady 304.3; oracle: next-token 195.4
-  1152 slots (30.0 %): lfuda 301.7 tok/s, 1.081x lru's; limit: belady 404.3; oracle: next-token 285.7
+  1,152 slots (30.0 %): lfuda 301.7 tok/s, 1.081x lru's; limit: belady 404.3; oracle: next-token 285.7
 """
 
 
@@ -175,7 +175,7 @@ def test_the_real_json_lines_file_loads_with_its_dropped_tokens_named():
                            "--workers", "1")
     assert proc.returncode == 0, proc.stderr
     assert "dropped 3 tokens without a record in every layer 0..31: (request gsm8k/0, token 166, " in proc.stderr
-    assert "244 tokens, 32 layers x 8 experts, top-2, batch 1, 15616 accesses" in proc.stdout
+    assert "244 tokens, 32 layers x 8 experts, top-2, batch 1, 15,616 accesses" in proc.stdout
 
 
 def _first_stderr_line(argv: list[str], env: dict[str, str], timeout: float = 120) -> str:

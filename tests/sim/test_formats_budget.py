@@ -254,9 +254,9 @@ def test_presets_write_their_expert_shape():
 
 # `expertcache sim --preset mixtral --tokens 60 --seed 4 --policies lru,rule,belady --slots 64,128
 # --workers 1`, printed before --moe-cache-gb / --expert-format / --expert-shape existed (and the choice
-# lines under it, added since, in their present wording).
+# lines under it, added since, in their present wording; its header's counts with their digits grouped).
 OLD_TABLE = """\
-synthetic:mixtral, 60 tokens, 32 layers x 8 experts, top-2, batch 1, 3840 accesses
+synthetic:mixtral, 60 tokens, 32 layers x 8 experts, top-2, batch 1, 3,840 accesses
 cost model: nvidia-h200-sm-copy: H2D 1.7-6.3 MiB in 40.9-139.3 us, ceiling 50.2 GB/s, back-to-back 50.2 GB/s; \
 HBM 4219 GB/s; layer overhead 20.3 us
 policy     slots  %exp hit rate  miss/tok   MB/tok gap rec.    us/tok    tok/s tok/s ov

@@ -316,7 +316,7 @@ def test_glm_multi_token_prediction_layers_are_not_read(tmp_path):
 @pytest.mark.parametrize("edit, pattern", [
     ({"n_group": 3}, r"MoEConfig.n_group=3 must divide num_experts=8"),
     ({"topk_group": 5}, r"topk_group=5 may not exceed it"),
-    ({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}, r"top_k=3 exceeds the 1 groups' 2 experts"),
+    ({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}, r"top_k=3 exceeds the 2 experts of the 1 group kept"),
     ({"routed_scaling_factor": 0.0}, r"routed_scaling must be a finite number > 0"),
     ({"first_k_dense_replace": 3}, r"first_k_dense_replace must be an int in \[0, num_hidden_layers=3\)"),
     ({"partial_rotary_factor": 0.05, "rope_parameters": {"rope_theta": 1e4}}, r"partial_rotary_factor gives 0"),

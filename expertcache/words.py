@@ -1,7 +1,7 @@
-"""Counted nouns for the simulator's messages: a count and its noun in the number it takes.
+"""Counted nouns for messages and reports: a count, digits grouped, and its noun in the number it takes.
 
     counted(1, "layer") -> "1 layer";  counted(30, "layer") -> "30 layers";
-    counted(2, "access", "accesses") -> "2 accesses"
+    counted(23040, "access", "accesses") -> "23,040 accesses"
 """
 
 from __future__ import annotations
@@ -9,4 +9,4 @@ from __future__ import annotations
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """`n` and `noun`, singular for exactly 1 and `plural` (default noun + "s") otherwise."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
