@@ -71,8 +71,24 @@ PROFILES = {  # --profile: which H200 cost model prices the misses and the layer
 }
 
 
+DESCRIPTION = """\
+Replay routing traces through the cache policies at several slot counts: the hit rate, the misses and
+bytes copied a token, the share of the gap from lru to Belady's optimum each policy recovers, and a
+modeled decode speed on an H200; under the table, the policy to choose at each slot count.
+
+With no trace it replays the embedded default, a real gemma-4-26B-A4B decode trace (Apache-2.0,
+sim/data/README.md), at 10, 20 and 30 % of its keys as slots; a trace file or a synthetic --preset
+replays at 25, 50 and 75 % unless --slots or --slots-frac say otherwise. A bad flag or trace ends the
+command before any replay with "error: <what, naming the flag or field>: <fix>" and exit status 1.
+
+  expertcache sim                                    the embedded default
+  expertcache sim run.npz --slots 64,128 --json      a recorded trace (expertcache serve --record-routing)
+  expertcache sim --preset qwen3-30b-a3b --moe-cache-gb 8 --expert-format bf16,nvfp4
+"""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sim", help="replay routing traces through cache policies", description=__doc__,
+    p = sub.add_parser("sim", help="replay routing traces through cache policies", description=DESCRIPTION,
                        epilog=FIELDS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("traces", nargs="*", help="trace files (.npz, .jsonl) or FreeToken-style directories")
     p.add_argument("--preset", help="replay a synthetic trace of this preset instead of the embedded "

@@ -240,3 +240,11 @@ def test_a_reader_that_leaves_early_stops_the_command_without_a_traceback(tmp_pa
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=600) == 141 and first.startswith(b"gemma4-decode.npz")
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_help_is_for_users_with_examples_and_no_diagram():
+    proc = expertcache_sim("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "  expertcache sim                " in proc.stdout and "--slots-frac" in proc.stdout
+    assert not any(line.lstrip().startswith("->") for line in proc.stdout.splitlines())
+    assert "─" not in proc.stdout and "►" not in proc.stdout
