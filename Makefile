@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: sim test lint bench clean
+.PHONY: sim test test-long lint bench clean
 
 # Without a GPU, torch's CPU build goes in before the package, so that pip finds torch (a base
 # dependency) satisfied instead of pulling a CUDA build of several GB; Triton then runs the kernels in
@@ -29,9 +29,13 @@ $(BIN)/.installed: pyproject.toml
 sim: $(BIN)/.installed
 	$(BIN)/expertcache sim
 
-# The test suite (GPU tests skip without CUDA). HYPOTHESIS_PROFILE=long for a longer search.
+# The test suite (GPU tests skip without CUDA).
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -n auto
+
+# The long profile: every property search far longer, and the searches marked slow.
+test-long: $(BIN)/.installed
+	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q -n auto
 
 # ruff's rules and the house's exceptions are in pyproject.toml ([tool.ruff]).
 lint: $(BIN)/.installed

@@ -1,8 +1,9 @@
 """Shared test settings: the `gpu` and `cpu_only` markers, hypothesis profiles, the optional real traces.
 
 A test marked `gpu` needs a CUDA GPU and is skipped without one; a test marked `cpu_only` checks what
-happens without a GPU (Triton's interpreter, a refusal) and is skipped where CUDA is present. The
-skips are made here, once (pytest_collection_modifyitems), not by each file.
+happens without a GPU (Triton's interpreter, a refusal) and is skipped where CUDA is present; a test
+marked `slow` (a long property search) runs only in the long profile (HYPOTHESIS_PROFILE=long, `make
+test-long`). The skips are made here, once (pytest_collection_modifyitems), not by each file.
 
 HYPOTHESIS_PROFILE=ci (default) keeps the property tests inside CI's budget;
 HYPOTHESIS_PROFILE=long runs them for much longer locally.
@@ -23,13 +24,17 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 CUDA = torch is not None and torch.cuda.is_available()
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip `gpu` tests without CUDA and `cpu_only` tests with it."""
+    """Skip `gpu` tests without CUDA, `cpu_only` tests with it, `slow` tests outside the long profile."""
     skip_gpu = pytest.mark.skip(reason="marked gpu: needs a CUDA GPU")
     skip_cpu = pytest.mark.skip(reason="marked cpu_only: runs where CUDA is absent")
+    skip_slow = pytest.mark.skip(reason="marked slow: runs in the long profile (HYPOTHESIS_PROFILE=long)")
     for item in items:
+        if "slow" in item.keywords and PROFILE != "long":
+            item.add_marker(skip_slow)
         if "gpu" in item.keywords and not CUDA:
             item.add_marker(skip_gpu)
         if "cpu_only" in item.keywords and CUDA:
@@ -42,7 +47,7 @@ settings.register_profile(
 settings.register_profile(
     "long", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+settings.load_profile(PROFILE)
 
 # Real routing traces are read from beside the checkout and never committed to it;
 # EXPERTCACHE_TRACES names another folder (e.g. a git-ignored copy taken to a GPU machine).

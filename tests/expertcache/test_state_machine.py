@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -16,6 +17,7 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 from expertcache import CacheGeometry, EnsureError, HostCache, policy_names
@@ -157,3 +159,12 @@ class SlotMapMachine(RuleBasedStateMachine):
 def test_slot_map_state_machine(policy):
     machine = type(f"Machine_{policy}", (SlotMapMachine,), {"policy": policy})
     machine.TestCase().runTest()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", policy_names())
+def test_slot_map_state_machine_over_long_runs(policy):
+    """The same machine over runs of 200 calls: long enough for rule's decay, lfuda's aging and markov's
+    table halvings to act many times within one run (the long profile only)."""
+    machine = type(f"LongMachine_{policy}", (SlotMapMachine,), {"policy": policy})
+    run_state_machine_as_test(machine, settings=settings(max_examples=200, stateful_step_count=200))
