@@ -200,7 +200,7 @@ def make_trace(args: argparse.Namespace, batch: int) -> Trace:
 
         return generate(preset(geo.preset, num_layers=args.layers, num_tokens=tokens, batch=batch,
                                seed=args.seed))
-    from sim.cli import load_any
+    from sim.inputs import load_any
 
     full = load_any(args.trace)
     n, layers, rows, k = full.experts.shape

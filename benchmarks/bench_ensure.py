@@ -100,7 +100,7 @@ def time_graph(launch, state: list[torch.Tensor], reps: int) -> np.ndarray:
 
 def variant(label: str) -> tuple[str, dict, dict]:
     """A policy with options, as (name, tiles, other):
-    "rule" -> ("rule", {}, {}): DeviceCache's own launch (expertcache.device.resolve_launch);
+    "rule" -> ("rule", {}, {}): DeviceCache's own launch (expertcache.device.cache.resolve_launch);
     "rule:w2:c1024:s8" -> tiles num_warps=2, chunk=1024, seq_max=8 (the others the resolved ones);
     "lru:L48" -> layers=48: the pool's geometry has 48 layers, as a model's would (every call still
     goes to layer 0; lru's and lfuda's misses are the sequence's, rule's decay clock counts layers so

@@ -118,10 +118,9 @@ NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-dr)?(?:-pf(\d+))?$")
 
 @triton.jit
 def _stream_read(banks, rows, firsts, slots_ptr, out_ptr, NBANK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (pair, blk): block blk of the concatenation of slot slots[pair]'s rows of the banks
-    (banks: int32 [S, rows[b]] each; firsts[b]: bank b's first block, firsts[NBANK] the total); an xor of the words is
-    stored so
-    the loads stay."""
+    """Program (pair, blk): block blk of the concatenation of slot slots[pair]'s rows of the banks (banks: int32 [S,
+    rows[b]] each; firsts[b]: bank b's first block, firsts[NBANK] the total); an xor of the words is stored so the
+    loads stay."""
     pair = tl.program_id(0)
     blk = tl.program_id(1)
     slot = tl.load(slots_ptr + pair).to(tl.int64)

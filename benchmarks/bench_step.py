@@ -5,9 +5,8 @@ goes, and transformers on the same geometry beside it.
     H 2048, 128 experts of I 768, top-8, attention 32 / 4 heads of 128 with q/k norms) with --vocab
     tokens (default Qwen3's 151,936: the head is part of the step), random bf16 weights on the GPU
     -> per batch B (--batches) and context C (--contexts):
-         GpuMoE over L * E slots (every expert resident) with forced routing; first every expert is
-         routed once (E / k warm-up steps, bench_prefill.resident_routing), so the timed steps never miss; Engine (CUDA
-         graphs)
+         GpuMoE over L * E slots (every expert resident) with forced routing; first every expert is routed once (E / k
+         warm-up steps, bench_prefill.resident_routing), so the timed steps never miss; Engine (CUDA graphs)
          prefill B short prompts, then every row's KV cache is filled with random keys and values to
          C - 1 positions (the step's cost depends on the length, not on what was said)
          -> --warmup steps, then --steps timed steps (CUDA events), routed by the synthetic

@@ -133,7 +133,7 @@ for part in $parts; do
     qwen3-next)
       # Qwen3-Next's pieces: the delta-rule kernels, the linear-attention layer, the fused norms / RoPE with
       # (1 + w) norms and partial rotary, the fused step and chunked prefill, the prefill staging ring
-      timeout ${HYBRID_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" \
+      timeout ${QWEN3_NEXT_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" \
         tests/moe/kernels/test_delta_rule.py tests/moe/engine/test_linear_attention.py tests/moe/kernels/test_decode_norm.py \
         tests/moe/engine/test_decode_fused.py tests/moe/engine/test_prefill_staging.py 2>&1 | tee "$OUT/gpu-tests-qwen3-next.log" | tail -6 ;;
     decode-qwen3-next)
@@ -141,7 +141,7 @@ for part in $parts; do
       # the experts in slots, the simulator's prediction beside each
       for frac in 0.25 0.5; do
         timeout ${DECODE_QWEN3_NEXT_TIMEOUT:-250} python3 benchmarks/bench_decode.py --geometry qwen3-next-80b \
-          --layers 8 --slots-frac $frac --configs ${DECODE_HYBRID_CONFIGS:-lru,rule+overlap} --batches 1 \
+          --layers 8 --slots-frac $frac --configs ${DECODE_QWEN3_NEXT_CONFIGS:-lru,rule+overlap} --batches 1 \
           --out "$OUT/decode-qwen3-next-$frac.json" 2>&1 | tee "$OUT/decode-qwen3-next-$frac.log" | tail -6
       done ;;
     gpt-oss)

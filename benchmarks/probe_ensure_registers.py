@@ -4,7 +4,7 @@
         [--layers L] [--wide-score] [--policies lru,rule,lfuda] [--out FILE]
 
 Compiles expertcache.device.ensure.ensure_kernel with Triton for sm_90a as DeviceCache launches it
-(expertcache.device.resolve_launch for a pool of --layers layers, default 48: rule from its mirror up
+(expertcache.device.cache.resolve_launch for a pool of --layers layers, default 48: rule from its mirror up
 to 127 layers, through the keys past that; --wide-score gives rule constants past Rule.int32_scores,
 so its score is int64), for every policy, with and without router logits (32 entries), on one
 program and on several, at k = 10 (a 16-wide query) and the tiles given (default: 512-slot programs

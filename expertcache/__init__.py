@@ -2,7 +2,7 @@
 
 Routed expert ids flow in per MoE layer call; `ensure` maps them to slot ids, picks
 victims for the missing ones with a pluggable eviction policy, and plans their copies.
-`HostCache` is the exact host reference of that contract; `fast.replay_calls` replays
+`HostCache` is the exact host reference of that contract; `replay.replay_calls` replays
 whole traces through the same contract at compiled speed.
 """
 

@@ -71,10 +71,6 @@ def _drop_stale_kernels() -> None:
 
 _drop_stale_kernels()
 
-# PolicyKind's members as module-level ints, which numba folds into its kernels as constants.
-KIND_LRU, KIND_RULE, KIND_LFUDA, KIND_MARKOV = (int(k) for k in (PolicyKind.LRU, PolicyKind.RULE, PolicyKind.LFUDA,
-                                                                PolicyKind.MARKOV))
-
 
 @njit(cache=True)
 def _sorted_distinct(q, n):
@@ -124,26 +120,26 @@ def kind_tag(kind: int) -> np.ndarray:
 @njit(cache=True, inline="always")
 def _touch(tag, kst, sst, gst, prm, clk, aux, key, slot, access, installed):
     kind = tag.ndim - 1
-    if kind == KIND_LRU:
+    if kind == PolicyKind.LRU:
         lru.touch(sst, clk, slot)
-    elif kind == KIND_RULE:
+    elif kind == PolicyKind.RULE:
         rule.touch(kst, prm, clk, key)
-    elif kind == KIND_LFUDA:
+    elif kind == PolicyKind.LFUDA:
         lfuda.touch(sst, gst, slot, installed)
-    elif kind != KIND_MARKOV:  # markov learns from the whole call (markov.observe)
+    elif kind != PolicyKind.MARKOV:  # markov learns from the whole call (markov.observe)
         oracle.touch(kst, aux, key, access)
 
 
 @njit(cache=True, inline="always")
 def _score(tag, kst, sst, prm, clk, key, slot):
     kind = tag.ndim - 1
-    if kind == KIND_LRU:
+    if kind == PolicyKind.LRU:
         return lru.score(sst, slot)
-    if kind == KIND_RULE:
+    if kind == PolicyKind.RULE:
         return rule.score(kst, prm, clk, key)
-    if kind == KIND_LFUDA:
+    if kind == PolicyKind.LFUDA:
         return lfuda.score(sst, slot)
-    if kind == KIND_MARKOV:
+    if kind == PolicyKind.MARKOV:
         return markov.score(kst, prm, clk, key)
     return oracle.score(kst, key)
 
@@ -151,9 +147,9 @@ def _score(tag, kst, sst, prm, clk, key, slot):
 @njit(cache=True, inline="always")
 def _order(tag, kst, sst, prm, clk, key, slot):
     """The victim index's order (see policies.base): the score, except for `rule` and `markov`."""
-    if tag.ndim - 1 == KIND_RULE:
+    if tag.ndim - 1 == PolicyKind.RULE:
         return rule.order(kst, prm, key)
-    if tag.ndim - 1 == KIND_MARKOV:
+    if tag.ndim - 1 == PolicyKind.MARKOV:
         return markov.order(kst, key)
     return _score(tag, kst, sst, prm, clk, key, slot)
 
@@ -161,9 +157,9 @@ def _order(tag, kst, sst, prm, clk, key, slot):
 @njit(cache=True, inline="always")
 def _offsets(tag, prm, clk, off):
     """Fill off [L] and return the shift of the victim index's lower bound."""
-    if tag.ndim - 1 == KIND_RULE:
+    if tag.ndim - 1 == PolicyKind.RULE:
         return rule.offsets(prm, clk, off)
-    if tag.ndim - 1 == KIND_MARKOV:
+    if tag.ndim - 1 == PolicyKind.MARKOV:
         return markov.offsets(prm, clk, off)
     off[:] = 0
     return 0
@@ -256,7 +252,7 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
     # markov's step 1 ahead (markov._ahead): per layer the experts of its previous, current and next
     # two calls in the batch (ring[l, i] with count rn[l, i], -1: none), the calls seen, and each
     # call's next of the same layer
-    is_markov = tag.ndim - 1 == KIND_MARKOV
+    is_markov = tag.ndim - 1 == PolicyKind.MARKOV
     ring = np.empty((L if is_markov else 0, 4, Q), dtype=np.int64)
     rn = np.full((L if is_markov else 0, 4), -1, dtype=np.int64)
     rc = np.full((L if is_markov else 0, 4), -1, dtype=np.int64)
@@ -317,7 +313,7 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
             n = _sorted_distinct(q, n)
         if has_logits:
             nch = 0
-            if tag.ndim - 1 == KIND_RULE:
+            if tag.ndim - 1 == PolicyKind.RULE:
                 nch = rule.refresh(kst, fprm, clk, logit_idx[c], logit_val[c], k, changed, buf)
             for i in range(nch):
                 s = slot_of[changed[i]]
@@ -330,12 +326,12 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
             qslot[i] = s
             if s >= 0:
                 _touch(tag, kst, sst, gst, prm, clk, aux, q[i], np.int64(s), access + i, False)
-                if tag.ndim - 1 != KIND_MARKOV:  # markov's ix_fill below pins them with the layer
+                if tag.ndim - 1 != PolicyKind.MARKOV:  # markov's ix_fill below pins them with the layer
                     ix_set(tv, ts, mv, ms, layer, q[i] - layer * E, FREE, FREE)
             else:
                 miss_pos[m] = i
                 m += 1
-        if tag.ndim - 1 == KIND_MARKOV:  # the call rewrites the order of every key of its layer
+        if tag.ndim - 1 == PolicyKind.MARKOV:  # the call rewrites the order of every key of its layer
             markov.observe(kst, gst, prm, layer, E, q, n, acc, acc32, slot_of, done, ring[layer], rn[layer])
             for i in range(n):  # the call's hits stay pinned (out of the index)
                 pins[i] = q[i] - layer * E
@@ -356,7 +352,7 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
             old = key_of[s]
             if old >= 0:
                 slot_of[old] = -1
-                if tag.ndim - 1 == KIND_LFUDA:
+                if tag.ndim - 1 == PolicyKind.LFUDA:
                     lfuda.evicted(gst, vscore[j])
             key_of[s] = q[i]
             slot_of[q[i]] = s

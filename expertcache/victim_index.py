@@ -6,9 +6,8 @@
                           children 2i and 2i+1 by (value, slot)
     mv, ms int64 [L]:     each tree's root, kept contiguous for the scan across layers
 
-Setting a leaf is O(log E); refilling a whole layer (ix_fill) is O(E). The lowest candidate overall is the lowest (mv +
-off, ms)
-over the layers, an O(L) scan of two short arrays; taking it out sets its leaf to FREE.
+Setting a leaf is O(log E); refilling a whole layer (ix_fill) is O(E). The lowest candidate overall is the lowest (mv
++ off, ms) over the layers, an O(L) scan of two short arrays; taking it out sets its leaf to FREE.
 """
 
 from __future__ import annotations

@@ -171,10 +171,10 @@ def _policies(text: str) -> list[str]:
 
 def _check_flags(args: argparse.Namespace) -> None:
     """Refuse out-of-range --tokens, --seed, --workers and a trace given with synthetic flags."""
-    synthetic = [f for f, v in (("--preset", args.preset), ("--tokens", args.tokens),
-                                ("--seed", args.seed)) if v is not None]
-    if args.traces and synthetic:
-        _fail(f"give trace files or {'/'.join(synthetic)}, not both: drop {synthetic[0]} to "
+    synth_flags = [f for f, v in (("--preset", args.preset), ("--tokens", args.tokens),
+                                  ("--seed", args.seed)) if v is not None]
+    if args.traces and synth_flags:
+        _fail(f"give trace files or {'/'.join(synth_flags)}, not both: drop {synth_flags[0]} to "
               f"replay the files, or the files to replay a synthetic trace")
     if args.tokens is not None and args.tokens < 1:
         _fail(f"--tokens must be an integer >= 1, got {args.tokens}: give the decode steps of "
@@ -185,9 +185,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.workers is not None and args.workers < 1:
         _fail(f"--workers must be an integer >= 1, got {args.workers}: give a process count, "
               f"or leave it out for the CPU count")
-    if args.preset is None and not args.traces and synthetic:
-        _fail(f"{synthetic[0]} sets up a synthetic trace: add --preset NAME (e.g. --preset qwen3-next), "
-              f"or drop {synthetic[0]} to replay the embedded default trace")
+    if args.preset is None and not args.traces and synth_flags:
+        _fail(f"{synth_flags[0]} sets up a synthetic trace: add --preset NAME (e.g. --preset qwen3-next), "
+              f"or drop {synth_flags[0]} to replay the embedded default trace")
 
 
 def _ints(text: str, flag: str) -> list[int]:

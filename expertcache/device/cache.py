@@ -128,7 +128,7 @@ def resolve_launch(geometry: CacheGeometry, policy: Policy, tuning: EnsureTuning
       for its constants (the defaults at any layer count); else in int64.
     tuning: the tiles, default_tuning's unless given.
     Hard-wired per policy in the kernel: rule reduces its miss ranks behind its scoring loads, lru and
-    lfuda before them (device_policies._late_ranks)."""
+    lfuda before them (policies._late_ranks)."""
     rule = policy.kind == PolicyKind.RULE
     mirror = rule and geometry.num_layers <= MIRROR_MAX_LAYERS
     narrow = rule and policy.int32_scores()

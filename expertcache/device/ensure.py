@@ -2,10 +2,10 @@
 
     ids [Q] int32 (rows * k, -1 = padding) + the slot map and policy state on the device
       every program: query (distinct keys ascending, hits, misses m, empty slots), and beside its
-        loads the commit's policy reads (device_policies._early_reads)
+        loads the commit's policy reads (policies._early_reads)
       if m > empty slots, every program scores its CHUNK of slots (pinned ones excluded; the
-        per-policy scoring is in device_policies) and finds its BLOCK_Q lowest packed keys
-        (score << SLOT_BITS | slot; device_victims)
+        per-policy scoring is in policies.py) and finds its BLOCK_Q lowest packed keys
+        (score << SLOT_BITS | slot; victims.py)
       one program (SINGLE): commits at once, the victims still in registers;
       several: each writes its candidates to scratch, and the last program to arrive (an
         atomic counter, reset by it) merges them and commits
@@ -286,7 +286,7 @@ def _chunk_candidates(pid, need, cache, io, q, nearset, now, g, rc, filled, POLI
                       SEQ_MAX: tl.constexpr, STORE_SEQ: tl.constexpr, MIRROR: tl.constexpr,
                       NARROW: tl.constexpr):
     """Score this program's slots; return its BLOCK_Q lowest packed keys (successive minima), kept
-    in scratch for the merge (STORE_SEQ, or a sort: see device_victims._lowest), and rule's miss
+    in scratch for the merge (STORE_SEQ, or a sort: see victims._lowest), and rule's miss
     ranks (reduced right after its scoring loads are issued; zeros for the others)."""
     c = pid * CHUNK + tl.arange(0, CHUNK)
     if POLICY == POLICY_LRU:
@@ -329,7 +329,7 @@ def _commit(cache, io, q, t, mrank, best, mine, nearset, now, g, early, POLICY: 
         _touch_lfuda(cache, q, sl, evict, vscore, g.num_slots, early[0], early[1])
     elif POLICY == POLICY_RULE:
         _touch_rule(cache, q, sl, now, g, early[0], MIRROR)
-    # markov: no touch (its learning step is device_markov's launch, before this one)
+    # markov: no touch (its learning step is markov.py's launch, before this one)
     i = tl.arange(0, BLOCK_Q)
     tl.store(io.slots + i, tl.where(q.valid, sl, -1).to(tl.int32), mask=i < g.n_ids)
     tl.store(io.count, t.m)

@@ -20,10 +20,9 @@ Two launches, graph capturable, needing no host value but `layer`, a launch argu
            (the frequencies, which no other program of the launch reads)
   predict  (E / PREDICT_CHUNK programs, a chunk of the layer's experts each) steps 3-4, the routed
            experts' rows read PREDICT_ROWS at a time from that list as one 2-D tile
-so a call reads some 2 J k rows of E counts, in parallel. The divisions are int64 floor divisions, which
-the host's float division by a reciprocal (markov._div_r, markov._qdiv) reproduces exactly. DeviceCache.ensure launches
-both before the ensure kernel, which then scores
-markov's keys from V (expertcache.device.policies._keyed_scores).
+so a call reads some 2 J k rows of E counts, in parallel. The divisions are int64 floor divisions, which the host's
+float division by a reciprocal (markov._div_r, markov._qdiv) reproduces exactly. DeviceCache.ensure launches both
+before the ensure kernel, which then scores markov's keys from V (expertcache.device.policies._keyed_scores).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@
 
 rule's score is computed in int32 where Rule.int32_scores holds for its constants (the same values,
 fewer instructions per slot), else in int64. The state layouts are the policies' own
-(expertcache.policies); the kernel passes them as the tensors of device_ensure.CacheTensors.
+(expertcache.policies); the kernel passes them as the tensors of ensure.CacheTensors.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def _keyed_scores(c, cache, ids_ptr, q, nearset, g, now, rc, POLICY: tl.constexp
         score = tl.load(cache.sst + g.num_slots + c, mask=cm, other=0)
         mrank = tl.zeros_like(q.key)
     elif POLICY == POLICY_MARKOV:
-        # V (row 0 of the key's state, written by device_markov's launch before this one) less the
+        # V (row 0 of the key's state, written by markov.py's launch before this one) less the
         # distance to the key's layer times BETA_Q
         kq = tl.where(ev, key, 0)
         v = tl.load(cache.kst + kq, mask=ev, other=0).to(tl.int64)  # markov's key rows are int32

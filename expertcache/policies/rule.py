@@ -225,7 +225,7 @@ class Rule(Policy):
         """Whether every score of a resident key, and every term of it, fits in int32 with these
         constants: k in [0, K_MAX], d in [1, L], lcv in [LC_FLOOR, LC_MAX] (see LC_MAX). A device
         kernel then computes the score in 32-bit arithmetic with the same values
-        (expertcache.device.resolve_launch: EnsureLaunch.narrow). True for the default constants at any
+        (expertcache.device.cache.resolve_launch: EnsureLaunch.narrow). True for the default constants at any
         layer count."""
         L = self.geometry.num_layers
         high = (self.w_q * LC_MAX) >> 4

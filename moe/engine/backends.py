@@ -17,12 +17,10 @@ every layer, so pushing it through ensure would evict the whole decode working s
 already decoding would then miss on every expert of their next step), and one call may need more
 distinct experts than there are slots (ensure refuses that). Chunking the prompt to S // k tokens
 would work but still flush the pool. Instead prefill reads each used expert's rows straight from the
-HostStore once per layer (on a GPU: copy-engine transfers from pinned memory into a ring of
-PREFILL_STAGING staging slots, on their own stream, running ahead of the compute) and
-leaves the slot map, policy state, clocks and counters untouched; an expert that already has a slot is computed from
-the pool instead (read only,
-no transfer: the slot holds the same bytes). Both backends share this one function; the decode math
-is the same formula.
+HostStore once per layer (on a GPU: copy-engine transfers from pinned memory into a ring of PREFILL_STAGING staging
+slots, on their own stream, running ahead of the compute) and leaves the slot map, policy state, clocks and counters
+untouched; an expert that already has a slot is computed from the pool instead (read only, no transfer: the slot holds
+the same bytes). Both backends share this one function; the decode math is the same formula.
 
 Measured on the real traces with the host reference (benchmarks/bench_prefill_admission.py; the
 figures are in docs/): pushing the prompt through the cache instead barely changes the misses of the
@@ -242,21 +240,19 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
                 counts: list[int] | None = None, staging: PrefillStaging | None = None) -> torch.Tensor:
     """One MoE block over a prompt, experts read from `store` (cache bypassed): [T, H] -> [T, H].
 
-    Math and precision of moe.model.reference.moe_reference: float32 products, one cast at the end;
-    each expert's weights are its format's float32 decode (expertcache.formats). The used experts are
-    computed in increasing id order, in groups of up to PREFILL_GROUP (out_group: batched float32
-    GEMMs over their tokens padded to the group's largest count; a prompt's MoE layer is bound by the
-    host's ops per expert, not the GPU, until experts are batched), each expert's rows then added in
-    increasing id order (index_add_ into a float32 sum). An expert with a slot in `resident` = (slot_of [L_moe * E]
-    int32, the SlotPool) is
-    read from the pool (the same bytes, so the same result bit for bit) and nothing moves; the others
-    are streamed: through `staging` (a GPU's PrefillStaging: copies on its stream, up to its ring size
-    ahead of the compute; where T * k >= PREFETCH_MIN_USES * E the next MoE layer's experts without a
-    slot are prefetched into it at the end) or, without one, moved to hidden's device as each is
-    computed. Nothing of the cache is written. counts: optional [streamed, reused], incremented. Cost
-    O(T * k * 3 * I * H + T * E * H) compute, (used experts without a slot) * the expert's bytes moved
-    (and the prefetched experts the next layer does not use); one host sync (the layer's per-expert
-    token counts and its E slot ids, and the next layer's when prefetching).
+    Math and precision of moe.model.reference.moe_reference: float32 products, one cast at the end; each expert's
+    weights are its format's float32 decode (expertcache.formats). The used experts are computed in increasing id
+    order, in groups of up to PREFILL_GROUP (out_group: batched float32 GEMMs over their tokens padded to the group's
+    largest count; a prompt's MoE layer is bound by the host's ops per expert, not the GPU, until experts are
+    batched), each expert's rows then added in increasing id order (index_add_ into a float32 sum). An expert with a
+    slot in `resident` = (slot_of [L_moe * E] int32, the SlotPool) is read from the pool (the same bytes, so the same
+    result bit for bit) and nothing moves; the others are streamed: through `staging` (a GPU's PrefillStaging: copies
+    on its stream, up to its ring size ahead of the compute; where T * k >= PREFETCH_MIN_USES * E the next MoE layer's
+    experts without a slot are prefetched into it at the end) or, without one, moved to hidden's device as each is
+    computed. Nothing of the cache is written. counts: optional [streamed, reused], incremented. Cost O(T * k * 3 * I
+    * H + T * E * H) compute, (used experts without a slot) * the expert's bytes moved (and the prefetched experts the
+    next layer does not use); one host sync (the layer's per-expert token counts and its E slot ids, and the next
+    layer's when prefetching).
     """
     weights, ids = route_block(hidden, w.router, cfg, w.router_bias, w.score_bias)  # [T, k] f32, i32
     k, e_count = ids.shape[1], cfg.num_experts

@@ -38,11 +38,10 @@ PREFILL_STAGING = 8  # experts in a GPU's prefill staging ring (moe.engine.backe
 
 @dataclass(frozen=True)
 class SlotBudget:
-    """A resolved cache size. slots: S. bytes_per_expert: P (one expert's rows over every bank, the
-    bytes of one slot). format: the experts' expert-format key ("bf16", "float16", "float32", "fp8", "nvfp4",
-    "int4-f16", ...).
-    num_layers / num_experts: L MoE layers x E experts. cache_gb: the --moe-cache-gb budget (None for
-    --moe-slots). budget_slots: floor(G * 2**30 / P) before the cap at L * E (None for --moe-slots)."""
+    """A resolved cache size. slots: S. bytes_per_expert: P (one expert's rows over every bank, the bytes of one
+    slot). format: the experts' expert-format key ("bf16", "float16", "float32", "fp8", "nvfp4", "int4-f16", ...).
+    num_layers / num_experts: L MoE layers x E experts. cache_gb: the --moe-cache-gb budget (None for --moe-slots).
+    budget_slots: floor(G * 2**30 / P) before the cap at L * E (None for --moe-slots)."""
 
     slots: int
     bytes_per_expert: int

@@ -3,12 +3,11 @@
     CpuCachedMoE.cache (expertcache.host.HostCache): counters int64 [L, 3], clock, key_of   ─┐
     GpuMoE.slots.cache (expertcache.device.DeviceCache): .stats(bytes_per_expert), key_of  ─┴► CacheStats
 
-Only decode steps reach the cache: prefill reads experts straight from the HostStore (or, for an
-expert that has a slot, from the pool) and leaves the slot map, policy state, clocks and counters
-untouched (moe.engine.backends explains why); `prefill_streamed` / `prefill_from_slots` count its experts. So
-`calls[l]` is
-the number of decode steps so far (every step calls every MoE layer once, whatever the batch), and
-"per token" below means per decode step, as the simulator's `misses_per_token` (a trace's N steps).
+Only decode steps reach the cache: prefill reads experts straight from the HostStore (or, for an expert that has a
+slot, from the pool) and leaves the slot map, policy state, clocks and counters untouched (moe.engine.backends
+explains why); `prefill_streamed` / `prefill_from_slots` count its experts. So `calls[l]` is the number of decode
+steps so far (every step calls every MoE layer once, whatever the batch), and "per token" below means per decode step,
+as the simulator's `misses_per_token` (a trace's N steps).
 Legend: L = MoE layers.
 """
 

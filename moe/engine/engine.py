@@ -17,7 +17,7 @@
     prompt ──join──► prefill into row B (the next free row) while rows 0..B-1 keep their state; B += 1
     row ──leave──► swap-remove: the last row's KV (its cached positions only) moves into `row`; B -= 1
 
-Hybrid models (Qwen3-Next): a linear-attention layer (moe.model.linear_attention) takes the place of
+Models with linear-attention layers (Qwen3-Next): such a layer (moe.engine.linear_attention) takes the place of
 attention where ModelSpec.layer_types says so; its per-row state (conv window, delta-rule state) lives
 in `recurrent` (RecurrentCache, allocated once like the KV cache, which then holds only the
 full-attention layers): reset when a row joins, advanced in place by prefill (chunked delta rule) and

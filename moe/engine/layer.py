@@ -11,11 +11,11 @@
        └─ 7 _down_kernel:    out [T, H] = cast(Σ_j (in order) down[slots[t, j]] · act + shared)
 
 GLM-4.5's block (MoEConfig.scoring "sigmoid", score_bias, n_group / topk_group, routed_scaling,
-shared_gate False) runs the same launches: 3 takes its sigmoid, grouped choice and scaling, 1 and 2
-compute the shared expert without a gate (weights of one). gpt-oss's block (MoEConfig.router_bias,
-expert_bias, activation "swiglu_clamped") runs the same launches: 3 adds the router bias, 6 / 6a add each slot's
-gate_up bias and take the clamped SwiGLU, 7
-adds Σ_j weights[t, j] * down bias (the bias banks are pool banks: a miss copies them with the expert).
+shared_gate False) runs the same launches: 3 takes its sigmoid, grouped choice and scaling, 1 and 2 compute the shared
+expert without a gate (weights of one). gpt-oss's block (MoEConfig.router_bias, expert_bias, activation
+"swiglu_clamped") runs the same launches: 3 adds the router bias, 6 / 6a add each slot's gate_up bias and take the
+clamped SwiGLU, 7 adds Σ_j weights[t, j] * down bias (the bias banks are pool banks: a miss copies them with the
+expert).
 
 Legend: T = tokens (1..GEMV_MAX_TOKENS), H = hidden, E = experts, k = top_k, I / Is = routed / shared
 width, S = pool slots. One `SlotCache` per model: every layer shares its HostStore (the banks of
@@ -130,8 +130,8 @@ class MoELayer:
     router_w: [E, H], kept in the config's dtype (the router kernel accumulates in float32).
     shared: (gate_up [2Is, H], down [H, Is], gate_w [1, H]) in the config's dtype, exactly when
     cfg.shared_intermediate > 0; gate_up and down may be one-slot SlotMatrix in a quantized format. `cfg.copy_overlap`
-    is the user's side-stream choice; resolve
-    EXPERTCACHE_MOE_COPY_OVERLAP into it (moe.model.config.copy_overlap_from_env) before building.
+    is the user's side-stream choice; resolve EXPERTCACHE_MOE_COPY_OVERLAP into it
+    (moe.model.config.copy_overlap_from_env) before building.
     plan: None (the product) resolves the LaunchPlan from the config, the pool and the device at
     each build and rebuild (`refresh`); a LaunchPlan (tests, benchmarks) is used as given and kept.
     Attribute `plan` holds the plan every call launches from.

@@ -61,7 +61,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     Raises CheckpointError (config key or quantization field, file, tensor, --moe-expert-format),
     ValueError (both or neither of num_slots / cache_gb, a
     cache_gb that is not > 0 or holds fewer than max_batch * top_k experts, num_slots below
-    max_batch * top_k or above L * E, an unknown policy, EXPERTCACHE_CUDA_GRAPHS=1 on the CPU), PoolError
+    max_batch * top_k or above L * E, an unknown policy, cuda_graphs or EXPERTCACHE_CUDA_GRAPHS=1 on the CPU), PoolError
     (slots that do not fit on the device). The slot count is checked from config.json before any tensor
     is read; the messages name the serve flags (--moe-slots, --moe-cache-gb, --max-batch).
     """
@@ -70,11 +70,13 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     if cache_gb is not None:
         logger.log(logging.WARNING if budget.capped else logging.INFO, "%s", budget.describe())
     num_slots = budget.slots
+    source, fix = ("cuda_graphs=True", "pass cuda_graphs=None or False") if cuda_graphs else \
+        (f"{CUDA_GRAPHS_ENV}=1", f"unset {CUDA_GRAPHS_ENV} or set it to 0")
     if cuda_graphs is None:
         cuda_graphs = cuda_graphs_from_env(device)
-        if cuda_graphs and torch.device(device).type != "cuda":
-            raise ValueError(f"{CUDA_GRAPHS_ENV}=1 asks for CUDA-graph decode, which needs a CUDA device, and the "
-                             f"model is to load on {device}: unset {CUDA_GRAPHS_ENV} or set it to 0")
+    if cuda_graphs and torch.device(device).type != "cuda":  # before any tensor is read
+        raise ValueError(f"{source} asks for CUDA-graph decode, which needs a CUDA device, and the model is to "
+                         f"load on {device}: {fix}")
     weights = load_checkpoint(path, device, dtype=dtype, progress=progress, expert_format=expert_format,
                               copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap)
     backend = make_backend(weights, num_slots, policy, max_batch=max_batch, **constants)

@@ -311,10 +311,9 @@ def _down_dense_sum(act_ptr, slots_ptr, w2_ptr, num_slots, token, rows, K: tl.co
 #   serialization; FMT / ZP: the format, moe.kernels.quant_kernels; ACT / ALPHA / LIMIT: the activation).
 # Arguments of the down entries:
 #   act_ptr *fp32 [T * K, I]; slots_ptr *i32 [T * K]; w2: the down banks, dense: q [S, H, I]; addend_ptr *fp32 [T, H]
-#   (read
-#   when ADDEND); out_ptr *fp32 [T, H] (written when WRITE_OUT); cast_ptr [T, H] model dtype (written
-#   when WRITE_CAST); num_slots i32 S; weights_ptr *fp32 [T * K] and b2_ptr [S, H] down biases (read
-#   when BIAS); constexprs as the body (GDC as gate_up).
+#   (read when ADDEND); out_ptr *fp32 [T, H] (written when WRITE_OUT); cast_ptr [T, H] model dtype (written when
+#   WRITE_CAST); num_slots i32 S; weights_ptr *fp32 [T * K] and b2_ptr [S, H] down biases (read when BIAS); constexprs
+#   as the body (GDC as gate_up).
 
 @triton.jit(**JIT_OPTIONS)
 def _gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gate_w_ptr, w13, act_ptr, num_slots, pre_ptr, b13_ptr,

@@ -6,12 +6,15 @@
 
 Triton fixes the mode at decoration time; `kernel_for` builds the other mode's twin from the same
 source, as expertcache.copy does, so one module serves GPU runs and CPU tests. Shared by
-moe.kernels.routed and moe.kernels.router (no forked copy of this logic per kernel module).
+moe.kernels.routed, moe.kernels.router and moe.kernels.delta_rule (no forked copy of this logic per kernel module).
 """
 
 from __future__ import annotations
 
 import os
+
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 _TWINS: dict[tuple[str, str, str], object] = {}
 
@@ -22,9 +25,6 @@ def kernel_for(kernel, device, jit_options: dict, who: str):
     jit_options: the decorator's options (do_not_specialize), reused for the twin. who: the
     public function named in the error. Raises RuntimeError for CPU tensors without the interpreter.
     """
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
     if device.type == "cuda":
         cls = JITFunction
     elif os.environ.get("TRITON_INTERPRET", "0") == "1":

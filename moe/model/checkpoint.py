@@ -72,11 +72,10 @@ BNB_QUANT = re.compile(r"(.+\.weight)\.(absmax|quant_map|SCB|nested_absmax|neste
 
 @dataclass
 class AttentionWeights:
-    """q [Hq*D, H], k / v [Hkv*D, H], o [H, Hq*D]; biases [rows] or None; q_norm / k_norm [D] or None
-    (float32 1 + w for Qwen3-Next, moe.engine.attention.rms_norm; OLMoE's [Hq*D] / [Hkv*D]); gate [Hq*D, H] (and
-    gate_bias): Qwen3-Next's
-    output gate, the gate half of each head's rows of its q_proj (which interleaves per head D query
-    rows and D gate rows), or None.
+    """q [Hq*D, H], k / v [Hkv*D, H], o [H, Hq*D]; biases [rows] or None; q_norm / k_norm [D] or None (float32 1 + w
+    for Qwen3-Next, moe.engine.attention.rms_norm; OLMoE's [Hq*D] / [Hkv*D]); gate [Hq*D, H] (and gate_bias):
+    Qwen3-Next's output gate, the gate half of each head's rows of its q_proj (which interleaves per head D query rows
+    and D gate rows), or None.
 
     q, k, v (and the gate) are stored as one matrix, qkv [(Hq + 2 Hkv (+ Hq)) * D, H] (and their biases as
     qkv_bias), with q, k, v, gate (q_bias, ...) views of its rows: the fused decode step projects a token

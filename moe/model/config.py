@@ -146,8 +146,7 @@ class MoEConfig:
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], *, copy_overlap: bool = False, expert_format: str = "") -> MoEConfig:
         """Read a Qwen2-MoE / Qwen3-Next / Qwen3-MoE / Mixtral / gpt-oss / GLM-4.5 / OLMoE config.json dict
-        (expert_format: the
-        experts' storage, from the loader; "" = the model dtype's dense format).
+        (expert_format: the experts' storage, from the loader; "" = the model dtype's dense format).
 
         Raises KeyError naming the missing key, ValueError for an unknown `model_type` or an invalid value.
         """

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from expertcache import policy_names
 from expertcache.formats import format_names
+from expertcache.words import counted
 from moe.model.config import DTYPES
 
 if TYPE_CHECKING:
@@ -173,7 +174,6 @@ def resolve_device(flag: str | None):
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
         raise SystemExit(f"error: --device {flag}: no CUDA GPU is available (torch {torch.__version__}, {build}); "
                          "pass --device cpu or run where a GPU is visible")
-    from expertcache.words import counted
 
     index, count = int(m.group(2) or 0), torch.cuda.device_count()
     if index >= count:
@@ -276,7 +276,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from expertcache.words import counted
     from moe.engine.budget import memory_split
     from moe.serve.server import make_server
 

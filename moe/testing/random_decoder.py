@@ -193,8 +193,7 @@ def random_decoder(
     expert_format: str | None = None,
 ) -> ModelWeights:
     """Random ModelWeights for a config.json dict (qwen2_moe / qwen3_moe / qwen3_next / gpt_oss / glm4_moe / mixtral /
-    olmoe keys; see
-    moe.model.spec).
+    olmoe keys; see moe.model.spec).
 
     device: where everything but the routed experts goes; the routed experts go to a HostStore
     (pinned when `pin`, default: when CUDA is available), in `expert_format` (an expertcache.formats

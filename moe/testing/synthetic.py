@@ -60,11 +60,10 @@ def random_weights(cfg: MoEConfig, num_layers: int, device: str | torch.device =
                    pin: bool | None = None) -> SyntheticWeights:
     """Random weights of `num_layers` layers of `cfg` (deterministic for a seed and device).
 
-    pin: pin the host store (default: when CUDA is available). gpt-oss's block (cfg.router_bias,
-    cfg.expert_bias): a router bias and expert biases N(0, 0.02^2) too; GLM-4.5's (cfg.score_bias): a
-    float32 correction bias N(0, 0.02^2), and an ungated shared expert where cfg.shared_gate is False. Cost: one device
-    randn and one
-    host copy per CHUNK_EXPERTS experts; host memory L * E * 3 * I * H * itemsize bytes.
+    pin: pin the host store (default: when CUDA is available). gpt-oss's block (cfg.router_bias, cfg.expert_bias): a
+    router bias and expert biases N(0, 0.02^2) too; GLM-4.5's (cfg.score_bias): a float32 correction bias N(0,
+    0.02^2), and an ungated shared expert where cfg.shared_gate is False. Cost: one device randn and one host copy per
+    CHUNK_EXPERTS experts; host memory L * E * 3 * I * H * itemsize bytes.
     """
     device = torch.device(device)
     dtype = DTYPES[cfg.dtype]

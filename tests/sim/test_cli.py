@@ -310,7 +310,7 @@ def test_several_plots_go_to_the_plot_folder(capsys, small_trace, tmp_path, monk
 
 
 def test_jsonl_keeps_its_sidecar_model(tmp_path):
-    from sim.cli import load_any
+    from sim.inputs import load_any
     from sim.jsonl import export_jsonl
 
     t = generate(preset("mixtral", num_tokens=4))

@@ -127,8 +127,10 @@ def test_cpu_engines_never_build_cuda_graphs(checkpoint, monkeypatch):
     engine = load_model(path, "cpu", num_slots=16, max_seq_len=16, progress=False)
     assert engine.graphs is None
     assert len(engine.generate([random_tokens(3, seed=1)], max_new_tokens=3)[0]) == 3
-    with pytest.raises(ValueError, match="cuda_graphs"):
-        load_model(path, "cpu", num_slots=16, progress=False, cuda_graphs=True)
+    with monkeypatch.context() as m:  # refused before any tensor is read
+        m.setattr("moe.engine.loading.load_checkpoint", lambda *a, **k: pytest.fail("tensors were read"))
+        with pytest.raises(ValueError, match="cuda_graphs=True asks for CUDA-graph decode.*pass cuda_graphs=None"):
+            load_model(path, "cpu", num_slots=16, progress=False, cuda_graphs=True)
     with pytest.raises(ValueError, match="cuda_graphs"):
         DecodeGraphs(lambda t: (t, None), 1, torch.device("cpu"))
     assert cuda_graphs_from_env(torch.device("cpu")) is False

@@ -1,9 +1,8 @@
-"""moe.kernels.decode_norm against the torch path of moe.engine.attention (rms_norm, Rope, apply_rope,
-the cache writes): the same rounding steps, so equal up to RMSNorm's float32 sum order and the cos /
-sin implementations (2 units in the last place of the largest value); bad arguments named. CPU: Triton's interpreter,
-whose cast
-from float32 to bfloat16 truncates where the GPU rounds to nearest even, so there a bf16 result is held
-to one unit in the last place where the GPU's is bitwise."""
+"""moe.kernels.decode_norm against the torch path of moe.engine.attention (rms_norm, Rope, apply_rope, the cache
+writes): the same rounding steps, so equal up to RMSNorm's float32 sum order and the cos / sin implementations (2
+units in the last place of the largest value); bad arguments named. CPU: Triton's interpreter, whose cast from float32
+to bfloat16 truncates where the GPU rounds to nearest even, so there a bf16 result is held to one unit in the last
+place where the GPU's is bitwise."""
 
 from __future__ import annotations
 
