@@ -195,7 +195,7 @@ class DeviceCache:
                                      self.prm, self.fprm, self.clock, self.counters, self.missed,
                                      self.status, self.arrive)
         self._constexprs = self.launch.constexprs()
-        markov = self.policy.kind == PolicyKind.MARKOV
+        self._markov = markov = self.policy.kind == PolicyKind.MARKOV
         self._markov_params = tuple(int(p) for p in self.policy.params()) if markov else ()
         # markov's call's distinct experts, between its two learning launches
         self._markov_scratch = (torch.empty(geometry.num_experts, dtype=torch.int64, device=self.device)
@@ -249,7 +249,7 @@ class DeviceCache:
         io = CallTensors(ids, logit_idx if has_logits else buf.count, logit_val if has_logits else self.fprm,
                          buf.slots, buf.plan, buf.count, self._cand[block_c])
         g = self.geometry
-        if self.policy.kind == PolicyKind.MARKOV:  # the call's routing enters the state before victims are chosen
+        if self._markov:  # the call's routing enters the state before victims are chosen
             launch_observe(self.kst, self.gst, self._markov_params, layer, ids, self.slot_of, g.num_experts,
                            g.num_slots, self._markov_scratch)
         ensure_kernel[(self.grid,)](
