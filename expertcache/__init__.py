@@ -7,18 +7,22 @@ whole traces through the same contract at compiled speed.
 """
 
 from expertcache.errors import EnsureError, FormatError, PolicyError
-from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
+from expertcache.geometry import CPU_SLOT, NO_KEY, NO_SLOT, CacheGeometry
 from expertcache.host import EnsureResult, HostCache
 from expertcache.policies import get_policy, policy_names
+from expertcache.split import ChannelCosts, MissSplit
 
 __all__ = [
+    "CPU_SLOT",
     "NO_KEY",
     "NO_SLOT",
     "CacheGeometry",
+    "ChannelCosts",
     "EnsureError",
     "EnsureResult",
     "FormatError",
     "HostCache",
+    "MissSplit",
     "PolicyError",
     "get_policy",
     "policy_names",

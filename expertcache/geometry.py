@@ -1,7 +1,8 @@
 """Cache geometry: how many MoE layers, experts per layer and slots one pool has.
 
 A key names one expert of one layer: `key = layer * num_experts + expert`. Expert ids,
-keys and slots are never mixed; `NO_SLOT` marks an absent key, `NO_KEY` an empty slot.
+keys and slots are never mixed; `NO_SLOT` marks an absent key, `NO_KEY` an empty slot, and
+`CPU_SLOT` a routed id whose miss is served on the CPU (expertcache.split): it has no slot.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import numpy as np
 
 NO_SLOT = -1
 NO_KEY = -1
+CPU_SLOT = -2
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,10 @@
     ids [rows, k] int32 (expert ids, -1 = padding), layer
         -> query: distinct valid keys ascending
         -> hits (pinned, policy touched) / misses
-        -> victims: lowest-index empty slots, then lowest (score, slot) evictable
-        -> slot map update, plan [(key, slot)], per-layer counters
-        -> slots [rows, k] int32 (NO_SLOT for padding)
+        -> the split (expertcache.split): c = copies[m] misses copied, the others served on the CPU
+        -> victims of the copied: lowest-index empty slots, then lowest (score, slot) evictable
+        -> slot map update, plan [(key, slot)] of the copied, per-layer counters
+        -> slots [rows, k] int32 (NO_SLOT for padding, CPU_SLOT for a miss served on the CPU)
 
 The device kernels and the compiled replay (`expertcache.replay`) are checked against this
 class bit for bit: same arrays, same values, after every call.
@@ -18,9 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from expertcache.errors import EnsureError
-from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
+from expertcache.geometry import CPU_SLOT, NO_KEY, NO_SLOT, CacheGeometry
 from expertcache.policies import Policy, get_policy
 from expertcache.policies.base import Clock, PolicyState
+from expertcache.split import MissSplit, rank_misses
 
 # Columns of the per-layer counters, int64 [L, 3].
 CALLS, ACCESSES, MISSES = 0, 1, 2
@@ -30,18 +32,25 @@ CALLS, ACCESSES, MISSES = 0, 1, 2
 class EnsureResult:
     """What one ensure call returns.
 
-    slots: int32 [rows, k], the slot of every routed id (NO_SLOT where ids is -1).
-    plan:  int32 [m, 2], (key, destination slot) per miss in ascending key order.
+    slots: int32 [rows, k], the slot of every routed id (NO_SLOT where ids is -1, CPU_SLOT where
+           the id's miss is served on the CPU).
+    plan:  int32 [c, 2], (key, destination slot) per copied miss in ascending key order.
     keys:  int64 [n], the query: distinct valid keys ascending.
+    served: int64 [m - c], the misses served on the CPU (keys ascending).
     """
 
     slots: np.ndarray
     plan: np.ndarray
     keys: np.ndarray
+    served: np.ndarray
+
+    @property
+    def copies(self) -> int:
+        return int(self.plan.shape[0])
 
     @property
     def misses(self) -> int:
-        return int(self.plan.shape[0])
+        return self.copies + int(self.served.shape[0])
 
     @property
     def hits(self) -> int:
@@ -57,6 +66,7 @@ class Snapshot:
     policy: PolicyState
     clock: np.ndarray
     counters: np.ndarray
+    served: np.ndarray
 
     def equals(self, other: Snapshot) -> bool:
         return (
@@ -65,6 +75,7 @@ class Snapshot:
             and self.policy.equals(other.policy)
             and np.array_equal(self.clock, other.clock)
             and np.array_equal(self.counters, other.counters)
+            and np.array_equal(self.served, other.served)
         )
 
 
@@ -122,19 +133,26 @@ class HostCache:
 
     State (all public, all numpy): slot_of int32 [K], key_of int32 [S], policy state
     (PolicyState), clock int64 [2] = (step, tok), counters int64 [L, 3] (calls, accesses,
-    misses). Cost per call: O(n log n + S) for n routed ids (one scoring pass on misses).
+    misses), served int64 [L] (misses served on the CPU: counted in misses, never copied).
+    split: the miss split (expertcache.split.MissSplit; None: every miss copied).
+    Cost per call: O(n log n + S) for n routed ids (one scoring pass on misses).
     """
 
-    def __init__(self, geometry: CacheGeometry, policy: Policy | str, **constants) -> None:
+    def __init__(self, geometry: CacheGeometry, policy: Policy | str, split: MissSplit | None = None,
+                 **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
         if self.policy.geometry != geometry:
             raise ValueError("the policy was built for another geometry")
+        if split is not None and not isinstance(split, MissSplit):
+            raise ValueError(f"split must be a MissSplit or None, got {type(split).__name__}")
+        self.split = MissSplit.copy() if split is None else split
         self.slot_of = np.full(geometry.num_keys, NO_SLOT, dtype=np.int32)
         self.key_of = np.full(geometry.num_slots, NO_KEY, dtype=np.int32)
         self.state = self.policy.init_state()
         self.clock = np.zeros(2, dtype=np.int64)
         self.counters = np.zeros((geometry.num_layers, 3), dtype=np.int64)
+        self.served = np.zeros(geometry.num_layers, dtype=np.int64)
 
     @property
     def step(self) -> int:
@@ -167,10 +185,18 @@ class HostCache:
         hit = slots != NO_SLOT
         pol.on_hit(st, clk, keys[hit], slots[hit], access[hit])
         pol.observe(st, clk, keys, self.slot_of)
-        victims, vscores = self._victims(clk, pinned=slots[hit], m=int((~hit).sum()))
+        miss = np.flatnonzero(~hit)
+        m = miss.shape[0]
+        c = self.split.copies_for(m)
+        if c < m:  # the split: the c misses of highest priority are copied, the others served
+            copied = rank_misses(pol.miss_priority(st, clk, keys[miss], access[miss]), keys[miss], c)
+            miss, served = miss[copied], miss[~copied]
+        else:
+            served = miss[:0]
+        victims, vscores = self._victims(clk, pinned=slots[hit], m=c)
 
         plan = np.zeros((victims.shape[0], 2), dtype=np.int32)
-        for j, (pos, slot) in enumerate(zip(np.flatnonzero(~hit), victims)):
+        for j, (pos, slot) in enumerate(zip(miss, victims)):
             key, old = int(keys[pos]), int(self.key_of[slot])
             if old != NO_KEY:
                 self.slot_of[old] = NO_SLOT
@@ -180,12 +206,16 @@ class HostCache:
             pol.on_install(st, clk, np.array([key]), np.array([slot]), access[pos:pos + 1])
             plan[j] = (key, slot)
             slots[pos] = slot
+        if served.shape[0]:
+            pol.on_served(st, clk, keys[served], access[served])
+            slots[served] = CPU_SLOT
 
-        self.counters[layer] += (1, keys.shape[0], victims.shape[0])
+        self.counters[layer] += (1, keys.shape[0], m)
+        self.served[layer] += served.shape[0]
         out = np.full(ids.shape, NO_SLOT, dtype=np.int32)
         valid = ids >= 0
         out[valid] = slots[np.searchsorted(keys, layer * g.num_experts + ids[valid].astype(np.int64))]
-        return EnsureResult(out, plan, keys)
+        return EnsureResult(out, plan, keys, keys[served])
 
     def _victims(self, clk: Clock, pinned: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
         """Slots for m misses and their scores (0 for empty slots): lowest-index empty
@@ -205,7 +235,7 @@ class HostCache:
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.slot_of.copy(), self.key_of.copy(), self.state.copy(),
-                        self.clock.copy(), self.counters.copy())
+                        self.clock.copy(), self.counters.copy(), self.served.copy())
 
     def check(self) -> None:
         """Assert every invariant of the slot map (used by the tests after each call)."""
@@ -217,3 +247,4 @@ class HostCache:
         assert np.array_equal(self.key_of[self.slot_of[resident]], resident), "slot_of/key_of disagree"
         assert np.array_equal(full, np.arange(full.shape[0])), "empty slots must be a suffix"
         assert (self.counters[:, MISSES] <= self.counters[:, ACCESSES]).all()
+        assert (self.served <= self.counters[:, MISSES]).all()

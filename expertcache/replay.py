@@ -1,8 +1,9 @@
 """The ensure contract compiled with numba, for replaying many calls at once.
 
     ids [C, rows, k] int32, layers [C] -> for each call, exactly HostCache.ensure:
-    query, hits, victims (empty suffix first, then lowest (score, slot)), installs,
-    counters [L, 3] and a miss histogram [L, Q + 1] (calls with m misses, per layer).
+    query, hits, the miss split (copies[m] copied by priority, the rest served on the CPU),
+    victims (empty suffix first, then lowest (score, slot)), installs, counters [L, 3],
+    served [L] and a miss histogram [L, Q + 1] (calls with m misses, per layer).
 
 The state arrays are the HostCache's own (slot_of, key_of, policy state, clock,
 counters), updated in place, so a replay can be interleaved with reference calls and
@@ -33,9 +34,9 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from expertcache import victim_index
+from expertcache import split, victim_index
 from expertcache.errors import EnsureError
-from expertcache.geometry import CacheGeometry, distinct_counts
+from expertcache.geometry import CPU_SLOT, CacheGeometry, distinct_counts
 from expertcache.policies import base, lfuda, lru, markov, oracle, rule
 from expertcache.policies.base import (
     CLK_EXPERTS,
@@ -46,6 +47,7 @@ from expertcache.policies.base import (
     CLOCK_LEN,
     PolicyKind,
 )
+from expertcache.split import HASH_GOLDEN, HASH_MIX, HASH_STEP
 from expertcache.victim_index import FREE, ix_best, ix_fill, ix_new, ix_set
 
 
@@ -55,7 +57,7 @@ def _drop_stale_kernels() -> None:
     file's cached kernels so they are compiled again. (With NUMBA_CACHE_DIR set, numba
     keeps its cache elsewhere and this does nothing.)"""
     cache = Path(__file__).with_name("__pycache__")
-    deps = (lfuda, lru, markov, oracle, rule, victim_index, base)
+    deps = (lfuda, lru, markov, oracle, rule, victim_index, base, split)
     digest = hashlib.sha256(b"".join(inspect.getsource(m).encode() for m in deps)).hexdigest()
     stamp = cache / f"{Path(__file__).stem}.kernel-deps.sha256"
     try:
@@ -128,6 +130,63 @@ def _touch(tag, kst, sst, gst, prm, clk, aux, key, slot, access, installed):
         lfuda.touch(sst, gst, slot, installed)
     elif kind != PolicyKind.MARKOV:  # markov learns from the whole call (markov.observe)
         oracle.touch(kst, aux, key, access)
+
+
+@njit(cache=True, inline="always")
+def _hash_priority(key, step):
+    """expertcache.split.hash_priority of one key."""
+    x = (np.uint64(key) + np.uint64(1)) * np.uint64(HASH_GOLDEN) + np.uint64(step) * np.uint64(HASH_STEP)
+    x ^= x >> np.uint64(31)
+    x *= np.uint64(HASH_MIX)
+    x ^= x >> np.uint64(29)
+    return np.int64(x >> np.uint64(34))
+
+
+@njit(cache=True, inline="always")
+def _priority(tag, kst, prm, clk, aux, key, access):
+    """Policy.miss_priority of one missing key (a draw per (key, step) for the policies whose state is
+    per slot)."""
+    kind = tag.ndim - 1
+    if kind == PolicyKind.RULE:
+        return rule.score(kst, prm, clk, key)
+    if kind == PolicyKind.MARKOV:
+        return markov.score(kst, prm, clk, key)
+    if kind == PolicyKind.ORACLE:
+        return -aux[access]
+    return _hash_priority(key, clk[CLK_STEP])
+
+
+@njit(cache=True, inline="always")
+def _served(tag, kst, prm, clk, aux, key, access):
+    """Policy.on_served of one missing key served on the CPU (per-key state only)."""
+    kind = tag.ndim - 1
+    if kind == PolicyKind.RULE:
+        rule.touch(kst, prm, clk, key)
+    elif kind == PolicyKind.ORACLE:
+        oracle.touch(kst, aux, key, access)
+
+
+@njit(cache=True)
+def _split(tag, kst, prm, clk, aux, q, miss_pos, m, c, access, prio, copy_pos, served_pos):
+    """The split of one call's m misses (miss_pos[:m], ascending key): the c of highest
+    (priority, lower key) into copy_pos[:c], the others into served_pos[:m - c], both ascending."""
+    for j in range(m):
+        i = miss_pos[j]
+        prio[j] = _priority(tag, kst, prm, clk, aux, q[i], access + i)
+    nc = 0
+    ns = 0
+    for j in range(m):  # rank of miss j: misses before it in (priority desc, key asc)
+        r = 0
+        for t in range(m):
+            if prio[t] > prio[j] or (prio[t] == prio[j] and t < j):
+                r += 1
+        if r < c:
+            copy_pos[nc] = miss_pos[j]
+            nc += 1
+        else:
+            served_pos[ns] = miss_pos[j]
+            ns += 1
+    return ns
 
 
 @njit(cache=True, inline="always")
@@ -219,12 +278,13 @@ def _select(tag, need, tv, ts, mv, ms, off, shift, key_of, num_experts, kst, sst
 @njit(cache=True)
 def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts,
                  slot_of, key_of, kst, sst, gst, prm, fprm, aux, clock, counters, hist,
-                 out_slots, plan, tv, ts, mv, ms):
+                 out_slots, plan, tv, ts, mv, ms, copies, served):
     """Run every call of ids [C, rows, k] through the contract; see the module docstring.
 
     out_slots int32 [rows, k] and plan int32 [rows * k, 2] receive the last call's
-    result; the return value is that call's miss count. tv, ts, mv, ms: an empty victim
-    index (victim_index.ix_new), filled here from the slot map.
+    result; the return value is that call's copy count. tv, ts, mv, ms: an empty victim
+    index (victim_index.ix_new), filled here from the slot map. copies int32 [>= rows * k + 1]:
+    the split's table (MissSplit.copies); served int64 [L]: misses served on the CPU, per layer.
     """
     C, rows, k = ids.shape
     S = key_of.shape[0]
@@ -236,6 +296,9 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
     miss_pos = np.empty(Q, dtype=np.int64)
     vslot = np.empty(Q, dtype=np.int64)
     vscore = np.empty(Q, dtype=np.int64)
+    prio = np.empty(Q, dtype=np.int64)
+    copy_pos = np.empty(Q, dtype=np.int64)
+    served_pos = np.empty(Q, dtype=np.int64)
     changed = np.empty(logit_idx.shape[1] * logit_idx.shape[2], dtype=np.int64)
     buf = np.empty(logit_idx.shape[2], dtype=np.float32)
     taken_s = np.empty(S, dtype=np.int64)
@@ -337,16 +400,22 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
                 pins[i] = q[i] - layer * E
             ix_fill(tv, ts, mv, ms, layer, kst[markov.V, layer * E:(layer + 1) * E],
                     slot_of[layer * E:(layer + 1) * E], pins, n)
-        ne = min(m, S - filled)
+        c_m = copies[m]
+        ns = 0
+        if c_m < m:  # the split: miss_pos keeps the copied ones, served_pos the others
+            ns = _split(tag, kst, prm, clk, aux, q, miss_pos, m, c_m, access, prio, copy_pos, served_pos)
+            for j in range(c_m):
+                miss_pos[j] = copy_pos[j]
+        ne = min(c_m, S - filled)
         for j in range(ne):
             vslot[j] = filled + j
             vscore[j] = 0
-        if m > ne:
+        if c_m > ne:
             shift = _offsets(tag, prm, clk, off)
-            _select(tag, m - ne, tv, ts, mv, ms, off, shift, key_of, E, kst, sst, prm, clk,
+            _select(tag, c_m - ne, tv, ts, mv, ms, off, shift, key_of, E, kst, sst, prm, clk,
                     vslot[ne:], vscore[ne:], taken_s, taken_v)
         filled += ne
-        for j in range(m):  # evict and install, in ascending key order
+        for j in range(c_m):  # evict and install, in ascending key order
             i = miss_pos[j]
             s = vslot[j]
             old = key_of[s]
@@ -360,13 +429,18 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
             _touch(tag, kst, sst, gst, prm, clk, aux, q[i], s, access + i, True)
             plan[j, 0] = q[i]
             plan[j, 1] = s
-        for i in range(n):  # unpin: every key of the call back in the index
-            ix_set(tv, ts, mv, ms, layer, q[i] - layer * E,
-                   _order(tag, kst, sst, prm, clk, q[i], qslot[i]), qslot[i])
+        for j in range(ns):  # served on the CPU: no slot, not indexed
+            i = served_pos[j]
+            _served(tag, kst, prm, clk, aux, q[i], access + i)
+        for i in range(n):  # unpin: every resident key of the call back in the index
+            if qslot[i] >= 0:
+                ix_set(tv, ts, mv, ms, layer, q[i] - layer * E,
+                       _order(tag, kst, sst, prm, clk, q[i], qslot[i]), qslot[i])
         access += n
         counters[layer, 0] += 1
         counters[layer, 1] += n
         counters[layer, 2] += m
+        served[layer] += ns
         hist[layer, m] += 1
         if c == C - 1:
             for r in range(rows):
@@ -374,7 +448,9 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
                     e = ids[c, r, j]
                     out_slots[r, j] = -1
                     if e >= 0:
-                        out_slots[r, j] = slot_of[layer * E + e]
+                        s = slot_of[layer * E + e]
+                        out_slots[r, j] = s if s >= 0 else CPU_SLOT
+            m = c_m
     return m
 
 
@@ -425,8 +501,9 @@ def run_calls(cache, ids: np.ndarray, layers, logit_idx: np.ndarray | None = Non
     """Replay calls through `cache` (a HostCache) in place with the compiled kernel.
 
     ids int32 [C, rows, k]; layers int [C]; logits [C, rows, T] or None; hist int64
-    [L, >= rows * k + 1] accumulates calls by miss count. Returns the last call's
-    (slots int32 [rows, k], plan int32 [m, 2]). Raises EnsureError before running anything.
+    [L, >= rows * k + 1] accumulates calls by miss count. The cache's split (HostCache.split)
+    applies, and its `served` counts grow. Returns the last call's (slots int32 [rows, k],
+    plan int32 [c, 2] of its copies). Raises EnsureError before running anything.
     """
     g = cache.geometry
     validate_calls(g, ids, layers, logit_idx, logit_val)
@@ -446,5 +523,5 @@ def run_calls(cache, ids: np.ndarray, layers, logit_idx: np.ndarray | None = Non
     m = replay_calls(kind_tag(pol.kind), np.ascontiguousarray(ids), layers, logit_idx, logit_val, has_logits,
                      g.num_experts, cache.slot_of, cache.key_of, st.key, st.slot, st.glob,
                      pol.params(), pol.fparams(), pol.aux(), cache.clock, cache.counters, hist,
-                     out, plan, *ix_new(g.num_layers, g.num_experts))
+                     out, plan, *ix_new(g.num_layers, g.num_experts), cache.split.copies, cache.served)
     return out, plan[:m].copy()

@@ -5,7 +5,9 @@ It needs the future, so it lives in the simulator only. From the calls of a repl
     -> next_use int64 [A]: the call index of the key's next access (NEVER if none).
 The policy keeps key[NEXT] = next use of the key's latest access; score = -NEXT, so a key
 never used again (NEVER) goes first, then the furthest. Under the ensure contract
-(every key of a call resident at once) this is optimal for miss counts.
+(every key of a call resident at once) this is optimal for miss counts. With a miss split
+(expertcache.split) it copies the misses used again soonest and evicts as before: a limit of
+the same split, no longer a proven optimum.
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ class Belady(Policy):
         st.key[NEXT, keys] = self.next_use[access]
 
     on_install = on_hit
+
+    def on_served(self, st: PolicyState, clk: Clock, keys, access) -> None:
+        self.on_hit(st, clk, keys, None, access)
+
+    def miss_priority(self, st: PolicyState, clk: Clock, keys, access) -> np.ndarray:
+        """With a miss split, copy the misses used again soonest."""
+        return -self.next_use[access]
 
     def scores(self, st: PolicyState, clk: Clock, keys, slots) -> np.ndarray:
         return -st.key[NEXT, keys]

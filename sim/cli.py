@@ -51,6 +51,7 @@ from sim.replay import (
     min_slots,
     sim_policy_names,
     sweep,
+    sweep_splits,
 )
 from sim.report import (
     build_format_rows,
@@ -60,6 +61,15 @@ from sim.report import (
     format_per_layer,
     format_table,
     plot_hit_rate,
+)
+from sim.service import (
+    DEFAULT_HOST,
+    HOSTS,
+    HostProfile,
+    check_services,
+    format_service_choices,
+    format_service_table,
+    service_rows,
 )
 from sim.trace import Trace
 
@@ -122,6 +132,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="cost model of the modeled us/tok and tok/s: 'engine' (default) is this engine on an "
                         "H200 as measured (SM miss copy, its MoE layer's time); 'copy-engine' prices misses "
                         "at cudaMemcpy speeds with an assumed 10 us layer overhead")
+    p.add_argument("--miss-service", default="copy,hybrid", metavar="S[,S...]",
+                   help="how misses are served, each priced on --host: copy (every miss over the link into a "
+                        "slot), hybrid (each call's misses split between the link and the CPU so both finish "
+                        "together), cpu (every routed expert on the CPU); default copy,hybrid")
+    p.add_argument("--host", choices=sorted(HOSTS), default=DEFAULT_HOST,
+                   help=f"the machine the miss services are priced on (default {DEFAULT_HOST}): its link and "
+                        "CPU bandwidths measured together, its GPU's cost model")
+    p.add_argument("--link-gbps", type=float, metavar="GB/S",
+                   help="the link's bandwidth beside the CPU kernels, replacing --host's")
+    p.add_argument("--cpu-gbps", type=float, metavar="GB/S",
+                   help="the CPU kernels' weight-read bandwidth beside the link, replacing --host's")
     p.set_defaults(func=run)
 
 
@@ -366,9 +387,62 @@ def _rows(trace: Trace, results: list, runs: list[FormatRun] | None, policies: l
     return build_format_rows(trace, results, runs, profile, policies)
 
 
+def _host(args: argparse.Namespace) -> tuple[tuple[str, ...], HostProfile]:
+    """The checked --miss-service list and the --host profile with --link-gbps / --cpu-gbps applied."""
+    try:
+        services = check_services(args.miss_service)
+    except ValueError as exc:
+        _fail(f"{exc}: e.g. --miss-service copy,hybrid")
+    for flag, v in (("--link-gbps", args.link_gbps), ("--cpu-gbps", args.cpu_gbps)):
+        if v is not None and not (v > 0 and v < float("inf")):
+            _fail(f"{flag} must be a bandwidth in GB/s > 0, got {v}: e.g. {flag} 25")
+    return services, HOSTS[args.host].with_rates(args.link_gbps, args.cpu_gbps)
+
+
+def _services(trace: Trace, results: list, runs: list[FormatRun] | None, policies: list[str],
+              services: tuple[str, ...], host: HostProfile, flags: BudgetFlags, args: argparse.Namespace):
+    """(the miss-service table and choices as text, their rows) of one trace: the replays of each split
+    service (every policy but next-token, whose own pass has no split), priced beside copy's."""
+    splits = [sv for sv in services if sv != "copy"]
+    if not splits:
+        return "", []
+    plans = ([(None, trace_shape(trace, flags.shape), sorted({r.slots for r in results}))] if runs is None
+             else [(run, run.shape, list(run.slots)) for run in runs])
+    names = [p for p in dict.fromkeys(r.policy for r in results) if p != "next-token"]
+    jobs, keys = [], []
+    for i, (_run, shape, slots) in enumerate(plans):
+        if shape is None:
+            continue
+        for sv in splits:
+            split = host.split(sv, shape.expert_bytes)
+            for p in names:
+                for s in slots:
+                    jobs.append((p, s, split))
+                    keys.append((i, sv, p, s))
+    if not jobs:
+        return "miss service: the trace has no expert size to price the services by (--expert-shape H,I)", []
+    try:
+        done = sweep_splits(trace, jobs, workers=args.workers, progress=not args.no_progress and sys.stderr.isatty(),
+                            use_logits=not args.no_logits)
+    except (EnsureError, PolicyError, TraceError) as exc:
+        _fail(exc)
+    rows = []
+    for i, (run, shape, slots) in enumerate(plans):
+        if shape is None:
+            continue
+        by = {("copy", r.policy, r.slots): r for r in results}
+        by.update({(sv, p, s): r for (j, sv, p, s), r in zip(keys, done) if j == i})
+        rows += service_rows(by, shape, host, services, [p for p in policies if p in names], slots, run,
+                             batch=trace.batch)
+    text = format_service_table(rows, host, services)
+    picks = format_service_choices(rows, ORACLES)
+    return text + ("\n" + picks if picks else ""), rows
+
+
 def run(args: argparse.Namespace) -> int:
     policies = _policies(args.policies)
     _check_flags(args)
+    services, host = _host(args)
     flags = _budget_flags(args)
     request = None if flags.budgets is not None else _slot_request(args)
     plots = _plot_paths(args, max(1, len(args.traces)))
@@ -385,8 +459,14 @@ def run(args: argparse.Namespace) -> int:
             _fail(f"{name}: {exc}")
         rows = _rows(trace, results, runs, policies, profile, flags)
         unique = list({(r.result.policy, r.result.slots): r for r in rows}.values())
-        if args.json:
-            out_json += [dict(trace=name, **r.to_dict()) for r in rows]
+        text, srows = _services(trace, results, runs, policies + refs, services, host, flags, args)
+        if args.json:  # each row with its miss services' estimates, where they ran
+            by = {(id(r.run), r.policy, r.slots): r for r in srows}
+            for r in rows:
+                d = dict(trace=name, **r.to_dict())
+                if (sr := by.get((id(r.run), r.result.policy, r.result.slots))) is not None:
+                    d["miss_service"] = {sv: est.to_dict() for sv, est in sr.estimates.items()}
+                out_json.append(d)
         elif runs is None:
             print(format_table(rows, _title(name, trace, profile, describe_pricing(trace, flags.shape))))
         else:
@@ -395,6 +475,8 @@ def run(args: argparse.Namespace) -> int:
             print(format_budget_table(rows, title))
         if not args.json and (picks := format_choices(rows, ORACLES)):
             print(picks)
+        if text and not args.json:
+            print(text)
         if args.per_layer and not args.json:
             print(format_per_layer(unique))
         if plots:

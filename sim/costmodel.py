@@ -326,7 +326,7 @@ class DecodeEstimate:
         return asdict(self)
 
 
-def _check_hist(hist: np.ndarray, tokens: int, shape: ModelShape, batch: int) -> None:
+def check_hist(hist: np.ndarray, tokens: int, shape: ModelShape, batch: int) -> None:
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 1:
@@ -357,7 +357,7 @@ def estimate_decode(hist: np.ndarray, tokens: int, shape: ModelShape,
         charged to every layer call.
     Cost: O(L * Q). Raises ValueError naming the bad argument.
     """
-    _check_hist(hist, tokens, shape, batch)
+    check_hist(hist, tokens, shape, batch)
     hbm = _gbps_to_bytes_per_us(profile.hbm_gbps)
     compute = (shape.layer_read_bytes(batch) / hbm + profile.layer_overhead_us
                + profile.policy_call_us(policy, shape.num_experts))

@@ -32,6 +32,7 @@ from expertcache.errors import EnsureError, PolicyError
 from expertcache.geometry import distinct_counts
 from expertcache.host import ACCESSES, MISSES
 from expertcache.replay import run_calls
+from expertcache.split import MissSplit
 from expertcache.words import counted
 from sim.belady import Belady
 from sim.next_token import replay_next_token
@@ -61,6 +62,8 @@ class ReplayResult:
     layer_accesses: np.ndarray = field(repr=False)
     layer_misses: np.ndarray = field(repr=False)
     hist: np.ndarray = field(repr=False)
+    service: str = "copy"  # the miss split's service (expertcache.split); hist counts every miss
+    layer_served: np.ndarray | None = field(default=None, repr=False)  # misses served on the CPU, [L]
 
     @property
     def accesses(self) -> int:
@@ -78,6 +81,11 @@ class ReplayResult:
     def misses_per_token(self) -> float:
         return self.misses / self.tokens
 
+    @property
+    def served(self) -> int:
+        """Misses served on the CPU (0 without a split)."""
+        return 0 if self.layer_served is None else int(self.layer_served.sum())
+
     def to_dict(self) -> dict:
         return {
             "policy": self.policy,
@@ -90,6 +98,7 @@ class ReplayResult:
             "misses_per_token": self.misses_per_token,
             "layer_accesses": self.layer_accesses.tolist(),
             "layer_misses": self.layer_misses.tolist(),
+            **({"service": self.service, "served": self.served} if self.service != "copy" else {}),
         }
 
 
@@ -147,17 +156,21 @@ def make_policy(name: str, geometry: CacheGeometry, ids, layers, **constants):
     return get_policy(name, geometry, **constants)
 
 
-def replay(trace: Trace, policy: str, slots: int, *, use_logits: bool = True,
+def replay(trace: Trace, policy: str, slots: int, *, use_logits: bool = True, split: MissSplit | None = None,
            **constants) -> ReplayResult:
-    """Replay `trace` through `policy` with `slots` slots (cold start). Cost: O(calls * S)
+    """Replay `trace` through `policy` with `slots` slots (cold start), every miss copied or, with
+    `split`, divided between the link and the CPU (expertcache.split). Cost: O(calls * S)
     in the worst case, usually far less (one scoring pass per call with evictions).
-    Raises TraceError for a trace without decode steps (check_replayable)."""
+    Raises TraceError for a trace without decode steps (check_replayable), PolicyError for
+    next-token with a split (its own pass has none)."""
     check_replayable(trace)
     ids, layers, lidx, lval = trace_calls(trace)
     if not use_logits:
         lidx = lval = None
     geometry = CacheGeometry(trace.num_layers, trace.num_experts, int(slots))
     if policy == "next-token":  # its own pass (sim.next_token): its scores move with the clock
+        if split is not None and not split.copies_all:
+            raise PolicyError("next-token replays without a miss split: leave it out of a hybrid sweep")
         if constants:
             raise PolicyError("next-token takes no constants")
         if min_slots(trace) > int(slots):
@@ -165,11 +178,12 @@ def replay(trace: Trace, policy: str, slots: int, *, use_logits: bool = True,
                               f"asks for {counted(min_slots(trace), 'distinct expert')}")
         acc, miss, hist = replay_next_token(ids, layers, trace.num_layers, trace.num_experts, int(slots))
         return ReplayResult(policy, int(slots), trace.num_tokens, int(ids.shape[0]), acc, miss, hist)
-    cache = HostCache(geometry, make_policy(policy, geometry, ids, layers, **constants))
+    cache = HostCache(geometry, make_policy(policy, geometry, ids, layers, **constants), split=split)
     hist = np.zeros((geometry.num_layers, ids.shape[1] * ids.shape[2] + 1), dtype=np.int64)
     run_calls(cache, ids, layers, lidx, lval, hist=hist)
     return ReplayResult(policy, int(slots), trace.num_tokens, int(ids.shape[0]),
-                        cache.counters[:, ACCESSES].copy(), cache.counters[:, MISSES].copy(), hist)
+                        cache.counters[:, ACCESSES].copy(), cache.counters[:, MISSES].copy(), hist,
+                        cache.split.service, cache.served.copy())
 
 
 class _FirstCompile(event.Listener):
@@ -219,10 +233,43 @@ def _init_worker(trace: Trace) -> None:
     _WORKER_TRACE = trace
 
 
-def _run_one(args: tuple[str, int, bool]) -> ReplayResult:
-    policy, slots, use_logits = args
+def _run_one(args: tuple[str, int, bool, MissSplit | None]) -> ReplayResult:
+    policy, slots, use_logits, split = args
     assert _WORKER_TRACE is not None
-    return replay(_WORKER_TRACE, policy, slots, use_logits=use_logits)
+    return replay(_WORKER_TRACE, policy, slots, use_logits=use_logits, split=split)
+
+
+def _run_jobs(trace: Trace, jobs: list[tuple[str, int, bool, MissSplit | None]], workers: int | None,
+              progress: bool) -> list[ReplayResult]:
+    """replay() of every job (policy, slots, use_logits, split), in processes; results in job order."""
+    workers = min(workers or os.cpu_count() or 1, len(jobs))
+    bar = tqdm(total=len(jobs), desc="replay", unit="run", disable=not progress, leave=False)
+    results: dict[int, ReplayResult] = {}
+    if workers <= 1:
+        for i, job in enumerate(jobs):
+            results[i] = _replay_job(trace, job)
+            bar.update()
+    else:
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        with ProcessPoolExecutor(workers, mp.get_context(method), _init_worker, (trace,)) as ex:
+            futures = {ex.submit(_run_one, job): i for i, job in enumerate(jobs)}
+            for fut in as_completed(futures):
+                results[futures[fut]] = fut.result()
+                bar.update()
+    bar.close()
+    return [results[i] for i in range(len(jobs))]
+
+
+def _replay_job(trace: Trace, job: tuple[str, int, bool, MissSplit | None]) -> ReplayResult:
+    policy, slots, use_logits, split = job
+    return replay(trace, policy, slots, use_logits=use_logits, split=split)
+
+
+def sweep_splits(trace: Trace, jobs: list[tuple[str, int, MissSplit]], *, workers: int | None = None,
+                 progress: bool = True, use_logits: bool = True) -> list[ReplayResult]:
+    """Replay every (policy, slots, split) job (the kernels compiled already: run after `sweep`);
+    results in job order. Raises what `replay` raises."""
+    return _run_jobs(trace, [(p, int(s), use_logits, sp) for p, s, sp in jobs], workers, progress)
 
 
 def sweep(trace: Trace, policies: list[str], slots: list[int], *, workers: int | None = None,
@@ -245,20 +292,6 @@ def sweep(trace: Trace, policies: list[str], slots: list[int], *, workers: int |
     warm_up(trace, policies, use_logits=use_logits, say=say_compiling)
     rank = {p: i for i, p in enumerate(SLOWEST_FIRST)}
     order = sorted(policies, key=lambda p: rank.get(p, len(rank)))
-    jobs = [(p, int(s), use_logits) for p in order for s in sorted(slots)]
-    workers = min(workers or os.cpu_count() or 1, len(jobs))
-    bar = tqdm(total=len(jobs), desc="replay", unit="run", disable=not progress, leave=False)
-    results: dict[tuple[str, int], ReplayResult] = {}
-    if workers <= 1:
-        for job in jobs:
-            results[job[:2]] = replay(trace, job[0], job[1], use_logits=use_logits)
-            bar.update()
-    else:
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        with ProcessPoolExecutor(workers, mp.get_context(method), _init_worker, (trace,)) as ex:
-            futures = {ex.submit(_run_one, job): job for job in jobs}
-            for fut in as_completed(futures):
-                results[futures[fut][:2]] = fut.result()
-                bar.update()
-    bar.close()
+    jobs = [(p, int(s), use_logits, None) for p in order for s in sorted(slots)]
+    results = {job[:2]: r for job, r in zip(jobs, _run_jobs(trace, jobs, workers, progress))}
     return [results[(p, int(s))] for p in policies for s in slots]

@@ -294,4 +294,4 @@ class DeviceCache:
             return x.detach().cpu().numpy().copy()
         glob = h(self.gst)[: len(self.policy.glob_fields)]
         return Snapshot(h(self.slot_of), h(self.key_of), PolicyState(h(self.kst), h(self.sst), glob),
-                        h(self.clock), h(self.counters))
+                        h(self.clock), h(self.counters), np.zeros(self.geometry.num_layers, np.int64))

@@ -164,6 +164,20 @@ class Policy:
         victims are chosen (slot_of: the slot map before the call): for a policy that learns from
         the whole call (markov). Default: nothing."""
 
+    def miss_priority(self, st: PolicyState, clk: Clock, keys: np.ndarray, access: np.ndarray) -> np.ndarray:
+        """int64 per missing key (ascending, none resident) of how strongly the policy expects it to be used
+        again soon, read after the call's hits are touched and before its victims are chosen: the split
+        (expertcache.split) copies the misses of highest priority and serves the others on the CPU.
+        Default, for policies whose state is per slot: a fixed draw per (key, call clock)
+        (expertcache.split.hash_priority), which beat copying the lowest keys on the real traces."""
+        from expertcache.split import hash_priority
+
+        return hash_priority(keys, clk.step)
+
+    def on_served(self, st: PolicyState, clk: Clock, keys: np.ndarray, access: np.ndarray) -> None:
+        """The missing `keys` were served on the CPU (used, but given no slot). Default: nothing, for
+        policies whose state is per slot."""
+
     def describe(self) -> str:
         return self.name
 

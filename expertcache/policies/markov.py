@@ -431,6 +431,11 @@ class Markov(Policy):
         d = np.where(lk > l, lk - l, L - l + lk)
         return st.key[V, keys] - d * self.beta_q
 
+    def miss_priority(self, st: PolicyState, clk: Clock, keys, access) -> np.ndarray:
+        """The score each missing key would have if resident: its prediction V, which observe has just
+        set for every key the call routes to."""
+        return self.scores(st, clk, keys, None)
+
     def observe(self, st: PolicyState, clk: Clock, keys: np.ndarray, slot_of: np.ndarray) -> None:
         E, l, J = clk.num_experts, clk.layer, self.lags
         base = l * E

@@ -266,6 +266,14 @@ class Rule(Policy):
 
     on_install = on_hit
 
+    def on_served(self, st: PolicyState, clk: Clock, keys, access) -> None:
+        """A miss served on the CPU was used: its per-key state records the use, as a hit's does."""
+        self.on_hit(st, clk, keys, None, access)
+
+    def miss_priority(self, st: PolicyState, clk: Clock, keys, access) -> np.ndarray:
+        """The score each missing key would have if resident (recency and decayed frequency)."""
+        return self.scores(st, clk, keys, None)
+
     def scores(self, st: PolicyState, clk: Clock, keys, slots) -> np.ndarray:
         L, l, tok = clk.num_layers, clk.layer, clk.tok
         lk = keys // clk.num_experts

@@ -57,7 +57,10 @@ def test_no_arguments_replays_the_embedded_gemma_trace_and_says_where_it_is_from
     assert lines[2] == ("expert shape assumed: 4,336,640 B per routed expert (meta.expert_bytes) and a hidden size "
                         "of 2048 for the router's bytes, as the trace's meta has no hidden_size / "
                         "moe_intermediate_size and no built-in model has 128 experts top-6")
-    assert lines[-5:] == DEFAULT_CHOICES.splitlines() + [""]
+    at = lines.index(DEFAULT_CHOICES.splitlines()[0])
+    assert lines[at:at + 4] == DEFAULT_CHOICES.splitlines()
+    assert lines[at + 4].startswith("miss service, modeled on host h100-host")
+    assert lines[-5:] == DEFAULT_SERVICE_CHOICES.splitlines() + [""]
 
 
 # The choice lines of `expertcache sim` on its embedded default (gemma-4, cost model `engine`).
@@ -67,6 +70,13 @@ next-token (knows the next token) an oracle to compare with:
   384 slots (10.0 %): markov 133.2 tok/s, 1.189x lru's; limit: belady 191.6; oracle: next-token 130.3
   768 slots (20.0 %): lfuda 204.2 tok/s, 1.104x lru's; limit: belady 304.3; oracle: next-token 195.4
   1,152 slots (30.0 %): lfuda 301.7 tok/s, 1.081x lru's; limit: belady 404.3; oracle: next-token 285.7
+"""
+# ... and of its miss services on the default host (copy and hybrid)
+DEFAULT_SERVICE_CHOICES = """\
+choice of miss service by modeled tok/s (never an oracle):
+  384 slots: hybrid with rule, 157.2 tok/s, 1.18x the best copy (markov, 133.2)
+  768 slots: hybrid with rule, 218.6 tok/s, 1.07x the best copy (lfuda, 204.2)
+  1,152 slots: copy with lfuda, 301.7 tok/s
 """
 
 

@@ -277,7 +277,7 @@ OLD_JSON_SHA256 = "4152adeec89e5a91906a2cd2cb98a8be2f8e358fe481415796ab4601d96f7
 
 def test_without_the_new_flags_the_output_is_the_old_one(capsys):
     argv = ["sim", "--preset", "mixtral", "--tokens", "60", "--seed", "4", "--policies", "lru,rule,belady",
-            "--slots", "64,128", "--workers", "1"]
+            "--slots", "64,128", "--workers", "1", "--miss-service", "copy"]  # the miss services: test_service.py
     assert main(argv) == 0
     assert capsys.readouterr().out == OLD_TABLE
     assert main(argv + ["--json"]) == 0

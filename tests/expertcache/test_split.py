@@ -1,0 +1,177 @@
+"""The miss split: its table, and the host reference and the compiled replay agreeing on it bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from expertcache import CPU_SLOT, NO_KEY, NO_SLOT, CacheGeometry, ChannelCosts, HostCache, MissSplit, policy_names
+from expertcache.replay import run_calls
+from expertcache.split import SPLIT_LEN, rank_misses
+from sim.belady import Belady
+
+POLICIES = policy_names()
+
+
+def _table(**costs) -> MissSplit:
+    return MissSplit.hybrid(ChannelCosts(**costs))
+
+
+def test_copy_and_cpu_tables():
+    assert MissSplit.copy().copies.tolist() == list(range(SPLIT_LEN))
+    assert MissSplit.copy().copies_all and not MissSplit.cpu().copies_all
+    assert not MissSplit.cpu().copies.any()
+
+
+def test_hybrid_table_is_the_brute_force_balance():
+    costs = ChannelCosts(link_fixed_us=20.0, link_per_expert_us=170.0, cpu_fixed_us=15.0, cpu_per_expert_us=210.0)
+    split = MissSplit.hybrid(costs)
+    for m in range(40):
+        times = [max(costs.link_us(c), costs.cpu_us(m - c)) for c in range(m + 1)]
+        best = min(times)
+        assert split.copies_for(m) == max(c for c, t in enumerate(times) if t == best)
+    # both channels busy once a call has a few misses; about link / (link + cpu) of them copied
+    assert split.copies_for(1) == 1 and 0 < split.copies_for(10) < 10
+    assert abs(split.copies_for(1000) / 1000 - 210 / 380) < 0.01
+
+
+def test_hybrid_table_ties_go_to_the_link():
+    split = _table(link_fixed_us=0.0, link_per_expert_us=1.0, cpu_fixed_us=0.0, cpu_per_expert_us=1.0)
+    assert [split.copies_for(m) for m in range(6)] == [0, 1, 1, 2, 2, 3]
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(link_fixed_us=-1.0), "link_fixed_us"), (dict(cpu_per_expert_us=float("nan")), "cpu_per_expert_us"),
+    (dict(link_per_expert_us=0.0), "link_per_expert_us"), (dict(cpu_fixed_us="1"), "cpu_fixed_us"),
+])
+def test_bad_costs_name_the_field(bad, field):
+    args = dict(link_fixed_us=1.0, link_per_expert_us=1.0, cpu_fixed_us=1.0, cpu_per_expert_us=1.0) | bad
+    with pytest.raises(ValueError, match=field):
+        ChannelCosts(**args)
+
+
+def test_bad_tables_are_refused():
+    with pytest.raises(ValueError, match="--moe-miss-service"):
+        MissSplit("auto", np.zeros(SPLIT_LEN, np.int32))
+    with pytest.raises(ValueError, match=r"copies\[m\] must be in \[0, m\]"):
+        MissSplit("hybrid", np.full(SPLIT_LEN, 1, np.int32))
+    with pytest.raises(ValueError, match="int32"):
+        MissSplit("hybrid", np.zeros(SPLIT_LEN, np.int64))
+    with pytest.raises(ValueError, match="split must be a MissSplit"):
+        HostCache(CacheGeometry(1, 4, 4), "lru", split="hybrid")
+
+
+def test_rank_misses_prefers_priority_then_the_lower_key():
+    keys = np.array([3, 5, 8, 9], dtype=np.int64)
+    assert rank_misses(np.array([0, 7, 0, 7]), keys, 2).tolist() == [False, True, False, True]
+    assert rank_misses(np.array([0, 0, 0, 0]), keys, 3).tolist() == [True, True, True, False]
+    assert rank_misses(np.array([1, 0, 0, 0]), keys, 2).tolist() == [True, True, False, False]
+
+
+def _calls(seed: int, C: int, L: int, E: int, rows: int, k: int):
+    rng = np.random.default_rng(seed)
+    ids = np.full((C, rows, k), -1, dtype=np.int32)
+    for c in range(C):
+        for r in range(rows):
+            n = rng.integers(1, k + 1)
+            ids[c, r, :n] = rng.choice(E, n, replace=False)
+    return ids, np.tile(np.arange(L), C // L)
+
+
+# copies of m misses in a 1-8 range: half, rounded down (a mix of both channels at every m >= 2)
+HALF = MissSplit("hybrid", (np.arange(SPLIT_LEN) // 2).astype(np.int32))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_served_misses_get_no_slot_and_are_counted(policy):
+    g = CacheGeometry(3, 16, 10)
+    cache = HostCache(g, policy, split=HALF)
+    ids, layers = _calls(3, 120, 3, 16, 2, 3)
+    for c in range(ids.shape[0]):
+        before = cache.snapshot()
+        res = cache.ensure(int(layers[c]), ids[c])
+        cache.check()
+        m = res.misses
+        assert res.copies == m // 2 and res.served.shape[0] == m - m // 2
+        assert (cache.slot_of[res.served] == NO_SLOT).all(), "a served miss is not admitted"
+        assert (before.slot_of[res.served] == NO_SLOT).all()
+        E = g.num_experts
+        for key in res.served:
+            assert (res.slots[ids[c] == key - layers[c] * E] == CPU_SLOT).all()
+        valid = ids[c] >= 0
+        assert ((res.slots >= 0) | (res.slots == CPU_SLOT))[valid].all()
+        assert (res.slots[~valid] == NO_SLOT).all()
+    assert cache.served.sum() > 0 and cache.served.sum() < cache.counters[:, 2].sum()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cpu_service_admits_nothing(policy):
+    cache = HostCache(CacheGeometry(2, 8, 6), policy, split=MissSplit.cpu())
+    ids, layers = _calls(5, 40, 2, 8, 1, 2)
+    for c in range(ids.shape[0]):
+        res = cache.ensure(int(layers[c]), ids[c])
+        assert res.plan.shape == (0, 2) and res.hits == 0
+    assert (cache.key_of == NO_KEY).all()
+    assert (cache.served == cache.counters[:, 2]).all() and (cache.counters[:, 2] == cache.counters[:, 1]).all()
+
+
+@pytest.mark.parametrize("policy", ["rule", "markov"])
+def test_the_copied_misses_are_those_of_highest_priority(policy):
+    g = CacheGeometry(2, 12, 8)
+    cache = HostCache(g, policy, split=HALF)
+    seen = []
+    priority = cache.policy.miss_priority
+
+    def recorded(st, clk, keys, access):
+        out = priority(st, clk, keys, access)
+        seen.append((keys.copy(), out.copy()))
+        return out
+
+    cache.policy.miss_priority = recorded
+    ids, layers = _calls(9, 200, 2, 12, 2, 3)
+    distinct = 0
+    for c in range(ids.shape[0]):
+        seen.clear()
+        res = cache.ensure(int(layers[c]), ids[c])
+        if not res.served.shape[0]:
+            continue
+        (keys, prio), = seen
+        order = sorted(range(len(keys)), key=lambda i: (-prio[i], keys[i]))
+        assert sorted(res.plan[:, 0].tolist()) == sorted(keys[order[:res.copies]].tolist())
+        assert res.served.tolist() == sorted(keys[order[res.copies:]].tolist())
+        distinct += len(set(prio.tolist())) > 1
+    assert distinct > 10, "the priorities must differ between keys for the check to mean anything"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("split", [MissSplit.copy(), MissSplit.cpu(), HALF,
+                                   MissSplit.hybrid(ChannelCosts(5.0, 100.0, 15.0, 140.0))],
+                         ids=["copy", "cpu", "half", "hybrid"])
+def test_replay_matches_reference_with_a_split(policy, split):
+    g = CacheGeometry(6, 24, 30)
+    C, rows, k, T = 480, 2, 4, 8
+    ids, layers = _calls(11, C, 6, 24, rows, k)
+    rng = np.random.default_rng(4)
+    lidx = rng.integers(-1, 24, size=(C, rows, T)).astype(np.int32)
+    lval = rng.standard_normal((C, rows, T)).astype(np.float32)
+    ref, fast = HostCache(g, policy, split=split), HostCache(g, policy, split=split)
+    for c in range(C):
+        last = ref.ensure(int(layers[c]), ids[c], lidx[c], lval[c])
+    slots, plan = run_calls(fast, ids, layers, lidx, lval)
+    assert ref.snapshot().equals(fast.snapshot())
+    assert np.array_equal(slots, last.slots) and np.array_equal(plan, last.plan)
+    if split.service != "copy":
+        assert ref.served.sum() > 0
+
+
+def test_belady_with_a_split_copies_the_soonest_reused():
+    g = CacheGeometry(1, 8, 8)
+    ids = np.array([[[0, 1, 2, 3]], [[2, 4, -1, -1]], [[1, 5, -1, -1]]], dtype=np.int32)
+    layers = np.zeros(3, dtype=np.int64)
+    ref = HostCache(g, Belady.for_calls(g, ids, layers), split=HALF)
+    res = ref.ensure(0, ids[0])
+    assert sorted(res.plan[:, 0].tolist()) == [1, 2], "keys 2 and 1 are used next"
+    assert res.served.tolist() == [0, 3]
+    fast = HostCache(g, Belady.for_calls(g, ids, layers), split=HALF)
+    run_calls(fast, ids[:1], layers[:1])
+    assert ref.snapshot().equals(fast.snapshot())

@@ -1,0 +1,115 @@
+"""The miss services in the cost model and in `expertcache sim`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from expertcache.split import MissSplit
+from moe.cli import main
+from sim.costmodel import SHAPES, estimate_decode
+from sim.service import HOSTS, HostProfile, estimate_service
+from sim.synthetic import generate, preset
+from sim.trace import save_trace
+
+SHAPE = SHAPES["qwen3-30b-a3b"]
+
+
+def _hist(rng, tokens=50) -> np.ndarray:
+    L, q = SHAPE.num_layers, SHAPE.top_k + 1
+    hist = np.zeros((L, q), dtype=np.int64)
+    for layer in range(L):
+        np.add.at(hist[layer], rng.integers(0, q, tokens), 1)
+    return hist
+
+
+@pytest.mark.parametrize("host", sorted(HOSTS))
+def test_copy_service_is_the_plain_estimate(host):
+    h = HOSTS[host]
+    hist = _hist(np.random.default_rng(1))
+    est = estimate_service(hist, 50, SHAPE, h, MissSplit.copy())
+    ref = estimate_decode(hist, 50, SHAPE, h.gpu)
+    assert est.us_per_token == pytest.approx(ref.us_per_token, rel=1e-12)
+    assert est.served_per_token == 0 and est.cpu_us_per_token == 0
+
+
+def test_hybrid_prices_each_call_at_its_slower_channel():
+    h = HOSTS["h100-host"]
+    B = SHAPE.expert_bytes
+    split = h.split("hybrid", B)
+    hist = np.zeros((SHAPE.num_layers, SHAPE.top_k + 1), dtype=np.int64)
+    hist[:, 6] = 1  # one token, 6 misses a layer
+    c = split.copies_for(6)
+    assert 0 < c < 6
+    link = h.gpu.single_copy_us(B) - B / (h.gpu.back_to_back_gbps * 1e3) + c * B / (h.link_together_gbps * 1e3)
+    cpu = h.handoff_us + (6 - c) * B / (h.cpu_together_gbps * 1e3)
+    est = estimate_service(hist, 1, SHAPE, h, split)
+    copy = estimate_service(hist, 1, SHAPE, h, MissSplit.copy())
+    assert est.miss_us_per_token == pytest.approx(SHAPE.num_layers * max(link, cpu))
+    assert est.copies_per_token == SHAPE.num_layers * c and est.served_per_token == SHAPE.num_layers * (6 - c)
+    assert est.tokens_per_s > copy.tokens_per_s
+    # every routed expert on the CPU, alone on the DRAM: its alone rate
+    cpu_only = estimate_service(hist, 1, SHAPE, h, MissSplit.cpu())
+    assert cpu_only.miss_us_per_token == pytest.approx(SHAPE.num_layers * (h.handoff_us + 6 * B / (h.cpu_gbps * 1e3)))
+
+
+def test_faster_cpu_sends_more_to_the_cpu():
+    h = HOSTS["desktop"]
+    slow, fast = h.with_rates(cpu_gbps=20.0), h.with_rates(cpu_gbps=80.0)
+    B = SHAPE.expert_bytes
+    assert slow.split("hybrid", B).copies_for(8) > fast.split("hybrid", B).copies_for(8)
+    with pytest.raises(ValueError, match="link_together_gbps"):
+        HostProfile("x", h.gpu, 0.0, 1.0, 1.0, 1.0, "")
+
+
+@pytest.fixture(scope="module")
+def small_trace(tmp_path_factory):
+    path = tmp_path_factory.mktemp("traces") / "small.npz"
+    save_trace(generate(preset("qwen3-30b-a3b", num_tokens=40, seed=2)), path)
+    return str(path)
+
+
+def test_sim_prints_the_services_and_the_faster_one(capsys, small_trace):
+    assert main(["sim", small_trace, "--policies", "lru,markov", "--slots-frac", "0.1,0.5", "--workers", "1",
+                 "--miss-service", "copy,hybrid,cpu", "--host", "desktop"]) == 0
+    out = capsys.readouterr().out
+    assert "miss service, modeled on host desktop" in out
+    assert "choice of miss service by modeled tok/s" in out
+    section = out[out.index("miss service, modeled"):]
+    choices = [line for line in section[section.index("choice of miss service"):].splitlines()[1:] if line]
+    assert len(choices) == 2 and all(" with " in line for line in choices)
+
+
+def test_sim_json_carries_each_rows_services(capsys, small_trace):
+    assert main(["sim", small_trace, "--policies", "lru", "--slots-frac", "0.1", "--workers", "1", "--json",
+                 "--cpu-gbps", "40", "--link-gbps", "20"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    lru = [r for r in rows if r["policy"] == "lru"]
+    assert len(lru) == 1
+    services = lru[0]["miss_service"]
+    assert set(services) == {"copy", "hybrid"}
+    assert services["copy"]["tokens_per_s"] == pytest.approx(lru[0]["tokens_per_s"], rel=1e-9)
+    assert services["hybrid"]["served_per_token"] > 0 and services["hybrid"]["copies_per_token"] > 0
+    # the belady reference has no hybrid replay of next-token, but belady's own runs
+    assert all("miss_service" in r for r in rows)
+
+
+def test_copy_only_prints_no_service_section(capsys, small_trace):
+    assert main(["sim", small_trace, "--policies", "lru", "--slots-frac", "0.1", "--workers", "1",
+                 "--miss-service", "copy"]) == 0
+    assert "miss service" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--miss-service", "auto"], "--miss-service"),
+    (["--miss-service", ""], "--miss-service"),
+    (["--link-gbps", "0"], "--link-gbps"),
+    (["--cpu-gbps", "-3"], "--cpu-gbps"),
+    (["--host", "laptop"], "--host"),
+])
+def test_bad_service_flags_name_the_flag(argv, needle, small_trace, capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["sim", small_trace, *argv])
+    assert needle in str(err.value) + capsys.readouterr().err
