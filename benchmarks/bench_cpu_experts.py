@@ -7,8 +7,8 @@ beside torch, and beside the host -> device link when both run at once.
     -> CpuExperts.moe of --experts experts at each --tokens T, all of numba's threads:
        GB/s = expert_bytes * experts / time (the format's bytes read)
     -> baselines on the same calls (timed interleaved with the kernel): torch's bf16 matmul on the bf16
-       store, torch's and numpy's float32 matmul on a float32 store (the "upper" row: decoded weights,
-       float32 bytes)
+       store, torch's float32 matmul on a float32 store (the "upper" row: decoded weights, float32 bytes),
+       and numpy's float32 matmul on one thread (OpenBLAS): one core's streaming rate
     -> with CUDA and --with-link: a thread copying 64 MiB chunks back to back from a separate pinned
        region (>= 4 GiB) to the device (copy engine), alone, then while the kernel runs: each one's GB/s
        alone and together, their sum, and (link + cpu together) / link alone (target >= 1.8)
@@ -16,8 +16,8 @@ beside torch, and beside the host -> device link when both run at once.
        [min, max] over the repetitions, the CPU model, core count, numba / torch versions, the commit
 
 Run: python benchmarks/bench_cpu_experts.py [--geometry qwen3-30b|gpt-oss] [--formats bf16,fp8,...]
-     [--experts 4] [--tokens 1] [--store-gib 2] [--reps 30] [--with-link] [--out FILE]
-Runs without CUDA (no link rows then).
+     [--experts 4] [--tokens 1] [--store-gib 2] [--threads N] [--reps 30] [--with-link] [--out FILE]
+Runs without CUDA (no link rows then). The script runs itself again with THREAD_ENV set where it is not.
 """
 
 from __future__ import annotations
@@ -213,10 +213,13 @@ def bench_format(name: str, args, link: LinkLoad | None) -> dict:
     return row
 
 
-def table(rows: list[dict]) -> str:
-    lines = [TARGET if any("link" in c for r in rows for c in r["tokens"].values()) else
-             "GB/s of weight bytes read (median [min, max]); torch / numpy: the same calls with their matmuls",
-             f"{'format':>8} {'T':>2} {'expert MB':>9} {'kernel GB/s':>22} {'torch GB/s':>22} {'numpy GB/s':>22}"
+def table(rows: list[dict], threads: int) -> str:
+    lines = [f"GB/s of weight bytes read, median [min, max]: the kernel on {threads} threads, torch on "
+             f"{torch.get_num_threads()}, numpy on 1 (the same calls with their matmuls)"]
+    if any("link" in c for r in rows for c in r["tokens"].values()):
+        lines += [TARGET, "link: the copies alone; cpu|link: the kernel while they run; link|cpu: the copies while "
+                  "the kernel runs; ratio: (cpu|link + link|cpu) / link"]
+    lines += [f"{'format':>8} {'T':>2} {'expert MB':>9} {'kernel GB/s':>22} {'torch GB/s':>22} {'numpy GB/s':>22}"
              f" {'link':>6} {'cpu|link':>8} {'link|cpu':>8} {'ratio':>6}"]
     for r in rows:
         for tokens, c in r["tokens"].items():
@@ -242,6 +245,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--experts", type=int, default=4, help="experts a call")
     ap.add_argument("--tokens", default="1", help=f"comma list of tokens a call, each in 1..{MAX_TOKENS}")
     ap.add_argument("--store-gib", type=float, default=2.0, help="GiB of experts a store holds (>> the CPU caches)")
+    ap.add_argument("--threads", type=int, default=numba.config.NUMBA_NUM_THREADS,
+                    help="numba threads of the kernel (default: all cores)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--with-link", action="store_true", help="with CUDA: the copy-engine load beside the kernel")
@@ -265,11 +270,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--tokens: each in 1..{MAX_TOKENS}")
     if args.experts < 1 or args.reps < 1 or args.store_gib <= 0:
         ap.error("--experts and --reps must be >= 1 and --store-gib > 0")
+    if not 1 <= args.threads <= numba.config.NUMBA_NUM_THREADS:
+        ap.error(f"--threads: in 1..{numba.config.NUMBA_NUM_THREADS} (NUMBA_NUM_THREADS)")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    numba.set_num_threads(args.threads)
     link = None
     if args.with_link:
         if not torch.cuda.is_available():
@@ -279,7 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [bench_format(name, args, link) for name in args.formats]
     h, i, activation, bias = args.shape
     doc = {"bench": "cpu_experts", "machine": benchmeta.cpu_machine(), "torch_threads": torch.get_num_threads(),
-           "threading_layer": numba.threading_layer(), "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+           "threading_layer": numba.threading_layer(), "kernel_threads": args.threads,
+           "thread_env": {k: os.environ.get(k) for k in THREAD_ENV},
            "geometry": {"name": args.geometry, "hidden": h, "intermediate": i, "activation": activation,
                         "expert_bias": bias},
            "experts": args.experts, "reps": args.reps, "store_gib": args.store_gib, "with_link": link is not None,
@@ -288,13 +297,15 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {out}")
-    print(table(rows))
+    print(table(rows, args.threads))
 
+
+# Thread pools that read their settings once, at load: numba's OpenMP workers share torch's libgomp, whose
+# spinning waiters stall a call by whole scheduler ticks wherever threads outnumber the free cores (a VM's
+# vCPUs, the link thread beside them); numpy's OpenBLAS baseline is the one-core streaming rate.
+THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_NUM_THREADS": "1"}
 
 if __name__ == "__main__":
-    if "OMP_WAIT_POLICY" not in os.environ:
-        # numba's OpenMP workers share torch's libgomp, which read its settings when torch was imported: run
-        # again with waiting workers that sleep, as spinning ones stall a call by whole scheduler ticks
-        # wherever threads outnumber the free cores (a VM's vCPUs, the link thread beside them)
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    if any(k not in os.environ for k in THREAD_ENV):  # run again with them set (a value given is kept)
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**THREAD_ENV, **os.environ})
     main()

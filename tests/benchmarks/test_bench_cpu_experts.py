@@ -23,7 +23,8 @@ def test_a_tiny_run_writes_every_figure_with_its_spread(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert {"cpu", "cores", "numba", "torch", "commit"} <= set(doc["machine"])
-    assert doc["omp_wait_policy"] == "PASSIVE" and doc["geometry"]["hidden"] == 256
+    assert doc["thread_env"] == {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_NUM_THREADS": "1"}
+    assert doc["geometry"]["hidden"] == 256 and doc["kernel_threads"] >= 1
     rows = {r["format"]: r for r in doc["rows"]}
     assert list(rows) == ["bf16", "int4", "float32"]
     for name, row in rows.items():
@@ -41,6 +42,7 @@ def test_a_tiny_run_writes_every_figure_with_its_spread(tmp_path):
     (["--formats", "bf16,fp4"], "--formats"),
     (["--tokens", "0,1"], "--tokens: each in 1..8"),
     (["--tokens", "one"], "not a comma list of ints"),
+    (["--threads", "0"], "--threads"),
 ])
 def test_bad_options_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
