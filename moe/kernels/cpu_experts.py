@@ -3,24 +3,27 @@
     x [T, H] float32, ids [T, k] int32 (expert of MoE layer `layer`, -1: not the CPU's), weights [T, k]
         │ plan (serial): units = the distinct keys layer * E + id in order of first appearance, each with
         │                its tokens in increasing order; unit_of / pos_of [T, k] locate (t, j)'s result
-        ├─ gate_up_rows  prange over (unit, GATE_UP_ROWS block of i): act[u, tt, i] =
-        │                act(gate_i · x[tok] + b_gate_i, up_i · x[tok] + b_up_i)        [U, T, I]
-        ├─ down_rows     prange over (unit, DOWN_ROWS block of o): y[u, tt, o] = down_o · act[u, tt] + b_o
-        └─ combine_rows  prange over COMBINE_ROWS blocks of o:
-                         out[t, o] = Σ_{j ascending, ids[t, j] >= 0} weights[t, j] * y[unit_of[t, j], pos_of[t, j], o]
+        ├─ gate_up_rows  prange over (unit, GATE_UP_ROWS block of i): act[u, t, i] =
+        │                act(gate_i · x[t] + b_gate_i, up_i · x[t] + b_up_i), t the unit's tokens   [U, T, I]
+        ├─ down_rows     prange over (unit, DOWN_ROWS block of o): y[u, tt, o] = down_o · act[u, t] + b_o
+        │                (tt: t's place among the unit's tokens)
+        └─ combine_rows  serial: out[t, o] = Σ_{j ascending, ids[t, j] >= 0} weights[t, j] * y[u, tt, o]
+                         with (u, tt) = (unit_of[t, j], pos_of[t, j])
 
 Legend: T = tokens (1..MAX_TOKENS), H = hidden, I = expert width, k = top_k, E = experts a layer,
 U = units (<= T * k). act = silu(gate) * up, or gpt-oss's (clamp(up, -l, l) + 1) * g * sigmoid(alpha g)
-with g = min(gate, l) (moe.model.reference.gated_activation). Each key's weights are read once per call,
-for all of its tokens (a row's bytes are re-read from L1 per token), and decoded in registers by the
-format's row dot (moe.kernels.cpu_decode). The packed 4-bit formats take their input as [even | odd]
-halves: x is deinterleaved once per call and gate_up_rows writes act in that order.
+with g = min(gate, l) (moe.model.reference.gated_activation). Each key's weights are read from memory once
+per call, for all of its tokens, and decoded in registers by the format's row dots (moe.kernels.cpu_dots:
+one token fused, more in passes of 4 that decode each byte once a pass). The packed 4-bit formats take
+their input as [even | odd] halves: x is deinterleaved once per call and gate_up_rows writes act so.
 
 Every output element is computed by one work item in one fixed order, so results are bitwise equal
 for any thread count or schedule. The three phase functions work on a row range of one key and are
 plain njit functions: the prange driver `moe_kernel` is one caller, a persistent worker pool another.
 They release the GIL; scratch (act, y, the plan) belongs to the CpuExperts, so one call runs at a time
-per instance (a lock).
+per instance (a lock). numba's OpenMP threads share torch's libgomp: set OMP_WAIT_POLICY=PASSIVE before
+torch is imported wherever threads may outnumber free cores (a VM, a copy thread beside the kernel),
+where spinning waiters stall a call by scheduler ticks.
 """
 
 from __future__ import annotations
@@ -35,38 +38,23 @@ from numba import njit, prange
 from expertcache.formats import bank_name
 from expertcache.numba_cache import drop_stale_kernels
 from expertcache.pool import HostStore
-from moe.kernels import cpu_decode
-from moe.kernels.cpu_decode import (
-    FASTMATH,
-    KERNEL,
-    WORD_BF16,
-    WORD_F16,
-    deinterleave,
-    rows_f32,
-    rows_fp8,
-    rows_int4,
-    rows_mxfp4,
-    rows_nvfp4,
-    rows_words,
-    stack_array,
-    word_f32,
-)
+from moe.kernels import cpu_decode, cpu_dots
+from moe.kernels.cpu_decode import FASTMATH, KERNEL, WORD_BF16, WORD_F16, deinterleave, stack_array, word_f32
+from moe.kernels.cpu_dots import rows_dense, rows_fp8, rows_int4, rows_mxfp4, rows_nvfp4
 from moe.model.config import ACTIVATIONS, EXPERT_BIAS_BANKS, MoEConfig
 from moe.model.slot_matrix import CODES
 
 MAX_TOKENS = 8
-TOKENS = np.arange(MAX_TOKENS, dtype=np.int64)  # down's inputs are act's rows in order
 GATE_UP_ROWS = 16  # intermediate rows (each a gate and an up row) of a gate_up work item
 DOWN_ROWS = 64  # output rows of a down work item
-COMBINE_ROWS = 512  # output columns of a combine work item
 DENSE, FP8, NVFP4, MXFP4, INT4 = 0, CODES["fp8"], CODES["nvfp4"], CODES["mxfp4"], CODES["int4"]
 WORD_F32 = 2  # a dense float32 matrix / float32 biases (beside cpu_decode's 16-bit words)
 NO_BIAS = -1
 SILU, SWIGLU_CLAMPED = ACTIVATIONS.index("silu"), ACTIVATIONS.index("swiglu_clamped")
 WORDS = {"bfloat16": WORD_BF16, "float16": WORD_F16, "float32": WORD_F32}
 
-# the kernels here inline cpu_decode's: recompile them when it changes
-drop_stale_kernels(__file__, (cpu_decode,))
+# the kernels here inline cpu_decode's and cpu_dots': recompile them when one of those changes
+drop_stale_kernels(__file__, (cpu_decode, cpu_dots))
 
 
 class Matrix(NamedTuple):
@@ -104,8 +92,8 @@ class Scratch(NamedTuple):
     """A call's intermediate arrays, made once per CpuExperts (U = MAX_TOKENS * top_k units at most)."""
 
     xin: np.ndarray  # float32 [MAX_TOKENS, H]: x in gate_up's input order
-    act: np.ndarray  # float32 [U, MAX_TOKENS, I]: a unit's activations, in down's input order
-    y: np.ndarray  # float32 [U, MAX_TOKENS, H]: a unit's expert outputs
+    act: np.ndarray  # float32 [U, MAX_TOKENS, I]: a unit's activations by token, in down's input order
+    y: np.ndarray  # float32 [U, MAX_TOKENS, H]: a unit's expert outputs by place among its tokens
     unit_key: np.ndarray  # int64 [U]
     unit_tok: np.ndarray  # int64 [U, MAX_TOKENS]: a unit's tokens, increasing
     unit_m: np.ndarray  # int64 [U]: its token count
@@ -120,9 +108,9 @@ def rows_dot(m, spec, key, r0, r1, xin, toks, ntok, out, col0):
     n = m.cols
     if spec.fmt == DENSE:
         if spec.word == WORD_F32:
-            rows_f32(m.floats[key], n, r0, r1, xin, toks, ntok, out, col0)
+            rows_dense(m.floats[key], n, r0, r1, xin, toks, ntok, out, col0, spec.word)
         else:
-            rows_words(m.words[key], n, r0, r1, xin, toks, ntok, out, col0, spec.word)
+            rows_dense(m.words[key], n, r0, r1, xin, toks, ntok, out, col0, spec.word)
     elif spec.fmt == FP8:
         rows_fp8(m.q[key], m.s32[key], n, m.rows, r0, r1, xin, toks, ntok, out, col0)
     elif spec.fmt == INT4:
@@ -160,28 +148,32 @@ _gate_up_block = stack_array(MAX_TOKENS, 2 * GATE_UP_ROWS)  # [tt, gate rows | u
 
 @njit(**KERNEL)
 def gate_up_rows(gu, spec, key, i0, i1, xin, toks, ntok, act):
-    """act[tt, p(i)] = activation(gate_i · xin[toks[tt]] + b_gate_i, up_i · xin[toks[tt]] + b_up_i) of key `key`
-    for i in [i0, i1), tt < ntok; p(i) is down's input order ([even | odd] when spec.packed). xin float32
-    [*, H] in gate_up's input order, toks int64 [>= ntok], act float32 [>= ntok, I]."""
+    """act[toks[tt], p(i)] = activation(gate_i · xin[toks[tt]] + b_gate_i, up_i · xin[toks[tt]] + b_up_i) of key
+    `key` for i in [i0, i1), tt < ntok; p(i) is down's input order ([even | odd] when spec.packed). xin float32
+    [*, H] in gate_up's input order, toks int64 [>= ntok] (token rows), act float32 [*, I]."""
     inter = gu.rows
     half = inter // 2
     block = _gate_up_block()
+    # the block's columns of gate and up rows; np.int64 keeps a constant from typing as a literal, which
+    # would compile every row function once more for it
+    gate_col, up_col = np.int64(0), np.int64(GATE_UP_ROWS)
     for b0 in range(i0, i1, GATE_UP_ROWS):
         b1 = min(i1, b0 + GATE_UP_ROWS)
-        rows_dot(gu, spec, key, b0, b1, xin, toks, ntok, block, 0)
-        rows_dot(gu, spec, key, inter + b0, inter + b1, xin, toks, ntok, block, GATE_UP_ROWS)
+        rows_dot(gu, spec, key, b0, b1, xin, toks, ntok, block, gate_col)
+        rows_dot(gu, spec, key, inter + b0, inter + b1, xin, toks, ntok, block, up_col)
         for i in range(b0, b1):
             p = (i & 1) * half + (i >> 1) if spec.packed else i
             b_gate, b_up = bias_of(gu, spec, key, i), bias_of(gu, spec, key, inter + i)
             for tt in range(ntok):
-                act[tt, p] = activation(block[tt, i - b0] + b_gate, block[tt, GATE_UP_ROWS + i - b0] + b_up, spec)
+                gate, up = block[tt, gate_col + i - b0] + b_gate, block[tt, up_col + i - b0] + b_up
+                act[toks[tt], p] = activation(gate, up, spec)
 
 
 @njit(**KERNEL)
-def down_rows(dn, spec, key, o0, o1, act, ntok, y):
-    """y[tt, o] = down_o · act[tt] + b_o of key `key` for o in [o0, o1), tt < ntok. act float32 [>= ntok, I] in
-    down's input order, y float32 [>= ntok, H]."""
-    rows_dot(dn, spec, key, o0, o1, act, TOKENS, ntok, y, o0)
+def down_rows(dn, spec, key, o0, o1, act, toks, ntok, y):
+    """y[tt, o] = down_o · act[toks[tt]] + b_o of key `key` for o in [o0, o1), tt < ntok. act float32 [*, I] in
+    down's input order (gate_up_rows' output), toks int64 [>= ntok], y float32 [>= ntok, H]."""
+    rows_dot(dn, spec, key, o0, o1, act, toks, ntok, y, o0)
     if spec.bias != NO_BIAS:
         for o in range(o0, o1):
             b = bias_of(dn, spec, key, o)
@@ -259,11 +251,9 @@ def moe_kernel(gu, dn, spec, layer, num_experts, x, ids, weights, out, sc):
     for item in prange(n * blocks):
         u, b = item // blocks, item % blocks
         down_rows(dn, spec, sc.unit_key[u], b * DOWN_ROWS, min(hidden, (b + 1) * DOWN_ROWS), sc.act[u],
-                  sc.unit_m[u], sc.y[u])
-    blocks = (hidden + COMBINE_ROWS - 1) // COMBINE_ROWS
-    for b in prange(blocks):
-        combine_rows(b * COMBINE_ROWS, min(hidden, (b + 1) * COMBINE_ROWS), sc.unit_of[:tokens], sc.pos_of[:tokens],
-                     weights, sc.y, out)
+                  sc.unit_tok[u], sc.unit_m[u], sc.y[u])
+    # serial: T * k * H multiply-adds cost less than waking the threads for a third parallel region
+    combine_rows(0, hidden, sc.unit_of[:tokens], sc.pos_of[:tokens], weights, sc.y, out)
 
 
 # (part suffix, part dtype) -> the Matrix field that holds it
