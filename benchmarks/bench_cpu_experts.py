@@ -140,7 +140,7 @@ class LinkLoad:
     stream), counting bytes and seconds between `start` and `stop`."""
 
     def __init__(self) -> None:
-        self.src = torch.empty(LINK_REGION, dtype=torch.uint8).pin_memory()
+        self.src = torch.empty(LINK_REGION, dtype=torch.uint8, pin_memory=True)
         self.dst = torch.empty(LINK_CHUNK, dtype=torch.uint8, device="cuda")
         self.stream = torch.cuda.Stream()
         self.running = False
@@ -246,7 +246,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tokens", default="1", help=f"comma list of tokens a call, each in 1..{MAX_TOKENS}")
     ap.add_argument("--store-gib", type=float, default=2.0, help="GiB of experts a store holds (>> the CPU caches)")
     ap.add_argument("--threads", type=int, default=numba.config.NUMBA_NUM_THREADS,
-                    help="numba threads of the kernel (default: all cores)")
+                    help="numba threads of the kernel (default: all cores; with --with-link, one fewer leaves the "
+                         "copy thread a core)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--with-link", action="store_true", help="with CUDA: the copy-engine load beside the kernel")
