@@ -195,3 +195,25 @@ def test_a_store_of_another_format_or_shape_is_refused():
         CpuExperts(store, MoEConfig(hidden=H, num_experts=E, top_k=K, expert_intermediate=64, expert_format="fp8"))
     with pytest.raises(ValueError, match="num_experts=3"):
         CpuExperts(store, MoEConfig(hidden=H, num_experts=3, top_k=2, expert_intermediate=I, expert_format="fp8"))
+
+
+def test_a_format_or_activation_without_a_kernel_is_refused_by_field(monkeypatch):
+    """Guards for formats and activations added after these kernels: named by their MoEConfig field."""
+    import moe.kernels.cpu_experts as cpu_experts
+
+    cfg, store = make_experts("mxfp4")
+    monkeypatch.setattr(cpu_experts, "CODES", {k: v for k, v in cpu_experts.CODES.items() if k != "mxfp4"})
+    with pytest.raises(ValueError, match="MoEConfig.expert_format='mxfp4'"):
+        CpuExperts(store, cfg)
+    monkeypatch.undo()
+    cfg = MoEConfig(hidden=H, num_experts=E, top_k=K, expert_intermediate=I, expert_format="mxfp4")
+    object.__setattr__(cfg, "activation", "gelu")  # MoEConfig refuses it; a later activation would pass
+    with pytest.raises(ValueError, match="MoEConfig.activation='gelu'"):
+        CpuExperts(store, cfg)
+
+
+@pytest.mark.parametrize("value, word, want", [(np.float32(1.5), 0, 1.5), (0x4020, 0, 2.5), (0x4280, 1, 3.25)])
+def test_as_f32_reads_a_dense_element_by_its_word(value, word, want):
+    from moe.kernels.cpu_dots import as_f32
+
+    assert as_f32(value, word) == np.float32(want)
