@@ -18,12 +18,13 @@ one token fused, more in passes of 4 that decode each byte once a pass). The pac
 their input as [even | odd] halves: x is deinterleaved once per call and gate_up_rows writes act so.
 
 Every output element is computed by one work item in one fixed order, so results are bitwise equal
-for any thread count or schedule. The three phase functions work on a row range of one key and are
-plain njit functions: the prange driver `moe_kernel` is one caller, a persistent worker pool another.
-They release the GIL; scratch (act, y, the plan) belongs to the CpuExperts, so one call runs at a time
-per instance (a lock). numba's OpenMP threads share torch's libgomp: set OMP_WAIT_POLICY=PASSIVE before
-torch is imported wherever threads may outnumber free cores (a VM, a copy thread beside the kernel),
-where spinning waiters stall a call by scheduler ticks.
+for any thread count or schedule (the order does depend on the routing: an expert with one token takes
+the fused dot, one with more the 4-token passes, which may differ in the last bits). The three phase
+functions work on a row range of one key and are plain njit functions: the prange driver `moe_kernel`
+is one caller, a persistent worker pool another. They release the GIL; scratch (act, y, the plan)
+belongs to the CpuExperts, so one call runs at a time per instance (a lock). numba's OpenMP threads share
+torch's libgomp: set OMP_WAIT_POLICY=PASSIVE before torch is imported wherever threads may outnumber free
+cores (a VM, a copy thread beside the kernel), where spinning waiters stall a call by scheduler ticks.
 """
 
 from __future__ import annotations
