@@ -1,6 +1,7 @@
-"""What every GPU benchmark records beside its numbers: the GPU, the software versions, the commit.
+"""What every benchmark records beside its numbers: the machine, the software versions, the commit.
 
     machine() -> {gpu, sms, l2_bytes, torch, triton, cuda, commit, date}
+    cpu_machine() -> {cpu, cores, numba, numpy, torch, commit, date} (+ gpu where CUDA is present)
     d2d_bandwidth() / link_bandwidth(): the device's copy bandwidth and the host link's, measured in the
     run (the floors and limits the benchmarks divide by)
 
@@ -16,19 +17,57 @@ import time
 from pathlib import Path
 
 
+def commit() -> str:
+    """EXPERTCACHE_COMMIT, else the checkout's HEAD, else "unknown"."""
+    head = os.environ.get("EXPERTCACHE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent,
+        check=False).stdout.strip()
+    return head or "unknown"
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def machine() -> dict:
     import torch
     import triton
 
-    commit = os.environ.get("EXPERTCACHE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent,
-        check=False).stdout.strip()
     props = torch.cuda.get_device_properties(0)
     return {"gpu": props.name, "sms": props.multi_processor_count,
             "l2_bytes": getattr(props, "L2_cache_size", None),  # a working set under it flatters reads
             "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda, "commit": commit or "unknown",
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "triton": triton.__version__, "cuda": torch.version.cuda, "commit": commit(), "date": now()}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo, else lscpu), or "unknown"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def cpu_machine() -> dict:
+    """The machine of a CPU benchmark: the CPU model, the cores this process may use, numba's threads, the
+    versions of numba / numpy / torch, the commit; the GPU's name where CUDA is present. Needs no GPU."""
+    import numba
+    import numpy as np
+    import torch
+
+    info = {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(), "numba_threads": numba.get_num_threads(), "numba": numba.__version__,
+            "numpy": np.__version__, "torch": torch.__version__, "commit": commit(), "date": now()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
 
 
 def d2d_bandwidth(reps: int = 20) -> float:

@@ -27,16 +27,13 @@ running step 1 at each call.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-from pathlib import Path
-
 import numpy as np
 from numba import njit
 
 from expertcache import split, victim_index
 from expertcache.errors import EnsureError
 from expertcache.geometry import CPU_SLOT, CacheGeometry, distinct_counts
+from expertcache.numba_cache import drop_stale_kernels
 from expertcache.policies import base, lfuda, lru, markov, oracle, rule
 from expertcache.policies.base import (
     CLK_EXPERTS,
@@ -50,28 +47,8 @@ from expertcache.policies.base import (
 from expertcache.split import HASH_GOLDEN, HASH_MIX, HASH_STEP
 from expertcache.victim_index import FREE, ix_best, ix_fill, ix_new, ix_set
 
-
-def _drop_stale_kernels() -> None:
-    """numba revalidates a cached kernel by this file's timestamp only, but the kernels
-    inline the policy modules and the victim index: when one of those changes, drop this
-    file's cached kernels so they are compiled again. (With NUMBA_CACHE_DIR set, numba
-    keeps its cache elsewhere and this does nothing.)"""
-    cache = Path(__file__).with_name("__pycache__")
-    deps = (lfuda, lru, markov, oracle, rule, victim_index, base, split)
-    digest = hashlib.sha256(b"".join(inspect.getsource(m).encode() for m in deps)).hexdigest()
-    stamp = cache / f"{Path(__file__).stem}.kernel-deps.sha256"
-    try:
-        if stamp.exists() and stamp.read_text() == digest:
-            return
-        for f in cache.glob(f"{Path(__file__).stem}.*.nb[ic]"):
-            f.unlink(missing_ok=True)
-        cache.mkdir(exist_ok=True)
-        stamp.write_text(digest)
-    except OSError:
-        pass  # a read-only install: numba cannot cache there either
-
-
-_drop_stale_kernels()
+# the kernels inline the policy modules, the victim index and the split's hash: recompile them when one changes
+drop_stale_kernels(__file__, (lfuda, lru, markov, oracle, rule, victim_index, base, split))
 
 
 @njit(cache=True)

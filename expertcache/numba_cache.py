@@ -1,0 +1,35 @@
+"""numba's on-disk kernel cache, kept consistent with the modules a cached kernel inlines.
+
+numba revalidates a cached kernel by the timestamp of the file that defines it only. A kernel that
+inlines functions of other modules (the replay's policy verbs, the CPU experts' format decoders) would
+keep running the old code after one of those changes: `drop_stale_kernels` drops the file's cached
+kernels whenever the source of those modules differs from what they were compiled with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+
+
+def drop_stale_kernels(path: str, deps: Iterable[ModuleType]) -> None:
+    """Delete the cached kernels of the module at `path` (its __pycache__/<stem>.*.nbi / .nbc) when the source
+    of `deps` changed since the last call, so numba compiles them again. Cost: hashing the deps' source
+    once per import. With NUMBA_CACHE_DIR set, numba keeps its cache elsewhere and this does nothing; a
+    read-only install (where numba cannot cache either) is left alone."""
+    cache = Path(path).with_name("__pycache__")
+    stem = Path(path).stem
+    digest = hashlib.sha256(b"".join(inspect.getsource(m).encode() for m in deps)).hexdigest()
+    stamp = cache / f"{stem}.kernel-deps.sha256"
+    try:
+        if stamp.exists() and stamp.read_text() == digest:
+            return
+        for f in cache.glob(f"{stem}.*.nb[ic]"):
+            f.unlink(missing_ok=True)
+        cache.mkdir(exist_ok=True)
+        stamp.write_text(digest)
+    except OSError:
+        pass

@@ -1,0 +1,385 @@
+"""Routed experts computed on the CPU, reading each expert in place from the HostStore (numba, float32).
+
+    x [T, H] float32, ids [T, k] int32 (expert of MoE layer `layer`, -1: not the CPU's), weights [T, k]
+        │ plan (serial): units = the distinct keys layer * E + id in order of first appearance, each with
+        │                its tokens in increasing order; unit_of / pos_of [T, k] locate (t, j)'s result
+        ├─ gate_up_rows  prange over (unit, GATE_UP_ROWS block of i): act[u, t, i] =
+        │                act(gate_i · x[t] + b_gate_i, up_i · x[t] + b_up_i), t the unit's tokens   [U, T, I]
+        ├─ down_rows     prange over (unit, DOWN_ROWS block of o): y[u, tt, o] = down_o · act[u, t] + b_o
+        │                (tt: t's place among the unit's tokens)
+        └─ combine_rows  serial: out[t, o] = Σ_{j ascending, ids[t, j] >= 0} weights[t, j] * y[u, tt, o]
+                         with (u, tt) = (unit_of[t, j], pos_of[t, j])
+
+Legend: T = tokens (1..MAX_TOKENS), H = hidden, I = expert width, k = top_k, E = experts a layer,
+U = units (<= T * k). act = silu(gate) * up, or gpt-oss's (clamp(up, -l, l) + 1) * g * sigmoid(alpha g)
+with g = min(gate, l) (moe.model.reference.gated_activation). Each key's weights are read from memory once
+per call, for all of its tokens, and decoded in registers by the format's row dots (moe.kernels.cpu_dots:
+one token fused, more in passes of 4 that decode each byte once a pass). The packed 4-bit formats take
+their input as [even | odd] halves: x is deinterleaved once per call and gate_up_rows writes act so.
+
+Every output element is computed by one work item in one fixed order, so results are bitwise equal
+for any thread count or schedule (the order does depend on the routing: an expert with one token takes
+the fused dot, one with more the 4-token passes, which may differ in the last bits). The three phase
+functions work on a row range of one key and are plain njit functions: the prange driver `moe_kernel`
+is one caller, a persistent worker pool another. They release the GIL; scratch (act, y, the plan)
+belongs to the CpuExperts, so one call runs at a time per instance (a lock). numba's OpenMP threads share
+torch's libgomp: set OMP_WAIT_POLICY=PASSIVE before torch is imported wherever threads may outnumber free
+cores (a VM, a copy thread beside the kernel), where spinning waiters stall a call by scheduler ticks.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from expertcache.formats import bank_name
+from expertcache.numba_cache import drop_stale_kernels
+from expertcache.pool import HostStore
+from moe.kernels import cpu_decode, cpu_dots
+from moe.kernels.cpu_decode import FASTMATH, KERNEL, WORD_BF16, WORD_F16, deinterleave, stack_array, word_f32
+from moe.kernels.cpu_dots import rows_dense, rows_fp8, rows_int4, rows_mxfp4, rows_nvfp4
+from moe.model.config import ACTIVATIONS, EXPERT_BIAS_BANKS, MoEConfig
+from moe.model.slot_matrix import CODES
+
+MAX_TOKENS = 8
+GATE_UP_ROWS = 16  # intermediate rows (each a gate and an up row) of a gate_up work item
+DOWN_ROWS = 64  # output rows of a down work item
+DENSE, FP8, NVFP4, MXFP4, INT4 = 0, CODES["fp8"], CODES["nvfp4"], CODES["mxfp4"], CODES["int4"]
+WORD_F32 = 2  # a dense float32 matrix / float32 biases (beside cpu_decode's 16-bit words)
+NO_BIAS = -1
+SILU, SWIGLU_CLAMPED = ACTIVATIONS.index("silu"), ACTIVATIONS.index("swiglu_clamped")
+WORDS = {"bfloat16": WORD_BF16, "float16": WORD_F16, "float32": WORD_F32}
+
+# the kernels here inline cpu_decode's and cpu_dots': recompile them when one of those changes
+drop_stale_kernels(__file__, (cpu_decode, cpu_dots))
+
+
+class Matrix(NamedTuple):
+    """One expert matrix of every key as the kernels read it (gate_up: 2 stacked sub-matrices of I rows,
+    down: 1 of H). Each array is a zero-copy view of a HostStore bank flattened to [num_keys, -1], or a
+    [1, 1] placeholder for a part the format lacks."""
+
+    rows: int  # rows of one sub-matrix
+    cols: int  # in_features
+    words: np.ndarray  # uint16: bf16 / f16 dense values
+    floats: np.ndarray  # float32: float32 dense values
+    q: np.ndarray  # uint8: fp8 bytes, 4-bit codes two a byte
+    s8: np.ndarray  # uint8: nvfp4 e4m3 scales, mxfp4 e8m0 scales
+    s16: np.ndarray  # uint16: int4 bf16 / f16 scales
+    s32: np.ndarray  # float32: fp8 block scales, nvfp4 global scales (one per sub-matrix)
+    z: np.ndarray  # uint8: int4 zero points
+    bias16: np.ndarray  # uint16: bias [num_keys, stack * rows] in a 16-bit model dtype
+    bias32: np.ndarray  # float32: bias in a float32 model
+
+
+class Spec(NamedTuple):
+    """What the kernels compute: the format (CODES; DENSE 0), how its words read, the activation."""
+
+    fmt: int
+    word: int  # dense values / int4 scales: WORD_BF16, WORD_F16 (WORD_F32: a float32 dense matrix)
+    zero_points: bool  # int4 with a zero-point bank
+    packed: bool  # 4-bit codes two a byte: inputs as [even | odd]
+    bias: int  # NO_BIAS, or the biases' word (WORD_BF16, WORD_F16, WORD_F32)
+    activation: int  # SILU or SWIGLU_CLAMPED
+    alpha: float
+    limit: float
+
+
+class Scratch(NamedTuple):
+    """A call's intermediate arrays, made once per CpuExperts (U = MAX_TOKENS * top_k units at most)."""
+
+    xin: np.ndarray  # float32 [MAX_TOKENS, H]: x in gate_up's input order
+    act: np.ndarray  # float32 [U, MAX_TOKENS, I]: a unit's activations by token, in down's input order
+    y: np.ndarray  # float32 [U, MAX_TOKENS, H]: a unit's expert outputs by place among its tokens
+    unit_key: np.ndarray  # int64 [U]
+    unit_tok: np.ndarray  # int64 [U, MAX_TOKENS]: a unit's tokens, increasing
+    unit_m: np.ndarray  # int64 [U]: its token count
+    unit_of: np.ndarray  # int64 [MAX_TOKENS, k]: the unit of (t, j), -1 where ids[t, j] < 0
+    pos_of: np.ndarray  # int64 [MAX_TOKENS, k]: t's place among that unit's tokens
+
+
+@njit(**KERNEL)
+def rows_dot(m, spec, key, r0, r1, xin, toks, ntok, out, col0):
+    """out[tt, col0 + r - r0] = W'[r] · xin[toks[tt]] for the (stacked) rows r in [r0, r1) of key `key`'s matrix m
+    and tt < ntok; xin float32 [*, m.cols] in the format's input order, out float32 [>= ntok, *]."""
+    n = m.cols
+    if spec.fmt == DENSE:
+        if spec.word == WORD_F32:
+            rows_dense(m.floats[key], n, r0, r1, xin, toks, ntok, out, col0, spec.word)
+        else:
+            rows_dense(m.words[key], n, r0, r1, xin, toks, ntok, out, col0, spec.word)
+    elif spec.fmt == FP8:
+        rows_fp8(m.q[key], m.s32[key], n, m.rows, r0, r1, xin, toks, ntok, out, col0)
+    elif spec.fmt == INT4:
+        z = m.z[key] if spec.zero_points else m.z[0]
+        rows_int4(m.q[key], m.s16[key], z, n, r0, r1, xin, toks, ntok, out, col0, spec.word, spec.zero_points)
+    elif spec.fmt == NVFP4:
+        rows_nvfp4(m.q[key], m.s8[key], m.s32[key], n, m.rows, r0, r1, xin, toks, ntok, out, col0)
+    else:
+        rows_mxfp4(m.q[key], m.s8[key], n, r0, r1, xin, toks, ntok, out, col0)
+
+
+@njit(**KERNEL)
+def bias_of(m, spec, key, row):
+    """Bias of row `row` (stacked index) of key `key`'s matrix, float32 (0 without biases)."""
+    if spec.bias == NO_BIAS:
+        return np.float32(0)
+    if spec.bias == WORD_F32:
+        return m.bias32[key, row]
+    return word_f32(m.bias16[key, row], spec.bias)
+
+
+@njit(**KERNEL, fastmath=FASTMATH)
+def activation(gate, up, spec):
+    """silu(gate) * up, or gpt-oss's clamped SwiGLU (spec.activation), float32."""
+    if spec.activation == SILU:
+        return gate / (np.float32(1) + np.exp(-gate)) * up
+    limit = np.float32(spec.limit)
+    g = min(gate, limit)
+    u = max(min(up, limit), -limit)
+    return (u + np.float32(1)) * (g / (np.float32(1) + np.exp(-np.float32(spec.alpha) * g)))
+
+
+_gate_up_block = stack_array(MAX_TOKENS, 2 * GATE_UP_ROWS)  # [tt, gate rows | up rows] of a block
+
+
+@njit(**KERNEL)
+def gate_up_rows(gu, spec, key, i0, i1, xin, toks, ntok, act):
+    """act[toks[tt], p(i)] = activation(gate_i · xin[toks[tt]] + b_gate_i, up_i · xin[toks[tt]] + b_up_i) of key
+    `key` for i in [i0, i1), tt < ntok; p(i) is down's input order ([even | odd] when spec.packed). xin float32
+    [*, H] in gate_up's input order, toks int64 [>= ntok] (token rows), act float32 [*, I]."""
+    inter = gu.rows
+    half = inter // 2
+    block = _gate_up_block()
+    # the block's columns of gate and up rows; np.int64 keeps a constant from typing as a literal, which
+    # would compile every row function once more for it
+    gate_col, up_col = np.int64(0), np.int64(GATE_UP_ROWS)
+    for b0 in range(i0, i1, GATE_UP_ROWS):
+        b1 = min(i1, b0 + GATE_UP_ROWS)
+        rows_dot(gu, spec, key, b0, b1, xin, toks, ntok, block, gate_col)
+        rows_dot(gu, spec, key, inter + b0, inter + b1, xin, toks, ntok, block, up_col)
+        for i in range(b0, b1):
+            p = (i & 1) * half + (i >> 1) if spec.packed else i
+            b_gate, b_up = bias_of(gu, spec, key, i), bias_of(gu, spec, key, inter + i)
+            for tt in range(ntok):
+                gate, up = block[tt, gate_col + i - b0] + b_gate, block[tt, up_col + i - b0] + b_up
+                act[toks[tt], p] = activation(gate, up, spec)
+
+
+@njit(**KERNEL)
+def down_rows(dn, spec, key, o0, o1, act, toks, ntok, y):
+    """y[tt, o] = down_o · act[toks[tt]] + b_o of key `key` for o in [o0, o1), tt < ntok. act float32 [*, I] in
+    down's input order (gate_up_rows' output), toks int64 [>= ntok], y float32 [>= ntok, H]."""
+    rows_dot(dn, spec, key, o0, o1, act, toks, ntok, y, o0)
+    if spec.bias != NO_BIAS:
+        for o in range(o0, o1):
+            b = bias_of(dn, spec, key, o)
+            for tt in range(ntok):
+                y[tt, o] += b
+
+
+@njit(**KERNEL, fastmath=FASTMATH)
+def combine_rows(o0, o1, unit_of, pos_of, weights, y, out):
+    """out[t, o0:o1] = Σ_{j ascending, unit_of[t, j] >= 0} weights[t, j] * y[unit_of[t, j], pos_of[t, j], o0:o1]
+    for t < out.shape[0]."""
+    for t in range(out.shape[0]):
+        dst = out[t, o0:o1]
+        for o in range(o1 - o0):
+            dst[o] = 0
+        for j in range(unit_of.shape[1]):
+            u = unit_of[t, j]
+            if u >= 0:
+                w = weights[t, j]
+                src = y[u, pos_of[t, j], o0:o1]
+                for o in range(o1 - o0):
+                    dst[o] += w * src[o]
+
+
+@njit(**KERNEL)
+def plan_units(ids, layer, num_experts, sc):
+    """Fill sc's unit arrays from ids [T, k] (row-major first appearance order); returns the unit count."""
+    n = 0
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            if ids[t, j] < 0:
+                sc.unit_of[t, j] = -1
+                continue
+            key = layer * num_experts + ids[t, j]
+            u = 0
+            while u < n and sc.unit_key[u] != key:
+                u += 1
+            if u == n:
+                sc.unit_key[u] = key
+                sc.unit_m[u] = 0
+                n += 1
+            m = sc.unit_m[u]
+            if m == 0 or sc.unit_tok[u, m - 1] != t:  # t repeats only within its own row
+                sc.unit_tok[u, m] = t
+                sc.unit_m[u] = m + 1
+            sc.unit_of[t, j] = u
+            sc.pos_of[t, j] = sc.unit_m[u] - 1
+    return n
+
+
+@njit(**KERNEL)
+def input_order(spec, x, xin):
+    """xin[t] = x[t] in gate_up's input order ([even | odd] when spec.packed) for t < T."""
+    for t in range(x.shape[0]):
+        if spec.packed:
+            deinterleave(x[t], xin[t])
+        else:
+            for c in range(x.shape[1]):
+                xin[t, c] = x[t, c]
+
+
+@njit(**KERNEL, parallel=True)
+def moe_kernel(gu, dn, spec, layer, num_experts, x, ids, weights, out, sc):
+    """out [T, H] = the routed experts of ids / weights on x (the module's pipeline); arguments trusted."""
+    tokens = x.shape[0]
+    n = plan_units(ids, layer, num_experts, sc)
+    input_order(spec, x, sc.xin)
+    inter, hidden = gu.rows, dn.rows
+    blocks = (inter + GATE_UP_ROWS - 1) // GATE_UP_ROWS
+    for item in prange(n * blocks):
+        u, b = item // blocks, item % blocks
+        gate_up_rows(gu, spec, sc.unit_key[u], b * GATE_UP_ROWS, min(inter, (b + 1) * GATE_UP_ROWS), sc.xin,
+                     sc.unit_tok[u], sc.unit_m[u], sc.act[u])
+    blocks = (hidden + DOWN_ROWS - 1) // DOWN_ROWS
+    for item in prange(n * blocks):
+        u, b = item // blocks, item % blocks
+        down_rows(dn, spec, sc.unit_key[u], b * DOWN_ROWS, min(hidden, (b + 1) * DOWN_ROWS), sc.act[u],
+                  sc.unit_tok[u], sc.unit_m[u], sc.y[u])
+    # serial: T * k * H multiply-adds cost less than waking the threads for a third parallel region
+    combine_rows(0, hidden, sc.unit_of[:tokens], sc.pos_of[:tokens], weights, sc.y, out)
+
+
+# (part suffix, part dtype) -> the Matrix field that holds it
+_FIELDS = {("", "bfloat16"): "words", ("", "float16"): "words", ("", "float32"): "floats", ("q", "uint8"): "q",
+           ("q", "float8_e4m3fn"): "q", ("s", "float32"): "s32", ("s", "float8_e4m3fn"): "s8", ("s", "uint8"): "s8",
+           ("s", "bfloat16"): "s16", ("s", "float16"): "s16", ("s2", "float32"): "s32", ("z", "uint8"): "z"}
+
+
+def _placeholder(dtype) -> np.ndarray:
+    return np.zeros((1, 1), dtype=dtype)
+
+
+def _view(store: HostStore, name: str, dtype) -> np.ndarray:
+    """Bank `name` as a numpy [num_keys, -1] array of `dtype` over the same bytes (no copy)."""
+    t = store.tensor(name)
+    return t.view(torch.uint8).numpy().reshape(store.num_keys, -1).view(dtype)
+
+
+def _matrix(store: HostStore, cfg: MoEConfig, name: str, rows: int, cols: int, stack: int) -> Matrix:
+    fmt = cfg.format
+    by = {p.suffix: p for p in fmt.layout(stack * rows, cols, stack)}
+    views = dict(words=_placeholder(np.uint16), floats=_placeholder(np.float32), q=_placeholder(np.uint8),
+                 s8=_placeholder(np.uint8), s16=_placeholder(np.uint16), s32=_placeholder(np.float32),
+                 z=_placeholder(np.uint8), bias16=_placeholder(np.uint16), bias32=_placeholder(np.float32))
+    for suffix, part in by.items():
+        field = _FIELDS[(suffix, part.dtype)]
+        views[field] = _view(store, bank_name(name, suffix), views[field].dtype)
+    if cfg.expert_bias:
+        bank = EXPERT_BIAS_BANKS[0] if name == "gate_up" else EXPERT_BIAS_BANKS[1]
+        field = "bias32" if cfg.dtype == "float32" else "bias16"
+        views[field] = _view(store, bank, views[field].dtype)
+    return Matrix(rows, cols, **views)
+
+
+def _spec(cfg: MoEConfig) -> Spec:
+    fmt = cfg.format
+    if not fmt.dense and fmt.name not in CODES:
+        raise ValueError(f"CpuExperts: MoEConfig.expert_format={cfg.expert_format!r} has no CPU kernel; "
+                         f"it computes the dense formats and {sorted(CODES)} (with the int4 variants)")
+    if cfg.activation not in ACTIVATIONS:
+        raise ValueError(f"CpuExperts: MoEConfig.activation={cfg.activation!r} is not one of {ACTIVATIONS}")
+    word = WORDS[fmt.dtype] if fmt.dense else WORDS[getattr(fmt, "scale_dtype", "bfloat16")]
+    return Spec(fmt=0 if fmt.dense else CODES[fmt.name], word=word,
+                zero_points=bool(getattr(fmt, "zero_points", False)), packed=fmt.pack == 2,
+                bias=WORDS[cfg.dtype] if cfg.expert_bias else NO_BIAS,
+                activation=ACTIVATIONS.index(cfg.activation), alpha=float(cfg.swiglu_alpha),
+                limit=float(cfg.swiglu_limit))
+
+
+def _array(name: str, value, dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """`value` (numpy array or CPU torch tensor) as a C-contiguous numpy array of dtype and shape, or
+    ValueError naming `name`."""
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.requires_grad:
+        value = value.numpy()
+    if not isinstance(value, np.ndarray) or value.dtype != dtype or value.shape != shape \
+            or not value.flags.c_contiguous:
+        got = f"{value.dtype} {list(value.shape)}" if isinstance(value, np.ndarray) else type(value).__name__
+        raise ValueError(f"CpuExperts.moe: {name} must be a C-contiguous {np.dtype(dtype).name} array "
+                         f"{list(shape)} (numpy or CPU torch), got {got}")
+    return value
+
+
+class CpuExperts:
+    """The routed experts of a HostStore, computed on the CPU (the module's pipeline).
+
+    store: a HostStore whose banks are exactly cfg.expert_banks() (any format the routed kernels
+    compute: bf16 / float16 / float32, fp8, int4 and its variants, nvfp4, mxfp4), L * E keys.
+    cfg: hidden H, expert_intermediate I, num_experts E, top_k k, expert_format, activation and its
+    alpha / limit, expert_bias. The banks are read in place (numpy views, no copy).
+    Raises ValueError naming the MoEConfig field (format, activation) or the store banks that disagree.
+    """
+
+    def __init__(self, store: HostStore, cfg: MoEConfig) -> None:
+        self.spec = _spec(cfg)
+        want = cfg.expert_banks()
+        if store.banks != want:
+            raise ValueError(
+                f"CpuExperts: the HostStore banks must be those of MoEConfig.expert_format={cfg.expert_format!r} "
+                f"at hidden={cfg.hidden}, expert_intermediate={cfg.expert_intermediate}, "
+                f"expert_bias={cfg.expert_bias}: {[(b.name, list(b.row_shape), b.dtype) for b in want]}, got "
+                f"{[(b.name, list(b.row_shape), b.dtype) for b in store.banks]}")
+        if store.num_keys % cfg.num_experts:
+            raise ValueError(f"CpuExperts: the HostStore's {store.num_keys} keys are not a whole number of layers of "
+                             f"MoEConfig.num_experts={cfg.num_experts}")
+        self.cfg, self.store = cfg, store
+        self.num_layers = store.num_keys // cfg.num_experts
+        h, i = cfg.hidden, cfg.expert_intermediate
+        self.gate_up = _matrix(store, cfg, "gate_up", i, h, 2)
+        self.down = _matrix(store, cfg, "down", h, i, 1)
+        units = MAX_TOKENS * cfg.top_k
+        self.scratch = Scratch(
+            xin=np.zeros((MAX_TOKENS, h), np.float32), act=np.zeros((units, MAX_TOKENS, i), np.float32),
+            y=np.zeros((units, MAX_TOKENS, h), np.float32), unit_key=np.zeros(units, np.int64),
+            unit_tok=np.zeros((units, MAX_TOKENS), np.int64), unit_m=np.zeros(units, np.int64),
+            unit_of=np.zeros((MAX_TOKENS, cfg.top_k), np.int64), pos_of=np.zeros((MAX_TOKENS, cfg.top_k), np.int64))
+        self._lock = threading.Lock()
+
+    def moe(self, layer: int, x, ids, weights, out=None) -> np.ndarray:
+        """out [T, H] float32 = Σ_{j ascending, ids[t, j] >= 0} weights[t, j] * expert(layer * E + ids[t, j])(x[t]).
+
+        x float32 [T, H] (T in 1..MAX_TOKENS), ids int32 [T, k] (-1: a position that is not the CPU's),
+        weights float32 [T, k], out: float32 [T, H] to write into (e.g. pinned memory; may be x itself),
+        else a new array. numpy arrays or CPU torch tensors, C-contiguous. Each distinct key's weights are
+        read once. Cost: the keys' expert bytes from memory, T * k * 3 * I * H multiply-adds, on all of
+        numba's threads with the GIL released. Raises ValueError naming the argument (layer, x, ids,
+        weights, out) before anything is written.
+        """
+        cfg = self.cfg
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"CpuExperts.moe: layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        rows = x.shape[0] if isinstance(x, (np.ndarray, torch.Tensor)) and x.ndim == 2 else 0
+        if not 1 <= rows <= MAX_TOKENS:
+            raise ValueError(f"CpuExperts.moe: x must be [T, {cfg.hidden}] with T in 1..{MAX_TOKENS}, got "
+                             f"{list(x.shape) if hasattr(x, 'shape') else type(x).__name__}")
+        x = _array("x", x, np.float32, (rows, cfg.hidden))
+        ids = _array("ids", ids, np.int32, (rows, cfg.top_k))
+        weights = _array("weights", weights, np.float32, (rows, cfg.top_k))
+        if bool(((ids < -1) | (ids >= cfg.num_experts)).any()):
+            raise ValueError(f"CpuExperts.moe: ids must be in [-1, {cfg.num_experts}) (MoEConfig.num_experts), got "
+                             f"{ids.min()}..{ids.max()}")
+        out = np.empty((rows, cfg.hidden), np.float32) if out is None else _array("out", out, np.float32,
+                                                                                (rows, cfg.hidden))
+        if not out.flags.writeable:
+            raise ValueError("CpuExperts.moe: out must be writeable")
+        with self._lock:
+            moe_kernel(self.gate_up, self.down, self.spec, int(layer), cfg.num_experts, x, ids, weights, out,
+                       self.scratch)
+        return out

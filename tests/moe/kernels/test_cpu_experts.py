@@ -1,0 +1,219 @@
+"""CpuExperts (numba, on the CPU, from a HostStore) against a float64 torch reference of the formats' decode.
+
+Legend: T = tokens, H = hidden, I = expert width, k = top_k, E = experts a layer, L = MoE layers. Every
+store holds random experts quantized with the format's own `quantize` (moe.testing.synthetic); the
+reference decodes each expert with resolve_format(key).decode and computes the routed sum in float64.
+"""
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+from expertcache.formats import bank_name, resolve_format
+from moe.kernels.cpu_experts import MAX_TOKENS, CpuExperts
+from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig
+from moe.model.reference import gated_activation
+from moe.testing.synthetic import random_weights
+
+FORMATS = ("bf16", "fp8", "int4", "int4-f16-z", "nvfp4", "mxfp4")
+H, I, E, L, K = 288, 96, 5, 2, 4  # H / I: partial int4 and fp8 groups, whole mxfp4 blocks
+_stores: dict = {}
+
+
+def make_experts(fmt: str, activation: str = "silu", hidden: int = H, inter: int = I, dtype: str = "bfloat16"):
+    """(cfg, store) of L layers of E random experts in `fmt` (with biases for swiglu_clamped); int4 zero points
+    random in 0..15 rather than the quantizer's 8. Made once per arguments."""
+    args = (fmt, activation, hidden, inter, dtype)
+    if args not in _stores:
+        cfg = MoEConfig(hidden=hidden, num_experts=E, top_k=K, expert_intermediate=inter, expert_format=fmt,
+                        activation=activation, expert_bias=activation == "swiglu_clamped", dtype=dtype)
+        store = random_weights(cfg, L, device="cpu", seed=len(_stores), pin=False).store
+        g = torch.Generator().manual_seed(7)
+        for name in ("gate_up.z", "down.z"):
+            if name in {b.name for b in store.banks}:
+                z = store.tensor(name)
+                z.copy_(torch.randint(0, 16, z.shape, generator=g, dtype=torch.uint8))
+        _stores[args] = cfg, store
+    return _stores[args]
+
+
+_experts_f64: dict = {}
+
+
+def expert_f64(cfg: MoEConfig, store, key: int):
+    """(gate_up [2I, H], down [H, I], b_gate_up, b_down) float64 of key `key` through the format's decode."""
+    if (id(store), key) not in _experts_f64:
+        _experts_f64[id(store), key] = _decode_f64(cfg, store, key)
+    return _experts_f64[id(store), key]
+
+
+def _decode_f64(cfg: MoEConfig, store, key: int):
+    fmt, h, i = resolve_format(cfg.expert_format), cfg.hidden, cfg.expert_intermediate
+
+    def decode(name, rows, cols, stack):
+        parts = {p.suffix: store.tensor(bank_name(name, p.suffix))[key] for p in fmt.layout(rows, cols, stack)}
+        return fmt.decode(parts, rows, cols, stack).double()
+
+    biases = [store.tensor(b)[key].double() if cfg.expert_bias else None for b in EXPERT_BIAS_BANKS]
+    return decode("gate_up", 2 * i, h, 2), decode("down", h, i, 1), *biases
+
+
+def reference(cfg: MoEConfig, store, layer: int, x, ids, weights) -> torch.Tensor:
+    """out [T, H] float64 = Σ_{j ascending, ids >= 0} weights[t, j] * expert(layer * E + ids[t, j])(x[t])."""
+    out = torch.zeros(x.shape[0], cfg.hidden, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            if ids[t, j] < 0:
+                continue
+            gu, dn, b_gu, b_dn = expert_f64(cfg, store, layer * cfg.num_experts + int(ids[t, j]))
+            h = gu @ torch.from_numpy(x[t]).double()
+            a = gated_activation(h if b_gu is None else h + b_gu, cfg)
+            y = dn @ a
+            out[t] += float(weights[t, j]) * (y if b_dn is None else y + b_dn)
+    return out
+
+
+def routing(tokens: int, seed: int, experts: int = E):
+    """(x [T, H], ids [T, k] int32 with some -1 and experts repeated across rows, weights [T, k]) float32."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, H)).astype(np.float32)
+    ids = np.stack([rng.permutation(experts)[:K] for _ in range(tokens)]).astype(np.int32)
+    ids[rng.random(ids.shape) < 0.2] = -1
+    weights = rng.random((tokens, K)).astype(np.float32) + 0.1
+    return x, ids, weights
+
+
+def rel_err(out, ref) -> float:
+    return float(torch.linalg.norm(torch.from_numpy(out).double() - ref) / torch.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matches_the_float64_reference_of_the_formats_decode(fmt, activation, tokens):
+    cfg, store = make_experts(fmt, activation)
+    x, ids, weights = routing(tokens, seed=tokens)
+    out = CpuExperts(store, cfg).moe(1, x, ids, weights)
+    assert out.shape == (tokens, H) and out.dtype == np.float32
+    assert rel_err(out, reference(cfg, store, 1, x, ids, weights)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4", "int4-f16-z", "nvfp4", "float16", "float32"])
+def test_row_tails_and_dense_formats(fmt):
+    """H = 272, I = 80: rows that end in a partial chunk (the scalar tails) and partial scale groups."""
+    cfg, store = make_experts(fmt, "swiglu_clamped", hidden=272, inter=80)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 272)).astype(np.float32)
+    ids = np.array([[0, 4, -1, 2], [4, 1, 3, 0], [2, 2, -1, -1]], np.int32)  # row 2 names expert 2 twice
+    weights = rng.random((3, K)).astype(np.float32)
+    out = CpuExperts(store, cfg).moe(0, x, ids, weights)
+    assert rel_err(out, reference(cfg, store, 0, x, ids, weights)) < 1e-5
+
+
+def test_float32_model_biases():
+    cfg, store = make_experts("float32", "swiglu_clamped", dtype="float32")
+    x, ids, weights = routing(2, seed=5)
+    out = CpuExperts(store, cfg).moe(0, x, ids, weights)
+    assert rel_err(out, reference(cfg, store, 0, x, ids, weights)) < 1e-5
+
+
+def test_rows_without_an_expert_are_zero_and_out_is_written_in_place():
+    cfg, store = make_experts("nvfp4")
+    x, ids, weights = routing(3, seed=11)
+    ids[1] = -1
+    out = torch.full((3, H), 5.0)  # a torch tensor, as pinned host memory would be
+    result = CpuExperts(store, cfg).moe(0, x, ids, weights, out=out)
+    assert np.shares_memory(result, out.numpy())
+    assert bool((out[1] == 0).all())
+    assert rel_err(out.numpy(), reference(cfg, store, 0, x, ids, weights)) < 1e-5
+
+
+def test_out_may_be_x():
+    cfg, store = make_experts("int4")
+    x, ids, weights = routing(4, seed=12)
+    experts = CpuExperts(store, cfg)
+    want = experts.moe(1, x, ids, weights)
+    experts.moe(1, x, ids, weights, out=x)
+    assert np.array_equal(x, want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bitwise_equal_for_any_thread_count(fmt):
+    cfg, store = make_experts(fmt, "swiglu_clamped")
+    x, ids, weights = routing(MAX_TOKENS, seed=21)
+    experts = CpuExperts(store, cfg)
+    threads = numba.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 1):
+            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+            results.append(experts.moe(1, x, ids, weights))
+    finally:
+        numba.set_num_threads(threads)
+    assert all(np.array_equal(r.view(np.uint32), results[0].view(np.uint32)) for r in results)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4-f16-z", "nvfp4", "mxfp4", "float32"])
+def test_views_share_the_stores_memory(fmt):
+    cfg, store = make_experts(fmt, "swiglu_clamped")
+    experts = CpuExperts(store, cfg)
+    views = [v for m in (experts.gate_up, experts.down) for v in m[2:]]
+    for bank in store.banks:
+        host = store.tensor(bank.name).view(torch.uint8).numpy()
+        shared = [v for v in views if np.shares_memory(v, host)]
+        assert len(shared) == 1 and shared[0].nbytes == host.nbytes, bank.name
+
+
+@pytest.mark.parametrize("change, name", [
+    (lambda a: {**a, "x": a["x"].astype(np.float64)}, "x"),
+    (lambda a: {**a, "x": a["x"][:, :-1].copy()}, "x"),
+    (lambda a: {**a, "x": np.zeros((MAX_TOKENS + 1, H), np.float32)}, "x"),
+    (lambda a: {**a, "ids": np.where(a["ids"] == 3, E, a["ids"]).astype(np.int32)}, "ids"),
+    (lambda a: {**a, "ids": np.full_like(a["ids"], -2)}, "ids"),
+    (lambda a: {**a, "ids": a["ids"].astype(np.int64)}, "ids"),
+    (lambda a: {**a, "weights": a["weights"][:, :2].copy()}, "weights"),
+    (lambda a: {**a, "out": np.zeros((3, H + 1), np.float32)}, "out"),
+    (lambda a: {**a, "layer": L}, "layer"),
+])
+def test_bad_inputs_are_refused_by_name_and_change_nothing(change, name):
+    cfg, store = make_experts("fp8")
+    x, ids, weights = routing(3, seed=31)
+    ids[0, 0] = 3
+    args = change({"layer": 0, "x": x, "ids": ids, "weights": weights, "out": np.full((3, H), 7.0, np.float32)})
+    before = {k: np.copy(v) for k, v in args.items() if isinstance(v, np.ndarray)}
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        CpuExperts(store, cfg).moe(**args)
+    assert all(np.array_equal(args[k], v) for k, v in before.items())
+
+
+def test_a_store_of_another_format_or_shape_is_refused():
+    cfg, store = make_experts("fp8")
+    with pytest.raises(ValueError, match="MoEConfig.expert_format='int4'"):
+        CpuExperts(store, MoEConfig(hidden=H, num_experts=E, top_k=K, expert_intermediate=I, expert_format="int4"))
+    with pytest.raises(ValueError, match="expert_intermediate=64"):
+        CpuExperts(store, MoEConfig(hidden=H, num_experts=E, top_k=K, expert_intermediate=64, expert_format="fp8"))
+    with pytest.raises(ValueError, match="num_experts=3"):
+        CpuExperts(store, MoEConfig(hidden=H, num_experts=3, top_k=2, expert_intermediate=I, expert_format="fp8"))
+
+
+def test_a_format_or_activation_without_a_kernel_is_refused_by_field(monkeypatch):
+    """Guards for formats and activations added after these kernels: named by their MoEConfig field."""
+    import moe.kernels.cpu_experts as cpu_experts
+
+    cfg, store = make_experts("mxfp4")
+    monkeypatch.setattr(cpu_experts, "CODES", {k: v for k, v in cpu_experts.CODES.items() if k != "mxfp4"})
+    with pytest.raises(ValueError, match="MoEConfig.expert_format='mxfp4'"):
+        CpuExperts(store, cfg)
+    monkeypatch.undo()
+    cfg = MoEConfig(hidden=H, num_experts=E, top_k=K, expert_intermediate=I, expert_format="mxfp4")
+    object.__setattr__(cfg, "activation", "gelu")  # MoEConfig refuses it; a later activation would pass
+    with pytest.raises(ValueError, match="MoEConfig.activation='gelu'"):
+        CpuExperts(store, cfg)
+
+
+@pytest.mark.parametrize("value, word, want", [(np.float32(1.5), 0, 1.5), (0x4020, 0, 2.5), (0x4280, 1, 3.25)])
+def test_as_f32_reads_a_dense_element_by_its_word(value, word, want):
+    from moe.kernels.cpu_dots import as_f32
+
+    assert as_f32(value, word) == np.float32(want)
