@@ -33,14 +33,17 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from expertcache.copy import reference_copy
-from expertcache.geometry import CacheGeometry
+from expertcache.geometry import CPU_SLOT, CacheGeometry
 from expertcache.host import HostCache
 from expertcache.pool import HostStore, SlotPool
+from expertcache.split import MissSplit
 from moe.engine.budget import PREFILL_STAGING, check_slots
 from moe.engine.layer import MoELayer, SlotCache
+from moe.kernels.cpu_experts import CpuExperts
 from moe.kernels.routed import routed_reference
 from moe.model.checkpoint import EXPERT_BIAS_BANKS, ModelWeights, MoEWeights
 from moe.model.config import MoEConfig
@@ -334,28 +337,36 @@ class CpuCachedMoE:
 
     Same slot map, policy, plan and counters as the GPU path would produce for the same routing;
     the miss copy is expertcache.copy.reference_copy and the routed compute moe.kernels.routed.routed_reference
-    (float32), so a run exercises the cache's semantics end to end without a GPU.
-    `cache` (HostCache) is public: its counters [L_moe, 3] give calls, accesses, misses per MoE layer.
+    (float32), so a run exercises the cache's semantics end to end without a GPU. With a miss split
+    (expertcache.split.MissSplit: `split`), the misses it serves on the CPU are computed from the
+    HostStore in place by moe.kernels.cpu_experts (float32) and added after the slots' experts.
+    `cache` (HostCache) is public: its counters [L_moe, 3] give calls, accesses, misses per MoE layer,
+    its `served` [L_moe] the misses computed from the store.
     """
 
     def __init__(self, weights: ModelWeights, num_slots: int, policy: str = "lru", *, max_batch: int = 1,
-                 **constants) -> None:
+                 split: MissSplit | None = None, **constants) -> None:
         self.cfg, self.store = weights.spec.moe, weights.store
-        self.cache = HostCache(_geometry(weights, num_slots, max_batch), policy, **constants)
+        self.cache = HostCache(_geometry(weights, num_slots, max_batch), policy, split=split, **constants)
         self.pool = SlotPool(self.store.banks, num_slots, device="cpu")
         self.prefill_counts = [0, 0]  # prefill's used experts: [streamed from the store, read from a slot]
+        self.cpu_experts = None if self.cache.split.copies_all else CpuExperts(self.store, self.cfg)
 
     def decode(self, w: MoEWeights, hidden: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, H] -> (out [B, H], ids [B, k] int32). Cost: one ensure, misses * 3 * I * H copied,
-        B * k * 3 * I * H routed multiply-adds."""
+        """hidden [B, H] -> (out [B, H], ids [B, k] int32). Cost: one ensure, copies * 3 * I * H copied,
+        B * k * 3 * I * H routed multiply-adds (those of served misses read from the store)."""
         cfg = self.cfg
         weights, ids = route_block(hidden, w.router, cfg, w.router_bias, w.score_bias)  # [B, k]
         res = self.cache.ensure(w.index, ids.numpy())
-        if res.misses:
-            count = torch.tensor([res.misses], dtype=torch.int32)
+        if res.copies:
+            count = torch.tensor([res.copies], dtype=torch.int32)
             reference_copy(self.store, self.pool, torch.from_numpy(res.plan), count)
         out = routed_reference(hidden, torch.from_numpy(res.slots), weights, *expert_matrices(self.pool, cfg),
-                               cfg=cfg, **expert_biases(self.pool, cfg))  # [B, H] f32
+                               cfg=cfg, **expert_biases(self.pool, cfg))  # [B, H] f32; CPU_SLOT rows add 0
+        if res.served.shape[0]:  # the split's CPU share, from the store in place
+            mine = np.where(res.slots == CPU_SLOT, ids.numpy(), -1).astype(np.int32)
+            out = out + torch.from_numpy(self.cpu_experts.moe(w.index, hidden.float().numpy(), mine,
+                                                              weights.float().numpy()))
         if w.shared is not None:
             out = out + shared_expert(hidden, w.shared)
         return out.to(hidden.dtype), ids
@@ -378,7 +389,10 @@ class GpuMoE:
     """
 
     def __init__(self, weights: ModelWeights, num_slots: int, policy: str = "lru", *, max_batch: int = 1,
-                 forced_routing: bool = False, **constants) -> None:
+                 forced_routing: bool = False, split: MissSplit | None = None, **constants) -> None:
+        if split is not None and not split.copies_all:
+            raise ValueError(f"--moe-miss-service {split.service} runs on the CPU backend (--device cpu) only so far: "
+                             "the GPU decode copies every miss (--moe-miss-service copy)")
         geometry = _geometry(weights, num_slots, max_batch)
         self.cfg, self.store = weights.spec.moe, weights.store
         pool = SlotPool(self.store.banks, num_slots, device=weights.device)
@@ -436,7 +450,7 @@ class GpuMoE:
 
 
 def make_backend(weights: ModelWeights, num_slots: int, policy: str = "lru", *, max_batch: int = 1,
-                 **constants) -> CpuCachedMoE | GpuMoE:
-    """GpuMoE when the weights are on a CUDA device, else CpuCachedMoE."""
+                 split: MissSplit | None = None, **constants) -> CpuCachedMoE | GpuMoE:
+    """GpuMoE when the weights are on a CUDA device, else CpuCachedMoE; split: the miss split (None: copy)."""
     cls = GpuMoE if weights.device.type == "cuda" else CpuCachedMoE
-    return cls(weights, num_slots, policy, max_batch=max_batch, **constants)
+    return cls(weights, num_slots, policy, max_batch=max_batch, split=split, **constants)

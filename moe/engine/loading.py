@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from expertcache.split import ChannelCosts, MissSplit
 from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
 from moe.engine.budget import context_bytes, memory_split, resolve_slots
 from moe.engine.engine import Engine
@@ -41,7 +42,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                cache_gb: float | None = None, policy: str = "lru", dtype: str | None = None,
                expert_format: str | None = None, max_batch: int = 1,
                max_seq_len: int = 2048, record_routing: bool = False, progress: bool = True,
-               copy_overlap: bool | None = None, cuda_graphs: bool | None = None, **constants) -> Engine:
+               copy_overlap: bool | None = None, cuda_graphs: bool | None = None, miss_service: str = "copy",
+               cpu_threads: int | None = None, **constants) -> Engine:
     """Load checkpoint directory `path` and build an Engine over an expert cache of `num_slots` slots,
     or of the slots that `cache_gb` GiB hold (exactly one of the two; moe.engine.budget):
     min(floor(cache_gb * 2**30 / P), L * E) with P the bytes of one expert in the HostStore (3 * I * H
@@ -56,8 +58,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     routing (Engine.routing()). copy_overlap: the GPU side-stream overlap (--moe-copy-overlap); None
     leaves it to EXPERTCACHE_MOE_COPY_OVERLAP (off when unset). cuda_graphs: replay decode steps as CUDA
     graphs (moe.engine.graphs); None leaves it to EXPERTCACHE_CUDA_GRAPHS ("0": eager GPU decode, for
-    debugging), else on for a CUDA device and off on the CPU. Cost: reads the checkpoint once; host
-    memory holds every routed expert.
+    debugging), else on for a CUDA device and off on the CPU. miss_service (--moe-miss-service): how
+    misses are served (resolve_miss_service). cpu_threads (--cpu-threads): the CPU expert kernels' threads
+    (default: every core). Cost: reads the checkpoint once; host memory holds every routed expert.
     Raises CheckpointError (config key or quantization field, file, tensor, --moe-expert-format),
     ValueError (both or neither of num_slots / cache_gb, a
     cache_gb that is not > 0 or holds fewer than max_batch * top_k experts, num_slots below
@@ -65,6 +68,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     (slots that do not fit on the device). The slot count is checked from config.json before any tensor
     is read; the messages name the serve flags (--moe-slots, --moe-cache-gb, --max-batch).
     """
+    split = resolve_miss_service(miss_service, device, cpu_threads)
     budget = resolve_slots(ModelSpec.from_hf(read_config(path), dtype=dtype, expert_format=expert_format),
                            num_slots, cache_gb, max_batch=max_batch)
     if cache_gb is not None:
@@ -79,7 +83,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                          f"load on {device}: {fix}")
     weights = load_checkpoint(path, device, dtype=dtype, progress=progress, expert_format=expert_format,
                               copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap)
-    backend = make_backend(weights, num_slots, policy, max_batch=max_batch, **constants)
+    backend = make_backend(weights, num_slots, policy, max_batch=max_batch, split=split, **constants)
     if weights.device.type == "cuda":  # the KV cache is allocated last: say which flags to lower if it cannot be
         kv = context_bytes(weights.spec, max_batch, max_seq_len)
         free = torch.cuda.mem_get_info(weights.device)[0]
@@ -91,6 +95,43 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     logger.info("%s", memory_split(budget, weights.spec, max_batch, max_seq_len))
     return Engine(weights, backend, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=record_routing,
                   cuda_graphs=cuda_graphs)
+
+
+MISS_SERVICE_CHOICES = ("copy", "hybrid", "cpu", "auto")
+
+
+def resolve_miss_service(service: str, device, cpu_threads: int | None = None) -> MissSplit:
+    """The miss split of --moe-miss-service on `device`, and the CPU kernels' threads (--cpu-threads).
+
+    copy: every miss copied into a slot; cpu: every routed expert computed on the CPU from host memory
+    (nothing admitted); hybrid: each call's misses split between the two. On the CPU backend there is no
+    link to balance against, so hybrid copies half of each call's misses (the larger half) and computes
+    the rest from the store, and auto is copy. Raises ValueError naming the flag for an unknown service,
+    a thread count outside [1, the cores numba may use], or a split the device's backend does not run.
+    """
+    if service not in MISS_SERVICE_CHOICES:
+        raise ValueError(f"--moe-miss-service must be one of {', '.join(MISS_SERVICE_CHOICES)}, got {service!r}")
+    if cpu_threads is not None:
+        import numba
+
+        top = numba.config.NUMBA_NUM_THREADS
+        if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or not 1 <= cpu_threads <= top:
+            raise ValueError(f"--cpu-threads must be an int in [1, {top}] (the cores numba may use), "
+                             f"got {cpu_threads!r}")
+        numba.set_num_threads(cpu_threads)
+    on_gpu = torch.device(device).type == "cuda"
+    if service == "auto":
+        service = "copy"
+        logger.info("--moe-miss-service auto: copy (%s)", "the GPU decode copies every miss" if on_gpu
+                    else "the CPU backend has no link to balance against")
+    if service == "copy":
+        return MissSplit.copy()
+    if on_gpu:
+        raise ValueError(f"--moe-miss-service {service} runs on the CPU backend (--device cpu) only so far: "
+                         "the GPU decode copies every miss (--moe-miss-service copy)")
+    if service == "cpu":
+        return MissSplit.cpu()
+    return MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0))
 
 
 def cuda_graphs_from_env(device: torch.device) -> bool:

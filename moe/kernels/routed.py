@@ -367,5 +367,6 @@ def routed_reference(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.T
     if down_bias is not None:
         y = y + down_bias[idx].to(compute_dtype)
     y = y.float()
-    y = y * (weights * live).flatten()[:, None]
+    # a position without a slot (padding, a miss served on the CPU) adds 0, whatever its gathered slot holds
+    y = torch.where(live.flatten()[:, None], y * weights.flatten()[:, None], 0.0)
     return y.view(tokens, top_k, hid).sum(dim=1)

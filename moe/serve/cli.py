@@ -77,6 +77,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="how the routed experts are stored in host memory and the slots (default: as the "
                             "checkpoint stores them: its quantization's format, else the model dtype); another "
                             "format is made on load by round-to-nearest quantization (docs/formats.md)")
+    model.add_argument("--moe-miss-service", default="copy", choices=("copy", "hybrid", "cpu", "auto"),
+                       help="how misses are served: copy (every miss into a slot, default), hybrid (each "
+                            "layer's misses split between the link and the CPU, docs/hybrid.md), cpu (every "
+                            "routed expert computed on the CPU), auto (chosen at start); hybrid and cpu run on "
+                            "--device cpu so far")
+    model.add_argument("--cpu-threads", type=int, metavar="N",
+                       help="threads of the CPU expert kernels (default: every core)")
     model.add_argument("--moe-copy-overlap", action="store_true",
                        help="GPU: run the shared expert on a side stream while misses copy")
     model.add_argument("--device", metavar="DEVICE", help="cpu, cuda or cuda:INDEX (default cuda when available)")
@@ -222,7 +229,8 @@ def build_state(args: argparse.Namespace) -> ServeState:
                             dtype=args.dtype, expert_format=args.moe_expert_format, max_batch=args.max_batch,
                             max_seq_len=max_seq_len,
                             record_routing=bool(args.record_routing),
-                            copy_overlap=True if args.moe_copy_overlap else None)
+                            copy_overlap=True if args.moe_copy_overlap else None,
+                            miss_service=args.moe_miss_service, cpu_threads=args.cpu_threads)
     except (CheckpointError, TokenizerError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     if tokenizer.vocab_size > engine.spec.vocab_size:

@@ -94,16 +94,20 @@ def test_the_rope_is_transformers_yarn(checkpoint):
     torch.testing.assert_close(sin[:, 8:], want_sin[0], rtol=0, atol=0)
 
 
-def test_float32_logits_and_greedy_tokens_match_transformers_while_evicting(checkpoint):
+@pytest.mark.parametrize("service", ["copy", "hybrid", "cpu"])
+def test_float32_logits_and_greedy_tokens_match_transformers_while_evicting(checkpoint, service):
+    """Every miss copied, split with the CPU kernels (the clamped SwiGLU and the biases computed from the
+    store), or all on the CPU: the same logits and tokens as transformers'."""
     model, path = checkpoint
-    engine = load_model(path, "cpu", num_slots=K, max_seq_len=32, progress=False)
+    engine = load_model(path, "cpu", num_slots=K, max_seq_len=32, progress=False, miss_service=service)
     seq = random_tokens(13, seed=1)  # longer than the window: the sliding layers drop keys
     ref = hf_logits(model, seq).logits[0]
     got = [engine.prefill([seq[:7]], all_logits=True)[0]] + [engine.decode_step([t]) for t in seq[7:]]
     assert_near(torch.cat(got), ref, rel=1e-4)
     counters = engine.moe.cache.counters
     assert (counters[:, CALLS] == 6).all() and (counters[:, MISSES] == counters[:, ACCESSES]).all()
-    engine = load_model(path, "cpu", num_slots=K, max_seq_len=32, progress=False)
+    assert (engine.moe.cache.served.sum() > 0) == (service != "copy")
+    engine = load_model(path, "cpu", num_slots=K, max_seq_len=32, progress=False, miss_service=service)
     prompt = random_tokens(5, seed=3)
     with torch.no_grad():
         want = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,

@@ -2,7 +2,7 @@
 
     tiny checkpoint of each family (tiny_family) ─the console script `expertcache serve --device cpu`
         in a child process whose environment is this one's without TRITON_INTERPRET (the test suite
-        sets it; a user's shell does not)─► /health ─► a completion and a chat request over a socket
+        sets it; a user's shell does not), every other family with --moe-miss-service hybrid─► /health ─► a completion and a chat request over a socket
         ─► SIGTERM ─► exit status 0, no traceback or error in the output
 
 Nothing of the CPU path may launch a Triton kernel: without a GPU driver or Triton's interpreter a
@@ -39,12 +39,13 @@ def _free_port() -> int:
 class Served:
     """`expertcache serve` of `model` in a child process without TRITON_INTERPRET; its output in `log`."""
 
-    def __init__(self, model: Path, log: Path) -> None:
+    def __init__(self, model: Path, log: Path, service: str = "copy") -> None:
         self.port, self.log = _free_port(), log
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         argv = [str(SCRIPT), "serve", "--model", str(model), "--device", "cpu", "--moe-slots", "6",
-                "--max-batch", "2", "--max-seq-len", "64", "--port", str(self.port), "--served-model-name", "tiny"]
+                "--max-batch", "2", "--max-seq-len", "64", "--port", str(self.port), "--served-model-name", "tiny",
+                "--moe-miss-service", service, "--cpu-threads", "2"]
         with log.open("w") as out:
             self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -81,6 +82,10 @@ class Served:
             return None
 
 
+# every other family serves its misses split between the slots and the CPU kernels (docs/hybrid.md)
+SERVICE = {family: ("copy", "hybrid")[i % 2] for i, family in enumerate(sorted(FAMILY_CONFIGS))}
+
+
 @pytest.fixture(scope="module")
 def fleet(request, tiny_family, tmp_path_factory):
     """family -> its Served, every collected family's server started at once (the checkpoints first)."""
@@ -88,7 +93,7 @@ def fleet(request, tiny_family, tmp_path_factory):
                      if item.module is request.module and hasattr(item, "callspec")})
     models = {family: tiny_family(family) for family in wanted}
     logs = tmp_path_factory.mktemp("serve-logs")
-    servers = {family: Served(model, logs / f"{family}.log") for family, model in models.items()}
+    servers = {family: Served(model, logs / f"{family}.log", SERVICE[family]) for family, model in models.items()}
     yield servers
     for served in servers.values():
         served.terminate()

@@ -1,0 +1,73 @@
+"""Decode with the misses split between the slots and the CPU kernels, against transformers, on the CPU.
+
+    tiny random checkpoint of every family ─load_model(miss_service=hybrid | cpu)─► CpuCachedMoE: the
+    split's copies into slots, its served misses through moe.kernels.cpu_experts from the HostStore
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertcache.geometry import CPU_SLOT
+from moe.engine.loading import load_model, resolve_miss_service
+from tests.moe.families import assert_near, hf_logits, random_tokens
+
+CALLS, ACCESSES, MISSES = 0, 1, 2
+
+
+def _teacher_forced(engine, seq: list[int], prompt_len: int) -> torch.Tensor:
+    out = [engine.prefill([seq[:prompt_len]], all_logits=True)[0]]
+    out += [engine.decode_step([t]) for t in seq[prompt_len:]]
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("service", ["hybrid", "cpu"])
+def test_split_decode_matches_transformers(checkpoint, service):
+    """float32 logits within 1e-4 of transformers' while misses are served both ways, and greedy tokens
+    identical; the split really served some misses on the CPU and (hybrid) copied others."""
+    name, model, path = checkpoint
+    top_k = model.config.num_experts_per_tok
+    engine = load_model(path, "cpu", num_slots=top_k + 1, max_seq_len=48, progress=False, miss_service=service)
+    seq = random_tokens(12, seed=5)
+    assert_near(_teacher_forced(engine, seq, prompt_len=6), hf_logits(model, seq).logits[0], rel=1e-4)
+    cache = engine.moe.cache
+    assert cache.served.sum() > 0
+    if service == "cpu":
+        assert (cache.served == cache.counters[:, MISSES]).all() and (cache.key_of < 0).all()
+    else:
+        assert (cache.served < cache.counters[:, MISSES]).any() and (cache.key_of >= 0).any()
+    prompt = random_tokens(5, seed=6)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+    fresh = load_model(path, "cpu", num_slots=top_k + 1, max_seq_len=48, progress=False, miss_service=service)
+    assert fresh.generate([prompt], max_new_tokens=6) == [ref]
+
+
+def test_same_request_same_tokens_every_run(checkpoint):
+    name, model, path = checkpoint
+    k = model.config.num_experts_per_tok
+    runs = []
+    for _ in range(3):
+        engine = load_model(path, "cpu", num_slots=2 * k, max_batch=2, max_seq_len=48, progress=False,
+                            miss_service="hybrid")
+        runs.append((engine.generate([random_tokens(5, seed=7), random_tokens(3, seed=8)], max_new_tokens=8),
+                     engine.moe.cache.snapshot()))
+    assert runs[0][0] == runs[1][0] == runs[2][0]
+    assert runs[0][1].equals(runs[1][1]) and runs[0][1].equals(runs[2][1])
+
+
+def test_miss_service_choices_and_errors():
+    assert resolve_miss_service("copy", "cpu").copies_all
+    assert resolve_miss_service("auto", "cpu").copies_all
+    assert resolve_miss_service("cpu", "cpu").service == "cpu"
+    hybrid = resolve_miss_service("hybrid", "cpu")
+    assert [hybrid.copies_for(m) for m in range(6)] == [0, 1, 1, 2, 2, 3]
+    with pytest.raises(ValueError, match="--moe-miss-service"):
+        resolve_miss_service("fast", "cpu")
+    with pytest.raises(ValueError, match="--cpu-threads"):
+        resolve_miss_service("hybrid", "cpu", cpu_threads=0)
+    with pytest.raises(ValueError, match="--moe-miss-service hybrid"):
+        resolve_miss_service("hybrid", "cuda")
+    assert CPU_SLOT == -2
