@@ -46,6 +46,7 @@ from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
 from expertcache.host import Snapshot
 from expertcache.policies import REGISTRY, Policy, get_policy
 from expertcache.policies.base import PolicyKind, PolicyState
+from expertcache.split import MissSplit
 
 # The policies the kernel has a branch for (expertcache.device.policies); the others run on the host only.
 DEVICE_POLICIES = frozenset({PolicyKind.LRU, PolicyKind.RULE, PolicyKind.LFUDA, PolicyKind.MARKOV})
@@ -157,11 +158,13 @@ class DeviceCache:
     """One slot pool's maps on a device, under one policy (not an oracle).
 
     tuning: the launch's tiles (EnsureTuning); None: default_tuning's. constants: the policy's
-    (get_policy), when `policy` is a name.
+    (get_policy), when `policy` is a name. split: the miss split (expertcache.split.MissSplit; None:
+    every miss copied), exactly as HostCache applies it: the served misses' slots are CPU_SLOT and
+    `served` [L] counts them.
     """
 
     def __init__(self, geometry: CacheGeometry, policy: Policy | str, device="cuda",
-                 tuning: EnsureTuning | None = None, **constants) -> None:
+                 tuning: EnsureTuning | None = None, split: MissSplit | None = None, **constants) -> None:
         self.geometry = geometry
         self.policy = get_policy(policy, geometry, **constants) if isinstance(policy, str) else policy
         if self.policy.oracle or self.policy.kind not in DEVICE_POLICIES:
@@ -171,6 +174,9 @@ class DeviceCache:
         if geometry.num_slots >= MAX_SLOTS:
             raise EnsureError(f"{geometry.num_slots} slots (--moe-slots): the device ensure "
                               f"handles fewer than {MAX_SLOTS}")
+        if split is not None and not isinstance(split, MissSplit):
+            raise EnsureError(f"split must be a MissSplit or None, got {type(split).__name__}")
+        self.split = MissSplit.copy() if split is None else split
         self.launch = resolve_launch(geometry, self.policy, tuning)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -188,12 +194,15 @@ class DeviceCache:
         self.missed = t(np.zeros(1, np.int64))  # counters[:, 2].sum(): the filled prefix is min(it, S)
         self.status = t(np.zeros(1, np.int32))
         self.arrive = t(np.zeros(1, np.int32))
+        self._split_on = not self.split.copies_all
+        self.split_table = t(self.split.copies.copy() if self._split_on else np.zeros(1, np.int32))
+        self.served = t(np.zeros(geometry.num_layers if self._split_on else 1, np.int64))
         # rule's per-slot mirror (resolve_launch): lt | layer << LT_BITS and lc + dct of each slot's key
         self.mirror = t(np.zeros((2, geometry.num_slots) if self.launch.mirror else 1, np.int64))
         self.grid = triton.cdiv(geometry.num_slots, self.launch.tuning.chunk)
         self._tensors = CacheTensors(self.slot_of, self.key_of, self.kst, self.sst, self.gst, self.mirror,
                                      self.prm, self.fprm, self.clock, self.counters, self.missed,
-                                     self.status, self.arrive)
+                                     self.status, self.arrive, self.split_table, self.served)
         self._constexprs = self.launch.constexprs()
         self._markov = markov = self.policy.kind == PolicyKind.MARKOV
         self._markov_params = tuple(int(p) for p in self.policy.params()) if markov else ()
@@ -256,6 +265,7 @@ class DeviceCache:
             self._tensors, io, layer, g.num_experts, g.num_layers, g.num_slots, rows * k, k, rows, T,
             HAS_LOGITS=has_logits, BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T),
             BLOCK_C=block_c, SINGLE=self.grid == 1, **self._constexprs, num_warps=self.launch.tuning.num_warps,
+            **({"SPLIT": True} if self._split_on else {}),
             **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))
         return buf
 
@@ -294,4 +304,5 @@ class DeviceCache:
             return x.detach().cpu().numpy().copy()
         glob = h(self.gst)[: len(self.policy.glob_fields)]
         return Snapshot(h(self.slot_of), h(self.key_of), PolicyState(h(self.kst), h(self.sst), glob),
-                        h(self.clock), h(self.counters), np.zeros(self.geometry.num_layers, np.int64))
+                        h(self.clock), h(self.counters),
+                        h(self.served) if self._split_on else np.zeros(self.geometry.num_layers, np.int64))

@@ -47,9 +47,11 @@ from expertcache.device.policies import (
     _late_ranks,
     _lru_scores,
     _mirror_refresh,
+    _miss_priority,
     _miss_rank,
     _near,
     _near_loads,
+    _priority_rank,
     _rule_constants,
     _rule_grown,
     _rule_mirror_scores,
@@ -84,6 +86,8 @@ class CacheTensors(NamedTuple):
     missed: object  # int64 [1]: every layer's misses so far (counters[:, 2].sum()); min(it, S) slots are filled
     status: object  # int32 [1]: 0, or the code of the last refused call
     arrive: object  # int32 [1]: scratch: programs arrived (zero between calls)
+    split: object  # int32 [SPLIT_LEN] (SPLIT): the miss split's copies[m]; else [1], unread
+    served: object  # int64 [L] (SPLIT): misses served on the CPU per layer; else [1], unread
 
 
 class CallTensors(NamedTuple):
@@ -100,7 +104,7 @@ class CallTensors(NamedTuple):
 
 # Triton's type of each runtime argument of ensure_kernel, for compiles without a GPU (compile_for_sm)
 KERNEL_TYPES = (CacheTensors("*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64",
-                             "*i32", "*i32"),
+                             "*i32", "*i32", "*i32", "*i64"),
                 CallTensors("*i32", "*i32", "*fp32", "*i32", "*i32", "*i32", "*i64")) + ("i32",) * 8
 
 
@@ -125,7 +129,8 @@ class Now(NamedTuple):
 
 class Query(NamedTuple):
     """Per query position [BLOCK_Q]: a valid id, its key, its first occurrence, its slot before the
-    call, and first occurrences that hit / miss."""
+    call, first occurrences that hit / miss and are copied (every miss without a split), and the
+    positions whose miss the split serves on the CPU."""
 
     valid: object
     key: object
@@ -133,15 +138,18 @@ class Query(NamedTuple):
     slot: object
     hit: object
     fmiss: object
+    served: object
 
 
 class Tally(NamedTuple):
-    """The call's distinct keys n and misses m, misses into empty slots ne, filled slots before it."""
+    """The call's distinct keys n, copied misses m (every miss without a split), copies into empty
+    slots ne, filled slots before it, and every miss (copied or served)."""
 
     n: object
     m: object
     ne: object
     filled: object
+    misses: object
 
 
 @triton.jit(**JIT_OPTIONS)
@@ -158,6 +166,7 @@ def ensure_kernel(
     MIRROR: tl.constexpr,  # rule scores from its per-slot mirror (DeviceCache.launch.mirror)
     NARROW: tl.constexpr,  # rule's score in int32 (DeviceCache.launch.narrow)
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
+    SPLIT: tl.constexpr = False,  # a miss split (cache.split): some misses served on the CPU, not copied
 ):
     if GDC:
         gdc_wait()
@@ -191,9 +200,18 @@ def ensure_kernel(
     if POLICY == POLICY_RULE:  # each key's lc after this call's use (its growth table's load follows at once)
         early_a = _rule_grown(raw_a, raw_b, now, rc, cache.prm, valid)
     first, hit, fmiss, n, m, bad = _query_tally(valid, bad_i, key, slot, BLOCK_Q)
-    q = Query(valid, key, first, slot, hit, fmiss)
+    served = valid & (valid == 0)
+    c = m
+    if SPLIT:  # the copies[m] misses of highest priority are copied, the others served on the CPU
+        c = tl.load(cache.split + m)
+        if c < m:
+            prio = _miss_priority(cache, key, valid, nearset, now, g, rc, POLICY, HAS_LOGITS, NARROW)
+            rank = _priority_rank(prio, key, fmiss)
+            served = valid & (slot < 0) & (rank >= c)
+            fmiss = fmiss & (rank < c)
+    q = Query(valid, key, first, slot, hit, fmiss, served)
     filled = tl.minimum(missed, num_slots)
-    t = Tally(n, m, tl.minimum(m, num_slots - filled), filled)
+    t = Tally(n, c, tl.minimum(c, num_slots - filled), filled, m)
     ok = (bad == 0) & (n <= num_slots)
     if ok & (m == 0):
         # Every key of the call is resident: no program scores, arrives or waits, and program 0
@@ -202,10 +220,10 @@ def ensure_kernel(
         # laid out first, so a call that hits runs a short straight stretch of the kernel.
         if pid == 0:
             _commit(cache, io, q, t, 0, 0, mine, nearset, now, g, (early_a, raw_b), POLICY, HAS_LOGITS,
-                    BLOCK_Q, SEQ_MAX, MIRROR, True)
+                    BLOCK_Q, SEQ_MAX, MIRROR, True, False)
     else:
         _ensure_misses(pid, cache, io, q, t, bad, ok, missed, mine, nearset, now, g, rc, (early_a, raw_b),
-                       POLICY, HAS_LOGITS, CHUNK, BLOCK_Q, BLOCK_C, SINGLE, SEQ_MAX, MIRROR, NARROW)
+                       POLICY, HAS_LOGITS, CHUNK, BLOCK_Q, BLOCK_C, SINGLE, SEQ_MAX, MIRROR, NARROW, SPLIT)
 
 
 @triton.jit
@@ -241,7 +259,7 @@ def _query_tally(valid, bad_i, key, slot, BLOCK_Q: tl.constexpr):
 def _ensure_misses(pid, cache, io, q, t, bad, ok, missed, mine, nearset, now, g, rc, early,
                    POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr,
                    BLOCK_C: tl.constexpr, SINGLE: tl.constexpr, SEQ_MAX: tl.constexpr, MIRROR: tl.constexpr,
-                   NARROW: tl.constexpr):
+                   NARROW: tl.constexpr, SPLIT: tl.constexpr):
     """A call with misses, or a refused one: scoring where victims are needed, the arrival, the
     merge and the commit (or the refusal's status)."""
     if POLICY != POLICY_RULE:  # lru, lfuda: the miss ranks here; rule's behind its scoring loads
@@ -274,7 +292,7 @@ def _ensure_misses(pid, cache, io, q, t, bad, ok, missed, mine, nearset, now, g,
                     best = _merge(io.cand, tl.num_programs(0), t.m - t.ne, BLOCK_Q, BLOCK_C, SEQ_MAX)
                 tl.debug_barrier()
             _commit(cache, io, q, t, mrank, best, mine, nearset, now, g, early, POLICY, HAS_LOGITS, BLOCK_Q,
-                    SEQ_MAX, MIRROR, False)
+                    SEQ_MAX, MIRROR, False, SPLIT)
             tl.store(cache.missed, missed + t.m)
         else:
             tl.store(cache.status, tl.where(bad > 0, 1, 2))
@@ -304,7 +322,7 @@ def _chunk_candidates(pid, need, cache, io, q, nearset, now, g, rc, filled, POLI
 @triton.jit
 def _commit(cache, io, q, t, mrank, best, mine, nearset, now, g, early, POLICY: tl.constexpr,
             HAS_LOGITS: tl.constexpr, BLOCK_Q: tl.constexpr, SEQ_MAX: tl.constexpr, MIRROR: tl.constexpr,
-            HITS_ONLY: tl.constexpr):
+            HITS_ONLY: tl.constexpr, SPLIT: tl.constexpr):
     """Apply one call: refresh, evictions and installs in ascending key order, touches, plan,
     slots, counters and clock. Runs in one program. early: the policy reads of the launch's start
     (rule: the lc each use leaves, lfuda: the hits' counts and the age). HITS_ONLY: the call has no
@@ -324,19 +342,21 @@ def _commit(cache, io, q, t, mrank, best, mine, nearset, now, g, early, POLICY: 
     else:
         sl, evict, vscore = _evict_install(cache, io, q, t, mrank, best, BLOCK_Q, SEQ_MAX)
     if POLICY == POLICY_LRU:
-        tl.store(cache.sst + sl, now.step + 0 * sl, mask=q.first)
+        tl.store(cache.sst + sl, now.step + 0 * sl, mask=q.first & ~q.served)
     elif POLICY == POLICY_LFUDA:
         _touch_lfuda(cache, q, sl, evict, vscore, g.num_slots, early[0], early[1])
     elif POLICY == POLICY_RULE:
         _touch_rule(cache, q, sl, now, g, early[0], MIRROR)
     # markov: no touch (its learning step is markov.py's launch, before this one)
     i = tl.arange(0, BLOCK_Q)
-    tl.store(io.slots + i, tl.where(q.valid, sl, -1).to(tl.int32), mask=i < g.n_ids)
+    tl.store(io.slots + i, tl.where(q.valid, tl.where(q.served, -2, sl), -1).to(tl.int32), mask=i < g.n_ids)
     tl.store(io.count, t.m)
     # `mine` [4]: this layer's counters, read at the start of the launch (no round trip here)
     j = tl.arange(0, 4)
-    tl.store(cache.counters + g.layer * 3 + j, mine + tl.where(j == 0, 1, tl.where(j == 1, t.n, t.m)),
+    tl.store(cache.counters + g.layer * 3 + j, mine + tl.where(j == 0, 1, tl.where(j == 1, t.n, t.misses)),
              mask=j < 3)
+    if SPLIT:
+        tl.store(cache.served + g.layer, tl.load(cache.served + g.layer) + (t.misses - t.m))
     tl.store(cache.clock, now.step)
     tl.store(cache.clock + 1, now.tok)
 
@@ -347,7 +367,7 @@ def _evict_install(cache, io, q, t, mrank, best, BLOCK_Q: tl.constexpr, SEQ_MAX:
     into the victims in ascending packed order; the victims' old keys leave slot_of, the plan gets
     (key, slot) at each miss's rank. A commit that evicts nothing gathers no victim and loads no old
     owner. Returns each position's slot after the call, whether it evicts, and its victim's score."""
-    miss = q.valid & (q.slot < 0)
+    miss = q.valid & (q.slot < 0) & ~q.served
     from_cand = miss & (mrank >= t.ne)
     r = tl.where(from_cand, mrank - t.ne, 0)
     evicts = t.m > t.ne

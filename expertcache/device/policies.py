@@ -26,6 +26,9 @@ import triton.language as tl
 
 from expertcache.policies.base import PolicyKind
 from expertcache.policies.markov import P_BETA_Q
+from expertcache.split import HASH_GOLDEN as _GOLDEN
+from expertcache.split import HASH_MIX as _MIX
+from expertcache.split import HASH_STEP as _STEP
 
 # The kernel's POLICY constexpr is Policy.kind (PolicyKind), the numbering the host and the replay use.
 POLICY_LRU, POLICY_RULE = tl.constexpr(int(PolicyKind.LRU)), tl.constexpr(int(PolicyKind.RULE))
@@ -40,6 +43,8 @@ PINNED = tl.constexpr(0x7FFFFFFFFFFFFFFF)
 # rule's constants in Policy.params (expertcache.policies.rule.Rule.params): beta, w, the decay divisor,
 # k_max, lc_floor, then its growth table log2(1 + 2**-i/64) in Q16 for i in [0, 1920]
 RULE_TABLE = tl.constexpr(5)
+# expertcache.split.hash_priority's multipliers, as 64-bit unsigned constants
+HASH_GOLDEN, HASH_STEP, HASH_MIX = tl.constexpr(_GOLDEN), tl.constexpr(_STEP), tl.constexpr(_MIX)
 
 
 class RuleConstants(NamedTuple):
@@ -108,6 +113,42 @@ def _miss_rank(key, fmiss):
     with misses needs it: its block reduction is kept off the path of a call that hits."""
     smaller = key[None, :] < key[:, None]
     return tl.sum((smaller & fmiss[None, :]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _miss_priority(cache, key, valid, nearset, now, g, rc, POLICY: tl.constexpr, HAS_LOGITS: tl.constexpr,
+                   NARROW: tl.constexpr):
+    """Policy.miss_priority of each query position's key (read for its misses only): rule's score as if
+    resident (after the near-miss refresh, applied here to the loaded lt: idempotent, so whether another
+    program has stored it yet does not matter), markov's V (set by its learning launch before this one),
+    else expertcache.split.hash_priority of (key, step) in wrapping 64-bit unsigned arithmetic."""
+    if POLICY == POLICY_RULE:
+        lt = tl.load(cache.kst + key, mask=valid, other=0)
+        if HAS_LOGITS:
+            rkey, near = nearset
+            hit_near = tl.sum(((key[:, None] == rkey[None, :]) & near[None, :]).to(tl.int32), axis=1) > 0
+            lt = tl.where(hit_near, tl.maximum(lt, now.tok - 1), lt)
+        lc = tl.load(cache.kst + g.num_keys + key, mask=valid, other=0)
+        dct = tl.load(cache.kst + 2 * g.num_keys + key, mask=valid, other=-1)
+        lk = key.to(tl.int32) // g.num_experts
+        prio = _rule_score(lk, lt, lc + dct, g.layer, now.tok, now.dc_now, g.num_layers, rc, NARROW)
+    elif POLICY == POLICY_MARKOV:
+        prio = tl.load(cache.kst + key, mask=valid, other=0).to(tl.int64)
+    else:
+        x = (key.to(tl.uint64) + 1) * HASH_GOLDEN + now.step.to(tl.uint64) * HASH_STEP
+        x = x ^ (x >> 31)
+        x = x * HASH_MIX
+        x = x ^ (x >> 29)
+        prio = (x >> 34).to(tl.int64)
+    return prio
+
+
+@triton.jit
+def _priority_rank(prio, key, fmiss):
+    """Per position, the call's first misses ahead of its key by (priority descending, key ascending):
+    the split copies the misses of rank below copies[m]."""
+    ahead = (prio[None, :] > prio[:, None]) | ((prio[None, :] == prio[:, None]) & (key[None, :] < key[:, None]))
+    return tl.sum((ahead & fmiss[None, :]).to(tl.int32), axis=1)
 
 
 @triton.jit
@@ -258,9 +299,10 @@ def _touch_rule(cache, q, sl, now, g, lc_new, MIRROR: tl.constexpr):
     tl.store(cache.kst + g.num_keys + key, lc_new, mask=first)
     tl.store(cache.kst + 2 * g.num_keys + key, now.dc_now + 0 * key, mask=first)
     tl.store(cache.kst + key, now.tok + 0 * key, mask=first)
-    if MIRROR:
-        tl.store(cache.mirror + sl, (now.tok | (g.layer.to(tl.int64) << LT_BITS)) + 0 * key, mask=first)
-        tl.store(cache.mirror + g.num_slots + sl, lc_new + now.dc_now, mask=first)
+    if MIRROR:  # not for a miss served on the CPU: it has no slot
+        own = first & ~q.served
+        tl.store(cache.mirror + sl, (now.tok | (g.layer.to(tl.int64) << LT_BITS)) + 0 * key, mask=own)
+        tl.store(cache.mirror + g.num_slots + sl, lc_new + now.dc_now, mask=own)
 
 
 @triton.jit
@@ -270,8 +312,9 @@ def _touch_lfuda(cache, q, sl, evict, vscore, num_slots, hit_freq, age):
     and the age as read at the start of the launch (only the committing program writes them)."""
     freq = tl.where(q.hit, hit_freq + 1, 1)
     base = tl.where(evict, tl.maximum(age, vscore), age)
-    tl.store(cache.sst + sl, freq, mask=q.first)
-    tl.store(cache.sst + num_slots + sl, tl.where(q.hit, age, base) + freq, mask=q.first)
+    own = q.first & ~q.served  # a miss served on the CPU has no slot
+    tl.store(cache.sst + sl, freq, mask=own)
+    tl.store(cache.sst + num_slots + sl, tl.where(q.hit, age, base) + freq, mask=own)
     tl.store(cache.gst, tl.maximum(age, tl.max(tl.where(evict, vscore, age), axis=0)))
 
 

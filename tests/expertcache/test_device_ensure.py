@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from expertcache import CacheGeometry, EnsureError, HostCache
+from expertcache import CacheGeometry, ChannelCosts, EnsureError, HostCache, MissSplit
 from expertcache.device.cache import (
     DeviceCache,
     EnsureLaunch,
@@ -32,6 +32,7 @@ from expertcache.device.policies import (
     _rule_score,
 )
 from expertcache.policies.base import PolicyKind
+from expertcache.split import SPLIT_LEN
 from expertcache.policies.rule import (
     LC_MAX,
     LOG2_1P_TABLE,
@@ -71,13 +72,14 @@ def random_calls(rng, C, L, E, rows, k, T=0):
     return ids, layers, lidx.astype(np.int32), np.ascontiguousarray(lval, dtype=np.float32)
 
 
-def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, tuning=None, call_layers=None, **constants):
-    """C random calls through HostCache and DeviceCache (tuning: its tiles; constants: the policy's),
-    compared after every call; the calls visit layers 0..call_layers-1 of the L (all by default)."""
+def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, tuning=None, call_layers=None, split=None, **constants):
+    """C random calls through HostCache and DeviceCache (tuning: its tiles; constants: the policy's; split:
+    the miss split of both), compared after every call; the calls visit layers 0..call_layers-1 of the L
+    (all by default)."""
     device, _ = device_or_skip()
     g = CacheGeometry(L, E, S)
-    ref = HostCache(g, policy, **constants)
-    dev = DeviceCache(g, policy, device=device, tuning=tuning, **constants)
+    ref = HostCache(g, policy, split=split, **constants)
+    dev = DeviceCache(g, policy, device=device, tuning=tuning, split=split, **constants)
     rng = np.random.default_rng(seed)
     ids, layers, lidx, lval = random_calls(rng, C, call_layers or L, E, rows, k, T)
     for c in range(C):
@@ -88,7 +90,7 @@ def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, tuning=None, call_layer
             return None if a is None else torch.as_tensor(a, device=device)
         buf = dev.ensure(int(layers[c]), t(ids[c]), t(li), t(lv))
         m = int(buf.count.item())
-        assert m == res.misses, (policy, c)
+        assert m == res.copies, (policy, c)
         assert np.array_equal(buf.plan[:m].cpu().numpy(), res.plan), (policy, c)
         assert np.array_equal(buf.slots.cpu().numpy(), res.slots), (policy, c)
         assert dev.snapshot().equals(ref.snapshot()), (policy, c)
@@ -98,7 +100,8 @@ def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, tuning=None, call_layer
             want = np.stack([ref.state.key[0, kf] | (kf.astype(np.int64) // E) << LT_BITS.value,
                              ref.state.key[1, kf] + ref.state.key[2, kf]])
             assert np.array_equal(dev.mirror.cpu().numpy()[:, full], want), (policy, c)
-        assert int(dev.missed.item()) == int(ref.counters[:, 2].sum()), (policy, c)  # the filled-prefix word
+        # the filled-prefix word: the copied misses
+        assert int(dev.missed.item()) == int(ref.counters[:, 2].sum() - ref.served.sum()), (policy, c)
     dev.check()
     return ref
 
@@ -109,6 +112,24 @@ def test_device_matches_host_small(policy, E, S, rows, k, T):
     """Several programs (chunk 8) score and merge, as on a large pool."""
     ref = run_parity(policy, L=3, E=E, S=S, rows=rows, k=k, C=30, T=T, seed=S, tuning=EnsureTuning(chunk=8))
     assert ref.counters[:, 2].sum() > S, "the case must evict"
+
+
+HALF = MissSplit("hybrid", (np.arange(SPLIT_LEN) // 2).astype(np.int32))
+
+
+@pytest.mark.parametrize("policy", device_policy_names())
+@pytest.mark.parametrize("split", [HALF, MissSplit.cpu(), MissSplit.hybrid(ChannelCosts(5.0, 100.0, 15.0, 140.0))],
+                         ids=["half", "cpu", "hybrid"])
+@pytest.mark.parametrize("E, S, rows, k, T, chunk", [(8, 6, 2, 3, 5, 8), (16, 24, 2, 4, 6, 64)])
+def test_device_split_matches_host(policy, split, E, S, rows, k, T, chunk):
+    """The miss split on the device: which misses are copied (the policy's priority, rule's after its
+    near-miss refresh, the (key, step) draw of lru and lfuda), the served misses' CPU_SLOT, the served
+    counters, and every other array, bit for bit with the host after every call."""
+    ref = run_parity(policy, L=3, E=E, S=S, rows=rows, k=k, C=30, T=T, seed=S + k, tuning=EnsureTuning(chunk=chunk),
+                     split=split)
+    assert ref.served.sum() > 0
+    if split.service != "cpu":
+        assert ref.counters[:, 2].sum() > ref.served.sum() + S, "the case must copy and evict"
 
 
 @pytest.mark.parametrize("policy", device_policy_names())
