@@ -32,7 +32,6 @@ from expertcache.device.policies import (
     _rule_score,
 )
 from expertcache.policies.base import PolicyKind
-from expertcache.split import SPLIT_LEN
 from expertcache.policies.rule import (
     LC_MAX,
     LOG2_1P_TABLE,
@@ -41,6 +40,7 @@ from expertcache.policies.rule import (
     TABLE_SHIFT,
     Rule,
 )
+from expertcache.split import SPLIT_LEN
 from tests.conftest import device_or_skip
 
 KEYED = MIRROR_MAX_LAYERS + 1  # layers past what rule's mirror packs: rule scores through key_of
