@@ -2,8 +2,9 @@
 
     tiny checkpoint of each family (tiny_family) ─the console script `expertcache serve --device cpu`
         in a child process whose environment is this one's without TRITON_INTERPRET (the test suite
-        sets it; a user's shell does not), every other family with --moe-miss-service hybrid─► /health ─► a completion and a chat request over a socket
-        ─► SIGTERM ─► exit status 0, no traceback or error in the output
+        sets it; a user's shell does not), every other family with --moe-miss-service hybrid
+        ─► /health ─► a completion and a chat request over a socket ─► SIGTERM
+        ─► exit status 0, no traceback or error in the output
 
 Nothing of the CPU path may launch a Triton kernel: without a GPU driver or Triton's interpreter a
 launch fails, so each family's prefill and decode steps here show that none does. The servers of the
