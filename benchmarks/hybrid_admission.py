@@ -4,10 +4,11 @@
     -> the host reference (expertcache.HostCache) under the hybrid split of each host profile (sim.service),
        its miss priority (Policy.miss_priority) as the product ranks the copies, or replaced by
        "key" (all equal: the lowest keys are copied) or "random" (a seeded draw per call)
-    -> misses a token and modeled tok/s (sim.service.estimate_service) of each ranking
+    -> misses a token and modeled tok/s (sim.service.estimate_service) of each ranking, and without the fill
     -> table and JSON (default benchmarks/results/hybrid-admission.json)
 
-Only the ranking differs between the three; the copy counts are the same table. lru and lfuda keep no
+Only the ranking differs between the first three; the copy counts are the same table. "no-fill" ranks as
+"policy" but leaves out the rule that a pool still filling copies every miss its empty slots take. lru and lfuda keep no
 per-key state: their priority is a fixed draw per (key, call clock) (expertcache.split.hash_priority).
 
 Run: python benchmarks/hybrid_admission.py [--traces DIR] [--out FILE]
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from expertcache import CacheGeometry, HostCache
+from expertcache import CacheGeometry, HostCache, MissSplit
 from sim.budget import trace_shape
 from sim.replay import trace_calls
 from sim.service import HOSTS, estimate_service
@@ -29,13 +30,23 @@ from sim.trace import load_trace
 
 TRACES = ("gemma4-decode.npz", "flame-290m-a.npz", "mixtral-gsm8k.npz")
 POLICIES = ("rule", "markov", "lfuda", "lru")
-RANKINGS = ("policy", "key", "random")
+RANKINGS = ("policy", "key", "random", "no-fill")
+
+
+class NoFill(MissSplit):
+    """The same table without filling empty slots first: a pool still filling copies only copies[m]."""
+
+    @property
+    def fills(self) -> bool:
+        return False
 
 
 def run_one(trace, policy: str, slots: int, split, ranking: str, seed: int = 0):
     ids, layers, _, _ = trace_calls(trace)
+    if ranking == "no-fill":
+        split = NoFill(split.service, split.copies, split.costs)
     cache = HostCache(CacheGeometry(trace.num_layers, trace.num_experts, slots), policy, split=split)
-    if ranking != "policy":
+    if ranking in ("key", "random"):
         rng = np.random.default_rng(seed)
 
         def other(st, clk, keys, access):
@@ -43,11 +54,14 @@ def run_one(trace, policy: str, slots: int, split, ranking: str, seed: int = 0):
                 return np.zeros(keys.shape[0], dtype=np.int64)
             return rng.integers(0, 1 << 30, keys.shape[0])
         cache.policy.miss_priority = other
-    hist = np.zeros((trace.num_layers, ids.shape[1] * ids.shape[2] + 1), dtype=np.int64)
+    q = ids.shape[1] * ids.shape[2] + 1
+    hist = np.zeros((trace.num_layers, q), dtype=np.int64)
+    split_hist = np.zeros((q, q), dtype=np.int64)
     for c in range(ids.shape[0]):
         res = cache.ensure(int(layers[c]), ids[c])
         hist[int(layers[c]), res.misses] += 1
-    return hist, int(cache.counters[:, 2].sum()), int(cache.served.sum())
+        split_hist[res.misses, res.copies] += 1
+    return hist, split_hist, int(cache.counters[:, 2].sum()), int(cache.served.sum())
 
 
 def main() -> None:
@@ -75,9 +89,9 @@ def main() -> None:
                     slots = max(round(frac * total), trace.batch * trace.meta.top_k)
                     got = {}
                     for ranking in RANKINGS:
-                        hist, misses, served = run_one(trace, policy, slots, split, ranking)
+                        hist, split_hist, misses, served = run_one(trace, policy, slots, split, ranking)
                         est = estimate_service(hist, trace.num_tokens, shape, host, split, batch=trace.batch,
-                                               policy=policy)
+                                               policy=policy, split_hist=split_hist)
                         got[ranking] = {"tokens_per_s": est.tokens_per_s, "misses": misses, "served": served}
                     rows.append({"trace": name, "host": host_name, "policy": policy, "slots": slots,
                                  "slots_frac": frac, **got})

@@ -255,13 +255,15 @@ def _select(tag, need, tv, ts, mv, ms, off, shift, key_of, num_experts, kst, sst
 @njit(cache=True)
 def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts,
                  slot_of, key_of, kst, sst, gst, prm, fprm, aux, clock, counters, hist,
-                 out_slots, plan, tv, ts, mv, ms, copies, served):
+                 out_slots, plan, tv, ts, mv, ms, copies, fill, served, split_hist):
     """Run every call of ids [C, rows, k] through the contract; see the module docstring.
 
     out_slots int32 [rows, k] and plan int32 [rows * k, 2] receive the last call's
     result; the return value is that call's copy count. tv, ts, mv, ms: an empty victim
     index (victim_index.ix_new), filled here from the slot map. copies int32 [>= rows * k + 1]:
-    the split's table (MissSplit.copies); served int64 [L]: misses served on the CPU, per layer.
+    the split's table (MissSplit.copies); fill: whether empty slots take every miss they can first
+    (MissSplit.fills); served int64 [L]: misses served on the CPU, per layer; split_hist int64
+    [>= Q + 1, >= Q + 1]: calls by (misses, copies), summed over layers.
     """
     C, rows, k = ids.shape
     S = key_of.shape[0]
@@ -378,6 +380,8 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
             ix_fill(tv, ts, mv, ms, layer, kst[markov.V, layer * E:(layer + 1) * E],
                     slot_of[layer * E:(layer + 1) * E], pins, n)
         c_m = copies[m]
+        if fill and c_m < min(m, S - filled):  # hybrid: an empty slot takes a miss without evicting
+            c_m = min(m, S - filled)
         ns = 0
         if c_m < m:  # the split: miss_pos keeps the copied ones, served_pos the others
             ns = _split(tag, kst, prm, clk, aux, q, miss_pos, m, c_m, access, prio, copy_pos, served_pos)
@@ -419,6 +423,7 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
         counters[layer, 2] += m
         served[layer] += ns
         hist[layer, m] += 1
+        split_hist[m, c_m] += 1
         if c == C - 1:
             for r in range(rows):
                 for j in range(k):
@@ -474,13 +479,15 @@ def validate_calls(geometry: CacheGeometry, ids: np.ndarray, layers: np.ndarray,
 
 
 def run_calls(cache, ids: np.ndarray, layers, logit_idx: np.ndarray | None = None,
-              logit_val: np.ndarray | None = None, hist: np.ndarray | None = None):
+              logit_val: np.ndarray | None = None, hist: np.ndarray | None = None,
+              split_hist: np.ndarray | None = None):
     """Replay calls through `cache` (a HostCache) in place with the compiled kernel.
 
     ids int32 [C, rows, k]; layers int [C]; logits [C, rows, T] or None; hist int64
-    [L, >= rows * k + 1] accumulates calls by miss count. The cache's split (HostCache.split)
-    applies, and its `served` counts grow. Returns the last call's (slots int32 [rows, k],
-    plan int32 [c, 2] of its copies). Raises EnsureError before running anything.
+    [L, >= Q + 1] (Q = rows * k) accumulates calls by miss count, split_hist int64 [>= Q + 1, >= Q + 1]
+    calls by (misses, copies). The cache's split (HostCache.split) applies, and its `served` counts
+    grow. Returns the last call's (slots int32 [rows, k], plan int32 [c, 2] of its copies). Raises
+    EnsureError before running anything.
     """
     g = cache.geometry
     validate_calls(g, ids, layers, logit_idx, logit_val)
@@ -494,11 +501,16 @@ def run_calls(cache, ids: np.ndarray, layers, logit_idx: np.ndarray | None = Non
     if not has_logits:
         logit_idx = np.full((1, 1, 1), -1, dtype=np.int32)
         logit_val = np.zeros((1, 1, 1), dtype=np.float32)
+    if split_hist is None:
+        split_hist = np.zeros((rows * k + 1, rows * k + 1), dtype=np.int64)
+    elif split_hist.dtype != np.int64 or min(split_hist.shape) < rows * k + 1 or split_hist.ndim != 2:
+        raise ValueError(f"split_hist must be int64 [>= {rows * k + 1}, >= {rows * k + 1}]")
     out = np.empty((rows, k), dtype=np.int32)
     plan = np.empty((rows * k, 2), dtype=np.int32)
     pol, st = cache.policy, cache.state
     m = replay_calls(kind_tag(pol.kind), np.ascontiguousarray(ids), layers, logit_idx, logit_val, has_logits,
                      g.num_experts, cache.slot_of, cache.key_of, st.key, st.slot, st.glob,
                      pol.params(), pol.fparams(), pol.aux(), cache.clock, cache.counters, hist,
-                     out, plan, *ix_new(g.num_layers, g.num_experts), cache.split.copies, cache.served)
+                     out, plan, *ix_new(g.num_layers, g.num_experts), cache.split.copies,
+                     cache.split.fills, cache.served, split_hist)
     return out, plan[:m].copy()

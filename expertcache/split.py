@@ -1,11 +1,15 @@
 """The miss split: how the misses of one ensure call divide between the link and the CPU.
 
-    a call's m misses ──copies[m]──► c of them copied over the link into slots (admitted: computed on
-                                     the GPU, as every miss is without a split)
-                                     m - c computed on the CPU from host memory (served: no slot, no
-                                     victim, the slot map unchanged by them)
+    a call's m misses ──c = copies[m], for hybrid at least min(m, empty slots)──►
+        c of them copied over the link into slots (admitted: computed on the GPU, as every miss is
+          without a split)
+        m - c computed on the CPU from host memory (served: no slot, no victim, the slot map unchanged)
     which c: the misses ranked by the policy's miss priority (Policy.miss_priority: how strongly it
     expects the key to be used again), highest first, ties to the lower key
+
+Under hybrid, a pool that still has empty slots copies every miss they can take: filling an empty slot
+evicts nothing, and a miss served instead would miss again. `cpu` never copies (every routed expert on
+the CPU, the baseline of computing experts where they live).
 
 Every expert already lives in host memory, so a miss can be served two ways, and both channels read
 the same DRAM. `copies` is a table fixed at start, so the split is a function of the routing, the cache
@@ -146,6 +150,16 @@ class MissSplit:
         # the largest c reaching the least time (a copied expert is admitted and may hit later)
         copies = (SPLIT_LEN - 1 - np.argmax((t == best)[:, ::-1], axis=1)).astype(np.int32)
         return cls("hybrid", copies, costs)
+
+    @property
+    def fills(self) -> bool:
+        """True when the empty slots take every miss they can (hybrid), before the table applies."""
+        return self.service == "hybrid"
+
+    def copies_given(self, misses: int, empty: int) -> int:
+        """How many of a call's `misses` are copied when the pool has `empty` empty slots."""
+        c = int(self.copies[misses])
+        return max(c, min(misses, empty)) if self.fills else c
 
     @property
     def copies_all(self) -> bool:

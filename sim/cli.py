@@ -408,13 +408,14 @@ def _services(trace: Trace, results: list, runs: list[FormatRun] | None, policie
         return "", []
     plans = ([(None, trace_shape(trace, flags.shape), sorted({r.slots for r in results}))] if runs is None
              else [(run, run.shape, list(run.slots)) for run in runs])
+    hosts = [host if run is None else host.for_format(run.fmt) for run, _, _ in plans]
     names = [p for p in dict.fromkeys(r.policy for r in results) if p != "next-token"]
     jobs, keys = [], []
     for i, (_run, shape, slots) in enumerate(plans):
         if shape is None:
             continue
         for sv in splits:
-            split = host.split(sv, shape.expert_bytes)
+            split = hosts[i].split(sv, shape.expert_bytes)
             for p in names:
                 for s in slots:
                     jobs.append((p, s, split))
@@ -432,7 +433,7 @@ def _services(trace: Trace, results: list, runs: list[FormatRun] | None, policie
             continue
         by = {("copy", r.policy, r.slots): r for r in results}
         by.update({(sv, p, s): r for (j, sv, p, s), r in zip(keys, done) if j == i})
-        rows += service_rows(by, shape, host, services, [p for p in policies if p in names], slots, run,
+        rows += service_rows(by, shape, hosts[i], services, [p for p in policies if p in names], slots, run,
                              batch=trace.batch)
     text = format_service_table(rows, host, services)
     picks = format_service_choices(rows, ORACLES)

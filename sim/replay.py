@@ -64,6 +64,7 @@ class ReplayResult:
     hist: np.ndarray = field(repr=False)
     service: str = "copy"  # the miss split's service (expertcache.split); hist counts every miss
     layer_served: np.ndarray | None = field(default=None, repr=False)  # misses served on the CPU, [L]
+    split_hist: np.ndarray | None = field(default=None, repr=False)  # calls by (misses, copies) [Q+1, Q+1]
 
     @property
     def accesses(self) -> int:
@@ -179,11 +180,13 @@ def replay(trace: Trace, policy: str, slots: int, *, use_logits: bool = True, sp
         acc, miss, hist = replay_next_token(ids, layers, trace.num_layers, trace.num_experts, int(slots))
         return ReplayResult(policy, int(slots), trace.num_tokens, int(ids.shape[0]), acc, miss, hist)
     cache = HostCache(geometry, make_policy(policy, geometry, ids, layers, **constants), split=split)
-    hist = np.zeros((geometry.num_layers, ids.shape[1] * ids.shape[2] + 1), dtype=np.int64)
-    run_calls(cache, ids, layers, lidx, lval, hist=hist)
+    q = ids.shape[1] * ids.shape[2] + 1
+    hist = np.zeros((geometry.num_layers, q), dtype=np.int64)
+    split_hist = np.zeros((q, q), dtype=np.int64)
+    run_calls(cache, ids, layers, lidx, lval, hist=hist, split_hist=split_hist)
     return ReplayResult(policy, int(slots), trace.num_tokens, int(ids.shape[0]),
                         cache.counters[:, ACCESSES].copy(), cache.counters[:, MISSES].copy(), hist,
-                        cache.split.service, cache.served.copy())
+                        cache.split.service, cache.served.copy(), split_hist)
 
 
 class _FirstCompile(event.Listener):

@@ -36,7 +36,9 @@ class HostProfile:
     """One machine's two miss channels: `gpu` prices the GPU's part and a copy alone (its h2d table);
     link_together_gbps is the link's bandwidth while the CPU kernels read beside it, cpu_gbps /
     cpu_together_gbps the CPU kernels' weight-read bandwidth alone / beside the link, handoff_us the
-    round trip of handing a layer's CPU share over and back. `source` says where the numbers come from."""
+    round trip of handing a layer's CPU share over and back. `source` says where the numbers come from.
+    The three rates are those of bf16 experts; `formats` holds (format, cpu_gbps, cpu_together_gbps,
+    link_together_gbps) where another format's CPU kernels were measured (`for_format`)."""
 
     name: str
     gpu: HardwareProfile
@@ -45,6 +47,7 @@ class HostProfile:
     cpu_together_gbps: float
     handoff_us: float
     source: str
+    formats: tuple[tuple[str, float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("link_together_gbps", "cpu_gbps", "cpu_together_gbps"):
@@ -54,10 +57,18 @@ class HostProfile:
         if isinstance(self.handoff_us, bool) or not isinstance(self.handoff_us, (int, float)) or self.handoff_us < 0:
             raise ValueError(f"HostProfile.handoff_us must be a number >= 0, got {self.handoff_us!r}")
 
+    def for_format(self, fmt: str | None) -> HostProfile:
+        """This profile at the rates measured for experts of format `fmt` (as bf16's where none were)."""
+        for name, cpu, cpu_together, link_together in self.formats:
+            if name == fmt:
+                return replace(self, cpu_gbps=cpu, cpu_together_gbps=cpu_together,
+                               link_together_gbps=link_together)
+        return self
+
     def with_rates(self, link_gbps: float | None = None, cpu_gbps: float | None = None) -> HostProfile:
-        """This profile with the together-bandwidths replaced (--link-gbps, --cpu-gbps): cpu_gbps also
-        sets the CPU's alone rate when it is not above it."""
-        out = self
+        """This profile with the together-bandwidths replaced (--link-gbps, --cpu-gbps) for every format:
+        cpu_gbps also sets the CPU's alone rate when it is not above it."""
+        out = self if link_gbps is None and cpu_gbps is None else replace(self, formats=())  # given: every format
         if link_gbps is not None:
             out = replace(out, link_together_gbps=float(link_gbps))
         if cpu_gbps is not None:
@@ -85,7 +96,8 @@ class HostProfile:
         raise ValueError(f"unknown miss service {service!r} (--miss-service): choose from {', '.join(MISS_SERVICES)}")
 
     def describe(self) -> str:
-        return (f"host {self.name}: link {self.gpu.back_to_back_gbps:g} GB/s alone, {self.link_together_gbps:g} "
+        extra = f"; other formats: {', '.join(f[0] for f in self.formats)}" if self.formats else ""
+        return (f"host {self.name}{extra}: link {self.gpu.back_to_back_gbps:g} GB/s alone, {self.link_together_gbps:g} "
                 f"beside the CPU; CPU kernels {self.cpu_gbps:g} GB/s alone, {self.cpu_together_gbps:g} beside "
                 f"the link; hand-off {self.handoff_us:g} us a layer ({self.source})")
 
@@ -103,13 +115,18 @@ DESKTOP_GPU = HardwareProfile(
 )
 
 HOSTS: dict[str, HostProfile] = {
-    # the H100 machine's host (16 Xeon cores, AVX-512 and AMX): torch's bf16 expert matmuls on all cores
-    # beside the copy engine's copies, both measured at once (docs/hybrid.md): the link 54.9 GB/s alone,
-    # 53.3 beside; the GPU priced as the H200's engine (same link generation), its SM copy's 50.2 GB/s
-    # scaled by that 53.3 / 54.9; the hand-off at its target
-    "h100-host": HostProfile("h100-host", H200_SM_COPY, link_together_gbps=48.7, cpu_gbps=43.7,
-                             cpu_together_gbps=26.7, handoff_us=15.0,
-                             source="measured together: torch bf16 expert matmuls beside the copies"),
+    # the H100 machine's host (16 Xeon cores): moe.kernels.cpu_experts on 15 threads beside a thread copying
+    # back to back over the copy engine, both at once (benchmarks/results/cpu-experts-link.json): per format
+    # the kernel alone, the kernel beside the copies, and the link beside the kernel (54.9-55.2 GB/s
+    # alone); the GPU priced as the H200's engine (same link generation), whose SM copy's 50.2 GB/s is
+    # scaled by the link's together / alone; the hand-off at its target
+    "h100-host": HostProfile("h100-host", H200_SM_COPY, link_together_gbps=round(50.2 * 53.3 / 54.9, 1),
+                             cpu_gbps=49.4, cpu_together_gbps=48.5, handoff_us=15.0,
+                             source="measured together: the CPU expert kernels beside the copies",
+                             formats=(("fp8", 20.7, 24.7, round(50.2 * 53.8 / 55.2, 1)),
+                                      ("int4", 14.9, 17.2, round(50.2 * 52.2 / 55.1, 1)),
+                                      ("nvfp4", 15.3, 15.1, round(50.2 * 52.1 / 55.0, 1)),
+                                      ("mxfp4", 14.6, 12.8, round(50.2 * 52.5 / 54.9, 1)))),
     "desktop": HostProfile("desktop", DESKTOP_GPU, link_together_gbps=24.0, cpu_gbps=65.0,
                            cpu_together_gbps=45.0, handoff_us=15.0,
                            source="assumed: PCIe 4.0 x16, dual-channel DDR5, spec sheets"),
@@ -147,21 +164,29 @@ class ServiceEstimate:
 
 
 def estimate_service(hist: np.ndarray, tokens: int, shape: ModelShape, host: HostProfile, split: MissSplit, *,
-                     batch: int = 1, policy: str | None = None) -> ServiceEstimate:
+                     batch: int = 1, policy: str | None = None,
+                     split_hist: np.ndarray | None = None) -> ServiceEstimate:
     """Modeled decode time of a replay under `split` on `host` (module docstring). hist: the replay's
-    [L, batch * top_k + 1] calls by miss count (every miss, served or copied). Raises ValueError naming
-    the bad argument."""
+    [L, batch * top_k + 1] calls by miss count (every miss, served or copied); split_hist: its calls by
+    (misses, copies) [Q + 1, Q + 1] (ReplayResult.split_hist), which holds the copies a filling pool
+    added; without it each call copies split.copies[m]. Raises ValueError naming the bad argument."""
     check_hist(hist, tokens, shape, batch)
     g = host.gpu
     compute = (shape.layer_read_bytes(batch) / (g.hbm_gbps * 1e3) + g.layer_overhead_us
                + g.policy_call_us(policy, shape.num_experts))
     costs = host.costs(shape.expert_bytes)
-    m = np.arange(hist.shape[1])
-    c = split.copies[m]
+    if split_hist is None:
+        m = np.arange(hist.shape[1])
+        c = split.copies[m]
+        counts = hist.astype(np.float64).sum(axis=0)
+    else:
+        m, c = np.nonzero(split_hist)
+        counts = split_hist[m, c].astype(np.float64)
+        if counts.sum() != hist.sum() or (c > m).any():
+            raise ValueError("split_hist must count the calls of hist by (misses, copies <= misses)")
     step = costs.step_us(m, c)
     link = costs.link_us(c, alone=(m - c) == 0)
     cpu = costs.cpu_us(m - c, alone=c == 0)
-    counts = hist.astype(np.float64).sum(axis=0)
     compute_t = float(counts.sum()) * compute / tokens
     miss_t = float(counts @ step) / tokens
     us = compute_t + miss_t
@@ -201,7 +226,8 @@ def service_rows(results_by: dict, shape: ModelShape, host: HostProfile, service
             if any(r is None for r in got.values()):
                 continue
             ests = {sv: estimate_service(r.hist, r.tokens, shape, host, host.split(sv, shape.expert_bytes),
-                                         batch=batch, policy=policy) for sv, r in got.items()}
+                                         batch=batch, policy=policy, split_hist=r.split_hist)
+                    for sv, r in got.items()}
             rows.append(ServiceRow(policy, s, run, ests))
     return rows
 

@@ -265,7 +265,7 @@ class DeviceCache:
             self._tensors, io, layer, g.num_experts, g.num_layers, g.num_slots, rows * k, k, rows, T,
             HAS_LOGITS=has_logits, BLOCK_Q=buf.block_q, BLOCK_R=triton.next_power_of_2(rows * T),
             BLOCK_C=block_c, SINGLE=self.grid == 1, **self._constexprs, num_warps=self.launch.tuning.num_warps,
-            **({"SPLIT": True} if self._split_on else {}),
+            **({"SPLIT": True, "FILL": self.split.fills} if self._split_on else {}),
             **({"GDC": True, "launch_pdl": True} if pdl and self.device.type == "cuda" else {}))
         return buf
 

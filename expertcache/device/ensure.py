@@ -167,6 +167,7 @@ def ensure_kernel(
     NARROW: tl.constexpr,  # rule's score in int32 (DeviceCache.launch.narrow)
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor, then free the next
     SPLIT: tl.constexpr = False,  # a miss split (cache.split): some misses served on the CPU, not copied
+    FILL: tl.constexpr = False,  # with SPLIT: empty slots take every miss they can first (MissSplit.fills)
 ):
     if GDC:
         gdc_wait()
@@ -202,15 +203,17 @@ def ensure_kernel(
     first, hit, fmiss, n, m, bad = _query_tally(valid, bad_i, key, slot, BLOCK_Q)
     served = valid & (valid == 0)
     c = m
+    filled = tl.minimum(missed, num_slots)
     if SPLIT:  # the copies[m] misses of highest priority are copied, the others served on the CPU
         c = tl.load(cache.split + m)
+        if FILL:  # hybrid: every miss an empty slot takes without evicting is copied (a pool still filling)
+            c = tl.maximum(c, tl.minimum(m, num_slots - filled))
         if c < m:
             prio = _miss_priority(cache, key, valid, nearset, now, g, rc, POLICY, HAS_LOGITS, NARROW)
             rank = _priority_rank(prio, key, fmiss)
             served = valid & (slot < 0) & (rank >= c)
             fmiss = fmiss & (rank < c)
     q = Query(valid, key, first, slot, hit, fmiss, served)
-    filled = tl.minimum(missed, num_slots)
     t = Tally(n, c, tl.minimum(c, num_slots - filled), filled, m)
     ok = (bad == 0) & (n <= num_slots)
     if ok & (m == 0):

@@ -92,7 +92,9 @@ def test_served_misses_get_no_slot_and_are_counted(policy):
         res = cache.ensure(int(layers[c]), ids[c])
         cache.check()
         m = res.misses
-        assert res.copies == m // 2 and res.served.shape[0] == m - m // 2
+        empty = int((before.key_of < 0).sum())
+        want = max(m // 2, min(m, empty))  # hybrid: a filling pool copies what its empty slots take
+        assert res.copies == want and res.served.shape[0] == m - want
         assert (cache.slot_of[res.served] == NO_SLOT).all(), "a served miss is not admitted"
         assert (before.slot_of[res.served] == NO_SLOT).all()
         E = g.num_experts
@@ -165,13 +167,19 @@ def test_replay_matches_reference_with_a_split(policy, split):
 
 
 def test_belady_with_a_split_copies_the_soonest_reused():
-    g = CacheGeometry(1, 8, 8)
-    ids = np.array([[[0, 1, 2, 3]], [[2, 4, -1, -1]], [[1, 5, -1, -1]]], dtype=np.int32)
-    layers = np.zeros(3, dtype=np.int64)
+    g = CacheGeometry(1, 8, 4)
+    ids = np.array([[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[7, 5, -1, -1]], [[6, -1, -1, -1]]], dtype=np.int32)
+    layers = np.zeros(4, dtype=np.int64)
     ref = HostCache(g, Belady.for_calls(g, ids, layers), split=HALF)
-    res = ref.ensure(0, ids[0])
-    assert sorted(res.plan[:, 0].tolist()) == [1, 2], "keys 2 and 1 are used next"
-    assert res.served.tolist() == [0, 3]
+    assert ref.ensure(0, ids[0]).copies == 4, "a filling pool copies what its empty slots take"
+    res = ref.ensure(0, ids[1])
+    assert sorted(res.plan[:, 0].tolist()) == [5, 7], "keys 5 and 7 are used next"
+    assert res.served.tolist() == [4, 6]
     fast = HostCache(g, Belady.for_calls(g, ids, layers), split=HALF)
-    run_calls(fast, ids[:1], layers[:1])
+    run_calls(fast, ids[:2], layers[:2])
     assert ref.snapshot().equals(fast.snapshot())
+
+
+def test_cpu_never_copies_and_hybrid_fills_empty_slots_first():
+    assert MissSplit.cpu().copies_given(5, 100) == 0
+    assert HALF.copies_given(5, 100) == 5 and HALF.copies_given(5, 3) == 3 and HALF.copies_given(5, 0) == 2

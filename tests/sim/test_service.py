@@ -55,6 +55,14 @@ def test_hybrid_prices_each_call_at_its_slower_channel():
     assert cpu_only.miss_us_per_token == pytest.approx(SHAPE.num_layers * (h.handoff_us + 6 * B / (h.cpu_gbps * 1e3)))
 
 
+def test_measured_formats_and_overrides():
+    h = HOSTS["h100-host"]
+    int4 = h.for_format("int4")
+    assert int4.cpu_together_gbps < h.cpu_together_gbps and h.for_format("bf16") is h
+    given = h.with_rates(cpu_gbps=30.0)
+    assert given.for_format("int4").cpu_together_gbps == 30.0, "--cpu-gbps applies to every format"
+
+
 def test_faster_cpu_sends_more_to_the_cpu():
     h = HOSTS["desktop"]
     slow, fast = h.with_rates(cpu_gbps=20.0), h.with_rates(cpu_gbps=80.0)
@@ -113,3 +121,24 @@ def test_bad_service_flags_name_the_flag(argv, needle, small_trace, capsys):
     with pytest.raises(SystemExit) as err:
         main(["sim", small_trace, *argv])
     assert needle in str(err.value) + capsys.readouterr().err
+
+
+def test_replay_counts_calls_by_misses_and_copies(small_trace):
+    from sim.replay import replay
+    from sim.trace import load_trace
+
+    trace = load_trace(small_trace)
+    h = HOSTS["desktop"]
+    split = h.split("hybrid", SHAPE.expert_bytes)
+    r = replay(trace, "lru", 200, split=split)
+    m, c = np.nonzero(r.split_hist)
+    assert r.split_hist.sum() == r.calls and (c <= m).all()
+    assert (r.split_hist[m, c] * (m - c)).sum() == r.served
+    # the pool fills first: calls with empty slots copied more than the table says
+    assert any(c_ > split.copies_for(m_) for m_, c_ in zip(m, c))
+    with_hist = estimate_service(r.hist, r.tokens, SHAPE, h, split, split_hist=r.split_hist)
+    assert with_hist.served_per_token * r.tokens == pytest.approx(r.served)
+    cpu = replay(trace, "lru", 200, split=MissSplit.cpu())
+    a = estimate_service(cpu.hist, cpu.tokens, SHAPE, h, MissSplit.cpu(), split_hist=cpu.split_hist)
+    b = estimate_service(cpu.hist, cpu.tokens, SHAPE, h, MissSplit.cpu())
+    assert a.us_per_token == pytest.approx(b.us_per_token, rel=1e-12)
