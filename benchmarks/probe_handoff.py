@@ -32,7 +32,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from expertcache.pool import DeviceView, _mapped_device_pointer
+from expertcache.pool import DeviceView, mapped_device_pointer
 
 
 @intrinsic
@@ -123,7 +123,7 @@ def busy_kernel(ptr, N: tl.constexpr, ITERS: tl.constexpr):
 
 
 def mapped(t: torch.Tensor) -> DeviceView:
-    return DeviceView(_mapped_device_pointer(t.data_ptr(), "handoff"), t.dtype, t.numel() * t.element_size(), t)
+    return DeviceView(mapped_device_pointer(t.data_ptr(), "handoff"), t.dtype, t.numel() * t.element_size(), t)
 
 
 def run(mode: str, reps: int, hidden: int, busy_iters: int, handoff: bool) -> dict:

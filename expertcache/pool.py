@@ -91,7 +91,7 @@ class DeviceView:
         return self.ptr
 
 
-def _mapped_device_pointer(host_ptr: int, bank: str) -> int:
+def mapped_device_pointer(host_ptr: int, bank: str) -> int:
     """Device address of pinned host memory: cudaHostGetDevicePointer when cuda-python is
     present, otherwise the host address itself (valid on every UVA platform)."""
     try:
@@ -208,7 +208,7 @@ class HostStore:
                 "HostStore with pin=True"
             )
         torch.cuda.init()
-        view = DeviceView(_mapped_device_pointer(t.data_ptr(), name), dtype, t.nbytes, t)
+        view = DeviceView(mapped_device_pointer(t.data_ptr(), name), dtype, t.nbytes, t)
         self._views[(name, dtype)] = view
         return view
 

@@ -390,13 +390,11 @@ class GpuMoE:
 
     def __init__(self, weights: ModelWeights, num_slots: int, policy: str = "lru", *, max_batch: int = 1,
                  forced_routing: bool = False, split: MissSplit | None = None, **constants) -> None:
-        if split is not None and not split.copies_all:
-            raise ValueError(f"--moe-miss-service {split.service} runs on the CPU backend (--device cpu) only so far: "
-                             "the GPU decode copies every miss (--moe-miss-service copy)")
         geometry = _geometry(weights, num_slots, max_batch)
         self.cfg, self.store = weights.spec.moe, weights.store
         pool = SlotPool(self.store.banks, num_slots, device=weights.device)
-        self.slots = SlotCache(self.store, pool, geometry.num_layers, geometry.num_experts, policy, **constants)
+        self.slots = SlotCache(self.store, pool, geometry.num_layers, geometry.num_experts, policy, split=split,
+                               cfg=self.cfg, **constants)
         self.layers = {lw.mlp.index: MoELayer(self.cfg, lw.mlp.index, lw.mlp.router, self.slots, lw.mlp.shared,
                                               router_b=lw.mlp.router_bias, score_bias=lw.mlp.score_bias)
                        for lw in weights.layers if isinstance(lw.mlp, MoEWeights)}

@@ -63,7 +63,10 @@ from expertcache.copy import miss_copy
 from expertcache.device.cache import DeviceCache
 from expertcache.geometry import CacheGeometry
 from expertcache.pool import HostStore, SlotPool
+from expertcache.split import MissSplit
 from expertcache.streams import SideStream
+from moe.engine.handoff import CpuShare
+from moe.kernels.cpu_experts import CpuExperts
 from moe.kernels.plan import GEMV_MAX_TOKENS, LaunchPlan, resolve_launch_plan
 from moe.kernels.routed import device_sms, routed_down, routed_experts, routed_gate_up
 from moe.kernels.routed_host import routed_scratch
@@ -86,7 +89,8 @@ class SlotCache:
     """
 
     def __init__(self, store: HostStore, pool: SlotPool, num_layers: int, num_experts: int,
-                 policy: str = "lru", **constants) -> None:
+                 policy: str = "lru", split: MissSplit | None = None, cfg: MoEConfig | None = None,
+                 **constants) -> None:
         if store.num_keys != num_layers * num_experts or store.banks != pool.banks:
             raise ValueError(f"the HostStore must hold {num_layers} * {num_experts} key rows (layers * experts) "
                              f"of the SlotPool's banks, got {store.num_keys} rows of "
@@ -94,12 +98,18 @@ class SlotCache:
         self.store, self.pool = store, pool
         self.num_layers, self.num_experts = num_layers, num_experts
         self.policy, self.constants = policy, constants
+        self.split = MissSplit.copy() if split is None else split
         self.cache = self._new_cache()
         self.side: SideStream | None = None
+        self.share: CpuShare | None = None  # the CPU's share of the misses, with a split on a CUDA device
+        if not self.split.copies_all:
+            if cfg is None or pool.device.type != "cuda":
+                raise ValueError("SlotCache: a miss split needs the MoEConfig (cfg) and a CUDA pool")
+            self.share = CpuShare(CpuExperts(store, cfg), pool.device)
 
     def _new_cache(self) -> DeviceCache:
         geometry = CacheGeometry(self.num_layers, self.num_experts, self.pool.num_slots)
-        return DeviceCache(geometry, self.policy, device=self.pool.device, **self.constants)
+        return DeviceCache(geometry, self.policy, device=self.pool.device, split=self.split, **self.constants)
 
     def side_stream(self) -> SideStream:
         """The model's side stream, made on first call (outside any capture). See SideStream."""
@@ -118,10 +128,13 @@ class SlotCache:
         self.cache = self._new_cache()
 
     def close(self) -> None:
-        """Destroy the side stream, if one was made."""
+        """Destroy the side stream, if one was made, and stop the CPU share's worker."""
         if self.side is not None:
             self.side.close()
             self.side = None
+        if self.share is not None:
+            self.share.close()
+            self.share = None
 
 
 class MoELayer:
@@ -171,6 +184,7 @@ class MoELayer:
         self._ids = torch.empty((n, cfg.top_k), dtype=torch.int32, device=dev)
         self._pre = torch.empty((n, cfg.top_k), dtype=torch.int32, device=dev)  # early hits: slots before ensure
         self._routed_out = torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)  # routed() only
+        self._cpu_addend = torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)  # with a CPU share
         router_scratch(dev, cfg.num_experts)
         routed_scratch(dev, cfg.top_k, cfg.expert_intermediate)
         if self.shared is not None:  # the shared expert as a one-slot pool, written only by its launches
@@ -234,6 +248,9 @@ class MoELayer:
         act, slots, weights = self._routed_front(hidden, routing, (side, compute) if hits_side else None)
         if compute is not None:
             side.join(compute)  # the down launch below reads `shared` and the early hits' rows
+        share = self.slots.share
+        if share is not None:  # the misses served on the CPU, back in float32 beside the shared expert's output
+            shared = share.wait(shared, self._cpu_addend[:hidden.shape[0]])
         self._down(act, slots, weights, addend=shared, out_cast=out)
         return out
 
@@ -297,6 +314,8 @@ class MoELayer:
                 routed_gate_up(hidden, pre, weights, gate_up, part="hits", pre=pre, tiles=plan.routed_tiles,
                                programs=plan.hits_programs, cfg=cfg, gate_up_bias=gate_up_bias)
         buf = slots.cache.ensure(self.layer, ids, pdl=plan.pdl)  # slots [T, k], plan [Q, 2], count [1]
+        if slots.share is not None:  # the served misses go to the CPU while the link copies the others
+            slots.share.post(self.layer, hidden, ids, buf.slots, weights)
         miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=plan.pdl, release_after_wait=plan.front_release)
         act = routed_gate_up(hidden, buf.slots, weights, gate_up, part="all" if pre is None else "rest", pre=pre,
                              tiles=plan.routed_tiles, cfg=cfg, gate_up_bias=gate_up_bias)
@@ -313,7 +332,9 @@ class MoELayer:
     def routed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The routed half alone: hidden [T, H] -> [T, H] float32 (a buffer of this layer, reused)."""
         act, slots, weights = self._routed_front(hidden)
-        return self._down(act, slots, weights, out=self._routed_out[:hidden.shape[0]])
+        share = self.slots.share
+        addend = None if share is None else share.wait(None, self._cpu_addend[:hidden.shape[0]])
+        return self._down(act, slots, weights, out=self._routed_out[:hidden.shape[0]], addend=addend)
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sigmoid(x · gate_w) * down(silu(gate(x)) * up(x)), [T, H] float32 (without gate_w,

@@ -106,8 +106,10 @@ def resolve_miss_service(service: str, device, cpu_threads: int | None = None) -
     copy: every miss copied into a slot; cpu: every routed expert computed on the CPU from host memory
     (nothing admitted); hybrid: each call's misses split between the two. On the CPU backend there is no
     link to balance against, so hybrid copies half of each call's misses (the larger half) and computes
-    the rest from the store, and auto is copy. Raises ValueError naming the flag for an unknown service,
-    a thread count outside [1, the cores numba may use], or a split the device's backend does not run.
+    the rest from the store, and auto is copy. On a GPU the served misses are handed to a CPU worker
+    inside the decode graph (moe.engine.handoff); its hybrid table is the same half of each call's
+    misses until the channels are measured at start. Raises ValueError naming the flag for an unknown
+    service or a thread count outside [1, the cores numba may use].
     """
     if service not in MISS_SERVICE_CHOICES:
         raise ValueError(f"--moe-miss-service must be one of {', '.join(MISS_SERVICE_CHOICES)}, got {service!r}")
@@ -126,9 +128,6 @@ def resolve_miss_service(service: str, device, cpu_threads: int | None = None) -
                     else "the CPU backend has no link to balance against")
     if service == "copy":
         return MissSplit.copy()
-    if on_gpu:
-        raise ValueError(f"--moe-miss-service {service} runs on the CPU backend (--device cpu) only so far: "
-                         "the GPU decode copies every miss (--moe-miss-service copy)")
     if service == "cpu":
         return MissSplit.cpu()
     return MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0))

@@ -80,8 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     model.add_argument("--moe-miss-service", default="copy", choices=("copy", "hybrid", "cpu", "auto"),
                        help="how misses are served: copy (every miss into a slot, default), hybrid (each "
                             "layer's misses split between the link and the CPU, docs/hybrid.md), cpu (every "
-                            "routed expert computed on the CPU), auto (chosen at start); hybrid and cpu run on "
-                            "--device cpu so far")
+                            "routed expert computed on the CPU), auto (copy for now); hybrid splits each layer's "
+                            "misses in half until the channels are measured at start")
     model.add_argument("--cpu-threads", type=int, metavar="N",
                        help="threads of the CPU expert kernels (default: every core)")
     model.add_argument("--moe-copy-overlap", action="store_true",

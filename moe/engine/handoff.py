@@ -1,0 +1,196 @@
+"""A layer's CPU share of its misses, handed to a CPU worker and back inside the decode graph.
+
+    compute stream, after the layer's ensure:
+      _post_kernel: hidden [T, H] (model dtype) -> x (float32), the routed ids of the positions the
+          ensure served on the CPU (slot CPU_SLOT; -1 elsewhere) and their weights -> mapped pinned
+          host memory, (layer, T) beside them; a barrier, a system-scope release, flag_in = seq
+    CPU worker (one thread per SlotCache): spins on flag_in with acquire loads (numba, the GIL
+      released), runs moe.kernels.cpu_experts.CpuExperts.moe on what was posted into `out`, and answers
+      flag_out = seq with a release store
+    compute stream, at the combine (before the routed down launch):
+      _wait_kernel: one program spins on flag_out (volatile loads) until it reaches seq, a system-scope
+          acquire, then dst [T, H] = addend (the shared expert's output, or 0) + out
+
+No host sync and fixed buffers: the post and the wait capture in the decode step's CUDA graph, and
+between them the copies of the layer's other misses and the GPU's hits run while the CPU computes.
+seq is a device counter the post advances, so every replay hands over a new number. The routed GPU
+launches skip a CPU_SLOT position (its slot is below 0), so every expert of a row is added once, in a
+fixed order: the GPU's in its down launch, the CPU's (summed by the worker in ascending j) in the
+addend.
+
+A worker that fails answers anyway (out zeroed) so the GPU never waits forever; `check()` raises
+its error. The round trip costs about 9 us on the H100 machine (benchmarks/probe_handoff.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import triton
+import triton.language as tl
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from expertcache.geometry import CPU_SLOT
+from expertcache.pool import DeviceView, mapped_device_pointer
+from moe.kernels.cpu_experts import CpuExperts
+from moe.kernels.plan import GEMV_MAX_TOKENS
+
+META_LAYER, META_ROWS = 0, 1
+_CPU_SLOT = tl.constexpr(CPU_SLOT)
+_META_LAYER, _META_ROWS = tl.constexpr(META_LAYER), tl.constexpr(META_ROWS)
+
+
+@intrinsic
+def _load_acquire(typingctx, arr, i):
+    """arr[i] (int32) by an acquire load: later reads see what the writer released before it."""
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        return builder.load_atomic(ptr, "acquire", 4)
+    return types.int32(arr, i), codegen
+
+
+@intrinsic
+def _store_release(typingctx, arr, i, v):
+    """arr[i] = v (int32) by a release store: what this thread wrote before is seen first."""
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        value = args[2] if args[2].type == ir.IntType(32) else builder.trunc(args[2], ir.IntType(32))
+        builder.store_atomic(value, ptr, "release", 4)
+        return context.get_dummy_value()
+    return types.void(arr, i, v), codegen
+
+
+@njit(nogil=True, cache=True)
+def wait_post(flag_in, stop, last):
+    """Spin until flag_in moves past `last` (return its value) or stop is set (return -1)."""
+    while True:
+        s = _load_acquire(flag_in, 0)
+        if s != last:
+            return s
+        if _load_acquire(stop, 0) != 0:
+            return -1
+
+
+@njit(nogil=True, cache=True)
+def answer(flag_out, s):
+    _store_release(flag_out, 0, s)
+
+
+@triton.jit
+def _post_kernel(hidden_ptr, ids_ptr, slots_ptr, w_ptr, x_ptr, cid_ptr, cw_ptr, meta_ptr, seq_ptr, flag_ptr,
+                 fence_ptr, layer, rows, H: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    for r in range(rows):
+        for h0 in tl.static_range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            tl.store(x_ptr + r * H + h, tl.load(hidden_ptr + r * H + h, mask=h < H).to(tl.float32), mask=h < H)
+    p = tl.arange(0, BLOCK_K)
+    pm = p < rows * K
+    slot = tl.load(slots_ptr + p, mask=pm, other=-1)
+    tl.store(cid_ptr + p, tl.where(slot == _CPU_SLOT, tl.load(ids_ptr + p, mask=pm, other=-1), -1), mask=pm)
+    tl.store(cw_ptr + p, tl.load(w_ptr + p, mask=pm, other=0.0), mask=pm)
+    tl.store(meta_ptr + _META_LAYER, layer)
+    tl.store(meta_ptr + _META_ROWS, rows)
+    s = tl.load(seq_ptr) + 1
+    tl.debug_barrier()
+    tl.atomic_add(fence_ptr, 0, sem="release", scope="sys")  # the payload is visible before the flag
+    tl.store(seq_ptr, s)
+    tl.store(flag_ptr, s)
+
+
+@triton.jit
+def _wait_kernel(flag_ptr, seq_ptr, out_ptr, addend_ptr, dst_ptr, fence_ptr, rows, H: tl.constexpr,
+                 BLOCK_H: tl.constexpr, ADDEND: tl.constexpr):
+    s = tl.load(seq_ptr)
+    v = tl.load(flag_ptr, volatile=True)
+    while v != s:
+        v = tl.load(flag_ptr, volatile=True)
+    tl.atomic_add(fence_ptr, 0, sem="acquire", scope="sys")  # the answer is read after the flag
+    for r in range(rows):
+        for h0 in tl.static_range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            y = tl.load(out_ptr + r * H + h, mask=h < H, other=0.0, volatile=True)
+            if ADDEND:
+                y += tl.load(addend_ptr + r * H + h, mask=h < H, other=0.0)
+            tl.store(dst_ptr + r * H + h, y, mask=h < H)
+
+
+def _mapped(t: torch.Tensor) -> DeviceView:
+    return DeviceView(mapped_device_pointer(t.data_ptr(), "cpu share"), t.dtype, t.numel() * t.element_size(), t)
+
+
+class CpuShare:
+    """The hand-off buffers, the device sequence counter and the CPU worker of one SlotCache.
+
+    experts: the CpuExperts over the SlotCache's HostStore (the store's own pinned banks, read in place).
+    One layer's share is in flight at a time (a layer waits for its own before the next posts), so one
+    set of buffers serves every layer. `post` and `wait` launch on the current stream; `close` stops
+    the worker; `check` raises the worker's error, if it had one.
+    """
+
+    def __init__(self, experts: CpuExperts, device: torch.device) -> None:
+        cfg = experts.cfg
+        self.experts, self.device, self.hidden, self.top_k = experts, device, cfg.hidden, cfg.top_k
+        n, h, k = GEMV_MAX_TOKENS, cfg.hidden, cfg.top_k
+
+        def pinned(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=True)
+        self._host = {"x": pinned((n, h), torch.float32), "ids": pinned((n, k), torch.int32),
+                      "weights": pinned((n, k), torch.float32), "out": pinned((n, h), torch.float32),
+                      "meta": pinned(2, torch.int32), "flag_in": pinned(1, torch.int32),
+                      "flag_out": pinned(1, torch.int32), "stop": pinned(1, torch.int32)}
+        self._views = {name: _mapped(t) for name, t in self._host.items()}
+        self._np = {name: t.numpy() for name, t in self._host.items()}
+        self._seq = torch.zeros(1, dtype=torch.int32, device=device)
+        self._fence = torch.zeros(1, dtype=torch.int32, device=device)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="expertcache-cpu-share", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        a, last = self._np, 0
+        while True:
+            s = int(wait_post(a["flag_in"], a["stop"], last))
+            if s < 0:
+                return
+            rows, layer = int(a["meta"][META_ROWS]), int(a["meta"][META_LAYER])
+            try:
+                self.experts.moe(layer, a["x"][:rows], a["ids"][:rows], a["weights"][:rows], out=a["out"][:rows])
+            except Exception as exc:  # kept for check(): the GPU must not wait forever
+                a["out"][:rows] = 0.0
+                self.error = exc
+            answer(a["flag_out"], s)
+            last = s
+
+    def post(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
+             weights: torch.Tensor) -> None:
+        """Hand over the positions of hidden [T, H] whose slot is CPU_SLOT (ids, slots int32, weights
+        float32 [T, k], on the device)."""
+        v, rows = self._views, hidden.shape[0]
+        _post_kernel[(1,)](hidden, ids, slots, weights, v["x"], v["ids"], v["weights"], v["meta"], self._seq,
+                           v["flag_in"], self._fence, layer, rows, H=self.hidden, K=self.top_k, BLOCK_H=1024,
+                           BLOCK_K=triton.next_power_of_2(GEMV_MAX_TOKENS * self.top_k))
+
+    def wait(self, addend: torch.Tensor | None, dst: torch.Tensor) -> torch.Tensor:
+        """dst [T, H] float32 = addend (or 0) + the CPU's share of the last post, once it is back."""
+        v = self._views
+        _wait_kernel[(1,)](v["flag_out"], self._seq, v["out"], dst if addend is None else addend, dst, self._fence,
+                           dst.shape[0], H=self.hidden, BLOCK_H=1024, ADDEND=addend is not None)
+        return dst
+
+    def check(self) -> None:
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise RuntimeError(f"the CPU expert worker failed: {err}") from err
+
+    def close(self) -> None:
+        self._np["stop"][0] = 1
+        self._thread.join(timeout=10)
