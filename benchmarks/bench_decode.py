@@ -118,6 +118,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=32768, help="vocabulary size (Qwen3-Next: 151936)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eager", action="store_true", help="eager decode instead of CUDA-graph replay")
+    ap.add_argument("--miss-service", default="copy", choices=("copy", "hybrid", "cpu"),
+                    help="how the engine serves misses (--moe-miss-service); the simulator's rows stay those of "
+                         "copy, so misses_equal holds for copy only")
     ap.add_argument("--dry-run", action="store_true", help="simulator only (no GPU)")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip the miss-free run; predict with the H200_SM_COPY profile's own overhead")
@@ -318,7 +321,8 @@ def run_format(fmt: str, traces: dict, args: argparse.Namespace, res: dict) -> N
 
 
 def _row(weights, trace, args, fmt, budget, slots, batch, policy, overlap, window, profile) -> dict:
-    row = {"config": config_name(policy, overlap), "format": fmt, "budget_gib": budget, "batch": batch,
+    row = {"config": config_name(policy, overlap), "miss_service": args.miss_service, "format": fmt,
+           "budget_gib": budget, "batch": batch,
            "slots": slots, "sim": predict(window, overlap, profile, args.geometry, fmt, policy)}
     if profile is not H200_SM_COPY:  # the uncalibrated profile's prediction, for reference
         row["sim_uncalibrated"] = predict(window, overlap, geometry=args.geometry, fmt=fmt, policy=policy)

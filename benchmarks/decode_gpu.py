@@ -25,6 +25,7 @@ import torch
 
 from moe.engine.backends import GpuMoE
 from moe.engine.engine import Engine
+from moe.engine.loading import resolve_miss_service
 from moe.model.checkpoint import ModelWeights
 from moe.testing import random_decoder as decoders
 from sim.trace import Trace
@@ -69,7 +70,9 @@ class Runner:
                  overlap: bool, batch: int) -> None:
         moe_cfg = dataclasses.replace(weights.spec.moe, copy_overlap=overlap)
         weights = dataclasses.replace(weights, spec=dataclasses.replace(weights.spec, moe=moe_cfg))
-        self.backend = GpuMoE(weights, args.slots, policy, max_batch=batch, forced_routing=trace is not None)
+        split = resolve_miss_service(getattr(args, "miss_service", "copy"), "cuda")
+        self.backend = GpuMoE(weights, args.slots, policy, max_batch=batch, forced_routing=trace is not None,
+                              split=split)
         plans = [layer.plan for layer in self.backend.layers.values()]
         if {plan.mode.side_stream for plan in plans} != {overlap}:
             raise SystemExit(f"overlap {'on' if overlap else 'off'} did not apply: {plans[0].reason}")
