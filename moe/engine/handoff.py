@@ -163,7 +163,10 @@ class CpuShare:
                 return
             rows, layer = int(a["meta"][META_ROWS]), int(a["meta"][META_LAYER])
             try:
-                self.experts.moe(layer, a["x"][:rows], a["ids"][:rows], a["weights"][:rows], out=a["out"][:rows])
+                if (a["ids"][:rows] >= 0).any():
+                    self.experts.moe(layer, a["x"][:rows], a["ids"][:rows], a["weights"][:rows], out=a["out"][:rows])
+                else:  # nothing served this call: answer at once, without waking the kernels' threads
+                    a["out"][:rows] = 0.0
             except Exception as exc:  # kept for check(): the GPU must not wait forever
                 a["out"][:rows] = 0.0
                 self.error = exc
