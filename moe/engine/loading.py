@@ -109,7 +109,9 @@ def resolve_miss_service(service: str, device, cpu_threads: int | None = None) -
     the rest from the store, and auto is copy. On a GPU the served misses are handed to a CPU worker
     inside the decode graph (moe.engine.handoff); its hybrid table is the same half of each call's
     misses until the channels are measured at start. Raises ValueError naming the flag for an unknown
-    service or a thread count outside [1, the cores numba may use].
+    service or a thread count outside [1, the cores numba may use]. On a GPU with a split and no
+    cpu_threads, the kernels take every core but two (the launching and the spinning threads'); the
+    server also sets OMP_WAIT_POLICY=PASSIVE before torch loads (moe.serve.cli.cpu_worker_env).
     """
     if service not in MISS_SERVICE_CHOICES:
         raise ValueError(f"--moe-miss-service must be one of {', '.join(MISS_SERVICE_CHOICES)}, got {service!r}")
@@ -122,6 +124,11 @@ def resolve_miss_service(service: str, device, cpu_threads: int | None = None) -
                              f"got {cpu_threads!r}")
         numba.set_num_threads(cpu_threads)
     on_gpu = torch.device(device).type == "cuda"
+    if on_gpu and service in ("hybrid", "cpu") and cpu_threads is None:
+        # two cores stay with the decode's launching thread and the hand-off's spinning one
+        import numba
+
+        numba.set_num_threads(max(1, numba.config.NUMBA_NUM_THREADS - 2))
     if service == "auto":
         service = "copy"
         logger.info("--moe-miss-service auto: copy (%s)", "the GPU decode copies every miss" if on_gpu

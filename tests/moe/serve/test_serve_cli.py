@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -78,3 +79,16 @@ def test_cuda_graphs_asked_for_on_the_cpu_name_the_variable(tiny_dir, monkeypatc
                                          "a CUDA device, and the model is to load on cpu: unset"):
         build_state(build_parser().parse_args(["serve", "--model", str(tiny_dir), "--moe-slots", "16",
                                                "--device", "cpu"]))
+
+
+def test_cpu_worker_env_makes_openmp_sleep_only_where_the_cpu_computes_misses(monkeypatch):
+    from moe.serve.cli import cpu_worker_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cpu_worker_env("copy")
+    assert "OMP_WAIT_POLICY" not in os.environ
+    cpu_worker_env("hybrid")
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    cpu_worker_env("cpu")
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE", "a user's own setting is kept"
