@@ -119,9 +119,10 @@ HOSTS: dict[str, HostProfile] = {
     # back to back over the copy engine, both at once (benchmarks/results/cpu-experts-link.json): per format
     # the kernel alone, the kernel beside the copies, and the link beside the kernel (54.9-55.2 GB/s
     # alone); the GPU priced as the H200's engine (same link generation), whose SM copy's 50.2 GB/s is
-    # scaled by the link's together / alone; the hand-off at its target
+    # scaled by the link's together / alone; the hand-off as the hybrid decode pays it a layer (673 us
+    # against 562 for copy over 8 layers of a miss-free step, benchmarks/results/decode-hybrid.json)
     "h100-host": HostProfile("h100-host", H200_SM_COPY, link_together_gbps=round(50.2 * 53.3 / 54.9, 1),
-                             cpu_gbps=49.4, cpu_together_gbps=48.5, handoff_us=15.0,
+                             cpu_gbps=49.4, cpu_together_gbps=48.5, handoff_us=14.0,
                              source="measured together: the CPU expert kernels beside the copies",
                              formats=(("fp8", 20.7, 24.7, round(50.2 * 53.8 / 55.2, 1)),
                                       ("int4", 14.9, 17.2, round(50.2 * 52.2 / 55.1, 1)),
