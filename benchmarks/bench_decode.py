@@ -68,8 +68,10 @@ from benchmeta import machine
 
 from expertcache import policy_names
 from expertcache.formats import FormatError, format_names, get_format, slots_for_budget
+from expertcache.split import MissSplit
 from sim.costmodel import H200_SM_COPY, SHAPES, HardwareProfile, estimate_decode
 from sim.replay import replay
+from sim.service import DEFAULT_HOST, HOSTS, estimate_service
 from sim.trace import Trace
 
 DEVICE_POLICIES = tuple(policy_names())  # every registered policy has a device ensure
@@ -119,8 +121,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eager", action="store_true", help="eager decode instead of CUDA-graph replay")
     ap.add_argument("--miss-service", default="copy", choices=("copy", "hybrid", "cpu"),
-                    help="how the engine serves misses (--moe-miss-service); the simulator's rows stay those of "
-                         "copy, so misses_equal holds for copy only")
+                    help="how the engine serves misses (--moe-miss-service); the simulator replays the same split "
+                         "and prices it on the default host profile (sim.service)")
     ap.add_argument("--dry-run", action="store_true", help="simulator only (no GPU)")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip the miss-free run; predict with the H200_SM_COPY profile's own overhead")
@@ -143,6 +145,10 @@ def _check_args(args: argparse.Namespace) -> None:
     if not args.batches or min(args.batches) < 1 or max(args.batches) > 8:
         raise SystemExit(f"error: --batches must be in 1..8 (moe.kernels.plan.GEMV_MAX_TOKENS), got {args.batches}")
     args.configs = [_config(c) for c in args.configs.split(",") if c.strip()]
+    from moe.engine.loading import resolve_miss_service
+
+    split = resolve_miss_service(args.miss_service, "cuda")  # the engine's own split on a GPU
+    args.split = None if split.copies_all else split
     if not args.configs:
         raise SystemExit("error: --configs is empty")
     geo = GEOMETRIES[args.geometry]
@@ -226,13 +232,19 @@ def head(trace: Trace, tokens: int) -> Trace:
     return Trace(experts=np.ascontiguousarray(trace.experts[:tokens]), meta=trace.meta)
 
 
-def replay_window(trace: Trace, policy: str, slots: int, warmup: int) -> dict:
+def replay_window(trace: Trace, policy: str, slots: int, warmup: int, split: MissSplit | None = None) -> dict:
     """The simulator on the timed window (decode steps warmup..end) of `trace`, from a cold start at
-    step 0: the window's histogram of misses per call [L, B*k + 1], its per-layer misses and accesses,
-    and the whole run's per-layer misses. Every prediction for this (trace, policy, slots) reuses it."""
-    full = replay(trace, policy, slots, use_logits=False)
-    warm = replay(head(trace, warmup), policy, slots, use_logits=False)
+    step 0, under the engine's miss split (None: copy): the window's histogram of misses per call
+    [L, B*k + 1] and of (misses, copies), its per-layer misses and accesses, and the whole run's
+    per-layer misses. Every prediction for this (trace, policy, slots, split) reuses it."""
+    full = replay(trace, policy, slots, use_logits=False, split=split)
+    warm = replay(head(trace, warmup), policy, slots, use_logits=False, split=split)
+    q = max(full.split_hist.shape[0], warm.split_hist.shape[0])
+    split_hist = np.zeros((q, q), dtype=np.int64)
+    split_hist[:full.split_hist.shape[0], :full.split_hist.shape[1]] += full.split_hist
+    split_hist[:warm.split_hist.shape[0], :warm.split_hist.shape[1]] -= warm.split_hist
     return {"hist": full.hist - warm.hist, "misses": full.layer_misses - warm.layer_misses,
+            "split": split, "split_hist": split_hist,
             "accesses": int((full.layer_accesses - warm.layer_accesses).sum()),
             "misses_all": full.layer_misses, "steps": trace.experts.shape[0] - warmup,
             "batch": trace.experts.shape[2]}
@@ -247,8 +259,18 @@ def predict(window: dict, overlap: bool, profile: HardwareProfile = H200_SM_COPY
     layers, geo = miss.shape[0], GEOMETRIES[geometry]
     shape = dataclasses.replace(SHAPES[geo.shape], num_layers=layers,
                                 routed_expert_bytes=get_format(fmt).expert_bytes(geo.hidden, geo.inter))
-    est = estimate_decode(window["hist"], steps, shape, profile, batch=window["batch"], overlap=overlap,
-                          policy=policy)
+    split = window.get("split")
+    if split is not None and not split.copies_all:  # both channels, on the host the profile measured
+        host = dataclasses.replace(HOSTS[DEFAULT_HOST], gpu=profile).for_format(fmt)
+        svc = estimate_service(window["hist"], steps, shape, host, split, batch=window["batch"], policy=policy,
+                               split_hist=window["split_hist"])
+        est = dataclasses.replace(estimate_decode(window["hist"], steps, shape, profile, batch=window["batch"],
+                                                  policy=policy), us_per_token=svc.us_per_token,
+                                  tokens_per_s=svc.tokens_per_s, exposed_copy_us_per_token=svc.miss_us_per_token,
+                                  bytes_copied_per_token=svc.copies_per_token * shape.expert_bytes)
+    else:
+        est = estimate_decode(window["hist"], steps, shape, profile, batch=window["batch"], overlap=overlap,
+                              policy=policy)
     acc = window["accesses"]
     return {"hit_rate": 1.0 - int(miss.sum()) / acc if acc else 0.0,
             "misses_per_layer_per_step": float(miss.sum()) / layers / steps,
@@ -314,7 +336,7 @@ def run_format(fmt: str, traces: dict, args: argparse.Namespace, res: dict) -> N
             windows: dict[str, dict] = {}  # per policy: overlap changes only the prediction
             for policy, overlap in args.configs:
                 if policy not in windows:
-                    windows[policy] = replay_window(traces[batch], policy, slots, args.warmup)
+                    windows[policy] = replay_window(traces[batch], policy, slots, args.warmup, args.split)
                 res["rows"].append(_row(weights, traces[batch], args, fmt, budget, slots, batch, policy, overlap,
                                         windows[policy], profile))
     del weights

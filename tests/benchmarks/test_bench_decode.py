@@ -131,3 +131,17 @@ def test_bench_decode_compares_expert_formats_at_one_budget(capsys):
         bench.parse(["--slots", "400", "--moe-cache-gb", "1"])
     with pytest.raises(SystemExit, match="--moe-cache-gb"):
         bench.parse(["--moe-cache-gb", "0.001", "--geometry", "qwen3-30b"])
+
+
+def test_bench_decode_dry_run_replays_and_prices_the_engines_split():
+    """With --miss-service the simulator replays the engine's own split (its misses counted as the device
+    counts them) and prices both channels: hybrid above copy where few experts fit."""
+    bench = _bench()
+    argv = ["--dry-run", "--geometry", "qwen3-30b", "--layers", "4", "--warmup", "30", "--steps", "60",
+            "--moe-cache-gb", "0.7", "--configs", "lru", "--batches", "1"]
+    copy = bench.main(argv)["rows"][-1]
+    hybrid = bench.main(argv + ["--miss-service", "hybrid"])["rows"][-1]
+    assert hybrid["miss_service"] == "hybrid" and copy["miss_service"] == "copy"
+    assert hybrid["sim"]["hit_rate"] != copy["sim"]["hit_rate"], "served misses are not admitted"
+    assert hybrid["sim"]["tokens_per_s"] > 1.3 * copy["sim"]["tokens_per_s"]
+    assert hybrid["sim"]["bytes_copied_per_step"] < copy["sim"]["bytes_copied_per_step"]
