@@ -7,9 +7,10 @@
     -> misses a token and modeled tok/s (sim.service.estimate_service) of each ranking, and without the fill
     -> table and JSON (default benchmarks/results/hybrid-admission.json)
 
-Only the ranking differs between the first three; the copy counts are the same table. "no-fill" ranks as
-"policy" but leaves out the rule that a pool still filling copies every miss its empty slots take. lru and lfuda keep no
-per-key state: their priority is a fixed draw per (key, call clock) (expertcache.split.hash_priority).
+Only the ranking differs between the first three; the copy counts are the same table. "no-fill" ranks
+as "priority" but leaves out the rule that a pool still filling copies every miss its empty slots take.
+lru and lfuda keep no per-key state: their priority is a fixed draw per (key, call clock)
+(expertcache.split.hash_priority).
 
 Run: python benchmarks/hybrid_admission.py [--traces DIR] [--out FILE]
 """
@@ -20,6 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
+import benchmeta
 import numpy as np
 
 from expertcache import CacheGeometry, HostCache, MissSplit
@@ -30,7 +32,7 @@ from sim.trace import load_trace
 
 TRACES = ("gemma4-decode.npz", "flame-290m-a.npz", "mixtral-gsm8k.npz")
 POLICIES = ("rule", "markov", "lfuda", "lru")
-RANKINGS = ("policy", "key", "random", "no-fill")
+RANKINGS = ("priority", "key", "random", "no-fill")
 
 
 class NoFill(MissSplit):
@@ -43,7 +45,7 @@ class NoFill(MissSplit):
 
 def run_one(trace, policy: str, slots: int, split, ranking: str, seed: int = 0):
     ids, layers, _, _ = trace_calls(trace)
-    if ranking == "no-fill":
+    if ranking == "no-fill":  # ranks by the priority, without the fill
         split = NoFill(split.service, split.copies, split.costs)
     cache = HostCache(CacheGeometry(trace.num_layers, trace.num_experts, slots), policy, split=split)
     if ranking in ("key", "random"):
@@ -72,7 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     print(f"{'trace':<22}{'host':<11}{'policy':<8}{'slots':>6}" + "".join(f"{r + ' tok/s':>14}" for r in RANKINGS)
-          + f"{'policy/key':>12}{'misses p/k/r':>22}")
+          + f"{'prio/key':>12}{'misses p/k/r':>22}")
     for name in TRACES:
         path = Path(args.traces) / name
         if not path.exists():
@@ -95,12 +97,13 @@ def main() -> None:
                         got[ranking] = {"tokens_per_s": est.tokens_per_s, "misses": misses, "served": served}
                     rows.append({"trace": name, "host": host_name, "policy": policy, "slots": slots,
                                  "slots_frac": frac, **got})
-                    ratio = got["policy"]["tokens_per_s"] / got["key"]["tokens_per_s"]
+                    ratio = got["priority"]["tokens_per_s"] / got["key"]["tokens_per_s"]
                     misses = "/".join(str(got[r]["misses"]) for r in RANKINGS)
                     print(f"{name:<22}{host_name:<11}{policy:<8}{slots:>6}"
                           + "".join(f"{got[r]['tokens_per_s']:>14.1f}" for r in RANKINGS)
                           + f"{ratio:>11.3f}x{misses:>22}")
-    Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
+    Path(args.out).write_text(json.dumps({"bench": "hybrid_admission", "machine": benchmeta.cpu_machine(),
+                                          "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -22,7 +22,7 @@ from expertcache.errors import EnsureError
 from expertcache.geometry import CPU_SLOT, NO_KEY, NO_SLOT, CacheGeometry
 from expertcache.policies import Policy, get_policy
 from expertcache.policies.base import Clock, PolicyState
-from expertcache.split import MissSplit, rank_misses
+from expertcache.split import SPLIT_LEN, MissSplit, rank_misses
 
 # Columns of the per-layer counters, int64 [L, 3].
 CALLS, ACCESSES, MISSES = 0, 1, 2
@@ -171,6 +171,9 @@ class HostCache:
         layer or id out of range, a wrong dtype or shape, or more distinct keys than slots.
         """
         keys = validate_call(self.geometry, layer, ids, logit_idx, logit_val)
+        if not self.split.copies_all and ids.size >= SPLIT_LEN:
+            raise EnsureError(f"ids [rows, k] has {ids.size} entries: a miss split takes fewer than {SPLIT_LEN} "
+                              "(decode batch rows * top_k)")
         g, pol, st = self.geometry, self.policy, self.state
         self.clock[0] += 1
         if layer == 0:

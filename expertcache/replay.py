@@ -44,7 +44,7 @@ from expertcache.policies.base import (
     CLOCK_LEN,
     PolicyKind,
 )
-from expertcache.split import HASH_GOLDEN, HASH_MIX, HASH_STEP
+from expertcache.split import HASH_GOLDEN, HASH_MIX, HASH_STEP, SPLIT_LEN
 from expertcache.victim_index import FREE, ix_best, ix_fill, ix_new, ix_set
 
 # the kernels inline the policy modules, the victim index and the split's hash: recompile them when one changes
@@ -491,6 +491,9 @@ def run_calls(cache, ids: np.ndarray, layers, logit_idx: np.ndarray | None = Non
     """
     g = cache.geometry
     validate_calls(g, ids, layers, logit_idx, logit_val)
+    if not cache.split.copies_all and ids.shape[1] * ids.shape[2] >= SPLIT_LEN:
+        raise EnsureError(f"ids [calls, rows, k] has {ids.shape[1] * ids.shape[2]} entries a call: a miss split "
+                          f"takes fewer than {SPLIT_LEN} (decode batch rows * top_k)")
     layers = np.ascontiguousarray(layers, dtype=np.int64)
     rows, k = ids.shape[1:]
     if hist is None:

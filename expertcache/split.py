@@ -127,7 +127,12 @@ class MissSplit:
         m = np.arange(SPLIT_LEN)
         if ((c < 0) | (c > m)).any():
             raise ValueError("MissSplit.copies[m] must be in [0, m]")
+        if (self.service == "copy" and (c != m).any()) or (self.service == "cpu" and c.any()):
+            raise ValueError(f"MissSplit.copies disagrees with service {self.service!r}: copy copies every miss "
+                             "(copies[m] = m), cpu none (0); give service 'hybrid' for another table")
+        c = c.copy()  # the caller's array stays its own
         c.setflags(write=False)
+        object.__setattr__(self, "copies", c)
 
     @classmethod
     def copy(cls) -> MissSplit:

@@ -54,7 +54,8 @@ class HostProfile:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not np.isfinite(v):
                 raise ValueError(f"HostProfile.{name} must be a number > 0 (GB/s), got {v!r}")
-        if isinstance(self.handoff_us, bool) or not isinstance(self.handoff_us, (int, float)) or self.handoff_us < 0:
+        h = self.handoff_us
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not np.isfinite(h) or h < 0:
             raise ValueError(f"HostProfile.handoff_us must be a number >= 0, got {self.handoff_us!r}")
 
     def for_format(self, fmt: str | None) -> HostProfile:

@@ -293,9 +293,10 @@ class DeviceCache:
         out = {"calls": c[:, 0].copy(), "accesses": c[:, 1].copy(), "misses": c[:, 2].copy(),
                "total_accesses": acc, "total_misses": miss,
                "hit_rate": 1.0 - miss / acc if acc else 0.0,
-               "misses_per_layer_per_token": c[:, 2] / tok}
+               "misses_per_layer_per_token": c[:, 2] / tok,
+               "served": int(self.served.sum().item()) if self._split_on else 0}
         if bytes_per_expert is not None:
-            out["bytes_copied"] = miss * int(bytes_per_expert)
+            out["bytes_copied"] = (miss - out["served"]) * int(bytes_per_expert)
         return out
 
     def snapshot(self) -> Snapshot:

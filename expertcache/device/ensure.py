@@ -83,7 +83,8 @@ class CacheTensors(NamedTuple):
     fprm: object  # float32 [F]: float policy constants (Policy.fparams)
     clock: object  # int64 [2]: step, tok
     counters: object  # int64 [L, 3]: calls, accesses, misses per layer
-    missed: object  # int64 [1]: every layer's misses so far (counters[:, 2].sum()); min(it, S) slots are filled
+    missed: object  # int64 [1]: every layer's copied misses so far (with a split, counters[:, 2] less served);
+    # min(it, S) slots are filled
     status: object  # int32 [1]: 0, or the code of the last refused call
     arrive: object  # int32 [1]: scratch: programs arrived (zero between calls)
     split: object  # int32 [SPLIT_LEN] (SPLIT): the miss split's copies[m]; else [1], unread

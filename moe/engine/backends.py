@@ -43,6 +43,7 @@ from expertcache.pool import HostStore, SlotPool
 from expertcache.split import MissSplit
 from moe.engine.budget import PREFILL_STAGING, check_slots
 from moe.engine.layer import MoELayer, SlotCache
+from moe.kernels.cpu_experts import MAX_TOKENS as CPU_MAX_TOKENS
 from moe.kernels.cpu_experts import CpuExperts
 from moe.kernels.routed import routed_reference
 from moe.model.checkpoint import EXPERT_BIAS_BANKS, ModelWeights, MoEWeights
@@ -347,6 +348,9 @@ class CpuCachedMoE:
     def __init__(self, weights: ModelWeights, num_slots: int, policy: str = "lru", *, max_batch: int = 1,
                  split: MissSplit | None = None, **constants) -> None:
         self.cfg, self.store = weights.spec.moe, weights.store
+        if split is not None and not split.copies_all and max_batch > CPU_MAX_TOKENS:
+            raise ValueError(f"--moe-miss-service {split.service} computes at most {CPU_MAX_TOKENS} rows on the CPU: "
+                             f"lower --max-batch (got {max_batch})")
         self.cache = HostCache(_geometry(weights, num_slots, max_batch), policy, split=split, **constants)
         self.pool = SlotPool(self.store.banks, num_slots, device="cpu")
         self.prefill_counts = [0, 0]  # prefill's used experts: [streamed from the store, read from a slot]
@@ -428,6 +432,8 @@ class GpuMoE:
         bweights[:, :b].copy_(weights, non_blocking=True)
 
     def decode(self, w: MoEWeights, hidden: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.slots.share is not None:
+            self.slots.share.check()  # a CPU worker's failure since the last step (no sync: a host attribute)
         layer, b = self.layers[w.index], hidden.shape[0]
         routing = None
         if self.routing_buffers is not None:  # [b, k] views of [L_moe, max_batch, k]: contiguous

@@ -36,6 +36,7 @@ class CacheStats:
     bytes_per_expert: int
     prefill_streamed: int = 0
     prefill_from_slots: int = 0
+    served: int = 0  # misses computed on the CPU (a miss split): counted in misses, never copied
 
     @property
     def total_accesses(self) -> int:
@@ -48,8 +49,8 @@ class CacheStats:
     @property
     def slots_in_use(self) -> int:
         """Slots holding an expert. Slots fill in order and are never emptied (the ensure contract),
-        so that is every miss so far until the pool is full."""
-        return min(self.total_misses, self.num_slots)
+        so that is every copied miss so far until the pool is full."""
+        return min(self.total_misses - self.served, self.num_slots)
 
     @property
     def hit_rate(self) -> float:
@@ -59,8 +60,8 @@ class CacheStats:
 
     @property
     def bytes_copied(self) -> int:
-        """Bytes moved host -> slots by miss copies (each miss copies one expert's rows)."""
-        return self.total_misses * self.bytes_per_expert
+        """Bytes moved host -> slots by miss copies (each copied miss copies one expert's rows)."""
+        return (self.total_misses - self.served) * self.bytes_per_expert
 
     @property
     def misses_per_layer_per_token(self) -> np.ndarray:
@@ -77,10 +78,11 @@ def cache_stats(backend: CpuCachedMoE | GpuMoE) -> CacheStats:
     if isinstance(backend, CpuCachedMoE):
         c = backend.cache.counters
         return CacheStats(c[:, CALLS].copy(), c[:, ACCESSES].copy(), c[:, MISSES].copy(), backend.cache.tok,
-                          backend.cache.geometry.num_slots, bpe, *backend.prefill_counts)
+                          backend.cache.geometry.num_slots, bpe, *backend.prefill_counts,
+                          served=int(backend.cache.served.sum()))
     if isinstance(backend, GpuMoE):
         cache = backend.slots.cache
         s = cache.stats(bpe)
         return CacheStats(s["calls"], s["accesses"], s["misses"], int(cache.clock[1].item()),
-                          cache.geometry.num_slots, bpe, *backend.prefill_counts)
+                          cache.geometry.num_slots, bpe, *backend.prefill_counts, served=s["served"])
     raise TypeError(f"cache_stats needs a CpuCachedMoE or GpuMoE backend, got {type(backend).__name__}")

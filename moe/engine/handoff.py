@@ -19,7 +19,7 @@ fixed order: the GPU's in its down launch, the CPU's (summed by the worker in as
 addend.
 
 A worker that fails answers anyway (out zeroed) so the GPU never waits forever; `check()` raises
-its error. The round trip costs about 9 us on the H100 machine (benchmarks/probe_handoff.py).
+its error (GpuMoE.decode calls it each step). Its cost: docs/hybrid.md.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from expertcache.split import ChannelCosts, MissSplit
 from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
 from moe.engine.budget import context_bytes, memory_split, resolve_slots
 from moe.engine.engine import Engine
+from moe.kernels.cpu_experts import set_threads
 from moe.model.checkpoint import ModelWeights, load_checkpoint
 from moe.model.config import copy_overlap_from_env
 from moe.model.errors import CheckpointError
@@ -104,14 +105,13 @@ def resolve_miss_service(service: str, device, cpu_threads: int | None = None) -
     """The miss split of --moe-miss-service on `device`, and the CPU kernels' threads (--cpu-threads).
 
     copy: every miss copied into a slot; cpu: every routed expert computed on the CPU from host memory
-    (nothing admitted); hybrid: each call's misses split between the two. On the CPU backend there is no
-    link to balance against, so hybrid copies half of each call's misses (the larger half) and computes
-    the rest from the store, and auto is copy. On a GPU the served misses are handed to a CPU worker
-    inside the decode graph (moe.engine.handoff); its hybrid table is the same half of each call's
-    misses until the channels are measured at start. Raises ValueError naming the flag for an unknown
-    service or a thread count outside [1, the cores numba may use]. On a GPU with a split and no
-    cpu_threads, the kernels take every core but two (the launching and the spinning threads'); the
-    server also sets OMP_WAIT_POLICY=PASSIVE before torch loads (moe.serve.cli.cpu_worker_env).
+    (nothing admitted); hybrid: each call's misses split between the two, the larger half copied (the
+    table is not balanced from measured bandwidths), the rest computed from the store; auto: copy. On a
+    GPU the served misses are handed to a CPU worker inside the decode graph (moe.engine.handoff), and
+    without cpu_threads the kernels take every core but two (the launching and the spinning threads');
+    the server also sets OMP_WAIT_POLICY=PASSIVE before torch loads (moe.serve.cli.cpu_worker_env).
+    Raises ValueError naming the flag for an unknown service or a thread count outside [1, the cores
+    numba may use].
     """
     if service not in MISS_SERVICE_CHOICES:
         raise ValueError(f"--moe-miss-service must be one of {', '.join(MISS_SERVICE_CHOICES)}, got {service!r}")
@@ -122,13 +122,13 @@ def resolve_miss_service(service: str, device, cpu_threads: int | None = None) -
         if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or not 1 <= cpu_threads <= top:
             raise ValueError(f"--cpu-threads must be an int in [1, {top}] (the cores numba may use), "
                              f"got {cpu_threads!r}")
-        numba.set_num_threads(cpu_threads)
+        set_threads(cpu_threads)
     on_gpu = torch.device(device).type == "cuda"
     if on_gpu and service in ("hybrid", "cpu") and cpu_threads is None:
         # two cores stay with the decode's launching thread and the hand-off's spinning one
         import numba
 
-        numba.set_num_threads(max(1, numba.config.NUMBA_NUM_THREADS - 2))
+        set_threads(max(1, numba.config.NUMBA_NUM_THREADS - 2))
     if service == "auto":
         service = "copy"
         logger.info("--moe-miss-service auto: copy (%s)", "the GPU decode copies every miss" if on_gpu

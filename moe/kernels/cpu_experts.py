@@ -32,6 +32,7 @@ from __future__ import annotations
 import threading
 from typing import NamedTuple
 
+import numba
 import numpy as np
 import torch
 from numba import njit, prange
@@ -46,6 +47,14 @@ from moe.model.config import ACTIVATIONS, EXPERT_BIAS_BANKS, MoEConfig
 from moe.model.slot_matrix import CODES
 
 MAX_TOKENS = 8
+_THREADS: list[int] = []  # set_threads' count, applied by each call (numba's count is per calling thread)
+
+
+def set_threads(n: int | None) -> None:
+    """Run every later CpuExperts.moe on n of numba's threads (None: all of them). numba's thread count
+    belongs to the thread that sets it, and the calls run in a scheduler or a hand-off thread, so each
+    call applies it."""
+    _THREADS[:] = [] if n is None else [int(n)]
 GATE_UP_ROWS = 16  # intermediate rows (each a gate and an up row) of a gate_up work item
 DOWN_ROWS = 64  # output rows of a down work item
 DENSE, FP8, NVFP4, MXFP4, INT4 = 0, CODES["fp8"], CODES["nvfp4"], CODES["mxfp4"], CODES["int4"]
@@ -380,6 +389,8 @@ class CpuExperts:
         if not out.flags.writeable:
             raise ValueError("CpuExperts.moe: out must be writeable")
         with self._lock:
+            if _THREADS:
+                numba.set_num_threads(_THREADS[0])
             moe_kernel(self.gate_up, self.down, self.spec, int(layer), cfg.num_experts, x, ids, weights, out,
                        self.scratch)
         return out

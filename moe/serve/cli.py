@@ -80,10 +80,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     model.add_argument("--moe-miss-service", default="copy", choices=("copy", "hybrid", "cpu", "auto"),
                        help="how misses are served: copy (every miss into a slot, default), hybrid (each "
                             "layer's misses split between the link and the CPU, docs/hybrid.md), cpu (every "
-                            "routed expert computed on the CPU), auto (copy for now); hybrid splits each layer's "
-                            "misses in half until the channels are measured at start")
+                            "routed expert computed on the CPU), auto (copy); hybrid copies the larger half of each "
+                            "layer's misses")
     model.add_argument("--cpu-threads", type=int, metavar="N",
-                       help="threads of the CPU expert kernels (default: every core)")
+                       help="threads of the CPU expert kernels (default: every core; on a GPU with hybrid or "
+                            "cpu, every core but two)")
     model.add_argument("--moe-copy-overlap", action="store_true",
                        help="GPU: run the shared expert on a side stream while misses copy")
     model.add_argument("--device", metavar="DEVICE", help="cpu, cuda or cuda:INDEX (default cuda when available)")
@@ -286,9 +287,8 @@ def run(args: argparse.Namespace) -> int:
 
 def cpu_worker_env(service: str) -> None:
     """Before torch loads: where the CPU computes misses, OpenMP's threads sleep between parallel regions
-    instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless set). Spinning, they took the cores of the
-    decode's launching and hand-off threads: hybrid decode ran at 23.3 tok/s against 175.0 passive on the
-    H100 machine (docs/hybrid.md)."""
+    instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless set), so they leave the cores of the decode's
+    launching and hand-off threads alone (docs/hybrid.md has the measurement)."""
     if service in ("hybrid", "cpu"):
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -5,7 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from expertcache import CPU_SLOT, NO_KEY, NO_SLOT, CacheGeometry, ChannelCosts, HostCache, MissSplit, policy_names
+from expertcache import (
+    CPU_SLOT,
+    NO_KEY,
+    NO_SLOT,
+    CacheGeometry,
+    ChannelCosts,
+    EnsureError,
+    HostCache,
+    MissSplit,
+    policy_names,
+)
 from expertcache.replay import run_calls
 from expertcache.split import SPLIT_LEN, rank_misses
 from sim.belady import Belady
@@ -59,6 +69,25 @@ def test_bad_tables_are_refused():
         MissSplit("hybrid", np.zeros(SPLIT_LEN, np.int64))
     with pytest.raises(ValueError, match="split must be a MissSplit"):
         HostCache(CacheGeometry(1, 4, 4), "lru", split="hybrid")
+    with pytest.raises(ValueError, match="disagrees with service 'copy'"):
+        MissSplit("copy", np.zeros(SPLIT_LEN, np.int32))
+    with pytest.raises(ValueError, match="disagrees with service 'cpu'"):
+        MissSplit("cpu", np.arange(SPLIT_LEN, dtype=np.int32))
+    table = (np.arange(SPLIT_LEN) // 2).astype(np.int32)
+    MissSplit("hybrid", table)
+    assert table.flags.writeable, "the caller's array stays its own"
+
+
+def test_a_split_refuses_a_query_past_its_table_and_changes_nothing():
+    g = CacheGeometry(1, 2048, 2048)
+    cache = HostCache(g, "lru", split=HALF)
+    before = cache.snapshot()
+    ids = np.arange(1024, dtype=np.int32).reshape(2, 512)
+    with pytest.raises(EnsureError, match="rows \\* top_k"):
+        cache.ensure(0, ids)
+    with pytest.raises(EnsureError, match="rows \\* top_k"):
+        run_calls(cache, ids[None], np.zeros(1, dtype=np.int64))
+    assert cache.snapshot().equals(before)
 
 
 def test_rank_misses_prefers_priority_then_the_lower_key():

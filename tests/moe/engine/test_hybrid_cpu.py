@@ -58,6 +58,20 @@ def test_same_request_same_tokens_every_run(checkpoint):
     assert runs[0][1].equals(runs[1][1]) and runs[0][1].equals(runs[2][1])
 
 
+def test_split_cpu_backend_limits_and_counts(checkpoint):
+    name, model, path = checkpoint
+    k = model.config.num_experts_per_tok
+    with pytest.raises(ValueError, match="--max-batch"):
+        load_model(path, "cpu", num_slots=9 * k, max_batch=9, max_seq_len=16, progress=False, miss_service="hybrid")
+    engine = load_model(path, "cpu", num_slots=k + 1, max_seq_len=32, progress=False, miss_service="cpu")
+    engine.generate([random_tokens(4, seed=1)], max_new_tokens=3)
+    from moe.engine.cachestats import cache_stats
+
+    stats = cache_stats(engine.moe)
+    assert stats.served == stats.total_misses > 0
+    assert stats.bytes_copied == 0 and stats.slots_in_use == 0, "nothing was copied under cpu"
+
+
 def test_miss_service_choices_and_errors():
     assert resolve_miss_service("copy", "cpu").copies_all
     assert resolve_miss_service("auto", "cpu").copies_all
