@@ -6,8 +6,10 @@
        ├─ 3 _router_kernel:  ids [T, k] int32, weights [T, k] f32 (+ pre [T, k]: slots before the ensure)
        │  6a _gate_up_hits:  act rows of the pairs resident before the ensure, at pre     (early hits)
        ├─ 4 ensure_kernel:   slots [T, k], plan [Q, 2], count [1]
+       │  4b _post_kernel (a miss split): the positions served on the CPU -> a CPU worker (moe.engine.handoff)
        │  5 _miss_copy_kernel(store, pool, plan, count)
        │  6 _gate_up_kernel: act [T * k, I] f32 (with 6a: only the other pairs, "rest")
+       │  6b _wait_kernel (a miss split): shared += the CPU's share, once the worker has answered
        └─ 7 _down_kernel:    out [T, H] = cast(Σ_j (in order) down[slots[t, j]] · act + shared)
 
 GLM-4.5's block (MoEConfig.scoring "sigmoid", score_bias, n_group / topk_group, routed_scaling,
@@ -45,7 +47,8 @@ they follow events (fork: before 3, and after 3 for 6a; join: before 7). The res
 releases off beside the early hits, whose SMs waiting programs would hold through a copy.
 
 Every act row is written by one program of the same code in every mode; the combine (routed +
-shared in float32, one rounding to the model dtype) happens inside 7. Nothing on the compute stream
+shared, and with a miss split the CPU's share added to shared by 6b, in float32, one rounding to
+the model dtype) happens inside 7. Nothing on the compute stream
 writes `hidden` or the shared expert's buffers (per layer: slots, act_s, shared), a resident expert
 keeps its slot through its ensure while the copy writes only victims' slots, and every side-stream
 write lands before the join, so outputs, slot map and pool are bitwise equal in every mode and with
@@ -184,7 +187,8 @@ class MoELayer:
         self._ids = torch.empty((n, cfg.top_k), dtype=torch.int32, device=dev)
         self._pre = torch.empty((n, cfg.top_k), dtype=torch.int32, device=dev)  # early hits: slots before ensure
         self._routed_out = torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)  # routed() only
-        self._cpu_addend = torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)  # with a CPU share
+        self._cpu_addend = (torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)  # the CPU's share back
+                            if self.slots.share is not None else None)
         router_scratch(dev, cfg.num_experts)
         routed_scratch(dev, cfg.top_k, cfg.expert_intermediate)
         if self.shared is not None:  # the shared expert as a one-slot pool, written only by its launches
