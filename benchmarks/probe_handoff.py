@@ -27,36 +27,10 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
 
 from expertcache.pool import DeviceView, mapped_device_pointer
-
-
-@intrinsic
-def _load_acquire(typingctx, arr, i):
-    """arr[i] (int32) by an acquire load: later reads see what the writer released before it."""
-    def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
-        return builder.load_atomic(ptr, "acquire", 4)
-    return types.int32(arr, i), codegen
-
-
-@intrinsic
-def _store_release(typingctx, arr, i, v):
-    """arr[i] = v (int32) by a release store: what this thread wrote before is seen first."""
-    def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
-        builder.store_atomic(builder.trunc(args[2], ir.IntType(32)) if args[2].type != ir.IntType(32) else args[2],
-                             ptr, "release", 4)
-        return context.get_dummy_value()
-    return types.void(arr, i, v), codegen
+from moe.engine.handoff import answer, load_acquire, store_release, wait_post
 
 
 @njit(nogil=True, cache=True)
@@ -64,30 +38,14 @@ def echo_worker(flag_in, flag_out, stop, xin, out):
     """Answer every post at once: out = 2 * xin, flag_out = its seq. Returns when stop[0] is set."""
     last = 0
     while True:
-        s = _load_acquire(flag_in, 0)
+        s = load_acquire(flag_in, 0)
         if s != last:
             for j in range(xin.shape[0]):
                 out[j] = 2.0 * xin[j]
-            _store_release(flag_out, 0, s)
+            store_release(flag_out, 0, s)
             last = s
-        elif _load_acquire(stop, 0) != 0:
+        elif load_acquire(stop, 0) != 0:
             return
-
-
-@njit(nogil=True, cache=True)
-def wait_post(flag_in, stop, last):
-    """Spin until flag_in moves past `last` (its new value) or stop is set (-1)."""
-    while True:
-        s = _load_acquire(flag_in, 0)
-        if s != last:
-            return s
-        if _load_acquire(stop, 0) != 0:
-            return -1
-
-
-@njit(nogil=True, cache=True)
-def answer(flag_out, s):
-    _store_release(flag_out, 0, s)
 
 
 @triton.jit

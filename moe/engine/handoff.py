@@ -45,7 +45,7 @@ _META_LAYER, _META_ROWS = tl.constexpr(META_LAYER), tl.constexpr(META_ROWS)
 
 
 @intrinsic
-def _load_acquire(typingctx, arr, i):
+def load_acquire(typingctx, arr, i):
     """arr[i] (int32) by an acquire load: later reads see what the writer released before it."""
     def codegen(context, builder, signature, args):
         aryty = signature.args[0]
@@ -56,7 +56,7 @@ def _load_acquire(typingctx, arr, i):
 
 
 @intrinsic
-def _store_release(typingctx, arr, i, v):
+def store_release(typingctx, arr, i, v):
     """arr[i] = v (int32) by a release store: what this thread wrote before is seen first."""
     def codegen(context, builder, signature, args):
         aryty = signature.args[0]
@@ -72,16 +72,16 @@ def _store_release(typingctx, arr, i, v):
 def wait_post(flag_in, stop, last):
     """Spin until flag_in moves past `last` (return its value) or stop is set (return -1)."""
     while True:
-        s = _load_acquire(flag_in, 0)
+        s = load_acquire(flag_in, 0)
         if s != last:
             return s
-        if _load_acquire(stop, 0) != 0:
+        if load_acquire(stop, 0) != 0:
             return -1
 
 
 @njit(nogil=True, cache=True)
 def answer(flag_out, s):
-    _store_release(flag_out, 0, s)
+    store_release(flag_out, 0, s)
 
 
 @triton.jit
