@@ -190,7 +190,7 @@ class HostCache:
         pol.observe(st, clk, keys, self.slot_of)
         miss = np.flatnonzero(~hit)
         m = miss.shape[0]
-        c = self.split.copies_given(m, int((self.key_of == NO_KEY).sum()))
+        c = m if self.split.copies_all else self.split.copies_given(m, int((self.key_of == NO_KEY).sum()))
         if c < m:  # the split: the c misses of highest priority are copied, the others served
             copied = rank_misses(pol.miss_priority(st, clk, keys[miss], access[miss]), keys[miss], c)
             miss, served = miss[copied], miss[~copied]
