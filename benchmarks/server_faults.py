@@ -341,11 +341,19 @@ def _shutdown(srv: Served) -> dict:
                                              or last.get("choices", [{}])[0].get("finish_reason") is not None)
         outcomes.append("ok" if ended else f"stream {data[-2:]}")
 
-    threads = [threading.Thread(target=f) for f in (plain, plain, plain, streamed, streamed)]
+    def guarded(f) -> None:  # a client's exception is an outcome, not a thread's silent death
+        try:
+            f()
+        except Exception as e:
+            outcomes.append(f"{f.__name__} raised {type(e).__name__}: {e}"[:300])
+
+    threads = [threading.Thread(target=guarded, args=(f,)) for f in (plain, plain, plain, streamed, streamed)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
-    while srv.health().get("active", 0) + srv.health().get("waiting", 0) < 5 and time.monotonic() < deadline:
+    deadline, open_ = time.monotonic() + 30, 0  # a loaded machine may take a while to admit all five
+    while open_ < 5 and time.monotonic() < deadline:
+        h = srv.health()
+        open_ = h.get("active", 0) + h.get("waiting", 0)
         time.sleep(0.05)
     srv.proc.send_signal(signal.SIGTERM)
     for t in threads:
@@ -355,6 +363,7 @@ def _shutdown(srv: Served) -> dict:
         "requests": len(threads),
         "answered_cleanly": outcomes.count("ok"),
         "bad": [o for o in outcomes if o != "ok"],
+        "open_at_sigterm": open_,
         "exit_code": code,
     }
 
