@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ import torch
 from expertcache.split import ChannelCosts, MissSplit
 from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
 from moe.engine.budget import context_bytes, memory_split, resolve_slots
+from moe.engine.channels import ChannelMeasure, choose_service, measure_channels
 from moe.engine.engine import Engine
 from moe.kernels.cpu_experts import set_threads
 from moe.model.checkpoint import ModelWeights, load_checkpoint
@@ -69,7 +71,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     (slots that do not fit on the device). The slot count is checked from config.json before any tensor
     is read; the messages name the serve flags (--moe-slots, --moe-cache-gb, --max-batch).
     """
-    split = resolve_miss_service(miss_service, device, cpu_threads)
+    check_miss_service(miss_service, cpu_threads)
     budget = resolve_slots(ModelSpec.from_hf(read_config(path), dtype=dtype, expert_format=expert_format),
                            num_slots, cache_gb, max_batch=max_batch)
     if cache_gb is not None:
@@ -84,6 +86,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                          f"load on {device}: {fix}")
     weights = load_checkpoint(path, device, dtype=dtype, progress=progress, expert_format=expert_format,
                               copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap)
+    split = resolve_miss_service(miss_service, device, cpu_threads,
+                                 lambda: measure_channels(weights.store, weights.spec.moe, weights.device))
     backend = make_backend(weights, num_slots, policy, max_batch=max_batch, split=split, **constants)
     if weights.device.type == "cuda":  # the KV cache is allocated last: say which flags to lower if it cannot be
         kv = context_bytes(weights.spec, max_batch, max_seq_len)
@@ -101,18 +105,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
 MISS_SERVICE_CHOICES = ("copy", "hybrid", "cpu", "auto")
 
 
-def resolve_miss_service(service: str, device, cpu_threads: int | None = None) -> MissSplit:
-    """The miss split of --moe-miss-service on `device`, and the CPU kernels' threads (--cpu-threads).
-
-    copy: every miss copied into a slot; cpu: every routed expert computed on the CPU from host memory
-    (nothing admitted); hybrid: each call's misses split between the two, the larger half copied (the
-    table is not balanced from measured bandwidths), the rest computed from the store; auto: copy. On a
-    GPU the served misses are handed to a CPU worker inside the decode graph (moe.engine.handoff), and
-    without cpu_threads the kernels take every core but two (the launching and the spinning threads');
-    the server also sets OMP_WAIT_POLICY=PASSIVE before torch loads (moe.serve.cli.cpu_worker_env).
-    Raises ValueError naming the flag for an unknown service or a thread count outside [1, the cores
-    numba may use].
-    """
+def check_miss_service(service: str, cpu_threads: int | None = None) -> None:
+    """Raise ValueError naming --moe-miss-service for an unknown service, and --cpu-threads for a count
+    outside [1, the cores numba may use]; nothing is read or set."""
     if service not in MISS_SERVICE_CHOICES:
         raise ValueError(f"--moe-miss-service must be one of {', '.join(MISS_SERVICE_CHOICES)}, got {service!r}")
     if cpu_threads is not None:
@@ -122,22 +117,52 @@ def resolve_miss_service(service: str, device, cpu_threads: int | None = None) -
         if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or not 1 <= cpu_threads <= top:
             raise ValueError(f"--cpu-threads must be an int in [1, {top}] (the cores numba may use), "
                              f"got {cpu_threads!r}")
-        set_threads(cpu_threads)
+
+
+def resolve_miss_service(service: str, device, cpu_threads: int | None = None,
+                         measure: Callable[[], ChannelMeasure] | None = None) -> MissSplit:
+    """The miss split of --moe-miss-service on `device`, and the CPU kernels' threads (--cpu-threads).
+
+    copy: every miss copied into a slot; cpu: every routed expert computed on the CPU from host memory
+    (nothing admitted); hybrid: each call's misses split between the two channels so that both finish
+    together; auto: hybrid where that is predicted faster than copying, else copy. On a GPU, hybrid and
+    auto call `measure` (moe.engine.channels.measure_channels on the model's store) and balance the
+    table from both channels' rates measured together, logging what was measured and chosen; on the
+    CPU backend there is no link to balance against: hybrid copies the larger half, auto is copy. On a
+    GPU the served misses are handed to a CPU worker inside the decode graph (moe.engine.handoff), and
+    without cpu_threads the kernels take every core but two (the launching and the spinning threads');
+    the server also sets OMP_WAIT_POLICY=PASSIVE before torch loads (moe.serve.cli.cpu_worker_env).
+    Raises ValueError as check_miss_service does, and naming `measure` when a GPU hybrid or auto lacks it.
+    """
+    check_miss_service(service, cpu_threads)
     on_gpu = torch.device(device).type == "cuda"
-    if on_gpu and service in ("hybrid", "cpu") and cpu_threads is None:
-        # two cores stay with the decode's launching thread and the hand-off's spinning one
+    if service == "copy":
+        return MissSplit.copy()
+    if on_gpu and service != "cpu" and measure is None:
+        raise ValueError(f"resolve_miss_service: --moe-miss-service {service} on a GPU needs `measure` (the "
+                         "channels measured together, moe.engine.channels.measure_channels)")
+    if cpu_threads is not None:
+        set_threads(cpu_threads)
+    elif on_gpu:  # two cores stay with the decode's launching thread and the hand-off's spinning one
         import numba
 
         set_threads(max(1, numba.config.NUMBA_NUM_THREADS - 2))
-    if service == "auto":
-        service = "copy"
-        logger.info("--moe-miss-service auto: copy (%s)", "the GPU decode copies every miss" if on_gpu
-                    else "the CPU backend has no link to balance against")
-    if service == "copy":
-        return MissSplit.copy()
     if service == "cpu":
         return MissSplit.cpu()
-    return MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0))
+    if not on_gpu:
+        if service == "auto":
+            logger.info("--moe-miss-service auto: copy (the CPU backend has no link to balance against)")
+            return MissSplit.copy()
+        return MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0))
+    measured = measure()
+    costs = measured.costs()
+    chosen, why = choose_service(costs, measured.top_k)
+    logger.info("--moe-miss-service %s: %s; %s%s", service, measured.describe(), why,
+                f"; chose {chosen}" if service == "auto" else "")
+    if service == "auto" and chosen == "copy":
+        set_threads(cpu_threads)
+        return MissSplit.copy()
+    return MissSplit.hybrid(costs)
 
 
 def cuda_graphs_from_env(device: torch.device) -> bool:

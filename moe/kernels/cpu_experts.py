@@ -55,6 +55,13 @@ def set_threads(n: int | None) -> None:
     belongs to the thread that sets it, and the calls run in a scheduler or a hand-off thread, so each
     call applies it."""
     _THREADS[:] = [] if n is None else [int(n)]
+
+
+def threads_in_use() -> int:
+    """The threads a CpuExperts.moe call runs on now (set_threads', else every thread numba may use)."""
+    return _THREADS[0] if _THREADS else numba.config.NUMBA_NUM_THREADS
+
+
 GATE_UP_ROWS = 16  # intermediate rows (each a gate and an up row) of a gate_up work item
 DOWN_ROWS = 64  # output rows of a down work item
 DENSE, FP8, NVFP4, MXFP4, INT4 = 0, CODES["fp8"], CODES["nvfp4"], CODES["mxfp4"], CODES["int4"]

@@ -82,5 +82,6 @@ def test_miss_service_choices_and_errors():
         resolve_miss_service("fast", "cpu")
     with pytest.raises(ValueError, match="--cpu-threads"):
         resolve_miss_service("hybrid", "cpu", cpu_threads=0)
-    assert resolve_miss_service("hybrid", "cuda").service == "hybrid"  # the GPU's worker: moe.engine.handoff
+    with pytest.raises(ValueError, match="measure"):  # a GPU's table is balanced from measured channels
+        resolve_miss_service("hybrid", "cuda")
     assert CPU_SLOT == -2

@@ -1,14 +1,31 @@
-"""GPU decode with the misses split between the slots and a CPU worker inside the decode graph."""
+"""GPU decode with the misses split between the slots and a CPU worker inside the decode graph.
+
+The decode tests measure no channels: their table is that of equal channels (an even split, so both
+sides serve misses on a tiny checkpoint, whose experts' fixed costs would send the real table to copy
+everything); the channels themselves are measured in test_channels_measured_together."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 
+from moe.engine import loading
+from moe.engine.channels import ChannelMeasure, measure_channels
 from moe.engine.loading import load_model
 from tests.moe.families import assert_near, hf_logits, random_tokens
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def even_channels(request, monkeypatch):
+    """Equal channels, no fixed parts: the hybrid table copies the larger half of a call's misses."""
+    if request.node.originalname != "test_channels_measured_together":
+        monkeypatch.setattr(loading, "measure_channels",
+                            lambda store, cfg, device: ChannelMeasure(store.bytes_per_expert, 8, cfg.top_k, 10.0,
+                                                                      80.0, 80.0, 10.0, 80.0, 80.0, 4, 0.0))
 
 
 def _teacher_forced(engine, seq: list[int], prompt_len: int) -> torch.Tensor:
@@ -48,3 +65,22 @@ def test_gpu_hybrid_same_tokens_every_run(checkpoint):
         engine = load_model(path, "cuda", num_slots=k + 1, max_seq_len=48, progress=False, miss_service="hybrid")
         assert engine.generate([prompt], max_new_tokens=6) == [ref]
         engine.moe.slots.close()
+
+
+def test_channels_measured_together(checkpoint, caplog):
+    """measure_channels on a checkpoint's pinned store: every time and rate positive, within the 2 s the
+    start may spend; load_model's auto logs what it measured and its pick."""
+    name, model, path = checkpoint
+    engine = load_model(path, "cuda", num_slots=model.config.num_experts_per_tok + 1, max_seq_len=16,
+                        progress=False)
+    m = measure_channels(engine.moe.store, engine.moe.cfg, "cuda")
+    assert m.seconds < 2.0, m
+    assert min(m.link_one_us, m.link_all_us, m.link_together_us, m.cpu_one_us, m.cpu_all_us, m.cpu_together_us) > 0
+    g = m.gbps()
+    assert all(v > 0 for v in g.values()), g
+    engine.moe.slots.close()
+    with caplog.at_level(logging.INFO, logger="moe.engine.loading"):
+        engine = load_model(path, "cuda", num_slots=model.config.num_experts_per_tok + 1, max_seq_len=16,
+                            progress=False, miss_service="auto")
+    assert "--moe-miss-service auto" in caplog.text and "chose " in caplog.text and "GB/s" in caplog.text
+    engine.moe.slots.close()

@@ -1,0 +1,216 @@
+"""Both miss channels measured together at start: the link's copies into slots and the CPU's kernels.
+
+    HostStore (pinned), MoEConfig, CUDA device ──measure_channels──► ChannelMeasure
+        link: expertcache.copy.miss_copy of 1 and of n experts into a scratch pool of n slots, back to
+              back on a stream of its own (CUDA events)
+        cpu:  moe.kernels.cpu_experts.CpuExperts.moe over 1 and over the same n experts of layer 0
+        each channel alone, then both at once (a thread runs the CPU calls; numba releases the GIL)
+    ChannelMeasure ──.costs()──► expertcache.split.ChannelCosts: per expert, the slope between the 1- and
+        the n-expert calls alone, and the n-expert call beside the other channel less the fixed part
+    ChannelCosts, top_k ──choose_service──► ("hybrid" | "copy", why)
+
+Both channels read the same host memory, so what the split balances is each one's rate beside the
+other: measured one at a time they overstate both, and a split balanced from those sends the CPU more
+than it finishes in time. The measurement is a constant fixed at start, so the split table it gives is
+too: a request decodes to the same tokens on every run of one process. The scratch pool is freed
+before the slots are allocated. The hand-off's flag round trip (moe.engine.handoff) is not in the CPU's
+fixed part: it is the same with any split that serves a miss on the CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from expertcache.copy import miss_copy
+from expertcache.pool import HostStore, SlotPool
+from expertcache.split import ChannelCosts, MissSplit
+from moe.kernels.cpu_experts import MAX_TOKENS, CpuExperts, threads_in_use
+from moe.model.config import MoEConfig
+
+CALIBRATION_EXPERTS = 8  # experts of one call of each channel (the scratch pool's slots)
+ALONE_SECONDS = 0.2  # each channel's time alone, at each of its two call sizes
+TOGETHER_SECONDS = 0.4  # both at once
+LINK_BATCH = 16  # copy launches between two of the link's events
+
+
+@dataclass(frozen=True)
+class ChannelMeasure:
+    """Median call times (microseconds) of each channel: `experts` experts of `expert_bytes` bytes, for
+    a model of `top_k` experts a token.
+
+    link_one_us / link_all_us: a copy of 1 / of `experts` experts, alone; link_together_us: of
+    `experts` while the CPU computes. cpu_*: the same for CpuExperts.moe on `threads` threads.
+    seconds: the measurement's wall time (after each kernel's first call).
+    """
+
+    expert_bytes: int
+    experts: int
+    top_k: int
+    link_one_us: float
+    link_all_us: float
+    link_together_us: float
+    cpu_one_us: float
+    cpu_all_us: float
+    cpu_together_us: float
+    threads: int
+    seconds: float
+
+    def _channel(self, one: float, whole: float, together: float) -> tuple[float, float, float]:
+        """(fixed, per expert together, per expert alone) of one channel."""
+        n = self.experts
+        if whole > one:
+            alone = (whole - one) / (n - 1)
+            fixed = max(one - alone, 0.0)
+        else:  # a slope lost in noise: all of it per expert
+            alone, fixed = whole / n, 0.0
+        return fixed, max(together - fixed, 1e-3 * together) / n, alone
+
+    def costs(self) -> ChannelCosts:
+        lf, lt, la = self._channel(self.link_one_us, self.link_all_us, self.link_together_us)
+        cf, ct, ca = self._channel(self.cpu_one_us, self.cpu_all_us, self.cpu_together_us)
+        return ChannelCosts(lf, lt, cf, ct, link_alone_per_expert_us=la, cpu_alone_per_expert_us=ca)
+
+    def gbps(self) -> dict[str, float]:
+        """Each channel's bytes per second (GB/s) alone and together, from the per-expert times."""
+        c = self.costs()
+        return {name: self.expert_bytes / (us * 1e3) for name, us in (
+            ("link_alone", c.link_alone_per_expert_us), ("link_together", c.link_per_expert_us),
+            ("cpu_alone", c.cpu_alone_per_expert_us), ("cpu_together", c.cpu_per_expert_us))}
+
+    def describe(self) -> str:
+        g, c = self.gbps(), self.costs()
+        return (f"link {g['link_alone']:.1f} GB/s alone, {g['link_together']:.1f} beside the CPU (fixed "
+                f"{c.link_fixed_us:.1f} us); CPU on {self.threads} threads {g['cpu_alone']:.1f} GB/s alone, "
+                f"{g['cpu_together']:.1f} beside the link (fixed {c.cpu_fixed_us:.1f} us); experts of "
+                f"{self.expert_bytes / 2**20:.2f} MiB, measured in {self.seconds:.2f} s")
+
+
+def choose_service(costs: ChannelCosts, top_k: int) -> tuple[str, str]:
+    """("hybrid" | "copy", why) for --moe-miss-service auto: hybrid when its balanced table (MissSplit.hybrid)
+    takes less time than copying every miss, on the mean over a call's 1..top_k misses (one decode row:
+    a warm cache misses fewer than top_k, a cold one top_k)."""
+    m = np.arange(1, top_k + 1)
+    copies = MissSplit.hybrid(costs).copies[m]
+    copy_us, hybrid_us = float(costs.step_us(m, m).mean()), float(costs.step_us(m, copies).mean())
+    why = (f"predicted per layer call over 1..{top_k} misses: copy {copy_us:.1f} us, hybrid {hybrid_us:.1f} us "
+           f"(copying {', '.join(str(int(c)) for c in copies)} of {', '.join(str(int(x)) for x in m)})")
+    return ("hybrid" if hybrid_us < copy_us else "copy"), why
+
+
+def _cpu_rows(cfg: MoEConfig, experts: np.ndarray, rng: np.random.Generator):
+    """x, ids, weights of a CpuExperts.moe call computing each of `experts` once (top_k a row)."""
+    k = cfg.top_k
+    rows = -(-len(experts) // k)
+    ids = np.full((rows, k), -1, np.int32)
+    ids.reshape(-1)[:len(experts)] = experts
+    x = rng.standard_normal((rows, cfg.hidden), dtype=np.float32)
+    return x, ids, rng.random((rows, k), dtype=np.float32), np.empty((rows, cfg.hidden), np.float32)
+
+
+def _median_call_us(fn, seconds: float) -> float:
+    times, end = [], time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        if t1 >= end and len(times) >= 3:
+            return float(np.median(times)) * 1e6
+
+
+def measure_channels(store: HostStore, cfg: MoEConfig, device: torch.device | str) -> ChannelMeasure:
+    """Time both channels alone and together (module docstring) on `device` (CUDA) for the experts of
+    `store` (pinned, cfg.expert_banks()). Takes about 1.2 s after the kernels' first calls, and a scratch
+    pool of min(CALIBRATION_EXPERTS, E, MAX_TOKENS * top_k) slots. Raises ValueError for a CPU device or
+    an unpinned store, PoolError when the scratch slots do not fit."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"measure_channels: device must be CUDA (the link's copies), got {device}")
+    if not store.pinned:
+        raise ValueError("measure_channels: the HostStore must be pinned (the miss copy reads mapped host memory)")
+    n = min(CALIBRATION_EXPERTS, cfg.num_experts, MAX_TOKENS * cfg.top_k)
+    if n < 2:
+        raise ValueError(f"measure_channels: needs at least 2 experts a layer (MoEConfig.num_experts), "
+                         f"got {cfg.num_experts}")
+    rng = np.random.default_rng(0)
+    experts = np.sort(rng.choice(cfg.num_experts, n, replace=False)).astype(np.int32)  # of layer 0: keys = ids
+    cpu = CpuExperts(store, cfg)
+    calls = {size: _cpu_rows(cfg, experts[:size], rng) for size in (1, n)}
+    pool = SlotPool(store.banks, n, device=device)
+    try:
+        return _measure(store, cfg, pool, experts, calls, cpu)
+    finally:
+        del pool
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the slots' free memory is read from the device
+
+
+def _measure(store: HostStore, cfg: MoEConfig, pool: SlotPool, experts: np.ndarray, calls: dict,
+             cpu: CpuExperts) -> ChannelMeasure:
+    device, n = pool.device, len(experts)
+
+    def cpu_call(size: int) -> None:
+        cpu.moe(0, *calls[size])
+
+    plan = torch.tensor(np.stack([experts, np.arange(n, dtype=np.int32)], axis=1), device=device)
+    counts = {size: torch.tensor([size], dtype=torch.int32, device=device) for size in (1, n)}
+    stream = torch.cuda.Stream(device)
+
+    def link_us(size: int, seconds: float, keep_going=lambda: True) -> list[float]:
+        """Per-call times of LINK_BATCH back-to-back copies of `size` experts, batch by batch."""
+        out, end = [], time.perf_counter() + seconds
+        with torch.cuda.stream(stream):
+            while True:
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                for _ in range(LINK_BATCH):
+                    miss_copy(store, pool, plan, counts[size])
+                stop.record(stream)
+                stop.synchronize()
+                out.append(start.elapsed_time(stop) * 1e3 / LINK_BATCH)
+                if (time.perf_counter() >= end and len(out) >= 3) or not keep_going():
+                    return out
+
+    for size in (1, n):  # first calls: compiles (cached on disk after the first run) and page-ins
+        cpu_call(size)
+        link_us(size, 0.0)
+    t0 = time.perf_counter()
+    link_one, link_all = (float(np.median(link_us(size, ALONE_SECONDS))) for size in (1, n))
+    cpu_one, cpu_all = (_median_call_us(lambda s=size: cpu_call(s), ALONE_SECONDS) for size in (1, n))
+    cpu_times: list[tuple[float, float]] = []
+    stop = threading.Event()
+    started = threading.Event()
+    failed: list[BaseException] = []
+
+    def cpu_loop() -> None:
+        try:
+            while not stop.is_set():
+                a = time.perf_counter()
+                cpu_call(n)
+                cpu_times.append((a, time.perf_counter()))
+                started.set()
+        except BaseException as e:  # handed to the measuring thread
+            failed.append(e)
+            started.set()
+
+    worker = threading.Thread(target=cpu_loop, name="expertcache-channels", daemon=True)
+    worker.start()
+    started.wait()
+    w0 = time.perf_counter()
+    link_together = link_us(n, TOGETHER_SECONDS, keep_going=lambda: not failed)
+    w1 = time.perf_counter()
+    stop.set()
+    worker.join()
+    if failed:
+        raise failed[0]
+    inside = [b - a for a, b in cpu_times if a >= w0 and b <= w1]
+    if not inside:  # a CPU call longer than the window: the one that spanned it
+        inside = [b - a for a, b in cpu_times[-1:]]
+    seconds = time.perf_counter() - t0
+    return ChannelMeasure(store.bytes_per_expert, n, cfg.top_k, link_one, link_all, float(np.median(link_together)),
+                          cpu_one, cpu_all, float(np.median(inside)) * 1e6, threads_in_use(), seconds)

@@ -1,0 +1,94 @@
+"""The channels measured at start (moe.engine.channels) and the split they give (resolve_miss_service).
+
+    ChannelMeasure (call times) ─costs()─► ChannelCosts ─MissSplit.hybrid─► table; choose_service: auto's pick
+The arithmetic and the choice on the CPU with measures given; measure_channels itself on the GPU
+(tests/moe/engine/test_hybrid_gpu.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from expertcache.split import MissSplit
+from moe.engine.channels import ChannelMeasure, choose_service, measure_channels
+from moe.engine.loading import resolve_miss_service
+from moe.kernels import cpu_experts
+
+MIB = 1 << 20
+
+
+def _measure(link_per: float, cpu_per: float, link_fixed: float = 5.0, cpu_fixed: float = 10.0,
+             link_slow: float = 1.0, cpu_slow: float = 1.0, n: int = 8, top_k: int = 8) -> ChannelMeasure:
+    """A measure whose channels cost fixed + per * experts alone, slowed by *_slow beside each other."""
+    return ChannelMeasure(4 * MIB, n, top_k, link_fixed + link_per, link_fixed + n * link_per,
+                          link_fixed + n * link_per * link_slow, cpu_fixed + cpu_per, cpu_fixed + n * cpu_per,
+                          cpu_fixed + n * cpu_per * cpu_slow, 14, 1.1)
+
+
+def test_costs_recover_the_fixed_and_per_expert_parts():
+    c = _measure(80.0, 100.0, link_slow=1.25, cpu_slow=1.5).costs()
+    assert c.link_fixed_us == pytest.approx(5.0) and c.cpu_fixed_us == pytest.approx(10.0)
+    assert c.link_alone_per_expert_us == pytest.approx(80.0) and c.link_per_expert_us == pytest.approx(100.0)
+    assert c.cpu_alone_per_expert_us == pytest.approx(100.0) and c.cpu_per_expert_us == pytest.approx(150.0)
+    g = _measure(80.0, 100.0).gbps()
+    assert g["link_alone"] == pytest.approx(4 * MIB / 80e3) and g["cpu_together"] == pytest.approx(4 * MIB / 100e3)
+
+
+def test_a_slope_lost_in_noise_has_no_fixed_part():
+    m = ChannelMeasure(MIB, 8, 8, 50.0, 40.0, 45.0, 20.0, 100.0, 120.0, 4, 1.0)  # link: 8 experts faster than 1
+    c = m.costs()
+    assert c.link_fixed_us == 0 and c.link_alone_per_expert_us == pytest.approx(5.0)
+    assert c.link_per_expert_us == pytest.approx(45.0 / 8)
+
+
+def test_auto_picks_hybrid_when_the_cpu_helps_and_copy_when_it_does_not():
+    fast_cpu = _measure(80.0, 100.0).costs()
+    service, why = choose_service(fast_cpu, 8)
+    assert service == "hybrid" and "copy" in why and "hybrid" in why
+    slow_cpu = _measure(80.0, 2000.0).costs()  # the CPU takes 25x the link's time per expert
+    assert choose_service(slow_cpu, 8)[0] == "copy"
+    # together the link slows to half: what the CPU adds is less than the link loses beside it
+    contended = _measure(80.0, 400.0, link_slow=2.0, cpu_slow=2.0).costs()
+    assert choose_service(contended, 8)[0] == "copy"
+    assert MissSplit.hybrid(contended).copies_for(8) < 8, "the table alone would still split"
+
+
+def test_the_table_balances_the_together_rates():
+    costs = _measure(80.0, 160.0, link_fixed=0.0, cpu_fixed=0.0, link_slow=1.0, cpu_slow=1.0).costs()
+    table = MissSplit.hybrid(costs)
+    assert table.copies_for(6) == 4 and table.copies_for(3) == 2  # the link twice as fast: two thirds copied
+
+
+def test_resolve_on_a_gpu_measures_once_and_logs_what_it_chose(caplog, monkeypatch):
+    monkeypatch.setattr(cpu_experts, "_THREADS", [])
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return _measure(80.0, 100.0)
+
+    with caplog.at_level(logging.INFO, logger="moe.engine.loading"):
+        split = resolve_miss_service("auto", "cuda", measure=measure)
+    assert split.service == "hybrid" and calls == [1]
+    assert np.array_equal(split.copies, MissSplit.hybrid(_measure(80.0, 100.0).costs()).copies)
+    assert "chose hybrid" in caplog.text and "GB/s" in caplog.text and "measured in 1.10 s" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="moe.engine.loading"):
+        split = resolve_miss_service("auto", "cuda", measure=lambda: _measure(80.0, 2000.0))
+    assert split.copies_all and "chose copy" in caplog.text
+    assert resolve_miss_service("hybrid", "cuda", measure=lambda: _measure(80.0, 2000.0)).service == "hybrid"
+    assert resolve_miss_service("copy", "cuda", measure=lambda: pytest.fail("copy measures nothing")).copies_all
+    assert resolve_miss_service("cpu", "cuda").service == "cpu"  # nothing to balance
+
+
+def test_the_cpu_backend_measures_nothing():
+    fail = lambda: pytest.fail("the CPU backend has no link to measure")  # noqa: E731
+    assert resolve_miss_service("auto", "cpu", measure=fail).copies_all
+    assert resolve_miss_service("hybrid", "cpu", measure=fail).copies_for(4) == 2
+
+
+def test_measure_channels_refuses_a_cpu_device():
+    with pytest.raises(ValueError, match="CUDA"):
+        measure_channels(None, None, "cpu")
