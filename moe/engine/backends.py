@@ -61,6 +61,9 @@ class MoEBackend(Protocol):
     def prefill(self, w: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> out [T, H]; leaves the cache untouched."""
 
+    def check(self) -> None:
+        """Raise what went wrong off the decode's stream since the last step (a CPU worker's failure)."""
+
 
 def expert_matrices(banks, cfg: MoEConfig) -> tuple[SlotMatrix, SlotMatrix]:
     """(gate_up [N, 2I, H] of 2 stacked matrices, down [N, H, I]) of a HostStore or SlotPool in the
@@ -356,6 +359,9 @@ class CpuCachedMoE:
         self.prefill_counts = [0, 0]  # prefill's used experts: [streamed from the store, read from a slot]
         self.cpu_experts = None if self.cache.split.copies_all else CpuExperts(self.store, self.cfg)
 
+    def check(self) -> None:
+        """Nothing to check: the CPU share is computed in line (an error raises in decode)."""
+
     def decode(self, w: MoEWeights, hidden: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, H] -> (out [B, H], ids [B, k] int32). Cost: one ensure, copies * 3 * I * H copied,
         B * k * 3 * I * H routed multiply-adds (those of served misses read from the store)."""
@@ -431,9 +437,14 @@ class GpuMoE:
         bids[:, :b].copy_(ids, non_blocking=True)
         bweights[:, :b].copy_(weights, non_blocking=True)
 
-    def decode(self, w: MoEWeights, hidden: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def check(self) -> None:
+        """Raise RuntimeError with a CPU worker's failure since the last call (a host attribute: no sync).
+        Engine.decode_step calls it before each step, eager or replayed: a failed worker answered with
+        zeros, so the step it failed in lacks its share, and the next one raises."""
         if self.slots.share is not None:
-            self.slots.share.check()  # a CPU worker's failure since the last step (no sync: a host attribute)
+            self.slots.share.check()
+
+    def decode(self, w: MoEWeights, hidden: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         layer, b = self.layers[w.index], hidden.shape[0]
         routing = None
         if self.routing_buffers is not None:  # [b, k] views of [L_moe, max_batch, k]: contiguous

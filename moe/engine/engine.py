@@ -207,7 +207,8 @@ class Engine:
         """One token for every sequence of the active batch: tokens [B] ids -> logits float32 [B, V].
 
         Appends each token at its row's position. Raises ValueError naming max_seq_len when a row is
-        full, or when no batch was started (call prefill first).
+        full, or when no batch was started (call prefill first); RuntimeError when a CPU expert worker
+        failed in an earlier step (the backend's check).
         """
         b = self.batch
         tokens = self._tokens(tokens)
@@ -216,6 +217,7 @@ class Engine:
                              f"prefill first), got shape {list(tokens.shape)}")
         if max(self._lengths) >= self.max_seq_len:
             raise ValueError(f"a sequence reached max_seq_len={self.max_seq_len}: raise max_seq_len")
+        self.moe.check()  # a CPU expert worker's failure in an earlier step (GpuMoE.check)
         logits, routing = self._decode_body(tokens) if self.graphs is None else self.graphs.run(tokens)
         self._lengths = [n + 1 for n in self._lengths]
         if self.record_routing:

@@ -177,6 +177,7 @@ class CpuShare:
              weights: torch.Tensor) -> None:
         """Hand over the positions of hidden [T, H] whose slot is CPU_SLOT (ids, slots int32, weights
         float32 [T, k], on the device)."""
+        self._open("post")
         v, rows = self._views, hidden.shape[0]
         _post_kernel[(1,)](hidden, ids, slots, weights, v["x"], v["ids"], v["weights"], v["meta"], self._seq,
                            v["flag_in"], self._fence, layer, rows, H=self.hidden, K=self.top_k, BLOCK_H=1024,
@@ -184,6 +185,7 @@ class CpuShare:
 
     def wait(self, addend: torch.Tensor | None, dst: torch.Tensor) -> torch.Tensor:
         """dst [T, H] float32 = addend (or 0) + the CPU's share of the last post, once it is back."""
+        self._open("wait")
         v = self._views
         _wait_kernel[(1,)](v["flag_out"], self._seq, v["out"], dst if addend is None else addend, dst, self._fence,
                            dst.shape[0], H=self.hidden, BLOCK_H=1024, ADDEND=addend is not None)
@@ -194,6 +196,15 @@ class CpuShare:
             err, self.error = self.error, None
             raise RuntimeError(f"the CPU expert worker failed: {err}") from err
 
+    def _open(self, what: str) -> None:
+        if self.closed:  # its worker is gone: a wait would spin forever
+            raise RuntimeError(f"CpuShare.{what}: the CPU share is closed (SlotCache.close); build the backend again")
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._np["stop"][0])
+
     def close(self) -> None:
+        """Stop the worker (idempotent). A decode step captured before must not be replayed after it."""
         self._np["stop"][0] = 1
         self._thread.join(timeout=10)

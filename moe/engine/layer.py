@@ -131,13 +131,13 @@ class SlotCache:
         self.cache = self._new_cache()
 
     def close(self) -> None:
-        """Destroy the side stream, if one was made, and stop the CPU share's worker."""
+        """Destroy the side stream, if one was made, and stop the CPU share's worker; the layers over
+        this cache then refuse to launch (CpuShare raises RuntimeError) rather than compute without it."""
         if self.side is not None:
             self.side.close()
             self.side = None
         if self.share is not None:
             self.share.close()
-            self.share = None
 
 
 class MoELayer:
@@ -208,8 +208,9 @@ class MoELayer:
             slots = self.slots
             plan = resolve_launch_plan(self.cfg, num_slots=slots.pool.num_slots,
                                        num_keys=slots.num_layers * slots.num_experts, device=str(self.device),
-                                       num_sms=device_sms(self.device), copy_overlap=self.cfg.copy_overlap)
-        _check_plan(plan, self.cfg, self.device)
+                                       num_sms=device_sms(self.device), copy_overlap=self.cfg.copy_overlap,
+                                       miss_service=slots.split.service)
+        _check_plan(plan, self.cfg, self.device, self.slots)
         self.plan = plan
         self.side = self.slots.side_stream() if plan.mode.side_stream else None
 
@@ -252,9 +253,8 @@ class MoELayer:
         act, slots, weights = self._routed_front(hidden, routing, (side, compute) if hits_side else None)
         if compute is not None:
             side.join(compute)  # the down launch below reads `shared` and the early hits' rows
-        share = self.slots.share
-        if share is not None:  # the misses served on the CPU, back in float32 beside the shared expert's output
-            shared = share.wait(shared, self._cpu_addend[:hidden.shape[0]])
+        if self.plan.cpu_share:  # the misses served on the CPU, back in float32 beside the shared expert's output
+            shared = self.slots.share.wait(shared, self._cpu_addend[:hidden.shape[0]])
         self._down(act, slots, weights, addend=shared, out_cast=out)
         return out
 
@@ -318,7 +318,7 @@ class MoELayer:
                 routed_gate_up(hidden, pre, weights, gate_up, part="hits", pre=pre, tiles=plan.routed_tiles,
                                programs=plan.hits_programs, cfg=cfg, gate_up_bias=gate_up_bias)
         buf = slots.cache.ensure(self.layer, ids, pdl=plan.pdl)  # slots [T, k], plan [Q, 2], count [1]
-        if slots.share is not None:  # the served misses go to the CPU while the link copies the others
+        if plan.cpu_share:  # the served misses go to the CPU while the link copies the others
             slots.share.post(self.layer, hidden, ids, buf.slots, weights)
         miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=plan.pdl, release_after_wait=plan.front_release)
         act = routed_gate_up(hidden, buf.slots, weights, gate_up, part="all" if pre is None else "rest", pre=pre,
@@ -336,8 +336,7 @@ class MoELayer:
     def routed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The routed half alone: hidden [T, H] -> [T, H] float32 (a buffer of this layer, reused)."""
         act, slots, weights = self._routed_front(hidden)
-        share = self.slots.share
-        addend = None if share is None else share.wait(None, self._cpu_addend[:hidden.shape[0]])
+        addend = self.slots.share.wait(None, self._cpu_addend[:hidden.shape[0]]) if self.plan.cpu_share else None
         return self._down(act, slots, weights, out=self._routed_out[:hidden.shape[0]], addend=addend)
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
@@ -387,10 +386,13 @@ def _check_routing_pair(routing, tokens: int, top_k: int, device: torch.device) 
                          f"[{tokens}, {top_k}]), contiguous on {device}, got {got}")
 
 
-def _check_plan(plan: LaunchPlan, cfg: MoEConfig, device: torch.device) -> None:
+def _check_plan(plan: LaunchPlan, cfg: MoEConfig, device: torch.device, slots: SlotCache) -> None:
     """Raise ValueError naming the LaunchPlan field this layer cannot launch."""
     if not isinstance(plan, LaunchPlan):
         raise ValueError(f"MoELayer: plan must be a LaunchPlan, got {type(plan).__name__}")
+    if plan.cpu_share != (slots.share is not None):
+        raise ValueError(f"MoELayer: LaunchPlan.cpu_share={plan.cpu_share} disagrees with the SlotCache's miss split "
+                         f"({slots.split.service}): resolve the plan with miss_service={slots.split.service!r}")
     if plan.mode.shared_on_side and not cfg.has_shared_expert:
         raise ValueError(f"MoELayer: LaunchPlan.mode={plan.mode.value} runs a shared expert, which this block "
                          "has not (MoEConfig.shared_intermediate=0)")

@@ -1,7 +1,8 @@
 """The MoE layer's launch plan: one resolver picks every launch choice of a layer, once per build.
 
-    MoEConfig, pool slots vs L*E keys, device, SMs, copy_overlap, tp_size, hybrid
-        ──resolve_launch_plan──► LaunchPlan (frozen): overlap mode + reason, PDL, releases, prefetch, tiles
+    MoEConfig, pool slots vs L*E keys, device, SMs, copy_overlap, tp_size, miss_service
+        ──resolve_launch_plan──► LaunchPlan (frozen): overlap mode + reason, CPU share, PDL, releases, prefetch,
+                                 tiles
     tokens, MoEConfig, RoutedTiles ──make_routed_plan──► RoutedPlan (family, grid, co-residency)
     RoutedPlan ──plan_supports_aux_stream_overlap──► bool
     phase, device, tp_size, RoutedPlan, hybrid ──decode_side_applies──► (applies, reason)
@@ -31,6 +32,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from expertcache.split import MISS_SERVICES
 from moe.kernels.tiles import GEMV_BLOCK_H, GEMV_BLOCK_I, RoutedTiles, RouterTiles
 from moe.model.config import COPY_OVERLAP_ENV, MoEConfig
 
@@ -87,6 +89,8 @@ class LaunchPlan:
         launch right after the copy's own wait.
     down_prefetch: experts whose down weight tiles each down program loads before its wait (0..k).
     hits_programs: programs of the early hits' persistent launch (room for the ensure and copy).
+    cpu_share: a miss split serves some misses on the CPU: the compute stream posts them after the ensure
+        and waits for the CPU's answer before the routed down (moe.engine.handoff).
     router_tiles / routed_tiles: the tiles of the router and of every routed launch (shared expert too).
     Raises ValueError naming the field.
     """
@@ -100,13 +104,14 @@ class LaunchPlan:
     hits_programs: int
     router_tiles: RouterTiles = DEFAULT_ROUTER_TILES
     routed_tiles: RoutedTiles = DEFAULT_ROUTED_TILES
+    cpu_share: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, OverlapMode):
             raise ValueError(f"LaunchPlan.mode must be an OverlapMode, got {self.mode!r}")
         if not isinstance(self.reason, str) or not self.reason:
             raise ValueError(f"LaunchPlan.reason must be a non-empty str, got {self.reason!r}")
-        for name in ("pdl", "front_release"):
+        for name in ("pdl", "front_release", "cpu_share"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LaunchPlan.{name} must be a bool, "
                                  f"got {getattr(self, name)!r}")
@@ -129,16 +134,18 @@ class LaunchPlan:
                 "router_early_weights": list(self.router_early_weights), "front_release": self.front_release,
                 "down_prefetch": self.down_prefetch,
                 "hits_programs": self.hits_programs, "router_tiles": self.router_tiles.name,
-                "routed_tiles": self.routed_tiles.name}
+                "routed_tiles": self.routed_tiles.name, "cpu_share": self.cpu_share}
 
 
 def resolve_launch_plan(cfg: MoEConfig, *, num_slots: int, num_keys: int, device: str, num_sms: int,
-                        copy_overlap: bool, tp_size: int = 1, hybrid: bool = False) -> LaunchPlan:
+                        copy_overlap: bool, tp_size: int = 1, miss_service: str = "copy") -> LaunchPlan:
     """The launch plan of a decode layer of `cfg` over a pool of `num_slots` slots for `num_keys`
     (L * E) keys on `device` ("cpu", "cuda" or "cuda:N") with `num_sms` SMs. O(GEMV_MAX_TOKENS).
 
     copy_overlap: the user's choice (MoEConfig.copy_overlap / EXPERTCACHE_MOE_COPY_OVERLAP).
-    Early hits apply where num_slots < num_keys; the front release (front_release,
+    miss_service: the miss split's service (expertcache.split.MISS_SERVICES); hybrid and cpu set cpu_share
+    and need a CUDA device. Early hits apply where num_slots < num_keys and misses fill slots (not under
+    cpu); the front release (front_release,
     router_early_weights where they fit, down_prefetch min(FRONT_RELEASE_PREFETCH, k)) applies
     unless the early hits run on the side stream; else down_prefetch is min(DOWN_PREFETCH, k).
     A quantized MoEConfig.expert_format launches QUANTIZED_ROUTED_TILES and prefetches nothing (its
@@ -153,9 +160,16 @@ def resolve_launch_plan(cfg: MoEConfig, *, num_slots: int, num_keys: int, device
                          f"got {copy_overlap!r}")
     if not isinstance(device, str) or not _DEVICE.match(device):
         raise ValueError(f"resolve_launch_plan: device={device!r} is not 'cpu', 'cuda' or 'cuda:N'")
+    if miss_service not in MISS_SERVICES:
+        raise ValueError(f"resolve_launch_plan: miss_service must be one of {MISS_SERVICES}, got {miss_service!r}")
+    split = miss_service != "copy"
+    if split and device == "cpu":
+        raise ValueError(f"resolve_launch_plan: miss_service={miss_service!r} hands misses to a CPU worker from "
+                         "a CUDA device; the CPU backend computes them in line (moe.engine.backends)")
     dense = cfg.format.dense
     router_tiles, routed_tiles = DEFAULT_ROUTER_TILES, DEFAULT_ROUTED_TILES if dense else QUANTIZED_ROUTED_TILES
-    mode, reason = _overlap_mode(cfg, num_slots < num_keys, device, tp_size, hybrid, copy_overlap, routed_tiles)
+    early_hits = num_slots < num_keys and miss_service != "cpu"
+    mode, reason = _overlap_mode(cfg, early_hits, device, tp_size, split, copy_overlap, routed_tiles)
     front = not mode.hits_on_side
     early_weights = tuple(front and router_tiles.early_weights_fit(cfg.num_experts, cfg.hidden, t)
                           for t in range(1, GEMV_MAX_TOKENS + 1))
@@ -163,15 +177,15 @@ def resolve_launch_plan(cfg: MoEConfig, *, num_slots: int, num_keys: int, device
     return LaunchPlan(mode, reason, pdl=device.startswith("cuda"), router_early_weights=early_weights,
                       front_release=front, down_prefetch=prefetch,
                       hits_programs=HITS_PROGRAMS_PER_SM * num_sms, router_tiles=router_tiles,
-                      routed_tiles=routed_tiles)
+                      routed_tiles=routed_tiles, cpu_share=split)
 
 
 def _overlap_mode(cfg: MoEConfig, early_hits: bool, device: str, tp_size: int, hybrid: bool,
                   copy_overlap: bool, tiles: RoutedTiles) -> tuple[OverlapMode, str]:
     """(mode, reason): the checks in order, the first that declines gives INLINE and its reason."""
     if not cfg.has_shared_expert and not early_hits:
-        return OverlapMode.INLINE, ("no shared expert, and the pool holds every expert (no early hits): "
-                                    "nothing to run on the side stream")
+        return OverlapMode.INLINE, ("no shared expert, and no early hits (the pool holds every expert, or the cpu "
+                                    "miss service fills no slot): nothing to run on the side stream")
     if not copy_overlap:
         return OverlapMode.INLINE, f"copy_overlap is off (set MoEConfig.copy_overlap or {COPY_OVERLAP_ENV}=1)"
     for tokens in range(1, GEMV_MAX_TOKENS + 1):  # must hold at every decode size
@@ -253,7 +267,9 @@ def decode_side_applies(
     """Whether the decode side stream (work beside the miss copy) applies; (applies, reason).
 
     Declines, in this order: prefill (it streams whole layers with the copy engines), a CPU device,
-    hybrid CPU/GPU decode, tensor parallel size > 1, and a plan without aux-stream overlap support.
+    tensor parallel size > 1, and a plan without aux-stream overlap support. hybrid (a miss split serves
+    misses on the CPU) changes no answer, only the reason: the side stream then runs beside the CPU
+    workers too, and the CPU's share is added after the join.
     Raises ValueError naming `phase`, `device` or `tp_size` for values outside their domain.
     """
     if phase not in PHASES:
@@ -266,11 +282,12 @@ def decode_side_applies(
         return False, "prefill streams whole layers with the copy engines; the side stream is decode only"
     if device == "cpu":
         return False, "device is cpu: there is no side stream"
-    if hybrid:
-        return False, "hybrid CPU/GPU decode: the shared expert does not run beside a GPU miss copy"
     if tp_size > 1:
         return False, f"tp_size={tp_size}: the side stream supports tensor parallel size 1 only"
     if not plan_supports_aux_stream_overlap(plan):
         return False, (f"routed plan {plan.family!r} needs a co-resident grid and is not launched "
                        "cooperatively: side work could deadlock its grid barrier")
+    if hybrid:
+        return True, ("hybrid decode on a GPU with an overlap-safe routed plan: the side stream runs beside the "
+                      "copy and the CPU workers; the CPU's share is added on the compute stream after the join")
     return True, "decode on a GPU with an overlap-safe routed plan"

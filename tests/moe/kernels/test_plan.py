@@ -191,13 +191,19 @@ def test_decode_side_applies_on_gpu_decode():
 @pytest.mark.parametrize("phase, device, tp, plan, hybrid, word", [
     ("prefill", "cuda", 1, SAFE, False, "prefill"),
     ("decode", "cpu", 1, SAFE, False, "cpu"),
-    ("decode", "cuda", 1, SAFE, True, "hybrid"),
     ("decode", "cuda", 2, SAFE, False, "tp_size"),
     ("decode", "cuda", 1, RoutedPlan("fused-barrier", 1, (132,), True, False), False, "co-resident"),
 ])
 def test_decode_side_declines(phase, device, tp, plan, hybrid, word):
     applies, reason = decode_side_applies(phase, device, tp, plan, hybrid=hybrid)
     assert not applies and word in reason
+
+
+def test_decode_side_applies_in_hybrid_decode_and_says_so():
+    applies, reason = decode_side_applies("decode", "cuda", 1, SAFE, hybrid=True)
+    assert applies and "CPU workers" in reason and "after the join" in reason
+    for args in (("prefill", "cuda", 1, SAFE), ("decode", "cpu", 1, SAFE), ("decode", "cuda", 2, SAFE)):
+        assert decode_side_applies(*args, hybrid=True) == decode_side_applies(*args), "hybrid changes no answer"
 
 
 def test_decode_side_applies_with_cooperative_coresident_plan():
@@ -305,7 +311,8 @@ def test_early_weights_follow_the_token_count():
 
 @pytest.mark.parametrize("kwargs, word", [
     ({"overlap": False}, "EXPERTCACHE_MOE_COPY_OVERLAP"), ({"device": "cpu"}, "cpu"),
-    ({"tp_size": 2}, "tp_size"), ({"hybrid": True}, "hybrid"),
+    ({"tp_size": 2}, "tp_size"),
+    ({"cfg": dataclasses.replace(CFG, shared_intermediate=0), "miss_service": "cpu"}, "fills no slot"),
     ({"cfg": dataclasses.replace(CFG, shared_intermediate=0), "slots": 1000}, "nothing to run"),
 ])
 def test_resolver_reasons(kwargs, word):
@@ -319,6 +326,28 @@ def test_resolver_accepts_with_a_reason():
     assert (
         plan.summary()["mode"] == "shared_and_hits_on_side" and plan.summary()["routed_tiles"] == "i1x1024w2-h2x512w4"
     )
+
+
+@pytest.mark.parametrize("service, mode", [
+    ("copy", OverlapMode.SHARED_AND_HITS_ON_SIDE), ("hybrid", OverlapMode.SHARED_AND_HITS_ON_SIDE),
+    ("cpu", OverlapMode.SHARED_ON_SIDE),  # nothing is ever resident: no early hits
+])
+def test_resolver_under_each_miss_service(service, mode):
+    plan = _resolve(miss_service=service)
+    assert plan.mode is mode and plan.cpu_share == (service != "copy") and plan.summary()["cpu_share"] == plan.cpu_share
+    assert ("CPU workers" in plan.reason) == (service != "copy")
+    no_overlap = _resolve(miss_service=service, overlap=False)  # the CPU share does not need the side stream
+    assert no_overlap.mode is OverlapMode.INLINE and no_overlap.cpu_share == (service != "copy")
+    # the releases and prefetch are those of the copy service with the same early hits (none under cpu)
+    same = _resolve(slots=1000) if service == "cpu" else _resolve()
+    assert (plan.front_release, plan.down_prefetch) == (same.front_release, same.down_prefetch)
+
+
+def test_resolver_refuses_a_cpu_share_on_the_cpu():
+    with pytest.raises(ValueError, match="miss_service"):
+        _resolve(device="cpu", miss_service="hybrid")
+    with pytest.raises(ValueError, match="miss_service"):
+        _resolve(miss_service="auto")  # resolved to copy or hybrid before a plan is made
 
 
 @pytest.mark.parametrize("kwargs, name", [
