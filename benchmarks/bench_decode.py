@@ -145,10 +145,13 @@ def _check_args(args: argparse.Namespace) -> None:
     if not args.batches or min(args.batches) < 1 or max(args.batches) > 8:
         raise SystemExit(f"error: --batches must be in 1..8 (moe.kernels.plan.GEMV_MAX_TOKENS), got {args.batches}")
     args.configs = [_config(c) for c in args.configs.split(",") if c.strip()]
-    from moe.engine.loading import resolve_miss_service
+    from moe.engine.loading import check_miss_service
 
-    split = resolve_miss_service(args.miss_service, "cuda")  # the engine's own split on a GPU
-    args.split = None if split.copies_all else split
+    try:
+        check_miss_service(args.miss_service)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    args.split, args.host = None, None  # per format (run_format): the engine's split and the host it measured
     if not args.configs:
         raise SystemExit("error: --configs is empty")
     geo = GEOMETRIES[args.geometry]
@@ -261,7 +264,7 @@ def predict(window: dict, overlap: bool, profile: HardwareProfile = H200_SM_COPY
                                 routed_expert_bytes=get_format(fmt).expert_bytes(geo.hidden, geo.inter))
     split = window.get("split")
     if split is not None and not split.copies_all:  # both channels, on the host the profile measured
-        host = dataclasses.replace(HOSTS[DEFAULT_HOST], gpu=profile).for_format(fmt)
+        host = dataclasses.replace(window.get("host") or HOSTS[DEFAULT_HOST].for_format(fmt), gpu=profile)
         svc = estimate_service(window["hist"], steps, shape, host, split, batch=window["batch"], policy=policy,
                                split_hist=window["split_hist"])
         est = dataclasses.replace(estimate_decode(window["hist"], steps, shape, profile, batch=window["batch"],
@@ -326,6 +329,7 @@ def run_format(fmt: str, traces: dict, args: argparse.Namespace, res: dict) -> N
         from decode_gpu import build_weights
 
         weights, res["build"][fmt] = build_weights(args, GEOMETRIES[args.geometry].config, fmt)
+    _format_split(weights, fmt, args, res)
     for batch in args.batches:
         profile = H200_SM_COPY
         if not args.dry_run and not args.no_calibrate:
@@ -336,10 +340,37 @@ def run_format(fmt: str, traces: dict, args: argparse.Namespace, res: dict) -> N
             windows: dict[str, dict] = {}  # per policy: overlap changes only the prediction
             for policy, overlap in args.configs:
                 if policy not in windows:
-                    windows[policy] = replay_window(traces[batch], policy, slots, args.warmup, args.split)
+                    windows[policy] = {**replay_window(traces[batch], policy, slots, args.warmup, args.split),
+                                       "host": args.host}
                 res["rows"].append(_row(weights, traces[batch], args, fmt, budget, slots, batch, policy, overlap,
                                         windows[policy], profile))
     del weights
+
+
+def _format_split(weights, fmt: str, args: argparse.Namespace, res: dict) -> None:
+    """args.split / args.host for format `fmt`: on the GPU the engine's own split, balanced from the channels
+    it measures at start (recorded in res["channels"][fmt]), and a host profile of those rates for the
+    prediction; in a dry run the split the default host profile gives."""
+    args.split, args.host = None, None
+    if args.miss_service == "copy":
+        return
+    geo = GEOMETRIES[args.geometry]
+    if args.dry_run:
+        host = HOSTS[DEFAULT_HOST].for_format(fmt)
+        service = "hybrid" if args.miss_service == "auto" else args.miss_service
+        split = host.split(service, get_format(fmt).expert_bytes(geo.hidden, geo.inter))
+        args.split = None if split.copies_all else split
+        return
+    from decode_gpu import engine_split
+
+    args.split, measured = engine_split(weights, args.miss_service)
+    if measured is not None:
+        g = measured.gbps()
+        args.host = dataclasses.replace(HOSTS[DEFAULT_HOST], name=f"measured-at-start-{fmt}", formats=(),
+                                        link_together_gbps=g["link_together"], cpu_gbps=g["cpu_alone"],
+                                        cpu_together_gbps=g["cpu_together"], source="moe.engine.channels at start")
+        res.setdefault("channels", {})[fmt] = {**dataclasses.asdict(measured), "gbps": g,
+                                               "service": "copy" if args.split is None else args.split.service}
 
 
 def _row(weights, trace, args, fmt, budget, slots, batch, policy, overlap, window, profile) -> dict:

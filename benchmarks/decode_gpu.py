@@ -23,7 +23,9 @@ import time
 import numpy as np
 import torch
 
+from expertcache.split import MissSplit
 from moe.engine.backends import GpuMoE
+from moe.engine.channels import ChannelMeasure, measure_channels
 from moe.engine.engine import Engine
 from moe.engine.loading import resolve_miss_service
 from moe.model.checkpoint import ModelWeights
@@ -62,6 +64,19 @@ def _spread(values: list[float]) -> dict:
             "p90": float(np.percentile(values, 90))}
 
 
+def engine_split(weights: ModelWeights, service: str) -> tuple[MissSplit | None, ChannelMeasure | None]:
+    """The engine's miss split for --miss-service `service` on these weights (None: copy), as load_model
+    resolves it, and the channels it measured at start (None where it measured nothing)."""
+    measured: list[ChannelMeasure] = []
+
+    def measure() -> ChannelMeasure:
+        measured.append(measure_channels(weights.store, weights.spec.moe, weights.device))
+        return measured[0]
+
+    split = resolve_miss_service(service, weights.device, measure=measure)
+    return (None if split.copies_all else split), (measured[0] if measured else None)
+
+
 class Runner:
     """One configuration's engine, fed the trace's routing step by step (trace None: the model's own
     router routes)."""
@@ -70,7 +85,7 @@ class Runner:
                  overlap: bool, batch: int) -> None:
         moe_cfg = dataclasses.replace(weights.spec.moe, copy_overlap=overlap)
         weights = dataclasses.replace(weights, spec=dataclasses.replace(weights.spec, moe=moe_cfg))
-        split = resolve_miss_service(getattr(args, "miss_service", "copy"), "cuda")
+        split = getattr(args, "split", None)  # the run's miss split (engine_split), None: copy
         self.backend = GpuMoE(weights, args.slots, policy, max_batch=batch, forced_routing=trace is not None,
                               split=split)
         plans = [layer.plan for layer in self.backend.layers.values()]
@@ -97,8 +112,12 @@ class Runner:
         return self.engine.decode_step(tokens).argmax(dim=-1)
 
     def counters(self) -> np.ndarray:
-        """int64 [L, 3]: calls, accesses, misses per layer (a sync)."""
-        return self.backend.slots.cache.counters.cpu().numpy().copy()
+        """int64 [L, 4]: calls, accesses, misses (copied and served) and misses served on the CPU per layer
+        (a sync)."""
+        cache = self.backend.slots.cache
+        counts = cache.counters.cpu().numpy()
+        served = cache.served.cpu().numpy() if cache.served.shape[0] == counts.shape[0] else np.zeros(counts.shape[0])
+        return np.concatenate([counts, served.reshape(-1, 1).astype(np.int64)], axis=1)
 
     def close(self) -> None:
         self.backend.slots.close()
@@ -137,7 +156,9 @@ def measure(weights: ModelWeights, trace: Trace | None, args: argparse.Namespace
            "chunk_tokens_per_s": [batch * len(c) / (float(c.sum()) * 1e-6) for c in chunks],
            "hit_rate": 1.0 - int(window[:, 2].sum()) / max(int(window[:, 1].sum()), 1),
            "misses_per_layer_per_step": float(window[:, 2].sum()) / layers / args.steps,
+           "served_per_layer_per_step": float(window[:, 3].sum()) / layers / args.steps,
            "layer_misses_all": after[:, 2].tolist(), "layer_misses_window": window[:, 2].tolist(),
+           "miss_service": "copy" if run.backend.slots.split.copies_all else run.backend.slots.split.service,
            "graphs": [] if run.engine.graphs is None else run.engine.graphs.batch_sizes,
            "memory": memory, "plan": run.plan}
     run.close()

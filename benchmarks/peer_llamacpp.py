@@ -47,6 +47,7 @@ Run: python benchmarks/peer_llamacpp.py prepare
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import re
@@ -392,7 +393,7 @@ def cache_slots(gpu_expert_bytes: int, bytes_per_expert: int, layers: int, exper
 def bench_ours(args: argparse.Namespace) -> dict:
     import torch
     from bench_decode import make_trace
-    from decode_gpu import measure
+    from decode_gpu import engine_split, measure
 
     from moe.model.checkpoint import load_checkpoint
 
@@ -410,22 +411,27 @@ def bench_ours(args: argparse.Namespace) -> dict:
             trace = make_trace(run, 1)
             load_s = time.time() - t0
             bpe = weights.store.bytes_per_expert
-            for cfg in configs:
-                run.slots = cache_slots(cfg["gpu_expert_bytes"], bpe, layers, experts, top_k)
-                for routing in ("model", "trace"):
-                    got = measure(weights, trace if routing == "trace" else None, run, "lru", False, 1)
-                    rows.append({"gguf": gtype, "format": fmt, "share": cfg["share"], "routing": routing,
-                                 "slots": run.slots, "bytes_per_expert": bpe, "slot_bytes": run.slots * bpe,
-                                 "layers": layers, "load_seconds": load_s, **got})
-                    print(f"expertcache {fmt} {cfg['share']:>7} ({run.slots} slots) {routing:>5}: "
-                          f"{got['tokens_per_s']:.1f} tok/s, hit rate {got['hit_rate']:.3f}", flush=True)
+            for service in args.miss_services:  # the engine's own split: measured at start, as the server does
+                run.split, measured = engine_split(weights, service)
+                channels = None if measured is None else {**dataclasses.asdict(measured), "gbps": measured.gbps()}
+                for cfg in configs:
+                    run.slots = cache_slots(cfg["gpu_expert_bytes"], bpe, layers, experts, top_k)
+                    for routing in ("model", "trace"):
+                        got = measure(weights, trace if routing == "trace" else None, run, "lru", False, 1)
+                        rows.append({"gguf": gtype, "format": fmt, "share": cfg["share"], "routing": routing,
+                                     "miss_service": service, "split": None if run.split is None else run.split.service,
+                                     "channels": channels, "slots": run.slots, "bytes_per_expert": bpe,
+                                     "slot_bytes": run.slots * bpe, "layers": layers, "load_seconds": load_s, **got})
+                        print(f"expertcache {fmt} {service} {cfg['share']:>7} ({run.slots} slots) {routing:>5}: "
+                              f"{got['tokens_per_s']:.1f} tok/s, hit rate {got['hit_rate']:.3f}", flush=True)
             del weights
             torch.cuda.empty_cache()
     result = {"bench": "peer_llamacpp/ours", "trace": args.trace or "synthetic:qwen3-30b-a3b",
               "warmup": args.warmup, "steps": args.steps, "rows": rows}
     path = Path(args.out) / "ours.json"
-    if path.exists():  # another --formats run's rows are kept
-        rows[:0] = [r for r in json.loads(path.read_text())["rows"] if r["format"] not in args.formats]
+    if path.exists():  # another --formats / --miss-services run's rows are kept
+        rows[:0] = [r for r in json.loads(path.read_text())["rows"]
+                    if r["format"] not in args.formats or r.get("miss_service", "copy") not in args.miss_services]
     _write(path, result)
     return result
 
@@ -472,13 +478,23 @@ def report_rows(llama: dict, ours: dict, lim: dict) -> list[dict]:
                                                 if cpu_bytes_per_token else None),
                "ours": {}}
         for o in mine:
-            copied = o["misses_per_layer_per_step"] * o["layers"] * o["bytes_per_expert"]
-            row["ours"].setdefault(o["format"], {})[o["routing"]] = {
-                "tokens_per_s": o["tokens_per_s"], "us_per_layer": 1e6 / o["tokens_per_s"] / o["layers"],
-                "slots": o["slots"], "hit_rate": o["hit_rate"],
-                "copied_bytes_per_token": copied,
-                "link_bound_tokens_per_s": lim["link_bytes_per_s"] / copied if copied else None,
-                "vs_llama": o["tokens_per_s"] / lr["tokens_per_s"]}
+            service = o.get("miss_service", "copy")
+            per_token = o["layers"] * o["bytes_per_expert"]
+            miss_bytes = o["misses_per_layer_per_step"] * per_token
+            served = o.get("served_per_layer_per_step", 0.0) * per_token
+            got = {"tokens_per_s": o["tokens_per_s"], "us_per_layer": 1e6 / o["tokens_per_s"] / o["layers"],
+                   "slots": o["slots"], "hit_rate": o["hit_rate"], "miss_service": service,
+                   "copied_bytes_per_token": miss_bytes - served, "served_bytes_per_token": served,
+                   "link_bound_tokens_per_s": lim["link_bytes_per_s"] / miss_bytes if miss_bytes else None,
+                   "vs_llama": o["tokens_per_s"] / lr["tokens_per_s"]}
+            if o.get("channels"):  # the misses' bytes over both channels at the rates measured together
+                g = o["channels"]["gbps"]
+                both = (g["link_together"] + g["cpu_together"]) * 1e9
+                got["channels_bound_tokens_per_s"] = both / miss_bytes if miss_bytes else None
+            bound = got.get("channels_bound_tokens_per_s", got["link_bound_tokens_per_s"])
+            got["vs_bound"] = o["tokens_per_s"] / bound if bound else None
+            row["ours"].setdefault(o["format"] if service == "copy" else f"{o['format']}+{service}",
+                                   {})[o["routing"]] = got
         rows.append(row)
     return rows
 
@@ -487,14 +503,20 @@ def _num(v: float | None, fmt: str = "7.1f") -> str:
     return f"{'-':>7}" if v is None else format(v, fmt)
 
 
+def _bound(got: dict) -> str:
+    bound = got.get("channels_bound_tokens_per_s", got["link_bound_tokens_per_s"])
+    return "-" if bound is None else f"{bound:.0f}, x{got['vs_bound']:.2f} of it"
+
+
 def table(rows: list[dict]) -> str:
     lines = ["tokens/s at batch 1; llama.cpp: llama-bench median, its CPU experts' bound (read at the host's "
-             "bandwidth); expertcache: model routing / trace routing, the misses' bound at the link's speed",
+             "bandwidth); expertcache: model routing / trace routing, the misses' bound (copy: at the link's speed; "
+             "+hybrid: over the link and the CPU at the rates the engine measured together at start)",
              f"{'gguf':>6} {'share':>7} {'ncmoe':>5} {'GiB':>6} {'llama':>7} {'bound':>7}  expertcache"]
     for r in rows:
         ours = "; ".join(f"{fmt} {v['model']['tokens_per_s']:.1f} / {v['trace']['tokens_per_s']:.1f} "
                          f"({v['model']['slots']} slots, x{v['model']['vs_llama']:.2f} / x{v['trace']['vs_llama']:.2f}"
-                         f", bound {_num(v['trace']['link_bound_tokens_per_s'], '.0f').strip()})"
+                         f", bound {_bound(v['trace'])})"
                          for fmt, v in r["ours"].items() if {"model", "trace"} <= set(v))
         lines.append(f"{r['gguf']:>6} {r['share']:>7} {r['n_cpu_moe']:>5} {r['gpu_expert_gib']:6.2f} "
                      f"{r['llama_tokens_per_s']:7.1f} {_num(r['llama_cpu_bound_tokens_per_s'])}  {ours}")
@@ -547,6 +569,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace", help="routing trace forced in the trace rows (default: the synthetic preset)")
     p.add_argument("--formats", default=",".join(f for fs in FORMAT_PAIRS.values() for f in fs),
                    type=lambda s: s.split(","), help="expertcache formats to run (rows of others in ours.json stay)")
+    p.add_argument("--miss-services", default="copy,hybrid", type=lambda s: s.split(","),
+                   help="--moe-miss-service values to run (rows of others in ours.json stay)")
     p.add_argument("--warmup", type=int, default=64)
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
@@ -559,6 +583,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     paired = [f for fs in FORMAT_PAIRS.values() for f in fs]
     if args.command == "bench-ours" and not set(args.formats) <= set(paired):
         ap.error(f"bench-ours: --formats {','.join(args.formats)}: each must be one of {paired}")
+    if args.command == "bench-ours" and not set(args.miss_services) <= {"copy", "hybrid", "cpu", "auto"}:
+        ap.error(f"bench-ours: --miss-services {','.join(args.miss_services)}: each must be copy, hybrid, cpu "
+                 "or auto")
     if args.command == "checkpoint" and (args.layers < 1 or args.vocab < 300):
         ap.error("checkpoint: --layers must be >= 1 and --vocab >= 300 (the 256 bytes and merges)")
     return args

@@ -176,3 +176,33 @@ def test_report_pairs_each_gguf_with_its_formats_and_states_both_bounds():
     assert model["vs_llama"] == 1.25 and row["ours"]["bf16"]["trace"]["link_bound_tokens_per_s"] is None
     text = peer.table([row])
     assert "BF16    half     6" in text and "bf16 250.0 / 150.0 (768 slots, x1.25 / x0.75, bound -)" in text
+
+
+def test_a_hybrid_row_stands_beside_the_bound_of_both_channels():
+    peer = _peer()
+    layer = 128 * 3 * 2048 * 768 * 2
+    llama = {"rows": [{"gguf": "BF16", "share": "none", "n_cpu_moe": 12, "layer_expert_bytes": [layer] * 12,
+                       "gpu_expert_bytes": 0, "cpu_expert_bytes": 12 * layer, "top_k": 8,
+                       "num_experts": 128, "tokens_per_s": 90.0, "device_peak_mib": 3000}]}
+    mk = {"gguf": "BF16", "format": "bf16", "share": "none", "slots": 8, "bytes_per_expert": layer // 128,
+          "layers": 12, "hit_rate": 0.0, "misses_per_layer_per_step": 8.0}
+    gbps = {"link_alone": 55.0, "link_together": 50.0, "cpu_alone": 60.0, "cpu_together": 45.0}
+    ours = {"rows": [{**mk, "routing": r, "tokens_per_s": 120.0, "miss_service": "hybrid",
+                      "served_per_layer_per_step": 3.0, "channels": {"gbps": gbps}} for r in ("model", "trace")]
+            + [{**mk, "routing": r, "tokens_per_s": 70.0} for r in ("model", "trace")]}  # copy, as before services
+    (row,) = peer.report_rows(llama, ours, {"host_read_bytes_per_s": 90e9, "link_bytes_per_s": 55e9})
+    hybrid, copy = row["ours"]["bf16+hybrid"]["trace"], row["ours"]["bf16"]["trace"]
+    miss_bytes = 8.0 * 12 * (layer // 128)
+    assert hybrid["channels_bound_tokens_per_s"] == pytest.approx(95e9 / miss_bytes)
+    assert hybrid["vs_bound"] == pytest.approx(120.0 / (95e9 / miss_bytes))
+    assert hybrid["served_bytes_per_token"] == pytest.approx(3.0 * 12 * (layer // 128))
+    assert hybrid["copied_bytes_per_token"] == pytest.approx(5.0 * 12 * (layer // 128))
+    assert copy["miss_service"] == "copy" and "channels_bound_tokens_per_s" not in copy
+    assert copy["vs_bound"] == pytest.approx(70.0 / (55e9 / miss_bytes))
+    assert "bf16+hybrid 120.0 / 120.0" in peer.table([row])
+
+
+def test_bench_ours_refuses_an_unknown_miss_service(capsys):
+    with pytest.raises(SystemExit):
+        _peer().parse(["bench-ours", "--model", "m", "--out", "o", "--miss-services", "copy,fast"])
+    assert "--miss-services" in capsys.readouterr().err
