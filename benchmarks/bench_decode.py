@@ -68,7 +68,7 @@ from benchmeta import machine
 
 from expertcache import policy_names
 from expertcache.formats import FormatError, format_names, get_format, slots_for_budget
-from expertcache.split import MissSplit
+from expertcache.split import MISS_SERVICE_CHOICES, MissSplit
 from sim.costmodel import H200_SM_COPY, SHAPES, HardwareProfile, estimate_decode
 from sim.replay import replay
 from sim.service import DEFAULT_HOST, HOSTS, estimate_service
@@ -120,9 +120,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=32768, help="vocabulary size (Qwen3-Next: 151936)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eager", action="store_true", help="eager decode instead of CUDA-graph replay")
-    ap.add_argument("--miss-service", default="copy", choices=("copy", "hybrid", "cpu"),
-                    help="how the engine serves misses (--moe-miss-service); the simulator replays the same split "
-                         "and prices it on the default host profile (sim.service)")
+    ap.add_argument("--miss-service", default="copy", choices=MISS_SERVICE_CHOICES,
+                    help="how the engine serves misses (--moe-miss-service): on the GPU each format's engine measures "
+                         "both channels at start as load_model does, and the simulator replays the same split, "
+                         "priced at those rates; a dry run splits and prices with the default host profile "
+                         "(sim.service)")
     ap.add_argument("--dry-run", action="store_true", help="simulator only (no GPU)")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip the miss-free run; predict with the H200_SM_COPY profile's own overhead")

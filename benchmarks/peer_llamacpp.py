@@ -61,6 +61,8 @@ from pathlib import Path
 
 import numpy as np
 
+from expertcache.split import MISS_SERVICE_CHOICES
+
 ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT / ".peer"
 SDIST = ("llama-cpp-python", "0.3.36")
@@ -583,9 +585,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     paired = [f for fs in FORMAT_PAIRS.values() for f in fs]
     if args.command == "bench-ours" and not set(args.formats) <= set(paired):
         ap.error(f"bench-ours: --formats {','.join(args.formats)}: each must be one of {paired}")
-    if args.command == "bench-ours" and not set(args.miss_services) <= {"copy", "hybrid", "cpu", "auto"}:
-        ap.error(f"bench-ours: --miss-services {','.join(args.miss_services)}: each must be copy, hybrid, cpu "
-                 "or auto")
+    if args.command == "bench-ours" and not set(args.miss_services) <= set(MISS_SERVICE_CHOICES):
+        ap.error(f"bench-ours: --miss-services {','.join(args.miss_services)}: each must be one of "
+                 f"{', '.join(MISS_SERVICE_CHOICES)}")
     if args.command == "checkpoint" and (args.layers < 1 or args.vocab < 300):
         ap.error("checkpoint: --layers must be >= 1 and --vocab >= 300 (the 256 bytes and merges)")
     return args

@@ -13,6 +13,7 @@ import numpy as np
 
 NO_SLOT = -1
 NO_KEY = -1
+MAX_QUERY = 1 << 10  # ids one ensure call may take: fewer (the device query's tallies are packed in 10-bit fields)
 CPU_SLOT = -2
 
 

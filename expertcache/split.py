@@ -31,9 +31,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Misses one call may have: fewer than the device ensure's query (rows * k < 1024).
-SPLIT_LEN = 1 << 10
+from expertcache.geometry import MAX_QUERY
+
+# Misses one call may have: fewer than the ensure's query (rows * k < MAX_QUERY).
+SPLIT_LEN = MAX_QUERY
 MISS_SERVICES = ("copy", "hybrid", "cpu")
+MISS_SERVICE_CHOICES = (*MISS_SERVICES, "auto")  # --moe-miss-service: auto resolves to copy or hybrid at start
 
 
 def _check_us(name: str, value) -> float:

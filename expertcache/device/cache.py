@@ -28,7 +28,6 @@ import torch
 import triton
 
 from expertcache.device.ensure import (
-    MAX_QUERY,
     MAX_SLOTS,
     SEQ_MAX,
     ST_BAD_ID,
@@ -42,7 +41,7 @@ from expertcache.device.policies import (
     MIRROR_MAX_LAYERS,
 )
 from expertcache.errors import EnsureError
-from expertcache.geometry import NO_KEY, NO_SLOT, CacheGeometry
+from expertcache.geometry import MAX_QUERY, NO_KEY, NO_SLOT, CacheGeometry
 from expertcache.host import Snapshot
 from expertcache.policies import REGISTRY, Policy, get_policy
 from expertcache.policies.base import PolicyKind, PolicyState

@@ -63,7 +63,6 @@ from expertcache.device.victims import _lowest, _merge, _victims
 SEQ_MAX = 16  # up to this many victims by successive minima, more by a sort (k <= 16: none is compiled)
 SLOT_BITS = 20  # packed key = score * 2**20 + slot: slots < 2**20, |score| < 2**43
 MAX_SLOTS = 1 << SLOT_BITS
-MAX_QUERY = 1 << 10  # ids per call: fewer (the query's tallies are packed in 10-bit fields)
 ST_BAD_ID, ST_TOO_MANY = 1, 2  # status codes
 # The scalars that change between calls or pools: specialising on them would compile a kernel per value.
 JIT_OPTIONS = {"do_not_specialize": ["layer", "num_experts", "num_layers", "num_slots", "n_ids", "k", "rows", "T"]}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from expertcache.split import ChannelCosts, MissSplit
+from expertcache.split import MISS_SERVICE_CHOICES, ChannelCosts, MissSplit
 from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
 from moe.engine.budget import context_bytes, memory_split, resolve_slots
 from moe.engine.channels import ChannelMeasure, choose_service, measure_channels
@@ -102,7 +102,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                   cuda_graphs=cuda_graphs)
 
 
-MISS_SERVICE_CHOICES = ("copy", "hybrid", "cpu", "auto")
 
 
 def check_miss_service(service: str, cpu_threads: int | None = None) -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from expertcache import policy_names
 from expertcache.formats import format_names
+from expertcache.split import MISS_SERVICE_CHOICES
 from expertcache.words import counted
 from moe.model.config import DTYPES
 
@@ -77,14 +78,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="how the routed experts are stored in host memory and the slots (default: as the "
                             "checkpoint stores them: its quantization's format, else the model dtype); another "
                             "format is made on load by round-to-nearest quantization (docs/formats.md)")
-    model.add_argument("--moe-miss-service", default="copy", choices=("copy", "hybrid", "cpu", "auto"),
+    model.add_argument("--moe-miss-service", default="copy", choices=MISS_SERVICE_CHOICES,
                        help="how misses are served: copy (every miss into a slot, default), hybrid (each "
-                            "layer's misses split between the link and the CPU, docs/hybrid.md), cpu (every "
-                            "routed expert computed on the CPU), auto (copy); hybrid copies the larger half of each "
-                            "layer's misses")
+                            "layer's misses split between the link and the CPU so both finish together, balanced "
+                            "from both measured at start, docs/hybrid.md), cpu (every routed expert computed on "
+                            "the CPU), auto (measures both at start and picks hybrid where it is predicted "
+                            "faster, else copy; logged)")
     model.add_argument("--cpu-threads", type=int, metavar="N",
-                       help="threads of the CPU expert kernels (default: every core; on a GPU with hybrid or "
-                            "cpu, every core but two)")
+                       help="threads of the CPU expert kernels (default: every core; on a GPU with hybrid, "
+                            "cpu or auto, every core but two)")
     model.add_argument("--moe-copy-overlap", action="store_true",
                        help="GPU: run the shared expert on a side stream while misses copy")
     model.add_argument("--device", metavar="DEVICE", help="cpu, cuda or cuda:INDEX (default cuda when available)")
@@ -289,7 +291,7 @@ def cpu_worker_env(service: str) -> None:
     """Before torch loads: where the CPU computes misses, OpenMP's threads sleep between parallel regions
     instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless set), so they leave the cores of the decode's
     launching and hand-off threads alone (docs/hybrid.md has the measurement)."""
-    if service in ("hybrid", "cpu"):
+    if service in ("hybrid", "cpu", "auto"):  # auto may pick hybrid
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
