@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env gpu-tests tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -89,6 +89,30 @@ for part in $parts; do
       timeout ${HYBRID_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" -m gpu \
         tests/moe/engine/test_hybrid_gpu.py tests/moe/engine/test_layer.py tests/expertcache/test_device_ensure_gpu.py \
         -k "${HYBRID_K:-not nothing}" 2>&1 | tee "$OUT/gpu-tests-hybrid.log" | tail -8 ;;
+    hybrid-step)
+      # one hybrid decode step on a Perfetto timeline: the GPU kernels, the copies and the CPU workers
+      export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+      timeout ${HYBRID_STEP_TIMEOUT:-240} python3 benchmarks/hybrid_step.py ${HYBRID_STEP_ARGS:-} \
+        --trace-out "$OUT/hybrid-step-trace.json.gz" > "$OUT/hybrid-step.log" 2>&1; echo "hybrid-step: exit $?"
+      tail -12 "$OUT/hybrid-step.log" ;;
+    sanitize-hybrid)
+      # the hand-off's kernels and the split ensure under compute-sanitizer (a small model, equal channels)
+      export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+      for tool in memcheck racecheck; do
+        timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 3 python3 benchmarks/hybrid_step.py \
+          --small --even --warmup 3 --steps 2 > "$OUT/sanitize-hybrid-$tool.log" 2>&1
+        echo "compute-sanitizer $tool (hybrid): exit $?"; tail -3 "$OUT/sanitize-hybrid-$tool.log"
+      done ;;
+    decode-hybrid)
+      # decode tok/s against the VRAM budget, copy against hybrid, per format, the simulator beside each row
+      export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+      for service in copy hybrid; do
+        timeout ${DECODE_HYBRID_TIMEOUT:-280} python3 benchmarks/bench_decode.py --geometry qwen3-30b \
+          --layers ${DECODE_HYBRID_LAYERS:-16} --moe-cache-gb ${DECODE_HYBRID_GB:-1,2,4,8} \
+          --expert-formats ${DECODE_HYBRID_FORMATS:-bf16,fp8,int4,nvfp4,mxfp4} --configs lru --batches 1 \
+          --warmup 100 --steps 200 --miss-service $service --out "$OUT/decode-hybrid-$service.json" 2>&1 \
+          | tee "$OUT/decode-hybrid-$service.log" | tail -14
+      done ;;
     peer-build)
       # llama.cpp beside expertcache (benchmarks/peer_llamacpp.py; carry .peer from `peer_llamacpp.py prepare`):
       # the build, then the shared random-weight checkpoint; PEER_WORK (.peer-work, ignored by git, not carried)

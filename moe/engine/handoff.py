@@ -25,6 +25,7 @@ its error (GpuMoE.decode calls it each step). Its cost: docs/hybrid.md.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 import triton
@@ -133,7 +134,9 @@ class CpuShare:
     experts: the CpuExperts over the SlotCache's HostStore (the store's own pinned banks, read in place).
     One layer's share is in flight at a time (a layer waits for its own before the next posts), so one
     set of buffers serves every layer. `post` and `wait` launch on the current stream; `close` stops
-    the worker; `check` raises the worker's error, if it had one.
+    the worker; `check` raises the worker's error, if it had one. With `trace` a list, the worker appends
+    (start ns, end ns, layer, served positions) of each answer, time.perf_counter_ns() (a timeline's CPU
+    lane: benchmarks/hybrid_step.py); None (the default) records nothing.
     """
 
     def __init__(self, experts: CpuExperts, device: torch.device) -> None:
@@ -152,6 +155,7 @@ class CpuShare:
         self._seq = torch.zeros(1, dtype=torch.int32, device=device)
         self._fence = torch.zeros(1, dtype=torch.int32, device=device)
         self.error: BaseException | None = None
+        self.trace: list[tuple[int, int, int, int]] | None = None
         self._thread = threading.Thread(target=self._serve, name="expertcache-cpu-share", daemon=True)
         self._thread.start()
 
@@ -162,8 +166,11 @@ class CpuShare:
             if s < 0:
                 return
             rows, layer = int(a["meta"][META_ROWS]), int(a["meta"][META_LAYER])
+            trace, start = self.trace, time.perf_counter_ns()
+            served = 0
             try:
-                if (a["ids"][:rows] >= 0).any():
+                served = int((a["ids"][:rows] >= 0).sum())
+                if served:
                     self.experts.moe(layer, a["x"][:rows], a["ids"][:rows], a["weights"][:rows], out=a["out"][:rows])
                 else:  # nothing served this call: answer at once, without waking the kernels' threads
                     a["out"][:rows] = 0.0
@@ -171,6 +178,8 @@ class CpuShare:
                 a["out"][:rows] = 0.0
                 self.error = exc
             answer(a["flag_out"], s)
+            if trace is not None:
+                trace.append((start, time.perf_counter_ns(), layer, served))
             last = s
 
     def post(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
