@@ -268,7 +268,7 @@ def predict(window: dict, overlap: bool, profile: HardwareProfile = H200_SM_COPY
     if split is not None and not split.copies_all:  # both channels, on the host the profile measured
         host = dataclasses.replace(window.get("host") or HOSTS[DEFAULT_HOST].for_format(fmt), gpu=profile)
         svc = estimate_service(window["hist"], steps, shape, host, split, batch=window["batch"], policy=policy,
-                               split_hist=window["split_hist"])
+                               split_hist=window["split_hist"], overlap=overlap)
         est = dataclasses.replace(estimate_decode(window["hist"], steps, shape, profile, batch=window["batch"],
                                                   policy=policy), us_per_token=svc.us_per_token,
                                   tokens_per_s=svc.tokens_per_s, exposed_copy_us_per_token=svc.miss_us_per_token,

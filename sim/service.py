@@ -149,7 +149,8 @@ def check_services(text: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class ServiceEstimate:
     """Modeled decode speed of one service: per decode step the GPU part, the misses' part (the slower
-    channel a call), and each channel's busy time."""
+    channel a call, less what the shared expert hides beside them with overlap), and each channel's busy
+    time."""
 
     service: str
     us_per_token: float
@@ -167,11 +168,14 @@ class ServiceEstimate:
 
 def estimate_service(hist: np.ndarray, tokens: int, shape: ModelShape, host: HostProfile, split: MissSplit, *,
                      batch: int = 1, policy: str | None = None,
-                     split_hist: np.ndarray | None = None) -> ServiceEstimate:
+                     split_hist: np.ndarray | None = None, overlap: bool = False) -> ServiceEstimate:
     """Modeled decode time of a replay under `split` on `host` (module docstring). hist: the replay's
     [L, batch * top_k + 1] calls by miss count (every miss, served or copied); split_hist: its calls by
     (misses, copies) [Q + 1, Q + 1] (ReplayResult.split_hist), which holds the copies a filling pool
-    added; without it each call copies split.copies[m]. Raises ValueError naming the bad argument."""
+    added; without it each call copies split.copies[m]. overlap: the shared expert runs on the side
+    stream beside the misses' channels (moe.kernels.plan), so a call with misses exposes only what of
+    them exceeds it, as sim.costmodel.estimate_decode models the copy. Raises ValueError naming the bad
+    argument."""
     check_hist(hist, tokens, shape, batch)
     g = host.gpu
     compute = (shape.layer_read_bytes(batch) / (g.hbm_gbps * 1e3) + g.layer_overhead_us
@@ -187,6 +191,9 @@ def estimate_service(hist: np.ndarray, tokens: int, shape: ModelShape, host: Hos
         if counts.sum() != hist.sum() or (c > m).any():
             raise ValueError("split_hist must count the calls of hist by (misses, copies <= misses)")
     step = costs.step_us(m, c)
+    if overlap:
+        shared = shape.shared_bytes / (g.hbm_gbps * 1e3)
+        step = np.where(step > 0, np.maximum(step, shared) - shared, 0.0)
     link = costs.link_us(c, alone=(m - c) == 0)
     cpu = costs.cpu_us(m - c, alone=c == 0)
     compute_t = float(counts.sum()) * compute / tokens

@@ -17,8 +17,8 @@ from sim.trace import save_trace
 SHAPE = SHAPES["qwen3-30b-a3b"]
 
 
-def _hist(rng, tokens=50) -> np.ndarray:
-    L, q = SHAPE.num_layers, SHAPE.top_k + 1
+def _hist(rng, tokens=50, shape=SHAPE) -> np.ndarray:
+    L, q = shape.num_layers, shape.top_k + 1
     hist = np.zeros((L, q), dtype=np.int64)
     for layer in range(L):
         np.add.at(hist[layer], rng.integers(0, q, tokens), 1)
@@ -53,6 +53,23 @@ def test_hybrid_prices_each_call_at_its_slower_channel():
     # every routed expert on the CPU, alone on the DRAM: its alone rate
     cpu_only = estimate_service(hist, 1, SHAPE, h, MissSplit.cpu())
     assert cpu_only.miss_us_per_token == pytest.approx(SHAPE.num_layers * (h.handoff_us + 6 * B / (h.cpu_gbps * 1e3)))
+
+
+@pytest.mark.parametrize("host", sorted(HOSTS))
+def test_overlap_hides_the_shared_expert_under_each_service_as_under_copy(host):
+    h, shape = HOSTS[host], SHAPES["qwen3-next"]  # a block with a shared expert
+    hist = _hist(np.random.default_rng(2), shape=shape)
+    copy = estimate_service(hist, 50, shape, h, MissSplit.copy(), overlap=True)
+    ref = estimate_decode(hist, 50, shape, h.gpu, overlap=True)
+    assert copy.us_per_token == pytest.approx(ref.us_per_token, rel=1e-12)
+    shared = shape.shared_bytes / (h.gpu.hbm_gbps * 1e3)
+    assert shared > 0
+    calls_with_misses = int(hist[:, 1:].sum())
+    for split in (h.split("hybrid", shape.expert_bytes), MissSplit.cpu()):
+        off, on = (estimate_service(hist, 50, shape, h, split, overlap=o) for o in (False, True))
+        hidden = (off.us_per_token - on.us_per_token) * 50  # at most the shared expert, per call with misses
+        assert 0 < hidden <= calls_with_misses * shared + 1e-6
+        assert on.link_us_per_token == off.link_us_per_token and on.cpu_us_per_token == off.cpu_us_per_token
 
 
 def test_measured_formats_and_overrides():
