@@ -77,6 +77,8 @@ class Engine:
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA device, the model is on {weights.device}")
         self.weights, self.spec, self.moe = weights, weights.spec, moe
+        # how misses are served and why (load_model sets what --moe-miss-service resolved to)
+        self.miss_service = "--moe-miss-service copy: every miss copied into a slot"
         self.rope = Rope(self.spec.rotary_dim, self.spec.rope_theta, weights.device, self.spec.rope_yarn)
         self.kv = KVCache(self.spec, max_batch, max_seq_len, weights.dtype, weights.device)
         linear = self.spec.linear_layers  # Qwen3-Next's linear-attention layers keep a recurrent state instead

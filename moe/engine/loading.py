@@ -21,6 +21,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -29,7 +30,7 @@ from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
 from moe.engine.budget import context_bytes, memory_split, resolve_slots
 from moe.engine.channels import ChannelMeasure, choose_service, measure_channels
 from moe.engine.engine import Engine
-from moe.kernels.cpu_experts import set_threads
+from moe.kernels.cpu_experts import set_threads, threads_in_use
 from moe.model.checkpoint import ModelWeights, load_checkpoint
 from moe.model.config import copy_overlap_from_env
 from moe.model.errors import CheckpointError
@@ -86,9 +87,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                          f"load on {device}: {fix}")
     weights = load_checkpoint(path, device, dtype=dtype, progress=progress, expert_format=expert_format,
                               copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap)
-    split = resolve_miss_service(miss_service, device, cpu_threads,
-                                 lambda: measure_channels(weights.store, weights.spec.moe, weights.device))
-    backend = make_backend(weights, num_slots, policy, max_batch=max_batch, split=split, **constants)
+    service = choose_miss_service(miss_service, device, cpu_threads,
+                                  lambda: measure_channels(weights.store, weights.spec.moe, weights.device))
+    backend = make_backend(weights, num_slots, policy, max_batch=max_batch, split=service.split, **constants)
     if weights.device.type == "cuda":  # the KV cache is allocated last: say which flags to lower if it cannot be
         kv = context_bytes(weights.spec, max_batch, max_seq_len)
         free = torch.cuda.mem_get_info(weights.device)[0]
@@ -98,8 +99,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                              f"and {budget.slot_bytes / 2**30:.3g} GiB of expert slots: lower --max-seq-len or "
                              "--max-batch, or --moe-cache-gb / --moe-slots")
     logger.info("%s", memory_split(budget, weights.spec, max_batch, max_seq_len))
-    return Engine(weights, backend, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=record_routing,
-                  cuda_graphs=cuda_graphs)
+    engine = Engine(weights, backend, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=record_routing,
+                    cuda_graphs=cuda_graphs)
+    engine.miss_service = service.note
+    return engine
 
 
 
@@ -118,15 +121,29 @@ def check_miss_service(service: str, cpu_threads: int | None = None) -> None:
                              f"got {cpu_threads!r}")
 
 
+class MissService(NamedTuple):
+    """A resolved --moe-miss-service: the split, and a line saying what was chosen and why (logged at
+    INFO; the server prints it)."""
+
+    split: MissSplit
+    note: str
+
+
 def resolve_miss_service(service: str, device, cpu_threads: int | None = None,
                          measure: Callable[[], ChannelMeasure] | None = None) -> MissSplit:
+    """choose_miss_service(...).split."""
+    return choose_miss_service(service, device, cpu_threads, measure).split
+
+
+def choose_miss_service(service: str, device, cpu_threads: int | None = None,
+                        measure: Callable[[], ChannelMeasure] | None = None) -> MissService:
     """The miss split of --moe-miss-service on `device`, and the CPU kernels' threads (--cpu-threads).
 
     copy: every miss copied into a slot; cpu: every routed expert computed on the CPU from host memory
     (nothing admitted); hybrid: each call's misses split between the two channels so that both finish
     together; auto: hybrid where that is predicted faster than copying, else copy. On a GPU, hybrid and
     auto call `measure` (moe.engine.channels.measure_channels on the model's store) and balance the
-    table from both channels' rates measured together, logging what was measured and chosen; on the
+    table from both channels' rates measured together; the note says what was measured and chosen. On the
     CPU backend there is no link to balance against: hybrid copies the larger half, auto is copy. On a
     GPU the served misses are handed to a CPU worker inside the decode graph (moe.engine.handoff), and
     without cpu_threads the kernels take every core but two (the launching and the spinning threads');
@@ -135,33 +152,41 @@ def resolve_miss_service(service: str, device, cpu_threads: int | None = None,
     """
     check_miss_service(service, cpu_threads)
     on_gpu = torch.device(device).type == "cuda"
+    flag = f"--moe-miss-service {service}"
     if service == "copy":
-        return MissSplit.copy()
+        return _noted(MissSplit.copy(), f"{flag}: every miss copied into a slot")
     if on_gpu and service != "cpu" and measure is None:
-        raise ValueError(f"resolve_miss_service: --moe-miss-service {service} on a GPU needs `measure` (the "
-                         "channels measured together, moe.engine.channels.measure_channels)")
+        raise ValueError(f"resolve_miss_service: {flag} on a GPU needs `measure` (the channels measured "
+                         "together, moe.engine.channels.measure_channels)")
     if cpu_threads is not None:
         set_threads(cpu_threads)
     elif on_gpu:  # two cores stay with the decode's launching thread and the hand-off's spinning one
         import numba
 
         set_threads(max(1, numba.config.NUMBA_NUM_THREADS - 2))
+    threads = f"{threads_in_use()} CPU threads"
     if service == "cpu":
-        return MissSplit.cpu()
+        return _noted(MissSplit.cpu(), f"{flag}: every routed expert computed on the CPU ({threads})")
     if not on_gpu:
         if service == "auto":
-            logger.info("--moe-miss-service auto: copy (the CPU backend has no link to balance against)")
-            return MissSplit.copy()
-        return MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0))
+            set_threads(cpu_threads)
+            return _noted(MissSplit.copy(), f"{flag}: copy (the CPU backend has no link to balance against)")
+        return _noted(MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0)),
+                      f"{flag}: the larger half of each call's misses copied, the rest computed on the CPU ({threads}; "
+                      "the CPU backend has no link to balance against)")
     measured = measure()
     costs = measured.costs()
     chosen, why = choose_service(costs, measured.top_k)
-    logger.info("--moe-miss-service %s: %s; %s%s", service, measured.describe(), why,
-                f"; chose {chosen}" if service == "auto" else "")
+    note = f"{flag}: {measured.describe()}; {why}" + (f"; chose {chosen}" if service == "auto" else "")
     if service == "auto" and chosen == "copy":
         set_threads(cpu_threads)
-        return MissSplit.copy()
-    return MissSplit.hybrid(costs)
+        return _noted(MissSplit.copy(), note)
+    return _noted(MissSplit.hybrid(costs), note)
+
+
+def _noted(split: MissSplit, note: str) -> MissService:
+    logger.info("%s", note)
+    return MissService(split, note)
 
 
 def cuda_graphs_from_env(device: torch.device) -> bool:

@@ -13,7 +13,7 @@ import pytest
 
 from expertcache.split import MissSplit
 from moe.engine.channels import ChannelMeasure, choose_service, measure_channels
-from moe.engine.loading import resolve_miss_service
+from moe.engine.loading import choose_miss_service, resolve_miss_service
 from moe.kernels import cpu_experts
 
 MIB = 1 << 20
@@ -92,3 +92,14 @@ def test_the_cpu_backend_measures_nothing():
 def test_measure_channels_refuses_a_cpu_device():
     with pytest.raises(ValueError, match="CUDA"):
         measure_channels(None, None, "cpu")
+
+
+def test_each_resolution_says_what_was_chosen(monkeypatch):
+    monkeypatch.setattr(cpu_experts, "_THREADS", [])
+    notes = {s: choose_miss_service(s, "cpu", cpu_threads=1).note for s in ("copy", "hybrid", "cpu", "auto")}
+    assert notes["copy"] == "--moe-miss-service copy: every miss copied into a slot"
+    assert "larger half" in notes["hybrid"] and "1 CPU threads" in notes["hybrid"]
+    assert "every routed expert computed on the CPU" in notes["cpu"]
+    assert notes["auto"].startswith("--moe-miss-service auto: copy (the CPU backend has no link")
+    gpu = choose_miss_service("auto", "cuda", cpu_threads=1, measure=lambda: _measure(80.0, 100.0))
+    assert gpu.split.service == "hybrid" and gpu.note.endswith("chose hybrid") and "GB/s" in gpu.note

@@ -2,7 +2,7 @@
 
     tiny checkpoint of each family (tiny_family) ─the console script `expertcache serve --device cpu`
         in a child process whose environment is this one's without TRITON_INTERPRET (the test suite
-        sets it; a user's shell does not), every other family with --moe-miss-service hybrid
+        sets it; a user's shell does not), the families in turn with --moe-miss-service copy, hybrid, auto
         ─► /health ─► a completion and a chat request over a socket ─► SIGTERM
         ─► exit status 0, no traceback or error in the output
 
@@ -83,8 +83,9 @@ class Served:
             return None
 
 
-# every other family serves its misses split between the slots and the CPU kernels (docs/hybrid.md)
-SERVICE = {family: ("copy", "hybrid")[i % 2] for i, family in enumerate(sorted(FAMILY_CONFIGS))}
+# the families in turn: every miss copied, split between the slots and the CPU kernels (docs/hybrid.md), or
+# auto, which on the CPU backend (no link to balance) copies and says so
+SERVICE = {family: ("copy", "hybrid", "auto")[i % 3] for i, family in enumerate(sorted(FAMILY_CONFIGS))}
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +118,5 @@ def test_serve_on_the_cpu_without_triton(family, fleet):
     log = served.output()
     assert status == 0, f"exit status {status}:\n{log[-3000:]}"
     assert "Finished server process" in log and "Traceback" not in log and "ERROR" not in log, log[-3000:]
+    if SERVICE[family] == "auto":
+        assert "--moe-miss-service auto: copy" in log, log[-3000:]
