@@ -120,8 +120,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=32768, help="vocabulary size (Qwen3-Next: 151936)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eager", action="store_true", help="eager decode instead of CUDA-graph replay")
-    ap.add_argument("--miss-service", default="copy", choices=MISS_SERVICE_CHOICES,
-                    help="how the engine serves misses (--moe-miss-service): on the GPU each format's engine measures "
+    ap.add_argument("--miss-service", default="copy",
+                    help="comma-separated --moe-miss-service values, each run over the same weights (" +
+                         ", ".join(MISS_SERVICE_CHOICES) + "): on the GPU each format's engine measures "
                          "both channels at start as load_model does, and the simulator replays the same split, "
                          "priced at those rates; a dry run splits and prices with the default host profile "
                          "(sim.service)")
@@ -149,10 +150,15 @@ def _check_args(args: argparse.Namespace) -> None:
     args.configs = [_config(c) for c in args.configs.split(",") if c.strip()]
     from moe.engine.loading import check_miss_service
 
+    args.miss_services = list(dict.fromkeys(m.strip() for m in args.miss_service.split(",") if m.strip()))
     try:
-        check_miss_service(args.miss_service)
+        if not args.miss_services:
+            raise ValueError("--miss-service is empty")
+        for service in args.miss_services:
+            check_miss_service(service)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    args.miss_service = args.miss_services[0]
     args.split, args.host = None, None  # per format (run_format): the engine's split and the host it measured
     if not args.configs:
         raise SystemExit("error: --configs is empty")
@@ -316,7 +322,8 @@ def calibrate(weights, trace: Trace, args: argparse.Namespace, batch: int, fmt: 
     profile = dataclasses.replace(H200_SM_COPY, name=f"{H200_SM_COPY.name}-calibrated-{fmt}-b{batch}",
                                   layer_overhead_us=overhead)
     calibrated = predict(window, False, profile, args.geometry, fmt)  # = gpu, by construction
-    return {"config": "resident (calibration)", "format": fmt, "budget_gib": None, "batch": batch,
+    return {"config": "resident (calibration)", "miss_service": args.miss_service, "format": fmt, "budget_gib": None,
+            "batch": batch,
             "slots": resident.slots, "sim": calibrated, "sim_uncalibrated": sim, "gpu": gpu,
             "misses_equal": gpu["layer_misses_all"] == sim["layer_misses_all"],
             "tps_ratio": gpu["tokens_per_s"] / calibrated["tokens_per_s"],
@@ -331,7 +338,14 @@ def run_format(fmt: str, traces: dict, args: argparse.Namespace, res: dict) -> N
         from decode_gpu import build_weights
 
         weights, res["build"][fmt] = build_weights(args, GEOMETRIES[args.geometry].config, fmt)
-    _format_split(weights, fmt, args, res)
+    for service in args.miss_services:  # each calibrated under itself: a split's hand-off is in its fixed time
+        args.miss_service = service
+        _format_split(weights, fmt, args, res)
+        _run_service(weights, fmt, traces, args, res)
+    del weights
+
+
+def _run_service(weights, fmt: str, traces: dict, args: argparse.Namespace, res: dict) -> None:
     for batch in args.batches:
         profile = H200_SM_COPY
         if not args.dry_run and not args.no_calibrate:
@@ -346,7 +360,6 @@ def run_format(fmt: str, traces: dict, args: argparse.Namespace, res: dict) -> N
                                        "host": args.host}
                 res["rows"].append(_row(weights, traces[batch], args, fmt, budget, slots, batch, policy, overlap,
                                         windows[policy], profile))
-    del weights
 
 
 def _format_split(weights, fmt: str, args: argparse.Namespace, res: dict) -> None:
@@ -371,8 +384,8 @@ def _format_split(weights, fmt: str, args: argparse.Namespace, res: dict) -> Non
         args.host = dataclasses.replace(HOSTS[DEFAULT_HOST], name=f"measured-at-start-{fmt}", formats=(),
                                         link_together_gbps=g["link_together"], cpu_gbps=g["cpu_alone"],
                                         cpu_together_gbps=g["cpu_together"], source="moe.engine.channels at start")
-        res.setdefault("channels", {})[fmt] = {**dataclasses.asdict(measured), "gbps": g,
-                                               "service": "copy" if args.split is None else args.split.service}
+        res.setdefault("channels", {})[f"{fmt}/{args.miss_service}"] = {
+            **dataclasses.asdict(measured), "gbps": g, "service": "copy" if args.split is None else args.split.service}
 
 
 def _row(weights, trace, args, fmt, budget, slots, batch, policy, overlap, window, profile) -> dict:
@@ -394,12 +407,23 @@ def _row(weights, trace, args, fmt, budget, slots, batch, policy, overlap, windo
 
 
 def speedups(rows: list[dict]) -> None:
-    """Each row's tokens/s over bf16's at the same budget (or slots), batch and config, measured and
-    predicted (`vs_bf16`, `vs_bf16_sim`); absent without a bf16 row to compare with."""
-    base = {(r["budget_gib"], r["batch"], r["config"]): r for r in rows
-            if r["format"] == "bf16" and r["config"] != "resident (calibration)"}
+    """Each row's tokens/s over bf16's at the same budget (or slots), batch, config and miss service,
+    measured and predicted (`vs_bf16`, `vs_bf16_sim`), and over the copy service's of the same format,
+    budget, batch and config (`vs_copy`, `vs_copy_sim`); absent without a row to compare with."""
+    def key(r):
+        return r["budget_gib"], r["batch"], r["config"], r.get("miss_service", "copy")
+
+    base = {key(r): r for r in rows if r["format"] == "bf16" and r["config"] != "resident (calibration)"}
+    copy = {(r["format"], *key(r)[:3]): r for r in rows
+            if r.get("miss_service", "copy") == "copy" and r["config"] != "resident (calibration)"}
     for r in rows:
-        b = base.get((r["budget_gib"], r["batch"], r["config"]))
+        c = copy.get((r["format"], *key(r)[:3]))
+        if c is not None and c is not r and r["config"] != "resident (calibration)":
+            r["vs_copy_sim"] = r["sim"]["tokens_per_s"] / c["sim"]["tokens_per_s"]
+            if "gpu" in r and "gpu" in c:
+                r["vs_copy"] = r["gpu"]["tokens_per_s"] / c["gpu"]["tokens_per_s"]
+    for r in rows:
+        b = base.get(key(r))
         if (
             b is None
             or r["config"] == "resident (calibration)"
@@ -450,11 +474,16 @@ def table(res: dict) -> str:
     for r in res["rows"]:
         sim, g = r["sim"], r.get("gpu")  # the calibration row predicts itself exactly (meas/sim = 1)
         gib = "-" if r["budget_gib"] is None else f"{r['budget_gib']:g}"
-        head = (f"| {r['format']} | {gib} | {r['slots']} ({100 * r['slots'] / keys:.0f} %) | {r['config']} | "
+        service = r.get("miss_service", "copy")
+        config = r["config"] + ("" if service == "copy" else f" {service}")
+        head = (f"| {r['format']} | {gib} | {r['slots']} ({100 * r['slots'] / keys:.0f} %) | {config} | "
                 f"{r['batch']} |")
         mb = sim["bytes_copied_per_step"] / 1e6
         vs = (f"{r['vs_bf16']:.2f}x" if "vs_bf16" in r else "-") + (f" ({r['vs_bf16_sim']:.2f}x)" if "vs_bf16_sim" in r
                                                                    else "")
+        if "vs_copy_sim" in r:
+            vs += f"; vs copy {r['vs_copy']:.2f}x" if "vs_copy" in r else "; vs copy -"
+            vs += f" ({r['vs_copy_sim']:.2f}x)"
         if g is None:
             lines.append(f"{head} n/a | {sim['hit_rate']:.4f} | {sim['misses_per_layer_per_step']:.2f} | {mb:.1f} | "
                          f"n/a | n/a | {sim['tokens_per_s']:.1f} | n/a | {vs} | n/a |")

@@ -104,15 +104,14 @@ for part in $parts; do
         echo "compute-sanitizer $tool (hybrid): exit $?"; tail -3 "$OUT/sanitize-hybrid-$tool.log"
       done ;;
     decode-hybrid)
-      # decode tok/s against the VRAM budget, copy against hybrid, per format, the simulator beside each row
+      # decode tok/s against the VRAM budget at Qwen3-30B-A3B's 48 layers, copy and hybrid over the same weights,
+      # per format, the simulator beside each row (run a format or two per call: a 48-layer bf16 store is 58 GB)
       export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
-      for service in copy hybrid; do
-        timeout ${DECODE_HYBRID_TIMEOUT:-280} python3 benchmarks/bench_decode.py --geometry qwen3-30b \
-          --layers ${DECODE_HYBRID_LAYERS:-16} --moe-cache-gb ${DECODE_HYBRID_GB:-1,2,4,8} \
-          --expert-formats ${DECODE_HYBRID_FORMATS:-bf16,fp8,int4,nvfp4,mxfp4} --configs lru --batches 1 \
-          --warmup 100 --steps 200 --miss-service $service --out "$OUT/decode-hybrid-$service.json" 2>&1 \
-          | tee "$OUT/decode-hybrid-$service.log" | tail -14
-      done ;;
+      timeout ${DECODE_HYBRID_TIMEOUT:-560} python3 benchmarks/bench_decode.py --geometry qwen3-30b \
+        --layers ${DECODE_HYBRID_LAYERS:-48} --moe-cache-gb ${DECODE_HYBRID_GB:-2,4,8,16} \
+        --expert-formats ${DECODE_HYBRID_FORMATS:-bf16} --configs lru --batches 1 --warmup 100 --steps 200 \
+        --miss-service copy,hybrid --out "$OUT/decode-hybrid-${DECODE_HYBRID_FORMATS:-bf16}.json" 2>&1 \
+        | tee "$OUT/decode-hybrid.log" | tail -14 ;;
     peer-build)
       # llama.cpp beside expertcache (benchmarks/peer_llamacpp.py; carry .peer from `peer_llamacpp.py prepare`):
       # the build, then the shared random-weight checkpoint; PEER_WORK (.peer-work, ignored by git, not carried)

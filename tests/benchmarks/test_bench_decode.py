@@ -145,3 +145,10 @@ def test_bench_decode_dry_run_replays_and_prices_the_engines_split():
     assert hybrid["sim"]["hit_rate"] != copy["sim"]["hit_rate"], "served misses are not admitted"
     assert hybrid["sim"]["tokens_per_s"] > 1.3 * copy["sim"]["tokens_per_s"]
     assert hybrid["sim"]["bytes_copied_per_step"] < copy["sim"]["bytes_copied_per_step"]
+    both = bench.main(argv + ["--miss-service", "copy,hybrid"])["rows"]  # one set of weights, both services
+    assert [r["miss_service"] for r in both] == ["copy", "hybrid"]
+    assert both[1]["sim"]["tokens_per_s"] == pytest.approx(hybrid["sim"]["tokens_per_s"], rel=1e-12)
+    assert both[1]["vs_copy_sim"] == pytest.approx(hybrid["sim"]["tokens_per_s"] / copy["sim"]["tokens_per_s"])
+    assert "vs_copy_sim" not in both[0]
+    with pytest.raises(SystemExit, match="--moe-miss-service"):
+        bench.parse(argv + ["--miss-service", "copy,fast"])
