@@ -56,15 +56,22 @@ def cpu_model() -> str:
 
 
 def cpu_machine() -> dict:
-    """The machine of a CPU benchmark: the CPU model, the cores this process may use, numba's threads, the
-    versions of numba / numpy / torch, the commit; the GPU's name where CUDA is present. Needs no GPU."""
+    """The machine of a CPU benchmark: the CPU model, the cores this process may use, numba's threads and
+    the LLVM CPU and features it compiles for (expertcache.numba_cache), the versions of numba / numpy /
+    torch, the commit; the GPU's name where CUDA is present. Needs no GPU."""
+    import llvmlite.binding as ll
     import numba
     import numpy as np
     import torch
+    from numba.core import config
+
+    import expertcache.numba_cache  # noqa: F401  (its vector-width choice, as the kernels see it)
 
     info = {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count(), "numba_threads": numba.get_num_threads(), "numba": numba.__version__,
-            "numpy": np.__version__, "torch": torch.__version__, "commit": commit(), "date": now()}
+            "numpy": np.__version__, "torch": torch.__version__, "commit": commit(), "date": now(),
+            "llvm_cpu": config.CPU_NAME or ll.get_host_cpu_name(),
+            "wide_vectors": "-prefer-256-bit" in (config.CPU_FEATURES or "")}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

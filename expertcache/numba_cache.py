@@ -1,9 +1,16 @@
-"""numba's on-disk kernel cache, kept consistent with the modules a cached kernel inlines.
+"""numba's on-disk kernel cache, kept consistent with the modules a cached kernel inlines, and the
+vector width numba's LLVM compiles the kernels for.
 
 numba revalidates a cached kernel by the timestamp of the file that defines it only. A kernel that
 inlines functions of other modules (the replay's policy verbs, the CPU experts' format decoders) would
 keep running the old code after one of those changes: `drop_stale_kernels` drops the file's cached
 kernels whenever the source of those modules differs from what they were compiled with.
+
+LLVM's tunings of Intel's AVX-512 server cores prefer 256-bit vectors (the `prefer-256-bit` feature),
+so numba compiles the CPU expert kernels' lane loops to half the width the cores have there. On an
+AVX-512 host `prefer_wide_vectors` (run when this module is imported, before any kernel compiles) gives
+numba the host's features less that preference, unless NUMBA_CPU_NAME or NUMBA_CPU_FEATURES say
+otherwise; on a host whose tuning already uses 512-bit vectors nothing changes but the cache key.
 """
 
 from __future__ import annotations
@@ -33,3 +40,22 @@ def drop_stale_kernels(path: str, deps: Iterable[ModuleType]) -> None:
         stamp.write_text(digest)
     except OSError:
         pass
+
+
+def prefer_wide_vectors() -> bool:
+    """Let numba's LLVM use the host's 512-bit vectors (module docstring); True when it set the features.
+    No effect once numba's CPU code generator exists (it reads the features when it is made)."""
+    from numba.core import config
+
+    if config.CPU_NAME is not None or config.CPU_FEATURES is not None:
+        return False
+    import llvmlite.binding as ll
+
+    features = ll.get_host_cpu_features()
+    if not features.get("avx512f"):
+        return False
+    config.CPU_FEATURES = features.flatten() + ",-prefer-256-bit"
+    return True
+
+
+prefer_wide_vectors()
