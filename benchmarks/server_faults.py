@@ -2,7 +2,8 @@
 that disconnect at random, against a real server process on loopback, for a bounded time.
 
     a tiny random Qwen2-MoE checkpoint (tests/moe/serve/serving_util.py; or --model DIR with its prompts)
-    ─► `python -m moe.cli serve` subprocess on a free 127.0.0.1 port, API key from a file
+    ─► `python -m moe.cli serve` subprocess on a free 127.0.0.1 port, API key from a file, misses served as
+       --moe-miss-service says (hybrid: the CPU computes part of every step's misses while requests arrive)
     1. solo: the greedy text of every prompt, one request at a time (the reference)
     2. for --seconds: --clients threads, each looping over requests (streaming or not; a share of
        them disconnect mid-way: a stream closed after a few events, a plain request timed out), and
@@ -53,7 +54,7 @@ def _free_port() -> int:
 class Served:
     """`expertcache serve` in a subprocess; its log in a file."""
 
-    def __init__(self, model: Path, workdir: Path) -> None:
+    def __init__(self, model: Path, workdir: Path, miss_service: str = "copy") -> None:
         key_file = workdir / "key"
         key_file.write_text(KEY + "\n")
         self.port, self.log = _free_port(), workdir / "server.log"
@@ -61,7 +62,7 @@ class Served:
         argv = [sys.executable, "-m", "moe.cli", "serve", "--model", str(model), "--served-model-name", NAME,
                 "--moe-slots", "8", "--max-batch", "4", "--max-seq-len", "256", "--device", "cpu",
                 "--port", str(self.port), "--api-key-file", str(key_file), "--read-timeout", str(READ_TIMEOUT),
-                "--shutdown-timeout", "1", "--log-level", "warning"]
+                "--shutdown-timeout", "1", "--log-level", "warning", "--moe-miss-service", miss_service]
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while not self._up():
@@ -368,15 +369,17 @@ def _shutdown(srv: Served) -> dict:
     }
 
 
-def run(seconds: float, clients: int, model: Path | None, max_rss_growth_mb: float, seed: int = 0) -> dict:
-    """The whole battery; returns its counts and checks (checks["passed"])."""
+def run(seconds: float, clients: int, model: Path | None, max_rss_growth_mb: float, seed: int = 0,
+        miss_service: str = "copy") -> dict:
+    """The whole battery against a server of --moe-miss-service `miss_service`; returns its counts and checks
+    (checks["passed"])."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if model is None:
             from moe.testing.tiny_checkpoint import make_tiny_checkpoint
 
             model = make_tiny_checkpoint(work / "tiny")
-        srv = Served(model, work)
+        srv = Served(model, work, miss_service)
         try:
             solo = {p: _complete(srv.url, p, stream=False) for p in PROMPTS}
             rss0, tally = srv.rss_mb(), Tally()
@@ -404,7 +407,8 @@ def run(seconds: float, clients: int, model: Path | None, max_rss_growth_mb: flo
         "shutdown_clean": shutdown["answered_cleanly"] == shutdown["requests"] and shutdown["exit_code"] == 0,
     }
     checks["passed"] = all(checks.values())
-    return {"seconds": seconds, "clients": clients, "counts": c, "failed_cases": tally.failed_cases,
+    return {"seconds": seconds, "clients": clients, "miss_service": miss_service, "counts": c,
+            "failed_cases": tally.failed_cases,
             "case_seconds": tally.slowest,
             "client_errors": tally.errors[:10], "health": health, "rss_mb": [round(rss0, 1), round(rss1, 1)],
             "shutdown": shutdown, "checks": checks, "log_tail": log[-3000:] if not checks["passed"] else ""}
@@ -417,11 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, help="a servable checkpoint of the tiny vocabulary (default: made here)")
     ap.add_argument("--max-rss-growth-mb", type=float, default=256.0, help="RSS growth allowed (default 256)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--moe-miss-service", default="copy", help="the server's --moe-miss-service (default copy)")
     ap.add_argument("--json", type=Path, help="write the result here")
     args = ap.parse_args(argv)
     if args.seconds <= 0 or args.clients < 1:
         ap.error("--seconds must be > 0 and --clients >= 1")
-    result = run(args.seconds, args.clients, args.model, args.max_rss_growth_mb, args.seed)
+    result = run(args.seconds, args.clients, args.model, args.max_rss_growth_mb, args.seed, args.moe_miss_service)
     c = result["counts"]
     print(f"bad cases: {c['cases_tried']} tried, {c['cases_clean']} handled cleanly "
           f"({len(_cases())} kinds); failed: {result['failed_cases'] or 'none'}")

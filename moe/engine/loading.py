@@ -123,7 +123,7 @@ def check_miss_service(service: str, cpu_threads: int | None = None) -> None:
 
 class MissService(NamedTuple):
     """A resolved --moe-miss-service: the split, and a line saying what was chosen and why (logged at
-    INFO; the server prints it)."""
+    INFO and printed by the server, except for the default, copy)."""
 
     split: MissSplit
     note: str
@@ -185,7 +185,8 @@ def choose_miss_service(service: str, device, cpu_threads: int | None = None,
 
 
 def _noted(split: MissSplit, note: str) -> MissService:
-    logger.info("%s", note)
+    if not note.startswith("--moe-miss-service copy:"):  # the default says nothing
+        logger.info("%s", note)
     return MissService(split, note)
 
 

@@ -304,7 +304,8 @@ def _serve(args: argparse.Namespace) -> int:
     spec, slots = engine.spec, state.options.slot_budget.slots
     print(state.options.slot_budget.describe(), flush=True)
     print(memory_split(state.options.slot_budget, spec, engine.max_batch, engine.max_seq_len), flush=True)
-    print(engine.miss_service, flush=True)
+    if args.moe_miss_service != "copy":
+        print(engine.miss_service, flush=True)
     print(f"serving {state.options.served_name} ({spec.model_type}, {counted(spec.num_moe_layers, 'MoE layer')} x "
           f"{counted(spec.moe.num_experts, 'expert')}, top-{spec.moe.top_k}) on http://{args.host}:{args.port} with "
           f"{counted(slots, 'slot')}, policy {args.moe_cache_policy}, device {engine.weights.device}; "
