@@ -85,3 +85,11 @@ def test_miss_service_choices_and_errors():
     with pytest.raises(ValueError, match="measure"):  # a GPU's table is balanced from measured channels
         resolve_miss_service("hybrid", "cuda")
     assert CPU_SLOT == -2
+
+
+def test_the_cpu_kernels_take_every_decode_size_the_gpu_hands_over():
+    """The hand-off posts up to GEMV_MAX_TOKENS rows of a GPU decode step to CpuExperts.moe."""
+    from moe.kernels.cpu_experts import MAX_TOKENS
+    from moe.kernels.plan import GEMV_MAX_TOKENS
+
+    assert MAX_TOKENS >= GEMV_MAX_TOKENS
