@@ -158,7 +158,7 @@ def measure(weights: ModelWeights, trace: Trace | None, args: argparse.Namespace
            "misses_per_layer_per_step": float(window[:, 2].sum()) / layers / args.steps,
            "served_per_layer_per_step": float(window[:, 3].sum()) / layers / args.steps,
            "layer_misses_all": after[:, 2].tolist(), "layer_misses_window": window[:, 2].tolist(),
-           "miss_service": "copy" if run.backend.slots.split.copies_all else run.backend.slots.split.service,
+           "split_service": "copy" if run.backend.slots.split.copies_all else run.backend.slots.split.service,
            "graphs": [] if run.engine.graphs is None else run.engine.graphs.batch_sizes,
            "memory": memory, "plan": run.plan}
     run.close()

@@ -81,8 +81,17 @@ def main(argv: list[str] | None = None) -> dict:
     from expertcache.split import ChannelCosts, MissSplit
 
     geo = GEOMETRIES[args.geometry]
+    if args.trace_out:  # before any graph is captured: the profiler then sees the replays' kernels
+        from torch.profiler import _utils as profiler_utils
+
+        profiler_utils._init_for_cuda_graphs()
     weights, _ = build_weights(args, geo.config, args.expert_format)
     if args.even and args.service == "hybrid":
+        import numba
+
+        from moe.kernels.cpu_experts import set_threads
+
+        set_threads(max(1, numba.config.NUMBA_NUM_THREADS - 2))  # as load_model leaves the launching threads two
         args.split, measured = MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0)), None
     else:
         args.split, measured = engine_split(weights, args.service)

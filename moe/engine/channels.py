@@ -2,19 +2,21 @@
 
     HostStore (pinned), MoEConfig, CUDA device ──measure_channels──► ChannelMeasure
         link: expertcache.copy.miss_copy of 1 and of n experts into a scratch pool of n slots, back to
-              back on a stream of its own (CUDA events)
+              back in a CUDA graph replayed on a stream of its own (CUDA events)
         cpu:  moe.kernels.cpu_experts.CpuExperts.moe over 1 and over the same n experts of layer 0
         each channel alone, then both at once (a thread runs the CPU calls; numba releases the GIL)
+        hand-off: moe.engine.handoff's post and wait with nothing served, replayed in a CUDA graph
     ChannelMeasure ──.costs()──► expertcache.split.ChannelCosts: per expert, the slope between the 1- and
         the n-expert calls alone, and the n-expert call beside the other channel less the fixed part
-    ChannelCosts, top_k ──choose_service──► ("hybrid" | "copy", why)
+    ChannelCosts, top_k, hand-off ──choose_service──► ("hybrid" | "copy", why)
 
 Both channels read the same host memory, so what the split balances is each one's rate beside the
 other: measured one at a time they overstate both, and a split balanced from those sends the CPU more
 than it finishes in time. The measurement is a constant fixed at start, so the split table it gives is
 too: a request decodes to the same tokens on every run of one process. The scratch pool is freed
-before the slots are allocated. The hand-off's flag round trip (moe.engine.handoff) is not in the CPU's
-fixed part: it is the same with any split that serves a miss on the CPU.
+before the slots are allocated. The hand-off's round trip (moe.engine.handoff) is not in the CPU's
+fixed part, which balances the table: a split pays it on every layer call whatever it serves, so it
+moves no balance, but auto's choice between copy and hybrid charges it to hybrid.
 """
 
 from __future__ import annotations
@@ -29,13 +31,16 @@ import torch
 from expertcache.copy import miss_copy
 from expertcache.pool import HostStore, SlotPool
 from expertcache.split import ChannelCosts, MissSplit
+from moe.engine.handoff import CpuShare
 from moe.kernels.cpu_experts import MAX_TOKENS, CpuExperts, threads_in_use
 from moe.model.config import MoEConfig
 
 CALIBRATION_EXPERTS = 8  # experts of one call of each channel (the scratch pool's slots)
+CALIBRATION_BYTES = 256 << 20  # ... fewer where the experts are large: at most these bytes a call (>= 2 experts)
 ALONE_SECONDS = 0.2  # each channel's time alone, at each of its two call sizes
 TOGETHER_SECONDS = 0.4  # both at once
-LINK_BATCH = 16  # copy launches between two of the link's events
+LINK_BATCH = 16  # copy launches between two of the link's events (fewer where a call is over 64 MiB)
+HANDOFF_ROUNDS = 64  # post / wait round trips with nothing served, timed back to back
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,8 @@ class ChannelMeasure:
 
     link_one_us / link_all_us: a copy of 1 / of `experts` experts, alone; link_together_us: of
     `experts` while the CPU computes. cpu_*: the same for CpuExperts.moe on `threads` threads.
-    seconds: the measurement's wall time (after each kernel's first call).
+    handoff_us: a post and wait (moe.engine.handoff) with nothing served, which every layer call of a
+    split pays. seconds: the measurement's wall time (after each kernel's first call).
     """
 
     expert_bytes: int
@@ -59,6 +65,7 @@ class ChannelMeasure:
     cpu_together_us: float
     threads: int
     seconds: float
+    handoff_us: float = 0.0
 
     def _channel(self, one: float, whole: float, together: float) -> tuple[float, float, float]:
         """(fixed, per expert together, per expert alone) of one channel."""
@@ -86,19 +93,21 @@ class ChannelMeasure:
         g, c = self.gbps(), self.costs()
         return (f"link {g['link_alone']:.1f} GB/s alone, {g['link_together']:.1f} beside the CPU (fixed "
                 f"{c.link_fixed_us:.1f} us); CPU on {self.threads} threads {g['cpu_alone']:.1f} GB/s alone, "
-                f"{g['cpu_together']:.1f} beside the link (fixed {c.cpu_fixed_us:.1f} us); experts of "
+                f"{g['cpu_together']:.1f} beside the link (fixed {c.cpu_fixed_us:.1f} us); hand-off "
+                f"{self.handoff_us:.1f} us a layer call; experts of "
                 f"{self.expert_bytes / 2**20:.2f} MiB, measured in {self.seconds:.2f} s")
 
 
-def choose_service(costs: ChannelCosts, top_k: int) -> tuple[str, str]:
+def choose_service(costs: ChannelCosts, top_k: int, handoff_us: float = 0.0) -> tuple[str, str]:
     """("hybrid" | "copy", why) for --moe-miss-service auto: hybrid when its balanced table (MissSplit.hybrid)
-    takes less time than copying every miss, on the mean over a call's 1..top_k misses (one decode row:
-    a warm cache misses fewer than top_k, a cold one top_k)."""
-    m = np.arange(1, top_k + 1)
+    takes less time than copying every miss, on the mean over a call's 0..top_k misses (one decode row:
+    a warm cache misses few, a cold one top_k), the hybrid call paying `handoff_us` whatever it serves."""
+    m = np.arange(0, top_k + 1)
     copies = MissSplit.hybrid(costs).copies[m]
-    copy_us, hybrid_us = float(costs.step_us(m, m).mean()), float(costs.step_us(m, copies).mean())
-    why = (f"predicted per layer call over 1..{top_k} misses: copy {copy_us:.1f} us, hybrid {hybrid_us:.1f} us "
-           f"(copying {', '.join(str(int(c)) for c in copies)} of {', '.join(str(int(x)) for x in m)})")
+    copy_us = float(costs.step_us(m, m).mean())
+    hybrid_us = float(costs.step_us(m, copies).mean()) + handoff_us
+    why = (f"predicted per layer call over 0..{top_k} misses: copy {copy_us:.1f} us, hybrid {hybrid_us:.1f} us "
+           f"with the hand-off (copying {', '.join(str(int(c)) for c in copies[1:])} of 1..{top_k})")
     return ("hybrid" if hybrid_us < copy_us else "copy"), why
 
 
@@ -125,15 +134,18 @@ def _median_call_us(fn, seconds: float) -> float:
 
 def measure_channels(store: HostStore, cfg: MoEConfig, device: torch.device | str) -> ChannelMeasure:
     """Time both channels alone and together (module docstring) on `device` (CUDA) for the experts of
-    `store` (pinned, cfg.expert_banks()). Takes about 1.2 s after the kernels' first calls, and a scratch
-    pool of min(CALIBRATION_EXPERTS, E, MAX_TOKENS * top_k) slots. Raises ValueError for a CPU device or
-    an unpinned store, PoolError when the scratch slots do not fit."""
+    `store` (pinned, cfg.expert_banks()), and the hand-off's round trip. Takes about 1.3 s after the
+    kernels' first calls, and a scratch pool of n = min(CALIBRATION_EXPERTS, E, MAX_TOKENS * top_k,
+    max(2, CALIBRATION_BYTES / expert bytes)) slots. The copies and the hand-off are timed as CUDA-graph
+    replays, as the decode step runs them, so no launch cost of this thread is in them. Raises ValueError
+    for a CPU device or an unpinned store, PoolError when the scratch slots do not fit."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"measure_channels: device must be CUDA (the link's copies), got {device}")
     if not store.pinned:
         raise ValueError("measure_channels: the HostStore must be pinned (the miss copy reads mapped host memory)")
-    n = min(CALIBRATION_EXPERTS, cfg.num_experts, MAX_TOKENS * cfg.top_k)
+    n = min(CALIBRATION_EXPERTS, cfg.num_experts, MAX_TOKENS * cfg.top_k,
+            max(2, CALIBRATION_BYTES // store.bytes_per_expert))
     if n < 2:
         raise ValueError(f"measure_channels: needs at least 2 experts a layer (MoEConfig.num_experts), "
                          f"got {cfg.num_experts}")
@@ -150,6 +162,49 @@ def measure_channels(store: HostStore, cfg: MoEConfig, device: torch.device | st
         torch.cuda.empty_cache()  # the slots' free memory is read from the device
 
 
+def _replay_us(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, per: int) -> float:
+    """One replay of `graph` on `stream`, timed by events: microseconds per each of its `per` rounds."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        graph.replay()
+        stop.record(stream)
+    stop.synchronize()
+    return start.elapsed_time(stop) * 1e3 / per
+
+
+def _captured(stream: torch.cuda.Stream, fn, rounds: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `rounds` calls of fn (compiled and run once before)."""
+    with torch.cuda.stream(stream):
+        fn()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(rounds):
+            fn()
+    return graph
+
+
+def _handoff_us(cpu: CpuExperts, cfg: MoEConfig, device: torch.device, stream: torch.cuda.Stream) -> float:
+    """A layer call's post and wait with nothing served (every slot a GPU one), replayed back to back."""
+    share = CpuShare(cpu, device)
+    try:
+        k = cfg.top_k
+        hidden = torch.randn((1, cfg.hidden), device=device)
+        ids, slots = (torch.zeros((1, k), dtype=torch.int32, device=device) for _ in range(2))
+        weights = torch.ones((1, k), dtype=torch.float32, device=device)
+        dst = torch.empty((1, cfg.hidden), dtype=torch.float32, device=device)
+
+        def round_trip() -> None:
+            share.post(0, hidden, ids, slots, weights)
+            share.wait(None, dst)
+
+        graph = _captured(stream, round_trip, HANDOFF_ROUNDS)
+        return float(np.median([_replay_us(graph, stream, HANDOFF_ROUNDS) for _ in range(5)]))
+    finally:
+        share.close()
+
+
 def _measure(store: HostStore, cfg: MoEConfig, pool: SlotPool, experts: np.ndarray, calls: dict,
              cpu: CpuExperts) -> ChannelMeasure:
     device, n = pool.device, len(experts)
@@ -160,21 +215,17 @@ def _measure(store: HostStore, cfg: MoEConfig, pool: SlotPool, experts: np.ndarr
     plan = torch.tensor(np.stack([experts, np.arange(n, dtype=np.int32)], axis=1), device=device)
     counts = {size: torch.tensor([size], dtype=torch.int32, device=device) for size in (1, n)}
     stream = torch.cuda.Stream(device)
+    batch = max(1, min(LINK_BATCH, (64 << 20) // (n * store.bytes_per_expert)))
+    graphs = {size: _captured(stream, lambda s=size: miss_copy(store, pool, plan, counts[s]), batch)
+              for size in (1, n)}  # compiles on the first call (cached on disk after the first run)
 
     def link_us(size: int, seconds: float, keep_going=lambda: True) -> list[float]:
-        """Per-call times of LINK_BATCH back-to-back copies of `size` experts, batch by batch."""
+        """Per-call times of `batch` back-to-back copies of `size` experts, replay by replay."""
         out, end = [], time.perf_counter() + seconds
-        with torch.cuda.stream(stream):
-            while True:
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                for _ in range(LINK_BATCH):
-                    miss_copy(store, pool, plan, counts[size])
-                stop.record(stream)
-                stop.synchronize()
-                out.append(start.elapsed_time(stop) * 1e3 / LINK_BATCH)
-                if (time.perf_counter() >= end and len(out) >= 3) or not keep_going():
-                    return out
+        while True:
+            out.append(_replay_us(graphs[size], stream, batch))
+            if (time.perf_counter() >= end and len(out) >= 3) or not keep_going():
+                return out
 
     for size in (1, n):  # first calls: compiles (cached on disk after the first run) and page-ins
         cpu_call(size)
@@ -209,8 +260,9 @@ def _measure(store: HostStore, cfg: MoEConfig, pool: SlotPool, experts: np.ndarr
     if failed:
         raise failed[0]
     inside = [b - a for a, b in cpu_times if a >= w0 and b <= w1]
-    if not inside:  # a CPU call longer than the window: the one that spanned it
-        inside = [b - a for a, b in cpu_times[-1:]]
+    if not inside:  # every CPU call outlasted the window: those that overlapped it
+        inside = [b - a for a, b in cpu_times if a < w1 and b > w0]
+    handoff = _handoff_us(cpu, cfg, device, stream)
     seconds = time.perf_counter() - t0
     return ChannelMeasure(store.bytes_per_expert, n, cfg.top_k, link_one, link_all, float(np.median(link_together)),
-                          cpu_one, cpu_all, float(np.median(inside)) * 1e6, threads_in_use(), seconds)
+                          cpu_one, cpu_all, float(np.median(inside)) * 1e6, threads_in_use(), seconds, handoff)

@@ -177,9 +177,9 @@ class CpuShare:
             except Exception as exc:  # kept for check(): the GPU must not wait forever
                 a["out"][:rows] = 0.0
                 self.error = exc
-            answer(a["flag_out"], s)
-            if trace is not None:
+            if trace is not None:  # before the answer: whoever the answer releases finds the entry
                 trace.append((start, time.perf_counter_ns(), layer, served))
+            answer(a["flag_out"], s)
             last = s
 
     def post(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
@@ -201,9 +201,12 @@ class CpuShare:
         return dst
 
     def check(self) -> None:
+        """Raise RuntimeError with the worker's error since the last check, or when the share is closed (a
+        captured step replayed now would wait for a worker that is gone)."""
         if self.error is not None:
             err, self.error = self.error, None
             raise RuntimeError(f"the CPU expert worker failed: {err}") from err
+        self._open("check")
 
     def _open(self, what: str) -> None:
         if self.closed:  # its worker is gone: a wait would spin forever
@@ -214,6 +217,10 @@ class CpuShare:
         return bool(self._np["stop"][0])
 
     def close(self) -> None:
-        """Stop the worker (idempotent). A decode step captured before must not be replayed after it."""
+        """Stop the worker once the device has run what was queued (a post still queued would wait for a
+        worker that is gone); idempotent. Engine.decode_step then refuses (check), so a decode step
+        captured before is not replayed."""
+        if not self.closed:
+            torch.cuda.synchronize(self.device)
         self._np["stop"][0] = 1
         self._thread.join(timeout=10)

@@ -53,6 +53,11 @@ def test_auto_picks_hybrid_when_the_cpu_helps_and_copy_when_it_does_not():
     contended = _measure(80.0, 400.0, link_slow=2.0, cpu_slow=2.0).costs()
     assert choose_service(contended, 8)[0] == "copy"
     assert MissSplit.hybrid(contended).copies_for(8) < 8, "the table alone would still split"
+    # the hand-off every hybrid layer call pays, served or not: a dear one tips the choice to copy
+    near = _measure(80.0, 400.0).costs()
+    assert choose_service(near, 8)[0] == "hybrid"
+    assert choose_service(near, 8, handoff_us=400.0)[0] == "copy"
+    assert "with the hand-off" in choose_service(near, 8, handoff_us=9.0)[1]
 
 
 def test_the_table_balances_the_together_rates():
