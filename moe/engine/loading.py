@@ -63,7 +63,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     leaves it to EXPERTCACHE_MOE_COPY_OVERLAP (off when unset). cuda_graphs: replay decode steps as CUDA
     graphs (moe.engine.graphs); None leaves it to EXPERTCACHE_CUDA_GRAPHS ("0": eager GPU decode, for
     debugging), else on for a CUDA device and off on the CPU. miss_service (--moe-miss-service): how
-    misses are served (resolve_miss_service). cpu_threads (--cpu-threads): the CPU expert kernels' threads
+    misses are served (choose_miss_service; on a GPU, hybrid and auto measure both channels first, and
+    Engine.miss_service says what was chosen and why). cpu_threads (--cpu-threads): the CPU expert kernels' threads
     (default: every core). Cost: reads the checkpoint once; host memory holds every routed expert.
     Raises CheckpointError (config key or quantization field, file, tensor, --moe-expert-format),
     ValueError (both or neither of num_slots / cache_gb, a
