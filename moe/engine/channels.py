@@ -134,11 +134,12 @@ def _median_call_us(fn, seconds: float) -> float:
 
 def measure_channels(store: HostStore, cfg: MoEConfig, device: torch.device | str) -> ChannelMeasure:
     """Time both channels alone and together (module docstring) on `device` (CUDA) for the experts of
-    `store` (pinned, cfg.expert_banks()), and the hand-off's round trip. Takes about 1.3 s after the
-    kernels' first calls, and a scratch pool of n = min(CALIBRATION_EXPERTS, E, MAX_TOKENS * top_k,
-    max(2, CALIBRATION_BYTES / expert bytes)) slots. The copies and the hand-off are timed as CUDA-graph
-    replays, as the decode step runs them, so no launch cost of this thread is in them. Raises ValueError
-    for a CPU device or an unpinned store, PoolError when the scratch slots do not fit."""
+    `store` (pinned, cfg.expert_banks()), and the hand-off's round trip. Its timed phases take
+    4 * ALONE_SECONDS + TOGETHER_SECONDS after the kernels' first calls, and a scratch pool of
+    n = min(CALIBRATION_EXPERTS, E, MAX_TOKENS * top_k, max(2, CALIBRATION_BYTES / expert bytes)) slots.
+    The copies and the hand-off are timed as CUDA-graph replays, as the decode step runs them, so no
+    launch cost of this thread is in them. Raises ValueError for a CPU device or an unpinned store,
+    PoolError when the scratch slots do not fit."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"measure_channels: device must be CUDA (the link's copies), got {device}")
