@@ -152,3 +152,46 @@ def test_bench_decode_dry_run_replays_and_prices_the_engines_split():
     assert "vs_copy_sim" not in both[0]
     with pytest.raises(SystemExit, match="--moe-miss-service"):
         bench.parse(argv + ["--miss-service", "copy,fast"])
+
+
+def test_bench_decode_gpu_path_wiring_with_the_gpu_parts_replaced(monkeypatch):
+    """Without --dry-run, with decode_gpu's GPU parts replaced: one build per format, each service calibrated
+    under itself (cpu under copy), the hybrid split and host profile from the channels measured at start
+    (recorded per format and service), every row measured under its own split, vs_copy beside each."""
+    import types
+
+    import decode_gpu
+
+    from expertcache.split import MissSplit
+    from moe.engine.channels import ChannelMeasure
+
+    bench = _bench()
+    builds, measured_runs, splits = [], [], []
+    monkeypatch.setattr(bench, "machine", lambda: {"gpu": "none"})
+    monkeypatch.setattr(decode_gpu, "build_weights",
+                        lambda args, config, fmt: builds.append(fmt) or (types.SimpleNamespace(fmt=fmt), {}))
+    chan = ChannelMeasure(2 * 2048 * 768 * 3, 8, 8, 10.0, 80.0, 90.0, 20.0, 160.0, 200.0, 14, 1.2, 9.0)
+
+    def engine_split(weights, service):
+        splits.append(service)
+        return (None, None) if service == "copy" else (MissSplit.hybrid(chan.costs()), chan)
+
+    def measure(weights, trace, run, policy, overlap, batch):
+        measured_runs.append((run.slots, None if run.split is None else run.split.service))
+        return {"us_per_step": 5000.0, "tokens_per_s": 200.0, "hit_rate": 0.5, "misses_per_layer_per_step": 1.0,
+                "layer_misses_all": [], "step_us": {"median": 5000.0, "p10": 4900.0, "p90": 5100.0},
+                "chunk_tokens_per_s": [199.0, 201.0], "memory": {"idle_allocated_gb": 1.0, "peak_allocated_gb": 2.0}}
+
+    monkeypatch.setattr(decode_gpu, "engine_split", engine_split)
+    monkeypatch.setattr(decode_gpu, "measure", measure)
+    res = bench.main(["--geometry", "qwen3-30b", "--layers", "2", "--warmup", "10", "--steps", "20",
+                      "--moe-cache-gb", "0.1", "--configs", "lru", "--batches", "1", "--expert-formats", "bf16",
+                      "--miss-service", "copy,hybrid"])
+    assert builds == ["bf16"] and splits == ["hybrid"], "copy measures nothing"
+    keys = 2 * 128
+    assert measured_runs == [(keys, None), (res["rows"][1]["slots"], None), (keys, "hybrid"),
+                             (res["rows"][1]["slots"], "hybrid")], "calibration then the budget, per service"
+    assert [(r["config"], r["miss_service"]) for r in res["rows"]] == [
+        ("resident (calibration)", "copy"), ("lru", "copy"), ("resident (calibration)", "hybrid"), ("lru", "hybrid")]
+    assert res["channels"]["bf16/hybrid"]["handoff_us"] == 9.0 and "bf16/copy" not in res["channels"]
+    assert res["rows"][3]["vs_copy"] == 1.0 and "vs_copy_sim" in res["rows"][3]

@@ -10,6 +10,7 @@ import tarfile
 import pytest
 import torch
 
+from moe.engine.channels import ChannelMeasure
 from tests.conftest import load_bench
 
 COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
@@ -206,3 +207,60 @@ def test_bench_ours_refuses_an_unknown_miss_service(capsys):
     with pytest.raises(SystemExit):
         _peer().parse(["bench-ours", "--model", "m", "--out", "o", "--miss-services", "copy,fast"])
     assert "--miss-services" in capsys.readouterr().err
+
+
+def test_bench_ours_runs_each_miss_service_over_one_load_and_the_report_pairs_them(tmp_path, monkeypatch):
+    """bench-ours' wiring with the GPU's parts replaced: one load per format, each --miss-services value's
+    split from decode_gpu.engine_split (measured for hybrid), a row per (service, share, routing) under
+    the requested service's name, and the report's FORMAT+hybrid columns beside the channels' bound."""
+    import types
+
+    import bench_decode
+    import decode_gpu
+
+    from moe.model import checkpoint
+
+    peer = _peer()
+    layer = 128 * 3 * 2048 * 768 * 2
+    llama = {"rows": [{"gguf": "BF16", "share": share, "n_cpu_moe": n, "layer_expert_bytes": [layer] * 12,
+                       "gpu_expert_bytes": (12 - n) * layer, "cpu_expert_bytes": n * layer, "top_k": 8,
+                       "num_experts": 128, "tokens_per_s": 100.0, "device_peak_mib": 9000}
+                      for share, n in (("half", 6), ("none", 12))]}
+    (tmp_path / "llama.json").write_text(json.dumps(llama))
+    loads, splits = [], []
+    spec = types.SimpleNamespace(num_layers=12, moe=types.SimpleNamespace(num_experts=128, top_k=8))
+    store = types.SimpleNamespace(bytes_per_expert=layer // 128)
+    weights = types.SimpleNamespace(spec=spec, store=store)
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: loads.append(k["expert_format"]) or weights)
+    monkeypatch.setattr(bench_decode, "make_trace", lambda run, batch: "trace")
+    measured = ChannelMeasure(layer // 128, 8, 8, 10.0, 80.0, 90.0, 20.0, 160.0, 200.0, 14, 1.2, 9.0)
+    gbps = measured.gbps()
+
+    def engine_split(weights, service):
+        splits.append(service)
+        if service == "copy":
+            return None, None
+        return types.SimpleNamespace(service="hybrid"), measured
+
+    def measure(weights, trace, run, policy, overlap, batch):
+        served = 0.0 if run.split is None else 3.0
+        return {"tokens_per_s": 80.0 if run.split is None else 130.0, "hit_rate": 0.3,
+                "misses_per_layer_per_step": 6.0, "served_per_layer_per_step": served,
+                "split_service": "copy" if run.split is None else "hybrid"}
+
+    monkeypatch.setattr(decode_gpu, "engine_split", engine_split)
+    monkeypatch.setattr(decode_gpu, "measure", measure)
+    args = peer.parse(["bench-ours", "--model", "m", "--out", str(tmp_path), "--formats", "bf16",
+                       "--miss-services", "copy,auto"])
+    rows = peer.bench_ours(args)["rows"]
+    assert loads == ["bf16"] and splits == ["copy", "auto"]
+    assert {(r["miss_service"], r["share"], r["routing"]) for r in rows} == {
+        (s, sh, ro) for s in ("copy", "auto") for sh in ("half", "none") for ro in ("model", "trace")}
+    assert all(r["split_service"] == ("copy" if r["miss_service"] == "copy" else "hybrid") for r in rows)
+    (half, none) = peer.report_rows(llama, {"rows": rows}, {"host_read_bytes_per_s": 90e9, "link_bytes_per_s": 55e9})
+    auto = none["ours"]["bf16+auto"]["trace"]
+    both = (gbps["link_together"] + gbps["cpu_together"]) * 1e9
+    assert auto["channels_bound_tokens_per_s"] == pytest.approx(both / (6.0 * 12 * (layer // 128)))
+    assert rows[-1]["channels"]["handoff_us"] == 9.0 and rows[-1]["channels"]["gbps"] == gbps
+    assert auto["tokens_per_s"] == 130.0 and none["ours"]["bf16"]["trace"]["tokens_per_s"] == 80.0
+    assert "bf16+auto 130.0 / 130.0" in peer.table([half, none])
