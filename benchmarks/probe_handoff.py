@@ -30,7 +30,7 @@ import triton.language as tl
 from numba import njit
 
 from expertcache.pool import DeviceView, mapped_device_pointer
-from moe.engine.handoff import answer, load_acquire, store_release, wait_post
+from moe.engine.handoff import answer, await_flag, load_acquire, raise_flag, store_release, wait_post
 
 
 @njit(nogil=True, cache=True)
@@ -52,20 +52,12 @@ def echo_worker(flag_in, flag_out, stop, xin, out):
 def post_kernel(x_ptr, xin_ptr, seq_ptr, flag_ptr, fence_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
     tl.store(xin_ptr + i, tl.load(x_ptr + i))
-    s = tl.load(seq_ptr) + 1
-    tl.debug_barrier()
-    tl.atomic_add(fence_ptr, 0, sem="release", scope="sys")  # the payload is visible before the flag
-    tl.store(seq_ptr, s)
-    tl.store(flag_ptr, s)
+    raise_flag(seq_ptr, flag_ptr, fence_ptr)
 
 
 @triton.jit
 def wait_kernel(flag_ptr, seq_ptr, out_ptr, dst_ptr, fence_ptr, N: tl.constexpr):
-    s = tl.load(seq_ptr)
-    v = tl.load(flag_ptr, volatile=True)
-    while v != s:
-        v = tl.load(flag_ptr, volatile=True)
-    tl.atomic_add(fence_ptr, 0, sem="acquire", scope="sys")  # the answer is read after the flag
+    await_flag(flag_ptr, seq_ptr, fence_ptr)
     i = tl.arange(0, N)
     tl.store(dst_ptr + i, tl.load(out_ptr + i, volatile=True))
 

@@ -86,6 +86,27 @@ def answer(flag_out, s):
 
 
 @triton.jit
+def raise_flag(seq_ptr, flag_ptr, fence_ptr):
+    """After the program's payload stores: seq += 1, then flag = seq, the payload visible first (a barrier
+    and a system-scope release)."""
+    s = tl.load(seq_ptr) + 1
+    tl.debug_barrier()
+    tl.atomic_add(fence_ptr, 0, sem="release", scope="sys")  # the payload is visible before the flag
+    tl.store(seq_ptr, s)
+    tl.store(flag_ptr, s)
+
+
+@triton.jit
+def await_flag(flag_ptr, seq_ptr, fence_ptr):
+    """Spin until flag reaches seq (volatile loads), then a system-scope acquire: the answer is read after."""
+    s = tl.load(seq_ptr)
+    v = tl.load(flag_ptr, volatile=True)
+    while v != s:
+        v = tl.load(flag_ptr, volatile=True)
+    tl.atomic_add(fence_ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
 def _post_kernel(hidden_ptr, ids_ptr, slots_ptr, w_ptr, x_ptr, cid_ptr, cw_ptr, meta_ptr, seq_ptr, flag_ptr,
                  fence_ptr, layer, rows, H: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_K: tl.constexpr):
@@ -100,21 +121,13 @@ def _post_kernel(hidden_ptr, ids_ptr, slots_ptr, w_ptr, x_ptr, cid_ptr, cw_ptr, 
     tl.store(cw_ptr + p, tl.load(w_ptr + p, mask=pm, other=0.0), mask=pm)
     tl.store(meta_ptr + _META_LAYER, layer)
     tl.store(meta_ptr + _META_ROWS, rows)
-    s = tl.load(seq_ptr) + 1
-    tl.debug_barrier()
-    tl.atomic_add(fence_ptr, 0, sem="release", scope="sys")  # the payload is visible before the flag
-    tl.store(seq_ptr, s)
-    tl.store(flag_ptr, s)
+    raise_flag(seq_ptr, flag_ptr, fence_ptr)
 
 
 @triton.jit
 def _wait_kernel(flag_ptr, seq_ptr, out_ptr, addend_ptr, dst_ptr, fence_ptr, rows, H: tl.constexpr,
                  BLOCK_H: tl.constexpr, ADDEND: tl.constexpr):
-    s = tl.load(seq_ptr)
-    v = tl.load(flag_ptr, volatile=True)
-    while v != s:
-        v = tl.load(flag_ptr, volatile=True)
-    tl.atomic_add(fence_ptr, 0, sem="acquire", scope="sys")  # the answer is read after the flag
+    await_flag(flag_ptr, seq_ptr, fence_ptr)
     for r in range(rows):
         for h0 in tl.static_range(0, H, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
