@@ -88,6 +88,7 @@ for part in $parts; do
       # the layer with its plan's CPU share
       timeout ${HYBRID_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" -m gpu \
         tests/moe/engine/test_hybrid_gpu.py tests/moe/engine/test_layer.py tests/expertcache/test_device_ensure_gpu.py \
+        tests/moe/engine/test_model_gpt_oss.py::test_gpu_split_decode_of_gpt_oss_matches_transformers \
         -k "${HYBRID_K:-not nothing}" 2>&1 | tee "$OUT/gpu-tests-hybrid.log" | tail -8 ;;
     hybrid-step)
       # one hybrid decode step on a Perfetto timeline: the GPU kernels, the copies and the CPU workers

@@ -13,7 +13,8 @@
     experts in the released MXFP4 layout (`*_blocks` / `*_scales`) kept as their bytes, logits against
     transformers on the values they decode to, and served in another format; the GPU backend (GpuMoE's
     kernels) under Triton's interpreter, and on a GPU (`gpu`) with CUDA graphs, every policy, the early
-    hits on the side stream or not (bitwise), and the MXFP4 experts.
+    hits on the side stream or not (bitwise), the MXFP4 experts, and the misses split with the CPU
+    kernels (hybrid / cpu) inside the decode graph.
 """
 
 from __future__ import annotations
@@ -290,6 +291,39 @@ def test_gpu_mxfp4_experts_match_transformers_on_the_decoded_values(mxfp4_checkp
         assert_near(torch.cat(got).cpu(), _cuda_logits(cuda, seq), rel=1e-4)
     finally:
         model.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("service", ["hybrid", "cpu"])
+@pytest.mark.parametrize("which", ["bf16 layout", "mxfp4"])
+def test_gpu_split_decode_of_gpt_oss_matches_transformers(checkpoint, mxfp4_checkpoint, which, service,
+                                                          monkeypatch):
+    """Misses served by the CPU kernels (the clamped SwiGLU, the biases; the MXFP4 bytes decoded in place)
+    beside the slots, inside the decode graph: float32 logits within 1e-4 of transformers', graph replay
+    equal to eager bit for bit, the CPU served some. Equal channels (no measurement), as in
+    test_hybrid_gpu.py, so both sides serve misses on a tiny checkpoint."""
+    from moe.engine import loading
+    from moe.engine.channels import ChannelMeasure
+
+    monkeypatch.setattr(loading, "measure_channels",
+                        lambda store, cfg, device: ChannelMeasure(store.bytes_per_expert, 8, cfg.top_k, 10.0,
+                                                                  80.0, 80.0, 10.0, 80.0, 80.0, 4, 0.0))
+    model, path = checkpoint if which == "bf16 layout" else mxfp4_checkpoint[:2]
+    seq = random_tokens(11, seed=71)
+    got = {}
+    for graphs in (True, False):
+        engine = load_model(path, "cuda", num_slots=K + 1, max_seq_len=48, progress=False, miss_service=service,
+                            cuda_graphs=graphs)
+        out = [engine.prefill([seq[:5]], all_logits=True)[0]] + [engine.decode_step([t]) for t in seq[5:]]
+        got[graphs] = torch.cat([o.float().cpu() for o in out])
+        assert engine.moe.slots.cache.served.sum().item() > 0
+        engine.moe.slots.close()
+    cuda = model.to("cuda")
+    try:
+        assert_near(got[True], _cuda_logits(cuda, seq), rel=1e-4)
+    finally:
+        model.to("cpu")
+    assert torch.equal(got[True], got[False])
 
 
 MXFP4_CONFIG = {
