@@ -383,8 +383,8 @@ def _format_split(weights, fmt: str, args: argparse.Namespace, res: dict) -> Non
     args.split, measured = engine_split(weights, args.miss_service)
     if measured is not None:
         g = measured.gbps()
-        # the hand-off every layer call of the split pays is in the overhead its calibration run implies;
-        # a call that serves misses adds the CPU kernels' own fixed time
+        # a call that serves misses pays the CPU's fixed part (its kernels' and the hand-off's round trip);
+        # the post and wait every layer call of the split launches are in the overhead its calibration implies
         args.host = dataclasses.replace(HOSTS[DEFAULT_HOST], name=f"measured-at-start-{fmt}", formats=(),
                                         link_together_gbps=g["link_together"], cpu_gbps=g["cpu_alone"],
                                         cpu_together_gbps=g["cpu_together"],

@@ -13,7 +13,9 @@
        inside a record_function range; -> a summary: step time, the workers' busy time per step, the
        positions they served
     -> without --trace-out: --steps replays, then the cache's and the workers' checks (no error) and
-       the share's answers counted: what compute-sanitizer runs (--small: 4 layers of OLMoE-1B-7B's geometry)
+       the share's answers counted (only layer calls that served on the CPU hand over, and together they
+       served what the cache counted): what compute-sanitizer runs (--small: 4 layers of OLMoE-1B-7B's
+       geometry); with a measured split, the channels' line as load_model logs it
 
 Run: python benchmarks/hybrid_step.py --trace-out hybrid-step-trace.json [--layers 8 --moe-cache-gb 1.25]
      compute-sanitizer --tool memcheck python benchmarks/hybrid_step.py --small --even
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     for n in range(args.warmup):
         tokens = run.step(n, tokens)
     torch.cuda.synchronize()
+    served_before = int(run.backend.slots.cache.served.sum().item())
     events: list[tuple[int, int, int, int]] = []
     share.trace = events
     step_us = []
@@ -147,9 +150,15 @@ def main(argv: list[str] | None = None) -> dict:
                    "served_positions": int(sum(e[3] for e in events)),
                    "worker_busy_us_per_step": busy / max(args.steps, 1),
                    "worker_busy_share": busy / max(float(np.sum(step_us)), 1e-9)})
-    if len(events) != args.steps * args.layers:
-        raise SystemExit(f"the CPU share answered {len(events)} times in {args.steps} steps of {args.layers} layers")
+    served = int(run.backend.slots.cache.served.sum().item()) - served_before
+    # a layer call hands over only what its ensure served on the CPU: every answer serves, and together
+    # they served what the cache counted
+    if result["served_positions"] != served or any(e[3] == 0 for e in events):
+        raise SystemExit(f"the CPU share answered {len(events)} times serving {result['served_positions']} positions "
+                         f"(each {[e[3] for e in events]}), but the cache served {served} in {args.steps} steps")
     run.close()
+    if measured is not None:
+        print(measured.describe())
     print(json.dumps({k: v for k, v in result.items() if k != "channels"}, indent=1))
     return result
 

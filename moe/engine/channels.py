@@ -1,22 +1,28 @@
 """Both miss channels measured together at start: the link's copies into slots and the CPU's kernels.
 
     HostStore (pinned), MoEConfig, CUDA device ──measure_channels──► ChannelMeasure
-        link: expertcache.copy.miss_copy of 1 and of n experts into a scratch pool of n slots, back to
-              back in a CUDA graph replayed on a stream of its own (CUDA events)
-        cpu:  moe.kernels.cpu_experts.CpuExperts.moe over 1 and over the same n experts of layer 0
+        groups: G groups of n experts of one layer each, no expert in two groups, G * n experts'
+              bytes at least ROTATION_BYTES where the store holds them (rotation())
+        link: expertcache.copy.miss_copy of 1 and of n experts of each group in turn into a scratch pool
+              of n slots, back to back in a CUDA graph replayed on a stream of its own (CUDA events)
+        cpu:  moe.kernels.cpu_experts.CpuExperts.moe over 1 and over n experts of each group in turn
         each channel alone, then both at once (a thread runs the CPU calls; numba releases the GIL)
-        hand-off: moe.engine.handoff's post and wait with nothing served, replayed in a CUDA graph
+        hand-off: moe.engine.handoff's post and wait replayed in a CUDA graph, handing over with nothing
+              served (the round trip) and not (a layer call with no CPU share)
     ChannelMeasure ──.costs()──► expertcache.split.ChannelCosts: per expert, the slope between the 1- and
-        the n-expert calls alone, and the n-expert call beside the other channel less the fixed part
+        the n-expert calls alone, and the n-expert call beside the other channel less the fixed part; the
+        round trip in the CPU's fixed part
     ChannelCosts, top_k, hand-off ──choose_service──► ("hybrid" | "copy", why)
 
-Both channels read the same host memory, so what the split balances is each one's rate beside the
-other: measured one at a time they overstate both, and a split balanced from those sends the CPU more
-than it finishes in time. The measurement is a constant fixed at start, so the split table it gives is
-too: a request decodes to the same tokens on every run of one process. The scratch pool is freed
-before the slots are allocated. The hand-off's round trip (moe.engine.handoff) is not in the CPU's
-fixed part, which balances the table: a split pays it on every layer call whatever it serves, so it
-moves no balance, but auto's choice between copy and hybrid charges it to hybrid.
+Both channels read the same host memory, so what the split balances is each one's rate beside the other:
+measured one at a time they overstate both, and a split balanced from those sends the CPU more than it
+finishes in time. Each call reads other experts than the calls before it, as a decode step's layers do: the
+same few experts over and over would stay in the host's last-level cache (hundreds of MB on server parts),
+and the CPU would seem to read at cache speed. The measurement is a constant fixed at start, so the split
+table it gives is too: a request decodes to the same tokens on every run of one process. The scratch pool is
+freed before the slots are allocated. A layer call pays the hand-off's round trip (moe.engine.handoff) only when
+the CPU serves a miss, so it is part of the CPU's fixed cost, which the table balances; the post and wait
+that every call of a split launches, serving or not, auto's choice charges to hybrid.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ ALONE_SECONDS = 0.2  # each channel's time alone, at each of its two call sizes
 TOGETHER_SECONDS = 0.4  # both at once
 LINK_BATCH = 16  # copy launches between two of the link's events (fewer where a call is over 64 MiB)
 HANDOFF_ROUNDS = 64  # post / wait round trips with nothing served, timed back to back
+ROTATION_BYTES = 2 << 30  # the experts' bytes each channel cycles through: past any host's last-level cache
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,9 @@ class ChannelMeasure:
 
     link_one_us / link_all_us: a copy of 1 / of `experts` experts, alone; link_together_us: of
     `experts` while the CPU computes. cpu_*: the same for CpuExperts.moe on `threads` threads.
-    handoff_us: a post and wait (moe.engine.handoff) with nothing served, which every layer call of a
-    split pays. seconds: the measurement's wall time (after each kernel's first call).
+    handoff_us: a post and wait (moe.engine.handoff) handing over with nothing served: the round trip a
+    layer call pays when the CPU serves. idle_us: the same two launches with nothing handed over, which
+    every layer call of a split pays. seconds: the measurement's wall time (after each kernel's first call).
     """
 
     expert_bytes: int
@@ -66,6 +74,7 @@ class ChannelMeasure:
     threads: int
     seconds: float
     handoff_us: float = 0.0
+    idle_us: float = 0.0
 
     def _channel(self, one: float, whole: float, together: float) -> tuple[float, float, float]:
         """(fixed, per expert together, per expert alone) of one channel."""
@@ -80,7 +89,7 @@ class ChannelMeasure:
     def costs(self) -> ChannelCosts:
         lf, lt, la = self._channel(self.link_one_us, self.link_all_us, self.link_together_us)
         cf, ct, ca = self._channel(self.cpu_one_us, self.cpu_all_us, self.cpu_together_us)
-        return ChannelCosts(lf, lt, cf, ct, link_alone_per_expert_us=la, cpu_alone_per_expert_us=ca)
+        return ChannelCosts(lf, lt, cf + self.handoff_us, ct, link_alone_per_expert_us=la, cpu_alone_per_expert_us=ca)
 
     def gbps(self) -> dict[str, float]:
         """Each channel's bytes per second (GB/s) alone and together, from the per-expert times."""
@@ -93,22 +102,40 @@ class ChannelMeasure:
         g, c = self.gbps(), self.costs()
         return (f"link {g['link_alone']:.1f} GB/s alone, {g['link_together']:.1f} beside the CPU (fixed "
                 f"{c.link_fixed_us:.1f} us); CPU on {self.threads} threads {g['cpu_alone']:.1f} GB/s alone, "
-                f"{g['cpu_together']:.1f} beside the link (fixed {c.cpu_fixed_us:.1f} us); hand-off "
-                f"{self.handoff_us:.1f} us a layer call; experts of "
+                f"{g['cpu_together']:.1f} beside the link (fixed {c.cpu_fixed_us:.1f} us with the hand-off's "
+                f"{self.handoff_us:.1f}); {self.idle_us:.1f} us a layer call with no CPU share; experts of "
                 f"{self.expert_bytes / 2**20:.2f} MiB, measured in {self.seconds:.2f} s")
 
 
-def choose_service(costs: ChannelCosts, top_k: int, handoff_us: float = 0.0) -> tuple[str, str]:
+def choose_service(costs: ChannelCosts, top_k: int, idle_us: float = 0.0) -> tuple[str, str]:
     """("hybrid" | "copy", why) for --moe-miss-service auto: hybrid when its balanced table (MissSplit.hybrid)
     takes less time than copying every miss, on the mean over a call's 0..top_k misses (one decode row:
-    a warm cache misses few, a cold one top_k), the hybrid call paying `handoff_us` whatever it serves."""
+    a warm cache misses few, a cold one top_k); the round trip is in costs' CPU fixed part, and every
+    hybrid call pays `idle_us` (its post and wait) whatever it serves."""
     m = np.arange(0, top_k + 1)
     copies = MissSplit.hybrid(costs).copies[m]
     copy_us = float(costs.step_us(m, m).mean())
-    hybrid_us = float(costs.step_us(m, copies).mean()) + handoff_us
+    hybrid_us = float(costs.step_us(m, copies).mean()) + idle_us
     why = (f"predicted per layer call over 0..{top_k} misses: copy {copy_us:.1f} us, hybrid {hybrid_us:.1f} us "
            f"with the hand-off (copying {', '.join(str(int(c)) for c in copies[1:])} of 1..{top_k})")
     return ("hybrid" if hybrid_us < copy_us else "copy"), why
+
+
+def rotation(num_layers: int, num_experts: int, n: int, expert_bytes: int,
+             rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(layers [G], experts [G, n]): G groups of n distinct experts of one layer each, the layers taken in
+    turn, no (layer, expert) in two groups; G = ceil(ROTATION_BYTES / (n * expert_bytes)), at most the
+    num_layers * (num_experts // n) groups there are."""
+    per_layer = num_experts // n
+    if per_layer < 1 or num_layers < 1:
+        raise ValueError(f"rotation: needs n <= num_experts and a layer, got n={n}, num_experts={num_experts}, "
+                         f"num_layers={num_layers}")
+    groups = min(-(-ROTATION_BYTES // (n * expert_bytes)), num_layers * per_layer)
+    perms = [rng.permutation(num_experts)[:per_layer * n].reshape(per_layer, n) for _ in range(num_layers)]
+    order = [(layer, j) for j in range(per_layer) for layer in range(num_layers)][:groups]
+    layers = np.array([layer for layer, _ in order], np.int32)
+    experts = np.stack([np.sort(perms[layer][j]) for layer, j in order]).astype(np.int32)
+    return layers, experts
 
 
 def _cpu_rows(cfg: MoEConfig, experts: np.ndarray, rng: np.random.Generator):
@@ -136,7 +163,8 @@ def measure_channels(store: HostStore, cfg: MoEConfig, device: torch.device | st
     """Time both channels alone and together (module docstring) on `device` (CUDA) for the experts of
     `store` (pinned, cfg.expert_banks()), and the hand-off's round trip. Its timed phases take
     4 * ALONE_SECONDS + TOGETHER_SECONDS after the kernels' first calls, and a scratch pool of
-    n = min(CALIBRATION_EXPERTS, E, MAX_TOKENS * top_k, max(2, CALIBRATION_BYTES / expert bytes)) slots.
+    n = min(CALIBRATION_EXPERTS, E, MAX_TOKENS * top_k, max(2, CALIBRATION_BYTES / expert bytes)) slots;
+    each channel cycles through the groups of rotation().
     The copies and the hand-off are timed as CUDA-graph replays, as the decode step runs them, so no
     launch cost of this thread is in them. Raises ValueError for a CPU device or an unpinned store,
     PoolError when the scratch slots do not fit."""
@@ -151,12 +179,12 @@ def measure_channels(store: HostStore, cfg: MoEConfig, device: torch.device | st
         raise ValueError(f"measure_channels: needs at least 2 experts a layer (MoEConfig.num_experts), "
                          f"got {cfg.num_experts}")
     rng = np.random.default_rng(0)
-    experts = np.sort(rng.choice(cfg.num_experts, n, replace=False)).astype(np.int32)  # of layer 0: keys = ids
+    layers, experts = rotation(store.num_keys // cfg.num_experts, cfg.num_experts, n, store.bytes_per_expert, rng)
     cpu = CpuExperts(store, cfg)
-    calls = {size: _cpu_rows(cfg, experts[:size], rng) for size in (1, n)}
+    calls = {size: [_cpu_rows(cfg, group[:size], rng) for group in experts] for size in (1, n)}
     pool = SlotPool(store.banks, n, device=device)
     try:
-        return _measure(store, cfg, pool, experts, calls, cpu)
+        return _measure(store, cfg, pool, layers, experts, calls, cpu)
     finally:
         del pool
         torch.cuda.synchronize(device)
@@ -186,38 +214,56 @@ def _captured(stream: torch.cuda.Stream, fn, rounds: int) -> torch.cuda.CUDAGrap
     return graph
 
 
-def _handoff_us(cpu: CpuExperts, cfg: MoEConfig, device: torch.device, stream: torch.cuda.Stream) -> float:
-    """A layer call's post and wait with nothing served (every slot a GPU one), replayed back to back."""
-    share = CpuShare(cpu, device)
-    try:
+class _HandOff:
+    """A layer call's post and wait with nothing served (every slot a GPU one) on a CpuShare of its own,
+    captured HANDOFF_ROUNDS times back to back in two CUDA graphs: handing over (the round trip) and not
+    (the launches alone). Made, compiled and captured before the timed phases; `us` times a replay."""
+
+    def __init__(self, cpu: CpuExperts, cfg: MoEConfig, device: torch.device, stream: torch.cuda.Stream) -> None:
+        self.share, self.stream = CpuShare(cpu, device), stream
         k = cfg.top_k
         hidden = torch.randn((1, cfg.hidden), device=device)
         ids, slots = (torch.zeros((1, k), dtype=torch.int32, device=device) for _ in range(2))
         weights = torch.ones((1, k), dtype=torch.float32, device=device)
         dst = torch.empty((1, cfg.hidden), dtype=torch.float32, device=device)
 
-        def round_trip() -> None:
-            share.post(0, hidden, ids, slots, weights)
-            share.wait(None, dst)
+        def round_trip(always: bool) -> None:
+            self.share.post(0, hidden, ids, slots, weights, always=always)
+            self.share.wait(None, dst)
 
-        graph = _captured(stream, round_trip, HANDOFF_ROUNDS)
-        return float(np.median([_replay_us(graph, stream, HANDOFF_ROUNDS) for _ in range(5)]))
-    finally:
-        share.close()
+        self.graphs = {always: _captured(stream, lambda a=always: round_trip(a), HANDOFF_ROUNDS)
+                       for always in (True, False)}
+
+    def us(self, always: bool) -> float:
+        return float(np.median([_replay_us(self.graphs[always], self.stream, HANDOFF_ROUNDS) for _ in range(5)]))
+
+    def close(self) -> None:
+        self.share.close()
 
 
-def _measure(store: HostStore, cfg: MoEConfig, pool: SlotPool, experts: np.ndarray, calls: dict,
-             cpu: CpuExperts) -> ChannelMeasure:
-    device, n = pool.device, len(experts)
+def _measure(store: HostStore, cfg: MoEConfig, pool: SlotPool, layers: np.ndarray, experts: np.ndarray,
+             calls: dict, cpu: CpuExperts) -> ChannelMeasure:
+    device, (groups, n) = pool.device, experts.shape
+    turn = {size: 0 for size in (1, n)}
 
     def cpu_call(size: int) -> None:
-        cpu.moe(0, *calls[size])
+        g = turn[size] = (turn[size] + 1) % groups
+        cpu.moe(int(layers[g]), *calls[size][g])
 
-    plan = torch.tensor(np.stack([experts, np.arange(n, dtype=np.int32)], axis=1), device=device)
+    keys = layers[:, None].astype(np.int64) * cfg.num_experts + experts
+    slots = np.broadcast_to(np.arange(n), (groups, n))
+    plans = torch.tensor(np.stack([keys, slots], axis=2).astype(np.int32), device=device)  # [G, n, 2]
     counts = {size: torch.tensor([size], dtype=torch.int32, device=device) for size in (1, n)}
     stream = torch.cuda.Stream(device)
-    batch = max(1, min(LINK_BATCH, (64 << 20) // (n * store.bytes_per_expert)))
-    graphs = {size: _captured(stream, lambda s=size: miss_copy(store, pool, plan, counts[s]), batch)
+    # a replay copies every group once (LINK_BATCH rounds of them where they are few and small)
+    rounds = max(1, min(LINK_BATCH, (64 << 20) // (groups * n * store.bytes_per_expert)))
+    batch = rounds * groups
+
+    def copies(size: int) -> None:
+        for g in range(groups):
+            miss_copy(store, pool, plans[g], counts[size])
+
+    graphs = {size: _captured(stream, lambda s=size: copies(s), rounds)
               for size in (1, n)}  # compiles on the first call (cached on disk after the first run)
 
     def link_us(size: int, seconds: float, keep_going=lambda: True) -> list[float]:
@@ -231,6 +277,15 @@ def _measure(store: HostStore, cfg: MoEConfig, pool: SlotPool, experts: np.ndarr
     for size in (1, n):  # first calls: compiles (cached on disk after the first run) and page-ins
         cpu_call(size)
         link_us(size, 0.0)
+    handoff = _HandOff(cpu, cfg, device, stream)
+    try:
+        return _timed(store, cfg, n, cpu_call, link_us, handoff)
+    finally:
+        handoff.close()
+
+
+def _timed(store: HostStore, cfg: MoEConfig, n: int, cpu_call, link_us, handoff: _HandOff) -> ChannelMeasure:
+    """The timed phases of _measure, every kernel compiled and captured."""
     t0 = time.perf_counter()
     link_one, link_all = (float(np.median(link_us(size, ALONE_SECONDS))) for size in (1, n))
     cpu_one, cpu_all = (_median_call_us(lambda s=size: cpu_call(s), ALONE_SECONDS) for size in (1, n))
@@ -263,7 +318,8 @@ def _measure(store: HostStore, cfg: MoEConfig, pool: SlotPool, experts: np.ndarr
     inside = [b - a for a, b in cpu_times if a >= w0 and b <= w1]
     if not inside:  # every CPU call outlasted the window: those that overlapped it
         inside = [b - a for a, b in cpu_times if a < w1 and b > w0]
-    handoff = _handoff_us(cpu, cfg, device, stream)
+    round_trip, idle = handoff.us(True), handoff.us(False)
     seconds = time.perf_counter() - t0
     return ChannelMeasure(store.bytes_per_expert, n, cfg.top_k, link_one, link_all, float(np.median(link_together)),
-                          cpu_one, cpu_all, float(np.median(inside)) * 1e6, threads_in_use(), seconds, handoff)
+                          cpu_one, cpu_all, float(np.median(inside)) * 1e6, threads_in_use(), seconds, round_trip,
+                          idle)

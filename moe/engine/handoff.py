@@ -1,19 +1,25 @@
 """A layer's CPU share of its misses, handed to a CPU worker and back inside the decode graph.
 
     compute stream, after the layer's ensure:
-      _post_kernel: hidden [T, H] (model dtype) -> x (float32), the routed ids of the positions the
-          ensure served on the CPU (slot CPU_SLOT; -1 elsewhere) and their weights -> mapped pinned
-          host memory, (layer, T) beside them; a barrier, a system-scope release, flag_in = seq
+      _post_kernel: pending = whether the ensure served any position on the CPU (slot CPU_SLOT); if so,
+          hidden [T, H] (model dtype) -> x (float32), the routed ids of those positions (-1 elsewhere)
+          and their weights -> mapped pinned host memory, (layer, T) beside them; a barrier, a
+          system-scope release, flag_in = seq
     CPU worker (one thread per SlotCache): spins on flag_in with acquire loads (numba, the GIL
       released), runs moe.kernels.cpu_experts.CpuExperts.moe on what was posted into `out`, and answers
       flag_out = seq with a release store
     compute stream, at the combine (before the routed down launch):
-      _wait_kernel: one program spins on flag_out (volatile loads) until it reaches seq, a system-scope
-          acquire, then dst [T, H] = addend (the shared expert's output, or 0) + out
+      _wait_kernel: if pending, one program spins on flag_out (volatile loads) until it reaches seq, a
+          system-scope acquire; then dst [T, H] = addend (the shared expert's output, or 0) + (out if
+          pending, else 0)
+
+A layer call that serves nothing on the CPU (every miss copied, or none) hands nothing over: the worker
+is not woken and the wait does not wait, so a split costs a call with no CPU share two short launches.
 
 No host sync and fixed buffers: the post and the wait capture in the decode step's CUDA graph, and
 between them the copies of the layer's other misses and the GPU's hits run while the CPU computes.
-seq is a device counter the post advances, so every replay hands over a new number. The routed GPU
+seq is a device counter each hand-over advances, so every one carries a new number; pending is a device
+flag the post writes and the wait reads, on the same stream. The routed GPU
 launches skip a CPU_SLOT position (its slot is below 0), so every expert of a row is added once, in a
 fixed order: the GPU's in its down launch, the CPU's (summed by the worker in ascending j) in the
 addend.
@@ -108,30 +114,36 @@ def await_flag(flag_ptr, seq_ptr, fence_ptr):
 
 @triton.jit
 def _post_kernel(hidden_ptr, ids_ptr, slots_ptr, w_ptr, x_ptr, cid_ptr, cw_ptr, meta_ptr, seq_ptr, flag_ptr,
-                 fence_ptr, layer, rows, H: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    for r in range(rows):
-        for h0 in tl.static_range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            tl.store(x_ptr + r * H + h, tl.load(hidden_ptr + r * H + h, mask=h < H).to(tl.float32), mask=h < H)
+                 fence_ptr, pending_ptr, layer, rows, always, H: tl.constexpr, K: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     p = tl.arange(0, BLOCK_K)
     pm = p < rows * K
     slot = tl.load(slots_ptr + p, mask=pm, other=-1)
-    tl.store(cid_ptr + p, tl.where(slot == _CPU_SLOT, tl.load(ids_ptr + p, mask=pm, other=-1), -1), mask=pm)
-    tl.store(cw_ptr + p, tl.load(w_ptr + p, mask=pm, other=0.0), mask=pm)
-    tl.store(meta_ptr + _META_LAYER, layer)
-    tl.store(meta_ptr + _META_ROWS, rows)
-    raise_flag(seq_ptr, flag_ptr, fence_ptr)
+    on_cpu = (slot == _CPU_SLOT) & pm
+    go = (tl.sum(on_cpu.to(tl.int32), axis=0) > 0) | (always != 0)
+    tl.store(pending_ptr, go.to(tl.int32))
+    if go:
+        for r in range(rows):
+            for h0 in tl.static_range(0, H, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                tl.store(x_ptr + r * H + h, tl.load(hidden_ptr + r * H + h, mask=h < H).to(tl.float32), mask=h < H)
+        tl.store(cid_ptr + p, tl.where(on_cpu, tl.load(ids_ptr + p, mask=pm, other=-1), -1), mask=pm)
+        tl.store(cw_ptr + p, tl.load(w_ptr + p, mask=pm, other=0.0), mask=pm)
+        tl.store(meta_ptr + _META_LAYER, layer)
+        tl.store(meta_ptr + _META_ROWS, rows)
+        raise_flag(seq_ptr, flag_ptr, fence_ptr)
 
 
 @triton.jit
-def _wait_kernel(flag_ptr, seq_ptr, out_ptr, addend_ptr, dst_ptr, fence_ptr, rows, H: tl.constexpr,
+def _wait_kernel(flag_ptr, seq_ptr, pending_ptr, out_ptr, addend_ptr, dst_ptr, fence_ptr, rows, H: tl.constexpr,
                  BLOCK_H: tl.constexpr, ADDEND: tl.constexpr):
-    await_flag(flag_ptr, seq_ptr, fence_ptr)
+    go = tl.load(pending_ptr) != 0
+    if go:
+        await_flag(flag_ptr, seq_ptr, fence_ptr)
     for r in range(rows):
         for h0 in tl.static_range(0, H, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
-            y = tl.load(out_ptr + r * H + h, mask=h < H, other=0.0, volatile=True)
+            y = tl.load(out_ptr + r * H + h, mask=(h < H) & go, other=0.0, volatile=True)
             if ADDEND:
                 y += tl.load(addend_ptr + r * H + h, mask=h < H, other=0.0)
             tl.store(dst_ptr + r * H + h, y, mask=h < H)
@@ -167,6 +179,7 @@ class CpuShare:
         self._np = {name: t.numpy() for name, t in self._host.items()}
         self._seq = torch.zeros(1, dtype=torch.int32, device=device)
         self._fence = torch.zeros(1, dtype=torch.int32, device=device)
+        self._pending = torch.zeros(1, dtype=torch.int32, device=device)
         self.error: BaseException | None = None
         self.trace: list[tuple[int, int, int, int]] | None = None
         self._thread = threading.Thread(target=self._serve, name="expertcache-cpu-share", daemon=True)
@@ -185,7 +198,7 @@ class CpuShare:
                 served = int((a["ids"][:rows] >= 0).sum())
                 if served:
                     self.experts.moe(layer, a["x"][:rows], a["ids"][:rows], a["weights"][:rows], out=a["out"][:rows])
-                else:  # nothing served this call: answer at once, without waking the kernels' threads
+                else:  # a post with nothing served (post's `always`): answer at once, no kernel threads woken
                     a["out"][:rows] = 0.0
             except Exception as exc:  # kept for check(): the GPU must not wait forever
                 a["out"][:rows] = 0.0
@@ -196,21 +209,22 @@ class CpuShare:
             last = s
 
     def post(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
-             weights: torch.Tensor) -> None:
+             weights: torch.Tensor, always: bool = False) -> None:
         """Hand over the positions of hidden [T, H] whose slot is CPU_SLOT (ids, slots int32, weights
-        float32 [T, k], on the device)."""
+        float32 [T, k], on the device), when there are any; `always`: hand over even when there are
+        none (the worker answers at once: the round trip alone, as measure_channels times it)."""
         self._open("post")
         v, rows = self._views, hidden.shape[0]
         _post_kernel[(1,)](hidden, ids, slots, weights, v["x"], v["ids"], v["weights"], v["meta"], self._seq,
-                           v["flag_in"], self._fence, layer, rows, H=self.hidden, K=self.top_k, BLOCK_H=1024,
-                           BLOCK_K=triton.next_power_of_2(GEMV_MAX_TOKENS * self.top_k))
+                           v["flag_in"], self._fence, self._pending, layer, rows, int(always), H=self.hidden,
+                           K=self.top_k, BLOCK_H=1024, BLOCK_K=triton.next_power_of_2(GEMV_MAX_TOKENS * self.top_k))
 
     def wait(self, addend: torch.Tensor | None, dst: torch.Tensor) -> torch.Tensor:
         """dst [T, H] float32 = addend (or 0) + the CPU's share of the last post, once it is back."""
         self._open("wait")
         v = self._views
-        _wait_kernel[(1,)](v["flag_out"], self._seq, v["out"], dst if addend is None else addend, dst, self._fence,
-                           dst.shape[0], H=self.hidden, BLOCK_H=1024, ADDEND=addend is not None)
+        _wait_kernel[(1,)](v["flag_out"], self._seq, self._pending, v["out"], dst if addend is None else addend, dst,
+                           self._fence, dst.shape[0], H=self.hidden, BLOCK_H=1024, ADDEND=addend is not None)
         return dst
 
     def check(self) -> None:

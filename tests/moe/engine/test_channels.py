@@ -6,13 +6,14 @@ The arithmetic and the choice on the CPU with measures given; measure_channels i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
 import pytest
 
 from expertcache.split import MissSplit
-from moe.engine.channels import ChannelMeasure, choose_service, measure_channels
+from moe.engine.channels import ROTATION_BYTES, ChannelMeasure, choose_service, measure_channels, rotation
 from moe.engine.loading import choose_miss_service, resolve_miss_service
 from moe.kernels import cpu_experts
 
@@ -53,17 +54,44 @@ def test_auto_picks_hybrid_when_the_cpu_helps_and_copy_when_it_does_not():
     contended = _measure(80.0, 400.0, link_slow=2.0, cpu_slow=2.0).costs()
     assert choose_service(contended, 8)[0] == "copy"
     assert MissSplit.hybrid(contended).copies_for(8) < 8, "the table alone would still split"
-    # the hand-off every hybrid layer call pays, served or not: a dear one tips the choice to copy
+    # the post and wait every hybrid layer call launches, served or not: dear ones tip the choice to copy
     near = _measure(80.0, 400.0).costs()
     assert choose_service(near, 8)[0] == "hybrid"
-    assert choose_service(near, 8, handoff_us=400.0)[0] == "copy"
-    assert "with the hand-off" in choose_service(near, 8, handoff_us=9.0)[1]
+    assert choose_service(near, 8, idle_us=400.0)[0] == "copy"
+    assert "with the hand-off" in choose_service(near, 8, idle_us=2.0)[1]
+
+
+def test_the_round_trip_is_the_cpus_fixed_part():
+    """Paid only by a call the CPU serves: in the CPU's fixed cost, so the table copies every miss of a
+    call where splitting would not repay it."""
+    cheap, dear = (dataclasses.replace(_measure(80.0, 100.0, cpu_fixed=0.0), handoff_us=h) for h in (0.0, 500.0))
+    assert cheap.costs().cpu_fixed_us == pytest.approx(0.0) and dear.costs().cpu_fixed_us == pytest.approx(500.0)
+    assert MissSplit.hybrid(cheap.costs()).copies_for(2) == 1
+    assert MissSplit.hybrid(dear.costs()).copies_for(2) == 2 and MissSplit.hybrid(dear.costs()).copies_for(8) < 8
+    assert "with the hand-off's 500.0" in dear.describe()
 
 
 def test_the_table_balances_the_together_rates():
     costs = _measure(80.0, 160.0, link_fixed=0.0, cpu_fixed=0.0, link_slow=1.0, cpu_slow=1.0).costs()
     table = MissSplit.hybrid(costs)
     assert table.copies_for(6) == 4 and table.copies_for(3) == 2  # the link twice as fast: two thirds copied
+
+
+@pytest.mark.parametrize("layers, experts, n, expert_mib", [(48, 128, 8, 9), (48, 128, 8, 2), (4, 8, 8, 1),
+                                                          (3, 20, 6, 64), (2, 64, 8, 1)])
+def test_the_rotation_reads_past_the_host_cache(layers, experts, n, expert_mib):
+    """Each group n distinct experts of one layer, no expert in two groups, the layers in turn; the groups
+    hold ROTATION_BYTES or every group the store has."""
+    got_layers, got = rotation(layers, experts, n, expert_mib * MIB, np.random.default_rng(3))
+    groups = len(got)
+    assert got.shape == (groups, n) and got_layers.shape == (groups,)
+    assert groups == min(-(-ROTATION_BYTES // (n * expert_mib * MIB)), layers * (experts // n))
+    keys = got_layers[:, None].astype(np.int64) * experts + got
+    assert len(np.unique(keys)) == keys.size  # distinct within and across groups
+    assert ((got >= 0) & (got < experts)).all() and (np.diff(got, axis=1) > 0).all()
+    assert list(got_layers[:min(groups, layers)]) == list(range(min(groups, layers)))
+    with pytest.raises(ValueError, match="num_experts"):
+        rotation(layers, 4, 8, MIB, np.random.default_rng(0))
 
 
 def test_resolve_on_a_gpu_measures_once_and_logs_what_it_chose(caplog, monkeypatch):

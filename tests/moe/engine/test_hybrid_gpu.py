@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,3 +85,65 @@ def test_channels_measured_together(checkpoint, caplog):
                             progress=False, miss_service="auto")
     assert "--moe-miss-service auto" in caplog.text and "chose " in caplog.text and "GB/s" in caplog.text
     engine.moe.slots.close()
+
+
+def test_the_hand_off_serves_only_what_the_ensure_sent_to_the_cpu():
+    """CpuShare on its own, in a CUDA graph: a call with no CPU_SLOT position wakes no worker and adds
+    nothing (dst = addend); `always` hands over anyway and the worker answers with nothing served; a call
+    with CPU positions gets CpuExperts' sum of exactly those, added to the addend."""
+    from expertcache.geometry import CPU_SLOT
+    from moe.engine.handoff import CpuShare
+    from moe.kernels.cpu_experts import CpuExperts
+    from moe.model.config import MoEConfig
+    from moe.testing.synthetic import random_weights
+
+    cfg = MoEConfig(hidden=256, num_experts=6, top_k=3, expert_intermediate=64, expert_format="bf16",
+                    dtype="bfloat16")
+    store = random_weights(cfg, 2, device="cpu", seed=4, pin=True).store
+    experts = CpuExperts(store, cfg)
+    share = CpuShare(experts, torch.device("cuda"))
+    share.trace = []
+    try:
+        g = torch.Generator().manual_seed(9)
+        hidden = torch.randn((2, cfg.hidden), generator=g).to(torch.bfloat16).cuda()
+        ids = torch.tensor([[0, 3, 5], [2, 3, 4]], dtype=torch.int32, device="cuda")
+        weights = torch.rand((2, 3), generator=g).cuda()
+        addend = torch.randn((2, cfg.hidden), generator=g).cuda()
+        dst = torch.full((2, cfg.hidden), float("nan"), device="cuda")
+        slots = torch.zeros((2, 3), dtype=torch.int32, device="cuda")
+        always = [False]
+
+        def call() -> None:
+            share.post(1, hidden, ids, slots, weights, always=always[0])
+            share.wait(addend, dst)
+
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            call()
+            always[0] = True
+            call()
+            always[0] = False
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            call()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            torch.cuda.synchronize()
+            return dst.cpu()
+
+        assert [e[2:] for e in share.trace] == [(1, 0)]  # the eager pair: only `always` handed over
+        slots[0, 1] = slots[1, 2] = CPU_SLOT
+        slots[0, 0] = 7
+        served = replay()
+        assert [e[2:] for e in share.trace] == [(1, 0), (1, 2)]
+        cpu_ids = np.full((2, 3), -1, np.int32)
+        cpu_ids[0, 1], cpu_ids[1, 2] = 3, 4
+        want = experts.moe(1, hidden.float().cpu().numpy(), cpu_ids, weights.cpu().numpy())
+        assert torch.equal(served, addend.cpu() + torch.from_numpy(want))
+        slots.zero_()
+        assert torch.equal(replay(), addend.cpu()) and len(share.trace) == 2  # nothing handed over
+        share.check()
+    finally:
+        share.close()
