@@ -97,13 +97,17 @@ for part in $parts; do
         --trace-out "$OUT/hybrid-step-trace.json.gz" > "$OUT/hybrid-step.log" 2>&1; echo "hybrid-step: exit $?"
       tail -12 "$OUT/hybrid-step.log" ;;
     sanitize-hybrid)
-      # the hand-off's kernels and the split ensure under compute-sanitizer (a small model, equal channels)
+      # the hand-off's kernels and the split ensure under compute-sanitizer (a small model, equal channels);
+      # racecheck's reports are counted by kernel: cuBLAS's nvjet GEMMs and cuDNN's attention are vendor
+      # kernels, the rest this project's
       export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
       for tool in memcheck racecheck; do
         timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 3 python3 benchmarks/hybrid_step.py \
           --small --even --warmup 3 --steps 2 > "$OUT/sanitize-hybrid-$tool.log" 2>&1
         echo "compute-sanitizer $tool (hybrid): exit $?"; tail -3 "$OUT/sanitize-hybrid-$tool.log"
-      done ;;
+      done
+      grep "Race reported" "$OUT/sanitize-hybrid-racecheck.log" | sed 's/.* at \([^+]*\)+.*/\1/' | sort | uniq -c \
+        | awk '{v = ($2 ~ /^(nvjet|cudnn|cutlass|sm90_xmma)/) ? "vendor" : "ours"; print "racecheck reports in", v, "kernel", $2 ":", $1}' ;;
     decode-hybrid)
       # decode tok/s against the VRAM budget at Qwen3-30B-A3B's 48 layers, copy and hybrid over the same weights,
       # per format, the simulator beside each row (run a format or two per call: a 48-layer bf16 store is 58 GB)
