@@ -245,9 +245,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--experts", type=int, default=4, help="experts a call")
     ap.add_argument("--tokens", default="1", help=f"comma list of tokens a call, each in 1..{MAX_TOKENS}")
     ap.add_argument("--store-gib", type=float, default=2.0, help="GiB of experts a store holds (>> the CPU caches)")
-    ap.add_argument("--threads", type=int, default=numba.config.NUMBA_NUM_THREADS,
-                    help="numba threads of the kernel (default: all cores; with --with-link, one fewer leaves the "
-                         "copy thread a core)")
+    ap.add_argument("--threads", type=int,
+                    help="numba threads of the kernel (default: all cores; with --with-link one fewer, which leaves "
+                         "the copy thread a core)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--with-link", action="store_true", help="with CUDA: the copy-engine load beside the kernel")
@@ -271,6 +271,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--tokens: each in 1..{MAX_TOKENS}")
     if args.experts < 1 or args.reps < 1 or args.store_gib <= 0:
         ap.error("--experts and --reps must be >= 1 and --store-gib > 0")
+    if args.threads is None:
+        args.threads = max(1, numba.config.NUMBA_NUM_THREADS - args.with_link)
     if not 1 <= args.threads <= numba.config.NUMBA_NUM_THREADS:
         ap.error(f"--threads: in 1..{numba.config.NUMBA_NUM_THREADS} (NUMBA_NUM_THREADS)")
     return args

@@ -48,3 +48,13 @@ def test_bad_options_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
         load_bench("bench_cpu_experts").parse(argv)
     assert message in capsys.readouterr().err
+
+
+def test_the_default_threads_leave_the_copy_thread_a_core():
+    import numba
+
+    bench = load_bench("bench_cpu_experts")
+    cores = numba.config.NUMBA_NUM_THREADS
+    assert bench.parse([]).threads == cores
+    assert bench.parse(["--with-link"]).threads == max(1, cores - 1)
+    assert bench.parse(["--with-link", "--threads", "1"]).threads == 1
