@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "worker_busy_share": busy / max(float(np.sum(step_us)), 1e-9)})
     served = int(run.backend.slots.cache.served.sum().item()) - served_before
     # a layer call hands over only what its ensure served on the CPU: every answer serves, and together
-    # they served what the cache counted
+    # they served what the cache counted (positions against keys: one row, so each position is a key)
     if result["served_positions"] != served or any(e[3] == 0 for e in events):
         raise SystemExit(f"the CPU share answered {len(events)} times serving {result['served_positions']} positions "
                          f"(each {[e[3] for e in events]}), but the cache served {served} in {args.steps} steps")

@@ -3,15 +3,17 @@
     HostStore (pinned), MoEConfig, CUDA device ──measure_channels──► ChannelMeasure
         groups: G groups of n experts of one layer each, no expert in two groups, G * n experts'
               bytes at least ROTATION_BYTES where the store holds them (rotation())
-        link: expertcache.copy.miss_copy of 1 and of n experts of each group in turn into a scratch pool
-              of n slots, back to back in a CUDA graph replayed on a stream of its own (CUDA events)
-        cpu:  moe.kernels.cpu_experts.CpuExperts.moe over 1 and over n experts of each group in turn
+        link: expertcache.copy.miss_copy of each group's n experts, and of each of them alone, in turn
+              into a scratch pool of n slots, back to back in a CUDA graph replayed on a stream of its own
+        cpu:  moe.kernels.cpu_experts.CpuExperts.moe over each group, and over each of its experts alone,
+              in turn
         each channel alone, then both at once (a thread runs the CPU calls; numba releases the GIL)
-        hand-off: moe.engine.handoff's post and wait replayed in a CUDA graph, handing over with nothing
-              served (the round trip) and not (a layer call with no CPU share)
+        hand-off (first): moe.engine.handoff's post and wait replayed in a CUDA graph, handing over with
+              nothing served (the round trip) and not (a layer call with no CPU share); its worker is
+              stopped before the channels are timed
     ChannelMeasure ──.costs()──► expertcache.split.ChannelCosts: per expert, the slope between the 1- and
         the n-expert calls alone, and the n-expert call beside the other channel less the fixed part; the
-        round trip in the CPU's fixed part
+        round trip beyond the two launches in the CPU's fixed part
     ChannelCosts, top_k, hand-off ──choose_service──► ("hybrid" | "copy", why)
 
 Both channels read the same host memory, so what the split balances is each one's rate beside the other:
@@ -59,7 +61,8 @@ class ChannelMeasure:
     `experts` while the CPU computes. cpu_*: the same for CpuExperts.moe on `threads` threads.
     handoff_us: a post and wait (moe.engine.handoff) handing over with nothing served: the round trip a
     layer call pays when the CPU serves. idle_us: the same two launches with nothing handed over, which
-    every layer call of a split pays. seconds: the measurement's wall time (after each kernel's first call).
+    every layer call of a split pays (so the CPU's fixed part holds the round trip beyond them).
+    seconds: the measurement's wall time (after each kernel's first call).
     """
 
     expert_bytes: int
@@ -89,7 +92,8 @@ class ChannelMeasure:
     def costs(self) -> ChannelCosts:
         lf, lt, la = self._channel(self.link_one_us, self.link_all_us, self.link_together_us)
         cf, ct, ca = self._channel(self.cpu_one_us, self.cpu_all_us, self.cpu_together_us)
-        return ChannelCosts(lf, lt, cf + self.handoff_us, ct, link_alone_per_expert_us=la, cpu_alone_per_expert_us=ca)
+        extra = max(self.handoff_us - self.idle_us, 0.0)  # the launches are in idle_us, which every call pays
+        return ChannelCosts(lf, lt, cf + extra, ct, link_alone_per_expert_us=la, cpu_alone_per_expert_us=ca)
 
     def gbps(self) -> dict[str, float]:
         """Each channel's bytes per second (GB/s) alone and together, from the per-expert times."""
@@ -102,8 +106,9 @@ class ChannelMeasure:
         g, c = self.gbps(), self.costs()
         return (f"link {g['link_alone']:.1f} GB/s alone, {g['link_together']:.1f} beside the CPU (fixed "
                 f"{c.link_fixed_us:.1f} us); CPU on {self.threads} threads {g['cpu_alone']:.1f} GB/s alone, "
-                f"{g['cpu_together']:.1f} beside the link (fixed {c.cpu_fixed_us:.1f} us with the hand-off's "
-                f"{self.handoff_us:.1f}); {self.idle_us:.1f} us a layer call with no CPU share; experts of "
+                f"{g['cpu_together']:.1f} beside the link (fixed {c.cpu_fixed_us:.1f} us, with the hand-off's "
+                f"round trip of {self.handoff_us:.1f} beyond the {self.idle_us:.1f} us every layer call of a split "
+                f"pays); experts of "
                 f"{self.expert_bytes / 2**20:.2f} MiB, measured in {self.seconds:.2f} s")
 
 
@@ -181,7 +186,11 @@ def measure_channels(store: HostStore, cfg: MoEConfig, device: torch.device | st
     rng = np.random.default_rng(0)
     layers, experts = rotation(store.num_keys // cfg.num_experts, cfg.num_experts, n, store.bytes_per_expert, rng)
     cpu = CpuExperts(store, cfg)
-    calls = {size: [_cpu_rows(cfg, group[:size], rng) for group in experts] for size in (1, n)}
+    # every expert of the rotation once a turn at either size: the n-expert calls a group each, the
+    # 1-expert calls each of the group's experts alone
+    calls = {n: [(int(layer), _cpu_rows(cfg, group, rng)) for layer, group in zip(layers, experts)],
+             1: [(int(layer), _cpu_rows(cfg, group[j:j + 1], rng)) for layer, group in zip(layers, experts)
+                 for j in range(len(group))]}
     pool = SlotPool(store.banks, n, device=device)
     try:
         return _measure(store, cfg, pool, layers, experts, calls, cpu)
@@ -217,7 +226,8 @@ def _captured(stream: torch.cuda.Stream, fn, rounds: int) -> torch.cuda.CUDAGrap
 class _HandOff:
     """A layer call's post and wait with nothing served (every slot a GPU one) on a CpuShare of its own,
     captured HANDOFF_ROUNDS times back to back in two CUDA graphs: handing over (the round trip) and not
-    (the launches alone). Made, compiled and captured before the timed phases; `us` times a replay."""
+    (the launches alone). Made, compiled and captured before the timed phases (closed again should that
+    fail); `us` times a replay."""
 
     def __init__(self, cpu: CpuExperts, cfg: MoEConfig, device: torch.device, stream: torch.cuda.Stream) -> None:
         self.share, self.stream = CpuShare(cpu, device), stream
@@ -231,8 +241,12 @@ class _HandOff:
             self.share.post(0, hidden, ids, slots, weights, always=always)
             self.share.wait(None, dst)
 
-        self.graphs = {always: _captured(stream, lambda a=always: round_trip(a), HANDOFF_ROUNDS)
-                       for always in (True, False)}
+        try:
+            self.graphs = {always: _captured(stream, lambda a=always: round_trip(a), HANDOFF_ROUNDS)
+                           for always in (True, False)}
+        except BaseException:
+            self.share.close()  # its worker would spin on for the rest of the process
+            raise
 
     def us(self, always: bool) -> float:
         return float(np.median([_replay_us(self.graphs[always], self.stream, HANDOFF_ROUNDS) for _ in range(5)]))
@@ -247,30 +261,36 @@ def _measure(store: HostStore, cfg: MoEConfig, pool: SlotPool, layers: np.ndarra
     turn = {size: 0 for size in (1, n)}
 
     def cpu_call(size: int) -> None:
-        g = turn[size] = (turn[size] + 1) % groups
-        cpu.moe(int(layers[g]), *calls[size][g])
+        i = turn[size] = (turn[size] + 1) % len(calls[size])
+        layer, args = calls[size][i]
+        cpu.moe(layer, *args)
 
     keys = layers[:, None].astype(np.int64) * cfg.num_experts + experts
     slots = np.broadcast_to(np.arange(n), (groups, n))
     plans = torch.tensor(np.stack([keys, slots], axis=2).astype(np.int32), device=device)  # [G, n, 2]
     counts = {size: torch.tensor([size], dtype=torch.int32, device=device) for size in (1, n)}
     stream = torch.cuda.Stream(device)
-    # a replay copies every group once (LINK_BATCH rounds of them where they are few and small)
+    # a replay copies every expert of the rotation once (LINK_BATCH rounds of them where they are few and
+    # small): a copy of each group, or of each of its experts alone
     rounds = max(1, min(LINK_BATCH, (64 << 20) // (groups * n * store.bytes_per_expert)))
-    batch = rounds * groups
+    batch = {n: rounds * groups, 1: rounds * groups * n}
 
     def copies(size: int) -> None:
         for g in range(groups):
-            miss_copy(store, pool, plans[g], counts[size])
+            if size == n:
+                miss_copy(store, pool, plans[g], counts[n])
+            else:
+                for j in range(n):
+                    miss_copy(store, pool, plans[g, j:j + 1], counts[1])
 
     graphs = {size: _captured(stream, lambda s=size: copies(s), rounds)
               for size in (1, n)}  # compiles on the first call (cached on disk after the first run)
 
     def link_us(size: int, seconds: float, keep_going=lambda: True) -> list[float]:
-        """Per-call times of `batch` back-to-back copies of `size` experts, replay by replay."""
+        """Per-call times of the back-to-back copies of `size` experts, replay by replay."""
         out, end = [], time.perf_counter() + seconds
         while True:
-            out.append(_replay_us(graphs[size], stream, batch))
+            out.append(_replay_us(graphs[size], stream, batch[size]))
             if (time.perf_counter() >= end and len(out) >= 3) or not keep_going():
                 return out
 
@@ -279,14 +299,17 @@ def _measure(store: HostStore, cfg: MoEConfig, pool: SlotPool, layers: np.ndarra
         link_us(size, 0.0)
     handoff = _HandOff(cpu, cfg, device, stream)
     try:
-        return _timed(store, cfg, n, cpu_call, link_us, handoff)
+        t0 = time.perf_counter()
+        round_trip, idle = handoff.us(True), handoff.us(False)
     finally:
-        handoff.close()
+        handoff.close()  # its worker spins: stopped before the CPU is timed
+    return _timed(store, cfg, n, cpu_call, link_us, t0, round_trip, idle)
 
 
-def _timed(store: HostStore, cfg: MoEConfig, n: int, cpu_call, link_us, handoff: _HandOff) -> ChannelMeasure:
-    """The timed phases of _measure, every kernel compiled and captured."""
-    t0 = time.perf_counter()
+def _timed(store: HostStore, cfg: MoEConfig, n: int, cpu_call, link_us, t0: float, round_trip: float,
+           idle: float) -> ChannelMeasure:
+    """The channels' timed phases of _measure (every kernel compiled and captured), after the hand-off's
+    (from t0)."""
     link_one, link_all = (float(np.median(link_us(size, ALONE_SECONDS))) for size in (1, n))
     cpu_one, cpu_all = (_median_call_us(lambda s=size: cpu_call(s), ALONE_SECONDS) for size in (1, n))
     cpu_times: list[tuple[float, float]] = []
@@ -318,7 +341,6 @@ def _timed(store: HostStore, cfg: MoEConfig, n: int, cpu_call, link_us, handoff:
     inside = [b - a for a, b in cpu_times if a >= w0 and b <= w1]
     if not inside:  # every CPU call outlasted the window: those that overlapped it
         inside = [b - a for a, b in cpu_times if a < w1 and b > w0]
-    round_trip, idle = handoff.us(True), handoff.us(False)
     seconds = time.perf_counter() - t0
     return ChannelMeasure(store.bytes_per_expert, n, cfg.top_k, link_one, link_all, float(np.median(link_together)),
                           cpu_one, cpu_all, float(np.median(inside)) * 1e6, threads_in_use(), seconds, round_trip,

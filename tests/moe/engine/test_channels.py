@@ -68,7 +68,10 @@ def test_the_round_trip_is_the_cpus_fixed_part():
     assert cheap.costs().cpu_fixed_us == pytest.approx(0.0) and dear.costs().cpu_fixed_us == pytest.approx(500.0)
     assert MissSplit.hybrid(cheap.costs()).copies_for(2) == 1
     assert MissSplit.hybrid(dear.costs()).copies_for(2) == 2 and MissSplit.hybrid(dear.costs()).copies_for(8) < 8
-    assert "with the hand-off's 500.0" in dear.describe()
+    assert "round trip of 500.0 beyond the 0.0 us" in dear.describe()
+    # the launches every call pays (idle_us, charged by choose_service) are not counted again
+    assert dataclasses.replace(dear, idle_us=30.0).costs().cpu_fixed_us == pytest.approx(470.0)
+    assert dataclasses.replace(cheap, idle_us=30.0).costs().cpu_fixed_us == pytest.approx(0.0)
 
 
 def test_the_table_balances_the_together_rates():

@@ -118,6 +118,7 @@ def test_the_hand_off_serves_only_what_the_ensure_sent_to_the_cpu():
             share.wait(addend, dst)
 
         stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())  # the inputs above, and the share's counters
         with torch.cuda.stream(stream):
             call()
             always[0] = True
