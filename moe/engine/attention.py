@@ -226,11 +226,12 @@ def _ring_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Attentio
 
 
 def attention_prefill(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rope: Rope, cache: KVCache,
-                      layer: int, row: int, start: int = 0) -> torch.Tensor:
+                      layer: int, row: int, start: int = 0, tap=None) -> torch.Tensor:
     """Prompt tokens x [T, H] of sequence `row` at positions start..start+T-1 -> [T, H]; writes their
     k, v into cache row `row` there. start > 0 is a later chunk of a chunked prefill: its queries attend
     to the row's cached positions 0..start-1 and causally within the chunk (start = 0: exactly the
-    one-chunk computation).
+    one-chunk computation). tap(layer, start, k, v): handed the chunk's k, v [T, Hkv, D] as they are
+    cached (a sliding layer's ring keeps only its last window of them; moe.engine.prefix saves them all).
 
     Cost O(T * H * (Hq + 2 Hkv) * D / H + T * (start + T) * Hq * D). Raises ValueError naming max_seq_len
     when the prompt does not fit the cache.
@@ -239,6 +240,8 @@ def attention_prefill(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rop
     if start + t > cache.max_len:
         raise ValueError(f"a prompt of {start + t} tokens exceeds max_seq_len={cache.max_len}: raise max_seq_len")
     q, k, v = _project(x, w, spec, torch.arange(start, start + t, device=x.device), rope)
+    if tap is not None:
+        tap(layer, start, k, v)
     if cache.ring[layer]:  # a sliding layer's ring
         out = _ring_prefill(q, k, v, w, spec, cache, layer, row, start)
         return F.linear(_gated(out.reshape(t, -1), x, w), w.o, w.o_bias)

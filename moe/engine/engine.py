@@ -15,6 +15,7 @@
     tokens go into a static buffer, every per-row state (KV, lengths) is read from device buffers
 
     prompt ──join──► prefill into row B (the next free row) while rows 0..B-1 keep their state; B += 1
+        (with a prefix cache: the longest kept prefix restored into the row first, the rest prefilled)
     row ──leave──► swap-remove: the last row's KV (its cached positions only) moves into `row`; B -= 1
 
 Models with linear-attention layers (Qwen3-Next): such a layer (moe.engine.linear_attention) takes the place of
@@ -48,11 +49,13 @@ from moe.engine.attention import KVCache, Rope, attention_decode, attention_deco
 from moe.engine.backends import MoEBackend
 from moe.engine.graphs import DecodeGraphs
 from moe.engine.linear_attention import RecurrentCache, linear_attention_decode, linear_attention_prefill
+from moe.engine.prefix import ROOT, PrefixCache
 from moe.kernels.decode_norm import add_rms_norm
 from moe.model.checkpoint import DenseWeights, LayerWeights, ModelWeights, MoEWeights
 from moe.model.linear_attention import LinearAttentionWeights
 
 PREFILL_CHUNK = 16384  # prompt tokens a prefill pass takes at once (a longer prompt runs in chunks)
+PREFIX_BLOCK_TOKENS = 64  # tokens of a prefix-cache block (moe.engine.prefix)
 
 
 class Engine:
@@ -61,17 +64,26 @@ class Engine:
     (PREFILL_CHUNK: a longer prompt's activations stay those of a chunk). record_routing: keep each decode step's routed
     expert ids (`routing()`), for an expertcache-trace/1 file. cuda_graphs: capture and replay decode
     steps per batch size (moe.engine.graphs; `graphs` holds them); None = on for a CUDA device, off on the
-    CPU; False = eager GPU decode (debugging).
-    Raises ValueError naming max_batch / max_seq_len when a batch or a sequence does not fit, and
-    cuda_graphs when it is True for a CPU model.
+    CPU; False = eager GPU decode (debugging). prefix_blocks > 0: keep the KV of up to that many blocks of
+    prefix_block_tokens prompt and generated tokens (moe.engine.prefix, `prefix`): a joining prompt
+    restores the longest kept prefix it starts with and computes only the rest (`cached_tokens`); the
+    blocks are saved as prefill computes them and as decode completes them. Greedy tokens are those of
+    computing the whole prompt (the restored k, v are the ones computed then; the rest attends to them).
+    Raises ValueError naming max_batch / max_seq_len when a batch or a sequence does not fit,
+    cuda_graphs when it is True for a CPU model, and prefill_chunk / the prefix cache's options when
+    they disagree.
     """
 
     def __init__(self, weights: ModelWeights, moe: MoEBackend, *, max_batch: int = 1, max_seq_len: int = 2048,
                  record_routing: bool = False, cuda_graphs: bool | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, prefix_blocks: int = 0,
+                 prefix_block_tokens: int = PREFIX_BLOCK_TOKENS) -> None:
         if max_batch < 1 or max_seq_len < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch={max_batch}, max_seq_len={max_seq_len} and prefill_chunk={prefill_chunk} "
                              "must be >= 1")
+        if prefix_blocks and prefill_chunk % prefix_block_tokens:
+            raise ValueError(f"prefill_chunk={prefill_chunk} must be a multiple of prefix_block_tokens="
+                             f"{prefix_block_tokens} with a prefix cache")
         self.prefill_chunk = prefill_chunk
         on_cuda = weights.device.type == "cuda"
         if cuda_graphs and not on_cuda:
@@ -85,6 +97,12 @@ class Engine:
         self.recurrent = (RecurrentCache(self.spec.linear, linear, max_batch, weights.dtype, weights.device)
                           if linear else None)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        # kept prompt prefixes (moe.engine.prefix); per row: its token ids, its restored tokens, and its
+        # saved chain of blocks (count, last id, that id's generation)
+        self.prefix = PrefixCache(self.spec, self.kv, prefix_blocks, prefix_block_tokens) if prefix_blocks else None
+        self._seq: list[list[int]] = []
+        self._cached: list[int] = []
+        self._chain: list[tuple[int, int, int]] = []
         self.record_routing = record_routing
         self._routing: list[torch.Tensor] = []  # per decode step: int32 [L_moe, B, k]
         self._lengths: list[int] = []  # host mirror of kv.lengths for the active batch
@@ -113,7 +131,7 @@ class Engine:
         for prompt in prompts:
             self._check_prompt(prompt)
         self.kv.lengths.zero_()
-        self._lengths = []
+        self._lengths, self._seq, self._cached, self._chain = [], [], [], []
         out = [self._join(prompt, all_logits)[1] for prompt in prompts]
         return out if all_logits else torch.stack(out)
 
@@ -144,8 +162,10 @@ class Engine:
         if not 0 <= row <= last:
             raise ValueError(f"leave: row {row} is not an active row (0..{last})")
         n = self._lengths.pop()
+        moved = [state.pop() for state in (self._seq, self._cached, self._chain)]
         if row == last:
             return None
+        self._seq[row], self._cached[row], self._chain[row] = moved
         for k, v in zip(self.kv.k, self.kv.v):  # each [max_batch, Hkv, max_len, D], None at a linear layer
             if k is not None:
                 k[row, :, :n] = k[last, :, :n]
@@ -168,6 +188,10 @@ class Engine:
         """Tokens cached per active row (prompt + decoded tokens fed back), a host copy [B]."""
         return list(self._lengths)
 
+    def cached_tokens(self, row: int) -> int:
+        """Prompt tokens of `row` restored from the prefix cache when it joined (0 without one)."""
+        return self._cached[row]
+
     def _check_prompt(self, prompt: list[int]) -> None:
         if len(prompt) == 0:
             raise ValueError("prefill got an empty prompt: every prompt needs at least one token")
@@ -179,31 +203,99 @@ class Engine:
         row = self.batch
         if self.recurrent is not None:
             self.recurrent.reset(row)
-        logits = self._prefill_row(self._tokens(prompt), row, all_logits)
+        first, chain = 0, (0, ROOT, 0)
+        if self.prefix is not None and not all_logits:  # all_logits wants every prompt token computed
+            ids = self.prefix.match(prompt, len(prompt) - 1)  # at least the last token is computed
+            first = self.prefix.restore(ids, self.kv, row)
+            if ids:
+                chain = (len(ids), ids[-1], self.prefix.generation(ids[-1]))
+        self._seq.append(list(prompt))
+        self._cached.append(first)
+        self._chain.append(chain)
+        logits = self._prefill_row(self._tokens(prompt), row, all_logits, first)
         self._lengths.append(len(prompt))
         self.kv.lengths[row] = len(prompt)
         return row, logits
 
-    def _prefill_row(self, tokens: torch.Tensor, row: int, all_logits: bool) -> torch.Tensor:
-        """The prompt through every layer in chunks of prefill_chunk tokens (activation memory bounded
-        by a chunk; a chunk attends to the row's cached positions before it)."""
+    def _prefill_row(self, tokens: torch.Tensor, row: int, all_logits: bool, first: int = 0) -> torch.Tensor:
+        """The prompt from position `first` (those before it are in the row's KV: a restored prefix)
+        through every layer in chunks of prefill_chunk tokens (activation memory bounded by a chunk; a
+        chunk attends to the row's cached positions before it). With a prefix cache each chunk's whole
+        blocks are saved as the layers compute their k, v."""
         logits = []
-        for start in range(0, tokens.shape[0], self.prefill_chunk):
-            x = self.weights.embed[tokens[start:start + self.prefill_chunk]]  # [T_chunk, H]
-            for i, lw in enumerate(self.weights.layers):
-                h = rms_norm(x, lw.input_norm, self.spec.rms_eps)
-                if isinstance(lw.attn, LinearAttentionWeights):
-                    x = x + linear_attention_prefill(h[None], lw.attn, self.spec.linear,
-                                                     self.recurrent.rows(i, row, row + 1))[0]
-                else:
-                    x = x + attention_prefill(h, lw.attn, self.spec, self.rope, self.kv, i, row, start)
-                h = rms_norm(x, lw.post_norm, self.spec.rms_eps)
-                x = x + (self.moe.prefill(lw.mlp, h) if isinstance(lw.mlp, MoEWeights) else _dense(lw.mlp, h))
+        for start in range(first, tokens.shape[0], self.prefill_chunk):
+            end = min(start + self.prefill_chunk, tokens.shape[0])
+            res = self._reserve(row, start, end)
+            tap = None if res is None else (lambda layer, at, k, v, r=res: self.prefix.write_chunk(r, layer, at, k, v))
+            try:
+                x = self.weights.embed[tokens[start:end]]  # [T_chunk, H]
+                for i, lw in enumerate(self.weights.layers):
+                    h = rms_norm(x, lw.input_norm, self.spec.rms_eps)
+                    if isinstance(lw.attn, LinearAttentionWeights):
+                        x = x + linear_attention_prefill(h[None], lw.attn, self.spec.linear,
+                                                         self.recurrent.rows(i, row, row + 1))[0]
+                    else:
+                        x = x + attention_prefill(h, lw.attn, self.spec, self.rope, self.kv, i, row, start, tap)
+                    h = rms_norm(x, lw.post_norm, self.spec.rms_eps)
+                    x = x + (self.moe.prefill(lw.mlp, h) if isinstance(lw.mlp, MoEWeights) else _dense(lw.mlp, h))
+            except BaseException:
+                if res is not None:
+                    self.prefix.release(res)
+                raise
+            if res is not None:
+                self._extend_chain(row, self.prefix.commit(res))
             if all_logits:
                 logits.append(self._logits(x))  # [T_chunk, V]
         if all_logits:
             return torch.cat(logits)  # [T, V]
         return self._logits(x[-1:])[0]  # [V]
+
+    def _chain_parent(self, row: int, block: int) -> int | None:
+        """The id under which block `block` of `row` is saved (ROOT for block 0), or None where the
+        row's saved chain does not reach it or its last block was evicted since."""
+        count, last, gen = self._chain[row]
+        if count != block or (count and not self.prefix.alive(last, gen)):
+            return None
+        return last
+
+    def _extend_chain(self, row: int, ids: list[int]) -> None:
+        if ids:
+            count = self._chain[row][0]
+            self._chain[row] = (count + len(ids), ids[-1], self.prefix.generation(ids[-1]))
+
+    def _reserve(self, row: int, start: int, end: int):
+        """The prefix cache's reservation of the whole blocks in prompt positions start..end-1 of `row`
+        (start on a block boundary), after the blocks already cached; None without a cache or where the
+        row's chain is broken."""
+        if self.prefix is None:
+            return None
+        n = self.prefix.block_tokens
+        first, last = start // n, end // n
+        parent = self._chain_parent(row, first)
+        if parent is None or first >= last:
+            return None
+        seq = self._seq[row]
+        known = self.prefix.follow(seq, parent, first, last)
+        self._extend_chain(row, known)
+        parent = known[-1] if known else parent
+        return self.prefix.reserve(seq, parent, first + len(known), last, keep={parent})
+
+    def _save_decoded(self, fed: list[int]) -> None:
+        """After a decode step: each row's fed token into its sequence, and a block it has just completed
+        (its KV holds it) into the prefix cache."""
+        n = self.prefix.block_tokens
+        for row, token in enumerate(fed):
+            seq = self._seq[row]
+            seq.append(token)
+            if len(seq) % n:
+                continue
+            block = len(seq) // n - 1
+            parent = self._chain_parent(row, block)
+            if parent is None:
+                continue
+            bid = self.prefix.save_from_row(seq, parent, block, self.kv, row, keep={parent})
+            if bid is not None:
+                self._extend_chain(row, [bid])
 
     def decode_step(self, tokens) -> torch.Tensor:
         """One token for every sequence of the active batch: tokens [B] ids -> logits float32 [B, V].
@@ -222,6 +314,8 @@ class Engine:
         self.moe.check()  # a CPU expert worker's failure in an earlier step (GpuMoE.check)
         logits, routing = self._decode_body(tokens) if self.graphs is None else self.graphs.run(tokens)
         self._lengths = [n + 1 for n in self._lengths]
+        if self.prefix is not None:
+            self._save_decoded(tokens.tolist())
         if self.record_routing:
             self._routing.append(routing)  # [L_moe, B, k]
         return logits

@@ -47,7 +47,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                expert_format: str | None = None, max_batch: int = 1,
                max_seq_len: int = 2048, record_routing: bool = False, progress: bool = True,
                copy_overlap: bool | None = None, cuda_graphs: bool | None = None, miss_service: str = "copy",
-               cpu_threads: int | None = None, **constants) -> Engine:
+               cpu_threads: int | None = None, prefix_blocks: int = 0, prefix_block_tokens: int = 64,
+               **constants) -> Engine:
     """Load checkpoint directory `path` and build an Engine over an expert cache of `num_slots` slots,
     or of the slots that `cache_gb` GiB hold (exactly one of the two; moe.engine.budget):
     min(floor(cache_gb * 2**30 / P), L * E) with P the bytes of one expert in the HostStore (3 * I * H
@@ -65,7 +66,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     debugging), else on for a CUDA device and off on the CPU. miss_service (--moe-miss-service): how
     misses are served (choose_miss_service; on a GPU, hybrid and auto measure both channels first, and
     Engine.miss_service says what was chosen and why). cpu_threads (--cpu-threads): the CPU expert kernels' threads
-    (default: every core). Cost: reads the checkpoint once; host memory holds every routed expert.
+    (default: every core). prefix_blocks / prefix_block_tokens: the engine's prefix cache (Engine; 0: none).
+    Cost: reads the checkpoint once; host memory holds every routed expert.
     Raises CheckpointError (config key or quantization field, file, tensor, --moe-expert-format),
     ValueError (both or neither of num_slots / cache_gb, a
     cache_gb that is not > 0 or holds fewer than max_batch * top_k experts, num_slots below
@@ -101,7 +103,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                              "--max-batch, or --moe-cache-gb / --moe-slots")
     logger.info("%s", memory_split(budget, weights.spec, max_batch, max_seq_len))
     engine = Engine(weights, backend, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=record_routing,
-                    cuda_graphs=cuda_graphs)
+                    cuda_graphs=cuda_graphs, prefix_blocks=prefix_blocks, prefix_block_tokens=prefix_block_tokens)
     engine.miss_service = service.note
     return engine
 

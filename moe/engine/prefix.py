@@ -1,0 +1,258 @@
+"""Prompt prefixes kept across requests: the KV of whole token blocks, found again by their content.
+
+    tokens ─split─► blocks of `block_tokens` ids; block b's key = (the key's id of block b - 1, or ROOT,
+        its ids): a chain, so a block is found only under the same whole prefix
+    ──match──► the ids of the longest chain of cached blocks a prompt starts with (touched: most recent)
+    ──restore──► a row's KV cache: per attention layer k, v [Hkv, s, D] of those blocks (s = blocks *
+        block_tokens); a sliding layer's ring gets the last window positions of them, at p % window
+    prefill chunk ──reserve──► ids for the chunk's whole blocks not yet cached (the least recently used
+        leaf blocks evicted to make room) ──write (attention_prefill's tap, per layer)──► pool
+        ──commit──► the blocks become findable; a chunk that fails frees what it reserved
+    decode ──save_from_row──► a block a row has just completed, read from its KV (full layers at p,
+        sliding layers at p % window, all its positions still in the ring)
+
+The pool is allocated once: per softmax-attention layer k, v [num_blocks, Hkv, block_tokens, D] in the
+model dtype. A row copies the blocks it restores into its own KV, so evicting a block later changes no
+row. Eviction takes the least recently used block that no cached block extends (a leaf), so every
+cached block's prefix stays cached. Keys hold the ids themselves, so two prompts share a block only
+when their tokens are equal up to its end.
+
+Linear-attention layers (Qwen3-Next) keep a recurrent state instead of per-position KV; resuming at a
+block boundary would need that state saved there, which this cache does not hold: it refuses such
+models (ValueError naming the option).
+Legend: L = decoder layers, Hkv = kv heads, D = head dim, s = restored tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moe.engine.attention import KVCache
+from moe.model.spec import ModelSpec
+
+ROOT = -1  # the parent of a chain's first block
+
+
+@dataclass
+class PrefixStats:
+    """Tokens asked for (prompts' lengths less the one each must compute), tokens restored, blocks
+    written, blocks evicted: the server's cached_tokens and metrics."""
+
+    queried: int = 0
+    restored: int = 0
+    written: int = 0
+    evicted: int = 0
+
+
+@dataclass
+class _Block:
+    key: tuple[int, tuple[int, ...]]
+    children: int = 0
+    tick: int = 0
+
+
+@dataclass
+class Reservation:
+    """Blocks a prefill chunk will write: (block index in its sequence, pool id) and their keys."""
+
+    parent: int
+    first: int
+    ids: list[int] = field(default_factory=list)
+    keys: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+
+
+class PrefixCache:
+    """The prefix cache of one engine (module docstring).
+
+    spec: the model's ModelSpec; kv: the engine's KVCache (layer shapes, rings); num_blocks: blocks the
+    pool holds; block_tokens: tokens a block (a power of two; the engine's prefill chunk must be a
+    multiple of it, and a sliding window at least it). Raises ValueError naming num_blocks,
+    block_tokens or the model's linear-attention layers.
+    Cost: bytes_per_block * num_blocks of device memory, allocated here.
+    """
+
+    def __init__(self, spec: ModelSpec, kv: KVCache, num_blocks: int, block_tokens: int = 64) -> None:
+        if spec.linear_layers:
+            raise ValueError("prefix cache (--kv-cache-gb): this model's linear-attention layers keep a recurrent "
+                             "state the cache does not save; run it without a prefix cache")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"prefix cache: num_blocks must be an int >= 1, got {num_blocks!r}")
+        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1 \
+                or block_tokens & (block_tokens - 1):
+            raise ValueError(f"prefix cache: block_tokens must be a power of two, got {block_tokens!r}")
+        rings = [r for r in kv.ring if r]
+        if rings and min(rings) < block_tokens:
+            raise ValueError(f"prefix cache: block_tokens={block_tokens} exceeds the model's sliding window "
+                             f"{min(rings)}; use a smaller block")
+        self.block_tokens, self.num_blocks, self.ring = block_tokens, num_blocks, list(kv.ring)
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        for k in kv.k:
+            shape = None if k is None else (num_blocks, k.shape[1], block_tokens, k.shape[3])
+            self.k.append(None if k is None else torch.zeros(shape, dtype=k.dtype, device=k.device))
+            self.v.append(None if k is None else torch.zeros(shape, dtype=k.dtype, device=k.device))
+        self.device = next(t.device for t in self.k if t is not None)
+        self.bytes_per_block = sum(2 * t[0].numel() * t.element_size() for t in self.k if t is not None)
+        self._blocks: dict[int, _Block] = {}
+        self._by_key: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._gen = [0] * num_blocks  # advanced when a block is freed: a row's stale parent id is seen as such
+        self._tick = 0
+        self.stats = PrefixStats()
+
+    @staticmethod
+    def bytes_per_block_of(kv: KVCache, block_tokens: int) -> int:
+        """The pool's bytes a block takes for this KV cache's layers (for a budget in bytes)."""
+        return sum(2 * k.shape[1] * block_tokens * k.shape[3] * k.element_size() for k in kv.k if k is not None)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def _touch(self, bid: int) -> None:
+        self._tick += 1
+        self._blocks[bid].tick = self._tick
+
+    def _block_tokens(self, tokens, b: int) -> tuple[int, ...]:
+        n = self.block_tokens
+        return tuple(int(t) for t in tokens[b * n:(b + 1) * n])
+
+    def match(self, tokens, limit: int) -> list[int]:
+        """Ids of the longest chain of cached blocks `tokens` starts with, at most `limit` tokens of them
+        (whole blocks), each touched. Counts limit as queried and the chain's tokens as restored."""
+        out = self.follow(tokens, ROOT, 0, max(limit, 0) // self.block_tokens)
+        self.stats.queried += max(limit, 0)
+        self.stats.restored += len(out) * self.block_tokens
+        return out
+
+    def restore(self, ids: list[int], kv: KVCache, row: int) -> int:
+        """Copy blocks `ids` (a chain from match) into KV row `row` at positions 0..s-1; returns s."""
+        s = len(ids) * self.block_tokens
+        if not ids:
+            return 0
+        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        for layer, (pk, pv) in enumerate(zip(self.k, self.v)):
+            if pk is None:
+                continue
+            for pool, dst in ((pk, kv.k[layer]), (pv, kv.v[layer])):
+                blocks = pool[idx]  # [nb, Hkv, block, D]
+                seq = blocks.transpose(0, 1).reshape(blocks.shape[1], s, blocks.shape[3])  # [Hkv, s, D]
+                ring = self.ring[layer]
+                if ring:
+                    pos = torch.arange(max(0, s - ring), s, device=self.device)
+                    dst[row, :, pos % ring] = seq[:, pos]
+                else:
+                    dst[row, :, :s] = seq
+        return s
+
+    def alive(self, bid: int, gen: int) -> bool:
+        """Whether block `bid` still holds what it held at generation `gen` (from `generation`)."""
+        return bid in self._blocks and self._gen[bid] == gen
+
+    def generation(self, bid: int) -> int:
+        return self._gen[bid]
+
+    def follow(self, tokens, parent: int, first: int, end: int) -> list[int]:
+        """Ids of blocks first, first + 1, ... (before end) of `tokens` already cached under `parent`,
+        each touched, up to the first one that is not."""
+        out = []
+        for b in range(first, end):
+            bid = self._by_key.get((parent, self._block_tokens(tokens, b)))
+            if bid is None:
+                break
+            self._touch(bid)
+            out.append(bid)
+            parent = bid
+        return out
+
+    def _evict_one(self, keep: set[int]) -> int | None:
+        """Free the least recently used leaf block not in `keep`; its id, or None when none is free."""
+        leaves = [(b.tick, bid) for bid, b in self._blocks.items() if b.children == 0 and bid not in keep]
+        if not leaves:
+            return None
+        _, bid = min(leaves)
+        block = self._blocks.pop(bid)
+        del self._by_key[block.key]
+        self._gen[bid] += 1
+        if block.key[0] != ROOT:
+            self._blocks[block.key[0]].children -= 1
+        self.stats.evicted += 1
+        return bid
+
+    def reserve(self, tokens, parent: int, first: int, end: int, keep: set[int]) -> Reservation:
+        """Pool ids for blocks first..end-1 of `tokens` (whole blocks), the chain continuing from block
+        id `parent` (ROOT for block 0). A block already cached is not written again: the reservation
+        stops at the first one (its later blocks are found through match next time). Ids come from free
+        blocks, else by evicting least recently used leaves outside `keep` and the reservation; when
+        none is left the reservation ends there."""
+        res = Reservation(parent, first)
+        held = set(keep) | ({parent} if parent != ROOT else set())
+        prev = parent
+        for b in range(first, end):
+            key = (prev, self._block_tokens(tokens, b))
+            if key in self._by_key:
+                break
+            bid = self._free.pop() if self._free else self._evict_one(held)
+            if bid is None:
+                break
+            res.ids.append(bid)
+            res.keys.append(key)
+            held.add(bid)
+            prev = bid
+        return res
+
+    def write_chunk(self, res: Reservation, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A prefill chunk's k, v [T, Hkv, D] (positions start..start+T-1) of decoder `layer` into the
+        reserved blocks that chunk holds."""
+        if not res.ids or self.k[layer] is None:
+            return
+        n = self.block_tokens
+        lo = res.first * n - start
+        nb = len(res.ids)
+        idx = torch.tensor(res.ids, dtype=torch.long, device=self.device)
+        for pool, x in ((self.k[layer], k), (self.v[layer], v)):
+            part = x[lo:lo + nb * n]  # [nb * block, Hkv, D]
+            pool[idx] = part.reshape(nb, n, part.shape[1], part.shape[2]).transpose(1, 2)
+
+    def commit(self, res: Reservation) -> list[int]:
+        """Make the reserved blocks findable (written by write_chunk or save_from_row); their ids."""
+        for bid, key in zip(res.ids, res.keys):
+            self._blocks[bid] = _Block(key)
+            self._by_key[key] = bid
+            if key[0] != ROOT:
+                self._blocks[key[0]].children += 1
+            self._touch(bid)
+        self.stats.written += len(res.ids)
+        return list(res.ids)
+
+    def release(self, res: Reservation) -> None:
+        """Return a reservation's ids unwritten (its chunk failed)."""
+        for bid in res.ids:
+            self._gen[bid] += 1
+        self._free.extend(res.ids)
+        res.ids.clear()
+        res.keys.clear()
+
+    def save_from_row(self, tokens, parent: int, block: int, kv: KVCache, row: int, keep: set[int]) -> int | None:
+        """Block `block` of a row's sequence (tokens: its ids, at least through that block), which its KV
+        holds, into the pool as the child of `parent`; its id (the cached one when present), or None
+        when no block could be freed for it."""
+        key = (parent, self._block_tokens(tokens, block))
+        if key in self._by_key:
+            bid = self._by_key[key]
+            self._touch(bid)
+            return bid
+        res = self.reserve(tokens, parent, block, block + 1, keep)
+        if not res.ids:
+            return None
+        n, bid = self.block_tokens, res.ids[0]
+        pos = torch.arange(block * n, (block + 1) * n, device=self.device)
+        for layer, (pk, pv) in enumerate(zip(self.k, self.v)):
+            if pk is None:
+                continue
+            at = pos % self.ring[layer] if self.ring[layer] else pos
+            pk[bid] = kv.k[layer][row, :, at]
+            pv[bid] = kv.v[layer][row, :, at]
+        self.commit(res)
+        return bid

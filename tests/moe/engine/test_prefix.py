@@ -1,0 +1,228 @@
+"""The prefix cache (moe.engine.prefix) alone and in the engine, on the CPU.
+
+    PrefixCache: chains of token blocks found by content, restored into a row's KV, saved from a prefill
+        chunk's k, v or from a row's KV, the least recently used leaf evicted when the pool is full
+    Engine(prefix_blocks=...): a multi-turn conversation, each turn resending the last one's prompt and
+        answer, against the same engine without a cache: identical greedy tokens, float32 logits within
+        1e-4; rows of different restored lengths in one batch; a pool too small for the conversation
+        (eviction, blocks reused) changes no token; gpt-oss's sliding rings restored from the blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GptOssConfig, GptOssForCausalLM
+
+from moe.engine.attention import KVCache
+from moe.engine.loading import load_model
+from moe.engine.prefix import ROOT, PrefixCache
+from moe.model.spec import ModelSpec
+from moe.testing.tiny_checkpoint import randomize
+from tests.moe.families import COMMON, FAMILIES, assert_near, random_tokens
+
+BLOCK = 4
+
+
+def _spec_kv(name: str = "qwen3", max_len: int = 64) -> tuple[ModelSpec, KVCache]:
+    config_cls, _, extra = FAMILIES[name]
+    spec = ModelSpec.from_hf(config_cls(**{**COMMON, **extra}).to_dict())
+    return spec, KVCache(spec, 2, max_len, torch.float32, torch.device("cpu"))
+
+
+def _fill(cache: PrefixCache, tokens: list[int], parent: int = ROOT, first: int = 0) -> list[int]:
+    """Save blocks first.. of tokens as if a prefill chunk computed them (k, v = position + layer)."""
+    res = cache.reserve(tokens, parent, first, len(tokens) // BLOCK, keep=set())
+    for layer, pool in enumerate(cache.k):
+        if pool is not None:
+            t = len(tokens)
+            k = torch.arange(t, dtype=torch.float32)[:, None, None].expand(t, pool.shape[1], pool.shape[3]) + layer
+            cache.write_chunk(res, layer, 0, k, -k)
+    return cache.commit(res)
+
+
+def test_blocks_are_found_by_their_whole_prefix():
+    spec, kv = _spec_kv()
+    cache = PrefixCache(spec, kv, num_blocks=8, block_tokens=BLOCK)
+    a = list(range(10, 22))  # 3 blocks
+    ids = _fill(cache, a)
+    assert len(ids) == 3 and len(cache) == 3
+    assert cache.match(a + [1, 2], limit=13) == ids
+    assert cache.match(a, limit=11) == ids[:2]  # the last token is always computed
+    assert cache.match([99] + a[1:], limit=11) == []  # block 0 differs: nothing after it is found
+    b = a[:4] + [7, 7, 7, 7] + a[8:]
+    assert cache.match(b, limit=12) == ids[:1]  # the same third block under another second: not found
+    assert cache.follow(a, ids[0], 1, 3) == ids[1:]
+    assert cache.stats.restored == (3 + 2 + 0 + 1) * BLOCK and cache.stats.queried == 13 + 11 + 11 + 12
+
+
+def test_restore_writes_positions_and_rings():
+    for name in ("qwen3",):
+        spec, kv = _spec_kv(name)
+        cache = PrefixCache(spec, kv, num_blocks=8, block_tokens=BLOCK)
+        tokens = list(range(12))
+        ids = _fill(cache, tokens)
+        assert cache.restore(ids, kv, row=1) == 12
+        for layer, k in enumerate(kv.k):
+            if k is not None:
+                want = torch.arange(12, dtype=torch.float32)[None, :, None].expand(k.shape[1], 12, k.shape[3]) + layer
+                assert torch.equal(k[1, :, :12], want) and torch.equal(kv.v[layer][1, :, :12], -want)
+                assert not k[0].any()  # the other row untouched
+
+
+def test_the_least_recently_used_leaf_goes_first_and_chains_stay_whole():
+    spec, kv = _spec_kv()
+    cache = PrefixCache(spec, kv, num_blocks=4, block_tokens=BLOCK)
+    a, b = list(range(8)), list(range(50, 58))
+    ida, idb = _fill(cache, a), _fill(cache, b)
+    cache.match(a, limit=8)  # a touched: b is now the least recently used
+    c = list(range(90, 94))
+    idc = _fill(cache, c)
+    assert cache.stats.evicted == 1 and len(cache) == 4
+    assert cache.match(b, limit=8) == idb[:1]  # b's leaf went, its first block (not a leaf then) stayed
+    assert cache.match(a, limit=8) == ida and cache.match(c + [0], limit=4) == idc
+    old = idb[1]
+    assert not cache.alive(old, 0) and cache.generation(old) == 1
+    # a full pool whose every block is kept (or an ancestor) reserves nothing
+    res = cache.reserve(list(range(200, 204)), ROOT, 0, 1, keep={ida[1], idb[0], idc[0]})
+    assert res.ids == []
+
+
+def test_a_failed_chunk_returns_its_blocks():
+    spec, kv = _spec_kv()
+    cache = PrefixCache(spec, kv, num_blocks=2, block_tokens=BLOCK)
+    res = cache.reserve(list(range(8)), ROOT, 0, 2, keep=set())
+    assert len(res.ids) == 2 and len(cache) == 0
+    cache.release(res)
+    assert cache.match(list(range(8)), limit=8) == [] and len(_fill(cache, list(range(8)))) == 2
+
+
+def test_options_are_checked_by_name():
+    spec, kv = _spec_kv()
+    with pytest.raises(ValueError, match="num_blocks"):
+        PrefixCache(spec, kv, num_blocks=0)
+    with pytest.raises(ValueError, match="block_tokens"):
+        PrefixCache(spec, kv, num_blocks=4, block_tokens=6)
+    nspec, nkv = _spec_kv("qwen3_next")
+    with pytest.raises(ValueError, match="linear-attention"):
+        PrefixCache(nspec, nkv, num_blocks=4)
+
+
+# ---------------------------------------------------------------- in the engine
+
+
+def _turns(engine, first: list[int], turns: int, new: int, answer: int) -> tuple[list[list[int]], list, list[int]]:
+    """A conversation: each turn's prompt is the last prompt, its answer and `new` fresh tokens; returns
+    the answers, each turn's logits (prefill's last and every decode step's) and the restored tokens."""
+    prompt, answers, logits, cached = list(first), [], [], []
+    for turn in range(turns):
+        _, last = engine.join(prompt)
+        cached.append(engine.cached_tokens(0))
+        out, steps = [int(last.argmax())], [last]
+        for _ in range(answer - 1):
+            step = engine.decode_step([out[-1]])
+            steps.append(step[0])
+            out.append(int(step[0].argmax()))
+        engine.leave(0)
+        answers.append(out)
+        logits.append(torch.stack(steps))
+        prompt = prompt + out + random_tokens(new, seed=100 + turn)
+    return answers, logits, cached
+
+
+@pytest.mark.parametrize("blocks", [64, 5])
+def test_a_conversation_decodes_the_same_with_its_prefix_kept(checkpoint, blocks):
+    """Every turn resends the last; with the cache only the new tokens are computed (all but the last
+    partial block of what the last turn held), with a pool of 5 blocks the conversation outgrows it."""
+    name, _, path = checkpoint
+    if name == "qwen3_next":
+        with pytest.raises(ValueError, match="linear-attention"):
+            load_model(path, "cpu", num_slots=8, max_seq_len=96, progress=False, prefix_blocks=blocks,
+                       prefix_block_tokens=BLOCK)
+        return
+    plain = load_model(path, "cpu", num_slots=8, max_seq_len=96, progress=False)
+    kept = load_model(path, "cpu", num_slots=8, max_seq_len=96, progress=False, prefix_blocks=blocks,
+                      prefix_block_tokens=BLOCK)
+    first = random_tokens(9, seed=7)
+    want, want_logits, none = _turns(plain, first, turns=4, new=5, answer=6)
+    got, got_logits, cached = _turns(kept, first, turns=4, new=5, answer=6)
+    assert got == want and none == [0] * 4
+    for g, w in zip(got_logits, want_logits):
+        assert_near(g, w, rel=1e-4)
+    if blocks == 64:
+        # turn t's prompt holds turn t - 1's prompt and answer but the last answer token (never fed back)
+        prompts = [9 + t * (6 + 5) for t in range(4)]
+        assert cached == [0] + [((p - 6) // BLOCK) * BLOCK for p in prompts[1:]]
+        return
+    # 5 blocks: the conversation's chain fills the pool by turn 1 (a chain never evicts its own blocks),
+    # so later turns restore its first 5 blocks; a second conversation then evicts the first one's leaves
+    assert len(kept.prefix) == 5 and cached[1:] == [3 * BLOCK, 5 * BLOCK, 5 * BLOCK]
+    other = random_tokens(10, seed=8)
+    want, want_logits, _ = _turns(plain, other, turns=3, new=5, answer=6)
+    got, got_logits, cached = _turns(kept, other, turns=3, new=5, answer=6)
+    assert got == want and kept.prefix.stats.evicted > 0 and len(kept.prefix) == 5 and cached[2] > 0
+    for g, w in zip(got_logits, want_logits):
+        assert_near(g, w, rel=1e-4)
+
+
+def test_rows_of_different_restored_lengths_batch_together(checkpoint):
+    name, _, path = checkpoint
+    if name == "qwen3_next":
+        pytest.skip("no prefix cache for linear-attention layers (test above)")
+    kw = dict(num_slots=12, max_batch=3, max_seq_len=64, progress=False)
+    plain, kept = load_model(path, "cpu", **kw), load_model(path, "cpu", **kw, prefix_blocks=32,
+                                                               prefix_block_tokens=BLOCK)
+    base = random_tokens(14, seed=11)
+    kept.join(base)  # saves 3 blocks of base
+    kept.leave(0)
+    prompts = [base + random_tokens(3, seed=12), base[:9] + random_tokens(6, seed=13), random_tokens(7, seed=14)]
+    outs = {}
+    for engine in (plain, kept):
+        tokens = [int(engine.join(p)[1].argmax()) for p in prompts]
+        seqs = [[t] for t in tokens]
+        for _ in range(5):
+            tokens = engine.decode_step(tokens).argmax(dim=-1).tolist()
+            for s, t in zip(seqs, tokens):
+                s.append(t)
+        outs[engine is kept] = seqs
+    assert [kept.cached_tokens(r) for r in range(3)] == [12, 8, 0]
+    assert outs[True] == outs[False]
+
+
+def test_gpt_oss_sliding_rings_are_restored_from_the_blocks(tmp_path):
+    """gpt-oss alternates sliding (window 8) and full layers with sinks: a resent conversation longer
+    than the window restores each sliding layer's ring from the kept blocks."""
+    cfg = dict(vocab_size=128, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+               max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"])
+    model = GptOssForCausalLM(GptOssConfig(**cfg)).eval()
+    randomize(model, seed=3)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    plain = load_model(tmp_path, "cpu", num_slots=4, max_seq_len=96, progress=False)
+    kept = load_model(tmp_path, "cpu", num_slots=4, max_seq_len=96, progress=False, prefix_blocks=64,
+                      prefix_block_tokens=BLOCK)
+    assert kept.kv.ring[0] == 8
+    first = random_tokens(13, seed=21)
+    want, want_logits, _ = _turns(plain, first, turns=3, new=4, answer=7)
+    got, got_logits, cached = _turns(kept, first, turns=3, new=4, answer=7)
+    assert got == want and cached[1] > 8 and cached[2] > cached[1]
+    for g, w in zip(got_logits, want_logits):
+        assert_near(g, w, rel=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_conversation_with_its_prefix_kept(checkpoint):
+    """The conversation on a GPU (CUDA-graph decode, the fused attention writing the rings the restore
+    fills): the same greedy tokens and float32 logits within 1e-4 as without the cache."""
+    name, _, path = checkpoint
+    if name == "qwen3_next":
+        pytest.skip("no prefix cache for linear-attention layers")
+    plain = load_model(path, "cuda", num_slots=8, max_seq_len=96, progress=False)
+    kept = load_model(path, "cuda", num_slots=8, max_seq_len=96, progress=False, prefix_blocks=64,
+                      prefix_block_tokens=BLOCK)
+    first = random_tokens(9, seed=7)
+    want, want_logits, _ = _turns(plain, first, turns=3, new=5, answer=6)
+    got, got_logits, cached = _turns(kept, first, turns=3, new=5, answer=6)
+    assert got == want and cached[1] > 0
+    for g, w in zip(got_logits, want_logits):
+        assert_near(g.cpu(), w.cpu(), rel=1e-4)
