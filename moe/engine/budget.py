@@ -99,16 +99,49 @@ def recurrent_state_bytes(spec: ModelSpec, max_batch: int) -> int:
     return RecurrentCache.state_bytes(spec.linear, len(spec.linear_layers), max_batch, DTYPE_BYTES[spec.moe.dtype])
 
 
+def prefix_block_bytes(spec: ModelSpec, block_tokens: int) -> int:
+    """Bytes of one prefix-cache block (moe.engine.prefix): k and v of `block_tokens` positions in every
+    softmax-attention layer, a sliding one's too, in the model dtype."""
+    return 2 * len(spec.full_layers) * spec.num_kv_heads * block_tokens * spec.head_dim * DTYPE_BYTES[spec.moe.dtype]
+
+
+def prefix_blocks_for(spec: ModelSpec, kv_cache_gb: float, block_tokens: int) -> int:
+    """The prefix-cache blocks --kv-cache-gb GiB hold (floor). Raises ValueError naming --kv-cache-gb when
+    it is not > 0 or holds no block, for a model with linear-attention layers (no prefix cache) or with a
+    sliding window shorter than a block (moe.engine.prefix)."""
+    if isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, (int, float)) or not kv_cache_gb > 0:
+        raise ValueError(f"--kv-cache-gb must be > 0 (GiB of kept prompt prefixes), got {kv_cache_gb!r}")
+    if spec.linear_layers:
+        raise ValueError("--kv-cache-gb: this model's linear-attention layers keep a recurrent state the prefix "
+                         "cache does not save; serve it without --kv-cache-gb")
+    windows = [w for w in (spec.window(i) for i in spec.full_layers) if w > 0]
+    if windows and min(windows) < block_tokens:
+        raise ValueError(f"--kv-cache-gb: the prefix cache's blocks of {block_tokens} tokens exceed the model's "
+                         f"sliding window of {min(windows)}, and a block must fit in a ring; serve it without "
+                         "--kv-cache-gb")
+    per = prefix_block_bytes(spec, block_tokens)
+    blocks = int(kv_cache_gb * GIB // per)
+    if blocks < 1:
+        raise ValueError(f"--kv-cache-gb {kv_cache_gb:g} holds no prefix block ({per:,} bytes: {block_tokens} tokens "
+                         f"of k, v in {counted(len(spec.full_layers), 'layer')}); raise it to at least "
+                         f"{per / GIB:.3g}")
+    return blocks
+
+
 def context_bytes(spec: ModelSpec, max_batch: int, max_seq_len: int) -> int:
     """The per-request device memory: the KV cache plus the recurrent state."""
     return kv_cache_bytes(spec, max_batch, max_seq_len) + recurrent_state_bytes(spec, max_batch)
 
 
-def memory_split(budget: SlotBudget, spec: ModelSpec, max_batch: int, max_seq_len: int) -> str:
+def memory_split(budget: SlotBudget, spec: ModelSpec, max_batch: int, max_seq_len: int, prefix_blocks: int = 0,
+                 prefix_block_tokens: int = 64) -> str:
     """One line: the device memory of the expert slots, of the KV cache (and of a model's linear-attention
-    recurrent state), and their sum."""
+    recurrent state, and of the prefix cache's blocks), and their sum."""
     kv = kv_cache_bytes(spec, max_batch, max_seq_len)
     state = recurrent_state_bytes(spec, max_batch)
+    kept = prefix_blocks * prefix_block_bytes(spec, prefix_block_tokens)
+    prefix = "" if not kept else (f" + prefix cache {kept / GIB:.3g} GiB ({counted(prefix_blocks, 'block')} of "
+                                  f"{prefix_block_tokens} tokens: --kv-cache-gb)")
     rings = [i for i in spec.full_layers if cache_positions(spec, i, max_seq_len) < max_seq_len]
     whole = len(spec.full_layers) - len(rings)  # the layers that hold every position
     per_token = 2 * whole * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[spec.moe.dtype]
@@ -123,8 +156,8 @@ def memory_split(budget: SlotBudget, spec: ModelSpec, max_batch: int, max_seq_le
             f"{per_token:,} bytes a token: {counted(whole, 'layer')} x k, v x {counted(spec.num_kv_heads, 'head')} "
             f"x {spec.head_dim} x {DTYPE_BYTES[spec.moe.dtype]} bytes"
             f"{sliding if rings else ''})"
-            f"{recurrent} = "
-            f"{(budget.slot_bytes + kv + state) / GIB:.3g} GiB, "
+            f"{recurrent}{prefix} = "
+            f"{(budget.slot_bytes + kv + state + kept) / GIB:.3g} GiB, "
             f"beside the model's dense weights and, on a GPU, prefill's staging ring of {PREFILL_STAGING} experts "
             f"({PREFILL_STAGING * expert_pricing(spec)[1] / GIB:.3g} GiB)")
 

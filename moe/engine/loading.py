@@ -27,7 +27,7 @@ import torch
 
 from expertcache.split import MISS_SERVICE_CHOICES, ChannelCosts, MissSplit
 from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
-from moe.engine.budget import context_bytes, memory_split, resolve_slots
+from moe.engine.budget import context_bytes, memory_split, prefix_block_bytes, resolve_slots
 from moe.engine.channels import ChannelMeasure, choose_service, measure_channels
 from moe.engine.engine import Engine
 from moe.kernels.cpu_experts import set_threads, threads_in_use
@@ -95,13 +95,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     backend = make_backend(weights, num_slots, policy, max_batch=max_batch, split=service.split, **constants)
     if weights.device.type == "cuda":  # the KV cache is allocated last: say which flags to lower if it cannot be
         kv = context_bytes(weights.spec, max_batch, max_seq_len)
+        kept = prefix_blocks * prefix_block_bytes(weights.spec, prefix_block_tokens)
         free = torch.cuda.mem_get_info(weights.device)[0]
-        if kv > free:
+        if kv + kept > free:
+            prefix = f" and the prefix cache {kept / 2**30:.3g} GiB (--kv-cache-gb)" if kept else ""
             raise ValueError(f"the KV cache needs {kv / 2**30:.3g} GiB (--max-batch {max_batch} x --max-seq-len "
-                             f"{max_seq_len}) but {free / 2**30:.3g} GiB of the device are free after the weights "
-                             f"and {budget.slot_bytes / 2**30:.3g} GiB of expert slots: lower --max-seq-len or "
-                             "--max-batch, or --moe-cache-gb / --moe-slots")
-    logger.info("%s", memory_split(budget, weights.spec, max_batch, max_seq_len))
+                             f"{max_seq_len}){prefix} but {free / 2**30:.3g} GiB of the device are free after the "
+                             f"weights and {budget.slot_bytes / 2**30:.3g} GiB of expert slots: lower --max-seq-len "
+                             f"or --max-batch{', --kv-cache-gb' if kept else ''}, or --moe-cache-gb / --moe-slots")
+    logger.info("%s", memory_split(budget, weights.spec, max_batch, max_seq_len, prefix_blocks, prefix_block_tokens))
     engine = Engine(weights, backend, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=record_routing,
                     cuda_graphs=cuda_graphs, prefix_blocks=prefix_blocks, prefix_block_tokens=prefix_block_tokens)
     engine.miss_service = service.note

@@ -84,8 +84,9 @@ class PrefixCache:
             raise ValueError(f"prefix cache: block_tokens must be a power of two, got {block_tokens!r}")
         rings = [r for r in kv.ring if r]
         if rings and min(rings) < block_tokens:
-            raise ValueError(f"prefix cache: block_tokens={block_tokens} exceeds the model's sliding window "
-                             f"{min(rings)}; use a smaller block")
+            raise ValueError(f"prefix cache (--kv-cache-gb): its blocks of {block_tokens} tokens exceed the model's "
+                             f"sliding window of {min(rings)}, and a block must fit in a ring: serve it without "
+                             "--kv-cache-gb (or give load_model a smaller prefix_block_tokens)")
         self.block_tokens, self.num_blocks, self.ring = block_tokens, num_blocks, list(kv.ring)
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []

@@ -96,6 +96,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     model.add_argument("--max-seq-len", type=int, metavar="TOKENS",
                        help=f"context: prompt + new tokens (default {DEFAULT_MAX_SEQ_LEN}, or the model's "
                             "max_position_embeddings when that is smaller)")
+    model.add_argument("--kv-cache-gb", type=float, metavar="GIB",
+                       help="device memory in GiB kept for prompt prefixes (default none): a request that starts "
+                            "with a kept prefix (an agent resending its conversation) computes only the rest; "
+                            "kept in blocks of 64 tokens, the least recently used evicted; reported as "
+                            "usage.prompt_tokens_details.cached_tokens (docs/serving.md)")
     model.add_argument("--record-routing", metavar="PATH",
                        help="write the decode routing as a trace (.npz) at shutdown, for expertcache sim PATH")
     _add_http_flags(p)
@@ -133,8 +138,9 @@ def _check(args: argparse.Namespace) -> None:
                         ("--moe-slots", args.moe_slots)):
         if value is not None and value < 1:
             raise SystemExit(f"error: {flag} must be >= 1, got {value}")
-    if args.moe_cache_gb is not None and not 0 < args.moe_cache_gb < math.inf:
-        raise SystemExit(f"error: --moe-cache-gb must be a number of GiB > 0, got {args.moe_cache_gb}")
+    for flag, value in (("--moe-cache-gb", args.moe_cache_gb), ("--kv-cache-gb", args.kv_cache_gb)):
+        if value is not None and not 0 < value < math.inf:
+            raise SystemExit(f"error: {flag} must be a number of GiB > 0, got {value}")
     for flag, value in (("--max-body-mb", args.max_body_mb), ("--read-timeout", args.read_timeout),
                         ("--keep-alive-timeout", args.keep_alive_timeout)):
         if not value > 0:
@@ -211,7 +217,8 @@ def _context(args: argparse.Namespace) -> int:
 def build_state(args: argparse.Namespace) -> ServeState:
     """Tokenizer, engine, scheduler and options from the parsed flags. Raises SystemExit naming the flag
     or file on a bad value, a checkpoint that cannot be served or a pool that does not fit."""
-    from moe.engine.budget import resolve_slots
+    from moe.engine.budget import prefix_blocks_for, resolve_slots
+    from moe.engine.engine import PREFIX_BLOCK_TOKENS
     from moe.engine.loading import load_model
     from moe.model.errors import CheckpointError
     from moe.model.spec import ModelSpec, read_config
@@ -227,13 +234,15 @@ def build_state(args: argparse.Namespace) -> ServeState:
         max_seq_len = _context(args)
         spec = ModelSpec.from_hf(read_config(args.model), dtype=args.dtype, expert_format=args.moe_expert_format)
         budget = resolve_slots(spec, args.moe_slots, args.moe_cache_gb, max_batch=args.max_batch)
+        blocks = 0 if args.kv_cache_gb is None else prefix_blocks_for(spec, args.kv_cache_gb, PREFIX_BLOCK_TOKENS)
         tokenizer = TextTokenizer(args.model)
         engine = load_model(args.model, device, num_slots=budget.slots, policy=args.moe_cache_policy,
                             dtype=args.dtype, expert_format=args.moe_expert_format, max_batch=args.max_batch,
                             max_seq_len=max_seq_len,
                             record_routing=bool(args.record_routing),
                             copy_overlap=True if args.moe_copy_overlap else None,
-                            miss_service=args.moe_miss_service, cpu_threads=args.cpu_threads)
+                            miss_service=args.moe_miss_service, cpu_threads=args.cpu_threads,
+                            prefix_blocks=blocks, prefix_block_tokens=PREFIX_BLOCK_TOKENS)
     except (CheckpointError, TokenizerError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     if tokenizer.vocab_size > engine.spec.vocab_size:
@@ -303,7 +312,9 @@ def _serve(args: argparse.Namespace) -> int:
     engine = state.scheduler.engine
     spec, slots = engine.spec, state.options.slot_budget.slots
     print(state.options.slot_budget.describe(), flush=True)
-    print(memory_split(state.options.slot_budget, spec, engine.max_batch, engine.max_seq_len), flush=True)
+    prefix = engine.prefix
+    kept = {} if prefix is None else {"prefix_blocks": prefix.num_blocks, "prefix_block_tokens": prefix.block_tokens}
+    print(memory_split(state.options.slot_budget, spec, engine.max_batch, engine.max_seq_len, **kept), flush=True)
     if args.moe_miss_service != "copy":
         print(engine.miss_service, flush=True)
     print(f"serving {state.options.served_name} ({spec.model_type}, {counted(spec.num_moe_layers, 'MoE layer')} x "

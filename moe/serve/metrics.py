@@ -17,7 +17,10 @@ Metrics (every counter is since the server started; "token" = one decode step, a
 | expertcache_decode_steps_total{batch}            | counter | decode steps, by batch size                            |
 | expertcache_decode_tokens_total                  | counter | tokens produced by decode steps (steps x batch)        |
 | expertcache_decode_seconds_total                 | counter | wall time of decode steps (with sampling)              |
-| expertcache_prefill_tokens_total                 | counter | prompt tokens prefilled                                |
+| expertcache_prefill_tokens_total                 | counter | prompt tokens prefilled (computed)                     |
+| expertcache_prefix_cached_tokens_total           | counter | prompt tokens restored from the prefix cache instead   |
+| expertcache_prefix_blocks / _prefix_blocks_max   | gauge   | blocks kept by the prefix cache / its pool's blocks    |
+| expertcache_prefix_evicted_blocks_total          | counter | blocks the prefix cache evicted                        |
 | expertcache_prefill_experts_total{source}        | counter | experts prefill used by source: store (streamed), slot |
 | expertcache_active_sequences / _waiting_requests | gauge   | sequences in batch rows / requests queued for a row    |
 | expertcache_requests_finished_total{reason}      | counter | stop, length, cancelled, error                         |
@@ -46,6 +49,10 @@ class Snapshot:
     decode_tokens: int
     decode_seconds: float
     prefill_tokens: int
+    cached_tokens: int
+    prefix_blocks: int
+    prefix_blocks_max: int
+    prefix_evicted: int
     batch_steps: dict[int, int]
     finished: dict[str, int]
     active: int
@@ -54,10 +61,11 @@ class Snapshot:
 
 def snapshot(scheduler: Scheduler) -> Snapshot:
     """Read every counter; run it on the scheduler thread (Scheduler.call) or after stop()."""
-    st = scheduler.stats
+    st, prefix = scheduler.stats, scheduler.engine.prefix
+    kept = (0, 0, 0) if prefix is None else (len(prefix), prefix.num_blocks, prefix.stats.evicted)
     return Snapshot(cache_stats(scheduler.engine.moe), st.tokens_per_second(), st.decode_tokens,
-                    st.decode_seconds, st.prefill_tokens, dict(st.batch_steps), dict(st.finished),
-                    scheduler.active, scheduler.waiting)
+                    st.decode_seconds, st.prefill_tokens, st.cached_tokens, *kept, dict(st.batch_steps),
+                    dict(st.finished), scheduler.active, scheduler.waiting)
 
 
 class _SnapshotCollector:
@@ -105,7 +113,15 @@ class _SnapshotCollector:
                                   value=s.decode_tokens)
         yield CounterMetricFamily("expertcache_decode_seconds", "wall time of decode steps",
                                   value=s.decode_seconds)
-        yield CounterMetricFamily("expertcache_prefill_tokens", "prompt tokens prefilled", value=s.prefill_tokens)
+        yield CounterMetricFamily("expertcache_prefill_tokens", "prompt tokens prefilled (computed)",
+                                  value=s.prefill_tokens)
+        yield CounterMetricFamily("expertcache_prefix_cached_tokens", "prompt tokens restored from the prefix "
+                                  "cache instead of computed (--kv-cache-gb)", value=s.cached_tokens)
+        yield _gauge("expertcache_prefix_blocks", "blocks kept by the prefix cache", s.prefix_blocks)
+        yield _gauge("expertcache_prefix_blocks_max", "blocks the prefix cache's pool holds (0: no prefix cache)",
+                     s.prefix_blocks_max)
+        yield CounterMetricFamily("expertcache_prefix_evicted_blocks", "blocks the prefix cache evicted",
+                                  value=s.prefix_evicted)
         yield _gauge("expertcache_active_sequences", "sequences in batch rows", s.active)
         yield _gauge("expertcache_waiting_requests", "requests waiting for a batch row", s.waiting)
         done = CounterMetricFamily("expertcache_requests_finished", "requests by outcome", labels=["reason"])

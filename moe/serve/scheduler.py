@@ -52,9 +52,9 @@ class SchedulerClosed(RuntimeError):
 class RequestTiming:
     """How one finished request's time went, in seconds: queue_s from submit to its prefill's start,
     prefill_s the prefill and its first token's choice, time_to_first_token_s = queue_s + prefill_s,
-    decode_s from the first token to the last. prompt_tokens prefilled, decode_tokens produced by
-    decode steps (every token after the first), cached_prompt_tokens served from a prefix cache (none
-    exists yet: always 0, reported so clients can read it as OpenAI's cached_tokens)."""
+    decode_s from the first token to the last. prompt_tokens of the prompt, decode_tokens produced by
+    decode steps (every token after the first), cached_prompt_tokens of the prompt restored from the
+    engine's prefix cache instead of computed (--kv-cache-gb; OpenAI's cached_tokens)."""
 
     queue_s: float
     prefill_s: float
@@ -69,7 +69,9 @@ class RequestTiming:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        """Prompt tokens computed (those not restored from the prefix cache) per second of prefill."""
+        computed = self.prompt_tokens - self.cached_prompt_tokens
+        return computed / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -124,12 +126,14 @@ class Request:
 class SchedulerStats:
     """Counters of the scheduler thread. batch_steps: decode steps by batch size; finished:
     requests by outcome ("stop", "length", "cancelled", "error"). Decode time is the wall time of
-    decode_step plus sampling and detokenization; prefill is not in it."""
+    decode_step plus sampling and detokenization; prefill is not in it. prefill_tokens: prompt tokens
+    computed; cached_tokens: prompt tokens restored from the prefix cache instead."""
 
     steps: int = 0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     prefill_tokens: int = 0
+    cached_tokens: int = 0
     batch_steps: Counter = field(default_factory=Counter)
     finished: Counter = field(default_factory=Counter)
     window: deque = field(default_factory=lambda: deque(maxlen=64))  # (tokens, seconds) per step
@@ -149,6 +153,7 @@ class _Seq:
     last: int = -1
     admitted: float = 0.0  # monotonic time its prefill started
     first_token: float = 0.0  # monotonic time its first token was chosen
+    cached: int = 0  # prompt tokens restored from the prefix cache
 
 
 class _Call:
@@ -312,9 +317,10 @@ class Scheduler:
                 continue
             stream = (HarmonyStream(self.tokenizer, self.harmony, req.params.stop) if req.channels and self.harmony
                       else TextStream(self.tokenizer, req.params.stop))
-            seq = _Seq(req, Sampler(req.params), stream, admitted=admitted)
+            seq = _Seq(req, Sampler(req.params), stream, admitted=admitted, cached=engine.cached_tokens(row))
             self.rows.append(seq)
-            self.stats.prefill_tokens += len(req.prompt)
+            self.stats.prefill_tokens += len(req.prompt) - seq.cached
+            self.stats.cached_tokens += seq.cached
             token = choose([seq.sampler], logits[None])[0]
             seq.first_token = time.monotonic()
             logprob = logprobs_of([seq.sampler], logits[None], [token])[0]
@@ -364,7 +370,7 @@ class Scheduler:
             req = seq.request
             timing = RequestTiming(queue_s=seq.admitted - req.submitted, prefill_s=seq.first_token - seq.admitted,
                                    decode_s=time.monotonic() - seq.first_token, prompt_tokens=len(req.prompt),
-                                   decode_tokens=seq.generated - 1)
+                                   decode_tokens=seq.generated - 1, cached_prompt_tokens=seq.cached)
         reasoning = seq.stream.pop_reasoning() if isinstance(seq.stream, HarmonyStream) else ""
         ok = _emit(seq.request, Event(text, reason, len(seq.request.prompt), seq.generated, logprob=logprob,
                                       timing=timing, reasoning=reasoning))

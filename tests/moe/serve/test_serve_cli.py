@@ -18,7 +18,7 @@ from moe.serve.cli import build_state
 
 DIAGRAM = "─►├┐└┘│◄"
 FLAGS = ["--model", "--moe-slots", "--moe-cache-gb", "--moe-cache-policy", "--device", "--max-batch", "--max-seq-len",
-         "--host", "--port", "--api-key-file", "--log-level"]
+         "--kv-cache-gb", "--host", "--port", "--api-key-file", "--log-level"]
 
 
 def _help(capsys) -> str:
@@ -92,3 +92,31 @@ def test_cpu_worker_env_makes_openmp_sleep_only_where_the_cpu_computes_misses(mo
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     cpu_worker_env("cpu")
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE", "a user's own setting is kept"
+
+
+def test_the_help_gives_the_prefix_block_size(capsys):
+    from moe.engine.engine import PREFIX_BLOCK_TOKENS
+
+    assert f"blocks of {PREFIX_BLOCK_TOKENS} tokens" in " ".join(_help(capsys).split())
+
+
+@pytest.mark.parametrize("family, gb, message", [
+    ("qwen3_moe", "0", "--kv-cache-gb must be a number of GiB > 0"),
+    ("qwen3_moe", "1e-9", "--kv-cache-gb 1e-09 holds no prefix block"),
+    ("qwen3_next", "1", "--kv-cache-gb: this model's linear-attention layers"),
+    ("gpt_oss", "1", "sliding window of 4"),  # the tiny model's window is below a block
+])
+def test_a_prefix_cache_that_cannot_be_is_refused_by_its_flag(tiny_family, family, gb, message):
+    argv = ["serve", "--model", str(tiny_family(family)), "--moe-slots", "6", "--max-batch", "2", "--device", "cpu",
+            "--kv-cache-gb", gb]
+    with pytest.raises(SystemExit) as e:
+        build_state(build_parser().parse_args(argv))
+    assert message in str(e.value.code) and "--kv-cache-gb" in str(e.value.code)
+
+
+def test_the_start_lines_give_the_prefix_cache(tiny_family, monkeypatch, capsys):
+    monkeypatch.setattr("moe.serve.server.make_server", lambda *a, **k: _Stopped())
+    assert main(["serve", "--model", str(tiny_family("qwen3_moe")), "--moe-slots", "6", "--max-batch", "2",
+                 "--device", "cpu", "--kv-cache-gb", "0.001"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\+ prefix cache [0-9.e-]+ GiB \([0-9,]+ blocks of 64 tokens: --kv-cache-gb\)", out), out

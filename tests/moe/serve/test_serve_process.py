@@ -40,13 +40,14 @@ def _free_port() -> int:
 class Served:
     """`expertcache serve` of `model` in a child process without TRITON_INTERPRET; its output in `log`."""
 
-    def __init__(self, model: Path, log: Path, service: str = "copy") -> None:
+    def __init__(self, model: Path, log: Path, service: str = "copy", extra: tuple[str, ...] = (),
+                 max_seq_len: int = 64) -> None:
         self.port, self.log = _free_port(), log
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         argv = [str(SCRIPT), "serve", "--model", str(model), "--device", "cpu", "--moe-slots", "6",
-                "--max-batch", "2", "--max-seq-len", "64", "--port", str(self.port), "--served-model-name", "tiny",
-                "--moe-miss-service", service, "--cpu-threads", "2"]
+                "--max-batch", "2", "--max-seq-len", str(max_seq_len), "--port", str(self.port),
+                "--served-model-name", "tiny", "--moe-miss-service", service, "--cpu-threads", "2", *extra]
         with log.open("w") as out:
             self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -120,3 +121,32 @@ def test_serve_on_the_cpu_without_triton(family, fleet):
     assert "Finished server process" in log and "Traceback" not in log and "ERROR" not in log, log[-3000:]
     if SERVICE[family] == "auto":
         assert "--moe-miss-service auto: copy" in log, log[-3000:]
+
+
+def test_a_resent_conversation_is_served_from_kept_prefixes(tiny_family, tmp_path):
+    """`--kv-cache-gb`: a conversation whose every turn resends the last turn's prompt and answer, against
+    the same server without it: the same greedy text every turn, cached_tokens 0 on the first turn and
+    whole 64-token blocks of the resent part after it, the metrics counting them."""
+    model = tiny_family("qwen3_moe")
+    kept = Served(model, tmp_path / "kept.log", extra=("--kv-cache-gb", "0.01"), max_seq_len=256)
+    plain = Served(model, tmp_path / "plain.log", max_seq_len=256)
+    try:
+        for served in (kept, plain):
+            served.wait_healthy()
+        prompt = " ".join(f"w{7 + (i * 13) % 100}" for i in range(70))
+        cached = []
+        for turn in range(3):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            got, want = kept.post("/v1/completions", body), plain.post("/v1/completions", body)
+            assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            assert want["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            cached.append(got["usage"]["prompt_tokens_details"]["cached_tokens"])
+            prompt = prompt + got["choices"][0]["text"] + " " + " ".join(f"w{20 + turn + i}" for i in range(12))
+        assert cached[0] == 0 and cached[1] == 64 and cached[2] >= 64 and cached[2] % 64 == 0
+        metrics = httpx.get(kept.url + "/metrics", timeout=10).text
+        assert f"expertcache_prefix_cached_tokens_total {float(sum(cached))}" in metrics
+        assert "expertcache_prefix_blocks_max " in metrics, metrics
+        assert "prefix cache" in kept.output(), kept.output()[-3000:]
+    finally:
+        for served in (kept, plain):
+            assert served.terminate() == 0, served.output()[-3000:]
