@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env gpu-tests tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid agent agent-soak peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -117,6 +117,15 @@ for part in $parts; do
         --expert-formats ${DECODE_HYBRID_FORMATS:-bf16} --configs lru --batches 1 --warmup 100 --steps 200 \
         --miss-service copy,hybrid --out "$OUT/decode-hybrid-${DECODE_HYBRID_FORMATS:-bf16}.json" 2>&1 \
         | tee "$OUT/decode-hybrid.log" | tail -14 ;;
+    agent)
+      # a coding agent's session through the scheduler at Qwen3-30B-A3B geometry, every layer, a quarter of the
+      # experts in slots: time to first token per turn with the prefix cache and without, side calls beside it
+      timeout ${AGENT_TIMEOUT:-560} python3 benchmarks/bench_agent.py ${AGENT_ARGS:-} --out "$OUT/agent.json" 2>&1 \
+        | tee "$OUT/agent.log" | tail -40 ;;
+    agent-soak)
+      # the same session repeated with the prefix cache for AGENT_SOAK_MINUTES (every request must end well)
+      timeout 590 python3 benchmarks/bench_agent.py --minutes ${AGENT_SOAK_MINUTES:-9} ${AGENT_ARGS:-} \
+        --out "$OUT/agent-soak.json" 2>&1 | tee "$OUT/agent-soak.log" | tail -12 ;;
     peer-build)
       # llama.cpp beside expertcache (benchmarks/peer_llamacpp.py; carry .peer from `peer_llamacpp.py prepare`):
       # the build, then the shared random-weight checkpoint; PEER_WORK (.peer-work, ignored by git, not carried)

@@ -1,0 +1,237 @@
+"""A scripted coding-agent session through the scheduler, with and without the prefix cache.
+
+    --layers L decoder layers at --geometry (moe.testing.random_decoder, random weights, --vocab
+    tokens, a word-level tokenizer of that vocabulary written beside), the routed experts in a
+    HostStore, --slots-frac of the L * E experts in slots, one Engine per run over the same weights
+    -> moe.serve.scheduler.Scheduler (the server's continuous batching, in process: the GPU image has no
+       HTTP stack), --max-batch rows
+    -> a session of --turns turns: turn 0 sends --start-tokens random tokens, every later turn resends
+       the whole conversation (the last prompt, its answer, and --grow new tokens), asks --answer greedy
+       tokens and streams them; every --side-every turns --side-calls short requests (--side-tokens
+       prompt tokens, --side-answer new tokens) are submitted while the turn decodes
+    -> per turn: context tokens, time to first token, the tokens restored from the prefix cache, decode
+       tokens per second, the worst gap between two streamed tokens, the side calls' latency (submit to
+       last token) and the device memory allocated after the turn
+    -> both runs (--kv-cache-gb GiB of prefix cache, and none) over the same session, the TTFT ratio per
+       turn; --minutes M: repeat the session with the cache until M minutes have passed (the soak:
+       every request must end well, memory is sampled each turn)
+    -> table and --out JSON (machine, versions, commit)
+
+Run: python benchmarks/bench_agent.py [--layers 48] [--turns 30] [--start-tokens 8192] [--grow 1900]
+     [--kv-cache-gb 8] [--minutes 10] [--device cpu] [--out agent.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import benchmeta
+import numpy as np
+import torch
+
+from moe.engine.backends import make_backend
+from moe.engine.budget import prefix_block_bytes
+from moe.engine.engine import PREFIX_BLOCK_TOKENS, Engine
+from moe.serve.sampling import SamplingParams
+from moe.serve.scheduler import Event, Request, Scheduler
+from moe.serve.tokenizer import TextTokenizer
+from moe.testing import random_decoder as decoders
+
+GB = 2**30
+GEOMETRIES = {"qwen3-30b": "qwen3_30b_like", "gpt-oss-20b": "gpt_oss_20b", "glm-4.5-air": "glm_4_5_air"}
+# --small: the geometry's family at a size a CPU runs a session of in seconds (the benchmark's own test)
+SMALL = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64, "num_experts": 16,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+
+
+def write_word_tokenizer(path: Path, vocab: int) -> Path:
+    """A word-level tokenizer of `vocab` tokens ("t0" .. ) with <|endoftext|> as id 0 and eos, so random
+    ids decode to text and the scheduler's streams run as they do for a real model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<|endoftext|>"] + [f"t{i}" for i in range(1, vocab)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|endoftext|>"}))
+    return path
+
+
+class Watch:
+    """A request's emit: the monotonic time of every event, the streamed text, the final event."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.text = ""
+        self.final: Event | None = None
+        self.done = threading.Event()
+
+    def __call__(self, event: Event) -> None:
+        self.times.append(time.monotonic())
+        self.text += event.text
+        if event.final:
+            self.final = event
+            self.done.set()
+
+    def wait(self, timeout: float) -> Event:
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"a request did not finish in {timeout} s")
+        return self.final
+
+
+def submit(scheduler: Scheduler, prompt: list[int], tokens: int) -> tuple[Request, Watch, float]:
+    watch = Watch()
+    req = Request(prompt, SamplingParams(max_tokens=tokens, temperature=0.0), watch)
+    t0 = time.monotonic()
+    scheduler.submit(req)
+    return req, watch, t0
+
+
+def session_prompts(args, rng: np.random.Generator):
+    """The session's new tokens: turn 0's prompt, then each turn's --grow tokens (ids 1..vocab-1: no eos)."""
+    first = rng.integers(1, args.vocab, args.start_tokens).tolist()
+    return first, [rng.integers(1, args.vocab, args.grow).tolist() for _ in range(args.turns)]
+
+
+def run_session(scheduler: Scheduler, args, first: list[int], grows: list[list[int]], rng,
+                timeout: float) -> list[dict]:
+    """One session (module docstring); returns a row per turn."""
+    rows, context = [], list(first)
+    device = scheduler.engine.weights.device
+    for turn in range(args.turns):
+        req, watch, t0 = submit(scheduler, context, args.answer)
+        sides = []
+        if args.side_every and turn % args.side_every == args.side_every - 1:
+            while len(watch.times) < 2 and not watch.done.is_set():  # the long answer is streaming
+                time.sleep(0.001)
+            sides = [submit(scheduler, rng.integers(1, args.vocab, args.side_tokens).tolist(), args.side_answer)
+                     for _ in range(args.side_calls)]
+        final = watch.wait(timeout)
+        if final.error:
+            raise RuntimeError(f"turn {turn}: {final.error}")
+        side_latency = []
+        for _, side, s0 in sides:
+            ev = side.wait(timeout)
+            if ev.error:
+                raise RuntimeError(f"turn {turn}: a side call failed: {ev.error}")
+            side_latency.append(side.times[-1] - s0)
+        timing = final.timing
+        gaps = np.diff(watch.times) if len(watch.times) > 1 else np.zeros(1)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        rows.append({"turn": turn, "context_tokens": len(context), "ttft_s": watch.times[0] - t0,
+                     "cached_tokens": timing.cached_prompt_tokens, "prefill_s": timing.prefill_s,
+                     "decode_tokens_per_s": timing.decode_tokens_per_s, "worst_gap_s": float(gaps.max()),
+                     "side_latency_s": side_latency,
+                     "device_allocated_gb": torch.cuda.memory_allocated(device) / GB if device.type == "cuda" else 0.0})
+        answer = scheduler.tokenizer.encode(watch.text, add_special_tokens=False)  # the answer's words back to ids
+        context = context + answer + grows[turn]
+        if len(context) + args.answer > args.max_seq_len:
+            raise SystemExit(f"turn {turn}: the context ({len(context)} tokens) outgrows --max-seq-len "
+                             f"{args.max_seq_len}: raise it or lower --turns / --grow")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _args(argv)
+    device = torch.device(args.device)
+    config = getattr(decoders, GEOMETRIES[args.geometry])(args.layers, vocab_size=args.vocab)
+    if args.small:
+        config = {**config, **SMALL}
+    weights = decoders.random_decoder(config, device, seed=args.seed)
+    spec = weights.spec
+    slots = max(args.max_batch * spec.moe.top_k, round(args.slots_frac * spec.num_moe_layers * spec.moe.num_experts))
+    blocks = int(args.kv_cache_gb * GB // prefix_block_bytes(spec, PREFIX_BLOCK_TOKENS))
+    with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
+        tokenizer = TextTokenizer(write_word_tokenizer(Path(tmp), args.vocab))
+    runs = {}
+    for name, prefix in (("kept", blocks), ("none", 0)):
+        if name == "none" and args.minutes:
+            break  # the soak runs the cache alone
+        engine = Engine(weights, make_backend(weights, slots, "lru", max_batch=args.max_batch),
+                        max_batch=args.max_batch, max_seq_len=args.max_seq_len, prefix_blocks=prefix)
+        scheduler = Scheduler(engine, tokenizer)
+        scheduler.start()
+        try:
+            rng = np.random.default_rng(args.seed)
+            first, grows = session_prompts(args, rng)
+            sessions, end = [], time.monotonic() + 60 * args.minutes
+            while True:
+                sessions.append(run_session(scheduler, args, first, grows, rng, args.timeout))
+                if time.monotonic() >= end:
+                    break
+            finished = dict(scheduler.stats.finished)
+        finally:
+            scheduler.stop(timeout=30)
+        runs[name] = {"prefix_blocks": prefix, "sessions": sessions, "finished": finished,
+                      "prefix_stats": None if engine.prefix is None else vars(engine.prefix.stats)}
+        del engine, scheduler
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    doc = {"bench": "agent", "machine": benchmeta.machine() if device.type == "cuda" else benchmeta.cpu_machine(),
+           "args": {k: v for k, v in vars(args).items() if k != "out"}, "slots": slots, "prefix_blocks": blocks,
+           "block_tokens": PREFIX_BLOCK_TOKENS, "runs": runs}
+    report(doc)
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+def report(doc: dict) -> None:
+    kept = doc["runs"]["kept"]["sessions"][0]
+    none = doc["runs"].get("none", {}).get("sessions", [None])[0]
+    print("turn  context  cached   ttft kept   ttft none   ratio  decode tok/s  worst gap  side calls (s)")
+    for i, row in enumerate(kept):
+        base = none[i]["ttft_s"] if none else float("nan")
+        print(f"{row['turn']:4d} {row['context_tokens']:8d} {row['cached_tokens']:7d} {row['ttft_s']:10.3f} "
+              f"{base:11.3f} {base / row['ttft_s']:7.1f} {row['decode_tokens_per_s']:13.1f} "
+              f"{row['worst_gap_s']:10.3f}  {', '.join(f'{s:.2f}' for s in row['side_latency_s'])}")
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--geometry", default="qwen3-30b", choices=sorted(GEOMETRIES))
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--small", action="store_true", help="hidden 256, 16 experts of 64: the wiring, on a CPU")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--slots-frac", type=float, default=0.25, help="share of the L * E experts in slots")
+    ap.add_argument("--max-batch", type=int, default=4)
+    ap.add_argument("--max-seq-len", type=int, default=73728)
+    ap.add_argument("--kv-cache-gb", type=float, default=8.0, help="the prefix cache of the 'kept' run")
+    ap.add_argument("--turns", type=int, default=30)
+    ap.add_argument("--start-tokens", type=int, default=8192)
+    ap.add_argument("--grow", type=int, default=1900, help="new tokens a turn adds beside the answer")
+    ap.add_argument("--answer", type=int, default=64, help="tokens a turn's answer streams")
+    ap.add_argument("--side-every", type=int, default=5, help="side calls every this many turns (0: none)")
+    ap.add_argument("--side-calls", type=int, default=3)
+    ap.add_argument("--side-tokens", type=int, default=512)
+    ap.add_argument("--side-answer", type=int, default=16)
+    ap.add_argument("--minutes", type=float, default=0.0, help="soak: repeat the session with the cache this long")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take before the run fails")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    for name in ("layers", "vocab", "max_batch", "max_seq_len", "turns", "start_tokens", "answer", "side_calls",
+                 "side_tokens", "side_answer"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.grow < 0 or args.side_every < 0 or args.minutes < 0 or not args.kv_cache_gb > 0:
+        ap.error("--grow, --side-every and --minutes must be >= 0 and --kv-cache-gb > 0")
+    if not 0 < args.slots_frac <= 1:
+        ap.error("--slots-frac must be in (0, 1]")
+    if args.small and args.geometry != "qwen3-30b":
+        ap.error("--small shrinks the qwen3-30b geometry only")
+    return args
+
+
+if __name__ == "__main__":
+    main()

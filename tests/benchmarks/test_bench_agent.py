@@ -1,0 +1,38 @@
+"""benchmarks/bench_agent.py end to end on the CPU at a tiny size: the session's wiring, not its figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import load_bench
+
+
+def test_a_tiny_session_with_and_without_kept_prefixes(tmp_path):
+    bench = load_bench("bench_agent")
+    out = tmp_path / "agent.json"
+    argv = ("--device cpu --small --layers 2 --vocab 512 --turns 4 --start-tokens 150 --grow 40 --answer 6 "
+            "--side-every 2 --side-calls 2 --side-tokens 20 --side-answer 3 --max-batch 3 --max-seq-len 512 "
+            "--kv-cache-gb 0.05 --slots-frac 0.5").split()
+    doc = bench.main([*argv, "--out", str(out)])
+    assert json.loads(out.read_text())["runs"].keys() == {"kept", "none"}
+    kept, none = (doc["runs"][name]["sessions"][0] for name in ("kept", "none"))
+    assert [r["context_tokens"] for r in kept] == [r["context_tokens"] for r in none]  # the same session
+    assert kept[0]["cached_tokens"] == 0 and all(r["cached_tokens"] == 0 for r in none)
+    # every later turn restores what the last one kept: whole 64-token blocks of the resent context
+    assert all(r["cached_tokens"] >= 64 and r["cached_tokens"] % 64 == 0 for r in kept[1:])
+    assert [len(r["side_latency_s"]) for r in kept] == [0, 2, 0, 2]
+    assert all(r["ttft_s"] > 0 and r["worst_gap_s"] >= 0 for r in kept + none)
+    for name in ("kept", "none"):
+        finished = doc["runs"][name]["finished"]
+        assert sum(finished.values()) == 4 + 4 and set(finished) <= {"stop", "length"}
+    assert doc["runs"]["kept"]["prefix_stats"]["restored"] == sum(r["cached_tokens"] for r in kept)
+
+
+@pytest.mark.parametrize("argv, flag", [(["--turns", "0"], "--turns"), (["--slots-frac", "0"], "--slots-frac"),
+                                        (["--kv-cache-gb", "0"], "--kv-cache-gb")])
+def test_bad_options_are_refused_by_name(argv, flag, capsys):
+    with pytest.raises(SystemExit):
+        load_bench("bench_agent")._args(argv)
+    assert flag in capsys.readouterr().err
