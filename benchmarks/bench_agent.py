@@ -9,12 +9,15 @@
        the whole conversation (the last prompt, its answer, and --grow new tokens), asks --answer greedy
        tokens and streams them; every --side-every turns --side-calls short requests (--side-tokens
        prompt tokens, --side-answer new tokens) are submitted while the turn decodes
-    -> per turn: context tokens, time to first token, the tokens restored from the prefix cache, decode
+    -> per turn: context tokens, time to first token (from submitting the turn to its first streamed
+       token: the queue is empty but for side calls), the tokens restored from the prefix cache, decode
        tokens per second, the worst gap between two streamed tokens, the side calls' latency (submit to
-       last token) and the device memory allocated after the turn
+       last token) and the device memory allocated after the turn; a warm-up request first, so the
+       compiles are in no turn
     -> both runs (--kv-cache-gb GiB of prefix cache, and none) over the same session, the TTFT ratio per
-       turn; --minutes M: repeat the session with the cache until M minutes have passed (the soak:
-       every request must end well, memory is sampled each turn)
+       turn; --minutes M: repeat the session with the cache until M minutes have passed, checked after
+       each turn (the soak: every request must end well, memory is sampled each turn); the JSON is
+       rewritten after each session, so a run stopped from outside leaves what it measured
     -> table and --out JSON (machine, versions, commit)
 
 Run: python benchmarks/bench_agent.py [--layers 48] [--turns 30] [--start-tokens 8192] [--grow 1900]
@@ -100,12 +103,15 @@ def session_prompts(args, rng: np.random.Generator):
     return first, [rng.integers(1, args.vocab, args.grow).tolist() for _ in range(args.turns)]
 
 
-def run_session(scheduler: Scheduler, args, first: list[int], grows: list[list[int]], rng,
-                timeout: float) -> list[dict]:
-    """One session (module docstring); returns a row per turn."""
-    rows, context = [], list(first)
+def run_session(scheduler: Scheduler, args, first: list[int], grows: list[list[int]], rng, timeout: float,
+                rows: list[dict], deadline: float = float("inf")) -> None:
+    """One session (module docstring), a row per turn appended to `rows` as it ends; stops after the
+    turn that passes `deadline` (monotonic)."""
+    context = list(first)
     device = scheduler.engine.weights.device
     for turn in range(args.turns):
+        if time.monotonic() >= deadline:
+            return
         req, watch, t0 = submit(scheduler, context, args.answer)
         sides = []
         if args.side_every and turn % args.side_every == args.side_every - 1:
@@ -127,16 +133,13 @@ def run_session(scheduler: Scheduler, args, first: list[int], grows: list[list[i
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         rows.append({"turn": turn, "context_tokens": len(context), "ttft_s": watch.times[0] - t0,
-                     "cached_tokens": timing.cached_prompt_tokens, "prefill_s": timing.prefill_s,
+                     "cached_tokens": timing.cached_prompt_tokens, "answer_tokens": final.completion_tokens,
+                     "prefill_s": timing.prefill_s,
                      "decode_tokens_per_s": timing.decode_tokens_per_s, "worst_gap_s": float(gaps.max()),
                      "side_latency_s": side_latency,
                      "device_allocated_gb": torch.cuda.memory_allocated(device) / GB if device.type == "cuda" else 0.0})
         answer = scheduler.tokenizer.encode(watch.text, add_special_tokens=False)  # the answer's words back to ids
         context = context + answer + grows[turn]
-        if len(context) + args.answer > args.max_seq_len:
-            raise SystemExit(f"turn {turn}: the context ({len(context)} tokens) outgrows --max-seq-len "
-                             f"{args.max_seq_len}: raise it or lower --turns / --grow")
-    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -151,38 +154,50 @@ def main(argv: list[str] | None = None) -> dict:
     blocks = int(args.kv_cache_gb * GB // prefix_block_bytes(spec, PREFIX_BLOCK_TOKENS))
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
         tokenizer = TextTokenizer(write_word_tokenizer(Path(tmp), args.vocab))
-    runs = {}
+    longest = args.start_tokens + args.turns * args.grow + (args.turns - 1) * args.answer
+    if longest + args.answer > args.max_seq_len:
+        raise SystemExit(f"the session's last prompt ({longest} tokens) and answer outgrow --max-seq-len "
+                         f"{args.max_seq_len}: raise it or lower --turns / --grow / --start-tokens")
+    doc = {"bench": "agent", "machine": benchmeta.machine() if device.type == "cuda" else benchmeta.cpu_machine(),
+           "args": {k: v for k, v in vars(args).items() if k != "out"}, "slots": slots, "prefix_blocks": blocks,
+           "block_tokens": PREFIX_BLOCK_TOKENS, "runs": {}}
     for name, prefix in (("kept", blocks), ("none", 0)):
         if name == "none" and args.minutes:
             break  # the soak runs the cache alone
         engine = Engine(weights, make_backend(weights, slots, "lru", max_batch=args.max_batch),
                         max_batch=args.max_batch, max_seq_len=args.max_seq_len, prefix_blocks=prefix)
         scheduler = Scheduler(engine, tokenizer)
+        run = doc["runs"][name] = {"prefix_blocks": prefix, "sessions": [], "finished": {}, "prefix_stats": None}
         scheduler.start()
         try:
             rng = np.random.default_rng(args.seed)
             first, grows = session_prompts(args, rng)
-            sessions, end = [], time.monotonic() + 60 * args.minutes
+            # a warm-up request of other tokens first: the compiles and lazy buffers are in no turn's figures
+            submit(scheduler, rng.integers(1, args.vocab, args.side_tokens).tolist(), 2)[1].wait(args.timeout)
+            end = time.monotonic() + 60 * args.minutes
             while True:
-                sessions.append(run_session(scheduler, args, first, grows, rng, args.timeout))
+                run["sessions"].append([])
+                run_session(scheduler, args, first, grows, rng, args.timeout, run["sessions"][-1],
+                            end if args.minutes else float("inf"))
+                _write(doc, args.out)  # what a run that is stopped later leaves
                 if time.monotonic() >= end:
                     break
-            finished = dict(scheduler.stats.finished)
         finally:
             scheduler.stop(timeout=30)
-        runs[name] = {"prefix_blocks": prefix, "sessions": sessions, "finished": finished,
-                      "prefix_stats": None if engine.prefix is None else vars(engine.prefix.stats)}
+            run["finished"] = dict(scheduler.stats.finished)
+            run["prefix_stats"] = None if engine.prefix is None else vars(engine.prefix.stats)
+            _write(doc, args.out)
         del engine, scheduler
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    doc = {"bench": "agent", "machine": benchmeta.machine() if device.type == "cuda" else benchmeta.cpu_machine(),
-           "args": {k: v for k, v in vars(args).items() if k != "out"}, "slots": slots, "prefix_blocks": blocks,
-           "block_tokens": PREFIX_BLOCK_TOKENS, "runs": runs}
     report(doc)
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1))
     return doc
+
+
+def _write(doc: dict, out: str | None) -> None:
+    if out:
+        Path(out).write_text(json.dumps(doc, indent=1))
 
 
 def report(doc: dict) -> None:

@@ -124,7 +124,7 @@ for part in $parts; do
         | tee "$OUT/agent.log" | tail -40 ;;
     agent-soak)
       # the same session repeated with the prefix cache for AGENT_SOAK_MINUTES (every request must end well)
-      timeout 590 python3 benchmarks/bench_agent.py --minutes ${AGENT_SOAK_MINUTES:-9} ${AGENT_ARGS:-} \
+      timeout 590 python3 benchmarks/bench_agent.py --minutes ${AGENT_SOAK_MINUTES:-7} ${AGENT_ARGS:-} \
         --out "$OUT/agent-soak.json" 2>&1 | tee "$OUT/agent-soak.log" | tail -12 ;;
     peer-build)
       # llama.cpp beside expertcache (benchmarks/peer_llamacpp.py; carry .peer from `peer_llamacpp.py prepare`):

@@ -105,17 +105,17 @@ def prefix_block_bytes(spec: ModelSpec, block_tokens: int) -> int:
     return 2 * len(spec.full_layers) * spec.num_kv_heads * block_tokens * spec.head_dim * DTYPE_BYTES[spec.moe.dtype]
 
 
-def prefix_blocks_for(spec: ModelSpec, kv_cache_gb: float, block_tokens: int) -> int:
+def prefix_blocks_for(spec: ModelSpec, kv_cache_gb: float, block_tokens: int, max_seq_len: int) -> int:
     """The prefix-cache blocks --kv-cache-gb GiB hold (floor). Raises ValueError naming --kv-cache-gb when
     it is not > 0 or holds no block, for a model with linear-attention layers (no prefix cache) or with a
-    sliding window shorter than a block (moe.engine.prefix)."""
+    sliding window shorter than both the context (max_seq_len) and a block (moe.engine.prefix)."""
     if isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, (int, float)) or not kv_cache_gb > 0:
         raise ValueError(f"--kv-cache-gb must be > 0 (GiB of kept prompt prefixes), got {kv_cache_gb!r}")
     if spec.linear_layers:
         raise ValueError("--kv-cache-gb: this model's linear-attention layers keep a recurrent state the prefix "
                          "cache does not save; serve it without --kv-cache-gb")
-    windows = [w for w in (spec.window(i) for i in spec.full_layers) if w > 0]
-    if windows and min(windows) < block_tokens:
+    windows = [p for p in (cache_positions(spec, i, max_seq_len) for i in spec.full_layers) if p < max_seq_len]
+    if windows and min(windows) < block_tokens:  # a ring (a window shorter than the context) must hold a block
         raise ValueError(f"--kv-cache-gb: the prefix cache's blocks of {block_tokens} tokens exceed the model's "
                          f"sliding window of {min(windows)}, and a block must fit in a ring; serve it without "
                          "--kv-cache-gb")

@@ -201,6 +201,7 @@ class Engine:
 
     def _join(self, prompt: list[int], all_logits: bool) -> tuple[int, torch.Tensor]:
         row = self.batch
+        tokens = self._tokens(prompt)  # checks the ids before any row state changes
         if self.recurrent is not None:
             self.recurrent.reset(row)
         first, chain = 0, (0, ROOT, 0)
@@ -212,7 +213,12 @@ class Engine:
         self._seq.append(list(prompt))
         self._cached.append(first)
         self._chain.append(chain)
-        logits = self._prefill_row(self._tokens(prompt), row, all_logits, first)
+        try:
+            logits = self._prefill_row(tokens, row, all_logits, first)
+        except BaseException:  # the row did not join: its entries go, so later rows' stay in step
+            for state in (self._seq, self._cached, self._chain):
+                state.pop()
+            raise
         self._lengths.append(len(prompt))
         self.kv.lengths[row] = len(prompt)
         return row, logits
@@ -300,11 +306,13 @@ class Engine:
     def decode_step(self, tokens) -> torch.Tensor:
         """One token for every sequence of the active batch: tokens [B] ids -> logits float32 [B, V].
 
-        Appends each token at its row's position. Raises ValueError naming max_seq_len when a row is
+        Appends each token at its row's position (with a prefix cache, the ids go into the rows' sequences:
+        a device tensor of them is read back, a host list is not). Raises ValueError naming max_seq_len when a row is
         full, or when no batch was started (call prefill first); RuntimeError when a CPU expert worker
         failed in an earlier step (the backend's check).
         """
         b = self.batch
+        fed = tokens if isinstance(tokens, list) else None  # the host's own copy, when it has one
         tokens = self._tokens(tokens)
         if b == 0 or tokens.shape != (b,):
             raise ValueError(f"decode_step needs one token per sequence of the active batch ({b}; call "
@@ -314,8 +322,8 @@ class Engine:
         self.moe.check()  # a CPU expert worker's failure in an earlier step (GpuMoE.check)
         logits, routing = self._decode_body(tokens) if self.graphs is None else self.graphs.run(tokens)
         self._lengths = [n + 1 for n in self._lengths]
-        if self.prefix is not None:
-            self._save_decoded(tokens.tolist())
+        if self.prefix is not None:  # the fed ids, read back from the device when the caller passed a tensor
+            self._save_decoded([int(t) for t in fed] if fed is not None else tokens.tolist())
         if self.record_routing:
             self._routing.append(routing)  # [L_moe, B, k]
         return logits

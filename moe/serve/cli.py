@@ -234,7 +234,8 @@ def build_state(args: argparse.Namespace) -> ServeState:
         max_seq_len = _context(args)
         spec = ModelSpec.from_hf(read_config(args.model), dtype=args.dtype, expert_format=args.moe_expert_format)
         budget = resolve_slots(spec, args.moe_slots, args.moe_cache_gb, max_batch=args.max_batch)
-        blocks = 0 if args.kv_cache_gb is None else prefix_blocks_for(spec, args.kv_cache_gb, PREFIX_BLOCK_TOKENS)
+        blocks = 0 if args.kv_cache_gb is None else prefix_blocks_for(spec, args.kv_cache_gb, PREFIX_BLOCK_TOKENS,
+                                                                      max_seq_len)
         tokenizer = TextTokenizer(args.model)
         engine = load_model(args.model, device, num_slots=budget.slots, policy=args.moe_cache_policy,
                             dtype=args.dtype, expert_format=args.moe_expert_format, max_batch=args.max_batch,

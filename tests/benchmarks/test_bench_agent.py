@@ -20,14 +20,26 @@ def test_a_tiny_session_with_and_without_kept_prefixes(tmp_path):
     kept, none = (doc["runs"][name]["sessions"][0] for name in ("kept", "none"))
     assert [r["context_tokens"] for r in kept] == [r["context_tokens"] for r in none]  # the same session
     assert kept[0]["cached_tokens"] == 0 and all(r["cached_tokens"] == 0 for r in none)
-    # every later turn restores what the last one kept: whole 64-token blocks of the resent context
-    assert all(r["cached_tokens"] >= 64 and r["cached_tokens"] % 64 == 0 for r in kept[1:])
+    # every later turn restores what the last one kept: its prompt and the answer's fed tokens (all but
+    # the last), in whole 64-token blocks, the new prompt's last token always computed
+    for last, row in zip(kept, kept[1:]):
+        held = last["context_tokens"] + last["answer_tokens"] - 1
+        assert row["cached_tokens"] == min(held // 64, (row["context_tokens"] - 1) // 64) * 64 > 0
     assert [len(r["side_latency_s"]) for r in kept] == [0, 2, 0, 2]
     assert all(r["ttft_s"] > 0 and r["worst_gap_s"] >= 0 for r in kept + none)
     for name in ("kept", "none"):
         finished = doc["runs"][name]["finished"]
-        assert sum(finished.values()) == 4 + 4 and set(finished) <= {"stop", "length"}
+        assert sum(finished.values()) == 1 + 4 + 4 and set(finished) <= {"stop", "length"}  # the warm-up too
     assert doc["runs"]["kept"]["prefix_stats"]["restored"] == sum(r["cached_tokens"] for r in kept)
+
+
+def test_the_soak_stops_after_the_turn_that_ends_its_time(tmp_path):
+    out = tmp_path / "soak.json"
+    doc = load_bench("bench_agent").main([*"--device cpu --small --layers 2 --vocab 512 --turns 3 --start-tokens 70 "
+                                          "--grow 10 --answer 3 --side-every 0 --max-seq-len 256 --kv-cache-gb 0.01 "
+                                          "--minutes 0.0001".split(), "--out", str(out)])
+    assert set(doc["runs"]) == {"kept"} and json.loads(out.read_text())["runs"]["kept"]["sessions"]
+    assert len(doc["runs"]["kept"]["sessions"]) == 1 and 1 <= len(doc["runs"]["kept"]["sessions"][0]) <= 3
 
 
 @pytest.mark.parametrize("argv, flag", [(["--turns", "0"], "--turns"), (["--slots-frac", "0"], "--slots-frac"),

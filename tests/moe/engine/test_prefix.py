@@ -189,17 +189,25 @@ def test_rows_of_different_restored_lengths_batch_together(checkpoint):
     assert outs[True] == outs[False]
 
 
-def test_gpt_oss_sliding_rings_are_restored_from_the_blocks(tmp_path):
-    """gpt-oss alternates sliding (window 8) and full layers with sinks: a resent conversation longer
-    than the window restores each sliding layer's ring from the kept blocks."""
+@pytest.fixture(scope="module")
+def gpt_oss_path(tmp_path_factory):
+    """gpt-oss alternating a sliding layer (window 8) and a full one, with sinks."""
     cfg = dict(vocab_size=128, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
                max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"])
     model = GptOssForCausalLM(GptOssConfig(**cfg)).eval()
     randomize(model, seed=3)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    plain = load_model(tmp_path, "cpu", num_slots=4, max_seq_len=96, progress=False)
-    kept = load_model(tmp_path, "cpu", num_slots=4, max_seq_len=96, progress=False, prefix_blocks=64,
+    path = tmp_path_factory.mktemp("gpt_oss_window")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gpt_oss_sliding_rings_are_restored_from_the_blocks(gpt_oss_path, device):
+    """A resent conversation longer than the window restores each sliding layer's ring from the kept
+    blocks (on a GPU: the fused decode then reads and writes the rings the restore filled)."""
+    plain = load_model(gpt_oss_path, device, num_slots=4, max_seq_len=96, progress=False)
+    kept = load_model(gpt_oss_path, device, num_slots=4, max_seq_len=96, progress=False, prefix_blocks=64,
                       prefix_block_tokens=BLOCK)
     assert kept.kv.ring[0] == 8
     first = random_tokens(13, seed=21)
@@ -207,7 +215,91 @@ def test_gpt_oss_sliding_rings_are_restored_from_the_blocks(tmp_path):
     got, got_logits, cached = _turns(kept, first, turns=3, new=4, answer=7)
     assert got == want and cached[1] > 8 and cached[2] > cached[1]
     for g, w in zip(got_logits, want_logits):
+        assert_near(g.cpu(), w.cpu(), rel=1e-4)
+
+
+def _kept_engine(path, **kw):
+    """An Engine over `path`'s weights with a prefix cache of 4-token blocks and the options in kw."""
+    from moe.engine.backends import make_backend
+    from moe.engine.engine import Engine
+
+    weights = load_model(path, "cpu", num_slots=12, max_batch=3, max_seq_len=96, progress=False).weights
+    return Engine(weights, make_backend(weights, 12, "lru", max_batch=3), max_batch=3, max_seq_len=96,
+                  prefix_block_tokens=BLOCK, **kw)
+
+
+def _script(engine) -> tuple[list[list[int]], list[torch.Tensor], list[int], list[int]]:
+    """Rows joining, decoding past block boundaries, the middle one leaving (the last moves into its row
+    and goes on saving), then two prompts resending what rows 0 and 1 hold; every logit and token, the
+    tokens the resent prompts restored, and the tokens rows 0 and 1 held."""
+    seqs, logits = [], []
+
+    def step(n: int) -> None:
+        for _ in range(n):
+            out = engine.decode_step([s[-1] for s in seqs])
+            logits.append(out)
+            for s, t in zip(seqs, out.argmax(dim=-1).tolist()):
+                s.append(t)
+
+    for seed, n in ((31, 9), (32, 6), (33, 11)):
+        p = random_tokens(n, seed=seed)
+        last = engine.join(p)[1]
+        logits.append(last[None])
+        seqs.append(p + [int(last.argmax())])
+    step(5)
+    engine.leave(1)
+    seqs[1] = seqs.pop()
+    step(6)
+    resent = [seqs[0][:-1] + random_tokens(3, seed=40), seqs[1][:-1] + random_tokens(2, seed=41)]
+    held = [len(s) - 1 for s in seqs]  # the rows' fed tokens (the last sampled one never fed back)
+    for row in reversed(range(engine.batch)):
+        engine.leave(row)
+    seqs.clear()
+    cached = []
+    for p in resent:
+        last = engine.join(p)[1]
+        cached.append(engine.cached_tokens(engine.batch - 1))
+        logits.append(last[None])
+        seqs.append(p + [int(last.argmax())])
+    step(3)
+    return seqs, logits, cached, held
+
+
+@pytest.mark.parametrize("chunk", [16384, 8])
+def test_rows_leaving_and_chunked_prompts_keep_the_right_blocks(checkpoint, chunk):
+    """The moved row saves its later blocks under its own tokens, and a prompt prefilled in chunks of 8
+    saves each chunk's blocks: the resent prompts restore exactly what their rows held (all but the
+    last token, whole blocks), with the tokens and logits of the engine without a cache."""
+    name, _, path = checkpoint
+    if name == "qwen3_next":
+        pytest.skip("no prefix cache for linear-attention layers")
+    want_seqs, want_logits, none, _ = _script(_kept_engine(path, prefill_chunk=chunk))
+    kept = _kept_engine(path, prefill_chunk=chunk, prefix_blocks=64)
+    seqs, logits, cached, held = _script(kept)
+    assert seqs == want_seqs and none == [0, 0]
+    for g, w in zip(logits, want_logits):
         assert_near(g, w, rel=1e-4)
+    assert cached == [n // BLOCK * BLOCK for n in held] and min(cached) >= 3 * BLOCK
+
+
+def test_a_join_that_fails_leaves_the_rows_in_step(checkpoint):
+    """A prompt with an out-of-range id is refused before any row state changes: later rows save and
+    restore their own blocks."""
+    name, _, path = checkpoint
+    if name == "qwen3_next":
+        pytest.skip("no prefix cache for linear-attention layers")
+    plain, kept = _kept_engine(path), _kept_engine(path, prefix_blocks=64)
+    a, b = random_tokens(13, seed=51), random_tokens(13, seed=52)
+    with pytest.raises(ValueError, match="vocab_size"):
+        kept.join(a[:3] + [10**6])
+    for engine in (plain, kept):
+        for p in (a, b):
+            engine.join(p)
+            engine.leave(0)
+    resent = a + random_tokens(3, seed=53)
+    got, want = kept.join(resent)[1], plain.join(resent)[1]
+    assert kept.cached_tokens(0) == 12
+    assert_near(got[None], want[None], rel=1e-4)
 
 
 @pytest.mark.gpu
