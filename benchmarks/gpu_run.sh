@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env gpu-tests tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid agent agent-soak peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid agent agent-soak peer-setup peer-wait peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -126,6 +126,25 @@ for part in $parts; do
       # the same session repeated with the prefix cache for AGENT_SOAK_MINUTES (every request must end well)
       timeout 590 python3 benchmarks/bench_agent.py --minutes ${AGENT_SOAK_MINUTES:-7} ${AGENT_ARGS:-} \
         --out "$OUT/agent-soak.json" 2>&1 | tee "$OUT/agent-soak.log" | tail -12 ;;
+    peer-setup)
+      # peer-build's and peer-convert's work in a session of its own, returning at once: the build, the
+      # checkpoint beside it, then the GGUFs, while later parts (GPU tests) run; peer-wait waits for it.
+      # The machine must stay held between the calls (PEER_WORK is kept only while it is)
+      W=${PEER_WORK:-.peer-work}; mkdir -p "$W/log"; rm -f "$W/setup.done" "$W"/log/*.rc
+      setsid nohup bash -c "
+        ( python3 benchmarks/peer_llamacpp.py build --build-dir $W > $W/log/peer-build.log 2>&1; echo \$? > $W/log/build.rc ) &
+        ( python3 benchmarks/peer_llamacpp.py checkpoint --out $W/qwen3moe --layers ${PEER_LAYERS:-12} --device cuda \
+            > $W/log/peer-checkpoint.log 2>&1; echo \$? > $W/log/checkpoint.rc ) &
+        wait
+        python3 benchmarks/peer_llamacpp.py convert --model $W/qwen3moe --build-dir $W > $W/log/peer-convert.log 2>&1
+        echo \$? > $W/log/convert.rc; touch $W/setup.done" > /dev/null 2>&1 < /dev/null &
+      echo "peer-setup: started in the background (peer-wait waits for it)" ;;
+    peer-wait)
+      W=${PEER_WORK:-.peer-work}; t0=$(date +%s)
+      while [ ! -f "$W/setup.done" ] && [ $(( $(date +%s) - t0 )) -lt ${PEER_WAIT_TIMEOUT:-540} ]; do sleep 3; done
+      echo "peer-wait: $(( $(date +%s) - t0 )) s; exit codes (build, checkpoint, convert):" \
+        $(cat "$W/log/build.rc" "$W/log/checkpoint.rc" "$W/log/convert.rc" 2>/dev/null)
+      cp "$W"/log/peer-*.log "$OUT/" 2>/dev/null; [ -f "$W/setup.done" ] ;;
     peer-build)
       # llama.cpp beside expertcache (benchmarks/peer_llamacpp.py; carry .peer from `peer_llamacpp.py prepare`):
       # the build, then the shared random-weight checkpoint; PEER_WORK (.peer-work, ignored by git, not carried)
