@@ -39,8 +39,9 @@ import numpy as np
 import torch
 
 from moe.engine.backends import make_backend
-from moe.engine.budget import prefix_block_bytes
-from moe.engine.engine import PREFIX_BLOCK_TOKENS, Engine
+from moe.engine.budget import prefix_blocks_for
+from moe.engine.engine import Engine
+from moe.engine.prefix import PREFIX_BLOCK_TOKENS
 from moe.serve.sampling import SamplingParams
 from moe.serve.scheduler import Event, Request, Scheduler
 from moe.serve.tokenizer import TextTokenizer
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     weights = decoders.random_decoder(config, device, seed=args.seed)
     spec = weights.spec
     slots = max(args.max_batch * spec.moe.top_k, round(args.slots_frac * spec.num_moe_layers * spec.moe.num_experts))
-    blocks = int(args.kv_cache_gb * GB // prefix_block_bytes(spec, PREFIX_BLOCK_TOKENS))
+    blocks = prefix_blocks_for(spec, args.kv_cache_gb, PREFIX_BLOCK_TOKENS, args.max_seq_len)
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
         tokenizer = TextTokenizer(write_word_tokenizer(Path(tmp), args.vocab))
     longest = args.start_tokens + args.turns * args.grow + (args.turns - 1) * args.answer

@@ -99,26 +99,35 @@ def recurrent_state_bytes(spec: ModelSpec, max_batch: int) -> int:
     return RecurrentCache.state_bytes(spec.linear, len(spec.linear_layers), max_batch, DTYPE_BYTES[spec.moe.dtype])
 
 
+PREFIX_BLOCK_TOKENS = 64  # tokens of a prefix-cache block (moe.engine.prefix; --kv-cache-gb's blocks)
+
+
 def prefix_block_bytes(spec: ModelSpec, block_tokens: int) -> int:
     """Bytes of one prefix-cache block (moe.engine.prefix): k and v of `block_tokens` positions in every
     softmax-attention layer, a sliding one's too, in the model dtype."""
     return 2 * len(spec.full_layers) * spec.num_kv_heads * block_tokens * spec.head_dim * DTYPE_BYTES[spec.moe.dtype]
 
 
-def prefix_blocks_for(spec: ModelSpec, kv_cache_gb: float, block_tokens: int, max_seq_len: int) -> int:
-    """The prefix-cache blocks --kv-cache-gb GiB hold (floor). Raises ValueError naming --kv-cache-gb when
-    it is not > 0 or holds no block, for a model with linear-attention layers (no prefix cache) or with a
-    sliding window shorter than both the context (max_seq_len) and a block (moe.engine.prefix)."""
-    if isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, (int, float)) or not kv_cache_gb > 0:
-        raise ValueError(f"--kv-cache-gb must be > 0 (GiB of kept prompt prefixes), got {kv_cache_gb!r}")
+def check_prefix_cache(spec: ModelSpec, block_tokens: int, max_seq_len: int) -> None:
+    """Raise ValueError naming --kv-cache-gb where a prefix cache (moe.engine.prefix) cannot be kept: a
+    model with linear-attention layers (its recurrent state would have to be saved at block boundaries),
+    or a sliding window that is a ring (shorter than the context, max_seq_len) and shorter than a block."""
     if spec.linear_layers:
         raise ValueError("--kv-cache-gb: this model's linear-attention layers keep a recurrent state the prefix "
                          "cache does not save; serve it without --kv-cache-gb")
     windows = [p for p in (cache_positions(spec, i, max_seq_len) for i in spec.full_layers) if p < max_seq_len]
-    if windows and min(windows) < block_tokens:  # a ring (a window shorter than the context) must hold a block
+    if windows and min(windows) < block_tokens:
         raise ValueError(f"--kv-cache-gb: the prefix cache's blocks of {block_tokens} tokens exceed the model's "
                          f"sliding window of {min(windows)}, and a block must fit in a ring; serve it without "
                          "--kv-cache-gb")
+
+
+def prefix_blocks_for(spec: ModelSpec, kv_cache_gb: float, block_tokens: int, max_seq_len: int) -> int:
+    """The prefix-cache blocks --kv-cache-gb GiB hold (floor). Raises ValueError naming --kv-cache-gb when
+    it is not > 0 or holds no block, or where check_prefix_cache refuses the model."""
+    if isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, (int, float)) or not kv_cache_gb > 0:
+        raise ValueError(f"--kv-cache-gb must be > 0 (GiB of kept prompt prefixes), got {kv_cache_gb!r}")
+    check_prefix_cache(spec, block_tokens, max_seq_len)
     per = prefix_block_bytes(spec, block_tokens)
     blocks = int(kv_cache_gb * GIB // per)
     if blocks < 1:
@@ -134,7 +143,7 @@ def context_bytes(spec: ModelSpec, max_batch: int, max_seq_len: int) -> int:
 
 
 def memory_split(budget: SlotBudget, spec: ModelSpec, max_batch: int, max_seq_len: int, prefix_blocks: int = 0,
-                 prefix_block_tokens: int = 64) -> str:
+                 prefix_block_tokens: int = PREFIX_BLOCK_TOKENS) -> str:
     """One line: the device memory of the expert slots, of the KV cache (and of a model's linear-attention
     recurrent state, and of the prefix cache's blocks), and their sum."""
     kv = kv_cache_bytes(spec, max_batch, max_seq_len)

@@ -49,13 +49,12 @@ from moe.engine.attention import KVCache, Rope, attention_decode, attention_deco
 from moe.engine.backends import MoEBackend
 from moe.engine.graphs import DecodeGraphs
 from moe.engine.linear_attention import RecurrentCache, linear_attention_decode, linear_attention_prefill
-from moe.engine.prefix import ROOT, PrefixCache
+from moe.engine.prefix import PREFIX_BLOCK_TOKENS, ROOT, PrefixCache
 from moe.kernels.decode_norm import add_rms_norm
 from moe.model.checkpoint import DenseWeights, LayerWeights, ModelWeights, MoEWeights
 from moe.model.linear_attention import LinearAttentionWeights
 
 PREFILL_CHUNK = 16384  # prompt tokens a prefill pass takes at once (a longer prompt runs in chunks)
-PREFIX_BLOCK_TOKENS = 64  # tokens of a prefix-cache block (moe.engine.prefix)
 
 
 class Engine:

@@ -30,6 +30,7 @@ from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
 from moe.engine.budget import context_bytes, memory_split, prefix_block_bytes, resolve_slots
 from moe.engine.channels import ChannelMeasure, choose_service, measure_channels
 from moe.engine.engine import Engine
+from moe.engine.prefix import PREFIX_BLOCK_TOKENS
 from moe.kernels.cpu_experts import set_threads, threads_in_use
 from moe.model.checkpoint import ModelWeights, load_checkpoint
 from moe.model.config import copy_overlap_from_env
@@ -47,7 +48,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                expert_format: str | None = None, max_batch: int = 1,
                max_seq_len: int = 2048, record_routing: bool = False, progress: bool = True,
                copy_overlap: bool | None = None, cuda_graphs: bool | None = None, miss_service: str = "copy",
-               cpu_threads: int | None = None, prefix_blocks: int = 0, prefix_block_tokens: int = 64,
+               cpu_threads: int | None = None, prefix_blocks: int = 0, prefix_block_tokens: int = PREFIX_BLOCK_TOKENS,
                **constants) -> Engine:
     """Load checkpoint directory `path` and build an Engine over an expert cache of `num_slots` slots,
     or of the slots that `cache_gb` GiB hold (exactly one of the two; moe.engine.budget):

@@ -30,9 +30,11 @@ from dataclasses import dataclass, field
 import torch
 
 from moe.engine.attention import KVCache
+from moe.engine.budget import PREFIX_BLOCK_TOKENS, check_prefix_cache
 from moe.model.spec import ModelSpec
 
 ROOT = -1  # the parent of a chain's first block
+__all__ = ["PREFIX_BLOCK_TOKENS", "ROOT", "PrefixCache", "PrefixStats", "Reservation"]
 
 
 @dataclass
@@ -55,9 +57,9 @@ class _Block:
 
 @dataclass
 class Reservation:
-    """Blocks a prefill chunk will write: (block index in its sequence, pool id) and their keys."""
+    """Blocks a prefill chunk will write: the sequence's blocks first, first + 1, ..., their pool ids and
+    keys."""
 
-    parent: int
     first: int
     ids: list[int] = field(default_factory=list)
     keys: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
@@ -69,24 +71,17 @@ class PrefixCache:
     spec: the model's ModelSpec; kv: the engine's KVCache (layer shapes, rings); num_blocks: blocks the
     pool holds; block_tokens: tokens a block (a power of two; the engine's prefill chunk must be a
     multiple of it, and a sliding window at least it). Raises ValueError naming num_blocks,
-    block_tokens or the model's linear-attention layers.
-    Cost: bytes_per_block * num_blocks of device memory, allocated here.
+    block_tokens, or --kv-cache-gb where moe.engine.budget.check_prefix_cache refuses the model.
+    Cost: moe.engine.budget.prefix_block_bytes * num_blocks of device memory, allocated here.
     """
 
-    def __init__(self, spec: ModelSpec, kv: KVCache, num_blocks: int, block_tokens: int = 64) -> None:
-        if spec.linear_layers:
-            raise ValueError("prefix cache (--kv-cache-gb): this model's linear-attention layers keep a recurrent "
-                             "state the cache does not save; run it without a prefix cache")
+    def __init__(self, spec: ModelSpec, kv: KVCache, num_blocks: int, block_tokens: int = PREFIX_BLOCK_TOKENS) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"prefix cache: num_blocks must be an int >= 1, got {num_blocks!r}")
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1 \
                 or block_tokens & (block_tokens - 1):
             raise ValueError(f"prefix cache: block_tokens must be a power of two, got {block_tokens!r}")
-        rings = [r for r in kv.ring if r]
-        if rings and min(rings) < block_tokens:
-            raise ValueError(f"prefix cache (--kv-cache-gb): its blocks of {block_tokens} tokens exceed the model's "
-                             f"sliding window of {min(rings)}, and a block must fit in a ring: serve it without "
-                             "--kv-cache-gb (or give load_model a smaller prefix_block_tokens)")
+        check_prefix_cache(spec, block_tokens, kv.max_len)
         self.block_tokens, self.num_blocks, self.ring = block_tokens, num_blocks, list(kv.ring)
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
@@ -95,18 +90,12 @@ class PrefixCache:
             self.k.append(None if k is None else torch.zeros(shape, dtype=k.dtype, device=k.device))
             self.v.append(None if k is None else torch.zeros(shape, dtype=k.dtype, device=k.device))
         self.device = next(t.device for t in self.k if t is not None)
-        self.bytes_per_block = sum(2 * t[0].numel() * t.element_size() for t in self.k if t is not None)
         self._blocks: dict[int, _Block] = {}
         self._by_key: dict[tuple[int, tuple[int, ...]], int] = {}
         self._free = list(range(num_blocks - 1, -1, -1))
         self._gen = [0] * num_blocks  # advanced when a block is freed: a row's stale parent id is seen as such
         self._tick = 0
         self.stats = PrefixStats()
-
-    @staticmethod
-    def bytes_per_block_of(kv: KVCache, block_tokens: int) -> int:
-        """The pool's bytes a block takes for this KV cache's layers (for a budget in bytes)."""
-        return sum(2 * k.shape[1] * block_tokens * k.shape[3] * k.element_size() for k in kv.k if k is not None)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -187,7 +176,7 @@ class PrefixCache:
         stops at the first one (its later blocks are found through match next time). Ids come from free
         blocks, else by evicting least recently used leaves outside `keep` and the reservation; when
         none is left the reservation ends there."""
-        res = Reservation(parent, first)
+        res = Reservation(first)
         held = set(keep) | ({parent} if parent != ROOT else set())
         prev = parent
         for b in range(first, end):
@@ -239,11 +228,9 @@ class PrefixCache:
         """Block `block` of a row's sequence (tokens: its ids, at least through that block), which its KV
         holds, into the pool as the child of `parent`; its id (the cached one when present), or None
         when no block could be freed for it."""
-        key = (parent, self._block_tokens(tokens, block))
-        if key in self._by_key:
-            bid = self._by_key[key]
-            self._touch(bid)
-            return bid
+        known = self.follow(tokens, parent, block, block + 1)
+        if known:
+            return known[0]
         res = self.reserve(tokens, parent, block, block + 1, keep)
         if not res.ids:
             return None

@@ -218,8 +218,8 @@ def build_state(args: argparse.Namespace) -> ServeState:
     """Tokenizer, engine, scheduler and options from the parsed flags. Raises SystemExit naming the flag
     or file on a bad value, a checkpoint that cannot be served or a pool that does not fit."""
     from moe.engine.budget import prefix_blocks_for, resolve_slots
-    from moe.engine.engine import PREFIX_BLOCK_TOKENS
     from moe.engine.loading import load_model
+    from moe.engine.prefix import PREFIX_BLOCK_TOKENS
     from moe.model.errors import CheckpointError
     from moe.model.spec import ModelSpec, read_config
     from moe.serve.http_guard import GuardOptions

@@ -95,7 +95,7 @@ def test_cpu_worker_env_makes_openmp_sleep_only_where_the_cpu_computes_misses(mo
 
 
 def test_the_help_gives_the_prefix_block_size(capsys):
-    from moe.engine.engine import PREFIX_BLOCK_TOKENS
+    from moe.engine.prefix import PREFIX_BLOCK_TOKENS
 
     assert f"blocks of {PREFIX_BLOCK_TOKENS} tokens" in " ".join(_help(capsys).split())
 
