@@ -38,7 +38,7 @@ import torch
 
 from expertcache.formats import resolve_format
 from expertcache.pool import HostStore
-from moe.kernels.cpu_experts import MAX_TOKENS, CpuExperts
+from moe.kernels.cpu_experts import MAX_TOKENS, SPIN_PAUSES, CpuExperts, set_driver, set_threads
 from moe.model.checkpoint import write_experts
 from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig
 from moe.model.reference import gated_activation
@@ -83,9 +83,10 @@ def make_store(cfg: MoEConfig, gib: float, seed: int = 0) -> HostStore:
 class Calls:
     """Rotating calls of `experts` keys at T tokens over one store: the kernel and the torch / numpy baselines."""
 
-    def __init__(self, store: HostStore, cfg: MoEConfig, experts: int, tokens: int) -> None:
+    def __init__(self, store: HostStore, cfg: MoEConfig, experts: int, tokens: int, spin: int) -> None:
         self.store, self.cfg, self.experts, self.tokens = store, cfg, experts, tokens
         self.kernel = CpuExperts(store, cfg)
+        self.kernel.spin_pauses = spin
         self.turn = 0
         g = torch.Generator().manual_seed(1)
         self.x = torch.randn(tokens, cfg.hidden, generator=g)
@@ -197,13 +198,14 @@ def bench_format(name: str, args, link: LinkLoad | None) -> dict:
     row = {"format": name, "expert_bytes": fmt.expert_bytes(h, i), "store_keys": store.num_keys,
            "store_gib": store.nbytes / (1 << 30), "tokens": {}}
     for tokens in args.tokens:
-        calls = Calls(store, cfg, args.experts, tokens)
+        calls = Calls(store, cfg, args.experts, tokens, args.spin)
         fns = {"kernel": calls.run_kernel}
         if name in ("bf16", "float32"):
             fns["torch"] = calls.run_torch
         if name == "float32":
             fns["numpy"] = lambda calls=calls: calls.run_torch("numpy")
-        times = time_calls(fns, args.reps, args.warmup)
+        # each on its own: the kernel's pool threads spin between its calls, beside which torch's would not run
+        times = {v: time_calls({v: fn}, args.reps, args.warmup)[v] for v, fn in fns.items()}
         cell = {v: {"seconds": stats(t), "gbps": stats([nbytes / s / 1e9 for s in t])} for v, t in times.items()}
         if link is not None:
             cell["link"] = link_rows(link, calls, nbytes, args)
@@ -253,6 +255,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--with-link", action="store_true", help="with CUDA: the copy-engine load beside the kernel")
     ap.add_argument("--link-reps", type=int, default=3, help="windows of link alone / both (--with-link)")
     ap.add_argument("--link-seconds", type=float, default=1.0, help="seconds of a link-alone window")
+    ap.add_argument("--spin", type=int, default=SPIN_PAUSES,
+                    help="waits a pool thread spins for the next call before it sleeps (0: sleep at once)")
+    ap.add_argument("--driver", default="pool", choices=("pool", "prange"))
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu-experts.json"))
     args = ap.parse_args(argv)
     h, i, activation, bias = GEOMETRIES[args.geometry]
@@ -281,6 +286,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     numba.set_num_threads(args.threads)
+    set_threads(args.threads)
+    set_driver(args.driver)
     link = None
     if args.with_link:
         if not torch.cuda.is_available():
@@ -290,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [bench_format(name, args, link) for name in args.formats]
     h, i, activation, bias = args.shape
     doc = {"bench": "cpu_experts", "machine": benchmeta.cpu_machine(), "torch_threads": torch.get_num_threads(),
-           "threading_layer": numba.threading_layer(), "kernel_threads": args.threads,
+           "threading_layer": numba.threading_layer() if args.driver == "prange" else None,
+           "driver": args.driver, "spin": args.spin, "kernel_threads": args.threads,
            "thread_env": {k: os.environ.get(k) for k in THREAD_ENV},
            "geometry": {"name": args.geometry, "hidden": h, "intermediate": i, "activation": activation,
                         "expert_bias": bias},

@@ -85,8 +85,9 @@ for part in $parts; do
       done ;;
     hybrid)
       # the miss split on the GPU: hybrid / cpu decode of every family, the channels measured at start,
-      # the layer with its plan's CPU share
-      timeout ${HYBRID_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" -m gpu \
+      # the layer with its plan's CPU share; each worker's CPU experts on HYBRID_TEST_THREADS threads, whose
+      # pool spins between calls: the workers' threads together stay within the cores
+      NUMBA_NUM_THREADS=${HYBRID_TEST_THREADS:-4} timeout ${HYBRID_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" -m gpu \
         tests/moe/engine/test_hybrid_gpu.py tests/moe/engine/test_layer.py tests/expertcache/test_device_ensure_gpu.py \
         tests/moe/engine/test_model_gpt_oss.py::test_gpu_split_decode_of_gpt_oss_matches_transformers \
         -k "${HYBRID_K:-not nothing}" 2>&1 | tee "$OUT/gpu-tests-hybrid.log" | tail -8 ;;

@@ -30,7 +30,8 @@ import triton.language as tl
 from numba import njit
 
 from expertcache.pool import DeviceView, mapped_device_pointer
-from moe.engine.handoff import answer, await_flag, load_acquire, raise_flag, store_release, wait_post
+from moe.engine.handoff import answer, await_flag, raise_flag, wait_post
+from moe.kernels.cpu_atomics import load_acquire, store_release
 
 
 @njit(nogil=True, cache=True)

@@ -40,7 +40,7 @@ from expertcache.copy import miss_copy
 from expertcache.pool import HostStore, SlotPool
 from expertcache.split import ChannelCosts, MissSplit
 from moe.engine.handoff import CpuShare
-from moe.kernels.cpu_experts import MAX_TOKENS, CpuExperts, threads_in_use
+from moe.kernels.cpu_experts import MAX_TOKENS, SPIN_PAUSES, CpuExperts, threads_in_use
 from moe.model.config import MoEConfig
 
 CALIBRATION_EXPERTS = 8  # experts of one call of each channel (the scratch pool's slots)
@@ -186,6 +186,7 @@ def measure_channels(store: HostStore, cfg: MoEConfig, device: torch.device | st
     rng = np.random.default_rng(0)
     layers, experts = rotation(store.num_keys // cfg.num_experts, cfg.num_experts, n, store.bytes_per_expert, rng)
     cpu = CpuExperts(store, cfg)
+    cpu.spin_pauses = SPIN_PAUSES  # as a hybrid decode's CpuShare runs it
     # every expert of the rotation once a turn at either size: the n-expert calls a group each, the
     # 1-expert calls each of the group's experts alone
     calls = {n: [(int(layer), _cpu_rows(cfg, group, rng)) for layer, group in zip(layers, experts)],
@@ -195,6 +196,7 @@ def measure_channels(store: HostStore, cfg: MoEConfig, device: torch.device | st
     try:
         return _measure(store, cfg, pool, layers, experts, calls, cpu)
     finally:
+        cpu.close()
         del pool
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the slots' free memory is read from the device

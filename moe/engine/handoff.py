@@ -36,43 +36,17 @@ import time
 import torch
 import triton
 import triton.language as tl
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
 
 from expertcache.geometry import CPU_SLOT
 from expertcache.pool import DeviceView, mapped_device_pointer
-from moe.kernels.cpu_experts import CpuExperts
+from moe.kernels.cpu_atomics import cpu_relax, load_acquire, store_release
+from moe.kernels.cpu_experts import SPIN_PAUSES, CpuExperts
 from moe.kernels.plan import GEMV_MAX_TOKENS
 
 META_LAYER, META_ROWS = 0, 1
 _CPU_SLOT = tl.constexpr(CPU_SLOT)
 _META_LAYER, _META_ROWS = tl.constexpr(META_LAYER), tl.constexpr(META_ROWS)
-
-
-@intrinsic
-def load_acquire(typingctx, arr, i):
-    """arr[i] (int32) by an acquire load: later reads see what the writer released before it."""
-    def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
-        return builder.load_atomic(ptr, "acquire", 4)
-    return types.int32(arr, i), codegen
-
-
-@intrinsic
-def store_release(typingctx, arr, i, v):
-    """arr[i] = v (int32) by a release store: what this thread wrote before is seen first."""
-    def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
-        value = args[2] if args[2].type == ir.IntType(32) else builder.trunc(args[2], ir.IntType(32))
-        builder.store_atomic(value, ptr, "release", 4)
-        return context.get_dummy_value()
-    return types.void(arr, i, v), codegen
 
 
 @njit(nogil=True, cache=True)
@@ -84,6 +58,7 @@ def wait_post(flag_in, stop, last):
             return s
         if load_acquire(stop, 0) != 0:
             return -1
+        cpu_relax()
 
 
 @njit(nogil=True, cache=True)
@@ -166,6 +141,7 @@ class CpuShare:
 
     def __init__(self, experts: CpuExperts, device: torch.device) -> None:
         cfg = experts.cfg
+        experts.spin_pauses = SPIN_PAUSES  # its pool threads stay awake between a decode's layer calls
         self.experts, self.device, self.hidden, self.top_k = experts, device, cfg.hidden, cfg.top_k
         n, h, k = GEMV_MAX_TOKENS, cfg.hidden, cfg.top_k
 
@@ -251,3 +227,4 @@ class CpuShare:
             torch.cuda.synchronize(self.device)
         self._np["stop"][0] = 1
         self._thread.join(timeout=10)
+        self.experts.close()

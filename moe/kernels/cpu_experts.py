@@ -30,6 +30,7 @@ cores (a VM, a copy thread beside the kernel), where spinning waiters stall a ca
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import NamedTuple
 
 import numba
@@ -41,12 +42,17 @@ from expertcache.formats import bank_name
 from expertcache.numba_cache import drop_stale_kernels
 from expertcache.pool import HostStore
 from moe.kernels import cpu_decode, cpu_dots
+from moe.kernels.cpu_atomics import compare_exchange, cpu_relax, fetch_add, load_acquire, store_release
 from moe.kernels.cpu_decode import FASTMATH, KERNEL, WORD_BF16, WORD_F16, deinterleave, stack_array, word_f32
 from moe.kernels.cpu_dots import rows_dense, rows_fp8, rows_int4, rows_mxfp4, rows_nvfp4
 from moe.model.config import ACTIVATIONS, EXPERT_BIAS_BANKS, MoEConfig
 from moe.model.slot_matrix import CODES
 
 MAX_TOKENS = 8
+# waits (cpu_relax) a pool thread spins for the next call before it sleeps: a few milliseconds, above the
+# gap between a decode step's layer calls, so a hand-off finds its threads awake
+SPIN_PAUSES = 100_000
+_DRIVER = ["pool"]
 _THREADS: list[int] = []  # set_threads' count, applied by each call (numba's count is per calling thread)
 
 
@@ -55,6 +61,13 @@ def set_threads(n: int | None) -> None:
     belongs to the thread that sets it, and the calls run in a scheduler or a hand-off thread, so each
     call applies it."""
     _THREADS[:] = [] if n is None else [int(n)]
+
+
+def set_driver(name: str) -> None:
+    """Which driver runs the phases: "pool" (persistent threads) or "prange" (numba's parallel loops)."""
+    if name not in ("pool", "prange"):
+        raise ValueError(f"set_driver: name must be 'pool' or 'prange', got {name!r}")
+    _DRIVER[0] = name
 
 
 def threads_in_use() -> int:
@@ -273,6 +286,156 @@ def moe_kernel(gu, dn, spec, layer, num_experts, x, ids, weights, out, sc):
     combine_rows(0, hidden, sc.unit_of[:tokens], sc.pos_of[:tokens], weights, sc.y, out)
 
 
+# The pool's control words (int64), each on a cache line of its own. A ticket is tag << TAG_SHIFT | the
+# phase's next item, tag the call's generation: a thread takes an item only by a compare-exchange on a
+# ticket of the generation it saw published, so a thread that arrives late, or still runs the previous
+# call's loop, takes nothing of a later call.
+_LINE = 8
+GEN, UNITS, TICKET_UP, DONE_UP, TICKET_DOWN, DONE_DOWN, STOP = (i * _LINE for i in range(7))
+CTRL_WORDS = 7 * _LINE
+TAG_SHIFT, ITEM_MASK, GEN_MASK = 32, (1 << 32) - 1, (1 << 31) - 1
+
+
+@njit(**KERNEL)
+def _take(ctrl, ticket, gen, total):
+    """The next item below `total` of phase `ticket` in call `gen`, or -1 (none left, or another call's)."""
+    while True:
+        t = load_acquire(ctrl, ticket)
+        if (t >> TAG_SHIFT) != gen or (t & ITEM_MASK) >= total:
+            return -1
+        if compare_exchange(ctrl, ticket, t, t + 1) == t:
+            return t & ITEM_MASK
+
+
+@njit(**KERNEL)
+def run_call(ctrl, gu, dn, spec, sc, gen):
+    """Take and compute call `gen`'s gate_up items until none is left, wait for every one of them to be
+    done, then the same for its down items (any number of threads at once, the caller among them)."""
+    n = load_acquire(ctrl, UNITS)
+    inter, hidden = gu.rows, dn.rows
+    blocks = (inter + GATE_UP_ROWS - 1) // GATE_UP_ROWS
+    total = n * blocks
+    while True:
+        item = _take(ctrl, TICKET_UP, gen, total)
+        if item < 0:
+            break
+        u, b = item // blocks, item % blocks
+        gate_up_rows(gu, spec, sc.unit_key[u], b * GATE_UP_ROWS, min(inter, (b + 1) * GATE_UP_ROWS), sc.xin,
+                     sc.unit_tok[u], sc.unit_m[u], sc.act[u])
+        fetch_add(ctrl, DONE_UP, 1)
+    while load_acquire(ctrl, DONE_UP) < total:  # every act row is written before a down item reads it
+        if load_acquire(ctrl, GEN) != gen:
+            return
+        cpu_relax()
+    blocks = (hidden + DOWN_ROWS - 1) // DOWN_ROWS
+    total = n * blocks
+    while True:
+        item = _take(ctrl, TICKET_DOWN, gen, total)
+        if item < 0:
+            break
+        u, b = item // blocks, item % blocks
+        down_rows(dn, spec, sc.unit_key[u], b * DOWN_ROWS, min(hidden, (b + 1) * DOWN_ROWS), sc.act[u],
+                  sc.unit_tok[u], sc.unit_m[u], sc.y[u])
+        fetch_add(ctrl, DONE_DOWN, 1)
+
+
+@njit(**KERNEL)
+def pool_lead(ctrl, gu, dn, spec, layer, num_experts, x, ids, weights, out, sc):
+    """out [T, H] = the routed experts of ids / weights on x, computed by the calling thread and whichever
+    pool threads take part; arguments trusted. The tickets move to the new call first, so no thread of
+    the previous call takes an item while the plan is rewritten; the plan is published with the
+    generation (release), each item's rows with its done count (acquire and release)."""
+    gen = (ctrl[GEN] + 1) & GEN_MASK
+    store_release(ctrl, TICKET_UP, gen << TAG_SHIFT)
+    store_release(ctrl, TICKET_DOWN, gen << TAG_SHIFT)
+    store_release(ctrl, DONE_UP, 0)
+    store_release(ctrl, DONE_DOWN, 0)
+    n = plan_units(ids, layer, num_experts, sc)
+    input_order(spec, x, sc.xin)
+    store_release(ctrl, UNITS, n)
+    store_release(ctrl, GEN, gen)
+    run_call(ctrl, gu, dn, spec, sc, gen)
+    total = n * ((dn.rows + DOWN_ROWS - 1) // DOWN_ROWS)
+    while load_acquire(ctrl, DONE_DOWN) < total:
+        cpu_relax()
+    # serial: T * k * H multiply-adds cost less than handing them out
+    combine_rows(0, dn.rows, sc.unit_of[:x.shape[0]], sc.pos_of[:x.shape[0]], weights, sc.y, out)
+
+
+@njit(**KERNEL)
+def pool_work(ctrl, gu, dn, spec, sc, spin, last):
+    """A pool thread: take part in every call published after generation `last`; return the last one seen
+    once `spin` waits (cpu_relax) pass with no new call, or -1 when STOP is set."""
+    while True:
+        waited = 0
+        gen = load_acquire(ctrl, GEN)
+        while gen == last:
+            if load_acquire(ctrl, STOP) != 0:
+                return -1
+            if waited >= spin:
+                return last
+            waited += 1
+            cpu_relax()
+            gen = load_acquire(ctrl, GEN)
+        run_call(ctrl, gu, dn, spec, sc, gen)
+        last = gen
+
+
+def _halt(ctrl: np.ndarray, cond: threading.Condition) -> None:
+    """Set STOP and wake every sleeping pool thread (each then returns)."""
+    ctrl[STOP] = 1
+    with cond:
+        cond.notify_all()
+
+
+class _Pool:
+    """`size` persistent threads that take part in a CpuExperts' calls beside the calling thread.
+
+    A thread spins (pool_work) up to the owner's `spin_pauses` waits for the next call, then sleeps on a
+    condition until one is published; `wake` (before each call) notifies the sleepers. The threads hold
+    the owner only weakly while asleep: once it is collected they stop."""
+
+    def __init__(self, owner: CpuExperts, size: int) -> None:
+        self.size, self.ctrl, self.cond, self.asleep = size, np.zeros(CTRL_WORDS, np.int64), threading.Condition(), 0
+        self._finalizer = weakref.finalize(owner, _halt, self.ctrl, self.cond)
+        self.threads = [threading.Thread(target=_pool_thread, args=(weakref.ref(owner), self), daemon=True,
+                                         name=f"expertcache-cpu-experts-{i}") for i in range(size)]
+        for t in self.threads:
+            t.start()
+
+    def wake(self) -> None:
+        if self.asleep:
+            with self.cond:
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        self._finalizer()
+        for t in self.threads:
+            if t is not threading.current_thread():
+                t.join(timeout=10)
+
+
+def _pool_thread(owner_ref, pool: _Pool) -> None:
+    last = 0
+    while True:
+        owner = owner_ref()
+        if owner is None:
+            return
+        g, spin = owner._kernel_args, owner.spin_pauses
+        del owner
+        last = int(pool_work(pool.ctrl, g[0], g[1], g[2], g[3], spin, last))
+        del g
+        if last < 0:
+            return
+        with pool.cond:
+            pool.asleep += 1
+            while pool.ctrl[GEN] == last and not pool.ctrl[STOP]:
+                pool.cond.wait()
+            pool.asleep -= 1
+        if pool.ctrl[STOP]:
+            return
+
+
 # (part suffix, part dtype) -> the Matrix field that holds it
 _FIELDS = {("", "bfloat16"): "words", ("", "float16"): "words", ("", "float32"): "floats", ("q", "uint8"): "q",
            ("q", "float8_e4m3fn"): "q", ("s", "float32"): "s32", ("s", "float8_e4m3fn"): "s8", ("s", "uint8"): "s8",
@@ -367,6 +530,9 @@ class CpuExperts:
             unit_tok=np.zeros((units, MAX_TOKENS), np.int64), unit_m=np.zeros(units, np.int64),
             unit_of=np.zeros((MAX_TOKENS, cfg.top_k), np.int64), pos_of=np.zeros((MAX_TOKENS, cfg.top_k), np.int64))
         self._lock = threading.Lock()
+        self._kernel_args = (self.gate_up, self.down, self.spec, self.scratch)
+        self.spin_pauses = 0
+        self._pool: _Pool | None = None
 
     def moe(self, layer: int, x, ids, weights, out=None) -> np.ndarray:
         """out [T, H] float32 = Σ_{j ascending, ids[t, j] >= 0} weights[t, j] * expert(layer * E + ids[t, j])(x[t]).
@@ -396,8 +562,25 @@ class CpuExperts:
         if not out.flags.writeable:
             raise ValueError("CpuExperts.moe: out must be writeable")
         with self._lock:
-            if _THREADS:
-                numba.set_num_threads(_THREADS[0])
-            moe_kernel(self.gate_up, self.down, self.spec, int(layer), cfg.num_experts, x, ids, weights, out,
-                       self.scratch)
+            if _DRIVER[0] == "prange":
+                if _THREADS:
+                    numba.set_num_threads(_THREADS[0])
+                moe_kernel(self.gate_up, self.down, self.spec, int(layer), cfg.num_experts, x, ids, weights, out,
+                           self.scratch)
+                return out
+            size = threads_in_use() - 1
+            if self._pool is None or self._pool.size != size:
+                if self._pool is not None:
+                    self._pool.close()
+                self._pool = _Pool(self, size)
+            self._pool.wake()
+            pool_lead(self._pool.ctrl, self.gate_up, self.down, self.spec, int(layer), cfg.num_experts, x, ids,
+                      weights, out, self.scratch)
         return out
+
+    def close(self) -> None:
+        """Stop the pool's threads (a later call starts them again)."""
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None

@@ -5,13 +5,16 @@ store holds random experts quantized with the format's own `quantize` (moe.testi
 reference decodes each expert with resolve_format(key).decode and computes the routed sum in float64.
 """
 
-import numba
+import gc
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
 
 from expertcache.formats import bank_name, resolve_format
-from moe.kernels.cpu_experts import MAX_TOKENS, CpuExperts
+from moe.kernels.cpu_experts import MAX_TOKENS, SPIN_PAUSES, CpuExperts, set_threads
 from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig
 from moe.model.reference import gated_activation
 from moe.testing.synthetic import random_weights
@@ -138,20 +141,74 @@ def test_out_may_be_x():
     assert np.array_equal(x, want)
 
 
+def bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint32)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bitwise_equal_for_any_thread_count(fmt):
     cfg, store = make_experts(fmt, "swiglu_clamped")
     x, ids, weights = routing(MAX_TOKENS, seed=21)
     experts = CpuExperts(store, cfg)
-    threads = numba.get_num_threads()
     try:
         results = []
-        for n in (1, 2, 1):
-            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        for n, spin in ((1, 0), (2, 0), (4, 0), (3, SPIN_PAUSES), (1, SPIN_PAUSES)):
+            set_threads(n)
+            experts.spin_pauses = spin
             results.append(experts.moe(1, x, ids, weights))
     finally:
-        numba.set_num_threads(threads)
-    assert all(np.array_equal(r.view(np.uint32), results[0].view(np.uint32)) for r in results)
+        set_threads(None)
+        experts.close()
+    assert all(np.array_equal(bits(r), bits(results[0])) for r in results)
+
+
+def test_back_to_back_calls_of_different_sizes_on_spinning_threads():
+    """Calls of 1 to 8 tokens (1 to 20 units) one after another on 4 threads that stay awake between them:
+    each equals the same call on one thread (a thread of a past call that took an item of the next, or a
+    down item before its gate_up rows were all written, would differ)."""
+    cfg, store = make_experts("int4", "silu")
+    experts = CpuExperts(store, cfg)
+    calls = [routing(1 + i % MAX_TOKENS, seed=100 + i) for i in range(24)]
+    try:
+        set_threads(1)
+        want = [experts.moe(i % L, *c) for i, c in enumerate(calls)]
+        set_threads(4)
+        experts.spin_pauses = SPIN_PAUSES
+        for _ in range(8):
+            for i, c in enumerate(calls):
+                assert np.array_equal(bits(experts.moe(i % L, *c)), bits(want[i]))
+    finally:
+        set_threads(None)
+        experts.close()
+
+
+def _pool_threads() -> int:
+    return sum(t.name.startswith("expertcache-cpu-experts") for t in threading.enumerate())
+
+
+def test_pool_threads_stop_on_close_and_when_the_experts_are_collected():
+    cfg, store = make_experts("bf16", "silu")
+    x, ids, weights = routing(2, seed=5)
+    before = _pool_threads()
+    set_threads(3)
+    try:
+        experts = CpuExperts(store, cfg)
+        experts.moe(0, x, ids, weights)
+        assert _pool_threads() == before + 2
+        experts.close()
+        assert _pool_threads() == before
+        experts.moe(0, x, ids, weights)  # a later call starts them again
+        assert _pool_threads() == before + 2
+        experts.spin_pauses = SPIN_PAUSES
+        experts.moe(0, x, ids, weights)
+        del experts
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while _pool_threads() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _pool_threads() == before
+    finally:
+        set_threads(None)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4-f16-z", "nvfp4", "mxfp4", "float32"])
