@@ -1,13 +1,13 @@
 """Routed experts computed on the CPU, reading each expert in place from the HostStore (numba, float32).
 
     x [T, H] float32, ids [T, k] int32 (expert of MoE layer `layer`, -1: not the CPU's), weights [T, k]
-        │ plan (serial): units = the distinct keys layer * E + id in order of first appearance, each with
-        │                its tokens in increasing order; unit_of / pos_of [T, k] locate (t, j)'s result
-        ├─ gate_up_rows  prange over (unit, GATE_UP_ROWS block of i): act[u, t, i] =
+        │ plan (the caller): units = the distinct keys layer * E + id in order of first appearance, each
+        │                with its tokens in increasing order; unit_of / pos_of [T, k] locate (t, j)'s result
+        ├─ gate_up_rows  items (unit, GATE_UP_ROWS block of i): act[u, t, i] =
         │                act(gate_i · x[t] + b_gate_i, up_i · x[t] + b_up_i), t the unit's tokens   [U, T, I]
-        ├─ down_rows     prange over (unit, DOWN_ROWS block of o): y[u, tt, o] = down_o · act[u, t] + b_o
-        │                (tt: t's place among the unit's tokens)
-        └─ combine_rows  serial: out[t, o] = Σ_{j ascending, ids[t, j] >= 0} weights[t, j] * y[u, tt, o]
+        ├─ down_rows     items (unit, DOWN_ROWS block of o), once every gate_up item is done:
+        │                y[u, tt, o] = down_o · act[u, t] + b_o (tt: t's place among the unit's tokens)
+        └─ combine_rows  the caller: out[t, o] = Σ_{j ascending, ids[t, j] >= 0} weights[t, j] * y[u, tt, o]
                          with (u, tt) = (unit_of[t, j], pos_of[t, j])
 
 Legend: T = tokens (1..MAX_TOKENS), H = hidden, I = expert width, k = top_k, E = experts a layer,
@@ -17,14 +17,18 @@ per call, for all of its tokens, and decoded in registers by the format's row do
 one token fused, more in passes of 4 that decode each byte once a pass). The packed 4-bit formats take
 their input as [even | odd] halves: x is deinterleaved once per call and gate_up_rows writes act so.
 
+The items run on the calling thread and a pool of persistent threads (set_threads' count in all), which
+take them one at a time by compare-exchange on a ticket; between calls the pool's threads spin for up to
+`spin_pauses` waits, then sleep until the next call. A decode's hand-off (moe.engine.handoff) keeps them
+spinning: its layer calls come back to back, and waking sleeping threads (futex wake-ups, on a VM's vCPUs
+inter-processor interrupts) would be the CPU share's fixed cost. The CPU backend, whose torch work runs
+between the calls on the same cores, lets them sleep at once.
+
 Every output element is computed by one work item in one fixed order, so results are bitwise equal
 for any thread count or schedule (the order does depend on the routing: an expert with one token takes
-the fused dot, one with more the 4-token passes, which may differ in the last bits). The three phase
-functions work on a row range of one key and are plain njit functions: the prange driver `moe_kernel`
-is one caller, a persistent worker pool another. They release the GIL; scratch (act, y, the plan)
-belongs to the CpuExperts, so one call runs at a time per instance (a lock). numba's OpenMP threads share
-torch's libgomp: set OMP_WAIT_POLICY=PASSIVE before torch is imported wherever threads may outnumber free
-cores (a VM, a copy thread beside the kernel), where spinning waiters stall a call by scheduler ticks.
+the fused dot, one with more the 4-token passes, which may differ in the last bits). The kernels release
+the GIL; scratch (act, y, the plan) belongs to the CpuExperts, so one call runs at a time per instance
+(a lock).
 """
 
 from __future__ import annotations
