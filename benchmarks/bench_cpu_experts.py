@@ -4,9 +4,10 @@ beside torch, and beside the host -> device link when both run at once.
     per format: a HostStore of >= --store-gib of experts (a few random experts quantized with the
     format's own `quantize`, repeated to fill it; calls take the next --experts keys in turn, so no
     call finds its weights in the CPU caches)
-    -> CpuExperts.moe of --experts experts at each --tokens T, all of numba's threads:
+    -> CpuExperts.moe of --experts experts at each --tokens T, on --threads threads (the caller and its
+       pool, which spins --spin waits between calls as a decode's hand-off keeps it):
        GB/s = expert_bytes * experts / time (the format's bytes read)
-    -> baselines on the same calls (timed interleaved with the kernel): torch's bf16 matmul on the bf16
+    -> baselines on the same calls (each timed in its own loop, after the kernel's): torch's bf16 matmul on the bf16
        store, torch's float32 matmul on a float32 store (the "upper" row: decoded weights, float32 bytes),
        and numpy's float32 matmul on one thread (OpenBLAS): one core's streaming rate
     -> with CUDA and --with-link: a thread copying 64 MiB chunks back to back from a separate pinned
@@ -16,7 +17,7 @@ beside torch, and beside the host -> device link when both run at once.
        [min, max] over the repetitions, the CPU model, core count, numba / torch versions, the commit
 
 Run: python benchmarks/bench_cpu_experts.py [--geometry qwen3-30b|gpt-oss] [--formats bf16,fp8,...]
-     [--experts 4] [--tokens 1] [--store-gib 2] [--threads N] [--reps 30] [--with-link] [--out FILE]
+     [--experts 4] [--tokens 1] [--store-gib 2] [--threads N] [--spin N] [--reps 30] [--with-link] [--out FILE]
 Runs without CUDA (no link rows then). The script runs itself again with THREAD_ENV set where it is not.
 """
 
@@ -38,7 +39,7 @@ import torch
 
 from expertcache.formats import resolve_format
 from expertcache.pool import HostStore
-from moe.kernels.cpu_experts import MAX_TOKENS, SPIN_PAUSES, CpuExperts, set_driver, set_threads
+from moe.kernels.cpu_experts import MAX_TOKENS, SPIN_PAUSES, CpuExperts, set_threads
 from moe.model.checkpoint import write_experts
 from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig
 from moe.model.reference import gated_activation
@@ -248,8 +249,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tokens", default="1", help=f"comma list of tokens a call, each in 1..{MAX_TOKENS}")
     ap.add_argument("--store-gib", type=float, default=2.0, help="GiB of experts a store holds (>> the CPU caches)")
     ap.add_argument("--threads", type=int,
-                    help="numba threads of the kernel (default: all cores; with --with-link one fewer, which leaves "
-                         "the copy thread a core)")
+                    help="threads of the kernel, the caller's among them (default: all cores; with --with-link one "
+                         "fewer, which leaves the copy thread a core)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--with-link", action="store_true", help="with CUDA: the copy-engine load beside the kernel")
@@ -257,7 +258,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--link-seconds", type=float, default=1.0, help="seconds of a link-alone window")
     ap.add_argument("--spin", type=int, default=SPIN_PAUSES,
                     help="waits a pool thread spins for the next call before it sleeps (0: sleep at once)")
-    ap.add_argument("--driver", default="pool", choices=("pool", "prange"))
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu-experts.json"))
     args = ap.parse_args(argv)
     h, i, activation, bias = GEOMETRIES[args.geometry]
@@ -285,9 +285,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    numba.set_num_threads(args.threads)
     set_threads(args.threads)
-    set_driver(args.driver)
     link = None
     if args.with_link:
         if not torch.cuda.is_available():
@@ -297,8 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [bench_format(name, args, link) for name in args.formats]
     h, i, activation, bias = args.shape
     doc = {"bench": "cpu_experts", "machine": benchmeta.cpu_machine(), "torch_threads": torch.get_num_threads(),
-           "threading_layer": numba.threading_layer() if args.driver == "prange" else None,
-           "driver": args.driver, "spin": args.spin, "kernel_threads": args.threads,
+           "spin": args.spin, "kernel_threads": args.threads,
            "thread_env": {k: os.environ.get(k) for k in THREAD_ENV},
            "geometry": {"name": args.geometry, "hidden": h, "intermediate": i, "activation": activation,
                         "expert_bias": bias},
@@ -311,9 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows, args.threads))
 
 
-# Thread pools that read their settings once, at load: numba's OpenMP workers share torch's libgomp, whose
-# spinning waiters stall a call by whole scheduler ticks wherever threads outnumber the free cores (a VM's
-# vCPUs, the link thread beside them); numpy's OpenBLAS baseline is the one-core streaming rate.
+# Thread pools that read their settings once, at load: torch's OpenMP workers sleep between the baseline's
+# calls instead of spinning beside the kernel's pool; numpy's OpenBLAS baseline is the one-core streaming rate.
 THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_NUM_THREADS": "1"}
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit
 
 from expertcache.formats import bank_name
 from expertcache.numba_cache import drop_stale_kernels
@@ -56,26 +56,17 @@ MAX_TOKENS = 8
 # waits (cpu_relax) a pool thread spins for the next call before it sleeps: a few milliseconds, above the
 # gap between a decode step's layer calls, so a hand-off finds its threads awake
 SPIN_PAUSES = 100_000
-_DRIVER = ["pool"]
-_THREADS: list[int] = []  # set_threads' count, applied by each call (numba's count is per calling thread)
+_THREADS: list[int] = []  # set_threads' count (the process's, whichever thread calls)
 
 
 def set_threads(n: int | None) -> None:
-    """Run every later CpuExperts.moe on n of numba's threads (None: all of them). numba's thread count
-    belongs to the thread that sets it, and the calls run in a scheduler or a hand-off thread, so each
-    call applies it."""
+    """Run every later CpuExperts.moe on n threads, the calling one and n - 1 of its pool (None: numba's
+    NUMBA_NUM_THREADS, by default every core). A pool of another size is replaced at its next call."""
     _THREADS[:] = [] if n is None else [int(n)]
 
 
-def set_driver(name: str) -> None:
-    """Which driver runs the phases: "pool" (persistent threads) or "prange" (numba's parallel loops)."""
-    if name not in ("pool", "prange"):
-        raise ValueError(f"set_driver: name must be 'pool' or 'prange', got {name!r}")
-    _DRIVER[0] = name
-
-
 def threads_in_use() -> int:
-    """The threads a CpuExperts.moe call runs on now (set_threads', else every thread numba may use)."""
+    """The threads a CpuExperts.moe call runs on now (set_threads', else NUMBA_NUM_THREADS)."""
     return _THREADS[0] if _THREADS else numba.config.NUMBA_NUM_THREADS
 
 
@@ -267,27 +258,6 @@ def input_order(spec, x, xin):
         else:
             for c in range(x.shape[1]):
                 xin[t, c] = x[t, c]
-
-
-@njit(**KERNEL, parallel=True)
-def moe_kernel(gu, dn, spec, layer, num_experts, x, ids, weights, out, sc):
-    """out [T, H] = the routed experts of ids / weights on x (the module's pipeline); arguments trusted."""
-    tokens = x.shape[0]
-    n = plan_units(ids, layer, num_experts, sc)
-    input_order(spec, x, sc.xin)
-    inter, hidden = gu.rows, dn.rows
-    blocks = (inter + GATE_UP_ROWS - 1) // GATE_UP_ROWS
-    for item in prange(n * blocks):
-        u, b = item // blocks, item % blocks
-        gate_up_rows(gu, spec, sc.unit_key[u], b * GATE_UP_ROWS, min(inter, (b + 1) * GATE_UP_ROWS), sc.xin,
-                     sc.unit_tok[u], sc.unit_m[u], sc.act[u])
-    blocks = (hidden + DOWN_ROWS - 1) // DOWN_ROWS
-    for item in prange(n * blocks):
-        u, b = item // blocks, item % blocks
-        down_rows(dn, spec, sc.unit_key[u], b * DOWN_ROWS, min(hidden, (b + 1) * DOWN_ROWS), sc.act[u],
-                  sc.unit_tok[u], sc.unit_m[u], sc.y[u])
-    # serial: T * k * H multiply-adds cost less than waking the threads for a third parallel region
-    combine_rows(0, hidden, sc.unit_of[:tokens], sc.pos_of[:tokens], weights, sc.y, out)
 
 
 # The pool's control words (int64), each on a cache line of its own. A ticket is tag << TAG_SHIFT | the
@@ -544,9 +514,9 @@ class CpuExperts:
         x float32 [T, H] (T in 1..MAX_TOKENS), ids int32 [T, k] (-1: a position that is not the CPU's),
         weights float32 [T, k], out: float32 [T, H] to write into (e.g. pinned memory; may be x itself),
         else a new array. numpy arrays or CPU torch tensors, C-contiguous. Each distinct key's weights are
-        read once. Cost: the keys' expert bytes from memory, T * k * 3 * I * H multiply-adds, on all of
-        numba's threads with the GIL released. Raises ValueError naming the argument (layer, x, ids,
-        weights, out) before anything is written.
+        read once. Cost: the keys' expert bytes from memory, T * k * 3 * I * H multiply-adds, on
+        threads_in_use() threads (this one and its pool) with the GIL released. Raises ValueError naming
+        the argument (layer, x, ids, weights, out) before anything is written.
         """
         cfg = self.cfg
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
@@ -566,12 +536,6 @@ class CpuExperts:
         if not out.flags.writeable:
             raise ValueError("CpuExperts.moe: out must be writeable")
         with self._lock:
-            if _DRIVER[0] == "prange":
-                if _THREADS:
-                    numba.set_num_threads(_THREADS[0])
-                moe_kernel(self.gate_up, self.down, self.spec, int(layer), cfg.num_experts, x, ids, weights, out,
-                           self.scratch)
-                return out
             size = threads_in_use() - 1
             if self._pool is None or self._pool.size != size:
                 if self._pool is not None:

@@ -298,9 +298,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cpu_worker_env(service: str) -> None:
-    """Before torch loads: where the CPU computes misses, OpenMP's threads sleep between parallel regions
-    instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless set), so they leave the cores of the decode's
-    launching and hand-off threads alone (docs/hybrid.md has the measurement)."""
+    """Before torch loads: where the CPU computes misses, torch's OpenMP threads sleep between parallel
+    regions instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless set), so they leave the cores to the CPU
+    experts' pool and the decode's launching and hand-off threads (docs/hybrid.md has the measurement)."""
     if service in ("hybrid", "cpu", "auto"):  # auto may pick hybrid
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
