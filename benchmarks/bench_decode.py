@@ -388,7 +388,8 @@ def _format_split(weights, fmt: str, args: argparse.Namespace, res: dict) -> Non
         args.host = dataclasses.replace(HOSTS[DEFAULT_HOST], name=f"measured-at-start-{fmt}", formats=(),
                                         link_together_gbps=g["link_together"], cpu_gbps=g["cpu_alone"],
                                         cpu_together_gbps=g["cpu_together"],
-                                        handoff_us=measured.costs().cpu_fixed_us, source="moe.engine.channels at start")
+                                        cpu_fixed_us=measured.costs().cpu_fixed_us,
+                                        source="moe.engine.channels at start")
         res.setdefault("channels", {})[f"{fmt}/{args.miss_service}"] = {
             **dataclasses.asdict(measured), "gbps": g, "service": "copy" if args.split is None else args.split.service}
 

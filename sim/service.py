@@ -35,35 +35,36 @@ _MIB = 1 << 20
 class HostProfile:
     """One machine's two miss channels: `gpu` prices the GPU's part and a copy alone (its h2d table);
     link_together_gbps is the link's bandwidth while the CPU kernels read beside it, cpu_gbps /
-    cpu_together_gbps the CPU kernels' weight-read bandwidth alone / beside the link, handoff_us the
-    round trip of handing a layer's CPU share over and back. `source` says where the numbers come from.
-    The three rates are those of bf16 experts; `formats` holds (format, cpu_gbps, cpu_together_gbps,
-    link_together_gbps) where another format's CPU kernels were measured (`for_format`)."""
+    cpu_together_gbps the CPU kernels' weight-read bandwidth alone / beside the link, cpu_fixed_us the
+    CPU's fixed time a call that serves misses (the hand-off's round trip and the kernels' start).
+    `source` says where the numbers come from. The three rates and the fixed time are those of bf16
+    experts; `formats` holds (format, cpu_gbps, cpu_together_gbps, link_together_gbps, cpu_fixed_us) where
+    another format's CPU kernels were measured (`for_format`)."""
 
     name: str
     gpu: HardwareProfile
     link_together_gbps: float
     cpu_gbps: float
     cpu_together_gbps: float
-    handoff_us: float
+    cpu_fixed_us: float
     source: str
-    formats: tuple[tuple[str, float, float, float], ...] = ()
+    formats: tuple[tuple[str, float, float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("link_together_gbps", "cpu_gbps", "cpu_together_gbps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not np.isfinite(v):
                 raise ValueError(f"HostProfile.{name} must be a number > 0 (GB/s), got {v!r}")
-        h = self.handoff_us
+        h = self.cpu_fixed_us
         if isinstance(h, bool) or not isinstance(h, (int, float)) or not np.isfinite(h) or h < 0:
-            raise ValueError(f"HostProfile.handoff_us must be a number >= 0, got {self.handoff_us!r}")
+            raise ValueError(f"HostProfile.cpu_fixed_us must be a number >= 0, got {self.cpu_fixed_us!r}")
 
     def for_format(self, fmt: str | None) -> HostProfile:
         """This profile at the rates measured for experts of format `fmt` (as bf16's where none were)."""
-        for name, cpu, cpu_together, link_together in self.formats:
+        for name, cpu, cpu_together, link_together, cpu_fixed in self.formats:
             if name == fmt:
                 return replace(self, cpu_gbps=cpu, cpu_together_gbps=cpu_together,
-                               link_together_gbps=link_together)
+                               link_together_gbps=link_together, cpu_fixed_us=cpu_fixed)
         return self
 
     def with_rates(self, link_gbps: float | None = None, cpu_gbps: float | None = None) -> HostProfile:
@@ -82,7 +83,7 @@ class HostProfile:
         g = self.gpu
         per_alone = expert_bytes / (g.back_to_back_gbps * 1e3)
         fixed = max(g.single_copy_us(expert_bytes) - per_alone, 0.0)
-        return ChannelCosts(fixed, expert_bytes / (self.link_together_gbps * 1e3), self.handoff_us,
+        return ChannelCosts(fixed, expert_bytes / (self.link_together_gbps * 1e3), self.cpu_fixed_us,
                             expert_bytes / (self.cpu_together_gbps * 1e3), per_alone,
                             expert_bytes / (self.cpu_gbps * 1e3))
 
@@ -100,7 +101,7 @@ class HostProfile:
         extra = f"; other formats: {', '.join(f[0] for f in self.formats)}" if self.formats else ""
         return (f"host {self.name}{extra}: link {self.gpu.back_to_back_gbps:g} GB/s alone, {self.link_together_gbps:g} "
                 f"beside the CPU; CPU kernels {self.cpu_gbps:g} GB/s alone, {self.cpu_together_gbps:g} beside "
-                f"the link; hand-off {self.handoff_us:g} us a layer ({self.source})")
+                f"the link, {self.cpu_fixed_us:g} us fixed a call ({self.source})")
 
 
 # A desktop with a 24 GB card on PCIe 4.0 x16 (about 25 GB/s) and dual-channel DDR5: assumed from
@@ -116,21 +117,19 @@ DESKTOP_GPU = HardwareProfile(
 )
 
 HOSTS: dict[str, HostProfile] = {
-    # the H100 machine's host (16 Xeon cores): moe.kernels.cpu_experts on 15 threads beside a thread copying
-    # back to back over the copy engine, both at once (benchmarks/results/cpu-experts-link.json): per format
-    # the kernel alone, the kernel beside the copies, and the link beside the kernel (54.9-55.2 GB/s
-    # alone); the GPU priced as the H200's engine (same link generation), whose SM copy's 50.2 GB/s is
-    # scaled by the link's together / alone; the hand-off as the hybrid decode pays it a layer (673 us
-    # against 562 for copy over 8 layers of a miss-free step, benchmarks/results/decode-hybrid.json)
-    "h100-host": HostProfile("h100-host", H200_SM_COPY, link_together_gbps=round(50.2 * 53.3 / 54.9, 1),
-                             cpu_gbps=49.4, cpu_together_gbps=48.5, handoff_us=14.0,
-                             source="measured together: the CPU expert kernels beside the copies",
-                             formats=(("fp8", 20.7, 24.7, round(50.2 * 53.8 / 55.2, 1)),
-                                      ("int4", 14.9, 17.2, round(50.2 * 52.2 / 55.1, 1)),
-                                      ("nvfp4", 15.3, 15.1, round(50.2 * 52.1 / 55.0, 1)),
-                                      ("mxfp4", 14.6, 12.8, round(50.2 * 52.5 / 54.9, 1)))),
+    # the H100 machine's host (16 Xeon cores), as the engine measures it at start (moe.engine.channels:
+    # the miss copy and the CPU experts on 14 threads, alone and both at once, rotating through 2 GiB of
+    # experts, the hand-off's round trip in the CPU's fixed time) for Qwen3-30B-A3B's experts in each
+    # format (benchmarks/results/peer-llamacpp-ours.json, `channels`; mxfp4, not measured there, at
+    # nvfp4's, whose E2M1 codes its kernel decodes alike); the GPU priced as the H200's engine (same link
+    # generation)
+    "h100-host": HostProfile("h100-host", H200_SM_COPY, link_together_gbps=51.0, cpu_gbps=82.3,
+                             cpu_together_gbps=71.3, cpu_fixed_us=44.8,
+                             source="measured together at start: the engine's miss copy and CPU experts",
+                             formats=(("fp8", 50.3, 47.8, 51.2, 50.5), ("int4", 43.4, 43.3, 51.1, 51.9),
+                                      ("nvfp4", 27.0, 29.9, 50.6, 58.4), ("mxfp4", 27.0, 29.9, 50.6, 58.4))),
     "desktop": HostProfile("desktop", DESKTOP_GPU, link_together_gbps=24.0, cpu_gbps=65.0,
-                           cpu_together_gbps=45.0, handoff_us=15.0,
+                           cpu_together_gbps=45.0, cpu_fixed_us=15.0,
                            source="assumed: PCIe 4.0 x16, dual-channel DDR5, spec sheets"),
 }
 DEFAULT_HOST = "h100-host"

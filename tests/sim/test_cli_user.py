@@ -74,9 +74,9 @@ next-token (knows the next token) an oracle to compare with:
 # ... and of its miss services on the default host (copy and hybrid)
 DEFAULT_SERVICE_CHOICES = """\
 choice of miss service by modeled tok/s (never an oracle):
-  384 slots: hybrid with rule, 190.0 tok/s, 1.43x the best copy (markov, 133.2)
-  768 slots: hybrid with rule, 253.2 tok/s, 1.24x the best copy (lfuda, 204.2)
-  1,152 slots: hybrid with lfuda, 332.0 tok/s, 1.10x the best copy (lfuda, 301.7)
+  384 slots: hybrid with rule, 198.9 tok/s, 1.49x the best copy (markov, 133.2)
+  768 slots: hybrid with rule, 256.6 tok/s, 1.26x the best copy (lfuda, 204.2)
+  1,152 slots: hybrid with lfuda, 332.4 tok/s, 1.10x the best copy (lfuda, 301.7)
 """
 
 

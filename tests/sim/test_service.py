@@ -44,7 +44,7 @@ def test_hybrid_prices_each_call_at_its_slower_channel():
     c = split.copies_for(6)
     assert 0 < c < 6
     link = h.gpu.single_copy_us(B) - B / (h.gpu.back_to_back_gbps * 1e3) + c * B / (h.link_together_gbps * 1e3)
-    cpu = h.handoff_us + (6 - c) * B / (h.cpu_together_gbps * 1e3)
+    cpu = h.cpu_fixed_us + (6 - c) * B / (h.cpu_together_gbps * 1e3)
     est = estimate_service(hist, 1, SHAPE, h, split)
     copy = estimate_service(hist, 1, SHAPE, h, MissSplit.copy())
     assert est.miss_us_per_token == pytest.approx(SHAPE.num_layers * max(link, cpu))
@@ -52,7 +52,7 @@ def test_hybrid_prices_each_call_at_its_slower_channel():
     assert est.tokens_per_s > copy.tokens_per_s
     # every routed expert on the CPU, alone on the DRAM: its alone rate
     cpu_only = estimate_service(hist, 1, SHAPE, h, MissSplit.cpu())
-    assert cpu_only.miss_us_per_token == pytest.approx(SHAPE.num_layers * (h.handoff_us + 6 * B / (h.cpu_gbps * 1e3)))
+    assert cpu_only.miss_us_per_token == pytest.approx(SHAPE.num_layers * (h.cpu_fixed_us + 6 * B / (h.cpu_gbps * 1e3)))
 
 
 @pytest.mark.parametrize("host", sorted(HOSTS))
