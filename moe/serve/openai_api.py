@@ -5,7 +5,9 @@ bodies, stream chunks and OpenAI-style errors back.
         prompt never stalls the event loop)──► openai_schema.parse_body (400 naming the field)
         ──model (404), prompt: text tokenized within the context (TooManyTokens → 400 before the rest
         of a long text is tokenized), token ids range-checked, max_tokens──► Prepared
-    Events of the scheduler ──completion_body / chat_body / *_chunk (+ logprobs)──► response JSON, SSE
+        chat with tools: chat_tools ──► the tools for the template, a forced call opening after the
+        generation prompt (tool_choice "required" / named), ToolParsing of the reply (moe.serve.tools)
+    Events of the scheduler ──completion_body / chat_body / *_chunk (+ logprobs, tool_calls)──► JSON, SSE
 
 Errors are {"error": {"message", "type", "param", "code"}} with the HTTP status of ApiError.status.
 max_tokens defaults to 16 for /v1/completions (OpenAI's default) and to the rest of the context for
@@ -29,6 +31,7 @@ from moe.serve.harmony import harmony_ids
 from moe.serve.openai_schema import ApiError, ChatBody, CompletionBody, parse_body
 from moe.serve.sampling import SamplingParams, TokenLogprob
 from moe.serve.tokenizer import TextStream, TextTokenizer, TokenizerError, TooManyTokens
+from moe.serve.tools import ToolCall, ToolParsing, ToolSyntax, forced_opening, template_syntax
 
 __all__ = ["ApiError", "ChatBody", "CompletionBody", "Prepared", "prepare_chat", "prepare_completion"]
 
@@ -42,6 +45,7 @@ class Prepared:
     stream: bool = False
     include_usage: bool = False
     channels: bool = False  # a chat reply of a harmony model: split into reasoning and content (moe.serve.harmony)
+    tools: ToolParsing | None = None  # read the reply's tool calls (moe.serve.tools)
 
 
 def _too_long(param: str, count: str, max_seq_len: int) -> ApiError:
@@ -75,13 +79,39 @@ def completion_prompt(body: CompletionBody, tokenizer: TextTokenizer, vocab_size
     return list(prompt)
 
 
-def chat_prompt(body: ChatBody, tokenizer: TextTokenizer, max_seq_len: int) -> list[int]:
-    """The chat template rendered with the messages, as token ids (within the context)."""
+def chat_tools(body: ChatBody, tokenizer: TextTokenizer) -> tuple[str, ToolParsing | None]:
+    """(text to append after the generation prompt, how to read the reply's calls) of a chat request.
+
+    tool_choice "none" (or no tools): nothing is parsed, the reply is content. "auto": calls are parsed
+    where the model writes them. "required" and a named function are enforced by appending the family's
+    call opening to the prompt (tools.forced_opening: Qwen's "<tool_call>\\n", or with the function's name
+    already written), so that the model continues inside a call; there is no grammar-constrained
+    decoding, so what it writes there is parsed like any other call. Raises ApiError 400 naming `tools`
+    when the model's chat template writes no call syntax this server parses.
+    """
+    choice = body.choice
+    if choice == "none":
+        return "", None
+    syntax = ToolSyntax.HARMONY if harmony_ids(tokenizer) is not None else template_syntax(tokenizer)
+    if syntax is None:
+        raise ApiError(400, "tools: this model's chat template writes no tool-call syntax this server parses "
+                       "(Qwen3 / Hermes <tool_call> JSON, GLM-4.5 <arg_key> / <arg_value>, gpt-oss harmony); "
+                       'leave tools out or send tool_choice "none"', param="tools", code="invalid_value")
+    suffix, seed = "", ""
+    if choice != "auto":
+        suffix, seed = forced_opening(syntax, body.tool_choice.function.name if choice == "function" else None)
+    schemas = {t.function.name: t.function.parameters or {} for t in body.tools}
+    return suffix, ToolParsing(syntax, schemas, seed, parallel=body.parallel_tool_calls is not False)
+
+
+def chat_prompt(body: ChatBody, tokenizer: TextTokenizer, max_seq_len: int, suffix: str = "") -> list[int]:
+    """The chat template rendered with the messages and tools, then `suffix`, as token ids (within the
+    context)."""
     try:
-        text = tokenizer.render_chat([m.as_dict() for m in body.messages])
+        text = tokenizer.render_chat([m.as_dict() for m in body.messages], body.tool_dicts())
     except TokenizerError as e:
         raise ApiError(400, f"messages: {e}", param="messages", code="invalid_value") from None
-    return _encode(tokenizer, text, "messages", max_seq_len, add_special_tokens=False)
+    return _encode(tokenizer, text + suffix, "messages", max_seq_len, add_special_tokens=False)
 
 
 def _check_model(body, served: str) -> None:
@@ -124,8 +154,10 @@ def prepare_chat(raw: bytes, tokenizer: TextTokenizer, *, served: str, max_seq_l
     """A /v1/chat/completions body (JSON bytes) as a Prepared request. Raises ApiError."""
     body = parse_body(ChatBody, raw)
     _check_model(body, served)
-    prep = prepare(body, chat_prompt(body, tokenizer, max_seq_len), max_seq_len=max_seq_len, default_max=None)
-    return dataclasses.replace(prep, channels=harmony_ids(tokenizer) is not None)
+    suffix, tools = chat_tools(body, tokenizer)
+    prep = prepare(body, chat_prompt(body, tokenizer, max_seq_len, suffix), max_seq_len=max_seq_len,
+                   default_max=None)
+    return dataclasses.replace(prep, channels=harmony_ids(tokenizer) is not None, tools=tools)
 
 
 def new_id(prefix: str) -> str:
@@ -196,17 +228,29 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None, logpro
 
 
 def chat_body(rid: str, model: str, text: str, finish: str | None, use: dict[str, int],
-              logprobs: dict | None = None, reasoning: str | None = None) -> dict:
-    """A chat.completion; `reasoning` (a harmony model's analysis channel) as message.reasoning_content."""
-    message = {"role": "assistant", "content": text}
+              logprobs: dict | None = None, reasoning: str | None = None,
+              tool_calls: Sequence[ToolCall] = ()) -> dict:
+    """A chat.completion; `reasoning` (a harmony model's analysis channel) as message.reasoning_content;
+    with `tool_calls`, message.tool_calls, the content null where only whitespace is left beside them,
+    and finish_reason "tool_calls"."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = [c.as_dict() for c in tool_calls]
+        message["content"] = text if text.strip() else None
+        finish = "tool_calls"
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
             "usage": use}
 
 
-def chat_chunk(rid: str, model: str, delta: dict[str, str], finish: str | None, logprobs: dict | None = None) -> dict:
+def tool_calls_delta(calls: Sequence[ToolCall], first_index: int) -> dict[str, list]:
+    """A stream's delta of whole `calls`, numbered from `first_index` (the calls streamed before them)."""
+    return {"tool_calls": [{"index": first_index + i, **c.as_dict()} for i, c in enumerate(calls)]}
+
+
+def chat_chunk(rid: str, model: str, delta: dict[str, Any], finish: str | None, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 

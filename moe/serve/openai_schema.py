@@ -8,12 +8,15 @@
 
 Implemented: model, prompt / messages (text or a list of text content parts), max_tokens
 (max_completion_tokens), temperature, top_p, n = 1, stop, stream, stream_options.include_usage,
-seed, logprobs (completions: an int 0-5; chat: a bool with top_logprobs 0-20) and user (an end-user
-id: accepted, no effect). Limits: at most MAX_STOP stop strings of at most MAX_STOP_CHARS characters.
+seed, logprobs (completions: an int 0-5; chat: a bool with top_logprobs 0-20), user (an end-user
+id: accepted, no effect) and, on chat, tools, tool_choice, parallel_tool_calls, assistant messages'
+tool_calls and tool messages' tool_call_id (check_tools). Limits: at most MAX_STOP stop strings of at
+most MAX_STOP_CHARS characters.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
@@ -75,8 +78,9 @@ _COMMON: Neutral = {
 _COMPLETION: Neutral = {**_COMMON, "best_of": (_is(1), "1"), "echo": (_is(False), "false"), "suffix": (_is(""), '""')}
 _CHAT: Neutral = {**_COMMON, "modalities": (_is(["text"]), '["text"]')}
 # what a client echoes back from a response message
-_MESSAGE: Neutral = {"tool_calls": (_empty, "[]"), "function_call": (_empty, "null"), "annotations": (_empty, "[]"),
+_MESSAGE: Neutral = {"function_call": (_empty, "null"), "annotations": (_empty, "[]"),
                      "refusal": (_never, "null"), "audio": (_never, "null")}
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 
 
 class _Strict(BaseModel):
@@ -131,21 +135,61 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallItem(_Strict):
+    """A call of an earlier assistant reply, as the response gave it."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
     NEUTRAL: ClassVar[Neutral] = _MESSAGE
 
-    def as_dict(self) -> dict[str, str]:
-        """The message as the chat template sees it: role, content text (parts joined), name."""
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it: role, content text (parts joined), name,
+        tool_call_id, and tool_calls with each call's arguments as a mapping (the JSON object its text
+        holds: Qwen3's template prints it, GLM-4.5's iterates its items, gpt-oss's writes it with tojson)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        out = {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
         out.update({k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None})
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
         return out
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of an object
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatBody(_Body):
@@ -153,7 +197,28 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     NEUTRAL: ClassVar[Neutral] = _CHAT
+
+    @property
+    def choice(self) -> str:
+        """tool_choice as "none", "auto", "required" or "function" (a named one; its name in
+        tool_choice.function.name); without it "auto" when there are tools, else "none"."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "function"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template gets them (the fields the request gave, a missing description
+        as "": gpt-oss's template writes each tool's description), None without any."""
+        if not self.tools:
+            return None
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        for tool in tools:
+            tool["function"].setdefault("description", "")
+        return tools
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -191,9 +256,10 @@ def validation_error(errors: list[dict[str, Any]], raw: bytes = b"") -> ApiError
     err = max(errors, key=lambda e: len(e.get("loc", ())))  # max keeps the first of equal depth
     if err.get("type") == "json_invalid":
         return json_error(err.get("ctx", {}).get("error", err["msg"]), raw)
-    # loc: field, index, field, ... plus pydantic's union member tags ("str", "list[TextPart]")
+    # loc: field, index, field, ... plus pydantic's union member tags ("str", "list[TextPart]", a model's
+    # class name such as "NamedToolChoice": no field of the API starts with a capital)
     loc = [str(x) for x in err.get("loc", ()) if isinstance(x, int) or (str(x).isidentifier()
-                                                                        and x not in _TYPE_TAGS)]
+                                                                        and x not in _TYPE_TAGS and not x[0].isupper())]
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid value")
     if err.get("type") == "extra_forbidden":
@@ -240,6 +306,61 @@ def check_unsupported(body: _Body) -> None:
             check_extra(m, f"messages.{i}.")
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs", code="invalid_value")
+        check_tools(body)
+
+
+def _invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+def _check_parameters(schema: dict[str, Any] | None, param: str) -> None:
+    """A function's parameters: a JSON Schema of an object, its properties each a schema (object)."""
+    if schema is None:
+        return
+    if schema.get("type", "object") != "object":
+        raise _invalid(f"{param}.type", f"must be \"object\" (the arguments are a JSON object), got {schema['type']!r}")
+    properties = schema.get("properties", {})
+    if not isinstance(properties, dict) or not all(isinstance(v, dict) for v in properties.values()):
+        raise _invalid(f"{param}.properties", "must be an object mapping each argument's name to its JSON Schema")
+
+
+def check_tools(body: ChatBody) -> None:
+    """Raise ApiError 400 naming the first tool field that cannot be served: a tool name outside OpenAI's
+    rule or given twice, parameters that are not an object's schema, a tool_choice that needs tools or
+    names a function not in them, tool_calls on a message that is not the assistant's or with arguments
+    that are not a JSON object, a tool message without the id of a call of an earlier assistant message."""
+    names: dict[str, int] = {}
+    for i, tool in enumerate(body.tools or ()):
+        param, name = f"tools.{i}.function", tool.function.name
+        if not TOOL_NAME.fullmatch(name):
+            raise _invalid(f"{param}.name", f"{name!r} is not 1-64 letters, digits, underscores or dashes")
+        if name in names:
+            raise _invalid(f"{param}.name", f"{name!r} is already the name of tools.{names[name]}")
+        names[name] = i
+        _check_parameters(tool.function.parameters, f"{param}.parameters")
+    choice = body.choice
+    if choice != "none" and not body.tools:
+        raise _invalid("tool_choice", f"{choice!r} needs tools; send tools, or leave tool_choice out")
+    if choice == "function" and body.tool_choice.function.name not in names:
+        raise _invalid("tool_choice", f"function {body.tool_choice.function.name!r} is not in tools")
+    calls: set[str] = set()
+    for i, m in enumerate(body.messages):
+        if m.tool_calls and m.role != "assistant":
+            raise _invalid(f"messages.{i}.tool_calls", f"only assistant messages carry tool_calls, not {m.role}")
+        for j, call in enumerate(m.tool_calls or ()):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError as e:
+                arguments = e
+            if not isinstance(arguments, dict):
+                raise _invalid(f"messages.{i}.tool_calls.{j}.function.arguments",
+                               f"must be the text of a JSON object, got {call.function.arguments[:80]!r}")
+            calls.add(call.id)
+        if m.role == "tool" and m.tool_call_id is None:
+            raise _invalid(f"messages.{i}.tool_call_id", "a tool message needs the id of the call it answers")
+        if m.role == "tool" and m.tool_call_id not in calls:
+            raise _invalid(f"messages.{i}.tool_call_id",
+                           f"{m.tool_call_id!r} is not the id of a tool call of an earlier assistant message")
 
 
 def parse_body(model: type[_Body], raw: bytes) -> _Body:

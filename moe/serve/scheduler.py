@@ -10,6 +10,8 @@
                                                  → choose (greedy / seeded top-p) → B tokens
                                                  → logprobs of the rows that asked for them
                                                  → per row: eos? TextStream (stop strings)? length?
+                                                   (a chat request with tools: ToolStream / HarmonyStream
+                                                   also read its tool calls out of the text)
                                              finished rows: engine.leave(row) (descending rows)
     Request.emit(Event) ◄── one Event per token (text delta), the last one with finish_reason
 
@@ -40,6 +42,7 @@ from moe.engine.engine import Engine
 from moe.serve.harmony import HarmonyStream, harmony_ids
 from moe.serve.sampling import Sampler, SamplingParams, TokenLogprob, choose, logprobs_of
 from moe.serve.tokenizer import TextStream, TextTokenizer
+from moe.serve.tools import ToolCall, ToolParsing, ToolStream
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +85,10 @@ class RequestTiming:
 @dataclass(frozen=True)
 class Event:
     """What a request's consumer receives: a text delta, and on the last event the finish_reason
-    ("stop": eos or a stop string; "length": max_tokens or max_seq_len) or an error message.
-    logprob: the sampled token's TokenLogprob when the request asked for logprobs (an event per token)."""
+    ("stop": eos, a stop string or, without parallel_tool_calls, a first call; "length": max_tokens or
+    max_seq_len) or an error message. logprob: the sampled token's TokenLogprob when the request asked
+    for logprobs (an event per token). tool_calls: the calls of a request with tools (Request.tools)
+    that closed with this token."""
 
     text: str = ""
     finish_reason: str | None = None
@@ -93,6 +98,7 @@ class Event:
     logprob: TokenLogprob | None = None
     timing: RequestTiming | None = None  # on the final event of a request that finished
     reasoning: str = ""  # a harmony reply's analysis text decoded with this token (Request.channels)
+    tool_calls: tuple[ToolCall, ...] = ()
     cause: BaseException | None = None  # the exception behind `error`, for the server's log (with its traceback)
 
     @property
@@ -102,13 +108,15 @@ class Event:
 
 class Request:
     """One generation request: prompt token ids, sampling params, and `emit` for its Events (with
-    `channels`, a harmony model's reply comes as Event.reasoning and Event.text apart).
-    `number` (set by submit) is its index in submission order, the trace's req_index."""
+    `channels`, a harmony model's reply comes as Event.reasoning and Event.text apart; with `tools`,
+    its tool calls as Event.tool_calls). `number` (set by submit) is its index in submission order, the
+    trace's req_index."""
 
     def __init__(self, prompt: Sequence[int], params: SamplingParams, emit: Callable[[Event], Any], *,
-                 channels: bool = False) -> None:
+                 channels: bool = False, tools: ToolParsing | None = None) -> None:
         self.prompt, self.params, self.emit = list(prompt), params, emit
         self.channels = channels  # split a harmony reply into reasoning and content (moe.serve.harmony)
+        self.tools = tools  # read tool calls out of the reply (moe.serve.tools)
         self.number = -1
         self.submitted = time.monotonic()
         self._cancelled = threading.Event()
@@ -148,7 +156,7 @@ class SchedulerStats:
 class _Seq:
     request: Request
     sampler: Sampler
-    stream: TextStream | HarmonyStream
+    stream: TextStream | HarmonyStream | ToolStream
     generated: int = 0
     last: int = -1
     admitted: float = 0.0  # monotonic time its prefill started
@@ -315,9 +323,8 @@ class Scheduler:
                 self.stats.finished["error"] += 1
                 _emit(req, Event(error=str(e), prompt_tokens=len(req.prompt), cause=e))
                 continue
-            stream = (HarmonyStream(self.tokenizer, self.harmony, req.params.stop) if req.channels and self.harmony
-                      else TextStream(self.tokenizer, req.params.stop))
-            seq = _Seq(req, Sampler(req.params), stream, admitted=admitted, cached=engine.cached_tokens(row))
+            seq = _Seq(req, Sampler(req.params), self._stream(req), admitted=admitted,
+                       cached=engine.cached_tokens(row))
             self.rows.append(seq)
             self.stats.prefill_tokens += len(req.prompt) - seq.cached
             self.stats.cached_tokens += seq.cached
@@ -326,6 +333,15 @@ class Scheduler:
             logprob = logprobs_of([seq.sampler], logits[None], [token])[0]
             if self._advance(seq, token, engine.lengths()[row], logprob):
                 self._leave(row)
+
+    def _stream(self, req: Request) -> TextStream | HarmonyStream | ToolStream:
+        """The detokenizer of `req`'s reply: harmony channels, tool calls, or plain text."""
+        stop = req.params.stop
+        if req.channels and self.harmony:
+            return HarmonyStream(self.tokenizer, self.harmony, stop, tools=req.tools)
+        if req.tools is not None:
+            return ToolStream(self.tokenizer, req.tools, stop)
+        return TextStream(self.tokenizer, stop)
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -358,7 +374,7 @@ class Scheduler:
         seq.generated += 1
         seq.last = token
         if token in self.eos_ids:
-            reason, text = "stop", seq.stream.finish()
+            reason, text = "stop", seq.stream.finish(eos=True)
         else:
             text, stopped = seq.stream.push(token)
             full = seq.generated >= seq.request.params.max_tokens or length >= self.engine.max_seq_len
@@ -372,8 +388,9 @@ class Scheduler:
                                    decode_s=time.monotonic() - seq.first_token, prompt_tokens=len(req.prompt),
                                    decode_tokens=seq.generated - 1, cached_prompt_tokens=seq.cached)
         reasoning = seq.stream.pop_reasoning() if isinstance(seq.stream, HarmonyStream) else ""
+        calls = seq.stream.pop_calls() if isinstance(seq.stream, (HarmonyStream, ToolStream)) else ()
         ok = _emit(seq.request, Event(text, reason, len(seq.request.prompt), seq.generated, logprob=logprob,
-                                      timing=timing, reasoning=reasoning))
+                                      timing=timing, reasoning=reasoning, tool_calls=calls))
         if reason is not None:
             self.stats.finished[reason] += 1
         elif not ok:

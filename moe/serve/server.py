@@ -6,7 +6,8 @@
         /v1/completions, /v1/chat/completions: body bytes ─worker thread: parse, check, tokenize─►
             Prepared ─► Request ─► Scheduler.submit
             ◄─ Events on an asyncio.Queue (the scheduler thread puts them with call_soon_threadsafe)
-            ─► one JSON body, or SSE chunks `data: {...}` ending with `data: [DONE]`
+            ─► one JSON body, or SSE chunks `data: {...}` ending with `data: [DONE]` (a chat reply's
+               tool calls as message.tool_calls, or a delta each as they close; finish "tool_calls")
         /v1/models, /health
         /metrics ─► Scheduler.call(snapshot) (read on the scheduler thread) ─► Prometheus text
     shutdown: draining (new /v1 requests → 503) ─► the scheduler runs the open requests for up to
@@ -124,7 +125,7 @@ def _submit(state: ServeState, prep: api.Prepared) -> tuple[Request, asyncio.Que
     """Queue a generation; its Events arrive on the returned asyncio.Queue. Raises ApiError 503."""
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     req = Request(prep.prompt, prep.params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                  channels=prep.channels)
+                  channels=prep.channels, tools=prep.tools)
     try:
         state.scheduler.submit(req)
     except SchedulerClosed as e:
@@ -143,10 +144,21 @@ def _event_error(state: ServeState, ev: Event, rid: str) -> api.ApiError:
                         code="internal_error")
 
 
+@dataclass
+class _Reply:
+    """Every Event of a request gathered: text, logprobs, the last Event, reasoning text, tool calls."""
+
+    text: str
+    logprobs: list
+    last: Event
+    reasoning: str
+    tool_calls: list
+
+
 async def _collect(state: ServeState, req: Request, events: asyncio.Queue, http: HttpRequest,
-                   rid: str) -> tuple[str, list, Event, str]:
-    """Wait for every Event of `req` (response `rid`): (text, logprobs, last Event, reasoning text).
-    Cancels it the moment the client disconnects (ApiError 499)."""
+                   rid: str) -> _Reply:
+    """Wait for every Event of `req` (response `rid`). Cancels it the moment the client disconnects
+    (ApiError 499)."""
     def gone(task: asyncio.Task) -> None:  # the disconnect arrived (or receive() failed: the same to us)
         if not task.cancelled():
             task.exception()  # retrieved, so that asyncio does not log it
@@ -154,7 +166,7 @@ async def _collect(state: ServeState, req: Request, events: asyncio.Queue, http:
 
     watcher = asyncio.create_task(until_disconnect(http.receive))
     watcher.add_done_callback(gone)
-    parts, logprobs, reasoning = [], [], []
+    parts, logprobs, reasoning, calls = [], [], [], []
     try:
         while True:
             ev = await events.get()
@@ -162,13 +174,14 @@ async def _collect(state: ServeState, req: Request, events: asyncio.Queue, http:
                 raise api.ApiError(499, "the client disconnected", code="client_closed")
             parts.append(ev.text)
             reasoning.append(ev.reasoning)
+            calls.extend(ev.tool_calls)
             if ev.logprob is not None:
                 logprobs.append(ev.logprob)
             if ev.error is not None:
                 raise _event_error(state, ev, rid)
             if ev.final:
                 state.metrics.observe(ev.timing)
-                return "".join(parts), logprobs, ev, "".join(reasoning)
+                return _Reply("".join(parts), logprobs, ev, "".join(reasoning), calls)
     finally:
         watcher.cancel()
         req.cancel()  # no-op once finished
@@ -191,10 +204,12 @@ class _EventStream(StreamingResponse):
 
 async def _stream(state: ServeState, events: asyncio.Queue, rid: str, chunk: Callable, first: dict | None,
                   obj: str, include_usage: bool, logprobs: Callable) -> AsyncIterator[str]:
-    """SSE text of response `rid`: `first` (if any), a chunk per text delta (with the logprobs of its
-    tokens), a finish chunk, usage, [DONE]; an error ends the stream with an error event and [DONE]."""
+    """SSE text of response `rid`: `first` (if any), a chunk per text delta and per closed tool call
+    (with the logprobs of their tokens), a finish chunk ("tool_calls" once a call came), usage, [DONE];
+    an error ends the stream with an error event and [DONE]."""
     model = state.options.served_name
     pending: list = []  # logprobs of tokens whose text is still held back
+    called = 0  # tool calls streamed
     try:
         if first is not None:
             yield _sse(chunk(rid, model, first, None))
@@ -210,9 +225,13 @@ async def _stream(state: ServeState, events: asyncio.Queue, rid: str, chunk: Cal
             if ev.text:
                 yield _sse(chunk(rid, model, ev.text, None, logprobs(pending)))
                 pending = []
+            if ev.tool_calls:  # only a chat request with tools has any
+                yield _sse(chunk(rid, model, api.tool_calls_delta(ev.tool_calls, called), None, logprobs(pending)))
+                pending, called = [], called + len(ev.tool_calls)
             if ev.final:
                 state.metrics.observe(ev.timing)
-                yield _sse(chunk(rid, model, "" if first is None else {}, ev.finish_reason, logprobs(pending)))
+                finish = "tool_calls" if called else ev.finish_reason
+                yield _sse(chunk(rid, model, "" if first is None else {}, finish, logprobs(pending)))
                 if include_usage:
                     yield _sse(api.usage_chunk(rid, model, obj, api.usage(ev.prompt_tokens, ev.completion_tokens,
                                                                           ev.timing)))
@@ -266,10 +285,13 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
         req, events = _submit(state, prep)
         if prep.stream:
             return _EventStream(_stream(state, events, rid, chunk, first, obj, prep.include_usage, logprobs), req)
-        text, lps, ev, reasoning = await _collect(state, req, events, http, rid)
-        extra = {"reasoning": reasoning} if prep.channels else {}
-        return body(rid, opts.served_name, text, ev.finish_reason,
-                    api.usage(ev.prompt_tokens, ev.completion_tokens, ev.timing), logprobs(lps), **extra)
+        reply = await _collect(state, req, events, http, rid)
+        extra = {"reasoning": reply.reasoning} if prep.channels else {}
+        if reply.tool_calls:
+            extra["tool_calls"] = reply.tool_calls
+        ev = reply.last
+        return body(rid, opts.served_name, reply.text, ev.finish_reason,
+                    api.usage(ev.prompt_tokens, ev.completion_tokens, ev.timing), logprobs(reply.logprobs), **extra)
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):

@@ -3,7 +3,7 @@
     <dir>/tokenizer.json ──tokenizers.Tokenizer──► encode(text) -> ids,  decode(ids) -> text
     <dir>/tokenizer_config.json `chat_template` (or <dir>/chat_template.jinja), bos_token, eos_token
         ──jinja2 ImmutableSandboxedEnvironment (as transformers renders it)──►
-        render(messages, add_generation_prompt=True, bos_token, eos_token) -> prompt text -> ids
+        render(messages, tools, add_generation_prompt=True, bos_token, eos_token) -> prompt text -> ids
     eos ids = config.json eos_token_id ∪ generation_config.json eos_token_id ∪ id(tokenizer_config eos_token)
     prompt text ──encode_within(text, limit)──► ids, or TooManyTokens once a prefix of a long text
         already holds more than `limit` tokens (the rest of it is never tokenized)
@@ -115,12 +115,17 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: tuple[str, str] | None = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     """The sandbox transformers renders chat templates in: trim_blocks, lstrip_blocks, the
-    `raise_exception` and `strftime_now` globals, `tojson` without ASCII escaping."""
+    `raise_exception` and `strftime_now` globals, `tojson` without ASCII escaping unless asked
+    (GLM-4.5's template passes ensure_ascii=False)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
@@ -130,7 +135,8 @@ class TextTokenizer:
     """A checkpoint's tokenizer, chat template and eos ids, read from directory `path`.
 
     Attributes: eos_ids (frozenset of token ids that end a sequence), chat_template (Jinja text or
-    None), bos_token / eos_token (strings or None). Cost: parses tokenizer.json once.
+    None), bos_token / eos_token (strings or None), special_tokens ({text: id} of the tokens registered
+    as special, which decoding skips). Cost: parses tokenizer.json once.
     Raises TokenizerError naming tokenizer.json when it is missing or unreadable.
     """
 
@@ -156,6 +162,7 @@ class TextTokenizer:
         if self.eos_token is not None and self.tokenizer.token_to_id(self.eos_token) is not None:
             eos.add(self.tokenizer.token_to_id(self.eos_token))
         self.eos_ids = frozenset(eos)
+        self.special_tokens = {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
         self._byte_level = _byte_level_table() if _decodes_byte_level(self.tokenizer) else None
 
     @property
@@ -224,24 +231,29 @@ class TextTokenizer:
         unknown = "\ufffd" in text and "\ufffd" not in piece  # a replacement, not the token's own character
         return None if unknown else text.encode("utf-8")
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
-        """The chat template rendered with `messages` and add_generation_prompt=True.
+    def render_chat(self, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The chat template rendered with `messages`, `tools` (as transformers passes them: a list of
+        {"type": "function", "function": {...}} dicts, or None) and add_generation_prompt=True.
 
         Raises TokenizerError when the checkpoint has no chat template (name the file to add it to)
-        or when the template refuses the messages (its own raise_exception message).
+        or when the template refuses the messages (its own raise_exception message, or a value of a
+        type the template cannot use).
         """
         if self._template is None:
             raise TokenizerError("the model has no chat template (tokenizer_config.json `chat_template` "
                                  "or chat_template.jinja): add one, or use /v1/completions")
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=True,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except TemplateError as e:
+            return self._template.render(messages=list(messages), tools=None if tools is None else list(tools),
+                                         add_generation_prompt=True, bos_token=self.bos_token or "",
+                                         eos_token=self.eos_token or "")
+        except (TemplateError, TypeError) as e:
             raise TokenizerError(f"the chat template refused the messages: {e}") from None
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered chat prompt (the template writes the special tokens itself)."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
 
 
 class TextStream:
@@ -285,8 +297,10 @@ class TextStream:
         """Every character decoded so far, sent or held back (not an unfinished character)."""
         return self._full
 
-    def finish(self) -> str:
-        """The rest of the text, held back so far (at the end of the sequence nothing can follow)."""
+    def finish(self, eos: bool = False) -> str:
+        """The rest of the text, held back so far (at the end of the sequence nothing can follow).
+        `eos` (the sequence ended at an end-of-sequence token) changes nothing for plain text; the
+        streams over it (HarmonyStream, ToolStream) take the same argument."""
         self._full += self._window(final=True)
         return self._send(len(self._full))
 

@@ -3,7 +3,9 @@ template; the serving tests and benchmarks/server_faults.py serve it.
 
     transformers Qwen2MoeForCausalLM (as tests/moe/engine/test_model.py builds it) ─save_pretrained─► dir
     tokenizers WordLevel over the model's 128 ids ─► dir/tokenizer.json
-    dir/tokenizer_config.json: eos_token <|im_end|>, a ChatML-like chat_template
+    dir/tokenizer_config.json: eos_token <|im_end|>, a ChatML-like chat_template (TEMPLATES: qwen3_moe and
+        qwen3_next Qwen3's, glm4_moe GLM-4.5's, gpt_oss a harmony one; each writes tools and tool calls
+        as the family's release does)
 
 Vocabulary: 0 <unk>, 1 <|endoftext|>, 2 <|im_start|>, 3 <|im_end|> (special), 4 user, 5 assistant,
 6 system, 7..127 the words w7..w127. Decoding joins words with spaces. The lm_head rows of the
@@ -17,11 +19,13 @@ sigmoid routing, an ungated shared expert, half-rotated heads), mixtral (every l
 top-2, the release's w1 / w3 / w2 expert names) and olmoe (whole-projection q / k norms, top-2 of 8 not
 renormalised); gpt_oss's tokenizer has the harmony
 specials (<|start|>, <|end|>, <|message|>, <|channel|>, <|return|>, <|call|>) and a harmony chat template.
+`words` adds vocabulary (a tool call's pieces, for tests that script one) in place of the last w-words.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -49,32 +53,242 @@ WORDS = ["user", "assistant", "system"] + [f"w{i}" for i in range(7, VOCAB)]
 EOS = 3
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
-# gpt-oss's harmony format, as its released template writes it: a system message (identity, dates,
-# reasoning effort, channels), the request's system message as the developer's instructions, each turn
-# as <|start|>role<|message|>text<|end|>, an assistant turn on a channel (its `thinking` on analysis
-# where it follows the last user turn), and <|start|>assistant to generate. Written for these tests.
+# Qwen3's template (Qwen3-30B-A3B, Qwen3-Next) without its thinking branches: the system message with the
+# tools (their instructions as the release writes them), each turn as <|im_start|>role\ntext<|im_end|>, an
+# assistant turn's calls as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, tool results as a
+# user turn of <tool_response> blocks, and <|im_start|>assistant\n to generate. The tool parts are the release's
+# (its long strings written in pieces).
+QWEN3_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n" }}
+    {{- "You are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within " }}
+    {{- "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": " }}
+    {{- "<args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}"""
+# GLM-4.5's template (GLM-4.5-Air) without its thinking branches and content-part handling: [gMASK]<sop>,
+# the tools in a system turn (the release's instructions), <|role|>\ntext turns, an assistant turn's empty
+# thinking and its calls as <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n</tool_call>
+# (the arguments a mapping), tool results as <|observation|> <tool_response> blocks, <|assistant|> to
+# generate. The tool parts are the release's.
+GLM_TEMPLATE = r"""[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson(ensure_ascii=False) }}
+{% endfor %}
+</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}
+<arg_key>{arg-key-1}</arg_key>
+<arg_value>{arg-value-1}</arg_value>
+<arg_key>{arg-key-2}</arg_key>
+<arg_value>{arg-value-2}</arg_value>
+...
+</tool_call>{%- endif -%}
+{% for m in messages %}
+{%- if m.role == 'user' -%}<|user|>
+{{ m.content }}
+{%- elif m.role == 'assistant' -%}
+<|assistant|>
+{{- '\n<think></think>' }}
+{%- if m.content.strip() -%}
+{{ '\n' + m.content.strip() }}
+{%- endif -%}
+{% if m.tool_calls %}
+{% for tc in m.tool_calls %}
+{%- if tc.function %}
+    {%- set tc = tc.function %}
+{%- endif %}
+{{ '\n<tool_call>' + tc.name }}
+{% set _args = tc.arguments %}
+{% for k, v in _args.items() %}
+<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>
+{% endfor %}
+</tool_call>{% endfor %}
+{% endif %}
+{%- elif m.role == 'tool' -%}
+{%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+    {{- '<|observation|>' }}
+{%- endif %}
+{{- '\n<tool_response>\n' }}
+{{- m.content }}
+{{- '\n</tool_response>' }}
+{%- elif m.role == 'system' -%}
+<|system|>
+{{ m.content }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    <|assistant|>
+{%- endif -%}"""
+# gpt-oss's harmony format, as its released template writes it: a system message (dates, reasoning effort,
+# the tools' channel), the request's system message as the developer's instructions with the tools as a
+# TypeScript namespace `functions` (scalar parameter types only), each turn as <|start|>role<|message|>text
+# <|end|>, an assistant turn on a channel (its `thinking` on analysis where it follows the last user turn),
+# a call as <|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>, its result
+# as <|start|>functions.NAME to=assistant<|channel|>commentary<|message|>"..."<|end|>, and <|start|>assistant
+# to generate (a call's content on analysis unless a final answer follows). Written for these tests; the
+# tool parts follow the release's.
 HARMONY_SPECIALS = ["<unk>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
                     "<|call|>"]
 HARMONY_WORDS = ["system", "developer", "user", "assistant", "analysis", "final", "Reasoning:", "low", "medium",
                  "high", "#", "Instructions", "Current", "date:"]
-HARMONY_TEMPLATE = """{%- set ns = namespace(last_user=-1) -%}
+HARMONY_TEMPLATE = """{%- macro render_type(spec) -%}
+{%- if spec.type == "string" and spec.enum -%}{{- '"' + spec.enum|join('" | "') + '"' -}}
+{%- elif spec.type in ("string", "boolean") -%}{{- spec.type -}}
+{%- elif spec.type in ("number", "integer") -%}{{- "number" -}}
+{%- else -%}{{- "any" -}}
+{%- endif -%}
+{%- endmacro -%}
+{%- macro render_tool_namespace(namespace_name, tools) -%}
+    {{- "## " + namespace_name + "\\n\\n" }}
+    {{- "namespace " + namespace_name + " {\\n\\n" }}
+    {%- for tool in tools %}
+        {%- set tool = tool.function %}
+        {{- "// " + tool.description + "\\n" }}
+        {{- "type "+ tool.name + " = " }}
+        {%- if tool.parameters and tool.parameters.properties %}
+            {{- "(_: {\\n" }}
+            {%- for param_name, param_spec in tool.parameters.properties.items() %}
+                {%- if param_spec.description %}
+                    {{- "// " + param_spec.description + "\\n" }}
+                {%- endif %}
+                {{- param_name }}
+                {%- if param_name not in (tool.parameters.required or []) -%}
+                    {{- "?" }}
+                {%- endif -%}
+                {{- ": " }}
+                {{- render_type(param_spec) }}
+                {{- ",\\n" }}
+            {%- endfor %}
+            {{- "}) => any;\\n\\n" }}
+        {%- else -%}
+            {{- "() => any;\\n\\n" }}
+        {%- endif -%}
+    {%- endfor %}
+    {{- "} // namespace " + namespace_name }}
+{%- endmacro -%}
+{%- set ns = namespace(last_user=-1, last_tool=none) -%}
 {%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
 <|start|>system<|message|>Current date: {{ strftime_now('%Y-%m-%d') }}
 
-Reasoning: {{ reasoning_effort | default('medium') }}<|end|>
-{%- if messages and messages[0]['role'] in ('system', 'developer') -%}
-<|start|>developer<|message|># Instructions
+Reasoning: {{ reasoning_effort | default('medium') }}
+{%- if tools %}
 
-{{ messages[0]['content'] }}<|end|>
+Calls to these tools must go to the commentary channel: 'functions'.
+{%- endif -%}
+<|end|>
+{%- set instructions = messages and messages[0]['role'] in ('system', 'developer') -%}
+{%- if instructions or tools -%}
+<|start|>developer<|message|>
+{%- if instructions -%}
+# Instructions
+
+{{ messages[0]['content'] }}{{ "\\n\\n" }}
+{%- endif -%}
+{%- if tools -%}
+# Tools
+
+{{ render_tool_namespace("functions", tools) }}
+{%- endif -%}
+<|end|>
 {%- endif -%}
 {%- for m in messages -%}
 {%- if m['role'] == 'user' -%}
 <|start|>user<|message|>{{ m['content'] }}<|end|>
+{%- elif m['role'] == 'assistant' and 'tool_calls' in m -%}
+{%- set later = namespace(final=false) -%}
+{%- for future in messages[loop.index:] -%}
+{%- if future['role'] == 'assistant' and 'tool_calls' not in future -%}{%- set later.final = true -%}{%- endif -%}
+{%- endfor -%}
+{%- set call = m['tool_calls'][0] -%}
+{%- if call.function -%}{%- set call = call.function -%}{%- endif -%}
+{%- if m['content'] and not later.final -%}
+<|start|>assistant<|channel|>analysis<|message|>{{ m['content'] }}<|end|>
+{%- endif -%}
+{{- "<|start|>assistant to=" }}
+{{- "functions." + call.name + "<|channel|>commentary " }}
+{{- "json<|message|>" }}
+{{- call.arguments|tojson }}
+{{- "<|call|>" }}
+{%- set ns.last_tool = call.name -%}
 {%- elif m['role'] == 'assistant' -%}
 {%- if m.get('thinking') and loop.index0 > ns.last_user -%}
 <|start|>assistant<|channel|>analysis<|message|>{{ m['thinking'] }}<|end|>
 {%- endif -%}
 <|start|>assistant<|channel|>final<|message|>{{ m['content'] }}<|end|>
+{%- set ns.last_tool = none -%}
+{%- elif m['role'] == 'tool' -%}
+{%- if ns.last_tool is none -%}
+{{ raise_exception("Message has tool role, but there was no previous assistant message with a tool call!") }}
+{%- endif -%}
+{{- "<|start|>functions." + ns.last_tool }}
+{{- " to=assistant<|channel|>commentary<|message|>" + m['content']|tojson + "<|end|>" }}
 {%- elif m['role'] not in ('system', 'developer') -%}
 {{ raise_exception('role ' ~ m['role'] ~ ' is not one this template writes') }}
 {%- endif -%}
@@ -112,14 +326,19 @@ FAMILY_CONFIGS = {
 }
 
 
-def write_tokenizer(path, harmony: bool = False) -> None:
-    """tokenizer.json (WordLevel, whitespace split, specials added) and tokenizer_config.json; with
-    `harmony` (gpt-oss) the harmony specials and template, and generation_config.json's eos ids
-    <|return|> and <|call|> as gpt-oss's release lists them."""
+TEMPLATES = {"qwen3_moe": QWEN3_TEMPLATE, "qwen3_next": QWEN3_TEMPLATE, "glm4_moe": GLM_TEMPLATE,
+             "gpt_oss": HARMONY_TEMPLATE}
+
+
+def write_tokenizer(path, harmony: bool = False, template: str | None = None, words: Sequence[str] = ()) -> None:
+    """tokenizer.json (WordLevel, whitespace split, specials added) and tokenizer_config.json with
+    `template` (default CHAT_TEMPLATE); with `harmony` (gpt-oss) the harmony specials and template, and
+    generation_config.json's eos ids <|return|> and <|call|> as gpt-oss's release lists them. `words` come
+    after the specials and the role words, in place of as many of the last w-words."""
     specials = HARMONY_SPECIALS if harmony else SPECIALS
-    words = HARMONY_WORDS + [f"w{i}" for i in range(7, VOCAB - len(specials) - len(HARMONY_WORDS) + 7)] if harmony \
-        else WORDS
-    vocab = {tok: i for i, tok in enumerate(specials + words)}
+    named = [*(HARMONY_WORDS if harmony else WORDS[:3]), *words]
+    vocab = {tok: i for i, tok in enumerate(specials + named + [f"w{i}" for i in range(7, 7 + VOCAB - len(specials)
+                                                                                          - len(named))])}
     assert len(vocab) == VOCAB
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -127,7 +346,7 @@ def write_tokenizer(path, harmony: bool = False) -> None:
     tok.save(str(path / "tokenizer.json"))
     if harmony:
         (path / "tokenizer_config.json").write_text(json.dumps(
-            {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "chat_template": HARMONY_TEMPLATE}))
+            {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "chat_template": template or HARMONY_TEMPLATE}))
         gen = (
             json.loads((path / "generation_config.json").read_text())
             if (path / "generation_config.json").exists()
@@ -137,12 +356,12 @@ def write_tokenizer(path, harmony: bool = False) -> None:
             {**gen, "eos_token_id": [vocab["<|return|>"], vocab["<|call|>"]]}))
         return
     (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
+        {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": template or CHAT_TEMPLATE}))
 
 
-def make_tiny_checkpoint(path: Path, family: str = "qwen2_moe") -> Path:
-    """Write the tiny random checkpoint of `family` (a FAMILY_CONFIGS key) with its tokenizer into `path`;
-    returns it."""
+def make_tiny_checkpoint(path: Path, family: str = "qwen2_moe", words: Sequence[str] = ()) -> Path:
+    """Write the tiny random checkpoint of `family` (a FAMILY_CONFIGS key) with its tokenizer (and extra
+    `words`) into `path`; returns it."""
     config_cls, model_cls, config = FAMILY_CONFIGS[family]
     model = model_cls(config_cls(**config)).eval()
     randomize(model, seed=7)
@@ -150,7 +369,7 @@ def make_tiny_checkpoint(path: Path, family: str = "qwen2_moe") -> Path:
     with torch.no_grad():
         model.lm_head.weight[: len(HARMONY_SPECIALS if harmony else SPECIALS)] = 0
     model.save_pretrained(path, safe_serialization=True)
-    write_tokenizer(path, harmony)
+    write_tokenizer(path, harmony, TEMPLATES.get(family), words)
     return path
 
 

@@ -1,4 +1,5 @@
-"""Helpers of the serving tests: a scheduler hold, polling (the tiny checkpoint: moe.testing.tiny_checkpoint).
+"""Helpers of the serving tests: a scheduler hold, polling, an engine that replies with a script (the tiny
+checkpoint: moe.testing.tiny_checkpoint).
 """
 
 from __future__ import annotations
@@ -6,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
+
+import torch
 
 
 def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
@@ -38,3 +41,28 @@ def held(scheduler):
 def words(*ids: int) -> str:
     """The text of word ids (7..127), as the tiny tokenizer decodes them."""
     return " ".join(f"w{i}" for i in ids)
+
+
+class Scripted:
+    """An engine with its logits replaced by a one-hot of the script's next token (one row): every
+    request's reply is the script (from its start at each join), whatever the prompt."""
+
+    def __init__(self, engine, script: list[int]) -> None:
+        self._engine, self.script, self.at = engine, script, 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def _next(self, like: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(like, -1e4)
+        out[..., self.script[min(self.at, len(self.script) - 1)]] = 0.0
+        self.at += 1
+        return out
+
+    def join(self, prompt):
+        self.at = 0
+        row, logits = self._engine.join(prompt)
+        return row, self._next(logits)
+
+    def decode_step(self, tokens):
+        return self._next(self._engine.decode_step(tokens))

@@ -5,20 +5,28 @@
     served: a chat request to the tiny gpt-oss checkpoint (harmony tokenizer and template) whose engine's
     logits are replaced by a scripted harmony reply returns the analysis as message.reasoning_content and
     the final message as message.content, streamed and not; /v1/completions returns the raw text.
+    tool calls: a message addressed to=functions.NAME (recipient before or after the channel) closed by
+    <|end|> or the end-of-sequence <|call|> is a call; an unknown function, a body that is not a JSON
+    object, a reply cut inside the call or a request without tools leave the body as content; a forced
+    opening (named, "required") starts the reply inside the call's header.
 """
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models
 
 from moe.serve.harmony import HarmonyStream, harmony_ids
 from moe.serve.tokenizer import TextTokenizer
+from moe.serve.tools import ToolParsing, ToolSyntax, forced_opening
 from moe.testing.tiny_checkpoint import HARMONY_SPECIALS, HARMONY_WORDS, make_tiny_checkpoint, write_tokenizer
 from tests.moe.serve.http_util import KEY, NAME, serve
+from tests.moe.serve.serving_util import Scripted
 
 SPECIAL = {t: HARMONY_SPECIALS.index(t) for t in HARMONY_SPECIALS}
 WORD = {w: len(HARMONY_SPECIALS) + i for i, w in enumerate(HARMONY_WORDS)}
@@ -102,30 +110,6 @@ def test_a_tokenizer_without_the_specials_is_not_harmony(tiny_dir):
     assert harmony_ids(TextTokenizer(tiny_dir)) is None
 
 
-class _Scripted:
-    """The tiny engine with its logits replaced by a one-hot of the script's next token (one row)."""
-
-    def __init__(self, engine, script: list[int]) -> None:
-        self._engine, self.script, self.at = engine, script, 0
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def _next(self, like: torch.Tensor) -> torch.Tensor:
-        out = torch.full_like(like, -1e4)
-        out[..., self.script[min(self.at, len(self.script) - 1)]] = 0.0
-        self.at += 1
-        return out
-
-    def join(self, prompt):
-        self.at = 0
-        row, logits = self._engine.join(prompt)
-        return row, self._next(logits)
-
-    def decode_step(self, tokens):
-        return self._next(self._engine.decode_step(tokens))
-
-
 REPLY = (message("analysis", [w(10), w(11)], first=True) + message("final", [w(12), w(13)], first=False)[:-1]
          + [SPECIAL["<|return|>"]])
 
@@ -134,7 +118,7 @@ def test_a_served_harmony_reply_comes_as_reasoning_and_content(tmp_path):
     running = serve(make_tiny_checkpoint(tmp_path / "gpt_oss", "gpt_oss"))
     try:
         scheduler = running.state.scheduler
-        scheduler.engine = _Scripted(scheduler.engine, REPLY)
+        scheduler.engine = Scripted(scheduler.engine, REPLY)
         body = {"model": NAME, "messages": [{"role": "user", "content": "w40"}], "temperature": 0, "max_tokens": 30}
         headers = {"Authorization": f"Bearer {KEY}"} if KEY else {}
         with httpx.Client(base_url=running.url, headers=headers, timeout=30) as http:
@@ -152,3 +136,76 @@ def test_a_served_harmony_reply_comes_as_reasoning_and_content(tmp_path):
             assert "w10 w11" in text and "w12 w13" in text and "final" in text
     finally:
         running.stop()
+
+
+# tool calls: messages addressed to=functions.NAME
+
+TOOL_WORDS = ["commentary", "to=functions.get_weather", "to=functions.nope", "json", '{"city":', '"Paris"}', "to", "t"]
+SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}}
+TOOLS = ToolParsing(ToolSyntax.HARMONY, SCHEMAS)
+PARIS = ("get_weather", {"city": "Paris"})
+CALL_BODY = '<|message|>{"city": "Paris"}'
+
+
+@pytest.fixture(scope="module")
+def tool_tok(tmp_path_factory) -> TextTokenizer:
+    path = tmp_path_factory.mktemp("harmony-tools")
+    write_tokenizer(path, harmony=True, words=TOOL_WORDS)
+    return TextTokenizer(path)
+
+
+def run_tools(tok: TextTokenizer, reply: str, tools=TOOLS, eos: bool = True, stop=()) -> tuple[str, str, list]:
+    """(reasoning, content, calls as (name, arguments)) of `reply` (text with the specials written out)."""
+    stream = HarmonyStream(tok, harmony_ids(tok), stop, tools=tools)
+    reasoning, content, calls = [], [], []
+    for t in tok.encode(reply, add_special_tokens=False):
+        text, stopped = stream.push(t)
+        content.append(text)
+        reasoning.append(stream.pop_reasoning())
+        calls += stream.pop_calls()
+        if stopped:
+            break
+    else:
+        content.append(stream.finish(eos=eos))
+    reasoning.append(stream.pop_reasoning())
+    calls += stream.pop_calls()
+    return "".join(reasoning), "".join(content), [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_a_message_to_a_function_is_a_call(tool_tok):
+    after_reasoning = ("<|channel|>analysis<|message|>w10 w11<|end|><|start|>assistant<|channel|>commentary "
+                       "to=functions.get_weather json" + CALL_BODY)
+    assert run_tools(tool_tok, after_reasoning) == ("w10 w11", "", [PARIS])  # <|call|> (eos) closes it
+    # the recipient in the role part: first in the reply, and after a <|start|> (as the template writes it)
+    assert run_tools(tool_tok, "to=functions.get_weather <|channel|>commentary json" + CALL_BODY) == ("", "", [PARIS])
+    first = "<|channel|>final<|message|>w12<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json"
+    assert run_tools(tool_tok, first + CALL_BODY + "<|end|>", eos=False) == ("", "w12", [PARIS])
+    assert run_tools(tool_tok, first + CALL_BODY, stop=("w12",)) == ("", "", [])  # stops apply to content
+
+
+def test_a_call_that_does_not_parse_is_content(tool_tok):
+    header = "<|channel|>commentary to=functions.get_weather json<|message|>"
+    assert run_tools(tool_tok, header.replace("get_weather", "nope") + '{"city": "Paris"}') == (
+        "", '{"city": "Paris"}', [])
+    assert run_tools(tool_tok, header + '{"city":') == ("", '{"city":', [])
+    assert run_tools(tool_tok, header + '{"city": "Paris"}', eos=False) == ("", '{"city": "Paris"}', [])  # max_tokens
+    assert run_tools(tool_tok, header + '{"city": "Paris"}', tools=None) == ("", '{"city": "Paris"}', [])
+    assert run_tools(tool_tok, "to w10") == ("", "to w10", [])  # began like a recipient, was not one
+    assert run_tools(tool_tok, "t") == ("", "t", [])
+
+
+def test_a_forced_call_continues_from_the_prompt(tool_tok, tmp_path):
+    named = ToolParsing(ToolSyntax.HARMONY, SCHEMAS, forced_opening(ToolSyntax.HARMONY, "get_weather")[1])
+    assert run_tools(tool_tok, '{"city": "Paris"}', tools=named) == ("", "", [PARIS])
+    # "required" leaves the name to the model: a tokenizer that spells words without spaces between them
+    # (Fuse), as gpt-oss's does, so that " to=functions." and "get_weather" read as one recipient
+    vocab = {t: i for i, t in enumerate([*HARMONY_SPECIALS, " to=functions.", "get_weather", "commentary", " json",
+                                         '{"city": "Paris"}'])}
+    fused = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    fused.decoder = decoders.Fuse()
+    fused.add_special_tokens(HARMONY_SPECIALS)
+    fused.save(str(tmp_path / "tokenizer.json"))
+    tok = TextTokenizer(tmp_path)
+    required = ToolParsing(ToolSyntax.HARMONY, SCHEMAS, forced_opening(ToolSyntax.HARMONY, None)[1])
+    assert run_tools(tok, 'get_weather<|channel|>commentary json<|message|>{"city": "Paris"}', tools=required) == (
+        "", "", [PARIS])

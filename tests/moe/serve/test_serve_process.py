@@ -9,10 +9,16 @@
 Nothing of the CPU path may launch a Triton kernel: without a GPU driver or Triton's interpreter a
 launch fails, so each family's prefill and decode steps here show that none does. The servers of the
 collected families start together (their imports and loading overlap) and each test checks its own.
+
+Tool calls: a qwen3_moe checkpoint whose weights make greedy decoding continue a fixed chain of words
+(ending in a call of get_weather and <|im_end|>) from wherever the prompt ends in it, served the same way:
+tool_choice "auto" (the chain from the generation prompt), "required" and a named function (the chain
+from the forced opening), "none", streamed and not.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -23,8 +29,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
-from moe.testing.tiny_checkpoint import FAMILY_CONFIGS
+from moe.testing.tiny_checkpoint import FAMILY_CONFIGS, make_tiny_checkpoint
 
 SCRIPT = Path(sys.executable).parent / "expertcache"
 MAX_TOKENS = 3
@@ -154,3 +162,70 @@ def test_a_resent_conversation_is_served_from_kept_prefixes(tiny_family, tmp_pat
     finally:
         for served in (kept, plain):
             assert served.terminate() == 0, served.output()[-3000:]
+
+
+CALL_WORDS = ["<tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":', '"Paris"}}', "</tool_call>"]
+CHAIN = ["assistant", "w50", *CALL_WORDS, "<|im_end|>"]  # "assistant" ends the generation prompt
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+PARIS = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def _calling_checkpoint(path: Path) -> Path:
+    """The tiny qwen3_moe checkpoint (CALL_WORDS in its vocabulary) with every attention output and
+    expert / MLP down projection zero, so the last hidden state is the current token's embedding; each
+    CHAIN word's embedding is a one-hot column that lm_head maps to the next word (the final norm's
+    scale 1): greedy decoding continues CHAIN from wherever the prompt ends in it."""
+    make_tiny_checkpoint(path, "qwen3_moe", words=CALL_WORDS)
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    vocab.update({t["content"]: t["id"] for t in json.loads((path / "tokenizer.json").read_text())["added_tokens"]})
+    weights = load_file(path / "model.safetensors")
+    for name, w in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w.zero_()
+    weights["model.norm.weight"].fill_(1.0)
+    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]  # [V, H] each
+    head.zero_()
+    for k, (word, after) in enumerate(zip(CHAIN, CHAIN[1:])):
+        embed[vocab[word]] = torch.nn.functional.one_hot(torch.tensor(k), embed.shape[1]).float()
+        head[vocab[after], k] = 1.0
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _sse(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_tool_calls_through_the_served_process(tmp_path):
+    """The reply's call as message.tool_calls (finish_reason "tool_calls"), its text before the call as
+    content; the forced openings make the model write the call from the prompt's end; "none" leaves it text."""
+    served = Served(_calling_checkpoint(tmp_path / "calls"), tmp_path / "tools.log", max_seq_len=256)
+    try:
+        served.wait_healthy()
+        base = {"model": "tiny", "messages": [{"role": "user", "content": "w40 w41"}], "tools": [WEATHER],
+                "temperature": 0, "max_tokens": 16}
+        for choice, content, tokens in (("auto", "w50 ", len(CHAIN) - 1), ("required", None, len(CALL_WORDS)),
+                                        ({"type": "function", "function": {"name": "get_weather"}}, None, 4)):
+            reply = served.post("/v1/chat/completions", {**base, "tool_choice": choice})
+            message, finish = reply["choices"][0]["message"], reply["choices"][0]["finish_reason"]
+            assert (message["content"], finish, reply["usage"]["completion_tokens"]) == (content, "tool_calls", tokens)
+            assert [c["function"] for c in message["tool_calls"]] == [PARIS], choice
+            assert message["tool_calls"][0]["id"].startswith("call_") and message["tool_calls"][0]["type"] == "function"
+        text = served.post("/v1/chat/completions", {**base, "tool_choice": "none"})["choices"][0]
+        assert text["message"]["content"] == "w50 " + " ".join(CALL_WORDS) and text["finish_reason"] == "stop"
+        assert "tool_calls" not in text["message"]
+        chunks = _sse(served.url, base)
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert "".join(d.get("content") or "" for d in deltas) == "w50 "
+        calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+        assert len(calls) == 1 and calls[0][0]["index"] == 0 and calls[0][0]["function"] == PARIS
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    finally:
+        status = served.terminate()
+    assert status == 0 and "Traceback" not in served.output(), served.output()[-3000:]

@@ -261,7 +261,7 @@ def test_text_content_parts_work_and_other_parts_are_refused(srv):
     _error(r, 400, param="messages.0.content.2.type")
     call = {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}
     r = _post(srv, "/v1/chat/completions", {"model": NAME, "messages": [call]})
-    _error(r, 400, param="messages.0.tool_calls", code="unsupported_parameter")
+    _error(r, 400, param="messages.0.tool_calls.0.function", code="invalid_value")
 
 
 def _reference_logprobs(ref, prompt: list[int], n: int):

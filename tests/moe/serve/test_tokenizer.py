@@ -191,12 +191,14 @@ def test_the_harmony_template_renders_as_transformers_renders_it(tmp_path, chat)
     assert ours.eos_ids == {HARMONY_SPECIALS.index("<|return|>"), HARMONY_SPECIALS.index("<|call|>")}
 
 
-def test_the_harmony_template_refuses_a_role_it_does_not_write(tmp_path):
+def test_the_harmony_template_refuses_a_tool_result_without_a_call(tmp_path):
+    """The template's own raise_exception (the release's message) comes out as a TokenizerError."""
     from moe.serve.tokenizer import TokenizerError
     from moe.testing.tiny_checkpoint import write_tokenizer
 
     write_tokenizer(tmp_path, harmony=True)
-    with pytest.raises(TokenizerError, match="chat template refused the messages: role tool is not one"):
+    with pytest.raises(TokenizerError, match="chat template refused the messages: Message has tool role, but there "
+                                             "was no previous assistant message with a tool call"):
         TextTokenizer(tmp_path).render_chat([{"role": "tool", "content": "w9"}])
 
 
