@@ -40,6 +40,7 @@ from moe.kernels.cpu_decode import (
     e8m0_f32,
     lane_array,
     lane_sum,
+    stack_array,
     u4_hi,
     u4_lo,
     word_f32,
@@ -51,6 +52,7 @@ E2M1_CHUNK = 16  # bytes a vector step of nvfp4 (two 16-element blocks) / mxfp4 
 FP8_BLOCK = 128  # fp8's scale block along the input (expertcache.formats.fp8.BLOCK)
 INT4_GROUP_BYTES = 64  # int4's 128-element scale group, in bytes
 NVFP4_BLOCK_BYTES = 8  # nvfp4's 16-element scale block, in bytes
+NVFP4_MAX_BLOCKS = 1024  # scale blocks of an nvfp4 row the kernels decode at once (in_features <= 16384)
 PASS = 4  # tokens a multi-token pass
 
 # the dots inline cpu_decode's decoders: recompile them when it changes
@@ -208,24 +210,32 @@ def dot4_int4(q, s, z, x0, x1, x2, x3, word, zero_points):
     return r0, r1, r2, r3
 
 
+@njit(**KERNEL, inline="always")
+def decode_e4m3_row(s, out):
+    """out[j] = e4m3(s[j]) (value / 256) for j < s.shape[0]: a row's nvfp4 block scales decoded once, in
+    vector registers, before its dots read them as floats."""
+    for j in range(s.shape[0]):
+        out[j] = e4m3(s[j])
+
+
 @njit(**KERNEL, inline="always", fastmath=FASTMATH)
 def dot_nvfp4(q, s, x):
-    """q uint8 [n / 2] E2M1 nibbles, s uint8 [n / 16] e4m3 scales, x float32 [n] as [even | odd]
-    -> Σ e2m1(q[c]) * s[c // 16] * x[c] (the global scale s2 is the caller's)."""
+    """q uint8 [n / 2] E2M1 nibbles, s float32 [n / 16] the row's e4m3 scales as decode_e4m3_row gives them,
+    x float32 [n] as [even | odd] -> Σ e2m1(q[c]) * s[c // 16] * x[c] (the global scale s2 is the caller's)."""
     nb = q.shape[0]
     xe, xo = x[:nb], x[nb:]
     acc = lane_array()
     zero_lanes(acc)
     for c in range(nb // E2M1_CHUNK):
         base = c * E2M1_CHUNK
-        s0, s1 = e4m3(s[2 * c]), e4m3(s[2 * c + 1])
+        s0, s1 = s[2 * c], s[2 * c + 1]
         for lane in range(E2M1_CHUNK):
             b = q[base + lane]
             scale = s0 if lane < NVFP4_BLOCK_BYTES else s1
             acc[lane] += (e2m1_lo(b) * xe[base + lane] + e2m1_hi(b) * xo[base + lane]) * scale
     total = lane_sum(acc)
     for j in range(nb // E2M1_CHUNK * E2M1_CHUNK, nb):
-        total += (e2m1_lo(q[j]) * xe[j] + e2m1_hi(q[j]) * xo[j]) * e4m3(s[j // NVFP4_BLOCK_BYTES])
+        total += (e2m1_lo(q[j]) * xe[j] + e2m1_hi(q[j]) * xo[j]) * s[j // NVFP4_BLOCK_BYTES]
     return total * (E2M1_UNIT * E4M3_UNIT)
 
 
@@ -238,7 +248,7 @@ def dot4_nvfp4(q, s, x0, x1, x2, x3):
     _zero4(a0, a1, a2, a3)
     for c in range(nb // E2M1_CHUNK):
         base = c * E2M1_CHUNK
-        s0, s1 = e4m3(s[2 * c]), e4m3(s[2 * c + 1])
+        s0, s1 = s[2 * c], s[2 * c + 1]
         for lane in range(E2M1_CHUNK):
             j = base + lane
             scale = s0 if lane < NVFP4_BLOCK_BYTES else s1
@@ -249,7 +259,7 @@ def dot4_nvfp4(q, s, x0, x1, x2, x3):
             a3[lane] += lo * e3[j] + hi * o3[j]
     r0, r1, r2, r3 = lane_sum(a0), lane_sum(a1), lane_sum(a2), lane_sum(a3)
     for j in range(nb // E2M1_CHUNK * E2M1_CHUNK, nb):
-        scale = e4m3(s[j // NVFP4_BLOCK_BYTES])
+        scale = s[j // NVFP4_BLOCK_BYTES]
         lo, hi = e2m1_lo(q[j]) * scale, e2m1_hi(q[j]) * scale
         r0, r1 = r0 + lo * e0[j] + hi * o0[j], r1 + lo * e1[j] + hi * o1[j]
         r2, r3 = r2 + lo * e2[j] + hi * o2[j], r3 + lo * e3[j] + hi * o3[j]
@@ -356,18 +366,23 @@ def rows_int4(q, s, z, n, r0, r1, xin, toks, ntok, out, col0, word, zero_points)
             _put(out, t0, ntok, col, dot4_int4(qr, sr, zr, xin[i0], xin[i1], xin[i2], xin[i3], word, zero_points))
 
 
+_nvfp4_scales = stack_array(NVFP4_MAX_BLOCKS)  # a row's block scales, decoded
+
+
 @njit(**KERNEL, fastmath=FASTMATH)
 def rows_nvfp4(q, s, s2, n, rows, r0, r1, xin, toks, ntok, out, col0):
     """q uint8 [rows * n / 2] E2M1 nibbles, s uint8 [rows * n / 16] e4m3 scales, s2 float32 [stack] the
-    sub-matrices' global scales."""
+    sub-matrices' global scales; n / 16 <= NVFP4_MAX_BLOCKS."""
     nb, blocks = n // 2, n // 16
+    scales = _nvfp4_scales()[:blocks]
     for r in range(r0, r1):
-        qr, sr, col, glob = q[r * nb:(r + 1) * nb], s[r * blocks:(r + 1) * blocks], col0 + r - r0, s2[r // rows]
+        qr, col, glob = q[r * nb:(r + 1) * nb], col0 + r - r0, s2[r // rows]
+        decode_e4m3_row(s[r * blocks:(r + 1) * blocks], scales)
         if ntok == 1:
-            out[0, col] = dot_nvfp4(qr, sr, xin[toks[0]]) * glob
+            out[0, col] = dot_nvfp4(qr, scales, xin[toks[0]]) * glob
         for t0 in range(0, ntok if ntok > 1 else 0, PASS):
             i0, i1, i2, i3 = _pass(toks, t0, ntok)
-            d0, d1, d2, d3 = dot4_nvfp4(qr, sr, xin[i0], xin[i1], xin[i2], xin[i3])
+            d0, d1, d2, d3 = dot4_nvfp4(qr, scales, xin[i0], xin[i1], xin[i2], xin[i3])
             _put(out, t0, ntok, col, (d0 * glob, d1 * glob, d2 * glob, d3 * glob))
 
 

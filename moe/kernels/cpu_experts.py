@@ -24,11 +24,12 @@ spinning: its layer calls come back to back, and waking sleeping threads (futex 
 inter-processor interrupts) would be the CPU share's fixed cost. The CPU backend, whose torch work runs
 between the calls on the same cores, lets them sleep at once.
 
-Every output element is computed by one work item in one fixed order, so results are bitwise equal
-for any thread count or schedule (the order does depend on the routing: an expert with one token takes
-the fused dot, one with more the 4-token passes, which may differ in the last bits). The kernels release
-the GIL; scratch (act, y, the plan) belongs to the CpuExperts, so one call runs at a time per instance
-(a lock).
+Every output element is computed by one work item in one fixed order, and every thread runs the items
+through one compiled function (pool_run, with one call site of the item loop, so no thread's copy is
+optimized apart), so results are bitwise equal for any thread count or schedule (the order does depend
+on the routing: an expert with one token takes the fused dot, one with more the 4-token passes, which
+may differ in the last bits). The kernels release the GIL; scratch (act, y, the plan) belongs to the
+CpuExperts, so one call runs at a time per instance (a lock).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from expertcache.pool import HostStore
 from moe.kernels import cpu_decode, cpu_dots
 from moe.kernels.cpu_atomics import compare_exchange, cpu_relax, fetch_add, load_acquire, store_release
 from moe.kernels.cpu_decode import FASTMATH, KERNEL, WORD_BF16, WORD_F16, deinterleave, stack_array, word_f32
-from moe.kernels.cpu_dots import rows_dense, rows_fp8, rows_int4, rows_mxfp4, rows_nvfp4
+from moe.kernels.cpu_dots import NVFP4_MAX_BLOCKS, rows_dense, rows_fp8, rows_int4, rows_mxfp4, rows_nvfp4
 from moe.model.config import ACTIVATIONS, EXPERT_BIAS_BANKS, MoEConfig
 from moe.model.slot_matrix import CODES
 
@@ -313,12 +314,11 @@ def run_call(ctrl, gu, dn, spec, sc, gen):
         fetch_add(ctrl, DONE_DOWN, 1)
 
 
-@njit(**KERNEL)
-def pool_lead(ctrl, gu, dn, spec, layer, num_experts, x, ids, weights, out, sc):
-    """out [T, H] = the routed experts of ids / weights on x, computed by the calling thread and whichever
-    pool threads take part; arguments trusted. The tickets move to the new call first, so no thread of
-    the previous call takes an item while the plan is rewritten; the plan is published with the
-    generation (release), each item's rows with its done count (acquire and release)."""
+@njit(**KERNEL, inline="always")
+def _publish(ctrl, spec, layer, num_experts, x, ids, sc):
+    """The leader's start of a call: plan it and publish it; returns its generation. The tickets move to
+    the new call first, so no thread of the previous call takes an item while the plan is rewritten; the
+    plan is published with the generation (release)."""
     gen = (ctrl[GEN] + 1) & GEN_MASK
     store_release(ctrl, TICKET_UP, gen << TAG_SHIFT)
     store_release(ctrl, TICKET_DOWN, gen << TAG_SHIFT)
@@ -328,30 +328,39 @@ def pool_lead(ctrl, gu, dn, spec, layer, num_experts, x, ids, weights, out, sc):
     input_order(spec, x, sc.xin)
     store_release(ctrl, UNITS, n)
     store_release(ctrl, GEN, gen)
-    run_call(ctrl, gu, dn, spec, sc, gen)
-    total = n * ((dn.rows + DOWN_ROWS - 1) // DOWN_ROWS)
-    while load_acquire(ctrl, DONE_DOWN) < total:
-        cpu_relax()
-    # serial: T * k * H multiply-adds cost less than handing them out
-    combine_rows(0, dn.rows, sc.unit_of[:x.shape[0]], sc.pos_of[:x.shape[0]], weights, sc.y, out)
+    return gen
 
 
 @njit(**KERNEL)
-def pool_work(ctrl, gu, dn, spec, sc, spin, last):
-    """A pool thread: take part in every call published after generation `last`; return the last one seen
-    once `spin` waits (cpu_relax) pass with no new call, or -1 when STOP is set."""
+def pool_run(ctrl, gu, dn, spec, sc, lead, layer, num_experts, x, ids, weights, out, spin, last):
+    """Every thread's one entry, so that each work item runs the same compiled code whichever thread
+    takes it (run_call has one call site here). lead: the calling thread of CpuExperts.moe: publish the
+    call of layer / x / ids, take part, wait for every down item, then out [T, H] = the combined experts
+    (serial: T * k * H multiply-adds cost less than handing them out); returns its generation.
+    Otherwise a pool thread (x, ids, weights, out unread): take part in every call published after
+    generation `last`; return the last one seen once `spin` waits (cpu_relax) pass with no new call, or
+    -1 when STOP is set. Arguments trusted."""
     while True:
-        waited = 0
-        gen = load_acquire(ctrl, GEN)
-        while gen == last:
-            if load_acquire(ctrl, STOP) != 0:
-                return -1
-            if waited >= spin:
-                return last
-            waited += 1
-            cpu_relax()
+        if lead:
+            gen = _publish(ctrl, spec, layer, num_experts, x, ids, sc)
+        else:
+            waited = 0
             gen = load_acquire(ctrl, GEN)
+            while gen == last:
+                if load_acquire(ctrl, STOP) != 0:
+                    return -1
+                if waited >= spin:
+                    return last
+                waited += 1
+                cpu_relax()
+                gen = load_acquire(ctrl, GEN)
         run_call(ctrl, gu, dn, spec, sc, gen)
+        if lead:
+            total = load_acquire(ctrl, UNITS) * ((dn.rows + DOWN_ROWS - 1) // DOWN_ROWS)
+            while load_acquire(ctrl, DONE_DOWN) < total:
+                cpu_relax()
+            combine_rows(0, dn.rows, sc.unit_of[:x.shape[0]], sc.pos_of[:x.shape[0]], weights, sc.y, out)
+            return gen
         last = gen
 
 
@@ -365,7 +374,7 @@ def _halt(ctrl: np.ndarray, cond: threading.Condition) -> None:
 class _Pool:
     """`size` persistent threads that take part in a CpuExperts' calls beside the calling thread.
 
-    A thread spins (pool_work) up to the owner's `spin_pauses` waits for the next call, then sleeps on a
+    A thread spins (pool_run) up to the owner's `spin_pauses` waits for the next call, then sleeps on a
     condition until one is published; `wake` (before each call) notifies the sleepers. The threads hold
     the owner only weakly while asleep: once it is collected they stop."""
 
@@ -395,10 +404,10 @@ def _pool_thread(owner_ref, pool: _Pool) -> None:
         owner = owner_ref()
         if owner is None:
             return
-        g, spin = owner._kernel_args, owner.spin_pauses
+        g, spin, idle = owner._kernel_args, owner.spin_pauses, owner._idle_args
         del owner
-        last = int(pool_work(pool.ctrl, g[0], g[1], g[2], g[3], spin, last))
-        del g
+        last = int(pool_run(pool.ctrl, *g, False, 0, 1, *idle, spin, last))
+        del g, idle
         if last < 0:
             return
         with pool.cond:
@@ -482,6 +491,10 @@ class CpuExperts:
 
     def __init__(self, store: HostStore, cfg: MoEConfig) -> None:
         self.spec = _spec(cfg)
+        for field, n in (("hidden", cfg.hidden), ("expert_intermediate", cfg.expert_intermediate)):
+            if self.spec.fmt == NVFP4 and n > 16 * NVFP4_MAX_BLOCKS:
+                raise ValueError(f"CpuExperts: nvfp4 rows of at most {16 * NVFP4_MAX_BLOCKS} inputs, got "
+                                 f"MoEConfig.{field}={n}")
         want = cfg.expert_banks()
         if store.banks != want:
             raise ValueError(
@@ -505,6 +518,9 @@ class CpuExperts:
             unit_of=np.zeros((MAX_TOKENS, cfg.top_k), np.int64), pos_of=np.zeros((MAX_TOKENS, cfg.top_k), np.int64))
         self._lock = threading.Lock()
         self._kernel_args = (self.gate_up, self.down, self.spec, self.scratch)
+        # a pool thread's stand-ins for the leader's arguments (unread, of the same types)
+        self._idle_args = (np.zeros((1, h), np.float32), np.full((1, cfg.top_k), -1, np.int32),
+                           np.zeros((1, cfg.top_k), np.float32), np.zeros((1, h), np.float32))
         self.spin_pauses = 0
         self._pool: _Pool | None = None
 
@@ -535,6 +551,9 @@ class CpuExperts:
                                                                                 (rows, cfg.hidden))
         if not out.flags.writeable:
             raise ValueError("CpuExperts.moe: out must be writeable")
+        # read-only inputs would compile pool_run once more, for the leader alone: its items would then
+        # run other code than the pool threads' (module docstring: one compiled item code)
+        x, ids, weights = (a if a.flags.writeable else a.copy() for a in (x, ids, weights))
         with self._lock:
             size = threads_in_use() - 1
             if self._pool is None or self._pool.size != size:
@@ -542,8 +561,8 @@ class CpuExperts:
                     self._pool.close()
                 self._pool = _Pool(self, size)
             self._pool.wake()
-            pool_lead(self._pool.ctrl, self.gate_up, self.down, self.spec, int(layer), cfg.num_experts, x, ids,
-                      weights, out, self.scratch)
+            pool_run(self._pool.ctrl, self.gate_up, self.down, self.spec, self.scratch, True, int(layer),
+                     cfg.num_experts, x, ids, weights, out, 0, 0)
         return out
 
     def close(self) -> None:

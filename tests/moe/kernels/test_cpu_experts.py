@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from expertcache.formats import bank_name, resolve_format
+from moe.kernels.cpu_dots import NVFP4_MAX_BLOCKS
 from moe.kernels.cpu_experts import MAX_TOKENS, SPIN_PAUSES, CpuExperts, set_threads
 from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig
 from moe.model.reference import gated_activation
@@ -159,7 +160,8 @@ def test_bitwise_equal_for_any_thread_count(fmt):
     finally:
         set_threads(None)
         experts.close()
-    assert all(np.array_equal(bits(r), bits(results[0])) for r in results)
+    eq = [np.array_equal(bits(r), bits(results[0])) for r in results]
+    assert all(eq), (eq, [float(np.abs(r - results[0]).max()) for r in results])
 
 
 def test_back_to_back_calls_of_different_sizes_on_spinning_threads():
@@ -252,6 +254,15 @@ def test_a_store_of_another_format_or_shape_is_refused():
         CpuExperts(store, MoEConfig(hidden=H, num_experts=E, top_k=K, expert_intermediate=64, expert_format="fp8"))
     with pytest.raises(ValueError, match="num_experts=3"):
         CpuExperts(store, MoEConfig(hidden=H, num_experts=3, top_k=2, expert_intermediate=I, expert_format="fp8"))
+
+
+def test_nvfp4_rows_wider_than_the_scale_buffer_are_refused_by_field():
+    wide = 16 * NVFP4_MAX_BLOCKS + 16
+    for hidden, inter, field in ((wide, 32, "hidden"), (64, wide, "expert_intermediate")):
+        cfg = MoEConfig(hidden=hidden, num_experts=2, top_k=1, expert_intermediate=inter, expert_format="nvfp4")
+        store = random_weights(cfg, 1, device="cpu", seed=0, pin=False).store
+        with pytest.raises(ValueError, match=f"MoEConfig.{field}={wide}"):
+            CpuExperts(store, cfg)
 
 
 def test_a_format_or_activation_without_a_kernel_is_refused_by_field(monkeypatch):
