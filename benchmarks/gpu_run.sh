@@ -17,7 +17,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 for part in $parts; do
   case $part in
     env)
-      { nvidia-smi; python3 -c "import torch, triton, numba, numpy; print(torch.__version__, triton.__version__, numba.__version__, numpy.__version__, torch.cuda.get_device_name())"; echo "commit ${EXPERTCACHE_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; } > "$OUT/env.txt" 2>&1
+      # the host beside the card: its CPU as lscpu and numba's LLVM see it (the CPU experts' code is built for it)
+      { nvidia-smi; python3 -c "import torch, triton, numba, numpy; print(torch.__version__, triton.__version__, numba.__version__, numpy.__version__, torch.cuda.get_device_name())"
+        lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|L3)"
+        python3 -c "import llvmlite.binding as ll; print('LLVM host CPU', ll.get_host_cpu_name())"
+        echo "commit ${EXPERTCACHE_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; } > "$OUT/env.txt" 2>&1
       tail -3 "$OUT/env.txt" ;;
     gpu-tests)
       # every gpu test but the HTTP server's (the image has no FastAPI): the cache, the kernels, the layer,
