@@ -1,4 +1,4 @@
-"""`expertcache serve`: serve a Hugging Face MoE checkpoint over an OpenAI-compatible HTTP API.
+"""`expertcache serve`: serve a Hugging Face MoE checkpoint over OpenAI- and Anthropic-compatible HTTP APIs.
 
     --model DIR ─► TextTokenizer (tokenizer.json, chat template) + load_model (weights, expert cache of
     --moe-slots slots, or of the slots --moe-cache-gb GiB hold (moe.engine.budget, resolved from
@@ -10,8 +10,8 @@
 
 Access: the server listens on loopback unless --host says otherwise. With an API key (from
 --api-key-file, or --api-key, which other users of the machine can read in `ps`, else the
-EXPERTCACHE_API_KEY environment variable), /v1/* and /metrics need 'Authorization: Bearer KEY';
-/health is always open, and /metrics is open with --metrics-public.
+EXPERTCACHE_API_KEY environment variable), /v1/* and /metrics need 'Authorization: Bearer KEY'
+(or 'x-api-key: KEY'); /health is always open, and /metrics is open with --metrics-public.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ DEFAULT_MAX_SEQ_LEN = 2048
 
 DESCRIPTION = """\
 Serve a Hugging Face MoE checkpoint over an OpenAI-compatible HTTP API
-(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) and
+Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens).
 Every routed expert stays in host memory; a pool of expert slots on the GPU
 (--moe-slots, or --moe-cache-gb) holds those in use, evicted by
 --moe-cache-policy. Without a GPU (--device cpu) the same cache runs on the CPU.
@@ -55,12 +56,13 @@ example:
 EPILOG = f"""\
 The server listens on 127.0.0.1 unless --host says otherwise. With an API key
 (--api-key-file, --api-key or ${API_KEY_ENV}), /v1/* and /metrics need
-the header 'Authorization: Bearer KEY'; /health is always open. SIGINT or
-SIGTERM stops it once the open requests finish (--shutdown-timeout)."""
+the header 'Authorization: Bearer KEY' (or 'x-api-key: KEY'); /health is
+always open. SIGINT or SIGTERM stops it once the open requests finish
+(--shutdown-timeout)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
+    p = sub.add_parser("serve", help="serve a checkpoint over OpenAI- and Anthropic-compatible HTTP APIs",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_argument_group("model and expert cache")
     model.add_argument("--model", required=True, metavar="DIR",
@@ -114,7 +116,8 @@ def _add_http_flags(p: argparse.ArgumentParser) -> None:
     http.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     key = http.add_mutually_exclusive_group()
     key.add_argument("--api-key-file", metavar="PATH",
-                     help="require 'Authorization: Bearer KEY' on /v1 and /metrics, KEY read from this file "
+                     help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 and /metrics, KEY "
+                          "read from this file "
                           f"(default: the {API_KEY_ENV} environment variable, if set)")
     key.add_argument("--api-key", metavar="KEY", help="the same with KEY on the command line (visible in `ps`: "
                                                       f"prefer --api-key-file or {API_KEY_ENV})")

@@ -84,6 +84,7 @@ class HarmonyStream:
         self.kind = _Kind.CONTENT
         self.call_name = ""
         self.done = False
+        self.stop_sequence: str | None = None  # the stop string that ended the content, as TextStream's
         self._call_text: list[str] = []
         self._reasoning: list[str] = []
         self._calls: list[ToolCall] = []
@@ -103,6 +104,8 @@ class HarmonyStream:
         if self.body is None:  # body tokens outside any message: content
             self._open(_Kind.CONTENT)
         text, stopped = self.body.push(token)
+        if stopped:
+            self.stop_sequence = self.body.stop_sequence
         if self.kind is _Kind.REASONING:
             self._reasoning.append(text)
             return "", False

@@ -4,10 +4,11 @@
         (headers and body) within --read-timeout seconds of connecting or of its last response is
         disconnected; idle keep-alive connections close after --keep-alive-timeout (uvicorn's timer);
         bytes that are not HTTP/1.1 get a JSON 400 invalid_http
-    ──Guard (ASGI middleware), before any route runs, with OpenAI-style JSON errors:
+    ──Guard (ASGI middleware), before any route runs, with JSON errors in the form of the path's API
+        (Anthropic's under /v1/messages, OpenAI's elsewhere: anthropic_schema.error_body):
         /v1/* while draining → 503 shutting_down
-        /v1/* and /metrics (unless --metrics-public) without 'Authorization: Bearer KEY' → 401
-            (the scheme is matched case-insensitively; /health is always open)
+        /v1/* and /metrics (unless --metrics-public) without 'Authorization: Bearer KEY' or
+            'x-api-key: KEY' → 401 (the scheme is matched case-insensitively; /health is always open)
         POST without Content-Type application/json → 415 (so that a cross-site "simple" form or
             text/plain request cannot start a generation)
         POST body above --max-body-mb (Content-Length, or counted while it arrives) → 413, after
@@ -33,11 +34,13 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from moe.serve.anthropic_schema import COUNT_PATH, MESSAGES_PATH, error_body
 from moe.serve.openai_schema import ApiError
 
 logger = logging.getLogger(__name__)
 DISCARD_BYTES = 64 * 2**20  # of a body past the limit, read and dropped before the 413
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", MESSAGES_PATH, COUNT_PATH, "/v1/models", "/health",
+             "/metrics")
 
 
 @dataclass(frozen=True)
@@ -101,9 +104,10 @@ def timed_protocol(read_timeout: float) -> type[TimedH11Protocol]:
     return type("TimedH11Protocol", (TimedH11Protocol,), {"read_timeout": float(read_timeout)})
 
 
-def error_response(err: ApiError, close: bool = False) -> Callable:
-    """An ASGI app answering `err` as JSON (with Connection: close when the body was left unread)."""
-    body = json.dumps(err.body()).encode()
+def error_response(err: ApiError, path: str, close: bool = False) -> Callable:
+    """An ASGI app answering `err` as JSON in the form of `path`'s API (with Connection: close when the
+    body was left unread)."""
+    body = json.dumps(error_body(path, err)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if close:
         headers.append((b"connection", b"close"))
@@ -151,13 +155,13 @@ class Guard:
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
         refusal = self._refusal(scope, headers)
         if refusal is not None:
-            return await error_response(refusal, close=scope["method"] == "POST")(scope, receive, send)
+            return await error_response(refusal, scope["path"], close=scope["method"] == "POST")(scope, receive, send)
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         try:
             body = await self._read_body(headers, receive)
         except ApiError as e:
-            return await error_response(e, close=True)(scope, receive, send)
+            return await error_response(e, scope["path"], close=True)(scope, receive, send)
         except _Disconnected:
             return None
         await self.app(scope, _replay(body, receive), send)
@@ -168,8 +172,9 @@ class Guard:
         if v1 and self.is_draining():
             return ApiError(503, "the server is shutting down: retry later", type="server_error", code="shutting_down")
         if (v1 or (path == "/metrics" and not self.options.metrics_public)) and not self._authorized(headers):
-            return ApiError(401, "Incorrect API key provided: send the header 'Authorization: Bearer KEY' with "
-                            "the server's API key (--api-key-file, EXPERTCACHE_API_KEY or --api-key)",
+            return ApiError(401, "Incorrect API key provided: send the header 'Authorization: Bearer KEY' (or "
+                            "'x-api-key: KEY') with the server's API key (--api-key-file, EXPERTCACHE_API_KEY or "
+                            "--api-key)",
                             code="invalid_api_key")
         if scope["method"] == "POST":
             kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
@@ -180,11 +185,14 @@ class Guard:
         return None
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        """The API key as a Bearer token (OpenAI's clients) or in x-api-key (Anthropic's)."""
         key = self.options.api_key
         if key is None:
             return True
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").strip().partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
+        bearer = scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
+        given = headers.get(b"x-api-key")
+        return bearer or (given is not None and secrets.compare_digest(given.strip(), key.encode()))
 
     async def _read_body(self, headers: dict[bytes, bytes], receive) -> bytes:
         """The whole body, or ApiError 413 past the limit: the excess is read and dropped (up to
@@ -218,7 +226,7 @@ async def _internal_error(scope, e: Exception, send, started: bool) -> None:
         raise e
     err = ApiError(500, f"internal error (request {rid}): {type(e).__name__}: {e}", type="server_error",
                    code="internal_error")
-    await error_response(err)(scope, None, send)
+    await error_response(err, scope["path"])(scope, None, send)
 
 
 def _too_large(limit: int, size: int | None = None) -> ApiError:

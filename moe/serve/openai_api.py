@@ -7,7 +7,8 @@ bodies, stream chunks and OpenAI-style errors back.
         of a long text is tokenized), token ids range-checked, max_tokens──► Prepared
         chat with tools: chat_tools ──► the tools for the template, a forced call opening after the
         generation prompt (tool_choice "required" / named), ToolParsing of the reply (moe.serve.tools)
-    Events of the scheduler ──completion_body / chat_body / *_chunk (+ logprobs, tool_calls)──► JSON, SSE
+    Events of the scheduler ──completion_body / chat_body (+ logprobs, tool_calls)──► JSON
+                            ──ChunkStream (*_chunk, the usage chunk, [DONE])──► SSE
 
 Errors are {"error": {"message", "type", "param", "code"}} with the HTTP status of ApiError.status.
 max_tokens defaults to 16 for /v1/completions (OpenAI's default) and to the rest of the context for
@@ -21,17 +22,21 @@ own logprob.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe.serve.harmony import harmony_ids
 from moe.serve.openai_schema import ApiError, ChatBody, CompletionBody, parse_body
 from moe.serve.sampling import SamplingParams, TokenLogprob
 from moe.serve.tokenizer import TextStream, TextTokenizer, TokenizerError, TooManyTokens
 from moe.serve.tools import ToolCall, ToolParsing, ToolSyntax, forced_opening, template_syntax
+
+if TYPE_CHECKING:
+    from moe.serve.scheduler import Event, RequestTiming
 
 __all__ = ["ApiError", "ChatBody", "CompletionBody", "Prepared", "prepare_chat", "prepare_completion"]
 
@@ -104,17 +109,21 @@ def chat_tools(body: ChatBody, tokenizer: TextTokenizer) -> tuple[str, ToolParsi
     return suffix, ToolParsing(syntax, schemas, seed, parallel=body.parallel_tool_calls is not False)
 
 
-def chat_prompt(body: ChatBody, tokenizer: TextTokenizer, max_seq_len: int, suffix: str = "") -> list[int]:
-    """The chat template rendered with the messages and tools, then `suffix`, as token ids (within the
-    context)."""
+def chat_prompt(body: ChatBody, tokenizer: TextTokenizer, max_seq_len: int | None, suffix: str = "") -> list[int]:
+    """The chat template rendered with the messages and tools, then `suffix`, as token ids: within the
+    context (ApiError 400 context_length_exceeded past it), or every one of them when max_seq_len is None
+    (a count)."""
     try:
         text = tokenizer.render_chat([m.as_dict() for m in body.messages], body.tool_dicts())
     except TokenizerError as e:
         raise ApiError(400, f"messages: {e}", param="messages", code="invalid_value") from None
+    if max_seq_len is None:
+        return tokenizer.encode(text + suffix, add_special_tokens=False)
     return _encode(tokenizer, text + suffix, "messages", max_seq_len, add_special_tokens=False)
 
 
-def _check_model(body, served: str) -> None:
+def check_model(body, served: str) -> None:
+    """Raise ApiError 404 model_not_found unless `body.model` is the served name."""
     if body.model != served:
         raise ApiError(404, f"model {body.model!r} does not exist: this server serves {served!r} (see /v1/models)",
                        param="model", code="model_not_found")
@@ -145,7 +154,7 @@ def prepare_completion(raw: bytes, tokenizer: TextTokenizer, *, vocab_size: int,
                        max_seq_len: int) -> Prepared:
     """A /v1/completions body (JSON bytes) as a Prepared request. Raises ApiError."""
     body = parse_body(CompletionBody, raw)
-    _check_model(body, served)
+    check_model(body, served)
     return prepare(body, completion_prompt(body, tokenizer, vocab_size, max_seq_len), max_seq_len=max_seq_len,
                    default_max=16)
 
@@ -153,7 +162,7 @@ def prepare_completion(raw: bytes, tokenizer: TextTokenizer, *, vocab_size: int,
 def prepare_chat(raw: bytes, tokenizer: TextTokenizer, *, served: str, max_seq_len: int) -> Prepared:
     """A /v1/chat/completions body (JSON bytes) as a Prepared request. Raises ApiError."""
     body = parse_body(ChatBody, raw)
-    _check_model(body, served)
+    check_model(body, served)
     suffix, tools = chat_tools(body, tokenizer)
     prep = prepare(body, chat_prompt(body, tokenizer, max_seq_len, suffix), max_seq_len=max_seq_len,
                    default_max=None)
@@ -172,11 +181,16 @@ def usage(prompt_tokens: int, completion_tokens: int, timing=None) -> dict:
            "total_tokens": prompt_tokens + completion_tokens}
     if timing is not None:
         out["prompt_tokens_details"] = {"cached_tokens": timing.cached_prompt_tokens}
-        out["expertcache"] = {"queue_s": timing.queue_s, "prefill_s": timing.prefill_s,
-                              "time_to_first_token_s": timing.time_to_first_token_s, "decode_s": timing.decode_s,
-                              "prefill_tokens_per_s": timing.prefill_tokens_per_s,
-                              "decode_tokens_per_s": timing.decode_tokens_per_s}
+        out["expertcache"] = timing_fields(timing)
     return out
+
+
+def timing_fields(timing: RequestTiming) -> dict[str, float]:
+    """The usage's extension field "expertcache" of a finished request: seconds in the queue, of prefill,
+    to the first token and of decode, and prefill and decode tokens per second."""
+    return {"queue_s": timing.queue_s, "prefill_s": timing.prefill_s,
+            "time_to_first_token_s": timing.time_to_first_token_s, "decode_s": timing.decode_s,
+            "prefill_tokens_per_s": timing.prefill_tokens_per_s, "decode_tokens_per_s": timing.decode_tokens_per_s}
 
 
 def completion_logprobs(tokenizer: TextTokenizer, lps: Sequence[TokenLogprob], offset: int = 0) -> dict | None:
@@ -250,7 +264,10 @@ def tool_calls_delta(calls: Sequence[ToolCall], first_index: int) -> dict[str, l
     return {"tool_calls": [{"index": first_index + i, **c.as_dict()} for i, c in enumerate(calls)]}
 
 
-def chat_chunk(rid: str, model: str, delta: dict[str, Any], finish: str | None, logprobs: dict | None = None) -> dict:
+def chat_chunk(rid: str, model: str, delta: dict[str, Any] | str, finish: str | None,
+               logprobs: dict | None = None) -> dict:
+    """A chat.completion.chunk of `delta` (a text as {"content": text})."""
+    delta = {"content": delta} if isinstance(delta, str) else delta
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
@@ -258,3 +275,56 @@ def chat_chunk(rid: str, model: str, delta: dict[str, Any], finish: str | None, 
 def usage_chunk(rid: str, model: str, obj: str, use: dict[str, int]) -> dict:
     """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [], "usage": use}
+
+
+def sse(obj: Any, event: str | None = None) -> str:
+    """One server-sent event: `data: JSON`, after an `event: NAME` line when `event` is given."""
+    head = "" if event is None else f"event: {event}\n"
+    return f"{head}data: {json.dumps(obj)}\n\n"
+
+
+class ChunkStream:
+    """The SSE text of an OpenAI stream, written Event by Event (server._stream reads the Events): `first`
+    (if any) at the start, a chunk per text delta and per closed tool call (with the logprobs of their
+    tokens), at the final Event a finish chunk ("tool_calls" once a call came) and, with include_usage,
+    the usage chunk; an error as {"error": ...}; `data: [DONE]` at the end, whatever happened.
+    chunk(rid, model, delta, finish, logprobs) writes one chunk; logprobs(TokenLogprobs) their object."""
+
+    def __init__(self, rid: str, model: str, chunk: Callable, first: dict | None, obj: str, include_usage: bool,
+                 logprobs: Callable) -> None:
+        self.rid, self.model, self.chunk, self.first, self.obj = rid, model, chunk, first, obj
+        self.include_usage, self.logprobs = include_usage, logprobs
+        self.pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
+        self.called = 0  # tool calls streamed
+
+    def _chunk(self, delta, finish: str | None = None, logprobs: dict | None = None) -> str:
+        return sse(self.chunk(self.rid, self.model, delta, finish, logprobs))
+
+    def start(self) -> str:
+        return "" if self.first is None else self._chunk(self.first)
+
+    def take(self, ev: Event) -> str:
+        out = []
+        if ev.logprob is not None:
+            self.pending.append(ev.logprob)
+        if ev.reasoning:  # only a chat request of a harmony model has any
+            out.append(self._chunk({"reasoning_content": ev.reasoning}))
+        if ev.text:
+            out.append(self._chunk(ev.text, None, self.logprobs(self.pending)))
+            self.pending = []
+        if ev.tool_calls:  # only a chat request with tools has any
+            out.append(self._chunk(tool_calls_delta(ev.tool_calls, self.called), None, self.logprobs(self.pending)))
+            self.pending, self.called = [], self.called + len(ev.tool_calls)
+        if ev.final:
+            finish = "tool_calls" if self.called else ev.finish_reason
+            out.append(self._chunk("" if self.first is None else {}, finish, self.logprobs(self.pending)))
+            if self.include_usage:
+                out.append(sse(usage_chunk(self.rid, self.model, self.obj,
+                                           usage(ev.prompt_tokens, ev.completion_tokens, ev.timing))))
+        return "".join(out)
+
+    def error(self, err: ApiError) -> str:
+        return sse(err.body())
+
+    def end(self) -> str:
+        return "data: [DONE]\n\n"

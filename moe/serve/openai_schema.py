@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -46,15 +46,15 @@ def _zero(v: Any) -> bool:
     return type(v) in (int, float) and v == 0
 
 
-def _is(*values: Any) -> Callable[[Any], bool]:
+def is_(*values: Any) -> Callable[[Any], bool]:
     return lambda v: any(type(v) is type(x) and v == x for x in values)
 
 
-def _empty(v: Any) -> bool:
+def empty(v: Any) -> bool:
     return v in ([], {}) and type(v) in (list, dict)
 
 
-def _never(v: Any) -> bool:
+def never(v: Any) -> bool:
     return False
 
 
@@ -64,41 +64,41 @@ Neutral = dict[str, tuple[Callable[[Any], bool], str]]
 _COMMON: Neutral = {
     "frequency_penalty": (_zero, "0"),
     "presence_penalty": (_zero, "0"),
-    "logit_bias": (_empty, "{}"),
-    "tools": (_empty, "[]"),
-    "tool_choice": (_is("none"), '"none"'),
-    "functions": (_empty, "[]"),
-    "function_call": (_is("none"), '"none"'),
-    "parallel_tool_calls": (_is(True, False), "a bool (no tools are called)"),
-    "response_format": (_is({"type": "text"}), '{"type": "text"}'),
-    "store": (_is(False), "false"),
-    "metadata": (_empty, "{}"),
-    "service_tier": (_is("auto", "default"), '"auto"'),
+    "logit_bias": (empty, "{}"),
+    "tools": (empty, "[]"),
+    "tool_choice": (is_("none"), '"none"'),
+    "functions": (empty, "[]"),
+    "function_call": (is_("none"), '"none"'),
+    "parallel_tool_calls": (is_(True, False), "a bool (no tools are called)"),
+    "response_format": (is_({"type": "text"}), '{"type": "text"}'),
+    "store": (is_(False), "false"),
+    "metadata": (empty, "{}"),
+    "service_tier": (is_("auto", "default"), '"auto"'),
 }
-_COMPLETION: Neutral = {**_COMMON, "best_of": (_is(1), "1"), "echo": (_is(False), "false"), "suffix": (_is(""), '""')}
-_CHAT: Neutral = {**_COMMON, "modalities": (_is(["text"]), '["text"]')}
+_COMPLETION: Neutral = {**_COMMON, "best_of": (is_(1), "1"), "echo": (is_(False), "false"), "suffix": (is_(""), '""')}
+_CHAT: Neutral = {**_COMMON, "modalities": (is_(["text"]), '["text"]')}
 # what a client echoes back from a response message
-_MESSAGE: Neutral = {"function_call": (_empty, "null"), "annotations": (_empty, "[]"),
-                     "refusal": (_never, "null"), "audio": (_never, "null")}
+_MESSAGE: Neutral = {"function_call": (empty, "null"), "annotations": (empty, "[]"),
+                     "refusal": (never, "null"), "audio": (never, "null")}
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class _Open(BaseModel):
+class OpenModel(BaseModel):
     """A strict model that keeps undeclared fields (model_extra) for check_extra to judge by NEUTRAL."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     NEUTRAL: ClassVar[Neutral] = {}
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool | None = None
 
 
-class _Body(_Open):
+class _Body(OpenModel):
     NEUTRAL: ClassVar[Neutral] = _COMMON
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -130,17 +130,17 @@ class CompletionBody(_Body):
         return self.logprobs
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     arguments: str  # a JSON object's text
 
 
-class ToolCallItem(_Strict):
+class ToolCallItem(StrictModel):
     """A call of an earlier assistant reply, as the response gave it."""
 
     id: str
@@ -148,7 +148,7 @@ class ToolCallItem(_Strict):
     function: FunctionCall
 
 
-class Message(_Open):
+class Message(OpenModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -171,23 +171,23 @@ class Message(_Open):
         return out
 
 
-class FunctionDef(_Strict):
+class FunctionDef(StrictModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema of an object
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(_Strict):
+class FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: FunctionName
 
@@ -271,7 +271,7 @@ def validation_error(errors: list[dict[str, Any]], raw: bytes = b"") -> ApiError
                     else "invalid_value" if param else "invalid_body")
 
 
-def check_extra(model: _Open, where: str = "") -> None:
+def check_extra(model: OpenModel, where: str = "") -> None:
     """Raise ApiError 400 naming the first undeclared field of `model`: unknown to its NEUTRAL table,
     or an unimplemented field set to something other than "off". `where` prefixes the param."""
     for name, value in (model.model_extra or {}).items():
@@ -285,19 +285,23 @@ def check_extra(model: _Open, where: str = "") -> None:
                            param=param, code="unsupported_parameter")
 
 
+def check_stops(stops: Sequence[str], param: str) -> None:
+    """Raise ApiError 400 naming `param` for more than MAX_STOP stop strings or one above MAX_STOP_CHARS."""
+    if len(stops) > MAX_STOP:
+        raise ApiError(400, f"{param}: at most {MAX_STOP} stop strings, got {len(stops)}", param=param,
+                       code="invalid_value")
+    long = [s for s in stops if len(s) > MAX_STOP_CHARS]
+    if long:
+        raise ApiError(400, f"{param}: a stop string has {len(long[0])} characters; at most {MAX_STOP_CHARS}",
+                       param=param, code="invalid_value")
+
+
 def check_unsupported(body: _Body) -> None:
     """Raise ApiError 400 naming the first field the server cannot honour as given."""
     check_extra(body)
     if body.n is not None and body.n != 1:
         raise ApiError(400, f"n: only n=1 is supported, got {body.n}", param="n", code="invalid_value")
-    stops = body.stops
-    if len(stops) > MAX_STOP:
-        raise ApiError(400, f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", param="stop",
-                       code="invalid_value")
-    long = [s for s in stops if len(s) > MAX_STOP_CHARS]
-    if long:
-        raise ApiError(400, f"stop: a stop string has {len(long[0])} characters; at most {MAX_STOP_CHARS}",
-                       param="stop", code="invalid_value")
+    check_stops(body.stops, "stop")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options",
                        code="invalid_value")
@@ -309,7 +313,7 @@ def check_unsupported(body: _Body) -> None:
         check_tools(body)
 
 
-def _invalid(param: str, message: str) -> ApiError:
+def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
@@ -318,10 +322,26 @@ def _check_parameters(schema: dict[str, Any] | None, param: str) -> None:
     if schema is None:
         return
     if schema.get("type", "object") != "object":
-        raise _invalid(f"{param}.type", f"must be \"object\" (the arguments are a JSON object), got {schema['type']!r}")
+        raise invalid(f"{param}.type", f"must be \"object\" (the arguments are a JSON object), got {schema['type']!r}")
     properties = schema.get("properties", {})
     if not isinstance(properties, dict) or not all(isinstance(v, dict) for v in properties.values()):
-        raise _invalid(f"{param}.properties", "must be an object mapping each argument's name to its JSON Schema")
+        raise invalid(f"{param}.properties", "must be an object mapping each argument's name to its JSON Schema")
+
+
+def check_tool_defs(tools: Sequence[tuple[str, str, dict[str, Any] | None]], schema_field: str) -> dict[str, int]:
+    """Raise ApiError 400 naming the first tool whose name is outside OpenAI's (and Anthropic's) rule or
+    given twice, or whose parameters are not an object's JSON Schema. `tools`: (the tool's param, such as
+    "tools.0.function", its name, its schema) each; `schema_field`: the schema's field name. Returns
+    {name: index}."""
+    names: dict[str, int] = {}
+    for i, (param, name, schema) in enumerate(tools):
+        if not TOOL_NAME.fullmatch(name):
+            raise invalid(f"{param}.name", f"{name!r} is not 1-64 letters, digits, underscores or dashes")
+        if name in names:
+            raise invalid(f"{param}.name", f"{name!r} is already the name of tools.{names[name]}")
+        names[name] = i
+        _check_parameters(schema, f"{param}.{schema_field}")
+    return names
 
 
 def check_tools(body: ChatBody) -> None:
@@ -329,37 +349,30 @@ def check_tools(body: ChatBody) -> None:
     rule or given twice, parameters that are not an object's schema, a tool_choice that needs tools or
     names a function not in them, tool_calls on a message that is not the assistant's or with arguments
     that are not a JSON object, a tool message without the id of a call of an earlier assistant message."""
-    names: dict[str, int] = {}
-    for i, tool in enumerate(body.tools or ()):
-        param, name = f"tools.{i}.function", tool.function.name
-        if not TOOL_NAME.fullmatch(name):
-            raise _invalid(f"{param}.name", f"{name!r} is not 1-64 letters, digits, underscores or dashes")
-        if name in names:
-            raise _invalid(f"{param}.name", f"{name!r} is already the name of tools.{names[name]}")
-        names[name] = i
-        _check_parameters(tool.function.parameters, f"{param}.parameters")
+    names = check_tool_defs([(f"tools.{i}.function", t.function.name, t.function.parameters)
+                             for i, t in enumerate(body.tools or ())], "parameters")
     choice = body.choice
     if choice != "none" and not body.tools:
-        raise _invalid("tool_choice", f"{choice!r} needs tools; send tools, or leave tool_choice out")
+        raise invalid("tool_choice", f"{choice!r} needs tools; send tools, or leave tool_choice out")
     if choice == "function" and body.tool_choice.function.name not in names:
-        raise _invalid("tool_choice", f"function {body.tool_choice.function.name!r} is not in tools")
+        raise invalid("tool_choice", f"function {body.tool_choice.function.name!r} is not in tools")
     calls: set[str] = set()
     for i, m in enumerate(body.messages):
         if m.tool_calls and m.role != "assistant":
-            raise _invalid(f"messages.{i}.tool_calls", f"only assistant messages carry tool_calls, not {m.role}")
+            raise invalid(f"messages.{i}.tool_calls", f"only assistant messages carry tool_calls, not {m.role}")
         for j, call in enumerate(m.tool_calls or ()):
             try:
                 arguments = json.loads(call.function.arguments)
             except ValueError as e:
                 arguments = e
             if not isinstance(arguments, dict):
-                raise _invalid(f"messages.{i}.tool_calls.{j}.function.arguments",
+                raise invalid(f"messages.{i}.tool_calls.{j}.function.arguments",
                                f"must be the text of a JSON object, got {call.function.arguments[:80]!r}")
             calls.add(call.id)
         if m.role == "tool" and m.tool_call_id is None:
-            raise _invalid(f"messages.{i}.tool_call_id", "a tool message needs the id of the call it answers")
+            raise invalid(f"messages.{i}.tool_call_id", "a tool message needs the id of the call it answers")
         if m.role == "tool" and m.tool_call_id not in calls:
-            raise _invalid(f"messages.{i}.tool_call_id",
+            raise invalid(f"messages.{i}.tool_call_id",
                            f"{m.tool_call_id!r} is not the id of a tool call of an earlier assistant message")
 
 

@@ -85,10 +85,10 @@ class RequestTiming:
 @dataclass(frozen=True)
 class Event:
     """What a request's consumer receives: a text delta, and on the last event the finish_reason
-    ("stop": eos, a stop string or, without parallel_tool_calls, a first call; "length": max_tokens or
-    max_seq_len) or an error message. logprob: the sampled token's TokenLogprob when the request asked
-    for logprobs (an event per token). tool_calls: the calls of a request with tools (Request.tools)
-    that closed with this token."""
+    ("stop": eos, a stop string (then stop_sequence holds it) or, without parallel_tool_calls, a first
+    call; "length": max_tokens or max_seq_len) or an error message. logprob: the sampled token's
+    TokenLogprob when the request asked for logprobs (an event per token). tool_calls: the calls of a
+    request with tools (Request.tools) that closed with this token."""
 
     text: str = ""
     finish_reason: str | None = None
@@ -100,6 +100,7 @@ class Event:
     reasoning: str = ""  # a harmony reply's analysis text decoded with this token (Request.channels)
     tool_calls: tuple[ToolCall, ...] = ()
     cause: BaseException | None = None  # the exception behind `error`, for the server's log (with its traceback)
+    stop_sequence: str | None = None  # on the final event: the stop string that ended the text
 
     @property
     def final(self) -> bool:
@@ -389,8 +390,9 @@ class Scheduler:
                                    decode_tokens=seq.generated - 1, cached_prompt_tokens=seq.cached)
         reasoning = seq.stream.pop_reasoning() if isinstance(seq.stream, HarmonyStream) else ""
         calls = seq.stream.pop_calls() if isinstance(seq.stream, (HarmonyStream, ToolStream)) else ()
+        matched = seq.stream.stop_sequence if reason == "stop" else None
         ok = _emit(seq.request, Event(text, reason, len(seq.request.prompt), seq.generated, logprob=logprob,
-                                      timing=timing, reasoning=reasoning, tool_calls=calls))
+                                      timing=timing, reasoning=reasoning, tool_calls=calls, stop_sequence=matched))
         if reason is not None:
             self.stats.finished[reason] += 1
         elif not ok:

@@ -1,13 +1,15 @@
-"""`expertcache serve`: an OpenAI-compatible HTTP server over the continuous-batching Scheduler.
+"""`expertcache serve`: an OpenAI- and Anthropic-compatible HTTP server over the continuous-batching Scheduler.
 
     client ─TCP─► uvicorn (TimedH11Protocol: --read-timeout, --keep-alive-timeout)
         ─► Guard (draining → 503, API key → 401, Content-Type → 415, body size → 413, counter)
         ─► FastAPI routes
-        /v1/completions, /v1/chat/completions: body bytes ─worker thread: parse, check, tokenize─►
-            Prepared ─► Request ─► Scheduler.submit
+        /v1/completions, /v1/chat/completions, /v1/messages: body bytes ─worker thread: parse, check,
+            tokenize─► Prepared ─► Request ─► Scheduler.submit
             ◄─ Events on an asyncio.Queue (the scheduler thread puts them with call_soon_threadsafe)
-            ─► one JSON body, or SSE chunks `data: {...}` ending with `data: [DONE]` (a chat reply's
-               tool calls as message.tool_calls, or a delta each as they close; finish "tool_calls")
+            ─► one JSON body, or an SSE stream (_stream: openai_api.ChunkStream writes chunks `data: {...}`
+               ending with `data: [DONE]`, a chat reply's tool calls as a delta each as they close;
+               anthropic_api.MessageStream writes Anthropic's events, a tool_use block each)
+        /v1/messages/count_tokens: body bytes ─worker thread─► the prompt's token count
         /v1/models, /health
         /metrics ─► Scheduler.call(snapshot) (read on the scheduler thread) ─► Prometheus text
     shutdown: draining (new /v1 requests → 503) ─► the scheduler runs the open requests for up to
@@ -18,7 +20,8 @@
 A request whose client goes away is cancelled as soon as the disconnect arrives, streaming or not
 (a watcher awaits the connection's disconnect while the request waits or generates); the scheduler
 frees its batch row at its next turn. The engine is touched only by the scheduler thread. Every
-error is an OpenAI-style JSON body (or SSE error event once a stream has begun), never text/plain.
+error is a JSON body in the form of its path's API (Anthropic's under /v1/messages, OpenAI's elsewhere), or
+an SSE error event once a stream has begun, never text/plain.
 A request that ends in a 500 (a generation failed, or a route raised: the Guard answers those) is
 logged at error level with its request id (the response id, also in the error's message) and the
 exception's traceback.
@@ -27,7 +30,6 @@ exception's traceback.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -35,7 +37,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import uvicorn
 from fastapi import FastAPI
@@ -44,7 +46,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe.engine.budget import SlotBudget
+from moe.serve import anthropic_api
 from moe.serve import openai_api as api
+from moe.serve.anthropic_schema import error_body
 from moe.serve.http_guard import Guard, GuardOptions, timed_protocol, until_disconnect
 from moe.serve.metrics import CONTENT_TYPE, ServerMetrics, snapshot
 from moe.serve.recording import write_routing
@@ -110,12 +114,8 @@ class ServeState:
         self.closed = True
 
 
-def _json_error(err: api.ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+def _json_error(err: api.ApiError, path: str) -> JSONResponse:
+    return JSONResponse(error_body(path, err), status_code=err.status)
 
 
 _DISCONNECTED = Event(error="the client disconnected")
@@ -202,49 +202,38 @@ class _EventStream(StreamingResponse):
             self.generation.cancel()
 
 
-async def _stream(state: ServeState, events: asyncio.Queue, rid: str, chunk: Callable, first: dict | None,
-                  obj: str, include_usage: bool, logprobs: Callable) -> AsyncIterator[str]:
-    """SSE text of response `rid`: `first` (if any), a chunk per text delta and per closed tool call
-    (with the logprobs of their tokens), a finish chunk ("tool_calls" once a call came), usage, [DONE];
-    an error ends the stream with an error event and [DONE]."""
-    model = state.options.served_name
-    pending: list = []  # logprobs of tokens whose text is still held back
-    called = 0  # tool calls streamed
+class _Writer(Protocol):
+    """What writes a stream's SSE text: openai_api.ChunkStream, anthropic_api.MessageStream."""
+
+    def start(self) -> str: ...
+    def take(self, ev: Event) -> str: ...
+    def error(self, err: api.ApiError) -> str: ...
+    def end(self) -> str: ...
+
+
+async def _stream(state: ServeState, events: asyncio.Queue, rid: str, writer: _Writer) -> AsyncIterator[str]:
+    """SSE text of response `rid` as `writer` writes it: its start, each Event of the request up to the
+    final one, an error event when the request fails (or this stream does: a bug), its end."""
     try:
-        if first is not None:
-            yield _sse(chunk(rid, model, first, None))
+        if text := writer.start():
+            yield text
         while True:
             ev: Event = await events.get()
             if ev.error is not None:
-                yield _sse(_event_error(state, ev, rid).body())
+                yield writer.error(_event_error(state, ev, rid))
                 break
-            if ev.logprob is not None:
-                pending.append(ev.logprob)
-            if ev.reasoning:  # only a chat request of a harmony model has any
-                yield _sse(chunk(rid, model, {"reasoning_content": ev.reasoning}, None))
-            if ev.text:
-                yield _sse(chunk(rid, model, ev.text, None, logprobs(pending)))
-                pending = []
-            if ev.tool_calls:  # only a chat request with tools has any
-                yield _sse(chunk(rid, model, api.tool_calls_delta(ev.tool_calls, called), None, logprobs(pending)))
-                pending, called = [], called + len(ev.tool_calls)
             if ev.final:
                 state.metrics.observe(ev.timing)
-                finish = "tool_calls" if called else ev.finish_reason
-                yield _sse(chunk(rid, model, "" if first is None else {}, finish, logprobs(pending)))
-                if include_usage:
-                    yield _sse(api.usage_chunk(rid, model, obj, api.usage(ev.prompt_tokens, ev.completion_tokens,
-                                                                          ev.timing)))
+            if text := writer.take(ev):
+                yield text
+            if ev.final:
                 break
     except Exception as e:  # a bug: the stream has begun, so end it with an error event
         logger.exception("request %s: the stream failed", rid)
-        yield _sse(api.ApiError(500, f"the stream failed (request {rid}): {e!r}", type="server_error",
-                                code="internal_error").body())
-    yield "data: [DONE]\n\n"
-
-
-def _chat_chunk(rid: str, model: str, delta, finish: str | None, logprobs: dict | None = None) -> dict:
-    return api.chat_chunk(rid, model, {"content": delta} if isinstance(delta, str) else delta, finish, logprobs)
+        yield writer.error(api.ApiError(500, f"the stream failed (request {rid}): {e!r}", type="server_error",
+                                        code="internal_error"))
+    if text := writer.end():
+        yield text
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -262,14 +251,15 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.exception_handler(api.ApiError)
     async def api_error(request: HttpRequest, e: api.ApiError):
-        return _json_error(e)
+        return _json_error(e, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: HttpRequest, e: StarletteHTTPException):
         return _json_error(api.ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
-                                        code="not_found" if e.status_code == 404 else None))
+                                        code="not_found" if e.status_code == 404 else None), request.url.path)
 
     _add_routes(app, state)
+    _add_anthropic_routes(app, state)
     return app
 
 
@@ -284,7 +274,8 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
         prep: api.Prepared = await asyncio.to_thread(prepare, await http.body())
         req, events = _submit(state, prep)
         if prep.stream:
-            return _EventStream(_stream(state, events, rid, chunk, first, obj, prep.include_usage, logprobs), req)
+            writer = api.ChunkStream(rid, opts.served_name, chunk, first, obj, prep.include_usage, logprobs)
+            return _EventStream(_stream(state, events, rid, writer), req)
         reply = await _collect(state, req, events, http, rid)
         extra = {"reasoning": reply.reasoning} if prep.channels else {}
         if reply.tool_calls:
@@ -303,7 +294,7 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
         prepare = partial(api.prepare_chat, tokenizer=tok, served=opts.served_name, max_seq_len=opts.max_seq_len)
-        return await generate(http, prepare, _chat_chunk, {"role": "assistant", "content": ""},
+        return await generate(http, prepare, api.chat_chunk, {"role": "assistant", "content": ""},
                               "chat.completion.chunk", api.chat_body, partial(api.chat_logprobs, tok))
 
     @app.get("/v1/models")
@@ -322,6 +313,30 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
     async def metrics():
         snap = await asyncio.wrap_future(state.scheduler.call(lambda: snapshot(state.scheduler)))
         return Response(state.metrics.render(snap), media_type=CONTENT_TYPE)
+
+
+def _add_anthropic_routes(app: FastAPI, state: ServeState) -> None:
+    """/v1/messages and /v1/messages/count_tokens (moe.serve.anthropic_api), on the same scheduler."""
+    opts, tok = state.options, state.tokenizer
+
+    @app.post("/v1/messages")
+    async def messages(http: HttpRequest):
+        rid = http.state.request_id = anthropic_api.new_id()
+        msg: anthropic_api.MessagesRequest = await asyncio.to_thread(
+            anthropic_api.prepare_messages, await http.body(), tok, served=opts.served_name,
+            max_seq_len=opts.max_seq_len)
+        req, events = _submit(state, msg.prep)
+        if msg.prep.stream:
+            writer = anthropic_api.MessageStream(rid, opts.served_name, msg)
+            return _EventStream(_stream(state, events, rid, writer), req)
+        reply = await _collect(state, req, events, http, rid)
+        return anthropic_api.message_body(rid, opts.served_name, msg, reply.text, reply.reasoning, reply.tool_calls,
+                                          reply.last)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(http: HttpRequest):
+        count = await asyncio.to_thread(anthropic_api.count_tokens, await http.body(), tok, served=opts.served_name)
+        return {"input_tokens": count}
 
 
 class Server(uvicorn.Server):

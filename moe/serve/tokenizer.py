@@ -261,8 +261,9 @@ class TextStream:
 
     push(token) -> (text delta safe to send, stopped): the delta never holds a prefix of a stop string
     that later tokens could complete, nor an unfinished multi-byte character; `stopped` is True once a
-    stop string appears, and the text is cut before it. finish() -> the text held back at the end.
-    `text` is everything sent.
+    stop string appears, and the text is cut before it; `stop_sequence` is then that stop string (the
+    earliest in the text; of two starting at the same character, the first in `stop`). finish() -> the
+    text held back at the end. `text` is everything sent.
 
     Decoding is windowed (as vLLM and TGI detokenize): the new text of a push is the decode of the
     ids since the last settled one minus the decode of its context, so a push costs the decode of a
@@ -282,14 +283,18 @@ class TextStream:
         self._start = self._read = 0  # ids[_start:_read]: the context of the open window
         self._context = ""  # decode(ids[_start:_read])
         self._taken = 0  # characters of the open window's new text already in _full
+        self.stop_sequence: str | None = None
 
     def push(self, token: int) -> tuple[str, bool]:
         self.ids.append(token)
         checked = len(self._full)
         self._full += self._window(final=False)
-        hits = [i for i in (self._full.find(s, max(0, checked - len(s) + 1)) for s in self.stop) if i >= 0]
+        hits = [(i, n) for n, i in enumerate(self._full.find(s, max(0, checked - len(s) + 1)) for s in self.stop)
+                if i >= 0]
         if hits:
-            return self._send(min(hits)), True
+            at, n = min(hits)
+            self.stop_sequence = self.stop[n]
+            return self._send(at), True
         return self._send(len(self._full) - self._held_back()), False
 
     @property

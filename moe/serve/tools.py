@@ -267,6 +267,11 @@ class ToolStream:
         with its closing marker)."""
         return self.parser.feed(self.text.finish()) + self.parser.close()
 
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the reply (TextStream.stop_sequence), None if none did."""
+        return self.text.stop_sequence
+
     def pop_calls(self) -> tuple[ToolCall, ...]:
         calls, self.parser.calls = tuple(self.parser.calls), []
         return calls

@@ -106,6 +106,15 @@ def test_a_reply_without_a_header_is_content_and_specials_never_show(tok):
     assert run(tok, message("analysis", [w(30)], True), ("w30",)) == ("w30", "")  # stops are the content's
 
 
+def test_the_stop_string_that_ended_the_content_is_kept(tok):
+    stream = HarmonyStream(tok, harmony_ids(tok), ("w9", "w22"))
+    reply = message("analysis", [w(22)], True) + message("final", [w(21), w(22), w(23)], False)
+    stops = [stream.push(t)[1] for t in reply]
+    assert stops.index(True) == len(reply) - 3 and stream.stop_sequence == "w22"  # not at the analysis' w22
+    plain = HarmonyStream(tok, harmony_ids(tok), ("w9",))
+    assert not any(plain.push(t)[1] for t in reply) and plain.stop_sequence is None
+
+
 def test_a_tokenizer_without_the_specials_is_not_harmony(tiny_dir):
     assert harmony_ids(TextTokenizer(tiny_dir)) is None
 

@@ -32,7 +32,7 @@ def test_help_is_for_users_not_a_class_diagram(capsys):
     text = _help(capsys)
     assert not set(text) & set(DIAGRAM), [c for c in DIAGRAM if c in text]
     assert "TextTokenizer" not in text and "Scheduler" not in text and "moe.engine" not in text
-    assert "OpenAI-compatible" in text and "hf download" in text
+    assert "OpenAI-compatible" in text and "Anthropic's Messages API" in text and "hf download" in text
     for flag in FLAGS:
         assert flag in text
     sub = next(a for a in build_parser()._actions if a.choices and "serve" in a.choices).choices["serve"]

@@ -13,7 +13,9 @@ collected families start together (their imports and loading overlap) and each t
 Tool calls: a qwen3_moe checkpoint whose weights make greedy decoding continue a fixed chain of words
 (ending in a call of get_weather and <|im_end|>) from wherever the prompt ends in it, served the same way:
 tool_choice "auto" (the chain from the generation prompt), "required" and a named function (the chain
-from the forced opening), "none", streamed and not.
+from the forced opening), "none", streamed and not; and through Anthropic's /v1/messages with a prefix
+cache: the call as a tool_use block, the SSE events in Anthropic's order, count_tokens, a resent
+request's restored prompt tokens as cache_read_input_tokens.
 """
 
 from __future__ import annotations
@@ -226,6 +228,53 @@ def test_tool_calls_through_the_served_process(tmp_path):
         calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
         assert len(calls) == 1 and calls[0][0]["index"] == 0 and calls[0][0]["function"] == PARIS
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    finally:
+        status = served.terminate()
+    assert status == 0 and "Traceback" not in served.output(), served.output()[-3000:]
+
+
+def _anthropic_events(url: str, body: dict) -> list[tuple[str, dict]]:
+    headers = {"anthropic-version": "2023-06-01"}
+    with httpx.stream("POST", url + "/v1/messages", json={**body, "stream": True}, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        events = [e.split("\n") for e in r.read().decode().strip().split("\n\n")]
+    assert all(name.startswith("event: ") and data.startswith("data: ") for name, data in events)
+    return [(name[len("event: "):], json.loads(data[len("data: "):])) for name, data in events]
+
+
+def test_anthropic_messages_through_the_served_process(tmp_path):
+    """The calling checkpoint behind /v1/messages: text then a tool_use block (stop_reason "tool_use"), as one
+    Message and as an SSE stream in Anthropic's order; count_tokens == input_tokens; the same request again
+    restores whole 64-token blocks of its prompt from the prefix cache (cache_read_input_tokens)."""
+    served = Served(_calling_checkpoint(tmp_path / "calls"), tmp_path / "anthropic.log", max_seq_len=256,
+                    extra=("--kv-cache-gb", "0.01"))
+    try:
+        served.wait_healthy()
+        fn = WEATHER["function"]
+        tool = {"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}
+        ask = {"model": "tiny", "messages": [{"role": "user", "content": "w40 w41"}], "tools": [tool]}
+        body = {**ask, "max_tokens": 16, "temperature": 0}
+        count = served.post("/v1/messages/count_tokens", ask)["input_tokens"]
+        replies = [served.post("/v1/messages", body) for _ in range(2)]
+        for reply in replies:
+            text, use = reply["content"]
+            assert text == {"type": "text", "text": "w50 "} and use["id"].startswith("toolu_")
+            assert (use["type"], use["name"], use["input"]) == ("tool_use", "get_weather", {"city": "Paris"})
+            assert (reply["stop_reason"], reply["stop_sequence"]) == ("tool_use", None)
+        cached = [r["usage"]["cache_read_input_tokens"] for r in replies]
+        assert cached == [0, (count - 1) // 64 * 64] and cached[1] >= 64
+        assert [r["usage"]["input_tokens"] + c for r, c in zip(replies, cached)] == [count, count]
+        events = _anthropic_events(served.url, body)
+        kinds = [k for i, (k, _) in enumerate(events) if i == 0 or k != events[i - 1][0] or k != "content_block_delta"]
+        assert kinds == ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                         "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
+                         "message_stop"], kinds
+        assert events[0][1]["message"]["usage"]["input_tokens"] == count
+        assert "".join(d["delta"].get("text", "") for k, d in events if k == "content_block_delta") == "w50 "
+        starts = [d["content_block"] for k, d in events if k == "content_block_start"]
+        assert starts[1]["type"] == "tool_use" and starts[1]["input"] == {} and starts[1]["name"] == "get_weather"
+        assert json.loads(events[-4][1]["delta"]["partial_json"]) == {"city": "Paris"}
+        assert events[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     finally:
         status = served.terminate()
     assert status == 0 and "Traceback" not in served.output(), served.output()[-3000:]

@@ -75,9 +75,13 @@ def test_windowed_stream_equals_full_decoding(byte_tok, text, stops):
         got, want = fast.push(token), ref.push(token)
         assert got == want
         if got[1]:
+            # the stop string that ended it: at the cut, none earlier, the first in `stops` of those there
+            at = len(fast.text)
+            found = {s: fast.decoded.find(s) for s in stops if s in fast.decoded}
+            assert min(found.values()) == at and fast.stop_sequence == next(s for s in stops if found.get(s) == at)
             break
     else:
-        assert fast.finish() == ref.finish()
+        assert fast.finish() == ref.finish() and fast.stop_sequence is None
     assert fast.text == ref.text
 
 
@@ -116,9 +120,13 @@ def test_sentencepiece_words_and_specials_stream_as_full_decoding(sentencepiece_
         got, want = fast.push(token), ref.push(token)
         assert got == want
         if got[1]:
+            # the stop string that ended it: at the cut, none earlier, the first in `stops` of those there
+            at = len(fast.text)
+            found = {s: fast.decoded.find(s) for s in stops if s in fast.decoded}
+            assert min(found.values()) == at and fast.stop_sequence == next(s for s in stops if found.get(s) == at)
             break
     else:
-        assert fast.finish() == ref.finish()
+        assert fast.finish() == ref.finish() and fast.stop_sequence is None
     assert fast.text == ref.text
 
 

@@ -179,6 +179,9 @@ CALL_WORDS = '<tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}
 def test_tool_stream_parses_calls_and_keeps_stop_strings(qwen_tok):
     assert _stream(qwen_tok, f"w10 {CALL_WORDS} w11") == ("w10 w11", [PARIS], False)
     assert _stream(qwen_tok, f"w10 STOP {CALL_WORDS}", stop=("STOP",)) == ("w10 ", [], True)
+    stream = ToolStream(qwen_tok, HERMES, ("w9", "STOP"))
+    assert [stream.push(t)[1] for t in qwen_tok.encode("w10 STOP")] == [False, True]
+    assert stream.stop_sequence == "STOP"
     # a stop string inside a call ends the reply there: the call's text so far is content
     assert _stream(qwen_tok, f"w10 {CALL_WORDS}", stop=('"arguments"',)) == (
         'w10 <tool_call> {"name": "get_weather", ', [], True)
