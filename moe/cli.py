@@ -1,7 +1,7 @@
 """The `expertcache` command: one entry point, one subcommand per job.
 
     expertcache sim [TRACE ...]   replay routing traces through cache policies (sim.cli)
-    expertcache serve --model DIR  serve a checkpoint over an OpenAI-compatible HTTP API (moe.serve.cli)
+    expertcache serve --model DIR  serve a checkpoint over OpenAI- and Anthropic-compatible HTTP APIs (moe.serve.cli)
 """
 
 from __future__ import annotations
