@@ -16,6 +16,7 @@ prefixes by itself). Images, documents and server tools are refused: the served 
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError
@@ -121,6 +122,20 @@ Block = Annotated[
     | Annotated[RedactedThinkingBlock, Tag("RedactedThinkingBlock")], Discriminator(_block_tag)]
 
 
+# Claude Code starts its system prompt with a telemetry line whose `cch=` hash changes on every
+# request ("x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=...;"), as a block of its
+# own or the first line of a string. It means nothing to the model; left in, the prompt would differ
+# from the previous turn's at its first tokens and the prefix cache (--kv-cache-gb) would restore
+# nothing, so it is dropped before the template renders the prompt (as vLLM and SGLang drop it).
+BILLING_LINE = "x-anthropic-billing-header:"
+_BILLING = re.compile(r"\A" + re.escape(BILLING_LINE) + r"[^\n]*(\n|\Z)")
+
+
+def strip_billing(text: str) -> str:
+    """`text` without a leading billing line (BILLING_LINE to the end of its line)."""
+    return _BILLING.sub("", text, count=1)
+
+
 def join_text(blocks: list) -> str:
     """The text of consecutive text blocks, joined as they are (as openai_schema joins text parts)."""
     return "".join(b.text for b in blocks)
@@ -178,7 +193,11 @@ class CountBody(OpenModel):
 
     @property
     def system_text(self) -> str:
-        return self.system if isinstance(self.system, str) else join_text(self.system or [])
+        """The system prompt's text, less Claude Code's per-request billing line (BILLING_LINE)."""
+        if isinstance(self.system, str):
+            return strip_billing(self.system)
+        texts = [b.text for b in self.system or []]  # joined as join_text joins them
+        return "".join([strip_billing(texts[0]), *texts[1:]]) if texts else ""
 
 
 class MessagesBody(CountBody):

@@ -258,3 +258,24 @@ def test_count_tokens_counts_past_the_context(tokenizers):
     assert count_tokens(_raw(messages=long), tok, served="m") == len(tok.encode_chat(long)) > 300
     assert count_tokens(_raw(messages=USER, system="w7"), tok, served="m") == len(
         tok.encode_chat([{"role": "system", "content": "w7"}, *USER]))
+
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.100.7b4; cc_entrypoint=cli; cch={};"
+
+
+@pytest.mark.parametrize("hash_", ["eb6c6", "74943"])
+def test_claude_codes_billing_line_is_dropped_from_the_system_prompt(tokenizers, hash_):
+    """The per-request billing line, as a block of its own or the first line of a string, renders to the
+    prompt of the same system prompt without it (so a resent conversation keeps its prefix); the same
+    words anywhere else are kept."""
+    tok = tokenizers["qwen3_moe"]
+    want = count_tokens(_raw(messages=USER, system="w7 w8"), tok, served="m")
+    block = [{"type": "text", "text": BILLING.format(hash_)}, {"type": "text", "text": "w7 w8"}]
+    for system in (block, BILLING.format(hash_) + "\nw7 w8"):
+        body = parse_messages(CountBody, _raw(messages=USER, system=system))
+        assert body.system_text == "w7 w8"
+        assert count_tokens(_raw(messages=USER, system=system), tok, served="m") == want
+    later = [{"type": "text", "text": "w7 w8"}, {"type": "text", "text": BILLING.format(hash_)}]
+    assert parse_messages(CountBody, _raw(messages=USER, system=later)).system_text == "w7 w8" + BILLING.format(hash_)
+    inline = "w7 " + BILLING.format(hash_)
+    assert parse_messages(CountBody, _raw(messages=USER, system=inline)).system_text == inline
