@@ -220,6 +220,14 @@ def test_a_closed_stream_cancels_its_request_and_requests_are_counted(qwen, monk
     monkeypatch.setattr(qwen.scheduler, "eos_ids", qwen.scheduler.eos_ids)  # restored after the test, as is
     monkeypatch.setattr(qwen.engine, "decode_step", qwen.engine.decode_step)  # the step slow_decode slows
     slow_decode(qwen.running, 0.01)
+    registry = qwen.running.state.metrics.registry
+    counted = [("/v1/messages", "200"), ("/v1/messages/count_tokens", "200"), ("/v1/messages", "404")]
+
+    def requests() -> list[float]:
+        return [registry.get_sample_value("expertcache_requests_total", {"endpoint": e, "status": c}) or 0.0
+                for e, c in counted]
+
+    at_start = requests()
     before, ran = (qwen.scheduler.stats.finished.get(k, 0) for k in ("cancelled", "length"))
     body = {"model": NAME, "max_tokens": 200, "messages": USER, "stream": True}
     with httpx.stream("POST", qwen.url + "/v1/messages", json=body, headers=HEADERS, timeout=30) as r:
@@ -228,10 +236,9 @@ def test_a_closed_stream_cancels_its_request_and_requests_are_counted(qwen, monk
     wait_until(lambda: qwen.scheduler.stats.finished["cancelled"] == before + 1, what="the request to be cancelled")
     wait_until(lambda: qwen.scheduler.active == 0 and qwen.scheduler.waiting == 0, what="the row to be freed")
     assert qwen.scheduler.stats.finished.get("length", 0) == ran  # it did not run to its 200 tokens
-    registry = qwen.running.state.metrics.registry
-    for endpoint in ("/v1/messages", "/v1/messages/count_tokens"):
-        assert registry.get_sample_value("expertcache_requests_total", {"endpoint": endpoint, "status": "200"}) >= 1
-    assert registry.get_sample_value("expertcache_requests_total", {"endpoint": "/v1/messages", "status": "404"}) >= 1
+    assert qwen.post("/v1/messages/count_tokens", model=NAME, messages=USER).status_code == 200
+    assert qwen.post("/v1/messages", model="nope", max_tokens=4, messages=USER).status_code == 404
+    assert [b - a for a, b in zip(at_start, requests())] == [1.0, 1.0, 1.0]
 
 
 def test_harmony_s_analysis_is_a_thinking_block_when_thinking_is_on(tmp_path):
