@@ -283,35 +283,37 @@ def _take(ctrl, ticket, gen, total):
 
 
 @njit(**KERNEL)
+def _phase(ctrl, gu, dn, spec, sc, gen, n, down):
+    """Take and compute call `gen`'s items of one phase (down: the down rows, else the gate_up rows) of its
+    n units until none is left, counting each done; returns the phase's item count."""
+    rows, step = (dn.rows, DOWN_ROWS) if down else (gu.rows, GATE_UP_ROWS)
+    ticket, done = (TICKET_DOWN, DONE_DOWN) if down else (TICKET_UP, DONE_UP)
+    blocks = (rows + step - 1) // step
+    while True:
+        item = _take(ctrl, ticket, gen, n * blocks)
+        if item < 0:
+            return n * blocks
+        u, b = item // blocks, item % blocks
+        r0, r1 = b * step, min(rows, (b + 1) * step)
+        if down:
+            down_rows(dn, spec, sc.unit_key[u], r0, r1, sc.act[u], sc.unit_tok[u], sc.unit_m[u], sc.y[u])
+        else:
+            gate_up_rows(gu, spec, sc.unit_key[u], r0, r1, sc.xin, sc.unit_tok[u], sc.unit_m[u], sc.act[u])
+        fetch_add(ctrl, done, 1)
+
+
+@njit(**KERNEL)
 def run_call(ctrl, gu, dn, spec, sc, gen):
     """Take and compute call `gen`'s gate_up items until none is left, wait for every one of them to be
-    done, then the same for its down items (any number of threads at once, the caller among them)."""
+    done, then the same for its down items (any number of threads at once, the caller among them).
+    Returns the down item count, or -1 where a later call was published meanwhile."""
     n = load_acquire(ctrl, UNITS)
-    inter, hidden = gu.rows, dn.rows
-    blocks = (inter + GATE_UP_ROWS - 1) // GATE_UP_ROWS
-    total = n * blocks
-    while True:
-        item = _take(ctrl, TICKET_UP, gen, total)
-        if item < 0:
-            break
-        u, b = item // blocks, item % blocks
-        gate_up_rows(gu, spec, sc.unit_key[u], b * GATE_UP_ROWS, min(inter, (b + 1) * GATE_UP_ROWS), sc.xin,
-                     sc.unit_tok[u], sc.unit_m[u], sc.act[u])
-        fetch_add(ctrl, DONE_UP, 1)
+    total = _phase(ctrl, gu, dn, spec, sc, gen, n, False)
     while load_acquire(ctrl, DONE_UP) < total:  # every act row is written before a down item reads it
         if load_acquire(ctrl, GEN) != gen:
-            return
+            return -1
         cpu_relax()
-    blocks = (hidden + DOWN_ROWS - 1) // DOWN_ROWS
-    total = n * blocks
-    while True:
-        item = _take(ctrl, TICKET_DOWN, gen, total)
-        if item < 0:
-            break
-        u, b = item // blocks, item % blocks
-        down_rows(dn, spec, sc.unit_key[u], b * DOWN_ROWS, min(hidden, (b + 1) * DOWN_ROWS), sc.act[u],
-                  sc.unit_tok[u], sc.unit_m[u], sc.y[u])
-        fetch_add(ctrl, DONE_DOWN, 1)
+    return _phase(ctrl, gu, dn, spec, sc, gen, n, True)
 
 
 @njit(**KERNEL, inline="always")
@@ -354,9 +356,8 @@ def pool_run(ctrl, gu, dn, spec, sc, lead, layer, num_experts, x, ids, weights, 
                 waited += 1
                 cpu_relax()
                 gen = load_acquire(ctrl, GEN)
-        run_call(ctrl, gu, dn, spec, sc, gen)
-        if lead:
-            total = load_acquire(ctrl, UNITS) * ((dn.rows + DOWN_ROWS - 1) // DOWN_ROWS)
+        total = run_call(ctrl, gu, dn, spec, sc, gen)
+        if lead:  # its own call: never overtaken, so total is its down item count
             while load_acquire(ctrl, DONE_DOWN) < total:
                 cpu_relax()
             combine_rows(0, dn.rows, sc.unit_of[:x.shape[0]], sc.pos_of[:x.shape[0]], weights, sc.y, out)
@@ -364,11 +365,16 @@ def pool_run(ctrl, gu, dn, spec, sc, lead, layer, num_experts, x, ids, weights, 
         last = gen
 
 
-def _halt(ctrl: np.ndarray, cond: threading.Condition) -> None:
-    """Set STOP and wake every sleeping pool thread (each then returns)."""
+def _halt(ctrl: np.ndarray, cond: threading.Condition, threads: list[threading.Thread]) -> None:
+    """Set STOP, wake every sleeping pool thread and wait for each to return (but the calling one). Run
+    by close, when the owner is collected, and at exit: a thread still in its kernel as the interpreter
+    finalizes would be ended inside it, which aborts the process."""
     ctrl[STOP] = 1
     with cond:
         cond.notify_all()
+    for t in threads:
+        if t is not threading.current_thread() and t.ident is not None:
+            t.join(timeout=10)
 
 
 class _Pool:
@@ -380,9 +386,9 @@ class _Pool:
 
     def __init__(self, owner: CpuExperts, size: int) -> None:
         self.size, self.ctrl, self.cond, self.asleep = size, np.zeros(CTRL_WORDS, np.int64), threading.Condition(), 0
-        self._finalizer = weakref.finalize(owner, _halt, self.ctrl, self.cond)
         self.threads = [threading.Thread(target=_pool_thread, args=(weakref.ref(owner), self), daemon=True,
                                          name=f"expertcache-cpu-experts-{i}") for i in range(size)]
+        self._finalizer = weakref.finalize(owner, _halt, self.ctrl, self.cond, self.threads)  # also at exit
         for t in self.threads:
             t.start()
 
@@ -393,9 +399,6 @@ class _Pool:
 
     def close(self) -> None:
         self._finalizer()
-        for t in self.threads:
-            if t is not threading.current_thread():
-                t.join(timeout=10)
 
 
 def _pool_thread(owner_ref, pool: _Pool) -> None:

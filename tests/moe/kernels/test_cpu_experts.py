@@ -7,7 +7,6 @@ reference decodes each expert with resolve_format(key).decode and computes the r
 
 import gc
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -188,7 +187,7 @@ def _pool_threads() -> int:
     return sum(t.name.startswith("expertcache-cpu-experts") for t in threading.enumerate())
 
 
-def test_pool_threads_stop_on_close_and_when_the_experts_are_collected():
+def test_pool_threads_are_joined_on_close_and_when_the_experts_are_collected():
     cfg, store = make_experts("bf16", "silu")
     x, ids, weights = routing(2, seed=5)
     before = _pool_threads()
@@ -205,9 +204,8 @@ def test_pool_threads_stop_on_close_and_when_the_experts_are_collected():
         experts.moe(0, x, ids, weights)
         del experts
         gc.collect()
-        deadline = time.monotonic() + 10
-        while _pool_threads() > before and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # joined by then, still spinning as they were: one left to end inside its kernel while the
+        # interpreter finalizes would abort the process
         assert _pool_threads() == before
     finally:
         set_threads(None)
