@@ -110,11 +110,7 @@ def prefix_block_bytes(spec: ModelSpec, block_tokens: int) -> int:
 
 def check_prefix_cache(spec: ModelSpec, block_tokens: int, max_seq_len: int) -> None:
     """Raise ValueError naming --kv-cache-gb where a prefix cache (moe.engine.prefix) cannot be kept: a
-    model with linear-attention layers (its recurrent state would have to be saved at block boundaries),
-    or a sliding window that is a ring (shorter than the context, max_seq_len) and shorter than a block."""
-    if spec.linear_layers:
-        raise ValueError("--kv-cache-gb: this model's linear-attention layers keep a recurrent state the prefix "
-                         "cache does not save; serve it without --kv-cache-gb")
+    sliding window that is a ring (shorter than the context, max_seq_len) and shorter than a block."""
     windows = [p for p in (cache_positions(spec, i, max_seq_len) for i in spec.full_layers) if p < max_seq_len]
     if windows and min(windows) < block_tokens:
         raise ValueError(f"--kv-cache-gb: the prefix cache's blocks of {block_tokens} tokens exceed the model's "
@@ -122,18 +118,53 @@ def check_prefix_cache(spec: ModelSpec, block_tokens: int, max_seq_len: int) -> 
                          "--kv-cache-gb")
 
 
+# a model with linear-attention layers keeps one snapshot of their recurrent state per this many tokens of
+# kept blocks (at least PREFIX_MIN_STATES): a prefix restores only up to a block that has one
+PREFIX_STATE_TOKENS = 4096
+PREFIX_MIN_STATES = 4
+
+
+def prefix_states(spec: ModelSpec, blocks: int, block_tokens: int) -> int:
+    """Recurrent-state snapshots a prefix cache of `blocks` blocks keeps: 0 without linear-attention
+    layers, else max(PREFIX_MIN_STATES, ceil(blocks * block_tokens / PREFIX_STATE_TOKENS))."""
+    if not spec.linear_layers or blocks < 1:
+        return 0
+    return max(PREFIX_MIN_STATES, -(-blocks * block_tokens // PREFIX_STATE_TOKENS))
+
+
+def prefix_state_bytes(spec: ModelSpec) -> int:
+    """Bytes of one recurrent-state snapshot: every linear-attention layer's state of one sequence."""
+    return recurrent_state_bytes(spec, 1)
+
+
+def prefix_cache_bytes(spec: ModelSpec, blocks: int, block_tokens: int) -> int:
+    """Device memory of a prefix cache of `blocks` blocks: theirs and their state snapshots'."""
+    if blocks < 1:
+        return 0
+    return (blocks * prefix_block_bytes(spec, block_tokens)
+            + prefix_states(spec, blocks, block_tokens) * prefix_state_bytes(spec))
+
+
 def prefix_blocks_for(spec: ModelSpec, kv_cache_gb: float, block_tokens: int, max_seq_len: int) -> int:
-    """The prefix-cache blocks --kv-cache-gb GiB hold (floor). Raises ValueError naming --kv-cache-gb when
-    it is not > 0 or holds no block, or where check_prefix_cache refuses the model."""
+    """The most prefix-cache blocks whose prefix_cache_bytes (with a linear-attention model's state
+    snapshots) fit in --kv-cache-gb GiB. Raises ValueError naming --kv-cache-gb when it is not > 0 or
+    holds no block, or where check_prefix_cache refuses the model."""
     if isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, (int, float)) or not kv_cache_gb > 0:
         raise ValueError(f"--kv-cache-gb must be > 0 (GiB of kept prompt prefixes), got {kv_cache_gb!r}")
     check_prefix_cache(spec, block_tokens, max_seq_len)
+    budget = int(kv_cache_gb * GIB)
     per = prefix_block_bytes(spec, block_tokens)
-    blocks = int(kv_cache_gb * GIB // per)
+    share = prefix_state_bytes(spec) * block_tokens / PREFIX_STATE_TOKENS if spec.linear_layers else 0
+    blocks = int(budget // (per + share))
+    while blocks > 0 and prefix_cache_bytes(spec, blocks, block_tokens) > budget:
+        blocks -= 1  # the snapshots' floor of PREFIX_MIN_STATES and their rounding up
     if blocks < 1:
+        least = prefix_cache_bytes(spec, 1, block_tokens)
+        states = (f" and {PREFIX_MIN_STATES} snapshots of the linear-attention state, "
+                  f"{prefix_state_bytes(spec):,} bytes each" if spec.linear_layers else "")
         raise ValueError(f"--kv-cache-gb {kv_cache_gb:g} holds no prefix block ({per:,} bytes: {block_tokens} tokens "
-                         f"of k, v in {counted(len(spec.full_layers), 'layer')}); raise it to at least "
-                         f"{per / GIB:.3g}")
+                         f"of k, v in {counted(len(spec.full_layers), 'layer')}{states}); raise it to at least "
+                         f"{gib_at_least(least)}")
     return blocks
 
 
@@ -148,9 +179,11 @@ def memory_split(budget: SlotBudget, spec: ModelSpec, max_batch: int, max_seq_le
     recurrent state, and of the prefix cache's blocks), and their sum."""
     kv = kv_cache_bytes(spec, max_batch, max_seq_len)
     state = recurrent_state_bytes(spec, max_batch)
-    kept = prefix_blocks * prefix_block_bytes(spec, prefix_block_tokens)
+    kept = prefix_cache_bytes(spec, prefix_blocks, prefix_block_tokens)
+    states = prefix_states(spec, prefix_blocks, prefix_block_tokens)
+    snapshots = f" and {counted(states, 'linear-attention state snapshot')}" if states else ""
     prefix = "" if not kept else (f" + prefix cache {kept / GIB:.3g} GiB ({counted(prefix_blocks, 'block')} of "
-                                  f"{prefix_block_tokens} tokens: --kv-cache-gb)")
+                                  f"{prefix_block_tokens} tokens{snapshots}: --kv-cache-gb)")
     rings = [i for i in spec.full_layers if cache_positions(spec, i, max_seq_len) < max_seq_len]
     whole = len(spec.full_layers) - len(rings)  # the layers that hold every position
     per_token = 2 * whole * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[spec.moe.dtype]

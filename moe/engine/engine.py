@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from moe.engine.attention import KVCache, Rope, attention_decode, attention_decode_fused, attention_prefill, rms_norm
 from moe.engine.backends import MoEBackend
+from moe.engine.budget import prefix_states as budget_prefix_states
 from moe.engine.graphs import DecodeGraphs
 from moe.engine.linear_attention import RecurrentCache, linear_attention_decode, linear_attention_prefill
 from moe.engine.prefix import PREFIX_BLOCK_TOKENS, ROOT, PrefixCache
@@ -76,7 +77,7 @@ class Engine:
     def __init__(self, weights: ModelWeights, moe: MoEBackend, *, max_batch: int = 1, max_seq_len: int = 2048,
                  record_routing: bool = False, cuda_graphs: bool | None = None,
                  prefill_chunk: int = PREFILL_CHUNK, prefix_blocks: int = 0,
-                 prefix_block_tokens: int = PREFIX_BLOCK_TOKENS) -> None:
+                 prefix_block_tokens: int = PREFIX_BLOCK_TOKENS, prefix_states: int | None = None) -> None:
         if max_batch < 1 or max_seq_len < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch={max_batch}, max_seq_len={max_seq_len} and prefill_chunk={prefill_chunk} "
                              "must be >= 1")
@@ -98,10 +99,16 @@ class Engine:
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         # kept prompt prefixes (moe.engine.prefix); per row: its token ids, its restored tokens, and its
         # saved chain of blocks (count, last id, that id's generation)
-        self.prefix = PrefixCache(self.spec, self.kv, prefix_blocks, prefix_block_tokens) if prefix_blocks else None
+        if prefix_states is None:
+            prefix_states = budget_prefix_states(self.spec, prefix_blocks, prefix_block_tokens)
+        self.prefix = (PrefixCache(self.spec, self.kv, prefix_blocks, prefix_block_tokens, self.recurrent,
+                                   prefix_states) if prefix_blocks else None)
         self._seq: list[list[int]] = []
         self._cached: list[int] = []
         self._chain: list[tuple[int, int, int]] = []
+        # with linear-attention layers: the snapshot a row's decode took last, (block id, its generation),
+        # freed when the row takes the next one
+        self._latest: list[tuple[int, int] | None] = []
         self.record_routing = record_routing
         self._routing: list[torch.Tensor] = []  # per decode step: int32 [L_moe, B, k]
         self._lengths: list[int] = []  # host mirror of kv.lengths for the active batch
@@ -130,7 +137,7 @@ class Engine:
         for prompt in prompts:
             self._check_prompt(prompt)
         self.kv.lengths.zero_()
-        self._lengths, self._seq, self._cached, self._chain = [], [], [], []
+        self._lengths, self._seq, self._cached, self._chain, self._latest = [], [], [], [], []
         out = [self._join(prompt, all_logits)[1] for prompt in prompts]
         return out if all_logits else torch.stack(out)
 
@@ -161,10 +168,10 @@ class Engine:
         if not 0 <= row <= last:
             raise ValueError(f"leave: row {row} is not an active row (0..{last})")
         n = self._lengths.pop()
-        moved = [state.pop() for state in (self._seq, self._cached, self._chain)]
+        moved = [state.pop() for state in (self._seq, self._cached, self._chain, self._latest)]
         if row == last:
             return None
-        self._seq[row], self._cached[row], self._chain[row] = moved
+        self._seq[row], self._cached[row], self._chain[row], self._latest[row] = moved
         for k, v in zip(self.kv.k, self.kv.v):  # each [max_batch, Hkv, max_len, D], None at a linear layer
             if k is not None:
                 k[row, :, :n] = k[last, :, :n]
@@ -206,16 +213,17 @@ class Engine:
         first, chain = 0, (0, ROOT, 0)
         if self.prefix is not None and not all_logits:  # all_logits wants every prompt token computed
             ids = self.prefix.match(prompt, len(prompt) - 1)  # at least the last token is computed
-            first = self.prefix.restore(ids, self.kv, row)
+            first = self.prefix.restore(ids, self.kv, row, self.recurrent)
             if ids:
                 chain = (len(ids), ids[-1], self.prefix.generation(ids[-1]))
         self._seq.append(list(prompt))
         self._cached.append(first)
         self._chain.append(chain)
+        self._latest.append(None)
         try:
             logits = self._prefill_row(tokens, row, all_logits, first)
         except BaseException:  # the row did not join: its entries go, so later rows' stay in step
-            for state in (self._seq, self._cached, self._chain):
+            for state in (self._seq, self._cached, self._chain, self._latest):
                 state.pop()
             raise
         self._lengths.append(len(prompt))
@@ -226,10 +234,18 @@ class Engine:
         """The prompt from position `first` (those before it are in the row's KV: a restored prefix)
         through every layer in chunks of prefill_chunk tokens (activation memory bounded by a chunk; a
         chunk attends to the row's cached positions before it). With a prefix cache each chunk's whole
-        blocks are saved as the layers compute their k, v."""
+        blocks are saved as the layers compute their k, v; with linear-attention layers the last chunk
+        ends at the prompt's last block boundary (the rest is one more chunk) and the state is saved
+        at each chunk's end that is one."""
         logits = []
-        for start in range(first, tokens.shape[0], self.prefill_chunk):
-            end = min(start + self.prefill_chunk, tokens.shape[0])
+        total = tokens.shape[0]
+        snapshots = self.prefix is not None and self.prefix.num_states > 0
+        last_boundary = total // self.prefix.block_tokens * self.prefix.block_tokens if snapshots else 0
+        start = first
+        while start < total:
+            end = min(start + self.prefill_chunk, total)
+            if start < last_boundary < end:
+                end = last_boundary
             res = self._reserve(row, start, end)
             tap = None if res is None else (lambda layer, at, k, v, r=res: self.prefix.write_chunk(r, layer, at, k, v))
             try:
@@ -249,8 +265,11 @@ class Engine:
                 raise
             if res is not None:
                 self._extend_chain(row, self.prefix.commit(res))
+            if snapshots and end % self.prefix.block_tokens == 0:
+                self._save_state(row, end // self.prefix.block_tokens - 1)
             if all_logits:
                 logits.append(self._logits(x))  # [T_chunk, V]
+            start = end
         if all_logits:
             return torch.cat(logits)  # [T, V]
         return self._logits(x[-1:])[0]  # [V]
@@ -301,6 +320,25 @@ class Engine:
             bid = self.prefix.save_from_row(seq, parent, block, self.kv, row, keep={parent})
             if bid is not None:
                 self._extend_chain(row, [bid])
+                if self.prefix.num_states:
+                    self._save_latest(row, block)
+
+    def _save_state(self, row: int, block: int) -> bool:
+        """Snapshot `row`'s linear-attention state (at the end of its block `block`) into that block of
+        its saved chain; False where the chain does not reach it or the block had one."""
+        count, last, gen = self._chain[row]
+        if count != block + 1 or not self.prefix.alive(last, gen):
+            return False
+        return self.prefix.save_state(last, self.recurrent, row)
+
+    def _save_latest(self, row: int, block: int) -> None:
+        """A decoded block's snapshot, replacing the one the row's decode took before (a sequence keeps
+        the state at its last block boundary, not one per block)."""
+        if not self._save_state(row, block):
+            return
+        prev, self._latest[row] = self._latest[row], self._chain[row][1:]
+        if prev is not None and self.prefix.alive(*prev):
+            self.prefix.drop_state(prev[0])
 
     def decode_step(self, tokens) -> torch.Tensor:
         """One token for every sequence of the active batch: tokens [B] ids -> logits float32 [B, V].

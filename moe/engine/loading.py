@@ -27,7 +27,7 @@ import torch
 
 from expertcache.split import MISS_SERVICE_CHOICES, ChannelCosts, MissSplit
 from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
-from moe.engine.budget import context_bytes, memory_split, prefix_block_bytes, resolve_slots
+from moe.engine.budget import context_bytes, memory_split, prefix_cache_bytes, resolve_slots
 from moe.engine.channels import ChannelMeasure, choose_service, measure_channels
 from moe.engine.engine import Engine
 from moe.engine.prefix import PREFIX_BLOCK_TOKENS
@@ -96,7 +96,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     backend = make_backend(weights, num_slots, policy, max_batch=max_batch, split=service.split, **constants)
     if weights.device.type == "cuda":  # the KV cache is allocated last: say which flags to lower if it cannot be
         kv = context_bytes(weights.spec, max_batch, max_seq_len)
-        kept = prefix_blocks * prefix_block_bytes(weights.spec, prefix_block_tokens)
+        kept = prefix_cache_bytes(weights.spec, prefix_blocks, prefix_block_tokens)
         free = torch.cuda.mem_get_info(weights.device)[0]
         if kv + kept > free:
             prefix = f" and the prefix cache {kept / 2**30:.3g} GiB (--kv-cache-gb)" if kept else ""

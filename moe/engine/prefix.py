@@ -17,9 +17,14 @@ row. Eviction takes the least recently used block that no cached block extends (
 cached block's prefix stays cached. Keys hold the ids themselves, so two prompts share a block only
 when their tokens are equal up to its end.
 
-Linear-attention layers (Qwen3-Next) keep a recurrent state instead of per-position KV; resuming at a
-block boundary would need that state saved there, which this cache does not hold: it refuses such
-models (ValueError naming the option).
+Linear-attention layers (Qwen3-Next) keep a recurrent state instead of per-position KV, so a row can
+resume only where that state was saved: at a block boundary, as a snapshot of every linear layer's
+state (conv window and delta-rule state) attached to the block that ends there. The cache then keeps
+`num_states` snapshots beside its blocks (their own pool, least recently used evicted first; a block's
+snapshot goes with it), and `match` restores the chain only up to its last block with a snapshot. The
+engine takes them where a later prompt is likely to resume (`save_state`): at each prefill chunk's end,
+at the prompt's last block boundary, and, during decode, at each block a row completes, keeping only
+the row's latest (so a finished sequence leaves one at its last block boundary).
 Legend: L = decoder layers, Hkv = kv heads, D = head dim, s = restored tokens.
 """
 
@@ -31,6 +36,7 @@ import torch
 
 from moe.engine.attention import KVCache
 from moe.engine.budget import PREFIX_BLOCK_TOKENS, check_prefix_cache
+from moe.engine.linear_attention import RecurrentCache
 from moe.model.spec import ModelSpec
 
 ROOT = -1  # the parent of a chain's first block
@@ -46,6 +52,8 @@ class PrefixStats:
     restored: int = 0
     written: int = 0
     evicted: int = 0
+    states_written: int = 0
+    states_evicted: int = 0
 
 
 @dataclass
@@ -70,14 +78,23 @@ class PrefixCache:
 
     spec: the model's ModelSpec; kv: the engine's KVCache (layer shapes, rings); num_blocks: blocks the
     pool holds; block_tokens: tokens a block (a power of two; the engine's prefill chunk must be a
-    multiple of it, and a sliding window at least it). Raises ValueError naming num_blocks,
-    block_tokens, or --kv-cache-gb where moe.engine.budget.check_prefix_cache refuses the model.
-    Cost: moe.engine.budget.prefix_block_bytes * num_blocks of device memory, allocated here.
+    multiple of it, and a sliding window at least it); recurrent, num_states: for a model with
+    linear-attention layers, the engine's RecurrentCache and the state snapshots to keep (>= 1).
+    Raises ValueError naming num_blocks, block_tokens, num_states, or --kv-cache-gb where
+    moe.engine.budget.check_prefix_cache refuses the model.
+    Cost: moe.engine.budget.prefix_block_bytes * num_blocks of device memory, plus num_states *
+    prefix_state_bytes with linear-attention layers, allocated here.
     """
 
-    def __init__(self, spec: ModelSpec, kv: KVCache, num_blocks: int, block_tokens: int = PREFIX_BLOCK_TOKENS) -> None:
+    def __init__(self, spec: ModelSpec, kv: KVCache, num_blocks: int, block_tokens: int = PREFIX_BLOCK_TOKENS,
+                 recurrent: RecurrentCache | None = None, num_states: int = 0) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"prefix cache: num_blocks must be an int >= 1, got {num_blocks!r}")
+        linear = bool(spec.linear_layers)
+        if linear and (recurrent is None or isinstance(num_states, bool) or not isinstance(num_states, int)
+                       or num_states < 1):
+            raise ValueError("prefix cache: a model with linear-attention layers needs its RecurrentCache and "
+                             f"num_states >= 1 (recurrent-state snapshots), got num_states={num_states!r}")
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1 \
                 or block_tokens & (block_tokens - 1):
             raise ValueError(f"prefix cache: block_tokens must be a power of two, got {block_tokens!r}")
@@ -90,6 +107,21 @@ class PrefixCache:
             self.k.append(None if k is None else torch.zeros(shape, dtype=k.dtype, device=k.device))
             self.v.append(None if k is None else torch.zeros(shape, dtype=k.dtype, device=k.device))
         self.device = next(t.device for t in self.k if t is not None)
+        # linear-attention state snapshots: per linear layer conv [S, C, K - 1], delta [S, Hv, Dk, Dv]; the
+        # block each holds (its position: the block's end) and the block's snapshot
+        self.num_states = num_states if linear else 0
+        self.conv: dict[int, torch.Tensor] = {}
+        self.delta: dict[int, torch.Tensor] = {}
+        if linear:
+            for layer, st in recurrent.states.items():
+                self.conv[layer] = torch.zeros((num_states, *st.conv.shape[1:]), dtype=st.conv.dtype,
+                                               device=st.conv.device)
+                self.delta[layer] = torch.zeros((num_states, *st.delta.shape[1:]), dtype=st.delta.dtype,
+                                                device=st.delta.device)
+        self._state_of: dict[int, int] = {}  # block id -> its snapshot's id
+        self._state_block: dict[int, int] = {}  # snapshot id -> its block's id
+        self._state_tick = [0] * self.num_states
+        self._free_states = list(range(self.num_states - 1, -1, -1))
         self._blocks: dict[int, _Block] = {}
         self._by_key: dict[tuple[int, tuple[int, ...]], int] = {}
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -112,15 +144,26 @@ class PrefixCache:
         """Ids of the longest chain of cached blocks `tokens` starts with, at most `limit` tokens of them
         (whole blocks), each touched. Counts limit as queried and the chain's tokens as restored."""
         out = self.follow(tokens, ROOT, 0, max(limit, 0) // self.block_tokens)
+        if self.num_states:  # a linear-attention model resumes only where a snapshot of its state was taken
+            while out and out[-1] not in self._state_of:
+                out.pop()
+            if out:
+                self._touch_state(self._state_of[out[-1]])
         self.stats.queried += max(limit, 0)
         self.stats.restored += len(out) * self.block_tokens
         return out
 
-    def restore(self, ids: list[int], kv: KVCache, row: int) -> int:
-        """Copy blocks `ids` (a chain from match) into KV row `row` at positions 0..s-1; returns s."""
+    def restore(self, ids: list[int], kv: KVCache, row: int, recurrent: RecurrentCache | None = None) -> int:
+        """Copy blocks `ids` (a chain from match) into KV row `row` at positions 0..s-1, and with
+        linear-attention layers the snapshot of the last one into the row of `recurrent`; returns s."""
         s = len(ids) * self.block_tokens
         if not ids:
             return 0
+        if self.num_states:
+            sid = self._state_of[ids[-1]]
+            for layer, st in recurrent.states.items():
+                st.conv[row].copy_(self.conv[layer][sid])
+                st.delta[row].copy_(self.delta[layer][sid])
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
         for layer, (pk, pv) in enumerate(zip(self.k, self.v)):
             if pk is None:
@@ -165,6 +208,7 @@ class PrefixCache:
         block = self._blocks.pop(bid)
         del self._by_key[block.key]
         self._gen[bid] += 1
+        self.drop_state(bid)
         if block.key[0] != ROOT:
             self._blocks[block.key[0]].children -= 1
         self.stats.evicted += 1
@@ -244,3 +288,47 @@ class PrefixCache:
             pv[bid] = kv.v[layer][row, :, at]
         self.commit(res)
         return bid
+
+    @property
+    def snapshots(self) -> int:
+        """Linear-attention state snapshots held now."""
+        return len(self._state_of)
+
+    def has_state(self, bid: int) -> bool:
+        """Whether block `bid` holds a snapshot of the linear-attention state at its end."""
+        return bid in self._state_of
+
+    def _touch_state(self, sid: int) -> None:
+        self._tick += 1
+        self._state_tick[sid] = self._tick
+
+    def save_state(self, bid: int, recurrent: RecurrentCache, row: int) -> bool:
+        """Snapshot row `row`'s linear-attention state (which must be at block `bid`'s end) into block
+        `bid`, a cached block; the least recently used snapshot is evicted when none is free. A block
+        that has one keeps it (the same tokens gave it). Returns whether this call wrote one."""
+        if not self.num_states or bid not in self._blocks:
+            return False
+        if bid in self._state_of:
+            self._touch_state(self._state_of[bid])
+            return False
+        if self._free_states:
+            sid = self._free_states.pop()
+        else:
+            sid = min(self._state_block, key=lambda i: self._state_tick[i])
+            self.drop_state(self._state_block[sid])
+            self.stats.states_evicted += 1
+            self._free_states.remove(sid)
+        for layer, st in recurrent.states.items():
+            self.conv[layer][sid].copy_(st.conv[row])
+            self.delta[layer][sid].copy_(st.delta[row])
+        self._state_of[bid], self._state_block[sid] = sid, bid
+        self._touch_state(sid)
+        self.stats.states_written += 1
+        return True
+
+    def drop_state(self, bid: int) -> None:
+        """Free block `bid`'s snapshot, if it has one (the block stays cached)."""
+        sid = self._state_of.pop(bid, None)
+        if sid is not None:
+            del self._state_block[sid]
+            self._free_states.append(sid)

@@ -21,6 +21,7 @@ Metrics (every counter is since the server started; "token" = one decode step, a
 | expertcache_prefix_cached_tokens_total           | counter | prompt tokens restored from the prefix cache instead   |
 | expertcache_prefix_blocks / _prefix_blocks_max   | gauge   | blocks kept by the prefix cache / its pool's blocks    |
 | expertcache_prefix_evicted_blocks_total          | counter | blocks the prefix cache evicted                        |
+| expertcache_prefix_states / _prefix_states_max   | gauge   | linear-attention state snapshots kept / the pool's     |
 | expertcache_prefill_experts_total{source}        | counter | experts prefill used by source: store (streamed), slot |
 | expertcache_active_sequences / _waiting_requests | gauge   | sequences in batch rows / requests queued for a row    |
 | expertcache_requests_finished_total{reason}      | counter | stop, length, cancelled, error                         |
@@ -53,6 +54,8 @@ class Snapshot:
     prefix_blocks: int
     prefix_blocks_max: int
     prefix_evicted: int
+    prefix_states: int
+    prefix_states_max: int
     batch_steps: dict[int, int]
     finished: dict[str, int]
     active: int
@@ -62,7 +65,8 @@ class Snapshot:
 def snapshot(scheduler: Scheduler) -> Snapshot:
     """Read every counter; run it on the scheduler thread (Scheduler.call) or after stop()."""
     st, prefix = scheduler.stats, scheduler.engine.prefix
-    kept = (0, 0, 0) if prefix is None else (len(prefix), prefix.num_blocks, prefix.stats.evicted)
+    kept = (0, 0, 0, 0, 0) if prefix is None else (len(prefix), prefix.num_blocks, prefix.stats.evicted,
+                                                   prefix.snapshots, prefix.num_states)
     return Snapshot(cache_stats(scheduler.engine.moe), st.tokens_per_second(), st.decode_tokens,
                     st.decode_seconds, st.prefill_tokens, st.cached_tokens, *kept, dict(st.batch_steps),
                     dict(st.finished), scheduler.active, scheduler.waiting)
@@ -122,6 +126,10 @@ class _SnapshotCollector:
                      s.prefix_blocks_max)
         yield CounterMetricFamily("expertcache_prefix_evicted_blocks", "blocks the prefix cache evicted",
                                   value=s.prefix_evicted)
+        yield _gauge("expertcache_prefix_states", "linear-attention state snapshots the prefix cache keeps",
+                     s.prefix_states)
+        yield _gauge("expertcache_prefix_states_max", "state snapshots the prefix cache's pool holds (0: none, or "
+                     "no linear-attention layers)", s.prefix_states_max)
         yield _gauge("expertcache_active_sequences", "sequences in batch rows", s.active)
         yield _gauge("expertcache_waiting_requests", "requests waiting for a batch row", s.waiting)
         done = CounterMetricFamily("expertcache_requests_finished", "requests by outcome", labels=["reason"])

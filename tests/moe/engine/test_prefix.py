@@ -15,6 +15,7 @@ import torch
 from transformers import GptOssConfig, GptOssForCausalLM
 
 from moe.engine.attention import KVCache
+from moe.engine.linear_attention import RecurrentCache
 from moe.engine.loading import load_model
 from moe.engine.prefix import ROOT, PrefixCache
 from moe.model.spec import ModelSpec
@@ -104,8 +105,56 @@ def test_options_are_checked_by_name():
     with pytest.raises(ValueError, match="block_tokens"):
         PrefixCache(spec, kv, num_blocks=4, block_tokens=6)
     nspec, nkv = _spec_kv("qwen3_next")
-    with pytest.raises(ValueError, match="linear-attention"):
+    with pytest.raises(ValueError, match="num_states"):
         PrefixCache(nspec, nkv, num_blocks=4)
+    with pytest.raises(ValueError, match="num_states"):
+        PrefixCache(nspec, nkv, num_blocks=4, recurrent=_recurrent(nspec), num_states=0)
+
+
+def _recurrent(spec: ModelSpec, rows: int = 2) -> RecurrentCache:
+    return RecurrentCache(spec.linear, spec.linear_layers, rows, torch.float32, torch.device("cpu"))
+
+
+def _set_state(rec: RecurrentCache, row: int, value: float) -> None:
+    for st in rec.states.values():
+        st.conv[row].fill_(value)
+        st.delta[row].fill_(-value)
+
+
+def test_a_linear_attention_chain_resumes_at_its_last_state_snapshot():
+    """Qwen3-Next: match stops at the chain's last block holding a state snapshot; restore copies the
+    blocks' k, v and that snapshot into the row; the least recently used snapshot is evicted when the
+    pool of snapshots is full, and a block's snapshot goes with the block."""
+    spec, kv = _spec_kv("qwen3_next")
+    rec = _recurrent(spec)
+    cache = PrefixCache(spec, kv, num_blocks=4, block_tokens=BLOCK, recurrent=rec, num_states=2)
+    a = list(range(10, 22))  # 3 blocks
+    ids = _fill(cache, a)
+    assert cache.match(a + [1], limit=12) == []  # no snapshot: nothing to resume from
+    _set_state(rec, 0, 1.0)
+    assert cache.save_state(ids[0], rec, row=0) and cache.has_state(ids[0])
+    _set_state(rec, 0, 2.0)
+    assert cache.save_state(ids[1], rec, row=0)
+    _set_state(rec, 0, 9.0)
+    assert not cache.save_state(ids[1], rec, row=0)  # a block keeps the snapshot it has
+    assert cache.match(a + [1], limit=12) == ids[:2]  # block 2 has none: the chain ends at block 1
+    assert cache.restore(ids[:2], kv, row=1, recurrent=rec) == 2 * BLOCK
+    for layer, st in rec.states.items():
+        assert (st.conv[1] == 2.0).all() and (st.delta[1] == -2.0).all(), layer
+    for layer, k in enumerate(kv.k):
+        if k is not None:
+            assert torch.equal(k[1, 0, :2 * BLOCK, 0], torch.arange(2 * BLOCK, dtype=torch.float32) + layer)
+    # a third snapshot evicts the least recently used one: block 0's (block 1's was just matched)
+    _set_state(rec, 0, 3.0)
+    assert cache.save_state(ids[2], rec, row=0)
+    assert not cache.has_state(ids[0]) and cache.has_state(ids[1]) and cache.has_state(ids[2])
+    assert cache.stats.states_written == 3 and cache.stats.states_evicted == 1
+    assert cache.match(a + [1], limit=12) == ids
+    # a new chain evicts a's leaf (block 2) and its snapshot with it
+    b = list(range(40, 48))
+    bids = _fill(cache, b)
+    assert len(bids) == 2 and not cache.has_state(ids[2]) and len(cache) == 4
+    assert cache.match(a + [1], limit=12) == ids[:2]
 
 
 # ---------------------------------------------------------------- in the engine
@@ -135,11 +184,6 @@ def test_a_conversation_decodes_the_same_with_its_prefix_kept(checkpoint, blocks
     """Every turn resends the last; with the cache only the new tokens are computed (all but the last
     partial block of what the last turn held), with a pool of 5 blocks the conversation outgrows it."""
     name, _, path = checkpoint
-    if name == "qwen3_next":
-        with pytest.raises(ValueError, match="linear-attention"):
-            load_model(path, "cpu", num_slots=8, max_seq_len=96, progress=False, prefix_blocks=blocks,
-                       prefix_block_tokens=BLOCK)
-        return
     plain = load_model(path, "cpu", num_slots=8, max_seq_len=96, progress=False)
     kept = load_model(path, "cpu", num_slots=8, max_seq_len=96, progress=False, prefix_blocks=blocks,
                       prefix_block_tokens=BLOCK)
@@ -167,8 +211,6 @@ def test_a_conversation_decodes_the_same_with_its_prefix_kept(checkpoint, blocks
 
 def test_rows_of_different_restored_lengths_batch_together(checkpoint):
     name, _, path = checkpoint
-    if name == "qwen3_next":
-        pytest.skip("no prefix cache for linear-attention layers (test above)")
     kw = dict(num_slots=12, max_batch=3, max_seq_len=64, progress=False)
     plain, kept = load_model(path, "cpu", **kw), load_model(path, "cpu", **kw, prefix_blocks=32,
                                                                prefix_block_tokens=BLOCK)
@@ -185,8 +227,37 @@ def test_rows_of_different_restored_lengths_batch_together(checkpoint):
             for s, t in zip(seqs, tokens):
                 s.append(t)
         outs[engine is kept] = seqs
-    assert [kept.cached_tokens(r) for r in range(3)] == [12, 8, 0]
+    # Qwen3-Next resumes only at a block with its state: base's prefill saved one at its last block
+    # boundary (12), none at 8
+    assert [kept.cached_tokens(r) for r in range(3)] == ([12, 0, 0] if name == "qwen3_next" else [12, 8, 0])
     assert outs[True] == outs[False]
+
+
+def test_a_long_answer_leaves_one_state_snapshot_at_its_end(checkpoint):
+    """Qwen3-Next: the prompt's prefill saves the state at its last block boundary; decode saves it at
+    each block the row completes but keeps only the latest, so the finished sequence leaves two
+    snapshots, and a prompt resending it resumes at the answer's last block boundary."""
+    name, _, path = checkpoint
+    if name != "qwen3_next":
+        pytest.skip("state snapshots are the linear-attention layers'")
+    plain, kept = _kept_engine(path), _kept_engine(path, prefix_blocks=64)
+    prompt = random_tokens(9, seed=61)
+    seqs = {}
+    for engine in (plain, kept):
+        token = int(engine.join(prompt)[1].argmax())
+        seq = prompt + [token]
+        for _ in range(20):  # feeds 20 tokens: the row holds 29, blocks end at 12, 16, 20, 24, 28
+            token = int(engine.decode_step([token])[0].argmax())
+            seq.append(token)
+        engine.leave(0)
+        seqs[engine is kept] = seq
+    assert seqs[True] == seqs[False]
+    stats = kept.prefix.stats
+    assert stats.states_written == 1 + 5 and kept.prefix.snapshots == 2 and stats.states_evicted == 0
+    resent = seqs[True] + random_tokens(4, seed=62)
+    got, want = kept.join(resent)[1], plain.join(resent)[1]
+    assert kept.cached_tokens(0) == 28
+    assert_near(got[None], want[None], rel=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -271,8 +342,6 @@ def test_rows_leaving_and_chunked_prompts_keep_the_right_blocks(checkpoint, chun
     saves each chunk's blocks: the resent prompts restore exactly what their rows held (all but the
     last token, whole blocks), with the tokens and logits of the engine without a cache."""
     name, _, path = checkpoint
-    if name == "qwen3_next":
-        pytest.skip("no prefix cache for linear-attention layers")
     want_seqs, want_logits, none, _ = _script(_kept_engine(path, prefill_chunk=chunk))
     kept = _kept_engine(path, prefill_chunk=chunk, prefix_blocks=64)
     seqs, logits, cached, held = _script(kept)
@@ -286,8 +355,6 @@ def test_a_join_that_fails_leaves_the_rows_in_step(checkpoint):
     """A prompt with an out-of-range id is refused before any row state changes: later rows save and
     restore their own blocks."""
     name, _, path = checkpoint
-    if name == "qwen3_next":
-        pytest.skip("no prefix cache for linear-attention layers")
     plain, kept = _kept_engine(path), _kept_engine(path, prefix_blocks=64)
     a, b = random_tokens(13, seed=51), random_tokens(13, seed=52)
     with pytest.raises(ValueError, match="vocab_size"):
@@ -307,8 +374,6 @@ def test_gpu_conversation_with_its_prefix_kept(checkpoint):
     """The conversation on a GPU (CUDA-graph decode, the fused attention writing the rings the restore
     fills): the same greedy tokens and float32 logits within 1e-4 as without the cache."""
     name, _, path = checkpoint
-    if name == "qwen3_next":
-        pytest.skip("no prefix cache for linear-attention layers")
     plain = load_model(path, "cuda", num_slots=8, max_seq_len=96, progress=False)
     kept = load_model(path, "cuda", num_slots=8, max_seq_len=96, progress=False, prefix_blocks=64,
                       prefix_block_tokens=BLOCK)

@@ -103,7 +103,7 @@ def test_the_help_gives_the_prefix_block_size(capsys):
 @pytest.mark.parametrize("family, gb, message", [
     ("qwen3_moe", "0", "--kv-cache-gb must be a number of GiB > 0"),
     ("qwen3_moe", "1e-9", "--kv-cache-gb 1e-09 holds no prefix block"),
-    ("qwen3_next", "1", "--kv-cache-gb: this model's linear-attention layers"),
+    ("qwen3_next", "1e-9", "snapshots of the linear-attention state"),
     ("gpt_oss", "1", "sliding window of 4"),  # the tiny model's window is below a block
 ])
 def test_a_prefix_cache_that_cannot_be_is_refused_by_its_flag(tiny_family, family, gb, message):

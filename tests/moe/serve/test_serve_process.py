@@ -133,11 +133,13 @@ def test_serve_on_the_cpu_without_triton(family, fleet):
         assert "--moe-miss-service auto: copy" in log, log[-3000:]
 
 
-def test_a_resent_conversation_is_served_from_kept_prefixes(tiny_family, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_a_resent_conversation_is_served_from_kept_prefixes(tiny_family, tmp_path, family):
     """`--kv-cache-gb`: a conversation whose every turn resends the last turn's prompt and answer, against
     the same server without it: the same greedy text every turn, cached_tokens 0 on the first turn and
-    whole 64-token blocks of the resent part after it, the metrics counting them."""
-    model = tiny_family("qwen3_moe")
+    whole 64-token blocks of the resent part after it, the metrics counting them (Qwen3-Next: resumed at
+    its linear-attention state's snapshots, the prompt's last block boundary and the answer's)."""
+    model = tiny_family(family)
     kept = Served(model, tmp_path / "kept.log", extra=("--kv-cache-gb", "0.01"), max_seq_len=256)
     plain = Served(model, tmp_path / "plain.log", max_seq_len=256)
     try:
@@ -161,6 +163,9 @@ def test_a_resent_conversation_is_served_from_kept_prefixes(tiny_family, tmp_pat
         assert f"expertcache_prefix_cached_tokens_total {float(sum(cached))}" in metrics
         assert "expertcache_prefix_blocks_max " in metrics, metrics
         assert "prefix cache" in kept.output(), kept.output()[-3000:]
+        if family == "qwen3_next":
+            assert "linear-attention state snapshots" in kept.output(), kept.output()[-3000:]
+            assert "expertcache_prefix_states 1.0" in metrics, metrics  # the first prompt's, at 64, resumed since
     finally:
         for served in (kept, plain):
             assert served.terminate() == 0, served.output()[-3000:]
