@@ -17,6 +17,9 @@
     prompt ──join──► prefill into row B (the next free row) while rows 0..B-1 keep their state; B += 1
         (with a prefix cache: the longest kept prefix restored into the row first, the rest prefilled)
     row ──leave──► swap-remove: the last row's KV (its cached positions only) moves into `row`; B -= 1
+    prompt ──start_join──► Joining: its prefill in the spare row (the last, max_batch - 1), one chunk per
+        `advance` call, between which decode steps run rows 0..B-1 (B < max_batch - 1 meanwhile); the
+        last chunk moves the row into row B (its cached positions) and B += 1, as join would have
 
 Models with linear-attention layers (Qwen3-Next): such a layer (moe.engine.linear_attention) takes the place of
 attention where ModelSpec.layer_types says so; its per-row state (conv window, delta-rule state) lives
@@ -39,7 +42,8 @@ Legend: B = sequences, T = prompt tokens, H = hidden, V = vocab, L_moe = MoE lay
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -103,12 +107,8 @@ class Engine:
             prefix_states = budget_prefix_states(self.spec, prefix_blocks, prefix_block_tokens)
         self.prefix = (PrefixCache(self.spec, self.kv, prefix_blocks, prefix_block_tokens, self.recurrent,
                                    prefix_states) if prefix_blocks else None)
-        self._seq: list[list[int]] = []
-        self._cached: list[int] = []
-        self._chain: list[tuple[int, int, int]] = []
-        # with linear-attention layers: the snapshot a row's decode took last, (block id, its generation),
-        # freed when the row takes the next one
-        self._latest: list[tuple[int, int] | None] = []
+        self._rows: list[_RowState] = []
+        self._joining: Joining | None = None  # a prompt being prefilled chunk by chunk (start_join)
         self.record_routing = record_routing
         self._routing: list[torch.Tensor] = []  # per decode step: int32 [L_moe, B, k]
         self._lengths: list[int] = []  # host mirror of kv.lengths for the active batch
@@ -137,7 +137,10 @@ class Engine:
         for prompt in prompts:
             self._check_prompt(prompt)
         self.kv.lengths.zero_()
-        self._lengths, self._seq, self._cached, self._chain, self._latest = [], [], [], [], []
+        if self._joining is not None:
+            raise ValueError("prefill: a prompt is still joining chunk by chunk (start_join); finish it with "
+                             "advance or drop it with abort_join first")
+        self._lengths, self._rows = [], []
         out = [self._join(prompt, all_logits)[1] for prompt in prompts]
         return out if all_logits else torch.stack(out)
 
@@ -150,11 +153,81 @@ class Engine:
         naming max_batch (no free row), max_seq_len (prompt too long) or an out-of-range token id.
         """
         prompt = list(prompt)
-        if self.batch >= self.max_batch:
-            raise ValueError(f"join: all max_batch={self.max_batch} rows are in use; leave a row first "
-                             "or raise max_batch")
+        if self.batch >= self.free_rows_limit:
+            raise ValueError(f"join: all max_batch={self.max_batch} rows are in use{self._spare_note}; leave a row "
+                             "first or raise max_batch")
         self._check_prompt(prompt)
         return self._join(prompt, False)
+
+    @property
+    def free_rows_limit(self) -> int:
+        """The batch size join may grow to: max_batch, less the spare row while a prompt joins in chunks."""
+        return self.max_batch - (self._joining is not None)
+
+    @property
+    def _spare_note(self) -> str:
+        return "" if self._joining is None else " (one of them by the prompt joining in chunks)"
+
+    @property
+    def joining(self) -> Joining | None:
+        """The prompt being prefilled chunk by chunk (start_join), or None."""
+        return self._joining
+
+    def start_join(self, prompt: Sequence[int]) -> Joining:
+        """Begin prefilling `prompt` in the spare row (max_batch - 1), one prefill chunk per `advance`
+        call, so decode steps of rows 0..B-1 can run between its chunks (a long prompt beside streaming
+        sequences). With a prefix cache its longest kept prefix is restored first. One prompt joins
+        this way at a time, and join keeps the batch below max_batch meanwhile (the spare row is the
+        last). Raises ValueError naming
+        max_batch (no spare row), max_seq_len or an out-of-range token id; nothing changes then."""
+        prompt = list(prompt)
+        if self._joining is not None:
+            raise ValueError("start_join: a prompt is already joining chunk by chunk; finish it first")
+        if self.batch >= self.max_batch:
+            raise ValueError(f"start_join: all max_batch={self.max_batch} rows are in use; leave a row first or "
+                             "raise max_batch")
+        self._check_prompt(prompt)
+        row = self.max_batch - 1
+        tokens = self._tokens(prompt)
+        st, first = self._begin_row(prompt, row, False)
+        self._joining = Joining(prompt, row, st, self._prefill_chunks(tokens, row, st, False, first))
+        return self._joining
+
+    def advance(self, joining: Joining) -> tuple[int, torch.Tensor] | None:
+        """Prefill the next chunk of `joining` (start_join's). Returns None while chunks remain; after the
+        last, (row, logits float32 [V] after the prompt's last token): the sequence is then row B of the
+        batch, as join returns it. A chunk that raises drops the joining prompt (nothing of it stays)."""
+        if joining is not self._joining:
+            raise ValueError("advance: not the prompt joining now (start_join)")
+        try:
+            next(joining.chunks)
+            return None
+        except StopIteration as done:
+            logits = done.value
+        except BaseException:
+            self._joining = None
+            raise
+        self._joining = None
+        row = self.batch
+        if joining.row != row:  # the spare row's cached positions move down to row B
+            n = len(joining.prompt)
+            for k, v in zip(self.kv.k, self.kv.v):
+                if k is not None:
+                    k[row, :, :n] = k[joining.row, :, :n]
+                    v[row, :, :n] = v[joining.row, :, :n]
+            if self.recurrent is not None:
+                self.recurrent.move(joining.row, row)
+        self._rows.append(joining.state)
+        self._lengths.append(len(joining.prompt))
+        self.kv.lengths[row] = len(joining.prompt)
+        return row, logits
+
+    def abort_join(self, joining: Joining) -> None:
+        """Drop the prompt joining chunk by chunk (its request went away); the blocks its finished chunks
+        saved into the prefix cache stay there."""
+        if joining is self._joining:
+            joining.chunks.close()
+            self._joining = None
 
     def leave(self, row: int) -> int | None:
         """Free `row` by swap-remove: the last row's sequence moves into `row`; B -= 1.
@@ -168,10 +241,10 @@ class Engine:
         if not 0 <= row <= last:
             raise ValueError(f"leave: row {row} is not an active row (0..{last})")
         n = self._lengths.pop()
-        moved = [state.pop() for state in (self._seq, self._cached, self._chain, self._latest)]
+        moved = self._rows.pop()
         if row == last:
             return None
-        self._seq[row], self._cached[row], self._chain[row], self._latest[row] = moved
+        self._rows[row] = moved
         for k, v in zip(self.kv.k, self.kv.v):  # each [max_batch, Hkv, max_len, D], None at a linear layer
             if k is not None:
                 k[row, :, :n] = k[last, :, :n]
@@ -196,7 +269,7 @@ class Engine:
 
     def cached_tokens(self, row: int) -> int:
         """Prompt tokens of `row` restored from the prefix cache when it joined (0 without one)."""
-        return self._cached[row]
+        return self._rows[row].cached
 
     def _check_prompt(self, prompt: list[int]) -> None:
         if len(prompt) == 0:
@@ -205,48 +278,53 @@ class Engine:
             raise ValueError(f"a prompt of {len(prompt)} tokens exceeds max_seq_len={self.max_seq_len}: "
                              "raise max_seq_len")
 
+    def _begin_row(self, prompt: list[int], row: int, all_logits: bool) -> tuple[_RowState, int]:
+        """A joining sequence's state in physical row `row`: its recurrent state reset and the longest
+        kept prefix restored (with a prefix cache); (its _RowState, the restored tokens)."""
+        if self.recurrent is not None:
+            self.recurrent.reset(row)
+        st = _RowState(list(prompt))
+        if self.prefix is not None and not all_logits:  # all_logits wants every prompt token computed
+            ids = self.prefix.match(prompt, len(prompt) - 1)  # at least the last token is computed
+            st.cached = self.prefix.restore(ids, self.kv, row, self.recurrent)
+            if ids:
+                st.chain = (len(ids), ids[-1], self.prefix.generation(ids[-1]))
+        return st, st.cached
+
     def _join(self, prompt: list[int], all_logits: bool) -> tuple[int, torch.Tensor]:
         row = self.batch
         tokens = self._tokens(prompt)  # checks the ids before any row state changes
-        if self.recurrent is not None:
-            self.recurrent.reset(row)
-        first, chain = 0, (0, ROOT, 0)
-        if self.prefix is not None and not all_logits:  # all_logits wants every prompt token computed
-            ids = self.prefix.match(prompt, len(prompt) - 1)  # at least the last token is computed
-            first = self.prefix.restore(ids, self.kv, row, self.recurrent)
-            if ids:
-                chain = (len(ids), ids[-1], self.prefix.generation(ids[-1]))
-        self._seq.append(list(prompt))
-        self._cached.append(first)
-        self._chain.append(chain)
-        self._latest.append(None)
-        try:
-            logits = self._prefill_row(tokens, row, all_logits, first)
-        except BaseException:  # the row did not join: its entries go, so later rows' stay in step
-            for state in (self._seq, self._cached, self._chain, self._latest):
-                state.pop()
-            raise
+        st, first = self._begin_row(prompt, row, all_logits)
+        chunks = self._prefill_chunks(tokens, row, st, all_logits, first)
+        while True:  # the row joins only once every chunk is done: a failure leaves the batch as it was
+            try:
+                next(chunks)
+            except StopIteration as done:
+                logits = done.value
+                break
+        self._rows.append(st)
         self._lengths.append(len(prompt))
         self.kv.lengths[row] = len(prompt)
         return row, logits
 
-    def _prefill_row(self, tokens: torch.Tensor, row: int, all_logits: bool, first: int = 0) -> torch.Tensor:
+    def _prefill_chunks(self, tokens: torch.Tensor, row: int, st: _RowState, all_logits: bool, first: int = 0):
         """The prompt from position `first` (those before it are in the row's KV: a restored prefix)
         through every layer in chunks of prefill_chunk tokens (activation memory bounded by a chunk; a
-        chunk attends to the row's cached positions before it). With a prefix cache each chunk's whole
-        blocks are saved as the layers compute their k, v; with linear-attention layers the last chunk
-        ends at the prompt's last block boundary (the rest is one more chunk) and the state is saved
-        at each chunk's end that is one."""
+        chunk attends to the row's cached positions before it), a generator that yields after each chunk
+        but the last and returns the logits. With a prefix cache each chunk's whole blocks are saved as
+        the layers compute their k, v; with linear-attention layers the last chunk ends at the prompt's
+        last block boundary (the rest is one more chunk) and the state is saved at each chunk's end
+        that is one."""
         logits = []
         total = tokens.shape[0]
         snapshots = self.prefix is not None and self.prefix.num_states > 0
         last_boundary = total // self.prefix.block_tokens * self.prefix.block_tokens if snapshots else 0
         start = first
-        while start < total:
+        while True:
             end = min(start + self.prefill_chunk, total)
             if start < last_boundary < end:
                 end = last_boundary
-            res = self._reserve(row, start, end)
+            res = self._reserve(st, start, end)
             tap = None if res is None else (lambda layer, at, k, v, r=res: self.prefix.write_chunk(r, layer, at, k, v))
             try:
                 x = self.weights.embed[tokens[start:end]]  # [T_chunk, H]
@@ -264,79 +342,78 @@ class Engine:
                     self.prefix.release(res)
                 raise
             if res is not None:
-                self._extend_chain(row, self.prefix.commit(res))
+                self._extend_chain(st, self.prefix.commit(res))
             if snapshots and end % self.prefix.block_tokens == 0:
-                self._save_state(row, end // self.prefix.block_tokens - 1)
+                self._save_state(st, row, end // self.prefix.block_tokens - 1)
             if all_logits:
                 logits.append(self._logits(x))  # [T_chunk, V]
+            if end == total:
+                return torch.cat(logits) if all_logits else self._logits(x[-1:])[0]  # [T, V] / [V]
             start = end
-        if all_logits:
-            return torch.cat(logits)  # [T, V]
-        return self._logits(x[-1:])[0]  # [V]
+            yield
 
-    def _chain_parent(self, row: int, block: int) -> int | None:
-        """The id under which block `block` of `row` is saved (ROOT for block 0), or None where the
-        row's saved chain does not reach it or its last block was evicted since."""
-        count, last, gen = self._chain[row]
+    def _chain_parent(self, st: _RowState, block: int) -> int | None:
+        """The id under which block `block` of a sequence is saved (ROOT for block 0), or None where its
+        saved chain does not reach it or its last block was evicted since."""
+        count, last, gen = st.chain
         if count != block or (count and not self.prefix.alive(last, gen)):
             return None
         return last
 
-    def _extend_chain(self, row: int, ids: list[int]) -> None:
+    def _extend_chain(self, st: _RowState, ids: list[int]) -> None:
         if ids:
-            count = self._chain[row][0]
-            self._chain[row] = (count + len(ids), ids[-1], self.prefix.generation(ids[-1]))
+            st.chain = (st.chain[0] + len(ids), ids[-1], self.prefix.generation(ids[-1]))
 
-    def _reserve(self, row: int, start: int, end: int):
-        """The prefix cache's reservation of the whole blocks in prompt positions start..end-1 of `row`
-        (start on a block boundary), after the blocks already cached; None without a cache or where the
-        row's chain is broken."""
+    def _reserve(self, st: _RowState, start: int, end: int):
+        """The prefix cache's reservation of the whole blocks in prompt positions start..end-1 of a
+        sequence (start on a block boundary), after the blocks already cached; None without a cache or
+        where its chain is broken."""
         if self.prefix is None:
             return None
         n = self.prefix.block_tokens
         first, last = start // n, end // n
-        parent = self._chain_parent(row, first)
+        parent = self._chain_parent(st, first)
         if parent is None or first >= last:
             return None
-        seq = self._seq[row]
-        known = self.prefix.follow(seq, parent, first, last)
-        self._extend_chain(row, known)
+        known = self.prefix.follow(st.seq, parent, first, last)
+        self._extend_chain(st, known)
         parent = known[-1] if known else parent
-        return self.prefix.reserve(seq, parent, first + len(known), last, keep={parent})
+        return self.prefix.reserve(st.seq, parent, first + len(known), last, keep={parent})
 
     def _save_decoded(self, fed: list[int]) -> None:
         """After a decode step: each row's fed token into its sequence, and a block it has just completed
         (its KV holds it) into the prefix cache."""
         n = self.prefix.block_tokens
         for row, token in enumerate(fed):
-            seq = self._seq[row]
-            seq.append(token)
-            if len(seq) % n:
+            st = self._rows[row]
+            st.seq.append(token)
+            if len(st.seq) % n:
                 continue
-            block = len(seq) // n - 1
-            parent = self._chain_parent(row, block)
+            block = len(st.seq) // n - 1
+            parent = self._chain_parent(st, block)
             if parent is None:
                 continue
-            bid = self.prefix.save_from_row(seq, parent, block, self.kv, row, keep={parent})
+            bid = self.prefix.save_from_row(st.seq, parent, block, self.kv, row, keep={parent})
             if bid is not None:
-                self._extend_chain(row, [bid])
+                self._extend_chain(st, [bid])
                 if self.prefix.num_states:
-                    self._save_latest(row, block)
+                    self._save_latest(st, row, block)
 
-    def _save_state(self, row: int, block: int) -> bool:
-        """Snapshot `row`'s linear-attention state (at the end of its block `block`) into that block of
-        its saved chain; False where the chain does not reach it or the block had one."""
-        count, last, gen = self._chain[row]
+    def _save_state(self, st: _RowState, row: int, block: int) -> bool:
+        """Snapshot physical row `row`'s linear-attention state (at the end of the sequence's block
+        `block`) into that block of its saved chain; False where the chain does not reach it or the
+        block had one."""
+        count, last, gen = st.chain
         if count != block + 1 or not self.prefix.alive(last, gen):
             return False
         return self.prefix.save_state(last, self.recurrent, row)
 
-    def _save_latest(self, row: int, block: int) -> None:
+    def _save_latest(self, st: _RowState, row: int, block: int) -> None:
         """A decoded block's snapshot, replacing the one the row's decode took before (a sequence keeps
         the state at its last block boundary, not one per block)."""
-        if not self._save_state(row, block):
+        if not self._save_state(st, row, block):
             return
-        prev, self._latest[row] = self._latest[row], self._chain[row][1:]
+        prev, st.latest = st.latest, st.chain[1:]
         if prev is not None and self.prefix.alive(*prev):
             self.prefix.drop_state(prev[0])
 
@@ -459,3 +536,27 @@ def _dense(w: DenseWeights, h: torch.Tensor) -> torch.Tensor:
     inter = w.down.shape[1]
     gu = F.linear(h, w.gate_up)  # [N, 2Id]
     return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w.down)
+
+
+@dataclass
+class _RowState:
+    """A sequence's host state beside its KV row: its token ids (prompt and fed tokens), the prompt tokens
+    restored from the prefix cache, its saved chain of blocks (count, last id, that id's generation),
+    and with linear-attention layers the snapshot its decode took last (block id, generation), freed
+    when it takes the next one."""
+
+    seq: list[int]
+    cached: int = 0
+    chain: tuple[int, int, int] = (0, ROOT, 0)
+    latest: tuple[int, int] | None = None
+
+
+@dataclass(eq=False)
+class Joining:
+    """A prompt prefilled chunk by chunk (Engine.start_join): its ids, the spare row it fills, its
+    sequence state and the generator of its chunks."""
+
+    prompt: list[int]
+    row: int
+    state: _RowState
+    chunks: Generator[None, None, torch.Tensor] = field(repr=False)

@@ -6,6 +6,8 @@
                         (queue.Queue)        drop cancelled sequences: engine.leave(row)
                                              admit waiting requests while a row is free:
                                                  engine.join(prompt) → logits [V] → first token
+                                                 (a prompt longer than a prefill chunk: start_join,
+                                                 then one chunk a loop turn, advance(), in the spare row)
                                              decode_step(every row's last token) → logits [B, V]
                                                  → choose (greedy / seeded top-p) → B tokens
                                                  → logprobs of the rows that asked for them
@@ -16,7 +18,11 @@
     Request.emit(Event) ◄── one Event per token (text delta), the last one with finish_reason
 
 A request joins between decode steps and runs in the same steps as every other active sequence
-(rows 0..B-1 of the engine, B <= max_batch); requests beyond max_batch wait in FIFO order. A request
+(rows 0..B-1 of the engine, B <= max_batch); requests beyond max_batch wait in FIFO order. A prompt
+longer than the engine's prefill chunk joins chunk by chunk instead (one such prompt at a time, in the
+engine's spare row): one chunk per loop turn, with a decode step of the active rows after it, so the
+sequences already streaming keep streaming and shorter requests keep joining (they pass a long
+prompt waiting for the spare row; long ones keep their order among themselves). A request
 whose consumer went away (`cancel()`, or an `emit` that raises) leaves at the next loop turn and
 frees its row. `emit` runs on the scheduler thread: it must be quick and thread-safe (the server's
 puts onto an asyncio queue with loop.call_soon_threadsafe). Token accounting: completion_tokens counts
@@ -38,7 +44,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe.engine.engine import Engine
+from moe.engine.engine import Engine, Joining
 from moe.serve.harmony import HarmonyStream, harmony_ids
 from moe.serve.sampling import Sampler, SamplingParams, TokenLogprob, choose, logprobs_of
 from moe.serve.tokenizer import TextStream, TextTokenizer
@@ -196,6 +202,7 @@ class Scheduler:
         self.req_rows: list[list[int]] = []
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[Request] = deque()
+        self._joining: tuple[Request, Joining, float] | None = None  # a long prompt joining chunk by chunk
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closing = self._stopped = False
@@ -209,8 +216,8 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        """Requests submitted but not yet in a row."""
-        return len(self._waiting) + self._queued
+        """Requests submitted whose sequence is not in a row yet (queued, or joining chunk by chunk)."""
+        return len(self._waiting) + self._queued + (self._joining is not None)
 
     @property
     def closing(self) -> bool:
@@ -278,13 +285,18 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
-            self._drain_inbox(block=not self.rows and not self._waiting)
-            if self._closing and (time.monotonic() >= self._deadline or not (self.rows or self._waiting)):
+            self._drain_inbox(block=not self._busy)
+            if self._closing and (time.monotonic() >= self._deadline or not self._busy):
                 return
             self._drop_cancelled()
             self._admit()
+            self._advance_joining()
             if self.rows:
                 self._step()
+
+    @property
+    def _busy(self) -> bool:
+        return bool(self.rows or self._waiting) or self._joining is not None
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -308,6 +320,10 @@ class Scheduler:
             if self.rows[row].request.cancelled:
                 self._leave(row)
                 self.stats.finished["cancelled"] += 1
+        if self._joining is not None and self._joining[0].cancelled:
+            self.engine.abort_join(self._joining[1])
+            self._joining = None
+            self.stats.finished["cancelled"] += 1
         kept = [r for r in self._waiting if not r.cancelled]
         if len(kept) < len(self._waiting):
             self.stats.finished["cancelled"] += len(self._waiting) - len(kept)
@@ -315,25 +331,63 @@ class Scheduler:
 
     def _admit(self) -> None:
         engine = self.engine
+        passed: deque[Request] = deque()  # long prompts left waiting for the spare row, in their order
         while self._waiting and engine.batch < engine.max_batch:
             req = self._waiting.popleft()
             admitted = time.monotonic()
+            if len(req.prompt) > engine.prefill_chunk:
+                if self._joining is not None:
+                    passed.append(req)
+                    continue
+                try:
+                    self._joining = (req, engine.start_join(req.prompt), admitted)
+                except ValueError as e:
+                    self._refuse(req, e)
+                continue
+            if engine.batch >= engine.free_rows_limit:  # the rows left are the spare one, joining
+                passed.append(req)
+                break
             try:
                 row, logits = engine.join(req.prompt)  # logits [V]
             except ValueError as e:
-                self.stats.finished["error"] += 1
-                _emit(req, Event(error=str(e), prompt_tokens=len(req.prompt), cause=e))
+                self._refuse(req, e)
                 continue
-            seq = _Seq(req, Sampler(req.params), self._stream(req), admitted=admitted,
-                       cached=engine.cached_tokens(row))
-            self.rows.append(seq)
-            self.stats.prefill_tokens += len(req.prompt) - seq.cached
-            self.stats.cached_tokens += seq.cached
-            token = choose([seq.sampler], logits[None])[0]
-            seq.first_token = time.monotonic()
-            logprob = logprobs_of([seq.sampler], logits[None], [token])[0]
-            if self._advance(seq, token, engine.lengths()[row], logprob):
-                self._leave(row)
+            self._first_token(req, row, logits, admitted)
+        passed.extend(self._waiting)
+        self._waiting = passed
+
+    def _advance_joining(self) -> None:
+        """One prefill chunk of the long prompt joining chunk by chunk; its first token after the last."""
+        if self._joining is None:
+            return
+        req, joining, admitted = self._joining
+        try:
+            done = self.engine.advance(joining)
+        except ValueError as e:
+            self._joining = None
+            self._refuse(req, e)
+            return
+        if done is not None:
+            self._joining = None
+            self._first_token(req, *done, admitted)
+
+    def _refuse(self, req: Request, e: ValueError) -> None:
+        self.stats.finished["error"] += 1
+        _emit(req, Event(error=str(e), prompt_tokens=len(req.prompt), cause=e))
+
+    def _first_token(self, req: Request, row: int, logits, admitted: float) -> None:
+        """A request whose prompt is now in `row` (logits [V] after its last token): its sequence, its
+        first token chosen and emitted."""
+        engine = self.engine
+        seq = _Seq(req, Sampler(req.params), self._stream(req), admitted=admitted, cached=engine.cached_tokens(row))
+        self.rows.append(seq)
+        self.stats.prefill_tokens += len(req.prompt) - seq.cached
+        self.stats.cached_tokens += seq.cached
+        token = choose([seq.sampler], logits[None])[0]
+        seq.first_token = time.monotonic()
+        logprob = logprobs_of([seq.sampler], logits[None], [token])[0]
+        if self._advance(seq, token, engine.lengths()[row], logprob):
+            self._leave(row)
 
     def _stream(self, req: Request) -> TextStream | HarmonyStream | ToolStream:
         """The detokenizer of `req`'s reply: harmony channels, tool calls, or plain text."""
@@ -413,6 +467,12 @@ class Scheduler:
             self.stats.finished[reason] += 1
             _emit(seq.request, Event(error=message, prompt_tokens=len(seq.request.prompt),
                                      completion_tokens=seq.generated, cause=cause))
+        if self._joining is not None:
+            req, joining, _ = self._joining
+            self._joining = None
+            self.engine.abort_join(joining)
+            self.stats.finished[reason] += 1
+            _emit(req, Event(error=message, prompt_tokens=len(req.prompt), cause=cause))
         while self._waiting:
             req = self._waiting.popleft()
             self.stats.finished[reason] += 1

@@ -278,3 +278,46 @@ def test_choose_draws_each_sampled_row_on_the_logits_device_whatever_shares_the_
         assert got[0] == int(logits[0].argmax()) and got[2] == int(logits[2].argmax())
         assert [got[1], got[3]] == [alone[1].sample(logits[1]), alone[3].sample(logits[3])]
     assert set(together[1]._generators) == {logits.device}
+
+
+def test_a_long_prompt_joins_chunk_by_chunk_beside_streaming_rows(tiny_dir, ref):
+    """A prompt longer than the engine's prefill chunk (8) joins one chunk a loop turn in the spare row:
+    the row already streaming gets a token after each chunk, a short request submitted after the long
+    one joins and answers before it, a second long prompt waits for the spare row, and every text is
+    the one each prompt gives alone."""
+    from moe.engine.backends import make_backend
+    from moe.engine.engine import Engine
+
+    weights = _engine(tiny_dir).weights
+    engine = Engine(weights, make_backend(weights, 6, "lru", max_batch=3), max_batch=3, max_seq_len=64,
+                    prefill_chunk=8)
+    sched = Scheduler(engine, TextTokenizer(tiny_dir))
+    order = []  # (name, token index) of every event, in the order the scheduler emitted them
+
+    class Logged(Sink):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def __call__(self, ev):
+            order.append((self.name, ev.completion_tokens))
+            super().__call__(ev)
+
+    prompts = {"a": list(range(10, 15)), "long": list(range(20, 50)), "short": list(range(30, 34)),
+               "long2": list(range(40, 60))}
+    sinks = {name: Logged(name) for name in prompts}
+    sched.start()
+    try:
+        with held(sched):
+            for name, prompt in prompts.items():
+                sched.submit(Request(prompt, SamplingParams(max_tokens=12 if name == "a" else 4), sinks[name]))
+        for name, prompt in prompts.items():
+            want = sched.tokenizer.decode(ref.generate([prompt], 12 if name == "a" else 4)[0])
+            assert sinks[name].wait().finish_reason == "length" and sinks[name].text == want, name
+    finally:
+        sched.stop()
+    firsts = {name: order.index((name, 1)) for name in prompts}
+    # long (30 tokens, 4 chunks): row a streamed a token after each of its first 3 chunks
+    a_between = [i for i, (name, _) in enumerate(order) if name == "a" and firsts["long"] > i > firsts["a"]]
+    assert len(a_between) >= 3, order
+    assert firsts["short"] < firsts["long"] < firsts["long2"], order
