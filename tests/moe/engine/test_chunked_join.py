@@ -154,3 +154,22 @@ def test_a_chunked_join_restores_and_saves_prefixes(checkpoint):
     row, again = kept.join(resent)
     assert kept.cached_tokens(row) == 32  # the chunked join saved blocks through position 32 (8 whole blocks)
     assert_near(again[None], plain.join(resent)[1][None], rel=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_join_beside_graph_decode(checkpoint):
+    """On a GPU: the rows' decode steps replay CUDA graphs between the joining prompt's chunks; the
+    tokens and logits are those of joining it at once."""
+    _, _, path = checkpoint
+
+    def engine():
+        weights = load_model(path, "cuda", num_slots=12, max_batch=3, max_seq_len=96, progress=False).weights
+        return Engine(weights, make_backend(weights, 12, "lru", max_batch=3), max_batch=3, max_seq_len=96,
+                      prefill_chunk=CHUNK)
+
+    want_seqs, want_first, want_steps = _run(engine(), chunked=False)
+    got_seqs, got_first, got_steps = _run(engine(), chunked=True)
+    assert got_seqs == want_seqs
+    assert_near(got_first[None].cpu(), want_first[None].cpu(), rel=1e-4)
+    for g, w in zip(got_steps, want_steps):
+        assert_near(g.cpu(), w.cpu(), rel=1e-4)
