@@ -33,6 +33,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from moe.kernels.decode_attention import decode_attention
 from moe.kernels.decode_norm import qk_rope_write
@@ -257,11 +258,12 @@ def attention_prefill(x: torch.Tensor, w: AttentionWeights, spec: ModelSpec, rop
     if start == 0:
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None], is_causal=True, enable_gqa=gqa)  # [1, Hq, T, D]
-    else:
+    else:  # queries at start..n-1 see keys 0..their own position: causal from the lower right, which flash
+        # attention takes as it is (an explicit [T, n] mask would be materialized, and sends GQA to the math kernel)
         n = start + t
-        mask = torch.arange(n, device=x.device)[None, :] <= torch.arange(start, n, device=x.device)[:, None]  # [T, n]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], cache.k[layer][row:row + 1, :, :n],
-                                             cache.v[layer][row:row + 1, :, :n], attn_mask=mask, enable_gqa=gqa)
+                                             cache.v[layer][row:row + 1, :, :n], attn_mask=causal_lower_right(t, n),
+                                             enable_gqa=gqa)
     return F.linear(_gated(out[0].transpose(0, 1).reshape(t, -1), x, w), w.o, w.o_bias)
 
 
