@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env gpu-tests tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid agent agent-soak peer-setup peer-wait peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid agent long-context agent-soak peer-setup peer-wait peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -127,6 +127,11 @@ for part in $parts; do
       # experts in slots: time to first token per turn with the prefix cache and without, side calls beside it
       timeout ${AGENT_TIMEOUT:-560} python3 benchmarks/bench_agent.py ${AGENT_ARGS:-} --out "$OUT/agent.json" 2>&1 \
         | tee "$OUT/agent.log" | tail -40 ;;
+    long-context)
+      # a 256K-token prompt through the scheduler at Qwen3-30B-A3B geometry, alone and beside 3 side calls
+      # during its prefill and 3 during its decode (LONG_ARGS: e.g. --layers 24 where 48 do not fit)
+      timeout ${LONG_TIMEOUT:-580} python3 benchmarks/bench_long_context.py ${LONG_ARGS:-} \
+        --out "$OUT/long-context.json" 2>&1 | tee "$OUT/long-context.log" | tail -8 ;;
     agent-soak)
       # the same session repeated with the prefix cache for AGENT_SOAK_MINUTES (every request must end well)
       timeout 590 python3 benchmarks/bench_agent.py --minutes ${AGENT_SOAK_MINUTES:-7} ${AGENT_ARGS:-} \
