@@ -25,7 +25,6 @@ Run: python benchmarks/bench_long_context.py [--layers 48] [--prompt-tokens 2621
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 import benchmeta
 import numpy as np
 import torch
-from bench_agent import GB, SMALL, Watch, submit, write_word_tokenizer
+from bench_agent import GB, SMALL, Watch, _write, submit, write_word_tokenizer
 
 from moe.engine.backends import make_backend
 from moe.engine.budget import context_bytes
@@ -123,11 +122,6 @@ def main(argv: list[str] | None = None) -> dict:
         _write(doc, args.out)
     report(doc)
     return doc
-
-
-def _write(doc: dict, out: str | None) -> None:
-    if out:
-        Path(out).write_text(json.dumps(doc, indent=1))
 
 
 def report(doc: dict) -> None:
