@@ -62,6 +62,17 @@ from moe.model.linear_attention import LinearAttentionWeights
 PREFILL_CHUNK = 16384  # prompt tokens a prefill pass takes at once (a longer prompt runs in chunks)
 
 
+def check_prefill_chunk(chunk: int, block_tokens: int = 0) -> None:
+    """Raise ValueError naming --prefill-chunk unless it is an int >= 1, and with a prefix cache of
+    `block_tokens`-token blocks (0: none) a multiple of them (a chunk saves whole blocks)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"--prefill-chunk must be a whole number of tokens >= 1 (prompt tokens a prefill pass "
+                         f"takes at once), got {chunk!r}")
+    if block_tokens and chunk % block_tokens:
+        raise ValueError(f"--prefill-chunk {chunk} must be a multiple of the prefix cache's blocks of {block_tokens} "
+                         "tokens (--kv-cache-gb)")
+
+
 class Engine:
     """Runs a ModelWeights with `moe` (CpuCachedMoE or GpuMoE) for up to `max_batch` sequences of at
     most `max_seq_len` tokens (prompt + generated), prefilling a prompt prefill_chunk tokens at a time
@@ -82,12 +93,9 @@ class Engine:
                  record_routing: bool = False, cuda_graphs: bool | None = None,
                  prefill_chunk: int = PREFILL_CHUNK, prefix_blocks: int = 0,
                  prefix_block_tokens: int = PREFIX_BLOCK_TOKENS, prefix_states: int | None = None) -> None:
-        if max_batch < 1 or max_seq_len < 1 or prefill_chunk < 1:
-            raise ValueError(f"max_batch={max_batch}, max_seq_len={max_seq_len} and prefill_chunk={prefill_chunk} "
-                             "must be >= 1")
-        if prefix_blocks and prefill_chunk % prefix_block_tokens:
-            raise ValueError(f"prefill_chunk={prefill_chunk} must be a multiple of prefix_block_tokens="
-                             f"{prefix_block_tokens} with a prefix cache")
+        if max_batch < 1 or max_seq_len < 1:
+            raise ValueError(f"max_batch={max_batch} and max_seq_len={max_seq_len} must be >= 1")
+        check_prefill_chunk(prefill_chunk, prefix_block_tokens if prefix_blocks else 0)
         self.prefill_chunk = prefill_chunk
         on_cuda = weights.device.type == "cuda"
         if cuda_graphs and not on_cuda:

@@ -29,7 +29,7 @@ from expertcache.split import MISS_SERVICE_CHOICES, ChannelCosts, MissSplit
 from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
 from moe.engine.budget import context_bytes, memory_split, prefix_cache_bytes, resolve_slots
 from moe.engine.channels import ChannelMeasure, choose_service, measure_channels
-from moe.engine.engine import Engine
+from moe.engine.engine import PREFILL_CHUNK, Engine, check_prefill_chunk
 from moe.engine.prefix import PREFIX_BLOCK_TOKENS
 from moe.kernels.cpu_experts import set_threads, threads_in_use
 from moe.model.checkpoint import ModelWeights, load_checkpoint
@@ -49,7 +49,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                max_seq_len: int = 2048, record_routing: bool = False, progress: bool = True,
                copy_overlap: bool | None = None, cuda_graphs: bool | None = None, miss_service: str = "copy",
                cpu_threads: int | None = None, prefix_blocks: int = 0, prefix_block_tokens: int = PREFIX_BLOCK_TOKENS,
-               **constants) -> Engine:
+               prefill_chunk: int = PREFILL_CHUNK, **constants) -> Engine:
     """Load checkpoint directory `path` and build an Engine over an expert cache of `num_slots` slots,
     or of the slots that `cache_gb` GiB hold (exactly one of the two; moe.engine.budget):
     min(floor(cache_gb * 2**30 / P), L * E) with P the bytes of one expert in the HostStore (3 * I * H
@@ -68,6 +68,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     misses are served (choose_miss_service; on a GPU, hybrid and auto measure both channels first, and
     Engine.miss_service says what was chosen and why). cpu_threads (--cpu-threads): the CPU expert kernels' threads
     (default: every core). prefix_blocks / prefix_block_tokens: the engine's prefix cache (Engine; 0: none).
+    prefill_chunk (--prefill-chunk): prompt tokens a prefill pass takes at once (Engine).
     Cost: reads the checkpoint once; host memory holds every routed expert.
     Raises CheckpointError (config key or quantization field, file, tensor, --moe-expert-format),
     ValueError (both or neither of num_slots / cache_gb, a
@@ -77,6 +78,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     is read; the messages name the serve flags (--moe-slots, --moe-cache-gb, --max-batch).
     """
     check_miss_service(miss_service, cpu_threads)
+    check_prefill_chunk(prefill_chunk, prefix_block_tokens if prefix_blocks else 0)
     budget = resolve_slots(ModelSpec.from_hf(read_config(path), dtype=dtype, expert_format=expert_format),
                            num_slots, cache_gb, max_batch=max_batch)
     if cache_gb is not None:
@@ -106,7 +108,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                              f"or --max-batch{', --kv-cache-gb' if kept else ''}, or --moe-cache-gb / --moe-slots")
     logger.info("%s", memory_split(budget, weights.spec, max_batch, max_seq_len, prefix_blocks, prefix_block_tokens))
     engine = Engine(weights, backend, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=record_routing,
-                    cuda_graphs=cuda_graphs, prefix_blocks=prefix_blocks, prefix_block_tokens=prefix_block_tokens)
+                    cuda_graphs=cuda_graphs, prefix_blocks=prefix_blocks, prefix_block_tokens=prefix_block_tokens,
+                    prefill_chunk=prefill_chunk)
     engine.miss_service = service.note
     return engine
 

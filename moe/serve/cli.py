@@ -103,6 +103,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                             "with a kept prefix (an agent resending its conversation) computes only the rest; "
                             "kept in blocks of 64 tokens, the least recently used evicted; reported as "
                             "usage.prompt_tokens_details.cached_tokens (docs/serving.md)")
+    model.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
+                       help="prompt tokens a prefill pass takes at once (default 16384); a longer prompt "
+                            "runs in chunks, between which the rows already streaming take a decode step; with "
+                            "--kv-cache-gb a multiple of its 64-token blocks")
     model.add_argument("--record-routing", metavar="PATH",
                        help="write the decode routing as a trace (.npz) at shutdown, for expertcache sim PATH")
     _add_http_flags(p)
@@ -221,6 +225,7 @@ def build_state(args: argparse.Namespace) -> ServeState:
     """Tokenizer, engine, scheduler and options from the parsed flags. Raises SystemExit naming the flag
     or file on a bad value, a checkpoint that cannot be served or a pool that does not fit."""
     from moe.engine.budget import prefix_blocks_for, resolve_slots
+    from moe.engine.engine import PREFILL_CHUNK
     from moe.engine.loading import load_model
     from moe.engine.prefix import PREFIX_BLOCK_TOKENS
     from moe.model.errors import CheckpointError
@@ -246,7 +251,8 @@ def build_state(args: argparse.Namespace) -> ServeState:
                             record_routing=bool(args.record_routing),
                             copy_overlap=True if args.moe_copy_overlap else None,
                             miss_service=args.moe_miss_service, cpu_threads=args.cpu_threads,
-                            prefix_blocks=blocks, prefix_block_tokens=PREFIX_BLOCK_TOKENS)
+                            prefix_blocks=blocks, prefix_block_tokens=PREFIX_BLOCK_TOKENS,
+                            prefill_chunk=PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk)
     except (CheckpointError, TokenizerError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     if tokenizer.vocab_size > engine.spec.vocab_size:

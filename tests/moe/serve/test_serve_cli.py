@@ -120,3 +120,21 @@ def test_the_start_lines_give_the_prefix_cache(tiny_family, monkeypatch, capsys)
                  "--device", "cpu", "--kv-cache-gb", "0.001"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"\+ prefix cache [0-9.e-]+ GiB \([0-9,]+ blocks of 64 tokens: --kv-cache-gb\)", out), out
+
+
+def test_the_help_gives_the_prefill_chunk_default(capsys):
+    from moe.engine.engine import PREFILL_CHUNK
+
+    assert f"(default {PREFILL_CHUNK})" in " ".join(_help(capsys).split())
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--prefill-chunk", "0"], "--prefill-chunk must be a whole number of tokens >= 1"),
+    (["--prefill-chunk", "100", "--kv-cache-gb", "0.01"], "--prefill-chunk 100 must be a multiple of"),
+])
+def test_a_bad_prefill_chunk_is_refused_by_its_flag(tiny_family, extra, message):
+    argv = ["serve", "--model", str(tiny_family("qwen3_moe")), "--moe-slots", "6", "--max-batch", "2",
+            "--device", "cpu", *extra]
+    with pytest.raises(SystemExit) as e:
+        build_state(build_parser().parse_args(argv))
+    assert message in str(e.value.code)

@@ -171,6 +171,36 @@ def test_a_resent_conversation_is_served_from_kept_prefixes(tiny_family, tmp_pat
             assert served.terminate() == 0, served.output()[-3000:]
 
 
+def test_a_long_prompt_joins_in_chunks_beside_a_stream(tiny_family, tmp_path):
+    """`--prefill-chunk 64`: a 200-token prompt joins in 4 chunks while another request streams; both
+    texts are those of a server that prefills each prompt at once."""
+    model = tiny_family("qwen3_moe")
+    chunked = Served(model, tmp_path / "chunked.log", extra=("--prefill-chunk", "64"), max_seq_len=256)
+    whole = Served(model, tmp_path / "whole.log", max_seq_len=256)
+    try:
+        for served in (chunked, whole):
+            served.wait_healthy()
+        long_prompt = " ".join(f"w{(i * 7) % 100}" for i in range(200))
+        texts = {}
+        for served in (chunked, whole):
+            with httpx.Client(timeout=60) as client, client.stream(
+                    "POST", served.url + "/v1/completions",
+                    json={"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 24, "temperature": 0,
+                          "stream": True}) as stream:
+                lines = stream.iter_lines()
+                first = next(line for line in lines if line.startswith("data: "))  # it streams
+                got = served.post("/v1/completions", {"model": "tiny", "prompt": long_prompt, "max_tokens": 6,
+                                                      "temperature": 0})
+                rest = [line for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+            streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in [first, *rest]
+                               if json.loads(line[6:])["choices"])
+            texts[served is chunked] = (streamed, got["choices"][0]["text"], got["usage"]["prompt_tokens"])
+        assert texts[True] == texts[False] and texts[True][2] == 200, texts
+    finally:
+        for served in (chunked, whole):
+            assert served.terminate() == 0, served.output()[-3000:]
+
+
 CALL_WORDS = ["<tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":', '"Paris"}}', "</tool_call>"]
 CHAIN = ["assistant", "w50", *CALL_WORDS, "<|im_end|>"]  # "assistant" ends the generation prompt
 WEATHER = {"type": "function", "function": {
