@@ -20,6 +20,7 @@ request's restored prompt tokens as cache_read_input_tokens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -94,6 +95,21 @@ class Served:
             return None
 
 
+@contextlib.contextmanager
+def beside(model: Path, tmp_path: Path, extra: tuple[str, ...]):
+    """Two servers of `model` (max_seq_len 256), one with `extra` flags and one without, healthy; each
+    must exit 0 at the end."""
+    servers = (Served(model, tmp_path / "with.log", extra=extra, max_seq_len=256),
+               Served(model, tmp_path / "without.log", max_seq_len=256))
+    try:
+        for served in servers:
+            served.wait_healthy()
+        yield servers
+    finally:
+        for served in servers:
+            assert served.terminate() == 0, served.output()[-3000:]
+
+
 # the families in turn: every miss copied, split between the slots and the CPU kernels (docs/hybrid.md), or
 # auto, which on the CPU backend (no link to balance) copies and says so
 SERVICE = {family: ("copy", "hybrid", "auto")[i % 3] for i, family in enumerate(sorted(FAMILY_CONFIGS))}
@@ -139,12 +155,7 @@ def test_a_resent_conversation_is_served_from_kept_prefixes(tiny_family, tmp_pat
     the same server without it: the same greedy text every turn, cached_tokens 0 on the first turn and
     whole 64-token blocks of the resent part after it, the metrics counting them (Qwen3-Next: resumed at
     its linear-attention state's snapshots, the prompt's last block boundary and the answer's)."""
-    model = tiny_family(family)
-    kept = Served(model, tmp_path / "kept.log", extra=("--kv-cache-gb", "0.01"), max_seq_len=256)
-    plain = Served(model, tmp_path / "plain.log", max_seq_len=256)
-    try:
-        for served in (kept, plain):
-            served.wait_healthy()
+    with beside(tiny_family(family), tmp_path, ("--kv-cache-gb", "0.01")) as (kept, plain):
         prompt = " ".join(f"w{7 + (i * 13) % 100}" for i in range(70))
         cached, usage = [], []
         for turn in range(3):
@@ -166,20 +177,12 @@ def test_a_resent_conversation_is_served_from_kept_prefixes(tiny_family, tmp_pat
         if family == "qwen3_next":
             assert "linear-attention state snapshots" in kept.output(), kept.output()[-3000:]
             assert "expertcache_prefix_states 1.0" in metrics, metrics  # the first prompt's, at 64, resumed since
-    finally:
-        for served in (kept, plain):
-            assert served.terminate() == 0, served.output()[-3000:]
 
 
 def test_a_long_prompt_joins_in_chunks_beside_a_stream(tiny_family, tmp_path):
     """`--prefill-chunk 64`: a 200-token prompt joins in 4 chunks while another request streams; both
     texts are those of a server that prefills each prompt at once."""
-    model = tiny_family("qwen3_moe")
-    chunked = Served(model, tmp_path / "chunked.log", extra=("--prefill-chunk", "64"), max_seq_len=256)
-    whole = Served(model, tmp_path / "whole.log", max_seq_len=256)
-    try:
-        for served in (chunked, whole):
-            served.wait_healthy()
+    with beside(tiny_family("qwen3_moe"), tmp_path, ("--prefill-chunk", "64")) as (chunked, whole):
         long_prompt = " ".join(f"w{(i * 7) % 100}" for i in range(200))
         texts = {}
         for served in (chunked, whole):
@@ -196,9 +199,6 @@ def test_a_long_prompt_joins_in_chunks_beside_a_stream(tiny_family, tmp_path):
                                if json.loads(line[6:])["choices"])
             texts[served is chunked] = (streamed, got["choices"][0]["text"], got["usage"]["prompt_tokens"])
         assert texts[True] == texts[False] and texts[True][2] == 200, texts
-    finally:
-        for served in (chunked, whole):
-            assert served.terminate() == 0, served.output()[-3000:]
 
 
 CALL_WORDS = ["<tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":', '"Paris"}}', "</tool_call>"]
