@@ -59,3 +59,17 @@ def prefer_wide_vectors() -> bool:
 
 
 prefer_wide_vectors()
+
+
+def target_features() -> set[str]:
+    """The CPU features numba compiles for (NUMBA_CPU_FEATURES, as prefer_wide_vectors set it or the
+    user did, else the host's): names without their sign, those enabled."""
+    from numba.core import config
+
+    if config.CPU_FEATURES is not None:
+        return {f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+")}
+    if config.CPU_NAME is not None:  # a named CPU's own features, which llvmlite does not list: assume none
+        return set()
+    import llvmlite.binding as ll
+
+    return {name for name, on in ll.get_host_cpu_features().items() if on}

@@ -15,6 +15,12 @@ applies the power-of-two factor once, to its total:
     E2M1      code (s, e, m) moved into a half: (c & 7) << 9 | sign << 15 = value * 2^-14  (_e2m1_*)
     int4      the nibble converted to float (the zero point is the caller's)   (_u4_*)
 
+The packed E2M1 formats' dots take 16 bytes a step through `e2m1_fma16` / `e2m1_fma16x4`, which decode
+the step's 32 codes in vector registers: where the kernels compile for AVX-512 (`PERMUTE`), each code
+indexes a 16-entry table of the values in one register (vpermps: a permute per 16 codes, no shift or
+conversion); elsewhere by the half-precision move above. Both give the same values, and the step's
+multiply-adds are the same in both (per lane l < 16: t = lo * xe + hi * xo, acc += t * scale).
+
 `stack_array` gives a function a small float32 buffer on its own stack, uncounted: the dots' per-lane
 accumulators, which the compiler keeps in vector registers.
 """
@@ -29,6 +35,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.arrayobj import make_array, populate_array
+
+from expertcache.numba_cache import target_features
 
 # Every kernel function: compiled once and cached on disk, GIL released, and no reference counting: they
 # allocate nothing and every array they see outlives the call (the store's banks, the caller's scratch),
@@ -203,3 +211,110 @@ def deinterleave(x, out):
     for j in range(half):
         out[j] = x[2 * j]
         out[half + j] = x[2 * j + 1]
+
+
+# ---------------------------------------------------------------- 16 bytes of E2M1 codes a step
+
+PERMUTE = "avx512f" in target_features()  # the kernels' target has vpermps over 16 floats
+F32 = ir.FloatType()
+V16F, V16I, V16B, V16H = (ir.VectorType(t, 16) for t in (F32, I32, I8, I16))
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_TABLE = tuple(v * 2.0 ** -14 for v in _E2M1) + tuple(-v * 2.0 ** -14 for v in _E2M1)  # code -> value / 2^14
+
+
+def _splat(ty, value):
+    return ir.Constant(ir.VectorType(ty, 16), [ir.Constant(ty, value)] * 16)
+
+
+def _element_ptr(context, builder, ty, array, index):
+    """Pointer to element `index` of a contiguous 1-D numba array."""
+    return builder.gep(context.make_array(ty)(context, builder, array).data, [index])
+
+
+def _load16(builder, ptr, vty):
+    return builder.load(builder.bitcast(ptr, vty.as_pointer()), align=1)
+
+
+def _fma16(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F] * 3), "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _e2m1_16(builder, codes):
+    """<16 x i8> codes (0..15) -> <16 x float> value / 2^14."""
+    if PERMUTE:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I]),
+                                            "llvm.x86.avx512.permvar.sf.512")
+        return builder.call(fn, [ir.Constant(V16F, [ir.Constant(F32, v) for v in E2M1_TABLE]),
+                                 builder.zext(codes, V16I)])
+    c = builder.zext(codes, V16H)
+    bits = builder.or_(builder.shl(builder.and_(c, _splat(I16, 7)), _splat(I16, 9)),
+                       builder.shl(builder.and_(c, _splat(I16, 8)), _splat(I16, 12)))
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), 16)), V16F)
+
+
+def _step_codes(context, builder, qty, q, qi):
+    """The low and high nibbles' values of 16 bytes q[qi..qi+15]."""
+    b = _load16(builder, _element_ptr(context, builder, qty, q, qi), V16B)
+    return _e2m1_16(builder, builder.and_(b, _splat(I8, 15))), _e2m1_16(builder, builder.lshr(b, _splat(I8, 4)))
+
+
+def _step_scales(builder, s0, s1):
+    """<16 x float>: s0 in lanes 0..7 (the step's first 16-element block), s1 in lanes 8..15."""
+    pair = ir.Constant(ir.VectorType(F32, 2), None)
+    pair = builder.insert_element(builder.insert_element(pair, s0, I32(0)), s1, I32(1))
+    return builder.shuffle_vector(pair, pair, ir.Constant(ir.VectorType(I32, 16), [0] * 8 + [1] * 8))
+
+
+def _contiguous_1d(ty, dtype) -> bool:
+    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == dtype
+
+
+@intrinsic
+def e2m1_fma16(typingctx, q, qi, xe, xo, s0, s1, acc):
+    """One step of an E2M1 dot: for l < 16, with lo / hi the values / 2^14 of byte q[qi + l]'s nibbles,
+    acc[l] += (lo * xe[qi + l] + hi * xo[qi + l]) * (s0 if l < 8 else s1). q uint8, xe / xo / acc
+    float32, all contiguous 1-D (acc: at least 16 lanes)."""
+    if not (_contiguous_1d(q, types.uint8) and all(_contiguous_1d(a, types.float32) for a in (xe, xo, acc))
+            and isinstance(qi, types.Integer)):
+        return None
+    sig = types.none(q, qi, xe, xo, types.float32, types.float32, acc)
+
+    def codegen(context, builder, sig, args):
+        qv, i, xev, xov, s0v, s1v, accv = args
+        i = context.cast(builder, i, sig.args[1], types.intp)
+        lo, hi = _step_codes(context, builder, sig.args[0], qv, i)
+        xe16 = _load16(builder, _element_ptr(context, builder, sig.args[2], xev, i), V16F)
+        xo16 = _load16(builder, _element_ptr(context, builder, sig.args[3], xov, i), V16F)
+        ptr = builder.bitcast(_element_ptr(context, builder, sig.args[6], accv, ir.Constant(ir.IntType(64), 0)),
+                              V16F.as_pointer())
+        t = _fma16(builder, hi, xo16, builder.fmul(lo, xe16))
+        builder.store(_fma16(builder, t, _step_scales(builder, s0v, s1v), builder.load(ptr, align=4)), ptr, align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def e2m1_fma16x4(typingctx, q, qi, e0, o0, e1, o1, e2, o2, e3, o3, s0, s1, a0, a1, a2, a3):
+    """e2m1_fma16 for 4 inputs (e_k, o_k) into 4 accumulators a_k, the step decoded once: per lane,
+    lo, hi scaled first (lo * s, hi * s), then a_k += lo * e_k + hi * o_k."""
+    floats = (e0, o0, e1, o1, e2, o2, e3, o3, a0, a1, a2, a3)
+    if not (_contiguous_1d(q, types.uint8) and all(_contiguous_1d(a, types.float32) for a in floats)
+            and isinstance(qi, types.Integer)):
+        return None
+    sig = types.none(q, qi, *floats[:8], types.float32, types.float32, *floats[8:])
+
+    def codegen(context, builder, sig, args):
+        i = context.cast(builder, args[1], sig.args[1], types.intp)
+        lo, hi = _step_codes(context, builder, sig.args[0], args[0], i)
+        scale = _step_scales(builder, args[10], args[11])
+        lo, hi = builder.fmul(lo, scale), builder.fmul(hi, scale)
+        for k in range(4):
+            e16, o16 = (_load16(builder, _element_ptr(context, builder, sig.args[n], args[n], i), V16F)
+                        for n in (2 + 2 * k, 3 + 2 * k))
+            ptr = builder.bitcast(_element_ptr(context, builder, sig.args[12 + k], args[12 + k],
+                                               ir.Constant(ir.IntType(64), 0)), V16F.as_pointer())
+            acc = _fma16(builder, hi, o16, _fma16(builder, lo, e16, builder.load(ptr, align=4)))
+            builder.store(acc, ptr, align=4)
+        return context.get_dummy_value()
+    return sig, codegen

@@ -12,11 +12,12 @@ token), each decoding a byte once for 4 multiply-adds, so the decode is paid onc
 
 The packed 4-bit formats take x as [even elements | odd elements]: byte j holds elements 2j (low nibble)
 and 2j + 1 (high nibble), so it multiplies x[j] and x[in / 2 + j] and the loops run over bytes. A step
-of CHUNK bytes (E2M1: E2M1_CHUNK) has one scale per lane (fp8 / int4 / mxfp4: one for the step, nvfp4:
-one per half), folded into per-lane accumulators in registers, so no sum crosses lanes until the row's
-end. A row's bytes past its last whole step (a partial int4 / fp8 group, in_features not a multiple of
-the step) go through a scalar tail. Every sum has one fixed order (the binary's vector lanes, then the
-lanes in order, then the tail), so a result is bitwise repeatable.
+of CHUNK bytes (E2M1: E2M1_CHUNK, decoded by cpu_decode.e2m1_fma16 / e2m1_fma16x4) has one scale per
+lane (fp8 / int4 / mxfp4: one for the step, nvfp4: one per half), folded into per-lane accumulators in
+registers, so no sum crosses lanes until the row's end. A row's bytes past its last whole step (a
+partial int4 / fp8 group, in_features not a multiple of the step) go through a scalar tail. Every sum
+has one fixed order (the binary's vector lanes, then the lanes in order, then the tail), so a result is
+bitwise repeatable.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from moe.kernels.cpu_decode import (
     KERNEL,
     LANES,
     WORD_BF16,
+    e2m1_fma16,
+    e2m1_fma16x4,
     e2m1_hi,
     e2m1_lo,
     e4m3,
@@ -227,12 +230,7 @@ def dot_nvfp4(q, s, x):
     acc = lane_array()
     zero_lanes(acc)
     for c in range(nb // E2M1_CHUNK):
-        base = c * E2M1_CHUNK
-        s0, s1 = s[2 * c], s[2 * c + 1]
-        for lane in range(E2M1_CHUNK):
-            b = q[base + lane]
-            scale = s0 if lane < NVFP4_BLOCK_BYTES else s1
-            acc[lane] += (e2m1_lo(b) * xe[base + lane] + e2m1_hi(b) * xo[base + lane]) * scale
+        e2m1_fma16(q, c * E2M1_CHUNK, xe, xo, s[2 * c], s[2 * c + 1], acc)
     total = lane_sum(acc)
     for j in range(nb // E2M1_CHUNK * E2M1_CHUNK, nb):
         total += (e2m1_lo(q[j]) * xe[j] + e2m1_hi(q[j]) * xo[j]) * s[j // NVFP4_BLOCK_BYTES]
@@ -247,16 +245,7 @@ def dot4_nvfp4(q, s, x0, x1, x2, x3):
     a0, a1, a2, a3 = lane_array(), lane_array(), lane_array(), lane_array()
     _zero4(a0, a1, a2, a3)
     for c in range(nb // E2M1_CHUNK):
-        base = c * E2M1_CHUNK
-        s0, s1 = s[2 * c], s[2 * c + 1]
-        for lane in range(E2M1_CHUNK):
-            j = base + lane
-            scale = s0 if lane < NVFP4_BLOCK_BYTES else s1
-            lo, hi = e2m1_lo(q[j]) * scale, e2m1_hi(q[j]) * scale
-            a0[lane] += lo * e0[j] + hi * o0[j]
-            a1[lane] += lo * e1[j] + hi * o1[j]
-            a2[lane] += lo * e2[j] + hi * o2[j]
-            a3[lane] += lo * e3[j] + hi * o3[j]
+        e2m1_fma16x4(q, c * E2M1_CHUNK, e0, o0, e1, o1, e2, o2, e3, o3, s[2 * c], s[2 * c + 1], a0, a1, a2, a3)
     r0, r1, r2, r3 = lane_sum(a0), lane_sum(a1), lane_sum(a2), lane_sum(a3)
     for j in range(nb // E2M1_CHUNK * E2M1_CHUNK, nb):
         scale = s[j // NVFP4_BLOCK_BYTES]
@@ -276,11 +265,8 @@ def dot_mxfp4(q, s, x):
     acc = lane_array()
     zero_lanes(acc)
     for c in range(nb // E2M1_CHUNK):
-        base = c * E2M1_CHUNK
         scale = e8m0_f32(s[c])
-        for lane in range(E2M1_CHUNK):
-            b = q[base + lane]
-            acc[lane] += (e2m1_lo(b) * xe[base + lane] + e2m1_hi(b) * xo[base + lane]) * scale
+        e2m1_fma16(q, c * E2M1_CHUNK, xe, xo, scale, scale, acc)
     return lane_sum(acc) * E2M1_UNIT
 
 
@@ -292,15 +278,8 @@ def dot4_mxfp4(q, s, x0, x1, x2, x3):
     a0, a1, a2, a3 = lane_array(), lane_array(), lane_array(), lane_array()
     _zero4(a0, a1, a2, a3)
     for c in range(nb // E2M1_CHUNK):
-        base = c * E2M1_CHUNK
         scale = e8m0_f32(s[c])
-        for lane in range(E2M1_CHUNK):
-            j = base + lane
-            lo, hi = e2m1_lo(q[j]) * scale, e2m1_hi(q[j]) * scale
-            a0[lane] += lo * e0[j] + hi * o0[j]
-            a1[lane] += lo * e1[j] + hi * o1[j]
-            a2[lane] += lo * e2[j] + hi * o2[j]
-            a3[lane] += lo * e3[j] + hi * o3[j]
+        e2m1_fma16x4(q, c * E2M1_CHUNK, e0, o0, e1, o1, e2, o2, e3, o3, scale, scale, a0, a1, a2, a3)
     unit = E2M1_UNIT
     return lane_sum(a0) * unit, lane_sum(a1) * unit, lane_sum(a2) * unit, lane_sum(a3) * unit
 

@@ -283,3 +283,32 @@ def test_as_f32_reads_a_dense_element_by_its_word(value, word, want):
     from moe.kernels.cpu_dots import as_f32
 
     assert as_f32(value, word) == np.float32(want)
+
+
+def test_the_e2m1_permute_decode_follows_the_kernels_target():
+    from expertcache.numba_cache import target_features
+    from moe.kernels.cpu_decode import E2M1_TABLE, PERMUTE
+
+    assert PERMUTE == ("avx512f" in target_features())
+    # the table is the half-precision move's values: code (s, e, m) -> value / 2^14
+    half = [np.array([((c & 7) << 9) | ((c & 8) << 12)], np.uint16).view(np.float16)[0] for c in range(16)]
+    assert [float(v) for v in half] == list(E2M1_TABLE)
+
+
+def test_the_e2m1_decode_without_avx512_matches_the_reference(tmp_path):
+    """The kernels compiled for an AVX2 target (no vpermps over 16 floats: the half-precision move decodes
+    the codes) in a child process, against the same float64 reference."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CACHE_DIR": str(tmp_path),
+           "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+popcnt,+sse4.2,+sse4.1,+ssse3,+lzcnt,+movbe"}
+    code = ("import moe.kernels.cpu_decode as d; assert not d.PERMUTE, 'the avx512 path was chosen'; "
+            "import sys, pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', "
+            "'tests/moe/kernels/test_cpu_experts.py', '-k', "
+            "'float64_reference and (nvfp4 or mxfp4) and silu'"
+            "]))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "6 passed" in run.stdout, run.stdout[-2000:]
