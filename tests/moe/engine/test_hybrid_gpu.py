@@ -148,3 +148,32 @@ def test_the_hand_off_serves_only_what_the_ensure_sent_to_the_cpu():
         share.check()
     finally:
         share.close()
+
+
+EXIT_SCRIPT = """
+import sys
+from pathlib import Path
+from moe.engine.loading import load_model
+from moe.testing.tiny_checkpoint import make_tiny_checkpoint
+path = make_tiny_checkpoint(Path(sys.argv[1]) / "tiny", "qwen3_moe")
+engine = load_model(path, "cuda", num_slots=6, max_batch=2, max_seq_len=64, progress=False, miss_service="hybrid",
+                    cpu_threads=2)
+logits = engine.prefill([[1, 2, 3, 4]])
+for _ in range(4):
+    logits = engine.decode_step(logits.argmax(-1).tolist())
+print("decoded", flush=True)
+sys.exit(0)
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_a_hybrid_engine_left_open_exits_cleanly(tmp_path):
+    """A process that decodes with the CPU share's hand-off and exits without closing the engine (its
+    worker threads, pinned buffers and mapped flags still live) ends with status 0 and no error."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and "decoded" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "terminate called" not in run.stderr, run.stderr[-3000:]
