@@ -176,6 +176,12 @@ class Engine:
     def _spare_note(self) -> str:
         return "" if self._joining is None else " (one of them by the prompt joining in chunks)"
 
+    def tokens_to_compute(self, prompt: Sequence[int]) -> int:
+        """The prompt tokens a join would compute now: all of them, less the prefix the prefix cache would
+        restore (nothing changes)."""
+        cached = 0 if self.prefix is None else self.prefix.peek(prompt, len(prompt) - 1)
+        return len(prompt) - cached
+
     @property
     def joining(self) -> Joining | None:
         """The prompt being prefilled chunk by chunk (start_join), or None."""

@@ -144,14 +144,30 @@ class PrefixCache:
         """Ids of the longest chain of cached blocks `tokens` starts with, at most `limit` tokens of them
         (whole blocks), each touched. Counts limit as queried and the chain's tokens as restored."""
         out = self.follow(tokens, ROOT, 0, max(limit, 0) // self.block_tokens)
-        if self.num_states:  # a linear-attention model resumes only where a snapshot of its state was taken
-            while out and out[-1] not in self._state_of:
-                out.pop()
-            if out:
-                self._touch_state(self._state_of[out[-1]])
+        out = self._resumable(out)
+        if self.num_states and out:
+            self._touch_state(self._state_of[out[-1]])
         self.stats.queried += max(limit, 0)
         self.stats.restored += len(out) * self.block_tokens
         return out
+
+    def peek(self, tokens, limit: int) -> int:
+        """The tokens `match` would restore now, touching and counting nothing."""
+        parent, found = ROOT, []
+        for b in range(max(limit, 0) // self.block_tokens):
+            parent = self._by_key.get((parent, self._block_tokens(tokens, b)))
+            if parent is None:
+                break
+            found.append(parent)
+        return len(self._resumable(found)) * self.block_tokens
+
+    def _resumable(self, chain: list[int]) -> list[int]:
+        """The chain up to its last block a row can resume at: every block, or with linear-attention
+        layers the last one holding a snapshot of their state."""
+        if self.num_states:
+            while chain and chain[-1] not in self._state_of:
+                chain.pop()
+        return chain
 
     def restore(self, ids: list[int], kv: KVCache, row: int, recurrent: RecurrentCache | None = None) -> int:
         """Copy blocks `ids` (a chain from match) into KV row `row` at positions 0..s-1, and with

@@ -6,7 +6,7 @@
                         (queue.Queue)        drop cancelled sequences: engine.leave(row)
                                              admit waiting requests while a row is free:
                                                  engine.join(prompt) → logits [V] → first token
-                                                 (a prompt longer than a prefill chunk: start_join,
+                                                 (more to compute than a prefill chunk: start_join,
                                                  then one chunk a loop turn, advance(), in the spare row)
                                              decode_step(every row's last token) → logits [B, V]
                                                  → choose (greedy / seeded top-p) → B tokens
@@ -19,7 +19,8 @@
 
 A request joins between decode steps and runs in the same steps as every other active sequence
 (rows 0..B-1 of the engine, B <= max_batch); requests beyond max_batch wait in FIFO order. A prompt
-longer than the engine's prefill chunk joins chunk by chunk instead (one such prompt at a time, in the
+with more tokens to compute than the engine's prefill chunk (its length, less the prefix the prefix
+cache restores) joins chunk by chunk instead (one such prompt at a time, in the
 engine's spare row): one chunk per loop turn, with a decode step of the active rows after it, so the
 sequences already streaming keep streaming and shorter requests keep joining (they pass a long
 prompt waiting for the spare row; long ones keep their order among themselves). A request
@@ -335,7 +336,7 @@ class Scheduler:
         while self._waiting and engine.batch < engine.max_batch:
             req = self._waiting.popleft()
             admitted = time.monotonic()
-            if len(req.prompt) > engine.prefill_chunk:
+            if engine.tokens_to_compute(req.prompt) > engine.prefill_chunk:
                 if self._joining is not None:
                     passed.append(req)
                     continue

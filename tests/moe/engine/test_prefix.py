@@ -383,3 +383,22 @@ def test_gpu_conversation_with_its_prefix_kept(checkpoint):
     assert got == want and cached[1] > 0
     for g, w in zip(got_logits, want_logits):
         assert_near(g.cpu(), w.cpu(), rel=1e-4)
+
+
+def test_peek_tells_what_match_would_restore_and_changes_nothing():
+    for name in ("qwen3", "qwen3_next"):
+        spec, kv = _spec_kv(name)
+        extra = dict(recurrent=_recurrent(spec), num_states=2) if spec.linear_layers else {}
+        cache = PrefixCache(spec, kv, num_blocks=8, block_tokens=BLOCK, **extra)
+        a = list(range(10, 22))
+        ids = _fill(cache, a)
+        if spec.linear_layers:
+            _set_state(extra["recurrent"], 0, 1.0)
+            cache.save_state(ids[1], extra["recurrent"], row=0)
+        before = (vars(cache.stats).copy(), cache._tick, {b: blk.tick for b, blk in cache._blocks.items()})
+        for tokens, limit in ((a + [1], 12), (a, 11), ([99] + a[1:], 11), (a[:4] + [7] * 8, 12)):
+            got = cache.peek(tokens, limit)
+            assert (vars(cache.stats), cache._tick) == before[:2] and \
+                {b: blk.tick for b, blk in cache._blocks.items()} == before[2]
+            assert got == len(cache.match(tokens, limit)) * BLOCK, (name, tokens, limit)
+            before = (vars(cache.stats).copy(), cache._tick, {b: blk.tick for b, blk in cache._blocks.items()})

@@ -62,6 +62,18 @@ class Sink:
         return self.events[-1]
 
 
+class Logged(Sink):
+    """A Sink that also appends (its name, the event's completion_tokens) to a shared `order` list."""
+
+    def __init__(self, name: str, order: list) -> None:
+        super().__init__()
+        self.name, self.order = name, order
+
+    def __call__(self, ev) -> None:
+        self.order.append((self.name, ev.completion_tokens))
+        super().__call__(ev)
+
+
 def _run(sched, prompt, **params) -> Sink:
     sink = Sink()
     sched.submit(Request(prompt, SamplingParams(**params), sink))
@@ -294,18 +306,9 @@ def test_a_long_prompt_joins_chunk_by_chunk_beside_streaming_rows(tiny_dir, ref)
     sched = Scheduler(engine, TextTokenizer(tiny_dir))
     order = []  # (name, token index) of every event, in the order the scheduler emitted them
 
-    class Logged(Sink):
-        def __init__(self, name):
-            super().__init__()
-            self.name = name
-
-        def __call__(self, ev):
-            order.append((self.name, ev.completion_tokens))
-            super().__call__(ev)
-
     prompts = {"a": list(range(10, 15)), "long": list(range(20, 50)), "short": list(range(30, 34)),
                "long2": list(range(40, 60))}
-    sinks = {name: Logged(name) for name in prompts}
+    sinks = {name: Logged(name, order) for name in prompts}
     sched.start()
     try:
         with held(sched):
@@ -321,3 +324,37 @@ def test_a_long_prompt_joins_chunk_by_chunk_beside_streaming_rows(tiny_dir, ref)
     a_between = [i for i, (name, _) in enumerate(order) if name == "a" and firsts["long"] > i > firsts["a"]]
     assert len(a_between) >= 3, order
     assert firsts["short"] < firsts["long"] < firsts["long2"], order
+
+
+def test_a_long_prompt_whose_prefix_is_kept_joins_at_once(tiny_dir, ref):
+    """With a prefix cache, a prompt counts by the tokens it must compute: one resending a kept 32-token
+    prefix plus 4 (8-token chunks) joins at once and answers while a new long prompt is still joining in
+    the spare row, with the text each prompt gives alone."""
+    from moe.engine.backends import make_backend
+    from moe.engine.engine import Engine
+
+    weights = _engine(tiny_dir).weights
+    engine = Engine(weights, make_backend(weights, 6, "lru", max_batch=3), max_batch=3, max_seq_len=64,
+                    prefill_chunk=8, prefix_blocks=32, prefix_block_tokens=4)
+    sched = Scheduler(engine, TextTokenizer(tiny_dir))
+    kept = list(range(10, 43))  # 33 tokens: 8 whole blocks kept after it joins
+    order = []
+
+    sched.start()
+    try:
+        first = Logged("first", order)
+        sched.submit(Request(kept, SamplingParams(max_tokens=1), first))
+        first.wait()
+        assert engine.tokens_to_compute(kept[:32] + [5, 6, 7, 8]) == 4 and engine.tokens_to_compute(kept) == 1
+        prompts = {"new": list(range(20, 56)), "resent": kept[:32] + [5, 6, 7, 8]}
+        sinks = {name: Logged(name, order) for name in prompts}
+        with held(sched):
+            for name, prompt in prompts.items():
+                sched.submit(Request(prompt, SamplingParams(max_tokens=3), sinks[name]))
+        for name, prompt in prompts.items():
+            assert sinks[name].wait().finish_reason == "length", name
+            assert sinks[name].text == sched.tokenizer.decode(ref.generate([prompt], 3)[0]), name
+        assert sinks["resent"].events[-1].timing.cached_prompt_tokens == 32
+    finally:
+        sched.stop()
+    assert order.index(("resent", 1)) < order.index(("new", 1)), order
