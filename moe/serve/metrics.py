@@ -24,7 +24,7 @@ Metrics (every counter is since the server started; "token" = one decode step, a
 | expertcache_prefix_states / _prefix_states_max   | gauge   | linear-attention state snapshots kept / the pool's     |
 | expertcache_prefill_experts_total{source}        | counter | experts prefill used by source: store (streamed), slot |
 | expertcache_active_sequences / _waiting_requests | gauge   | sequences in batch rows / requests queued for a row    |
-| expertcache_requests_finished_total{reason}      | counter | stop, length, cancelled, error                         |
+| expertcache_requests_finished_total{reason}      | counter | stop, length, tool_calls, cancelled, error             |
 | expertcache_requests_total{endpoint, status}     | counter | HTTP requests answered                                 |
 """
 

@@ -170,6 +170,7 @@ class _Seq:
     admitted: float = 0.0  # monotonic time its prefill started
     first_token: float = 0.0  # monotonic time its first token was chosen
     cached: int = 0  # prompt tokens restored from the prefix cache
+    called: bool = False  # a tool call came in its reply (it ends with finish_reason "tool_calls")
 
 
 class _Call:
@@ -446,11 +447,12 @@ class Scheduler:
         reasoning = seq.stream.pop_reasoning() if isinstance(seq.stream, HarmonyStream) else ""
         calls = seq.stream.pop_calls() if isinstance(seq.stream, (HarmonyStream, ToolStream)) else ()
         matched = seq.stream.stop_sequence if reason == "stop" else None
+        seq.called = seq.called or bool(calls)
+        if reason is not None:  # counted as the API answers it ("tool_calls" once a call came), before the
+            self.stats.finished["tool_calls" if seq.called else reason] += 1  # client can see the answer
         ok = _emit(seq.request, Event(text, reason, len(seq.request.prompt), seq.generated, logprob=logprob,
                                       timing=timing, reasoning=reasoning, tool_calls=calls, stop_sequence=matched))
-        if reason is not None:
-            self.stats.finished[reason] += 1
-        elif not ok:
+        if reason is None and not ok:
             seq.request.cancel()
         return reason is not None
 

@@ -79,7 +79,11 @@ def served(request, tmp_path_factory):
 
 def test_a_call_comes_as_tool_calls(served):
     served.script(served.prefix, served.call, served.end)
+    finished = served.running.state.scheduler.stats.finished
+    before = dict(finished)
     reply = served.post(tools=[WEATHER, NOW])
+    # the scheduler counts the request as the API answers it
+    assert finished["tool_calls"] == before.get("tool_calls", 0) + 1 and finished["stop"] == before.get("stop", 0)
     choice = reply["choices"][0]
     call = choice["message"]["tool_calls"][0]
     assert call["id"].startswith("call_") and call == {
