@@ -318,14 +318,15 @@ class Scheduler:
                     self._queued -= 1
 
     def _drop_cancelled(self) -> None:
+        # each counted before its row or queue place goes, so whoever sees it gone sees it counted
         for row in reversed(range(len(self.rows))):
             if self.rows[row].request.cancelled:
-                self._leave(row)
                 self.stats.finished["cancelled"] += 1
+                self._leave(row)
         if self._joining is not None and self._joining[0].cancelled:
+            self.stats.finished["cancelled"] += 1
             self.engine.abort_join(self._joining[1])
             self._joining = None
-            self.stats.finished["cancelled"] += 1
         kept = [r for r in self._waiting if not r.cancelled]
         if len(kept) < len(self._waiting):
             self.stats.finished["cancelled"] += len(self._waiting) - len(kept)
