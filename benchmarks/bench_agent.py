@@ -212,15 +212,20 @@ def report(doc: dict) -> None:
               f"{row['worst_gap_s']:10.3f}  {', '.join(f'{s:.2f}' for s in row['side_latency_s'])}")
 
 
-def _args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--geometry", default="qwen3-30b", choices=sorted(GEOMETRIES))
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The random model's and the engine's options, shared with bench_long_context."""
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--small", action="store_true", help="hidden 256, 16 experts of 64: the wiring, on a CPU")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--slots-frac", type=float, default=0.25, help="share of the L * E experts in slots")
     ap.add_argument("--max-batch", type=int, default=4)
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--geometry", default="qwen3-30b", choices=sorted(GEOMETRIES))
+    add_model_args(ap)
     ap.add_argument("--max-seq-len", type=int, default=73728)
     ap.add_argument("--kv-cache-gb", type=float, default=8.0, help="the prefix cache of the 'kept' run")
     ap.add_argument("--turns", type=int, default=30)

@@ -32,7 +32,7 @@ from pathlib import Path
 import benchmeta
 import numpy as np
 import torch
-from bench_agent import GB, SMALL, Watch, _write, submit, write_word_tokenizer
+from bench_agent import GB, SMALL, Watch, _write, add_model_args, submit, write_word_tokenizer
 
 from moe.engine.backends import make_backend
 from moe.engine.budget import context_bytes
@@ -134,12 +134,7 @@ def report(doc: dict) -> None:
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--small", action="store_true", help="hidden 256, 16 experts of 64: the wiring, on a CPU")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--slots-frac", type=float, default=0.25, help="share of the L * E experts in slots")
-    ap.add_argument("--max-batch", type=int, default=4)
+    add_model_args(ap)
     ap.add_argument("--prompt-tokens", type=int, default=262144)
     ap.add_argument("--answer", type=int, default=128)
     ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK)

@@ -18,7 +18,7 @@
         (with a prefix cache: the longest kept prefix restored into the row first, the rest prefilled)
     row ──leave──► swap-remove: the last row's KV (its cached positions only) moves into `row`; B -= 1
     prompt ──start_join──► Joining: its prefill in the spare row (the last, max_batch - 1), one chunk per
-        `advance` call, between which decode steps run rows 0..B-1 (B < max_batch - 1 meanwhile); the
+        `advance` call, between which decode steps run rows 0..B-1 (B <= max_batch - 1 meanwhile); the
         last chunk moves the row into row B (its cached positions) and B += 1, as join would have
 
 Models with linear-attention layers (Qwen3-Next): such a layer (moe.engine.linear_attention) takes the place of
@@ -144,10 +144,10 @@ class Engine:
             raise ValueError(f"prefill got {len(prompts)} prompts; 1..max_batch={self.max_batch} fit")
         for prompt in prompts:
             self._check_prompt(prompt)
-        self.kv.lengths.zero_()
         if self._joining is not None:
             raise ValueError("prefill: a prompt is still joining chunk by chunk (start_join); finish it with "
                              "advance or drop it with abort_join first")
+        self.kv.lengths.zero_()
         self._lengths, self._rows = [], []
         out = [self._join(prompt, all_logits)[1] for prompt in prompts]
         return out if all_logits else torch.stack(out)
@@ -192,8 +192,8 @@ class Engine:
         call, so decode steps of rows 0..B-1 can run between its chunks (a long prompt beside streaming
         sequences). With a prefix cache its longest kept prefix is restored first. One prompt joins
         this way at a time, and join keeps the batch below max_batch meanwhile (the spare row is the
-        last). Raises ValueError naming
-        max_batch (no spare row), max_seq_len or an out-of-range token id; nothing changes then."""
+        last). Raises ValueError naming max_batch (no spare row), max_seq_len or an out-of-range token
+        id; nothing changes then."""
         prompt = list(prompt)
         if self._joining is not None:
             raise ValueError("start_join: a prompt is already joining chunk by chunk; finish it first")
@@ -224,13 +224,7 @@ class Engine:
         self._joining = None
         row = self.batch
         if joining.row != row:  # the spare row's cached positions move down to row B
-            n = len(joining.prompt)
-            for k, v in zip(self.kv.k, self.kv.v):
-                if k is not None:
-                    k[row, :, :n] = k[joining.row, :, :n]
-                    v[row, :, :n] = v[joining.row, :, :n]
-            if self.recurrent is not None:
-                self.recurrent.move(joining.row, row)
+            self._move_row(joining.row, row, len(joining.prompt))
         self._rows.append(joining.state)
         self._lengths.append(len(joining.prompt))
         self.kv.lengths[row] = len(joining.prompt)
@@ -259,12 +253,7 @@ class Engine:
         if row == last:
             return None
         self._rows[row] = moved
-        for k, v in zip(self.kv.k, self.kv.v):  # each [max_batch, Hkv, max_len, D], None at a linear layer
-            if k is not None:
-                k[row, :, :n] = k[last, :, :n]
-                v[row, :, :n] = v[last, :, :n]
-        if self.recurrent is not None:
-            self.recurrent.move(last, row)
+        self._move_row(last, row, n)
         self.kv.lengths[row] = n
         self._lengths[row] = n
         return last
@@ -280,6 +269,16 @@ class Engine:
     def lengths(self) -> list[int]:
         """Tokens cached per active row (prompt + decoded tokens fed back), a host copy [B]."""
         return list(self._lengths)
+
+    def _move_row(self, src: int, dst: int, n: int) -> None:
+        """Physical row `src`'s first n cached positions (a ring's whole window) and recurrent state into
+        row `dst`."""
+        for k, v in zip(self.kv.k, self.kv.v):  # each [max_batch, Hkv, max_len, D], None at a linear layer
+            if k is not None:
+                k[dst, :, :n] = k[src, :, :n]
+                v[dst, :, :n] = v[src, :, :n]
+        if self.recurrent is not None:
+            self.recurrent.move(src, dst)
 
     def cached_tokens(self, row: int) -> int:
         """Prompt tokens of `row` restored from the prefix cache when it joined (0 without one)."""

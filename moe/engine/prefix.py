@@ -153,12 +153,7 @@ class PrefixCache:
 
     def peek(self, tokens, limit: int) -> int:
         """The tokens `match` would restore now, touching and counting nothing."""
-        parent, found = ROOT, []
-        for b in range(max(limit, 0) // self.block_tokens):
-            parent = self._by_key.get((parent, self._block_tokens(tokens, b)))
-            if parent is None:
-                break
-            found.append(parent)
+        found = self._chain(tokens, ROOT, 0, max(limit, 0) // self.block_tokens)
         return len(self._resumable(found)) * self.block_tokens
 
     def _resumable(self, chain: list[int]) -> list[int]:
@@ -205,14 +200,19 @@ class PrefixCache:
     def follow(self, tokens, parent: int, first: int, end: int) -> list[int]:
         """Ids of blocks first, first + 1, ... (before end) of `tokens` already cached under `parent`,
         each touched, up to the first one that is not."""
+        out = self._chain(tokens, parent, first, end)
+        for bid in out:
+            self._touch(bid)
+        return out
+
+    def _chain(self, tokens, parent: int, first: int, end: int) -> list[int]:
+        """follow's ids, nothing touched."""
         out = []
         for b in range(first, end):
-            bid = self._by_key.get((parent, self._block_tokens(tokens, b)))
-            if bid is None:
+            parent = self._by_key.get((parent, self._block_tokens(tokens, b)))
+            if parent is None:
                 break
-            self._touch(bid)
-            out.append(bid)
-            parent = bid
+            out.append(parent)
         return out
 
     def _evict_one(self, keep: set[int]) -> int | None:
@@ -327,13 +327,10 @@ class PrefixCache:
         if bid in self._state_of:
             self._touch_state(self._state_of[bid])
             return False
-        if self._free_states:
-            sid = self._free_states.pop()
-        else:
-            sid = min(self._state_block, key=lambda i: self._state_tick[i])
-            self.drop_state(self._state_block[sid])
+        if not self._free_states:  # the least recently used snapshot goes (drop_state frees its id)
+            self.drop_state(self._state_block[min(self._state_block, key=lambda i: self._state_tick[i])])
             self.stats.states_evicted += 1
-            self._free_states.remove(sid)
+        sid = self._free_states.pop()
         for layer, st in recurrent.states.items():
             self.conv[layer][sid].copy_(st.conv[row])
             self.delta[layer][sid].copy_(st.delta[row])

@@ -85,6 +85,7 @@ def test_the_spare_row_is_the_joining_rows_until_it_moves(checkpoint):
         engine.start_join(random_tokens(3, seed=33))
     with pytest.raises(ValueError, match="still joining"):
         engine.prefill([random_tokens(3, seed=33)])
+    assert int(engine.kv.lengths[0]) == 5 and engine.lengths() == [5]  # the refusal changed nothing
     _decode(engine, [tok])
     while (done := engine.advance(joining)) is None:
         pass
