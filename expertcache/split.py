@@ -23,20 +23,51 @@ channels running at once (ChannelCosts); ties go to the larger c, since a copied
 may hit later. The balance uses the together rates even where one side would run alone and faster:
 a table that sent a call's few misses all to a faster CPU would never admit anything, and the cache
 would stop hitting.
+
+Whole experts balance the channels only to within one expert's time. With a `tail` (the expert width I
+and a granule of its rows, `tail_granule`), the first served miss of a call is split along I: the CPU
+computes its intermediate rows [0, I - r) and the link copies rows [I - r, I) (gate and up rows, down's
+columns) into a scratch slot that the cache never assigns, where the GPU computes them; r =
+link_rows[m], a multiple of the granule in [0, I). The split expert is still served (no slot, not
+admitted). The table then balances max(link(c + r / I), cpu(m - c - r / I)) over c and r together;
+every choice within TAIL_TIE (1 %) of the least time is a tie, which goes to the larger c, then the
+smaller r: a tail never costs an admission for less. A call whose copies the empty slots raised above
+copies[m] splits nothing.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from expertcache.formats import ExpertFormat
+from expertcache.formats.base import ITEMSIZE
 from expertcache.geometry import MAX_QUERY
 
 # Misses one call may have: fewer than the ensure's query (rows * k < MAX_QUERY).
 SPLIT_LEN = MAX_QUERY
 MISS_SERVICES = ("copy", "hybrid", "cpu")
 MISS_SERVICE_CHOICES = (*MISS_SERVICES, "auto")  # --moe-miss-service: auto resolves to copy or hybrid at start
+TAIL_ROWS = 16  # a tail's rows are a multiple of the CPU kernels' gate_up item (moe.kernels.cpu_experts)
+TAIL_STEPS = 64  # at most this many tail sizes per expert (a wider expert takes a coarser granule)
+TAIL_MAX_MISSES = 256  # calls of more misses (never a decode step's) split no expert
+TAIL_TIE = 0.01  # choices within this share of the least time are ties (to more copies, then a shorter tail)
+
+
+def tail_granule(fmt: ExpertFormat, inter: int) -> int:
+    """The rows a split expert's tail moves by for experts of width `inter` in `fmt`, or 0 where such an
+    expert cannot be split: a multiple of TAIL_ROWS, of the format's scale block along down's inputs
+    (fmt.in_block) and of the inputs in one 4-byte word of down's main part (the miss copy moves words),
+    dividing `inter` into at least 2 and at most TAIL_STEPS parts where such a multiple exists."""
+    main = next(p for p in fmt.layout(1, inter) if p.suffix == fmt.main)
+    per_word = max(1, 4 * inter // (main.shape[-1] * ITEMSIZE[main.dtype]))  # down's inputs in one word
+    g0 = math.lcm(TAIL_ROWS, fmt.in_block, per_word)
+    for g in range(g0, inter // 2 + 1, g0):
+        if inter % g == 0 and inter // g <= TAIL_STEPS:
+            return g
+    return 0
 
 
 def _check_us(name: str, value) -> float:
@@ -100,11 +131,13 @@ class ChannelCosts:
         per = np.where(alone, self.cpu_alone_per_expert_us, self.cpu_per_expert_us)
         return np.where(n > 0, self.cpu_fixed_us + n * per, 0.0)
 
-    def step_us(self, m, c) -> np.ndarray:
-        """The misses' time of a call with m misses of which c are copied: the slower channel, each at
-        its together rate while the other has work, else at its own."""
-        m, c = np.asarray(m), np.asarray(c)
-        return np.maximum(self.link_us(c, alone=(m - c) == 0), self.cpu_us(m - c, alone=c == 0))
+    def step_us(self, m, c, f=0.0) -> np.ndarray:
+        """The misses' time of a call with m misses of which c are copied (and the fraction f of one
+        served expert, its tail): the slower channel, each at its together rate while the other has
+        work, else at its own."""
+        m, c, f = np.asarray(m), np.asarray(c), np.asarray(f, dtype=np.float64)
+        link, cpu = c + f, m - c - f
+        return np.maximum(self.link_us(link, alone=cpu <= 0), self.cpu_us(cpu, alone=link <= 0))
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,12 +146,16 @@ class MissSplit:
 
     service: "copy" (every miss copied: the cache as without a split), "cpu" (none copied: every
     miss computed on the CPU, so no slot is ever filled) or "hybrid" (the balanced table of `costs`).
-    Build with `copy()`, `cpu()` or `hybrid(costs)`.
+    link_rows int32 [SPLIT_LEN] (hybrid with a tail): rows [inter - link_rows[m], inter) of the first
+    served expert that the link copies and the GPU computes (0: none), where copies[m] < m; inter: the
+    expert width it cuts (0: no tail). Build with `copy()`, `cpu()` or `hybrid(costs, inter, granule)`.
     """
 
     service: str
     copies: np.ndarray
     costs: ChannelCosts | None = None
+    link_rows: np.ndarray | None = None
+    inter: int = 0
 
     def __post_init__(self) -> None:
         if self.service not in MISS_SERVICES:
@@ -136,6 +173,19 @@ class MissSplit:
         c = c.copy()  # the caller's array stays its own
         c.setflags(write=False)
         object.__setattr__(self, "copies", c)
+        r = self.link_rows
+        if r is None:
+            r = np.zeros(SPLIT_LEN, dtype=np.int32)
+        if not isinstance(r, np.ndarray) or r.dtype != np.int32 or r.shape != (SPLIT_LEN,):
+            raise ValueError(f"MissSplit.link_rows must be int32 [{SPLIT_LEN}]")
+        if isinstance(self.inter, bool) or not isinstance(self.inter, int) or self.inter < 0:
+            raise ValueError(f"MissSplit.inter must be an int >= 0 (the expert width; 0: no tail), got {self.inter!r}")
+        if r.any() and (self.service != "hybrid" or ((r < 0) | (r >= self.inter)).any() or (r[c >= m] != 0).any()):
+            raise ValueError("MissSplit.link_rows[m] must be in [0, inter) and 0 where copies[m] = m, under "
+                             "service 'hybrid' only")
+        r = r.copy()
+        r.setflags(write=False)
+        object.__setattr__(self, "link_rows", r)
 
     @classmethod
     def copy(cls) -> MissSplit:
@@ -146,10 +196,18 @@ class MissSplit:
         return cls("cpu", np.zeros(SPLIT_LEN, dtype=np.int32))
 
     @classmethod
-    def hybrid(cls, costs: ChannelCosts) -> MissSplit:
-        """The balanced table of `costs` (module docstring). Cost: O(SPLIT_LEN^2) once."""
+    def hybrid(cls, costs: ChannelCosts, inter: int = 0, granule: int = 0) -> MissSplit:
+        """The balanced table of `costs` (module docstring); with `granule` > 0 (tail_granule of experts of
+        width `inter`), a served expert's tail balances the channels in steps of granule / inter of an
+        expert. Cost: O(SPLIT_LEN^2) once, and O(TAIL_MAX_MISSES^2 * inter / granule) with a tail."""
         if not isinstance(costs, ChannelCosts):
             raise ValueError(f"MissSplit.hybrid needs ChannelCosts, got {type(costs).__name__}")
+        for name, v in (("inter", inter), ("granule", granule)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"MissSplit.hybrid: {name} must be an int >= 0, got {v!r}")
+        if granule and (inter % granule or inter // granule < 2):
+            raise ValueError(f"MissSplit.hybrid: granule={granule} must divide inter={inter} into 2 or more parts "
+                             "(tail_granule gives it)")
         m = np.arange(SPLIT_LEN)[:, None]
         c = np.arange(SPLIT_LEN)[None, :]
         cc = np.minimum(c, m)  # both channels at their together rates: a balance, not a race to one side
@@ -157,17 +215,30 @@ class MissSplit:
         best = t.min(axis=1, keepdims=True)
         # the largest c reaching the least time (a copied expert is admitted and may hit later)
         copies = (SPLIT_LEN - 1 - np.argmax((t == best)[:, ::-1], axis=1)).astype(np.int32)
-        return cls("hybrid", copies, costs)
+        link_rows = np.zeros(SPLIT_LEN, dtype=np.int32)
+        if granule:
+            _balance_tails(costs, inter // granule, granule, copies, link_rows)
+        return cls("hybrid", copies, costs, link_rows, inter if granule else 0)
 
     @property
     def fills(self) -> bool:
         """True when the empty slots take every miss they can (hybrid), before the table applies."""
         return self.service == "hybrid"
 
+    @property
+    def tail(self) -> bool:
+        """True when some call splits a served expert between the CPU and the link (a scratch slot)."""
+        return bool(self.link_rows.any())
+
     def copies_given(self, misses: int, empty: int) -> int:
         """How many of a call's `misses` are copied when the pool has `empty` empty slots."""
         c = int(self.copies[misses])
         return max(c, min(misses, empty)) if self.fills else c
+
+    def link_rows_given(self, misses: int, copies: int) -> int:
+        """The tail rows of a call's first served miss that the link takes, when `copies` of its `misses`
+        are copied (0 unless copies is the table's own copies[misses])."""
+        return int(self.link_rows[misses]) if copies == int(self.copies[misses]) else 0
 
     @property
     def copies_all(self) -> bool:
@@ -181,9 +252,28 @@ class MissSplit:
         if self.costs is None:
             return self.service
         c = self.costs
+        tail = (f"; tail rows of 1..8 misses (of {self.inter}): {self.link_rows[1:9].tolist()}" if self.tail else "")
         return (f"{self.service} (link {c.link_fixed_us:.1f} + {c.link_per_expert_us:.1f} us/expert, "
                 f"cpu {c.cpu_fixed_us:.1f} + {c.cpu_per_expert_us:.1f} us/expert; copies of 1..8 misses: "
-                f"{self.copies[1:9].tolist()})")
+                f"{self.copies[1:9].tolist()}{tail})")
+
+
+def _balance_tails(costs: ChannelCosts, steps: int, granule: int, copies: np.ndarray, link_rows: np.ndarray) -> None:
+    """For m in [1, TAIL_MAX_MISSES): the (c, tail) of least max(link(c + f), cpu(m - c - f)) with f = n / steps,
+    n in [0, steps) and n = 0 where c = m; ties (within TAIL_TIE of the least) to the larger c, then the
+    smaller n. Writes copies[m] and link_rows[m] = n * granule in place."""
+    top = min(SPLIT_LEN, TAIL_MAX_MISSES)
+    m = np.arange(top)[:, None, None]
+    c = np.arange(top)[None, :, None]
+    f = (np.arange(steps) / steps)[None, None, :]
+    link, cpu = c + f, m - c - f
+    t = np.maximum(costs.link_us(link), costs.cpu_us(cpu))
+    t = np.where((c < m) | ((c == m) & (f == 0)), t, np.inf)  # [m, c, n]
+    for mm in range(1, top):
+        tm = t[mm]  # [c, n]
+        cs, ns = np.nonzero(tm <= tm.min() * (1 + TAIL_TIE))
+        pick = np.lexsort((ns, -cs))[0]
+        copies[mm], link_rows[mm] = cs[pick], ns[pick] * granule
 
 
 # splitmix64's constants: a key's draw is a fixed function of (key, step) that looks uniform

@@ -70,6 +70,7 @@ from sim.service import (
     format_service_choices,
     format_service_table,
     service_rows,
+    split_for,
 )
 from sim.trace import Trace
 
@@ -415,7 +416,7 @@ def _services(trace: Trace, results: list, runs: list[FormatRun] | None, policie
         if shape is None:
             continue
         for sv in splits:
-            split = hosts[i].split(sv, shape.expert_bytes)
+            split = split_for(hosts[i], sv, shape, _run)
             for p in names:
                 for s in slots:
                     jobs.append((p, s, split))

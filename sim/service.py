@@ -9,7 +9,7 @@
     replay with that split -> hist [L, Q + 1] of misses a call
     -> estimate_service: per call the GPU part (estimate_decode's compute: the layer's weight reads
        at HBM speed and its fixed time) plus the misses' part, the slower channel
-       (ChannelCosts.step_us(m, copies[m])); summed over the histogram, / tokens
+       (ChannelCosts.step_us(m, copies[m], the tail's share of an expert)); summed over the histogram, / tokens
 
 Every channel's time of a call is a fixed part plus bytes over a bandwidth; a channel whose partner
 has nothing to do in that call runs at its alone rate. "cpu" serves every routed expert on the CPU:
@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from expertcache.split import MISS_SERVICES, ChannelCosts, MissSplit
+from expertcache.formats import resolve_format
+from expertcache.split import MISS_SERVICES, ChannelCosts, MissSplit, tail_granule
 from expertcache.words import counted
 from sim.costmodel import H200_SM_COPY, HardwareProfile, ModelShape, check_hist
 
@@ -87,14 +88,16 @@ class HostProfile:
                             expert_bytes / (self.cpu_together_gbps * 1e3), per_alone,
                             expert_bytes / (self.cpu_gbps * 1e3))
 
-    def split(self, service: str, expert_bytes: int) -> MissSplit:
-        """The MissSplit of `service` ("copy", "hybrid", "cpu") for experts of `expert_bytes`."""
+    def split(self, service: str, expert_bytes: int, inter: int = 0, granule: int = 0) -> MissSplit:
+        """The MissSplit of `service` ("copy", "hybrid", "cpu") for experts of `expert_bytes`; hybrid with a
+        tail where granule > 0 (expertcache.split.tail_granule of experts of width `inter`), as the engine
+        splits them."""
         if service == "copy":
             return MissSplit.copy()
         if service == "cpu":
             return MissSplit.cpu()
         if service == "hybrid":
-            return MissSplit.hybrid(self.costs(expert_bytes))
+            return MissSplit.hybrid(self.costs(expert_bytes), inter, granule)
         raise ValueError(f"unknown miss service {service!r} (--miss-service): choose from {', '.join(MISS_SERVICES)}")
 
     def describe(self) -> str:
@@ -189,17 +192,21 @@ def estimate_service(hist: np.ndarray, tokens: int, shape: ModelShape, host: Hos
         counts = split_hist[m, c].astype(np.float64)
         if counts.sum() != hist.sum() or (c > m).any():
             raise ValueError("split_hist must count the calls of hist by (misses, copies <= misses)")
-    step = costs.step_us(m, c)
+    mm = np.minimum(m, split.copies.shape[0] - 1)
+    tail = np.where((c == split.copies[mm]) & (c < m), split.link_rows[mm], 0)  # a split expert's rows on the link
+    f = tail / split.inter if split.inter else np.zeros(np.shape(m))
+    step = costs.step_us(m, c, f)
     if overlap:
         shared = shape.shared_bytes / (g.hbm_gbps * 1e3)
         step = np.where(step > 0, np.maximum(step, shared) - shared, 0.0)
-    link = costs.link_us(c, alone=(m - c) == 0)
-    cpu = costs.cpu_us(m - c, alone=c == 0)
+    link = costs.link_us(c + f, alone=(m - c - f) <= 0)
+    cpu = costs.cpu_us(m - c - f, alone=(c + f) <= 0)
     compute_t = float(counts.sum()) * compute / tokens
     miss_t = float(counts @ step) / tokens
     us = compute_t + miss_t
     return ServiceEstimate(split.service, us, batch * 1e6 / us, compute_t, miss_t, float(counts @ link) / tokens,
-                           float(counts @ cpu) / tokens, float(counts @ c) / tokens, float(counts @ (m - c)) / tokens)
+                           float(counts @ cpu) / tokens, float(counts @ (c + f)) / tokens,
+                           float(counts @ (m - c - f)) / tokens)
 
 
 @dataclass(frozen=True)
@@ -233,11 +240,18 @@ def service_rows(results_by: dict, shape: ModelShape, host: HostProfile, service
             got = {sv: results_by.get((sv, policy, s)) for sv in services}
             if any(r is None for r in got.values()):
                 continue
-            ests = {sv: estimate_service(r.hist, r.tokens, shape, host, host.split(sv, shape.expert_bytes),
+            ests = {sv: estimate_service(r.hist, r.tokens, shape, host, split_for(host, sv, shape, run),
                                          batch=batch, policy=policy, split_hist=r.split_hist)
                     for sv, r in got.items()}
             rows.append(ServiceRow(policy, s, run, ests))
     return rows
+
+
+def split_for(host: HostProfile, service: str, shape: ModelShape, run: object = None) -> MissSplit:
+    """host.split of `service` for `shape`'s experts, with the tail the engine would cut them by: their format
+    is run.fmt (a sim.budget.FormatRun), bf16 without a run."""
+    granule = tail_granule(resolve_format("bf16" if run is None else run.fmt), shape.expert_intermediate)
+    return host.split(service, shape.expert_bytes, shape.expert_intermediate if granule else 0, granule)
 
 
 def _where(row: ServiceRow) -> str:

@@ -65,7 +65,9 @@ class ExpertFormat:
 
     name: the registry key (`--moe-expert-format`). in_multiple: in_features must be a multiple of
     it (`in_rule` says why). main / pack: the part whose shape is [out, in / pack] (gives the matrix
-    shape on dequantize).
+    shape on dequantize). in_block: the inputs of a row one scale covers (fp8's 128-wide blocks, int4's
+    groups, the E2M1 formats' blocks; 1 for the dense formats), so a row's inputs [0, c) with c a
+    multiple of it are read with whole scales.
     """
 
     name: ClassVar[str] = ""
@@ -73,6 +75,7 @@ class ExpertFormat:
     in_rule: ClassVar[str] = ""
     main: ClassVar[str] = "q"
     pack: ClassVar[int] = 1
+    in_block: ClassVar[int] = 1  # inputs one scale covers along a row (1: none, or one per row)
 
     @property
     def key(self) -> str:

@@ -39,6 +39,7 @@ class FP8(ExpertFormat):
     """float8 e4m3fn with 128 x 128 float32 block scales (multiplied in on dequantize)."""
 
     name = "fp8"
+    in_block = BLOCK
 
     def _layout(self, out_features: int, in_features: int) -> tuple[Part, ...]:
         return (Part("q", (out_features, in_features), "float8_e4m3fn"),

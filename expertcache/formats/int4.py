@@ -48,6 +48,7 @@ class INT4(ExpertFormat):
 
     name = "int4"
     in_multiple = 2
+    in_block = GROUP
     in_rule = "two 4-bit values per byte"
     pack = 2
 

@@ -47,6 +47,7 @@ class MXFP4(ExpertFormat):
 
     name = "mxfp4"
     in_multiple = BLOCK
+    in_block = BLOCK
     in_rule = "one e8m0 scale per 32 values along the input"
     pack = 2
 

@@ -42,6 +42,7 @@ class NVFP4(ExpertFormat):
 
     name = "nvfp4"
     in_multiple = BLOCK
+    in_block = BLOCK
     in_rule = "one e4m3 scale per 16 values along the input"
     pack = 2
 

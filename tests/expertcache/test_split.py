@@ -16,8 +16,9 @@ from expertcache import (
     MissSplit,
     policy_names,
 )
+from expertcache.formats import get_format, resolve_format
 from expertcache.replay import run_calls
-from expertcache.split import SPLIT_LEN, rank_misses
+from expertcache.split import SPLIT_LEN, TAIL_MAX_MISSES, TAIL_STEPS, TAIL_TIE, rank_misses, tail_granule
 from sim.belady import Belady
 
 POLICIES = policy_names()
@@ -88,6 +89,67 @@ def test_a_split_refuses_a_query_past_its_table_and_changes_nothing():
     with pytest.raises(EnsureError, match="rows \\* top_k"):
         run_calls(cache, ids[None], np.zeros(1, dtype=np.int64))
     assert cache.snapshot().equals(before)
+
+
+@pytest.mark.parametrize(("fmt", "inter", "want"), [("bf16", 768, 16), ("fp8", 768, 128), ("int4", 768, 128),
+                                                    ("nvfp4", 768, 16), ("mxfp4", 2880, 64), ("bf16", 2880, 48),
+                                                    ("fp8", 2880, 0), ("int4-z", 1408, 128), ("mxfp4", 32, 0)])
+def test_tail_granule_whole_scale_blocks_and_words(fmt, inter, want):
+    """A granule divides the width into 2..TAIL_STEPS parts and is a multiple of the format's scale block, of
+    the down inputs in one word of its main part, and of 16 (the CPU's gate_up items); 0 where none is."""
+    f = resolve_format(fmt)
+    g = tail_granule(f, inter)
+    assert g == want
+    if g:
+        assert inter % g == 0 and 2 <= inter // g <= TAIL_STEPS and g % 16 == 0 and g % f.in_block == 0
+
+
+def _brute_tail(costs, m, steps):
+    """The least max(link, cpu) over every (c, n) of m misses, and every choice within TAIL_TIE of it."""
+    times = {(c, n): float(costs.step_us(m, c, n / steps)) for c in range(m + 1) for n in range(steps)
+             if c < m or n == 0}
+    best = min(times.values())
+    return best, {k for k, t in times.items() if t <= best * (1 + TAIL_TIE)}
+
+
+@pytest.mark.parametrize("costs", [
+    ChannelCosts(link_fixed_us=8.8, link_per_expert_us=176.4, cpu_fixed_us=50.0, cpu_per_expert_us=132.4),
+    ChannelCosts(link_fixed_us=20.0, link_per_expert_us=170.0, cpu_fixed_us=15.0, cpu_per_expert_us=210.0),
+    ChannelCosts(0.0, 1.0, 0.0, 1.0)])
+def test_hybrid_tail_table_is_the_brute_force_balance(costs):
+    """Every m's (copies, tail) is a least-time choice within the tie, the largest c of those, then the
+    shortest tail; never slower than whole experts beyond the tie; a tail only beside a served expert."""
+    inter, granule = 768, 64
+    steps = inter // granule
+    whole, split = MissSplit.hybrid(costs), MissSplit.hybrid(costs, inter, granule)
+    assert split.tail and split.inter == inter
+    for m in range(1, 24):
+        best, ties = _brute_tail(costs, m, steps)
+        c, r = int(split.copies[m]), int(split.link_rows[m])
+        assert r % granule == 0 and (c, r // granule) in ties
+        assert (c, r // granule) == max(ties, key=lambda k: (k[0], -k[1]))
+        assert costs.step_us(m, c, r / inter) <= costs.step_us(m, whole.copies[m]) * (1 + TAIL_TIE)
+        assert r == 0 or c < m
+    assert not split.link_rows[TAIL_MAX_MISSES:].any()
+    assert (split.copies[TAIL_MAX_MISSES:] == whole.copies[TAIL_MAX_MISSES:]).all()
+    assert split.link_rows_given(5, int(split.copies[5])) == split.link_rows[5]
+    assert split.link_rows_given(5, int(split.copies[5]) + 1) == 0  # a filling pool raised the copies: no tail
+
+
+def test_tail_errors_name_the_field():
+    costs = ChannelCosts(0.0, 1.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="granule"):
+        MissSplit.hybrid(costs, 768, 100)
+    with pytest.raises(ValueError, match="inter"):
+        MissSplit.hybrid(costs, -1, 0)
+    rows = np.zeros(SPLIT_LEN, dtype=np.int32)
+    rows[3] = 64
+    with pytest.raises(ValueError, match="link_rows"):
+        MissSplit("hybrid", MissSplit.copy().copies, link_rows=rows, inter=768)  # copies[3] = 3: nothing served
+    with pytest.raises(ValueError, match="link_rows"):
+        MissSplit("hybrid", MissSplit.cpu().copies, link_rows=rows, inter=32)  # past the width
+    assert MissSplit("hybrid", MissSplit.cpu().copies, link_rows=rows, inter=768).tail
+    assert not MissSplit.hybrid(costs).tail and get_format("bf16").in_block == 1
 
 
 def test_rank_misses_prefers_priority_then_the_lower_key():
@@ -176,8 +238,9 @@ def test_the_copied_misses_are_those_of_highest_priority(policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("split", [MissSplit.copy(), MissSplit.cpu(), HALF,
-                                   MissSplit.hybrid(ChannelCosts(5.0, 100.0, 15.0, 140.0))],
-                         ids=["copy", "cpu", "half", "hybrid"])
+                                   MissSplit.hybrid(ChannelCosts(5.0, 100.0, 15.0, 140.0)),
+                                   MissSplit.hybrid(ChannelCosts(5.0, 100.0, 15.0, 140.0), 768, 64)],
+                         ids=["copy", "cpu", "half", "hybrid", "hybrid-tail"])
 def test_replay_matches_reference_with_a_split(policy, split):
     g = CacheGeometry(6, 24, 30)
     C, rows, k, T = 480, 2, 4, 8

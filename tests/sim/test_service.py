@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from expertcache.split import MissSplit
+from expertcache.split import TAIL_TIE, MissSplit
 from moe.cli import main
 from sim.costmodel import SHAPES, estimate_decode
 from sim.service import HOSTS, HostProfile, estimate_service
@@ -53,6 +53,31 @@ def test_hybrid_prices_each_call_at_its_slower_channel():
     # every routed expert on the CPU, alone on the DRAM: its alone rate
     cpu_only = estimate_service(hist, 1, SHAPE, h, MissSplit.cpu())
     assert cpu_only.miss_us_per_token == pytest.approx(SHAPE.num_layers * (h.cpu_fixed_us + 6 * B / (h.cpu_gbps * 1e3)))
+
+
+def test_a_tail_prices_its_share_of_an_expert_on_each_channel():
+    """With a tail, a call's m misses cost max(link(c + f), cpu(m - c - f)), f the tail's share of one expert;
+    the tail split is never slower than whole experts on the same calls (beyond the tie it gives to more copies),
+    and counts fractional experts."""
+    h = HOSTS["h100-host"]
+    B, inter = SHAPE.expert_bytes, SHAPE.expert_intermediate
+    whole = h.split("hybrid", B)
+    split = h.split("hybrid", B, inter, 16)
+    assert split.tail and not whole.tail
+    hist = np.zeros((SHAPE.num_layers, SHAPE.top_k + 1), dtype=np.int64)
+    hist[:, 6] = 1
+    c, r = split.copies_for(6), int(split.link_rows[6])
+    assert r > 0
+    costs = h.costs(B)
+    est = estimate_service(hist, 1, SHAPE, h, split)
+    assert est.miss_us_per_token == pytest.approx(SHAPE.num_layers * float(costs.step_us(6, c, r / inter)))
+    assert est.copies_per_token == pytest.approx(SHAPE.num_layers * (c + r / inter))
+    assert est.served_per_token == pytest.approx(SHAPE.num_layers * (6 - c - r / inter))
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        hist = _hist(rng)
+        assert estimate_service(hist, 50, SHAPE, h, split).miss_us_per_token <= \
+            estimate_service(hist, 50, SHAPE, h, whole).miss_us_per_token * (1 + TAIL_TIE)
 
 
 @pytest.mark.parametrize("host", sorted(HOSTS))
