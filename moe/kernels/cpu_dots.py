@@ -3,8 +3,9 @@
     one weight row (its bytes in an expert format, expertcache.formats) + x float32 [in]
         ──dot_<format>──► Σ_c W'[c] * x[c],  W' = the format's torch `decode` of the row
         ──dot4_<format>──► the same for 4 inputs at once (the row decoded once)
-    one key's parts, rows [r0, r1), inputs xin[toks[tt]] (tt < ntok)
-        ──rows_<format>──► out[tt, col0 + r - r0] = W'[r] · xin[toks[tt]]
+    one key's parts, rows [r0, r1), inputs xin[toks[tt]] (tt < ntok), the rows' first k columns (k = in:
+    whole rows; fewer: a split expert's down rows, reading only those columns' bytes)
+        ──rows_<format>──► out[tt, col0 + r - r0] = W'[r, :k] · xin[toks[tt], :k]
 
 A row's bytes are read from memory once and decoded in SIMD registers (moe.kernels.cpu_decode); nothing
 is written back. One token takes the fused dot; more take passes of 4 (the last one repeats its last
@@ -284,10 +285,14 @@ def dot4_mxfp4(q, s, x0, x1, x2, x3):
     return lane_sum(a0) * unit, lane_sum(a1) * unit, lane_sum(a2) * unit, lane_sum(a3) * unit
 
 
-# Rows [r0, r1) of one key's matrix against ntok inputs: out[tt, col0 + r - r0] = W'[r] · xin[toks[tt]].
-# The parts are the key's rows of its banks, flattened (row r of a stacked matrix is sub-matrix r // rows);
-# xin float32 [*, n] in the format's input order, toks int64 [>= ntok], out float32 [>= ntok, *]. One
-# token takes the fused dot, more take passes of PASS (`_pass` / `_put`).
+# Rows [r0, r1) of one key's matrix against ntok inputs over the rows' first k input columns:
+# out[tt, col0 + r - r0] = W'[r, :k] · xin[toks[tt], :k]. The parts are the key's rows of its banks,
+# flattened (row r of a stacked matrix is sub-matrix r // rows), n in_features apart; xin float32 [*, >= n]
+# in the format's input order for a matrix of k columns (packed: [even | odd] halves of k / 2), toks int64
+# [>= ntok], out float32 [>= ntok, *]. k = n is the whole row; a shorter k (a split expert's down rows,
+# moe.kernels.cpu_experts) reads only the row's bytes and scales of those columns: a multiple of the
+# format's scale block along the row (fp8 / int4: 128, nvfp4: 16, mxfp4: 32). One token takes the fused
+# dot, more take passes of PASS (`_pass` / `_put`).
 
 @njit(**KERNEL, inline="always")
 def _pass(toks, t0, ntok):
@@ -304,10 +309,10 @@ def _put(out, t0, ntok, col, r):
 
 
 @njit(**KERNEL, fastmath=FASTMATH)
-def rows_dense(w, n, r0, r1, xin, toks, ntok, out, col0, word):
+def rows_dense(w, n, k, r0, r1, xin, toks, ntok, out, col0, word):
     """w [rows * n] float32, or uint16 bf16 / f16 words (word)."""
     for r in range(r0, r1):
-        wr, col = w[r * n:(r + 1) * n], col0 + r - r0
+        wr, col = w[r * n:r * n + k], col0 + r - r0
         if ntok == 1:
             out[0, col] = dot_dense(wr, xin[toks[0]], word)
         for t0 in range(0, ntok if ntok > 1 else 0, PASS):
@@ -316,13 +321,13 @@ def rows_dense(w, n, r0, r1, xin, toks, ntok, out, col0, word):
 
 
 @njit(**KERNEL, fastmath=FASTMATH)
-def rows_fp8(q, s, n, rows, r0, r1, xin, toks, ntok, out, col0):
+def rows_fp8(q, s, n, k, rows, r0, r1, xin, toks, ntok, out, col0):
     """q uint8 [stack * rows * n] e4m3fn bytes, s float32 [stack * ceil(rows / 128) * ceil(n / 128)] block scales
     (each sub-matrix of `rows` rows has its own block rows)."""
-    blocks = (n + FP8_BLOCK - 1) // FP8_BLOCK
+    blocks, used = (n + FP8_BLOCK - 1) // FP8_BLOCK, (k + FP8_BLOCK - 1) // FP8_BLOCK
     for r in range(r0, r1):
         srow = r // rows * ((rows + FP8_BLOCK - 1) // FP8_BLOCK) + r % rows // FP8_BLOCK
-        qr, sr, col = q[r * n:(r + 1) * n], s[srow * blocks:(srow + 1) * blocks], col0 + r - r0
+        qr, sr, col = q[r * n:r * n + k], s[srow * blocks:srow * blocks + used], col0 + r - r0
         if ntok == 1:
             out[0, col] = dot_fp8(qr, sr, xin[toks[0]])
         for t0 in range(0, ntok if ntok > 1 else 0, PASS):
@@ -331,13 +336,13 @@ def rows_fp8(q, s, n, rows, r0, r1, xin, toks, ntok, out, col0):
 
 
 @njit(**KERNEL, fastmath=FASTMATH)
-def rows_int4(q, s, z, n, r0, r1, xin, toks, ntok, out, col0, word, zero_points):
+def rows_int4(q, s, z, n, k, r0, r1, xin, toks, ntok, out, col0, word, zero_points):
     """q uint8 [rows * n / 2] nibbles, s uint16 [rows * ceil(n / 128)] scales (word), z uint8 [same] zero
     points (read when zero_points)."""
-    nb, groups = n // 2, (n + 127) // 128
+    nb, kb, groups, used = n // 2, k // 2, (n + 127) // 128, (k + 127) // 128
     for r in range(r0, r1):
-        qr, sr, col = q[r * nb:(r + 1) * nb], s[r * groups:(r + 1) * groups], col0 + r - r0
-        zr = z[r * groups:(r + 1) * groups] if zero_points else z[:0]
+        qr, sr, col = q[r * nb:r * nb + kb], s[r * groups:r * groups + used], col0 + r - r0
+        zr = z[r * groups:r * groups + used] if zero_points else z[:0]
         if ntok == 1:
             out[0, col] = dot_int4(qr, sr, zr, xin[toks[0]], word, zero_points)
         for t0 in range(0, ntok if ntok > 1 else 0, PASS):
@@ -349,14 +354,14 @@ _nvfp4_scales = stack_array(NVFP4_MAX_BLOCKS)  # a row's block scales, decoded
 
 
 @njit(**KERNEL, fastmath=FASTMATH)
-def rows_nvfp4(q, s, s2, n, rows, r0, r1, xin, toks, ntok, out, col0):
+def rows_nvfp4(q, s, s2, n, k, rows, r0, r1, xin, toks, ntok, out, col0):
     """q uint8 [rows * n / 2] E2M1 nibbles, s uint8 [rows * n / 16] e4m3 scales, s2 float32 [stack] the
     sub-matrices' global scales; n / 16 <= NVFP4_MAX_BLOCKS."""
-    nb, blocks = n // 2, n // 16
-    scales = _nvfp4_scales()[:blocks]
+    nb, kb, blocks, used = n // 2, k // 2, n // 16, k // 16
+    scales = _nvfp4_scales()[:used]
     for r in range(r0, r1):
-        qr, col, glob = q[r * nb:(r + 1) * nb], col0 + r - r0, s2[r // rows]
-        decode_e4m3_row(s[r * blocks:(r + 1) * blocks], scales)
+        qr, col, glob = q[r * nb:r * nb + kb], col0 + r - r0, s2[r // rows]
+        decode_e4m3_row(s[r * blocks:r * blocks + used], scales)
         if ntok == 1:
             out[0, col] = dot_nvfp4(qr, scales, xin[toks[0]]) * glob
         for t0 in range(0, ntok if ntok > 1 else 0, PASS):
@@ -366,11 +371,11 @@ def rows_nvfp4(q, s, s2, n, rows, r0, r1, xin, toks, ntok, out, col0):
 
 
 @njit(**KERNEL, fastmath=FASTMATH)
-def rows_mxfp4(q, s, n, r0, r1, xin, toks, ntok, out, col0):
+def rows_mxfp4(q, s, n, k, r0, r1, xin, toks, ntok, out, col0):
     """q uint8 [rows * n / 2] E2M1 nibbles, s uint8 [rows * n / 32] e8m0 scales."""
-    nb, blocks = n // 2, n // 32
+    nb, kb, blocks, used = n // 2, k // 2, n // 32, k // 32
     for r in range(r0, r1):
-        qr, sr, col = q[r * nb:(r + 1) * nb], s[r * blocks:(r + 1) * blocks], col0 + r - r0
+        qr, sr, col = q[r * nb:r * nb + kb], s[r * blocks:r * blocks + used], col0 + r - r0
         if ntok == 1:
             out[0, col] = dot_mxfp4(qr, sr, xin[toks[0]])
         for t0 in range(0, ntok if ntok > 1 else 0, PASS):

@@ -1,14 +1,24 @@
 """Routed experts computed on the CPU, reading each expert in place from the HostStore (numba, float32).
 
-    x [T, H] float32, ids [T, k] int32 (expert of MoE layer `layer`, -1: not the CPU's), weights [T, k]
-        │ plan (the caller): units = the distinct keys layer * E + id in order of first appearance, each
-        │                with its tokens in increasing order; unit_of / pos_of [T, k] locate (t, j)'s result
-        ├─ gate_up_rows  items (unit, GATE_UP_ROWS block of i): act[u, t, i] =
+    x [T, H] float32, ids [T, k] int32 (expert of MoE layer `layer`, -1: not the CPU's), weights [T, k],
+    split: None or (expert, cut)
+        │ plan (the caller): units = the distinct keys layer * E + id in order of first appearance (the
+        │                split expert's moved last), each with its tokens in increasing order and its
+        │                rows c[u] (I; cut for the split expert); unit_of / pos_of [T, k] locate (t, j)'s result
+        ├─ gate_up_rows  items (unit, GATE_UP_ROWS block of i < c[u]): act[u, t, p(i)] =
         │                act(gate_i · x[t] + b_gate_i, up_i · x[t] + b_up_i), t the unit's tokens   [U, T, I]
         ├─ down_rows     items (unit, DOWN_ROWS block of o), once every gate_up item is done:
-        │                y[u, tt, o] = down_o · act[u, t] + b_o (tt: t's place among the unit's tokens)
+        │                y[u, tt, o] = down_o[:c[u]] · act[u, t, :c[u]] + b_o (tt: t's place among the
+        │                unit's tokens; no b_o for the split expert)
         └─ combine_rows  the caller: out[t, o] = Σ_{j ascending, ids[t, j] >= 0} weights[t, j] * y[u, tt, o]
                          with (u, tt) = (unit_of[t, j], pos_of[t, j])
+
+A split expert is computed in two parts that add up to the whole: the CPU takes its intermediate rows
+[0, cut) (gate and up rows, down's columns) here, the GPU the rows [cut, I) from a scratch slot the link
+copied them into, with down's bias (expertcache.split: the split evens out the two channels' times to
+within a granule of rows rather than a whole expert). p(i) places act in down's input order for a matrix
+of c[u] columns: i, or for the packed formats [even | odd] halves of c[u] / 2, so down's dots read the
+first c[u] columns of each row and only their bytes and scales.
 
 Legend: T = tokens (1..MAX_TOKENS), H = hidden, I = expert width, k = top_k, E = experts a layer,
 U = units (<= T * k). act = silu(gate) * up, or gpt-oss's (clamp(up, -l, l) + 1) * g * sigmoid(alpha g)
@@ -27,8 +37,8 @@ between the calls on the same cores, lets them sleep at once.
 Every output element is computed by one work item in one fixed order, and every thread runs the items
 through one compiled function (pool_run, with one call site of the item loop, so no thread's copy is
 optimized apart), so results are bitwise equal for any thread count or schedule (the order does depend
-on the routing: an expert with one token takes the fused dot, one with more the 4-token passes, which
-may differ in the last bits). The kernels release the GIL; scratch (act, y, the plan) belongs to the
+on the routing and the split: an expert with one token takes the fused dot, one with more the 4-token
+passes, which may differ in the last bits). The kernels release the GIL; scratch (act, y, the plan) belongs to the
 CpuExperts, so one call runs at a time per instance (a lock).
 """
 
@@ -46,6 +56,7 @@ from numba import njit
 from expertcache.formats import bank_name
 from expertcache.numba_cache import drop_stale_kernels
 from expertcache.pool import HostStore
+from expertcache.split import tail_granule
 from moe.kernels import cpu_decode, cpu_dots
 from moe.kernels.cpu_atomics import compare_exchange, cpu_relax, fetch_add, load_acquire, store_release
 from moe.kernels.cpu_decode import FASTMATH, KERNEL, WORD_BF16, WORD_F16, deinterleave, stack_array, word_f32
@@ -123,29 +134,31 @@ class Scratch(NamedTuple):
     unit_key: np.ndarray  # int64 [U]
     unit_tok: np.ndarray  # int64 [U, MAX_TOKENS]: a unit's tokens, increasing
     unit_m: np.ndarray  # int64 [U]: its token count
+    unit_cut: np.ndarray  # int64 [U]: its intermediate rows computed, I (a split expert: cut; only the last unit)
     unit_of: np.ndarray  # int64 [MAX_TOKENS, k]: the unit of (t, j), -1 where ids[t, j] < 0
     pos_of: np.ndarray  # int64 [MAX_TOKENS, k]: t's place among that unit's tokens
 
 
 @njit(**KERNEL)
-def rows_dot(m, spec, key, r0, r1, xin, toks, ntok, out, col0):
-    """out[tt, col0 + r - r0] = W'[r] · xin[toks[tt]] for the (stacked) rows r in [r0, r1) of key `key`'s matrix m
-    and tt < ntok; xin float32 [*, m.cols] in the format's input order, out float32 [>= ntok, *]."""
+def rows_dot(m, spec, key, r0, r1, k, xin, toks, ntok, out, col0):
+    """out[tt, col0 + r - r0] = W'[r, :k] · xin[toks[tt], :k] for the (stacked) rows r in [r0, r1) of key `key`'s
+    matrix m and tt < ntok: a row's first k <= m.cols columns (k a multiple of the format's scale block where
+    k < m.cols); xin float32 [*, >= m.cols] in the format's input order for k columns, out float32 [>= ntok, *]."""
     n = m.cols
     if spec.fmt == DENSE:
         if spec.word == WORD_F32:
-            rows_dense(m.floats[key], n, r0, r1, xin, toks, ntok, out, col0, spec.word)
+            rows_dense(m.floats[key], n, k, r0, r1, xin, toks, ntok, out, col0, spec.word)
         else:
-            rows_dense(m.words[key], n, r0, r1, xin, toks, ntok, out, col0, spec.word)
+            rows_dense(m.words[key], n, k, r0, r1, xin, toks, ntok, out, col0, spec.word)
     elif spec.fmt == FP8:
-        rows_fp8(m.q[key], m.s32[key], n, m.rows, r0, r1, xin, toks, ntok, out, col0)
+        rows_fp8(m.q[key], m.s32[key], n, k, m.rows, r0, r1, xin, toks, ntok, out, col0)
     elif spec.fmt == INT4:
         z = m.z[key] if spec.zero_points else m.z[0]
-        rows_int4(m.q[key], m.s16[key], z, n, r0, r1, xin, toks, ntok, out, col0, spec.word, spec.zero_points)
+        rows_int4(m.q[key], m.s16[key], z, n, k, r0, r1, xin, toks, ntok, out, col0, spec.word, spec.zero_points)
     elif spec.fmt == NVFP4:
-        rows_nvfp4(m.q[key], m.s8[key], m.s32[key], n, m.rows, r0, r1, xin, toks, ntok, out, col0)
+        rows_nvfp4(m.q[key], m.s8[key], m.s32[key], n, k, m.rows, r0, r1, xin, toks, ntok, out, col0)
     else:
-        rows_mxfp4(m.q[key], m.s8[key], n, r0, r1, xin, toks, ntok, out, col0)
+        rows_mxfp4(m.q[key], m.s8[key], n, k, r0, r1, xin, toks, ntok, out, col0)
 
 
 @njit(**KERNEL)
@@ -173,20 +186,21 @@ _gate_up_block = stack_array(MAX_TOKENS, 2 * GATE_UP_ROWS)  # [tt, gate rows | u
 
 
 @njit(**KERNEL)
-def gate_up_rows(gu, spec, key, i0, i1, xin, toks, ntok, act):
+def gate_up_rows(gu, spec, key, i0, i1, cols, xin, toks, ntok, act):
     """act[toks[tt], p(i)] = activation(gate_i · xin[toks[tt]] + b_gate_i, up_i · xin[toks[tt]] + b_up_i) of key
-    `key` for i in [i0, i1), tt < ntok; p(i) is down's input order ([even | odd] when spec.packed). xin float32
+    `key` for i in [i0, i1), tt < ntok; p(i) is the input order of a down matrix of `cols` columns (the
+    unit's rows, I or a split expert's cut; [even | odd] halves of cols / 2 when spec.packed). xin float32
     [*, H] in gate_up's input order, toks int64 [>= ntok] (token rows), act float32 [*, I]."""
     inter = gu.rows
-    half = inter // 2
+    half = cols // 2
     block = _gate_up_block()
     # the block's columns of gate and up rows; np.int64 keeps a constant from typing as a literal, which
     # would compile every row function once more for it
     gate_col, up_col = np.int64(0), np.int64(GATE_UP_ROWS)
     for b0 in range(i0, i1, GATE_UP_ROWS):
         b1 = min(i1, b0 + GATE_UP_ROWS)
-        rows_dot(gu, spec, key, b0, b1, xin, toks, ntok, block, gate_col)
-        rows_dot(gu, spec, key, inter + b0, inter + b1, xin, toks, ntok, block, up_col)
+        rows_dot(gu, spec, key, b0, b1, gu.cols, xin, toks, ntok, block, gate_col)
+        rows_dot(gu, spec, key, inter + b0, inter + b1, gu.cols, xin, toks, ntok, block, up_col)
         for i in range(b0, b1):
             p = (i & 1) * half + (i >> 1) if spec.packed else i
             b_gate, b_up = bias_of(gu, spec, key, i), bias_of(gu, spec, key, inter + i)
@@ -196,11 +210,13 @@ def gate_up_rows(gu, spec, key, i0, i1, xin, toks, ntok, act):
 
 
 @njit(**KERNEL)
-def down_rows(dn, spec, key, o0, o1, act, toks, ntok, y):
-    """y[tt, o] = down_o · act[toks[tt]] + b_o of key `key` for o in [o0, o1), tt < ntok. act float32 [*, I] in
-    down's input order (gate_up_rows' output), toks int64 [>= ntok], y float32 [>= ntok, H]."""
-    rows_dot(dn, spec, key, o0, o1, act, toks, ntok, y, o0)
-    if spec.bias != NO_BIAS:
+def down_rows(dn, spec, key, o0, o1, cols, act, toks, ntok, y):
+    """y[tt, o] = down_o[:cols] · act[toks[tt], :cols] + b_o of key `key` for o in [o0, o1), tt < ntok: the
+    first `cols` columns (I, or a split expert's cut: then no b_o, which the GPU's part adds). act float32
+    [*, I] in down's input order for `cols` columns (gate_up_rows' output), toks int64 [>= ntok], y float32
+    [>= ntok, H]."""
+    rows_dot(dn, spec, key, o0, o1, cols, act, toks, ntok, y, o0)
+    if spec.bias != NO_BIAS and cols == dn.cols:
         for o in range(o0, o1):
             b = bias_of(dn, spec, key, o)
             for tt in range(ntok):
@@ -225,8 +241,10 @@ def combine_rows(o0, o1, unit_of, pos_of, weights, y, out):
 
 
 @njit(**KERNEL)
-def plan_units(ids, layer, num_experts, sc):
-    """Fill sc's unit arrays from ids [T, k] (row-major first appearance order); returns the unit count."""
+def plan_units(ids, layer, num_experts, split, cut, inter, sc):
+    """Fill sc's unit arrays from ids [T, k] (row-major first appearance order); the unit of expert `split`
+    (-1: none) computes rows [0, cut) of its `inter` and is then moved last, so that only the last unit's
+    gate_up items are fewer (_phase). Returns the unit count."""
     n = 0
     for t in range(ids.shape[0]):
         for j in range(ids.shape[1]):
@@ -240,6 +258,7 @@ def plan_units(ids, layer, num_experts, sc):
             if u == n:
                 sc.unit_key[u] = key
                 sc.unit_m[u] = 0
+                sc.unit_cut[u] = cut if ids[t, j] == split else inter
                 n += 1
             m = sc.unit_m[u]
             if m == 0 or sc.unit_tok[u, m - 1] != t:  # t repeats only within its own row
@@ -247,6 +266,22 @@ def plan_units(ids, layer, num_experts, sc):
                 sc.unit_m[u] = m + 1
             sc.unit_of[t, j] = u
             sc.pos_of[t, j] = sc.unit_m[u] - 1
+    s = 0
+    while s < n and sc.unit_cut[s] == inter:
+        s += 1
+    last = n - 1
+    if s < last:  # swap the split unit with the last one
+        sc.unit_key[s], sc.unit_key[last] = sc.unit_key[last], sc.unit_key[s]
+        sc.unit_m[s], sc.unit_m[last] = sc.unit_m[last], sc.unit_m[s]
+        sc.unit_cut[s], sc.unit_cut[last] = sc.unit_cut[last], sc.unit_cut[s]
+        for i in range(sc.unit_tok.shape[1]):
+            sc.unit_tok[s, i], sc.unit_tok[last, i] = sc.unit_tok[last, i], sc.unit_tok[s, i]
+        for t in range(ids.shape[0]):
+            for j in range(ids.shape[1]):
+                if sc.unit_of[t, j] == s:
+                    sc.unit_of[t, j] = last
+                elif sc.unit_of[t, j] == last:
+                    sc.unit_of[t, j] = s
     return n
 
 
@@ -285,20 +320,26 @@ def _take(ctrl, ticket, gen, total):
 @njit(**KERNEL)
 def _phase(ctrl, gu, dn, spec, sc, gen, n, down):
     """Take and compute call `gen`'s items of one phase (down: the down rows, else the gate_up rows) of its
-    n units until none is left, counting each done; returns the phase's item count."""
+    n units until none is left, counting each done; returns the phase's item count. Item u * blocks + b is
+    unit u's block b; the last unit's gate_up blocks end at its rows (sc.unit_cut, plan_units)."""
     rows, step = (dn.rows, DOWN_ROWS) if down else (gu.rows, GATE_UP_ROWS)
     ticket, done = (TICKET_DOWN, DONE_DOWN) if down else (TICKET_UP, DONE_UP)
     blocks = (rows + step - 1) // step
+    total = n * blocks
+    if n > 0 and not down:
+        total -= blocks - (sc.unit_cut[n - 1] + step - 1) // step
     while True:
-        item = _take(ctrl, ticket, gen, n * blocks)
+        item = _take(ctrl, ticket, gen, total)
         if item < 0:
-            return n * blocks
+            return total
         u, b = item // blocks, item % blocks
-        r0, r1 = b * step, min(rows, (b + 1) * step)
+        r0, cut = b * step, sc.unit_cut[u]
         if down:
-            down_rows(dn, spec, sc.unit_key[u], r0, r1, sc.act[u], sc.unit_tok[u], sc.unit_m[u], sc.y[u])
+            r1 = min(rows, r0 + step)
+            down_rows(dn, spec, sc.unit_key[u], r0, r1, cut, sc.act[u], sc.unit_tok[u], sc.unit_m[u], sc.y[u])
         else:
-            gate_up_rows(gu, spec, sc.unit_key[u], r0, r1, sc.xin, sc.unit_tok[u], sc.unit_m[u], sc.act[u])
+            r1 = min(cut, r0 + step)
+            gate_up_rows(gu, spec, sc.unit_key[u], r0, r1, cut, sc.xin, sc.unit_tok[u], sc.unit_m[u], sc.act[u])
         fetch_add(ctrl, done, 1)
 
 
@@ -317,7 +358,7 @@ def run_call(ctrl, gu, dn, spec, sc, gen):
 
 
 @njit(**KERNEL, inline="always")
-def _publish(ctrl, spec, layer, num_experts, x, ids, sc):
+def _publish(ctrl, spec, layer, num_experts, split, cut, inter, x, ids, sc):
     """The leader's start of a call: plan it and publish it; returns its generation. The tickets move to
     the new call first, so no thread of the previous call takes an item while the plan is rewritten; the
     plan is published with the generation (release)."""
@@ -326,7 +367,7 @@ def _publish(ctrl, spec, layer, num_experts, x, ids, sc):
     store_release(ctrl, TICKET_DOWN, gen << TAG_SHIFT)
     store_release(ctrl, DONE_UP, 0)
     store_release(ctrl, DONE_DOWN, 0)
-    n = plan_units(ids, layer, num_experts, sc)
+    n = plan_units(ids, layer, num_experts, split, cut, inter, sc)
     input_order(spec, x, sc.xin)
     store_release(ctrl, UNITS, n)
     store_release(ctrl, GEN, gen)
@@ -334,17 +375,17 @@ def _publish(ctrl, spec, layer, num_experts, x, ids, sc):
 
 
 @njit(**KERNEL)
-def pool_run(ctrl, gu, dn, spec, sc, lead, layer, num_experts, x, ids, weights, out, spin, last):
+def pool_run(ctrl, gu, dn, spec, sc, lead, layer, num_experts, split, cut, x, ids, weights, out, spin, last):
     """Every thread's one entry, so that each work item runs the same compiled code whichever thread
     takes it (run_call has one call site here). lead: the calling thread of CpuExperts.moe: publish the
-    call of layer / x / ids, take part, wait for every down item, then out [T, H] = the combined experts
-    (serial: T * k * H multiply-adds cost less than handing them out); returns its generation.
-    Otherwise a pool thread (x, ids, weights, out unread): take part in every call published after
-    generation `last`; return the last one seen once `spin` waits (cpu_relax) pass with no new call, or
-    -1 when STOP is set. Arguments trusted."""
+    call of layer / x / ids / split (the split expert, -1: none) and cut, take part, wait for every down
+    item, then out [T, H] = the combined experts (serial: T * k * H multiply-adds cost less than handing
+    them out); returns its generation. Otherwise a pool thread (split, cut, x, ids, weights, out unread):
+    take part in every call published after generation `last`; return the last one seen once `spin` waits
+    (cpu_relax) pass with no new call, or -1 when STOP is set. Arguments trusted."""
     while True:
         if lead:
-            gen = _publish(ctrl, spec, layer, num_experts, x, ids, sc)
+            gen = _publish(ctrl, spec, layer, num_experts, split, cut, gu.rows, x, ids, sc)
         else:
             waited = 0
             gen = load_acquire(ctrl, GEN)
@@ -409,7 +450,7 @@ def _pool_thread(owner_ref, pool: _Pool) -> None:
             return
         g, spin, idle = owner._kernel_args, owner.spin_pauses, owner._idle_args
         del owner
-        last = int(pool_run(pool.ctrl, *g, False, 0, 1, *idle, spin, last))
+        last = int(pool_run(pool.ctrl, *g, False, 0, 1, -1, 0, *idle, spin, last))
         del g, idle
         if last < 0:
             return
@@ -509,6 +550,7 @@ class CpuExperts:
             raise ValueError(f"CpuExperts: the HostStore's {store.num_keys} keys are not a whole number of layers of "
                              f"MoEConfig.num_experts={cfg.num_experts}")
         self.cfg, self.store = cfg, store
+        self.tail_granule = tail_granule(cfg.format, cfg.expert_intermediate)  # split cuts' step; 0: none
         self.num_layers = store.num_keys // cfg.num_experts
         h, i = cfg.hidden, cfg.expert_intermediate
         self.gate_up = _matrix(store, cfg, "gate_up", i, h, 2)
@@ -518,6 +560,7 @@ class CpuExperts:
             xin=np.zeros((MAX_TOKENS, h), np.float32), act=np.zeros((units, MAX_TOKENS, i), np.float32),
             y=np.zeros((units, MAX_TOKENS, h), np.float32), unit_key=np.zeros(units, np.int64),
             unit_tok=np.zeros((units, MAX_TOKENS), np.int64), unit_m=np.zeros(units, np.int64),
+            unit_cut=np.zeros(units, np.int64),
             unit_of=np.zeros((MAX_TOKENS, cfg.top_k), np.int64), pos_of=np.zeros((MAX_TOKENS, cfg.top_k), np.int64))
         self._lock = threading.Lock()
         self._kernel_args = (self.gate_up, self.down, self.spec, self.scratch)
@@ -527,15 +570,20 @@ class CpuExperts:
         self.spin_pauses = 0
         self._pool: _Pool | None = None
 
-    def moe(self, layer: int, x, ids, weights, out=None) -> np.ndarray:
+    def moe(self, layer: int, x, ids, weights, out=None, split=None) -> np.ndarray:
         """out [T, H] float32 = Σ_{j ascending, ids[t, j] >= 0} weights[t, j] * expert(layer * E + ids[t, j])(x[t]).
 
         x float32 [T, H] (T in 1..MAX_TOKENS), ids int32 [T, k] (-1: a position that is not the CPU's),
         weights float32 [T, k], out: float32 [T, H] to write into (e.g. pinned memory; may be x itself),
         else a new array. numpy arrays or CPU torch tensors, C-contiguous. Each distinct key's weights are
-        read once. Cost: the keys' expert bytes from memory, T * k * 3 * I * H multiply-adds, on
-        threads_in_use() threads (this one and its pool) with the GIL released. Raises ValueError naming
-        the argument (layer, x, ids, weights, out) before anything is written.
+        read once. split: None, or (expert, cut) with expert an id that ids routes (in [0, E)) and cut in
+        (0, I) a multiple of self.tail_granule (expertcache.split.tail_granule; 0: this format and width
+        split nothing): that expert's part of rows [0, cut) alone, down_[:, :cut] @ act(gate_up rows
+        [0, cut) of x), without down's bias (its other rows are computed on the GPU from a scratch slot,
+        with the bias), weighted and summed as the others. Cost: the keys' expert bytes from memory (the
+        split expert's of its rows [0, cut)), T * k * 3 * I * H multiply-adds, on threads_in_use() threads
+        (this one and its pool) with the GIL released. Raises ValueError naming the argument (layer, x,
+        ids, weights, out, split) before anything is written.
         """
         cfg = self.cfg
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
@@ -554,6 +602,7 @@ class CpuExperts:
                                                                                 (rows, cfg.hidden))
         if not out.flags.writeable:
             raise ValueError("CpuExperts.moe: out must be writeable")
+        expert, cut = self._split(split, ids)
         # read-only inputs would compile pool_run once more, for the leader alone: its items would then
         # run other code than the pool threads' (module docstring: one compiled item code)
         x, ids, weights = (a if a.flags.writeable else a.copy() for a in (x, ids, weights))
@@ -565,8 +614,28 @@ class CpuExperts:
                 self._pool = _Pool(self, size)
             self._pool.wake()
             pool_run(self._pool.ctrl, self.gate_up, self.down, self.spec, self.scratch, True, int(layer),
-                     cfg.num_experts, x, ids, weights, out, 0, 0)
+                     cfg.num_experts, expert, cut, x, ids, weights, out, 0, 0)
         return out
+
+    def _split(self, split, ids: np.ndarray) -> tuple[int, int]:
+        """(expert, cut) of moe's `split` as ints, (-1, 0) for None, or ValueError naming split."""
+        if split is None:
+            return -1, 0
+        inter, granule = self.cfg.expert_intermediate, self.tail_granule
+        if not granule:
+            raise ValueError(f"CpuExperts.moe: split must be None: experts of MoEConfig.expert_format="
+                             f"{self.cfg.expert_format!r} and expert_intermediate={inter} cannot be split "
+                             f"(expertcache.split.tail_granule is 0), got {split!r}")
+        ok = isinstance(split, tuple) and len(split) == 2 and all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in split)
+        expert, cut = (int(v) for v in split) if ok else (-1, 0)
+        if not (ok and 0 <= expert < self.cfg.num_experts and 0 < cut < inter and cut % granule == 0):
+            raise ValueError(f"CpuExperts.moe: split must be None or (expert, cut), ints with expert in "
+                             f"[0, {self.cfg.num_experts}) and cut in (0, {inter}) a multiple of {granule}, "
+                             f"got {split!r}")
+        if not bool((ids == expert).any()):
+            raise ValueError(f"CpuExperts.moe: split names expert {expert}, which ids does not route")
+        return expert, cut
 
     def close(self) -> None:
         """Stop the pool's threads (a later call starts them again)."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from expertcache.formats import bank_name, resolve_format
+from expertcache.split import tail_granule
 from moe.kernels.cpu_dots import NVFP4_MAX_BLOCKS
 from moe.kernels.cpu_experts import MAX_TOKENS, SPIN_PAUSES, CpuExperts, set_threads
 from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig
@@ -62,14 +63,21 @@ def _decode_f64(cfg: MoEConfig, store, key: int):
     return decode("gate_up", 2 * i, h, 2), decode("down", h, i, 1), *biases
 
 
-def reference(cfg: MoEConfig, store, layer: int, x, ids, weights) -> torch.Tensor:
-    """out [T, H] float64 = Σ_{j ascending, ids >= 0} weights[t, j] * expert(layer * E + ids[t, j])(x[t])."""
+def reference(cfg: MoEConfig, store, layer: int, x, ids, weights, split=None) -> torch.Tensor:
+    """out [T, H] float64 = Σ_{j ascending, ids >= 0} weights[t, j] * expert(layer * E + ids[t, j])(x[t]); with
+    split = (expert, cut) that expert's part of rows [0, cut): down[:, :cut] @ act(gate_up rows [0, cut) and
+    [I, I + cut) of x + their biases), no down bias."""
     out = torch.zeros(x.shape[0], cfg.hidden, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             if ids[t, j] < 0:
                 continue
             gu, dn, b_gu, b_dn = expert_f64(cfg, store, layer * cfg.num_experts + int(ids[t, j]))
+            if split is not None and ids[t, j] == split[0]:
+                inter, cut = cfg.expert_intermediate, split[1]
+                rows = torch.cat([torch.arange(cut), inter + torch.arange(cut)])
+                gu, dn, b_dn = gu[rows], dn[:, :cut], None
+                b_gu = None if b_gu is None else b_gu[rows]
             h = gu @ torch.from_numpy(x[t]).double()
             a = gated_activation(h if b_gu is None else h + b_gu, cfg)
             y = dn @ a
@@ -143,6 +151,91 @@ def test_out_may_be_x():
 
 def bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint32)
+
+
+SPLIT_I = 384  # every format splits: granule 16 (bf16, nvfp4), 32 (mxfp4), 128 (fp8, int4: cuts 128 and 256)
+
+
+def split_cuts(cfg: MoEConfig) -> tuple[int, int]:
+    """The smallest and the largest cut of cfg's experts."""
+    granule = tail_granule(cfg.format, cfg.expert_intermediate)
+    assert 0 < granule < cfg.expert_intermediate
+    return granule, cfg.expert_intermediate - granule
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_split_expert_computes_its_first_rows_without_the_down_bias(fmt, activation, tokens):
+    """The most routed expert with the smallest cut, the first routed one (unit 0, planned last) with the
+    largest; the other experts whole."""
+    cfg, store = make_experts(fmt, activation, inter=SPLIT_I)
+    x, ids, weights = routing(tokens, seed=50 + tokens)
+    routed = ids[ids >= 0]
+    smallest, largest = split_cuts(cfg)
+    experts = CpuExperts(store, cfg)
+    for split in ((int(np.bincount(routed).argmax()), smallest), (int(routed[0]), largest)):
+        out = experts.moe(1, x, ids, weights, split=split)
+        assert rel_err(out, reference(cfg, store, 1, x, ids, weights, split)) < 1e-5, split
+        assert rel_err(out, reference(cfg, store, 1, x, ids, weights)) > 1e-4, split  # not the whole expert
+
+
+def test_split_none_is_the_call_without_a_split():
+    cfg, store = make_experts("nvfp4", "swiglu_clamped", inter=SPLIT_I)
+    x, ids, weights = routing(MAX_TOKENS, seed=61)
+    experts = CpuExperts(store, cfg)
+    want = experts.moe(0, x, ids, weights)
+    split = experts.moe(0, x, ids, weights, split=(int(ids[ids >= 0][0]), 16))
+    assert not np.array_equal(split, want)
+    assert np.array_equal(bits(experts.moe(0, x, ids, weights, split=None)), bits(want))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_split_is_bitwise_equal_for_any_thread_count(fmt):
+    cfg, store = make_experts(fmt, "swiglu_clamped", inter=SPLIT_I)
+    x, ids, weights = routing(MAX_TOKENS, seed=62)
+    split = (int(ids[ids >= 0][0]), split_cuts(cfg)[0])
+    experts = CpuExperts(store, cfg)
+    try:
+        results = []
+        for n in (1, 2, 3):
+            set_threads(n)
+            results.append(experts.moe(1, x, ids, weights, split=split))
+    finally:
+        set_threads(None)
+        experts.close()
+    assert all(np.array_equal(bits(r), bits(results[0])) for r in results)
+
+
+@pytest.mark.parametrize("fmt, split", [
+    ("fp8", (2, 48)),  # not a multiple of the granule, 128
+    ("fp8", (2, 0)),
+    ("fp8", (2, SPLIT_I)),
+    ("fp8", (2, -128)),
+    ("fp8", (E, 128)),
+    ("fp8", (-1, 128)),
+    ("fp8", (4, 128)),  # not routed
+    ("fp8", [2, 128]),
+    ("fp8", (2,)),
+    ("fp8", (2, 128.0)),
+    ("fp8", (True, 128)),
+    ("bf16", (2, 8)),
+    ("int4", None),  # I = 96: fp8 / int4 experts that cannot be split (granule 0)
+])
+def test_bad_splits_are_refused_by_name_and_change_nothing(fmt, split):
+    x = np.random.default_rng(0).standard_normal((3, H)).astype(np.float32)
+    ids = np.array([[0, 2, -1, 1], [2, 3, 1, 0], [-1, -1, 3, 0]], np.int32)
+    weights = np.ones((3, K), np.float32)
+    out = np.full((3, H), 7.0, np.float32)
+    if split is None:
+        cfg, store = make_experts(fmt)
+        assert tail_granule(cfg.format, I) == 0
+        split = (2, 16)
+    else:
+        cfg, store = make_experts(fmt, inter=SPLIT_I)
+    with pytest.raises(ValueError, match=r"\bsplit\b"):
+        CpuExperts(store, cfg).moe(0, x, ids, weights, out=out, split=split)
+    assert bool((out == 7).all())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
