@@ -68,7 +68,7 @@ from benchmeta import machine
 
 from expertcache import policy_names
 from expertcache.formats import FormatError, format_names, get_format, slots_for_budget
-from expertcache.split import MISS_SERVICE_CHOICES, MissSplit
+from expertcache.split import MISS_SERVICE_CHOICES, MissSplit, tail_granule
 from sim.costmodel import H200_SM_COPY, SHAPES, HardwareProfile, estimate_decode
 from sim.replay import replay
 from sim.service import DEFAULT_HOST, HOSTS, estimate_service
@@ -125,7 +125,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                          ", ".join(MISS_SERVICE_CHOICES) + "): on the GPU each format's engine measures "
                          "both channels at start as load_model does, and the simulator replays the same split, "
                          "priced at those rates; a dry run splits and prices with the default host profile "
-                         "(sim.service)")
+                         "(sim.service); hybrid-whole: hybrid splitting whole experts only (no tail, "
+                         "expertcache.split), to compare")
     ap.add_argument("--dry-run", action="store_true", help="simulator only (no GPU)")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip the miss-free run; predict with the H200_SM_COPY profile's own overhead")
@@ -155,7 +156,7 @@ def _check_args(args: argparse.Namespace) -> None:
         if not args.miss_services:
             raise ValueError("--miss-service is empty")
         for service in args.miss_services:
-            check_miss_service(service)
+            check_miss_service("hybrid" if service == WHOLE else service)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     args.miss_service = args.miss_services[0]
@@ -341,7 +342,7 @@ def run_format(fmt: str, traces: dict, args: argparse.Namespace, res: dict) -> N
 
         weights, res["build"][fmt] = build_weights(args, GEOMETRIES[args.geometry].config, fmt)
     for service in args.miss_services:  # each calibrated under itself: a split's hand-off is in its fixed time
-        args.miss_service = service
+        args.miss_service, args.tail = service, service != WHOLE
         _format_split(weights, fmt, args, res)
         _run_service(weights, fmt, traces, args, res)
     del weights
@@ -364,6 +365,9 @@ def _run_service(weights, fmt: str, traces: dict, args: argparse.Namespace, res:
                                         windows[policy], profile))
 
 
+WHOLE = "hybrid-whole"  # --miss-service: hybrid without a tail (whole experts only)
+
+
 def _format_split(weights, fmt: str, args: argparse.Namespace, res: dict) -> None:
     """args.split / args.host for format `fmt`: on the GPU the engine's own split, balanced from the channels
     it measures at start (recorded in res["channels"][fmt]), and a host profile of those rates for the
@@ -372,15 +376,18 @@ def _format_split(weights, fmt: str, args: argparse.Namespace, res: dict) -> Non
     if args.miss_service == "copy":
         return
     geo = GEOMETRIES[args.geometry]
+    base = "hybrid" if args.miss_service == WHOLE else args.miss_service
     if args.dry_run:
         host = HOSTS[DEFAULT_HOST].for_format(fmt)
-        service = "hybrid" if args.miss_service == "auto" else args.miss_service
-        split = host.split(service, get_format(fmt).expert_bytes(geo.hidden, geo.inter))
+        service = "hybrid" if base == "auto" else base
+        granule = tail_granule(get_format(fmt), geo.inter) if args.tail else 0
+        split = host.split(service, get_format(fmt).expert_bytes(geo.hidden, geo.inter), geo.inter if granule else 0,
+                           granule)
         args.split = None if split.copies_all else split
         return
     from decode_gpu import engine_split
 
-    args.split, measured = engine_split(weights, args.miss_service)
+    args.split, measured = engine_split(weights, base, tail=args.tail)
     if measured is not None:
         g = measured.gbps()
         # a call that serves misses pays the CPU's fixed part (its kernels' and the hand-off's round trip);

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     from bench_decode import GEOMETRIES, make_trace
     from decode_gpu import Runner, build_weights, engine_split
 
-    from expertcache.split import ChannelCosts, MissSplit
+    from expertcache.split import ChannelCosts, MissSplit, tail_granule
 
     geo = GEOMETRIES[args.geometry]
     if args.trace_out:  # before any graph is captured: the profiler then sees the replays' kernels
@@ -94,7 +94,11 @@ def main(argv: list[str] | None = None) -> dict:
         from moe.kernels.cpu_experts import set_threads
 
         set_threads(max(1, numba.config.NUMBA_NUM_THREADS - 2))  # as load_model leaves the launching threads two
-        args.split, measured = MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0)), None
+        cfg = weights.spec.moe  # equal channels, and the tail the engine cuts these experts by
+        granule = tail_granule(cfg.format, cfg.expert_intermediate)
+        args.split = MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0), cfg.expert_intermediate if granule else 0,
+                                      granule)
+        measured = None
     else:
         args.split, measured = engine_split(weights, args.service)
     args.slots = max(geo.top_k, round(args.slots_frac * args.layers * geo.num_experts))

@@ -10,6 +10,13 @@
                          per-matrix scales, a few bytes an expert)
         -> pool[bank] [num_slots, *row]  (device memory)
 
+With a tail (a hybrid miss split's, expertcache.split), one more row follows the plan's: tail int32
+[3] = (key, slot, cut) on the device (key -1: none this call), the rows [cut, I) of one expert copied
+into a scratch slot: of the banks of gate_up whose rows are [2I, ...] (its main part and per-row
+scales) the gate and up rows [cut, I), of down's main part ("down" or "down.q", [H, ...]) the words
+holding its input columns [cut, I) in every row, of every other bank (scales per block, global
+scales, biases: a few KB) the whole row. A live plan row copies whole rows as ever.
+
 The kernel launches a fixed grid and never reads `count` on the host, so a decode step that
 includes it can be captured in one CUDA graph and replayed with any plan. `miss_copy_ce` is
 the copy-engine path (eager, prefill: the plan is on the host), `reference_copy` the torch
@@ -58,6 +65,11 @@ def _miss_copy_kernel(
     BLOCK: tl.constexpr,  # int32 words per work item (a power of two, >= 4)
     GDC: tl.constexpr = False,  # launched programmatically: wait for the predecessor before reading
     RELEASE: tl.constexpr = False,  # with GDC: the next launch may start right after this one's wait
+    tail_ptr=None,  # with TAIL: *i32 [3] (key, slot, cut) of the tail row after the plan's (key -1: none)
+    TAIL: tl.constexpr = False,
+    INTER: tl.constexpr = 1,  # with TAIL: I, the expert width the tail cuts
+    KIND: tl.constexpr = (),  # with TAIL, per bank: TAIL_WHOLE, TAIL_ROWS or TAIL_COLS (_tail_layout)
+    UNIT: tl.constexpr = (),  # with TAIL, per bank: words of one matrix row (ROWS) or of one down row (COLS)
 ):
     if GDC:
         # By default no early launch of the next kernel: its programs would wait on the SMs for the
@@ -71,21 +83,37 @@ def _miss_copy_kernel(
     # Work item i = (plan row i // CHUNKS_PER_ROW, chunk i % CHUNKS_PER_ROW); program p takes
     # items p, p + grid, p + 2 * grid ..., so neighbouring programs read neighbouring chunks.
     n = tl.minimum(tl.maximum(tl.load(count_ptr), 0), num_rows)
-    total = n * CHUNKS_PER_ROW
+    rows = n
+    if TAIL:
+        rows += (tl.load(tail_ptr) >= 0).to(tl.int32)
+    total = rows * CHUNKS_PER_ROW
     lanes = tl.arange(0, BLOCK)
     item = tl.program_id(0)
     while item < total:  # a while loop: the interpreter cannot range() over device scalars
         row = item // CHUNKS_PER_ROW
         chunk = item - row * CHUNKS_PER_ROW
-        key = tl.load(plan_ptr + 2 * row).to(tl.int64)
-        slot = tl.load(plan_ptr + 2 * row + 1).to(tl.int64)
+        if TAIL:
+            on_tail = row == n
+            pick = tl.where(on_tail, tail_ptr, plan_ptr + 2 * row)
+            cut = tl.where(on_tail, tl.load(tail_ptr + 2), 0)
+        else:
+            pick = plan_ptr + 2 * row
+        key = tl.load(pick).to(tl.int64)
+        slot = tl.load(pick + 1).to(tl.int64)
         live = (key >= 0) & (key < num_keys) & (slot >= 0) & (slot < num_slots)
         for b in tl.static_range(NUM_BANKS):
             if live & (chunk >= FIRST_CHUNK[b]) & (chunk < FIRST_CHUNK[b + 1]):
                 offs = (chunk - FIRST_CHUNK[b]) * BLOCK + lanes
                 src = src_ptrs[b] + key * ROW_WORDS[b] + offs
                 dst = dst_ptrs[b] + slot * ROW_WORDS[b] + offs
-                if ROW_WORDS[b] % BLOCK == 0:
+                if TAIL:
+                    keep = offs < ROW_WORDS[b]
+                    if KIND[b] == 1:  # TAIL_ROWS: matrix row r of [2I, ...]: gate / up row r mod I
+                        keep &= (offs // UNIT[b]) % INTER >= cut
+                    elif KIND[b] == 2:  # TAIL_COLS: word w of a down row holds inputs [w I / U, (w + 1) I / U)
+                        keep &= ((offs % UNIT[b]) + 1) * INTER > cut * UNIT[b]
+                    tl.store(dst, tl.load(src, mask=keep), mask=keep)
+                elif ROW_WORDS[b] % BLOCK == 0:
                     tl.store(dst, tl.load(src))
                 else:
                     tail = offs < ROW_WORDS[b]
@@ -164,6 +192,43 @@ def _words_layout(store: HostStore, block_words: int) -> tuple[tuple[int, ...], 
     return tuple(row_words), tuple(first)
 
 
+TAIL_WHOLE, TAIL_ROWS, TAIL_COLS = 0, 1, 2
+
+
+def tail_layout(store: HostStore, inter: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(KIND, UNIT) per bank of the store for a tail of experts of width `inter` (module docstring):
+    TAIL_ROWS for a gate_up bank of rows [2I, ...] whose matrix rows are whole words (UNIT: words a
+    row), TAIL_COLS for down's main part ("down", "down.q") whose rows are whole words (UNIT: words a
+    row), TAIL_WHOLE (UNIT 0) for the others. Raises ValueError naming `inter` when it is not an int >= 1."""
+    if isinstance(inter, bool) or not isinstance(inter, int) or inter < 1:
+        raise ValueError(f"tail_layout: inter must be an int >= 1 (the expert width), got {inter!r}")
+    kinds, units = [], []
+    for b in store.banks:
+        words = b.row_bytes // WORD_BYTES
+        lead = b.row_shape[0] if b.row_shape else 0
+        if b.name.startswith("gate_up") and len(b.row_shape) >= 2 and lead == 2 * inter and words % lead == 0:
+            kinds.append(TAIL_ROWS)
+            units.append(words // lead)
+        elif b.name in ("down", "down.q") and len(b.row_shape) == 2 and words % lead == 0:
+            kinds.append(TAIL_COLS)
+            units.append(words // lead)
+        else:
+            kinds.append(TAIL_WHOLE)
+            units.append(0)
+    return tuple(kinds), tuple(units)
+
+
+def _check_tail(pool: SlotPool, tail) -> tuple[torch.Tensor, int]:
+    ok = isinstance(tail, tuple) and len(tail) == 2
+    t, inter = tail if ok else (None, None)
+    ok = ok and isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.numel() == 3 and t.is_contiguous()
+    if not ok or isinstance(inter, bool) or not isinstance(inter, int) or inter < 1:
+        raise ValueError("tail must be (int32 tensor [3] of (key, slot, cut), inter: the expert width >= 1)")
+    if t.device != pool.device:
+        raise ValueError(f"tail is on {t.device} but the pool is on {pool.device}: move tail")
+    return t, inter
+
+
 def _pointer_args(store: HostStore, pool: SlotPool) -> tuple[tuple, tuple]:
     """Per bank (source, destination) as int32 words: device views of the pinned store on
     CUDA, the CPU tensors themselves under the interpreter."""
@@ -179,8 +244,11 @@ def _pointer_args(store: HostStore, pool: SlotPool) -> tuple[tuple, tuple]:
 
 def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch.Tensor, *,
               num_ctas: int = DEFAULT_NUM_CTAS, block_bytes: int = DEFAULT_BLOCK_BYTES,
-              num_warps: int = DEFAULT_NUM_WARPS, pdl: bool = False, release_after_wait: bool = False) -> None:
-    """Copy store[bank][key] -> pool[bank][slot] for the first `count` rows of `plan`.
+              num_warps: int = DEFAULT_NUM_WARPS, pdl: bool = False, release_after_wait: bool = False,
+              tail: tuple[torch.Tensor, int] | None = None) -> None:
+    """Copy store[bank][key] -> pool[bank][slot] for the first `count` rows of `plan`, and with `tail`
+    = (int32 [3] (key, slot, cut) on the pool's device, I) the rows [cut, I) of one more expert (module
+    docstring; key -1: none).
 
     plan:  int32 [Q, 2] (key, slot) rows on the pool's device; rows past count are ignored,
            rows with a key or slot out of range are skipped.
@@ -213,11 +281,16 @@ def miss_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: torch
     block_words = block_bytes // 4
     row_words, first = _words_layout(store, block_words)
     srcs, dsts = _pointer_args(store, pool)
+    extra = {}
+    if tail is not None:
+        t, inter = _check_tail(pool, tail)
+        kinds, units = tail_layout(store, inter)
+        extra = {"tail_ptr": t, "TAIL": True, "INTER": inter, "KIND": kinds, "UNIT": units}
     with torch.cuda.device(pool.device) if cuda else contextlib.nullcontext():
         kernel[(num_ctas,)](
             count, plan, plan.shape[0], store.num_keys, pool.num_slots, srcs, dsts,
             NUM_BANKS=len(row_words), ROW_WORDS=row_words, FIRST_CHUNK=first,
-            CHUNKS_PER_ROW=first[-1], BLOCK=block_words, num_warps=num_warps,
+            CHUNKS_PER_ROW=first[-1], BLOCK=block_words, num_warps=num_warps, **extra,
             **({"GDC": True, "RELEASE": release_after_wait, "launch_pdl": True} if pdl and cuda else {}),
         )
 
@@ -282,6 +355,23 @@ def reference_copy(store: HostStore, pool: SlotPool, plan: torch.Tensor, count: 
     for b in store.banks:  # as bytes: index_copy has no float8 kernels
         src = _bytes(store.tensor(b.name)).index_select(0, keys).to(pool.device)
         _bytes(pool.tensor(b.name)).index_copy_(0, slots, src)
+
+
+def reference_tail_copy(store: HostStore, pool: SlotPool, key: int, slot: int, cut: int, inter: int) -> None:
+    """The torch reference of miss_copy's tail row: expert `key`'s rows [cut, I = inter) into `slot`
+    (module docstring), the words tail_layout marks. Works on CPU and CUDA pools."""
+    kinds, units = tail_layout(store, inter)
+    for b, kind, unit in zip(store.banks, kinds, units):
+        src = store.tensor(b.name)[key].reshape(-1).view(torch.int32).to(pool.device)
+        dst = pool.tensor(b.name)[slot].reshape(-1).view(torch.int32)
+        w = torch.arange(src.numel(), device=pool.device)
+        if kind == TAIL_ROWS:
+            keep = (w // unit) % inter >= cut
+        elif kind == TAIL_COLS:
+            keep = ((w % unit) + 1) * inter > cut * unit
+        else:
+            keep = torch.ones_like(w, dtype=torch.bool)
+        dst[keep] = src[keep]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

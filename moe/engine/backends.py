@@ -36,7 +36,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from expertcache.copy import reference_copy
+from expertcache.copy import reference_copy, reference_tail_copy
 from expertcache.geometry import CPU_SLOT, CacheGeometry
 from expertcache.host import HostCache
 from expertcache.pool import HostStore, SlotPool
@@ -355,7 +355,11 @@ class CpuCachedMoE:
             raise ValueError(f"--moe-miss-service {split.service} computes at most {CPU_MAX_TOKENS} rows on the CPU: "
                              f"lower --max-batch (got {max_batch})")
         self.cache = HostCache(_geometry(weights, num_slots, max_batch), policy, split=split, **constants)
-        self.pool = SlotPool(self.store.banks, num_slots, device="cpu")
+        self.scratch = num_slots if self.cache.split.tail else None  # a split expert's rows [cut, I)
+        self.pool = SlotPool(self.store.banks, num_slots + (self.scratch is not None), device="cpu")
+        if self.scratch is not None:
+            for b in self.pool.banks:
+                self.pool.tensor(b.name)[self.scratch].view(torch.uint8).zero_()
         self.prefill_counts = [0, 0]  # prefill's used experts: [streamed from the store, read from a slot]
         self.cpu_experts = None if self.cache.split.copies_all else CpuExperts(self.store, self.cfg)
 
@@ -371,12 +375,22 @@ class CpuCachedMoE:
         if res.copies:
             count = torch.tensor([res.copies], dtype=torch.int32)
             reference_copy(self.store, self.pool, torch.from_numpy(res.plan), count)
-        out = routed_reference(hidden, torch.from_numpy(res.slots), weights, *expert_matrices(self.pool, cfg),
-                               cfg=cfg, **expert_biases(self.pool, cfg))  # [B, H] f32; CPU_SLOT rows add 0
-        if res.served.shape[0]:  # the split's CPU share, from the store in place
-            mine = np.where(res.slots == CPU_SLOT, ids.numpy(), -1).astype(np.int32)
+        slots, act_cut, split = res.slots.copy(), None, None
+        served = res.slots == CPU_SLOT
+        rows = self.cache.split.link_rows_given(res.copies + res.served.shape[0], res.copies) if served.any() else 0
+        if rows:  # the tail: the first served expert's rows [cut, I) from the scratch slot, as the device splits it
+            expert, inter = int(ids.numpy()[served][0]), cfg.expert_intermediate
+            cut = inter - rows
+            reference_tail_copy(self.store, self.pool, w.index * cfg.num_experts + expert, self.scratch, cut, inter)
+            mask = served & (ids.numpy() == expert)
+            slots[mask] = self.scratch
+            act_cut, split = torch.from_numpy(np.where(mask, cut, 0)), (expert, cut)
+        out = routed_reference(hidden, torch.from_numpy(slots), weights, *expert_matrices(self.pool, cfg),
+                               cfg=cfg, act_cut=act_cut, **expert_biases(self.pool, cfg))  # [B, H] f32; CPU_SLOT adds 0
+        if served.any():  # the split's CPU share, from the store in place
+            mine = np.where(served, ids.numpy(), -1).astype(np.int32)
             out = out + torch.from_numpy(self.cpu_experts.moe(w.index, hidden.float().numpy(), mine,
-                                                              weights.float().numpy()))
+                                                              weights.float().numpy(), split=split))
         if w.shared is not None:
             out = out + shared_expert(hidden, w.shared)
         return out.to(hidden.dtype), ids
@@ -402,7 +416,8 @@ class GpuMoE:
                  forced_routing: bool = False, split: MissSplit | None = None, **constants) -> None:
         geometry = _geometry(weights, num_slots, max_batch)
         self.cfg, self.store = weights.spec.moe, weights.store
-        pool = SlotPool(self.store.banks, num_slots, device=weights.device)
+        tail = split is not None and split.tail  # the scratch slot beside the cache's
+        pool = SlotPool(self.store.banks, num_slots + tail, device=weights.device)
         self.slots = SlotCache(self.store, pool, geometry.num_layers, geometry.num_experts, policy, split=split,
                                cfg=self.cfg, **constants)
         self.layers = {lw.mlp.index: MoELayer(self.cfg, lw.mlp.index, lw.mlp.router, self.slots, lw.mlp.shared,

@@ -13,6 +13,15 @@
           system-scope acquire; then dst [T, H] = addend (the shared expert's output, or 0) + (out if
           pending, else 0)
 
+With a tail (expertcache.split: MissSplit.link_rows), the post also splits the call's first served
+expert (the one at the lowest position (t, j) on the CPU): from the ensure's copies c and the distinct
+served experts s it takes r = link_rows[c + s] (0 unless c is the table's copies[c + s]); where r > 0
+it rewrites that expert's positions from CPU_SLOT to the scratch slot, writes tail = (key, scratch,
+cut = I - r) for the miss copy (expertcache.copy: rows [cut, I) into the scratch slot) and (expert, cut)
+beside the payload, so the worker computes its rows [0, cut) only (CpuExperts.moe's split). The wait
+then zeroes the act rows [0, cut) of the scratch positions before the down reads them: the slot's rows
+below cut hold another expert's bytes, and the GPU's share of the expert is its rows [cut, I) alone.
+
 A layer call that serves nothing on the CPU (every miss copied, or none) hands nothing over: the worker
 is not woken and the wait does not wait, so a split costs a call with no CPU share two short launches.
 
@@ -33,6 +42,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -40,13 +50,15 @@ from numba import njit
 
 from expertcache.geometry import CPU_SLOT
 from expertcache.pool import DeviceView, mapped_device_pointer
+from expertcache.split import SPLIT_LEN, MissSplit
 from moe.kernels.cpu_atomics import cpu_relax, load_acquire, store_release
 from moe.kernels.cpu_experts import SPIN_PAUSES, CpuExperts
 from moe.kernels.plan import GEMV_MAX_TOKENS
 
-META_LAYER, META_ROWS = 0, 1
+META_LAYER, META_ROWS, META_SPLIT, META_CUT = 0, 1, 2, 3
 _CPU_SLOT = tl.constexpr(CPU_SLOT)
 _META_LAYER, _META_ROWS = tl.constexpr(META_LAYER), tl.constexpr(META_ROWS)
+_META_SPLIT, _META_CUT = tl.constexpr(META_SPLIT), tl.constexpr(META_CUT)
 
 
 @njit(nogil=True, cache=True)
@@ -89,20 +101,46 @@ def await_flag(flag_ptr, seq_ptr, fence_ptr):
 
 @triton.jit
 def _post_kernel(hidden_ptr, ids_ptr, slots_ptr, w_ptr, x_ptr, cid_ptr, cw_ptr, meta_ptr, seq_ptr, flag_ptr,
-                 fence_ptr, pending_ptr, layer, rows, always, H: tl.constexpr, K: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                 fence_ptr, pending_ptr, layer, rows, always, count_ptr, copies_ptr, link_rows_ptr, tail_ptr, scratch,
+                 num_experts, H: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                 TAIL: tl.constexpr = False, INTER: tl.constexpr = 1, SPLIT_LEN: tl.constexpr = 1):
     p = tl.arange(0, BLOCK_K)
     pm = p < rows * K
     slot = tl.load(slots_ptr + p, mask=pm, other=-1)
     on_cpu = (slot == _CPU_SLOT) & pm
     go = (tl.sum(on_cpu.to(tl.int32), axis=0) > 0) | (always != 0)
     tl.store(pending_ptr, go.to(tl.int32))
+    ids = tl.load(ids_ptr + p, mask=pm, other=-1)
+    if TAIL:
+        # s: the distinct experts served (a CPU position whose id no earlier CPU position has)
+        q = tl.arange(0, BLOCK_K)
+        on_q = (tl.load(slots_ptr + q, mask=q < rows * K, other=-1) == _CPU_SLOT) & (q < rows * K)
+        ids_q = tl.load(ids_ptr + q, mask=q < rows * K, other=-1)
+        earlier = (ids[:, None] == ids_q[None, :]) & on_q[None, :] & (q[None, :] < p[:, None])
+        first = on_cpu & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
+        served = tl.sum(first.to(tl.int32), axis=0)
+        c = tl.load(count_ptr)
+        m = tl.minimum(c + served, SPLIT_LEN - 1)
+        nlink = tl.load(link_rows_ptr + m)
+        nlink = tl.where((served > 0) & (tl.load(copies_ptr + m) == c), nlink, 0)
+        lead = tl.min(tl.where(on_cpu, p, BLOCK_K), axis=0)  # the lowest CPU position
+        expert = tl.sum(tl.where(p == lead, ids, 0), axis=0)
+        split = on_cpu & (ids == expert) & (nlink > 0)
+        tl.store(slots_ptr + p, tl.where(split, scratch, slot), mask=pm)
+        tl.store(tail_ptr, tl.where(nlink > 0, layer * num_experts + expert, -1))
+        tl.store(tail_ptr + 1, scratch)
+        tl.store(tail_ptr + 2, INTER - nlink)
+        if go:
+            tl.store(meta_ptr + _META_SPLIT, tl.where(nlink > 0, expert, -1))
+            tl.store(meta_ptr + _META_CUT, INTER - nlink)
+    elif go:
+        tl.store(meta_ptr + _META_SPLIT, -1)
     if go:
         for r in range(rows):
             for h0 in tl.static_range(0, H, BLOCK_H):
                 h = h0 + tl.arange(0, BLOCK_H)
                 tl.store(x_ptr + r * H + h, tl.load(hidden_ptr + r * H + h, mask=h < H).to(tl.float32), mask=h < H)
-        tl.store(cid_ptr + p, tl.where(on_cpu, tl.load(ids_ptr + p, mask=pm, other=-1), -1), mask=pm)
+        tl.store(cid_ptr + p, tl.where(on_cpu, ids, -1), mask=pm)
         tl.store(cw_ptr + p, tl.load(w_ptr + p, mask=pm, other=0.0), mask=pm)
         tl.store(meta_ptr + _META_LAYER, layer)
         tl.store(meta_ptr + _META_ROWS, rows)
@@ -110,9 +148,18 @@ def _post_kernel(hidden_ptr, ids_ptr, slots_ptr, w_ptr, x_ptr, cid_ptr, cw_ptr, 
 
 
 @triton.jit
-def _wait_kernel(flag_ptr, seq_ptr, pending_ptr, out_ptr, addend_ptr, dst_ptr, fence_ptr, rows, H: tl.constexpr,
-                 BLOCK_H: tl.constexpr, ADDEND: tl.constexpr):
+def _wait_kernel(flag_ptr, seq_ptr, pending_ptr, out_ptr, addend_ptr, dst_ptr, fence_ptr, rows, act_ptr, act_stride,
+                 slots_ptr, tail_ptr, scratch, H: tl.constexpr, BLOCK_H: tl.constexpr, ADDEND: tl.constexpr,
+                 TAIL: tl.constexpr = False, K: tl.constexpr = 1, INTER: tl.constexpr = 1,
+                 BLOCK_I: tl.constexpr = 16):
     go = tl.load(pending_ptr) != 0
+    if TAIL:  # the scratch slot's rows below the cut are another expert's: their act rows add nothing
+        cut = tl.load(tail_ptr + 2)
+        for pos in range(rows * K):
+            if tl.load(slots_ptr + pos) == scratch:
+                for i0 in tl.static_range(0, INTER, BLOCK_I):
+                    i = i0 + tl.arange(0, BLOCK_I)
+                    tl.store(act_ptr + pos * act_stride + i, tl.zeros((BLOCK_I,), tl.float32), mask=i < cut)
     if go:
         await_flag(flag_ptr, seq_ptr, fence_ptr)
     for r in range(rows):
@@ -139,7 +186,8 @@ class CpuShare:
     lane: benchmarks/hybrid_step.py); None (the default) records nothing.
     """
 
-    def __init__(self, experts: CpuExperts, device: torch.device) -> None:
+    def __init__(self, experts: CpuExperts, device: torch.device, split: MissSplit | None = None,
+                 scratch: int = -1) -> None:
         cfg = experts.cfg
         experts.spin_pauses = SPIN_PAUSES  # its pool threads stay awake between a decode's layer calls
         self.experts, self.device, self.hidden, self.top_k = experts, device, cfg.hidden, cfg.top_k
@@ -149,13 +197,23 @@ class CpuShare:
             return torch.zeros(shape, dtype=dtype, pin_memory=True)
         self._host = {"x": pinned((n, h), torch.float32), "ids": pinned((n, k), torch.int32),
                       "weights": pinned((n, k), torch.float32), "out": pinned((n, h), torch.float32),
-                      "meta": pinned(2, torch.int32), "flag_in": pinned(1, torch.int32),
+                      "meta": pinned(4, torch.int32), "flag_in": pinned(1, torch.int32),
                       "flag_out": pinned(1, torch.int32), "stop": pinned(1, torch.int32)}
         self._views = {name: _mapped(t) for name, t in self._host.items()}
         self._np = {name: t.numpy() for name, t in self._host.items()}
         self._seq = torch.zeros(1, dtype=torch.int32, device=device)
         self._fence = torch.zeros(1, dtype=torch.int32, device=device)
         self._pending = torch.zeros(1, dtype=torch.int32, device=device)
+        self.tail: torch.Tensor | None = None  # (key, slot, cut) of the call's split expert, for the miss copy
+        if split is not None and split.tail:
+            if not 0 <= scratch or split.inter != cfg.expert_intermediate:
+                raise ValueError(f"CpuShare: a split with a tail needs the scratch slot (got {scratch}) and "
+                                 f"MissSplit.inter = MoEConfig.expert_intermediate ({split.inter} != "
+                                 f"{cfg.expert_intermediate})")
+            self._copies = torch.from_numpy(split.copies.astype(np.int32)).to(device)
+            self._link_rows = torch.from_numpy(split.link_rows.astype(np.int32)).to(device)
+            self.tail = torch.tensor([-1, scratch, cfg.expert_intermediate], dtype=torch.int32, device=device)
+        self.scratch, self.num_experts = scratch, cfg.num_experts
         self.error: BaseException | None = None
         self.trace: list[tuple[int, int, int, int]] | None = None
         self._thread = threading.Thread(target=self._serve, name="expertcache-cpu-share", daemon=True)
@@ -168,12 +226,14 @@ class CpuShare:
             if s < 0:
                 return
             rows, layer = int(a["meta"][META_ROWS]), int(a["meta"][META_LAYER])
+            split = (int(a["meta"][META_SPLIT]), int(a["meta"][META_CUT])) if a["meta"][META_SPLIT] >= 0 else None
             trace, start = self.trace, time.perf_counter_ns()
             served = 0
             try:
                 served = int((a["ids"][:rows] >= 0).sum())
                 if served:
-                    self.experts.moe(layer, a["x"][:rows], a["ids"][:rows], a["weights"][:rows], out=a["out"][:rows])
+                    self.experts.moe(layer, a["x"][:rows], a["ids"][:rows], a["weights"][:rows], out=a["out"][:rows],
+                                     split=split)
                 else:  # a post with nothing served (post's `always`): answer at once, no kernel threads woken
                     a["out"][:rows] = 0.0
             except Exception as exc:  # kept for check(): the GPU must not wait forever
@@ -185,22 +245,39 @@ class CpuShare:
             last = s
 
     def post(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
-             weights: torch.Tensor, always: bool = False) -> None:
+             weights: torch.Tensor, always: bool = False, count: torch.Tensor | None = None) -> None:
         """Hand over the positions of hidden [T, H] whose slot is CPU_SLOT (ids, slots int32, weights
         float32 [T, k], on the device), when there are any; `always`: hand over even when there are
-        none (the worker answers at once: the round trip alone, as measure_channels times it)."""
+        none (the worker answers at once: the round trip alone, as measure_channels times it). With a
+        tail, count (int32 [1]: the ensure's copies) is needed, and a split expert's positions in `slots`
+        become the scratch slot (module docstring)."""
         self._open("post")
         v, rows = self._views, hidden.shape[0]
+        tail = self.tail is not None
+        if tail and count is None:
+            raise ValueError("CpuShare.post: a split with a tail needs count (the ensure's copies)")
+        extra = ((count, self._copies, self._link_rows, self.tail) if tail else (self._pending,) * 4)
         _post_kernel[(1,)](hidden, ids, slots, weights, v["x"], v["ids"], v["weights"], v["meta"], self._seq,
-                           v["flag_in"], self._fence, self._pending, layer, rows, int(always), H=self.hidden,
-                           K=self.top_k, BLOCK_H=1024, BLOCK_K=triton.next_power_of_2(GEMV_MAX_TOKENS * self.top_k))
+                           v["flag_in"], self._fence, self._pending, layer, rows, int(always), *extra, self.scratch,
+                           self.num_experts, H=self.hidden, K=self.top_k, BLOCK_H=1024,
+                           BLOCK_K=triton.next_power_of_2(GEMV_MAX_TOKENS * self.top_k), TAIL=tail,
+                           INTER=self.experts.cfg.expert_intermediate, SPLIT_LEN=SPLIT_LEN)
 
-    def wait(self, addend: torch.Tensor | None, dst: torch.Tensor) -> torch.Tensor:
-        """dst [T, H] float32 = addend (or 0) + the CPU's share of the last post, once it is back."""
+    def wait(self, addend: torch.Tensor | None, dst: torch.Tensor, act: torch.Tensor | None = None,
+             slots: torch.Tensor | None = None) -> torch.Tensor:
+        """dst [T, H] float32 = addend (or 0) + the CPU's share of the last post, once it is back. With a
+        tail, act [T * k, I] float32 and slots [T, k] (the gate_up's) are needed: the scratch positions' act
+        rows below the cut are zeroed first."""
         self._open("wait")
-        v = self._views
+        v, tail = self._views, self.tail is not None
+        if tail and (act is None or slots is None):
+            raise ValueError("CpuShare.wait: a split with a tail needs act and slots")
+        pos = (act, act.stride(0), slots, self.tail) if tail else (dst, 0, self._pending, self._pending)
         _wait_kernel[(1,)](v["flag_out"], self._seq, self._pending, v["out"], dst if addend is None else addend, dst,
-                           self._fence, dst.shape[0], H=self.hidden, BLOCK_H=1024, ADDEND=addend is not None)
+                           self._fence, dst.shape[0], *pos, self.scratch, H=self.hidden, BLOCK_H=1024,
+                           ADDEND=addend is not None, TAIL=tail, K=self.top_k,
+                           INTER=self.experts.cfg.expert_intermediate,
+                           BLOCK_I=min(1024, triton.next_power_of_2(self.experts.cfg.expert_intermediate)))
         return dst
 
     def check(self) -> None:

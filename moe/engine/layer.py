@@ -88,6 +88,9 @@ class SlotCache:
     pool: SlotPool of the same banks. num_layers, num_experts: L, E of the key space.
     policy: eviction policy name (`--moe-cache-policy`); constants: its overrides.
     The side stream is made on first request (`side_stream()`) and kept through `rebuild`.
+    With a split that has a tail (MissSplit.tail), the pool's last slot is the scratch slot that a split
+    expert's rows [cut, I) are copied into (`scratch`; zeroed at start, never assigned by the cache, which
+    holds the pool's other slots); otherwise `scratch` is None.
     Raises ValueError when the store's rows are not L * E or the pool's banks are not the store's.
     """
 
@@ -102,16 +105,34 @@ class SlotCache:
         self.num_layers, self.num_experts = num_layers, num_experts
         self.policy, self.constants = policy, constants
         self.split = MissSplit.copy() if split is None else split
+        self.scratch: int | None = None
+        if self.split.tail:
+            if pool.num_slots < 2:
+                raise ValueError(f"SlotCache: a split with a tail needs a scratch slot beside the cache's, got a pool "
+                                 f"of {pool.num_slots}")
+            self.scratch = pool.num_slots - 1
+            self._zero_scratch()
         self.cache = self._new_cache()
         self.side: SideStream | None = None
         self.share: CpuShare | None = None  # the CPU's share of the misses, with a split on a CUDA device
         if not self.split.copies_all:
             if cfg is None or pool.device.type != "cuda":
                 raise ValueError("SlotCache: a miss split needs the MoEConfig (cfg) and a CUDA pool")
-            self.share = CpuShare(CpuExperts(store, cfg), pool.device)
+            self.share = CpuShare(CpuExperts(store, cfg), pool.device, self.split,
+                                  -1 if self.scratch is None else self.scratch)
+
+    @property
+    def extra_slots(self) -> int:
+        """Pool slots beyond the cache's: 1 for the scratch slot of a split with a tail, else 0."""
+        return 0 if self.scratch is None else 1
+
+    def _zero_scratch(self) -> None:
+        """Zero the scratch slot: its rows below a cut are read (times a zeroed act) before any tail fills them."""
+        for b in self.pool.banks:
+            self.pool.tensor(b.name)[self.scratch].view(torch.uint8).zero_()
 
     def _new_cache(self) -> DeviceCache:
-        geometry = CacheGeometry(self.num_layers, self.num_experts, self.pool.num_slots)
+        geometry = CacheGeometry(self.num_layers, self.num_experts, self.pool.num_slots - self.extra_slots)
         return DeviceCache(geometry, self.policy, device=self.pool.device, split=self.split, **self.constants)
 
     def side_stream(self) -> SideStream:
@@ -121,13 +142,19 @@ class SlotCache:
         return self.side
 
     def rebuild(self, num_slots: int) -> None:
-        """Re-size the pool to `num_slots` and cold-start the slot map (a new DeviceCache).
+        """Re-size the cache to `num_slots` (the pool to that plus `extra_slots`) and cold-start the slot
+        map (a new DeviceCache).
 
         The side stream and its events are kept. Graphs captured before must be captured again:
         they hold the old pool's and cache's memory. Raises PoolError (pool unchanged) when the
         slots do not fit.
         """
-        self.pool.rebuild(num_slots)
+        self.pool.rebuild(num_slots + self.extra_slots)
+        if self.scratch is not None:
+            self.scratch = self.pool.num_slots - 1
+            self._zero_scratch()
+            self.share.scratch = self.scratch
+            self.share.tail[1] = self.scratch
         self.cache = self._new_cache()
 
     def close(self) -> None:
@@ -254,7 +281,7 @@ class MoELayer:
         if compute is not None:
             side.join(compute)  # the down launch below reads `shared` and the early hits' rows
         if self.plan.cpu_share:  # the misses served on the CPU, back in float32 beside the shared expert's output
-            shared = self.slots.share.wait(shared, self._cpu_addend[:hidden.shape[0]])
+            shared = self.slots.share.wait(shared, self._cpu_addend[:hidden.shape[0]], act, slots)
         self._down(act, slots, weights, addend=shared, out_cast=out)
         return out
 
@@ -319,8 +346,10 @@ class MoELayer:
                                programs=plan.hits_programs, cfg=cfg, gate_up_bias=gate_up_bias)
         buf = slots.cache.ensure(self.layer, ids, pdl=plan.pdl)  # slots [T, k], plan [Q, 2], count [1]
         if plan.cpu_share:  # the served misses go to the CPU while the link copies the others
-            slots.share.post(self.layer, hidden, ids, buf.slots, weights)
-        miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=plan.pdl, release_after_wait=plan.front_release)
+            slots.share.post(self.layer, hidden, ids, buf.slots, weights, count=buf.count)
+        tail = None if slots.scratch is None else (slots.share.tail, cfg.expert_intermediate)
+        miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=plan.pdl, release_after_wait=plan.front_release,
+                  tail=tail)
         act = routed_gate_up(hidden, buf.slots, weights, gate_up, part="all" if pre is None else "rest", pre=pre,
                              tiles=plan.routed_tiles, cfg=cfg, gate_up_bias=gate_up_bias)
         return act, buf.slots, weights
@@ -336,7 +365,8 @@ class MoELayer:
     def routed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The routed half alone: hidden [T, H] -> [T, H] float32 (a buffer of this layer, reused)."""
         act, slots, weights = self._routed_front(hidden)
-        addend = self.slots.share.wait(None, self._cpu_addend[:hidden.shape[0]]) if self.plan.cpu_share else None
+        addend = (self.slots.share.wait(None, self._cpu_addend[:hidden.shape[0]], act, slots) if self.plan.cpu_share
+                  else None)
         return self._down(act, slots, weights, out=self._routed_out[:hidden.shape[0]], addend=addend)
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
@@ -362,7 +392,7 @@ class MoELayer:
         if not ok:
             raise ValueError(f"MoELayer: hidden must be [T, {self.cfg.hidden}] with T in 1..{GEMV_MAX_TOKENS} "
                              f"(decode), got {list(getattr(hidden, 'shape', []))}")
-        slots = self.slots.pool.num_slots
+        slots = self.slots.cache.geometry.num_slots
         if hidden.shape[0] * self.cfg.top_k > slots:
             raise ValueError(f"MoELayer: {hidden.shape[0]} tokens route up to {hidden.shape[0] * self.cfg.top_k} "
                              f"experts per layer but the pool has {slots} slots: raise --moe-slots or "

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from expertcache.split import MISS_SERVICE_CHOICES, ChannelCosts, MissSplit
+from expertcache.split import MISS_SERVICE_CHOICES, ChannelCosts, MissSplit, tail_granule
 from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
 from moe.engine.budget import context_bytes, memory_split, prefix_cache_bytes, resolve_slots
 from moe.engine.channels import ChannelMeasure, choose_service, measure_channels
@@ -33,7 +33,7 @@ from moe.engine.engine import PREFILL_CHUNK, Engine, check_prefill_chunk
 from moe.engine.prefix import PREFIX_BLOCK_TOKENS
 from moe.kernels.cpu_experts import set_threads, threads_in_use
 from moe.model.checkpoint import ModelWeights, load_checkpoint
-from moe.model.config import copy_overlap_from_env
+from moe.model.config import MoEConfig, copy_overlap_from_env
 from moe.model.errors import CheckpointError
 from moe.model.spec import FAMILIES, ModelSpec, read_config
 
@@ -94,7 +94,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     weights = load_checkpoint(path, device, dtype=dtype, progress=progress, expert_format=expert_format,
                               copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap)
     service = choose_miss_service(miss_service, device, cpu_threads,
-                                  lambda: measure_channels(weights.store, weights.spec.moe, weights.device))
+                                  lambda: measure_channels(weights.store, weights.spec.moe, weights.device),
+                                  weights.spec.moe)
     backend = make_backend(weights, num_slots, policy, max_batch=max_batch, split=service.split, **constants)
     if weights.device.type == "cuda":  # the KV cache is allocated last: say which flags to lower if it cannot be
         kv = context_bytes(weights.spec, max_batch, max_seq_len)
@@ -139,13 +140,15 @@ class MissService(NamedTuple):
 
 
 def resolve_miss_service(service: str, device, cpu_threads: int | None = None,
-                         measure: Callable[[], ChannelMeasure] | None = None) -> MissSplit:
+                         measure: Callable[[], ChannelMeasure] | None = None,
+                         cfg: MoEConfig | None = None) -> MissSplit:
     """choose_miss_service(...).split."""
-    return choose_miss_service(service, device, cpu_threads, measure).split
+    return choose_miss_service(service, device, cpu_threads, measure, cfg).split
 
 
 def choose_miss_service(service: str, device, cpu_threads: int | None = None,
-                        measure: Callable[[], ChannelMeasure] | None = None) -> MissService:
+                        measure: Callable[[], ChannelMeasure] | None = None,
+                        cfg: MoEConfig | None = None) -> MissService:
     """The miss split of --moe-miss-service on `device`, and the CPU kernels' threads (--cpu-threads).
 
     copy: every miss copied into a slot; cpu: every routed expert computed on the CPU from host memory
@@ -157,9 +160,13 @@ def choose_miss_service(service: str, device, cpu_threads: int | None = None,
     GPU the served misses are handed to a CPU worker inside the decode graph (moe.engine.handoff), and
     without cpu_threads the kernels take every core but two (the launching and the spinning threads');
     the server also sets OMP_WAIT_POLICY=PASSIVE before torch loads (moe.serve.cli.cpu_worker_env).
+    With cfg (the model's MoEConfig), a hybrid split also cuts a served expert where that balances the
+    channels closer (expertcache.split: a tail, in steps of tail_granule of cfg's expert format and width).
     Raises ValueError as check_miss_service does, and naming `measure` when a GPU hybrid or auto lacks it.
     """
     check_miss_service(service, cpu_threads)
+    granule = 0 if cfg is None else tail_granule(cfg.format, cfg.expert_intermediate)
+    tail = (cfg.expert_intermediate, granule) if granule else (0, 0)
     on_gpu = torch.device(device).type == "cuda"
     flag = f"--moe-miss-service {service}"
     if service == "copy":
@@ -180,7 +187,7 @@ def choose_miss_service(service: str, device, cpu_threads: int | None = None,
         if service == "auto":
             set_threads(cpu_threads)
             return _noted(MissSplit.copy(), f"{flag}: copy (the CPU backend has no link to balance against)")
-        return _noted(MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0)),
+        return _noted(MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0), *tail),
                       f"{flag}: the larger half of each call's misses copied, the rest computed on the CPU ({threads}; "
                       "the CPU backend has no link to balance against)")
     measured = measure()
@@ -190,7 +197,7 @@ def choose_miss_service(service: str, device, cpu_threads: int | None = None,
     if service == "auto" and chosen == "copy":
         set_threads(cpu_threads)
         return _noted(MissSplit.copy(), note)
-    return _noted(MissSplit.hybrid(costs), note)
+    return _noted(MissSplit.hybrid(costs, *tail), note)
 
 
 def _noted(split: MissSplit, note: str) -> MissService:

@@ -339,10 +339,13 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
 def routed_reference(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
                      gate_up: torch.Tensor | SlotMatrix, down: torch.Tensor | SlotMatrix, *,
                      compute_dtype: torch.dtype = torch.float32, cfg: MoEConfig | None = None,
-                     gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+                     gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                     act_cut: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of routed_experts (same arguments): gathers the T * k experts' rows, then bmm.
     cfg: the experts' activation (moe.model.reference.gated_activation; SiLU without it); gate_up_bias
-    [S, 2I] and down_bias [S, H]: per-slot biases (gpt-oss), added after each linear.
+    [S, 2I] and down_bias [S, H]: per-slot biases (gpt-oss), added after each linear. act_cut [T, k]
+    int: position (t, j)'s act rows [0, act_cut[t, j]) are zeroed before the down (a split expert's
+    rows [cut, I) computed from the scratch slot, moe.engine.handoff); None: none zeroed.
 
     A SlotMatrix in a quantized format is dequantized (its format's torch `dequantize`, float32) slot
     by slot first: the reference of the dequantize-in-registers kernels. Linears run in `compute_dtype`
@@ -363,6 +366,9 @@ def routed_reference(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.T
     if gate_up_bias is not None:
         gu = gu + gate_up_bias[idx].to(compute_dtype)
     act = gated_activation(gu, cfg)  # [T * k, I]
+    if act_cut is not None:
+        cols = torch.arange(act.shape[1], device=act.device)
+        act = torch.where(cols[None, :] < act_cut.flatten().to(act.device)[:, None], 0.0, act)
     y = torch.bmm(w2.to(compute_dtype), act[:, :, None])[..., 0]  # [T * k, H]
     if down_bias is not None:
         y = y + down_bias[idx].to(compute_dtype)

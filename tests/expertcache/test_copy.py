@@ -14,7 +14,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertcache.copy import MAX_BANKS, miss_copy, miss_copy_ce, reference_copy
+from expertcache.copy import (
+    MAX_BANKS,
+    TAIL_COLS,
+    TAIL_ROWS,
+    TAIL_WHOLE,
+    miss_copy,
+    miss_copy_ce,
+    reference_copy,
+    reference_tail_copy,
+    tail_layout,
+)
 from expertcache.formats import get_format
 from expertcache.pool import Bank, HostStore, SlotPool
 
@@ -131,6 +141,92 @@ def test_interpreter_matches_reference(data):
         reference_copy(store, want, plan, count_of(n))
         for b in banks:
             assert torch.equal(as_bytes(got.tensor(b.name)), as_bytes(want.tensor(b.name)))
+
+
+# experts whose tail can be cut: (format, hidden, I) with I a multiple of the format's tail granule
+TAIL_EXPERTS = {"bf16": ("bf16", 64, 32), "fp8": ("fp8", 64, 256), "nvfp4": ("nvfp4", 128, 32),
+                "int4z": ("int4-z", 128, 256), "mxfp4": ("mxfp4", 128, 64)}
+
+
+def tail_banks(name):
+    from expertcache.formats import resolve_format
+
+    fmt, hidden, inter = TAIL_EXPERTS[name]
+    return resolve_format(fmt).expert_banks(hidden, inter), inter
+
+
+def test_tail_layout_cuts_the_big_parts_and_copies_the_small_ones_whole():
+    banks, inter = tail_banks("nvfp4")  # H 128, I 32: gate_up.q [64, 64] B, .s [64, 8] B, .s2 [2]; down.q [128, 16] ...
+    store = make_store(banks, 2, seed=1)
+    kinds, units = tail_layout(store, inter)
+    by = dict(zip([b.name for b in banks], zip(kinds, units)))
+    assert by["gate_up.q"] == (TAIL_ROWS, 16) and by["gate_up.s"] == (TAIL_ROWS, 2)
+    assert by["down.q"] == (TAIL_COLS, 4) and by["down.s"][0] == TAIL_WHOLE and by["gate_up.s2"][0] == TAIL_WHOLE
+    with pytest.raises(ValueError, match="inter"):
+        tail_layout(store, 0)
+
+
+def expected_tail(store, key, cut, inter):
+    """{bank: bool mask [row bytes]} of the bytes a tail of key's rows [cut, inter) brings, by the formats'
+    own shapes: gate / up rows >= cut, down's main columns >= cut, everything of the other banks."""
+    out = {}
+    for b in store.banks:
+        shape = b.row_shape
+        keep = torch.ones(b.row_bytes, dtype=torch.bool)
+        whole_words = b.row_bytes % (4 * shape[0]) == 0
+        if b.name.startswith("gate_up") and len(shape) == 2 and shape[0] == 2 * inter and whole_words:
+            rows = torch.arange(shape[0]).repeat_interleave(b.row_bytes // shape[0])
+            keep = rows % inter >= cut
+        elif b.name in ("down", "down.q"):
+            per_row = b.row_bytes // shape[0]
+            col = (torch.arange(b.row_bytes) % per_row) * inter // per_row  # the input column a byte holds
+            keep = col >= cut
+        out[b.name] = keep
+    return out
+
+
+@pytest.mark.parametrize("name", list(TAIL_EXPERTS))
+@pytest.mark.parametrize("count", [0, 2])
+def test_interpreter_tail_copies_the_cut_rows_beside_the_plan(interpret, name, count):
+    """The tail row lands in its scratch slot exactly where the format keeps rows [cut, I) (and the small
+    banks whole), everything else of that slot stays poison; the plan's rows are whole; the reference agrees."""
+    from expertcache.formats import resolve_format
+    from expertcache.split import tail_granule
+
+    banks, inter = tail_banks(name)
+    g = tail_granule(resolve_format(TAIL_EXPERTS[name][0]), inter)
+    assert g > 0
+    store = make_store(banks, K, seed=zlib.crc32(name.encode()) + count)
+    for cut in (g, inter - g):
+        got, want = poisoned_pool(banks, S, "cpu"), poisoned_pool(banks, S, "cpu")
+        tail = torch.tensor([4, S - 1, cut], dtype=torch.int32)
+        miss_copy(store, got, plan_of(ROWS[:2]), count_of(count), num_ctas=3, block_bytes=64, tail=(tail, inter))
+        reference_copy(store, want, plan_of(ROWS[:2]), count_of(count))
+        reference_tail_copy(store, want, 4, S - 1, cut, inter)
+        masks = expected_tail(store, 4, cut, inter)
+        for b in banks:
+            g_all, w_all = as_bytes(got.tensor(b.name)), as_bytes(want.tensor(b.name))
+            assert torch.equal(g_all, w_all), (b.name, cut)
+            src, row = as_bytes(store.tensor(b.name))[4], g_all[S - 1]
+            keep = masks[b.name]
+            assert torch.equal(row[keep], src[keep]), (b.name, cut)
+            assert bool((row[~keep] == POISON).all()), (b.name, cut)
+            for key, slot in ROWS[:count]:
+                assert torch.equal(g_all[slot], as_bytes(store.tensor(b.name))[key])
+        # no tail this call (key -1): only the plan's rows
+        poison(got)
+        miss_copy(store, got, plan_of(ROWS[:2]), count_of(count), num_ctas=2, block_bytes=64,
+                  tail=(torch.tensor([-1, S - 1, cut], dtype=torch.int32), inter))
+        check(store, got, ROWS[:count])
+
+
+def test_tail_errors_name_the_argument(interpret):
+    banks, inter = tail_banks("bf16")
+    store, pool = make_store(banks, K, seed=3), poisoned_pool(banks, S, "cpu")
+    for bad in ((torch.zeros(2, dtype=torch.int32), inter), (torch.zeros(3, dtype=torch.int64), inter),
+                (torch.zeros(3, dtype=torch.int32), 0), torch.zeros(3, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="tail"):
+            miss_copy(store, pool, plan_of(ROWS), count_of(1), tail=bad)
 
 
 def test_reference_and_copy_engine_on_cpu():

@@ -87,6 +87,16 @@ def test_channels_measured_together(checkpoint, caplog):
     engine.moe.slots.close()
 
 
+def _hand_off_inputs(cfg):
+    """(generator, (hidden [2, H] bf16, ids [2, 3] int32, weights, addend, dst full of NaN)) on the GPU."""
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn((2, cfg.hidden), generator=g).to(torch.bfloat16).cuda()
+    ids = torch.tensor([[0, 3, 5], [2, 3, 4]], dtype=torch.int32, device="cuda")
+    weights = torch.rand((2, 3), generator=g).cuda()
+    addend = torch.randn((2, cfg.hidden), generator=g).cuda()
+    return g, (hidden, ids, weights, addend, torch.full((2, cfg.hidden), float("nan"), device="cuda"))
+
+
 def test_the_hand_off_serves_only_what_the_ensure_sent_to_the_cpu():
     """CpuShare on its own, in a CUDA graph: a call with no CPU_SLOT position wakes no worker and adds
     nothing (dst = addend); `always` hands over anyway and the worker answers with nothing served; a call
@@ -104,12 +114,7 @@ def test_the_hand_off_serves_only_what_the_ensure_sent_to_the_cpu():
     share = CpuShare(experts, torch.device("cuda"))
     share.trace = []
     try:
-        g = torch.Generator().manual_seed(9)
-        hidden = torch.randn((2, cfg.hidden), generator=g).to(torch.bfloat16).cuda()
-        ids = torch.tensor([[0, 3, 5], [2, 3, 4]], dtype=torch.int32, device="cuda")
-        weights = torch.rand((2, 3), generator=g).cuda()
-        addend = torch.randn((2, cfg.hidden), generator=g).cuda()
-        dst = torch.full((2, cfg.hidden), float("nan"), device="cuda")
+        g, (hidden, ids, weights, addend, dst) = _hand_off_inputs(cfg)
         slots = torch.zeros((2, 3), dtype=torch.int32, device="cuda")
         always = [False]
 
@@ -145,6 +150,91 @@ def test_the_hand_off_serves_only_what_the_ensure_sent_to_the_cpu():
         assert torch.equal(served, addend.cpu() + torch.from_numpy(want))
         slots.zero_()
         assert torch.equal(replay(), addend.cpu()) and len(share.trace) == 2  # nothing handed over
+        share.check()
+    finally:
+        share.close()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_the_hand_off_splits_the_first_served_expert_with_a_tail(fmt):
+    """CpuShare with a tail, in a CUDA graph: the post rewrites the first served expert's positions to the
+    scratch slot and writes (key, scratch, cut) for the miss copy, which brings its rows [cut, I) into the
+    scratch slot; the worker computes its rows [0, cut) (CpuExperts' split) beside the other served expert;
+    the wait zeroes the scratch positions' act rows below the cut, and only theirs. A call whose copies
+    differ from the table's copies[m] splits nothing."""
+    from expertcache.copy import miss_copy, reference_tail_copy
+    from expertcache.geometry import CPU_SLOT
+    from expertcache.pool import SlotPool
+    from expertcache.split import SPLIT_LEN, MissSplit
+    from moe.engine.handoff import CpuShare
+    from moe.kernels.cpu_experts import CpuExperts
+    from moe.model.config import MoEConfig
+    from moe.testing.synthetic import random_weights
+
+    inter, E, layer = 64, 6, 1
+    cfg = MoEConfig(hidden=256, num_experts=E, top_k=3, expert_intermediate=inter, expert_format=fmt,
+                    dtype="bfloat16")
+    store = random_weights(cfg, 2, device="cpu", seed=4, pin=True).store
+    experts = CpuExperts(store, cfg)
+    copies = np.arange(SPLIT_LEN, dtype=np.int32)
+    copies[3] = 1  # 3 misses: one copied, two served, and the first of those split at 16 rows
+    rows = np.zeros(SPLIT_LEN, dtype=np.int32)
+    rows[3] = 48
+    split = MissSplit("hybrid", copies, link_rows=rows, inter=inter)
+    pool = SlotPool(store.banks, 5, device="cuda")
+    for b in pool.banks:
+        pool.tensor(b.name).view(torch.uint8).fill_(0)
+    scratch = 4
+    share = CpuShare(experts, torch.device("cuda"), split, scratch)
+    try:
+        g, (hidden, ids, weights, addend, dst) = _hand_off_inputs(cfg)
+        base = torch.tensor([[7, CPU_SLOT, 1], [0, CPU_SLOT, CPU_SLOT]], dtype=torch.int32, device="cuda")
+        slots = base.clone()
+        count = torch.tensor([1], dtype=torch.int32, device="cuda")  # the ensure's copies
+        plan = torch.tensor([[layer * E + 5, 1]], dtype=torch.int32, device="cuda")
+        act = torch.randn((6, inter), generator=g).cuda()
+        act0 = act.clone()
+
+        def call() -> None:
+            slots.copy_(base)
+            act.copy_(act0)
+            share.post(layer, hidden, ids, slots, weights, count=count)
+            miss_copy(store, pool, plan, count, tail=(share.tail, inter))
+            share.wait(addend, dst, act, slots)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            call()
+        graph.replay()
+        torch.cuda.synchronize()
+        cut = inter - 48
+        # served: experts 3 (positions (0, 1), (1, 1): the first CPU position) and 4; 3 is split
+        assert slots.cpu().tolist() == [[7, scratch, 1], [0, scratch, CPU_SLOT]]
+        assert share.tail.cpu().tolist() == [layer * E + 3, scratch, cut]
+        want_pool = SlotPool(store.banks, 5, device="cpu")
+        for b in want_pool.banks:
+            want_pool.tensor(b.name).view(torch.uint8).fill_(0)
+        reference_tail_copy(store, want_pool, layer * E + 3, scratch, cut, inter)
+        for b in pool.banks:
+            assert torch.equal(pool.tensor(b.name)[scratch].cpu().view(torch.uint8),
+                               want_pool.tensor(b.name)[scratch].view(torch.uint8)), b.name
+        zeroed = act0.clone()
+        zeroed[1, :cut] = 0
+        zeroed[4, :cut] = 0
+        assert torch.equal(act.cpu(), zeroed.cpu())
+        cpu_ids = np.array([[-1, 3, -1], [-1, 3, 4]], np.int32)
+        want = experts.moe(layer, hidden.float().cpu().numpy(), cpu_ids, weights.cpu().numpy(), split=(3, cut))
+        assert torch.equal(dst.cpu(), addend.cpu() + torch.from_numpy(want))
+        count.fill_(2)  # a filling pool copied more than the table's copies[3]: no split
+        graph.replay()
+        torch.cuda.synchronize()
+        assert slots.cpu().tolist() == base.cpu().tolist() and share.tail.cpu()[0].item() == -1
+        assert torch.equal(act.cpu(), act0.cpu())
         share.check()
     finally:
         share.close()
