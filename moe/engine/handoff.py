@@ -136,10 +136,12 @@ def _post_kernel(hidden_ptr, ids_ptr, slots_ptr, w_ptr, x_ptr, cid_ptr, cw_ptr, 
     elif go:
         tl.store(meta_ptr + _META_SPLIT, -1)
     if go:
-        for r in range(rows):
+        r = 0
+        while r < rows:  # while loops: Triton's interpreter cannot range() over a kernel argument
             for h0 in tl.static_range(0, H, BLOCK_H):
                 h = h0 + tl.arange(0, BLOCK_H)
                 tl.store(x_ptr + r * H + h, tl.load(hidden_ptr + r * H + h, mask=h < H).to(tl.float32), mask=h < H)
+            r += 1
         tl.store(cid_ptr + p, tl.where(on_cpu, ids, -1), mask=pm)
         tl.store(cw_ptr + p, tl.load(w_ptr + p, mask=pm, other=0.0), mask=pm)
         tl.store(meta_ptr + _META_LAYER, layer)
@@ -155,20 +157,24 @@ def _wait_kernel(flag_ptr, seq_ptr, pending_ptr, out_ptr, addend_ptr, dst_ptr, f
     go = tl.load(pending_ptr) != 0
     if TAIL:  # the scratch slot's rows below the cut are another expert's: their act rows add nothing
         cut = tl.load(tail_ptr + 2)
-        for pos in range(rows * K):
+        pos = 0
+        while pos < rows * K:
             if tl.load(slots_ptr + pos) == scratch:
                 for i0 in tl.static_range(0, INTER, BLOCK_I):
                     i = i0 + tl.arange(0, BLOCK_I)
                     tl.store(act_ptr + pos * act_stride + i, tl.zeros((BLOCK_I,), tl.float32), mask=i < cut)
+            pos += 1
     if go:
         await_flag(flag_ptr, seq_ptr, fence_ptr)
-    for r in range(rows):
+    r = 0
+    while r < rows:
         for h0 in tl.static_range(0, H, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
             y = tl.load(out_ptr + r * H + h, mask=(h < H) & go, other=0.0, volatile=True)
             if ADDEND:
                 y += tl.load(addend_ptr + r * H + h, mask=h < H, other=0.0)
             tl.store(dst_ptr + r * H + h, y, mask=h < H)
+        r += 1
 
 
 def _mapped(t: torch.Tensor) -> DeviceView:

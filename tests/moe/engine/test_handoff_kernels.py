@@ -1,0 +1,110 @@
+"""The hand-off's post and wait kernels in Triton's interpreter on CPU tensors (their GPU runs, with the
+mapped memory and a CPU worker: tests/moe/engine/test_hybrid_gpu.py): which positions go to the CPU,
+the tail's split of the first served expert, and the act rows the wait zeroes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertcache.geometry import CPU_SLOT
+from expertcache.split import SPLIT_LEN
+from moe.engine import handoff
+
+H, K, E, I, LAYER, SCRATCH = 32, 3, 6, 64, 1, 4
+IDS = [[0, 3, 5], [2, 3, 4]]
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(handoff._post_kernel.fn), InterpretedFunction(handoff._wait_kernel.fn)
+
+
+def _tables(copies3: int, rows3: int) -> tuple[torch.Tensor, torch.Tensor]:
+    copies = torch.arange(SPLIT_LEN, dtype=torch.int32)
+    copies[3] = copies3
+    rows = torch.zeros(SPLIT_LEN, dtype=torch.int32)
+    rows[3] = rows3
+    return copies, rows
+
+
+def _post(post, slots, count, tail=True, copies3=1, rows3=48):
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn((2, H), generator=g).to(torch.bfloat16)
+    ids = torch.tensor(IDS, dtype=torch.int32)
+    buf = {"x": torch.zeros(8, H), "cid": torch.full((8, K), 9, dtype=torch.int32), "cw": torch.zeros(8, K),
+           "meta": torch.full((4,), 9, dtype=torch.int32), "seq": torch.zeros(1, dtype=torch.int32),
+           "flag": torch.zeros(1, dtype=torch.int32), "fence": torch.zeros(1, dtype=torch.int32),
+           "pending": torch.full((1,), 9, dtype=torch.int32), "tail": torch.tensor([7, SCRATCH, I], dtype=torch.int32)}
+    copies, rows = _tables(copies3, rows3)
+    post[(1,)](hidden, ids, slots, torch.rand((2, K), generator=g), buf["x"], buf["cid"], buf["cw"], buf["meta"],
+               buf["seq"], buf["flag"], buf["fence"], buf["pending"], LAYER, 2, 0,
+               torch.tensor([count], dtype=torch.int32), copies, rows, buf["tail"], SCRATCH, E, H=H, K=K, BLOCK_H=32,
+               BLOCK_K=8, TAIL=tail, INTER=I, SPLIT_LEN=SPLIT_LEN)
+    return hidden, buf
+
+
+def _wait(wait, buf, slots, act):
+    out, addend, dst = torch.randn(8, H), torch.randn(2, H), torch.full((2, H), float("nan"))
+    flag_out = buf["seq"].clone()  # the worker answered the last post
+    wait[(1,)](flag_out, buf["seq"], buf["pending"], out, addend, dst, buf["fence"], 2, act, act.stride(0), slots,
+               buf["tail"], SCRATCH, H=H, BLOCK_H=32, ADDEND=True, TAIL=True, K=K, INTER=I, BLOCK_I=64)
+    return out, addend, dst
+
+
+def test_the_post_splits_the_first_served_expert_and_the_wait_zeroes_its_act_below_the_cut(kernels):
+    """3 misses (1 copied, experts 3 and 4 served), the table's tail 48 rows: expert 3 (the lowest CPU
+    position) moves to the scratch slot at both its positions, tail = (key, scratch, cut 16), the worker
+    is told (3, 16) and still gets both experts' positions; the wait zeroes act rows [0, 16) of the
+    scratch positions only, and adds the worker's answer to the addend."""
+    post, wait = kernels
+    slots = torch.tensor([[7, CPU_SLOT, 1], [0, CPU_SLOT, CPU_SLOT]], dtype=torch.int32)
+    hidden, buf = _post(post, slots, count=1)
+    assert slots.tolist() == [[7, SCRATCH, 1], [0, SCRATCH, CPU_SLOT]]
+    assert buf["tail"].tolist() == [LAYER * E + 3, SCRATCH, 16]
+    assert buf["meta"].tolist() == [LAYER, 2, 3, 16] and buf["pending"].item() == 1 and buf["flag"].item() == 1
+    assert buf["cid"][:2].tolist() == [[-1, 3, -1], [-1, 3, 4]]
+    assert torch.equal(buf["x"][:2], hidden.float())
+    act = torch.randn(2 * K, I)
+    before = act.clone()
+    out, addend, dst = _wait(wait, buf, slots, act)
+    want = before.clone()
+    want[1, :16] = 0
+    want[4, :16] = 0
+    assert torch.equal(act, want)
+    assert torch.equal(dst, out[:2] + addend)
+
+
+@pytest.mark.parametrize(("count", "copies3", "rows3"), [(2, 1, 48), (1, 1, 0)])
+def test_no_tail_where_the_copies_are_not_the_tables_or_it_gives_none(kernels, count, copies3, rows3):
+    """A filling pool that copied more than copies[m], or a table without a tail for m: nothing moves to the
+    scratch slot, tail's key is -1, the worker computes whole experts and the wait zeroes nothing."""
+    post, wait = kernels
+    base = [[7, CPU_SLOT, 1], [0, CPU_SLOT, CPU_SLOT]]
+    slots = torch.tensor(base, dtype=torch.int32)
+    _, buf = _post(post, slots, count=count, copies3=copies3, rows3=rows3)
+    assert slots.tolist() == base and buf["tail"][0].item() == -1 and buf["meta"][2].item() == -1
+    act = torch.randn(2 * K, I)
+    before = act.clone()
+    _wait(wait, buf, slots, act)
+    assert torch.equal(act, before)
+
+
+def test_nothing_served_posts_nothing(kernels):
+    """No CPU position: pending 0, no flag raised, tail's key -1, the payload untouched."""
+    post, _ = kernels
+    slots = torch.tensor([[7, 2, 1], [0, 3, 5]], dtype=torch.int32)
+    _, buf = _post(post, slots, count=0)
+    assert buf["pending"].item() == 0 and buf["flag"].item() == 0 and buf["tail"][0].item() == -1
+    assert (buf["cid"] == 9).all() and buf["meta"][0].item() == 9
+
+
+def test_without_a_tail_the_post_leaves_the_slots_and_says_no_split(kernels):
+    post, _ = kernels
+    base = [[7, CPU_SLOT, 1], [0, CPU_SLOT, CPU_SLOT]]
+    slots = torch.tensor(base, dtype=torch.int32)
+    _, buf = _post(post, slots, count=1, tail=False)
+    assert slots.tolist() == base and buf["meta"].tolist()[1:3] == [2, -1] and buf["tail"][0].item() == 7
