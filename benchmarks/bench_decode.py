@@ -126,7 +126,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                          "both channels at start as load_model does, and the simulator replays the same split, "
                          "priced at those rates; a dry run splits and prices with the default host profile "
                          "(sim.service); hybrid-whole: hybrid splitting whole experts only (no tail, "
-                         "expertcache.split), to compare")
+                         "expertcache.split), to compare: a format's split services after its first balance the "
+                         "channels that one measured")
     ap.add_argument("--dry-run", action="store_true", help="simulator only (no GPU)")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip the miss-free run; predict with the H200_SM_COPY profile's own overhead")
@@ -161,6 +162,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {e}") from None
     args.miss_service = args.miss_services[0]
     args.split, args.host = None, None  # per format (run_format): the engine's split and the host it measured
+    args.channels_of = {}  # per format: the channels its first split service measured, which the others reuse
     if not args.configs:
         raise SystemExit("error: --configs is empty")
     geo = GEOMETRIES[args.geometry]
@@ -387,7 +389,10 @@ def _format_split(weights, fmt: str, args: argparse.Namespace, res: dict) -> Non
         return
     from decode_gpu import engine_split
 
-    args.split, measured = engine_split(weights, base, tail=args.tail)
+    shared = args.channels_of.get(fmt)  # hybrid and hybrid-whole balance the same rates: their A/B is the tail
+    args.split, measured = engine_split(weights, base, tail=args.tail, given=shared)
+    if measured is not None:
+        args.channels_of[fmt] = measured
     if measured is not None:
         g = measured.gbps()
         # a call that serves misses pays the CPU's fixed part (its kernels' and the hand-off's round trip);
@@ -398,7 +403,8 @@ def _format_split(weights, fmt: str, args: argparse.Namespace, res: dict) -> Non
                                         cpu_fixed_us=measured.costs().cpu_fixed_us,
                                         source="moe.engine.channels at start")
         res.setdefault("channels", {})[f"{fmt}/{args.miss_service}"] = {
-            **dataclasses.asdict(measured), "gbps": g, "service": "copy" if args.split is None else args.split.service}
+            **dataclasses.asdict(measured), "gbps": g, "service": "copy" if args.split is None else args.split.service,
+            "measured_for_an_earlier_service": shared is not None}
 
 
 def _row(weights, trace, args, fmt, budget, slots, batch, policy, overlap, window, profile) -> dict:

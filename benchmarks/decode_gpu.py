@@ -64,15 +64,16 @@ def _spread(values: list[float]) -> dict:
             "p90": float(np.percentile(values, 90))}
 
 
-def engine_split(weights: ModelWeights, service: str,
-                 tail: bool = True) -> tuple[MissSplit | None, ChannelMeasure | None]:
+def engine_split(weights: ModelWeights, service: str, tail: bool = True,
+                 given: ChannelMeasure | None = None) -> tuple[MissSplit | None, ChannelMeasure | None]:
     """The engine's miss split for --miss-service `service` on these weights (None: copy), as load_model
     resolves it (tail False: a hybrid split of whole experts only, the A/B of expertcache.split's tail),
-    and the channels it measured at start (None where it measured nothing)."""
+    and the channels it measured at start (None where it measured nothing); `given`: balance from these
+    channels instead of measuring (two tables of one run compared on the same rates)."""
     measured: list[ChannelMeasure] = []
 
     def measure() -> ChannelMeasure:
-        measured.append(measure_channels(weights.store, weights.spec.moe, weights.device))
+        measured.append(given or measure_channels(weights.store, weights.spec.moe, weights.device))
         return measured[0]
 
     split = resolve_miss_service(service, weights.device, measure=measure, cfg=weights.spec.moe if tail else None)

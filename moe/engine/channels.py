@@ -50,6 +50,8 @@ TOGETHER_SECONDS = 0.4  # both at once
 LINK_BATCH = 16  # copy launches between two of the link's events (fewer where a call is over 64 MiB)
 HANDOFF_ROUNDS = 64  # post / wait round trips with nothing served, timed back to back
 ROTATION_BYTES = 2 << 30  # the experts' bytes each channel cycles through: past any host's last-level cache
+MEASURE_TRIES = 3  # measurements at most, while one reads a channel slower alone than beside the other
+ALONE_OVER_TOGETHER = 0.9  # ... by more than this: something else ran on the host meanwhile
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,15 @@ class ChannelMeasure:
         return {name: self.expert_bytes / (us * 1e3) for name, us in (
             ("link_alone", c.link_alone_per_expert_us), ("link_together", c.link_per_expert_us),
             ("cpu_alone", c.cpu_alone_per_expert_us), ("cpu_together", c.cpu_per_expert_us))}
+
+    @property
+    def consistent(self) -> bool:
+        """Whether each channel read at least ALONE_OVER_TOGETHER of its together rate alone. A channel has
+        the host's memory to itself alone, so a slower alone phase means other work disturbed it, and the
+        table balanced from it would be off for the whole process."""
+        g = self.gbps()
+        return (g["link_alone"] >= ALONE_OVER_TOGETHER * g["link_together"]
+                and g["cpu_alone"] >= ALONE_OVER_TOGETHER * g["cpu_together"])
 
     def describe(self) -> str:
         g, c = self.gbps(), self.costs()
@@ -167,7 +178,8 @@ def _median_call_us(fn, seconds: float) -> float:
 def measure_channels(store: HostStore, cfg: MoEConfig, device: torch.device | str) -> ChannelMeasure:
     """Time both channels alone and together (module docstring) on `device` (CUDA) for the experts of
     `store` (pinned, cfg.expert_banks()), and the hand-off's round trip. Its timed phases take
-    4 * ALONE_SECONDS + TOGETHER_SECONDS after the kernels' first calls, and a scratch pool of
+    4 * ALONE_SECONDS + TOGETHER_SECONDS after the kernels' first calls (again, up to MEASURE_TRIES in all,
+    while a measurement is not `consistent`; the last one is returned), and a scratch pool of
     n = min(CALIBRATION_EXPERTS, E, MAX_TOKENS * top_k, max(2, CALIBRATION_BYTES / expert bytes)) slots;
     each channel cycles through the groups of rotation().
     The copies and the hand-off are timed as CUDA-graph replays, as the decode step runs them, so no
@@ -194,12 +206,21 @@ def measure_channels(store: HostStore, cfg: MoEConfig, device: torch.device | st
                  for j in range(len(group))]}
     pool = SlotPool(store.banks, n, device=device)
     try:
-        return _measure(store, cfg, pool, layers, experts, calls, cpu)
+        return until_consistent(lambda: _measure(store, cfg, pool, layers, experts, calls, cpu))
     finally:
         cpu.close()
         del pool
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the slots' free memory is read from the device
+
+
+def until_consistent(measure_once) -> ChannelMeasure:
+    """measure_once() until it gives a `consistent` ChannelMeasure, MEASURE_TRIES calls at most; the last one."""
+    for _ in range(MEASURE_TRIES):
+        got = measure_once()
+        if got.consistent:
+            break
+    return got
 
 
 def _replay_us(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, per: int) -> float:

@@ -172,9 +172,9 @@ def test_bench_decode_gpu_path_wiring_with_the_gpu_parts_replaced(monkeypatch):
                         lambda args, config, fmt: builds.append(fmt) or (types.SimpleNamespace(fmt=fmt), {}))
     chan = ChannelMeasure(2 * 2048 * 768 * 3, 8, 8, 10.0, 80.0, 90.0, 20.0, 160.0, 200.0, 14, 1.2, 9.0)
 
-    def engine_split(weights, service, tail=True):
-        splits.append(service if tail else f"{service} without a tail")
-        return (None, None) if service == "copy" else (MissSplit.hybrid(chan.costs()), chan)
+    def engine_split(weights, service, tail=True, given=None):
+        splits.append((service if tail else f"{service} without a tail", given))
+        return (None, None) if service == "copy" else (MissSplit.hybrid(chan.costs()), given or chan)
 
     def measure(weights, trace, run, policy, overlap, batch):
         measured_runs.append((run.slots, None if run.split is None else run.split.service))
@@ -187,12 +187,15 @@ def test_bench_decode_gpu_path_wiring_with_the_gpu_parts_replaced(monkeypatch):
     res = bench.main(["--geometry", "qwen3-30b", "--layers", "2", "--warmup", "10", "--steps", "20",
                       "--moe-cache-gb", "0.1", "--configs", "lru", "--batches", "1", "--expert-formats", "bf16",
                       "--miss-service", "copy,hybrid"])
-    assert builds == ["bf16"] and splits == ["hybrid"], "copy measures nothing"
+    assert builds == ["bf16"] and splits == [("hybrid", None)], "copy measures nothing"
     splits.clear()
     whole = bench.main(["--geometry", "qwen3-30b", "--layers", "2", "--warmup", "10", "--steps", "20",
                         "--moe-cache-gb", "0.1", "--configs", "lru", "--batches", "1", "--expert-formats", "bf16",
-                        "--miss-service", "hybrid-whole"])
-    assert splits == ["hybrid without a tail"] and {r["miss_service"] for r in whole["rows"]} == {"hybrid-whole"}
+                        "--miss-service", "hybrid-whole,hybrid"])
+    assert splits == [("hybrid without a tail", None), ("hybrid", chan)], "the second balances the first's channels"
+    assert [r["miss_service"] for r in whole["rows"]] == ["hybrid-whole"] * 2 + ["hybrid"] * 2
+    assert whole["channels"]["bf16/hybrid"]["measured_for_an_earlier_service"]
+    assert not whole["channels"]["bf16/hybrid-whole"]["measured_for_an_earlier_service"]
     measured_runs[:] = measured_runs[:4]
     keys = 2 * 128
     assert measured_runs == [(keys, None), (res["rows"][1]["slots"], None), (keys, "hybrid"),

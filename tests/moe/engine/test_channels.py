@@ -44,6 +44,24 @@ def test_a_slope_lost_in_noise_has_no_fixed_part():
     assert c.link_per_expert_us == pytest.approx(45.0 / 8)
 
 
+def test_a_channel_slower_alone_than_beside_the_other_is_measured_again():
+    """A measurement whose link or CPU read slower alone than together (by more than ALONE_OVER_TOGETHER) was
+    disturbed: until_consistent measures again, MEASURE_TRIES times at most, and keeps the last."""
+    from moe.engine.channels import MEASURE_TRIES, until_consistent
+
+    good = _measure(80.0, 2000.0)
+    assert good.consistent
+    slow_cpu_alone = dataclasses.replace(good, cpu_one_us=good.cpu_one_us * 3, cpu_all_us=good.cpu_all_us * 3)
+    slow_link_alone = dataclasses.replace(good, link_one_us=good.link_one_us * 3, link_all_us=good.link_all_us * 3)
+    assert not slow_cpu_alone.consistent and not slow_link_alone.consistent
+    got = iter([slow_cpu_alone, slow_link_alone, good, slow_cpu_alone])
+    calls = []
+    assert until_consistent(lambda: calls.append(1) or next(got)) is good and len(calls) == 3
+    calls.clear()
+    assert until_consistent(lambda: calls.append(1) or slow_cpu_alone) is slow_cpu_alone
+    assert len(calls) == MEASURE_TRIES
+
+
 def test_auto_picks_hybrid_when_the_cpu_helps_and_copy_when_it_does_not():
     fast_cpu = _measure(80.0, 100.0).costs()
     service, why = choose_service(fast_cpu, 8)
