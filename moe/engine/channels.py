@@ -123,17 +123,22 @@ class ChannelMeasure:
                 f"{self.expert_bytes / 2**20:.2f} MiB, measured in {self.seconds:.2f} s")
 
 
-def choose_service(costs: ChannelCosts, top_k: int, idle_us: float = 0.0) -> tuple[str, str]:
-    """("hybrid" | "copy", why) for --moe-miss-service auto: hybrid when its balanced table (MissSplit.hybrid)
-    takes less time than copying every miss, on the mean over a call's 0..top_k misses (one decode row:
-    a warm cache misses few, a cold one top_k); the round trip is in costs' CPU fixed part, and every
-    hybrid call pays `idle_us` (its post and wait) whatever it serves."""
+def choose_service(costs: ChannelCosts, top_k: int, idle_us: float = 0.0, inter: int = 0,
+                   granule: int = 0) -> tuple[str, str]:
+    """("hybrid" | "copy", why) for --moe-miss-service auto: hybrid when its balanced table (MissSplit.hybrid,
+    with the tail of `granule` rows of experts `inter` wide where granule > 0) takes less time than copying
+    every miss, on the mean over a call's 0..top_k misses (one decode row: a warm cache misses few, a cold
+    one top_k); the round trip is in costs' CPU fixed part, and every hybrid call pays `idle_us` (its post
+    and wait) whatever it serves."""
     m = np.arange(0, top_k + 1)
-    copies = MissSplit.hybrid(costs).copies[m]
+    split = MissSplit.hybrid(costs, inter, granule)
+    copies, tails = split.copies[m], split.link_rows[m]
     copy_us = float(costs.step_us(m, m).mean())
-    hybrid_us = float(costs.step_us(m, copies).mean()) + idle_us
+    hybrid_us = float(costs.step_us(m, copies, tails / inter if inter else 0.0).mean()) + idle_us
+    cut = (f"; the link takes {', '.join(str(int(r)) for r in tails[1:])} rows of a served expert's {inter}"
+           if split.tail else "")
     why = (f"predicted per layer call over 0..{top_k} misses: copy {copy_us:.1f} us, hybrid {hybrid_us:.1f} us "
-           f"with the hand-off (copying {', '.join(str(int(c)) for c in copies[1:])} of 1..{top_k})")
+           f"with the hand-off (copying {', '.join(str(int(c)) for c in copies[1:])} of 1..{top_k}{cut})")
     return ("hybrid" if hybrid_us < copy_us else "copy"), why
 
 
@@ -206,7 +211,7 @@ def measure_channels(store: HostStore, cfg: MoEConfig, device: torch.device | st
                  for j in range(len(group))]}
     pool = SlotPool(store.banks, n, device=device)
     try:
-        return until_consistent(lambda: _measure(store, cfg, pool, layers, experts, calls, cpu))
+        return until_consistent(lambda p=pool: _measure(store, cfg, p, layers, experts, calls, cpu))
     finally:
         cpu.close()
         del pool

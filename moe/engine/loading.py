@@ -192,7 +192,7 @@ def choose_miss_service(service: str, device, cpu_threads: int | None = None,
                       "the CPU backend has no link to balance against)")
     measured = measure()
     costs = measured.costs()
-    chosen, why = choose_service(costs, measured.top_k, measured.idle_us)
+    chosen, why = choose_service(costs, measured.top_k, measured.idle_us, *tail)
     note = f"{flag}: {measured.describe()}; {why}" + (f"; chose {chosen}" if service == "auto" else "")
     if service == "auto" and chosen == "copy":
         set_threads(cpu_threads)

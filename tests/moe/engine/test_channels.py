@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import pytest
 
-from expertcache.split import MissSplit
+from expertcache.split import TAIL_TIE, MissSplit
 from moe.engine.channels import ROTATION_BYTES, ChannelMeasure, choose_service, measure_channels, rotation
 from moe.engine.loading import choose_miss_service, resolve_miss_service
 from moe.kernels import cpu_experts
@@ -77,6 +77,15 @@ def test_auto_picks_hybrid_when_the_cpu_helps_and_copy_when_it_does_not():
     assert choose_service(near, 8)[0] == "hybrid"
     assert choose_service(near, 8, idle_us=400.0)[0] == "copy"
     assert "with the hand-off" in choose_service(near, 8, idle_us=2.0)[1]
+    # with a tail the hybrid prediction prices the table that will run: never above whole experts' (beyond
+    # the tie), and the line says how many rows of a served expert the link takes
+    balanced = _measure(80.0, 90.0, cpu_fixed=40.0).costs()
+    whole, tail = choose_service(balanced, 8), choose_service(balanced, 8, 0.0, 768, 64)
+    assert "rows of a served expert's 768" in tail[1] and "rows" not in whole[1]
+
+    def hybrid_us(why: str) -> float:
+        return float(why.split("hybrid ")[1].split(" us")[0])
+    assert hybrid_us(tail[1]) <= hybrid_us(whole[1]) * (1 + TAIL_TIE)
 
 
 def test_the_round_trip_is_the_cpus_fixed_part():
