@@ -31,8 +31,9 @@ columns) into a scratch slot that the cache never assigns, where the GPU compute
 link_rows[m], a multiple of the granule in [0, I). The split expert is still served (no slot, not
 admitted). The table then balances max(link(c + r / I), cpu(m - c - r / I)) over c and r together;
 every choice within TAIL_TIE (1 %) of the least time is a tie, which goes to the larger c, then the
-smaller r: a tail never costs an admission for less. A call whose copies the empty slots raised above
-copies[m] splits nothing.
+smaller r: a tail takes an admission only where it saves more than that (a lone miss of equal channels
+is cut in half rather than copied). A call whose copies the empty slots raised above copies[m] splits
+nothing.
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ def check_services(text: str) -> tuple[str, ...]:
 class ServiceEstimate:
     """Modeled decode speed of one service: per decode step the GPU part, the misses' part (the slower
     channel a call, less what the shared expert hides beside them with overlap), and each channel's busy
-    time."""
+    time. copies_per_token / served_per_token: experts' worth over each channel, a tail's share of an
+    expert counted on the link's side (so copies_per_token is not only admissions)."""
 
     service: str
     us_per_token: float

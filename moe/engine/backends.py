@@ -354,6 +354,9 @@ class CpuCachedMoE:
         if split is not None and not split.copies_all and max_batch > CPU_MAX_TOKENS:
             raise ValueError(f"--moe-miss-service {split.service} computes at most {CPU_MAX_TOKENS} rows on the CPU: "
                              f"lower --max-batch (got {max_batch})")
+        if split is not None and split.tail and split.inter != self.cfg.expert_intermediate:
+            raise ValueError(f"a miss split's tail cuts experts {split.inter} wide, the model's are "
+                             f"{self.cfg.expert_intermediate} (MoEConfig.expert_intermediate): build it for this model")
         self.cache = HostCache(_geometry(weights, num_slots, max_batch), policy, split=split, **constants)
         self.scratch = num_slots if self.cache.split.tail else None  # a split expert's rows [cut, I)
         self.pool = SlotPool(self.store.banks, num_slots + (self.scratch is not None), device="cpu")

@@ -129,7 +129,7 @@ def choose_service(costs: ChannelCosts, top_k: int, idle_us: float = 0.0, inter:
     with the tail of `granule` rows of experts `inter` wide where granule > 0) takes less time than copying
     every miss, on the mean over a call's 0..top_k misses (one decode row: a warm cache misses few, a cold
     one top_k); the round trip is in costs' CPU fixed part, and every hybrid call pays `idle_us` (its post
-    and wait) whatever it serves."""
+    and wait, as measured without a tail: the tail's own work in them is not priced) whatever it serves."""
     m = np.arange(0, top_k + 1)
     split = MissSplit.hybrid(costs, inter, granule)
     copies, tails = split.copies[m], split.link_rows[m]

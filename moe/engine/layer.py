@@ -6,10 +6,12 @@
        ├─ 3 _router_kernel:  ids [T, k] int32, weights [T, k] f32 (+ pre [T, k]: slots before the ensure)
        │  6a _gate_up_hits:  act rows of the pairs resident before the ensure, at pre     (early hits)
        ├─ 4 ensure_kernel:   slots [T, k], plan [Q, 2], count [1]
-       │  4b _post_kernel (a miss split): the positions served on the CPU -> a CPU worker (moe.engine.handoff)
-       │  5 _miss_copy_kernel(store, pool, plan, count)
+       │  4b _post_kernel (a miss split): the positions served on the CPU -> a CPU worker (moe.engine.handoff);
+       │     with a tail, the first served expert's positions -> the scratch slot, (key, scratch, cut) -> tail
+       │  5 _miss_copy_kernel(store, pool, plan, count[, tail]): with a tail, its rows [cut, I) -> the scratch slot
        │  6 _gate_up_kernel: act [T * k, I] f32 (with 6a: only the other pairs, "rest")
-       │  6b _wait_kernel (a miss split): shared += the CPU's share, once the worker has answered
+       │  6b _wait_kernel (a miss split): shared += the CPU's share, once the worker has answered; with a
+       │     tail, the scratch positions' act rows [0, cut) zeroed first
        └─ 7 _down_kernel:    out [T, H] = cast(Σ_j (in order) down[slots[t, j]] · act + shared)
 
 GLM-4.5's block (MoEConfig.scoring "sigmoid", score_bias, n_group / topk_group, routed_scaling,
@@ -46,11 +48,13 @@ LaunchPlan.down_prefetch experts' tiles before its wait. The side launches (1, 2
 they follow events (fork: before 3, and after 3 for 6a; join: before 7). The resolver turns the
 releases off beside the early hits, whose SMs waiting programs would hold through a copy.
 
-Every act row is written by one program of the same code in every mode; the combine (routed +
+Every act row is written by one program of the same code in every mode (and a scratch position's rows
+below its cut zeroed by 6b after it); the combine (routed +
 shared, and with a miss split the CPU's share added to shared by 6b, in float32, one rounding to
 the model dtype) happens inside 7. Nothing on the compute stream
 writes `hidden` or the shared expert's buffers (per layer: slots, act_s, shared), a resident expert
-keeps its slot through its ensure while the copy writes only victims' slots, and every side-stream
+keeps its slot through its ensure while the copy writes only victims' slots (and the scratch slot,
+which the cache never assigns), and every side-stream
 write lands before the join, so outputs, slot map and pool are bitwise equal in every mode and with
 every release on or off. `forward(hidden, routing=(ids, weights))` skips 3 (and so 6a) and routes as
 given (forced routing: the decode benchmark replays a trace's routing through it). The layer's
@@ -233,7 +237,7 @@ class MoELayer:
         plan = self._given_plan
         if plan is None:
             slots = self.slots
-            plan = resolve_launch_plan(self.cfg, num_slots=slots.pool.num_slots,
+            plan = resolve_launch_plan(self.cfg, num_slots=slots.cache.geometry.num_slots,
                                        num_keys=slots.num_layers * slots.num_experts, device=str(self.device),
                                        num_sms=device_sms(self.device), copy_overlap=self.cfg.copy_overlap,
                                        miss_service=slots.split.service)

@@ -156,7 +156,8 @@ def choose_miss_service(service: str, device, cpu_threads: int | None = None,
     together; auto: hybrid where that is predicted faster than copying, else copy. On a GPU, hybrid and
     auto call `measure` (moe.engine.channels.measure_channels on the model's store) and balance the
     table from both channels' rates measured together; the note says what was measured and chosen. On the
-    CPU backend there is no link to balance against: hybrid copies the larger half, auto is copy. On a
+    CPU backend there is no link to balance against: hybrid balances equal channels (half of each call's
+    misses, an odd one cut by a tail where cfg allows), auto is copy. On a
     GPU the served misses are handed to a CPU worker inside the decode graph (moe.engine.handoff), and
     without cpu_threads the kernels take every core but two (the launching and the spinning threads');
     the server also sets OMP_WAIT_POLICY=PASSIVE before torch loads (moe.serve.cli.cpu_worker_env).
@@ -188,7 +189,7 @@ def choose_miss_service(service: str, device, cpu_threads: int | None = None,
             set_threads(cpu_threads)
             return _noted(MissSplit.copy(), f"{flag}: copy (the CPU backend has no link to balance against)")
         return _noted(MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0), *tail),
-                      f"{flag}: the larger half of each call's misses copied, the rest computed on the CPU ({threads}; "
+                      f"{flag}: half of each call's misses copied, the rest computed on the CPU ({threads}; "
                       "the CPU backend has no link to balance against)")
     measured = measure()
     costs = measured.costs()

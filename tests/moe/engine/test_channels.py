@@ -161,7 +161,7 @@ def test_each_resolution_says_what_was_chosen(monkeypatch):
     monkeypatch.setattr(cpu_experts, "_THREADS", [])
     notes = {s: choose_miss_service(s, "cpu", cpu_threads=1).note for s in ("copy", "hybrid", "cpu", "auto")}
     assert notes["copy"] == "--moe-miss-service copy: every miss copied into a slot"
-    assert "larger half" in notes["hybrid"] and "1 CPU threads" in notes["hybrid"]
+    assert "half of each call" in notes["hybrid"] and "1 CPU threads" in notes["hybrid"]
     assert "every routed expert computed on the CPU" in notes["cpu"]
     assert notes["auto"].startswith("--moe-miss-service auto: copy (the CPU backend has no link")
     gpu = choose_miss_service("auto", "cuda", cpu_threads=1, measure=lambda: _measure(80.0, 100.0))

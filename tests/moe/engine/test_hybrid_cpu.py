@@ -70,6 +70,16 @@ def test_split_cpu_backend_limits_and_counts(checkpoint):
     stats = cache_stats(engine.moe)
     assert stats.served == stats.total_misses > 0
     assert stats.bytes_copied == 0 and stats.slots_in_use == 0, "nothing was copied under cpu"
+    from expertcache.split import ChannelCosts, MissSplit
+    from moe.engine.backends import CpuCachedMoE
+    from moe.model.checkpoint import load_checkpoint
+
+    weights = load_checkpoint(path, "cpu", progress=False)
+    inter = weights.spec.moe.expert_intermediate
+    with pytest.raises(ValueError, match="expert_intermediate"):  # a tail built for other experts
+        CpuCachedMoE(weights, k + 1, split=MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0), 2 * inter, inter))
+    backend = CpuCachedMoE(weights, k + 1, split=MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0), inter, inter // 2))
+    assert backend.scratch == k + 1 and backend.pool.num_slots == k + 2, "the scratch slot beside the cache's"
 
 
 def test_miss_service_choices_and_errors():

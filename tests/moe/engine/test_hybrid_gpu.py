@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def even_channels(request, monkeypatch):
-    """Equal channels, no fixed parts: the hybrid table copies the larger half of a call's misses."""
+    """Equal channels, no fixed parts: the hybrid table copies half of a call's misses (an odd one cut by a tail)."""
     if request.node.originalname != "test_channels_measured_together":
         monkeypatch.setattr(loading, "measure_channels",
                             lambda store, cfg, device: ChannelMeasure(store.bytes_per_expert, 8, cfg.top_k, 10.0,
