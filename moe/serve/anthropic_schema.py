@@ -6,7 +6,8 @@
         tool_choice, stop_sequences, top_k, thinking, the blocks each role may hold, tool_result ids
         ──► a checked body, or ApiError 400 naming the field ("messages.2.content.0.tool_use_id")
     ApiError ──anthropic_error──► {"type": "error", "error": {"type", "message"}}, the type by HTTP status;
-        error_body(path, err) answers each path in its API's form
+        error_body(path, err, anthropic_version) answers each path in its API's form (/v1/models in
+        Anthropic's for a request with an anthropic-version header, as Anthropic's clients send)
 
 Blocks: a user message holds text and tool_result blocks (a result's content a string or text blocks);
 an assistant message text, tool_use, thinking and redacted_thinking blocks. cache_control is accepted
@@ -38,6 +39,8 @@ from moe.serve.openai_schema import (
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_PATH = "/v1/messages/count_tokens"
+MODELS_PATH = "/v1/models"
+VERSION_HEADER = "anthropic-version"
 # Anthropic's error type of each HTTP status this server answers with (others: by class, below)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -52,14 +55,18 @@ def anthropic_error(err: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": err.message}}
 
 
-def is_anthropic(path: str) -> bool:
-    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+def is_anthropic(path: str, anthropic_version: bool = False) -> bool:
+    """Whether `path` answers in Anthropic's form: /v1/messages always, /v1/models (which both APIs have)
+    for a request with an anthropic-version header."""
+    def under(root: str) -> bool:
+        return path == root or path.startswith(root + "/")
+    return under(MESSAGES_PATH) or (anthropic_version and under(MODELS_PATH))
 
 
-def error_body(path: str, err: ApiError) -> dict[str, Any]:
-    """The body of `err` in the form of the API `path` belongs to: Anthropic's under /v1/messages,
-    OpenAI's elsewhere."""
-    return anthropic_error(err) if is_anthropic(path) else err.body()
+def error_body(path: str, err: ApiError, anthropic_version: bool = False) -> dict[str, Any]:
+    """The body of `err` in the form of the API `path` belongs to (is_anthropic): Anthropic's under
+    /v1/messages and, for a request with an anthropic-version header, /v1/models; OpenAI's elsewhere."""
+    return anthropic_error(err) if is_anthropic(path, anthropic_version) else err.body()
 
 
 class CacheControl(StrictModel):

@@ -44,7 +44,8 @@ DEFAULT_MAX_SEQ_LEN = 2048
 DESCRIPTION = """\
 Serve a Hugging Face MoE checkpoint over an OpenAI-compatible HTTP API
 (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) and
-Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens).
+Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens; /v1/models in
+Anthropic's form for a request with an anthropic-version header).
 Every routed expert stays in host memory; a pool of expert slots on the GPU
 (--moe-slots, or --moe-cache-gb) holds those in use, evicted by
 --moe-cache-policy. Without a GPU (--device cpu) the same cache runs on the CPU.

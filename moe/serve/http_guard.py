@@ -34,7 +34,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from moe.serve.anthropic_schema import COUNT_PATH, MESSAGES_PATH, error_body
+from moe.serve.anthropic_schema import COUNT_PATH, MESSAGES_PATH, VERSION_HEADER, error_body
 from moe.serve.openai_schema import ApiError
 
 logger = logging.getLogger(__name__)
@@ -104,10 +104,10 @@ def timed_protocol(read_timeout: float) -> type[TimedH11Protocol]:
     return type("TimedH11Protocol", (TimedH11Protocol,), {"read_timeout": float(read_timeout)})
 
 
-def error_response(err: ApiError, path: str, close: bool = False) -> Callable:
-    """An ASGI app answering `err` as JSON in the form of `path`'s API (with Connection: close when the
-    body was left unread)."""
-    body = json.dumps(error_body(path, err)).encode()
+def error_response(err: ApiError, path: str, close: bool = False, anthropic_version: bool = False) -> Callable:
+    """An ASGI app answering `err` as JSON in the form of `path`'s API (anthropic_schema.error_body; with
+    Connection: close when the body was left unread)."""
+    body = json.dumps(error_body(path, err, anthropic_version)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if close:
         headers.append((b"connection", b"close"))
@@ -153,15 +153,17 @@ class Guard:
 
     async def _guarded(self, scope, receive, send) -> None:
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
+        versioned = VERSION_HEADER.encode() in headers
         refusal = self._refusal(scope, headers)
         if refusal is not None:
-            return await error_response(refusal, scope["path"], close=scope["method"] == "POST")(scope, receive, send)
+            return await error_response(refusal, scope["path"], close=scope["method"] == "POST",
+                                        anthropic_version=versioned)(scope, receive, send)
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         try:
             body = await self._read_body(headers, receive)
         except ApiError as e:
-            return await error_response(e, scope["path"], close=True)(scope, receive, send)
+            return await error_response(e, scope["path"], close=True, anthropic_version=versioned)(scope, receive, send)
         except _Disconnected:
             return None
         await self.app(scope, _replay(body, receive), send)
@@ -226,7 +228,8 @@ async def _internal_error(scope, e: Exception, send, started: bool) -> None:
         raise e
     err = ApiError(500, f"internal error (request {rid}): {type(e).__name__}: {e}", type="server_error",
                    code="internal_error")
-    await error_response(err, scope["path"])(scope, None, send)
+    versioned = any(k.lower() == VERSION_HEADER.encode() for k, _ in scope.get("headers") or [])
+    await error_response(err, scope["path"], anthropic_version=versioned)(scope, None, send)
 
 
 def _too_large(limit: int, size: int | None = None) -> ApiError:

@@ -10,7 +10,8 @@
                ending with `data: [DONE]`, a chat reply's tool calls as a delta each as they close;
                anthropic_api.MessageStream writes Anthropic's events, a tool_use block each)
         /v1/messages/count_tokens: body bytes ─worker thread─► the prompt's token count
-        /v1/models, /health
+        /v1/models, /v1/models/{id}: OpenAI's list and model object, Anthropic's for a request with an
+            anthropic-version header; /health
         /metrics ─► Scheduler.call(snapshot) (read on the scheduler thread) ─► Prometheus text
     shutdown: draining (new /v1 requests → 503) ─► the scheduler runs the open requests for up to
         --shutdown-timeout, then ends the rest with "server shutting down": each gets a 503
@@ -48,7 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moe.engine.budget import SlotBudget
 from moe.serve import anthropic_api
 from moe.serve import openai_api as api
-from moe.serve.anthropic_schema import error_body
+from moe.serve.anthropic_schema import VERSION_HEADER, error_body
 from moe.serve.http_guard import Guard, GuardOptions, timed_protocol, until_disconnect
 from moe.serve.metrics import CONTENT_TYPE, ServerMetrics, snapshot
 from moe.serve.recording import write_routing
@@ -114,8 +115,8 @@ class ServeState:
         self.closed = True
 
 
-def _json_error(err: api.ApiError, path: str) -> JSONResponse:
-    return JSONResponse(error_body(path, err), status_code=err.status)
+def _json_error(err: api.ApiError, request: HttpRequest) -> JSONResponse:
+    return JSONResponse(error_body(request.url.path, err, VERSION_HEADER in request.headers), status_code=err.status)
 
 
 _DISCONNECTED = Event(error="the client disconnected")
@@ -251,12 +252,12 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.exception_handler(api.ApiError)
     async def api_error(request: HttpRequest, e: api.ApiError):
-        return _json_error(e, request.url.path)
+        return _json_error(e, request)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: HttpRequest, e: StarletteHTTPException):
         return _json_error(api.ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
-                                        code="not_found" if e.status_code == 404 else None), request.url.path)
+                                        code="not_found" if e.status_code == 404 else None), request)
 
     _add_routes(app, state)
     _add_anthropic_routes(app, state)
@@ -297,10 +298,26 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
         return await generate(http, prepare, api.chat_chunk, {"role": "assistant", "content": ""},
                               "chat.completion.chunk", api.chat_body, partial(api.chat_logprobs, tok))
 
+    def model_object(anthropic: bool) -> dict:
+        if anthropic:  # Anthropic's model object: its clients send anthropic-version
+            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.started))
+            return {"type": "model", "id": opts.served_name, "display_name": opts.served_name, "created_at": created}
+        return {"id": opts.served_name, "object": "model", "created": state.started, "owned_by": "expertcache",
+                "max_model_len": opts.max_seq_len}
+
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": opts.served_name, "object": "model", "created": state.started,
-                                            "owned_by": "expertcache", "max_model_len": opts.max_seq_len}]}
+    async def models(http: HttpRequest):
+        if VERSION_HEADER in http.headers:
+            name = opts.served_name
+            return {"data": [model_object(True)], "has_more": False, "first_id": name, "last_id": name}
+        return {"object": "list", "data": [model_object(False)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, http: HttpRequest):
+        if model_id != opts.served_name:
+            raise api.ApiError(404, f"model {model_id!r} does not exist: this server serves {opts.served_name!r}",
+                               param="model", code="model_not_found")
+        return model_object(VERSION_HEADER in http.headers)
 
     @app.get("/health")
     async def health():

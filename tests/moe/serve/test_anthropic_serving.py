@@ -203,6 +203,34 @@ def test_errors_come_in_anthropic_s_form(qwen):
     assert "error" in qwen.post("/v1/chat/completions", headers=HEADERS, model="x", messages=USER).json()  # OpenAI's
 
 
+def test_models_answer_in_the_form_of_the_api_that_asks(qwen):
+    """/v1/models and /v1/models/{id}: Anthropic's list and model object for a request with anthropic-version
+    (its clients always send it), OpenAI's without; a model this server does not serve is a 404 in the
+    asker's form, and so is a missing key."""
+    import datetime
+
+    listed = httpx.get(qwen.url + "/v1/models", headers=HEADERS, timeout=30)
+    assert listed.status_code == 200, listed.text
+    body = listed.json()
+    assert set(body) == {"data", "has_more", "first_id", "last_id"} and body["has_more"] is False
+    assert body["first_id"] == body["last_id"] == NAME and len(body["data"]) == 1
+    model = body["data"][0]
+    assert set(model) == {"type", "id", "display_name", "created_at"}
+    assert model["type"] == "model" and model["id"] == NAME
+    assert datetime.datetime.fromisoformat(model["created_at"].replace("Z", "+00:00")).year >= 2024
+    assert httpx.get(f"{qwen.url}/v1/models/{NAME}", headers=HEADERS, timeout=30).json() == model
+    _error(httpx.get(qwen.url + "/v1/models/claude-sonnet-4-5", headers=HEADERS, timeout=30), 404, "not_found_error",
+           "'claude-sonnet-4-5' does not exist")
+    _error(httpx.get(qwen.url + "/v1/models", headers={"anthropic-version": "2023-06-01"}, timeout=30), 401,
+           "authentication_error")
+    openai = {"Authorization": f"Bearer {KEY}"}
+    listed = httpx.get(qwen.url + "/v1/models", headers=openai, timeout=30).json()
+    assert listed["object"] == "list" and listed["data"][0]["object"] == "model" and listed["data"][0]["id"] == NAME
+    assert httpx.get(f"{qwen.url}/v1/models/{NAME}", headers=openai, timeout=30).json() == listed["data"][0]
+    missing = httpx.get(qwen.url + "/v1/models/gpt-5", headers=openai, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
 def test_a_failed_generation_is_a_500_or_an_error_event(qwen, monkeypatch):
     def exploding_step(tokens):
         raise RuntimeError("the decode step exploded")
