@@ -64,6 +64,10 @@ class MoEBackend(Protocol):
     def check(self) -> None:
         """Raise what went wrong off the decode's stream since the last step (a CPU worker's failure)."""
 
+    @property
+    def extra_slots(self) -> int:
+        """Expert slots held beyond the cache's (a hybrid split's scratch slot), for the memory line."""
+
 
 def expert_matrices(banks, cfg: MoEConfig) -> tuple[SlotMatrix, SlotMatrix]:
     """(gate_up [N, 2I, H] of 2 stacked matrices, down [N, H, I]) of a HostStore or SlotPool in the
@@ -366,6 +370,11 @@ class CpuCachedMoE:
         self.prefill_counts = [0, 0]  # prefill's used experts: [streamed from the store, read from a slot]
         self.cpu_experts = None if self.cache.split.copies_all else CpuExperts(self.store, self.cfg)
 
+    @property
+    def extra_slots(self) -> int:
+        """Pool slots beyond the cache's: 1 for the scratch slot of a split with a tail, else 0."""
+        return int(self.scratch is not None)
+
     def check(self) -> None:
         """Nothing to check: the CPU share is computed in line (an error raises in decode)."""
 
@@ -434,6 +443,11 @@ class GpuMoE:
             shape, dev = (geometry.num_layers, max_batch, self.cfg.top_k), weights.device
             self.routing_buffers = (torch.full(shape, -1, dtype=torch.int32, device=dev),
                                     torch.zeros(shape, dtype=torch.float32, device=dev))
+
+    @property
+    def extra_slots(self) -> int:
+        """Pool slots beyond the cache's (SlotCache.extra_slots): the scratch slot of a split with a tail."""
+        return self.slots.extra_slots
 
     def set_routing(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Forced routing of the next decode step: ids int32, weights float32 [L_moe, B, k] (any device;

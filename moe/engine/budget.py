@@ -174,9 +174,10 @@ def context_bytes(spec: ModelSpec, max_batch: int, max_seq_len: int) -> int:
 
 
 def memory_split(budget: SlotBudget, spec: ModelSpec, max_batch: int, max_seq_len: int, prefix_blocks: int = 0,
-                 prefix_block_tokens: int = PREFIX_BLOCK_TOKENS) -> str:
-    """One line: the device memory of the expert slots, of the KV cache (and of a model's linear-attention
-    recurrent state, and of the prefix cache's blocks), and their sum."""
+                 prefix_block_tokens: int = PREFIX_BLOCK_TOKENS, scratch_slots: int = 0) -> str:
+    """One line: the device memory of the expert slots (and of `scratch_slots` beside them: a hybrid split's
+    tail slot), of the KV cache (and of a model's linear-attention recurrent state, and of the prefix
+    cache's blocks), and their sum."""
     kv = kv_cache_bytes(spec, max_batch, max_seq_len)
     state = recurrent_state_bytes(spec, max_batch)
     kept = prefix_cache_bytes(spec, prefix_blocks, prefix_block_tokens)
@@ -188,18 +189,21 @@ def memory_split(budget: SlotBudget, spec: ModelSpec, max_batch: int, max_seq_le
     whole = len(spec.full_layers) - len(rings)  # the layers that hold every position
     per_token = 2 * whole * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[spec.moe.dtype]
     source = f"--moe-cache-gb {budget.cache_gb:g}" if budget.cache_gb is not None else f"--moe-slots {budget.slots}"
+    extra = scratch_slots * budget.bytes_per_expert
+    scratch = "" if not extra else (f" + {counted(scratch_slots, 'scratch slot')} {extra / GIB:.3g} GiB (the hybrid "
+                                    "split's tail: a served expert's rows the GPU computes)")
     holds = "holds its" if len(rings) == 1 else "hold their"
     sliding = f"; {counted(len(rings), 'sliding layer')} {holds} window of {spec.sliding_window} tokens"
     recurrent = "" if not state else (
         f" + linear-attention state {state / GIB:.3g} GiB (--max-batch {max_batch} x {state // max_batch:,} bytes "
         f"a sequence: {counted(len(spec.linear_layers), 'layer')})")
-    return (f"device memory for the cache and the context: expert slots {budget.slot_bytes / GIB:.3g} GiB ({source}) "
-            f"+ KV cache {kv / GIB:.3g} GiB (--max-batch {max_batch} x --max-seq-len {max_seq_len} tokens x "
+    return (f"device memory for the cache and the context: expert slots {budget.slot_bytes / GIB:.3g} GiB ({source})"
+            f"{scratch} + KV cache {kv / GIB:.3g} GiB (--max-batch {max_batch} x --max-seq-len {max_seq_len} tokens x "
             f"{per_token:,} bytes a token: {counted(whole, 'layer')} x k, v x {counted(spec.num_kv_heads, 'head')} "
             f"x {spec.head_dim} x {DTYPE_BYTES[spec.moe.dtype]} bytes"
             f"{sliding if rings else ''})"
             f"{recurrent}{prefix} = "
-            f"{(budget.slot_bytes + kv + state + kept) / GIB:.3g} GiB, "
+            f"{(budget.slot_bytes + extra + kv + state + kept) / GIB:.3g} GiB, "
             f"beside the model's dense weights and, on a GPU, prefill's staging ring of {PREFILL_STAGING} experts "
             f"({PREFILL_STAGING * expert_pricing(spec)[1] / GIB:.3g} GiB)")
 

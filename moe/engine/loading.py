@@ -107,7 +107,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                              f"{max_seq_len}){prefix} but {free / 2**30:.3g} GiB of the device are free after the "
                              f"weights and {budget.slot_bytes / 2**30:.3g} GiB of expert slots: lower --max-seq-len "
                              f"or --max-batch{', --kv-cache-gb' if kept else ''}, or --moe-cache-gb / --moe-slots")
-    logger.info("%s", memory_split(budget, weights.spec, max_batch, max_seq_len, prefix_blocks, prefix_block_tokens))
+    logger.info("%s", memory_split(budget, weights.spec, max_batch, max_seq_len, prefix_blocks, prefix_block_tokens,
+                                   backend.extra_slots))
     engine = Engine(weights, backend, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=record_routing,
                     cuda_graphs=cuda_graphs, prefix_blocks=prefix_blocks, prefix_block_tokens=prefix_block_tokens,
                     prefill_chunk=prefill_chunk)

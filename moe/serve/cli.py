@@ -325,7 +325,8 @@ def _serve(args: argparse.Namespace) -> int:
     print(state.options.slot_budget.describe(), flush=True)
     prefix = engine.prefix
     kept = {} if prefix is None else {"prefix_blocks": prefix.num_blocks, "prefix_block_tokens": prefix.block_tokens}
-    print(memory_split(state.options.slot_budget, spec, engine.max_batch, engine.max_seq_len, **kept), flush=True)
+    print(memory_split(state.options.slot_budget, spec, engine.max_batch, engine.max_seq_len, **kept,
+                       scratch_slots=engine.moe.extra_slots), flush=True)
     if args.moe_miss_service != "copy":
         print(engine.miss_service, flush=True)
     print(f"serving {state.options.served_name} ({spec.model_type}, {counted(spec.num_moe_layers, 'MoE layer')} x "

@@ -82,6 +82,27 @@ def test_split_cpu_backend_limits_and_counts(checkpoint):
     assert backend.scratch == k + 1 and backend.pool.num_slots == k + 2, "the scratch slot beside the cache's"
 
 
+def test_the_memory_line_counts_the_tails_scratch_slot(checkpoint, caplog):
+    """A hybrid split with a tail holds one slot beyond the cache's: the start's memory line names it and
+    adds its bytes; copy holds none."""
+    import logging
+
+    from expertcache.split import tail_granule
+
+    name, model, path = checkpoint
+    k = model.config.num_experts_per_tok
+    lines = {}
+    for service in ("copy", "hybrid"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="moe.engine.loading"):
+            engine = load_model(path, "cpu", num_slots=k + 1, max_seq_len=32, progress=False, miss_service=service)
+        lines[service] = next(r.message for r in caplog.records if r.message.startswith("device memory"))
+        cfg = engine.moe.cfg
+        tail = service == "hybrid" and tail_granule(cfg.format, cfg.expert_intermediate) > 0
+        assert engine.moe.extra_slots == int(tail) and engine.moe.pool.num_slots == k + 1 + tail
+        assert ("1 scratch slot" in lines[service]) == tail, lines[service]
+
+
 def test_miss_service_choices_and_errors():
     assert resolve_miss_service("copy", "cpu").copies_all
     assert resolve_miss_service("auto", "cpu").copies_all
