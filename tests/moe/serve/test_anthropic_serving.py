@@ -236,7 +236,7 @@ def test_a_failed_generation_is_a_500_or_an_error_event(qwen, monkeypatch):
         raise RuntimeError("the decode step exploded")
 
     monkeypatch.setattr(qwen.engine, "decode_step", exploding_step)
-    qwen.scheduler.engine = qwen.engine
+    qwen.script("w50", "w51")  # a first token that is not the end, so a decode step runs (and explodes)
     _error(qwen.post(model=NAME, max_tokens=8, messages=USER), 500, "api_error", "generation failed (request msg_")
     events = qwen.events(max_tokens=8)
     assert [k for k, _ in events][0] == "message_start" and events[-1][0] == "error"
