@@ -258,6 +258,11 @@ class SlotPool:
             limits.append(free + self.nbytes - self.reserve_bytes)
         return max(0, min(limits)) if limits else None
 
+    def zero_slot(self, slot: int) -> None:
+        """Zero every bank's row `slot` (all bytes: a scale bank's zeros are finite too)."""
+        for b in self.banks:
+            self.tensor(b.name)[slot].view(torch.uint8).zero_()
+
     def rebuild(self, num_slots: int) -> None:
         """Re-size the pool to `num_slots` slots: free the old tensors, then allocate.
 

@@ -364,9 +364,8 @@ class CpuCachedMoE:
         self.cache = HostCache(_geometry(weights, num_slots, max_batch), policy, split=split, **constants)
         self.scratch = num_slots if self.cache.split.tail else None  # a split expert's rows [cut, I)
         self.pool = SlotPool(self.store.banks, num_slots + (self.scratch is not None), device="cpu")
-        if self.scratch is not None:
-            for b in self.pool.banks:
-                self.pool.tensor(b.name)[self.scratch].view(torch.uint8).zero_()
+        if self.scratch is not None:  # its rows below a cut are read (times a zeroed act) before a tail fills them
+            self.pool.zero_slot(self.scratch)
         self.prefill_counts = [0, 0]  # prefill's used experts: [streamed from the store, read from a slot]
         self.cpu_experts = None if self.cache.split.copies_all else CpuExperts(self.store, self.cfg)
 

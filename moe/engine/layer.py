@@ -115,7 +115,7 @@ class SlotCache:
                 raise ValueError(f"SlotCache: a split with a tail needs a scratch slot beside the cache's, got a pool "
                                  f"of {pool.num_slots}")
             self.scratch = pool.num_slots - 1
-            self._zero_scratch()
+            self.pool.zero_slot(self.scratch)  # its rows below a cut are read (times a zeroed act) first
         self.cache = self._new_cache()
         self.side: SideStream | None = None
         self.share: CpuShare | None = None  # the CPU's share of the misses, with a split on a CUDA device
@@ -129,11 +129,6 @@ class SlotCache:
     def extra_slots(self) -> int:
         """Pool slots beyond the cache's: 1 for the scratch slot of a split with a tail, else 0."""
         return 0 if self.scratch is None else 1
-
-    def _zero_scratch(self) -> None:
-        """Zero the scratch slot: its rows below a cut are read (times a zeroed act) before any tail fills them."""
-        for b in self.pool.banks:
-            self.pool.tensor(b.name)[self.scratch].view(torch.uint8).zero_()
 
     def _new_cache(self) -> DeviceCache:
         geometry = CacheGeometry(self.num_layers, self.num_experts, self.pool.num_slots - self.extra_slots)
@@ -156,7 +151,7 @@ class SlotCache:
         self.pool.rebuild(num_slots + self.extra_slots)
         if self.scratch is not None:
             self.scratch = self.pool.num_slots - 1
-            self._zero_scratch()
+            self.pool.zero_slot(self.scratch)  # its rows below a cut are read (times a zeroed act) first
             self.share.scratch = self.scratch
             self.share.tail[1] = self.scratch
         self.cache = self._new_cache()
