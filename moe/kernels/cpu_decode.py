@@ -2,7 +2,7 @@
 
     a weight code (an integer of the row's bytes) ──bf16 / f16 / e4m3 / _e2m1_* / _u4_*──► float32
     a scale code ──word_f32 (bf16 / f16) / e8m0_f32──► float32
-    x float32 [n] ──deinterleave──► [even elements | odd elements] (the packed formats' input order)
+    a packed chunk (64 bytes, 128 codes) / an fp8 block (128 bytes) ──*_chunk / *_chunk4──► per-lane sums
 
 The decoders are LLVM intrinsics small enough for the compiler to vectorize in the dot loops of
 moe.kernels.cpu_dots. All are exact; where a code is placed in a half-precision word, the row's dot
@@ -15,11 +15,15 @@ applies the power-of-two factor once, to its total:
     E2M1      code (s, e, m) moved into a half: (c & 7) << 9 | sign << 15 = value * 2^-14  (_e2m1_*)
     int4      the nibble converted to float (the zero point is the caller's)   (_u4_*)
 
-The packed E2M1 formats' dots take 16 bytes a step through `e2m1_fma16` / `e2m1_fma16x4`, which decode
-the step's 32 codes in vector registers: where the kernels compile for AVX-512 (`PERMUTE`), each code
-indexes a 16-entry table of the values in one register (vpermps: a permute per 16 codes, no shift or
-conversion); elsewhere by the half-precision move above. Both give the same values, and the step's
-multiply-adds are the same in both (per lane l < 16: t = lo * xe + hi * xo, acc += t * scale).
+The chunk steps (`nvfp4_chunk`, `mxfp4_chunk`, `int4_chunk`, `fp8_chunk` and their 4-input `*_chunk4`)
+decode 128 codes in vector registers and fold them into 16 per-lane accumulators. A packed chunk's 64
+bytes are read as 16 32-bit words; its 8 steps take nibble k of every word by a shift and a mask (no byte
+shuffle), so lane l of step k is input 8l + k (`chunk_place` gives the input order this asks of x). The
+codes are decoded where the kernels compile for AVX-512 (`PERMUTE`) by a 16-entry table in one register
+(vpermps: E2M1's values, or int4's codes minus the zero point); elsewhere by the half-precision move
+(E2M1) or a conversion (int4), with the same values. fp8's 16 bytes a step go through one sign-extend,
+shift and mask into halves. A chunk's steps sum in two chains per lane; the lane's scale (its block's, or
+the group's) then multiplies the sum into the accumulator, and `sum16` adds the lanes in a fixed tree.
 
 `stack_array` gives a function a small float32 buffer on its own stack, uncounted: the dots' per-lane
 accumulators, which the compiler keeps in vector registers.
@@ -204,26 +208,24 @@ def e8m0_f32(code):
     return f32_bits(np.uint32(code) << np.uint32(23)) if code else np.float32(2.0 ** -127)
 
 
-@njit(**KERNEL)
-def deinterleave(x, out):
-    """x float32 [n] -> out [n] = [x[0], x[2], ... | x[1], x[3], ...] (the packed formats' input order)."""
-    half = x.shape[0] // 2
-    for j in range(half):
-        out[j] = x[2 * j]
-        out[half + j] = x[2 * j + 1]
+# ---------------------------------------------------------------- a chunk of 128 packed 4-bit codes
 
-
-# ---------------------------------------------------------------- 16 bytes of E2M1 codes a step
-
+CHUNK_CODES = 128  # codes of a packed chunk: 64 bytes, read as 16 little-endian 32-bit words
+CHUNK_BYTES = CHUNK_CODES // 2
 PERMUTE = "avx512f" in target_features()  # the kernels' target has vpermps over 16 floats
 F32 = ir.FloatType()
 V16F, V16I, V16B, V16H = (ir.VectorType(t, 16) for t in (F32, I32, I8, I16))
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_TABLE = tuple(v * 2.0 ** -14 for v in _E2M1) + tuple(-v * 2.0 ** -14 for v in _E2M1)  # code -> value / 2^14
+I64 = ir.IntType(64)
+
+
+def _vector(ty, values):
+    return ir.Constant(ir.VectorType(ty, len(values)), [ir.Constant(ty, v) for v in values])
 
 
 def _splat(ty, value):
-    return ir.Constant(ir.VectorType(ty, 16), [ir.Constant(ty, value)] * 16)
+    return _vector(ty, [value] * 16)
 
 
 def _element_ptr(context, builder, ty, array, index):
@@ -231,7 +233,7 @@ def _element_ptr(context, builder, ty, array, index):
     return builder.gep(context.make_array(ty)(context, builder, array).data, [index])
 
 
-def _load16(builder, ptr, vty):
+def _load(builder, ptr, vty):
     return builder.load(builder.bitcast(ptr, vty.as_pointer()), align=1)
 
 
@@ -240,81 +242,170 @@ def _fma16(builder, a, b, c):
     return builder.call(fn, [a, b, c])
 
 
+def _permute16(builder, table, codes):
+    """<16 x float> table[codes[l]] (vpermps; codes 0..15)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I]),
+                                        "llvm.x86.avx512.permvar.sf.512")
+    return builder.call(fn, [table, codes])
+
+
 def _e2m1_16(builder, codes):
-    """<16 x i8> codes (0..15) -> <16 x float> value / 2^14."""
+    """<16 x i32> codes (0..15) -> <16 x float> value / 2^14."""
     if PERMUTE:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I]),
-                                            "llvm.x86.avx512.permvar.sf.512")
-        return builder.call(fn, [ir.Constant(V16F, [ir.Constant(F32, v) for v in E2M1_TABLE]),
-                                 builder.zext(codes, V16I)])
-    c = builder.zext(codes, V16H)
+        return _permute16(builder, _vector(F32, E2M1_TABLE), codes)
+    c = builder.trunc(codes, V16H)
     bits = builder.or_(builder.shl(builder.and_(c, _splat(I16, 7)), _splat(I16, 9)),
                        builder.shl(builder.and_(c, _splat(I16, 8)), _splat(I16, 12)))
     return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), 16)), V16F)
 
 
-def _step_codes(context, builder, qty, q, qi):
-    """The low and high nibbles' values of 16 bytes q[qi..qi+15]."""
-    b = _load16(builder, _element_ptr(context, builder, qty, q, qi), V16B)
-    return _e2m1_16(builder, builder.and_(b, _splat(I8, 15))), _e2m1_16(builder, builder.lshr(b, _splat(I8, 4)))
+def _e4m3_16(builder, b):
+    """<16 x i8> e4m3fn bytes -> <16 x float> value / 256: the byte sign-extended to 16 bits and shifted left
+    by 7 holds the sign in bit 15 (and 14, cleared) and exponent and mantissa in bits 13..7: a half."""
+    h = builder.and_(builder.shl(builder.sext(b, V16H), _splat(I16, 7)), _splat(I16, 0xBF80))
+    return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 16)), V16F)
 
 
-def _step_scales(builder, s0, s1):
-    """<16 x float>: s0 in lanes 0..7 (the step's first 16-element block), s1 in lanes 8..15."""
-    pair = ir.Constant(ir.VectorType(F32, 2), None)
-    pair = builder.insert_element(builder.insert_element(pair, s0, I32(0)), s1, I32(1))
-    return builder.shuffle_vector(pair, pair, ir.Constant(ir.VectorType(I32, 16), [0] * 8 + [1] * 8))
+def _lanes_of(builder, ptr, n):
+    """<16 x i8>: n bytes at ptr, byte l * n // 16 in lane l (each byte over 16 / n lanes)."""
+    vty = ir.VectorType(I8, n)
+    b = _load(builder, ptr, vty)
+    return builder.shuffle_vector(b, b, _vector(I32, [lane * n // 16 for lane in range(16)]))
+
+
+def _nvfp4_scales(builder, ptr):
+    """A chunk's 8 e4m3 block scales (value / 256), block l // 2 in lane l."""
+    h = builder.zext(_lanes_of(builder, ptr, 8), V16H)
+    bits = builder.or_(builder.shl(builder.and_(h, _splat(I16, 0x7F)), _splat(I16, 7)),
+                       builder.shl(builder.and_(h, _splat(I16, 0x80)), _splat(I16, 8)))
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), 16)), V16F)
+
+
+def _mxfp4_scales(builder, ptr):
+    """A chunk's 4 e8m0 block scales 2^(e - 127) (code 0: 2^-127), block l // 4 in lane l."""
+    w = builder.zext(_lanes_of(builder, ptr, 4), V16I)
+    scales = builder.bitcast(builder.shl(w, _splat(I32, 23)), V16F)
+    return builder.select(builder.icmp_unsigned("==", w, _splat(I32, 0)), _splat(F32, 2.0 ** -127), scales)
+
+
+_SCALES = {"nvfp4": _nvfp4_scales, "mxfp4": _mxfp4_scales}
+
+
+def _chunk_codegen(kind: str, tokens: int):
+    """Codegen of a chunk step for `tokens` inputs: args (q, qi, s, si, x_0.., xi, acc_0..) where (s, si) is
+    the scale array and index (nvfp4 / mxfp4) or (scale, zero) float32 (int4)."""
+    def codegen(context, builder, sig, args):
+        q, qi, s, si = args[:4]
+        xs, xi, accs = args[4:4 + tokens], args[4 + tokens], args[5 + tokens:]
+        qi = context.cast(builder, qi, sig.args[1], types.intp)
+        xi = context.cast(builder, xi, sig.args[4 + tokens], types.intp)
+        if kind == "fp8":
+            values = [_e4m3_16(builder, _load(builder, _element_ptr(context, builder, sig.args[0], q,
+                                                                     builder.add(qi, I64(16 * k))), V16B))
+                      for k in range(8)]
+        else:
+            words = _load(builder, _element_ptr(context, builder, sig.args[0], q, qi), V16I)
+            codes = [builder.and_(builder.lshr(words, _splat(I32, 4 * k)), _splat(I32, 15)) for k in range(8)]
+        if kind == "fp8":
+            si = context.cast(builder, si, sig.args[3], types.intp)
+            scale = _splat_value(builder, builder.load(_element_ptr(context, builder, sig.args[2], s, si)))
+        elif kind != "int4":
+            values = [_e2m1_16(builder, c) for c in codes]
+        elif PERMUTE:  # a table of the 16 codes minus the zero point
+            table = builder.fsub(_vector(F32, [float(c) for c in range(16)]), _splat_value(builder, si))
+            values = [_permute16(builder, table, c) for c in codes]
+        else:
+            values = [builder.fsub(builder.uitofp(c, V16F), _splat_value(builder, si)) for c in codes]
+        if kind == "int4":
+            scale = _splat_value(builder, s)
+        elif kind != "fp8":
+            si = context.cast(builder, si, sig.args[3], types.intp)
+            scale = _SCALES[kind](builder, _element_ptr(context, builder, sig.args[2], s, si))
+        for n in range(tokens):
+            sums = [None, None]  # two chains (even and odd k), added at the end
+            for k in range(8):
+                at = builder.add(xi, I64(16 * k))
+                xk = _load(builder, _element_ptr(context, builder, sig.args[4 + n], xs[n], at), V16F)
+                sums[k % 2] = builder.fmul(values[k], xk) if sums[k % 2] is None else \
+                    _fma16(builder, values[k], xk, sums[k % 2])
+            ptr = builder.bitcast(_element_ptr(context, builder, sig.args[5 + tokens + n], accs[n], I64(0)),
+                                  V16F.as_pointer())
+            acc = builder.load(ptr, align=4)
+            builder.store(_fma16(builder, builder.fadd(sums[0], sums[1]), scale, acc), ptr, align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+def _splat_value(builder, value):
+    """<16 x float> of a float32 scalar."""
+    v = builder.insert_element(ir.Constant(ir.VectorType(F32, 1), None), value, I32(0))
+    return builder.shuffle_vector(v, v, _vector(I32, [0] * 16))
+
+
+def _chunk_ok(kind: str, tokens: int, q, qi, s, si, floats, xi) -> bool:
+    scales = (isinstance(s, types.Float) and isinstance(si, types.Float) if kind == "int4"
+              else _contiguous_1d(s, types.float32 if kind == "fp8" else types.uint8) and isinstance(si, types.Integer))
+    return (_contiguous_1d(q, types.uint8) and isinstance(qi, types.Integer) and isinstance(xi, types.Integer)
+            and scales and len(floats) == 2 * tokens and all(_contiguous_1d(a, types.float32) for a in floats))
+
+
+def _chunk_intrinsic(kind: str):
+    """The chunk step of one input (kind: nvfp4, mxfp4, int4)."""
+    @intrinsic
+    def chunk(typingctx, q, qi, s, si, x, xi, acc):
+        if not _chunk_ok(kind, 1, q, qi, s, si, (x, acc), xi):
+            return None
+        return types.none(q, qi, s, si, x, xi, acc), _chunk_codegen(kind, 1)
+    return chunk
+
+
+def _chunk4_intrinsic(kind: str):
+    """The chunk step of 4 inputs into 4 accumulators, the codes decoded once."""
+    @intrinsic
+    def chunk4(typingctx, q, qi, s, si, x0, x1, x2, x3, xi, a0, a1, a2, a3):
+        if not _chunk_ok(kind, 4, q, qi, s, si, (x0, x1, x2, x3, a0, a1, a2, a3), xi):
+            return None
+        return types.none(q, qi, s, si, x0, x1, x2, x3, xi, a0, a1, a2, a3), _chunk_codegen(kind, 4)
+    return chunk4
+
+
+# acc[l] += (Σ_k value(code k of word l) * x[xi + 16 k + l]) * scale[l] for l < 16, over the 128 codes of
+# q[qi:qi + 64] (value: E2M1 / 2^14, or the int4 code minus `zero`; scale: the chunk's block scales by lane,
+# or int4's one scale)
+nvfp4_chunk, mxfp4_chunk, int4_chunk = (_chunk_intrinsic(k) for k in ("nvfp4", "mxfp4", "int4"))
+nvfp4_chunk4, mxfp4_chunk4, int4_chunk4 = (_chunk4_intrinsic(k) for k in ("nvfp4", "mxfp4", "int4"))
+# the same for fp8's 128 bytes q[qi:qi + 128] (one 128-wide block, scale s[si]) and x[xi + 16 k + l] =
+# input 16 k + l: inputs in their natural order
+fp8_chunk, fp8_chunk4 = _chunk_intrinsic("fp8"), _chunk4_intrinsic("fp8")
+
+
+@intrinsic
+def sum16(typingctx, acc):
+    """acc[0] + ... + acc[15] of a float32 array by halves (a fixed tree: 8, 4, 2, 1 lanes)."""
+    if not _contiguous_1d(acc, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(builder.bitcast(_element_ptr(context, builder, sig.args[0], args[0], I64(0)),
+                                         V16F.as_pointer()), align=4)
+        width = 16
+        while width > 1:
+            width //= 2
+            v = builder.fadd(builder.shuffle_vector(v, v, _vector(I32, list(range(width)))),
+                             builder.shuffle_vector(v, v, _vector(I32, list(range(width, 2 * width)))))
+        return builder.extract_element(v, I32(0))
+    return types.float32(acc), codegen
 
 
 def _contiguous_1d(ty, dtype) -> bool:
     return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == dtype
 
 
-@intrinsic
-def e2m1_fma16(typingctx, q, qi, xe, xo, s0, s1, acc):
-    """One step of an E2M1 dot: for l < 16, with lo / hi the values / 2^14 of byte q[qi + l]'s nibbles,
-    acc[l] += (lo * xe[qi + l] + hi * xo[qi + l]) * (s0 if l < 8 else s1). q uint8, xe / xo / acc
-    float32, all contiguous 1-D (acc: at least 16 lanes)."""
-    if not (_contiguous_1d(q, types.uint8) and all(_contiguous_1d(a, types.float32) for a in (xe, xo, acc))
-            and isinstance(qi, types.Integer)):
-        return None
-    sig = types.none(q, qi, xe, xo, types.float32, types.float32, acc)
-
-    def codegen(context, builder, sig, args):
-        qv, i, xev, xov, s0v, s1v, accv = args
-        i = context.cast(builder, i, sig.args[1], types.intp)
-        lo, hi = _step_codes(context, builder, sig.args[0], qv, i)
-        xe16 = _load16(builder, _element_ptr(context, builder, sig.args[2], xev, i), V16F)
-        xo16 = _load16(builder, _element_ptr(context, builder, sig.args[3], xov, i), V16F)
-        ptr = builder.bitcast(_element_ptr(context, builder, sig.args[6], accv, ir.Constant(ir.IntType(64), 0)),
-                              V16F.as_pointer())
-        t = _fma16(builder, hi, xo16, builder.fmul(lo, xe16))
-        builder.store(_fma16(builder, t, _step_scales(builder, s0v, s1v), builder.load(ptr, align=4)), ptr, align=4)
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@intrinsic
-def e2m1_fma16x4(typingctx, q, qi, e0, o0, e1, o1, e2, o2, e3, o3, s0, s1, a0, a1, a2, a3):
-    """e2m1_fma16 for 4 inputs (e_k, o_k) into 4 accumulators a_k, the step decoded once: per lane,
-    lo, hi scaled first (lo * s, hi * s), then a_k += lo * e_k + hi * o_k."""
-    floats = (e0, o0, e1, o1, e2, o2, e3, o3, a0, a1, a2, a3)
-    if not (_contiguous_1d(q, types.uint8) and all(_contiguous_1d(a, types.float32) for a in floats)
-            and isinstance(qi, types.Integer)):
-        return None
-    sig = types.none(q, qi, *floats[:8], types.float32, types.float32, *floats[8:])
-
-    def codegen(context, builder, sig, args):
-        i = context.cast(builder, args[1], sig.args[1], types.intp)
-        lo, hi = _step_codes(context, builder, sig.args[0], args[0], i)
-        scale = _step_scales(builder, args[10], args[11])
-        lo, hi = builder.fmul(lo, scale), builder.fmul(hi, scale)
-        for k in range(4):
-            e16, o16 = (_load16(builder, _element_ptr(context, builder, sig.args[n], args[n], i), V16F)
-                        for n in (2 + 2 * k, 3 + 2 * k))
-            ptr = builder.bitcast(_element_ptr(context, builder, sig.args[12 + k], args[12 + k],
-                                               ir.Constant(ir.IntType(64), 0)), V16F.as_pointer())
-            acc = _fma16(builder, hi, o16, _fma16(builder, lo, e16, builder.load(ptr, align=4)))
-            builder.store(acc, ptr, align=4)
-        return context.get_dummy_value()
-    return sig, codegen
+@njit(**KERNEL, inline="always")
+def chunk_place(i, cols):
+    """Where input i of a packed matrix of `cols` columns sits in its input order: within each whole chunk of
+    CHUNK_CODES inputs, input 8 l + k (word l's code k) at 16 k + l; inputs past the last whole chunk in place."""
+    if i >= cols // CHUNK_CODES * CHUNK_CODES:
+        return i
+    e = i % CHUNK_CODES
+    return i - e + (e % 8) * 16 + e // 8

@@ -17,15 +17,16 @@ A split expert is computed in two parts that add up to the whole: the CPU takes 
 [0, cut) (gate and up rows, down's columns) here, the GPU the rows [cut, I) from a scratch slot the link
 copied them into, with down's bias (expertcache.split: the split evens out the two channels' times to
 within a granule of rows rather than a whole expert). p(i) places act in down's input order for a matrix
-of c[u] columns: i, or for the packed formats [even | odd] halves of c[u] / 2, so down's dots read the
-first c[u] columns of each row and only their bytes and scales.
+of c[u] columns: i, or for the packed formats chunk_place(i, c[u]) (moe.kernels.cpu_decode), so down's dots
+read the first c[u] columns of each row and only their bytes and scales.
 
 Legend: T = tokens (1..MAX_TOKENS), H = hidden, I = expert width, k = top_k, E = experts a layer,
 U = units (<= T * k). act = silu(gate) * up, or gpt-oss's (clamp(up, -l, l) + 1) * g * sigmoid(alpha g)
 with g = min(gate, l) (moe.model.reference.gated_activation). Each key's weights are read from memory once
 per call, for all of its tokens, and decoded in registers by the format's row dots (moe.kernels.cpu_dots:
 one token fused, more in passes of 4 that decode each byte once a pass). The packed 4-bit formats take
-their input as [even | odd] halves: x is deinterleaved once per call and gate_up_rows writes act so.
+their input in chunk order (cpu_decode.chunk_place): x is placed so once per call and gate_up_rows writes
+act so.
 
 The items run on the calling thread and a pool of persistent threads (set_threads' count in all), which
 take them one at a time by compare-exchange on a ticket; between calls the pool's threads spin for up to
@@ -59,8 +60,8 @@ from expertcache.pool import HostStore
 from expertcache.split import tail_granule
 from moe.kernels import cpu_decode, cpu_dots
 from moe.kernels.cpu_atomics import compare_exchange, cpu_relax, fetch_add, load_acquire, store_release
-from moe.kernels.cpu_decode import FASTMATH, KERNEL, WORD_BF16, WORD_F16, deinterleave, stack_array, word_f32
-from moe.kernels.cpu_dots import NVFP4_MAX_BLOCKS, rows_dense, rows_fp8, rows_int4, rows_mxfp4, rows_nvfp4
+from moe.kernels.cpu_decode import FASTMATH, KERNEL, WORD_BF16, WORD_F16, chunk_place, stack_array, word_f32
+from moe.kernels.cpu_dots import rows_dense, rows_fp8, rows_int4, rows_mxfp4, rows_nvfp4
 from moe.model.config import ACTIVATIONS, EXPERT_BIAS_BANKS, MoEConfig
 from moe.model.slot_matrix import CODES
 
@@ -118,7 +119,7 @@ class Spec(NamedTuple):
     fmt: int
     word: int  # dense values / int4 scales: WORD_BF16, WORD_F16 (WORD_F32: a float32 dense matrix)
     zero_points: bool  # int4 with a zero-point bank
-    packed: bool  # 4-bit codes two a byte: inputs as [even | odd]
+    packed: bool  # 4-bit codes two a byte: inputs in chunk order (chunk_place)
     bias: int  # NO_BIAS, or the biases' word (WORD_BF16, WORD_F16, WORD_F32)
     activation: int  # SILU or SWIGLU_CLAMPED
     alpha: float
@@ -189,10 +190,9 @@ _gate_up_block = stack_array(MAX_TOKENS, 2 * GATE_UP_ROWS)  # [tt, gate rows | u
 def gate_up_rows(gu, spec, key, i0, i1, cols, xin, toks, ntok, act):
     """act[toks[tt], p(i)] = activation(gate_i · xin[toks[tt]] + b_gate_i, up_i · xin[toks[tt]] + b_up_i) of key
     `key` for i in [i0, i1), tt < ntok; p(i) is the input order of a down matrix of `cols` columns (the
-    unit's rows, I or a split expert's cut; [even | odd] halves of cols / 2 when spec.packed). xin float32
+    unit's rows, I or a split expert's cut; chunk_place(i, cols) when spec.packed). xin float32
     [*, H] in gate_up's input order, toks int64 [>= ntok] (token rows), act float32 [*, I]."""
     inter = gu.rows
-    half = cols // 2
     block = _gate_up_block()
     # the block's columns of gate and up rows; np.int64 keeps a constant from typing as a literal, which
     # would compile every row function once more for it
@@ -202,7 +202,7 @@ def gate_up_rows(gu, spec, key, i0, i1, cols, xin, toks, ntok, act):
         rows_dot(gu, spec, key, b0, b1, gu.cols, xin, toks, ntok, block, gate_col)
         rows_dot(gu, spec, key, inter + b0, inter + b1, gu.cols, xin, toks, ntok, block, up_col)
         for i in range(b0, b1):
-            p = (i & 1) * half + (i >> 1) if spec.packed else i
+            p = chunk_place(i, cols) if spec.packed else i
             b_gate, b_up = bias_of(gu, spec, key, i), bias_of(gu, spec, key, inter + i)
             for tt in range(ntok):
                 gate, up = block[tt, gate_col + i - b0] + b_gate, block[tt, up_col + i - b0] + b_up
@@ -287,13 +287,11 @@ def plan_units(ids, layer, num_experts, split, cut, inter, sc):
 
 @njit(**KERNEL)
 def input_order(spec, x, xin):
-    """xin[t] = x[t] in gate_up's input order ([even | odd] when spec.packed) for t < T."""
+    """xin[t] = x[t] in gate_up's input order (chunk_place when spec.packed) for t < T."""
+    n = x.shape[1]
     for t in range(x.shape[0]):
-        if spec.packed:
-            deinterleave(x[t], xin[t])
-        else:
-            for c in range(x.shape[1]):
-                xin[t, c] = x[t, c]
+        for c in range(n):
+            xin[t, chunk_place(c, n) if spec.packed else c] = x[t, c]
 
 
 # The pool's control words (int64), each on a cache line of its own. A ticket is tag << TAG_SHIFT | the
@@ -535,10 +533,6 @@ class CpuExperts:
 
     def __init__(self, store: HostStore, cfg: MoEConfig) -> None:
         self.spec = _spec(cfg)
-        for field, n in (("hidden", cfg.hidden), ("expert_intermediate", cfg.expert_intermediate)):
-            if self.spec.fmt == NVFP4 and n > 16 * NVFP4_MAX_BLOCKS:
-                raise ValueError(f"CpuExperts: nvfp4 rows of at most {16 * NVFP4_MAX_BLOCKS} inputs, got "
-                                 f"MoEConfig.{field}={n}")
         want = cfg.expert_banks()
         if store.banks != want:
             raise ValueError(

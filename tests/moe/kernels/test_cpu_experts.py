@@ -14,7 +14,6 @@ import torch
 
 from expertcache.formats import bank_name, resolve_format
 from expertcache.split import tail_granule
-from moe.kernels.cpu_dots import NVFP4_MAX_BLOCKS
 from moe.kernels.cpu_experts import MAX_TOKENS, SPIN_PAUSES, CpuExperts, set_threads
 from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig
 from moe.model.reference import gated_activation
@@ -347,13 +346,34 @@ def test_a_store_of_another_format_or_shape_is_refused():
         CpuExperts(store, MoEConfig(hidden=H, num_experts=3, top_k=2, expert_intermediate=I, expert_format="fp8"))
 
 
-def test_nvfp4_rows_wider_than_the_scale_buffer_are_refused_by_field():
-    wide = 16 * NVFP4_MAX_BLOCKS + 16
-    for hidden, inter, field in ((wide, 32, "hidden"), (64, wide, "expert_intermediate")):
-        cfg = MoEConfig(hidden=hidden, num_experts=2, top_k=1, expert_intermediate=inter, expert_format="nvfp4")
-        store = random_weights(cfg, 1, device="cpu", seed=0, pin=False).store
-        with pytest.raises(ValueError, match=f"MoEConfig.{field}={wide}"):
-            CpuExperts(store, cfg)
+@pytest.mark.parametrize("cols", [1, 96, 128, 288, 384, 2880])
+def test_the_packed_input_order_is_a_permutation_of_whole_chunks(cols):
+    """chunk_place moves inputs only within whole 128-input chunks (word l's nibble k: input 8l + k to 16k + l)
+    and leaves the rest in place."""
+    from moe.kernels.cpu_decode import chunk_place
+
+    places = np.array([chunk_place(i, cols) for i in range(cols)])
+    assert sorted(places) == list(range(cols))
+    full = cols // 128 * 128
+    assert (places[full:] == np.arange(full, cols)).all()
+    i = np.arange(full)
+    assert (places[:full] == i // 128 * 128 + (i % 8) * 16 + i % 128 // 8).all()
+    assert (places[:full] // 128 == i // 128).all()
+
+
+@pytest.mark.parametrize("fmt", ["int4-f16-z", "nvfp4", "mxfp4"])
+def test_wide_packed_rows_match_the_reference(fmt):
+    """Rows of many whole chunks (H = 2048, I = 768, Qwen3-30B-A3B's expert) and of 2880 inputs (gpt-oss's:
+    22 chunks and a partial one: int4's last group of 64), 1 and 5 tokens."""
+    for hidden, inter in ((2048, 768), (2880, 2880)):
+        cfg, store = make_experts(fmt, "swiglu_clamped", hidden=hidden, inter=inter)
+        rng = np.random.default_rng(hidden)
+        for tokens in (1, 5):
+            x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+            ids = np.stack([rng.permutation(E)[:K] for _ in range(tokens)]).astype(np.int32)
+            weights = rng.random((tokens, K)).astype(np.float32)
+            out = CpuExperts(store, cfg).moe(0, x, ids, weights)
+            assert rel_err(out, reference(cfg, store, 0, x, ids, weights)) < 1e-5, (hidden, tokens)
 
 
 def test_a_format_or_activation_without_a_kernel_is_refused_by_field(monkeypatch):
