@@ -83,8 +83,8 @@ def threads_in_use() -> int:
     return _THREADS[0] if _THREADS else numba.config.NUMBA_NUM_THREADS
 
 
-GATE_UP_ROWS = 16  # intermediate rows (each a gate and an up row) of a gate_up work item
-DOWN_ROWS = 64  # output rows of a down work item
+GATE_UP_ROWS = 8  # intermediate rows (each a gate and an up row) of a gate_up work item
+DOWN_ROWS = 32  # output rows of a down work item
 DENSE, FP8, NVFP4, MXFP4, INT4 = 0, CODES["fp8"], CODES["nvfp4"], CODES["mxfp4"], CODES["int4"]
 WORD_F32 = 2  # a dense float32 matrix / float32 biases (beside cpu_decode's 16-bit words)
 NO_BIAS = -1
