@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         prof.export_chrome_trace(str(raw))
         chrome = json.loads(raw.read_text())
         raw.unlink()
-        result["worker_events"] = merge_worker_events(chrome, list(events), align_ns)
+        result["worker_events"] = merge_worker_events(chrome, share.trace, align_ns)
         text = json.dumps(chrome)
         out = Path(args.trace_out)
         if out.suffix == ".gz":
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
             tokens = run.step(args.warmup + j, tokens)
             torch.cuda.synchronize()
             step_us.append((time.perf_counter_ns() - t0) / 1e3)
+    events = share.trace  # the answers recorded since it was set
     share.trace = None
     run.backend.check()
     run.backend.slots.cache.check()

@@ -6,8 +6,12 @@
           and their weights -> mapped pinned host memory, (layer, T) beside them; a barrier, a
           system-scope release, flag_in = seq
     CPU worker (one thread per SlotCache): spins on flag_in with acquire loads (numba, the GIL
-      released), runs moe.kernels.cpu_experts.CpuExperts.moe on what was posted into `out`, and answers
-      flag_out = seq with a release store
+      released), computes what was posted into `out` as moe.kernels.cpu_experts.CpuExperts.moe would,
+      and answers flag_out = seq with a release store. Its loop is compiled whole (serve_posts): it
+      leads the CpuExperts' pool of threads (pool_run) post after post without returning to Python,
+      holding the CpuExperts' lock; it returns between bursts (no post within the pool's spin), to wake
+      the pool's threads once they sleep, and for a post that fails its checks (then served through
+      CpuExperts.moe, whose error check() raises)
     compute stream, at the combine (before the routed down launch):
       _wait_kernel: if pending, one program spins on flag_out (volatile loads) until it reaches seq, a
           system-scope acquire; then dst [T, H] = addend (the shared expert's output, or 0) + (out if
@@ -51,8 +55,9 @@ from numba import njit
 from expertcache.geometry import CPU_SLOT
 from expertcache.pool import DeviceView, mapped_device_pointer
 from expertcache.split import SPLIT_LEN, MissSplit
-from moe.kernels.cpu_atomics import cpu_relax, load_acquire, store_release
-from moe.kernels.cpu_experts import SPIN_PAUSES, CpuExperts
+from moe.kernels.cpu_atomics import cpu_relax, load_acquire, monotonic_ns, store_release
+from moe.kernels.cpu_decode import KERNEL
+from moe.kernels.cpu_experts import ASLEEP, MAX_TOKENS, SPIN_PAUSES, CpuExperts, pool_run
 from moe.kernels.plan import GEMV_MAX_TOKENS
 
 META_LAYER, META_ROWS, META_SPLIT, META_CUT = 0, 1, 2, 3
@@ -76,6 +81,76 @@ def wait_post(flag_in, stop, last):
 @njit(nogil=True, cache=True)
 def answer(flag_out, s):
     store_release(flag_out, 0, s)
+
+
+# serve_posts' returns (with a post's seq): no post within `spin` waits (the last served), stop set (the last
+# served), the pool has threads asleep (the post, not served: wake them and call again with woke), the
+# post fails the checks (not served: CpuExperts.moe's checks name what is wrong)
+IDLE, STOPPED, WAKE, CHECK = 0, 1, 2, 3
+TRACE_LEN = 1 << 16  # answers a CpuShare's trace ring holds
+
+
+@njit(**KERNEL)
+def _post_ok(meta, ids, rows_max, num_layers, num_experts, inter, granule):
+    """Whether the posted call is one CpuExperts.moe takes: rows, layer, ids, the split (expert, cut)."""
+    rows, layer, expert, cut = meta[META_ROWS], meta[META_LAYER], meta[META_SPLIT], meta[META_CUT]
+    if rows < 1 or rows > rows_max or layer < 0 or layer >= num_layers:
+        return False
+    routed = False
+    for t in range(rows):
+        for j in range(ids.shape[1]):
+            if ids[t, j] < -1 or ids[t, j] >= num_experts:
+                return False
+            routed |= expert >= 0 and ids[t, j] == expert
+    return expert < 0 or (expert < num_experts and 0 < cut < inter and granule > 0 and cut % granule == 0
+                          and routed)
+
+
+@njit(**KERNEL)
+def serve_posts(flag_in, flag_out, stop, meta, x, ids, weights, out, ctrl, gu, dn, spec, sc, num_layers,
+                num_experts, inter, granule, last, pending, woke, spin, ring, ring_at, tracing):
+    """The worker's loop, compiled: serve the post `pending` (when it is not `last`), then each later one
+    as it comes (spinning with acquire loads on flag_in), leading the CpuExperts' pool (pool_run) with no
+    return to Python between posts; answer each with flag_out = its seq. Returns (IDLE / STOPPED / WAKE /
+    CHECK, seq) as above. A post serving nothing gets out = 0 and its answer at once, no pool call. With
+    tracing[0], each answer is recorded first as (start ns, end ns, layer, served positions) in ring
+    [TRACE_LEN, 4] at ring_at[0] % TRACE_LEN (then ring_at[0] += 1, released). woke: the pool was just
+    woken for `pending` (its threads may not be spinning yet: no WAKE for it)."""
+    s = pending
+    while True:
+        if s == last:
+            waited = 0
+            s = load_acquire(flag_in, 0)
+            while s == last:
+                if load_acquire(stop, 0) != 0:
+                    return STOPPED, last
+                if waited >= spin:
+                    return IDLE, last
+                waited += 1
+                cpu_relax()
+                s = load_acquire(flag_in, 0)
+        start = monotonic_ns()
+        if not _post_ok(meta, ids, min(x.shape[0], MAX_TOKENS), num_layers, num_experts, inter, granule):
+            return CHECK, s
+        rows, layer, expert = meta[META_ROWS], meta[META_LAYER], meta[META_SPLIT]
+        served = 0
+        for t in range(rows):
+            for j in range(ids.shape[1]):
+                served += ids[t, j] >= 0
+        if served == 0:
+            out[:rows] = 0.0
+        else:
+            if not (woke and s == pending) and load_acquire(ctrl, ASLEEP) > 0:
+                return WAKE, s
+            pool_run(ctrl, gu, dn, spec, sc, True, layer, num_experts, expert if expert >= 0 else -1,
+                     meta[META_CUT] if expert >= 0 else 0, x[:rows], ids[:rows], weights[:rows], out[:rows], 0, 0)
+        if tracing[0] != 0:
+            at = ring_at[0]
+            e = ring[at % ring.shape[0]]
+            e[0], e[1], e[2], e[3] = start, monotonic_ns(), layer, served
+            store_release(ring_at, 0, at + 1)
+        store_release(flag_out, 0, s)
+        last = s
 
 
 @triton.jit
@@ -187,9 +262,10 @@ class CpuShare:
     experts: the CpuExperts over the SlotCache's HostStore (the store's own pinned banks, read in place).
     One layer's share is in flight at a time (a layer waits for its own before the next posts), so one
     set of buffers serves every layer. `post` and `wait` launch on the current stream; `close` stops
-    the worker; `check` raises the worker's error, if it had one. With `trace` a list, the worker appends
-    (start ns, end ns, layer, served positions) of each answer, time.perf_counter_ns() (a timeline's CPU
-    lane: benchmarks/hybrid_step.py); None (the default) records nothing.
+    the worker; `check` raises the worker's error, if it had one. Set `trace` to a list to record each answer
+    from then on as (start ns, end ns, layer, served positions) on time.perf_counter_ns()'s clock (a
+    timeline's CPU lane: benchmarks/hybrid_step.py); reading it gives that list and the answers since;
+    None (the default) records nothing.
     """
 
     def __init__(self, experts: CpuExperts, device: torch.device, split: MissSplit | None = None,
@@ -221,34 +297,75 @@ class CpuShare:
             self.tail = torch.tensor([-1, scratch, cfg.expert_intermediate], dtype=torch.int32, device=device)
         self.scratch, self.num_experts = scratch, cfg.num_experts
         self.error: BaseException | None = None
-        self.trace: list[tuple[int, int, int, int]] | None = None
+        self._ring, self._ring_at = np.zeros((TRACE_LEN, 4), np.int64), np.zeros(1, np.int64)
+        self._tracing, self._trace_head, self._trace_from = np.zeros(1, np.int64), [], None
         self._thread = threading.Thread(target=self._serve, name="expertcache-cpu-share", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        a, last = self._np, 0
+        a, ex, cfg = self._np, self.experts, self.experts.cfg
+        last = pending = 0
+        woke = False
         while True:
-            s = int(wait_post(a["flag_in"], a["stop"], last))
-            if s < 0:
+            if pending == last:  # between bursts of posts: spin here, holding neither the GIL nor the calls' lock
+                pending = int(wait_post(a["flag_in"], a["stop"], last))
+                if pending < 0:
+                    return
+            with ex.leading() as ctrl:
+                status, s = serve_posts(a["flag_in"], a["flag_out"], a["stop"], a["meta"], a["x"], a["ids"],
+                                        a["weights"], a["out"], ctrl, ex.gate_up, ex.down, ex.spec, ex.scratch,
+                                        ex.num_layers, cfg.num_experts, cfg.expert_intermediate, ex.tail_granule,
+                                        last, pending, woke, ex.spin_pauses, self._ring, self._ring_at,
+                                        self._tracing)
+            woke, s = status == WAKE, int(s)
+            if status == STOPPED:
                 return
-            rows, layer = int(a["meta"][META_ROWS]), int(a["meta"][META_LAYER])
-            split = (int(a["meta"][META_SPLIT]), int(a["meta"][META_CUT])) if a["meta"][META_SPLIT] >= 0 else None
-            trace, start = self.trace, time.perf_counter_ns()
-            served = 0
-            try:
-                served = int((a["ids"][:rows] >= 0).sum())
-                if served:
-                    self.experts.moe(layer, a["x"][:rows], a["ids"][:rows], a["weights"][:rows], out=a["out"][:rows],
-                                     split=split)
-                else:  # a post with nothing served (post's `always`): answer at once, no kernel threads woken
-                    a["out"][:rows] = 0.0
-            except Exception as exc:  # kept for check(): the GPU must not wait forever
-                a["out"][:rows] = 0.0
-                self.error = exc
-            if trace is not None:  # before the answer: whoever the answer releases finds the entry
-                trace.append((start, time.perf_counter_ns(), layer, served))
-            answer(a["flag_out"], s)
-            last = s
+            if status == WAKE:  # post s not served yet: again, the pool woken as leading() enters
+                pending = s
+                continue
+            if status == CHECK:
+                self._serve_checked(s)
+            last = pending = s
+
+    def _serve_checked(self, s: int) -> None:
+        """Post s through CpuExperts.moe, whose checks raise what is wrong with it (kept for check()); the
+        answer is sent anyway, out zeroed, so the GPU does not wait forever."""
+        a = self._np
+        rows, layer = int(a["meta"][META_ROWS]), int(a["meta"][META_LAYER])
+        split = (int(a["meta"][META_SPLIT]), int(a["meta"][META_CUT])) if a["meta"][META_SPLIT] >= 0 else None
+        start, served = time.perf_counter_ns(), 0
+        try:
+            n = min(max(rows, 0), a["x"].shape[0])
+            served = int((a["ids"][:n] >= 0).sum())
+            self.experts.moe(layer, a["x"][:rows], a["ids"][:rows], a["weights"][:rows], out=a["out"][:rows],
+                             split=split)
+        except Exception as exc:  # kept for check(): the GPU must not wait forever
+            a["out"][:] = 0.0
+            self.error = exc
+        if self._tracing[0]:  # before the answer: whoever the answer releases finds the entry
+            at = int(self._ring_at[0])
+            self._ring[at % TRACE_LEN] = (start, time.perf_counter_ns(), layer, served)
+            self._ring_at[0] = at + 1
+        answer(a["flag_out"], s)
+
+    @property
+    def trace(self) -> list[tuple[int, int, int, int]] | None:
+        """The worker's answers recorded since trace was set to a list (that list's entries first), as (start
+        ns, end ns, layer, served positions) on time.perf_counter_ns()'s clock; None: not recording. The
+        last TRACE_LEN answers are kept."""
+        if self._trace_from is None:
+            return None
+        n = int(self._ring_at[0])
+        return self._trace_head + [tuple(int(v) for v in self._ring[i % TRACE_LEN])
+                                   for i in range(max(self._trace_from, n - TRACE_LEN), n)]
+
+    @trace.setter
+    def trace(self, value: list | None) -> None:
+        if value is None:
+            self._tracing[0], self._trace_from = 0, None
+        else:
+            self._trace_head, self._trace_from = list(value), int(self._ring_at[0])
+            self._tracing[0] = 1
 
     def post(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
              weights: torch.Tensor, always: bool = False, count: torch.Tensor | None = None) -> None:

@@ -6,6 +6,8 @@
     compare_exchange(a, i, old, new) a[i] = new if a[i] == old, atomically (acquire and release); returns
                                      the value found (== old: it was stored)
     cpu_relax()                      a spin-wait hint (x86 `pause`; nothing elsewhere)
+    monotonic_ns()                   the monotonic clock in ns (clock_gettime(CLOCK_MONOTONIC), the clock
+                                     of Python's time.perf_counter_ns on Linux)
 
 a: a C-contiguous int32 or int64 numpy array (the operation is on its element type); i: an index (not
 wrapped, not bounds-checked); v, old, new: integers, converted to the element type. They are LLVM atomic
@@ -99,3 +101,20 @@ def cpu_relax(typingctx):
             builder.call(pause, [])
         return context.get_dummy_value()
     return types.void(), codegen
+
+
+_CLOCK_MONOTONIC = 1  # Linux's clockid
+
+
+@intrinsic
+def monotonic_ns(typingctx):
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        spec = cgutils.alloca_once(builder, ir.ArrayType(i64, 2))  # struct timespec {tv_sec; tv_nsec}
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), [
+            ir.IntType(32), i64.as_pointer()]), "clock_gettime")
+        builder.call(fn, [ir.Constant(ir.IntType(32), _CLOCK_MONOTONIC), builder.bitcast(spec, i64.as_pointer())])
+        sec = builder.load(builder.gep(spec, [ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 0)]))
+        nsec = builder.load(builder.gep(spec, [ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 1)]))
+        return builder.add(builder.mul(sec, ir.Constant(i64, 1_000_000_000)), nsec)
+    return types.int64(), codegen

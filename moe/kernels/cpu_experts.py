@@ -45,6 +45,7 @@ CpuExperts, so one call runs at a time per instance (a lock).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import NamedTuple
@@ -299,8 +300,8 @@ def input_order(spec, x, xin):
 # ticket of the generation it saw published, so a thread that arrives late, or still runs the previous
 # call's loop, takes nothing of a later call.
 _LINE = 8
-GEN, UNITS, TICKET_UP, DONE_UP, TICKET_DOWN, DONE_DOWN, STOP = (i * _LINE for i in range(7))
-CTRL_WORDS = 7 * _LINE
+GEN, UNITS, TICKET_UP, DONE_UP, TICKET_DOWN, DONE_DOWN, STOP, ASLEEP = (i * _LINE for i in range(8))
+CTRL_WORDS = 8 * _LINE  # ASLEEP: the pool's threads asleep (not spinning) now
 TAG_SHIFT, ITEM_MASK, GEN_MASK = 32, (1 << 32) - 1, (1 << 31) - 1
 
 
@@ -424,7 +425,7 @@ class _Pool:
     the owner only weakly while asleep: once it is collected they stop."""
 
     def __init__(self, owner: CpuExperts, size: int) -> None:
-        self.size, self.ctrl, self.cond, self.asleep = size, np.zeros(CTRL_WORDS, np.int64), threading.Condition(), 0
+        self.size, self.ctrl, self.cond = size, np.zeros(CTRL_WORDS, np.int64), threading.Condition()
         self.threads = [threading.Thread(target=_pool_thread, args=(weakref.ref(owner), self), daemon=True,
                                          name=f"expertcache-cpu-experts-{i}") for i in range(size)]
         self._finalizer = weakref.finalize(owner, _halt, self.ctrl, self.cond, self.threads)  # also at exit
@@ -432,7 +433,7 @@ class _Pool:
             t.start()
 
     def wake(self) -> None:
-        if self.asleep:
+        if self.ctrl[ASLEEP]:
             with self.cond:
                 self.cond.notify_all()
 
@@ -453,10 +454,10 @@ def _pool_thread(owner_ref, pool: _Pool) -> None:
         if last < 0:
             return
         with pool.cond:
-            pool.asleep += 1
+            pool.ctrl[ASLEEP] += 1
             while pool.ctrl[GEN] == last and not pool.ctrl[STOP]:
                 pool.cond.wait()
-            pool.asleep -= 1
+            pool.ctrl[ASLEEP] -= 1
         if pool.ctrl[STOP]:
             return
 
@@ -600,6 +601,17 @@ class CpuExperts:
         # read-only inputs would compile pool_run once more, for the leader alone: its items would then
         # run other code than the pool threads' (module docstring: one compiled item code)
         x, ids, weights = (a if a.flags.writeable else a.copy() for a in (x, ids, weights))
+        with self.leading() as ctrl:
+            pool_run(ctrl, self.gate_up, self.down, self.spec, self.scratch, True, int(layer),
+                     cfg.num_experts, expert, cut, x, ids, weights, out, 0, 0)
+        return out
+
+    @contextlib.contextmanager
+    def leading(self):
+        """Hold the calls' lock with the pool made (or remade at set_threads' size) and woken; gives its ctrl
+        words, for a compiled caller that runs pool_run as the leader (with self.gate_up, self.down,
+        self.spec, self.scratch) any number of times before it returns: moe.engine.handoff's worker.
+        While the pool has threads asleep (ctrl[ASLEEP]), a call still completes, on fewer threads."""
         with self._lock:
             size = threads_in_use() - 1
             if self._pool is None or self._pool.size != size:
@@ -607,9 +619,7 @@ class CpuExperts:
                     self._pool.close()
                 self._pool = _Pool(self, size)
             self._pool.wake()
-            pool_run(self._pool.ctrl, self.gate_up, self.down, self.spec, self.scratch, True, int(layer),
-                     cfg.num_experts, expert, cut, x, ids, weights, out, 0, 0)
-        return out
+            yield self._pool.ctrl
 
     def _split(self, split, ids: np.ndarray) -> tuple[int, int]:
         """(expert, cut) of moe's `split` as ints, (-1, 0) for None, or ValueError naming split."""
