@@ -5,12 +5,12 @@
               bytes at least ROTATION_BYTES where the store holds them (rotation())
         link: expertcache.copy.miss_copy of each group's n experts, and of each of them alone, in turn
               into a scratch pool of n slots, back to back in a CUDA graph replayed on a stream of its own
-        cpu:  moe.kernels.cpu_experts.CpuExperts.moe over each group, and over each of its experts alone,
-              in turn
+        cpu:  moe.kernels.cpu_experts.CpuExperts over each group, and over each of its experts alone, in
+              turn, each call posted from the host to the hand-off's worker (CpuShare.host_call): the
+              compiled loop a decode's layers reach, so the fixed time is theirs
         each channel alone, then both at once (a thread runs the CPU calls; numba releases the GIL)
         hand-off (first): moe.engine.handoff's post and wait replayed in a CUDA graph, handing over with
-              nothing served (the round trip) and not (a layer call with no CPU share); its worker is
-              stopped before the channels are timed
+              nothing served (the round trip) and not (a layer call with no CPU share)
     ChannelMeasure ──.costs()──► expertcache.split.ChannelCosts: per expert, the slope between the 1- and
         the n-expert calls alone, and the n-expert call beside the other channel less the fixed part; the
         round trip beyond the two launches in the CPU's fixed part
@@ -288,10 +288,10 @@ def _measure(store: HostStore, cfg: MoEConfig, pool: SlotPool, layers: np.ndarra
     device, (groups, n) = pool.device, experts.shape
     turn = {size: 0 for size in (1, n)}
 
-    def cpu_call(size: int) -> None:
+    def cpu_call(size: int) -> None:  # through the hand-off's worker, as a decode's layer pays it
         i = turn[size] = (turn[size] + 1) % len(calls[size])
         layer, args = calls[size][i]
-        cpu.moe(layer, *args)
+        handoff.share.host_call(layer, *args)
 
     keys = layers[:, None].astype(np.int64) * cfg.num_experts + experts
     slots = np.broadcast_to(np.arange(n), (groups, n))
@@ -322,16 +322,19 @@ def _measure(store: HostStore, cfg: MoEConfig, pool: SlotPool, layers: np.ndarra
             if (time.perf_counter() >= end and len(out) >= 3) or not keep_going():
                 return out
 
-    for size in (1, n):  # first calls: compiles (cached on disk after the first run) and page-ins
-        cpu_call(size)
-        link_us(size, 0.0)
     handoff = _HandOff(cpu, cfg, device, stream)
     try:
+        # the device's posts first: the host's calls then take the seqs after the device's last one
         t0 = time.perf_counter()
         round_trip, idle = handoff.us(True), handoff.us(False)
+        w = time.perf_counter()
+        for size in (1, n):  # first calls: compiles (cached on disk after the first run) and page-ins
+            cpu_call(size)
+            link_us(size, 0.0)
+        t0 += time.perf_counter() - w  # not counted in the measurement's time
+        return _timed(store, cfg, n, cpu_call, link_us, t0, round_trip, idle)
     finally:
-        handoff.close()  # its worker spins: stopped before the CPU is timed
-    return _timed(store, cfg, n, cpu_call, link_us, t0, round_trip, idle)
+        handoff.close()
 
 
 def _timed(store: HostStore, cfg: MoEConfig, n: int, cpu_call, link_us, t0: float, round_trip: float,

@@ -367,6 +367,21 @@ class CpuShare:
             self._trace_head, self._trace_from = list(value), int(self._ring_at[0])
             self._tracing[0] = 1
 
+    def host_call(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
+        """out [T, H] = the CPU's share of x [T, H] for ids / weights [T, k] (float32, int32, float32 numpy),
+        posted from this thread as the device posts (payload, meta, then flag_in) and answered by the worker,
+        this thread waiting with the GIL released: a call as a decode's layer pays it, without the GPU
+        (moe.engine.channels times the CPU channel so). Nothing may be posted on the device meanwhile."""
+        self._open("host_call")
+        a, rows = self._np, x.shape[0]
+        a["x"][:rows], a["ids"][:rows], a["weights"][:rows] = x, ids, weights
+        a["meta"][:] = (layer, rows, -1, self.experts.cfg.expert_intermediate)
+        prev = int(a["flag_out"][0])
+        answer(a["flag_in"], prev + 1)  # after the payload (a release store), as the device's flag
+        if int(wait_post(a["flag_out"], a["stop"], prev)) < 0:
+            raise RuntimeError("CpuShare.host_call: the CPU share was closed while a call was posted")
+        out[:rows] = a["out"][:rows]
+
     def post(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
              weights: torch.Tensor, always: bool = False, count: torch.Tensor | None = None) -> None:
         """Hand over the positions of hidden [T, H] whose slot is CPU_SLOT (ids, slots int32, weights
