@@ -305,7 +305,6 @@ class CpuShare:
     def _serve(self) -> None:
         a, ex, cfg = self._np, self.experts, self.experts.cfg
         last = pending = 0
-        woke = False
         while True:
             if pending == last:  # between bursts of posts: spin here, holding neither the GIL nor the calls' lock
                 pending = int(wait_post(a["flag_in"], a["stop"], last))
@@ -315,12 +314,12 @@ class CpuShare:
                 status, s = serve_posts(a["flag_in"], a["flag_out"], a["stop"], a["meta"], a["x"], a["ids"],
                                         a["weights"], a["out"], ctrl, ex.gate_up, ex.down, ex.spec, ex.scratch,
                                         ex.num_layers, cfg.num_experts, cfg.expert_intermediate, ex.tail_granule,
-                                        last, pending, woke, ex.spin_pauses, self._ring, self._ring_at,
-                                        self._tracing)
-            woke, s = status == WAKE, int(s)
+                                        last, pending, True, ex.spin_pauses, self._ring, self._ring_at,
+                                        self._tracing)  # woke: leading() has just woken the pool
+            s = int(s)
             if status == STOPPED:
                 return
-            if status == WAKE:  # post s not served yet: again, the pool woken as leading() enters
+            if status == WAKE:  # post s not served yet (the pool fell asleep in a burst): again, woken
                 pending = s
                 continue
             if status == CHECK:
