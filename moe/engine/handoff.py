@@ -91,19 +91,30 @@ TRACE_LEN = 1 << 16  # answers a CpuShare's trace ring holds
 
 
 @njit(**KERNEL)
-def _post_ok(meta, ids, rows_max, num_layers, num_experts, inter, granule):
-    """Whether the posted call is one CpuExperts.moe takes: rows, layer, ids, the split (expert, cut)."""
+def _post_served(meta, ids, rows_max, num_layers, num_experts, inter, granule):
+    """The positions the posted call serves (ids >= 0), or -1 where it is not one CpuExperts.moe takes: rows,
+    layer, ids, the split (expert, cut)."""
     rows, layer, expert, cut = meta[META_ROWS], meta[META_LAYER], meta[META_SPLIT], meta[META_CUT]
     if rows < 1 or rows > rows_max or layer < 0 or layer >= num_layers:
-        return False
-    routed = False
+        return -1
+    served, routed = 0, False
     for t in range(rows):
         for j in range(ids.shape[1]):
             if ids[t, j] < -1 or ids[t, j] >= num_experts:
-                return False
+                return -1
+            served += ids[t, j] >= 0
             routed |= expert >= 0 and ids[t, j] == expert
-    return expert < 0 or (expert < num_experts and 0 < cut < inter and granule > 0 and cut % granule == 0
-                          and routed)
+    ok = expert < 0 or (expert < num_experts and 0 < cut < inter and granule > 0 and cut % granule == 0 and routed)
+    return served if ok else -1
+
+
+@njit(**KERNEL)
+def record(ring, ring_at, start, end, layer, served):
+    """Trace an answer: ring[ring_at[0] % len] = (start, end, layer, served), then ring_at[0] += 1 (released)."""
+    at = ring_at[0]
+    e = ring[at % ring.shape[0]]
+    e[0], e[1], e[2], e[3] = start, end, layer, served
+    store_release(ring_at, 0, at + 1)
 
 
 @njit(**KERNEL)
@@ -130,13 +141,10 @@ def serve_posts(flag_in, flag_out, stop, meta, x, ids, weights, out, ctrl, gu, d
                 cpu_relax()
                 s = load_acquire(flag_in, 0)
         start = monotonic_ns()
-        if not _post_ok(meta, ids, min(x.shape[0], MAX_TOKENS), num_layers, num_experts, inter, granule):
+        served = _post_served(meta, ids, min(x.shape[0], MAX_TOKENS), num_layers, num_experts, inter, granule)
+        if served < 0:
             return CHECK, s
         rows, layer, expert = meta[META_ROWS], meta[META_LAYER], meta[META_SPLIT]
-        served = 0
-        for t in range(rows):
-            for j in range(ids.shape[1]):
-                served += ids[t, j] >= 0
         if served == 0:
             out[:rows] = 0.0
         else:
@@ -145,10 +153,7 @@ def serve_posts(flag_in, flag_out, stop, meta, x, ids, weights, out, ctrl, gu, d
             pool_run(ctrl, gu, dn, spec, sc, True, layer, num_experts, expert if expert >= 0 else -1,
                      meta[META_CUT] if expert >= 0 else 0, x[:rows], ids[:rows], weights[:rows], out[:rows], 0, 0)
         if tracing[0] != 0:
-            at = ring_at[0]
-            e = ring[at % ring.shape[0]]
-            e[0], e[1], e[2], e[3] = start, monotonic_ns(), layer, served
-            store_release(ring_at, 0, at + 1)
+            record(ring, ring_at, start, monotonic_ns(), layer, served)
         store_release(flag_out, 0, s)
         last = s
 
@@ -342,9 +347,7 @@ class CpuShare:
             a["out"][:] = 0.0
             self.error = exc
         if self._tracing[0]:  # before the answer: whoever the answer releases finds the entry
-            at = int(self._ring_at[0])
-            self._ring[at % TRACE_LEN] = (start, time.perf_counter_ns(), layer, served)
-            self._ring_at[0] = at + 1
+            record(self._ring, self._ring_at, start, time.perf_counter_ns(), layer, served)
         answer(a["flag_out"], s)
 
     @property
