@@ -19,8 +19,9 @@
     bench-llama (the GPU machine): per GGUF (BF16, Q8_0, Q4_K_M) its experts' bytes per layer (gguf-py
         from the extracted source), then per GPU share of the experts (all, half, a quarter, none):
         llama-bench -ngl 99 --n-cpu-moe N (the first N layers' experts on the CPU) -p 0 -n --tokens
-        -t --threads -r --reps -o json -> tokens/s (median of the repetitions, min, max), the device
-        memory nvidia-smi saw at its peak, and the expert bytes on the GPU; -> <out>/llama.json
+        -t --threads -r --reps -o json, run without OpenMP's settings (OPENMP_ENV: llama.cpp's defaults)
+        -> tokens/s (median of the repetitions, min, max), the device memory nvidia-smi saw at its peak,
+        and the expert bytes on the GPU; -> <out>/llama.json
     bench-ours (the GPU machine): per expertcache format paired with a GGUF type (FORMAT_PAIRS), the
         checkpoint's experts in that format (load_checkpoint), then per share the slots that llama.cpp's
         expert bytes on the GPU hold (at least top_k: llama.cpp's "none" has no GPU copy of any expert)
@@ -50,6 +51,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -305,6 +307,20 @@ def llama_bench_command(binary: Path, gguf: Path, n_cpu_moe: int, tokens: int, r
             "-n", str(tokens), "-t", str(threads), "-r", str(reps), "-o", "json"]
 
 
+# OpenMP's settings that change how llama.cpp's CPU threads wait between its graph's nodes: this project's
+# hybrid runs set OMP_WAIT_POLICY=PASSIVE (moe.serve.cli.cpu_worker_env), under which llama.cpp's threads
+# sleep at each barrier instead of spinning, which slows its CPU experts.
+OPENMP_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES",
+              "OMP_DYNAMIC", "KMP_BLOCKTIME")
+
+
+def llama_bench_env(environ: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The environment llama-bench runs in: `environ` without OPENMP_ENV, so llama.cpp waits and places its
+    threads as it does by default (-t sets their count), and the settings removed."""
+    removed = {k: v for k, v in environ.items() if k in OPENMP_ENV}
+    return {k: v for k, v in environ.items() if k not in OPENMP_ENV}, removed
+
+
 def parse_llama_bench(stdout: str) -> dict:
     """llama-bench's JSON (one test) -> tokens/s median / min / max over its repetitions and what it ran."""
     rows = json.loads(stdout)
@@ -359,18 +375,22 @@ def bench_llama(args: argparse.Namespace) -> dict:
            "num_experts": config.get("num_local_experts", config.get("num_experts"))}
     with DevicePeak() as idle:
         time.sleep(1)
+    env, removed = llama_bench_env(dict(os.environ))
+    if removed:
+        print(f"llama-bench runs without {', '.join(f'{k}={v}' for k, v in removed.items())} (llama.cpp's defaults)",
+              flush=True)
     rows = []
     for gtype, gguf in gguf_paths(model).items():
         layer_bytes, total = gguf_expert_bytes(gguf, src)
         for cfg in llama_configs(layer_bytes):
             cmd = llama_bench_command(binary, gguf, cfg["n_cpu_moe"], args.tokens, args.reps, args.threads)
             with DevicePeak() as peak:
-                done = subprocess.run(cmd, capture_output=True, text=True)
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if done.returncode != 0:
                 raise SystemExit(f"{' '.join(cmd)}: exit {done.returncode}\n{done.stderr[-2000:]}")
             rows.append({"gguf": gtype, **cfg, **moe, "layer_expert_bytes": layer_bytes, "file_bytes": total,
                          **parse_llama_bench(done.stdout), "device_peak_mib": peak.peak_mib,
-                         "device_idle_mib": idle.peak_mib, "command": " ".join(cmd)})
+                         "device_idle_mib": idle.peak_mib, "command": " ".join(cmd), "env_removed": removed})
             print(f"llama.cpp {gtype} {cfg['share']:>7} (--n-cpu-moe {cfg['n_cpu_moe']}): "
                   f"{rows[-1]['tokens_per_s']:.1f} tok/s, device {peak.peak_mib} MiB", flush=True)
     result = {"bench": "peer_llamacpp/llama", "rows": rows,
@@ -397,6 +417,7 @@ def bench_ours(args: argparse.Namespace) -> dict:
     from bench_decode import make_trace
     from decode_gpu import engine_split, measure
 
+    from expertcache.split import split_for_slots
     from moe.model.checkpoint import load_checkpoint
 
     llama = json.loads((Path(args.out) / "llama.json").read_text())
@@ -420,8 +441,9 @@ def bench_ours(args: argparse.Namespace) -> dict:
                     run.slots = cache_slots(cfg["gpu_expert_bytes"], bpe, layers, experts, top_k)
                     for routing in ("model", "trace"):
                         got = measure(weights, trace if routing == "trace" else None, run, "lru", False, 1)
+                        ran = split_for_slots(run.split, run.slots, layers * experts)  # as GpuMoE runs it
                         rows.append({"gguf": gtype, "format": fmt, "share": cfg["share"], "routing": routing,
-                                     "miss_service": service, "split": None if run.split is None else run.split.service,
+                                     "miss_service": service, "split": None if ran is None else ran.service,
                                      "channels": channels, "slots": run.slots, "bytes_per_expert": bpe,
                                      "slot_bytes": run.slots * bpe, "layers": layers, "load_seconds": load_s, **got})
                         print(f"expertcache {fmt} {service} {cfg['share']:>7} ({run.slots} slots) {routing:>5}: "

@@ -156,6 +156,47 @@ def test_llama_bench_json_and_nvidia_smi_lines_are_read():
     assert peer.peak_mib("") is None
 
 
+def test_llama_bench_runs_without_the_openmp_settings_of_this_project_s_runs(tmp_path, monkeypatch):
+    """OMP_WAIT_POLICY=PASSIVE, which the hybrid runs set, makes llama.cpp's threads sleep at every barrier:
+    llama-bench gets the environment without OpenMP's settings, and each row says what was removed."""
+    peer = _peer()
+    env, removed = peer.llama_bench_env({"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0",
+                                         "CUDA_VISIBLE_DEVICES": "0"})
+    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0"}
+    assert removed == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
+    model = tmp_path / "qwen3moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_experts_per_tok": 8, "num_experts": 128}))
+    seen = []
+
+    def run(cmd, **kw):
+        seen.append(kw["env"])
+        out = [{"build_commit": "0c1e5709", "n_cpu_moe": int(cmd[cmd.index("--n-cpu-moe") + 1]), "n_gen": 8,
+                "n_threads": 16, "model_size": 1, "model_type": "qwen3moe", "samples_ts": [10.0]}]
+        return peer.subprocess.CompletedProcess(cmd, 0, json.dumps(out), "")
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(peer, "gguf_paths", lambda m: {"BF16": tmp_path / "m.bf16.gguf"})
+    monkeypatch.setattr(peer, "gguf_expert_bytes", lambda g, src: ([100] * 4, 400))
+    monkeypatch.setattr(peer.subprocess, "run", run)
+    monkeypatch.setattr(peer, "DevicePeak", _NoPeak)
+    monkeypatch.setattr(peer.time, "sleep", lambda s: None)
+    got = peer.bench_llama(peer.parse(["bench-llama", "--model", str(model), "--build-dir", str(tmp_path),
+                                       "--out", str(tmp_path / "out")]))
+    assert len(seen) == len(got["rows"]) == 4 and all("OMP_WAIT_POLICY" not in e for e in seen)
+    assert all(r["env_removed"] == {"OMP_WAIT_POLICY": "PASSIVE"} for r in got["rows"])
+
+
+class _NoPeak:
+    peak_mib = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
 def test_report_pairs_each_gguf_with_its_formats_and_states_both_bounds():
     peer = _peer()
     layer = 128 * 3 * 2048 * 768 * 2  # one layer's bf16 experts
@@ -240,7 +281,7 @@ def test_bench_ours_runs_each_miss_service_over_one_load_and_the_report_pairs_th
         splits.append(service)
         if service == "copy":
             return None, None
-        return types.SimpleNamespace(service="hybrid"), measured
+        return types.SimpleNamespace(service="hybrid", fills=True), measured
 
     def measure(weights, trace, run, policy, overlap, batch):
         served = 0.0 if run.split is None else 3.0
