@@ -259,6 +259,14 @@ class MissSplit:
                 f"{self.copies[1:9].tolist()}{tail})")
 
 
+def split_for_slots(split: MissSplit | None, num_slots: int, keys: int) -> MissSplit | None:
+    """The split a cache of `num_slots` slots over `keys` routed experts (L * E) runs: None (copy) for a
+    hybrid split whose slots hold every routed expert, else `split`. There the empty slots take every miss
+    (MissSplit.fills) and the pool never fills, so the split would serve nothing on the CPU and only add
+    the hand-off's kernels to each layer; the cache, its admissions and its outputs are the same as copy's."""
+    return None if split is not None and split.fills and num_slots >= keys else split
+
+
 def _balance_tails(costs: ChannelCosts, steps: int, granule: int, copies: np.ndarray, link_rows: np.ndarray) -> None:
     """For m in [1, TAIL_MAX_MISSES): the (c, tail) of least max(link(c + f), cpu(m - c - f)) with f = n / steps,
     n in [0, steps) and n = 0 where c = m; ties (within TAIL_TIE of the least) to the larger c, then the

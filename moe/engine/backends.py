@@ -40,7 +40,7 @@ from expertcache.copy import reference_copy, reference_tail_copy
 from expertcache.geometry import CPU_SLOT, CacheGeometry
 from expertcache.host import HostCache
 from expertcache.pool import HostStore, SlotPool
-from expertcache.split import MissSplit
+from expertcache.split import MissSplit, split_for_slots
 from moe.engine.budget import PREFILL_STAGING, check_slots
 from moe.engine.layer import MoELayer, SlotCache
 from moe.kernels.cpu_experts import MAX_TOKENS as CPU_MAX_TOKENS
@@ -347,7 +347,8 @@ class CpuCachedMoE:
     the miss copy is expertcache.copy.reference_copy and the routed compute moe.kernels.routed.routed_reference
     (float32), so a run exercises the cache's semantics end to end without a GPU. With a miss split
     (expertcache.split.MissSplit: `split`), the misses it serves on the CPU are computed from the
-    HostStore in place by moe.kernels.cpu_experts (float32) and added after the slots' experts.
+    HostStore in place by moe.kernels.cpu_experts (float32) and added after the slots' experts; a hybrid
+    split whose slots hold every routed expert runs as copy (expertcache.split.split_for_slots).
     `cache` (HostCache) is public: its counters [L_moe, 3] give calls, accesses, misses per MoE layer,
     its `served` [L_moe] the misses computed from the store.
     """
@@ -361,6 +362,7 @@ class CpuCachedMoE:
         if split is not None and split.tail and split.inter != self.cfg.expert_intermediate:
             raise ValueError(f"a miss split's tail cuts experts {split.inter} wide, the model's are "
                              f"{self.cfg.expert_intermediate} (MoEConfig.expert_intermediate): build it for this model")
+        split = split_for_slots(split, num_slots, weights.spec.num_moe_layers * weights.spec.moe.num_experts)
         self.cache = HostCache(_geometry(weights, num_slots, max_batch), policy, split=split, **constants)
         self.scratch = num_slots if self.cache.split.tail else None  # a split expert's rows [cut, I)
         self.pool = SlotPool(self.store.banks, num_slots + (self.scratch is not None), device="cpu")
@@ -426,6 +428,7 @@ class GpuMoE:
     def __init__(self, weights: ModelWeights, num_slots: int, policy: str = "lru", *, max_batch: int = 1,
                  forced_routing: bool = False, split: MissSplit | None = None, **constants) -> None:
         geometry = _geometry(weights, num_slots, max_batch)
+        split = split_for_slots(split, num_slots, geometry.num_layers * geometry.num_experts)
         self.cfg, self.store = weights.spec.moe, weights.store
         tail = split is not None and split.tail  # the scratch slot beside the cache's
         pool = SlotPool(self.store.banks, num_slots + tail, device=weights.device)

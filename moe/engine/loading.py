@@ -95,7 +95,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                               copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap)
     service = choose_miss_service(miss_service, device, cpu_threads,
                                   lambda: measure_channels(weights.store, weights.spec.moe, weights.device),
-                                  weights.spec.moe)
+                                  weights.spec.moe, fits_all=budget.slots >= budget.keys)
     backend = make_backend(weights, num_slots, policy, max_batch=max_batch, split=service.split, **constants)
     if weights.device.type == "cuda":  # the KV cache is allocated last: say which flags to lower if it cannot be
         kv = context_bytes(weights.spec, max_batch, max_seq_len)
@@ -142,14 +142,14 @@ class MissService(NamedTuple):
 
 def resolve_miss_service(service: str, device, cpu_threads: int | None = None,
                          measure: Callable[[], ChannelMeasure] | None = None,
-                         cfg: MoEConfig | None = None) -> MissSplit:
+                         cfg: MoEConfig | None = None, fits_all: bool = False) -> MissSplit:
     """choose_miss_service(...).split."""
-    return choose_miss_service(service, device, cpu_threads, measure, cfg).split
+    return choose_miss_service(service, device, cpu_threads, measure, cfg, fits_all).split
 
 
 def choose_miss_service(service: str, device, cpu_threads: int | None = None,
                         measure: Callable[[], ChannelMeasure] | None = None,
-                        cfg: MoEConfig | None = None) -> MissService:
+                        cfg: MoEConfig | None = None, fits_all: bool = False) -> MissService:
     """The miss split of --moe-miss-service on `device`, and the CPU kernels' threads (--cpu-threads).
 
     copy: every miss copied into a slot; cpu: every routed expert computed on the CPU from host memory
@@ -164,6 +164,8 @@ def choose_miss_service(service: str, device, cpu_threads: int | None = None,
     the server also sets OMP_WAIT_POLICY=PASSIVE before torch loads (moe.serve.cli.cpu_worker_env).
     With cfg (the model's MoEConfig), a hybrid split also cuts a served expert where that balances the
     channels closer (expertcache.split: a tail, in steps of tail_granule of cfg's expert format and width).
+    fits_all: the slots hold every routed expert; hybrid and auto are then copy, measuring nothing
+    (expertcache.split.split_for_slots: such a split would serve nothing on the CPU).
     Raises ValueError as check_miss_service does, and naming `measure` when a GPU hybrid or auto lacks it.
     """
     check_miss_service(service, cpu_threads)
@@ -173,6 +175,10 @@ def choose_miss_service(service: str, device, cpu_threads: int | None = None,
     flag = f"--moe-miss-service {service}"
     if service == "copy":
         return _noted(MissSplit.copy(), f"{flag}: every miss copied into a slot")
+    if fits_all and service in ("hybrid", "auto"):
+        set_threads(cpu_threads)
+        return _noted(MissSplit.copy(), f"{flag}: copy (the slots hold every routed expert: a miss is an expert's "
+                                        "first use, copied into an empty slot, and nothing is left for the CPU)")
     if on_gpu and service != "cpu" and measure is None:
         raise ValueError(f"resolve_miss_service: {flag} on a GPU needs `measure` (the channels measured "
                          "together, moe.engine.channels.measure_channels)")

@@ -157,6 +157,26 @@ def test_measure_channels_refuses_a_cpu_device():
         measure_channels(None, None, "cpu")
 
 
+def test_slots_for_every_expert_make_hybrid_and_auto_copy_without_measuring(monkeypatch):
+    monkeypatch.setattr(cpu_experts, "_THREADS", [])
+    fail = lambda: pytest.fail("nothing is measured when the slots hold every expert")  # noqa: E731
+    for device in ("cpu", "cuda"):
+        for service in ("hybrid", "auto"):
+            got = choose_miss_service(service, device, measure=fail, fits_all=True)
+            assert got.split.copies_all and "the slots hold every routed expert" in got.note
+        assert choose_miss_service("cpu", device, cpu_threads=1, fits_all=True).split.service == "cpu"
+    assert choose_miss_service("hybrid", "cpu", fits_all=False).split.service == "hybrid"
+
+
+def test_split_for_slots_drops_only_a_hybrid_split_whose_slots_hold_every_expert():
+    from expertcache.split import ChannelCosts, MissSplit, split_for_slots
+
+    hybrid = MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0))
+    assert split_for_slots(hybrid, 96, 96) is None and split_for_slots(hybrid, 95, 96) is hybrid
+    assert split_for_slots(MissSplit.cpu(), 96, 96).service == "cpu"  # cpu admits nothing: it stays
+    assert split_for_slots(None, 96, 96) is None
+
+
 def test_each_resolution_says_what_was_chosen(monkeypatch):
     monkeypatch.setattr(cpu_experts, "_THREADS", [])
     notes = {s: choose_miss_service(s, "cpu", cpu_threads=1).note for s in ("copy", "hybrid", "cpu", "auto")}

@@ -124,3 +124,27 @@ def test_the_cpu_kernels_take_every_decode_size_the_gpu_hands_over():
     from moe.kernels.plan import GEMV_MAX_TOKENS
 
     assert MAX_TOKENS >= GEMV_MAX_TOKENS
+
+
+def test_hybrid_with_every_expert_in_a_slot_runs_as_copy(checkpoint):
+    """Slots for every routed expert: a hybrid split's empty slots would take every miss and the pool never
+    fills, so load_model runs it as copy (no CPU kernels, no hand-off, no scratch slot), says why, and
+    decodes the tokens, admissions and counters copy does; one slot fewer keeps the split."""
+    from moe.model.spec import ModelSpec, read_config
+
+    name, model, path = checkpoint
+    spec = ModelSpec.from_hf(read_config(path))
+    keys = spec.num_moe_layers * spec.moe.num_experts
+    prompts = [random_tokens(5, seed=11), random_tokens(4, seed=12)]
+    runs = {}
+    for service in ("copy", "hybrid", "auto"):
+        engine = load_model(path, "cpu", num_slots=keys, max_batch=min(9, keys // spec.moe.top_k), max_seq_len=32,
+                            progress=False, miss_service=service)  # 9 rows: beyond the CPU kernels' 8 where it fits
+        if service != "copy":
+            assert "the slots hold every routed expert" in engine.miss_service
+        assert engine.moe.cache.split.copies_all and engine.moe.cpu_experts is None and engine.moe.extra_slots == 0
+        runs[service] = (engine.generate(prompts, max_new_tokens=6), engine.moe.cache.snapshot())
+    assert runs["hybrid"][0] == runs["copy"][0] == runs["auto"][0]
+    assert runs["hybrid"][1].equals(runs["copy"][1])
+    fewer = load_model(path, "cpu", num_slots=keys - 1, max_seq_len=32, progress=False, miss_service="hybrid")
+    assert fewer.moe.cache.split.service == "hybrid" and "half of each call" in fewer.miss_service

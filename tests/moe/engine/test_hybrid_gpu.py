@@ -68,6 +68,28 @@ def test_gpu_hybrid_same_tokens_every_run(checkpoint):
         engine.moe.slots.close()
 
 
+def test_gpu_hybrid_with_every_expert_in_a_slot_has_no_hand_off(checkpoint):
+    """A hybrid split whose slots hold every routed expert runs as copy on the device too: no CPU share,
+    no post / wait kernels in the plan, no scratch slot, and the tokens of copy."""
+    from expertcache.split import ChannelCosts, MissSplit
+    from moe.engine.backends import GpuMoE
+    from moe.model.checkpoint import load_checkpoint
+
+    name, model, path = checkpoint
+    weights = load_checkpoint(path, "cuda", progress=False)
+    keys = weights.spec.num_moe_layers * weights.spec.moe.num_experts
+    backend = GpuMoE(weights, keys, split=MissSplit.hybrid(ChannelCosts(0.0, 1.0, 0.0, 1.0)))
+    assert backend.slots.share is None and backend.extra_slots == 0
+    assert not any(layer.plan.cpu_share for layer in backend.layers.values())
+    prompt = random_tokens(5, seed=6)
+    tokens = {}
+    for service in ("copy", "hybrid"):
+        engine = load_model(path, "cuda", num_slots=keys, max_seq_len=32, progress=False, miss_service=service)
+        tokens[service] = engine.generate([prompt], max_new_tokens=6)
+        assert engine.moe.slots.share is None
+    assert tokens["hybrid"] == tokens["copy"]
+
+
 def test_channels_measured_together(checkpoint, caplog):
     """measure_channels on a checkpoint's pinned store: every time and rate positive, within the 2 s the
     start may spend; load_model's auto logs what it measured and its pick."""
