@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env gpu-tests tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid agent long-context agent-soak peer-setup peer-wait peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid agent long-context agent-soak agent-soak-start agent-soak-wait peer-setup peer-wait peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -136,6 +136,18 @@ for part in $parts; do
       # the same session repeated with the prefix cache for AGENT_SOAK_MINUTES (every request must end well)
       timeout 590 python3 benchmarks/bench_agent.py --minutes ${AGENT_SOAK_MINUTES:-7} ${AGENT_ARGS:-} \
         --out "$OUT/agent-soak.json" 2>&1 | tee "$OUT/agent-soak.log" | tail -12 ;;
+    agent-soak-start)
+      # the soak past one command's limit: the session repeated with the prefix cache for AGENT_SOAK_MINUTES
+      # in a session of its own, returning at once; agent-soak-wait waits for it (the machine must stay held)
+      W=${SOAK_WORK:-.soak-work}; mkdir -p "$W"; rm -f "$W/done" "$W/rc"
+      setsid nohup bash -c "python3 benchmarks/bench_agent.py --minutes ${AGENT_SOAK_MINUTES:-11} ${AGENT_ARGS:-} \
+          --out $W/agent-soak.json > $W/agent-soak.log 2>&1; echo \$? > $W/rc; touch $W/done" > /dev/null 2>&1 < /dev/null &
+      echo "agent-soak-start: started in the background (agent-soak-wait waits for it)" ;;
+    agent-soak-wait)
+      W=${SOAK_WORK:-.soak-work}; t0=$(date +%s)
+      while [ ! -f "$W/done" ] && [ $(( $(date +%s) - t0 )) -lt ${SOAK_WAIT_TIMEOUT:-560} ]; do sleep 5; done
+      echo "agent-soak-wait: $(( $(date +%s) - t0 )) s; exit code: $(cat "$W/rc" 2>/dev/null || echo 'still running')"
+      cp "$W"/agent-soak.* "$OUT/" 2>/dev/null; tail -12 "$W/agent-soak.log"; [ -f "$W/done" ] ;;
     peer-setup)
       # peer-build's and peer-convert's work in a session of its own, returning at once: the build, the
       # checkpoint beside it, then the GGUFs, while later parts (GPU tests) run; peer-wait waits for it.
