@@ -30,8 +30,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.exceptions import SecurityError
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 from tokenizers import Tokenizer
 
 # encode_within: a text longer than this many characters per allowed token is first tokenized in a
@@ -120,14 +123,54 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers' tag around the assistant's own text (for its
+    training masks); a prompt renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
+
+
+class _TemplateNamespace(Namespace):
+    """`namespace(...)` that refuses underscore-prefixed attributes, as transformers' does: a template
+    stores no name that reaches Python's internals."""
+
+    def __init__(*args, **kwargs):  # Namespace's signature, so that namespace(self=...) still works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check(name)
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"a chat template cannot store the underscore-prefixed attribute {name!r} on a "
+                                "namespace")
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    """The sandbox transformers renders chat templates in: trim_blocks, lstrip_blocks, the
-    `raise_exception` and `strftime_now` globals, `tojson` without ASCII escaping unless asked
-    (GLM-4.5's template passes ensure_ascii=False)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    """The sandbox transformers renders chat templates in: trim_blocks, lstrip_blocks, `{% break %}` and
+    `{% continue %}` (jinja2.ext.loopcontrols), the `{% generation %}` tag, the `raise_exception` and
+    `strftime_now` globals, `dict` and a `namespace` that stores no underscore-prefixed name, `tojson`
+    without ASCII escaping unless asked (GLM-4.5's template passes ensure_ascii=False)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = dict
+    env.globals["namespace"] = _TemplateNamespace
     return env
 
 

@@ -199,6 +199,38 @@ def test_the_harmony_template_renders_as_transformers_renders_it(tmp_path, chat)
     assert ours.eos_ids == {HARMONY_SPECIALS.index("<|return|>"), HARMONY_SPECIALS.index("<|call|>")}
 
 
+# the constructs transformers' sandbox adds to plain Jinja: loop controls, the generation tag, dict, namespace
+LOOP_TEMPLATE = (
+    "{% set ns = namespace(seen=0) %}{% set roles = dict(user='U', assistant='A') %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+    "{% if ns.seen == 3 %}{% break %}{% endif %}{% set ns.seen = ns.seen + 1 %}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ roles[m['role']] }}: {{ m['content'] }} {% endgeneration %}"
+    "{% else %}{{ roles[m['role']] }}: {{ m['content'] }} {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}A:{% endif %}"
+)
+
+
+def test_loop_controls_the_generation_tag_and_namespace_render_as_transformers_renders_them(tmp_path):
+    """A template with {% break %}, {% continue %}, {% generation %}, dict(...) and a namespace set in a loop
+    loads and renders exactly as transformers' apply_chat_template renders it; a namespace refuses an
+    underscore-prefixed name as a TokenizerError, as transformers refuses it."""
+    from transformers import AutoTokenizer
+
+    from moe.serve.tokenizer import TokenizerError
+    from moe.testing.tiny_checkpoint import write_tokenizer
+
+    write_tokenizer(tmp_path, template=LOOP_TEMPLATE)
+    messages = [{"role": "system", "content": "w20"}, {"role": "user", "content": "w10"},
+                {"role": "assistant", "content": "w11"}, {"role": "user", "content": "w12"},
+                {"role": "assistant", "content": "w13"}]
+    want = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False,
+                                                                        add_generation_prompt=True)
+    assert TextTokenizer(tmp_path).render_chat(messages) == want == "U: w10 A: w11 U: w12 A:"
+    write_tokenizer(tmp_path, template="{% set ns = namespace(_x=1) %}{{ ns._x }}")
+    with pytest.raises(TokenizerError, match="underscore-prefixed attribute '_x'"):
+        TextTokenizer(tmp_path).render_chat(messages)
+
+
 def test_the_harmony_template_refuses_a_tool_result_without_a_call(tmp_path):
     """The template's own raise_exception (the release's message) comes out as a TokenizerError."""
     from moe.serve.tokenizer import TokenizerError
