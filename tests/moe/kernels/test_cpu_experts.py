@@ -407,6 +407,38 @@ def test_the_e2m1_permute_decode_follows_the_kernels_target():
     assert [float(v) for v in half] == list(E2M1_TABLE)
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int4", "nvfp4", "mxfp4"])
+def test_each_chunk_step_prefetches_ahead_of_its_bytes(kind):
+    """Every chunk step (one input and four), compiled afresh, asks for a line PREFETCH_BYTES ahead of its
+    bytes (fp8's two lines): the packed formats otherwise stall on memory. It changes no value (the float64
+    reference tests above run through it), and its results equal a call's without it."""
+    from numba import njit
+
+    from moe.kernels import cpu_decode
+    from moe.kernels.cpu_decode import PREFETCH_BYTES
+
+    one, four = getattr(cpu_decode, f"{kind}_chunk"), getattr(cpu_decode, f"{kind}_chunk4")
+    q, x, acc = np.arange(512, dtype=np.uint8), np.ones(256, np.float32), np.zeros(16, np.float32)
+    if kind == "int4":
+        s, si = np.float32(0.5), np.float32(8.0)  # the group's scale and zero point
+    else:
+        s, si = (np.ones(4, np.float32) if kind == "fp8" else np.full(16, 56, np.uint8)), 0
+
+    def step1(q, s, si, x, acc):
+        one(q, 0, s, si, x, 0, acc)
+
+    def step4(q, s, si, x, acc):
+        four(q, 0, s, si, x, x, x, x, 0, acc, acc, acc, acc)
+
+    lines = 2 if kind == "fp8" else 1
+    for step in (step1, step4):
+        fresh = njit(cache=False)(step)
+        fresh(q, s, si, x, acc)
+        ir = next(iter(fresh.inspect_llvm().values()))
+        assert ir.count("call void @llvm.prefetch") == lines, f"{kind} {step.__name__}: no line asked for ahead"
+        assert f"i64 {PREFETCH_BYTES}" in ir
+
+
 def test_the_e2m1_decode_without_avx512_matches_the_reference(tmp_path):
     """The kernels compiled for an AVX2 target (no vpermps over 16 floats: the half-precision move decodes
     the codes) in a child process, against the same float64 reference."""
