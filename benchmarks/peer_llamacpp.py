@@ -439,9 +439,9 @@ def bench_ours(args: argparse.Namespace) -> dict:
                 channels = None if measured is None else {**dataclasses.asdict(measured), "gbps": measured.gbps()}
                 for cfg in configs:
                     run.slots = cache_slots(cfg["gpu_expert_bytes"], bpe, layers, experts, top_k)
+                    ran = split_for_slots(run.split, run.slots, layers * experts)  # as GpuMoE runs it
                     for routing in ("model", "trace"):
                         got = measure(weights, trace if routing == "trace" else None, run, "lru", False, 1)
-                        ran = split_for_slots(run.split, run.slots, layers * experts)  # as GpuMoE runs it
                         rows.append({"gguf": gtype, "format": fmt, "share": cfg["share"], "routing": routing,
                                      "miss_service": service, "split": None if ran is None else ran.service,
                                      "channels": channels, "slots": run.slots, "bytes_per_expert": bpe,

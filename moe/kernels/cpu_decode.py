@@ -316,12 +316,9 @@ def _chunk_codegen(kind: str, tokens: int):
         xs, xi, accs = args[4:4 + tokens], args[4 + tokens], args[5 + tokens:]
         qi = context.cast(builder, qi, sig.args[1], types.intp)
         xi = context.cast(builder, xi, sig.args[4 + tokens], types.intp)
-        if PREFETCH_BYTES:  # the line PREFETCH_BYTES on (fp8: both lines of that chunk)
-            base = context.make_array(sig.args[0])(context, builder, q).data
-            ahead = builder.gep(base, [builder.add(qi, I64(PREFETCH_BYTES))])
-            _prefetch(builder, ahead)
-            if kind == "fp8":
-                _prefetch(builder, builder.gep(base, [builder.add(qi, I64(PREFETCH_BYTES + 64))]))
+        for line in range(2 if kind == "fp8" else 1):  # the line PREFETCH_BYTES on (fp8: both of that chunk)
+            _prefetch(builder, _element_ptr(context, builder, sig.args[0], q,
+                                            builder.add(qi, I64(PREFETCH_BYTES + 64 * line))))
         if kind == "fp8":
             values = [_e4m3_16(builder, _load(builder, _element_ptr(context, builder, sig.args[0], q,
                                                                      builder.add(qi, I64(16 * k))), V16B))

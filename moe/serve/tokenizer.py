@@ -138,6 +138,17 @@ class _Generation(Extension):
         return caller()
 
 
+class _TemplateDict:
+    """`dict(...)` and `dict.fromkeys(...)` for templates, without handing them the type itself (as
+    transformers' sandbox does)."""
+
+    def __call__(self, *args, **kwargs) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
 class _TemplateNamespace(Namespace):
     """`namespace(...)` that refuses underscore-prefixed attributes, as transformers' does: a template
     stores no name that reaches Python's internals."""
@@ -169,7 +180,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["dict"] = dict
+    env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
     return env
 
