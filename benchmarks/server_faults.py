@@ -36,6 +36,8 @@ from pathlib import Path
 
 import httpx
 
+from moe.testing.served import served_url
+
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-fault-battery"
 NAME = "tiny"
@@ -45,23 +47,16 @@ MAX_TOKENS = 24
 READ_TIMEOUT = 1.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Served:
     """`expertcache serve` in a subprocess; its log in a file."""
 
     def __init__(self, model: Path, workdir: Path, miss_service: str = "copy") -> None:
         key_file = workdir / "key"
         key_file.write_text(KEY + "\n")
-        self.port, self.log = _free_port(), workdir / "server.log"
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.log, self.url = workdir / "server.log", ""
         argv = [sys.executable, "-m", "moe.cli", "serve", "--model", str(model), "--served-model-name", NAME,
                 "--moe-slots", "8", "--max-batch", "4", "--max-seq-len", "256", "--device", "cpu",
-                "--port", str(self.port), "--api-key-file", str(key_file), "--read-timeout", str(READ_TIMEOUT),
+                "--port", "0", "--api-key-file", str(key_file), "--read-timeout", str(READ_TIMEOUT),
                 "--shutdown-timeout", "1", "--log-level", "warning", "--moe-miss-service", miss_service]
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
@@ -71,6 +66,9 @@ class Served:
             time.sleep(0.2)
 
     def _up(self) -> bool:
+        self.url = served_url(self.log.read_text()) or ""
+        if not self.url:
+            return False
         try:
             return httpx.get(self.url + "/health", timeout=1).status_code == 200
         except httpx.HTTPError:

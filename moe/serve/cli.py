@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import re
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,7 +119,9 @@ def _add_http_flags(p: argparse.ArgumentParser) -> None:
     http = p.add_argument_group("HTTP server")
     http.add_argument("--served-model-name", metavar="NAME", help="model id of the API (default: the directory name)")
     http.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (default 127.0.0.1)")
-    http.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    http.add_argument("--port", type=int, default=8000,
+                      help="port (default 8000; 0 takes a free one, printed on the 'serving' line); bound "
+                           "before the model loads, so a port in use fails at once")
     key = http.add_mutually_exclusive_group()
     key.add_argument("--api-key-file", metavar="PATH",
                      help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 and /metrics, KEY "
@@ -155,6 +158,8 @@ def _check(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: {flag} must be > 0, got {value}")
     if not args.shutdown_timeout >= 0:
         raise SystemExit(f"error: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"error: --port must be 0 to 65535 (0: a free one), got {args.port}")
     if not Path(args.model).is_dir():
         raise SystemExit(f"error: --model {args.model} is not a directory: pass a downloaded checkpoint, e.g. "
                          f"from the Hugging Face Hub with `hf download REPO --local-dir {args.model}`")
@@ -315,11 +320,45 @@ def cpu_worker_env(service: str) -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def _netloc(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket on host:port (port 0: a free one the system picks), bound before the
+    model loads so that a port in use or an address not on this machine fails in a second, not after
+    the load. Raises SystemExit naming --host / --port."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise SystemExit(f"error: --host {host}: not an address of this machine ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: rebind past TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"error: --host {host} --port {port}: cannot listen there ({e.strerror}): pass another "
+                         "--port (0 takes a free one) or stop the process that holds it") from None
+    return sock
+
+
 def _serve(args: argparse.Namespace) -> int:
+    _check(args)  # the flags first, then the port, then the load (build_state)
+    sock = listen(args.host, args.port)
+    try:
+        return _serve_on(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve_on(args: argparse.Namespace, sock: socket.socket) -> int:
     from moe.engine.budget import memory_split
     from moe.serve.server import make_server
 
     state = build_state(args)
+    port = sock.getsockname()[1]
     engine = state.scheduler.engine
     spec, slots = engine.spec, state.options.slot_budget.slots
     print(state.options.slot_budget.describe(), flush=True)
@@ -330,10 +369,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.moe_miss_service != "copy":
         print(engine.miss_service, flush=True)
     print(f"serving {state.options.served_name} ({spec.model_type}, {counted(spec.num_moe_layers, 'MoE layer')} x "
-          f"{counted(spec.moe.num_experts, 'expert')}, top-{spec.moe.top_k}) on http://{args.host}:{args.port} with "
+          f"{counted(spec.moe.num_experts, 'expert')}, top-{spec.moe.top_k}) on http://{_netloc(args.host, port)} with "
           f"{counted(slots, 'slot')}, policy {args.moe_cache_policy}, device {engine.weights.device}; "
           f"{_access(state)}", flush=True)
-    make_server(state, args.host, args.port, args.log_level).run()
+    make_server(state, args.host, port, args.log_level).run(sockets=[sock])
     if state.options.record_routing is not None:
         print(f"routing trace: {state.options.record_routing} (replay: expertcache sim "
               f"{state.options.record_routing} --policies {args.moe_cache_policy} --slots {slots})")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 
 import pytest
 
@@ -58,7 +59,7 @@ def test_a_checkpoint_without_its_tokenizer_says_how_to_download_it(tiny_dir, tm
 
 
 class _Stopped:
-    def run(self) -> None:
+    def run(self, sockets=None) -> None:
         """The server returns at once (as after SIGTERM)."""
 
 
@@ -66,7 +67,7 @@ def test_the_start_lines_count_in_words(tiny_family, monkeypatch, capsys):
     """qwen3_next's tiny model has one full-attention layer: "1 layer", never "1 layers"."""
     monkeypatch.setattr("moe.serve.server.make_server", lambda *a, **k: _Stopped())
     assert main(["serve", "--model", str(tiny_family("qwen3_next")), "--moe-slots", "6", "--max-batch", "2",
-                 "--device", "cpu"]) == 0
+                 "--device", "cpu", "--port", "0"]) == 0
     out = capsys.readouterr().out
     assert "bytes a token: 1 layer x k, v x 2 heads" in out and "a sequence: 2 layers)" in out
     assert not re.search(r"\b1 [a-zA-Z ]*s\b x", out) and "1 layers" not in out, out
@@ -117,7 +118,7 @@ def test_a_prefix_cache_that_cannot_be_is_refused_by_its_flag(tiny_family, famil
 def test_the_start_lines_give_the_prefix_cache(tiny_family, monkeypatch, capsys):
     monkeypatch.setattr("moe.serve.server.make_server", lambda *a, **k: _Stopped())
     assert main(["serve", "--model", str(tiny_family("qwen3_moe")), "--moe-slots", "6", "--max-batch", "2",
-                 "--device", "cpu", "--kv-cache-gb", "0.001"]) == 0
+                 "--device", "cpu", "--kv-cache-gb", "0.001", "--port", "0"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"\+ prefix cache [0-9.e-]+ GiB \([0-9,]+ blocks of 64 tokens: --kv-cache-gb\)", out), out
 
@@ -138,3 +139,45 @@ def test_a_bad_prefill_chunk_is_refused_by_its_flag(tiny_family, extra, message)
     with pytest.raises(SystemExit) as e:
         build_state(build_parser().parse_args(argv))
     assert message in str(e.value.code)
+
+
+@pytest.mark.parametrize("port", ["-1", "65536"])
+def test_a_port_out_of_range_names_the_flag(tiny_dir, port):
+    with pytest.raises(SystemExit, match=f"error: --port must be 0 to 65535 \\(0: a free one\\), got {port}$"):
+        main(["serve", "--model", str(tiny_dir), "--moe-slots", "16", "--device", "cpu", "--port", port])
+
+
+def test_a_port_in_use_fails_before_the_model_loads(tiny_dir, monkeypatch, capsys):
+    monkeypatch.setattr("moe.engine.loading.load_checkpoint", lambda *a, **k: pytest.fail("tensors were read"))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--model", str(tiny_dir), "--moe-slots", "16", "--device", "cpu", "--port", str(port)])
+    message = str(e.value.code)
+    assert message.startswith(f"error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)")
+    assert "pass another --port (0 takes a free one)" in message
+    assert "expert cache:" not in capsys.readouterr().out
+
+
+def test_port_0_serves_on_a_free_port_named_on_the_serving_line(tiny_dir, monkeypatch, capsys):
+    from moe.testing.served import served_url
+
+    bound = []
+
+    class Listening:
+        def run(self, sockets=None) -> None:
+            bound.extend(s.getsockname() for s in sockets)
+
+    monkeypatch.setattr("moe.serve.server.make_server", lambda state, host, port, level: Listening())
+    assert main(["serve", "--model", str(tiny_dir), "--moe-slots", "16", "--device", "cpu", "--port", "0"]) == 0
+    (host, port), = bound
+    assert host == "127.0.0.1" and port > 0
+    assert served_url(capsys.readouterr().out) == f"http://127.0.0.1:{port}"
+
+
+def test_a_host_that_is_no_address_names_the_flag(tiny_dir):
+    with pytest.raises(SystemExit, match="error: --host no-such-host.invalid: not an address of this machine"):
+        main(["serve", "--model", str(tiny_dir), "--moe-slots", "16", "--device", "cpu", "--host",
+              "no-such-host.invalid", "--port", "0"])

@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from moe.testing.served import served_url
 from moe.testing.tiny_checkpoint import FAMILY_CONFIGS, make_tiny_checkpoint
 
 SCRIPT = Path(sys.executable).parent / "expertcache"
@@ -42,22 +42,16 @@ MAX_TOKENS = 3
 START_S = 180.0  # to import torch and the HTTP stack and load the checkpoint, several servers at once on 2 cores
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Served:
-    """`expertcache serve` of `model` in a child process without TRITON_INTERPRET; its output in `log`."""
+    """`expertcache serve --port 0` of `model` in a child process without TRITON_INTERPRET; its output in
+    `log`, its address (`url`) read from its 'serving' line once healthy."""
 
     def __init__(self, model: Path, log: Path, service: str = "copy", extra: tuple[str, ...] = (),
                  max_seq_len: int = 64) -> None:
-        self.port, self.log = _free_port(), log
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.log, self.url = log, ""
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         argv = [str(SCRIPT), "serve", "--model", str(model), "--device", "cpu", "--moe-slots", "6",
-                "--max-batch", "2", "--max-seq-len", str(max_seq_len), "--port", str(self.port),
+                "--max-batch", "2", "--max-seq-len", str(max_seq_len), "--port", "0",
                 "--served-model-name", "tiny", "--moe-miss-service", service, "--cpu-threads", "2", *extra]
         with log.open("w") as out:
             self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -70,8 +64,9 @@ class Served:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"expertcache serve exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
+            self.url = served_url(self.output()) or ""
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if self.url and httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

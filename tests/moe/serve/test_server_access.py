@@ -161,7 +161,8 @@ def test_bytes_that_are_not_http_get_a_json_400(srv, garbage):
 
 # 11. --moe-cache-gb G: one of it and --moe-slots, checked before the model loads, priced in the start line
 
-SERVE = ["serve", "--max-batch", "3", "--device", "cpu"]  # the tiny model: float32, 2 MoE layers x 8, top-2
+# the tiny model: float32, 2 MoE layers x 8, top-2
+SERVE = ["serve", "--max-batch", "3", "--device", "cpu", "--port", "0"]
 
 
 def _no_load(*args, **kwargs):
@@ -208,7 +209,7 @@ def test_both_or_neither_size_flag_is_a_usage_error(tiny_dir, monkeypatch, capsy
 
 
 class _Stopped:
-    def run(self) -> None:
+    def run(self, sockets=None) -> None:
         """The server returns at once (as after SIGTERM)."""
 
 
