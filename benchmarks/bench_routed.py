@@ -2,7 +2,7 @@
 format's HBM floor, bf16 and a torch baseline.
 
     shape (qwen3-next: H 2048, I 512, k 10; qwen3-30b: H 2048, I 768, k 8; mixtral: H 4096, I 14336,
-    k 2), S slots of random bf16 weights (N(0, 1 / fan_in)), once per shape
+    k 2; gpt-oss-20b: H = I = 2880, k 4), S slots of random bf16 weights (N(0, 1 / fan_in)), once per shape
     -> one pool per --formats format, built once per shape: bf16 the weights themselves; fp8 / nvfp4
        / mxfp4 / int4 the same weights quantized on the GPU (expertcache.formats), as SlotMatrix
        gate_up (stack 2) and down (moe.model.slot_matrix)
@@ -14,7 +14,8 @@ format's HBM floor, bf16 and a torch baseline.
        equal; the torch baseline (bf16) against the same reference
     -> per variant (each format's configs: --configs names, "default" = the format's tiles
        DEFAULT_ROUTED_TILES for bf16, QUANTIZED_ROUTED_TILES for a quantized format; and "torch"
-       for bf16: gather the T * k experts, bmm in bf16)
+       for bf16: gather the T * k experts, bmm in bf16; and each --mma tile set of routed_experts_mma,
+       the tensor-core kernels, at every T: the one-program-a-pair kernels run up to GEMV_MAX_TOKENS)
        one CUDA graph of --calls calls; per rep all variants of every format replayed in a rotating
        order, CUDA events around each replay; us/call = elapsed / calls; median, min, max over reps
     -> floor = distinct live slots per call * the format's bytes per expert (fmt.expert_bytes(H, I):
@@ -29,9 +30,9 @@ format's HBM floor, bf16 and a torch baseline.
     -> table (last): one row per (shape, format, T, config), and JSON (GPU name, torch / triton
        versions, commit; one row per (shape, format, T, config))
 
-Run on a GPU: python benchmarks/bench_routed.py [--shapes qwen3-next,qwen3-30b,mixtral] [--tokens 1,2,4,8]
-    [--formats bf16,fp8,nvfp4,mxfp4,int4] [--configs default|sweep|NAME,NAME] [--calls 20] [--reps 50]
-    [--out FILE]
+Run on a GPU: python benchmarks/bench_routed.py [--shapes qwen3-next,qwen3-30b,mixtral,gpt-oss-20b]
+    [--tokens 1,2,4,8,16,32,64] [--formats bf16,fp8,nvfp4,mxfp4,int4] [--configs default|sweep|NAME,NAME]
+    [--mma none|default|sweep|NAME,NAME] [--read-floor] [--calls 20] [--reps 50] [--out FILE]
 Config names: i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_i>w<warps>[-dr][-pfN] (RoutedTiles;
 -dr: routed_down's release, -pfN: its prefetch N, default DOWN_PREFETCH; a quantized format's down
 prefetches nothing, so -pfN applies to bf16 only). Every name applies to every format; "default" is
@@ -60,19 +61,24 @@ import triton.language as tl
 
 from expertcache.errors import FormatError
 from expertcache.formats import ExpertFormat, format_names, get_format
-from moe.kernels.plan import DEFAULT_ROUTED_TILES, DOWN_PREFETCH, QUANTIZED_ROUTED_TILES
+from moe.kernels.plan import DEFAULT_ROUTED_TILES, DOWN_PREFETCH, GEMV_MAX_TOKENS, QUANTIZED_ROUTED_TILES
 from moe.kernels.routed import routed_down, routed_experts, routed_gate_up, routed_reference
 from moe.kernels.routed_host import routed_scratch
-from moe.kernels.tiles import RoutedTiles
+from moe.kernels.routed_mma import DEFAULT_MMA_TILES, MMA_MAX_TOKENS, routed_experts_mma
+from moe.kernels.tiles import MmaTiles, RoutedTiles
 from moe.model.slot_matrix import SlotMatrix
 
 TARGET = ("target: per format, routed_experts at T=1 <= 1.3x the HBM floor of that format's bytes "
           "(qwen3-next, qwen3-30b)")
 TARGET_RATIO = 1.3
+MMA_TARGET = ("target (tensor cores): per quantized format, routed_experts_mma at T=1 <= 1.25x read2 and "
+              "from T=8 <= 1.3x the HBM floor, in the same run")
+MMA_READ2_RATIO, MMA_FLOOR_RATIO, MMA_FLOOR_FROM = 1.25, 1.3, 8
 SHAPES = {  # name: (H, I, k, default slots: a pool several times L2 in every format)
     "qwen3-next": (2048, 512, 10, 512),
     "qwen3-30b": (2048, 768, 8, 512),
     "mixtral": (4096, 14336, 2, 24),
+    "gpt-oss-20b": (2880, 2880, 4, 64),  # its expert shape, run as the SiLU block without biases
 }
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4", "int4")
 QUANT_CHUNK_ELEMENTS = 1 << 28  # bf16 weights quantized per step (the format's float32 work is per matrix)
@@ -114,6 +120,12 @@ QUANT_SWEEP = (  # tiles for quantized weights (more rows per program); the firs
 )
 NAME_HELP = "i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_i>w<warps>[-dr][-pfN]"
 NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-dr)?(?:-pf(\d+))?$")
+MMA_NAME_HELP = "m<block_m>-i<block_n>w<warps>-h<down_block_n>w<warps>-c<block_h>w<warps> (MmaTiles.name)"
+MMA_NAME = re.compile(r"^m(\d+)-i(\d+)w(\d+)-h(\d+)w(\d+)-c(\d+)w(\d+)$")
+MMA_SWEEP = (  # MmaTiles names; the first is the default
+    DEFAULT_MMA_TILES.name, "m16-i16w4-h16w4-c256w2", "m16-i16w2-h16w2-c256w2", "m16-i64w4-h64w4-c256w2",
+    "m16-i32w2-h32w2-c256w2", "m32-i32w4-h32w4-c256w2", "m64-i64w8-h64w8-c256w2",
+)
 
 
 @triton.jit
@@ -169,6 +181,25 @@ def parse_config(name: str) -> Config:
         raise SystemExit(f"--configs: {name!r}: {e}") from None
     return Config(tiles, down_release=m.group(7) is not None,
                   down_prefetch=int(m.group(8)) if m.group(8) else DOWN_PREFETCH)
+
+
+def parse_mma(names: str) -> list[MmaTiles]:
+    """--mma as MmaTiles: 'none', 'default', 'sweep' or a comma list of MMA_NAME_HELP names. Raises
+    SystemExit naming --mma."""
+    if names == "none":
+        return []
+    listed = {"default": [DEFAULT_MMA_TILES.name], "sweep": list(MMA_SWEEP)}.get(names, names.split(","))
+    out = []
+    for name in listed:
+        m = MMA_NAME.match(name)
+        if not m:
+            raise SystemExit(f"--mma: {name!r} is not like {DEFAULT_MMA_TILES.name} (or 'none', 'default', 'sweep')")
+        fields = ("block_m", "block_n", "warps_gate_up", "down_block_n", "warps_down", "block_h", "warps_combine")
+        try:
+            out.append(MmaTiles(**dict(zip(fields, map(int, m.groups())))))
+        except ValueError as e:
+            raise SystemExit(f"--mma: {name!r}: {e}") from None
+    return list(dict.fromkeys(out))
 
 
 def config_names(configs: str) -> list[str]:
@@ -290,6 +321,8 @@ class Case:
                 return stream_read([*gate_up, *down], slots, out)
             stream_read(gate_up, slots, out)
             return stream_read(down, slots, out)
+        if isinstance(variant, MmaTiles):
+            return routed_experts_mma(hidden, slots, weights, pool.gate_up, pool.down, out=self.outs[c], tiles=variant)
         if variant == "torch":
             return routed_reference(hidden, slots, weights, pool.gate_up, pool.down, compute_dtype=torch.bfloat16)
         if isinstance(variant, tuple):  # (config, "gate_up" | "down"): one of the two launches alone
@@ -352,8 +385,10 @@ def run_case(pools: dict[str, Pool], shape: str, tokens: int, num_slots: int, ba
     case = Case(shape, tokens, num_slots, args)
     variants = {}  # (format, name) -> (pool, variant)
     for fname, pool in pools.items():
-        for cfg in format_configs(args.configs, pool.fmt):
+        for cfg in format_configs(args.configs, pool.fmt) if tokens <= GEMV_MAX_TOKENS else ():
             variants[(fname, cfg.name)] = (pool, cfg)
+        for tiles in args.mma:
+            variants[(fname, tiles.name)] = (pool, tiles)
         if pool.fmt.dense:
             variants[(fname, "torch")] = (pool, "torch")
     checks = {key: case.check(pool, v) for key, (pool, v) in variants.items()}
@@ -381,7 +416,10 @@ def run_case(pools: dict[str, Pool], shape: str, tokens: int, num_slots: int, ba
         pool, v = variants[key]
         nbytes = case.bytes_per_call(pool.fmt)
         floor_us = nbytes / bandwidth * 1e6
+        read2 = timed.get((fname, "read2"), {}).get("us_median")
         row = {"shape": shape, "format": fname, "tokens": tokens, "config": name, "slots": num_slots,
+               "kernel": "mma" if isinstance(v, MmaTiles) else ("gemv" if isinstance(v, Config) else name),
+               "ratio_to_read2": t["us_median"] / read2 if read2 else None,
                "distinct_slots_per_call": case.distinct, "bytes_per_call": nbytes, "floor_us": floor_us, **t,
                "ratio_to_floor": t["us_median"] / floor_us, "gbps": nbytes / (t["us_median"] * 1e-6) / 1e9,
                "speedup_vs_bf16": base / t["us_median"] if base else None,
@@ -393,6 +431,8 @@ def run_case(pools: dict[str, Pool], shape: str, tokens: int, num_slots: int, ba
                        launches={part: {**alone[(*key, part)], "ratio_to_floor":
                                         alone[(*key, part)]["us_median"] / (floor_us * shares[part])}
                                  for part in ("gate_up", "down")})
+        elif isinstance(v, MmaTiles):
+            row.update(tiles=dataclasses.asdict(v), default=v == DEFAULT_MMA_TILES)
         rows.append(row)
     return rows
 
@@ -421,8 +461,9 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['shape']:>10} {r['format']:>5} {r['tokens']:>2} {r['config']:>26} {r['us_median']:8.2f} "
                      f"{r['us_min']:7.2f}..{r['us_max']:<7.2f} {r['floor_us']:7.2f} {r['ratio_to_floor']:6.2f} "
                      f"{r['gbps']:6.0f} {_speedup(r['speedup_vs_bf16'])} {_speedup(r['speedup_vs_torch']):>8}")
+    lines += mma_targets(rows)
     for r in rows:  # the target: each format's default config at T=1
-        if r["tokens"] == 1 and r.get("default"):
+        if r["tokens"] == 1 and r.get("default") and r["kernel"] == "gemv":
             best = min((o for o in rows if (o["shape"], o["format"], o["tokens"]) == (r["shape"], r["format"], 1)
                         and "launches" in o), key=lambda o: o["us_median"])
             reads = {o["config"]: o["ratio_to_floor"] for o in rows if o["config"] in ("read1", "read2")
@@ -432,6 +473,29 @@ def table(rows: list[dict]) -> str:
                          + ("" if best is r else f"; best {best['config']} {best['ratio_to_floor']:.2f}x")
                          + "".join(f"; {name} (bare streaming) {reads[name]:.2f}x" for name in sorted(reads)))
     return "\n".join(lines)
+
+
+def mma_targets(rows: list[dict]) -> list[str]:
+    """MMA_TARGET per (shape, quantized format, T): the fastest tensor-core row against read2 at T=1 and
+    against the floor from T=MMA_FLOOR_FROM, beside the fastest one-program-per-pair row."""
+    lines = [MMA_TARGET] if any(r["kernel"] == "mma" for r in rows) else []
+    keys = dict.fromkeys((r["shape"], r["format"], r["tokens"]) for r in rows if r["kernel"] == "mma")
+    for shape, fmt, tokens in keys:
+        if get_format(fmt).dense or not (tokens == 1 or tokens >= MMA_FLOOR_FROM):
+            continue
+        mine = [r for r in rows if (r["shape"], r["format"], r["tokens"]) == (shape, fmt, tokens)]
+        best = min((r for r in mine if r["kernel"] == "mma"), key=lambda r: r["us_median"])
+        gemv = min((r for r in mine if r["kernel"] == "gemv"), key=lambda r: r["us_median"], default=None)
+        if tokens == 1:
+            got, limit, what = best["ratio_to_read2"], MMA_READ2_RATIO, "read2"
+        else:
+            got, limit, what = best["ratio_to_floor"], MMA_FLOOR_RATIO, "the floor"
+        verdict = "not measured (no --read-floor)" if got is None else \
+            f"{got:.2f}x {what} ({'meets' if got <= limit else 'misses'} {limit}x)"
+        lines.append(f"T={tokens} {shape} {fmt}: mma {best['config']} {best['us_median']:.2f} us, {verdict}"
+                     + ("" if gemv is None else f"; one program a pair {gemv['config']} {gemv['us_median']:.2f} us "
+                        f"({gemv['us_median'] / best['us_median']:.2f}x the mma's time)"))
+    return lines
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -449,6 +513,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--mma", default="default",
+                    help=f"tensor-core kernels (routed_experts_mma) timed beside: 'none', 'default', 'sweep' or a "
+                         f"comma list of {MMA_NAME_HELP}")
     ap.add_argument("--read-floor", action="store_true",
                     help="also time read1 / read2 per format: the same slots' bytes (values and scales) streamed in "
                          "one / two launches, no arithmetic")
@@ -472,12 +539,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.tokens = [int(t) for t in args.tokens.split(",")]
     except ValueError:
         ap.error(f"--tokens: {args.tokens!r} is not a comma list of ints")
-    if not all(1 <= t <= 8 for t in args.tokens):
-        ap.error(f"--tokens: each in 1..8 (decode sizes), got {args.tokens}")
+    if not all(1 <= t <= MMA_MAX_TOKENS for t in args.tokens):
+        ap.error(f"--tokens: each in 1..{MMA_MAX_TOKENS} (the one-program-a-pair kernels run up to "
+                 f"{GEMV_MAX_TOKENS}), got {args.tokens}")
     for name in ("slots", "calls", "reps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1")
     args.configs = config_names(args.configs)
+    args.mma = parse_mma(args.mma)
+    if not args.mma and any(t > GEMV_MAX_TOKENS for t in args.tokens):
+        ap.error(f"--tokens above {GEMV_MAX_TOKENS} run only the tensor-core kernels: drop --mma none")
     return args
 
 
@@ -503,7 +574,7 @@ def main() -> None:
             case_rows = run_case(pools, shape, tokens, num_slots, bandwidth, args)
             rows += case_rows
             for fname in args.formats:
-                mine = [r for r in case_rows if r["format"] == fname and "launches" in r]
+                mine = [r for r in case_rows if r["format"] == fname and r["kernel"] in ("gemv", "mma")]
                 best = min(mine, key=lambda r: r["us_median"])
                 print(f"{shape} T={tokens} {fname}: floor {best['floor_us']:.2f} us, best {best['config']} "
                       f"{best['us_median']:.2f} us ({best['ratio_to_floor']:.2f}x floor, "
@@ -512,7 +583,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     out = Path(args.out or Path(__file__).parent / "results" / f"routed-{info['date'][:10]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "mma")}
+    settings["mma"] = [t.name for t in args.mma]
     doc = {"bench": "routed", "machine": info, "copy_bandwidth_bytes_per_s": bandwidth,
            "settings": settings, "target": TARGET, "rows": rows}
     out.write_text(json.dumps(doc, indent=1))

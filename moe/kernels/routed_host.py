@@ -165,12 +165,11 @@ def check_tensor(who: str, name: str, t, dtypes: tuple[torch.dtype, ...], ndim: 
         raise ValueError(f"{who}: {name} must be contiguous (call .contiguous())")
 
 
-def _check_slots(who: str, slots, device) -> tuple[int, int]:
+def _check_slots(who: str, slots, device, max_tokens: int = GEMV_MAX_TOKENS) -> tuple[int, int]:
     check_tensor(who, "slots", slots, (torch.int32,), 2, device)
     tokens, top_k = slots.shape
-    if not 1 <= tokens <= GEMV_MAX_TOKENS or top_k < 1:
-        raise ValueError(f"{who}: slots must be [T, k >= 1] with T in 1..{GEMV_MAX_TOKENS} "
-                         f"(moe.kernels.plan.GEMV_MAX_TOKENS), got {list(slots.shape)}")
+    if not 1 <= tokens <= max_tokens or top_k < 1:
+        raise ValueError(f"{who}: slots must be [T, k >= 1] with T in 1..{max_tokens}, got {list(slots.shape)}")
     return tokens, top_k
 
 
@@ -192,16 +191,15 @@ def as_matrix(who: str, name: str, w, device, stack: int, dtype: torch.dtype | N
 
 
 def check_gate_up(
-    who, hidden, slots, weights, gate_up, gate_w, act
+    who, hidden, slots, weights, gate_up, gate_w, act, max_tokens: int = GEMV_MAX_TOKENS
 ) -> tuple[tuple[int, int, int, int, int], SlotMatrix]:
     """Validate routed_gate_up's arguments on the host (no device reads); return ((T, k, S, H, I), gate_up
-    as a SlotMatrix)."""
+    as a SlotMatrix). max_tokens: the most tokens the caller's kernels serve."""
     check_tensor(who, "hidden", hidden, DTYPES, 2, None)
     dev, (tokens, hid) = hidden.device, hidden.shape
-    if not 1 <= tokens <= GEMV_MAX_TOKENS:
-        raise ValueError(f"{who}: hidden has {tokens} tokens; 1..{GEMV_MAX_TOKENS} "
-                         "(moe.kernels.plan.GEMV_MAX_TOKENS) are served here")
-    _, top_k = _check_slots(who, slots, dev)
+    if not 1 <= tokens <= max_tokens:
+        raise ValueError(f"{who}: hidden has {tokens} tokens; 1..{max_tokens} are served here")
+    _, top_k = _check_slots(who, slots, dev, max_tokens)
     if slots.shape[0] != tokens:
         raise ValueError(f"{who}: slots must be [{tokens}, k >= 1] (T of hidden), got {list(slots.shape)}")
     if gate_w is None:
@@ -234,13 +232,14 @@ def check_bias(who: str, name: str, bias, rows: int, width: int, device) -> None
         raise ValueError(f"{who}: {name} must be [{rows}, {width}] (one row a slot), got {list(bias.shape)}")
 
 
-def check_down(who, act, slots, down, out, addend, out_cast) -> tuple[tuple[int, int, int, int, int], SlotMatrix]:
+def check_down(who, act, slots, down, out, addend, out_cast,
+               max_tokens: int = GEMV_MAX_TOKENS) -> tuple[tuple[int, int, int, int, int], SlotMatrix]:
     """Validate routed_down's arguments on the host; return ((T, k, S, H, I), down as a SlotMatrix).
     out_cast: the dtype of a plain down tensor, or any of bf16 / f16 / f32 with a SlotMatrix."""
     matrix = as_matrix(who, "down", down, None, 1, None)
     dev = matrix.device
     num_slots, hid, inter = matrix.num_slots, matrix.out_features, matrix.in_features
-    tokens, top_k = _check_slots(who, slots, dev)
+    tokens, top_k = _check_slots(who, slots, dev, max_tokens)
     check_tensor(who, "act", act, (torch.float32,), 2, dev)
     if act.shape[0] < tokens * top_k or act.shape[1] != inter:
         raise ValueError(f"{who}: act must be float32 [>= {tokens * top_k}, {inter}] (T * k, I of down), "

@@ -234,6 +234,17 @@ def _down_body(act_ptr, slots_ptr, w2, addend_ptr, out_ptr, cast_ptr, num_slots,
     else:
         y = _down_dense_sum(act_ptr, slots_ptr, w2[0], num_slots, token, rows, K, H, I, BLOCK_H, CHUNK_I, EVEN,
                             GDC, RELEASE, PREFETCH)
+    _finish_rows(y, token, rows, slots_ptr, num_slots, weights_ptr, b2_ptr, addend_ptr, out_ptr, cast_ptr, K, H,
+                 BIAS, ADDEND, WRITE_OUT, WRITE_CAST)
+
+
+@triton.jit
+def _finish_rows(y, token, rows, slots_ptr, num_slots, weights_ptr, b2_ptr, addend_ptr, out_ptr, cast_ptr,
+                 K: tl.constexpr, H: tl.constexpr, BIAS: tl.constexpr, ADDEND: tl.constexpr,
+                 WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr):
+    """The routed sum y [BLOCK_H] of `token`'s output rows, finished: + Σ_j (in order) weights[token, j] *
+    b2[slots[token, j], rows] (BIAS), + addend (ADDEND), then stored as float32 (WRITE_OUT) and / or
+    rounded once to the output's dtype (WRITE_CAST)."""
     if BIAS:
         for j in tl.static_range(K):
             slot = tl.load(slots_ptr + token * K + j)

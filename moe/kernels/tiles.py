@@ -2,6 +2,7 @@
 
     RouterTiles ──block_e / chunk_h / early_weights_fit──► the router launch's constexprs (moe.kernels.router)
     RoutedTiles ──capped / gate_up_grid / down_grid──► the routed gate_up and down launches (moe.kernels.routed)
+    MmaTiles ──grids──► the tensor-core routed launches (moe.kernels.routed_mma)
 
 A tile larger than its dimension is capped at the dimension's next power of two, so one set of
 tiles serves every shape. The defaults are the tiles the layer launches (moe.kernels.plan's
@@ -129,3 +130,47 @@ class RoutedTiles:
         """Short label i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_i>w<warps>, e.g. 'i1x1024w2-h2x512w4'."""
         return (f"i{self.block_i}x{self.chunk_h}w{self.warps_gate_up}-"
                 f"h{self.block_h}x{self.chunk_i}w{self.warps_down}")
+
+
+MMA_MIN_BLOCK = 16  # tl.dot's least M and N
+
+
+@dataclass(frozen=True)
+class MmaTiles:
+    """Tiles of the tensor-core routed launches (moe.kernels.routed_mma); every field a power of two
+    >= 1, block_m and the block_n fields >= MMA_MIN_BLOCK, warps <= 16.
+
+    block_m: member tokens of a slot per dot (more members take more tiles). block_n: gate rows (and
+    as many up rows) per gate_up program; warps_gate_up its num_warps. down_block_n: output rows per
+    down program; warps_down its num_warps. block_h: output rows per combine program; warps_combine
+    its num_warps. Raises ValueError naming the field.
+    """
+
+    block_m: int = 16
+    block_n: int = 32
+    warps_gate_up: int = 4
+    down_block_n: int = 32
+    warps_down: int = 4
+    block_h: int = 256
+    warps_combine: int = 2
+
+    def __post_init__(self) -> None:
+        _check_pow2_fields(self)
+        for name in ("block_m", "block_n", "down_block_n"):
+            if getattr(self, name) < MMA_MIN_BLOCK:
+                raise ValueError(f"MmaTiles.{name} must be >= {MMA_MIN_BLOCK} (tl.dot's least M and N), "
+                                 f"got {getattr(self, name)}")
+
+    def grids(self, tokens: int, top_k: int, hidden: int, inter: int) -> tuple[tuple[int, int], ...]:
+        """(gate_up, down, combine) grids: (T * k, ceil(I / block_n)), (T * k, ceil(H / down_block_n)),
+        (T, ceil(H / block_h)); a gate_up or down program whose pair does not lead its slot's group
+        returns at once."""
+        pairs = tokens * top_k
+        return ((pairs, -(-inter // self.block_n)), (pairs, -(-hidden // self.down_block_n)),
+                (tokens, -(-hidden // self.block_h)))
+
+    @property
+    def name(self) -> str:
+        """Short label m<block_m>-i<block_n>w<warps>-h<down_block_n>w<warps>-c<block_h>w<warps>."""
+        return (f"m{self.block_m}-i{self.block_n}w{self.warps_gate_up}-h{self.down_block_n}w{self.warps_down}"
+                f"-c{self.block_h}w{self.warps_combine}")

@@ -26,7 +26,9 @@ def test_defaults_cover_every_format_on_both_qwen_shapes():
 @pytest.mark.parametrize("argv, message", [
     (["--formats", "bf16,fp4"], "--formats: 'fp4' is not one of"),
     (["--shapes", "llama"], "--shapes: 'llama' is not one of"),
-    (["--tokens", "0,1"], "--tokens: each in 1..8"),
+    (["--tokens", "0,1"], "--tokens: each in 1..64"),
+    (["--tokens", "65"], "--tokens: each in 1..64"),
+    (["--tokens", "16", "--mma", "none"], "--tokens above 8 run only the tensor-core kernels"),
     (["--tokens", "one"], "not a comma list of ints"),
 ])
 def test_bad_options_are_refused_by_name(argv, message, capsys):
@@ -114,8 +116,9 @@ def test_floor_bytes_are_each_formats_own():
         assert sum(shares.values()) == pytest.approx(1) and 0.6 < shares["gate_up"] < 0.7
 
 
-def _row(fmt, config, us, floor, base, default=True, tokens=1):
-    return {"shape": "qwen3-30b", "format": fmt, "tokens": tokens, "config": config, "us_median": us,
+def _row(fmt, config, us, floor, base, default=True, tokens=1, kernel="gemv", read2=None):
+    return {"shape": "qwen3-30b", "format": fmt, "tokens": tokens, "config": config, "us_median": us, "kernel": kernel,
+            "ratio_to_read2": None if read2 is None else us / read2,
             "us_min": us - 0.5, "us_max": us + 0.5, "floor_us": floor, "ratio_to_floor": us / floor, "gbps": 1000.0,
             "speedup_vs_bf16": base / us, "speedup_vs_torch": None, "default": default,
             "launches": {"gate_up": {"us_median": us * 0.6, "ratio_to_floor": 1.1},
@@ -128,7 +131,7 @@ def test_table_has_a_row_per_format_and_config_and_the_target_lines():
     rows = [_row("bf16", DEFAULT_ROUTED_TILES.name, 30.0, 25.0, 30.0),
             _row("nvfp4", q, 12.0, 7.0, 30.0), _row("nvfp4", "i4x1024w4-h8x512w4", 9.0, 7.0, 30.0, default=False)]
     for name, us in (("read1", 8.4), ("read2", 9.1)):
-        row = _row("nvfp4", name, us, 7.0, 30.0, default=False)
+        row = _row("nvfp4", name, us, 7.0, 30.0, default=False, kernel=name)
         del row["launches"]
         rows.append(row)
     text = bench.table(rows)
@@ -140,3 +143,39 @@ def test_table_has_a_row_per_format_and_config_and_the_target_lines():
     assert f"T=1 qwen3-30b bf16: default {DEFAULT_ROUTED_TILES.name} 1.20x the floor (meets 1.3x)" in text
     assert (f"T=1 qwen3-30b nvfp4: default {q} 1.71x the floor (misses 1.3x); best i4x1024w4-h8x512w4 1.29x; "
             "read1 (bare streaming) 1.20x; read2 (bare streaming) 1.30x") in text
+
+
+def test_mma_tiles_parse_and_refuse():
+    bench = _bench()
+    from moe.kernels.routed_mma import DEFAULT_MMA_TILES
+    from moe.kernels.tiles import MmaTiles
+
+    assert bench.parse([]).mma == [DEFAULT_MMA_TILES]
+    assert bench.parse(["--mma", "none"]).mma == []
+    sweep = bench.parse(["--mma", "sweep"]).mma
+    assert sweep[0] == DEFAULT_MMA_TILES and len(sweep) == len(bench.MMA_SWEEP)
+    assert [t.name for t in sweep] == list(bench.MMA_SWEEP)
+    assert bench.parse_mma("m32-i64w8-h16w2-c128w4") == [MmaTiles(32, 64, 8, 16, 2, 128, 4)]
+    for bad, message in (("m16-i32w4", "is not like"), ("m8-i32w4-h32w4-c256w2", "block_m must be >= 16")):
+        with pytest.raises(SystemExit, match=f"--mma: .*{message}"):
+            bench.parse_mma(bad)
+    assert bench.parse(["--tokens", "1,64"]).tokens == [1, 64]
+
+
+def test_mma_target_lines_against_read2_at_one_token_and_the_floor_from_eight():
+    bench = _bench()
+    rows = [_row("int4", "m16-i32w4-h32w4-c256w2", 11.0, 5.0, 30.0, kernel="mma", read2=10.0),
+            _row("int4", QUANTIZED_ROUTED_TILES.name, 22.0, 5.0, 30.0),
+            _row("int4", "m16-i32w4-h32w4-c256w2", 13.0, 10.0, 30.0, tokens=8, kernel="mma", read2=12.0),
+            _row("int4", "m16-i32w4-h32w4-c256w2", 20.0, 10.0, 30.0, tokens=16, kernel="mma"),
+            _row("int4", "m16-i32w4-h32w4-c256w2", 9.0, 8.0, 30.0, tokens=4, kernel="mma", read2=12.0),
+            _row("bf16", "m16-i32w4-h32w4-c256w2", 9.0, 8.0, 30.0, kernel="mma", read2=12.0)]
+    lines = bench.mma_targets(rows)
+    assert lines == [
+        bench.MMA_TARGET,
+        "T=1 qwen3-30b int4: mma m16-i32w4-h32w4-c256w2 11.00 us, 1.10x read2 (meets 1.25x); one program a pair "
+        f"{QUANTIZED_ROUTED_TILES.name} 22.00 us (2.00x the mma's time)",
+        "T=8 qwen3-30b int4: mma m16-i32w4-h32w4-c256w2 13.00 us, 1.30x the floor (meets 1.3x)",
+        "T=16 qwen3-30b int4: mma m16-i32w4-h32w4-c256w2 20.00 us, 2.00x the floor (misses 1.3x)",
+    ]
+    assert bench.mma_targets([rows[1]]) == []

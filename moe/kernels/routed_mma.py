@@ -1,0 +1,150 @@
+"""The routed-expert GEMM on the tensor cores: pairs grouped by slot, each slot's rows dequantized once
+for all of its tokens (kernels: moe.kernels.routed_mma_kernels).
+
+    hidden [T, H], slots [T, k] int32, weights [T, k] float32, gate_up / down SlotMatrix in any expert
+    format (expertcache.formats) or dense tensors
+        │
+        ├─ gate_up: 1 launch, grid (T * k, ceil(I / block_n)); the leader pair of each slot's group
+        │     -> act [T * k, I] float32 = weight[t, j] * act(gate, up)   (gpt-oss: biases, clamped SwiGLU)
+        ├─ down:    1 launch, grid (T * k, ceil(H / down_block_n))  -> y [T * k, H] float32 per pair
+        └─ combine: 1 launch, grid (T, ceil(H / block_h))
+              out[t] = Σ_{j = 0..k-1 in order} y[t * k + j] (+ Σ_j weights[t, j] * down_bias[slots[t, j]])
+                       (+ addend[t])  -> out [T, H] float32 and / or out_cast = cast(out)
+
+routed_experts (moe.kernels.routed) runs one program per (token, expert) and dequantizes an expert's rows
+once per token on the CUDA cores; here a slot's weight tile is dequantized once per program and fed to
+tl.dot with all of its tokens (1..block_m a tile, more in turn), so the dequantize is paid once per slot
+and the multiply-adds run on the tensor cores. The results agree with routed_reference within float32
+rounding of another summation order (the dots' operands are exact: moe.kernels.routed_mma_kernels), and
+are bitwise repeatable for fixed MmaTiles. Legend: T = tokens (1..MMA_MAX_TOKENS), k = top_k, H = hidden,
+I = expert width, S = pool slots; a slot id outside [0, S) adds nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe.kernels.routed import _check_block, _device_ctx, _down_bias, _format_args
+from moe.kernels.routed_host import activation_args, as_matrix, check_down, check_gate_up, check_tensor
+from moe.kernels.routed_mma_kernels import COMBINE_JIT_OPTIONS, MMA_JIT_OPTIONS, _combine, _down_mma, _gate_up_mma
+from moe.kernels.tiles import MmaTiles, next_pow2
+from moe.kernels.triton_launch import kernel_for
+from moe.model.config import MoEConfig
+
+MMA_MAX_TOKENS = 64  # decode and small prefill chunks
+DEFAULT_MMA_TILES = MmaTiles()
+# the dots' operands by activation dtype: (gate_up's PREC, down's PREC) of routed_mma_kernels._dot
+# (0 bfloat16, 1 float32 "ieee", 2 the float32 act as two bfloat16 parts); float16 weights and
+# activations are not exact in bfloat16, so a float16 model's dots run in float32
+PRECISION = {torch.bfloat16: (0, 2), torch.float16: (1, 1), torch.float32: (1, 1)}
+
+_SCRATCH: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def mma_scratch(device: torch.device | str, top_k: int, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act float32 [MMA_MAX_TOKENS * k, I], y float32 [MMA_MAX_TOKENS * k, H]) that routed_experts_mma
+    uses on `device`, made on first use and kept (call it before CUDA-graph capture). Calls that share
+    them must be ordered on one stream."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, top_k, hidden, inter)
+    if key not in _SCRATCH:
+        rows = MMA_MAX_TOKENS * top_k
+        _SCRATCH[key] = (torch.empty((rows, inter), dtype=torch.float32, device=device),
+                         torch.empty((rows, hidden), dtype=torch.float32, device=device))
+    return _SCRATCH[key]
+
+
+def routed_experts_mma(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+                       gate_up, down, *, out: torch.Tensor | None = None, addend: torch.Tensor | None = None,
+                       out_cast: torch.Tensor | None = None, tiles: MmaTiles = DEFAULT_MMA_TILES,
+                       cfg: MoEConfig | None = None, gate_up_bias: torch.Tensor | None = None,
+                       down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """routed_experts' result (addend[t] + Σ_j weights[t, j] * expert(x_t) over the slots of row t) for
+    routed experts, on the tensor cores.
+
+    hidden [T, H] bf16 / f16 / f32 with 1 <= T <= MMA_MAX_TOKENS; slots [T, k] int32; weights [T, k]
+    float32; gate_up [S, 2I, H] and down [S, H, I]: SlotMatrix of one format, or dense tensors of
+    hidden's dtype; out / addend / out_cast / cfg / gate_up_bias / down_bias as routed_experts. Three
+    launches on the current stream, no host sync, nothing allocated once mma_scratch is made: CUDA-graph
+    capturable. Returns out when given, else out_cast when given, else a new float32 [T, H]. Raises
+    ValueError naming the argument whose shape, dtype, device or value is wrong.
+    """
+    if not isinstance(tiles, MmaTiles):
+        raise ValueError(f"routed_experts_mma: tiles must be a MmaTiles, got {type(tiles).__name__}")
+    dims, gate_up = check_gate_up("routed_experts_mma", hidden, slots, weights, gate_up, None, None,
+                                  max_tokens=MMA_MAX_TOKENS)
+    tokens, top_k, num_slots, hid, inter = dims
+    down = as_matrix("routed_experts_mma", "down", down, hidden.device, 1, hidden.dtype)
+    if (down.num_slots, down.out_features, down.in_features) != (num_slots, hid, inter) or down.fmt != gate_up.fmt:
+        raise ValueError(
+            f"routed_experts_mma: down must be {[num_slots, hid, inter]} (S, H, I of gate_up) in gate_up's "
+            f"format {gate_up.fmt.name}, got {[down.num_slots, down.out_features, down.in_features]} {down.fmt.name}")
+    act, y = mma_scratch(hidden.device, top_k, hid, inter)
+    if out_cast is not None:
+        check_tensor("routed_experts_mma", "out_cast", out_cast, (hidden.dtype,), 2, hidden.device)
+    check_down("routed_experts_mma", act, slots, down, out, addend, out_cast, max_tokens=MMA_MAX_TOKENS)
+    _check_block("routed_experts_mma", False, cfg, gate_up_bias, dims, hidden.device)
+    bias = _down_bias("routed_experts_mma", down_bias, None if down_bias is None else weights, slots, dims, False)
+    if out is None and out_cast is None:
+        out = torch.empty((tokens, hid), dtype=torch.float32, device=hidden.device)
+    up_grid, down_grid, combine_grid = tiles.grids(tokens, top_k, hid, inter)
+    group = {"K": top_k, "H": hid, "I": inter, "TB": max(2, next_pow2(tokens)), "KB": max(2, next_pow2(top_k)),
+             "BLOCK_M": tiles.block_m, "EMU": hidden.device.type != "cuda"}
+    prec_up, prec_down = PRECISION[hidden.dtype]
+    device = hidden.device
+    gate_up_kernel = kernel_for(_gate_up_mma, device, MMA_JIT_OPTIONS, "routed_experts_mma")
+    down_kernel = kernel_for(_down_mma, device, MMA_JIT_OPTIONS, "routed_experts_mma")
+    combine_kernel = kernel_for(_combine, device, COMBINE_JIT_OPTIONS, "routed_experts_mma")
+    b2, bias_weights = (y, y) if bias is None else bias
+    with _device_ctx(device):
+        gate_up_kernel[up_grid](hidden, slots, weights, gate_up.kernel_args(), act, num_slots, tokens,
+                                act if gate_up_bias is None else gate_up_bias, **group, BLOCK_N=tiles.block_n,
+                                PREC=prec_up, num_warps=tiles.warps_gate_up, **_format_args(gate_up),
+                                **activation_args(cfg, gate_up_bias is not None))
+        down_kernel[down_grid](act, slots, down.kernel_args(), y, num_slots, tokens, **group,
+                               BLOCK_N=tiles.down_block_n, PREC=prec_down, num_warps=tiles.warps_down,
+                               **_format_args(down))
+        combine_kernel[combine_grid](y, slots, y if addend is None else addend, y if out is None else out,
+                                     y if out_cast is None else out_cast, num_slots, bias_weights, b2,
+                                     K=top_k, H=hid, BLOCK_H=min(tiles.block_h, next_pow2(hid)),
+                                     ADDEND=addend is not None, WRITE_OUT=out is not None,
+                                     WRITE_CAST=out_cast is not None, BIAS=bias is not None,
+                                     num_warps=tiles.warps_combine)
+    return out_cast if out is None else out
+
+
+def compile_mma_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16", tokens: int = 1,
+                           tiles: MmaTiles = DEFAULT_MMA_TILES, arch: int = 90, expert_format: str | None = None,
+                           cfg: MoEConfig | None = None, expert_bias: bool = False) -> dict[str, dict]:
+    """Compile the three launches of routed_experts_mma ahead of time for CUDA sm_<arch> (no GPU; needs
+    ptxas), at `tokens` tokens (T sizes the group's registers: one binary per power of two). dtype:
+    Triton's name of the activation dtype; expert_format, cfg, expert_bias as
+    moe.kernels.routed_host.compile_for_target. Returns {"_gate_up_mma", "_down_mma", "_combine"
+    (addend, cast out)}: Triton's asm dicts. Run it without TRITON_INTERPRET=1."""
+    from moe.kernels.routed_host import _variant
+    from moe.kernels.triton_launch import compile_for_sm
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    prec_up, prec_down = PRECISION[torch_dtype]
+    quant, w13, w2 = _variant(expert_format, dtype, hidden, inter)
+    quant = {"FMT": 0, "ZP": False, **quant}
+    bias = f"*{dtype}" if expert_bias else "*fp32"
+    group = {"K": top_k, "H": hidden, "I": inter, "TB": max(2, next_pow2(tokens)), "KB": max(2, next_pow2(top_k)),
+             "BLOCK_M": tiles.block_m, "EMU": False, **quant}
+    p = f"*{dtype}"
+    return {
+        "_gate_up_mma": compile_for_sm(
+            _gate_up_mma, (p, "*i32", "*fp32", w13, "*fp32", "i32", "i32", bias),
+            {**group, "BLOCK_N": tiles.block_n, "PREC": prec_up, **activation_args(cfg, expert_bias)},
+            tiles.warps_gate_up, arch, MMA_JIT_OPTIONS),
+        "_down_mma": compile_for_sm(
+            _down_mma, ("*fp32", "*i32", w2, "*fp32", "i32", "i32"),
+            {**group, "BLOCK_N": tiles.down_block_n, "PREC": prec_down}, tiles.warps_down, arch, MMA_JIT_OPTIONS),
+        "_combine": compile_for_sm(
+            _combine, ("*fp32", "*i32", "*fp32", "*fp32", p, "i32", "*fp32", bias),
+            {"K": top_k, "H": hidden, "BLOCK_H": min(tiles.block_h, next_pow2(hidden)), "ADDEND": True,
+             "WRITE_OUT": False, "WRITE_CAST": True, "BIAS": expert_bias}, tiles.warps_combine, arch,
+            COMBINE_JIT_OPTIONS),
+    }

@@ -1,0 +1,179 @@
+"""The routed GEMM on the tensor cores (moe.kernels.routed_mma) against the torch reference that
+dequantizes the same bytes (routed_reference), in every expert format.
+
+    random experts ─format.quantize─► SlotMatrix gate_up [S, 2I, H], down [S, H, I] (or dense bf16 / f32)
+    routed_experts_mma (Triton: the interpreter on the CPU, its bfloat16 dots multiplied as float32;
+    compiled on a GPU) vs routed_reference: |got - ref| <= 1e-4 * max|ref|; slots outside [0, S) add
+    nothing; two calls bitwise equal; more tokens on one slot than a tile takes (block_m) run in turns;
+    gpt-oss's clamped SwiGLU with biases; the fused combine (addend, cast); bad arguments named
+every format's three launches compile for sm_90 with tensor-core dots and no local memory (no GPU)
+GPU (`gpu`): the Qwen3-30B-A3B, Qwen3-Next and gpt-oss-20b expert shapes, T = 1..64, eager and graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe.kernels.routed import NO_SLOT, routed_reference
+from moe.kernels.routed_mma import MMA_MAX_TOKENS, routed_experts_mma
+from moe.kernels.tiles import MmaTiles
+from moe.model.slot_matrix import SlotMatrix
+from tests.conftest import compile_check, device_or_skip
+from tests.moe.kernels.test_routed import assert_close, make_route
+from tests.moe.kernels.test_routed_formats import FORMATS, make_pool
+from tests.moe.kernels.test_routed_gpt_oss import OAI, make_biases
+
+SMALL = MmaTiles(block_m=16, block_n=16, down_block_n=16, block_h=64)
+H, I = 160, 96  # int4 groups and fp8 blocks partial at both edges (H = 128 + 32, I < 128)
+
+
+def _dense_pool(dtype, slots: int, hidden: int, inter: int, device, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (SlotMatrix.dense((torch.randn(slots, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype).to(device),
+                             stack=2),
+            SlotMatrix.dense((torch.randn(slots, hidden, inter, generator=g) / inter ** 0.5).to(dtype).to(device)))
+
+
+def _pool(name: str, device, slots: int = 6, hidden: int = H, inter: int = I, seed: int = 1):
+    if name in FORMATS:
+        return make_pool(FORMATS[name], slots, hidden, inter, device, seed)
+    return _dense_pool({"bf16": torch.bfloat16, "float32": torch.float32}[name], slots, hidden, inter, device, seed)
+
+
+@pytest.mark.parametrize("name", [*sorted(FORMATS), "bf16"])
+def test_matches_the_reference_of_the_same_bytes(name):
+    device, _ = device_or_skip()
+    gate_up, down = _pool(name, device)
+    slots, weights = make_route(3, 3, 6, device, seed=2, pad=1)
+    slots[2, 0] = 9  # >= S: adds nothing
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(3)).bfloat16().to(device)
+    got = routed_experts_mma(x, slots, weights, gate_up, down, tiles=SMALL)
+    assert_close(got, routed_reference(x, slots, weights, gate_up, down), 1e-4)
+    assert torch.equal(got, routed_experts_mma(x, slots, weights, gate_up, down, tiles=SMALL))
+    dropped = slots.clone()
+    dropped[2, 0] = NO_SLOT
+    assert torch.equal(got, routed_experts_mma(x, dropped, weights, gate_up, down, tiles=SMALL))
+
+
+@pytest.mark.parametrize("name, dtype", [("int4", torch.float32), ("float32", torch.float32),
+                                         ("nvfp4", torch.float16)])
+def test_float32_and_float16_activations_multiply_in_float32(name, dtype):
+    device, _ = device_or_skip()
+    gate_up, down = _pool(name, device, seed=4)
+    slots, weights = make_route(2, 3, 6, device, seed=5, pad=0)
+    x = torch.randn(2, H, generator=torch.Generator().manual_seed(6)).to(dtype).to(device)
+    got = routed_experts_mma(x, slots, weights, gate_up, down, tiles=SMALL)
+    assert_close(got, routed_reference(x, slots, weights, gate_up, down), 1e-5 if name == "float32" else 1e-4)
+
+
+def test_more_tokens_on_a_slot_than_a_tile_takes_run_in_turns():
+    """24 tokens over 4 slots, top-3: about 18 tokens a slot, more than block_m = 16."""
+    device, _ = device_or_skip()
+    gate_up, down = _pool("mxfp4", device, slots=4, hidden=64, inter=32, seed=7)
+    slots, weights = make_route(24, 3, 4, device, seed=8, pad=2)
+    assert max(int((slots == s).sum()) for s in range(4)) > SMALL.block_m
+    x = torch.randn(24, 64, generator=torch.Generator().manual_seed(9)).bfloat16().to(device)
+    got = routed_experts_mma(x, slots, weights, gate_up, down, tiles=SMALL)
+    assert_close(got, routed_reference(x, slots, weights, gate_up, down), 1e-4)
+
+
+def test_gpt_oss_clamped_swiglu_with_biases_and_the_fused_combine():
+    device, gpu = device_or_skip()
+    gate_up, down = make_pool(FORMATS["mxfp4"], 6, 64, 32, device, seed=10)
+    slots, weights = make_route(3, 4, 6, device, seed=11, pad=1)
+    x = (6 * torch.randn(3, 64, generator=torch.Generator().manual_seed(12))).bfloat16().to(device)
+    b13, b2 = make_biases(6, 64, 32, torch.bfloat16, device, seed=13, scale=2.0)
+    cfg = OAI
+    want = routed_reference(x, slots, weights, gate_up, down, cfg=cfg, gate_up_bias=b13, down_bias=b2)
+    got = routed_experts_mma(x, slots, weights, gate_up, down, cfg=cfg, gate_up_bias=b13, down_bias=b2, tiles=SMALL)
+    assert_close(got, want, 1e-4)
+    addend = torch.randn(3, 64, generator=torch.Generator().manual_seed(14)).to(device)
+    out = torch.empty(3, 64, device=device)
+    cast = torch.empty(3, 64, dtype=torch.bfloat16, device=device)
+    assert routed_experts_mma(x, slots, weights, gate_up, down, cfg=cfg, gate_up_bias=b13, down_bias=b2,
+                              addend=addend, out=out, out_cast=cast, tiles=SMALL) is out
+    assert torch.equal(out, got + addend)
+    if gpu:  # the interpreter stores a bfloat16 by truncating the float32 bits
+        assert torch.equal(cast, out.bfloat16())
+
+
+def test_bad_arguments_are_named():
+    gate_up, down = _pool("fp8", "cpu", slots=2, hidden=128, inter=32)
+    x, w = torch.zeros(1, 128, dtype=torch.bfloat16), torch.ones(1, 2)
+    slots = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="tiles must be a MmaTiles"):
+        routed_experts_mma(x, slots, w, gate_up, down, tiles=None)
+    big = torch.zeros(MMA_MAX_TOKENS + 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"hidden has {MMA_MAX_TOKENS + 1} tokens; 1..{MMA_MAX_TOKENS}"):
+        routed_experts_mma(big, slots, w, gate_up, down)
+    _, other = _pool("nvfp4", "cpu", slots=2, hidden=128, inter=32)
+    with pytest.raises(ValueError, match=r"down must be .* in gate_up's format fp8"):
+        routed_experts_mma(x, slots, w, gate_up, other)
+    assert MmaTiles().grids(3, 8, 2048, 768) == ((24, 24), (24, 64), (3, 8))
+    for field, value in (("block_m", 8), ("block_n", 12), ("warps_down", 32)):
+        with pytest.raises(ValueError, match=f"MmaTiles.{field} must be"):
+            MmaTiles(**{field: value})
+
+
+SM90 = """
+import json
+from moe.kernels.routed_mma import compile_mma_for_target
+from moe.model.config import MoEConfig
+found = {}
+for fmt, tokens, bias in (("fp8", 1, False), ("nvfp4", 8, False), ("mxfp4", 64, True), ("int4", 16, False),
+                          ("bf16", 2, False)):
+    cfg = MoEConfig(hidden=2880, num_experts=32, top_k=4, expert_intermediate=2880, norm_topk_prob=True,
+                    activation="swiglu_clamped", swiglu_alpha=1.702, swiglu_limit=7.0, expert_bias=True,
+                    router_bias=True) if bias else None
+    shape = (4, 2880, 2880) if bias else (8, 2048, 768)
+    asm = compile_mma_for_target(*shape, "bf16", tokens=tokens, expert_format=fmt, cfg=cfg, expert_bias=bias)
+    found[fmt] = {name: [a["ptx"].count("mma.sync"), a["ptx"].count("ld.local") + a["ptx"].count("st.local")]
+                  for name, a in asm.items()}
+print(json.dumps(found))
+"""
+
+
+def test_every_format_compiles_for_sm90_on_the_tensor_cores():
+    found = compile_check(SM90)
+    for fmt, kernels in found.items():
+        assert sorted(kernels) == ["_combine", "_down_mma", "_gate_up_mma"], fmt
+        for name, (mma, local) in kernels.items():
+            assert local == 0, f"{fmt} {name} spills to local memory"
+            assert (mma > 0) == (name != "_combine"), (fmt, name, mma)
+
+
+# ---------------------------------------------------------------- GPU: the real expert shapes
+
+SHAPES = {"qwen3-30b": (2048, 768, 8), "qwen3-next": (2048, 512, 10), "gpt-oss-20b": (2880, 2880, 4)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [*sorted(FORMATS), "bf16"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_gpu_real_shapes_from_1_to_64_tokens(name, shape):
+    hidden, inter, top_k = SHAPES[shape]
+    gate_up, down = _pool(name, "cuda", slots=48, hidden=hidden, inter=inter, seed=21)
+    for tokens in (1, 2, 4, 8, 16, 32, 64):
+        slots, weights = make_route(tokens, top_k, 48, "cuda", seed=tokens, pad=tokens // 4)
+        x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+        got = routed_experts_mma(x, slots, weights, gate_up, down)
+        assert_close(got, routed_reference(x, slots, weights, gate_up, down), 1e-4)
+        assert torch.equal(got, routed_experts_mma(x, slots, weights, gate_up, down))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["int4", "nvfp4", "fp8"])
+def test_gpu_graph_replay_equals_eager(name):
+    gate_up, down = _pool(name, "cuda", slots=32, hidden=2048, inter=768, seed=31)
+    slots, weights = make_route(8, 8, 32, "cuda", seed=32, pad=3)
+    x = torch.randn(8, 2048, device="cuda").bfloat16()
+    out = torch.empty(8, 2048, device="cuda")
+    eager = routed_experts_mma(x, slots, weights, gate_up, down, out=out).clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        routed_experts_mma(x, slots, weights, gate_up, down, out=out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
