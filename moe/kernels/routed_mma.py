@@ -98,12 +98,14 @@ def routed_experts_mma(hidden: torch.Tensor, slots: torch.Tensor, weights: torch
     down_kernel = kernel_for(_down_mma, device, MMA_JIT_OPTIONS, "routed_experts_mma")
     combine_kernel = kernel_for(_combine, device, COMBINE_JIT_OPTIONS, "routed_experts_mma")
     b2, bias_weights = (y, y) if bias is None else bias
+    split = prec_down == 2  # the act buffer holds the bfloat16 high parts, then the low ones
+    act_arg, lo_off = (act.view(-1).view(torch.bfloat16), act.numel()) if split else (act, 0)
     with _device_ctx(device):
-        gate_up_kernel[up_grid](hidden, slots, weights, gate_up.kernel_args(), act, num_slots, tokens,
-                                act if gate_up_bias is None else gate_up_bias, **group, BLOCK_N=tiles.block_n,
-                                PREC=prec_up, num_warps=tiles.warps_gate_up, **_format_args(gate_up),
+        gate_up_kernel[up_grid](hidden, slots, weights, gate_up.kernel_args(), act_arg, num_slots, tokens,
+                                act if gate_up_bias is None else gate_up_bias, lo_off, **group, BLOCK_N=tiles.block_n,
+                                PREC=prec_up, SPLIT=split, num_warps=tiles.warps_gate_up, **_format_args(gate_up),
                                 **activation_args(cfg, gate_up_bias is not None))
-        down_kernel[down_grid](act, slots, down.kernel_args(), y, num_slots, tokens, **group,
+        down_kernel[down_grid](act_arg, slots, down.kernel_args(), y, num_slots, tokens, lo_off, **group,
                                BLOCK_N=tiles.down_block_n, PREC=prec_down, num_warps=tiles.warps_down,
                                **_format_args(down))
         combine_kernel[combine_grid](y, slots, y if addend is None else addend, y if out is None else out,
@@ -131,16 +133,18 @@ def compile_mma_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf
     quant, w13, w2 = _variant(expert_format, dtype, hidden, inter)
     quant = {"FMT": 0, "ZP": False, **quant}
     bias = f"*{dtype}" if expert_bias else "*fp32"
+    act = "*bf16" if prec_down == 2 else "*fp32"
     group = {"K": top_k, "H": hidden, "I": inter, "TB": max(2, next_pow2(tokens)), "KB": max(2, next_pow2(top_k)),
              "BLOCK_M": tiles.block_m, "EMU": False, **quant}
     p = f"*{dtype}"
     return {
         "_gate_up_mma": compile_for_sm(
-            _gate_up_mma, (p, "*i32", "*fp32", w13, "*fp32", "i32", "i32", bias),
-            {**group, "BLOCK_N": tiles.block_n, "PREC": prec_up, **activation_args(cfg, expert_bias)},
+            _gate_up_mma, (p, "*i32", "*fp32", w13, act, "i32", "i32", bias, "i32"),
+            {**group, "BLOCK_N": tiles.block_n, "PREC": prec_up, "SPLIT": prec_down == 2,
+             **activation_args(cfg, expert_bias)},
             tiles.warps_gate_up, arch, MMA_JIT_OPTIONS),
         "_down_mma": compile_for_sm(
-            _down_mma, ("*fp32", "*i32", w2, "*fp32", "i32", "i32"),
+            _down_mma, (act, "*i32", w2, "*fp32", "i32", "i32", "i32"),
             {**group, "BLOCK_N": tiles.down_block_n, "PREC": prec_down}, tiles.warps_down, arch, MMA_JIT_OPTIONS),
         "_combine": compile_for_sm(
             _combine, ("*fp32", "*i32", "*fp32", "*fp32", p, "i32", "*fp32", bias),

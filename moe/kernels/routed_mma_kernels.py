@@ -20,9 +20,9 @@ e4m3 block scale, mxfp4's e2m1 * 2^e: at most 6 significant bits; int4's u - z a
 what remains (int4's group scale, fp8's block scale, nvfp4's global scale) multiplies the block's
 float32 dot, BLOCK_K = 128 being one int4 group and one fp8 block. PREC picks the operands: 0 bfloat16
 (bf16 activations: the product of two exact operands), 1 float32 ("ieee": a float32 or float16 model),
-2 the float32 act of a bf16 model's down split into two bfloat16 parts (hi + lo, two dots: about 16
-significant bits of each activation against exact weights). EMU (the CPU interpreter): the bfloat16
-operands are multiplied as float32, the same products.
+2 the float32 act of a bf16 model's down as two bfloat16 parts (hi + lo, written so by the gate_up:
+SPLIT; two dots, about 16 significant bits of each activation against exact weights). EMU (the CPU
+interpreter): the bfloat16 operands are multiplied as float32, the same products.
 
 Every output element is written by one program in one fixed order, and the combine sums the K experts of
 a token in order j, so the result is bitwise repeatable for fixed tiles; a pair with no slot is never
@@ -94,17 +94,21 @@ def _weight_tile(w, slot64, rows, row_ok, k0, R: tl.constexpr, OUT: tl.constexpr
         values, post = _dense_tile(w[0], slot64, rows64, row_ok, k0, OUT, IN)
     elif FMT == FP8:
         values, post = _fp8_tile(w, slot64, rows, row_ok, k0, OUT, IN, SUB)
-    else:
-        NW: tl.constexpr = BLOCK_K // 8
-        col8 = k0 + 8 * tl.arange(0, NW)  # first column of each word
-        words = tl.load(w[0] + slot64 * (OUT * (IN // 8)) + rows64[:, None] * (IN // 8) + (col8 // 8)[None, :],
-                        mask=row_ok[:, None] & (col8 < IN)[None, :], other=0)  # [R, NW] int32, 8 codes a word
+    else:  # nvfp4, mxfp4 (int4 runs its own dots: _int4_block)
+        words, _ = _words(w[0], slot64, rows64, row_ok, k0, OUT, IN)
         codes = tl.reshape((words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 15, [R, BLOCK_K])
-        if FMT == INT4:
-            values, post = _int4_values(w, codes, slot64, rows64, row_ok, k0, OUT, IN, ZP)
-        else:
-            values, post = _e2m1_values(w, codes, slot64, rows, rows64, row_ok, k0, R, OUT, IN, SUB, FMT)
+        values, post = _e2m1_values(w, codes, slot64, rows, rows64, row_ok, k0, R, OUT, IN, SUB, FMT)
     return values, post
+
+
+@triton.jit
+def _words(q_ptr, slot64, rows64, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr):
+    """(words [R, BLOCK_K / 8] int32 of 8 codes each (code j in bits 4j..4j + 3), col8: the first column
+    of each word) of a 4-bit matrix's rows at columns [k0, k0 + BLOCK_K); 0 where masked."""
+    col8 = k0 + 8 * tl.arange(0, BLOCK_K // 8)
+    words = tl.load(q_ptr + slot64 * (OUT * (IN // 8)) + rows64[:, None] * (IN // 8) + (col8 // 8)[None, :],
+                    mask=row_ok[:, None] & (col8 < IN)[None, :], other=0)
+    return words, col8
 
 
 @triton.jit
@@ -129,20 +133,6 @@ def _fp8_tile(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, 
     post = tl.load(s_ptr + slot64 * (SROWS * BLOCKS) + srow.to(tl.int64) * BLOCKS + k0 // 128, mask=row_ok,
                    other=0.0)
     return v.to(tl.float8e4nv, bitcast=True).to(tl.float32), post.to(tl.float32)
-
-
-@triton.jit
-def _int4_values(w, codes, slot64, rows64, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, ZP: tl.constexpr):
-    """u - z; post the group's scale (BLOCK_K is one group)."""
-    _, s_ptr, _, z_ptr = w
-    GROUPS: tl.constexpr = (IN + 127) // 128
-    soff = slot64 * (OUT * GROUPS) + rows64 * GROUPS + k0 // 128
-    post = tl.load(s_ptr + soff, mask=row_ok, other=0.0).to(tl.float32)
-    if ZP:
-        zero = tl.load(z_ptr + soff, mask=row_ok, other=0).to(tl.float32)[:, None]
-    else:
-        zero = 8.0
-    return codes.to(tl.float32) - zero, post
 
 
 @triton.jit
@@ -176,26 +166,78 @@ def _mma(a, b, EMU: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, values, PREC: tl.constexpr, EMU: tl.constexpr):
-    """a [M, BLOCK_K] (any float) · values [N, BLOCK_K] float32, transposed -> [M, N] float32."""
+def _load_a(a_rows, cols, mask, lo_off, PREC: tl.constexpr):
+    """(a, lo) at columns cols of the rows a_rows [M, 1]: lo (PREC 2: the bfloat16 low parts, lo_off
+    elements after the high ones) or a again."""
+    a = tl.load(a_rows + cols, mask=mask, other=0.0)
+    if PREC == 2:
+        return a, tl.load(a_rows + lo_off + cols, mask=mask, other=0.0)
+    return a, a
+
+
+@triton.jit
+def _dot(a, lo, values, PREC: tl.constexpr, EMU: tl.constexpr):
+    """a [M, BLOCK_K] (+ lo, PREC 2) · values [N, BLOCK_K] float32, transposed -> [M, N] float32."""
     if PREC == 1:
         return tl.dot(a.to(tl.float32), tl.trans(values), input_precision="ieee")
     b = tl.trans(values.to(tl.bfloat16))
-    hi = a.to(tl.bfloat16)
     if PREC == 0:
-        return _mma(hi, b, EMU)
-    lo = (a - hi.to(tl.float32)).to(tl.bfloat16)  # a = hi + lo to about 16 significant bits
-    return _mma(hi, b, EMU) + _mma(lo, b, EMU)
+        return _mma(a.to(tl.bfloat16), b, EMU)
+    return _mma(a, b, EMU) + _mma(lo, b, EMU)
+
+
+@triton.jit
+def _block(acc, a_rows, lo_off, valid, w, slot64, rows, row_ok, k0, R: tl.constexpr, OUT: tl.constexpr,
+           IN: tl.constexpr, SUB: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr, PREC: tl.constexpr,
+           EMU: tl.constexpr):
+    """acc [M, R] + the activations' columns [k0, k0 + BLOCK_K) (rows a_rows [M, 1], pointers to each
+    member's row; valid [M]) dotted with the weight rows `rows` of slot `slot64` (as _weight_tile)."""
+    if FMT == INT4:
+        acc = _int4_block(acc, a_rows, lo_off, valid, w, slot64, rows, row_ok, k0, OUT, IN, ZP, PREC, EMU)
+    else:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        a, lo = _load_a(a_rows, cols[None, :], valid[:, None] & (cols < IN)[None, :], lo_off, PREC)
+        values, post = _weight_tile(w, slot64, rows, row_ok, k0, R, OUT, IN, SUB, FMT, ZP)
+        acc += _dot(a, lo, values, PREC, EMU) * post[None, :]
+    return acc
+
+
+@triton.jit
+def _int4_block(acc, a_rows, lo_off, valid, w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr,
+                ZP: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+    """_block of int4: one dot per nibble k of the group's 16 words (K = 16: the columns 8l + k, the
+    activations gathered alike), so the codes are decoded where the dot reads them, with no reshape.
+    A code u becomes the bfloat16 128 + u by its bits (0x4300 | u), less 128 + z: u - z, exact (on
+    the GPU two values a half-precision instruction). The group's scale multiplies the sum of the 8 dots."""
+    q_ptr, s_ptr, _, z_ptr = w
+    rows64 = rows.to(tl.int64)
+    words, col8 = _words(q_ptr, slot64, rows64, row_ok, k0, OUT, IN)  # [R, 16]
+    GROUPS: tl.constexpr = (IN + 127) // 128
+    soff = slot64 * (OUT * GROUPS) + rows64 * GROUPS + k0 // 128
+    post = tl.load(s_ptr + soff, mask=row_ok, other=0.0).to(tl.float32)
+    if ZP:
+        zero = tl.load(z_ptr + soff, mask=row_ok, other=0).to(tl.float32)[:, None]
+    else:
+        zero = 8.0
+    amask = valid[:, None] & (col8 < IN)[None, :]
+    block = tl.zeros(acc.shape, dtype=tl.float32)
+    for k in tl.static_range(8):
+        a, lo = _load_a(a_rows, (col8 + k)[None, :], amask, lo_off, PREC)  # [M, 16]
+        codes = (words >> (4 * k)) & 15
+        values = (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (128.0 + zero)
+        block += _dot(a, lo, values, PREC, EMU)
+    return acc + block * post[None, :]
 
 
 @triton.jit(**MMA_JIT_OPTIONS)
-def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens, b13_ptr,
+def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens, b13_ptr, lo_off,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr,
-                 PREC: tl.constexpr, EMU: tl.constexpr, ACT: tl.constexpr = 0, ALPHA: tl.constexpr = 1.702,
-                 LIMIT: tl.constexpr = 7.0, BIAS: tl.constexpr = False):
+                 PREC: tl.constexpr, EMU: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr = 0,
+                 ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0, BIAS: tl.constexpr = False):
     """x_ptr [T, H] hidden; slots_ptr *i32 [T * K]; weights_ptr *fp32 [T * K]; w13 the gate_up banks (q, s, s2,
-    z) [S, 2I, H] in format FMT; act_ptr *fp32 [T * K, I] out; b13_ptr [S, 2I] (read when BIAS)."""
+    z) [S, 2I, H] in format FMT; act_ptr *fp32 [T * K, I] out, or (SPLIT) *bf16 [T * K, I] of the high
+    parts and lo_off elements further the low ones (act = hi + lo); b13_ptr [S, 2I] (read when BIAS)."""
     slot, leader, has, jpos, rank, count = _group(slots_ptr, tl.program_id(0), tokens, num_slots, K, TB, KB)
     if leader:
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; up rows are I further
@@ -206,27 +248,32 @@ def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens,
             token, pair, valid = _members(has, jpos, rank, m0, K, TB, BLOCK_M)
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            a_rows = x_ptr + token[:, None].to(tl.int64) * H  # [BLOCK_M, 1]
             for k0 in range(0, H, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(x_ptr + token[:, None].to(tl.int64) * H + cols[None, :],
-                            mask=valid[:, None] & (cols < H)[None, :], other=0.0)
-                vg, pg = _weight_tile(w13, slot64, n, row_ok, k0, BLOCK_N, 2 * I, H, I, FMT, ZP)
-                vu, pu = _weight_tile(w13, slot64, n + I, row_ok, k0, BLOCK_N, 2 * I, H, I, FMT, ZP)
-                acc_g += _dot(a, vg, PREC, EMU) * pg[None, :]
-                acc_u += _dot(a, vu, PREC, EMU) * pu[None, :]
+                acc_g = _block(acc_g, a_rows, 0, valid, w13, slot64, n, row_ok, k0, BLOCK_N, 2 * I, H, I, FMT, ZP,
+                               PREC, EMU)
+                acc_u = _block(acc_u, a_rows, 0, valid, w13, slot64, n + I, row_ok, k0, BLOCK_N, 2 * I, H, I, FMT, ZP,
+                               PREC, EMU)
             weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
             act = _activation(weight[:, None], acc_g, acc_u, b13_ptr, slot, True, n, I, ACT, ALPHA, LIMIT, BIAS)
-            tl.store(act_ptr + pair[:, None] * I + n[None, :], act, mask=valid[:, None] & row_ok[None, :])
+            where = pair[:, None].to(tl.int64) * I + n[None, :]
+            keep = valid[:, None] & row_ok[None, :]
+            if SPLIT:  # the down's two bfloat16 parts: about 16 significant bits of each float32
+                hi = act.to(tl.bfloat16)
+                tl.store(act_ptr + where, hi, mask=keep)
+                tl.store(act_ptr + lo_off + where, (act - hi.to(tl.float32)).to(tl.bfloat16), mask=keep)
+            else:
+                tl.store(act_ptr + where, act, mask=keep)
             m0 += BLOCK_M
 
 
 @triton.jit(**MMA_JIT_OPTIONS)
-def _down_mma(act_ptr, slots_ptr, w2, y_ptr, num_slots, tokens,
+def _down_mma(act_ptr, slots_ptr, w2, y_ptr, num_slots, tokens, lo_off,
               K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr,
               PREC: tl.constexpr, EMU: tl.constexpr):
-    """act_ptr *fp32 [T * K, I]; slots_ptr *i32 [T * K]; w2 the down banks [S, H, I]; y_ptr *fp32 [T * K, H]
-    out (rows of pairs with a slot)."""
+    """act_ptr *fp32 [T * K, I], or (PREC 2) *bf16 of the gate_up's SPLIT parts (lo_off apart); slots_ptr
+    *i32 [T * K]; w2 the down banks [S, H, I]; y_ptr *fp32 [T * K, H] out (rows of pairs with a slot)."""
     slot, leader, has, jpos, rank, count = _group(slots_ptr, tl.program_id(0), tokens, num_slots, K, TB, KB)
     if leader:
         h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -236,12 +283,10 @@ def _down_mma(act_ptr, slots_ptr, w2, y_ptr, num_slots, tokens,
         while m0 < count:
             token, pair, valid = _members(has, jpos, rank, m0, K, TB, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            a_rows = act_ptr + pair[:, None].to(tl.int64) * I
             for k0 in range(0, I, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(act_ptr + pair[:, None].to(tl.int64) * I + cols[None, :],
-                            mask=valid[:, None] & (cols < I)[None, :], other=0.0)
-                v, p = _weight_tile(w2, slot64, h, row_ok, k0, BLOCK_N, H, I, H, FMT, ZP)
-                acc += _dot(a, v, PREC, EMU) * p[None, :]
+                acc = _block(acc, a_rows, lo_off, valid, w2, slot64, h, row_ok, k0, BLOCK_N, H, I, H, FMT, ZP, PREC,
+                             EMU)
             tl.store(y_ptr + pair[:, None].to(tl.int64) * H + h[None, :], acc, mask=valid[:, None] & row_ok[None, :])
             m0 += BLOCK_M
 

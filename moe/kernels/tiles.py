@@ -149,7 +149,7 @@ class MmaTiles:
     block_m: int = 16
     block_n: int = 32
     warps_gate_up: int = 4
-    down_block_n: int = 32
+    down_block_n: int = 64
     warps_down: int = 4
     block_h: int = 256
     warps_combine: int = 2

@@ -110,7 +110,7 @@ def test_bad_arguments_are_named():
     _, other = _pool("nvfp4", "cpu", slots=2, hidden=128, inter=32)
     with pytest.raises(ValueError, match=r"down must be .* in gate_up's format fp8"):
         routed_experts_mma(x, slots, w, gate_up, other)
-    assert MmaTiles().grids(3, 8, 2048, 768) == ((24, 24), (24, 64), (3, 8))
+    assert MmaTiles().grids(3, 8, 2048, 768) == ((24, 24), (24, 32), (3, 8))
     for field, value in (("block_m", 8), ("block_n", 12), ("warps_down", 32)):
         with pytest.raises(ValueError, match=f"MmaTiles.{field} must be"):
             MmaTiles(**{field: value})
