@@ -5,8 +5,9 @@
         order (a token's K slots are distinct: one pair each), BLOCK_M of them a tile
     gate_up, grid (T * K, ceil(I / BLOCK_N)): the leader of each group (every other program returns)
         A = hidden[members] [BLOCK_M, H], B = gate rows [tile) and up rows [I + tile) of slot s, each
-        BLOCK_K = 128 columns dequantized in registers to values exact in the dot's operand type,
-        tl.dot per BLOCK_K with float32 accumulation, times the block's remaining scale
+        BLOCK_K = 128 columns dequantized in registers to values exact in the dot's operand type, one
+        tl.dot a block (dense, fp8) or one per nibble of its 16 words (4-bit: K = 16, the columns
+        8l + k and the activations gathered alike), float32 accumulation, times the remaining scale
         -> act [T * K, I] f32 = weight * act(gate, up) at the members' pairs (gpt-oss: biases, clamp)
     down, grid (T * K, ceil(H / BLOCK_N)): the leader again
         A = act[member pairs] [BLOCK_M, I], B = down rows [tile) of slot s  -> y [T * K, H] f32
@@ -16,9 +17,11 @@
 Legend: T = tokens, K = top_k, H = hidden, I = expert width, S = pool slots.
 
 Values in the dot: each format's codes times the scales that keep them exact in bfloat16 (nvfp4's e2m1 *
-e4m3 block scale, mxfp4's e2m1 * 2^e: at most 6 significant bits; int4's u - z and fp8's e4m3 alone);
-what remains (int4's group scale, fp8's block scale, nvfp4's global scale) multiplies the block's
-float32 dot, BLOCK_K = 128 being one int4 group and one fp8 block. PREC picks the operands: 0 bfloat16
+e4m3 block scale, mxfp4's e2m1 * 2^e: at most 6 significant bits; int4's u - z, made from the code's
+bits as the bfloat16 128 + u less 128 + z, and fp8's e4m3 alone); what remains (int4's group scale,
+fp8's block scale, nvfp4's global scale) multiplies the block's float32 dot, BLOCK_K = 128 being one
+int4 group and one fp8 block. Decoding each nibble where its dot reads it keeps the decoded tile out of
+shared memory (only the raw words cross it). PREC picks the operands: 0 bfloat16
 (bf16 activations: the product of two exact operands), 1 float32 ("ieee": a float32 or float16 model),
 2 the float32 act of a bf16 model's down as two bfloat16 parts (hi + lo, written so by the gate_up:
 SPLIT; two dots, about 16 significant bits of each activation against exact weights). EMU (the CPU
@@ -34,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moe.kernels.quant_kernels import FP8, INT4, MXFP4, NVFP4
+from moe.kernels.quant_kernels import INT4, MXFP4, NVFP4
 from moe.kernels.routed_kernels import _activation, _finish_rows
 
 BLOCK_K = tl.constexpr(128)  # columns a dot step: one int4 group, one fp8 block, 8 nvfp4 / 4 mxfp4 blocks
@@ -74,30 +77,17 @@ def _members(has, jpos, rank, m0, K: tl.constexpr, TB: tl.constexpr, BLOCK_M: tl
 
 
 @triton.jit
-def _e2m1(c):
-    """float32 of E2M1 codes (int32 0..15): sign and magnitude placed in a float16 (value * 2^-14,
-    code 1 a subnormal), converted exactly, times 2^14."""
-    h = ((c & 7) << 9) | ((c & 8) << 12)
-    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
-
-
-@triton.jit
-def _weight_tile(w, slot64, rows, row_ok, k0, R: tl.constexpr, OUT: tl.constexpr, IN: tl.constexpr,
-                 SUB: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr):
-    """(values [R, BLOCK_K] float32, post [R] float32) of rows [R] of slot `slot64`'s matrix [OUT, IN]
-    (OUT / SUB stacked sub-matrices), columns [k0, k0 + BLOCK_K): the row's dot over these columns
-    times post is its part of W' · x. values are exact in bfloat16 (FMT 0: the dense values as they are);
-    a row not ok and a column past IN give finite values (0 where the codes are masked) and post 0 for
-    a row not ok. w: the matrix's pool banks (q, s, s2, z) [S, ...] as SlotMatrix.kernel_args."""
-    rows64 = rows.to(tl.int64)
+def _weight_tile(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, SUB: tl.constexpr,
+                 FMT: tl.constexpr):
+    """(values [R, BLOCK_K] float32, post [R] float32) of rows [R] of slot `slot64`'s dense (FMT 0) or fp8
+    matrix [OUT, IN] (OUT / SUB stacked sub-matrices), columns [k0, k0 + BLOCK_K): the row's dot over
+    these columns times post is its part of W' · x. values are exact in bfloat16 (dense: as they are);
+    a row not ok and a column past IN give 0 and post 0 for a row not ok. w: the matrix's pool banks
+    (q, s, s2, z) [S, ...] as SlotMatrix.kernel_args."""
     if FMT == 0:
-        values, post = _dense_tile(w[0], slot64, rows64, row_ok, k0, OUT, IN)
-    elif FMT == FP8:
+        values, post = _dense_tile(w[0], slot64, rows.to(tl.int64), row_ok, k0, OUT, IN)
+    else:
         values, post = _fp8_tile(w, slot64, rows, row_ok, k0, OUT, IN, SUB)
-    else:  # nvfp4, mxfp4 (int4 runs its own dots: _int4_block)
-        words, _ = _words(w[0], slot64, rows64, row_ok, k0, OUT, IN)
-        codes = tl.reshape((words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 15, [R, BLOCK_K])
-        values, post = _e2m1_values(w, codes, slot64, rows, rows64, row_ok, k0, R, OUT, IN, SUB, FMT)
     return values, post
 
 
@@ -136,27 +126,6 @@ def _fp8_tile(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, 
 
 
 @triton.jit
-def _e2m1_values(w, codes, slot64, rows, rows64, row_ok, k0, R: tl.constexpr, OUT: tl.constexpr,
-                 IN: tl.constexpr, SUB: tl.constexpr, FMT: tl.constexpr):
-    """e2m1 times the block's scale (nvfp4's e4m3, mxfp4's 2^(e - 127)); post nvfp4's global scale."""
-    _, s_ptr, s2_ptr, _ = w
-    BS: tl.constexpr = 16 if FMT == NVFP4 else 32
-    NSC: tl.constexpr = IN // BS
-    sc = k0 // BS + tl.arange(0, BLOCK_K // BS)
-    soff = slot64 * (OUT * NSC) + rows64[:, None] * NSC + sc[None, :]
-    sm = row_ok[:, None] & (sc < NSC)[None, :]
-    if FMT == MXFP4:  # e8m0: 2^(e - 127), e = 0 is 2^-127 (a float32 subnormal)
-        e = tl.load(s_ptr + soff, mask=sm, other=0).to(tl.int32)
-        s = tl.where(e > 0, (e << 23).to(tl.float32, bitcast=True), 5.877471754111438e-39)
-        post = tl.where(row_ok, 1.0, 0.0)
-    else:
-        s = tl.load(s_ptr + soff, mask=sm, other=0.0).to(tl.float32)
-        post = tl.load(s2_ptr + slot64 * (OUT // SUB) + rows // SUB, mask=row_ok, other=0.0).to(tl.float32)
-    scale = tl.reshape(tl.broadcast_to(s[:, :, None], [R, BLOCK_K // BS, BS]), [R, BLOCK_K])
-    return _e2m1(codes) * scale, post
-
-
-@triton.jit
 def _mma(a, b, EMU: tl.constexpr):
     """a [M, BLOCK_K] bfloat16 · b [BLOCK_K, N] bfloat16 -> [M, N] float32 (EMU: the same exact operands
     multiplied in float32, for Triton's CPU interpreter, whose 16-bit dots are wrong)."""
@@ -187,17 +156,19 @@ def _dot(a, lo, values, PREC: tl.constexpr, EMU: tl.constexpr):
 
 
 @triton.jit
-def _block(acc, a_rows, lo_off, valid, w, slot64, rows, row_ok, k0, R: tl.constexpr, OUT: tl.constexpr,
+def _block(acc, a_rows, lo_off, valid, w, slot64, rows, row_ok, k0, OUT: tl.constexpr,
            IN: tl.constexpr, SUB: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr, PREC: tl.constexpr,
            EMU: tl.constexpr):
     """acc [M, R] + the activations' columns [k0, k0 + BLOCK_K) (rows a_rows [M, 1], pointers to each
     member's row; valid [M]) dotted with the weight rows `rows` of slot `slot64` (as _weight_tile)."""
     if FMT == INT4:
         acc = _int4_block(acc, a_rows, lo_off, valid, w, slot64, rows, row_ok, k0, OUT, IN, ZP, PREC, EMU)
+    elif FMT == NVFP4 or FMT == MXFP4:
+        acc = _e2m1_block(acc, a_rows, lo_off, valid, w, slot64, rows, row_ok, k0, OUT, IN, SUB, FMT, PREC, EMU)
     else:
         cols = k0 + tl.arange(0, BLOCK_K)
         a, lo = _load_a(a_rows, cols[None, :], valid[:, None] & (cols < IN)[None, :], lo_off, PREC)
-        values, post = _weight_tile(w, slot64, rows, row_ok, k0, R, OUT, IN, SUB, FMT, ZP)
+        values, post = _weight_tile(w, slot64, rows, row_ok, k0, OUT, IN, SUB, FMT)
         acc += _dot(a, lo, values, PREC, EMU) * post[None, :]
     return acc
 
@@ -229,6 +200,38 @@ def _int4_block(acc, a_rows, lo_off, valid, w, slot64, rows, row_ok, k0, OUT: tl
     return acc + block * post[None, :]
 
 
+@triton.jit
+def _e2m1_block(acc, a_rows, lo_off, valid, w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr,
+                SUB: tl.constexpr, FMT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+    """_block of nvfp4 / mxfp4 as _int4_block's dots: nibble k of the 16 words (columns 8l + k, in block
+    8l // BS); each code's bits placed in a float16 (value * 2^-14, exact), times its block's scale
+    * 2^14 in float32 (exact), the dot's operand; nvfp4's global scale multiplies the sum."""
+    q_ptr, s_ptr, s2_ptr, _ = w
+    rows64 = rows.to(tl.int64)
+    words, col8 = _words(q_ptr, slot64, rows64, row_ok, k0, OUT, IN)  # [R, 16]
+    BS: tl.constexpr = 16 if FMT == NVFP4 else 32
+    NSC: tl.constexpr = IN // BS
+    sc = col8 // BS  # [16] each word's block
+    soff = slot64 * (OUT * NSC) + rows64[:, None] * NSC + sc[None, :]
+    sm = row_ok[:, None] & (col8 < IN)[None, :]
+    if FMT == MXFP4:  # e8m0: 2^(e - 127), e = 0 is 2^-127 (a float32 subnormal)
+        e = tl.load(s_ptr + soff, mask=sm, other=0).to(tl.int32)
+        scale = tl.where(e > 0, (e << 23).to(tl.float32, bitcast=True), 5.877471754111438e-39) * 16384.0
+        post = tl.where(row_ok, 1.0, 0.0)
+    else:
+        scale = tl.load(s_ptr + soff, mask=sm, other=0.0).to(tl.float32) * 16384.0
+        post = tl.load(s2_ptr + slot64 * (OUT // SUB) + rows // SUB, mask=row_ok, other=0.0).to(tl.float32)
+    amask = valid[:, None] & (col8 < IN)[None, :]
+    block = tl.zeros(acc.shape, dtype=tl.float32)
+    for k in tl.static_range(8):
+        a, lo = _load_a(a_rows, (col8 + k)[None, :], amask, lo_off, PREC)
+        c = words >> (4 * k)
+        h = ((c & 7) << 9) | ((c & 8) << 12)
+        values = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+        block += _dot(a, lo, values, PREC, EMU)
+    return acc + block * post[None, :]
+
+
 @triton.jit(**MMA_JIT_OPTIONS)
 def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens, b13_ptr, lo_off,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr,
@@ -250,9 +253,9 @@ def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens,
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             a_rows = x_ptr + token[:, None].to(tl.int64) * H  # [BLOCK_M, 1]
             for k0 in range(0, H, BLOCK_K):
-                acc_g = _block(acc_g, a_rows, 0, valid, w13, slot64, n, row_ok, k0, BLOCK_N, 2 * I, H, I, FMT, ZP,
+                acc_g = _block(acc_g, a_rows, 0, valid, w13, slot64, n, row_ok, k0, 2 * I, H, I, FMT, ZP,
                                PREC, EMU)
-                acc_u = _block(acc_u, a_rows, 0, valid, w13, slot64, n + I, row_ok, k0, BLOCK_N, 2 * I, H, I, FMT, ZP,
+                acc_u = _block(acc_u, a_rows, 0, valid, w13, slot64, n + I, row_ok, k0, 2 * I, H, I, FMT, ZP,
                                PREC, EMU)
             weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
             act = _activation(weight[:, None], acc_g, acc_u, b13_ptr, slot, True, n, I, ACT, ALPHA, LIMIT, BIAS)
@@ -285,7 +288,7 @@ def _down_mma(act_ptr, slots_ptr, w2, y_ptr, num_slots, tokens, lo_off,
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             a_rows = act_ptr + pair[:, None].to(tl.int64) * I
             for k0 in range(0, I, BLOCK_K):
-                acc = _block(acc, a_rows, lo_off, valid, w2, slot64, h, row_ok, k0, BLOCK_N, H, I, H, FMT, ZP, PREC,
+                acc = _block(acc, a_rows, lo_off, valid, w2, slot64, h, row_ok, k0, H, I, H, FMT, ZP, PREC,
                              EMU)
             tl.store(y_ptr + pair[:, None].to(tl.int64) * H + h[None, :], acc, mask=valid[:, None] & row_ok[None, :])
             m0 += BLOCK_M
