@@ -21,6 +21,11 @@ expert without a gate (weights of one). gpt-oss's block (MoEConfig.router_bias, 
 clamped SwiGLU, 7 adds Σ_j weights[t, j] * down bias (the bias banks are pool banks: a miss copies them with the
 expert).
 
+Under LaunchPlan.routed_mma (EXPERTCACHE_ROUTED_MMA=1) the routed experts run the tensor-core kernels
+(moe.kernels.routed_mma): 6 is their gate_up (its act in their layout), 7 their down and a combine
+launch that adds shared and casts; the plan then has no early hits and no miss split, and 6 and 7 are
+plain launches.
+
 Legend: T = tokens (1..GEMV_MAX_TOKENS), H = hidden, E = experts, k = top_k, I / Is = routed / shared
 width, S = pool slots. One `SlotCache` per model: every layer shares its HostStore (the banks of
 MoEConfig.expert_format, expertcache.formats: "gate_up" [L*E, 2I, H] and "down" [L*E, H, I] for bf16,
@@ -77,8 +82,9 @@ from moe.kernels.cpu_experts import CpuExperts
 from moe.kernels.plan import GEMV_MAX_TOKENS, LaunchPlan, resolve_launch_plan
 from moe.kernels.routed import device_sms, routed_down, routed_experts, routed_gate_up
 from moe.kernels.routed_host import routed_scratch
+from moe.kernels.routed_mma import MmaAct, mma_down, mma_gate_up, mma_scratch
 from moe.kernels.router import ROUTER_MAX_EXPERTS, router_scratch, router_topk
-from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig
+from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig, routed_mma_from_env
 from moe.model.reference import SharedWeights, check_shared
 from moe.model.slot_matrix import SlotMatrix
 
@@ -235,8 +241,10 @@ class MoELayer:
             plan = resolve_launch_plan(self.cfg, num_slots=slots.cache.geometry.num_slots,
                                        num_keys=slots.num_layers * slots.num_experts, device=str(self.device),
                                        num_sms=device_sms(self.device), copy_overlap=self.cfg.copy_overlap,
-                                       miss_service=slots.split.service)
+                                       miss_service=slots.split.service, routed_mma=routed_mma_from_env())
         _check_plan(plan, self.cfg, self.device, self.slots)
+        if plan.routed_mma is not None:  # its scratch made outside any capture
+            mma_scratch(self.device, self.cfg.top_k, self.cfg.hidden, self.cfg.expert_intermediate)
         self.plan = plan
         self.side = self.slots.side_stream() if plan.mode.side_stream else None
 
@@ -303,10 +311,14 @@ class MoELayer:
         pool = self.slots.pool
         return pool.tensor(EXPERT_BIAS_BANKS[0]), pool.tensor(EXPERT_BIAS_BANKS[1])
 
-    def _down(self, act: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, **outs) -> torch.Tensor:
+    def _down(self, act: torch.Tensor | MmaAct, slots: torch.Tensor, weights: torch.Tensor, **outs) -> torch.Tensor:
         """Launch 7: the routed down right behind the gate_up, with the plan's release and prefetch
-        (and the slots' down biases, weighted as the gate_up weighted act, where the block has them)."""
+        (and the slots' down biases, weighted as the gate_up weighted act, where the block has them);
+        under the plan's routed_mma, the tensor-core down and combine."""
         plan, down_bias = self.plan, self._biases()[1]
+        if plan.routed_mma is not None:
+            return mma_down(act, slots, self.pool_matrices()[1], tiles=plan.routed_mma, down_bias=down_bias,
+                            weights=None if down_bias is None else weights, **outs)
         return routed_down(act, slots, self.pool_matrices()[1], after_gate_up=True, tiles=plan.routed_tiles,
                            release=plan.front_release, prefetch=plan.down_prefetch, down_bias=down_bias,
                            weights=None if down_bias is None else weights, **outs)
@@ -349,6 +361,9 @@ class MoELayer:
         tail = None if slots.scratch is None else (slots.share.tail, cfg.expert_intermediate)
         miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=plan.pdl, release_after_wait=plan.front_release,
                   tail=tail)
+        if plan.routed_mma is not None:  # no early hits under the plan's routed_mma
+            return (mma_gate_up(hidden, buf.slots, weights, gate_up, tiles=plan.routed_mma, cfg=cfg,
+                                gate_up_bias=gate_up_bias), buf.slots, weights)
         act = routed_gate_up(hidden, buf.slots, weights, gate_up, part="all" if pre is None else "rest", pre=pre,
                              tiles=plan.routed_tiles, cfg=cfg, gate_up_bias=gate_up_bias)
         return act, buf.slots, weights

@@ -33,8 +33,8 @@ import re
 from dataclasses import dataclass
 
 from expertcache.split import MISS_SERVICES
-from moe.kernels.tiles import GEMV_BLOCK_H, GEMV_BLOCK_I, RoutedTiles, RouterTiles
-from moe.model.config import COPY_OVERLAP_ENV, MoEConfig
+from moe.kernels.tiles import GEMV_BLOCK_H, GEMV_BLOCK_I, MmaTiles, RoutedTiles, RouterTiles
+from moe.model.config import COPY_OVERLAP_ENV, ROUTED_MMA_ENV, MoEConfig
 
 __all__ = ["GEMV_BLOCK_H", "GEMV_BLOCK_I", "GEMV_MAX_TOKENS", "LaunchPlan", "OverlapMode", "RoutedPlan",
            "decode_side_applies", "make_routed_plan", "plan_supports_aux_stream_overlap", "resolve_launch_plan"]
@@ -49,6 +49,7 @@ DEFAULT_ROUTER_TILES, DEFAULT_ROUTED_TILES = RouterTiles(), RoutedTiles()  # the
 # The routed tiles of a quantized expert format (fp8, nvfp4, mxfp4, int4): more rows per program, so
 # that one pass over the input chunk serves more of the (smaller) weight rows.
 QUANTIZED_ROUTED_TILES = RoutedTiles(block_i=2, chunk_h=1024, warps_gate_up=4, block_h=4, chunk_i=512, warps_down=4)
+DEFAULT_MMA_TILES = MmaTiles()  # the tensor-core routed kernels' (moe.kernels.routed_mma), where the plan runs them
 
 
 class OverlapMode(enum.Enum):
@@ -92,6 +93,9 @@ class LaunchPlan:
     cpu_share: a miss split serves some misses on the CPU: the compute stream posts them after the ensure
         and waits for the CPU's answer before the routed down (moe.engine.handoff).
     router_tiles / routed_tiles: the tiles of the router and of every routed launch (shared expert too).
+    routed_mma: None (the routed experts run routed_tiles' one-program-a-pair kernels), or the MmaTiles of
+        the tensor-core kernels that run them instead (moe.kernels.routed_mma; the shared expert keeps
+        routed_tiles' kernels); never with early hits or a CPU share.
     Raises ValueError naming the field.
     """
 
@@ -105,6 +109,7 @@ class LaunchPlan:
     router_tiles: RouterTiles = DEFAULT_ROUTER_TILES
     routed_tiles: RoutedTiles = DEFAULT_ROUTED_TILES
     cpu_share: bool = False
+    routed_mma: MmaTiles | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, OverlapMode):
@@ -127,6 +132,12 @@ class LaunchPlan:
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"LaunchPlan.{name} must be a {cls.__name__}, "
                                  f"got {getattr(self, name)!r}")
+        if self.routed_mma is not None:
+            if not isinstance(self.routed_mma, MmaTiles):
+                raise ValueError(f"LaunchPlan.routed_mma must be a MmaTiles or None, got {self.routed_mma!r}")
+            if self.mode.hits_on_side or self.cpu_share:
+                raise ValueError("LaunchPlan.routed_mma: the tensor-core routed kernels run neither early hits "
+                                 f"nor a CPU share (mode {self.mode.value}, cpu_share {self.cpu_share})")
 
     def summary(self) -> dict:
         """The plan as plain values (for results JSON and logs)."""
@@ -134,11 +145,13 @@ class LaunchPlan:
                 "router_early_weights": list(self.router_early_weights), "front_release": self.front_release,
                 "down_prefetch": self.down_prefetch,
                 "hits_programs": self.hits_programs, "router_tiles": self.router_tiles.name,
-                "routed_tiles": self.routed_tiles.name, "cpu_share": self.cpu_share}
+                "routed_tiles": self.routed_tiles.name, "cpu_share": self.cpu_share,
+                "routed_mma": None if self.routed_mma is None else self.routed_mma.name}
 
 
 def resolve_launch_plan(cfg: MoEConfig, *, num_slots: int, num_keys: int, device: str, num_sms: int,
-                        copy_overlap: bool, tp_size: int = 1, miss_service: str = "copy") -> LaunchPlan:
+                        copy_overlap: bool, tp_size: int = 1, miss_service: str = "copy",
+                        routed_mma: bool = False) -> LaunchPlan:
     """The launch plan of a decode layer of `cfg` over a pool of `num_slots` slots for `num_keys`
     (L * E) keys on `device` ("cpu", "cuda" or "cuda:N") with `num_sms` SMs. O(GEMV_MAX_TOKENS).
 
@@ -150,6 +163,9 @@ def resolve_launch_plan(cfg: MoEConfig, *, num_slots: int, num_keys: int, device
     unless the early hits run on the side stream; else down_prefetch is min(DOWN_PREFETCH, k).
     A quantized MoEConfig.expert_format launches QUANTIZED_ROUTED_TILES and prefetches nothing (its
     down dequantizes each tile as it loads it).
+    routed_mma (EXPERTCACHE_ROUTED_MMA): the routed experts run the tensor-core kernels (DEFAULT_MMA_TILES),
+    without early hits (the shared expert may still run on the side stream); refused with a miss
+    split, whose hand-off edits the act rows those kernels keep in another layout.
     Raises ValueError naming the argument outside its domain.
     """
     for name, v, minimum in (("num_slots", num_slots, 1), ("num_keys", num_keys, 1), ("num_sms", num_sms, 1)):
@@ -163,12 +179,17 @@ def resolve_launch_plan(cfg: MoEConfig, *, num_slots: int, num_keys: int, device
     if miss_service not in MISS_SERVICES:
         raise ValueError(f"resolve_launch_plan: miss_service must be one of {MISS_SERVICES}, got {miss_service!r}")
     split = miss_service != "copy"
+    if not isinstance(routed_mma, bool):
+        raise ValueError(f"resolve_launch_plan: routed_mma must be a bool, got {routed_mma!r}")
+    if routed_mma and split:
+        raise ValueError(f"resolve_launch_plan: {ROUTED_MMA_ENV}=1 (the tensor-core routed kernels) does not run with "
+                         f"the {miss_service} miss service: unset it or use --moe-miss-service copy")
     if split and device == "cpu":
         raise ValueError(f"resolve_launch_plan: miss_service={miss_service!r} hands misses to a CPU worker from "
                          "a CUDA device; the CPU backend computes them in line (moe.engine.backends)")
     dense = cfg.format.dense
     router_tiles, routed_tiles = DEFAULT_ROUTER_TILES, DEFAULT_ROUTED_TILES if dense else QUANTIZED_ROUTED_TILES
-    early_hits = num_slots < num_keys and miss_service != "cpu"
+    early_hits = num_slots < num_keys and miss_service != "cpu" and not routed_mma
     mode, reason = _overlap_mode(cfg, early_hits, device, tp_size, split, copy_overlap, routed_tiles)
     front = not mode.hits_on_side
     early_weights = tuple(front and router_tiles.early_weights_fit(cfg.num_experts, cfg.hidden, t)
@@ -177,15 +198,16 @@ def resolve_launch_plan(cfg: MoEConfig, *, num_slots: int, num_keys: int, device
     return LaunchPlan(mode, reason, pdl=device.startswith("cuda"), router_early_weights=early_weights,
                       front_release=front, down_prefetch=prefetch,
                       hits_programs=HITS_PROGRAMS_PER_SM * num_sms, router_tiles=router_tiles,
-                      routed_tiles=routed_tiles, cpu_share=split)
+                      routed_tiles=routed_tiles, cpu_share=split, routed_mma=DEFAULT_MMA_TILES if routed_mma else None)
 
 
 def _overlap_mode(cfg: MoEConfig, early_hits: bool, device: str, tp_size: int, hybrid: bool,
                   copy_overlap: bool, tiles: RoutedTiles) -> tuple[OverlapMode, str]:
     """(mode, reason): the checks in order, the first that declines gives INLINE and its reason."""
     if not cfg.has_shared_expert and not early_hits:
-        return OverlapMode.INLINE, ("no shared expert, and no early hits (the pool holds every expert, or the cpu "
-                                    "miss service fills no slot): nothing to run on the side stream")
+        return OverlapMode.INLINE, ("no shared expert, and no early hits (the pool holds every expert, the cpu "
+                                    "miss service fills no slot, or the tensor-core routed kernels run the "
+                                    "experts): nothing to run on the side stream")
     if not copy_overlap:
         return OverlapMode.INLINE, f"copy_overlap is off (set MoEConfig.copy_overlap or {COPY_OVERLAP_ENV}=1)"
     for tokens in range(1, GEMV_MAX_TOKENS + 1):  # must hold at every decode size

@@ -22,8 +22,11 @@ I = expert width, S = pool slots; a slot id outside [0, S) adds nothing.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from moe.kernels.plan import DEFAULT_MMA_TILES
 from moe.kernels.routed import _check_block, _device_ctx, _down_bias, _format_args
 from moe.kernels.routed_host import activation_args, as_matrix, check_down, check_gate_up, check_tensor
 from moe.kernels.routed_mma_kernels import COMBINE_JIT_OPTIONS, MMA_JIT_OPTIONS, _combine, _down_mma, _gate_up_mma
@@ -32,7 +35,6 @@ from moe.kernels.triton_launch import kernel_for
 from moe.model.config import MoEConfig
 
 MMA_MAX_TOKENS = 64  # decode and small prefill chunks
-DEFAULT_MMA_TILES = MmaTiles()
 # the dots' operands by activation dtype: (gate_up's PREC, down's PREC) of routed_mma_kernels._dot
 # (0 bfloat16, 1 float32 "ieee", 2 the float32 act as two bfloat16 parts); float16 weights and
 # activations are not exact in bfloat16, so a float16 model's dots run in float32
@@ -56,58 +58,76 @@ def mma_scratch(device: torch.device | str, top_k: int, hidden: int, inter: int)
     return _SCRATCH[key]
 
 
-def routed_experts_mma(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                       gate_up, down, *, out: torch.Tensor | None = None, addend: torch.Tensor | None = None,
-                       out_cast: torch.Tensor | None = None, tiles: MmaTiles = DEFAULT_MMA_TILES,
-                       cfg: MoEConfig | None = None, gate_up_bias: torch.Tensor | None = None,
-                       down_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """routed_experts' result (addend[t] + Σ_j weights[t, j] * expert(x_t) over the slots of row t) for
-    routed experts, on the tensor cores.
+class MmaAct(NamedTuple):
+    """mma_gate_up's output for mma_down: the scratch `act` (float32 [MMA_MAX_TOKENS * k, I]; with
+    `split` its bytes hold the bfloat16 high parts of T * k rows, then lo_off elements further the low
+    ones) and the call's T, k."""
 
-    hidden [T, H] bf16 / f16 / f32 with 1 <= T <= MMA_MAX_TOKENS; slots [T, k] int32; weights [T, k]
-    float32; gate_up [S, 2I, H] and down [S, H, I]: SlotMatrix of one format, or dense tensors of
-    hidden's dtype; out / addend / out_cast / cfg / gate_up_bias / down_bias as routed_experts. Three
-    launches on the current stream, no host sync, nothing allocated once mma_scratch is made: CUDA-graph
-    capturable. Returns out when given, else out_cast when given, else a new float32 [T, H]. Raises
-    ValueError naming the argument whose shape, dtype, device or value is wrong.
-    """
-    if not isinstance(tiles, MmaTiles):
-        raise ValueError(f"routed_experts_mma: tiles must be a MmaTiles, got {type(tiles).__name__}")
-    dims, gate_up = check_gate_up("routed_experts_mma", hidden, slots, weights, gate_up, None, None,
+    act: torch.Tensor
+    split: bool
+    tokens: int
+    top_k: int
+
+    @property
+    def kernel_arg(self) -> tuple[torch.Tensor, int]:
+        """(the act pointer the kernels take, lo_off)."""
+        if self.split:
+            return self.act.view(-1).view(torch.bfloat16), self.act.numel()
+        return self.act, 0
+
+
+def mma_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up, *,
+                tiles: MmaTiles = DEFAULT_MMA_TILES, cfg: MoEConfig | None = None,
+                gate_up_bias: torch.Tensor | None = None) -> MmaAct:
+    """The first launch of routed_experts_mma (same arguments): the weighted activations for mma_down.
+    Raises ValueError naming the argument whose shape, dtype, device or value is wrong."""
+    _check_tiles(tiles)
+    dims, gate_up = check_gate_up("mma_gate_up", hidden, slots, weights, gate_up, None, None,
                                   max_tokens=MMA_MAX_TOKENS)
     tokens, top_k, num_slots, hid, inter = dims
-    down = as_matrix("routed_experts_mma", "down", down, hidden.device, 1, hidden.dtype)
-    if (down.num_slots, down.out_features, down.in_features) != (num_slots, hid, inter) or down.fmt != gate_up.fmt:
-        raise ValueError(
-            f"routed_experts_mma: down must be {[num_slots, hid, inter]} (S, H, I of gate_up) in gate_up's "
-            f"format {gate_up.fmt.name}, got {[down.num_slots, down.out_features, down.in_features]} {down.fmt.name}")
-    act, y = mma_scratch(hidden.device, top_k, hid, inter)
-    if out_cast is not None:
-        check_tensor("routed_experts_mma", "out_cast", out_cast, (hidden.dtype,), 2, hidden.device)
-    check_down("routed_experts_mma", act, slots, down, out, addend, out_cast, max_tokens=MMA_MAX_TOKENS)
-    _check_block("routed_experts_mma", False, cfg, gate_up_bias, dims, hidden.device)
-    bias = _down_bias("routed_experts_mma", down_bias, None if down_bias is None else weights, slots, dims, False)
+    _check_block("mma_gate_up", False, cfg, gate_up_bias, dims, hidden.device)
+    act = MmaAct(mma_scratch(hidden.device, top_k, hid, inter)[0], PRECISION[hidden.dtype][1] == 2, tokens, top_k)
+    act_arg, lo_off = act.kernel_arg
+    kernel = kernel_for(_gate_up_mma, hidden.device, MMA_JIT_OPTIONS, "mma_gate_up")
+    with _device_ctx(hidden.device):
+        kernel[tiles.grids(tokens, top_k, hid, inter)[0]](
+            hidden, slots, weights, gate_up.kernel_args(), act_arg, num_slots, tokens,
+            act.act if gate_up_bias is None else gate_up_bias, lo_off, **_group_args(tokens, top_k, hid, inter, tiles,
+                                                                                    hidden.device),
+            BLOCK_N=tiles.block_n, PREC=PRECISION[hidden.dtype][0], SPLIT=act.split, num_warps=tiles.warps_gate_up,
+            **_format_args(gate_up), **activation_args(cfg, gate_up_bias is not None))
+    return act
+
+
+def mma_down(act: MmaAct, slots: torch.Tensor, down, *, out: torch.Tensor | None = None,
+             addend: torch.Tensor | None = None, out_cast: torch.Tensor | None = None,
+             tiles: MmaTiles = DEFAULT_MMA_TILES, down_bias: torch.Tensor | None = None,
+             weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The down and the combine of routed_experts_mma, from mma_gate_up's `act` for the same slots.
+    down_bias / weights: routed_down's. Returns out, else out_cast, else a new float32 [T, H]. Raises
+    ValueError naming the argument whose shape, dtype, device or value is wrong."""
+    _check_tiles(tiles)
+    if not isinstance(act, MmaAct):
+        raise ValueError(f"mma_down: act must be mma_gate_up's MmaAct, got {type(act).__name__}")
+    dims, down = check_down("mma_down", act.act, slots, down, out, addend, out_cast, max_tokens=MMA_MAX_TOKENS)
+    tokens, top_k, num_slots, hid, inter = dims
+    if (tokens, top_k) != (act.tokens, act.top_k):
+        raise ValueError(f"mma_down: slots are [{tokens}, {top_k}] but act holds [{act.tokens}, {act.top_k}] "
+                         "(mma_gate_up's call)")
+    bias = _down_bias("mma_down", down_bias, weights, slots, dims, False)
+    device = act.act.device
     if out is None and out_cast is None:
-        out = torch.empty((tokens, hid), dtype=torch.float32, device=hidden.device)
-    up_grid, down_grid, combine_grid = tiles.grids(tokens, top_k, hid, inter)
-    group = {"K": top_k, "H": hid, "I": inter, "TB": max(2, next_pow2(tokens)), "KB": max(2, next_pow2(top_k)),
-             "BLOCK_M": tiles.block_m, "EMU": hidden.device.type != "cuda"}
-    prec_up, prec_down = PRECISION[hidden.dtype]
-    device = hidden.device
-    gate_up_kernel = kernel_for(_gate_up_mma, device, MMA_JIT_OPTIONS, "routed_experts_mma")
-    down_kernel = kernel_for(_down_mma, device, MMA_JIT_OPTIONS, "routed_experts_mma")
-    combine_kernel = kernel_for(_combine, device, COMBINE_JIT_OPTIONS, "routed_experts_mma")
+        out = torch.empty((tokens, hid), dtype=torch.float32, device=device)
+    _, down_grid, combine_grid = tiles.grids(tokens, top_k, hid, inter)
+    y = mma_scratch(device, top_k, hid, inter)[1]
+    act_arg, lo_off = act.kernel_arg
     b2, bias_weights = (y, y) if bias is None else bias
-    split = prec_down == 2  # the act buffer holds the bfloat16 high parts, then the low ones
-    act_arg, lo_off = (act.view(-1).view(torch.bfloat16), act.numel()) if split else (act, 0)
+    down_kernel = kernel_for(_down_mma, device, MMA_JIT_OPTIONS, "mma_down")
+    combine_kernel = kernel_for(_combine, device, COMBINE_JIT_OPTIONS, "mma_down")
     with _device_ctx(device):
-        gate_up_kernel[up_grid](hidden, slots, weights, gate_up.kernel_args(), act_arg, num_slots, tokens,
-                                act if gate_up_bias is None else gate_up_bias, lo_off, **group, BLOCK_N=tiles.block_n,
-                                PREC=prec_up, SPLIT=split, num_warps=tiles.warps_gate_up, **_format_args(gate_up),
-                                **activation_args(cfg, gate_up_bias is not None))
-        down_kernel[down_grid](act_arg, slots, down.kernel_args(), y, num_slots, tokens, lo_off, **group,
-                               BLOCK_N=tiles.down_block_n, PREC=prec_down, num_warps=tiles.warps_down,
-                               **_format_args(down))
+        down_kernel[down_grid](act_arg, slots, down.kernel_args(), y, num_slots, tokens, lo_off,
+                               **_group_args(tokens, top_k, hid, inter, tiles, device), BLOCK_N=tiles.down_block_n,
+                               PREC=2 if act.split else 1, num_warps=tiles.warps_down, **_format_args(down))
         combine_kernel[combine_grid](y, slots, y if addend is None else addend, y if out is None else out,
                                      y if out_cast is None else out_cast, num_slots, bias_weights, b2,
                                      K=top_k, H=hid, BLOCK_H=min(tiles.block_h, next_pow2(hid)),
@@ -115,6 +135,48 @@ def routed_experts_mma(hidden: torch.Tensor, slots: torch.Tensor, weights: torch
                                      WRITE_CAST=out_cast is not None, BIAS=bias is not None,
                                      num_warps=tiles.warps_combine)
     return out_cast if out is None else out
+
+
+def routed_experts_mma(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+                       gate_up, down, *, out: torch.Tensor | None = None, addend: torch.Tensor | None = None,
+                       out_cast: torch.Tensor | None = None, tiles: MmaTiles = DEFAULT_MMA_TILES,
+                       cfg: MoEConfig | None = None, gate_up_bias: torch.Tensor | None = None,
+                       down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """routed_experts' result (addend[t] + Σ_j weights[t, j] * expert(x_t) over the slots of row t) for
+    routed experts, on the tensor cores: mma_gate_up then mma_down.
+
+    hidden [T, H] bf16 / f16 / f32 with 1 <= T <= MMA_MAX_TOKENS; slots [T, k] int32 (a row's slots in
+    [0, S) distinct, as a token's experts are); weights [T, k] float32; gate_up [S, 2I, H] and down
+    [S, H, I]: SlotMatrix of one format, or dense tensors of hidden's dtype; out / addend / out_cast /
+    cfg / gate_up_bias / down_bias as routed_experts. Three launches on the current stream, no host
+    sync, nothing allocated once mma_scratch is made: CUDA-graph capturable. Returns out when given,
+    else out_cast when given, else a new float32 [T, H]. Raises ValueError naming the argument whose
+    shape, dtype, device or value is wrong.
+    """
+    _check_tiles(tiles)
+    dims, gate_up = check_gate_up("routed_experts_mma", hidden, slots, weights, gate_up, None, None,
+                                  max_tokens=MMA_MAX_TOKENS)
+    down = as_matrix("routed_experts_mma", "down", down, hidden.device, 1, hidden.dtype)
+    if (down.num_slots, down.out_features, down.in_features) != (dims[2], dims[3], dims[4]) or down.fmt != gate_up.fmt:
+        raise ValueError(
+            f"routed_experts_mma: down must be {list(dims[2:])} (S, H, I of gate_up) in gate_up's format "
+            f"{gate_up.fmt.name}, got {[down.num_slots, down.out_features, down.in_features]} {down.fmt.name}")
+    if out_cast is not None:
+        check_tensor("routed_experts_mma", "out_cast", out_cast, (hidden.dtype,), 2, hidden.device)
+    act = mma_gate_up(hidden, slots, weights, gate_up, tiles=tiles, cfg=cfg, gate_up_bias=gate_up_bias)
+    return mma_down(act, slots, down, out=out, addend=addend, out_cast=out_cast, tiles=tiles, down_bias=down_bias,
+                    weights=None if down_bias is None else weights)
+
+
+def _check_tiles(tiles) -> None:
+    if not isinstance(tiles, MmaTiles):
+        raise ValueError(f"routed_experts_mma: tiles must be a MmaTiles, got {type(tiles).__name__}")
+
+
+def _group_args(tokens: int, top_k: int, hidden: int, inter: int, tiles: MmaTiles, device) -> dict:
+    """The constexprs of the group and its shape, shared by the gate_up and the down."""
+    return {"K": top_k, "H": hidden, "I": inter, "TB": max(2, next_pow2(tokens)), "KB": max(2, next_pow2(top_k)),
+            "BLOCK_M": tiles.block_m, "EMU": device.type != "cuda"}
 
 
 def compile_mma_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16", tokens: int = 1,

@@ -2,6 +2,7 @@
 
     config.json (dict) ──from_hf──► MoEConfig ──► plan.resolve_launch_plan / reference.moe_reference
     EXPERTCACHE_MOE_COPY_OVERLAP ──copy_overlap_from_env──► MoEConfig.copy_overlap
+    EXPERTCACHE_ROUTED_MMA ──routed_mma_from_env──► the launch plan's routed kernels (moe.kernels.plan)
 
 The fields each family's MoE block reads (experts, widths, shared expert, routing): docs/models.md.
 The routed experts' storage format (`expert_format`, expertcache.formats) is not in config.json: the
@@ -20,6 +21,7 @@ from expertcache.formats import ExpertFormat, FormatError, dense_format, resolve
 from expertcache.words import counted
 
 COPY_OVERLAP_ENV = "EXPERTCACHE_MOE_COPY_OVERLAP"
+ROUTED_MMA_ENV = "EXPERTCACHE_ROUTED_MMA"
 DTYPES = ("float32", "float16", "bfloat16")
 SHARED_FAMILIES = ("qwen2_moe", "qwen3_next")
 FAMILIES = SHARED_FAMILIES + ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe")
@@ -185,12 +187,23 @@ def copy_overlap_from_env(default: bool = False) -> bool:
 
     The variable, when set, wins over the config field. Raises ValueError naming the variable otherwise.
     """
-    value = os.environ.get(COPY_OVERLAP_ENV, "").strip()
+    return _flag_from_env(COPY_OVERLAP_ENV, default, "overlap")
+
+
+def routed_mma_from_env(default: bool = False) -> bool:
+    """EXPERTCACHE_ROUTED_MMA: "1" -> the decode layers' routed experts run on the tensor-core kernels
+    (moe.kernels.routed_mma), "0" -> the one-program-a-pair kernels (moe.kernels.routed), unset or "" ->
+    `default`. Raises ValueError naming the variable otherwise."""
+    return _flag_from_env(ROUTED_MMA_ENV, default, "the tensor-core routed kernels")
+
+
+def _flag_from_env(name: str, default: bool, what: str) -> bool:
+    value = os.environ.get(name, "").strip()
     if value == "":
         return default
     if value in ("0", "1"):
         return value == "1"
-    raise ValueError(f"{COPY_OVERLAP_ENV}={value!r}: set it to 1 (overlap on) or 0 (off), or unset it")
+    raise ValueError(f"{name}={value!r}: set it to 1 ({what} on) or 0 (off), or unset it")
 
 
 def _family(config: Mapping[str, Any]) -> str:

@@ -20,7 +20,7 @@ from moe.engine.engine import Engine
 from moe.engine.graphs import DecodeGraphs
 from moe.engine.loading import cuda_graphs_from_env, load_model
 from moe.model.checkpoint import load_checkpoint
-from moe.model.config import MoEConfig
+from moe.model.config import ROUTED_MMA_ENV, MoEConfig
 from moe.model.reference import expert_mlp, shared_expert
 from moe.testing.random_decoder import random_decoder
 from moe.testing.synthetic import SyntheticModel, random_weights
@@ -112,6 +112,26 @@ def test_gpu_backend_engine_matches_transformers_float32(checkpoint):
             for m, choice in enumerate(router_choice(model, router)):  # the family's choice scores
                 ref = choice[plen:plen + 3].topk(k, dim=-1).indices.numpy()
                 np.testing.assert_array_equal(engine.routing()[:, m, row], ref)
+    assert int(engine.moe.slots.cache.counters[:, 2].sum()) > 0
+
+
+@pytest.mark.cpu_only
+def test_the_tensor_core_routed_kernels_match_transformers_float32(checkpoint, monkeypatch):
+    """EXPERTCACHE_ROUTED_MMA=1: every layer's plan runs routed_mma (no early hits), the cache evicting,
+    and the logits stay within 1e-4 of transformers as with the one-program-a-pair kernels."""
+    model, path = checkpoint
+    monkeypatch.setenv(ROUTED_MMA_ENV, "1")
+    k = model.config.num_experts_per_tok
+    weights = load_checkpoint(path, "cpu", progress=False)
+    engine = Engine(weights, GpuMoE(weights, 2 * k, "lru", max_batch=2), max_batch=2, max_seq_len=32)
+    assert all(layer.plan.routed_mma is not None and not layer.plan.mode.hits_on_side
+               for layer in engine.moe.layers.values())
+    seq = random_tokens(7, seed=62)
+    first = engine.prefill([seq[:5]])
+    steps = [engine.decode_step([seq[5 + j]]) for j in range(2)]
+    with torch.no_grad():
+        out, _ = hf_run(model, seq)
+    assert_near(torch.stack([first[0]] + [s[0] for s in steps]), out.logits[0, 4:7], rel=1e-4)
     assert int(engine.moe.slots.cache.counters[:, 2].sum()) > 0
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from moe.kernels.plan import (
+    DEFAULT_MMA_TILES,
     GEMV_BLOCK_I,
     GEMV_MAX_TOKENS,
     LaunchPlan,
@@ -17,7 +18,7 @@ from moe.kernels.plan import (
     resolve_launch_plan,
 )
 from moe.kernels.tiles import RoutedTiles, RouterTiles
-from moe.model.config import COPY_OVERLAP_ENV, MoEConfig, copy_overlap_from_env
+from moe.model.config import COPY_OVERLAP_ENV, ROUTED_MMA_ENV, MoEConfig, copy_overlap_from_env, routed_mma_from_env
 
 QWEN2_MOE = {  # Qwen1.5-MoE-A2.7B
     "model_type": "qwen2_moe", "hidden_size": 2048, "num_experts": 60, "num_experts_per_tok": 4,
@@ -341,6 +342,35 @@ def test_resolver_under_each_miss_service(service, mode):
     # the releases and prefetch are those of the copy service with the same early hits (none under cpu)
     same = _resolve(slots=1000) if service == "cpu" else _resolve()
     assert (plan.front_release, plan.down_prefetch) == (same.front_release, same.down_prefetch)
+
+
+@pytest.mark.parametrize("cfg, mode", [(CFG, OverlapMode.SHARED_ON_SIDE),
+                                       (dataclasses.replace(CFG, shared_intermediate=0), OverlapMode.INLINE)])
+def test_resolver_runs_the_tensor_core_kernels_without_early_hits(cfg, mode):
+    plan = _resolve(cfg, routed_mma=True)
+    assert plan.routed_mma == DEFAULT_MMA_TILES and plan.summary()["routed_mma"] == DEFAULT_MMA_TILES.name
+    assert plan.mode is mode and not plan.mode.hits_on_side
+    assert _resolve(cfg).routed_mma is None and _resolve(cfg).summary()["routed_mma"] is None
+    with pytest.raises(ValueError, match=f"{ROUTED_MMA_ENV}=1 .* does not run with the hybrid miss service"):
+        _resolve(cfg, routed_mma=True, miss_service="hybrid")
+    with pytest.raises(ValueError, match="routed_mma must be a bool"):
+        _resolve(cfg, routed_mma=1)
+    with pytest.raises(ValueError, match="LaunchPlan.routed_mma: the tensor-core routed kernels run neither"):
+        dataclasses.replace(_resolve(cfg), routed_mma=DEFAULT_MMA_TILES, cpu_share=True)
+    with pytest.raises(ValueError, match="LaunchPlan.routed_mma must be a MmaTiles"):
+        dataclasses.replace(plan, routed_mma=RoutedTiles())
+
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("", False), ("1", True), ("0", False)])
+def test_routed_mma_from_env(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv(ROUTED_MMA_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ROUTED_MMA_ENV, value)
+    assert routed_mma_from_env() is expected
+    monkeypatch.setenv(ROUTED_MMA_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{ROUTED_MMA_ENV}='yes': set it to 1"):
+        routed_mma_from_env()
 
 
 def test_resolver_refuses_a_cpu_share_on_the_cpu():
