@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env gpu-tests tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid mma agent long-context agent-soak agent-soak-start agent-soak-wait peer-setup peer-wait peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid mma mma-bench agent long-context agent-soak agent-soak-start agent-soak-wait peer-setup peer-wait peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -201,12 +201,13 @@ for part in $parts; do
       timeout 300 python3 benchmarks/bench_routed.py ${ROUTED_ARGS:---configs sweep --tokens 1,2,4,8} --out "$OUT/routed.json" \
         2>&1 | tee "$OUT/routed.log" | tail -12 ;;
     mma)
-      # the tensor-core routed kernels: their GPU tests (the kernels at the real shapes for T = 1..64, graph
-      # replay; the engine under EXPERTCACHE_ROUTED_MMA=1 against transformers), then beside the
-      # one-program-a-pair kernels and the read floor in one run
+      # the tensor-core routed kernels' GPU tests: the kernels at the real shapes for T = 1..64, graph
+      # replay; the engine under EXPERTCACHE_ROUTED_MMA=1 against transformers
       timeout ${MMA_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-14}" -m gpu \
         tests/moe/kernels/test_routed_mma.py tests/moe/engine/test_engine_gpu.py -k "mma or tensor_core" \
-        2>&1 | tee "$OUT/gpu-tests-mma.log" | tail -6
+        2>&1 | tee "$OUT/gpu-tests-mma.log" | tail -6 ;;
+    mma-bench)
+      # the tensor-core routed kernels beside the one-program-a-pair kernels and the read floor, one run
       timeout ${MMA_BENCH_TIMEOUT:-420} python3 benchmarks/bench_routed.py ${MMA_ARGS:---mma default --read-floor \
         --tokens 1,2,4,8,16,32,64 --shapes qwen3-30b,qwen3-next --formats bf16,fp8,nvfp4,int4} \
         --out "$OUT/routed-mma.json" 2>&1 | tee "$OUT/routed-mma.log" | tail -40 ;;
