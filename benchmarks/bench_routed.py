@@ -121,7 +121,6 @@ QUANT_SWEEP = (  # tiles for quantized weights (more rows per program); the firs
 NAME_HELP = "i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_i>w<warps>[-dr][-pfN]"
 NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-dr)?(?:-pf(\d+))?$")
 MMA_NAME_HELP = "m<block_m>-i<block_n>w<warps>-h<down_block_n>w<warps>-c<block_h>w<warps> (MmaTiles.name)"
-MMA_NAME = re.compile(r"^m(\d+)-i(\d+)w(\d+)-h(\d+)w(\d+)-c(\d+)w(\d+)$")
 MMA_SWEEP = (  # MmaTiles names; the first is the default
     DEFAULT_MMA_TILES.name, "m16-i16w4-h16w4-c256w2", "m16-i16w2-h16w2-c256w2", "m16-i64w4-h64w4-c256w2",
     "m16-i32w2-h32w2-c256w2", "m32-i32w4-h32w4-c256w2", "m64-i64w8-h64w8-c256w2",
@@ -191,14 +190,10 @@ def parse_mma(names: str) -> list[MmaTiles]:
     listed = {"default": [DEFAULT_MMA_TILES.name], "sweep": list(MMA_SWEEP)}.get(names, names.split(","))
     out = []
     for name in listed:
-        m = MMA_NAME.match(name)
-        if not m:
-            raise SystemExit(f"--mma: {name!r} is not like {DEFAULT_MMA_TILES.name} (or 'none', 'default', 'sweep')")
-        fields = ("block_m", "block_n", "warps_gate_up", "down_block_n", "warps_down", "block_h", "warps_combine")
         try:
-            out.append(MmaTiles(**dict(zip(fields, map(int, m.groups())))))
+            out.append(MmaTiles.from_name(name))
         except ValueError as e:
-            raise SystemExit(f"--mma: {name!r}: {e}") from None
+            raise SystemExit(f"--mma: {e} (or 'none', 'default', 'sweep')") from None
     return list(dict.fromkeys(out))
 
 

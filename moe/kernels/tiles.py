@@ -13,6 +13,7 @@ on the host.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 GEMV_BLOCK_I = 1  # routed gate_up: rows of gate (and as many of up) per program
@@ -168,6 +169,14 @@ class MmaTiles:
         pairs = tokens * top_k
         return ((pairs, -(-inter // self.block_n)), (pairs, -(-hidden // self.down_block_n)),
                 (tokens, -(-hidden // self.block_h)))
+
+    @classmethod
+    def from_name(cls, name: str) -> MmaTiles:
+        """The tiles of a `name` label. Raises ValueError for a label of another form or bad tiles."""
+        m = re.fullmatch(r"m(\d+)-i(\d+)w(\d+)-h(\d+)w(\d+)-c(\d+)w(\d+)", name)
+        if m is None:
+            raise ValueError(f"{name!r} is not like {cls().name}")
+        return cls(*map(int, m.groups()))
 
     @property
     def name(self) -> str:

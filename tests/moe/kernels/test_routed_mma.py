@@ -111,6 +111,10 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"down must be .* in gate_up's format fp8"):
         routed_experts_mma(x, slots, w, gate_up, other)
     assert MmaTiles().grids(3, 8, 2048, 768) == ((24, 24), (24, 32), (3, 8))
+    assert MmaTiles.from_name("m32-i64w8-h16w2-c128w4") == MmaTiles(32, 64, 8, 16, 2, 128, 4)
+    assert MmaTiles.from_name(MmaTiles().name) == MmaTiles()
+    with pytest.raises(ValueError, match="'m16-i32' is not like m16-i32w4-h64w4-c256w2"):
+        MmaTiles.from_name("m16-i32")
     for field, value in (("block_m", 8), ("block_n", 12), ("warps_down", 32)):
         with pytest.raises(ValueError, match=f"MmaTiles.{field} must be"):
             MmaTiles(**{field: value})
