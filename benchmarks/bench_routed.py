@@ -38,7 +38,8 @@ Config names: i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_i>w<warps>[-dr][-pf
 prefetches nothing, so -pfN applies to bf16 only). Every name applies to every format; "default" is
 each format's own tiles, and bf16 always times its default too (the baseline of "vs bf16").
 mixtral runs every format as well: its five pools take about 18 GiB together, the float32 reference
-of the check about 12 GB at T = 8 (--formats bf16 keeps it to the dense pool). Each (format, config)
+of the check about 12 GB at T = 8 (--formats bf16 keeps it to the dense pool); gpt-oss-20b's check
+takes T * k * 99.5 MB (25 GB at T = 64: keep its --tokens to 16 on an 80 GB card). Each (format, config)
 compiles three kernels per shape (a few seconds each), so --configs sweep takes many minutes.
 """
 
