@@ -1,8 +1,8 @@
 """Triton kernels of the routed-expert GEMM on the tensor cores (host wrappers: moe.kernels.routed_mma).
 
     group (every launch, from slots [T, K] alone): pair p = t * K + j leads the group of its slot s when
-        s is in [0, S) and p is s's first pair; the members are the tokens whose row holds s, in token
-        order (a token's K slots are distinct: one pair each), BLOCK_M of them a tile
+        s is in [0, S) and p is s's first pair; the members are the pairs that hold s, in pair order
+        (a slot twice in one row: two members), BLOCK_M of them a tile
     gate_up, grid (T * K, ceil(I / BLOCK_N)): the leader of each group (every other program returns)
         A = hidden[members] [BLOCK_M, H], B = gate rows [tile) and up rows [I + tile) of slot s, each
         BLOCK_K = 128 columns dequantized in registers to values exact in the dot's operand type, one
@@ -48,32 +48,36 @@ FAR = tl.constexpr(1 << 30)  # above any pair index
 
 @triton.jit
 def _group(slots_ptr, pair, tokens, num_slots, K: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr):
-    """(slot s of `pair`, whether `pair` leads s's group, has [TB] int32 (token t's row holds s), jpos
-    [TB] (where in it), rank [TB] (t's place among the members), count (members))."""
+    """(slot s of `pair`, whether `pair` leads s's group, hit [TB * KB] int32 (the pair t * K + j, at
+    t * KB + j, holds s), rank [TB * KB] (its place among the members), count (members)). The members
+    are pairs, in pair order, so a slot twice in one row is two members."""
     t = tl.arange(0, TB)[:, None]
     j = tl.arange(0, KB)[None, :]
     ok = (t < tokens) & (j < K)
     s = tl.load(slots_ptr + t * K + j, mask=ok, other=-1)
     slot = tl.load(slots_ptr + pair)
-    hit = ok & (s == slot)
-    first = tl.min(tl.min(tl.where(hit, t * K + j, FAR), axis=1), axis=0)
-    has = tl.max(hit.to(tl.int32), axis=1)  # [TB]
-    jpos = tl.sum(tl.where(hit, j, 0), axis=1)
-    rank = tl.cumsum(has, axis=0) - 1
-    count = tl.sum(has, axis=0)
+    hit = tl.reshape((ok & (s == slot)).to(tl.int32), [TB * KB])
+    rank = tl.cumsum(hit, axis=0) - 1
+    count = tl.sum(hit, axis=0)
+    first = tl.min(tl.where(hit > 0, _pairs(K, TB, KB), FAR), axis=0)
     leader = (slot >= 0) & (slot < num_slots) & (pair == first)
-    return slot, leader, has, jpos, rank, count
+    return slot, leader, hit, rank, count
 
 
 @triton.jit
-def _members(has, jpos, rank, m0, K: tl.constexpr, TB: tl.constexpr, BLOCK_M: tl.constexpr):
+def _pairs(K: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr):
+    """[TB * KB] the pair index t * K + j at t * KB + j."""
+    n = tl.arange(0, TB * KB)
+    return (n // KB) * K + n % KB
+
+
+@triton.jit
+def _members(hit, rank, m0, K: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr, BLOCK_M: tl.constexpr):
     """(token [BLOCK_M], pair [BLOCK_M], valid [BLOCK_M]) of members m0 .. m0 + BLOCK_M - 1."""
-    t = tl.arange(0, TB)[:, None]
-    sel = (has[:, None] > 0) & (rank[:, None] == (m0 + tl.arange(0, BLOCK_M))[None, :])  # [TB, BLOCK_M]
-    token = tl.sum(tl.where(sel, t, 0), axis=0)
-    j = tl.sum(tl.where(sel, jpos[:, None], 0), axis=0)
+    sel = (hit[:, None] > 0) & (rank[:, None] == (m0 + tl.arange(0, BLOCK_M))[None, :])  # [TB * KB, BLOCK_M]
+    pair = tl.sum(tl.where(sel, _pairs(K, TB, KB)[:, None], 0), axis=0)
     valid = tl.sum(sel.to(tl.int32), axis=0) > 0
-    return token, token * K + j, valid
+    return pair // K, pair, valid
 
 
 @triton.jit
@@ -130,8 +134,10 @@ def _mma(a, b, EMU: tl.constexpr):
     """a [M, BLOCK_K] bfloat16 · b [BLOCK_K, N] bfloat16 -> [M, N] float32 (EMU: the same exact operands
     multiplied in float32, for Triton's CPU interpreter, whose 16-bit dots are wrong)."""
     if EMU:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit
@@ -139,20 +145,24 @@ def _load_a(a_rows, cols, mask, lo_off, PREC: tl.constexpr):
     """(a, lo) at columns cols of the rows a_rows [M, 1]: lo (PREC 2: the bfloat16 low parts, lo_off
     elements after the high ones) or a again."""
     a = tl.load(a_rows + cols, mask=mask, other=0.0)
+    lo = a
     if PREC == 2:
-        return a, tl.load(a_rows + lo_off + cols, mask=mask, other=0.0)
-    return a, a
+        lo = tl.load(a_rows + lo_off + cols, mask=mask, other=0.0)
+    return a, lo
 
 
 @triton.jit
 def _dot(a, lo, values, PREC: tl.constexpr, EMU: tl.constexpr):
-    """a [M, BLOCK_K] (+ lo, PREC 2) · values [N, BLOCK_K] float32, transposed -> [M, N] float32."""
+    """a [M, BLOCK_K] (+ lo, PREC 2) · values [N, BLOCK_K] float32, transposed -> [M, N] float32. One
+    return: Triton's compiler type-checks the code after a constexpr branch's return too."""
     if PREC == 1:
-        return tl.dot(a.to(tl.float32), tl.trans(values), input_precision="ieee")
-    b = tl.trans(values.to(tl.bfloat16))
-    if PREC == 0:
-        return _mma(a.to(tl.bfloat16), b, EMU)
-    return _mma(a, b, EMU) + _mma(lo, b, EMU)
+        out = tl.dot(a.to(tl.float32), tl.trans(values), input_precision="ieee")
+    elif PREC == 0:
+        out = _mma(a.to(tl.bfloat16), tl.trans(values.to(tl.bfloat16)), EMU)
+    else:
+        b = tl.trans(values.to(tl.bfloat16))
+        out = _mma(a, b, EMU) + _mma(lo, b, EMU)
+    return out
 
 
 @triton.jit
@@ -241,14 +251,14 @@ def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens,
     """x_ptr [T, H] hidden; slots_ptr *i32 [T * K]; weights_ptr *fp32 [T * K]; w13 the gate_up banks (q, s, s2,
     z) [S, 2I, H] in format FMT; act_ptr *fp32 [T * K, I] out, or (SPLIT) *bf16 [T * K, I] of the high
     parts and lo_off elements further the low ones (act = hi + lo); b13_ptr [S, 2I] (read when BIAS)."""
-    slot, leader, has, jpos, rank, count = _group(slots_ptr, tl.program_id(0), tokens, num_slots, K, TB, KB)
+    slot, leader, hit, rank, count = _group(slots_ptr, tl.program_id(0), tokens, num_slots, K, TB, KB)
     if leader:
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; up rows are I further
         row_ok = n < I
         slot64 = slot.to(tl.int64)
         m0 = 0
         while m0 < count:
-            token, pair, valid = _members(has, jpos, rank, m0, K, TB, BLOCK_M)
+            token, pair, valid = _members(hit, rank, m0, K, TB, KB, BLOCK_M)
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             a_rows = x_ptr + token[:, None].to(tl.int64) * H  # [BLOCK_M, 1]
@@ -277,14 +287,14 @@ def _down_mma(act_ptr, slots_ptr, w2, y_ptr, num_slots, tokens, lo_off,
               PREC: tl.constexpr, EMU: tl.constexpr):
     """act_ptr *fp32 [T * K, I], or (PREC 2) *bf16 of the gate_up's SPLIT parts (lo_off apart); slots_ptr
     *i32 [T * K]; w2 the down banks [S, H, I]; y_ptr *fp32 [T * K, H] out (rows of pairs with a slot)."""
-    slot, leader, has, jpos, rank, count = _group(slots_ptr, tl.program_id(0), tokens, num_slots, K, TB, KB)
+    slot, leader, hit, rank, count = _group(slots_ptr, tl.program_id(0), tokens, num_slots, K, TB, KB)
     if leader:
         h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = h < H
         slot64 = slot.to(tl.int64)
         m0 = 0
         while m0 < count:
-            token, pair, valid = _members(has, jpos, rank, m0, K, TB, BLOCK_M)
+            token, pair, valid = _members(hit, rank, m0, K, TB, KB, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             a_rows = act_ptr + pair[:, None].to(tl.int64) * I
             for k0 in range(0, I, BLOCK_K):

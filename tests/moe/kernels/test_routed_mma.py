@@ -67,6 +67,18 @@ def test_float32_and_float16_activations_multiply_in_float32(name, dtype):
     assert_close(got, routed_reference(x, slots, weights, gate_up, down), 1e-5 if name == "float32" else 1e-4)
 
 
+def test_a_slot_twice_in_one_row_is_two_pairs():
+    """Forced routing may repeat an expert in a token's row: each (t, j) is its own member, weighted
+    alone, as the one-program-a-pair kernels and the reference count it."""
+    device, _ = device_or_skip()
+    gate_up, down = _pool("int4", device, slots=6, hidden=128, inter=32, seed=15)
+    slots = torch.tensor([[0, 1, 2], [3, 3, 5]], dtype=torch.int32, device=device)
+    weights = torch.rand(2, 3, generator=torch.Generator().manual_seed(16)).to(device)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(17)).bfloat16().to(device)
+    got = routed_experts_mma(x, slots, weights, gate_up, down, tiles=SMALL)
+    assert_close(got, routed_reference(x, slots, weights, gate_up, down), 1e-4)
+
+
 def test_more_tokens_on_a_slot_than_a_tile_takes_run_in_turns():
     """24 tokens over 4 slots, top-3: about 18 tokens a slot, more than block_m = 16."""
     device, _ = device_or_skip()
@@ -125,26 +137,33 @@ import json
 from moe.kernels.routed_mma import compile_mma_for_target
 from moe.model.config import MoEConfig
 found = {}
-for fmt, tokens, bias in (("fp8", 1, False), ("nvfp4", 8, False), ("mxfp4", 64, True), ("int4", 16, False),
-                          ("bf16", 2, False)):
+for fmt, tokens, bias, dtype in (("fp8", 1, False, "bf16"), ("nvfp4", 8, False, "bf16"), ("mxfp4", 64, True, "bf16"),
+                                 ("int4", 16, False, "bf16"), ("bf16", 2, False, "bf16"), ("int4", 4, False, "fp16"),
+                                 ("nvfp4", 2, False, "fp32")):
     cfg = MoEConfig(hidden=2880, num_experts=32, top_k=4, expert_intermediate=2880, norm_topk_prob=True,
                     activation="swiglu_clamped", swiglu_alpha=1.702, swiglu_limit=7.0, expert_bias=True,
                     router_bias=True) if bias else None
     shape = (4, 2880, 2880) if bias else (8, 2048, 768)
-    asm = compile_mma_for_target(*shape, "bf16", tokens=tokens, expert_format=fmt, cfg=cfg, expert_bias=bias)
-    found[fmt] = {name: [a["ptx"].count("mma.sync"), a["ptx"].count("ld.local") + a["ptx"].count("st.local")]
-                  for name, a in asm.items()}
+    asm = compile_mma_for_target(*shape, dtype, tokens=tokens, expert_format=fmt, cfg=cfg, expert_bias=bias)
+    found[fmt + "-" + dtype] = {name: [a["ptx"].count("mma.sync"),
+                                       a["ptx"].count("ld.local") + a["ptx"].count("st.local")]
+                                for name, a in asm.items()}
 print(json.dumps(found))
 """
 
 
 def test_every_format_compiles_for_sm90_on_the_tensor_cores():
+    """bf16 activations multiply on the tensor cores; float16 and float32 ones (float32 dots, "ieee")
+    compile too, the code after a constexpr branch's return included."""
     found = compile_check(SM90)
-    for fmt, kernels in found.items():
-        assert sorted(kernels) == ["_combine", "_down_mma", "_gate_up_mma"], fmt
+    assert sorted(found) == ["bf16-bf16", "fp8-bf16", "int4-bf16", "int4-fp16", "mxfp4-bf16", "nvfp4-bf16",
+                             "nvfp4-fp32"]
+    for variant, kernels in found.items():
+        assert sorted(kernels) == ["_combine", "_down_mma", "_gate_up_mma"], variant
         for name, (mma, local) in kernels.items():
-            assert local == 0, f"{fmt} {name} spills to local memory"
-            assert (mma > 0) == (name != "_combine"), (fmt, name, mma)
+            assert local == 0, f"{variant} {name} spills to local memory"
+            if variant.endswith("-bf16"):
+                assert (mma > 0) == (name != "_combine"), (variant, name, mma)
 
 
 # ---------------------------------------------------------------- GPU: the real expert shapes
