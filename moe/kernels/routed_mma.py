@@ -145,7 +145,8 @@ def routed_experts_mma(hidden: torch.Tensor, slots: torch.Tensor, weights: torch
     """routed_experts' result (addend[t] + Σ_j weights[t, j] * expert(x_t) over the slots of row t) for
     routed experts, on the tensor cores: mma_gate_up then mma_down.
 
-    hidden [T, H] bf16 / f16 / f32 with 1 <= T <= MMA_MAX_TOKENS; slots [T, k] int32; weights [T, k] float32; gate_up [S, 2I, H] and down
+    hidden [T, H] bf16 / f16 / f32 with 1 <= T <= MMA_MAX_TOKENS; slots [T, k] int32 (a slot twice in a
+    row counts twice, as in routed_experts); weights [T, k] float32; gate_up [S, 2I, H] and down
     [S, H, I]: SlotMatrix of one format, or dense tensors of hidden's dtype; out / addend / out_cast /
     cfg / gate_up_bias / down_bias as routed_experts. Three launches on the current stream, no host
     sync, nothing allocated once mma_scratch is made: CUDA-graph capturable. Returns out when given,
