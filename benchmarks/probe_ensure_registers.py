@@ -27,7 +27,7 @@ from expertcache import CacheGeometry
 from expertcache.device.cache import CHUNK, NUM_WARPS, EnsureTuning, resolve_launch
 from expertcache.device.ensure import JIT_OPTIONS, KERNEL_TYPES, SEQ_MAX, ensure_kernel
 from expertcache.policies import get_policy
-from moe.kernels.triton_launch import compile_for_sm
+from moe.kernels.triton_launch import compile_for_sm, sass
 
 WIDE = {"w": 67.0}  # rule's constants past Rule.int32_scores (its score in int64)
 
@@ -47,12 +47,7 @@ def ptxas_info(ptx: str) -> dict:
 
 def sass_instructions(cubin: bytes) -> int:
     """Instructions in the cubin's SASS (cuobjdump -sass; each is 16 bytes of code on sm_90)."""
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    out = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
-    return len(re.findall(r"/\*[0-9a-f]{4,}\*/", out))
+    return len(sass(cubin))
 
 
 def main() -> None:

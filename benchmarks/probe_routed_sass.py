@@ -28,9 +28,7 @@ import collections
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import triton
@@ -39,35 +37,13 @@ from moe.kernels.plan import DEFAULT_ROUTED_TILES, QUANTIZED_ROUTED_TILES
 from moe.kernels.routed_host import compile_for_target
 from moe.kernels.routed_mma import DEFAULT_MMA_TILES, compile_mma_for_target
 from moe.kernels.tiles import MmaTiles
+from moe.kernels.triton_launch import sass, sass_registers
 
 SHAPES = {"qwen3-30b": (2048, 768, 8), "qwen3-next": (2048, 512, 10), "gpt-oss-20b": (2880, 2880, 4)}
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4", "int4")
 BLOCK_K = 128  # the tensor-core kernels' columns an iteration (moe.kernels.routed_mma_kernels.BLOCK_K)
-_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 _OPCODE = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
-
-
-def _cuobjdump(cubin: bytes, flag: str) -> str:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-
-
-def sass(cubin: bytes) -> list[tuple[int, str]]:
-    """(address, instruction) of every SASS instruction of the one kernel in `cubin` (cuobjdump -sass)."""
-    return [(int(m.group(1), 16), m.group(2).strip()) for line in _cuobjdump(cubin, "-sass").splitlines()
-            if (m := _LINE.match(line))]
-
-
-def registers(cubin: bytes) -> int | None:
-    """Registers a thread of the kernel in `cubin` holds (cuobjdump -res-usage), None if not reported."""
-    m = re.search(r"REG:(\d+)", _cuobjdump(cubin, "-res-usage"))
-    return int(m.group(1)) if m else None
 
 
 def innermost_loop(code: list[tuple[int, str]], marker: str) -> list[str]:
@@ -89,7 +65,7 @@ def _row(fmt: str, kernel: str, launch: str, asm: dict, instructions: list[str],
     ops = collections.Counter(_opcode(i) for i in instructions)
     return {"format": fmt, "kernel": kernel, "launch": launch, "instructions": len(instructions),
             "weights_per_thread": weights, "per_weight": len(instructions) / weights,
-            "registers": registers(asm["cubin"]), "opcodes": dict(ops.most_common(8))}
+            "registers": sass_registers(asm["cubin"]), "opcodes": dict(ops.most_common(8))}
 
 
 def probe(shape: str, fmt: str, tokens: int, mma: list[MmaTiles]) -> list[dict]:

@@ -44,9 +44,9 @@ from moe.kernels.plan import DEFAULT_ROUTED_TILES, DOWN_PREFETCH, HITS_PROGRAMS_
 from moe.kernels.routed_host import (
     PARTS,
     activation_args,
-    as_matrix,
     check_bias,
     check_down,
+    check_down_beside,
     check_gate_up,
     check_tensor,
     routed_scratch,
@@ -314,13 +314,7 @@ def routed_experts(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Ten
     """
     _check_options("routed_experts", tiles, down_release, down_prefetch, names=("down_release", "down_prefetch"))
     dims, gate_up = check_gate_up("routed_experts", hidden, slots, weights, gate_up, gate_w, act)
-    down = as_matrix("routed_experts", "down", down, hidden.device, 1, hidden.dtype)
-    if (down.num_slots, down.out_features, down.in_features) != (dims[2], dims[3], dims[4]) or down.fmt != gate_up.fmt:
-        raise ValueError(
-            f"routed_experts: down must be {[dims[2], dims[3], dims[4]]} (S, H, I of gate_up) in "
-            f"gate_up's format {gate_up.fmt.name}, got {[down.num_slots, down.out_features, down.in_features]} "
-            f"{down.fmt.name}"
-        )
+    down = check_down_beside("routed_experts", down, gate_up, dims, hidden)
     act = routed_scratch(hidden.device, dims[1], dims[4]) if act is None else act
     if out_cast is not None:
         check_tensor("routed_experts", "out_cast", out_cast, (hidden.dtype,), 2, hidden.device)

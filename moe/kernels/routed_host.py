@@ -224,6 +224,17 @@ def check_gate_up(
     return (tokens, top_k, num_slots, hid, two_i // 2), matrix
 
 
+def check_down_beside(who: str, down, gate_up: SlotMatrix, dims, hidden: torch.Tensor) -> SlotMatrix:
+    """down as a SlotMatrix [S, H, I] (S, H, I of gate_up's dims) in gate_up's format, on hidden's device
+    (a plain tensor of hidden's dtype). Raises ValueError naming down."""
+    matrix = as_matrix(who, "down", down, hidden.device, 1, hidden.dtype)
+    if (matrix.num_slots, matrix.out_features, matrix.in_features) != tuple(dims[2:]) or matrix.fmt != gate_up.fmt:
+        raise ValueError(
+            f"{who}: down must be {list(dims[2:])} (S, H, I of gate_up) in gate_up's format {gate_up.fmt.name}, "
+            f"got {[matrix.num_slots, matrix.out_features, matrix.in_features]} {matrix.fmt.name}")
+    return matrix
+
+
 def check_bias(who: str, name: str, bias, rows: int, width: int, device) -> None:
     """Raise ValueError naming `name` unless bias is a contiguous bf16 / f16 / f32 tensor [rows, width]
     (per-slot expert biases: [S, 2I] for the gate_up, [S, H] for the down) on `device`."""

@@ -28,7 +28,7 @@ import torch
 
 from moe.kernels.plan import DEFAULT_MMA_TILES
 from moe.kernels.routed import _check_block, _device_ctx, _down_bias, _format_args
-from moe.kernels.routed_host import activation_args, as_matrix, check_down, check_gate_up, check_tensor
+from moe.kernels.routed_host import activation_args, check_down, check_down_beside, check_gate_up, check_tensor
 from moe.kernels.routed_mma_kernels import COMBINE_JIT_OPTIONS, MMA_JIT_OPTIONS, _combine, _down_mma, _gate_up_mma
 from moe.kernels.tiles import MmaTiles, next_pow2
 from moe.kernels.triton_launch import kernel_for
@@ -93,7 +93,7 @@ def mma_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
         kernel[tiles.grids(tokens, top_k, hid, inter)[0]](
             hidden, slots, weights, gate_up.kernel_args(), act_arg, num_slots, tokens,
             act.act if gate_up_bias is None else gate_up_bias, lo_off, **_group_args(tokens, top_k, hid, inter, tiles,
-                                                                                    hidden.device),
+                                                                                    hidden.device.type != "cuda"),
             BLOCK_N=tiles.block_n, PREC=PRECISION[hidden.dtype][0], SPLIT=act.split, num_warps=tiles.warps_gate_up,
             **_format_args(gate_up), **activation_args(cfg, gate_up_bias is not None))
     return act
@@ -126,8 +126,9 @@ def mma_down(act: MmaAct, slots: torch.Tensor, down, *, out: torch.Tensor | None
     combine_kernel = kernel_for(_combine, device, COMBINE_JIT_OPTIONS, "mma_down")
     with _device_ctx(device):
         down_kernel[down_grid](act_arg, slots, down.kernel_args(), y, num_slots, tokens, lo_off,
-                               **_group_args(tokens, top_k, hid, inter, tiles, device), BLOCK_N=tiles.down_block_n,
-                               PREC=2 if act.split else 1, num_warps=tiles.warps_down, **_format_args(down))
+                               **_group_args(tokens, top_k, hid, inter, tiles, device.type != "cuda"),
+                               BLOCK_N=tiles.down_block_n, PREC=2 if act.split else 1, num_warps=tiles.warps_down,
+                               **_format_args(down))
         combine_kernel[combine_grid](y, slots, y if addend is None else addend, y if out is None else out,
                                      y if out_cast is None else out_cast, num_slots, bias_weights, b2,
                                      K=top_k, H=hid, BLOCK_H=min(tiles.block_h, next_pow2(hid)),
@@ -156,11 +157,7 @@ def routed_experts_mma(hidden: torch.Tensor, slots: torch.Tensor, weights: torch
     _check_tiles(tiles)
     dims, gate_up = check_gate_up("routed_experts_mma", hidden, slots, weights, gate_up, None, None,
                                   max_tokens=MMA_MAX_TOKENS)
-    down = as_matrix("routed_experts_mma", "down", down, hidden.device, 1, hidden.dtype)
-    if (down.num_slots, down.out_features, down.in_features) != (dims[2], dims[3], dims[4]) or down.fmt != gate_up.fmt:
-        raise ValueError(
-            f"routed_experts_mma: down must be {list(dims[2:])} (S, H, I of gate_up) in gate_up's format "
-            f"{gate_up.fmt.name}, got {[down.num_slots, down.out_features, down.in_features]} {down.fmt.name}")
+    down = check_down_beside("routed_experts_mma", down, gate_up, dims, hidden)
     if out_cast is not None:
         check_tensor("routed_experts_mma", "out_cast", out_cast, (hidden.dtype,), 2, hidden.device)
     act = mma_gate_up(hidden, slots, weights, gate_up, tiles=tiles, cfg=cfg, gate_up_bias=gate_up_bias)
@@ -173,10 +170,11 @@ def _check_tiles(tiles) -> None:
         raise ValueError(f"routed_experts_mma: tiles must be a MmaTiles, got {type(tiles).__name__}")
 
 
-def _group_args(tokens: int, top_k: int, hidden: int, inter: int, tiles: MmaTiles, device) -> dict:
-    """The constexprs of the group and its shape, shared by the gate_up and the down."""
+def _group_args(tokens: int, top_k: int, hidden: int, inter: int, tiles: MmaTiles, emu: bool) -> dict:
+    """The constexprs of the group and its shape, shared by the gate_up and the down (emu: the CPU
+    interpreter's float32 products)."""
     return {"K": top_k, "H": hidden, "I": inter, "TB": max(2, next_pow2(tokens)), "KB": max(2, next_pow2(top_k)),
-            "BLOCK_M": tiles.block_m, "EMU": device.type != "cuda"}
+            "BLOCK_M": tiles.block_m, "EMU": emu}
 
 
 def compile_mma_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf16", tokens: int = 1,
@@ -196,8 +194,7 @@ def compile_mma_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf
     quant = {"FMT": 0, "ZP": False, **quant}
     bias = f"*{dtype}" if expert_bias else "*fp32"
     act = "*bf16" if prec_down == 2 else "*fp32"
-    group = {"K": top_k, "H": hidden, "I": inter, "TB": max(2, next_pow2(tokens)), "KB": max(2, next_pow2(top_k)),
-             "BLOCK_M": tiles.block_m, "EMU": False, **quant}
+    group = {**_group_args(tokens, top_k, hidden, inter, tiles, emu=False), **quant}
     p = f"*{dtype}"
     return {
         "_gate_up_mma": compile_for_sm(

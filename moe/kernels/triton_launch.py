@@ -3,6 +3,7 @@
     @triton.jit kernel, tensor device ──kernel_for──► JITFunction (CUDA) or InterpretedFunction (CPU
                                                       under TRITON_INTERPRET=1), built once per mode
     @triton.jit kernel, arg types, constexprs ──compile_for_sm──► Triton's asm dict (ttir .. cubin)
+    a cubin ──sass / sass_registers──► its SASS instructions, its registers a thread (cuobjdump)
 
 Triton fixes the mode at decoration time; `kernel_for` builds the other mode's twin from the same
 source, as expertcache.copy does, so one module serves GPU runs and CPU tests. Shared by
@@ -12,6 +13,7 @@ moe.kernels.routed, moe.kernels.router and moe.kernels.delta_rule (no forked cop
 from __future__ import annotations
 
 import os
+import re
 
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
@@ -73,3 +75,34 @@ def compile_for_sm(kernel, types: tuple[str, ...], constexprs: dict, warps: int,
     aligned = {path: [["tt.divisibility", 16]] for path, ty in _type_leaves(types) if ty.startswith("*")}
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm
+
+
+_SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def sass(cubin: bytes) -> list[tuple[int, str]]:
+    """(address, instruction) of every SASS instruction of the one kernel in `cubin` (Triton's cuobjdump
+    -sass; on sm_90 each is 16 bytes of code)."""
+    return [(int(m.group(1), 16), m.group(2).strip()) for line in _cuobjdump(cubin, "-sass").splitlines()
+            if (m := _SASS_LINE.match(line))]
+
+
+def sass_registers(cubin: bytes) -> int | None:
+    """Registers a thread of the kernel in `cubin` holds (cuobjdump -res-usage), None if not reported."""
+    m = re.search(r"REG:(\d+)", _cuobjdump(cubin, "-res-usage"))
+    return int(m.group(1)) if m else None
