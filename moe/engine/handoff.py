@@ -12,30 +12,33 @@
       holding the CpuExperts' lock; it returns between bursts (no post within the pool's spin), to wake
       the pool's threads once they sleep, and for a post that fails its checks (then served through
       CpuExperts.moe, whose error check() raises)
-    compute stream, at the combine (before the routed down launch):
+    compute stream, at the combine (after the routed down launch, which wrote the GPU's routed sum):
       _wait_kernel: if pending, one program spins on flag_out (volatile loads) until it reaches seq, a
-          system-scope acquire; then dst [T, H] = addend (the shared expert's output, or 0) + (out if
-          pending, else 0)
+          system-scope acquire; then dst [T, H] = routed + (addend (the shared expert's output, or 0) +
+          (out if pending, else 0)) in float32, rounded once to dst's dtype (the model dtype at a layer)
 
 With a tail (expertcache.split: MissSplit.link_rows), the post also splits the call's first served
 expert (the one at the lowest position (t, j) on the CPU): from the ensure's copies c and the distinct
 served experts s it takes r = link_rows[c + s] (0 unless c is the table's copies[c + s]); where r > 0
 it rewrites that expert's positions from CPU_SLOT to the scratch slot, writes tail = (key, scratch,
 cut = I - r) for the miss copy (expertcache.copy: rows [cut, I) into the scratch slot) and (expert, cut)
-beside the payload, so the worker computes its rows [0, cut) only (CpuExperts.moe's split). The wait
-then zeroes the act rows [0, cut) of the scratch positions before the down reads them: the slot's rows
-below cut hold another expert's bytes, and the GPU's share of the expert is its rows [cut, I) alone.
+beside the payload, so the worker computes its rows [0, cut) only (CpuExperts.moe's split). Before the
+down, _zero_tail_kernel (CpuShare.zero_tail) zeroes the act rows [0, cut) of the scratch positions: the
+slot's rows below cut hold another expert's bytes, and the GPU's share of the expert is its rows [cut, I)
+alone.
 
 A layer call that serves nothing on the CPU (every miss copied, or none) hands nothing over: the worker
-is not woken and the wait does not wait, so a split costs a call with no CPU share two short launches.
+is not woken and the wait does not wait, so a split costs a call with no CPU share its short launches
+(the post, the wait, and with a tail the zeroing).
 
 No host sync and fixed buffers: the post and the wait capture in the decode step's CUDA graph, and
-between them the copies of the layer's other misses and the GPU's hits run while the CPU computes.
+between them the copies of the layer's other misses and the GPU's gate_up and down run while the CPU
+computes.
 seq is a device counter each hand-over advances, so every one carries a new number; pending is a device
 flag the post writes and the wait reads, on the same stream. The routed GPU
 launches skip a CPU_SLOT position (its slot is below 0), so every expert of a row is added once, in a
-fixed order: the GPU's in its down launch, the CPU's (summed by the worker in ascending j) in the
-addend.
+fixed order: the GPU's in its down launch (routed), the CPU's (summed by the worker in ascending j)
+added to the shared expert's output first, that sum to routed at the wait.
 
 A worker that fails answers anyway (out zeroed) so the GPU never waits forever; `check()` raises
 its error (GpuMoE.decode calls it each step). Its cost: docs/hybrid.md.
@@ -230,30 +233,40 @@ def _post_kernel(hidden_ptr, ids_ptr, slots_ptr, w_ptr, x_ptr, cid_ptr, cw_ptr, 
 
 
 @triton.jit
-def _wait_kernel(flag_ptr, seq_ptr, pending_ptr, out_ptr, addend_ptr, dst_ptr, fence_ptr, rows, act_ptr, act_stride,
-                 slots_ptr, tail_ptr, scratch, H: tl.constexpr, BLOCK_H: tl.constexpr, ADDEND: tl.constexpr,
-                 TAIL: tl.constexpr = False, K: tl.constexpr = 1, INTER: tl.constexpr = 1,
-                 BLOCK_I: tl.constexpr = 16):
+def _zero_tail_kernel(act_ptr, act_stride, slots_ptr, tail_ptr, scratch, rows, K: tl.constexpr,
+                      INTER: tl.constexpr, BLOCK_I: tl.constexpr):
+    """The scratch slot's rows below the cut are another expert's: the act rows [0, cut) of the positions at
+    the scratch slot add nothing."""
+    cut = tl.load(tail_ptr + 2)
+    pos = 0
+    while pos < rows * K:
+        if tl.load(slots_ptr + pos) == scratch:
+            for i0 in tl.static_range(0, INTER, BLOCK_I):
+                i = i0 + tl.arange(0, BLOCK_I)
+                tl.store(act_ptr + pos * act_stride + i, tl.zeros((BLOCK_I,), tl.float32), mask=i < cut)
+        pos += 1
+
+
+@triton.jit
+def _wait_kernel(flag_ptr, seq_ptr, pending_ptr, out_ptr, addend_ptr, routed_ptr, dst_ptr, fence_ptr, rows,
+                 H: tl.constexpr, BLOCK_H: tl.constexpr, ADDEND: tl.constexpr, ROUTED: tl.constexpr):
+    """dst = routed + (out + addend) in float32 (the worker's out once it answered, 0 when nothing pending;
+    routed, addend where given), one rounding to dst's dtype. dst may be routed: each element is loaded
+    before the same program stores it."""
     go = tl.load(pending_ptr) != 0
-    if TAIL:  # the scratch slot's rows below the cut are another expert's: their act rows add nothing
-        cut = tl.load(tail_ptr + 2)
-        pos = 0
-        while pos < rows * K:
-            if tl.load(slots_ptr + pos) == scratch:
-                for i0 in tl.static_range(0, INTER, BLOCK_I):
-                    i = i0 + tl.arange(0, BLOCK_I)
-                    tl.store(act_ptr + pos * act_stride + i, tl.zeros((BLOCK_I,), tl.float32), mask=i < cut)
-            pos += 1
     if go:
         await_flag(flag_ptr, seq_ptr, fence_ptr)
     r = 0
     while r < rows:
         for h0 in tl.static_range(0, H, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
-            y = tl.load(out_ptr + r * H + h, mask=(h < H) & go, other=0.0, volatile=True)
+            d = tl.load(out_ptr + r * H + h, mask=(h < H) & go, other=0.0, volatile=True)
             if ADDEND:
-                y += tl.load(addend_ptr + r * H + h, mask=h < H, other=0.0)
-            tl.store(dst_ptr + r * H + h, y, mask=h < H)
+                d += tl.load(addend_ptr + r * H + h, mask=h < H, other=0.0)
+            y = d
+            if ROUTED:  # the GPU's routed sum first, as the down adds its addend
+                y = tl.load(routed_ptr + r * H + h, mask=h < H, other=0.0) + d
+            tl.store(dst_ptr + r * H + h, y.to(dst_ptr.dtype.element_ty), mask=h < H)
         r += 1
 
 
@@ -266,9 +279,9 @@ class CpuShare:
 
     experts: the CpuExperts over the SlotCache's HostStore (the store's own pinned banks, read in place).
     One layer's share is in flight at a time (a layer waits for its own before the next posts), so one
-    set of buffers serves every layer. `post` and `wait` launch on the current stream; `close` stops
-    the worker; `check` raises the worker's error, if it had one. Set `trace` to a list to record each answer
-    from then on as (start ns, end ns, layer, served positions) on time.perf_counter_ns()'s clock (a
+    set of buffers serves every layer. `post`, `zero_tail` and `wait` launch on the current stream; `close`
+    stops the worker; `check` raises the worker's error, if it had one. Set `trace` to a list to record each
+    answer from then on as (start ns, end ns, layer, served positions) on time.perf_counter_ns()'s clock (a
     timeline's CPU lane: benchmarks/hybrid_step.py); reading it gives that list and the answers since;
     None (the default) records nothing.
     """
@@ -403,21 +416,36 @@ class CpuShare:
                            BLOCK_K=triton.next_power_of_2(GEMV_MAX_TOKENS * self.top_k), TAIL=tail,
                            INTER=self.experts.cfg.expert_intermediate, SPLIT_LEN=SPLIT_LEN)
 
-    def wait(self, addend: torch.Tensor | None, dst: torch.Tensor, act: torch.Tensor | None = None,
-             slots: torch.Tensor | None = None) -> torch.Tensor:
-        """dst [T, H] float32 = addend (or 0) + the CPU's share of the last post, once it is back. With a
-        tail, act [T * k, I] float32 and slots [T, k] (the gate_up's) are needed: the scratch positions' act
-        rows below the cut are zeroed first."""
+    def zero_tail(self, act: torch.Tensor | None, slots: torch.Tensor | None) -> None:
+        """With a tail: zero the act rows [0, cut) of the positions at the scratch slot, act [T * k, I] float32
+        and slots [T, k] the gate_up's, before the routed down reads them (the slot's rows below the cut are
+        another expert's); without one, nothing."""
+        if self.tail is None:
+            return
+        self._open("zero_tail")
+        if act is None or slots is None:
+            raise ValueError("CpuShare.zero_tail: a split with a tail needs act and slots")
+        inter = self.experts.cfg.expert_intermediate
+        _zero_tail_kernel[(1,)](act, act.stride(0), slots, self.tail, self.scratch, slots.shape[0], K=self.top_k,
+                                INTER=inter, BLOCK_I=min(1024, triton.next_power_of_2(inter)))
+
+    def wait(self, addend: torch.Tensor | None, dst: torch.Tensor,
+             routed: torch.Tensor | None = None) -> torch.Tensor:
+        """dst [T, H] = routed + (the CPU's share of the last post + addend), once the share is back: float32
+        sums in that order (routed, addend: float32 [T, H], each 0 where not given), rounded once to dst's
+        dtype (float32, or the model dtype: a layer's output). routed first, as the down adds an addend to
+        its routed sum; dst may be routed itself. Raises ValueError naming routed unless it is contiguous
+        float32 [T, H] on dst's device."""
         self._open("wait")
-        v, tail = self._views, self.tail is not None
-        if tail and (act is None or slots is None):
-            raise ValueError("CpuShare.wait: a split with a tail needs act and slots")
-        pos = (act, act.stride(0), slots, self.tail) if tail else (dst, 0, self._pending, self._pending)
-        _wait_kernel[(1,)](v["flag_out"], self._seq, self._pending, v["out"], dst if addend is None else addend, dst,
-                           self._fence, dst.shape[0], *pos, self.scratch, H=self.hidden, BLOCK_H=1024,
-                           ADDEND=addend is not None, TAIL=tail, K=self.top_k,
-                           INTER=self.experts.cfg.expert_intermediate,
-                           BLOCK_I=min(1024, triton.next_power_of_2(self.experts.cfg.expert_intermediate)))
+        rows = dst.shape[0]
+        if routed is not None and (routed.dtype != torch.float32 or tuple(routed.shape) != (rows, self.hidden)
+                                   or routed.device != dst.device or not routed.is_contiguous()):
+            raise ValueError(f"CpuShare.wait: routed must be contiguous float32 [{rows}, {self.hidden}] on "
+                             f"{dst.device}, got {list(routed.shape)} {routed.dtype} on {routed.device}")
+        v = self._views
+        _wait_kernel[(1,)](v["flag_out"], self._seq, self._pending, v["out"], dst if addend is None else addend,
+                           dst if routed is None else routed, dst, self._fence, rows, H=self.hidden, BLOCK_H=1024,
+                           ADDEND=addend is not None, ROUTED=routed is not None)
         return dst
 
     def check(self) -> None:

@@ -10,9 +10,11 @@
        │     with a tail, the first served expert's positions -> the scratch slot, (key, scratch, cut) -> tail
        │  5 _miss_copy_kernel(store, pool, plan, count[, tail]): with a tail, its rows [cut, I) -> the scratch slot
        │  6 _gate_up_kernel: act [T * k, I] f32 (with 6a: only the other pairs, "rest")
-       │  6b _wait_kernel (a miss split): shared += the CPU's share, once the worker has answered; with a
-       │     tail, the scratch positions' act rows [0, cut) zeroed first
-       └─ 7 _down_kernel:    out [T, H] = cast(Σ_j (in order) down[slots[t, j]] · act + shared)
+       │  6b _zero_tail_kernel (a miss split with a tail): the scratch positions' act rows [0, cut) zeroed
+       ├─ 7 _down_kernel:    out [T, H] = cast(Σ_j (in order) down[slots[t, j]] · act + shared)
+       │                     (a miss split: routed [T, H] f32 = the sum alone, no shared, no cast)
+       └─ 7b _wait_kernel (a miss split): once the worker has answered,
+                             out [T, H] = cast(routed + (the CPU's share + shared))
 
 GLM-4.5's block (MoEConfig.scoring "sigmoid", score_bias, n_group / topk_group, routed_scaling,
 shared_gate False) runs the same launches: 3 takes its sigmoid, grouped choice and scaling, 1 and 2 compute the shared
@@ -43,20 +45,25 @@ Which stream runs what, by LaunchPlan.mode (moe.kernels.plan.resolve_launch_plan
                              compute: 3 ─────────── 4 5 6 ──join─ 7
     HITS_ON_SIDE             as above without 1 2           (no shared expert)
 
-On CUDA every launch of the compute chain is a programmatic dependent launch (LaunchPlan.pdl for 3,
-4, 5; always for 6 and 7): each waits for its predecessor before it reads anything, and lets its
-successor be scheduled at a point the plan names. 3, 4 and 6 release their successor right after
-their own wait; 5 and 7 at their end, or with LaunchPlan.front_release right after their wait (7 then
-releases the next layer's 3), and that 3 then loads its weights
+A miss split (LaunchPlan.cpu_share) adds to the compute stream, in every mode, 4b after 4, 6b after 6
+(with a tail) and 7b after 7: the join comes before 7, so 7b reads the shared expert's finished output,
+and the down of the copied and resident experts runs while the CPU computes its share.
+
+On CUDA every launch of the compute chain but 4b, 6b and 7b (plain launches) is a programmatic dependent
+launch (LaunchPlan.pdl for 3, 4, 5; always for 6 and 7): each waits for its predecessor before it reads
+anything, and lets its successor be scheduled at a point the plan names. 3, 4 and 6 release their
+successor right after their own wait; 5 and 7 at their end, or with LaunchPlan.front_release right after
+their wait (7 then releases the next layer's 3; with a miss split 7b runs between them, and that 3
+follows 7b's end), and that 3 then loads its weights
 before its own wait (LaunchPlan.router_early_weights). 7 loads its slots and the first
 LaunchPlan.down_prefetch experts' tiles before its wait. The side launches (1, 2, 6a) are plain:
 they follow events (fork: before 3, and after 3 for 6a; join: before 7). The resolver turns the
 releases off beside the early hits, whose SMs waiting programs would hold through a copy.
 
 Every act row is written by one program of the same code in every mode (and a scratch position's rows
-below its cut zeroed by 6b after it); the combine (routed +
-shared, and with a miss split the CPU's share added to shared by 6b, in float32, one rounding to
-the model dtype) happens inside 7. Nothing on the compute stream
+below its cut zeroed by 6b after it); the combine (routed + shared in float32, one rounding to the
+model dtype) happens inside 7, or with a miss split inside 7b: routed + (the CPU's share + shared), in
+the order 7 adds shared to its routed sum. Nothing on the compute stream
 writes `hidden` or the shared expert's buffers (per layer: slots, act_s, shared), a resident expert
 keeps its slot through its ensure while the copy writes only victims' slots (and the scratch slot,
 which the cache never assigns), and every side-stream
@@ -219,7 +226,7 @@ class MoELayer:
         self._ids = torch.empty((n, cfg.top_k), dtype=torch.int32, device=dev)
         self._pre = torch.empty((n, cfg.top_k), dtype=torch.int32, device=dev)  # early hits: slots before ensure
         self._routed_out = torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)  # routed() only
-        self._cpu_addend = (torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)  # the CPU's share back
+        self._routed_sum = (torch.empty((n, cfg.hidden), dtype=torch.float32, device=dev)  # a miss split's down
                             if self.slots.share is not None else None)
         router_scratch(dev, cfg.num_experts)
         routed_scratch(dev, cfg.top_k, cfg.expert_intermediate)
@@ -256,7 +263,8 @@ class MoELayer:
         """hidden [T, H] (cfg dtype, contiguous, on the pool's device) -> out [T, H] same dtype (new).
 
         The launches of the plan's mode (module docstring): seven with a shared expert, five without,
-        one more (the early hits) where the mode runs them on the side stream; no host sync. Raises
+        one more (the early hits) where the mode runs them on the side stream, and a miss split's 4b, 7b
+        (and 6b with a tail); no host sync. Raises
         ValueError naming `hidden` for a wrong shape, dtype or device, and naming --moe-slots when
         T * top_k exceeds the pool's slots (a call could ask for more distinct experts than slots,
         which ensure refuses).
@@ -286,10 +294,14 @@ class MoELayer:
             shared = self.shared_expert(hidden)
         act, slots, weights = self._routed_front(hidden, routing, (side, compute) if hits_side else None)
         if compute is not None:
-            side.join(compute)  # the down launch below reads `shared` and the early hits' rows
-        if self.plan.cpu_share:  # the misses served on the CPU, back in float32 beside the shared expert's output
-            shared = self.slots.share.wait(shared, self._cpu_addend[:hidden.shape[0]], act, slots)
-        self._down(act, slots, weights, addend=shared, out_cast=out)
+            side.join(compute)  # the launches below read `shared` and the early hits' rows
+        if self.plan.cpu_share:  # the routed down first, then the wait adds the CPU's share and the shared expert's
+            share = self.slots.share
+            share.zero_tail(act, slots)
+            routed = self._down(act, slots, weights, out=self._routed_sum[:hidden.shape[0]])
+            share.wait(shared, out, routed=routed)
+        else:
+            self._down(act, slots, weights, addend=shared, out_cast=out)
         return out
 
     def pool_matrices(self) -> tuple[SlotMatrix, SlotMatrix]:
@@ -379,9 +391,10 @@ class MoELayer:
     def routed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The routed half alone: hidden [T, H] -> [T, H] float32 (a buffer of this layer, reused)."""
         act, slots, weights = self._routed_front(hidden)
-        addend = (self.slots.share.wait(None, self._cpu_addend[:hidden.shape[0]], act, slots) if self.plan.cpu_share
-                  else None)
-        return self._down(act, slots, weights, out=self._routed_out[:hidden.shape[0]], addend=addend)
+        if self.plan.cpu_share:
+            self.slots.share.zero_tail(act, slots)
+        y = self._down(act, slots, weights, out=self._routed_out[:hidden.shape[0]])
+        return self.slots.share.wait(None, y, routed=y) if self.plan.cpu_share else y
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sigmoid(x · gate_w) * down(silu(gate(x)) * up(x)), [T, H] float32 (without gate_w,

@@ -91,7 +91,7 @@ class LaunchPlan:
     down_prefetch: experts whose down weight tiles each down program loads before its wait (0..k).
     hits_programs: programs of the early hits' persistent launch (room for the ensure and copy).
     cpu_share: a miss split serves some misses on the CPU: the compute stream posts them after the ensure
-        and waits for the CPU's answer before the routed down (moe.engine.handoff).
+        and waits for the CPU's answer after the routed down, adding it there (moe.engine.handoff).
     router_tiles / routed_tiles: the tiles of the router and of every routed launch (shared expert too).
     routed_mma: None (the routed experts run routed_tiles' one-program-a-pair kernels), or the MmaTiles of
         the tensor-core kernels that run them instead (moe.kernels.routed_mma; the shared expert keeps

@@ -177,13 +177,56 @@ def test_the_hand_off_serves_only_what_the_ensure_sent_to_the_cpu():
         share.close()
 
 
+def test_the_wait_adds_routed_to_the_cpu_share_and_the_addend_rounding_once():
+    """CpuShare.wait with routed (the GPU's routed sum) into a bfloat16 dst: bitwise torch's
+    (routed + (the CPU's share + addend)).to(bfloat16), the float32 sums in the order the down adds its
+    addend; in place into a float32 routed the same sum, unrounded; nothing served: routed + addend."""
+    from expertcache.geometry import CPU_SLOT
+    from moe.engine.handoff import CpuShare
+    from moe.kernels.cpu_experts import CpuExperts
+    from moe.model.config import MoEConfig
+    from moe.testing.synthetic import random_weights
+
+    cfg = MoEConfig(hidden=256, num_experts=6, top_k=3, expert_intermediate=64, expert_format="bf16",
+                    dtype="bfloat16")
+    store = random_weights(cfg, 2, device="cpu", seed=4, pin=True).store
+    experts = CpuExperts(store, cfg)
+    share = CpuShare(experts, torch.device("cuda"))
+    try:
+        g, (hidden, ids, weights, addend, _) = _hand_off_inputs(cfg)
+        routed = torch.randn((2, cfg.hidden), generator=g).cuda()
+        dst = torch.full((2, cfg.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+        slots = torch.tensor([[7, CPU_SLOT, 1], [0, 2, CPU_SLOT]], dtype=torch.int32, device="cuda")
+        cpu_ids = np.array([[-1, 3, -1], [-1, -1, 4]], np.int32)
+        cpu = torch.from_numpy(experts.moe(1, hidden.float().cpu().numpy(), cpu_ids, weights.cpu().numpy()))
+        want = routed.cpu() + (cpu + addend.cpu())
+        share.post(1, hidden, ids, slots, weights)
+        assert share.wait(addend, dst, routed=routed) is dst
+        torch.cuda.synchronize()
+        assert torch.equal(dst.cpu(), want.to(torch.bfloat16))
+        y = routed.clone()
+        share.post(1, hidden, ids, slots, weights)
+        share.wait(addend, y, routed=y)
+        torch.cuda.synchronize()
+        assert torch.equal(y.cpu(), want)
+        share.post(1, hidden, ids, torch.zeros_like(slots), weights)  # nothing on the CPU: nothing handed over
+        share.wait(addend, dst, routed=routed)
+        torch.cuda.synchronize()
+        assert torch.equal(dst.cpu(), (routed + addend).cpu().to(torch.bfloat16))
+        with pytest.raises(ValueError, match="routed must be"):
+            share.wait(addend, dst, routed=routed.bfloat16())
+        share.check()
+    finally:
+        share.close()
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_the_hand_off_splits_the_first_served_expert_with_a_tail(fmt):
     """CpuShare with a tail, in a CUDA graph: the post rewrites the first served expert's positions to the
     scratch slot and writes (key, scratch, cut) for the miss copy, which brings its rows [cut, I) into the
     scratch slot; the worker computes its rows [0, cut) (CpuExperts' split) beside the other served expert;
-    the wait zeroes the scratch positions' act rows below the cut, and only theirs. A call whose copies
-    differ from the table's copies[m] splits nothing."""
+    the tail zeroing zeroes the scratch positions' act rows below the cut, and only theirs. A call whose
+    copies differ from the table's copies[m] splits nothing."""
     from expertcache.copy import miss_copy, reference_tail_copy
     from expertcache.geometry import CPU_SLOT
     from expertcache.pool import SlotPool
@@ -222,7 +265,8 @@ def test_the_hand_off_splits_the_first_served_expert_with_a_tail(fmt):
             act.copy_(act0)
             share.post(layer, hidden, ids, slots, weights, count=count)
             miss_copy(store, pool, plan, count, tail=(share.tail, inter))
-            share.wait(addend, dst, act, slots)
+            share.zero_tail(act, slots)
+            share.wait(addend, dst)
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
