@@ -11,7 +11,8 @@
        exported Chrome / Perfetto trace as a process of their own ("expertcache CPU workers", one slice
        per layer's share: layer and served positions), placed on the profiler's clock by a marker taken
        inside a record_function range; -> a summary: step time, the workers' busy time per step, the
-       positions they served
+       positions they served, and the layer calls' GPU timeline by phase (layer_phases: medians over the
+       profiled calls of the MoE layers that handed a share over)
     -> without --trace-out: --steps replays, then the cache's and the workers' checks (no error) and
        the share's answers counted (only layer calls that served on the CPU hand over, and together they
        served what the cache counted): what compute-sanitizer runs (--small: 4 layers of OLMoE-1B-7B's
@@ -52,6 +53,58 @@ def merge_worker_events(trace: dict, events: list[tuple[int, int, int, int]], al
                     "ts": base + (start - align_ns) / 1e3, "dur": (end - start) / 1e3,
                     "args": {"layer": layer, "served_positions": served}})
     return len(events)
+
+
+PHASES = ("front", "ensure_post", "copy", "gate_up_after_copy", "down", "wait", "layer")
+
+
+def layer_phases(trace: dict) -> dict:
+    """The GPU timeline of each MoE layer call with a miss split, by phase (us, medians over the calls with
+    their count), from a Chrome trace's kernel events on the compute stream of the calls:
+
+        front               the previous call's wait end -> this call's ensure start (the layer's attention,
+                            norms and router: what runs before the channels can start)
+        ensure_post         ensure start -> post end
+        copy                post end -> miss copy end (the link's copies)
+        gate_up_after_copy  miss copy end -> gate_up end (the routed gate_up, which waits for the copy)
+        down                gate_up end -> down end (the routed down, and the tail's zeroing before it)
+        wait                down end -> wait end (the wait for the CPU's answer and the combine)
+        layer               the previous call's wait end -> this call's wait end
+
+    A call is the kernels ensure, post, miss copy, gate_up, down and wait in that order (a call with
+    early hits or a shared expert has others in between, on another stream or beside these); the first
+    call has no front or layer."""
+    kernels = sorted((e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "ts" in e),
+                     key=lambda e: e["ts"])
+    wanted = ("ensure_kernel", "_post_kernel", "_miss_copy_kernel", "_gate_up_kernel", "_down_kernel",
+              "_wait_kernel")
+    calls, at, prev_end = {name: [] for name in PHASES}, 0, None
+    while True:
+        found, i = {}, at
+        for name in wanted:
+            while i < len(kernels) and kernels[i]["name"] != name:
+                i += 1
+            if i == len(kernels):
+                break
+            found[name] = kernels[i]
+            i += 1
+        if len(found) < len(wanted):
+            break
+        start = {n: float(e["ts"]) for n, e in found.items()}
+        end = {n: float(e["ts"]) + float(e.get("dur", 0.0)) for n, e in found.items()}
+        phases = {"ensure_post": end["_post_kernel"] - start["ensure_kernel"],
+                  "copy": end["_miss_copy_kernel"] - end["_post_kernel"],
+                  "gate_up_after_copy": end["_gate_up_kernel"] - end["_miss_copy_kernel"],
+                  "down": end["_down_kernel"] - end["_gate_up_kernel"],
+                  "wait": end["_wait_kernel"] - end["_down_kernel"]}
+        if prev_end is not None:
+            phases["front"] = start["ensure_kernel"] - prev_end
+            phases["layer"] = end["_wait_kernel"] - prev_end
+        for name, v in phases.items():
+            calls[name].append(v)
+        prev_end, at = end["_wait_kernel"], i
+    return {name: {"median_us": float(np.median(v)), "calls": len(v)} if v else {"median_us": None, "calls": 0}
+            for name, v in calls.items()}
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -132,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
         prof.export_chrome_trace(str(raw))
         chrome = json.loads(raw.read_text())
         raw.unlink()
+        result["layer_phases"] = layer_phases(chrome)
         result["worker_events"] = merge_worker_events(chrome, share.trace, align_ns)
         text = json.dumps(chrome)
         out = Path(args.trace_out)

@@ -30,3 +30,34 @@ def test_a_trace_without_the_marker_is_refused():
 def test_small_is_the_sanitizers_geometry():
     args = load_bench("hybrid_step")._args(["--small", "--even"])
     assert (args.geometry, args.layers, args.even) == ("olmoe-1b-7b", 4, True)
+
+
+def test_layer_phases_follow_each_call_through_its_kernels():
+    bench = load_bench("hybrid_step")
+
+    def call(t0: float, copy: float, wait: float) -> list[dict]:
+        seq = [("_split_kernel", 5.0), ("ensure_kernel", 4.0), ("_post_kernel", 4.0), ("_miss_copy_kernel", copy),
+               ("_gate_up_kernel", 6.0), ("_zero_tail_kernel", 1.0), ("_down_kernel", 8.0), ("_wait_kernel", wait)]
+        out, t = [], t0
+        for name, dur in seq:
+            out.append({"cat": "kernel", "name": name, "ts": t, "dur": dur})
+            t += dur + 0.5  # a gap between launches
+        return out
+
+    first, second = call(100.0, 50.0, 20.0), call(300.0, 70.0, 10.0)
+    noise = [{"cat": "cpu_op", "name": "_post_kernel", "ts": 310.0, "dur": 1.0}]
+    got = bench.layer_phases({"traceEvents": second + noise + first})
+    assert got["ensure_post"] == {"median_us": 8.5, "calls": 2}
+    assert got["copy"] == {"median_us": 60.5, "calls": 2}  # 50.5 and 70.5
+    assert got["gate_up_after_copy"]["median_us"] == 6.5
+    assert got["down"]["median_us"] == 10.0  # the zeroing and the down, with their gaps
+    assert got["wait"]["median_us"] == 15.5  # 20.5 and 10.5
+    first_end = first[-1]["ts"] + first[-1]["dur"]
+    assert got["front"] == {"median_us": second[1]["ts"] - first_end, "calls": 1}
+    assert got["layer"] == {"median_us": second[-1]["ts"] + second[-1]["dur"] - first_end, "calls": 1}
+
+
+def test_layer_phases_of_a_trace_without_a_split_are_empty():
+    got = load_bench("hybrid_step").layer_phases({"traceEvents": [{"cat": "kernel", "name": "ensure_kernel",
+                                                                    "ts": 1.0, "dur": 1.0}]})
+    assert set(got) == set(load_bench("hybrid_step").PHASES) and all(v["calls"] == 0 for v in got.values())
