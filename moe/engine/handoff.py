@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 from numba import njit
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from expertcache.geometry import CPU_SLOT
 from expertcache.pool import DeviceView, mapped_device_pointer
@@ -186,7 +187,11 @@ def await_flag(flag_ptr, seq_ptr, fence_ptr):
 def _post_kernel(hidden_ptr, ids_ptr, slots_ptr, w_ptr, x_ptr, cid_ptr, cw_ptr, meta_ptr, seq_ptr, flag_ptr,
                  fence_ptr, pending_ptr, layer, rows, always, count_ptr, copies_ptr, link_rows_ptr, tail_ptr, scratch,
                  num_experts, H: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                 TAIL: tl.constexpr = False, INTER: tl.constexpr = 1, SPLIT_LEN: tl.constexpr = 1):
+                 TAIL: tl.constexpr = False, INTER: tl.constexpr = 1, SPLIT_LEN: tl.constexpr = 1,
+                 GDC: tl.constexpr = False):
+    if GDC:  # a programmatic launch: the ensure's slots and count first; then the miss copy may launch
+        gdc_wait()
+        gdc_launch_dependents()
     p = tl.arange(0, BLOCK_K)
     pm = p < rows * K
     slot = tl.load(slots_ptr + p, mask=pm, other=-1)
@@ -234,9 +239,12 @@ def _post_kernel(hidden_ptr, ids_ptr, slots_ptr, w_ptr, x_ptr, cid_ptr, cw_ptr, 
 
 @triton.jit
 def _zero_tail_kernel(act_ptr, act_stride, slots_ptr, tail_ptr, scratch, rows, K: tl.constexpr,
-                      INTER: tl.constexpr, BLOCK_I: tl.constexpr):
+                      INTER: tl.constexpr, BLOCK_I: tl.constexpr, GDC: tl.constexpr = False):
     """The scratch slot's rows below the cut are another expert's: the act rows [0, cut) of the positions at
     the scratch slot add nothing."""
+    if GDC:  # a programmatic launch: the gate_up's act first; then the down may launch
+        gdc_wait()
+        gdc_launch_dependents()
     cut = tl.load(tail_ptr + 2)
     pos = 0
     while pos < rows * K:
@@ -249,13 +257,18 @@ def _zero_tail_kernel(act_ptr, act_stride, slots_ptr, tail_ptr, scratch, rows, K
 
 @triton.jit
 def _wait_kernel(flag_ptr, seq_ptr, pending_ptr, out_ptr, addend_ptr, routed_ptr, dst_ptr, fence_ptr, rows,
-                 H: tl.constexpr, BLOCK_H: tl.constexpr, ADDEND: tl.constexpr, ROUTED: tl.constexpr):
+                 H: tl.constexpr, BLOCK_H: tl.constexpr, ADDEND: tl.constexpr, ROUTED: tl.constexpr,
+                 GDC: tl.constexpr = False):
     """dst = routed + (out + addend) in float32 (the worker's out once it answered, 0 when nothing pending;
     routed, addend where given), one rounding to dst's dtype. dst may be routed: each element is loaded
-    before the same program stores it."""
+    before the same program stores it. GDC: a programmatic launch behind the routed down, which may start
+    while the down runs: pending (the post's, finished before the down's predecessors) and the answer are
+    read at once, the down's routed sum and the addend after the wait for it."""
     go = tl.load(pending_ptr) != 0
     if go:
         await_flag(flag_ptr, seq_ptr, fence_ptr)
+    if GDC:
+        gdc_wait()
     r = 0
     while r < rows:
         for h0 in tl.static_range(0, H, BLOCK_H):
@@ -398,12 +411,14 @@ class CpuShare:
         out[:rows] = a["out"][:rows]
 
     def post(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
-             weights: torch.Tensor, always: bool = False, count: torch.Tensor | None = None) -> None:
+             weights: torch.Tensor, always: bool = False, count: torch.Tensor | None = None,
+             pdl: bool = False) -> None:
         """Hand over the positions of hidden [T, H] whose slot is CPU_SLOT (ids, slots int32, weights
         float32 [T, k], on the device), when there are any; `always`: hand over even when there are
         none (the worker answers at once: the round trip alone, as measure_channels times it). With a
         tail, count (int32 [1]: the ensure's copies) is needed, and a split expert's positions in `slots`
-        become the scratch slot (module docstring)."""
+        become the scratch slot (module docstring). pdl (CUDA): a programmatic launch behind the ensure, which
+        lets the miss copy launch right after its own wait."""
         self._open("post")
         v, rows = self._views, hidden.shape[0]
         tail = self.tail is not None
@@ -414,12 +429,13 @@ class CpuShare:
                            v["flag_in"], self._fence, self._pending, layer, rows, int(always), *extra, self.scratch,
                            self.num_experts, H=self.hidden, K=self.top_k, BLOCK_H=1024,
                            BLOCK_K=triton.next_power_of_2(GEMV_MAX_TOKENS * self.top_k), TAIL=tail,
-                           INTER=self.experts.cfg.expert_intermediate, SPLIT_LEN=SPLIT_LEN)
+                           INTER=self.experts.cfg.expert_intermediate, SPLIT_LEN=SPLIT_LEN,
+                           GDC=self._gdc(pdl), **self._launch(pdl))
 
-    def zero_tail(self, act: torch.Tensor | None, slots: torch.Tensor | None) -> None:
+    def zero_tail(self, act: torch.Tensor | None, slots: torch.Tensor | None, pdl: bool = False) -> None:
         """With a tail: zero the act rows [0, cut) of the positions at the scratch slot, act [T * k, I] float32
         and slots [T, k] the gate_up's, before the routed down reads them (the slot's rows below the cut are
-        another expert's); without one, nothing."""
+        another expert's); without one, nothing. pdl (CUDA): a programmatic launch behind the gate_up."""
         if self.tail is None:
             return
         self._open("zero_tail")
@@ -427,15 +443,17 @@ class CpuShare:
             raise ValueError("CpuShare.zero_tail: a split with a tail needs act and slots")
         inter = self.experts.cfg.expert_intermediate
         _zero_tail_kernel[(1,)](act, act.stride(0), slots, self.tail, self.scratch, slots.shape[0], K=self.top_k,
-                                INTER=inter, BLOCK_I=min(1024, triton.next_power_of_2(inter)))
+                                INTER=inter, BLOCK_I=min(1024, triton.next_power_of_2(inter)), GDC=self._gdc(pdl),
+                                **self._launch(pdl))
 
     def wait(self, addend: torch.Tensor | None, dst: torch.Tensor,
-             routed: torch.Tensor | None = None) -> torch.Tensor:
+             routed: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
         """dst [T, H] = routed + (the CPU's share of the last post + addend), once the share is back: float32
         sums in that order (routed, addend: float32 [T, H], each 0 where not given), rounded once to dst's
         dtype (float32, or the model dtype: a layer's output). routed first, as the down adds an addend to
-        its routed sum; dst may be routed itself. Raises ValueError naming routed unless it is contiguous
-        float32 [T, H] on dst's device."""
+        its routed sum; dst may be routed itself. pdl (CUDA): a programmatic launch behind the routed down,
+        which spins on the answer while the down runs and reads routed and addend once the down is done.
+        Raises ValueError naming routed unless it is contiguous float32 [T, H] on dst's device."""
         self._open("wait")
         rows = dst.shape[0]
         if routed is not None and (routed.dtype != torch.float32 or tuple(routed.shape) != (rows, self.hidden)
@@ -445,8 +463,16 @@ class CpuShare:
         v = self._views
         _wait_kernel[(1,)](v["flag_out"], self._seq, self._pending, v["out"], dst if addend is None else addend,
                            dst if routed is None else routed, dst, self._fence, rows, H=self.hidden, BLOCK_H=1024,
-                           ADDEND=addend is not None, ROUTED=routed is not None)
+                           ADDEND=addend is not None, ROUTED=routed is not None, GDC=self._gdc(pdl),
+                           **self._launch(pdl))
         return dst
+
+    def _gdc(self, pdl: bool) -> bool:
+        """Whether a launch asked as programmatic (pdl) is one: on CUDA only (the interpreter has no inline PTX)."""
+        return bool(pdl) and torch.device(self.device).type == "cuda"
+
+    def _launch(self, pdl: bool) -> dict:
+        return {"launch_pdl": True} if self._gdc(pdl) else {}
 
     def check(self) -> None:
         """Raise RuntimeError with the worker's error since the last check, or when the share is closed (a

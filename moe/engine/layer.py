@@ -49,12 +49,13 @@ A miss split (LaunchPlan.cpu_share) adds to the compute stream, in every mode, 4
 (with a tail) and 7b after 7: the join comes before 7, so 7b reads the shared expert's finished output,
 and the down of the copied and resident experts runs while the CPU computes its share.
 
-On CUDA every launch of the compute chain but 4b, 6b and 7b (plain launches) is a programmatic dependent
-launch (LaunchPlan.pdl for 3, 4, 5; always for 6 and 7): each waits for its predecessor before it reads
-anything, and lets its successor be scheduled at a point the plan names. 3, 4 and 6 release their
+On CUDA every launch of the compute chain is a programmatic dependent launch (LaunchPlan.pdl for 3,
+4, 4b, 5; always for 6, 6b, 7 and 7b): each waits for its predecessor before it reads anything it
+wrote, and lets its successor be scheduled at a point the plan names. 3, 4, 4b, 6 and 6b release their
 successor right after their own wait; 5 and 7 at their end, or with LaunchPlan.front_release right after
-their wait (7 then releases the next layer's 3; with a miss split 7b runs between them, and that 3
-follows 7b's end), and that 3 then loads its weights
+their wait (7 then releases the next layer's 3; with a miss split 7b runs between them: it spins on the
+CPU's answer while 7 runs, waits for 7 before reading its sum, and that 3 follows 7b's end), and that 3
+then loads its weights
 before its own wait (LaunchPlan.router_early_weights). 7 loads its slots and the first
 LaunchPlan.down_prefetch experts' tiles before its wait. The side launches (1, 2, 6a) are plain:
 they follow events (fork: before 3, and after 3 for 6a; join: before 7). The resolver turns the
@@ -297,9 +298,9 @@ class MoELayer:
             side.join(compute)  # the launches below read `shared` and the early hits' rows
         if self.plan.cpu_share:  # the routed down first, then the wait adds the CPU's share and the shared expert's
             share = self.slots.share
-            share.zero_tail(act, slots)
+            share.zero_tail(act, slots, pdl=True)
             routed = self._down(act, slots, weights, out=self._routed_sum[:hidden.shape[0]])
-            share.wait(shared, out, routed=routed)
+            share.wait(shared, out, routed=routed, pdl=True)
         else:
             self._down(act, slots, weights, addend=shared, out_cast=out)
         return out
@@ -369,7 +370,7 @@ class MoELayer:
                                programs=plan.hits_programs, cfg=cfg, gate_up_bias=gate_up_bias)
         buf = slots.cache.ensure(self.layer, ids, pdl=plan.pdl)  # slots [T, k], plan [Q, 2], count [1]
         if plan.cpu_share:  # the served misses go to the CPU while the link copies the others
-            slots.share.post(self.layer, hidden, ids, buf.slots, weights, count=buf.count)
+            slots.share.post(self.layer, hidden, ids, buf.slots, weights, count=buf.count, pdl=plan.pdl)
         tail = None if slots.scratch is None else (slots.share.tail, cfg.expert_intermediate)
         miss_copy(slots.store, slots.pool, buf.plan, buf.count, pdl=plan.pdl, release_after_wait=plan.front_release,
                   tail=tail)
@@ -392,9 +393,9 @@ class MoELayer:
         """The routed half alone: hidden [T, H] -> [T, H] float32 (a buffer of this layer, reused)."""
         act, slots, weights = self._routed_front(hidden)
         if self.plan.cpu_share:
-            self.slots.share.zero_tail(act, slots)
+            self.slots.share.zero_tail(act, slots, pdl=True)
         y = self._down(act, slots, weights, out=self._routed_out[:hidden.shape[0]])
-        return self.slots.share.wait(None, y, routed=y) if self.plan.cpu_share else y
+        return self.slots.share.wait(None, y, routed=y, pdl=True) if self.plan.cpu_share else y
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sigmoid(x · gate_w) * down(silu(gate(x)) * up(x)), [T, H] float32 (without gate_w,

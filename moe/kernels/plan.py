@@ -79,10 +79,10 @@ class LaunchPlan:
     """Every launch choice of one MoE layer, resolved once (resolve_launch_plan) and read by each call.
 
     mode / reason: the OverlapMode and why it was chosen (the first check that declined, or the one
-    that accepted). pdl: the router, ensure and miss copy are programmatic dependent launches (each
-    waits for its predecessor before it reads anything; the routed gate_up and down always are on
-    CUDA). The releases, all with pdl and none changing a bit (every launch still waits for its
-    predecessor before reading what it wrote):
+    that accepted). pdl: the router, ensure, post (a miss split) and miss copy are programmatic dependent
+    launches (each waits for its predecessor before it reads anything; the routed gate_up and down, and a
+    miss split's tail zeroing and wait, always are on CUDA). The releases, all with pdl and none changing a
+    bit (every launch still waits for its predecessor before reading what it wrote):
       router_early_weights[T - 1]: a call of T tokens loads the router's weight rows before its wait;
         True only where they fit in registers (RouterTiles.early_weights_fit).
       front_release: the routed down lets the next programmatic launch (the next layer's router) start

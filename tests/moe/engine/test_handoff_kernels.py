@@ -168,3 +168,33 @@ def test_without_a_tail_the_post_leaves_the_slots_and_says_no_split(kernels):
     slots = torch.tensor(base, dtype=torch.int32)
     _, buf = _post(post, slots, count=1, tail=False)
     assert slots.tolist() == base and buf["meta"].tolist()[1:3] == [2, -1] and buf["tail"][0].item() == 7
+
+
+GDC_CHECK = r"""
+import json
+from moe.engine import handoff
+from moe.kernels.triton_launch import compile_for_sm
+
+post_types = ("*bf16", "*i32", "*i32", "*fp32", "*fp32", "*i32", "*fp32", "*i32", "*i32", "*i32", "*i32", "*i32",
+              "i32", "i32", "i32", "*i32", "*i32", "*i32", "*i32", "i32", "i32")
+zero_types = ("*fp32", "i32", "*i32", "*i32", "i32", "i32")
+wait_types = ("*i32", "*i32", "*i32", "*fp32", "*fp32", "*fp32", "*bf16", "*i32", "i32")
+out = []
+for gdc in (False, True):
+    for kernel, types, cx in (
+            (handoff._post_kernel, post_types, dict(H=2048, K=8, BLOCK_H=1024, BLOCK_K=64, TAIL=True, INTER=768,
+                                                    SPLIT_LEN=64, GDC=gdc)),
+            (handoff._zero_tail_kernel, zero_types, dict(K=8, INTER=768, BLOCK_I=1024, GDC=gdc)),
+            (handoff._wait_kernel, wait_types, dict(H=2048, BLOCK_H=1024, ADDEND=True, ROUTED=True, GDC=gdc))):
+        ptx = compile_for_sm(kernel, types, cx, 4, 90, {})["ptx"]
+        out.append(["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx])
+print(json.dumps(out))
+"""
+
+
+def test_the_hand_off_launches_compile_for_sm90_as_programmatic_launches():
+    """With GDC the post and the tail zeroing wait for their predecessor and let their successor launch at
+    once; the wait kernel waits (for the down, after its spin) and releases nothing early; without GDC
+    none of them has either instruction. A child process without TRITON_INTERPRET."""
+    from tests.conftest import compile_check
+    assert compile_check(GDC_CHECK) == [[False, False]] * 3 + [[True, True], [True, True], [True, False]]
