@@ -179,3 +179,9 @@ def test_mma_target_lines_against_read2_at_one_token_and_the_floor_from_eight():
         "T=16 qwen3-30b int4: mma m16-i32w4-h32w4-c256w2 20.00 us, 2.00x the floor (misses 1.3x)",
     ]
     assert bench.mma_targets([rows[1]]) == []
+
+
+def test_no_graphs_time_to_nothing():
+    """Past GEMV_MAX_TOKENS only the tensor-core kernels run, and no launch is timed alone: an empty set of
+    graphs gives no rows (not a division by zero)."""
+    assert _bench().time_variants({}, calls=20, reps=5, warmup=1) == {}
