@@ -10,9 +10,10 @@ activations, and counts the SASS instructions (cuobjdump) a thread issues per we
 
     one program a pair:  every instruction of the kernel (its loops are unrolled) over the weights a
                          thread reads: 2 * block_i * H (gate_up) or block_h * k * I (down) / threads
-    tensor cores:        the instructions of the innermost loop holding the tensor-core mma, over the
-                         weights one of its iterations reads a thread: 2 * block_n * 128 (gate_up) or
-                         down_block_n * 128 (down) / threads
+    tensor cores:        the instructions of the innermost loop holding the tensor-core mma (HGMMA, or
+                         HMMA where a tile is too small for wgmma), over the weights one of its
+                         iterations reads a thread: 2 * block_n * 128 (gate_up) or down_block_n * 128
+                         (down) / threads
 
 A kernel bound by its arithmetic takes about that many issue slots per weight, so the count says how far
 it is from streaming its bytes: at the H200's 132 SMs x 4 schedulers, the 4-bit formats' HBM floor
@@ -42,13 +43,14 @@ from moe.kernels.triton_launch import sass, sass_registers
 SHAPES = {"qwen3-30b": (2048, 768, 8), "qwen3-next": (2048, 512, 10), "gpt-oss-20b": (2880, 2880, 4)}
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4", "int4")
 BLOCK_K = 128  # the tensor-core kernels' columns an iteration (moe.kernels.routed_mma_kernels.BLOCK_K)
+MMA_OPCODES = ("HGMMA", "HMMA")  # wgmma (its A operand the decoded weights, in registers) or mma.sync
 _BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 _OPCODE = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def innermost_loop(code: list[tuple[int, str]], marker: str) -> list[str]:
+def innermost_loop(code: list[tuple[int, str]], marker: str | tuple[str, ...]) -> list[str]:
     """The instructions of the smallest loop (a backward branch's span) that holds an instruction whose
-    opcode starts with `marker`; [] when there is none."""
+    opcode starts with `marker` (or one of them); [] when there is none."""
     loops = [(int(m.group(1), 16), addr) for addr, ins in code
              if (m := _BRANCH.search(ins)) and int(m.group(1), 16) < addr]
     spans = [[ins for a, ins in code if lo <= a <= hi] for lo, hi in loops]
@@ -85,7 +87,7 @@ def probe(shape: str, fmt: str, tokens: int, mma: list[MmaTiles]) -> list[dict]:
         for launch, name, weights, warps in (
                 ("gate_up", "_gate_up_mma", 2 * t.block_n * BLOCK_K, t.warps_gate_up),
                 ("down", "_down_mma", t.down_block_n * BLOCK_K, t.warps_down)):
-            loop = innermost_loop(sass(asm[name]["cubin"]), "HMMA")
+            loop = innermost_loop(sass(asm[name]["cubin"]), MMA_OPCODES)
             rows.append(_row(fmt, f"mma {t.name}", launch, asm[name], loop, weights / (32 * warps)))
     return rows
 

@@ -14,10 +14,13 @@ for all of its tokens (kernels: moe.kernels.routed_mma_kernels).
 routed_experts (moe.kernels.routed) runs one program per (token, expert) and dequantizes an expert's rows
 once per token on the CUDA cores; here a slot's weight tile is dequantized once per program and fed to
 tl.dot with all of its tokens (1..block_m a tile, more in turn), so the dequantize is paid once per slot
-and the multiply-adds run on the tensor cores. The results agree with routed_reference within float32
-rounding of another summation order (the dots' operands are exact: moe.kernels.routed_mma_kernels), and
-are bitwise repeatable for fixed MmaTiles. Legend: T = tokens (1..MMA_MAX_TOKENS), k = top_k, H = hidden,
-I = expert width, S = pool slots; a slot id outside [0, S) adds nothing.
+and the multiply-adds run on the tensor cores. The weight rows are the dot's M side and its register
+operand (Hopper's wgmma reads it from registers), the tokens its N side: at decode a slot has about one
+token, and the decoded tile never crosses shared memory. The results agree with routed_reference within
+float32 rounding of another summation order (the dots' operands are exact:
+moe.kernels.routed_mma_kernels), and are bitwise repeatable for fixed MmaTiles. Legend: T = tokens
+(1..MMA_MAX_TOKENS), k = top_k, H = hidden, I = expert width, S = pool slots; a slot id outside [0, S)
+adds nothing.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from moe.kernels.routed_mma_kernels import COMBINE_JIT_OPTIONS, MMA_JIT_OPTIONS,
 from moe.kernels.tiles import MmaTiles, next_pow2
 from moe.kernels.triton_launch import kernel_for
 from moe.model.config import MoEConfig
+from moe.model.slot_matrix import CODES
 
 MMA_MAX_TOKENS = 64  # decode and small prefill chunks
+FP8_CODE = CODES["fp8"]  # SlotMatrix.code of fp8, whose codes the kernels read 4 a word
 # the dots' operands by activation dtype: (gate_up's PREC, down's PREC) of routed_mma_kernels._dot
 # (0 bfloat16, 1 float32 "ieee", 2 the float32 act as two bfloat16 parts); float16 weights and
 # activations are not exact in bfloat16, so a float16 model's dots run in float32
@@ -86,6 +91,7 @@ def mma_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
                                   max_tokens=MMA_MAX_TOKENS)
     tokens, top_k, num_slots, hid, inter = dims
     _check_block("mma_gate_up", False, cfg, gate_up_bias, dims, hidden.device)
+    _check_words("mma_gate_up", "gate_up", gate_up)
     act = MmaAct(mma_scratch(hidden.device, top_k, hid, inter)[0], PRECISION[hidden.dtype][1] == 2, tokens, top_k)
     act_arg, lo_off = act.kernel_arg
     kernel = kernel_for(_gate_up_mma, hidden.device, MMA_JIT_OPTIONS, "mma_gate_up")
@@ -110,6 +116,7 @@ def mma_down(act: MmaAct, slots: torch.Tensor, down, *, out: torch.Tensor | None
     if not isinstance(act, MmaAct):
         raise ValueError(f"mma_down: act must be mma_gate_up's MmaAct, got {type(act).__name__}")
     dims, down = check_down("mma_down", act.act, slots, down, out, addend, out_cast, max_tokens=MMA_MAX_TOKENS)
+    _check_words("mma_down", "down", down)
     tokens, top_k, num_slots, hid, inter = dims
     if (tokens, top_k) != (act.tokens, act.top_k):
         raise ValueError(f"mma_down: slots are [{tokens}, {top_k}] but act holds [{act.tokens}, {act.top_k}] "
@@ -170,6 +177,13 @@ def _check_tiles(tiles) -> None:
         raise ValueError(f"routed_experts_mma: tiles must be a MmaTiles, got {type(tiles).__name__}")
 
 
+def _check_words(who: str, name: str, matrix) -> None:
+    """The kernels read fp8 codes 4 a 32-bit word: refuse an fp8 matrix whose rows are not whole words."""
+    if matrix.code == FP8_CODE and matrix.in_features % 4:
+        raise ValueError(f"{who}: {name} is fp8 with {matrix.in_features} input columns; the tensor-core kernels "
+                         "read its codes 4 a word (a multiple of 4)")
+
+
 def _group_args(tokens: int, top_k: int, hidden: int, inter: int, tiles: MmaTiles, emu: bool) -> dict:
     """The constexprs of the group and its shape, shared by the gate_up and the down (emu: the CPU
     interpreter's float32 products)."""
@@ -201,10 +215,11 @@ def compile_mma_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf
             _gate_up_mma, (p, "*i32", "*fp32", w13, act, "i32", "i32", bias, "i32"),
             {**group, "BLOCK_N": tiles.block_n, "PREC": prec_up, "SPLIT": prec_down == 2,
              **activation_args(cfg, expert_bias)},
-            tiles.warps_gate_up, arch, MMA_JIT_OPTIONS),
+            tiles.warps_gate_up, arch, MMA_JIT_OPTIONS, divisible=("lo_off",)),
         "_down_mma": compile_for_sm(
             _down_mma, (act, "*i32", w2, "*fp32", "i32", "i32", "i32"),
-            {**group, "BLOCK_N": tiles.down_block_n, "PREC": prec_down}, tiles.warps_down, arch, MMA_JIT_OPTIONS),
+            {**group, "BLOCK_N": tiles.down_block_n, "PREC": prec_down}, tiles.warps_down, arch, MMA_JIT_OPTIONS,
+            divisible=("lo_off",)),
         "_combine": compile_for_sm(
             _combine, ("*fp32", "*i32", "*fp32", "*fp32", p, "i32", "*fp32", bias),
             {"K": top_k, "H": hidden, "BLOCK_H": min(tiles.block_h, next_pow2(hidden)), "ADDEND": True,

@@ -4,28 +4,45 @@
         s is in [0, S) and p is s's first pair; the members are the pairs that hold s, in pair order
         (a slot twice in one row: two members), BLOCK_M of them a tile
     gate_up, grid (T * K, ceil(I / BLOCK_N)): the leader of each group (every other program returns)
-        A = hidden[members] [BLOCK_M, H], B = gate rows [tile) and up rows [I + tile) of slot s, each
-        BLOCK_K = 128 columns dequantized in registers to values exact in the dot's operand type, one
-        tl.dot a block (dense, fp8) or one per nibble of its 16 words (4-bit: K = 16, the columns
-        8l + k and the activations gathered alike), float32 accumulation, times the remaining scale
-        -> act [T * K, I] f32 = weight * act(gate, up) at the members' pairs (gpt-oss: biases, clamp)
+        acc [2 BLOCK_N, BLOCK_M] = A · B per BLOCK_K = 128 columns, float32 accumulation:
+        A = the weights, gate rows [tile) then up rows I + [tile) of slot s, dequantized in registers
+            to values exact in the dot's operand type, in the layout of the dot's register operand
+        B = hidden[members]^T [BLOCK_K, BLOCK_M], the same columns in the same order
+        times the remaining scale -> act [T * K, I] f32 = weight * act(gate, up) at the members' pairs
+        (gpt-oss: biases, clamp)
     down, grid (T * K, ceil(H / BLOCK_N)): the leader again
-        A = act[member pairs] [BLOCK_M, I], B = down rows [tile) of slot s  -> y [T * K, H] f32
+        A = down rows [tile) of slot s, B = act[member pairs]^T  -> y [T * K, H] f32
     combine, grid (T, ceil(H / BLOCK_H)): out[t] = Σ_{j = 0..K-1 in order, slots[t, j] in [0, S)} y[t * K + j]
         (+ Σ_j weights[t, j] * b2[slots[t, j]]) (+ addend[t]) -> out f32 and / or cast(out)
 
 Legend: T = tokens, K = top_k, H = hidden, I = expert width, S = pool slots.
 
-Values in the dot: each format's codes times the scales that keep them exact in bfloat16 (nvfp4's e2m1 *
-e4m3 block scale, mxfp4's e2m1 * 2^e: at most 6 significant bits; int4's u - z, made from the code's
-bits as the bfloat16 128 + u less 128 + z, and fp8's e4m3 alone); what remains (int4's group scale,
-fp8's block scale, nvfp4's global scale) multiplies the block's float32 dot, BLOCK_K = 128 being one
-int4 group and one fp8 block. Decoding each nibble where its dot reads it keeps the decoded tile out of
-shared memory (only the raw words cross it). PREC picks the operands: 0 bfloat16
-(bf16 activations: the product of two exact operands), 1 float32 ("ieee": a float32 or float16 model),
+The weights are the dot's first operand (M = weight rows) and the tokens its second (N = BLOCK_M
+members): at decode a slot has about one token, so the rows fill the tensor cores' M side, and on
+Hopper wgmma reads its first operand from registers. The decode then runs on registers already in that
+operand's layout: only the packed words (and the small activation tile) cross shared memory, never the
+decoded tile. To make each thread's registers whole words, a block's 128 columns enter the dot in a
+fixed order (_order): 4-bit words, dot position p = 32m + 16h + 8b + 2c + e holds column
+8(4c + m) + 4e + 2h + b, so the thread of lane c reads words 4c .. 4c + 3 and each 32-bit register
+pairs nibbles n and n + 4 of one word (one mask yields two values); fp8 words, column
+4(8c + 2m + h) + 2e + b (bytes b and b + 2 of a word). The activations are loaded in column order and
+permuted alike in registers on their way to shared memory. Dense weights keep the column order. fp8
+rows are read as words, so their length is a multiple of 4 (the host checks); offsets within one slot's
+matrix are int32 (OUT * IN < 2^31).
+
+Values in the dot, each exact in bfloat16 (at most 6 significant bits, in range): int4's u - z, made
+from the code's bits as the bfloat16 128 + u (0x4300 | u) less 128 + z; E2M1 codes' sign and 3 bits
+placed in a bfloat16 (value * 2^-126, code 1 a subnormal) times the e4m3 block scale * 2^118 (nvfp4;
+the remaining 2^8 joins the global scale) or times 2^126 and then 2^(e - 127) (mxfp4); e4m3 bytes'
+bits placed in a bfloat16 (value * 2^-120) times 2^120; dense weights as stored. What remains (int4's
+group scale, fp8's block scale, nvfp4's global scale) multiplies the block's float32 dot, BLOCK_K = 128
+being one int4 group and one fp8 block. On the GPU the decode's bfloat16 pairs go through sm_90's
+bfloat16x2 arithmetic, two values an instruction. PREC picks the operands: 0 bfloat16 (bf16
+activations: the product of two exact operands), 1 float32 ("ieee": a float32 or float16 model),
 2 the float32 act of a bf16 model's down as two bfloat16 parts (hi + lo, written so by the gate_up:
 SPLIT; two dots, about 16 significant bits of each activation against exact weights). EMU (the CPU
-interpreter): the bfloat16 operands are multiplied as float32, the same products.
+interpreter): the same values without inline PTX, decoded and multiplied in float32 (the interpreter
+holds bfloat16 as its bits, and its bfloat16 casts flush subnormals).
 
 Every output element is written by one program in one fixed order, and the combine sums the K experts of
 a token in order j, so the result is bitwise repeatable for fixed tiles; a pair with no slot is never
@@ -37,7 +54,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moe.kernels.quant_kernels import INT4, MXFP4, NVFP4
+from moe.kernels.quant_kernels import FP8, INT4, MXFP4, NVFP4, SIGN_BITS
 from moe.kernels.routed_kernels import _activation, _finish_rows
 
 BLOCK_K = tl.constexpr(128)  # columns a dot step: one int4 group, one fp8 block, 8 nvfp4 / 4 mxfp4 blocks
@@ -81,52 +98,235 @@ def _members(hit, rank, m0, K: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr,
 
 
 @triton.jit
-def _weight_tile(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, SUB: tl.constexpr,
-                 FMT: tl.constexpr):
-    """(values [R, BLOCK_K] float32, post [R] float32) of rows [R] of slot `slot64`'s dense (FMT 0) or fp8
-    matrix [OUT, IN] (OUT / SUB stacked sub-matrices), columns [k0, k0 + BLOCK_K): the row's dot over
-    these columns times post is its part of W' · x. values are exact in bfloat16 (dense: as they are);
-    a row not ok and a column past IN give 0 and post 0 for a row not ok. w: the matrix's pool banks
-    (q, s, s2, z) [S, ...] as SlotMatrix.kernel_args."""
-    if FMT == 0:
-        values, post = _dense_tile(w[0], slot64, rows.to(tl.int64), row_ok, k0, OUT, IN)
+def _order(x, R: tl.constexpr, ORDER: tl.constexpr, EMU: tl.constexpr):
+    """x [R, BLOCK_K] in column order -> the dot's K order: ORDER 1 the 4-bit words' (column
+    8(4c + m) + 4e + 2h + b at p = 32m + 16h + 8b + 2c + e), 2 the fp8 words' (column 4(8c + 2m + h) +
+    2e + b), 0 column order. A bfloat16 tile in column order goes through registers too, as the permuted
+    ones do: Triton then stores it to one shared-memory buffer a step, whose wgmma descriptors stay
+    uniform, rather than pipelining it from its load through several."""
+    if ORDER == 1:
+        x = tl.reshape(tl.permute(tl.reshape(x, [R, 4, 4, 2, 2, 2]), [0, 2, 4, 5, 1, 3]), [R, BLOCK_K])
+    elif ORDER == 2:
+        x = tl.reshape(tl.permute(tl.reshape(x, [R, 4, 4, 2, 2, 2]), [0, 2, 3, 5, 1, 4]), [R, BLOCK_K])
+    elif x.dtype == tl.bfloat16:
+        x = _in_registers(x, EMU)
+    return x
+
+
+@triton.jit
+def _in_registers(a, EMU: tl.constexpr):
+    """a itself through an opaque move (none under EMU): Triton then keeps a wgmma operand in registers
+    rather than feeding it from its load's shared memory."""
+    if not EMU:
+        a = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [a], dtype=a.dtype, is_pure=True, pack=2)
+    return a
+
+
+@triton.jit
+def _mul(a, b, EMU: tl.constexpr):
+    """a * b of bfloat16 tensors of one shape, rounded to bfloat16 (exact here); two an instruction. The
+    interpreter holds bfloat16 as its bits, so EMU computes in float32."""
+    if EMU:
+        out = (a.to(tl.float32) * b.to(tl.float32)).to(tl.bfloat16)
     else:
-        values, post = _fp8_tile(w, slot64, rows, row_ok, k0, OUT, IN, SUB)
-    return values, post
+        out = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.bfloat16,
+                                        is_pure=True, pack=2)
+    return out
 
 
 @triton.jit
-def _words(q_ptr, slot64, rows64, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr):
-    """(words [R, BLOCK_K / 8] int32 of 8 codes each (code j in bits 4j..4j + 3), col8: the first column
-    of each word) of a 4-bit matrix's rows at columns [k0, k0 + BLOCK_K); 0 where masked."""
-    col8 = k0 + 8 * tl.arange(0, BLOCK_K // 8)
-    words = tl.load(q_ptr + slot64 * (OUT * (IN // 8)) + rows64[:, None] * (IN // 8) + (col8 // 8)[None, :],
-                    mask=row_ok[:, None] & (col8 < IN)[None, :], other=0)
-    return words, col8
+def _sub(a, b, EMU: tl.constexpr):
+    """a - b of bfloat16 tensors of one shape (exact here), as _mul."""
+    if EMU:
+        out = (a.to(tl.float32) - b.to(tl.float32)).to(tl.bfloat16)
+    else:
+        out = tl.inline_asm_elementwise("sub.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.bfloat16,
+                                        is_pure=True, pack=2)
+    return out
 
 
 @triton.jit
-def _dense_tile(q_ptr, slot64, rows64, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr):
-    cols = k0 + tl.arange(0, BLOCK_K)
-    m = row_ok[:, None] & (cols < IN)[None, :]
-    v = tl.load(q_ptr + slot64 * (OUT * IN) + rows64[:, None] * IN + cols[None, :], mask=m, other=0.0)
-    return v.to(tl.float32), tl.where(row_ok, 1.0, 0.0)
+def _affine(a, C: tl.constexpr, D: tl.constexpr, EMU: tl.constexpr):
+    """a * C + D of a bfloat16 tensor and constants (exact here), one bfloat16 instruction a pair."""
+    if EMU:
+        out = (a.to(tl.float32) * C + D).to(tl.bfloat16)
+    elif C == 1.0:
+        out = a + D
+    elif D == 0.0:
+        out = a * C
+    else:
+        out = a * C + D
+    return out
 
 
 @triton.jit
-def _fp8_tile(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, SUB: tl.constexpr):
-    """e4m3 values; post the 128 x 128 block's scale (each sub-matrix has its own block rows)."""
+def _halves(y, EMU: tl.constexpr):
+    """int32 [..] holding two bfloat16 bit patterns -> bfloat16 [.., 2], the low half first. EMU: float32
+    of the same values (the interpreter's bfloat16 casts flush subnormals, which E2M1 and e4m3 use)."""
+    if EMU:
+        out = tl.join((y << 16).to(tl.float32, bitcast=True), (y & -65536).to(tl.float32, bitcast=True))
+    else:
+        out = tl.join(y.to(tl.int16).to(tl.bfloat16, bitcast=True),
+                      (y >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
+    return out
+
+
+@triton.jit
+def _int4_pair(w, n: tl.constexpr, EMU: tl.constexpr):
+    """Nibbles n and n + 4 of words w as two bfloat16 bit patterns 0x4300 | u (128 + u): one LOP3."""
+    x = w >> (4 * n)
+    if EMU:
+        y = (x & 0x000F000F) | 0x43004300
+    else:
+        y = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;", "=r,r", [x],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    return y
+
+
+@triton.jit
+def _e2m1_pair(w, n: tl.constexpr):
+    """E2M1 codes n and n + 4 of words w as two bfloat16 bit patterns: the sign at bit 15, the exponent
+    and mantissa at bits 6..8 (value * 2^-126)."""
+    if n < 2:
+        mag = w << (6 - 4 * n)
+    else:
+        mag = w >> (4 * n - 6)
+    return (mag & 0x01C001C0) | ((w << (12 - 4 * n)) & SIGN_BITS)
+
+
+@triton.jit
+def _nibbles(words, R: tl.constexpr, FMT: tl.constexpr, EMU: tl.constexpr):
+    """words [R, 16] of a 4-bit format -> bfloat16 [R, BLOCK_K] in the dot's K order (ORDER 1): int4's
+    128 + u, E2M1's value * 2^-126."""
+    w = tl.permute(tl.reshape(words, [R, 4, 4]), [0, 2, 1])  # [r, m, c]: word 4c + m
+    if FMT == INT4:
+        a6 = tl.join(tl.join(_halves(_int4_pair(w, 0, EMU), EMU), _halves(_int4_pair(w, 1, EMU), EMU)),
+                     tl.join(_halves(_int4_pair(w, 2, EMU), EMU), _halves(_int4_pair(w, 3, EMU), EMU)))
+    else:
+        a6 = tl.join(tl.join(_halves(_e2m1_pair(w, 0), EMU), _halves(_e2m1_pair(w, 1), EMU)),
+                     tl.join(_halves(_e2m1_pair(w, 2), EMU), _halves(_e2m1_pair(w, 3), EMU)))
+    return tl.reshape(tl.permute(a6, [0, 1, 5, 4, 2, 3]), [R, BLOCK_K])  # [r, m, c, e, b, h] -> p
+
+
+@triton.jit
+def _spread(v, R: tl.constexpr):
+    """[R, 4 m, 4 c] (a value per word 4c + m) -> [R, BLOCK_K] at the word's 8 positions of ORDER 1."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None, None, :, None], [R, 4, 2, 2, 4, 2]), [R, BLOCK_K])
+
+
+@triton.jit
+def _words(q_ptr, slot64, rows, row_ok, k0, PER: tl.constexpr, OUT: tl.constexpr, IN: tl.constexpr):
+    """int32 words [R, BLOCK_K / PER] of PER codes each (code j in bits (32 / PER) j ..) of rows `rows`
+    at columns [k0, k0 + BLOCK_K); 0 where masked. Offsets within a slot's matrix are int32."""
+    col = k0 + PER * tl.arange(0, BLOCK_K // PER)
+    return tl.load(q_ptr + slot64 * (OUT * (IN // PER)) + (rows[:, None] * (IN // PER) + (col // PER)[None, :]),
+                   mask=row_ok[:, None] & (col < IN)[None, :], other=0)
+
+
+@triton.jit
+def _weight_tile(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, SUB: tl.constexpr,
+                 FMT: tl.constexpr, ZP: tl.constexpr, EMU: tl.constexpr):
+    """(a [R, BLOCK_K], post [R] float32): rows [R] of slot `slot64`'s matrix [OUT, IN] (OUT / SUB stacked
+    sub-matrices) at columns [k0, k0 + BLOCK_K) in the dot's K order of FMT, a the values exact in
+    bfloat16 (dense: as stored), a row's dot with them times post its part of W' · x. A column past IN
+    gives a finite value that meets a zero activation; a row not ok gives post 0. w: the matrix's pool
+    banks (q, s, s2, z) [S, ...] as SlotMatrix.kernel_args."""
+    if FMT == 0:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(w[0] + slot64 * (OUT * IN) + (rows[:, None] * IN + cols[None, :]),
+                    mask=row_ok[:, None] & (cols < IN)[None, :], other=0.0)
+        if a.dtype == tl.bfloat16:
+            a = _in_registers(a, EMU)
+        post = tl.where(row_ok, 1.0, 0.0)
+    elif FMT == FP8:
+        a, post = _fp8_tile(w, slot64, rows, row_ok, k0, OUT, IN, SUB, EMU)
+    elif FMT == INT4:
+        a, post = _int4_tile(w, slot64, rows, row_ok, k0, OUT, IN, ZP, EMU)
+    else:
+        a, post = _e2m1_tile(w, slot64, rows, row_ok, k0, OUT, IN, SUB, FMT, EMU)
+    return a, post
+
+
+@triton.jit
+def _fp8_tile(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, SUB: tl.constexpr,
+              EMU: tl.constexpr):
+    """e4m3 values, 4 a word, in ORDER 2 (bytes b and b + 2 of a word a register); post the 128 x 128
+    block's scale (each sub-matrix has its own block rows)."""
     q_ptr, s_ptr, _, _ = w
-    cols = k0 + tl.arange(0, BLOCK_K)
-    m = row_ok[:, None] & (cols < IN)[None, :]
-    v = tl.load(q_ptr + slot64 * (OUT * IN) + rows.to(tl.int64)[:, None] * IN + cols[None, :], mask=m, other=0)
+    R: tl.constexpr = rows.shape[0]
+    words = _words(q_ptr.to(tl.pointer_type(tl.int32), bitcast=True), slot64, rows, row_ok, k0, 4, OUT, IN)
+    w4 = tl.permute(tl.reshape(words, [R, 4, 4, 2]), [0, 2, 3, 1])  # [r, m, h, c]: word 8c + 2m + h
+    lo = ((w4 << 4) & 0x07F007F0) | ((w4 << 8) & SIGN_BITS)  # bytes 0 and 2: value * 2^-120
+    hi = ((w4 >> 4) & 0x07F007F0) | (w4 & SIGN_BITS)  # bytes 1 and 3
+    a6 = tl.join(_halves(lo, EMU), _halves(hi, EMU))  # [r, m, h, c, e, b]
+    a = _affine(tl.reshape(tl.permute(a6, [0, 1, 2, 5, 3, 4]), [R, BLOCK_K]), 1.329227995784916e36, 0.0, EMU)
     PER_SUB: tl.constexpr = (SUB + 127) // 128  # block rows of a sub-matrix
     BLOCKS: tl.constexpr = (IN + 127) // 128  # scale columns
     SROWS: tl.constexpr = (OUT // SUB) * PER_SUB
     srow = (rows // SUB) * PER_SUB + (rows % SUB) // 128
-    post = tl.load(s_ptr + slot64 * (SROWS * BLOCKS) + srow.to(tl.int64) * BLOCKS + k0 // 128, mask=row_ok,
-                   other=0.0)
-    return v.to(tl.float8e4nv, bitcast=True).to(tl.float32), post.to(tl.float32)
+    post = tl.load(s_ptr + slot64 * (SROWS * BLOCKS) + (srow * BLOCKS + k0 // 128), mask=row_ok, other=0.0)
+    return a, post.to(tl.float32)
+
+
+@triton.jit
+def _int4_tile(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, ZP: tl.constexpr,
+               EMU: tl.constexpr):
+    """int4's u - z (the bfloat16 128 + u less 128 + z); post the group's scale."""
+    q_ptr, s_ptr, _, z_ptr = w
+    R: tl.constexpr = rows.shape[0]
+    a = _nibbles(_words(q_ptr, slot64, rows, row_ok, k0, 8, OUT, IN), R, INT4, EMU)
+    GROUPS: tl.constexpr = (IN + 127) // 128
+    soff = slot64 * (OUT * GROUPS) + (rows * GROUPS + k0 // 128)
+    if ZP:
+        zero = (tl.load(z_ptr + soff, mask=row_ok, other=0).to(tl.float32) + 128.0).to(tl.bfloat16)
+        a = _sub(a, tl.broadcast_to(zero[:, None], [R, BLOCK_K]), EMU)
+    else:
+        a = _affine(a, 1.0, -136.0, EMU)
+    return a, tl.load(s_ptr + soff, mask=row_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_tile(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, SUB: tl.constexpr,
+               FMT: tl.constexpr, EMU: tl.constexpr):
+    """nvfp4's e2m1 * (e4m3 * 2^118), post its global scale * 2^8; mxfp4's e2m1 * 2^126 * 2^(e - 127)
+    (e8m0: e = 0 is 2^-127, a bfloat16 subnormal), post 1 (0 for a row not ok)."""
+    q_ptr, s_ptr, s2_ptr, _ = w
+    R: tl.constexpr = rows.shape[0]
+    a = _nibbles(_words(q_ptr, slot64, rows, row_ok, k0, 8, OUT, IN), R, FMT, EMU)
+    BS: tl.constexpr = 16 if FMT == NVFP4 else 32
+    NSC: tl.constexpr = IN // BS
+    col = k0 + 32 * tl.arange(0, 4)[None, :] + 8 * tl.arange(0, 4)[:, None]  # [m, c]: word 4c + m's first column
+    soff = slot64 * (OUT * NSC) + (rows[:, None, None] * NSC + (col // BS)[None, :, :])
+    sm = row_ok[:, None, None] & (col < IN)[None, :, :]
+    if FMT == MXFP4:
+        e = tl.load(s_ptr + soff, mask=sm, other=0).to(tl.int32)
+        if EMU:
+            scale = tl.where(e > 0, e << 23, 4194304).to(tl.float32, bitcast=True)
+        else:
+            scale = tl.where(e > 0, e << 7, 64).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        a = _mul(_affine(a, 8.507059173023462e37, 0.0, EMU), _spread(scale, R), EMU)  # 2^126
+        post = tl.where(row_ok, 1.0, 0.0)
+    else:
+        scale = (tl.load(s_ptr + soff, mask=sm, other=0.0).to(tl.float32) * 3.3230699894622896e35).to(tl.bfloat16)
+        a = _mul(a, _spread(scale, R), EMU)  # * 2^118
+        post = tl.load(s2_ptr + slot64 * (OUT // SUB) + rows // SUB, mask=row_ok, other=0.0).to(tl.float32) * 256.0
+    return a, post
+
+
+@triton.jit
+def _acts(b_rows, lo_off, valid, k0, IN: tl.constexpr, ORDER: tl.constexpr, PREC: tl.constexpr,
+          EMU: tl.constexpr):
+    """(hi, lo) [BLOCK_K, N]: the members' activations at columns [k0, k0 + BLOCK_K) in the dot's K
+    order (b_rows [N, 1]: pointers to each member's row; valid [N]); lo (PREC 2: the bfloat16 low parts,
+    lo_off elements after the high ones) or hi again. 0 past IN and for a member not valid."""
+    N: tl.constexpr = valid.shape[0]
+    cols = k0 + tl.arange(0, BLOCK_K)
+    m = valid[:, None] & (cols < IN)[None, :]
+    hi = tl.trans(_order(tl.load(b_rows + cols[None, :], mask=m, other=0.0), N, ORDER, EMU))
+    lo = hi
+    if PREC == 2:
+        lo = tl.trans(_order(tl.load(b_rows + lo_off + cols[None, :], mask=m, other=0.0), N, ORDER, EMU))
+    return hi, lo
 
 
 @triton.jit
@@ -141,105 +341,31 @@ def _mma(a, b, EMU: tl.constexpr):
 
 
 @triton.jit
-def _load_a(a_rows, cols, mask, lo_off, PREC: tl.constexpr):
-    """(a, lo) at columns cols of the rows a_rows [M, 1]: lo (PREC 2: the bfloat16 low parts, lo_off
-    elements after the high ones) or a again."""
-    a = tl.load(a_rows + cols, mask=mask, other=0.0)
-    lo = a
-    if PREC == 2:
-        lo = tl.load(a_rows + lo_off + cols, mask=mask, other=0.0)
-    return a, lo
-
-
-@triton.jit
-def _dot(a, lo, values, PREC: tl.constexpr, EMU: tl.constexpr):
-    """a [M, BLOCK_K] (+ lo, PREC 2) · values [N, BLOCK_K] float32, transposed -> [M, N] float32. One
-    return: Triton's compiler type-checks the code after a constexpr branch's return too."""
+def _dot(a, hi, lo, PREC: tl.constexpr, EMU: tl.constexpr):
+    """a [M, BLOCK_K] · hi [BLOCK_K, N] (+ a · lo, PREC 2) -> [M, N] float32. One return: Triton's
+    compiler type-checks the code after a constexpr branch's return too."""
     if PREC == 1:
-        out = tl.dot(a.to(tl.float32), tl.trans(values), input_precision="ieee")
+        out = tl.dot(a.to(tl.float32), hi.to(tl.float32), input_precision="ieee")
     elif PREC == 0:
-        out = _mma(a.to(tl.bfloat16), tl.trans(values.to(tl.bfloat16)), EMU)
+        out = _mma(a.to(tl.bfloat16), hi.to(tl.bfloat16), EMU)
     else:
-        b = tl.trans(values.to(tl.bfloat16))
-        out = _mma(a, b, EMU) + _mma(lo, b, EMU)
+        out = _mma(a, hi, EMU) + _mma(a, lo, EMU)
     return out
 
 
 @triton.jit
-def _block(acc, a_rows, lo_off, valid, w, slot64, rows, row_ok, k0, OUT: tl.constexpr,
-           IN: tl.constexpr, SUB: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr, PREC: tl.constexpr,
-           EMU: tl.constexpr):
-    """acc [M, R] + the activations' columns [k0, k0 + BLOCK_K) (rows a_rows [M, 1], pointers to each
-    member's row; valid [M]) dotted with the weight rows `rows` of slot `slot64` (as _weight_tile)."""
-    if FMT == INT4:
-        acc = _int4_block(acc, a_rows, lo_off, valid, w, slot64, rows, row_ok, k0, OUT, IN, ZP, PREC, EMU)
-    elif FMT == NVFP4 or FMT == MXFP4:
-        acc = _e2m1_block(acc, a_rows, lo_off, valid, w, slot64, rows, row_ok, k0, OUT, IN, SUB, FMT, PREC, EMU)
+def _block(acc, b_rows, lo_off, valid, w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr,
+           SUB: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+    """acc [R, N] + the weight rows `rows` of slot `slot64` (as _weight_tile) dotted with the members'
+    activations at columns [k0, k0 + BLOCK_K) (as _acts)."""
+    ORDER: tl.constexpr = 0 if FMT == 0 else (2 if FMT == FP8 else 1)
+    hi, lo = _acts(b_rows, lo_off, valid, k0, IN, ORDER, PREC, EMU)
+    a, post = _weight_tile(w, slot64, rows, row_ok, k0, OUT, IN, SUB, FMT, ZP, EMU)
+    if FMT == 0:
+        acc += _dot(a, hi, lo, PREC, EMU)
     else:
-        cols = k0 + tl.arange(0, BLOCK_K)
-        a, lo = _load_a(a_rows, cols[None, :], valid[:, None] & (cols < IN)[None, :], lo_off, PREC)
-        values, post = _weight_tile(w, slot64, rows, row_ok, k0, OUT, IN, SUB, FMT)
-        acc += _dot(a, lo, values, PREC, EMU) * post[None, :]
+        acc += _dot(a, hi, lo, PREC, EMU) * post[:, None]
     return acc
-
-
-@triton.jit
-def _int4_block(acc, a_rows, lo_off, valid, w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr,
-                ZP: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
-    """_block of int4: one dot per nibble k of the group's 16 words (K = 16: the columns 8l + k, the
-    activations gathered alike), so the codes are decoded where the dot reads them, with no reshape.
-    A code u becomes the bfloat16 128 + u by its bits (0x4300 | u), less 128 + z: u - z, exact (on
-    the GPU two values a half-precision instruction). The group's scale multiplies the sum of the 8 dots."""
-    q_ptr, s_ptr, _, z_ptr = w
-    rows64 = rows.to(tl.int64)
-    words, col8 = _words(q_ptr, slot64, rows64, row_ok, k0, OUT, IN)  # [R, 16]
-    GROUPS: tl.constexpr = (IN + 127) // 128
-    soff = slot64 * (OUT * GROUPS) + rows64 * GROUPS + k0 // 128
-    post = tl.load(s_ptr + soff, mask=row_ok, other=0.0).to(tl.float32)
-    if ZP:
-        zero = tl.load(z_ptr + soff, mask=row_ok, other=0).to(tl.float32)[:, None]
-    else:
-        zero = 8.0
-    amask = valid[:, None] & (col8 < IN)[None, :]
-    block = tl.zeros(acc.shape, dtype=tl.float32)
-    for k in tl.static_range(8):
-        a, lo = _load_a(a_rows, (col8 + k)[None, :], amask, lo_off, PREC)  # [M, 16]
-        codes = (words >> (4 * k)) & 15
-        values = (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (128.0 + zero)
-        block += _dot(a, lo, values, PREC, EMU)
-    return acc + block * post[None, :]
-
-
-@triton.jit
-def _e2m1_block(acc, a_rows, lo_off, valid, w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr,
-                SUB: tl.constexpr, FMT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
-    """_block of nvfp4 / mxfp4 as _int4_block's dots: nibble k of the 16 words (columns 8l + k, in block
-    8l // BS); each code's bits placed in a float16 (value * 2^-14, exact), times its block's scale
-    * 2^14 in float32 (exact), the dot's operand; nvfp4's global scale multiplies the sum."""
-    q_ptr, s_ptr, s2_ptr, _ = w
-    rows64 = rows.to(tl.int64)
-    words, col8 = _words(q_ptr, slot64, rows64, row_ok, k0, OUT, IN)  # [R, 16]
-    BS: tl.constexpr = 16 if FMT == NVFP4 else 32
-    NSC: tl.constexpr = IN // BS
-    sc = col8 // BS  # [16] each word's block
-    soff = slot64 * (OUT * NSC) + rows64[:, None] * NSC + sc[None, :]
-    sm = row_ok[:, None] & (col8 < IN)[None, :]
-    if FMT == MXFP4:  # e8m0: 2^(e - 127), e = 0 is 2^-127 (a float32 subnormal)
-        e = tl.load(s_ptr + soff, mask=sm, other=0).to(tl.int32)
-        scale = tl.where(e > 0, (e << 23).to(tl.float32, bitcast=True), 5.877471754111438e-39) * 16384.0
-        post = tl.where(row_ok, 1.0, 0.0)
-    else:
-        scale = tl.load(s_ptr + soff, mask=sm, other=0.0).to(tl.float32) * 16384.0
-        post = tl.load(s2_ptr + slot64 * (OUT // SUB) + rows // SUB, mask=row_ok, other=0.0).to(tl.float32)
-    amask = valid[:, None] & (col8 < IN)[None, :]
-    block = tl.zeros(acc.shape, dtype=tl.float32)
-    for k in tl.static_range(8):
-        a, lo = _load_a(a_rows, (col8 + k)[None, :], amask, lo_off, PREC)
-        c = words >> (4 * k)
-        h = ((c & 7) << 9) | ((c & 8) << 12)
-        values = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * scale
-        block += _dot(a, lo, values, PREC, EMU)
-    return acc + block * post[None, :]
 
 
 @triton.jit(**MMA_JIT_OPTIONS)
@@ -254,23 +380,22 @@ def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens,
     slot, leader, hit, rank, count = _group(slots_ptr, tl.program_id(0), tokens, num_slots, K, TB, KB)
     if leader:
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; up rows are I further
-        row_ok = n < I
+        r = tl.arange(0, 2 * BLOCK_N)
+        rows = tl.program_id(1) * BLOCK_N + r % BLOCK_N + (r // BLOCK_N) * I  # A: the gate rows, then the up rows
+        row_ok = (tl.program_id(1) * BLOCK_N + r % BLOCK_N) < I
         slot64 = slot.to(tl.int64)
         m0 = 0
         while m0 < count:
             token, pair, valid = _members(hit, rank, m0, K, TB, KB, BLOCK_M)
-            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            a_rows = x_ptr + token[:, None].to(tl.int64) * H  # [BLOCK_M, 1]
+            acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
+            b_rows = x_ptr + token[:, None].to(tl.int64) * H  # [BLOCK_M, 1]
             for k0 in range(0, H, BLOCK_K):
-                acc_g = _block(acc_g, a_rows, 0, valid, w13, slot64, n, row_ok, k0, 2 * I, H, I, FMT, ZP,
-                               PREC, EMU)
-                acc_u = _block(acc_u, a_rows, 0, valid, w13, slot64, n + I, row_ok, k0, 2 * I, H, I, FMT, ZP,
-                               PREC, EMU)
+                acc = _block(acc, b_rows, 0, valid, w13, slot64, rows, row_ok, k0, 2 * I, H, I, FMT, ZP, PREC, EMU)
+            gate, up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N, BLOCK_M]), [1, 2, 0]))
             weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
-            act = _activation(weight[:, None], acc_g, acc_u, b13_ptr, slot, True, n, I, ACT, ALPHA, LIMIT, BIAS)
-            where = pair[:, None].to(tl.int64) * I + n[None, :]
-            keep = valid[:, None] & row_ok[None, :]
+            act = _activation(weight[None, :], gate, up, b13_ptr, slot, True, n[:, None], I, ACT, ALPHA, LIMIT, BIAS)
+            where = pair[None, :].to(tl.int64) * I + n[:, None]
+            keep = valid[None, :] & (n < I)[:, None]
             if SPLIT:  # the down's two bfloat16 parts: about 16 significant bits of each float32
                 hi = act.to(tl.bfloat16)
                 tl.store(act_ptr + where, hi, mask=keep)
@@ -295,12 +420,11 @@ def _down_mma(act_ptr, slots_ptr, w2, y_ptr, num_slots, tokens, lo_off,
         m0 = 0
         while m0 < count:
             token, pair, valid = _members(hit, rank, m0, K, TB, KB, BLOCK_M)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            a_rows = act_ptr + pair[:, None].to(tl.int64) * I
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            b_rows = act_ptr + pair[:, None].to(tl.int64) * I
             for k0 in range(0, I, BLOCK_K):
-                acc = _block(acc, a_rows, lo_off, valid, w2, slot64, h, row_ok, k0, H, I, H, FMT, ZP, PREC,
-                             EMU)
-            tl.store(y_ptr + pair[:, None].to(tl.int64) * H + h[None, :], acc, mask=valid[:, None] & row_ok[None, :])
+                acc = _block(acc, b_rows, lo_off, valid, w2, slot64, h, row_ok, k0, H, I, H, FMT, ZP, PREC, EMU)
+            tl.store(y_ptr + pair[None, :].to(tl.int64) * H + h[:, None], acc, mask=valid[None, :] & row_ok[:, None])
             m0 += BLOCK_M
 
 

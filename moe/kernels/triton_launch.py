@@ -49,12 +49,13 @@ def _type_leaves(types, at=()):
 
 
 def compile_for_sm(kernel, types: tuple[str, ...], constexprs: dict, warps: int, arch: int,
-                   jit_options: dict) -> dict:
+                   jit_options: dict, divisible: tuple[str, ...] = ()) -> dict:
     """Compile one kernel for CUDA sm_<arch> without a GPU (needs ptxas); returns its asm dict.
 
     types: Triton's type string of each runtime argument in order ("*bf16", "*fp32", "i32", ...), a
-    tuple of them for a tuple argument; pointers are declared 16-byte aligned. constexprs: every
-    constexpr argument's value. Run it in a process without TRITON_INTERPRET=1 (the interpreter
+    tuple of them for a tuple argument; pointers are declared 16-byte aligned. divisible: the integer
+    arguments declared multiples of 16, as the launcher specializes them when they are. constexprs:
+    every constexpr argument's value. Run it in a process without TRITON_INTERPRET=1 (the interpreter
     replaces the compiler's language hooks).
     """
     import inspect
@@ -72,7 +73,8 @@ def compile_for_sm(kernel, types: tuple[str, ...], constexprs: dict, warps: int,
                 if p.is_constexpr and p.name not in constexprs and p.default is not inspect.Parameter.empty}
     constexprs = {**defaults, **constexprs}
     signature = {**dict(zip(fn.arg_names, types)), **{c: "constexpr" for c in constexprs}}
-    aligned = {path: [["tt.divisibility", 16]] for path, ty in _type_leaves(types) if ty.startswith("*")}
+    aligned = {path: [["tt.divisibility", 16]] for path, ty in _type_leaves(types)
+               if ty.startswith("*") or (len(path) == 1 and fn.arg_names[path[0]] in divisible)}
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm
 

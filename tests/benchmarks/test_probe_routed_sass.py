@@ -26,6 +26,9 @@ def test_the_innermost_loop_holding_the_mma_is_counted():
     probe = _probe()
     assert probe.innermost_loop(code, "HMMA") == [ins for a, ins in code if 0x20 <= a <= 0x40]
     assert probe.innermost_loop(code, "WGMMA") == []
+    wgmma = [(a, ins.replace("HMMA.16816.F32.BF16 R8, R12, R16, R8", "HGMMA.64x16x16.F32.BF16 R8, R12, gdesc[UR4], R8"))
+             for a, ins in code]
+    assert probe.innermost_loop(wgmma, probe.MMA_OPCODES) == [ins for a, ins in wgmma if 0x20 <= a <= 0x40]
     assert probe._opcode("@!P0 LOP3.LUT R3, R2, 0xf, RZ, 0xc0, !PT") == "LOP3"
 
 

@@ -5,12 +5,16 @@ dequantizes the same bytes (routed_reference), in every expert format.
     routed_experts_mma (Triton: the interpreter on the CPU, its bfloat16 dots multiplied as float32;
     compiled on a GPU) vs routed_reference: |got - ref| <= 1e-4 * max|ref|; slots outside [0, S) add
     nothing; two calls bitwise equal; more tokens on one slot than a tile takes (block_m) run in turns;
-    gpt-oss's clamped SwiGLU with biases; the fused combine (addend, cast); bad arguments named
-every format's three launches compile for sm_90 with tensor-core dots and no local memory (no GPU)
+    gpt-oss's clamped SwiGLU with biases; the fused combine (addend, cast); every format at T = 1, 2, 8,
+    16, 64 with SiLU and with the clamped SwiGLU; bad arguments named
+every format's three launches compile for sm_90 with wgmma dots whose first operand (the decoded weights)
+is in registers, and no local memory (no GPU)
 GPU (`gpu`): the Qwen3-30B-A3B and Qwen3-Next expert shapes at T = 1..64, gpt-oss-20b's at 1..16, eager and graph.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -110,6 +114,29 @@ def test_gpt_oss_clamped_swiglu_with_biases_and_the_fused_combine():
         assert torch.equal(cast, out.bfloat16())
 
 
+@pytest.mark.parametrize("act", ["silu", "clamped-swiglu"])
+@pytest.mark.parametrize("tokens", [1, 2, 8, 16, 64])
+@pytest.mark.parametrize("name", [*sorted(FORMATS), "bf16"])
+def test_every_format_from_1_to_64_tokens_silu_and_clamped_swiglu(name, tokens, act):
+    """The weights are the dots' register operand, a block's columns in each format's order and the
+    activations permuted alike: fresh random pools, routes and inputs at T = 1..64 (64: about 32 members
+    a slot, two tiles in turn), SiLU and gpt-oss's clamped SwiGLU with both biases."""
+    device, _ = device_or_skip()
+    seed = 1000 + 97 * tokens + 31 * sorted(FORMATS).index(name) if name in FORMATS else 7000 + tokens
+    seed += 500 if act == "silu" else 0
+    gate_up, down = _pool(name, device, slots=8, seed=seed)
+    slots, weights = make_route(tokens, 4, 8, device, seed=seed + 1, pad=tokens // 4)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed + 2))
+    kw = {}
+    if act != "silu":  # hidden scaled so that a good share of the gate / up dots pass the clamp limit
+        x = 6 * x
+        b13, b2 = make_biases(8, H, I, torch.bfloat16, device, seed=seed + 3, scale=2.0)
+        kw = {"cfg": dataclasses.replace(OAI, hidden=H, expert_intermediate=I), "gate_up_bias": b13, "down_bias": b2}
+    x = x.bfloat16().to(device)
+    got = routed_experts_mma(x, slots, weights, gate_up, down, tiles=SMALL, **kw)
+    assert_close(got, routed_reference(x, slots, weights, gate_up, down, **kw), 1e-4)
+
+
 def test_bad_arguments_are_named():
     gate_up, down = _pool("fp8", "cpu", slots=2, hidden=128, inter=32)
     x, w = torch.zeros(1, 128, dtype=torch.bfloat16), torch.ones(1, 2)
@@ -122,6 +149,9 @@ def test_bad_arguments_are_named():
     _, other = _pool("nvfp4", "cpu", slots=2, hidden=128, inter=32)
     with pytest.raises(ValueError, match=r"down must be .* in gate_up's format fp8"):
         routed_experts_mma(x, slots, w, gate_up, other)
+    odd_up, odd_down = _pool("fp8", "cpu", slots=2, hidden=128, inter=30)
+    with pytest.raises(ValueError, match=r"mma_down: down is fp8 with 30 input columns; .*\(a multiple of 4\)"):
+        routed_experts_mma(x, slots, w, odd_up, odd_down)
     assert MmaTiles().grids(3, 8, 2048, 768) == ((24, 24), (24, 32), (3, 8))
     assert MmaTiles.from_name("m32-i64w8-h16w2-c128w4") == MmaTiles(32, 64, 8, 16, 2, 128, 4)
     assert MmaTiles.from_name(MmaTiles().name) == MmaTiles()
@@ -134,8 +164,10 @@ def test_bad_arguments_are_named():
 
 SM90 = """
 import json
+import re
 from moe.kernels.routed_mma import compile_mma_for_target
 from moe.model.config import MoEConfig
+REGISTER_A = r"wgmma[.]mma_async[^;]*[}], *[{]"  # {accumulators}, {the first operand's registers}, descriptor
 found = {}
 for fmt, tokens, bias, dtype in (("fp8", 1, False, "bf16"), ("nvfp4", 8, False, "bf16"), ("mxfp4", 64, True, "bf16"),
                                  ("int4", 16, False, "bf16"), ("bf16", 2, False, "bf16"), ("int4", 4, False, "fp16"),
@@ -145,7 +177,7 @@ for fmt, tokens, bias, dtype in (("fp8", 1, False, "bf16"), ("nvfp4", 8, False, 
                     router_bias=True) if bias else None
     shape = (4, 2880, 2880) if bias else (8, 2048, 768)
     asm = compile_mma_for_target(*shape, dtype, tokens=tokens, expert_format=fmt, cfg=cfg, expert_bias=bias)
-    found[fmt + "-" + dtype] = {name: [a["ptx"].count("mma.sync"),
+    found[fmt + "-" + dtype] = {name: [a["ptx"].count("wgmma.mma_async"), len(re.findall(REGISTER_A, a["ptx"])),
                                        a["ptx"].count("ld.local") + a["ptx"].count("st.local")]
                                 for name, a in asm.items()}
 print(json.dumps(found))
@@ -153,17 +185,19 @@ print(json.dumps(found))
 
 
 def test_every_format_compiles_for_sm90_on_the_tensor_cores():
-    """bf16 activations multiply on the tensor cores; float16 and float32 ones (float32 dots, "ieee")
-    compile too, the code after a constexpr branch's return included."""
+    """bf16 activations multiply on Hopper's wgmma, every one reading the decoded weights from registers;
+    float16 and float32 ones (float32 dots, "ieee") compile too, the code after a constexpr branch's
+    return included."""
     found = compile_check(SM90)
     assert sorted(found) == ["bf16-bf16", "fp8-bf16", "int4-bf16", "int4-fp16", "mxfp4-bf16", "nvfp4-bf16",
                              "nvfp4-fp32"]
     for variant, kernels in found.items():
         assert sorted(kernels) == ["_combine", "_down_mma", "_gate_up_mma"], variant
-        for name, (mma, local) in kernels.items():
+        for name, (wgmma, register_a, local) in kernels.items():
             assert local == 0, f"{variant} {name} spills to local memory"
+            assert register_a == wgmma, (variant, name, wgmma, register_a)
             if variant.endswith("-bf16"):
-                assert (mma > 0) == (name != "_combine"), (variant, name, mma)
+                assert (wgmma > 0) == (name != "_combine"), (variant, name, wgmma)
 
 
 # ---------------------------------------------------------------- GPU: the real expert shapes
