@@ -48,13 +48,23 @@ PRECISION = {torch.bfloat16: (0, 2), torch.float16: (1, 1), torch.float32: (1, 1
 _SCRATCH: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def check_mma_capability(capability: tuple[int, int]) -> None:
+    """Raise ValueError naming EXPERTCACHE_ROUTED_MMA unless a GPU of this compute capability runs the kernels:
+    their decode uses sm_90's bfloat16x2 arithmetic and their dots Hopper's wgmma (sm_90 and later)."""
+    if tuple(capability) < (9, 0):
+        raise ValueError(f"the tensor-core routed kernels need compute capability 9.0 or later (Hopper); this GPU "
+                         f"is {capability[0]}.{capability[1]}: set EXPERTCACHE_ROUTED_MMA=0 or unset it")
+
+
 def mma_scratch(device: torch.device | str, top_k: int, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(act float32 [MMA_MAX_TOKENS * k, I], y float32 [MMA_MAX_TOKENS * k, H]) that routed_experts_mma
     uses on `device`, made on first use and kept (call it before CUDA-graph capture). Calls that share
-    them must be ordered on one stream."""
+    them must be ordered on one stream. Raises ValueError (check_mma_capability) on a GPU before Hopper."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        check_mma_capability(torch.cuda.get_device_capability(device))
     key = (device, top_k, hidden, inter)
     if key not in _SCRATCH:
         rows = MMA_MAX_TOKENS * top_k

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from moe.kernels.routed import NO_SLOT, routed_reference
-from moe.kernels.routed_mma import MMA_MAX_TOKENS, routed_experts_mma
+from moe.kernels.routed_mma import MMA_MAX_TOKENS, check_mma_capability, routed_experts_mma
 from moe.kernels.tiles import MmaTiles
 from moe.model.slot_matrix import SlotMatrix
 from tests.conftest import compile_check, device_or_skip
@@ -237,3 +237,15 @@ def test_gpu_graph_replay_equals_eager(name):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9)])
+def test_a_gpu_before_hopper_is_refused_naming_the_variable(capability):
+    with pytest.raises(ValueError) as err:
+        check_mma_capability(capability)
+    assert "EXPERTCACHE_ROUTED_MMA=0" in str(err.value) and f"is {capability[0]}.{capability[1]}" in str(err.value)
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0), (12, 0)])
+def test_hopper_and_later_run_the_kernels(capability):
+    check_mma_capability(capability)
