@@ -2,7 +2,7 @@
 
 A test marked `gpu` needs a CUDA GPU and is skipped without one; a test marked `cpu_only` checks what
 happens without a GPU (Triton's interpreter, a refusal) and is skipped where CUDA is present; a test
-marked `slow` (a long property search) runs only in the long profile (HYPOTHESIS_PROFILE=long, `make
+marked `slow` (a long property search or interpreter run) runs only in the long profile (HYPOTHESIS_PROFILE=long, `make
 test-long`). The skips are made here, once (pytest_collection_modifyitems), not by each file.
 
 HYPOTHESIS_PROFILE=ci (default) keeps the property tests inside CI's budget;

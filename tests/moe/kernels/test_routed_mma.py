@@ -115,7 +115,7 @@ def test_gpt_oss_clamped_swiglu_with_biases_and_the_fused_combine():
 
 
 @pytest.mark.parametrize("act", ["silu", "clamped-swiglu"])
-@pytest.mark.parametrize("tokens", [1, 2, 8, 16, 64])
+@pytest.mark.parametrize("tokens", [1, 2, 8, 16, pytest.param(64, marks=pytest.mark.slow)])  # 64: the long profile
 @pytest.mark.parametrize("name", [*sorted(FORMATS), "bf16"])
 def test_every_format_from_1_to_64_tokens_silu_and_clamped_swiglu(name, tokens, act):
     """The weights are the dots' register operand, a block's columns in each format's order and the
