@@ -430,7 +430,7 @@ class CpuShare:
                            self.num_experts, H=self.hidden, K=self.top_k, BLOCK_H=1024,
                            BLOCK_K=triton.next_power_of_2(GEMV_MAX_TOKENS * self.top_k), TAIL=tail,
                            INTER=self.experts.cfg.expert_intermediate, SPLIT_LEN=SPLIT_LEN,
-                           GDC=self._gdc(pdl), **self._launch(pdl))
+                           **self._pdl_args(pdl))
 
     def zero_tail(self, act: torch.Tensor | None, slots: torch.Tensor | None, pdl: bool = False) -> None:
         """With a tail: zero the act rows [0, cut) of the positions at the scratch slot, act [T * k, I] float32
@@ -443,8 +443,7 @@ class CpuShare:
             raise ValueError("CpuShare.zero_tail: a split with a tail needs act and slots")
         inter = self.experts.cfg.expert_intermediate
         _zero_tail_kernel[(1,)](act, act.stride(0), slots, self.tail, self.scratch, slots.shape[0], K=self.top_k,
-                                INTER=inter, BLOCK_I=min(1024, triton.next_power_of_2(inter)), GDC=self._gdc(pdl),
-                                **self._launch(pdl))
+                                INTER=inter, BLOCK_I=min(1024, triton.next_power_of_2(inter)), **self._pdl_args(pdl))
 
     def wait(self, addend: torch.Tensor | None, dst: torch.Tensor,
              routed: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
@@ -463,16 +462,13 @@ class CpuShare:
         v = self._views
         _wait_kernel[(1,)](v["flag_out"], self._seq, self._pending, v["out"], dst if addend is None else addend,
                            dst if routed is None else routed, dst, self._fence, rows, H=self.hidden, BLOCK_H=1024,
-                           ADDEND=addend is not None, ROUTED=routed is not None, GDC=self._gdc(pdl),
-                           **self._launch(pdl))
+                           ADDEND=addend is not None, ROUTED=routed is not None, **self._pdl_args(pdl))
         return dst
 
-    def _gdc(self, pdl: bool) -> bool:
-        """Whether a launch asked as programmatic (pdl) is one: on CUDA only (the interpreter has no inline PTX)."""
-        return bool(pdl) and torch.device(self.device).type == "cuda"
-
-    def _launch(self, pdl: bool) -> dict:
-        return {"launch_pdl": True} if self._gdc(pdl) else {}
+    def _pdl_args(self, pdl: bool) -> dict:
+        """A launch's programmatic arguments (GDC and the launch attribute) where pdl asks for one on CUDA; none
+        elsewhere (the interpreter has no inline PTX)."""
+        return {"GDC": True, "launch_pdl": True} if pdl and torch.device(self.device).type == "cuda" else {}
 
     def check(self) -> None:
         """Raise RuntimeError with the worker's error since the last check, or when the share is closed (a

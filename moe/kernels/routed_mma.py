@@ -63,10 +63,10 @@ def mma_scratch(device: torch.device | str, top_k: int, hidden: int, inter: int)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cuda":
-        check_mma_capability(torch.cuda.get_device_capability(device))
     key = (device, top_k, hidden, inter)
-    if key not in _SCRATCH:
+    if key not in _SCRATCH:  # checked once, where the layer makes it before any launch or capture
+        if device.type == "cuda":
+            check_mma_capability(torch.cuda.get_device_capability(device))
         rows = MMA_MAX_TOKENS * top_k
         _SCRATCH[key] = (torch.empty((rows, inter), dtype=torch.float32, device=device),
                          torch.empty((rows, hidden), dtype=torch.float32, device=device))
