@@ -27,14 +27,14 @@ for part in $parts; do
       # every gpu test but the HTTP server's (the image has no FastAPI): the cache, the kernels, the layer,
       # the formats, the engine of every family; compiles dominate, spread over GPU_TEST_WORKERS processes
       if [ -d .traces ]; then export EXPERTCACHE_TRACES=$PWD/.traces; fi
-      timeout ${GPU_TESTS_TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-14}" -m gpu \
+      timeout -s INT -k 20 ${GPU_TESTS_TIMEOUT:-560} python3 -m pytest -q -rfE -p no:cacheprovider -n "${GPU_TEST_WORKERS:-14}" -m gpu \
         tests/expertcache tests/moe/kernels tests/moe/model tests/moe/engine tests/moe/serve/test_scheduler.py \
         2>&1 | tee "$OUT/gpu-tests-all.log" | tail -15 ;;
     tests)
       # the real traces, when a git-ignored copy was carried along as .traces/
       if [ -d .traces ]; then export EXPERTCACHE_TRACES=$PWD/.traces; fi
       # Triton compiles dominate: spread the tests over GPU_TEST_WORKERS processes (pytest-xdist)
-      timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -x -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" tests/expertcache \
+      timeout -s INT -k 20 ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rfE -x -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" tests/expertcache \
         -k "${TESTS_K:-device or copy or pool}" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
     ensure)
       timeout ${ENSURE_TIMEOUT:-400} python3 benchmarks/bench_ensure.py ${ENSURE_ARGS:-} --out "$OUT/ensure.json" 2>&1 | tee "$OUT/ensure.log" | tail -22 ;;
@@ -47,13 +47,13 @@ for part in $parts; do
       done ;;
     moe)
       # files named: the server tests import fastapi, which the GPU image lacks
-      timeout ${MOE_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" -m gpu \
+      timeout -s INT -k 20 ${MOE_TEST_TIMEOUT:-300} python3 -m pytest -q -rfE -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" -m gpu \
         tests/moe/engine/test_layer.py tests/moe/kernels/test_router.py tests/moe/kernels/test_routed.py tests/benchmarks/test_kernel_trace.py \
         tests/expertcache/test_streams.py ${MOE_TEST_EXTRA:-} 2>&1 | tee "$OUT/gpu-tests-moe.log" | tail -12 ;;
     formats)
       # the expert formats: routed GEMM and layer (overlap on / off bitwise) against their references, the
       # quantized checkpoints with a shared expert; compiles dominate (about 9 minutes on 14 workers)
-      timeout ${FORMATS_TEST_TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-14}" -m gpu \
+      timeout -s INT -k 20 ${FORMATS_TEST_TIMEOUT:-560} python3 -m pytest -q -rfE -p no:cacheprovider -n "${GPU_TEST_WORKERS:-14}" -m gpu \
         tests/moe/kernels/test_routed_formats.py tests/moe/engine/test_layer_formats.py tests/moe/model/test_checkpoint_quantized.py \
         2>&1 | tee "$OUT/gpu-tests-formats.log" | tail -6 ;;
     formats-engine)
@@ -91,7 +91,7 @@ for part in $parts; do
       # the miss split on the GPU: hybrid / cpu decode of every family, the channels measured at start,
       # the layer with its plan's CPU share; each worker's CPU experts on HYBRID_TEST_THREADS threads, whose
       # pool spins between calls: the workers' threads together stay within the cores
-      NUMBA_NUM_THREADS=${HYBRID_TEST_THREADS:-4} timeout ${HYBRID_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" -m gpu \
+      NUMBA_NUM_THREADS=${HYBRID_TEST_THREADS:-4} timeout -s INT -k 20 ${HYBRID_TEST_TIMEOUT:-400} python3 -m pytest -q -rfE -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" -m gpu \
         tests/moe/engine/test_hybrid_gpu.py tests/moe/engine/test_layer.py tests/expertcache/test_device_ensure_gpu.py \
         tests/moe/engine/test_model_gpt_oss.py::test_gpu_split_decode_of_gpt_oss_matches_transformers \
         -k "${HYBRID_K:-not nothing}" 2>&1 | tee "$OUT/gpu-tests-hybrid.log" | tail -8 ;;
@@ -203,7 +203,7 @@ for part in $parts; do
     mma)
       # the tensor-core routed kernels' GPU tests: the kernels at the real shapes for T = 1..64, graph
       # replay; the engine under EXPERTCACHE_ROUTED_MMA=1 against transformers
-      timeout ${MMA_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-14}" -m gpu \
+      timeout -s INT -k 20 ${MMA_TEST_TIMEOUT:-300} python3 -m pytest -q -rfE -p no:cacheprovider -n "${GPU_TEST_WORKERS:-14}" -m gpu \
         tests/moe/kernels/test_routed_mma.py tests/moe/engine/test_engine_gpu.py -k "mma or tensor_core" \
         2>&1 | tee "$OUT/gpu-tests-mma.log" | tail -6 ;;
     mma-bench)
@@ -242,7 +242,7 @@ for part in $parts; do
     gpt-oss)
       # gpt-oss's block on the GPU: the router with its bias, the routed kernels with biases and the clamped
       # SwiGLU (dense and MXFP4), the engine against transformers (CUDA graphs, every policy, overlap on / off)
-      timeout ${GPT_OSS_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" -m gpu \
+      timeout -s INT -k 20 ${GPT_OSS_TEST_TIMEOUT:-400} python3 -m pytest -q -rfE -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" -m gpu \
         tests/moe/kernels/test_routed_gpt_oss.py tests/moe/kernels/test_router.py tests/moe/engine/test_model_gpt_oss.py \
         2>&1 | tee "$OUT/gpu-tests-gpt-oss.log" | tail -6 ;;
     decode-gpt-oss)
@@ -257,7 +257,7 @@ for part in $parts; do
     glm)
       # GLM-4.5's block on the GPU: the sigmoid / grouped router, the ungated shared expert, the engine
       # against transformers (every family of test_engine_gpu.py runs; -k picks glm4_moe's)
-      timeout ${GLM_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe/engine/test_engine_gpu.py \
+      timeout -s INT -k 20 ${GLM_TEST_TIMEOUT:-400} python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/moe/engine/test_engine_gpu.py \
         -k glm4 2>&1 | tee "$OUT/gpu-tests-glm.log" | tail -6 ;;
     decode-glm)
       # GLM-4.5-Air's own decoder (4 MoE layers of its 45, 35 GB of bf16 experts would not stay small) at a
@@ -270,7 +270,7 @@ for part in $parts; do
     mixtral-olmoe)
       # Mixtral's and OLMoE's engines against transformers (CUDA graphs, every policy, overlap on / off), and
       # OLMoE's whole-projection q / k norms and clip_qkv in the fused decode step against the torch step
-      timeout ${MIXTRAL_OLMOE_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m gpu \
+      timeout -s INT -k 20 ${MIXTRAL_OLMOE_TEST_TIMEOUT:-400} python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
         tests/moe/engine/test_engine_gpu.py tests/moe/engine/test_decode_fused.py -k "mixtral or olmoe" \
         2>&1 | tee "$OUT/gpu-tests-mixtral-olmoe.log" | tail -6 ;;
     decode-mixtral)

@@ -72,6 +72,22 @@ def random_calls(rng, C, L, E, rows, k, T=0):
     return ids, layers, lidx.astype(np.int32), np.ascontiguousarray(lval, dtype=np.float32)
 
 
+def snapshot_differences(dev, ref) -> list[str]:
+    """Each array of two snapshots that differs: its name, how many entries, and the first few (index,
+    device value, host value), so that a parity failure on the GPU says where the state went apart."""
+    out = []
+    pairs = [(n, getattr(dev, n), getattr(ref, n)) for n in ("slot_of", "key_of", "clock", "counters", "served")]
+    pairs += [(f"policy.{n}", getattr(dev.policy, n), getattr(ref.policy, n)) for n in ("key", "slot", "glob")]
+    for name, x, y in pairs:
+        if x.shape != y.shape:
+            out.append(f"{name}: shape {x.shape} vs {y.shape}")
+        elif not np.array_equal(x, y):
+            at = np.argwhere(x != y)
+            out.append(f"{name}: {len(at)} differ, first " + ", ".join(
+                f"{tuple(int(i) for i in ix)} {x[tuple(ix)]} vs {y[tuple(ix)]}" for ix in at[:4]))
+    return out
+
+
 def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, tuning=None, call_layers=None, split=None, **constants):
     """C random calls through HostCache and DeviceCache (tuning: its tiles; constants: the policy's; split:
     the miss split of both), compared after every call; the calls visit layers 0..call_layers-1 of the L
@@ -93,7 +109,8 @@ def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, tuning=None, call_layer
         assert m == res.copies, (policy, c)
         assert np.array_equal(buf.plan[:m].cpu().numpy(), res.plan), (policy, c)
         assert np.array_equal(buf.slots.cpu().numpy(), res.slots), (policy, c)
-        assert dev.snapshot().equals(ref.snapshot()), (policy, c)
+        a, b = dev.snapshot(), ref.snapshot()
+        assert a.equals(b), (policy, c, snapshot_differences(a, b))
         if dev.launch.mirror:  # each filled slot's mirror is its key's lt | layer << 56 and lc + dct
             full = np.flatnonzero(ref.key_of >= 0)
             kf = ref.key_of[full]
