@@ -484,10 +484,39 @@ def limits(args: argparse.Namespace) -> dict:
 
 # ----------------------------------------------------------------------------------------------- report
 
+def _miss_bytes(o: dict) -> float:
+    """The bytes of one token's misses (every layer's) of an expertcache row."""
+    return o["misses_per_layer_per_step"] * o["layers"] * o["bytes_per_expert"]
+
+
+def _channels_bytes_per_s(o: dict, lim: dict) -> float:
+    """What the row's misses move over: the link (copy), or the link and the CPU together at the rates
+    the engine measured at start (a split)."""
+    if o.get("channels"):
+        g = o["channels"]["gbps"]
+        return (g["link_together"] + g["cpu_together"]) * 1e9
+    return lim["link_bytes_per_s"]
+
+
+def resident_step_seconds(ours: dict, lim: dict) -> dict[tuple, float]:
+    """Per (format, service, routing): the step's time less its misses' time over the channels, from its
+    row with every expert in slots (share `all`, whose few cold misses are taken out): the GPU's part of
+    a step, which runs before and after each layer's channels, not beside them."""
+    out = {}
+    for o in ours["rows"]:
+        if o["share"] != "all":
+            continue
+        miss_s = _miss_bytes(o) / _channels_bytes_per_s(o, lim)
+        out[(o["format"], o.get("miss_service", "copy"), o["routing"])] = max(1.0 / o["tokens_per_s"] - miss_s, 0.0)
+    return out
+
+
 def report_rows(llama: dict, ours: dict, lim: dict) -> list[dict]:
     """One row per (GGUF type, share): llama.cpp's figures and bound, and each paired expertcache
-    format's tokens/s per routing and bound."""
+    format's tokens/s per routing and two bounds: its misses' bytes over the channels alone, and that
+    time after the step's miss-free part (resident_step_seconds), where the same run has an `all` row."""
     rows = []
+    resident = resident_step_seconds(ours, lim)
     for lr in llama["rows"]:
         layers = len(lr["layer_expert_bytes"])
         # a token reads top_k of the E experts of every layer whose experts are on the CPU
@@ -517,6 +546,11 @@ def report_rows(llama: dict, ours: dict, lim: dict) -> list[dict]:
                 got["channels_bound_tokens_per_s"] = both / miss_bytes if miss_bytes else None
             bound = got.get("channels_bound_tokens_per_s", got["link_bound_tokens_per_s"])
             got["vs_bound"] = o["tokens_per_s"] / bound if bound else None
+            fixed = resident.get((o["format"], service, o["routing"]))
+            if bound and fixed is not None and o["share"] != "all":  # at `all` it is its own row
+                got["resident_step_us"] = fixed * 1e6
+                got["step_bound_tokens_per_s"] = 1.0 / (1.0 / bound + fixed)
+                got["vs_step_bound"] = o["tokens_per_s"] * (1.0 / bound + fixed)
             row["ours"].setdefault(o["format"] if service == "copy" else f"{o['format']}+{service}",
                                    {})[o["routing"]] = got
         rows.append(row)
@@ -529,13 +563,19 @@ def _num(v: float | None, fmt: str = "7.1f") -> str:
 
 def _bound(got: dict) -> str:
     bound = got.get("channels_bound_tokens_per_s", got["link_bound_tokens_per_s"])
-    return "-" if bound is None else f"{bound:.0f}, x{got['vs_bound']:.2f} of it"
+    if bound is None:
+        return "-"
+    text = f"{bound:.0f}, x{got['vs_bound']:.2f} of it"
+    if "step_bound_tokens_per_s" in got:
+        text += f"; with the miss-free step {got['step_bound_tokens_per_s']:.0f}, x{got['vs_step_bound']:.2f}"
+    return text
 
 
 def table(rows: list[dict]) -> str:
     lines = ["tokens/s at batch 1; llama.cpp: llama-bench median, its CPU experts' bound (read at the host's "
              "bandwidth); expertcache: model routing / trace routing, the misses' bound (copy: at the link's speed; "
-             "+hybrid: over the link and the CPU at the rates the engine measured together at start)",
+             "+hybrid: over the link and the CPU at the rates the engine measured together at start), and that "
+             "time after the step's miss-free part (from the same format's row with every expert in slots)",
              f"{'gguf':>6} {'share':>7} {'ncmoe':>5} {'GiB':>6} {'llama':>7} {'bound':>7}  expertcache"]
     for r in rows:
         ours = "; ".join(f"{fmt} {v['model']['tokens_per_s']:.1f} / {v['trace']['tokens_per_s']:.1f} "

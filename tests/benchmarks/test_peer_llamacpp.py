@@ -305,3 +305,33 @@ def test_bench_ours_runs_each_miss_service_over_one_load_and_the_report_pairs_th
     assert rows[-1]["channels"]["handoff_us"] == 9.0 and rows[-1]["channels"]["gbps"] == gbps
     assert auto["tokens_per_s"] == 130.0 and none["ours"]["bf16"]["trace"]["tokens_per_s"] == 80.0
     assert "bf16+auto 130.0 / 130.0" in peer.table([half, none])
+
+
+def test_the_second_bound_adds_the_miss_free_step_of_the_same_format_and_service():
+    """The `all` row's step less its own few misses is the GPU's part of a step; a row with misses is
+    also set beside its misses' time over the channels after that part. No such bound at `all` itself,
+    nor for a format or service with no `all` row in the run."""
+    peer = _peer()
+    layer = 128 * 3 * 2048 * 768 * 2
+    bpe = layer // 128
+    llama = {"rows": [{"gguf": "BF16", "share": share, "n_cpu_moe": n, "layer_expert_bytes": [layer] * 12,
+                       "gpu_expert_bytes": (12 - n) * layer, "cpu_expert_bytes": n * layer, "top_k": 8,
+                       "num_experts": 128, "tokens_per_s": 100.0, "device_peak_mib": 9000}
+                      for share, n in (("all", 0), ("none", 12))]}
+    gbps = {"link_alone": 55.0, "link_together": 50.0, "cpu_alone": 60.0, "cpu_together": 45.0}
+    mk = {"gguf": "BF16", "format": "bf16", "bytes_per_expert": bpe, "layers": 12, "hit_rate": 0.5,
+          "routing": "trace", "miss_service": "hybrid", "channels": {"gbps": gbps}, "slots": 8}
+    ours = {"rows": [{**mk, "share": "all", "tokens_per_s": 1000.0, "misses_per_layer_per_step": 0.05},
+                     {**mk, "share": "none", "tokens_per_s": 100.0, "misses_per_layer_per_step": 8.0},
+                     {**mk, "miss_service": "copy", "channels": None, "share": "none", "tokens_per_s": 50.0,
+                      "misses_per_layer_per_step": 8.0}]}
+    (all_row, none) = peer.report_rows(llama, ours, {"host_read_bytes_per_s": 90e9, "link_bytes_per_s": 55e9})
+    fixed = 1 / 1000.0 - 0.05 * 12 * bpe / 95e9
+    got = none["ours"]["bf16+hybrid"]["trace"]
+    assert got["resident_step_us"] == pytest.approx(fixed * 1e6)
+    miss_s = 8.0 * 12 * bpe / 95e9
+    assert got["step_bound_tokens_per_s"] == pytest.approx(1 / (miss_s + fixed))
+    assert got["vs_step_bound"] == pytest.approx(100.0 * (miss_s + fixed))
+    assert got["vs_step_bound"] > got["vs_bound"]
+    assert "step_bound_tokens_per_s" not in all_row["ours"]["bf16+hybrid"]["trace"]
+    assert "step_bound_tokens_per_s" not in none["ours"]["bf16"]["trace"]  # copy ran no `all` row here
