@@ -87,6 +87,21 @@ for part in $parts; do
           --warmup 44 --steps 200 --vocab 32000 --out "$OUT/decode-trace-mixtral-$frac.json" 2>&1 \
           | tee "$OUT/decode-trace-mixtral-$frac.log" | tail -6
       done ;;
+    decode-hybrid-trace)
+      # copy against hybrid on real routing at its own geometry: FLAME-MoE-290M (its 8 MoE layers) at a tenth and a
+      # quarter of the experts in slots, Mixtral-8x7B's first 8 layers at a quarter, per format, the simulator
+      # beside each row (carry .traces)
+      export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+      for frac in ${DHT_FRACS:-0.1 0.25}; do
+        timeout ${DHT_TIMEOUT:-200} python3 benchmarks/bench_decode.py --geometry flame-290m \
+          --trace .traces/flame-290m-a.npz --layers 8 --slots-frac $frac --expert-formats ${DHT_FORMATS:-bf16,int4} \
+          --configs lru --batches 1 --miss-service copy,hybrid --out "$OUT/decode-hybrid-flame-$frac.json" 2>&1 \
+          | tee "$OUT/decode-hybrid-flame-$frac.log" | tail -6
+      done
+      timeout ${DHT_MIXTRAL_TIMEOUT:-280} python3 benchmarks/bench_decode.py --geometry mixtral-8x7b \
+        --trace .traces/mixtral-gsm8k.npz --layers 8 --slots-frac 0.25 --expert-formats ${DHT_MIXTRAL_FORMATS:-int4} \
+        --configs lru --batches 1 --warmup 44 --steps 200 --vocab 32000 --miss-service copy,hybrid \
+        --out "$OUT/decode-hybrid-mixtral.json" 2>&1 | tee "$OUT/decode-hybrid-mixtral.log" | tail -6 ;;
     hybrid)
       # the miss split on the GPU: hybrid / cpu decode of every family, the channels measured at start,
       # the layer with its plan's CPU share; each worker's CPU experts on HYBRID_TEST_THREADS threads, whose
