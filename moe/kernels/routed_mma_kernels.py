@@ -218,9 +218,9 @@ def _spread(v, R: tl.constexpr):
 def _words(q_ptr, slot64, rows, row_ok, k0, PER: tl.constexpr, OUT: tl.constexpr, IN: tl.constexpr):
     """int32 words [R, BLOCK_K / PER] of PER codes each (code j in bits (32 / PER) j ..) of rows `rows`
     at columns [k0, k0 + BLOCK_K); 0 where masked. Offsets within a slot's matrix are int32."""
-    col = k0 + PER * tl.arange(0, BLOCK_K // PER)
-    return tl.load(q_ptr + slot64 * (OUT * (IN // PER)) + (rows[:, None] * (IN // PER) + (col // PER)[None, :]),
-                   mask=row_ok[:, None] & (col < IN)[None, :], other=0)
+    wcol = k0 // PER + tl.arange(0, BLOCK_K // PER)
+    return tl.load(q_ptr + slot64 * (OUT * (IN // PER)) + (rows[:, None] * (IN // PER) + wcol[None, :]),
+                   mask=row_ok[:, None] & (wcol < IN // PER)[None, :], other=0)
 
 
 @triton.jit
