@@ -19,10 +19,11 @@ from tests.expertcache.test_device_ensure import KEYED, WIDE, random_calls, run_
 
 
 def grid_geometry(policy: str, S: int) -> tuple[int, int]:
-    """(layers, experts a layer) of the grid at S slots: 8 layers of max(16, S / 8) experts; for markov,
-    whose state holds an E x E table a layer (compared after every call), layers of at most 512 experts
-    (a model's), as many more layers as keep the same keys."""
-    E = max(16, S // 8)
+    """(layers, experts a layer) of the grid at S slots: 8 layers of max(16, S / 4) experts, so twice as
+    many keys as slots and the pool fills and evicts at every S (with as many keys as slots it never
+    would); for markov, whose state holds an E x E table a layer (compared after every call), layers of
+    at most 512 experts (a model's), as many more layers as keep the same keys."""
+    E = max(16, S // 4)
     if policy == "markov" and E > 512:
         return 8 * E // 512, 512
     return 8, E
@@ -32,11 +33,14 @@ def grid_geometry(policy: str, S: int) -> tuple[int, int]:
 @pytest.mark.parametrize("policy", device_policy_names())
 @pytest.mark.parametrize("S", [8, 64, 512, 1650, 4096, 16384])
 def test_device_parity_grid(policy, S):
+    """Every slot count's pool filled and then evicting (the widest calls: twice the slots' worth of
+    routed ids, so the pool fills whatever the hit rate), the whole state compared about 120 times."""
     L, E = grid_geometry(policy, S)
     for rows, k, T in ((1, 1, 0), (1, 10, 20), (2, 8, 0), (4, 16, 24)):
         if rows * k > min(S, E):
             continue
-        run_parity(policy, L=L, E=E, S=S, rows=rows, k=k, C=120, T=T, seed=S + k)
+        C = max(120, 2 * S // (rows * k)) if rows * k == 64 else 120
+        run_parity(policy, L=L, E=E, S=S, rows=rows, k=k, C=C, T=T, seed=S + k, snapshot_every=max(1, C // 120))
 
 
 @pytest.mark.gpu
@@ -50,7 +54,9 @@ def test_device_parity_variants(policy, S, variant):
     tiles = resolve_launch(CacheGeometry(L, E, S), get_policy(policy, CacheGeometry(L, E, S))).tuning
     tuning = EnsureTuning(512, 4) if variant == "four-programs" else replace(tiles, seq_max=4)
     for rows, k, T in ((1, 10, 20), (4, 16, 24)):
-        run_parity(policy, L=L, E=E, S=S, rows=rows, k=k, C=120, T=T, seed=S + k, tuning=tuning)
+        C = max(120, 2 * S // (rows * k)) if rows * k == 64 else 120  # the widest calls fill and evict
+        run_parity(policy, L=L, E=E, S=S, rows=rows, k=k, C=C, T=T, seed=S + k, tuning=tuning,
+                   snapshot_every=max(1, C // 120))
 
 
 @pytest.mark.gpu
@@ -131,9 +137,11 @@ def test_gpu_rule_paths(S, layers, variant):
     """rule on the GPU: parity with the host and the mirror invariant (run_parity) at real pool sizes,
     with router logits, on its default tiles (one program of 2048 at 1650 slots) and on 512-slot
     programs; through the keys past the mirror's layers; its score in int64 (constants past
-    Rule.int32_scores). The calls visit eight layers."""
+    Rule.int32_scores). The calls visit eight layers of twice the slots' keys, so the pool fills and
+    evicts (the widest calls)."""
     tuning = EnsureTuning(512, 4) if variant == "four-programs" else None
     constants = WIDE if variant == "int64" else {}
     for rows, k, T in ((1, 10, 20), (4, 16, 24)):
-        run_parity("rule", L=layers, E=max(16, S // 8), S=S, rows=rows, k=k, C=120, T=T, seed=S + k,
-                   tuning=tuning, call_layers=8, **constants)
+        C = max(120, 2 * S // (rows * k)) if rows * k == 64 else 120
+        run_parity("rule", L=layers, E=max(16, S // 4), S=S, rows=rows, k=k, C=C, T=T, seed=S + k,
+                   tuning=tuning, call_layers=8, snapshot_every=max(1, C // 120), **constants)
