@@ -489,10 +489,16 @@ def _miss_bytes(o: dict) -> float:
     return o["misses_per_layer_per_step"] * o["layers"] * o["bytes_per_expert"]
 
 
+def _split_ran(o: dict) -> bool:
+    """Whether the row's engine ran a split: a service that measured the channels, unless its slots held
+    every routed expert and it ran as copy (`split` None; rows from before that field: a split)."""
+    return bool(o.get("channels")) and o.get("split", "hybrid") is not None
+
+
 def _channels_bytes_per_s(o: dict, lim: dict) -> float:
-    """What the row's misses move over: the link (copy), or the link and the CPU together at the rates
-    the engine measured at start (a split)."""
-    if o.get("channels"):
+    """What the row's misses move over: the link (copy, and a split that ran as copy), or the link and
+    the CPU together at the rates the engine measured at start (a split)."""
+    if _split_ran(o):
         g = o["channels"]["gbps"]
         return (g["link_together"] + g["cpu_together"]) * 1e9
     return lim["link_bytes_per_s"]
@@ -540,10 +546,8 @@ def report_rows(llama: dict, ours: dict, lim: dict) -> list[dict]:
                    "copied_bytes_per_token": miss_bytes - served, "served_bytes_per_token": served,
                    "link_bound_tokens_per_s": lim["link_bytes_per_s"] / miss_bytes if miss_bytes else None,
                    "vs_llama": o["tokens_per_s"] / lr["tokens_per_s"]}
-            if o.get("channels"):  # the misses' bytes over both channels at the rates measured together
-                g = o["channels"]["gbps"]
-                both = (g["link_together"] + g["cpu_together"]) * 1e9
-                got["channels_bound_tokens_per_s"] = both / miss_bytes if miss_bytes else None
+            if _split_ran(o):  # the misses' bytes over both channels at the rates measured together
+                got["channels_bound_tokens_per_s"] = _channels_bytes_per_s(o, lim) / miss_bytes if miss_bytes else None
             bound = got.get("channels_bound_tokens_per_s", got["link_bound_tokens_per_s"])
             got["vs_bound"] = o["tokens_per_s"] / bound if bound else None
             fixed = resident.get((o["format"], service, o["routing"]))

@@ -321,12 +321,14 @@ def test_the_second_bound_adds_the_miss_free_step_of_the_same_format_and_service
     gbps = {"link_alone": 55.0, "link_together": 50.0, "cpu_alone": 60.0, "cpu_together": 45.0}
     mk = {"gguf": "BF16", "format": "bf16", "bytes_per_expert": bpe, "layers": 12, "hit_rate": 0.5,
           "routing": "trace", "miss_service": "hybrid", "channels": {"gbps": gbps}, "slots": 8}
-    ours = {"rows": [{**mk, "share": "all", "tokens_per_s": 1000.0, "misses_per_layer_per_step": 0.05},
-                     {**mk, "share": "none", "tokens_per_s": 100.0, "misses_per_layer_per_step": 8.0},
+    ours = {"rows": [{**mk, "share": "all", "tokens_per_s": 1000.0, "misses_per_layer_per_step": 0.05,
+                      "split": None},  # every expert in slots: the split ran as copy, its misses over the link
+                     {**mk, "share": "none", "tokens_per_s": 100.0, "misses_per_layer_per_step": 8.0,
+                      "split": "hybrid"},
                      {**mk, "miss_service": "copy", "channels": None, "share": "none", "tokens_per_s": 50.0,
                       "misses_per_layer_per_step": 8.0}]}
     (all_row, none) = peer.report_rows(llama, ours, {"host_read_bytes_per_s": 90e9, "link_bytes_per_s": 55e9})
-    fixed = 1 / 1000.0 - 0.05 * 12 * bpe / 95e9
+    fixed = 1 / 1000.0 - 0.05 * 12 * bpe / 55e9  # the cold misses of `all` crossed the link alone
     got = none["ours"]["bf16+hybrid"]["trace"]
     assert got["resident_step_us"] == pytest.approx(fixed * 1e6)
     miss_s = 8.0 * 12 * bpe / 95e9
@@ -334,4 +336,7 @@ def test_the_second_bound_adds_the_miss_free_step_of_the_same_format_and_service
     assert got["vs_step_bound"] == pytest.approx(100.0 * (miss_s + fixed))
     assert got["vs_step_bound"] > got["vs_bound"]
     assert "step_bound_tokens_per_s" not in all_row["ours"]["bf16+hybrid"]["trace"]
+    at_all = all_row["ours"]["bf16+hybrid"]["trace"]  # ran as copy: its bound is the link's, as copy's
+    assert "channels_bound_tokens_per_s" not in at_all
+    assert at_all["link_bound_tokens_per_s"] == pytest.approx(55e9 / (0.05 * 12 * bpe))
     assert "step_bound_tokens_per_s" not in none["ours"]["bf16"]["trace"]  # copy ran no `all` row here
