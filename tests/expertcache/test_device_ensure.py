@@ -91,9 +91,9 @@ def snapshot_differences(dev, ref) -> list[str]:
 def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, tuning=None, call_layers=None, split=None,
                snapshot_every=1, **constants):
     """C random calls through HostCache and DeviceCache (tuning: its tiles; constants: the policy's; split:
-    the miss split of both), their plans, slots and copy counts compared after every call and the whole
-    state after every `snapshot_every`-th call and the last; the calls visit layers 0..call_layers-1 of
-    the L (all by default)."""
+    the miss split of both), their plans, slots, copy counts, filled prefix and rule's mirror compared
+    after every call and the whole state after every `snapshot_every`-th call and the last; the calls
+    visit layers 0..call_layers-1 of the L (all by default)."""
     device, _ = device_or_skip()
     g = CacheGeometry(L, E, S)
     ref = HostCache(g, policy, split=split, **constants)
@@ -111,10 +111,6 @@ def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, tuning=None, call_layer
         assert m == res.copies, (policy, c)
         assert np.array_equal(buf.plan[:m].cpu().numpy(), res.plan), (policy, c)
         assert np.array_equal(buf.slots.cpu().numpy(), res.slots), (policy, c)
-        if (c + 1) % snapshot_every and c != C - 1:
-            continue
-        a, b = dev.snapshot(), ref.snapshot()
-        assert a.equals(b), (policy, c, snapshot_differences(a, b))
         if dev.launch.mirror:  # each filled slot's mirror is its key's lt | layer << 56 and lc + dct
             full = np.flatnonzero(ref.key_of >= 0)
             kf = ref.key_of[full]
@@ -123,6 +119,9 @@ def run_parity(policy, L, E, S, rows, k, C, T=0, seed=0, tuning=None, call_layer
             assert np.array_equal(dev.mirror.cpu().numpy()[:, full], want), (policy, c)
         # the filled-prefix word: the copied misses
         assert int(dev.missed.item()) == int(ref.counters[:, 2].sum() - ref.served.sum()), (policy, c)
+        if (c + 1) % snapshot_every == 0 or c == C - 1:
+            a, b = dev.snapshot(), ref.snapshot()
+            assert a.equals(b), (policy, c, snapshot_differences(a, b))
     dev.check()
     return ref
 

@@ -21,8 +21,8 @@ from tests.expertcache.test_device_ensure import KEYED, WIDE, random_calls, run_
 def grid_geometry(policy: str, S: int) -> tuple[int, int]:
     """(layers, experts a layer) of the grid at S slots: 8 layers of max(16, S / 4) experts, so twice as
     many keys as slots and the pool fills and evicts at every S (with as many keys as slots it never
-    would); for markov, whose state holds an E x E table a layer (compared after every call), layers of
-    at most 512 experts (a model's), as many more layers as keep the same keys."""
+    would); for markov, whose state holds an E x E table a layer, layers of at most 512 experts (a
+    model's), as many more layers as keep the same keys."""
     E = max(16, S // 4)
     if policy == "markov" and E > 512:
         return 8 * E // 512, 512
@@ -41,6 +41,16 @@ def test_device_parity_grid(policy, S):
             continue
         C = max(120, 2 * S // (rows * k)) if rows * k == 64 else 120
         run_parity(policy, L=L, E=E, S=S, rows=rows, k=k, C=C, T=T, seed=S + k, snapshot_every=max(1, C // 120))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", device_policy_names())
+def test_device_parity_where_the_keys_fill_the_pool(policy):
+    """8 layers of 512 experts in 4096 slots (every key finds a slot; all 8 programs arrive and the last
+    installs), the calls of 4 rows x 16 with 24 logits: the grid's former geometry at 4096 slots, where
+    markov's state once parted from the host's on a loaded GPU; the whole state compared after every
+    call."""
+    run_parity(policy, L=8, E=512, S=4096, rows=4, k=16, C=120, T=24, seed=4096 + 16)
 
 
 @pytest.mark.gpu
