@@ -2,7 +2,7 @@
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
 # parts: any of env gpu-tests tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
-# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid mma mma-bench agent long-context agent-soak agent-soak-start agent-soak-wait peer-setup peer-wait peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
+# qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid decode-hybrid-trace mma mma-bench agent long-context agent-soak agent-soak-start agent-soak-wait peer-setup peer-wait peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
 set -u
@@ -114,7 +114,7 @@ for part in $parts; do
       # one hybrid decode step on a Perfetto timeline: the GPU kernels, the copies and the CPU workers
       export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
       timeout ${HYBRID_STEP_TIMEOUT:-240} python3 benchmarks/hybrid_step.py ${HYBRID_STEP_ARGS:-} \
-        --trace-out "$OUT/hybrid-step-trace.json.gz" > "$OUT/hybrid-step.log" 2>&1; echo "hybrid-step: exit $?"
+        --trace-out "$OUT/hybrid-step-trace.json.gz" --out "$OUT/hybrid-step.json" > "$OUT/hybrid-step.log" 2>&1; echo "hybrid-step: exit $?"
       tail -12 "$OUT/hybrid-step.log" ;;
     sanitize-hybrid)
       # the hand-off's kernels and the split ensure under compute-sanitizer (a small model, equal channels);

@@ -18,7 +18,7 @@
        served what the cache counted): what compute-sanitizer runs (--small: 4 layers of OLMoE-1B-7B's
        geometry); with a measured split, the channels' line as load_model logs it
 
-Run: python benchmarks/hybrid_step.py --trace-out hybrid-step-trace.json [--layers 8 --moe-cache-gb 1.25]
+Run: python benchmarks/hybrid_step.py --trace-out hybrid-step-trace.json [--layers 8 --slots-frac 0.14] [--out F]
      compute-sanitizer --tool memcheck python benchmarks/hybrid_step.py --small --even
 """
 
@@ -121,6 +121,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace-out", help="the merged Chrome / Perfetto trace (.json or .json.gz)")
+    ap.add_argument("--out", help="the summary as JSON, with the channels measured at start and the machine")
     args = ap.parse_args(argv)
     if args.small:
         args.geometry, args.layers = "olmoe-1b-7b", 4
@@ -219,6 +220,11 @@ def main(argv: list[str] | None = None) -> dict:
     if measured is not None:
         print(measured.describe())
     print(json.dumps({k: v for k, v in result.items() if k != "channels"}, indent=1))
+    if args.out:
+        import benchmeta
+
+        result["machine"] = benchmeta.machine()
+        Path(args.out).write_text(json.dumps(result, indent=1))
     return result
 
 

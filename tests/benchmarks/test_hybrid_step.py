@@ -30,6 +30,7 @@ def test_a_trace_without_the_marker_is_refused():
 def test_small_is_the_sanitizers_geometry():
     args = load_bench("hybrid_step")._args(["--small", "--even"])
     assert (args.geometry, args.layers, args.even) == ("olmoe-1b-7b", 4, True)
+    assert args.out is None and load_bench("hybrid_step")._args(["--out", "h.json"]).out == "h.json"
 
 
 def test_layer_phases_follow_each_call_through_its_kernels():
