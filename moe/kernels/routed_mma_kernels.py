@@ -224,92 +224,91 @@ def _words(q_ptr, slot64, rows, row_ok, k0, PER: tl.constexpr, OUT: tl.constexpr
 
 
 @triton.jit
-def _weight_tile(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, SUB: tl.constexpr,
+def _tile_scales(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, SUB: tl.constexpr,
                  FMT: tl.constexpr, ZP: tl.constexpr, EMU: tl.constexpr):
-    """(a [R, BLOCK_K], post [R] float32): rows [R] of slot `slot64`'s matrix [OUT, IN] (OUT / SUB stacked
-    sub-matrices) at columns [k0, k0 + BLOCK_K) in the dot's K order of FMT, a the values exact in
-    bfloat16 (dense: as stored), a row's dot with them times post its part of W' · x. A column past IN
-    gives a finite value that meets a zero activation; a row not ok gives post 0. w: the matrix's pool
-    banks (q, s, s2, z) [S, ...] as SlotMatrix.kernel_args."""
+    """(sa, sb): what the weight tile at columns [k0, k0 + BLOCK_K) needs beside its codes, loaded a dot
+    step ahead of it (the K loops carry them, so their round trip overlaps a step's work): fp8 its block
+    scale [R] (sb the same); int4 its group scale [R] and (ZP) 128 + its zero as bfloat16 [R]; nvfp4 its
+    e4m3 block scales * 2^118 and mxfp4 its 2^(e - 127) * 2^-126 as bfloat16 [R, 4 m, 4 c] (a value per
+    word 4c + m), sb the post of _weight_tile; dense: sa = sb = 1 (0 for a row not ok). Nothing is read
+    at k0 >= IN (the step after the last)."""
+    ok = row_ok & (k0 < IN)
+    _, s_ptr, s2_ptr, z_ptr = w
+    if FMT == 0:
+        sa = tl.where(row_ok, 1.0, 0.0)
+        sb = sa
+    elif FMT == FP8:
+        PER_SUB: tl.constexpr = (SUB + 127) // 128  # block rows of a sub-matrix
+        BLOCKS: tl.constexpr = (IN + 127) // 128  # scale columns
+        SROWS: tl.constexpr = (OUT // SUB) * PER_SUB
+        srow = (rows // SUB) * PER_SUB + (rows % SUB) // 128
+        sa = tl.load(s_ptr + slot64 * (SROWS * BLOCKS) + (srow * BLOCKS + k0 // 128), mask=ok, other=0.0).to(tl.float32)
+        sb = sa
+    elif FMT == INT4:
+        GROUPS: tl.constexpr = (IN + 127) // 128
+        soff = slot64 * (OUT * GROUPS) + (rows * GROUPS + k0 // 128)
+        sa = tl.load(s_ptr + soff, mask=ok, other=0.0).to(tl.float32)
+        if ZP:
+            sb = (tl.load(z_ptr + soff, mask=ok, other=0).to(tl.float32) + 128.0).to(tl.bfloat16)
+        else:
+            sb = sa
+    else:
+        BS: tl.constexpr = 16 if FMT == NVFP4 else 32
+        NSC: tl.constexpr = IN // BS
+        col = k0 + 32 * tl.arange(0, 4)[None, :] + 8 * tl.arange(0, 4)[:, None]  # [m, c]: word 4c + m's first column
+        soff = slot64 * (OUT * NSC) + (rows[:, None, None] * NSC + (col // BS)[None, :, :])
+        sm = row_ok[:, None, None] & (col < IN)[None, :, :]
+        if FMT == MXFP4:
+            e = tl.load(s_ptr + soff, mask=sm, other=0).to(tl.int32)
+            if EMU:
+                sa = tl.where(e > 0, e << 23, 4194304).to(tl.float32, bitcast=True)
+            else:
+                sa = tl.where(e > 0, e << 7, 64).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            sb = tl.where(row_ok, 1.0, 0.0)
+        else:
+            sa = (tl.load(s_ptr + soff, mask=sm, other=0.0).to(tl.float32) * 3.3230699894622896e35).to(tl.bfloat16)
+            sb = tl.load(s2_ptr + slot64 * (OUT // SUB) + rows // SUB, mask=row_ok, other=0.0).to(tl.float32) * 256.0
+    return sa, sb
+
+
+@triton.jit
+def _weight_tile(w, slot64, rows, row_ok, k0, sa, sb, OUT: tl.constexpr, IN: tl.constexpr, FMT: tl.constexpr,
+                 ZP: tl.constexpr, EMU: tl.constexpr):
+    """(a [R, BLOCK_K], post [R] float32): rows [R] of slot `slot64`'s matrix [OUT, IN] at columns
+    [k0, k0 + BLOCK_K) in the dot's K order of FMT, with their scales (sa, sb) from _tile_scales; a the
+    values exact in bfloat16 (dense: as stored), a row's dot with them times post its part of W' · x. A
+    column past IN gives a finite value that meets a zero activation; a row not ok gives post 0. w: the
+    matrix's pool banks (q, s, s2, z) [S, ...] as SlotMatrix.kernel_args."""
+    R: tl.constexpr = rows.shape[0]
+    q_ptr = w[0]
     if FMT == 0:
         cols = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(w[0] + slot64 * (OUT * IN) + (rows[:, None] * IN + cols[None, :]),
+        a = tl.load(q_ptr + slot64 * (OUT * IN) + (rows[:, None] * IN + cols[None, :]),
                     mask=row_ok[:, None] & (cols < IN)[None, :], other=0.0)
         if a.dtype == tl.bfloat16:
             a = _in_registers(a, EMU)
-        post = tl.where(row_ok, 1.0, 0.0)
-    elif FMT == FP8:
-        a, post = _fp8_tile(w, slot64, rows, row_ok, k0, OUT, IN, SUB, EMU)
-    elif FMT == INT4:
-        a, post = _int4_tile(w, slot64, rows, row_ok, k0, OUT, IN, ZP, EMU)
-    else:
-        a, post = _e2m1_tile(w, slot64, rows, row_ok, k0, OUT, IN, SUB, FMT, EMU)
-    return a, post
-
-
-@triton.jit
-def _fp8_tile(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, SUB: tl.constexpr,
-              EMU: tl.constexpr):
-    """e4m3 values, 4 a word, in ORDER 2 (bytes b and b + 2 of a word a register); post the 128 x 128
-    block's scale (each sub-matrix has its own block rows)."""
-    q_ptr, s_ptr, _, _ = w
-    R: tl.constexpr = rows.shape[0]
-    words = _words(q_ptr.to(tl.pointer_type(tl.int32), bitcast=True), slot64, rows, row_ok, k0, 4, OUT, IN)
-    w4 = tl.permute(tl.reshape(words, [R, 4, 4, 2]), [0, 2, 3, 1])  # [r, m, h, c]: word 8c + 2m + h
-    lo = ((w4 << 4) & 0x07F007F0) | ((w4 << 8) & SIGN_BITS)  # bytes 0 and 2: value * 2^-120
-    hi = ((w4 >> 4) & 0x07F007F0) | (w4 & SIGN_BITS)  # bytes 1 and 3
-    a6 = tl.join(_halves(lo, EMU), _halves(hi, EMU))  # [r, m, h, c, e, b]
-    a = _affine(tl.reshape(tl.permute(a6, [0, 1, 2, 5, 3, 4]), [R, BLOCK_K]), 1.329227995784916e36, 0.0, EMU)
-    PER_SUB: tl.constexpr = (SUB + 127) // 128  # block rows of a sub-matrix
-    BLOCKS: tl.constexpr = (IN + 127) // 128  # scale columns
-    SROWS: tl.constexpr = (OUT // SUB) * PER_SUB
-    srow = (rows // SUB) * PER_SUB + (rows % SUB) // 128
-    post = tl.load(s_ptr + slot64 * (SROWS * BLOCKS) + (srow * BLOCKS + k0 // 128), mask=row_ok, other=0.0)
-    return a, post.to(tl.float32)
-
-
-@triton.jit
-def _int4_tile(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, ZP: tl.constexpr,
-               EMU: tl.constexpr):
-    """int4's u - z (the bfloat16 128 + u less 128 + z); post the group's scale."""
-    q_ptr, s_ptr, _, z_ptr = w
-    R: tl.constexpr = rows.shape[0]
-    a = _nibbles(_words(q_ptr, slot64, rows, row_ok, k0, 8, OUT, IN), R, INT4, EMU)
-    GROUPS: tl.constexpr = (IN + 127) // 128
-    soff = slot64 * (OUT * GROUPS) + (rows * GROUPS + k0 // 128)
-    if ZP:
-        zero = (tl.load(z_ptr + soff, mask=row_ok, other=0).to(tl.float32) + 128.0).to(tl.bfloat16)
-        a = _sub(a, tl.broadcast_to(zero[:, None], [R, BLOCK_K]), EMU)
-    else:
-        a = _affine(a, 1.0, -136.0, EMU)
-    return a, tl.load(s_ptr + soff, mask=row_ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _e2m1_tile(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr, SUB: tl.constexpr,
-               FMT: tl.constexpr, EMU: tl.constexpr):
-    """nvfp4's e2m1 * (e4m3 * 2^118), post its global scale * 2^8; mxfp4's e2m1 * 2^126 * 2^(e - 127)
-    (e8m0: e = 0 is 2^-127, a bfloat16 subnormal), post 1 (0 for a row not ok)."""
-    q_ptr, s_ptr, s2_ptr, _ = w
-    R: tl.constexpr = rows.shape[0]
-    a = _nibbles(_words(q_ptr, slot64, rows, row_ok, k0, 8, OUT, IN), R, FMT, EMU)
-    BS: tl.constexpr = 16 if FMT == NVFP4 else 32
-    NSC: tl.constexpr = IN // BS
-    col = k0 + 32 * tl.arange(0, 4)[None, :] + 8 * tl.arange(0, 4)[:, None]  # [m, c]: word 4c + m's first column
-    soff = slot64 * (OUT * NSC) + (rows[:, None, None] * NSC + (col // BS)[None, :, :])
-    sm = row_ok[:, None, None] & (col < IN)[None, :, :]
-    if FMT == MXFP4:
-        e = tl.load(s_ptr + soff, mask=sm, other=0).to(tl.int32)
-        if EMU:
-            scale = tl.where(e > 0, e << 23, 4194304).to(tl.float32, bitcast=True)
+        post = sa
+    elif FMT == FP8:  # e4m3 values, 4 a word, in ORDER 2 (bytes b and b + 2 of a word a register)
+        words = _words(q_ptr.to(tl.pointer_type(tl.int32), bitcast=True), slot64, rows, row_ok, k0, 4, OUT, IN)
+        w4 = tl.permute(tl.reshape(words, [R, 4, 4, 2]), [0, 2, 3, 1])  # [r, m, h, c]: word 8c + 2m + h
+        lo = ((w4 << 4) & 0x07F007F0) | ((w4 << 8) & SIGN_BITS)  # bytes 0 and 2: value * 2^-120
+        hi = ((w4 >> 4) & 0x07F007F0) | (w4 & SIGN_BITS)  # bytes 1 and 3
+        a6 = tl.join(_halves(lo, EMU), _halves(hi, EMU))  # [r, m, h, c, e, b]
+        a = _affine(tl.reshape(tl.permute(a6, [0, 1, 2, 5, 3, 4]), [R, BLOCK_K]), 1.329227995784916e36, 0.0, EMU)
+        post = sa
+    elif FMT == INT4:  # u - z: the bfloat16 128 + u less 128 + z
+        a = _nibbles(_words(q_ptr, slot64, rows, row_ok, k0, 8, OUT, IN), R, INT4, EMU)
+        if ZP:
+            a = _sub(a, tl.broadcast_to(sb[:, None], [R, BLOCK_K]), EMU)
         else:
-            scale = tl.where(e > 0, e << 7, 64).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        a = _mul(_affine(a, 8.507059173023462e37, 0.0, EMU), _spread(scale, R), EMU)  # 2^126
-        post = tl.where(row_ok, 1.0, 0.0)
-    else:
-        scale = (tl.load(s_ptr + soff, mask=sm, other=0.0).to(tl.float32) * 3.3230699894622896e35).to(tl.bfloat16)
-        a = _mul(a, _spread(scale, R), EMU)  # * 2^118
-        post = tl.load(s2_ptr + slot64 * (OUT // SUB) + rows // SUB, mask=row_ok, other=0.0).to(tl.float32) * 256.0
+            a = _affine(a, 1.0, -136.0, EMU)
+        post = sa
+    else:  # nvfp4's e2m1 * (e4m3 * 2^118); mxfp4's e2m1 * 2^126 * 2^(e - 127) (e = 0: 2^-127, subnormal)
+        a = _nibbles(_words(q_ptr, slot64, rows, row_ok, k0, 8, OUT, IN), R, FMT, EMU)
+        if FMT == MXFP4:
+            a = _affine(a, 8.507059173023462e37, 0.0, EMU)  # 2^126
+        a = _mul(a, _spread(sa, R), EMU)
+        post = sb
     return a, post
 
 
@@ -354,13 +353,13 @@ def _dot(a, hi, lo, PREC: tl.constexpr, EMU: tl.constexpr):
 
 
 @triton.jit
-def _block(acc, b_rows, lo_off, valid, w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexpr,
-           SUB: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
-    """acc [R, N] + the weight rows `rows` of slot `slot64` (as _weight_tile) dotted with the members'
-    activations at columns [k0, k0 + BLOCK_K) (as _acts)."""
+def _block(acc, b_rows, lo_off, valid, w, slot64, rows, row_ok, k0, sa, sb, OUT: tl.constexpr, IN: tl.constexpr,
+           FMT: tl.constexpr, ZP: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+    """acc [R, N] + the weight rows `rows` of slot `slot64` (as _weight_tile, its scales sa, sb) dotted
+    with the members' activations at columns [k0, k0 + BLOCK_K) (as _acts)."""
     ORDER: tl.constexpr = 0 if FMT == 0 else (2 if FMT == FP8 else 1)
     hi, lo = _acts(b_rows, lo_off, valid, k0, IN, ORDER, PREC, EMU)
-    a, post = _weight_tile(w, slot64, rows, row_ok, k0, OUT, IN, SUB, FMT, ZP, EMU)
+    a, post = _weight_tile(w, slot64, rows, row_ok, k0, sa, sb, OUT, IN, FMT, ZP, EMU)
     if FMT == 0:
         acc += _dot(a, hi, lo, PREC, EMU)
     else:
@@ -389,8 +388,11 @@ def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens,
             token, pair, valid = _members(hit, rank, m0, K, TB, KB, BLOCK_M)
             acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
             b_rows = x_ptr + token[:, None].to(tl.int64) * H  # [BLOCK_M, 1]
+            sa, sb = _tile_scales(w13, slot64, rows, row_ok, 0, 2 * I, H, I, FMT, ZP, EMU)
             for k0 in range(0, H, BLOCK_K):
-                acc = _block(acc, b_rows, 0, valid, w13, slot64, rows, row_ok, k0, 2 * I, H, I, FMT, ZP, PREC, EMU)
+                na, nb = _tile_scales(w13, slot64, rows, row_ok, k0 + BLOCK_K, 2 * I, H, I, FMT, ZP, EMU)
+                acc = _block(acc, b_rows, 0, valid, w13, slot64, rows, row_ok, k0, sa, sb, 2 * I, H, FMT, ZP, PREC, EMU)
+                sa, sb = na, nb
             gate, up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N, BLOCK_M]), [1, 2, 0]))
             weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
             act = _activation(weight[None, :], gate, up, b13_ptr, slot, True, n[:, None], I, ACT, ALPHA, LIMIT, BIAS)
@@ -422,8 +424,11 @@ def _down_mma(act_ptr, slots_ptr, w2, y_ptr, num_slots, tokens, lo_off,
             token, pair, valid = _members(hit, rank, m0, K, TB, KB, BLOCK_M)
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             b_rows = act_ptr + pair[:, None].to(tl.int64) * I
+            sa, sb = _tile_scales(w2, slot64, h, row_ok, 0, H, I, H, FMT, ZP, EMU)
             for k0 in range(0, I, BLOCK_K):
-                acc = _block(acc, b_rows, lo_off, valid, w2, slot64, h, row_ok, k0, H, I, H, FMT, ZP, PREC, EMU)
+                na, nb = _tile_scales(w2, slot64, h, row_ok, k0 + BLOCK_K, H, I, H, FMT, ZP, EMU)
+                acc = _block(acc, b_rows, lo_off, valid, w2, slot64, h, row_ok, k0, sa, sb, H, I, FMT, ZP, PREC, EMU)
+                sa, sb = na, nb
             tl.store(y_ptr + pair[None, :].to(tl.int64) * H + h[:, None], acc, mask=valid[None, :] & row_ok[:, None])
             m0 += BLOCK_M
 
