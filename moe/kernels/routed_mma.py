@@ -46,6 +46,7 @@ FP8_CODE = CODES["fp8"]  # SlotMatrix.code of fp8, whose codes the kernels read 
 PRECISION = {torch.bfloat16: (0, 2), torch.float16: (1, 1), torch.float32: (1, 1)}
 
 _SCRATCH: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_PARTS: dict[tuple[torch.device, int, int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def check_mma_capability(capability: tuple[int, int]) -> None:
@@ -71,6 +72,27 @@ def mma_scratch(device: torch.device | str, top_k: int, hidden: int, inter: int)
         _SCRATCH[key] = (torch.empty((rows, inter), dtype=torch.float32, device=device),
                          torch.empty((rows, hidden), dtype=torch.float32, device=device))
     return _SCRATCH[key]
+
+
+def split_scratch(device: torch.device | str, top_k: int, hidden: int, inter: int,
+                  tiles: MmaTiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parts float32 [split_k, MMA_MAX_TOKENS * k, 2I], counters int32 [MMA_MAX_TOKENS * k, ceil(I /
+    block_n)], zero) of the gate_up under tiles.split_k > 1 on `device`, made on first use and kept (call
+    it before CUDA-graph capture, as mma_scratch); each call leaves the counters at zero. With split_k 1:
+    one-element placeholders, never read."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    rows = MMA_MAX_TOKENS * top_k
+    key = (device, top_k, hidden, inter, tiles.split_k, tiles.block_n)
+    if key not in _PARTS:
+        if tiles.split_k == 1:
+            _PARTS[key] = (torch.zeros(1, dtype=torch.float32, device=device),
+                           torch.zeros(1, dtype=torch.int32, device=device))
+        else:
+            _PARTS[key] = (torch.empty((tiles.split_k, rows, 2 * inter), dtype=torch.float32, device=device),
+                           torch.zeros((rows, -(-inter // tiles.block_n)), dtype=torch.int32, device=device))
+    return _PARTS[key]
 
 
 class MmaAct(NamedTuple):
@@ -104,14 +126,15 @@ def mma_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
     _check_words("mma_gate_up", "gate_up", gate_up)
     act = MmaAct(mma_scratch(hidden.device, top_k, hid, inter)[0], PRECISION[hidden.dtype][1] == 2, tokens, top_k)
     act_arg, lo_off = act.kernel_arg
+    parts, counters = split_scratch(hidden.device, top_k, hid, inter, tiles)
     kernel = kernel_for(_gate_up_mma, hidden.device, MMA_JIT_OPTIONS, "mma_gate_up")
     with _device_ctx(hidden.device):
         kernel[tiles.grids(tokens, top_k, hid, inter)[0]](
             hidden, slots, weights, gate_up.kernel_args(), act_arg, num_slots, tokens,
-            act.act if gate_up_bias is None else gate_up_bias, lo_off, **_group_args(tokens, top_k, hid, inter, tiles,
-                                                                                    hidden.device.type != "cuda"),
+            act.act if gate_up_bias is None else gate_up_bias, lo_off, parts, counters,
+            **_group_args(tokens, top_k, hid, inter, tiles, hidden.device.type != "cuda"),
             BLOCK_N=tiles.block_n, PREC=PRECISION[hidden.dtype][0], SPLIT=act.split, num_warps=tiles.warps_gate_up,
-            **_format_args(gate_up), **activation_args(cfg, gate_up_bias is not None))
+            SPLIT_K=tiles.split_k, **_format_args(gate_up), **activation_args(cfg, gate_up_bias is not None))
     return act
 
 
@@ -222,9 +245,9 @@ def compile_mma_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf
     p = f"*{dtype}"
     return {
         "_gate_up_mma": compile_for_sm(
-            _gate_up_mma, (p, "*i32", "*fp32", w13, act, "i32", "i32", bias, "i32"),
+            _gate_up_mma, (p, "*i32", "*fp32", w13, act, "i32", "i32", bias, "i32", "*fp32", "*i32"),
             {**group, "BLOCK_N": tiles.block_n, "PREC": prec_up, "SPLIT": prec_down == 2,
-             **activation_args(cfg, expert_bias)},
+             "SPLIT_K": tiles.split_k, **activation_args(cfg, expert_bias)},
             tiles.warps_gate_up, arch, MMA_JIT_OPTIONS, divisible=("lo_off",)),
         "_down_mma": compile_for_sm(
             _down_mma, (act, "*i32", w2, "*fp32", "i32", "i32", "i32"),

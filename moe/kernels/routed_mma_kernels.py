@@ -3,7 +3,7 @@
     group (every launch, from slots [T, K] alone): pair p = t * K + j leads the group of its slot s when
         s is in [0, S) and p is s's first pair; the members are the pairs that hold s, in pair order
         (a slot twice in one row: two members), BLOCK_M of them a tile
-    gate_up, grid (T * K, ceil(I / BLOCK_N)): the leader of each group (every other program returns)
+    gate_up, grid (T * K, ceil(I / BLOCK_N), split_k): the leader of each group (every other program returns)
         acc [2 BLOCK_N, BLOCK_M] = A · B per BLOCK_K = 128 columns, float32 accumulation:
         A = the weights, gate rows [tile) then up rows I + [tile) of slot s, dequantized in registers
             to values exact in the dot's operand type, in the layout of the dot's register operand
@@ -44,9 +44,11 @@ SPLIT; two dots, about 16 significant bits of each activation against exact weig
 interpreter): the same values without inline PTX, decoded and multiplied in float32 (the interpreter
 holds bfloat16 as its bits, and its bfloat16 casts flush subnormals).
 
-Every output element is written by one program in one fixed order, and the combine sums the K experts of
-a token in order j, so the result is bitwise repeatable for fixed tiles; a pair with no slot is never
-read. No atomics and no grid barrier: any other stream's work may hold SMs meanwhile.
+Every output element is written by one program in one fixed order (under split_k, the gate_up's parts
+summed in z order by whichever of a tile's programs arrives last at its counter, the one atomic), and the
+combine sums the K experts of a token in order j, so the result is bitwise repeatable for fixed tiles; a
+pair with no slot is never read. No program waits for another and there is no grid barrier: any other
+stream's work may hold SMs meanwhile.
 """
 
 from __future__ import annotations
@@ -367,15 +369,39 @@ def _block(acc, b_rows, lo_off, valid, w, slot64, rows, row_ok, k0, sa, sb, OUT:
     return acc
 
 
+@triton.jit
+def _gate_up_out(acc, pair, valid, n, weights_ptr, b13_ptr, slot, act_ptr, lo_off, I: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
+                 LIMIT: tl.constexpr, BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """The members' act from their gate and up dots acc [2 BLOCK_N, BLOCK_M] (gate rows n, then up):
+    weight * act(gate, up) stored at act_ptr [pair, n] (SPLIT: as two bfloat16 parts, lo_off apart)."""
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N, BLOCK_M]), [1, 2, 0]))
+    weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
+    act = _activation(weight[None, :], gate, up, b13_ptr, slot, True, n[:, None], I, ACT, ALPHA, LIMIT, BIAS)
+    where = pair[None, :].to(tl.int64) * I + n[:, None]
+    keep = valid[None, :] & (n < I)[:, None]
+    if SPLIT:  # the down's two bfloat16 parts: about 16 significant bits of each float32
+        hi = act.to(tl.bfloat16)
+        tl.store(act_ptr + where, hi, mask=keep)
+        tl.store(act_ptr + lo_off + where, (act - hi.to(tl.float32)).to(tl.bfloat16), mask=keep)
+    else:
+        tl.store(act_ptr + where, act, mask=keep)
+
+
 @triton.jit(**MMA_JIT_OPTIONS)
-def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens, b13_ptr, lo_off,
-                 K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr,
+def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens, b13_ptr, lo_off, part_ptr,
+                 count_ptr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr,
                  PREC: tl.constexpr, EMU: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr = 0,
-                 ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0, BIAS: tl.constexpr = False):
+                 ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0, BIAS: tl.constexpr = False,
+                 SPLIT_K: tl.constexpr = 1):
     """x_ptr [T, H] hidden; slots_ptr *i32 [T * K]; weights_ptr *fp32 [T * K]; w13 the gate_up banks (q, s, s2,
     z) [S, 2I, H] in format FMT; act_ptr *fp32 [T * K, I] out, or (SPLIT) *bf16 [T * K, I] of the high
-    parts and lo_off elements further the low ones (act = hi + lo); b13_ptr [S, 2I] (read when BIAS)."""
+    parts and lo_off elements further the low ones (act = hi + lo); b13_ptr [S, 2I] (read when BIAS).
+    SPLIT_K > 1: program (p, t, z) dots the z-th of SPLIT_K runs of whole BLOCK_K steps of H into
+    part_ptr *fp32 [SPLIT_K, T * K, 2I] (the members' gate then up rows); the last of a tile's SPLIT_K
+    programs to arrive at its counter (count_ptr *i32 [T * K, ceil(I / BLOCK_N)], zero between calls: that
+    program sets it back) sums the parts in z order and finishes as one program does. Nothing waits."""
     slot, leader, hit, rank, count = _group(slots_ptr, tl.program_id(0), tokens, num_slots, K, TB, KB)
     if leader:
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; up rows are I further
@@ -383,28 +409,52 @@ def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens,
         rows = tl.program_id(1) * BLOCK_N + r % BLOCK_N + (r // BLOCK_N) * I  # A: the gate rows, then the up rows
         row_ok = (tl.program_id(1) * BLOCK_N + r % BLOCK_N) < I
         slot64 = slot.to(tl.int64)
+        STEPS: tl.constexpr = (H + BLOCK_K - 1) // BLOCK_K
+        RUN: tl.constexpr = (STEPS + SPLIT_K - 1) // SPLIT_K * BLOCK_K  # columns a split's run
+        # this program's run of columns; a run's steps past H (where SPLIT_K does not divide the steps)
+        # read nothing and add zeros
+        if SPLIT_K == 1:
+            k_lo = 0  # a constant: the one program's loop compiles as without a split
+        else:
+            k_lo = tl.program_id(2) * RUN
+        PZ: tl.constexpr = 2 * I  # a member's part row: its gate, then its up
         m0 = 0
         while m0 < count:
             token, pair, valid = _members(hit, rank, m0, K, TB, KB, BLOCK_M)
             acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
             b_rows = x_ptr + token[:, None].to(tl.int64) * H  # [BLOCK_M, 1]
-            sa, sb = _tile_scales(w13, slot64, rows, row_ok, 0, 2 * I, H, I, FMT, ZP, EMU)
-            for k0 in range(0, H, BLOCK_K):
+            sa, sb = _tile_scales(w13, slot64, rows, row_ok, k_lo, 2 * I, H, I, FMT, ZP, EMU)
+            for kk in range(0, RUN, BLOCK_K):  # constant bounds: the compiler pipelines the loop
+                k0 = k_lo + kk
                 na, nb = _tile_scales(w13, slot64, rows, row_ok, k0 + BLOCK_K, 2 * I, H, I, FMT, ZP, EMU)
                 acc = _block(acc, b_rows, 0, valid, w13, slot64, rows, row_ok, k0, sa, sb, 2 * I, H, FMT, ZP, PREC, EMU)
                 sa, sb = na, nb
-            gate, up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N, BLOCK_M]), [1, 2, 0]))
-            weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
-            act = _activation(weight[None, :], gate, up, b13_ptr, slot, True, n[:, None], I, ACT, ALPHA, LIMIT, BIAS)
-            where = pair[None, :].to(tl.int64) * I + n[:, None]
-            keep = valid[None, :] & (n < I)[:, None]
-            if SPLIT:  # the down's two bfloat16 parts: about 16 significant bits of each float32
-                hi = act.to(tl.bfloat16)
-                tl.store(act_ptr + where, hi, mask=keep)
-                tl.store(act_ptr + lo_off + where, (act - hi.to(tl.float32)).to(tl.bfloat16), mask=keep)
+            if SPLIT_K == 1:
+                _gate_up_out(acc, pair, valid, n, weights_ptr, b13_ptr, slot, act_ptr, lo_off, I, BLOCK_N, BLOCK_M,
+                             ACT, ALPHA, LIMIT, BIAS, SPLIT)
             else:
-                tl.store(act_ptr + where, act, mask=keep)
+                part = (tl.program_id(2) * (tokens * K) + pair[None, :]).to(tl.int64) * PZ + rows[:, None]
+                tl.store(part_ptr + part, acc, mask=valid[None, :] & row_ok[:, None])
             m0 += BLOCK_M
+        if SPLIT_K > 1:
+            # every part of this program stored (the barrier orders the program's threads, the release
+            # publishes them), then one arrival; the last sums the SPLIT_K parts of each member in z order
+            tl.debug_barrier()
+            counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                tl.store(counter, 0)
+                tl.debug_barrier()
+                m0 = 0
+                while m0 < count:
+                    token, pair, valid = _members(hit, rank, m0, K, TB, KB, BLOCK_M)
+                    acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
+                    keep = valid[None, :] & row_ok[:, None]
+                    for z in tl.static_range(SPLIT_K):
+                        part = (z * (tokens * K) + pair[None, :]).to(tl.int64) * PZ + rows[:, None]
+                        acc += tl.load(part_ptr + part, mask=keep, other=0.0, cache_modifier=".cg")
+                    _gate_up_out(acc, pair, valid, n, weights_ptr, b13_ptr, slot, act_ptr, lo_off, I, BLOCK_N,
+                                 BLOCK_M, ACT, ALPHA, LIMIT, BIAS, SPLIT)
+                    m0 += BLOCK_M
 
 
 @triton.jit(**MMA_JIT_OPTIONS)

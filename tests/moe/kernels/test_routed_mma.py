@@ -137,6 +137,35 @@ def test_every_format_from_1_to_64_tokens_silu_and_clamped_swiglu(name, tokens, 
     assert_close(got, routed_reference(x, slots, weights, gate_up, down, **kw), 1e-4)
 
 
+@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("name, tokens, act", [("int4", 1, "silu"), ("nvfp4", 3, "silu"), ("fp8", 3, "clamped-swiglu"),
+                                               ("bf16", 2, "silu"), ("mxfp4", 1, "clamped-swiglu")])
+def test_split_k_sums_the_parts_in_order_and_leaves_its_counters_at_zero(name, tokens, act, split_k):
+    """The gate_up's columns over split_k programs a tile (H = 160 is two dot steps: at 4, two programs
+    have none and store zero parts): the reference's result within the same tolerance, bitwise the same
+    on a second call, every counter back at zero, and close to one program's sum."""
+    from moe.kernels.routed_mma import split_scratch
+
+    device, _ = device_or_skip()
+    seed = 4000 + 10 * split_k + tokens
+    gate_up, down = _pool(name, device, slots=8, seed=seed)
+    slots, weights = make_route(tokens, 4, 8, device, seed=seed + 1, pad=1)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed + 2))
+    kw = {}
+    if act != "silu":
+        x = 6 * x
+        b13, b2 = make_biases(8, H, I, torch.bfloat16, device, seed=seed + 3, scale=2.0)
+        kw = {"cfg": dataclasses.replace(OAI, hidden=H, expert_intermediate=I), "gate_up_bias": b13, "down_bias": b2}
+    x = x.bfloat16().to(device)
+    tiles = dataclasses.replace(SMALL, split_k=split_k)
+    got = routed_experts_mma(x, slots, weights, gate_up, down, tiles=tiles, **kw)
+    assert_close(got, routed_reference(x, slots, weights, gate_up, down, **kw), 1e-4)
+    assert torch.equal(got, routed_experts_mma(x, slots, weights, gate_up, down, tiles=tiles, **kw))
+    _, counters = split_scratch(device, 4, H, I, tiles)
+    assert counters.shape[1] == -(-I // tiles.block_n) and int(counters.abs().sum()) == 0
+    assert_close(got, routed_experts_mma(x, slots, weights, gate_up, down, tiles=SMALL, **kw), 1e-5)
+
+
 def test_bad_arguments_are_named():
     gate_up, down = _pool("fp8", "cpu", slots=2, hidden=128, inter=32)
     x, w = torch.zeros(1, 128, dtype=torch.bfloat16), torch.ones(1, 2)
@@ -152,7 +181,10 @@ def test_bad_arguments_are_named():
     odd_up, odd_down = _pool("fp8", "cpu", slots=2, hidden=128, inter=30)
     with pytest.raises(ValueError, match=r"mma_down: down is fp8 with 30 input columns; .*\(a multiple of 4\)"):
         routed_experts_mma(x, slots, w, odd_up, odd_down)
-    assert MmaTiles().grids(3, 8, 2048, 768) == ((24, 24), (24, 32), (3, 8))
+    assert MmaTiles().grids(3, 8, 2048, 768) == ((24, 24, 1), (24, 32), (3, 8))
+    assert MmaTiles(split_k=4).grids(3, 8, 2048, 768)[0] == (24, 24, 4)
+    assert MmaTiles.from_name("m16-i32w4-h64w4-c256w2-k2") == MmaTiles(split_k=2)
+    assert MmaTiles(split_k=2).name == "m16-i32w4-h64w4-c256w2-k2"
     assert MmaTiles.from_name("m32-i64w8-h16w2-c128w4") == MmaTiles(32, 64, 8, 16, 2, 128, 4)
     assert MmaTiles.from_name(MmaTiles().name) == MmaTiles()
     with pytest.raises(ValueError, match="'m16-i32' is not like m16-i32w4-h64w4-c256w2"):
