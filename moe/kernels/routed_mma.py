@@ -134,7 +134,8 @@ def mma_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
             act.act if gate_up_bias is None else gate_up_bias, lo_off, parts, counters,
             **_group_args(tokens, top_k, hid, inter, tiles, hidden.device.type != "cuda"),
             BLOCK_N=tiles.block_n, PREC=PRECISION[hidden.dtype][0], SPLIT=act.split, num_warps=tiles.warps_gate_up,
-            SPLIT_K=tiles.split_k, **_format_args(gate_up), **activation_args(cfg, gate_up_bias is not None))
+            SPLIT_K=tiles.split_k, **_format_args(gate_up), **activation_args(cfg, gate_up_bias is not None),
+            **_pdl(hidden.device))
     return act
 
 
@@ -168,13 +169,13 @@ def mma_down(act: MmaAct, slots: torch.Tensor, down, *, out: torch.Tensor | None
         down_kernel[down_grid](act_arg, slots, down.kernel_args(), y, num_slots, tokens, lo_off,
                                **_group_args(tokens, top_k, hid, inter, tiles, device.type != "cuda"),
                                BLOCK_N=tiles.down_block_n, PREC=2 if act.split else 1, num_warps=tiles.warps_down,
-                               **_format_args(down))
+                               **_format_args(down), **_pdl(device))
         combine_kernel[combine_grid](y, slots, y if addend is None else addend, y if out is None else out,
                                      y if out_cast is None else out_cast, num_slots, bias_weights, b2,
                                      K=top_k, H=hid, BLOCK_H=min(tiles.block_h, next_pow2(hid)),
                                      ADDEND=addend is not None, WRITE_OUT=out is not None,
                                      WRITE_CAST=out_cast is not None, BIAS=bias is not None,
-                                     num_warps=tiles.warps_combine)
+                                     num_warps=tiles.warps_combine, **_pdl(device))
     return out_cast if out is None else out
 
 
@@ -217,6 +218,12 @@ def _check_words(who: str, name: str, matrix) -> None:
                          "read its codes 4 a word (a multiple of 4)")
 
 
+def _pdl(device: torch.device) -> dict:
+    """The launch arguments of a programmatic dependent launch on CUDA (each kernel waits for its
+    predecessors before reading; the results are those of plain launches), none elsewhere."""
+    return {"GDC": True, "launch_pdl": True} if device.type == "cuda" else {}
+
+
 def _group_args(tokens: int, top_k: int, hidden: int, inter: int, tiles: MmaTiles, emu: bool) -> dict:
     """The constexprs of the group and its shape, shared by the gate_up and the down (emu: the CPU
     interpreter's float32 products)."""
@@ -231,7 +238,8 @@ def compile_mma_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf
     ptxas), at `tokens` tokens (T sizes the group's registers: one binary per power of two). dtype:
     Triton's name of the activation dtype; expert_format, cfg, expert_bias as
     moe.kernels.routed_host.compile_for_target. Returns {"_gate_up_mma", "_down_mma", "_combine"
-    (addend, cast out)}: Triton's asm dicts. Run it without TRITON_INTERPRET=1."""
+    (addend, cast out)}: Triton's asm dicts, each programmatic as launched on CUDA. Run it without
+    TRITON_INTERPRET=1."""
     from moe.kernels.routed_host import _variant
     from moe.kernels.triton_launch import compile_for_sm
 
@@ -247,15 +255,16 @@ def compile_mma_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf
         "_gate_up_mma": compile_for_sm(
             _gate_up_mma, (p, "*i32", "*fp32", w13, act, "i32", "i32", bias, "i32", "*fp32", "*i32"),
             {**group, "BLOCK_N": tiles.block_n, "PREC": prec_up, "SPLIT": prec_down == 2,
-             "SPLIT_K": tiles.split_k, **activation_args(cfg, expert_bias)},
+             "SPLIT_K": tiles.split_k, "GDC": True, **activation_args(cfg, expert_bias)},
             tiles.warps_gate_up, arch, MMA_JIT_OPTIONS, divisible=("lo_off",)),
         "_down_mma": compile_for_sm(
             _down_mma, (act, "*i32", w2, "*fp32", "i32", "i32", "i32"),
-            {**group, "BLOCK_N": tiles.down_block_n, "PREC": prec_down}, tiles.warps_down, arch, MMA_JIT_OPTIONS,
+            {**group, "BLOCK_N": tiles.down_block_n, "PREC": prec_down, "GDC": True}, tiles.warps_down, arch,
+            MMA_JIT_OPTIONS,
             divisible=("lo_off",)),
         "_combine": compile_for_sm(
             _combine, ("*fp32", "*i32", "*fp32", "*fp32", p, "i32", "*fp32", bias),
             {"K": top_k, "H": hidden, "BLOCK_H": min(tiles.block_h, next_pow2(hidden)), "ADDEND": True,
-             "WRITE_OUT": False, "WRITE_CAST": True, "BIAS": expert_bias}, tiles.warps_combine, arch,
+             "WRITE_OUT": False, "WRITE_CAST": True, "BIAS": expert_bias, "GDC": True}, tiles.warps_combine, arch,
             COMBINE_JIT_OPTIONS),
     }

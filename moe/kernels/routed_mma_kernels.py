@@ -49,12 +49,16 @@ summed in z order by whichever of a tile's programs arrives last at its counter,
 combine sums the K experts of a token in order j, so the result is bitwise repeatable for fixed tiles; a
 pair with no slot is never read. No program waits for another and there is no grid barrier: any other
 stream's work may hold SMs meanwhile.
+On CUDA the three launches are programmatic dependent launches (GDC), as the one-program-a-pair kernels':
+each waits (griddepcontrol.wait) before reading anything, so the results are those of plain launches,
+and the gate_up and the down let their successor launch while they run.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moe.kernels.quant_kernels import FP8, INT4, MXFP4, NVFP4, SIGN_BITS
 from moe.kernels.routed_kernels import _activation, _finish_rows
@@ -394,14 +398,18 @@ def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr,
                  PREC: tl.constexpr, EMU: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr = 0,
                  ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0, BIAS: tl.constexpr = False,
-                 SPLIT_K: tl.constexpr = 1):
+                 SPLIT_K: tl.constexpr = 1, GDC: tl.constexpr = False):
     """x_ptr [T, H] hidden; slots_ptr *i32 [T * K]; weights_ptr *fp32 [T * K]; w13 the gate_up banks (q, s, s2,
     z) [S, 2I, H] in format FMT; act_ptr *fp32 [T * K, I] out, or (SPLIT) *bf16 [T * K, I] of the high
     parts and lo_off elements further the low ones (act = hi + lo); b13_ptr [S, 2I] (read when BIAS).
     SPLIT_K > 1: program (p, t, z) dots the z-th of SPLIT_K runs of whole BLOCK_K steps of H into
     part_ptr *fp32 [SPLIT_K, T * K, 2I] (the members' gate then up rows); the last of a tile's SPLIT_K
     programs to arrive at its counter (count_ptr *i32 [T * K, ceil(I / BLOCK_N)], zero between calls: that
-    program sets it back) sums the parts in z order and finishes as one program does. Nothing waits."""
+    program sets it back) sums the parts in z order and finishes as one program does. Nothing waits.
+    GDC: launched programmatically: wait for the predecessors before reading, then let the down launch."""
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     slot, leader, hit, rank, count = _group(slots_ptr, tl.program_id(0), tokens, num_slots, K, TB, KB)
     if leader:
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; up rows are I further
@@ -461,9 +469,13 @@ def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens,
 def _down_mma(act_ptr, slots_ptr, w2, y_ptr, num_slots, tokens, lo_off,
               K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr,
-              PREC: tl.constexpr, EMU: tl.constexpr):
+              PREC: tl.constexpr, EMU: tl.constexpr, GDC: tl.constexpr = False):
     """act_ptr *fp32 [T * K, I], or (PREC 2) *bf16 of the gate_up's SPLIT parts (lo_off apart); slots_ptr
-    *i32 [T * K]; w2 the down banks [S, H, I]; y_ptr *fp32 [T * K, H] out (rows of pairs with a slot)."""
+    *i32 [T * K]; w2 the down banks [S, H, I]; y_ptr *fp32 [T * K, H] out (rows of pairs with a slot).
+    GDC: as the gate_up's, then the combine may launch."""
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     slot, leader, hit, rank, count = _group(slots_ptr, tl.program_id(0), tokens, num_slots, K, TB, KB)
     if leader:
         h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -486,10 +498,13 @@ def _down_mma(act_ptr, slots_ptr, w2, y_ptr, num_slots, tokens, lo_off,
 @triton.jit(**COMBINE_JIT_OPTIONS)
 def _combine(y_ptr, slots_ptr, addend_ptr, out_ptr, cast_ptr, num_slots, weights_ptr, b2_ptr,
              K: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr, ADDEND: tl.constexpr,
-             WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, BIAS: tl.constexpr):
+             WRITE_OUT: tl.constexpr, WRITE_CAST: tl.constexpr, BIAS: tl.constexpr, GDC: tl.constexpr = False):
     """y_ptr *fp32 [T * K, H]; addend_ptr *fp32 [T, H] (read when ADDEND); out_ptr *fp32 [T, H] (written when
     WRITE_OUT); cast_ptr [T, H] the model dtype (written when WRITE_CAST); weights_ptr *fp32 [T * K] and b2_ptr
-    [S, H] the down biases (read when BIAS)."""
+    [S, H] the down biases (read when BIAS). GDC: launched programmatically: wait for the down first
+    (what follows launches when this one ends)."""
+    if GDC:
+        gdc_wait()
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     y = tl.zeros([BLOCK_H], dtype=tl.float32)

@@ -198,6 +198,7 @@ SM90 = """
 import json
 import re
 from moe.kernels.routed_mma import compile_mma_for_target
+from moe.kernels.tiles import MmaTiles
 from moe.model.config import MoEConfig
 REGISTER_A = r"wgmma[.]mma_async[^;]*[}], *[{]"  # {accumulators}, {the first operand's registers}, descriptor
 found = {}
@@ -210,8 +211,17 @@ for fmt, tokens, bias, dtype in (("fp8", 1, False, "bf16"), ("nvfp4", 8, False, 
     shape = (4, 2880, 2880) if bias else (8, 2048, 768)
     asm = compile_mma_for_target(*shape, dtype, tokens=tokens, expert_format=fmt, cfg=cfg, expert_bias=bias)
     found[fmt + "-" + dtype] = {name: [a["ptx"].count("wgmma.mma_async"), len(re.findall(REGISTER_A, a["ptx"])),
-                                       a["ptx"].count("ld.local") + a["ptx"].count("st.local")]
+                                       a["ptx"].count("ld.local") + a["ptx"].count("st.local"),
+                                       a["ptx"].count("griddepcontrol.wait"),
+                                       a["ptx"].count("griddepcontrol.launch_dependents")]
                                 for name, a in asm.items()}
+split = compile_mma_for_target(8, 2048, 768, "bf16", tokens=1, expert_format="int4",
+                               tiles=MmaTiles.from_name("m16-i32w4-h64w4-c256w2-k2"))["_gate_up_mma"]["ptx"]
+found["int4-bf16-split2"] = {"_gate_up_mma": [split.count("wgmma.mma_async"), len(re.findall(REGISTER_A, split)),
+                                              split.count("ld.local") + split.count("st.local"),
+                                              split.count("griddepcontrol.wait"),
+                                              split.count("griddepcontrol.launch_dependents"),
+                                              split.count("atom.global")]}
 print(json.dumps(found))
 """
 
@@ -219,17 +229,22 @@ print(json.dumps(found))
 def test_every_format_compiles_for_sm90_on_the_tensor_cores():
     """bf16 activations multiply on Hopper's wgmma, every one reading the decoded weights from registers;
     float16 and float32 ones (float32 dots, "ieee") compile too, the code after a constexpr branch's
-    return included."""
+    return included. Every launch is programmatic: each waits for its predecessors once, the gate_up
+    and the down let their successor launch; a gate_up under split_k arrives at its counter (one atomic)."""
     found = compile_check(SM90)
+    split = found.pop("int4-bf16-split2")["_gate_up_mma"]
     assert sorted(found) == ["bf16-bf16", "fp8-bf16", "int4-bf16", "int4-fp16", "mxfp4-bf16", "nvfp4-bf16",
                              "nvfp4-fp32"]
     for variant, kernels in found.items():
         assert sorted(kernels) == ["_combine", "_down_mma", "_gate_up_mma"], variant
-        for name, (wgmma, register_a, local) in kernels.items():
+        for name, (wgmma, register_a, local, wait, release) in kernels.items():
             assert local == 0, f"{variant} {name} spills to local memory"
             assert register_a == wgmma, (variant, name, wgmma, register_a)
+            assert (wait, release) == (1, int(name != "_combine")), (variant, name, wait, release)
             if variant.endswith("-bf16"):
                 assert (wgmma > 0) == (name != "_combine"), (variant, name, wgmma)
+    wgmma, register_a, local, wait, release, atomics = split
+    assert wgmma > 0 and register_a == wgmma and local == 0 and (wait, release, atomics) == (1, 1, 1), split
 
 
 # ---------------------------------------------------------------- GPU: the real expert shapes
