@@ -253,7 +253,9 @@ class MoELayer:
         _check_plan(plan, self.cfg, self.device, self.slots)
         if plan.routed_mma is not None:  # its scratch made outside any capture
             mma_scratch(self.device, self.cfg.top_k, self.cfg.hidden, self.cfg.expert_intermediate)
-            split_scratch(self.device, self.cfg.top_k, self.cfg.hidden, self.cfg.expert_intermediate, plan.routed_mma)
+            if plan.routed_mma.split_k > 1:
+                split_scratch(self.device, self.cfg.top_k, self.cfg.hidden, self.cfg.expert_intermediate,
+                              plan.routed_mma)
         self.plan = plan
         self.side = self.slots.side_stream() if plan.mode.side_stream else None
 

@@ -4,7 +4,7 @@ for all of its tokens (kernels: moe.kernels.routed_mma_kernels).
     hidden [T, H], slots [T, k] int32, weights [T, k] float32, gate_up / down SlotMatrix in any expert
     format (expertcache.formats) or dense tensors
         │
-        ├─ gate_up: 1 launch, grid (T * k, ceil(I / block_n)); the leader pair of each slot's group
+        ├─ gate_up: 1 launch, grid (T * k, ceil(I / block_n), split_k); the leader pair of each slot's group
         │     -> act [T * k, I] float32 = weight[t, j] * act(gate, up)   (gpt-oss: biases, clamped SwiGLU)
         ├─ down:    1 launch, grid (T * k, ceil(H / down_block_n))  -> y [T * k, H] float32 per pair
         └─ combine: 1 launch, grid (T, ceil(H / block_h))
@@ -77,21 +77,19 @@ def mma_scratch(device: torch.device | str, top_k: int, hidden: int, inter: int)
 def split_scratch(device: torch.device | str, top_k: int, hidden: int, inter: int,
                   tiles: MmaTiles) -> tuple[torch.Tensor, torch.Tensor]:
     """(parts float32 [split_k, MMA_MAX_TOKENS * k, 2I], counters int32 [MMA_MAX_TOKENS * k, ceil(I /
-    block_n)], zero) of the gate_up under tiles.split_k > 1 on `device`, made on first use and kept (call
-    it before CUDA-graph capture, as mma_scratch); each call leaves the counters at zero. With split_k 1:
-    one-element placeholders, never read."""
+    block_n)], made zero) of the gate_up under tiles.split_k > 1 on `device`, made on first use and kept
+    (call it before CUDA-graph capture, as mma_scratch); each gate_up call leaves the counters at zero.
+    Calls that share them must be ordered on one stream. Raises ValueError for split_k 1 (no scratch)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     rows = MMA_MAX_TOKENS * top_k
+    if tiles.split_k == 1:
+        raise ValueError("split_scratch: tiles.split_k is 1: the gate_up runs one program a tile, with no parts")
     key = (device, top_k, hidden, inter, tiles.split_k, tiles.block_n)
     if key not in _PARTS:
-        if tiles.split_k == 1:
-            _PARTS[key] = (torch.zeros(1, dtype=torch.float32, device=device),
-                           torch.zeros(1, dtype=torch.int32, device=device))
-        else:
-            _PARTS[key] = (torch.empty((tiles.split_k, rows, 2 * inter), dtype=torch.float32, device=device),
-                           torch.zeros((rows, -(-inter // tiles.block_n)), dtype=torch.int32, device=device))
+        _PARTS[key] = (torch.empty((tiles.split_k, rows, 2 * inter), dtype=torch.float32, device=device),
+                       torch.zeros((rows, -(-inter // tiles.block_n)), dtype=torch.int32, device=device))
     return _PARTS[key]
 
 
@@ -126,7 +124,8 @@ def mma_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
     _check_words("mma_gate_up", "gate_up", gate_up)
     act = MmaAct(mma_scratch(hidden.device, top_k, hid, inter)[0], PRECISION[hidden.dtype][1] == 2, tokens, top_k)
     act_arg, lo_off = act.kernel_arg
-    parts, counters = split_scratch(hidden.device, top_k, hid, inter, tiles)
+    # split_k 1 reads no parts and no counter: any float32 and int32 tensors stand in
+    parts, counters = (act.act, slots) if tiles.split_k == 1 else split_scratch(hidden.device, top_k, hid, inter, tiles)
     kernel = kernel_for(_gate_up_mma, hidden.device, MMA_JIT_OPTIONS, "mma_gate_up")
     with _device_ctx(hidden.device):
         kernel[tiles.grids(tokens, top_k, hid, inter)[0]](
@@ -191,7 +190,8 @@ def routed_experts_mma(hidden: torch.Tensor, slots: torch.Tensor, weights: torch
     row counts twice, as in routed_experts); weights [T, k] float32; gate_up [S, 2I, H] and down
     [S, H, I]: SlotMatrix of one format, or dense tensors of hidden's dtype; out / addend / out_cast /
     cfg / gate_up_bias / down_bias as routed_experts. Three launches on the current stream, no host
-    sync, nothing allocated once mma_scratch is made: CUDA-graph capturable. Returns out when given,
+    sync, nothing allocated once mma_scratch (and, under tiles.split_k > 1, split_scratch) is made:
+    CUDA-graph capturable. Returns out when given,
     else out_cast when given, else a new float32 [T, H]. Raises ValueError naming the argument whose
     shape, dtype, device or value is wrong.
     """

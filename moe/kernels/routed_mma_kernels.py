@@ -235,9 +235,9 @@ def _tile_scales(w, slot64, rows, row_ok, k0, OUT: tl.constexpr, IN: tl.constexp
     """(sa, sb): what the weight tile at columns [k0, k0 + BLOCK_K) needs beside its codes, loaded a dot
     step ahead of it (the K loops carry them, so their round trip overlaps a step's work): fp8 its block
     scale [R] (sb the same); int4 its group scale [R] and (ZP) 128 + its zero as bfloat16 [R]; nvfp4 its
-    e4m3 block scales * 2^118 and mxfp4 its 2^(e - 127) * 2^-126 as bfloat16 [R, 4 m, 4 c] (a value per
-    word 4c + m), sb the post of _weight_tile; dense: sa = sb = 1 (0 for a row not ok). Nothing is read
-    at k0 >= IN (the step after the last)."""
+    e4m3 block scales * 2^118 and mxfp4 its 2^(e - 127) as bfloat16 [R, 4 m, 4 c] (a value per word
+    4c + m), sb the post of _weight_tile (nvfp4: its global scale, read at any k0); dense: sa = sb = 1
+    (0 for a row not ok). No block scale is read at k0 >= IN (the step after the last)."""
     ok = row_ok & (k0 < IN)
     _, s_ptr, s2_ptr, z_ptr = w
     if FMT == 0:

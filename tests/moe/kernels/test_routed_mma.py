@@ -187,6 +187,10 @@ def test_bad_arguments_are_named():
     assert MmaTiles(split_k=4).grids(3, 8, 2048, 768)[0] == (24, 24, 4)
     assert MmaTiles.from_name("m16-i32w4-h64w4-c256w2-k2") == MmaTiles(split_k=2)
     assert MmaTiles(split_k=2).name == "m16-i32w4-h64w4-c256w2-k2"
+    from moe.kernels.routed_mma import split_scratch
+
+    with pytest.raises(ValueError, match="split_scratch: tiles.split_k is 1"):
+        split_scratch("cpu", 2, 128, 32, MmaTiles())
     assert MmaTiles.from_name("m32-i64w8-h16w2-c128w4") == MmaTiles(32, 64, 8, 16, 2, 128, 4)
     assert MmaTiles.from_name(MmaTiles().name) == MmaTiles()
     with pytest.raises(ValueError, match="'m16-i32' is not like m16-i32w4-h64w4-c256w2"):
@@ -286,6 +290,37 @@ def test_gpu_graph_replay_equals_eager(name):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("name", ["int4", "nvfp4", "fp8", "bf16"])
+def test_gpu_split_k_races_to_the_same_bits_and_replays(name, split_k):
+    """On the GPU the last of a tile's programs to arrive varies from call to call: 20 calls at 1 and 8
+    tokens give the same bits, each within the reference's tolerance, the counters back at zero after
+    each; then a captured graph's replay equals eager."""
+    from moe.kernels.routed_mma import split_scratch
+
+    tiles = MmaTiles(split_k=split_k)  # the default tiles, split
+    gate_up, down = _pool(name, "cuda", slots=32, hidden=2048, inter=768, seed=41)
+    _, counters = split_scratch("cuda", 8, 2048, 768, tiles)
+    for tokens in (1, 8):
+        slots, weights = make_route(tokens, 8, 32, "cuda", seed=42 + tokens, pad=tokens // 4)
+        x = torch.randn(tokens, 2048, device="cuda").bfloat16()
+        first = routed_experts_mma(x, slots, weights, gate_up, down, tiles=tiles)
+        assert_close(first, routed_reference(x, slots, weights, gate_up, down), 1e-4)
+        for _ in range(20):
+            assert torch.equal(routed_experts_mma(x, slots, weights, gate_up, down, tiles=tiles), first)
+            assert int(counters.abs().sum()) == 0
+    out = torch.empty(8, 2048, device="cuda")
+    eager = routed_experts_mma(x, slots, weights, gate_up, down, out=out, tiles=tiles).clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        routed_experts_mma(x, slots, weights, gate_up, down, out=out, tiles=tiles)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager) and int(counters.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9)])
