@@ -151,7 +151,7 @@ def test_bitwise_repeatable_and_out_reuse():
     assert not torch.equal(out, first)
 
 
-@pytest.mark.parametrize("prefetch", [1, 2, 3])
+@pytest.mark.parametrize("prefetch", [1, pytest.param(2, marks=pytest.mark.slow), 3])  # 2: the long profile
 @pytest.mark.parametrize("tiles", [{}, {"block_h": 32, "chunk_i": 8, "warps_down": 1}], ids=["default", "uneven"])
 def test_down_prefetch_changes_no_bit(prefetch, tiles):
     """down_prefetch (the slots and the first experts' weight tiles loaded before the wait) sums in
