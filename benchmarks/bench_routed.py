@@ -127,7 +127,7 @@ MMA_SWEEP = (  # MmaTiles names; the first is the default. More rows a program i
     # (probe_routed_sass.py) but fill fewer SMs at one token
     DEFAULT_MMA_TILES.name, "m16-i64w4-h128w4-c256w2", "m16-i64w8-h128w8-c256w2", "m16-i32w2-h64w2-c256w2",
     "m16-i16w2-h32w2-c256w2", "m32-i32w4-h64w4-c256w2", "m64-i64w8-h128w8-c256w2",
-    f"{DEFAULT_MMA_TILES.name}-k2", f"{DEFAULT_MMA_TILES.name}-k4",  # more gate_up programs where pairs are few
+    *(dataclasses.replace(DEFAULT_MMA_TILES, split_k=n).name for n in (2, 4)),  # more gate_up programs, few pairs
 )
 
 

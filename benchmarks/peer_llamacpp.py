@@ -538,9 +538,8 @@ def report_rows(llama: dict, ours: dict, lim: dict) -> list[dict]:
                "ours": {}}
         for o in mine:
             service = o.get("miss_service", "copy")
-            per_token = o["layers"] * o["bytes_per_expert"]
-            miss_bytes = o["misses_per_layer_per_step"] * per_token
-            served = o.get("served_per_layer_per_step", 0.0) * per_token
+            miss_bytes = _miss_bytes(o)
+            served = o.get("served_per_layer_per_step", 0.0) * o["layers"] * o["bytes_per_expert"]
             got = {"tokens_per_s": o["tokens_per_s"], "us_per_layer": 1e6 / o["tokens_per_s"] / o["layers"],
                    "slots": o["slots"], "hit_rate": o["hit_rate"], "miss_service": service,
                    "copied_bytes_per_token": miss_bytes - served, "served_bytes_per_token": served,

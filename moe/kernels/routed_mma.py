@@ -57,13 +57,19 @@ def check_mma_capability(capability: tuple[int, int]) -> None:
                          f"is {capability[0]}.{capability[1]}: set EXPERTCACHE_ROUTED_MMA=0 or unset it")
 
 
+def _scratch_device(device: torch.device | str) -> torch.device:
+    """`device` with its index (the current CUDA device's where none is given): the scratches' key."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def mma_scratch(device: torch.device | str, top_k: int, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(act float32 [MMA_MAX_TOKENS * k, I], y float32 [MMA_MAX_TOKENS * k, H]) that routed_experts_mma
     uses on `device`, made on first use and kept (call it before CUDA-graph capture). Calls that share
     them must be ordered on one stream. Raises ValueError (check_mma_capability) on a GPU before Hopper."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _scratch_device(device)
     key = (device, top_k, hidden, inter)
     if key not in _SCRATCH:  # checked once, where the layer makes it before any launch or capture
         if device.type == "cuda":
@@ -80,12 +86,10 @@ def split_scratch(device: torch.device | str, top_k: int, hidden: int, inter: in
     block_n)], made zero) of the gate_up under tiles.split_k > 1 on `device`, made on first use and kept
     (call it before CUDA-graph capture, as mma_scratch); each gate_up call leaves the counters at zero.
     Calls that share them must be ordered on one stream. Raises ValueError for split_k 1 (no scratch)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    rows = MMA_MAX_TOKENS * top_k
+    device = _scratch_device(device)
     if tiles.split_k == 1:
         raise ValueError("split_scratch: tiles.split_k is 1: the gate_up runs one program a tile, with no parts")
+    rows = MMA_MAX_TOKENS * top_k
     key = (device, top_k, hidden, inter, tiles.split_k, tiles.block_n)
     if key not in _PARTS:
         _PARTS[key] = (torch.empty((tiles.split_k, rows, 2 * inter), dtype=torch.float32, device=device),
