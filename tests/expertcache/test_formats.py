@@ -8,7 +8,8 @@ tests/expertcache/numpy_formats.py, on fresh random matrices (hypothesis) and on
     (c) per element, with the element's scale as divided by on quantize (s; nvfp4 s * s2; mxfp4 2^e):
         bf16 |W' - W| <= 2^-8 |W|;  fp8 <= 2^-4 |W| + 2^-10 s  (so <= 2^-4 amax of its 128 x 128 block);
         nvfp4 <= s * s2 where the e4m3 scale is normal (>= 2^-6);  mxfp4 <= 2 * 2^e (values in (6, 8) * 2^e
-        clip to 6 * 2^e; so <= amax(block) / 2);  int4 <= s / 2;  each times (1 + 2^-16) for float32 rounding
+        clip to 6 * 2^e; so <= amax(block) / 2);  int4 <= s / 2 where s is normal (a subnormal float16 s
+        rounds coarser, and the group's extreme may clip);  each times (1 + 2^-16) for float32 rounding
     (d) matrix_bytes == the banks' bytes == the parts' bytes; golden bytes per Qwen expert
     (e) bad inputs raise FormatError naming the argument, field or part; (f) registry errors
 """
@@ -114,8 +115,9 @@ def check_bounds(fmt, w32: np.ndarray, parts: dict, deq: np.ndarray) -> None:
             bound, where = step, ref.per_input(ref.e4m3_decode(parts["s"]), 16, n) >= 2.0 ** -6
         elif fmt.name == "mxfp4":
             bound = 2 * step
-        else:
-            bound = 0.5 * step
+        else:  # where the scale is a normal number of its dtype: a subnormal float16 scale rounds coarser
+            tiny = np.finfo(np.float16).tiny if parts["s"].dtype == np.float16 else 2.0 ** -126
+            bound, where = 0.5 * step, step >= tiny
     assert (err[where] <= bound[where] * (1 + 2 ** -16)).all(), f"{fmt.name}: error above the bound"
 
 
@@ -168,6 +170,16 @@ def test_midpoints_round_to_even():
     # int4: amax 7 -> scale 1
     row = [7.0, 0.5, 1.5, 2.5, 3.5, 6.5, -0.5, -1.5, -2.5, -6.5]
     assert signed(run_edge(INT4(), [row])[0]) == [7.0, 0.0, 2.0, 2.0, 4.0, 6.0, 0.0, -2.0, -2.0, -6.0]
+
+
+def test_int4_subnormal_float16_scale_clips_the_extreme():
+    """A group with amax 1.0221512e-06: amax / 7 is a float16 subnormal that rounds down to 2 * 2^-24, so
+    the extreme -1.0221512e-06 / s = -8.57 clips to -8 (the reference decode and nearest rule still hold;
+    the s / 2 bound is claimed only where s is normal)."""
+    fmt = INT4(scale_dtype="float16", zero_points=True)
+    row = [-1.0221512e-06] + [3e-7] * 127
+    deq = run_edge(fmt, [row])[0]
+    assert deq[0] == np.float32(-8 * 2.0 ** -23)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
