@@ -15,13 +15,15 @@
        last token) and the device memory allocated after the turn; a warm-up request first, so the
        compiles are in no turn
     -> both runs (--kv-cache-gb GiB of prefix cache, and none) over the same session, the TTFT ratio per
-       turn; --minutes M: repeat the session with the cache until M minutes have passed, checked after
-       each turn (the soak: every request must end well, memory is sampled each turn); the JSON is
-       rewritten after each session, so a run stopped from outside leaves what it measured
+       turn; the run without the cache resends the first run's prompts of every --baseline-every turns and
+       the last (with no cache a turn's time is its own prompt's, whatever came before); --minutes M:
+       repeat the session with the cache until M minutes have passed, checked after each turn (the soak:
+       every request must end well, memory is sampled each turn); the JSON is rewritten after each turn,
+       so a run stopped from outside leaves what it measured
     -> table and --out JSON (machine, versions, commit)
 
 Run: python benchmarks/bench_agent.py [--layers 48] [--turns 30] [--start-tokens 8192] [--grow 1900]
-     [--kv-cache-gb 8] [--minutes 10] [--device cpu] [--out agent.json]
+     [--kv-cache-gb 8] [--baseline-every 5] [--minutes 10] [--device cpu] [--out agent.json]
 """
 
 from __future__ import annotations
@@ -105,14 +107,23 @@ def session_prompts(args, rng: np.random.Generator):
 
 
 def run_session(scheduler: Scheduler, args, first: list[int], grows: list[list[int]], rng, timeout: float,
-                rows: list[dict], deadline: float = float("inf")) -> None:
-    """One session (module docstring), a row per turn appended to `rows` as it ends; stops after the
-    turn that passes `deadline` (monotonic)."""
+                rows: list[dict], deadline: float = float("inf"), contexts: list[list[int]] | None = None,
+                turns: set[int] | None = None, saved=lambda: None) -> None:
+    """One session (module docstring), a row per turn appended to `rows` as it ends (then `saved()`);
+    stops after the turn that passes `deadline` (monotonic). `contexts`: each turn's prompt is recorded
+    there; with `turns`, only those turns run, each sending the recorded prompt of its turn (the baseline
+    of a session already run: without a prefix cache a turn's time is its own prompt's)."""
     context = list(first)
     device = scheduler.engine.weights.device
     for turn in range(args.turns):
         if time.monotonic() >= deadline:
             return
+        if turns is not None:
+            if turn not in turns:
+                continue
+            context = contexts[turn]
+        elif contexts is not None:
+            contexts.append(context)
         req, watch, t0 = submit(scheduler, context, args.answer)
         sides = []
         if args.side_every and turn % args.side_every == args.side_every - 1:
@@ -139,6 +150,7 @@ def run_session(scheduler: Scheduler, args, first: list[int], grows: list[list[i
                      "decode_tokens_per_s": timing.decode_tokens_per_s, "worst_gap_s": float(gaps.max()),
                      "side_latency_s": side_latency,
                      "device_allocated_gb": torch.cuda.memory_allocated(device) / GB if device.type == "cuda" else 0.0})
+        saved()
         answer = scheduler.tokenizer.encode(watch.text, add_special_tokens=False)  # the answer's words back to ids
         context = context + answer + grows[turn]
 
@@ -162,6 +174,9 @@ def main(argv: list[str] | None = None) -> dict:
     doc = {"bench": "agent", "machine": benchmeta.machine() if device.type == "cuda" else benchmeta.cpu_machine(),
            "args": {k: v for k, v in vars(args).items() if k != "out"}, "slots": slots, "prefix_blocks": blocks,
            "block_tokens": PREFIX_BLOCK_TOKENS, "runs": {}}
+    contexts: list[list[int]] = []  # the kept run's first session's prompts, which the baseline resends
+    baseline = {t for t in range(args.turns) if t % args.baseline_every == 0 or t == args.turns - 1}
+    doc["baseline_turns"] = sorted(baseline)
     for name, prefix in (("kept", blocks), ("none", 0)):
         if name == "none" and args.minutes:
             break  # the soak runs the cache alone
@@ -178,9 +193,12 @@ def main(argv: list[str] | None = None) -> dict:
             end = time.monotonic() + 60 * args.minutes
             while True:
                 run["sessions"].append([])
+                first_session = name == "kept" and len(run["sessions"]) == 1
                 run_session(scheduler, args, first, grows, rng, args.timeout, run["sessions"][-1],
-                            end if args.minutes else float("inf"))
-                _write(doc, args.out)  # what a run that is stopped later leaves
+                            end if args.minutes else float("inf"),
+                            contexts=contexts if first_session or name == "none" else None,
+                            turns=baseline if name == "none" else None,
+                            saved=lambda: _write(doc, args.out))  # what a run that is stopped later leaves
                 if time.monotonic() >= end:
                     break
         finally:
@@ -203,10 +221,10 @@ def _write(doc: dict, out: str | None) -> None:
 
 def report(doc: dict) -> None:
     kept = doc["runs"]["kept"]["sessions"][0]
-    none = doc["runs"].get("none", {}).get("sessions", [None])[0]
+    none = {r["turn"]: r for r in (doc["runs"].get("none", {}).get("sessions") or [[]])[0]}
     print("turn  context  cached   ttft kept   ttft none   ratio  decode tok/s  worst gap  side calls (s)")
-    for i, row in enumerate(kept):
-        base = none[i]["ttft_s"] if none else float("nan")
+    for row in kept:
+        base = none[row["turn"]]["ttft_s"] if row["turn"] in none else float("nan")
         print(f"{row['turn']:4d} {row['context_tokens']:8d} {row['cached_tokens']:7d} {row['ttft_s']:10.3f} "
               f"{base:11.3f} {base / row['ttft_s']:7.1f} {row['decode_tokens_per_s']:13.1f} "
               f"{row['worst_gap_s']:10.3f}  {', '.join(f'{s:.2f}' for s in row['side_latency_s'])}")
@@ -236,13 +254,15 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--side-calls", type=int, default=3)
     ap.add_argument("--side-tokens", type=int, default=512)
     ap.add_argument("--side-answer", type=int, default=16)
+    ap.add_argument("--baseline-every", type=int, default=1,
+                    help="the run without a prefix cache resends every this many turns' prompts (and the last)")
     ap.add_argument("--minutes", type=float, default=0.0, help="soak: repeat the session with the cache this long")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take before the run fails")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     for name in ("layers", "vocab", "max_batch", "max_seq_len", "turns", "start_tokens", "answer", "side_calls",
-                 "side_tokens", "side_answer"):
+                 "side_tokens", "side_answer", "baseline_every"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.grow < 0 or args.side_every < 0 or args.minutes < 0 or not args.kv_cache_gb > 0:

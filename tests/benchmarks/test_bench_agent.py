@@ -33,6 +33,18 @@ def test_a_tiny_session_with_and_without_kept_prefixes(tmp_path):
     assert doc["runs"]["kept"]["prefix_stats"]["restored"] == sum(r["cached_tokens"] for r in kept)
 
 
+def test_the_baseline_resends_the_kept_sessions_prompts_of_its_turns(tmp_path):
+    out = tmp_path / "agent.json"
+    doc = load_bench("bench_agent").main([*"--device cpu --small --layers 2 --vocab 512 --turns 5 --start-tokens 70 "
+                                          "--grow 10 --answer 3 --side-every 0 --max-seq-len 256 --kv-cache-gb 0.01 "
+                                          "--baseline-every 3".split(), "--out", str(out)])
+    kept, none = (doc["runs"][name]["sessions"][0] for name in ("kept", "none"))
+    assert doc["baseline_turns"] == [0, 3, 4] and [r["turn"] for r in none] == [0, 3, 4]  # every 3rd and the last
+    assert [r["context_tokens"] for r in none] == [kept[t]["context_tokens"] for t in (0, 3, 4)]
+    assert all(r["cached_tokens"] == 0 for r in none) and sum(doc["runs"]["none"]["finished"].values()) == 1 + 3
+    assert json.loads(out.read_text())["runs"]["none"]["sessions"][0] == none
+
+
 def test_the_soak_stops_after_the_turn_that_ends_its_time(tmp_path):
     out = tmp_path / "soak.json"
     doc = load_bench("bench_agent").main([*"--device cpu --small --layers 2 --vocab 512 --turns 3 --start-tokens 70 "
@@ -43,7 +55,8 @@ def test_the_soak_stops_after_the_turn_that_ends_its_time(tmp_path):
 
 
 @pytest.mark.parametrize("argv, flag", [(["--turns", "0"], "--turns"), (["--slots-frac", "0"], "--slots-frac"),
-                                        (["--kv-cache-gb", "0"], "--kv-cache-gb")])
+                                        (["--kv-cache-gb", "0"], "--kv-cache-gb"),
+                                        (["--baseline-every", "0"], "--baseline-every")])
 def test_bad_options_are_refused_by_name(argv, flag, capsys):
     with pytest.raises(SystemExit):
         load_bench("bench_agent")._args(argv)
