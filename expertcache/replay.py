@@ -3,7 +3,8 @@
     ids [C, rows, k] int32, layers [C] -> for each call, exactly HostCache.ensure:
     query, hits, the miss split (copies[m] copied by priority, the rest served on the CPU),
     victims (empty suffix first, then lowest (score, slot)), installs, counters [L, 3],
-    served [L] and a miss histogram [L, Q + 1] (calls with m misses, per layer).
+    served [L], a miss histogram [L, Q + 1] (calls with m misses, per layer) and, when asked, each
+    call's misses [C] (what a caller that combines several pools call by call needs: sim.ranks).
 
 The state arrays are the HostCache's own (slot_of, key_of, policy state, clock,
 counters), updated in place, so a replay can be interleaved with reference calls and
@@ -255,7 +256,7 @@ def _select(tag, need, tv, ts, mv, ms, off, shift, key_of, num_experts, kst, sst
 @njit(cache=True)
 def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts,
                  slot_of, key_of, kst, sst, gst, prm, fprm, aux, clock, counters, hist,
-                 out_slots, plan, tv, ts, mv, ms, copies, fill, served, split_hist):
+                 out_slots, plan, tv, ts, mv, ms, copies, fill, served, split_hist, call_misses):
     """Run every call of ids [C, rows, k] through the contract; see the module docstring.
 
     out_slots int32 [rows, k] and plan int32 [rows * k, 2] receive the last call's
@@ -263,7 +264,8 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
     index (victim_index.ix_new), filled here from the slot map. copies int32 [>= rows * k + 1]:
     the split's table (MissSplit.copies); fill: whether empty slots take every miss they can first
     (MissSplit.fills); served int64 [L]: misses served on the CPU, per layer; split_hist int64
-    [>= Q + 1, >= Q + 1]: calls by (misses, copies), summed over layers.
+    [>= Q + 1, >= Q + 1]: calls by (misses, copies), summed over layers; call_misses int64 [C] or [0]:
+    each call's misses (copied or served), written when it has C entries.
     """
     C, rows, k = ids.shape
     S = key_of.shape[0]
@@ -424,6 +426,8 @@ def replay_calls(tag, ids, layers, logit_idx, logit_val, has_logits, num_experts
         served[layer] += ns
         hist[layer, m] += 1
         split_hist[m, c_m] += 1
+        if call_misses.shape[0] == C:
+            call_misses[c] = m
         if c == C - 1:
             for r in range(rows):
                 for j in range(k):
@@ -480,12 +484,13 @@ def validate_calls(geometry: CacheGeometry, ids: np.ndarray, layers: np.ndarray,
 
 def run_calls(cache, ids: np.ndarray, layers, logit_idx: np.ndarray | None = None,
               logit_val: np.ndarray | None = None, hist: np.ndarray | None = None,
-              split_hist: np.ndarray | None = None):
+              split_hist: np.ndarray | None = None, call_misses: np.ndarray | None = None):
     """Replay calls through `cache` (a HostCache) in place with the compiled kernel.
 
     ids int32 [C, rows, k]; layers int [C]; logits [C, rows, T] or None; hist int64
     [L, >= Q + 1] (Q = rows * k) accumulates calls by miss count, split_hist int64 [>= Q + 1, >= Q + 1]
-    calls by (misses, copies). The cache's split (HostCache.split) applies, and its `served` counts
+    calls by (misses, copies), call_misses int64 [C] receives each call's misses (copied or served), in
+    call order. The cache's split (HostCache.split) applies, and its `served` counts
     grow. Returns the last call's (slots int32 [rows, k], plan int32 [c, 2] of its copies). Raises
     EnsureError before running anything.
     """
@@ -508,6 +513,10 @@ def run_calls(cache, ids: np.ndarray, layers, logit_idx: np.ndarray | None = Non
         split_hist = np.zeros((rows * k + 1, rows * k + 1), dtype=np.int64)
     elif split_hist.dtype != np.int64 or min(split_hist.shape) < rows * k + 1 or split_hist.ndim != 2:
         raise ValueError(f"split_hist must be int64 [>= {rows * k + 1}, >= {rows * k + 1}]")
+    if call_misses is None:
+        call_misses = np.zeros(0, dtype=np.int64)
+    elif call_misses.dtype != np.int64 or call_misses.shape != ids.shape[:1]:
+        raise ValueError(f"call_misses must be int64 [{ids.shape[0]}] (one entry a call)")
     out = np.empty((rows, k), dtype=np.int32)
     plan = np.empty((rows * k, 2), dtype=np.int32)
     pol, st = cache.policy, cache.state
@@ -515,5 +524,5 @@ def run_calls(cache, ids: np.ndarray, layers, logit_idx: np.ndarray | None = Non
                      g.num_experts, cache.slot_of, cache.key_of, st.key, st.slot, st.glob,
                      pol.params(), pol.fparams(), pol.aux(), cache.clock, cache.counters, hist,
                      out, plan, *ix_new(g.num_layers, g.num_experts), cache.split.copies,
-                     cache.split.fills, cache.served, split_hist)
+                     cache.split.fills, cache.served, split_hist, call_misses)
     return out, plan[:m].copy()

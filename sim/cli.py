@@ -5,7 +5,8 @@
        (synthetic) | neither: the embedded default, a real gemma-4 decode trace (sim/data)
     -> slot counts checked against each trace (largest call <= slots <= L*E keys), or with
        --moe-cache-gb G per expert format (--expert-format) from the budget (sim/budget.py)
-    -> sweep (policy x slots, parallel processes) -> table / JSON / PNG / per-layer view
+    -> sweep (policy x slots, parallel processes; with --ranks N, each rank count: sim/ranks.py)
+    -> table / JSON / PNG / per-layer view
 
 Every check runs before the first replay; a failure ends the command with
 "error: <what, naming the flag or field>: <fix>" on stderr and exit status 1.
@@ -21,6 +22,7 @@ import json
 import os
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -38,17 +40,17 @@ from sim.budget import (
     plan_runs,
     trace_shape,
 )
-from sim.costmodel import H200, H200_SM_COPY, HardwareProfile, format_profile
+from sim.costmodel import ALLREDUCE_US, H200, H200_SM_COPY, HardwareProfile, format_profile
 from sim.errors import TraceError, TraceWarning
 from sim.inputs import DEFAULT_TRACE_FRACS, DEFAULT_TRACE_LABEL, default_trace, load_any, synthetic_config
 from sim.jsonl import FIELDS_HELP
+from sim.ranks import describe_ranks, min_rank_slots, sweep_ranks
 from sim.replay import (
     COMPILE_NOTICE,
     ORACLES,
     announce_compiles,
     check_policies,
     check_replayable,
-    min_slots,
     sim_policy_names,
     sweep,
     sweep_splits,
@@ -95,6 +97,7 @@ command before any replay with "error: <what, naming the flag or field>: <fix>" 
   expertcache sim                                    the embedded default
   expertcache sim run.npz --slots 64,128 --json      a recorded trace (expertcache serve --record-routing)
   expertcache sim --preset qwen3-30b-a3b --moe-cache-gb 8 --expert-format bf16,nvfp4
+  expertcache sim --ranks 1,2                        one GPU and two, the same slots on each
 """
 
 
@@ -108,12 +111,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="seed of the --preset trace (>= 0, default 0)")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma-separated, from: {', '.join(sim_policy_names())}")
-    p.add_argument("--slots", help="comma-separated slot counts, at most L*E (overrides --slots-frac)")
+    p.add_argument("--slots", help="comma-separated slot counts of one GPU, at most L*E (overrides --slots-frac); "
+                   "with --ranks N each GPU has this many")
     p.add_argument("--slots-frac", default=DEFAULT_FRACS, action=_Given,
-                   help=f"comma-separated fractions of all experts (L*E) to use as slots (default "
+                   help=f"comma-separated fractions of all experts (L*E) to use as slots on each GPU (default "
                         f"{DEFAULT_FRACS}; the embedded default trace: {DEFAULT_TRACE_FRACS})")
     p.add_argument("--moe-cache-gb", metavar="G[,G...]",
-                   help="VRAM budget(s) of the slots in GiB: each expert format gets the slots that "
+                   help="VRAM budget(s) of the slots in GiB, a GPU: each expert format gets the slots that "
                         "fit (not with --slots / --slots-frac)")
     p.add_argument("--expert-format", metavar="F[,F...]",
                    help="expert formats to price, one row each: bf16, fp8, int4, mxfp4, nvfp4 "
@@ -133,10 +137,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="cost model of the modeled us/tok and tok/s: 'engine' (default) is this engine on an "
                         "H200 as measured (SM miss copy, its MoE layer's time); 'copy-engine' prices misses "
                         "at cudaMemcpy speeds with an assumed 10 us layer overhead")
-    p.add_argument("--miss-service", default="copy,hybrid", metavar="S[,S...]",
+    p.add_argument("--miss-service", default="copy,hybrid", metavar="S[,S...]", action=_Given,
                    help="how misses are served, each priced on --host: copy (every miss over the link into a "
                         "slot), hybrid (each call's misses split between the link and the CPU so both finish "
-                        "together), cpu (every routed expert on the CPU); default copy,hybrid")
+                        "together), cpu (every routed expert on the CPU); default copy,hybrid (copy alone "
+                        "with --ranks above 1)")
     p.add_argument("--host", choices=sorted(HOSTS), default=DEFAULT_HOST,
                    help=f"the machine the miss services are priced on (default {DEFAULT_HOST}): its link and "
                         "CPU bandwidths measured together, its GPU's cost model")
@@ -144,6 +149,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the link's bandwidth beside the CPU kernels, replacing --host's")
     p.add_argument("--cpu-gbps", type=float, metavar="GB/S",
                    help="the CPU kernels' weight-read bandwidth beside the link, replacing --host's")
+    p.add_argument("--ranks", default="1", metavar="N[,N...]",
+                   help="GPUs of one host to model, expert-parallel (expert e on GPU e %% N, each GPU with the "
+                        "slots above and its own link), one row each; default 1; give 1,2 to see what a "
+                        "second GPU buys at the same budget a GPU")
+    p.add_argument("--allreduce-us", type=float, metavar="US",
+                   help=f"microseconds of one all-reduce between the GPUs, two a layer with --ranks above 1 "
+                        f"(default {ALLREDUCE_US:g}: NCCL's small-message latency over NVLink, assumed; cards "
+                        f"on PCIe alone are slower)")
     p.set_defaults(func=run)
 
 
@@ -277,12 +290,23 @@ def _slot_request(args: argparse.Namespace) -> tuple[str, list]:
     return "--slots-frac", _fracs(DEFAULT_TRACE_FRACS if _embedded(args) and not given else args.slots_frac)
 
 
-def _slots_for(name: str, trace: Trace, request: tuple[str, list]) -> list[int]:
-    """The slot counts to replay `trace` at: each >= its largest call and <= its L*E keys."""
+def _need(name: str, trace: Trace, ranks: list[int]) -> tuple[int, str]:
+    """The fewest slots a GPU replays `trace` on at every rank count (sim.ranks.min_rank_slots) and who asks
+    for them; the trace checked for decode steps and --ranks against its experts."""
     try:
         check_replayable(trace)
     except TraceError as exc:
         _fail(f"{name}: {exc}")
+    if ranks[-1] > trace.num_experts:
+        _fail(f"{name}: --ranks {ranks[-1]} is more than the trace's {counted(trace.num_experts, 'expert')} a "
+              f"layer, so a GPU would own none: give --ranks <= {trace.num_experts}")
+    needs = {n: min_rank_slots(trace, n) for n in ranks}
+    n = max(needs, key=lambda n: (needs[n], -n))
+    return needs[n], ("one call of this trace asks" if n == 1 else f"with --ranks {n}, one call of a GPU asks")
+
+
+def _slots_for(name: str, trace: Trace, request: tuple[str, list], need: tuple[int, str]) -> list[int]:
+    """The slot counts a GPU replays `trace` at: each >= `need` (_need) and <= its L*E keys."""
     total = trace.num_layers * trace.num_experts
     flag, values = request
     slots = values if flag == "--slots" else sorted({max(1, round(f * total)) for f in values})
@@ -290,10 +314,10 @@ def _slots_for(name: str, trace: Trace, request: tuple[str, list]) -> list[int]:
         _fail(f"{name}: --slots {slots[-1]} is more than the trace's {trace.num_layers} x "
               f"{trace.num_experts} = {counted(total, 'key')} (layer, expert): a larger pool never fills; "
               f"give --slots <= {total}, or --slots-frac 1 for all of them")
-    need = min_slots(trace)
-    if slots[0] < need:
-        _fail(f"{name}: {flag} gives {counted(slots[0], 'slot')}, too few: one call of this trace asks "
-              f"for {counted(need, 'distinct expert')}; give at least {counted(need, 'slot')} (e.g. --slots {need})")
+    fewest, who = need
+    if slots[0] < fewest:
+        _fail(f"{name}: {flag} gives {counted(slots[0], 'slot')}, too few: {who} for "
+              f"{counted(fewest, 'distinct expert')}; give at least {counted(fewest, 'slot')} (e.g. --slots {fewest})")
     return slots
 
 
@@ -340,8 +364,9 @@ def _traces(args: argparse.Namespace) -> list[tuple[str, Trace]]:
     return out
 
 
-def _title(name: str, trace: Trace, profile: HardwareProfile, pricing: str | None) -> str:
-    """The trace, its source and license, what prices the misses when its meta does not say, the cost model."""
+def _title(name: str, trace: Trace, profile: HardwareProfile, pricing: str | None, ranks: list[int]) -> str:
+    """The trace, its source and license, what prices the misses when its meta does not say, the cost model
+    (and how rows of several GPUs read)."""
     m = trace.meta
     label = name if name.endswith(m.model) else f"{name}: {m.model}"
     lines = [f"{label}, {counted(trace.num_tokens, 'token')}, {counted(m.num_layers, 'layer')} x "
@@ -349,22 +374,18 @@ def _title(name: str, trace: Trace, profile: HardwareProfile, pricing: str | Non
              f"{counted(trace.accesses, 'access', 'accesses')}"]
     if not m.source.startswith("synthetic:"):  # a synthetic trace's source is its whole config
         lines.append(f"source: {m.source}; license: {m.license}")
-    return "\n".join(lines + ([pricing] if pricing else []) + [f"cost model: {format_profile(profile)}"])
+    gpus = describe_ranks(ranks, profile.allreduce_us)
+    return "\n".join(lines + ([pricing] if pricing else []) + [f"cost model: {format_profile(profile)}"]
+                     + ([gpus] if gpus else []))
 
 
-def _plan(args: argparse.Namespace, flags: BudgetFlags,
-          request: tuple[str, list] | None) -> list[tuple[str, Trace, list[int], list | None]]:
-    """(name, trace, slot counts to replay, FormatRuns or None) of every trace, all checked."""
+def _plan(args: argparse.Namespace, flags: BudgetFlags, request: tuple[str, list] | None,
+          ranks: list[int]) -> list[tuple[str, Trace, list[int], list | None]]:
+    """(name, trace, slot counts a GPU to replay, FormatRuns or None) of every trace, all checked."""
     plans = []
     for name, trace in _traces(args):
-        if request is not None:
-            slots = _slots_for(name, trace, request)
-        else:
-            try:
-                check_replayable(trace)
-            except TraceError as exc:
-                _fail(f"{name}: {exc}")
-            slots = []
+        need = _need(name, trace, ranks)
+        slots = [] if request is None else _slots_for(name, trace, request, need)
         runs = None
         try:
             expert_shape(name, trace, flags.shape)  # --expert-shape against the meta's shape and bytes
@@ -372,7 +393,7 @@ def _plan(args: argparse.Namespace, flags: BudgetFlags,
             _fail(exc)
         if flags.active:
             try:
-                runs = plan_runs(name, trace, flags, slots, min_slots(trace))
+                runs = plan_runs(name, trace, flags, slots, need[0])
             except BudgetError as exc:
                 _fail(exc)
             slots = sorted({s for r in runs for s in r.slots})
@@ -388,12 +409,19 @@ def _rows(trace: Trace, results: list, runs: list[FormatRun] | None, policies: l
     return build_format_rows(trace, results, runs, profile, policies)
 
 
-def _host(args: argparse.Namespace) -> tuple[tuple[str, ...], HostProfile]:
-    """The checked --miss-service list and the --host profile with --link-gbps / --cpu-gbps applied."""
+def _host(args: argparse.Namespace, ranks: list[int]) -> tuple[tuple[str, ...], HostProfile]:
+    """The checked --miss-service list (copy alone where --ranks goes above 1 and it was not given; refused
+    with a split service there) and the --host profile with --link-gbps / --cpu-gbps applied."""
     try:
         services = check_services(args.miss_service)
     except ValueError as exc:
         _fail(f"{exc}: e.g. --miss-service copy,hybrid")
+    splits = [sv for sv in services if sv != "copy"]
+    if ranks[-1] > 1 and splits and getattr(args, "miss_service_given", False):
+        _fail(f"--miss-service {','.join(splits)} with --ranks {ranks[-1]}: the miss split is not modeled across "
+              f"GPUs (they share one host's CPU cores and memory bandwidth): give --miss-service copy, or --ranks 1")
+    if ranks[-1] > 1:
+        services = ("copy",)
     for flag, v in (("--link-gbps", args.link_gbps), ("--cpu-gbps", args.cpu_gbps)):
         if v is not None and not (v > 0 and v < float("inf")):
             _fail(f"{flag} must be a bandwidth in GB/s > 0, got {v}: e.g. {flag} 25")
@@ -441,39 +469,60 @@ def _services(trace: Trace, results: list, runs: list[FormatRun] | None, policie
     return text + ("\n" + picks if picks else ""), rows
 
 
+def _ranks_profile(args: argparse.Namespace) -> tuple[list[int], HardwareProfile]:
+    """The checked --ranks counts and the --profile cost model with --allreduce-us applied."""
+    ranks = _ints(args.ranks, "--ranks")
+    profile = PROFILES[args.profile]
+    if args.allreduce_us is not None:
+        if not 0 <= args.allreduce_us < float("inf"):
+            _fail(f"--allreduce-us must be microseconds >= 0, got {args.allreduce_us}: e.g. --allreduce-us 10")
+        profile = replace(profile, allreduce_us=args.allreduce_us)
+    return ranks, profile
+
+
+def _replays(name: str, trace: Trace, policies: list[str], slots: list[int], ranks: list[int],
+             args: argparse.Namespace) -> list:
+    """The replays of one trace: every policy at every slot count a GPU, on one GPU (sweep) where --ranks
+    has 1 and over each larger rank count (sweep_ranks)."""
+    kw = dict(workers=args.workers, progress=not args.no_progress and sys.stderr.isatty(),
+              use_logits=not args.no_logits, say_compiling=_say(COMPILE_NOTICE))
+    try:
+        one = sweep(trace, policies, slots, **kw) if ranks[0] == 1 else []
+        return one + sweep_ranks(trace, policies, slots, ranks, **kw)
+    except (EnsureError, PolicyError, TraceError) as exc:
+        _fail(f"{name}: {exc}")
+
+
 def run(args: argparse.Namespace) -> int:
     policies = _policies(args.policies)
     _check_flags(args)
-    services, host = _host(args)
+    ranks, profile = _ranks_profile(args)
+    services, host = _host(args, ranks)
     flags = _budget_flags(args)
     request = None if flags.budgets is not None else _slot_request(args)
     plots = _plot_paths(args, max(1, len(args.traces)))
-    plans = _plan(args, flags, request)
+    plans = _plan(args, flags, request, ranks)
     refs = [p for p in ("lru", "belady") if p not in policies]
-    profile = PROFILES[args.profile]
     out_json: list[dict] = []
     for i, (name, trace, slots, runs) in enumerate(plans):
-        try:
-            results = sweep(trace, policies + refs, slots, workers=args.workers,
-                            progress=not args.no_progress and sys.stderr.isatty(),
-                            use_logits=not args.no_logits, say_compiling=_say(COMPILE_NOTICE))
-        except (EnsureError, PolicyError, TraceError) as exc:
-            _fail(f"{name}: {exc}")
+        results = _replays(name, trace, policies + refs, slots, ranks, args)
         rows = _rows(trace, results, runs, policies, profile, flags)
-        unique = list({(r.result.policy, r.result.slots): r for r in rows}.values())
-        text, srows = _services(trace, results, runs, policies + refs, services, host, flags, args)
+        unique = list({(r.result.policy, r.result.slots, r.result.ranks): r for r in rows}.values())
+        one = [r for r in results if r.ranks == 1]
+        text, srows = _services(trace, one, runs, policies + refs, services, host, flags, args)
         if args.json:  # each row with its miss services' estimates, where they ran
             by = {(id(r.run), r.policy, r.slots): r for r in srows}
-            for r in rows:
-                d = dict(trace=name, **r.to_dict())
-                if (sr := by.get((id(r.run), r.result.policy, r.result.slots))) is not None:
+            for r in rows:  # the rank count of every row once the run models several GPUs
+                d = {"trace": name, **({"ranks": r.result.ranks} if ranks[-1] > 1 else {}), **r.to_dict()}
+                sr = by.get((id(r.run), r.result.policy, r.result.slots)) if r.result.ranks == 1 else None
+                if sr is not None:
                     d["miss_service"] = {sv: est.to_dict() for sv, est in sr.estimates.items()}
                 out_json.append(d)
         elif runs is None:
-            print(format_table(rows, _title(name, trace, profile, describe_pricing(trace, flags.shape))))
+            print(format_table(rows, _title(name, trace, profile, describe_pricing(trace, flags.shape), ranks)))
         else:
             pricing = describe_pricing(trace, None) if flags.shape is None else None
-            title = _title(name, trace, profile, pricing) + "\n" + describe(runs, trace, flags.shape)
+            title = _title(name, trace, profile, pricing, ranks) + "\n" + describe(runs, trace, flags.shape)
             print(format_budget_table(rows, title))
         if not args.json and (picks := format_choices(rows, ORACLES)):
             print(picks)

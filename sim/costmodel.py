@@ -8,6 +8,9 @@
                           = compute - shared + max(copy, shared)   (overlap, when m > 0)
     -> summed over the histogram (exact per call, never through the mean miss count), / N
     -> DecodeEstimate
+    estimate_ranks: the same over R GPUs of one host (sim.ranks): hist counts calls by the slowest rank's
+    misses; per call the busiest rank's routed reads, 1/R of the shared and non-MoE bytes, and two
+    all-reduces (HardwareProfile.allreduce_us); R = 1 is estimate_decode
 
 Modeled: a memory-bound decode MoE layer (router GEMV, routed experts, shared expert and any
 non-MoE weights read once per call from HBM at `hbm_gbps`), a fixed per-layer overhead
@@ -34,6 +37,11 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 _MIB = 1 << 20
+# One all-reduce of a decode step's hidden state (a few KiB) between GPUs of one host: the order of
+# NCCL's small-message latency over NVLink, assumed until measured on two GPUs of this engine; cards
+# that talk over PCIe only are slower, and `expertcache sim --allreduce-us` is how a user prices them.
+ALLREDUCE_US = 10.0
+ALLREDUCES_PER_LAYER = 2  # the attention output and the MoE output are summed over the ranks
 
 
 def _gbps_to_bytes_per_us(gbps: float) -> float:
@@ -62,6 +70,9 @@ class HardwareProfile:
     layer_overhead_us: fixed per-MoE-layer time beyond the weight-read floor (with lru's ensure).
     policy_us: (policy, base, per_expert): a policy's extra ensure time a call beyond lru's,
         base + per_expert * experts of a layer (markov's learning launches); absent: none.
+    allreduce_us: one all-reduce of a decode step's hidden state across the GPUs of one host, as
+        estimate_ranks charges it twice a layer (unused with one GPU). ALLREDUCE_US is an assumption,
+        not a measurement of this engine; `expertcache sim --allreduce-us` replaces it.
     """
 
     name: str
@@ -71,6 +82,7 @@ class HardwareProfile:
     hbm_gbps: float
     layer_overhead_us: float
     policy_us: tuple[tuple[str, float, float], ...] = ()
+    allreduce_us: float = ALLREDUCE_US
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -87,6 +99,7 @@ class HardwareProfile:
         for field in ("h2d_ceiling_gbps", "back_to_back_gbps", "hbm_gbps"):
             _check_positive(field, getattr(self, field))
         _check_positive("layer_overhead_us", self.layer_overhead_us, allow_zero=True)
+        _check_positive("allreduce_us", self.allreduce_us, allow_zero=True)
         for name, base, per_expert in self.policy_us:
             _check_positive(f"policy_us[{name!r}] base", base, allow_zero=True)
             _check_positive(f"policy_us[{name!r}] per_expert", per_expert, allow_zero=True)
@@ -361,22 +374,73 @@ def estimate_decode(hist: np.ndarray, tokens: int, shape: ModelShape,
     hbm = _gbps_to_bytes_per_us(profile.hbm_gbps)
     compute = (shape.layer_read_bytes(batch) / hbm + profile.layer_overhead_us
                + profile.policy_call_us(policy, shape.num_experts))
-    shared = shape.shared_bytes / hbm
-    misses = np.arange(hist.shape[1])
-    copy = np.array([profile.copy_us(shape.expert_bytes, int(m)) for m in misses])
-    if overlap:
+    calls = float(hist.sum())
+    return _priced(hist, tokens, shape, profile, batch, calls * compute, shape.shared_bytes / hbm if overlap else None)
+
+
+def estimate_ranks(hist: np.ndarray, tokens: int, shape: ModelShape, profile: HardwareProfile = H200, *,
+                   ranks: int = 1, routed: int | None = None, misses: int | None = None, batch: int = 1,
+                   overlap: bool = False, policy: str | None = None) -> DecodeEstimate:
+    """Modeled decode time over `ranks` GPUs of one host, expert-parallel (sim.ranks); ranks == 1 is
+    estimate_decode exactly (routed and misses unused).
+
+    hist: [L, batch * top_k + 1] calls by the slowest rank's misses (ReplayResult.hist of a ranked replay).
+    routed: the busiest rank's distinct experts summed over every call (ReplayResult.layer_routed.sum()).
+    misses: every rank's misses (bytes_copied_per_token counts them all: the links run side by side).
+    Per layer call, every rank waits for the slowest (the layer ends in an all-reduce):
+        the router read (replicated: each rank needs every logit for the top-k)
+        + the busiest rank's distinct experts of the call, read at HBM speed
+        + (shared expert + non-MoE bytes) / ranks (tensor-parallel)
+        + profile.layer_overhead_us + the policy's ensure time over the busiest rank's E / ranks experts
+        + ALLREDUCES_PER_LAYER * profile.allreduce_us
+        + the slowest rank's miss copy (with overlap, less what its shared-expert share hides).
+    The busiest rank's reads and the slowest rank's copy add up even where they are two ranks: an upper
+    bound by at most the difference of two ranks' routed reads. estimate_decode charges min(batch * top_k,
+    E) routed experts a call, so at batch > 1, where rows share experts, one GPU's figure carries a bound
+    this one does not. copy_us_per_token is the slowest rank's copy time. Cost: O(L * Q). Raises ValueError
+    naming the bad argument.
+    """
+    if isinstance(ranks, bool) or not isinstance(ranks, (int, np.integer)) or not 1 <= ranks <= shape.num_experts:
+        raise ValueError(f"ranks must be an int in [1, num_experts = {shape.num_experts}], got {ranks!r}")
+    if ranks == 1:
+        return estimate_decode(hist, tokens, shape, profile, batch=batch, overlap=overlap, policy=policy)
+    check_hist(hist, tokens, shape, batch)
+    calls = int(hist.sum())
+    per_rank = -(-shape.num_experts // ranks)
+    for name, v, top in (("routed", routed, calls * min(batch * shape.top_k, per_rank)),
+                         ("misses", misses, calls * batch * shape.top_k)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= top:
+            raise ValueError(f"{name} must be an int in [0, {top}] for {calls} calls over {ranks} ranks, got {v!r}")
+    hbm = _gbps_to_bytes_per_us(profile.hbm_gbps)
+    split = (shape.shared_bytes + shape.non_moe_bytes_per_layer) / ranks / hbm
+    fixed = (shape.router_bytes / hbm + split + profile.layer_overhead_us
+             + profile.policy_call_us(policy, per_rank) + ALLREDUCES_PER_LAYER * profile.allreduce_us)
+    compute = calls * fixed + int(routed) * shape.expert_bytes / hbm
+    shared = shape.shared_bytes / ranks / hbm
+    return _priced(hist, tokens, shape, profile, batch, compute, shared if overlap else None, int(misses))
+
+
+def _priced(hist: np.ndarray, tokens: int, shape: ModelShape, profile: HardwareProfile, batch: int,
+            compute: float, shared: float | None, misses: int | None = None) -> DecodeEstimate:
+    """The DecodeEstimate of `compute` us over all calls plus each call's copy of hist's miss count (the
+    part above `shared` us where the shared expert overlaps it; all of it with shared None). misses: the
+    experts copied in all (default: hist's)."""
+    miss = np.arange(hist.shape[1])
+    copy = np.array([profile.copy_us(shape.expert_bytes, int(m)) for m in miss])
+    if shared is not None:
         exposed = np.where(copy > 0, np.maximum(copy, shared) - shared, 0.0)
     else:
         exposed = copy
     counts = hist.astype(np.float64).sum(axis=0)  # [Q + 1] calls by miss count, all layers
-    compute_t = float(counts.sum()) * compute / tokens
+    compute_t = compute / tokens
     exposed_t = float(counts @ exposed) / tokens
     us = compute_t + exposed_t
+    copied = float(counts @ miss) if misses is None else float(misses)
     return DecodeEstimate(
         us_per_token=us,
         tokens_per_s=batch * 1e6 / us,
         compute_us_per_token=compute_t,
         copy_us_per_token=float(counts @ copy) / tokens,
         exposed_copy_us_per_token=exposed_t,
-        bytes_copied_per_token=float(counts @ misses) * shape.expert_bytes / tokens,
+        bytes_copied_per_token=copied * shape.expert_bytes / tokens,
     )

@@ -29,9 +29,10 @@ UNKNOWN = np.int64(1) << np.int64(61)  # below every known key's score (-next us
 
 
 @njit(cache=True)
-def _replay(call, key, nxt, layers, num_slots, window, num_keys, accesses, misses, hist):
+def _replay(call, key, nxt, layers, num_slots, window, num_keys, accesses, misses, hist, call_misses):
     """The replay of the module docstring over the accesses (call, key, nxt: int64 [A], calls in order,
-    each call's keys ascending); fills accesses / misses [L] and hist [L, M] in place."""
+    each call's keys ascending); fills accesses / misses [L], hist [L, M] and, when it has an entry a
+    call, call_misses [C] in place."""
     S = num_slots
     slot_of = np.full(num_keys, -1, np.int64)
     key_of = np.full(S, -1, np.int64)
@@ -92,13 +93,17 @@ def _replay(call, key, nxt, layers, num_slots, window, num_keys, accesses, misse
         accesses[layer] += n
         misses[layer] += m
         hist[layer, m] += 1
+        if call_misses.shape[0] == layers.shape[0]:
+            call_misses[c] = m
 
 
 def replay_next_token(ids: np.ndarray, layers: np.ndarray, num_layers: int, num_experts: int, num_slots: int,
-                      window: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                      window: int | None = None, call_misses: np.ndarray | None = None,
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(layer accesses int64 [L], layer misses int64 [L], hist int64 [L, rows * k + 1]) of the calls
     ids int32 [C, rows, k] (-1 = none), layers [C] through the next-token oracle with `num_slots` slots
-    (cold start) and a window of `window` calls (default num_layers). Raises ValueError naming
+    (cold start) and a window of `window` calls (default num_layers); call_misses int64 [C], when given,
+    receives each call's misses. Raises ValueError naming
     num_slots when a call asks for more distinct experts than slots, or window when negative."""
     window = num_layers if window is None else int(window)
     if window < 0:
@@ -113,5 +118,6 @@ def replay_next_token(ids: np.ndarray, layers: np.ndarray, num_layers: int, num_
     misses = np.zeros(num_layers, np.int64)
     hist = np.zeros((num_layers, ids.shape[1] * ids.shape[2] + 1), np.int64)
     _replay(call, key, next_use(call, key), layers, np.int64(num_slots), np.int64(min(window, 1 << 60)),
-            np.int64(num_layers * num_experts), accesses, misses, hist)
+            np.int64(num_layers * num_experts), accesses, misses, hist,
+            np.zeros(0, np.int64) if call_misses is None else call_misses)
     return accesses, misses, hist

@@ -53,7 +53,11 @@ def sim_policy_names() -> list[str]:
 @dataclass(frozen=True)
 class ReplayResult:
     """Outcome of one replay. Arrays: layer_accesses / layer_misses int64 [L], hist int64
-    [L, B*k + 1] (calls of each layer by miss count)."""
+    [L, B*k + 1] (calls of each layer by miss count).
+
+    A replay over ranks > 1 GPUs (sim.ranks) sums accesses and misses over the ranks, counts its calls
+    in hist by the slowest rank's misses, and adds layer_routed int64 [L] (the busiest rank's distinct
+    experts, summed over each layer's calls) and rank_misses int64 [ranks]; `slots` is each rank's."""
 
     policy: str
     slots: int
@@ -65,6 +69,9 @@ class ReplayResult:
     service: str = "copy"  # the miss split's service (expertcache.split); hist counts every miss
     layer_served: np.ndarray | None = field(default=None, repr=False)  # misses served on the CPU, [L]
     split_hist: np.ndarray | None = field(default=None, repr=False)  # calls by (misses, copies) [Q+1, Q+1]
+    ranks: int = 1
+    layer_routed: np.ndarray | None = field(default=None, repr=False)
+    rank_misses: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def accesses(self) -> int:
@@ -100,6 +107,7 @@ class ReplayResult:
             "layer_accesses": self.layer_accesses.tolist(),
             "layer_misses": self.layer_misses.tolist(),
             **({"service": self.service, "served": self.served} if self.service != "copy" else {}),
+            **({"ranks": self.ranks, "rank_misses": self.rank_misses.tolist()} if self.ranks > 1 else {}),
         }
 
 
@@ -158,9 +166,10 @@ def make_policy(name: str, geometry: CacheGeometry, ids, layers, **constants):
 
 
 def replay(trace: Trace, policy: str, slots: int, *, use_logits: bool = True, split: MissSplit | None = None,
-           **constants) -> ReplayResult:
+           call_misses: np.ndarray | None = None, **constants) -> ReplayResult:
     """Replay `trace` through `policy` with `slots` slots (cold start), every miss copied or, with
-    `split`, divided between the link and the CPU (expertcache.split). Cost: O(calls * S)
+    `split`, divided between the link and the CPU (expertcache.split). call_misses int64 [N*L], when
+    given, receives each call's misses in decode order. Cost: O(calls * S)
     in the worst case, usually far less (one scoring pass per call with evictions).
     Raises TraceError for a trace without decode steps (check_replayable), PolicyError for
     next-token with a split (its own pass has none)."""
@@ -177,13 +186,14 @@ def replay(trace: Trace, policy: str, slots: int, *, use_logits: bool = True, sp
         if min_slots(trace) > int(slots):
             raise EnsureError(f"{counted(int(slots), 'slot')} is too few (--slots): one call of this trace "
                               f"asks for {counted(min_slots(trace), 'distinct expert')}")
-        acc, miss, hist = replay_next_token(ids, layers, trace.num_layers, trace.num_experts, int(slots))
+        acc, miss, hist = replay_next_token(ids, layers, trace.num_layers, trace.num_experts, int(slots),
+                                            call_misses=call_misses)
         return ReplayResult(policy, int(slots), trace.num_tokens, int(ids.shape[0]), acc, miss, hist)
     cache = HostCache(geometry, make_policy(policy, geometry, ids, layers, **constants), split=split)
     q = ids.shape[1] * ids.shape[2] + 1
     hist = np.zeros((geometry.num_layers, q), dtype=np.int64)
     split_hist = np.zeros((q, q), dtype=np.int64)
-    run_calls(cache, ids, layers, lidx, lval, hist=hist, split_hist=split_hist)
+    run_calls(cache, ids, layers, lidx, lval, hist=hist, split_hist=split_hist, call_misses=call_misses)
     return ReplayResult(policy, int(slots), trace.num_tokens, int(ids.shape[0]),
                         cache.counters[:, ACCESSES].copy(), cache.counters[:, MISSES].copy(), hist,
                         cache.split.service, cache.served.copy(), split_hist)
@@ -229,6 +239,7 @@ def warm_up(trace: Trace, policies: list[str], *, use_logits: bool = True,
 
 
 _WORKER_TRACE: Trace | None = None
+Job = tuple  # the arguments of one replay, as the runner of run_jobs takes them
 
 
 def _init_worker(trace: Trace) -> None:
@@ -236,26 +247,27 @@ def _init_worker(trace: Trace) -> None:
     _WORKER_TRACE = trace
 
 
-def _run_one(args: tuple[str, int, bool, MissSplit | None]) -> ReplayResult:
-    policy, slots, use_logits, split = args
+def _run_one(args: tuple[Callable[[Trace, Job], ReplayResult], Job]) -> ReplayResult:
+    runner, job = args
     assert _WORKER_TRACE is not None
-    return replay(_WORKER_TRACE, policy, slots, use_logits=use_logits, split=split)
+    return runner(_WORKER_TRACE, job)
 
 
-def _run_jobs(trace: Trace, jobs: list[tuple[str, int, bool, MissSplit | None]], workers: int | None,
-              progress: bool) -> list[ReplayResult]:
-    """replay() of every job (policy, slots, use_logits, split), in processes; results in job order."""
+def run_jobs(trace: Trace, jobs: list[Job], runner: Callable[[Trace, Job], ReplayResult], workers: int | None,
+             progress: bool) -> list[ReplayResult]:
+    """runner(trace, job) of every job, in processes (`runner` a module-level function, so the workers can
+    unpickle it); results in job order. workers: processes (default the CPU count, at most len(jobs))."""
     workers = min(workers or os.cpu_count() or 1, len(jobs))
     bar = tqdm(total=len(jobs), desc="replay", unit="run", disable=not progress, leave=False)
     results: dict[int, ReplayResult] = {}
     if workers <= 1:
         for i, job in enumerate(jobs):
-            results[i] = _replay_job(trace, job)
+            results[i] = runner(trace, job)
             bar.update()
     else:
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
         with ProcessPoolExecutor(workers, mp.get_context(method), _init_worker, (trace,)) as ex:
-            futures = {ex.submit(_run_one, job): i for i, job in enumerate(jobs)}
+            futures = {ex.submit(_run_one, (runner, job)): i for i, job in enumerate(jobs)}
             for fut in as_completed(futures):
                 results[futures[fut]] = fut.result()
                 bar.update()
@@ -268,11 +280,17 @@ def _replay_job(trace: Trace, job: tuple[str, int, bool, MissSplit | None]) -> R
     return replay(trace, policy, slots, use_logits=use_logits, split=split)
 
 
+def slowest_first(policies: list[str]) -> list[str]:
+    """`policies` in the order a sweep submits them: slowest replay first (SLOWEST_FIRST), unlisted last."""
+    rank = {p: i for i, p in enumerate(SLOWEST_FIRST)}
+    return sorted(policies, key=lambda p: rank.get(p, len(rank)))
+
+
 def sweep_splits(trace: Trace, jobs: list[tuple[str, int, MissSplit]], *, workers: int | None = None,
                  progress: bool = True, use_logits: bool = True) -> list[ReplayResult]:
     """Replay every (policy, slots, split) job (the kernels compiled already: run after `sweep`);
     results in job order. Raises what `replay` raises."""
-    return _run_jobs(trace, [(p, int(s), use_logits, sp) for p, s, sp in jobs], workers, progress)
+    return run_jobs(trace, [(p, int(s), use_logits, sp) for p, s, sp in jobs], _replay_job, workers, progress)
 
 
 def sweep(trace: Trace, policies: list[str], slots: list[int], *, workers: int | None = None,
@@ -293,8 +311,6 @@ def sweep(trace: Trace, policies: list[str], slots: list[int], *, workers: int |
         raise EnsureError(f"{counted(min(slots), 'slot')} is too few (--slots): one call of this trace asks "
                           f"for {counted(need, 'distinct expert')}: give at least {counted(need, 'slot')}")
     warm_up(trace, policies, use_logits=use_logits, say=say_compiling)
-    rank = {p: i for i, p in enumerate(SLOWEST_FIRST)}
-    order = sorted(policies, key=lambda p: rank.get(p, len(rank)))
-    jobs = [(p, int(s), use_logits, None) for p in order for s in sorted(slots)]
-    results = {job[:2]: r for job, r in zip(jobs, _run_jobs(trace, jobs, workers, progress))}
+    jobs = [(p, int(s), use_logits, None) for p in slowest_first(policies) for s in sorted(slots)]
+    results = {job[:2]: r for job, r in zip(jobs, run_jobs(trace, jobs, _replay_job, workers, progress))}
     return [results[(p, int(s))] for p in policies for s in slots]

@@ -3,7 +3,9 @@
     [ReplayResult] + trace meta + HardwareProfile
     -> rows: hit rate, misses and MB copied per token, share of the LRU-to-Belady gap
        recovered, modeled us/token and tokens/s without and with the shared-expert overlap
-       (both from sim.costmodel.estimate_decode: tokens/s = batch * 1e6 / us per decode step)
+       (both from sim.costmodel.estimate_ranks, which is estimate_decode on one GPU: tokens/s = batch
+       * 1e6 / us per decode step); a replay over N GPUs (sim.ranks) gets a row of its own, its slots
+       those of each GPU, its misses and MB summed over the GPUs
     -> format_table (terminal), rows as JSON, plot_hit_rate (PNG), format_per_layer; choices: per
        slot count the deployable policy with the most modeled tokens/s, against lru's and beside the
        limit (belady) and the other oracles (format_choices, printed under the table)
@@ -21,7 +23,7 @@ import numpy as np
 from expertcache.formats import GIB
 from expertcache.words import counted
 from sim.budget import FormatRun, trace_shape
-from sim.costmodel import H200, HardwareProfile, ModelShape, estimate_decode
+from sim.costmodel import H200, DecodeEstimate, HardwareProfile, ModelShape, estimate_ranks
 from sim.replay import ReplayResult
 from sim.trace import Trace
 
@@ -73,25 +75,34 @@ def model_shape(trace: Trace) -> ModelShape | None:
     return trace_shape(trace)
 
 
+def estimate(result: ReplayResult, shape: ModelShape, profile: HardwareProfile = H200, *, batch: int = 1,
+             overlap: bool = False) -> DecodeEstimate:
+    """The cost model's estimate of one replay, over its ranks (sim.costmodel.estimate_ranks: one rank is
+    estimate_decode)."""
+    routed = None if result.layer_routed is None else int(result.layer_routed.sum())
+    return estimate_ranks(result.hist, result.tokens, shape, profile, ranks=result.ranks, routed=routed,
+                          misses=result.misses, batch=batch, overlap=overlap, policy=result.policy)
+
+
 def build_rows(trace: Trace, results: list[ReplayResult],
                profile: HardwareProfile = H200, shape: ModelShape | None = None) -> list[Row]:
     """One Row per result. The gap share is (lru - p) / (lru - belady) misses at the same
-    slot count, when both references were replayed (1.0 when lru already equals belady).
+    slot count and ranks, when both references were replayed (1.0 when lru already equals belady).
     shape prices the misses (default: model_shape(trace); no prices when neither gives one)."""
-    by = {(r.policy, r.slots): r for r in results}
+    by = {(r.policy, r.slots, r.ranks): r for r in results}
     shape = shape or model_shape(trace)
     total = trace.num_layers * trace.num_experts
     rows = []
     for r in results:
-        lru, opt = by.get(("lru", r.slots)), by.get(("belady", r.slots))
+        lru, opt = by.get(("lru", r.slots, r.ranks)), by.get(("belady", r.slots, r.ranks))
         gap = None
         if lru is not None and opt is not None:
             width = lru.misses - opt.misses
             gap = 1.0 if width == 0 else (lru.misses - r.misses) / width
         us = tps = us_ov = tps_ov = mb = per_tok = None
         if shape is not None:
-            est = estimate_decode(r.hist, r.tokens, shape, profile, batch=trace.batch, policy=r.policy)
-            ov = estimate_decode(r.hist, r.tokens, shape, profile, batch=trace.batch, overlap=True, policy=r.policy)
+            est = estimate(r, shape, profile, batch=trace.batch)
+            ov = estimate(r, shape, profile, batch=trace.batch, overlap=True)
             us, tps = est.us_per_token, est.tokens_per_s
             us_ov, tps_ov = ov.us_per_token, ov.tokens_per_s
             per_tok = est.bytes_copied_per_token
@@ -116,16 +127,25 @@ def _fmt(v, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
+def _ranks_column(rows: list[Row]) -> tuple[str, dict[int, str]]:
+    """The ranks column's head and its cell by rank count, both '' when every row is one GPU's: a table of
+    one GPU has no ranks column."""
+    if all(row.result.ranks == 1 for row in rows):
+        return "", {}
+    return f" {'ranks':>5}", {row.result.ranks: f" {row.result.ranks:>5}" for row in rows}
+
+
 def format_table(rows: list[Row], title: str = "") -> str:
-    """A fixed-width table, one line per row, grouped by slot count."""
+    """A fixed-width table, one line per row, grouped by slot count (slots a GPU), then ranks."""
     w = max([8] + [len(row.result.policy) for row in rows])  # the policy column: its longest name
-    head = (f"{'policy':<{w}} {'slots':>7} {'%exp':>5} {'hit rate':>8} {'miss/tok':>9} "
+    ranks_head, ranks = _ranks_column(rows)
+    head = (f"{'policy':<{w}} {'slots':>7}{ranks_head} {'%exp':>5} {'hit rate':>8} {'miss/tok':>9} "
             f"{'MB/tok':>8} {'gap rec.':>8} {'us/tok':>9} {'tok/s':>8} {'tok/s ov':>8}")
     lines = ([title] if title else []) + [head, "-" * len(head)]
-    for row in sorted(rows, key=lambda x: (x.result.slots, x.result.policy)):
+    for row in sorted(rows, key=lambda x: (x.result.slots, x.result.ranks, x.result.policy)):
         r = row.result
         lines.append(
-            f"{r.policy:<{w}} {r.slots:>7} {100 * row.slots_frac:>5.1f} {r.hit_rate:>8.4f} "
+            f"{r.policy:<{w}} {r.slots:>7}{ranks.get(r.ranks, '')} {100 * row.slots_frac:>5.1f} {r.hit_rate:>8.4f} "
             f"{r.misses_per_token:>9.2f} {_fmt(row.mb_copied_per_token, '8.1f'):>8} "
             f"{_fmt(row.gap_recovered, '8.3f'):>8} {_fmt(row.us_per_token, '9.1f'):>9} "
             f"{_fmt(row.tokens_per_s, '8.1f'):>8} {_fmt(row.tokens_per_s_overlap, '8.1f'):>8}")
@@ -137,13 +157,14 @@ def format_budget_table(rows: list[Row], title: str = "") -> str:
     (slots, policy), with the format, its bytes per expert and the GiB its slots take. Slots of a
     budget that holds every expert carry a '*', explained under the table."""
     w = max([8] + [len(row.result.policy) for row in rows])  # the policy column: its longest name
-    head = (f"{'budget':>6} {'format':<6} {'B/expert':>11} {'slots':>7} {'GiB':>6} {'%exp':>5} "
+    ranks_head, ranks = _ranks_column(rows)
+    head = (f"{'budget':>6} {'format':<6} {'B/expert':>11} {'slots':>7}{ranks_head} {'GiB':>6} {'%exp':>5} "
             f"{'policy':<{w}} {'hit rate':>8} {'miss/tok':>9} {'MB/tok':>8} {'gap rec.':>8} "
             f"{'us/tok':>9} {'tok/s':>8} {'tok/s ov':>8}")
     lines = ([title] if title else []) + [head, "-" * len(head)]
     order = list(dict.fromkeys(row.run for row in rows))
     fit: dict[float | None, list[str]] = {}
-    for row in sorted(rows, key=lambda x: (order.index(x.run), x.result.slots, x.result.policy)):
+    for row in sorted(rows, key=lambda x: (order.index(x.run), x.result.slots, x.result.ranks, x.result.policy)):
         r, run = row.result, row.run
         assert run is not None, "format_budget_table takes the rows of build_format_rows"
         budget = "-" if run.budget_gib is None else f"{run.budget_gib:g}"
@@ -151,7 +172,7 @@ def format_budget_table(rows: list[Row], title: str = "") -> str:
         if run.all_fit and run.fmt not in fit.setdefault(run.budget_gib, []):
             fit[run.budget_gib].append(run.fmt)
         lines.append(
-            f"{budget:>6} {run.fmt:<6} {_fmt(run.expert_bytes, '11,d'):>11} {slots:>8}"
+            f"{budget:>6} {run.fmt:<6} {_fmt(run.expert_bytes, '11,d'):>11} {slots:>8}{ranks.get(r.ranks, '')}"
             f"{_fmt(row.slots_gib, '6.2f'):>6} {100 * row.slots_frac:>5.1f} {r.policy:<{w}} "
             f"{r.hit_rate:>8.4f} {r.misses_per_token:>9.2f} {_fmt(row.mb_copied_per_token, '8.1f'):>8} "
             f"{_fmt(row.gap_recovered, '8.3f'):>8} {_fmt(row.us_per_token, '9.1f'):>9} "
@@ -163,15 +184,17 @@ def format_budget_table(rows: list[Row], title: str = "") -> str:
 
 
 def choices(rows: list[Row], oracles: tuple[str, ...]) -> list[dict]:
-    """Per slot count (and format run), the deployable policy a user would pick: the most modeled
-    tokens/s (no overlap), or the fewest misses where the trace has no price (ties: the name). vs_lru is
-    its figure over lru's at the same slots (tok/s, or misses: below 1 is better), None without lru (or
-    when lru has no misses); oracles: each oracle's figure, for comparison. Oracles are never picked."""
+    """Per slot count (and format run, and rank count), the deployable policy a user would pick: the most
+    modeled tokens/s (no overlap), or the fewest misses where the trace has no price (ties: the name). vs_lru
+    is its figure over lru's at the same slots (tok/s, or misses: below 1 is better), None without lru (or
+    when lru has no misses); oracles: each oracle's figure, for comparison. Oracles are never picked.
+    vs_one_gpu (ranks > 1, priced): its tok/s over the pick of one GPU at the same slots a GPU, None where
+    one GPU did not run."""
     groups: dict[tuple, list[Row]] = {}
     for row in rows:
-        groups.setdefault((row.run, row.result.slots), []).append(row)
+        groups.setdefault((row.run, row.result.slots, row.result.ranks), []).append(row)
     out = []
-    for (run, slots), group in groups.items():
+    for (run, slots, ranks), group in groups.items():
         deployable = [r for r in group if r.result.policy not in oracles]
         if not deployable:
             continue
@@ -185,10 +208,14 @@ def choices(rows: list[Row], oracles: tuple[str, ...]) -> list[dict]:
         if lru is not None:
             ratio = (best.tokens_per_s / lru.tokens_per_s if priced
                      else (best.result.misses / lru.result.misses if lru.result.misses else None))
-        out.append({"run": run, "slots": slots, "slots_frac": best.slots_frac, "policy": best.result.policy,
-                    "tokens_per_s": best.tokens_per_s, "misses": best.result.misses, "vs_lru": ratio,
-                    "oracles": {r.result.policy: (r.tokens_per_s if priced else r.result.misses)
-                                for r in group if r.result.policy in oracles}})
+        out.append({"run": run, "slots": slots, "ranks": ranks, "slots_frac": best.slots_frac,
+                    "policy": best.result.policy, "tokens_per_s": best.tokens_per_s, "misses": best.result.misses,
+                    "vs_lru": ratio, "oracles": {r.result.policy: (r.tokens_per_s if priced else r.result.misses)
+                                                 for r in group if r.result.policy in oracles}})
+    one = {(c["run"], c["slots"]): c["tokens_per_s"] for c in out if c["ranks"] == 1}
+    for c in out:
+        base = one.get((c["run"], c["slots"]))
+        c["vs_one_gpu"] = None if c["ranks"] == 1 or not base or c["tokens_per_s"] is None else c["tokens_per_s"] / base
     return out
 
 
@@ -207,11 +234,14 @@ def _choice_head(picks: list[dict], priced: bool) -> str:
 
 
 def _choice_line(c: dict, priced: bool) -> str:
-    """One choice: where, slots, the policy, its figure, against lru's, then the limit and the oracles."""
+    """One choice: where, slots (and GPUs), the policy, its figure, against lru's (and one GPU's), then the
+    limit and the oracles."""
     run = c["run"]
     where = "" if run is None else f"{'-' if run.budget_gib is None else f'{run.budget_gib:g} GiB'} {run.fmt}, "
+    where += "" if c["ranks"] == 1 else f"{c['ranks']} GPUs of "
     figure = f"{c['tokens_per_s']:.1f} tok/s" if priced else counted(c["misses"], "miss", "misses")
     vs = "" if c["vs_lru"] is None else f", {c['vs_lru']:.3f}x lru's"
+    vs += "" if c.get("vs_one_gpu") is None else f", {c['vs_one_gpu']:.2f}x one GPU's"
     value = {p: (f"{v:.1f}" if priced else f"{v}") for p, v in c["oracles"].items()}
     limit = f"; limit: {LIMIT} {value[LIMIT]}" if LIMIT in value else ""
     others = [f"{p} {v}" for p, v in sorted(value.items()) if p != LIMIT]
@@ -228,23 +258,26 @@ def format_choices(rows: list[Row], oracles: tuple[str, ...]) -> str:
     priced = picks[0]["tokens_per_s"] is not None
     lines = [_choice_head(picks, priced)]
     order = list(dict.fromkeys(c["run"] for c in picks))  # the runs in the rows' order
-    lines += [_choice_line(c, priced) for c in sorted(picks, key=lambda c: (order.index(c["run"]), c["slots"]))]
-    budgets: dict[float | None, list[dict]] = {}
+    lines += [_choice_line(c, priced)
+              for c in sorted(picks, key=lambda c: (order.index(c["run"]), c["slots"], c["ranks"]))]
+    budgets: dict[tuple, list[dict]] = {}
     for c in picks:  # with formats: the best format and policy of each budget, where more than one format ran
         if c["run"] is not None and priced:
-            budgets.setdefault(c["run"].budget_gib, []).append(c)
-    for gib, group in budgets.items():
+            budgets.setdefault((c["run"].budget_gib, c["ranks"]), []).append(c)
+    for (gib, ranks), group in budgets.items():
         if len({c["run"].fmt for c in group}) > 1:
             top = max(group, key=lambda c: (c["tokens_per_s"], -c["slots"]))
-            lines.append(f"  {'-' if gib is None else f'{gib:g} GiB'}: {top['run'].fmt} experts under "
+            gpus = "" if ranks == 1 else f", {ranks} GPUs"
+            lines.append(f"  {'-' if gib is None else f'{gib:g} GiB'}{gpus}: {top['run'].fmt} experts under "
                          f"{top['policy']}, {top['tokens_per_s']:.1f} tok/s, the most of its formats")
     return "\n".join(lines)
 
 
 def format_per_layer(rows: list[Row]) -> str:
-    """Hit rate per layer (rows) for every (policy, slots) (columns)."""
-    cols = sorted(rows, key=lambda x: (x.result.slots, x.result.policy))
-    names = [f"{c.result.policy}@{c.result.slots}" for c in cols]
+    """Hit rate per layer (rows) for every (policy, slots) (columns; policy@NxS for N GPUs of S slots)."""
+    cols = sorted(rows, key=lambda x: (x.result.slots, x.result.ranks, x.result.policy))
+    names = [f"{c.result.policy}@{'' if c.result.ranks == 1 else f'{c.result.ranks}x'}{c.result.slots}"
+             for c in cols]
     width = max(10, *(len(n) + 1 for n in names))
     lines = ["layer" + "".join(f"{n:>{width}}" for n in names)]
     L = cols[0].result.layer_accesses.shape[0]
@@ -259,20 +292,21 @@ def format_per_layer(rows: list[Row]) -> str:
 
 
 def plot_hit_rate(rows: list[Row], path: str, title: str = "") -> None:
-    """PNG: hit rate against slots, one line per policy, Belady dashed as the limit."""
+    """PNG: hit rate against slots (a GPU), one line per policy (and rank count), Belady dashed as the limit."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for policy in sorted({r.result.policy for r in rows}):
-        pts = sorted((r.result.slots, r.result.hit_rate) for r in rows if r.result.policy == policy)
+    for policy, ranks in sorted({(r.result.policy, r.result.ranks) for r in rows}):
+        pts = sorted((r.result.slots, r.result.hit_rate) for r in rows
+                     if (r.result.policy, r.result.ranks) == (policy, ranks))
         xs, ys = np.array(pts).T
-        style = dict(linestyle="--", color="black") if policy == "belady" else {}
-        ax.plot(xs, ys, marker="o", label="belady (optimum)" if policy == "belady" else policy,
-                **style)
-    ax.set_xlabel("slots")
+        style = dict(linestyle="--", color="black" if ranks == 1 else None) if policy == "belady" else {}
+        label = ("belady (optimum)" if policy == "belady" else policy) + ("" if ranks == 1 else f", {ranks} GPUs")
+        ax.plot(xs, ys, marker="o", label=label, **style)
+    ax.set_xlabel("slots" if all(r.result.ranks == 1 for r in rows) else "slots a GPU")
     ax.set_ylabel("hit rate")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
