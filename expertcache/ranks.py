@@ -102,3 +102,15 @@ def rank_ids(ids, ranks: int, rank: int) -> np.ndarray:
     a = _expert_array("ids", ids, -1)
     mine = (a >= 0) & (a % ranks == rank)
     return np.where(mine, a // ranks, -1).astype(a.dtype, copy=False)
+
+
+def rank_keys(num_layers: int, num_experts: int, ranks: int, rank: int) -> np.ndarray:
+    """The global keys (layer * num_experts + expert) of the experts `rank` owns, in its local key order
+    (layer * local_experts + local id): int64 [num_layers * local_experts(num_experts, ranks, rank)], the
+    rows of the whole model's HostStore that the rank's store holds. Raises ValueError naming the bad
+    argument."""
+    if not _is_int(num_layers) or num_layers < 1:
+        raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
+    local = np.arange(local_experts(num_experts, ranks, rank), dtype=np.int64)
+    layers = np.arange(num_layers, dtype=np.int64)[:, None]
+    return (layers * num_experts + local[None, :] * ranks + rank).reshape(-1)

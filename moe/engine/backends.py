@@ -42,6 +42,7 @@ from expertcache.host import HostCache
 from expertcache.pool import HostStore, SlotPool
 from expertcache.split import MissSplit, split_for_slots
 from moe.engine.budget import PREFILL_STAGING, check_slots
+from moe.engine.expert_parallel import ExpertShard
 from moe.engine.layer import MoELayer, SlotCache
 from moe.kernels.cpu_experts import MAX_TOKENS as CPU_MAX_TOKENS
 from moe.kernels.cpu_experts import CpuExperts
@@ -249,9 +250,23 @@ class _StagedLayer:
 def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.Tensor,
                 resident: tuple[torch.Tensor, SlotPool] | None = None,
                 counts: list[int] | None = None, staging: PrefillStaging | None = None) -> torch.Tensor:
-    """One MoE block over a prompt, experts read from `store` (cache bypassed): [T, H] -> [T, H].
+    """One MoE block over a prompt, experts read from `store` (cache bypassed): [T, H] -> [T, H]: the
+    routed sum of moe_prefill_routed plus the shared expert, cast once to hidden's dtype."""
+    out = moe_prefill_routed(store, cfg, w, hidden, resident, counts, staging)
+    if w.shared is not None:
+        out += shared_expert(hidden, w.shared)
+    return out.to(hidden.dtype)
 
-    Math and precision of moe.model.reference.moe_reference: float32 products, one cast at the end; each expert's
+
+def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.Tensor,
+                       resident: tuple[torch.Tensor, SlotPool] | None = None,
+                       counts: list[int] | None = None, staging: PrefillStaging | None = None,
+                       shard: ExpertShard | None = None) -> torch.Tensor:
+    """The routed experts of one MoE block over a prompt, experts read from `store` (cache bypassed):
+    [T, H] -> float32 [T, H], no shared expert, no cast. With `shard` (moe.engine.expert_parallel), only the
+    experts its rank owns, by local id, `store` and `resident` holding that rank's keys.
+
+    Math and precision of moe.model.reference.moe_reference: float32 products (moe_prefill casts once); each expert's
     weights are its format's float32 decode (expertcache.formats). The used experts are computed in increasing id
     order, in groups of up to PREFILL_GROUP (out_group: batched float32 GEMMs over their tokens padded to the group's
     largest count; a prompt's MoE layer is bound by the host's ops per expert, not the GPU, until experts are
@@ -266,13 +281,17 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
     layer's when prefetching).
     """
     weights, ids = route_block(hidden, w.router, cfg, w.router_bias, w.score_bias)  # [T, k] f32, i32
-    k, e_count = ids.shape[1], cfg.num_experts
+    e_count = cfg.num_experts if shard is None else shard.experts
+    if shard is not None:  # local ids; the other ranks' experts -> e_count, a bucket nobody computes
+        ids = shard.local_ids(ids, e_count)
+    k = ids.shape[1]
     gate_up, down = expert_matrices(store, cfg)
     pool = None if resident is None else expert_matrices(resident[1], cfg)
     base = w.index * e_count
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)  # (token, choice) pairs by expert, tokens ascending
-    per = per_dev = torch.bincount(flat, minlength=e_count)
+    per_dev = torch.bincount(flat, minlength=e_count + 1)  # [e_count + 1]: the last bucket sorts after every expert
+    per = per_dev[:e_count]
     # a long prompt uses nearly every expert: the next MoE layer's experts without a slot are copied
     # ahead, from the end of this layer's compute through the next layer's attention and router
     ahead = (staging is not None and resident is not None and ids.numel() >= PREFETCH_MIN_USES * e_count
@@ -327,17 +346,16 @@ def moe_prefill(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: torch.T
                   rows_all, weight_all, rank, used_at, cfg, picked)
     if ahead:
         staging.prefetch([base + e_count + e for e in range(e_count) if next_slot_of[e] < 0])
-    if w.shared is not None:
-        out += shared_expert(hidden, w.shared)
-    return out.to(hidden.dtype)
+    return out
 
 
-def _geometry(weights: ModelWeights, num_slots: int, max_batch: int) -> CacheGeometry:
-    """The cache geometry, refusing a pool too small for `max_batch` rows of top_k experts or larger
-    than every routed expert of the model."""
+def _geometry(weights: ModelWeights, num_slots: int, max_batch: int, experts: int | None = None) -> CacheGeometry:
+    """The cache geometry over `experts` a layer (default the model's), refusing a pool too small for
+    `max_batch` rows of top_k experts or larger than every routed expert it caches."""
     spec = weights.spec
-    check_slots(num_slots, spec.num_moe_layers, spec.moe.num_experts, spec.moe.top_k, max_batch)
-    return CacheGeometry(spec.num_moe_layers, spec.moe.num_experts, num_slots)
+    experts = spec.moe.num_experts if experts is None else experts
+    check_slots(num_slots, spec.num_moe_layers, experts, min(spec.moe.top_k, experts), max_batch)
+    return CacheGeometry(spec.num_moe_layers, experts, num_slots)
 
 
 class CpuCachedMoE:
@@ -351,19 +369,30 @@ class CpuCachedMoE:
     split whose slots hold every routed expert runs as copy (expertcache.split.split_for_slots).
     `cache` (HostCache) is public: its counters [L_moe, 3] give calls, accesses, misses per MoE layer,
     its `served` [L_moe] the misses computed from the store.
+    With `shard` (moe.engine.expert_parallel), one rank's share of expert parallelism: `weights.store` holds
+    that rank's experts (shard_weights), the cache its L x E_r keys, and decode_routed / prefill_routed its
+    experts' partial sums, which moe.engine.expert_parallel.ExpertParallelMoE adds over the ranks.
     """
 
     def __init__(self, weights: ModelWeights, num_slots: int, policy: str = "lru", *, max_batch: int = 1,
-                 split: MissSplit | None = None, **constants) -> None:
-        self.cfg, self.store = weights.spec.moe, weights.store
+                 split: MissSplit | None = None, shard: ExpertShard | None = None, **constants) -> None:
+        self.cfg, self.store, self.shard = weights.spec.moe, weights.store, shard
+        experts = self.cfg.num_experts if shard is None else shard.experts
+        if shard is not None and split is not None and not split.copies_all:
+            raise ValueError(f"--moe-miss-service {split.service} with expert parallelism: the ranks would share "
+                             f"one host's cores; serve the misses by copy")
+        layers = weights.spec.num_moe_layers
+        if self.store.num_keys != layers * experts:
+            raise ValueError(f"the HostStore holds {self.store.num_keys} expert rows, not {layers} MoE layers x "
+                             f"{experts} experts" + (" (the rank's: expert_parallel.shard_weights)" if shard else ""))
         if split is not None and not split.copies_all and max_batch > CPU_MAX_TOKENS:
             raise ValueError(f"--moe-miss-service {split.service} computes at most {CPU_MAX_TOKENS} rows on the CPU: "
                              f"lower --max-batch (got {max_batch})")
         if split is not None and split.tail and split.inter != self.cfg.expert_intermediate:
             raise ValueError(f"a miss split's tail cuts experts {split.inter} wide, the model's are "
                              f"{self.cfg.expert_intermediate} (MoEConfig.expert_intermediate): build it for this model")
-        split = split_for_slots(split, num_slots, weights.spec.num_moe_layers * weights.spec.moe.num_experts)
-        self.cache = HostCache(_geometry(weights, num_slots, max_batch), policy, split=split, **constants)
+        split = split_for_slots(split, num_slots, weights.spec.num_moe_layers * experts)
+        self.cache = HostCache(_geometry(weights, num_slots, max_batch, experts), policy, split=split, **constants)
         self.scratch = num_slots if self.cache.split.tail else None  # a split expert's rows [cut, I)
         self.pool = SlotPool(self.store.banks, num_slots + (self.scratch is not None), device="cpu")
         if self.scratch is not None:  # its rows below a cut are read (times a zeroed act) before a tail fills them
@@ -380,11 +409,20 @@ class CpuCachedMoE:
         """Nothing to check: the CPU share is computed in line (an error raises in decode)."""
 
     def decode(self, w: MoEWeights, hidden: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, H] -> (out [B, H], ids [B, k] int32). Cost: one ensure, copies * 3 * I * H copied,
-        B * k * 3 * I * H routed multiply-adds (those of served misses read from the store)."""
+        """hidden [B, H] -> (out [B, H], ids [B, k] int32): decode_routed plus the shared expert, cast once."""
+        out, ids = self.decode_routed(w, hidden)
+        if w.shared is not None:
+            out = out + shared_expert(hidden, w.shared)
+        return out.to(hidden.dtype), ids
+
+    def decode_routed(self, w: MoEWeights, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, H] -> (the routed experts' sum [B, H] float32, ids [B, k] int32 as routed; with a
+        shard, the sum of the rank's experts alone). Cost: one ensure, copies * 3 * I * H copied, B * k *
+        3 * I * H routed multiply-adds (those of served misses read from the store)."""
         cfg = self.cfg
         weights, ids = route_block(hidden, w.router, cfg, w.router_bias, w.score_bias)  # [B, k]
-        res = self.cache.ensure(w.index, ids.numpy())
+        query = ids if self.shard is None else self.shard.local_ids(ids)
+        res = self.cache.ensure(w.index, query.numpy())
         if res.copies:
             count = torch.tensor([res.copies], dtype=torch.int32)
             reference_copy(self.store, self.pool, torch.from_numpy(res.plan), count)
@@ -404,13 +442,16 @@ class CpuCachedMoE:
             mine = np.where(served, ids.numpy(), -1).astype(np.int32)
             out = out + torch.from_numpy(self.cpu_experts.moe(w.index, hidden.float().numpy(), mine,
                                                               weights.float().numpy(), split=split))
-        if w.shared is not None:
-            out = out + shared_expert(hidden, w.shared)
-        return out.to(hidden.dtype), ids
+        return out, ids
 
     def prefill(self, w: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
         resident = (torch.from_numpy(self.cache.slot_of), self.pool)
         return moe_prefill(self.store, self.cfg, w, hidden, resident, self.prefill_counts)
+
+    def prefill_routed(self, w: MoEWeights, hidden: torch.Tensor) -> torch.Tensor:
+        """moe_prefill_routed over this backend's store and slots (with the shard: its rank's experts)."""
+        resident = (torch.from_numpy(self.cache.slot_of), self.pool)
+        return moe_prefill_routed(self.store, self.cfg, w, hidden, resident, self.prefill_counts, shard=self.shard)
 
 
 class GpuMoE:

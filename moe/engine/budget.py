@@ -216,8 +216,10 @@ def expert_pricing(spec: ModelSpec) -> tuple[str, int]:
 
 
 def resolve_slots(spec: ModelSpec, num_slots: int | None = None, cache_gb: float | None = None, *,
-                  max_batch: int = 1) -> SlotBudget:
-    """The cache size from exactly one of `num_slots` (--moe-slots) and `cache_gb` (--moe-cache-gb, GiB).
+                  max_batch: int = 1, experts: int | None = None) -> SlotBudget:
+    """The cache size from exactly one of `num_slots` (--moe-slots) and `cache_gb` (--moe-cache-gb, GiB);
+    `experts`: the experts a layer the cache holds keys of (one rank's under expert parallelism; default
+    the model's).
 
     num_slots is passed through when check_slots accepts it. cache_gb gives min(floor(cache_gb * 2**30 / P),
     L * E) slots. Cost: arithmetic. Raises ValueError naming both flags when both or neither are given;
@@ -232,14 +234,14 @@ def resolve_slots(spec: ModelSpec, num_slots: int | None = None, cache_gb: float
                          f"got {given}")
     fmt, per_expert = expert_pricing(spec)
     cfg = spec.moe
-    layers, experts = spec.num_moe_layers, cfg.num_experts
+    layers, experts = spec.num_moe_layers, cfg.num_experts if experts is None else experts
     if cache_gb is None:
-        check_slots(num_slots, layers, experts, cfg.top_k, max_batch)
+        check_slots(num_slots, layers, experts, min(cfg.top_k, experts), max_batch)
         return SlotBudget(num_slots, per_expert, fmt, layers, experts)
     fitted = slots_for_bytes(cache_gb, per_expert, f"{fmt} expert of {per_expert:,} bytes "
                                                    f"(H {cfg.hidden}, I {cfg.expert_intermediate})")
     budget = SlotBudget(min(fitted, layers * experts), per_expert, fmt, layers, experts, cache_gb, fitted)
-    need = max_batch * cfg.top_k
+    need = max_batch * min(cfg.top_k, experts)
     if budget.slots < need and fitted < need:
         raise ValueError(f"--moe-cache-gb {cache_gb:g} holds {counted(fitted, f'{fmt} expert')} of {per_expert:,} "
                          f"bytes, below --max-batch {max_batch} x top_k {cfg.top_k} = {need}: one decode step could "

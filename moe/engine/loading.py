@@ -30,6 +30,7 @@ from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
 from moe.engine.budget import context_bytes, memory_split, prefix_cache_bytes, resolve_slots
 from moe.engine.channels import ChannelMeasure, choose_service, measure_channels
 from moe.engine.engine import PREFILL_CHUNK, Engine, check_prefill_chunk
+from moe.engine.expert_parallel import ExpertParallelMoE, ExpertShard, shard_weights
 from moe.engine.prefix import PREFIX_BLOCK_TOKENS
 from moe.kernels.cpu_experts import set_threads, threads_in_use
 from moe.model.checkpoint import ModelWeights, load_checkpoint
@@ -49,7 +50,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
                max_seq_len: int = 2048, record_routing: bool = False, progress: bool = True,
                copy_overlap: bool | None = None, cuda_graphs: bool | None = None, miss_service: str = "copy",
                cpu_threads: int | None = None, prefix_blocks: int = 0, prefix_block_tokens: int = PREFIX_BLOCK_TOKENS,
-               prefill_chunk: int = PREFILL_CHUNK, **constants) -> Engine:
+               prefill_chunk: int = PREFILL_CHUNK, expert_shard: ExpertShard | None = None, **constants) -> Engine:
     """Load checkpoint directory `path` and build an Engine over an expert cache of `num_slots` slots,
     or of the slots that `cache_gb` GiB hold (exactly one of the two; moe.engine.budget):
     min(floor(cache_gb * 2**30 / P), L * E) with P the bytes of one expert in the HostStore (3 * I * H
@@ -69,6 +70,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     Engine.miss_service says what was chosen and why). cpu_threads (--cpu-threads): the CPU expert kernels' threads
     (default: every core). prefix_blocks / prefix_block_tokens: the engine's prefix cache (Engine; 0: none).
     prefill_chunk (--prefill-chunk): prompt tokens a prefill pass takes at once (Engine).
+    expert_shard: this process's rank of expert parallelism (moe.engine.expert_parallel; torch.distributed
+    initialized by the caller): its store keeps the experts the rank owns, num_slots / cache_gb are the
+    rank's, and decode adds the ranks' partial sums; the CPU backend and miss service copy only.
     Cost: reads the checkpoint once; host memory holds every routed expert.
     Raises CheckpointError (config key or quantization field, file, tensor, --moe-expert-format),
     ValueError (both or neither of num_slots / cache_gb, a
@@ -79,8 +83,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     """
     check_miss_service(miss_service, cpu_threads)
     check_prefill_chunk(prefill_chunk, prefix_block_tokens if prefix_blocks else 0)
-    budget = resolve_slots(ModelSpec.from_hf(read_config(path), dtype=dtype, expert_format=expert_format),
-                           num_slots, cache_gb, max_batch=max_batch)
+    spec = ModelSpec.from_hf(read_config(path), dtype=dtype, expert_format=expert_format)
+    if expert_shard is not None:
+        _check_shard(expert_shard, spec, device, miss_service)
+    budget = resolve_slots(spec, num_slots, cache_gb, max_batch=max_batch,
+                           experts=None if expert_shard is None else expert_shard.experts)
     if cache_gb is not None:
         logger.log(logging.WARNING if budget.capped else logging.INFO, "%s", budget.describe())
     num_slots = budget.slots
@@ -96,7 +103,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     service = choose_miss_service(miss_service, device, cpu_threads,
                                   lambda: measure_channels(weights.store, weights.spec.moe, weights.device),
                                   weights.spec.moe, fits_all=budget.slots >= budget.keys)
-    backend = make_backend(weights, num_slots, policy, max_batch=max_batch, split=service.split, **constants)
+    if expert_shard is None:
+        backend = make_backend(weights, num_slots, policy, max_batch=max_batch, split=service.split, **constants)
+    else:
+        weights = shard_weights(weights, expert_shard)
+        backend = ExpertParallelMoE(CpuCachedMoE(weights, num_slots, policy, max_batch=max_batch,
+                                                 shard=expert_shard, **constants), expert_shard)
     if weights.device.type == "cuda":  # the KV cache is allocated last: say which flags to lower if it cannot be
         kv = context_bytes(weights.spec, max_batch, max_seq_len)
         kept = prefix_cache_bytes(weights.spec, prefix_blocks, prefix_block_tokens)
@@ -116,6 +128,19 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     return engine
 
 
+
+
+def _check_shard(shard: ExpertShard, spec: ModelSpec, device, miss_service: str) -> None:
+    """Refuse an expert shard that does not fit this load: another model's expert count, a CUDA device, a
+    miss service other than copy. Raises ValueError naming what to change."""
+    if shard.num_experts != spec.moe.num_experts:
+        raise ValueError(f"expert_shard is for {shard.num_experts} experts a layer, the checkpoint has "
+                         f"{spec.moe.num_experts}: build it with ExpertShard({spec.moe.num_experts}, ranks, rank)")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"expert parallelism runs on the CPU backend only, asked for {device}: load on 'cpu'")
+    if miss_service != "copy":
+        raise ValueError(f"--moe-miss-service {miss_service} with expert parallelism: the ranks would share one "
+                         f"host's cores; use --moe-miss-service copy")
 
 
 def check_miss_service(service: str, cpu_threads: int | None = None) -> None:

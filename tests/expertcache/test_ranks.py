@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from expertcache.ranks import global_id, local_experts, local_id, owner, rank_ids
+from expertcache.ranks import global_id, local_experts, local_id, owner, rank_ids, rank_keys
 
 
 @st.composite
@@ -89,3 +89,19 @@ def test_one_rank_is_the_identity(case):
 def test_bad_arguments_are_refused_by_name(call, name):
     with pytest.raises(ValueError, match=f"^{name}"):
         call()
+
+
+@given(st.integers(1, 6), st.integers(1, 40), st.data())
+def test_rank_keys_are_every_owned_key_once_in_local_order(layers, num_experts, data):
+    ranks = data.draw(st.integers(1, num_experts))
+    keys = [rank_keys(layers, num_experts, ranks, r) for r in range(ranks)]
+    assert np.array_equal(np.sort(np.concatenate(keys)), np.arange(layers * num_experts))
+    for r, k in enumerate(keys):
+        e_r = local_experts(num_experts, ranks, r)
+        local = np.arange(layers * e_r)
+        assert np.array_equal(k, (local // e_r) * num_experts + global_id(local % e_r, ranks, r))
+
+
+def test_rank_keys_refuses_bad_layers():
+    with pytest.raises(ValueError, match="num_layers"):
+        rank_keys(0, 8, 2, 0)
