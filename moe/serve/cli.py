@@ -94,6 +94,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     model.add_argument("--moe-copy-overlap", action="store_true",
                        help="GPU: run the shared expert on a side stream while misses copy")
     model.add_argument("--device", metavar="DEVICE", help="cpu, cuda or cuda:INDEX (default cuda when available)")
+    model.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                       help="processes the routed experts are spread over (default 1): expert e is cached by "
+                            "rank e %% N, each rank with its own --moe-slots / --moe-cache-gb, the ranks' sums "
+                            "added in rank order; attention and the dense weights run on every rank. N > 1 runs "
+                            "on the CPU backend with --moe-miss-service copy (docs/serving.md)")
     model.add_argument("--dtype", choices=DTYPES, help="model dtype (default: config.json's)")
     model.add_argument("--max-batch", type=int, default=8, metavar="N",
                        help="sequences decoded together (default 8); more requests wait in order")
@@ -158,6 +163,8 @@ def _check(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: {flag} must be > 0, got {value}")
     if not args.shutdown_timeout >= 0:
         raise SystemExit(f"error: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.tensor_parallel < 1:
+        raise SystemExit(f"error: --tensor-parallel must be >= 1, got {args.tensor_parallel}")
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"error: --port must be 0 to 65535 (0: a free one), got {args.port}")
     if not Path(args.model).is_dir():
@@ -230,8 +237,10 @@ def _context(args: argparse.Namespace) -> int:
 def build_state(args: argparse.Namespace) -> ServeState:
     """Tokenizer, engine, scheduler and options from the parsed flags. Raises SystemExit naming the flag
     or file on a bad value, a checkpoint that cannot be served or a pool that does not fit."""
+    from expertcache.ranks import local_experts
     from moe.engine.budget import prefix_blocks_for, resolve_slots
     from moe.engine.engine import PREFILL_CHUNK
+    from moe.engine.expert_parallel import free_init_method, load_ranked
     from moe.engine.loading import load_model
     from moe.engine.prefix import PREFIX_BLOCK_TOKENS
     from moe.model.errors import CheckpointError
@@ -247,18 +256,25 @@ def build_state(args: argparse.Namespace) -> ServeState:
     try:
         max_seq_len = _context(args)
         spec = ModelSpec.from_hf(read_config(args.model), dtype=args.dtype, expert_format=args.moe_expert_format)
-        budget = resolve_slots(spec, args.moe_slots, args.moe_cache_gb, max_batch=args.max_batch)
+        ranks = _check_ranks(args, spec, device)
+        budget = resolve_slots(spec, args.moe_slots, args.moe_cache_gb, max_batch=args.max_batch,
+                               experts=None if ranks == 1 else local_experts(spec.moe.num_experts, ranks, ranks - 1))
         blocks = 0 if args.kv_cache_gb is None else prefix_blocks_for(spec, args.kv_cache_gb, PREFIX_BLOCK_TOKENS,
                                                                       max_seq_len)
         tokenizer = TextTokenizer(args.model)
-        engine = load_model(args.model, device, num_slots=budget.slots, policy=args.moe_cache_policy,
-                            dtype=args.dtype, expert_format=args.moe_expert_format, max_batch=args.max_batch,
-                            max_seq_len=max_seq_len,
-                            record_routing=bool(args.record_routing),
-                            copy_overlap=True if args.moe_copy_overlap else None,
-                            miss_service=args.moe_miss_service, cpu_threads=args.cpu_threads,
-                            prefix_blocks=blocks, prefix_block_tokens=PREFIX_BLOCK_TOKENS,
-                            prefill_chunk=PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk)
+        load = dict(device=device, num_slots=budget.slots, policy=args.moe_cache_policy,
+                    dtype=args.dtype, expert_format=args.moe_expert_format, max_batch=args.max_batch,
+                    max_seq_len=max_seq_len,
+                    record_routing=bool(args.record_routing),
+                    copy_overlap=True if args.moe_copy_overlap else None,
+                    miss_service=args.moe_miss_service, cpu_threads=args.cpu_threads,
+                    prefix_blocks=blocks, prefix_block_tokens=PREFIX_BLOCK_TOKENS,
+                    prefill_chunk=PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk)
+        followers = []
+        if ranks == 1:
+            engine = load_model(args.model, **load)
+        else:
+            engine, followers = load_ranked(args.model, ranks, free_init_method(), load)
     except (CheckpointError, TokenizerError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     if tokenizer.vocab_size > engine.spec.vocab_size:
@@ -273,7 +289,29 @@ def build_state(args: argparse.Namespace) -> ServeState:
                                        "max_batch": args.max_batch},
                            shutdown_timeout=args.shutdown_timeout, read_timeout=args.read_timeout,
                            keep_alive_timeout=args.keep_alive_timeout, slot_budget=budget)
-    return ServeState(Scheduler(engine, tokenizer), tokenizer, options)
+    state = ServeState(Scheduler(engine, tokenizer), tokenizer, options)
+    state.followers = followers
+    return state
+
+
+def _ranks_note(ranks: int) -> str:
+    return "" if ranks == 1 else f" on each of {ranks} ranks (expert e on rank e % {ranks})"
+
+
+def _check_ranks(args: argparse.Namespace, spec, device) -> int:
+    """--tensor-parallel N, checked against the model and the other flags. Raises ValueError naming them."""
+    ranks = args.tensor_parallel
+    if ranks == 1:
+        return 1
+    if ranks > spec.moe.num_experts:
+        raise ValueError(f"--tensor-parallel {ranks} is above the model's {spec.moe.num_experts} experts a layer: "
+                         f"a rank would own none")
+    if device.type != "cpu":
+        raise ValueError(f"--tensor-parallel {ranks} runs on the CPU backend: pass --device cpu")
+    if args.moe_miss_service != "copy":
+        raise ValueError(f"--tensor-parallel {ranks} serves misses by copy: drop --moe-miss-service "
+                         f"{args.moe_miss_service}")
+    return ranks
 
 
 def _access(state: ServeState) -> str:
@@ -355,6 +393,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_on(args: argparse.Namespace, sock: socket.socket) -> int:
     from moe.engine.budget import memory_split
+    from moe.engine.expert_parallel import stop_ranked
     from moe.serve.server import make_server
 
     state = build_state(args)
@@ -370,9 +409,15 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket) -> int:
         print(engine.miss_service, flush=True)
     print(f"serving {state.options.served_name} ({spec.model_type}, {counted(spec.num_moe_layers, 'MoE layer')} x "
           f"{counted(spec.moe.num_experts, 'expert')}, top-{spec.moe.top_k}) on http://{_netloc(args.host, port)} with "
-          f"{counted(slots, 'slot')}, policy {args.moe_cache_policy}, device {engine.weights.device}; "
+          f"{counted(slots, 'slot')}{_ranks_note(args.tensor_parallel)}, policy {args.moe_cache_policy}, "
+          f"device {engine.weights.device}; "
           f"{_access(state)}", flush=True)
-    make_server(state, args.host, port, args.log_level).run(sockets=[sock])
+    try:
+        make_server(state, args.host, port, args.log_level).run(sockets=[sock])
+    finally:
+        if state.followers:
+            codes = stop_ranked(engine, state.followers)
+            print(f"ranks 1-{len(codes)} stopped, exit codes {codes}", flush=True)
     if state.options.record_routing is not None:
         print(f"routing trace: {state.options.record_routing} (replay: expertcache sim "
               f"{state.options.record_routing} --policies {args.moe_cache_policy} --slots {slots})")

@@ -89,6 +89,7 @@ class ServeState:
         self.draining = False
         self.started = int(time.time())
         self.closed = False
+        self.followers: list = []  # the other ranks' processes under --tensor-parallel (moe.engine.expert_parallel)
 
     def write_routing(self, path: str | Path | None = None):
         """Write the routing recorded so far (to `path`, default --record-routing) on the scheduler

@@ -132,8 +132,12 @@ def test_the_help_gives_the_prefill_chunk_default(capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--prefill-chunk", "0"], "--prefill-chunk must be a whole number of tokens >= 1"),
     (["--prefill-chunk", "100", "--kv-cache-gb", "0.01"], "--prefill-chunk 100 must be a multiple of"),
+    (["--tensor-parallel", "0"], "--tensor-parallel must be >= 1"),
+    (["--tensor-parallel", "2", "--moe-miss-service", "hybrid"], "drop --moe-miss-service hybrid"),
+    (["--tensor-parallel", "999"], "--tensor-parallel 999 is above the model's"),
+    (["--tensor-parallel", "2", "--moe-slots", "12"], "--moe-slots 12 is above"),  # 16 experts, 8 a rank
 ])
-def test_a_bad_prefill_chunk_is_refused_by_its_flag(tiny_family, extra, message):
+def test_a_bad_prefill_chunk_or_rank_count_is_refused_by_its_flag(tiny_family, extra, message):
     argv = ["serve", "--model", str(tiny_family("qwen3_moe")), "--moe-slots", "6", "--max-batch", "2",
             "--device", "cpu", *extra]
     with pytest.raises(SystemExit) as e:

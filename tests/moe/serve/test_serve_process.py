@@ -174,26 +174,41 @@ def test_a_resent_conversation_is_served_from_kept_prefixes(tiny_family, tmp_pat
             assert "expertcache_prefix_states 1.0" in metrics, metrics  # the first prompt's, at 64, resumed since
 
 
+def stream_beside(served: Served, prompt: str, tokens: int, long_prompt: str) -> tuple[str, str, int]:
+    """Stream `tokens` greedy tokens of `prompt` and, once the stream has begun, complete `long_prompt` (6
+    tokens) beside it: (the streamed text, the long prompt's text, its prompt tokens)."""
+    with httpx.Client(timeout=60) as client, client.stream(
+            "POST", served.url + "/v1/completions",
+            json={"model": "tiny", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))  # it streams
+        got = served.post("/v1/completions", {"model": "tiny", "prompt": long_prompt, "max_tokens": 6,
+                                              "temperature": 0})
+        rest = [line for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in [first, *rest]
+                       if json.loads(line[6:])["choices"])
+    return streamed, got["choices"][0]["text"], got["usage"]["prompt_tokens"]
+
+
 def test_a_long_prompt_joins_in_chunks_beside_a_stream(tiny_family, tmp_path):
     """`--prefill-chunk 64`: a 200-token prompt joins in 4 chunks while another request streams; both
     texts are those of a server that prefills each prompt at once."""
     with beside(tiny_family("qwen3_moe"), tmp_path, ("--prefill-chunk", "64")) as (chunked, whole):
         long_prompt = " ".join(f"w{(i * 7) % 100}" for i in range(200))
-        texts = {}
-        for served in (chunked, whole):
-            with httpx.Client(timeout=60) as client, client.stream(
-                    "POST", served.url + "/v1/completions",
-                    json={"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 24, "temperature": 0,
-                          "stream": True}) as stream:
-                lines = stream.iter_lines()
-                first = next(line for line in lines if line.startswith("data: "))  # it streams
-                got = served.post("/v1/completions", {"model": "tiny", "prompt": long_prompt, "max_tokens": 6,
-                                                      "temperature": 0})
-                rest = [line for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
-            streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in [first, *rest]
-                               if json.loads(line[6:])["choices"])
-            texts[served is chunked] = (streamed, got["choices"][0]["text"], got["usage"]["prompt_tokens"])
+        texts = {served is chunked: stream_beside(served, "w1 w2 w3", 24, long_prompt) for served in (chunked, whole)}
         assert texts[True] == texts[False] and texts[True][2] == 200, texts
+
+
+def test_two_ranks_serve_what_one_serves(tiny_family, tmp_path):
+    """`--tensor-parallel 2` (the routed experts over two processes, expert e on rank e % 2): a stream and a
+    200-token prompt joining beside it in chunks give one rank's texts; both processes end on SIGTERM."""
+    with beside(tiny_family("qwen3_moe"), tmp_path, ("--tensor-parallel", "2", "--prefill-chunk", "64")) as (
+            ranked, one):
+        long_prompt = " ".join(f"w{(i * 11) % 100}" for i in range(200))
+        texts = {served is ranked: stream_beside(served, "w5 w6 w7", 16, long_prompt) for served in (ranked, one)}
+        assert texts[True] == texts[False], texts
+        assert "2 ranks" in ranked.output(), ranked.output()[-3000:]
+    assert "ranks 1-1 stopped, exit codes [0]" in ranked.output(), ranked.output()[-3000:]
 
 
 CALL_WORDS = ["<tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":', '"Paris"}}', "</tool_call>"]
