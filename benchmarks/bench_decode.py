@@ -35,9 +35,11 @@
     -> simulator, same trace slice and slots: sim.replay from a cold start without router logits (as
        the engine's ensure); the timed window = replay(warmup + steps) - replay(warmup);
        sim.costmodel.estimate_decode(window histogram, H200_SM_COPY with the calibrated overhead:
-       the SM miss copy's measured speed) -> predicted us / step, tokens/s (and the uncalibrated
-       profile's, for reference); implied layer overhead = the profile's + (measured - predicted)
-       us per step / L
+       the SM miss copy's table of times by size, scaled to the link this machine measured, `linked`)
+       -> predicted us / step, tokens/s (and the uncalibrated profile's, for reference); implied layer
+       overhead = the profile's + (measured - predicted) us per step / L. On the GPU both channels are
+       measured once per format before its first service (moe.engine.channels, as load_model's hybrid
+       does): every service's rows then run after the same measurement and are priced from its rates
     -> per format the simulator prices a miss at the format's bytes per expert (sim.costmodel.ModelShape
        routed_expert_bytes) and is calibrated on that format's own miss-free run
     -> --out JSON (GPU name, torch / triton versions, commit), a table printed last: per row the format,
@@ -162,7 +164,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {e}") from None
     args.miss_service = args.miss_services[0]
     args.split, args.host = None, None  # per format (run_format): the engine's split and the host it measured
-    args.channels_of = {}  # per format: the channels its first split service measured, which the others reuse
+    args.channels_of = {}  # per format: the channels measured before its first service (_channels)
     if not args.configs:
         raise SystemExit("error: --configs is empty")
     geo = GEOMETRIES[args.geometry]
@@ -322,10 +324,10 @@ def calibrate(weights, trace: Trace, args: argparse.Namespace, batch: int, fmt: 
         resident.split = None
     gpu = measure(weights, trace, resident, "lru", False, batch)
     window = replay_window(trace, "lru", resident.slots, args.warmup)
-    sim = predict(window, False, geometry=args.geometry, fmt=fmt)
-    overhead = implied_overhead(gpu["us_per_step"], sim["us_per_step"], args.layers)
-    profile = dataclasses.replace(H200_SM_COPY, name=f"{H200_SM_COPY.name}-calibrated-{fmt}-b{batch}",
-                                  layer_overhead_us=overhead)
+    base = getattr(args, "copy_profile", None) or H200_SM_COPY  # the copy at this machine's link (linked)
+    sim = predict(window, False, base, geometry=args.geometry, fmt=fmt)
+    overhead = implied_overhead(gpu["us_per_step"], sim["us_per_step"], args.layers, base)
+    profile = dataclasses.replace(base, name=f"{base.name}-calibrated-{fmt}-b{batch}", layer_overhead_us=overhead)
     calibrated = predict(window, False, profile, args.geometry, fmt)  # = gpu, by construction
     return {"config": "resident (calibration)", "miss_service": args.miss_service, "format": fmt, "budget_gib": None,
             "batch": batch,
@@ -371,40 +373,60 @@ WHOLE = "hybrid-whole"  # --miss-service: hybrid without a tail (whole experts o
 
 
 def _format_split(weights, fmt: str, args: argparse.Namespace, res: dict) -> None:
-    """args.split / args.host for format `fmt`: on the GPU the engine's own split, balanced from the channels
-    it measures at start (recorded in res["channels"][fmt]), and a host profile of those rates for the
-    prediction; in a dry run the split the default host profile gives."""
-    args.split, args.host = None, None
-    if args.miss_service == "copy":
-        return
+    """args.split / args.host / args.copy_profile for format `fmt`: on the GPU the channels measured once per
+    format before its first service (_channels; recorded in res["channels"]["<fmt>/<service>"] with the
+    service each resolved to), the engine's own split balanced from them, a host profile of those rates and
+    the copy table at the measured link (linked) for the prediction; in a dry run the split the default
+    host profile gives."""
+    args.split, args.host, args.copy_profile = None, None, None
     geo = GEOMETRIES[args.geometry]
     base = "hybrid" if args.miss_service == WHOLE else args.miss_service
     if args.dry_run:
-        host = HOSTS[DEFAULT_HOST].for_format(fmt)
-        service = "hybrid" if base == "auto" else base
-        granule = tail_granule(get_format(fmt), geo.inter) if args.tail else 0
-        split = host.split(service, get_format(fmt).expert_bytes(geo.hidden, geo.inter), geo.inter if granule else 0,
-                           granule)
-        args.split = None if split.copies_all else split
+        if args.miss_service != "copy":
+            host = HOSTS[DEFAULT_HOST].for_format(fmt)
+            service = "hybrid" if base == "auto" else base
+            granule = tail_granule(get_format(fmt), geo.inter) if args.tail else 0
+            split = host.split(service, get_format(fmt).expert_bytes(geo.hidden, geo.inter),
+                               geo.inter if granule else 0, granule)
+            args.split = None if split.copies_all else split
         return
     from decode_gpu import engine_split
 
-    shared = args.channels_of.get(fmt)  # hybrid and hybrid-whole balance the same rates: their A/B is the tail
-    args.split, measured = engine_split(weights, base, tail=args.tail, given=shared)
-    if measured is not None:
-        args.channels_of[fmt] = measured
-    if measured is not None:
-        g = measured.gbps()
-        # a call that serves misses pays the CPU's fixed part (its kernels' and the hand-off's round trip);
-        # the post and wait every layer call of the split launches are in the overhead its calibration implies
-        args.host = dataclasses.replace(HOSTS[DEFAULT_HOST], name=f"measured-at-start-{fmt}", formats=(),
-                                        link_together_gbps=g["link_together"], cpu_gbps=g["cpu_alone"],
-                                        cpu_together_gbps=g["cpu_together"],
-                                        cpu_fixed_us=measured.costs().cpu_fixed_us,
-                                        source="moe.engine.channels at start")
-        res.setdefault("channels", {})[f"{fmt}/{args.miss_service}"] = {
-            **dataclasses.asdict(measured), "gbps": g, "service": "copy" if args.split is None else args.split.service,
-            "measured_for_an_earlier_service": shared is not None}
+    measured = _channels(weights, fmt, args)
+    args.copy_profile = linked(H200_SM_COPY, measured)
+    if args.miss_service != "copy":
+        args.split, _ = engine_split(weights, base, tail=args.tail, given=measured)
+    g = measured.gbps()
+    # a call that serves misses pays the CPU's fixed part (its kernels' and the hand-off's round trip);
+    # the post and wait every layer call of the split launches are in the overhead its calibration implies
+    args.host = dataclasses.replace(HOSTS[DEFAULT_HOST], name=f"measured-at-start-{fmt}", formats=(),
+                                    link_together_gbps=g["link_together"], cpu_gbps=g["cpu_alone"],
+                                    cpu_together_gbps=g["cpu_together"], cpu_fixed_us=measured.costs().cpu_fixed_us,
+                                    source="moe.engine.channels at start")
+    res.setdefault("channels", {})[f"{fmt}/{args.miss_service}"] = {
+        **dataclasses.asdict(measured), "gbps": g, "service": "copy" if args.split is None else args.split.service}
+
+
+def _channels(weights, fmt: str, args: argparse.Namespace):
+    """The channels of format `fmt` (moe.engine.channels.measure_channels, as load_model's hybrid measures
+    them), measured once per format and run, before its first service's rows: every row of the format
+    runs after the same measurement, and every service balances and is priced from the same rates."""
+    if fmt not in args.channels_of:
+        from decode_gpu import engine_split
+
+        args.channels_of[fmt] = engine_split(weights, "hybrid")[1]
+    return args.channels_of[fmt]
+
+
+def linked(profile: HardwareProfile, measured) -> HardwareProfile:
+    """`profile` with its copy table scaled to the link measured on this machine (a ChannelMeasure's link
+    alone): every copy time times profile.back_to_back_gbps / that rate, the ceiling and back-to-back rate
+    divided by it. The table's shape (latency against size) stays the profile's; its speed is the host's."""
+    gbps = measured.gbps()["link_alone"]
+    ratio = profile.back_to_back_gbps / gbps
+    return dataclasses.replace(profile, name=f"{profile.name}-link-{gbps:.1f}",
+                               h2d_points=tuple((size, us * ratio) for size, us in profile.h2d_points),
+                               h2d_ceiling_gbps=profile.h2d_ceiling_gbps / ratio, back_to_back_gbps=gbps)
 
 
 def _row(weights, trace, args, fmt, budget, slots, batch, policy, overlap, window, profile) -> dict:
@@ -481,8 +503,8 @@ def table(res: dict) -> str:
     lines = [
         f"decode, {s['layers']} layers x {geo.num_experts} experts (top-{geo.top_k}, {s['geometry']} geometry), "
         f"trace {s['trace'] or 'synthetic:' + geo.preset}, {s['steps']} timed steps after {s['warmup']}; "
-        f"sim = sim.costmodel {H200_SM_COPY.name} (SM miss copy) at each format's bytes per expert, its "
-        f"per-layer overhead {overhead}"
+        f"sim = sim.costmodel {H200_SM_COPY.name} (SM miss copy){'' if s['dry_run'] else ' at the link measured'} "
+        f"at each format's bytes per expert, its per-layer overhead {overhead}"
         f"; target |measured / sim - 1| <= 15 %",
         "| format | GiB | slots | config | B | hit meas | hit sim | miss/layer/step | MB copied/step | "
         "step us med [p10, p90] | tok/s meas [chunk min, max] | tok/s sim | meas/sim | vs bf16 (sim) | "

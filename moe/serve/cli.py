@@ -240,9 +240,9 @@ def build_state(args: argparse.Namespace) -> ServeState:
     from expertcache.ranks import local_experts
     from moe.engine.budget import prefix_blocks_for, resolve_slots
     from moe.engine.engine import PREFILL_CHUNK
-    from moe.engine.expert_parallel import free_init_method, load_ranked
     from moe.engine.loading import load_model
     from moe.engine.prefix import PREFIX_BLOCK_TOKENS
+    from moe.engine.ranked import free_init_method, load_ranked
     from moe.model.errors import CheckpointError
     from moe.model.spec import ModelSpec, read_config
     from moe.serve.http_guard import GuardOptions
@@ -393,7 +393,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_on(args: argparse.Namespace, sock: socket.socket) -> int:
     from moe.engine.budget import memory_split
-    from moe.engine.expert_parallel import stop_ranked
+    from moe.engine.ranked import stop_ranked
     from moe.serve.server import make_server
 
     state = build_state(args)

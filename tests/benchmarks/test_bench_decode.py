@@ -89,8 +89,14 @@ def test_bench_decode_calibrates_on_the_miss_free_run(monkeypatch, tmp_path):
                 "graphs": [batch], "memory": dict.fromkeys(("idle_allocated_gb", "peak_allocated_gb",
                                                            "idle_device_used_gb", "peak_device_used_gb"), 1.0)}
 
+    from moe.engine.channels import ChannelMeasure
+
+    size = 4 * 2**20  # channels whose link alone runs at the profile's back-to-back rate: linked changes nothing
+    chan = ChannelMeasure(size, 2, 8, 100.0, 100.0 + size / (bench.H200_SM_COPY.back_to_back_gbps * 1e3), 300.0,
+                          80.0, 160.0, 200.0, 14, 1.2)
     fake = types.ModuleType("decode_gpu")
     fake.measure, fake.build_weights = measure, lambda args, config, fmt="bf16": (None, {"stand_in": True})
+    fake.engine_split = lambda weights, service, tail=True, given=None: (None, given or chan)
     monkeypatch.setitem(sys.modules, "decode_gpu", fake)
     monkeypatch.setattr(bench, "machine", lambda: {"gpu": "stand-in"})
     res = bench.main(["--layers", str(layers), "--warmup", "20", "--steps", "30", "--slots", "400",
@@ -187,20 +193,38 @@ def test_bench_decode_gpu_path_wiring_with_the_gpu_parts_replaced(monkeypatch):
     res = bench.main(["--geometry", "qwen3-30b", "--layers", "2", "--warmup", "10", "--steps", "20",
                       "--moe-cache-gb", "0.1", "--configs", "lru", "--batches", "1", "--expert-formats", "bf16",
                       "--miss-service", "copy,hybrid"])
-    assert builds == ["bf16"] and splits == [("hybrid", None)], "copy measures nothing"
+    assert builds == ["bf16"] and splits == [("hybrid", None), ("hybrid", chan)], "measured once, before copy"
     splits.clear()
     whole = bench.main(["--geometry", "qwen3-30b", "--layers", "2", "--warmup", "10", "--steps", "20",
                         "--moe-cache-gb", "0.1", "--configs", "lru", "--batches", "1", "--expert-formats", "bf16",
                         "--miss-service", "hybrid-whole,hybrid"])
-    assert splits == [("hybrid without a tail", None), ("hybrid", chan)], "the second balances the first's channels"
+    assert splits == [("hybrid", None), ("hybrid without a tail", chan), ("hybrid", chan)], "one measurement"
     assert [r["miss_service"] for r in whole["rows"]] == ["hybrid-whole"] * 2 + ["hybrid"] * 2
-    assert whole["channels"]["bf16/hybrid"]["measured_for_an_earlier_service"]
-    assert not whole["channels"]["bf16/hybrid-whole"]["measured_for_an_earlier_service"]
     measured_runs[:] = measured_runs[:4]
     keys = 2 * 128
     assert measured_runs == [(keys, None), (res["rows"][1]["slots"], None), (keys, "hybrid"),
                              (res["rows"][1]["slots"], "hybrid")], "calibration then the budget, per service"
     assert [(r["config"], r["miss_service"]) for r in res["rows"]] == [
         ("resident (calibration)", "copy"), ("lru", "copy"), ("resident (calibration)", "hybrid"), ("lru", "hybrid")]
-    assert res["channels"]["bf16/hybrid"]["handoff_us"] == 9.0 and "bf16/copy" not in res["channels"]
+    assert res["channels"]["bf16/hybrid"]["handoff_us"] == 9.0 and res["channels"]["bf16/copy"]["service"] == "copy"
+    link = chan.gbps()["link_alone"]  # both services' copies priced at the link measured (linked)
+    assert all(r["sim"]["profile"].startswith(f"{bench.H200_SM_COPY.name}-link-{link:.1f}") for r in res["rows"])
     assert res["rows"][3]["vs_copy"] == 1.0 and "vs_copy_sim" in res["rows"][3]
+
+
+def test_linked_scales_the_copy_table_to_the_measured_link():
+    """linked: every copy priced at the measured link's speed, the table's latency shape kept."""
+    from moe.engine.channels import ChannelMeasure
+
+    bench = _bench()
+    base = bench.H200_SM_COPY
+    size = 9 * 2**20
+    half = base.back_to_back_gbps / 2
+    chan = ChannelMeasure(size, 4, 8, 150.0, 150.0 + 3 * size / (half * 1e3), 900.0, 80.0, 160.0, 200.0, 14, 1.2)
+    got = bench.linked(base, chan)
+    assert got.back_to_back_gbps == pytest.approx(half)
+    assert got.h2d_ceiling_gbps == pytest.approx(base.h2d_ceiling_gbps / 2)
+    for b in (2**20, 3 * 2**20, 7 * 2**20, 64 * 2**20):
+        for m in (1, 3):
+            assert got.copy_us(b, m) == pytest.approx(2 * base.copy_us(b, m), rel=1e-9)
+    assert got.layer_overhead_us == base.layer_overhead_us and got.hbm_gbps == base.hbm_gbps
