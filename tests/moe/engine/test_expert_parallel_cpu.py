@@ -54,9 +54,9 @@ def _two_ranks(path, tmp_path, experts: int, slots: int) -> list[dict]:
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(RANKS)]
 
 
-# a family's two processes take seconds to start: three families that cover linear attention, a shared
-# expert, grouped routing, a dense layer and none of these run by default, the rest in the long profile
-SPAWNED = [pytest.param(name, marks=() if name in ("qwen3_next", "glm4_moe", "mixtral") else pytest.mark.slow)
+# a family's two processes take seconds to start: two families that cover linear attention, a shared
+# expert, grouped routing and a dense layer run by default, the rest in the long profile
+SPAWNED = [pytest.param(name, marks=() if name in ("qwen3_next", "glm4_moe") else pytest.mark.slow)
            for name in sorted(FAMILIES)]
 
 

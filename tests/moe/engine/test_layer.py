@@ -410,7 +410,7 @@ def test_releases_match_none_cpu(monkeypatch):
     assert resolved.front_release and resolved.down_prefetch == 2
     plain = SyntheticModel(weights, CPU_S, "cpu", plan=without_releases(resolved, CPU_CFG.top_k, prefetch=0))
     gen = torch.Generator().manual_seed(32)
-    for _ in range(3):
+    for _ in range(2):
         x = torch.randn(2, CPU_CFG.hidden, generator=gen).to(BF16)
         before = misses(early)
         asked.clear()

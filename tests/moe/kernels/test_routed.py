@@ -151,8 +151,14 @@ def test_bitwise_repeatable_and_out_reuse():
     assert not torch.equal(out, first)
 
 
-@pytest.mark.parametrize("prefetch", [1, pytest.param(2, marks=pytest.mark.slow), 3])  # 2: the long profile
-@pytest.mark.parametrize("tiles", [{}, {"block_h": 32, "chunk_i": 8, "warps_down": 1}], ids=["default", "uneven"])
+UNEVEN = {"block_h": 32, "chunk_i": 8, "warps_down": 1}
+
+
+# one depth of each tiling by default, every depth of both in the long profile (the interpreter is slow)
+@pytest.mark.parametrize("prefetch, tiles", [
+    pytest.param(1, {}, id="default-1"), pytest.param(3, UNEVEN, id="uneven-3"),
+    *(pytest.param(p, t, id=f"{name}-{p}", marks=pytest.mark.slow)
+      for p, t, name in ((2, {}, "default"), (3, {}, "default"), (1, UNEVEN, "uneven"), (2, UNEVEN, "uneven")))])
 def test_down_prefetch_changes_no_bit(prefetch, tiles):
     """down_prefetch (the slots and the first experts' weight tiles loaded before the wait) sums in
     the same order: bit for bit no prefetch, with H and I no tile divides (several chunks of I per
