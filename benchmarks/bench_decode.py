@@ -419,14 +419,8 @@ def _channels(weights, fmt: str, args: argparse.Namespace):
 
 
 def linked(profile: HardwareProfile, measured) -> HardwareProfile:
-    """`profile` with its copy table scaled to the link measured on this machine (a ChannelMeasure's link
-    alone): every copy time times profile.back_to_back_gbps / that rate, the ceiling and back-to-back rate
-    divided by it. The table's shape (latency against size) stays the profile's; its speed is the host's."""
-    gbps = measured.gbps()["link_alone"]
-    ratio = profile.back_to_back_gbps / gbps
-    return dataclasses.replace(profile, name=f"{profile.name}-link-{gbps:.1f}",
-                               h2d_points=tuple((size, us * ratio) for size, us in profile.h2d_points),
-                               h2d_ceiling_gbps=profile.h2d_ceiling_gbps / ratio, back_to_back_gbps=gbps)
+    """`profile` on the link measured on this machine (a ChannelMeasure's link alone): HardwareProfile.at_link."""
+    return profile.at_link(measured.gbps()["link_alone"])
 
 
 def _row(weights, trace, args, fmt, budget, slots, batch, policy, overlap, window, profile) -> dict:

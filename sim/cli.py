@@ -146,7 +146,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"the machine the miss services are priced on (default {DEFAULT_HOST}): its link and "
                         "CPU bandwidths measured together, its GPU's cost model")
     p.add_argument("--link-gbps", type=float, metavar="GB/S",
-                   help="the link's bandwidth beside the CPU kernels, replacing --host's")
+                   help="the link's bandwidth, for copies alone and beside the CPU kernels, replacing --host's")
     p.add_argument("--cpu-gbps", type=float, metavar="GB/S",
                    help="the CPU kernels' weight-read bandwidth beside the link, replacing --host's")
     p.add_argument("--ranks", default="1", metavar="N[,N...]",
@@ -423,9 +423,13 @@ def _host(args: argparse.Namespace, ranks: list[int]) -> tuple[tuple[str, ...], 
     if ranks[-1] > 1:
         services = ("copy",)
     for flag, v in (("--link-gbps", args.link_gbps), ("--cpu-gbps", args.cpu_gbps)):
-        if v is not None and not (v > 0 and v < float("inf")):
-            _fail(f"{flag} must be a bandwidth in GB/s > 0, got {v}: e.g. {flag} 25")
+        _check_rate(flag, v)
     return services, HOSTS[args.host].with_rates(args.link_gbps, args.cpu_gbps)
+
+
+def _check_rate(flag: str, v: float | None) -> None:
+    if v is not None and not (v > 0 and v < float("inf")):
+        _fail(f"{flag} must be a bandwidth in GB/s > 0, got {v}: e.g. {flag} 25")
 
 
 def _services(trace: Trace, results: list, runs: list[FormatRun] | None, policies: list[str],
@@ -470,9 +474,13 @@ def _services(trace: Trace, results: list, runs: list[FormatRun] | None, policie
 
 
 def _ranks_profile(args: argparse.Namespace) -> tuple[list[int], HardwareProfile]:
-    """The checked --ranks counts and the --profile cost model with --allreduce-us applied."""
+    """The checked --ranks counts and the --profile cost model with --link-gbps (its copies at that link,
+    as the miss services price them) and --allreduce-us applied."""
     ranks = _ints(args.ranks, "--ranks")
     profile = PROFILES[args.profile]
+    if args.link_gbps is not None:
+        _check_rate("--link-gbps", args.link_gbps)
+        profile = profile.at_link(args.link_gbps)
     if args.allreduce_us is not None:
         if not 0 <= args.allreduce_us < float("inf"):
             _fail(f"--allreduce-us must be microseconds >= 0, got {args.allreduce_us}: e.g. --allreduce-us 10")

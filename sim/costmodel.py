@@ -125,6 +125,16 @@ class HardwareProfile:
         extended = times[0] - (sizes[0] - expert_bytes) * slope
         return max(extended, times[0] * expert_bytes / sizes[0])
 
+    def at_link(self, gbps: float) -> HardwareProfile:
+        """This profile on a link of `gbps` GB/s: every copy time times back_to_back_gbps / gbps, the
+        ceiling and the back-to-back rate scaled alike; the table's shape (latency against size), the
+        HBM and the layer time stay this profile's. Raises ValueError unless gbps > 0."""
+        _check_positive("gbps", gbps)
+        ratio = self.back_to_back_gbps / gbps
+        return replace(self, name=f"{self.name}-link-{gbps:.1f}",
+                       h2d_points=tuple((size, us * ratio) for size, us in self.h2d_points),
+                       h2d_ceiling_gbps=self.h2d_ceiling_gbps / ratio, back_to_back_gbps=float(gbps))
+
     def copy_us(self, expert_bytes: int, misses: int) -> float:
         """Microseconds to copy `misses` experts of `expert_bytes` back to back: 0 for none,
         else single_copy_us(expert_bytes) + (misses - 1) * expert_bytes / back_to_back_gbps

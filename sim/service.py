@@ -69,11 +69,13 @@ class HostProfile:
         return self
 
     def with_rates(self, link_gbps: float | None = None, cpu_gbps: float | None = None) -> HostProfile:
-        """This profile with the together-bandwidths replaced (--link-gbps, --cpu-gbps) for every format:
-        cpu_gbps also sets the CPU's alone rate when it is not above it."""
+        """This profile with the bandwidths replaced (--link-gbps, --cpu-gbps) for every format: link_gbps is
+        the link's beside the CPU and alone (the GPU profile's copy table at that speed,
+        HardwareProfile.at_link, so a copy alone is priced on the same link); cpu_gbps the CPU's beside the
+        link, and its alone rate when that is not above it."""
         out = self if link_gbps is None and cpu_gbps is None else replace(self, formats=())  # given: every format
         if link_gbps is not None:
-            out = replace(out, link_together_gbps=float(link_gbps))
+            out = replace(out, link_together_gbps=float(link_gbps), gpu=out.gpu.at_link(float(link_gbps)))
         if cpu_gbps is not None:
             out = replace(out, cpu_together_gbps=float(cpu_gbps), cpu_gbps=max(float(cpu_gbps), out.cpu_gbps))
         return out

@@ -184,3 +184,15 @@ def test_replay_counts_calls_by_misses_and_copies(small_trace):
     a = estimate_service(cpu.hist, cpu.tokens, SHAPE, h, MissSplit.cpu(), split_hist=cpu.split_hist)
     b = estimate_service(cpu.hist, cpu.tokens, SHAPE, h, MissSplit.cpu())
     assert a.us_per_token == pytest.approx(b.us_per_token, rel=1e-12)
+
+
+def test_a_given_link_prices_copies_alone_and_beside_the_cpu():
+    """--link-gbps: the copy table at that link (HardwareProfile.at_link) and the link beside the CPU."""
+    base = HOSTS["h100-host"]
+    slow = base.with_rates(link_gbps=base.gpu.back_to_back_gbps / 2)
+    size = 9 * 2**20
+    assert slow.link_together_gbps == base.gpu.back_to_back_gbps / 2
+    for m in (1, 2, 5):
+        assert slow.gpu.copy_us(size, m) == pytest.approx(2 * base.gpu.copy_us(size, m), rel=1e-12)
+    assert slow.costs(size).link_alone_per_expert_us == pytest.approx(2 * base.costs(size).link_alone_per_expert_us)
+    assert slow.gpu.hbm_gbps == base.gpu.hbm_gbps and slow.gpu.layer_overhead_us == base.gpu.layer_overhead_us
