@@ -72,8 +72,10 @@ class CacheStats:
 def cache_stats(backend: CpuCachedMoE | GpuMoE) -> CacheStats:
     """The counters of `backend`'s expert cache. On a GPU: one device sync (call it between steps).
 
-    Raises TypeError for a backend that is neither CpuCachedMoE nor GpuMoE.
+    Under expert parallelism (moe.engine.expert_parallel.ExpertParallelMoE) the counters of this rank's
+    cache. Raises TypeError for a backend that is neither CpuCachedMoE nor GpuMoE nor wraps one.
     """
+    backend = getattr(backend, "local", backend)
     bpe = backend.store.bytes_per_expert
     if isinstance(backend, CpuCachedMoE):
         c = backend.cache.counters

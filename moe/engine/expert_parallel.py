@@ -105,6 +105,11 @@ class ExpertParallelMoE:
         """The rank's HostCache (over its own L x E_r keys)."""
         return self.local.cache
 
+    @property
+    def store(self) -> HostStore:
+        """The rank's HostStore (its experts' rows)."""
+        return self.local.store
+
     def check(self) -> None:
         self.local.check()
 

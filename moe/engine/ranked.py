@@ -15,11 +15,13 @@ idle (no collective timeout), and exit when the process that started them is gon
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -81,12 +83,16 @@ def follow(engine, group=None) -> int:
                      object() if a == _OTHER else a for a in args)  # object(): a Joining that is not this one
         try:
             getattr(engine, name)(*args, **kwargs)
-        except Exception:  # the leader raised the same on the same state, and answers its client
+        except ValueError:  # a refusal before any collective: the leader raised the same and answers its client
             pass
+        except BaseException:  # anything else may have left a gather unmatched: end, so the leader's fails
+            os._exit(1)
         calls += 1
 
 
-# a follower waits for the leader's next call as long as the server is idle: no collective timeout
+# the ranks' group (meeting, loading, the MoE layers' gathers) times out after START; the leader's calls go
+# over a group of their own with none, since a follower waits for the next one as long as the server idles
+START = timedelta(minutes=30)
 IDLE = timedelta(days=365)
 
 
@@ -107,29 +113,43 @@ def load_ranked(path: str, ranks: int, init: str, load: dict):
                                 expert_format=load.get("expert_format")).moe.num_experts
     check_ranks(ranks, experts)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_follower, args=(rank, ranks, init, str(path), experts, load), daemon=True,
+    quiet = {**load, "progress": False}  # one progress bar, rank 0's
+    procs = [ctx.Process(target=_follower, args=(rank, ranks, init, str(path), experts, quiet), daemon=True,
                          name=f"expertcache-rank-{rank}") for rank in range(1, ranks)]
     for p in procs:
         p.start()
-    dist.init_process_group("gloo", init_method=init, rank=0, world_size=ranks, timeout=IDLE)
-    engine, error = None, None
-    try:
-        engine = load_model(path, expert_shard=ExpertShard(experts, ranks, 0), **load)
-    except Exception as e:  # every rank's outcome is gathered before anyone raises
-        error = f"rank 0: {e}"
-    errors = _gather_errors(error, ranks)
-    if errors:
+    engine, error, control = _join(0, ranks, init, path, experts, load)
+    if error:
         dist.destroy_process_group()
         for p in procs:
             p.join(timeout=30)
-        raise ValueError(errors[0])
-    return LeaderEngine(engine), procs
+        raise ValueError(error)
+    return LeaderEngine(engine, control), procs
+
+
+def _join(rank: int, ranks: int, init: str, path: str, experts: int, load: dict):
+    """Meet the other ranks, load this rank's engine on its share of the cores, and gather every rank's
+    load outcome: (engine or None, the first rank's error or None, the leader's call group)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks, timeout=START)
+    control = dist.new_group(backend="gloo", timeout=IDLE)
+    engine, error = None, None
+    try:
+        engine = load_model(path, expert_shard=ExpertShard(experts, ranks, rank), **load)
+    except Exception as e:  # every rank's outcome is gathered before anyone raises
+        error = f"rank {rank}: {e}"
+    errors = _gather_errors(error, ranks)
+    return engine, (errors[0] if errors else None), control
 
 
 def stop_ranked(leader: LeaderEngine, procs: list, timeout: float = 30.0) -> list[int | None]:
-    """End the followers (LeaderEngine.stop) and rank 0's process group; wait for the processes. Returns
-    their exit codes (None: still running after `timeout` s, then killed)."""
-    leader.stop()
+    """End the followers (LeaderEngine.stop) and rank 0's process group; wait for the processes, killing
+    any still running after `timeout` s (a follower that is gone makes the stop fail, not the wait).
+    Returns their exit codes."""
+    try:
+        leader.stop()
+    except Exception:  # a follower is gone: the joins below end or kill what is left, the codes say which
+        pass
     dist.destroy_process_group()
     codes = []
     for p in procs:
@@ -149,16 +169,13 @@ def _gather_errors(error: str | None, ranks: int) -> list[str]:
 def _follower(rank: int, ranks: int, init: str, path: str, experts: int, load: dict) -> None:
     """Rank `rank`'s process (load_ranked): load, report, then follow the leader until it stops; it exits
     when the process that started it is gone."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a Ctrl-C reaches the whole process group: rank 0 decides
+        signal.signal(sig, signal.SIG_IGN)
     parent = os.getppid()
     threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks, timeout=IDLE)
-    engine, error = None, None
-    try:
-        engine = load_model(path, expert_shard=ExpertShard(experts, ranks, rank), **load)
-    except Exception as e:
-        error = f"rank {rank}: {e}"
-    if not _gather_errors(error, ranks):
-        follow(engine)
+    engine, error, control = _join(rank, ranks, init, path, experts, load)
+    if error is None:
+        follow(engine, control)
     dist.destroy_process_group()
 
 

@@ -238,7 +238,7 @@ def build_state(args: argparse.Namespace) -> ServeState:
     """Tokenizer, engine, scheduler and options from the parsed flags. Raises SystemExit naming the flag
     or file on a bad value, a checkpoint that cannot be served or a pool that does not fit."""
     from expertcache.ranks import local_experts
-    from moe.engine.budget import prefix_blocks_for, resolve_slots
+    from moe.engine.budget import check_slots, prefix_blocks_for, resolve_slots
     from moe.engine.engine import PREFILL_CHUNK
     from moe.engine.loading import load_model
     from moe.engine.prefix import PREFIX_BLOCK_TOKENS
@@ -257,8 +257,12 @@ def build_state(args: argparse.Namespace) -> ServeState:
         max_seq_len = _context(args)
         spec = ModelSpec.from_hf(read_config(args.model), dtype=args.dtype, expert_format=args.moe_expert_format)
         ranks = _check_ranks(args, spec, device)
+        # every rank holds the same slots: at most the fewest keys a rank has, at least what the most need
         budget = resolve_slots(spec, args.moe_slots, args.moe_cache_gb, max_batch=args.max_batch,
                                experts=None if ranks == 1 else local_experts(spec.moe.num_experts, ranks, ranks - 1))
+        if ranks > 1:
+            most = local_experts(spec.moe.num_experts, ranks, 0)
+            check_slots(budget.slots, spec.num_moe_layers, most, min(spec.moe.top_k, most), args.max_batch)
         blocks = 0 if args.kv_cache_gb is None else prefix_blocks_for(spec, args.kv_cache_gb, PREFIX_BLOCK_TOKENS,
                                                                       max_seq_len)
         tokenizer = TextTokenizer(args.model)

@@ -201,14 +201,19 @@ def test_a_long_prompt_joins_in_chunks_beside_a_stream(tiny_family, tmp_path):
 
 def test_two_ranks_serve_what_one_serves(tiny_family, tmp_path):
     """`--tensor-parallel 2` (the routed experts over two processes, expert e on rank e % 2): a stream and a
-    200-token prompt joining beside it in chunks give one rank's texts; both processes end on SIGTERM."""
-    with beside(tiny_family("qwen3_moe"), tmp_path, ("--tensor-parallel", "2", "--prefill-chunk", "64")) as (
-            ranked, one):
+    200-token prompt joining beside it in chunks give one rank's texts; /metrics answers (rank 0's cache);
+    both processes end on SIGTERM and the routing trace is written."""
+    trace = tmp_path / "routing.npz"
+    with beside(tiny_family("qwen3_moe"), tmp_path, ("--tensor-parallel", "2", "--prefill-chunk", "64",
+                                                     "--record-routing", str(trace))) as (ranked, one):
         long_prompt = " ".join(f"w{(i * 11) % 100}" for i in range(200))
         texts = {served is ranked: stream_beside(served, "w5 w6 w7", 16, long_prompt) for served in (ranked, one)}
         assert texts[True] == texts[False], texts
         assert "2 ranks" in ranked.output(), ranked.output()[-3000:]
+        metrics = httpx.get(ranked.url + "/metrics", timeout=30)
+        assert metrics.status_code == 200 and "expertcache_cache_misses_total" in metrics.text, metrics.text[-2000:]
     assert "ranks 1-1 stopped, exit codes [0]" in ranked.output(), ranked.output()[-3000:]
+    assert trace.is_file(), ranked.output()[-3000:]
 
 
 CALL_WORDS = ["<tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":', '"Paris"}}', "</tool_call>"]
