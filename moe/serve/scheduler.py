@@ -280,10 +280,12 @@ class Scheduler:
             with self._lock:
                 self._closing = True
         finally:
-            self._abort_all(message, cause=cause)
-            with self._lock:
-                self._stopped = True
-            self._drain_inbox(block=False)
+            try:
+                self._abort_all(message, cause=cause)
+            finally:
+                with self._lock:
+                    self._stopped = True
+                self._drain_inbox(block=False)
 
     def _loop(self) -> None:
         while True:
@@ -464,23 +466,34 @@ class Scheduler:
             self.rows[row] = last
 
     def _abort_all(self, message: str, reason: str = "cancelled", cause: BaseException | None = None) -> None:
-        """End every active and waiting request with an error Event carrying `message` (and `cause`)."""
+        """End every active and waiting request with an error Event carrying `message` (and `cause`), each
+        answered before its row is released: an engine that fails to release (a rank gone under
+        --tensor-parallel) leaves no request unanswered; its failure is logged."""
         for row in reversed(range(len(self.rows))):
             seq = self.rows[row]
-            self._leave(row)
             self.stats.finished[reason] += 1
             _emit(seq.request, Event(error=message, prompt_tokens=len(seq.request.prompt),
                                      completion_tokens=seq.generated, cause=cause))
+            _released(self._leave, row)
+        self.rows.clear()
         if self._joining is not None:
             req, joining, _ = self._joining
             self._joining = None
-            self.engine.abort_join(joining)
             self.stats.finished[reason] += 1
             _emit(req, Event(error=message, prompt_tokens=len(req.prompt), cause=cause))
+            _released(self.engine.abort_join, joining)
         while self._waiting:
             req = self._waiting.popleft()
             self.stats.finished[reason] += 1
             _emit(req, Event(error=message, prompt_tokens=len(req.prompt), cause=cause))
+
+
+def _released(release, *args) -> None:
+    """Run an engine call that releases an aborted request's row, logging instead of raising."""
+    try:
+        release(*args)
+    except Exception:
+        logger.exception("releasing an aborted request's row failed")
 
 
 def _emit(request: Request, event: Event) -> bool:

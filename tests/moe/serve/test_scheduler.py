@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -192,6 +193,25 @@ def test_stop_with_a_timeout_lets_running_requests_finish(sched):
     assert [s.wait().finish_reason for s in sinks] == ["length"] * 4
     wait_until(lambda: not sched.running, what="the thread to end")
     assert sched.call(lambda: sched.active).result() == 0  # runs inline once stopped
+
+
+def test_an_engine_that_cannot_release_rows_still_answers_every_request(tiny_dir, monkeypatch):
+    """stop() without a timeout aborts the running requests; when the engine's leave raises (a rank gone
+    under --tensor-parallel), every request is still answered with an error and the thread ends."""
+    s = Scheduler(_engine(tiny_dir), TextTokenizer(tiny_dir))
+    step = s.engine.decode_step
+    monkeypatch.setattr(s.engine, "decode_step", lambda tokens: time.sleep(0.05) or step(tokens))  # still running
+    s.start()
+    sinks = [Sink() for _ in range(4)]
+    for sink in sinks:
+        s.submit(Request([10, 20], SamplingParams(max_tokens=60), sink))
+    wait_until(lambda: len(s.engine.lengths()) == 3 and all(len(k.events) > 1 for k in sinks[:3]),
+               what="three rows streaming")
+    monkeypatch.setattr(s.engine, "leave", lambda row: (_ for _ in ()).throw(RuntimeError("rank 1 is gone")))
+    threading.Thread(target=s.stop).start()
+    assert all(sink.wait().error for sink in sinks)
+    wait_until(lambda: not s.running, what="the thread to end")
+    assert s.call(lambda: s.active).result() == 0
 
 
 def test_seeded_sampling_repeats_and_tiny_top_p_is_greedy(sched, ref):
