@@ -1,5 +1,6 @@
-"""Expert parallelism: the routed experts of one model spread over N ranks (processes of one host, one GPU
-or CPU each, joined by torch.distributed), each rank caching only the experts it owns.
+"""Expert parallelism: the routed experts of one model spread over N ranks (processes of one host joined by
+torch.distributed; the CPU backend: load_model refuses a shard on a CUDA device), each rank caching only the
+experts it owns.
 
     rank r of N (ExpertShard):  owns expert e where e % N == r, as local id e // N (expertcache.ranks)
     its HostStore               the owned experts' rows only (shard_store), keys layer * E_r + local id
