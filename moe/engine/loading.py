@@ -25,12 +25,13 @@ from typing import NamedTuple
 
 import torch
 
+from expertcache.ranks import rank_keys
 from expertcache.split import MISS_SERVICE_CHOICES, ChannelCosts, MissSplit, tail_granule
 from moe.engine.backends import CpuCachedMoE, GpuMoE, make_backend
 from moe.engine.budget import context_bytes, memory_split, prefix_cache_bytes, resolve_slots
 from moe.engine.channels import ChannelMeasure, choose_service, measure_channels
 from moe.engine.engine import PREFILL_CHUNK, Engine, check_prefill_chunk
-from moe.engine.expert_parallel import ExpertParallelMoE, ExpertShard, shard_weights
+from moe.engine.expert_parallel import ExpertParallelMoE, ExpertShard
 from moe.engine.prefix import PREFIX_BLOCK_TOKENS
 from moe.kernels.cpu_experts import set_threads, threads_in_use
 from moe.model.checkpoint import ModelWeights, load_checkpoint
@@ -71,8 +72,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     (default: every core). prefix_blocks / prefix_block_tokens: the engine's prefix cache (Engine; 0: none).
     prefill_chunk (--prefill-chunk): prompt tokens a prefill pass takes at once (Engine).
     expert_shard: this process's rank of expert parallelism (moe.engine.expert_parallel; torch.distributed
-    initialized by the caller): its store keeps the experts the rank owns, num_slots / cache_gb are the
-    rank's, and decode adds the ranks' partial sums; the CPU backend and miss service copy only.
+    initialized by the caller): only the experts the rank owns are kept as the checkpoint is read, num_slots /
+    cache_gb are the rank's, and decode adds the ranks' partial sums; the CPU backend and miss service copy only.
     Cost: reads the checkpoint once; host memory holds every routed expert.
     Raises CheckpointError (config key or quantization field, file, tensor, --moe-expert-format),
     ValueError (both or neither of num_slots / cache_gb, a
@@ -98,15 +99,17 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, num_slot
     if cuda_graphs and torch.device(device).type != "cuda":  # before any tensor is read
         raise ValueError(f"{source} asks for CUDA-graph decode, which needs a CUDA device, and the model is to "
                          f"load on {device}: {fix}")
+    keys = None if expert_shard is None else rank_keys(spec.num_moe_layers, expert_shard.num_experts,
+                                                         expert_shard.ranks, expert_shard.rank)
     weights = load_checkpoint(path, device, dtype=dtype, progress=progress, expert_format=expert_format,
-                              copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap)
+                              copy_overlap=copy_overlap_from_env() if copy_overlap is None else copy_overlap,
+                              keys=keys)  # a rank keeps its own experts only
     service = choose_miss_service(miss_service, device, cpu_threads,
                                   lambda: measure_channels(weights.store, weights.spec.moe, weights.device),
                                   weights.spec.moe, fits_all=budget.slots >= budget.keys)
     if expert_shard is None:
         backend = make_backend(weights, num_slots, policy, max_batch=max_batch, split=service.split, **constants)
     else:
-        weights = shard_weights(weights, expert_shard)
         backend = ExpertParallelMoE(CpuCachedMoE(weights, num_slots, policy, max_batch=max_batch,
                                                  shard=expert_shard, **constants), expert_shard)
     if weights.device.type == "cuda":  # the KV cache is allocated last: say which flags to lower if it cannot be

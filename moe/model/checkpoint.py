@@ -287,28 +287,52 @@ def write_experts(store: HostStore, fmt: ExpertFormat, name: str, weights: torch
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", *, dtype: str | None = None,
                     pin: bool | None = None, progress: bool = True, copy_overlap: bool = False,
-                    expert_format: str | None = None) -> ModelWeights:
+                    expert_format: str | None = None, keys=None) -> ModelWeights:
     """Load a qwen2_moe / qwen3_moe / qwen3_next / gpt_oss checkpoint directory, unquantized or quantized
     (module docstring).
 
     device: where everything but the routed experts goes. dtype: "float32" / "float16" / "bfloat16"
     (default: the config's). expert_format: the routed experts' storage (--moe-expert-format, one of
     expertcache.formats.format_names; default the checkpoint's own). pin: pin the HostStore (default: when
-    CUDA is available). progress: a tqdm bar over the layers. Cost: reads every tensor once, plus a
-    dequantize / quantize per expert matrix when the format changes; host memory = all routed experts.
+    CUDA is available). progress: a tqdm bar over the layers. keys: the routed experts to keep, as global
+    keys (MoE layer * E + expert, distinct) in the store's row order (a rank's: expertcache.ranks.rank_keys);
+    each MoE layer's experts are read into a one-layer buffer and the kept ones copied out. Default: all.
+    Cost: reads every tensor once, plus a dequantize / quantize per expert matrix when the format changes;
+    host memory = the kept routed experts (and one layer's).
     Raises CheckpointError naming the config key or field, file or tensor that is missing or wrong
     (before any tensor is read for config.json's fields), or --moe-expert-format.
     """
     path, device = Path(path), torch.device(device)
     spec = ModelSpec.from_hf(read_config(path), dtype=dtype, copy_overlap=copy_overlap, expert_format=expert_format)
     reader = TensorReader(path, TORCH_DTYPES[spec.dtype], device, spec.quant)
-    store = HostStore.empty(spec.moe.expert_banks(), spec.num_moe_layers * spec.moe.num_experts, pin=pin)
+    kept = None if keys is None else _kept_rows(keys, spec.num_moe_layers, spec.moe.num_experts)
+    banks = spec.moe.expert_banks()
+    store = HostStore.empty(banks, spec.num_moe_layers * spec.moe.num_experts if keys is None else len(keys), pin=pin)
+    layer_rows = None if keys is None else HostStore.empty(banks, spec.moe.num_experts, pin=False)
     h, v = spec.hidden, spec.vocab_size
     embed = reader.get("model.embed_tokens.weight", (v, h))
-    layers = [_load_layer(reader, spec, store, i)
-              for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}", disable=not progress)]
+    layers = []
+    for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}", disable=not progress):
+        if kept is None or not spec.sparse[i]:
+            layers.append(_load_layer(reader, spec, store, i))
+            continue
+        layers.append(_load_layer(reader, spec, layer_rows, i, rows_at=0))
+        experts, rows = kept[spec.moe_index(i)]
+        for b in banks:
+            store.tensor(b.name)[rows] = layer_rows.tensor(b.name)[experts]
     lm_head = embed if spec.tie_word_embeddings else reader.get("lm_head.weight", (v, h))
     return ModelWeights(spec, embed, _norm(reader, spec, "model.norm.weight", h), lm_head, layers, store, device)
+
+
+def _kept_rows(keys, layers: int, experts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per MoE layer m, (its kept experts, their rows in the store) from global `keys`. Raises
+    CheckpointError naming keys when they are not distinct integers in [0, layers * experts)."""
+    k = torch.as_tensor(keys, dtype=torch.int64)
+    bad = k.dim() != 1 or k.numel() == 0 or bool((k < 0).any()) or bool((k >= layers * experts).any())
+    if bad or k.unique().numel() != k.numel():
+        raise CheckpointError(f"keys must be distinct expert keys in [0, {layers} x {experts}), got {len(k)} of them")
+    rows = torch.arange(k.numel())
+    return [(k[k // experts == m] % experts, rows[k // experts == m]) for m in range(layers)]
 
 
 def _norm(reader: TensorReader, spec: ModelSpec, name: str, n: int) -> torch.Tensor:
@@ -320,10 +344,13 @@ def _norm(reader: TensorReader, spec: ModelSpec, name: str, n: int) -> torch.Ten
     return w.float() if spec.norm_float32 else w
 
 
-def _load_layer(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: int) -> LayerWeights:
+def _load_layer(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: int,
+                rows_at: int | None = None) -> LayerWeights:
+    """Layer `layer`; an MoE layer's routed experts into store rows rows_at .. rows_at + E - 1 (default
+    its MoE index * E)."""
     p, h = f"model.layers.{layer}.", spec.hidden
     if spec.sparse[layer]:
-        mlp = _load_moe(reader, spec, store, layer)
+        mlp = _load_moe(reader, spec, store, layer, rows_at)
     else:
         i = spec.dense_intermediate
         gate_up = torch.cat([reader.get(p + "mlp.gate_proj.weight", (i, h)),
@@ -375,18 +402,20 @@ def _load_linear_attention(reader: TensorReader, spec: ModelSpec, p: str) -> Lin
         norm_w=reader.get(p + "norm.weight", (s.value_dim,)), out_proj=reader.get(p + "out_proj.weight", (h, vd)))
 
 
-def _load_moe(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: int) -> MoEWeights:
+def _load_moe(reader: TensorReader, spec: ModelSpec, store: HostStore, layer: int,
+              rows_at: int | None = None) -> MoEWeights:
     cfg, p = spec.moe, f"model.layers.{layer}.mlp."
+    at = spec.moe_index(layer) * cfg.num_experts if rows_at is None else rows_at  # its experts' first store row
     if spec.model_type == "mixtral" and not reader.has(p + "gate.weight"):  # the release's (and save_pretrained's)
         q = f"model.layers.{layer}.block_sparse_moe."                        # names: experts.{e}.w1 / w3 / w2
-        _load_experts(reader, spec, store, q + "experts.", spec.moe_index(layer), names=("w1", "w3", "w2"))
+        _load_experts(reader, spec, store, q + "experts.", at, names=("w1", "w3", "w2"))
         return MoEWeights(spec.moe_index(layer), reader.get(q + "gate.weight", (cfg.num_experts, cfg.hidden)), None)
     h, e, s = cfg.hidden, cfg.num_experts, cfg.shared_intermediate
     index = spec.moe_index(layer)
     if cfg.expert_bias:  # gpt-oss: mlp.router.{weight,bias}, interleaved gate / up columns, expert biases
-        _load_oai_experts(reader, spec, store, p + "experts.", index)
+        _load_oai_experts(reader, spec, store, p + "experts.", at)
         return MoEWeights(index, reader.get(p + "router.weight", (e, h)), None, reader.get(p + "router.bias", (e,)))
-    _load_experts(reader, spec, store, p + "experts.", index)
+    _load_experts(reader, spec, store, p + "experts.", at)
     shared = None
     if cfg.has_shared_expert:  # Qwen: shared_expert.* and its gate; GLM-4.5: shared_experts.*, ungated
         q = p + ("shared_expert." if cfg.shared_gate else "shared_experts.")
@@ -415,13 +444,12 @@ def _shared_quantized(reader: TensorReader, p: str, h: int, s: int) -> tuple[Slo
             SlotMatrix(fmt, tuple(down[q.suffix][None].to(reader.device) for q in fmt.layout(h, s)), h, s))
 
 
-def _load_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p: str, index: int,
+def _load_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p: str, base: int,
                   names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
-    """Fill HostStore rows index * E .. index * E + E - 1 from the per-expert layout (each expert's gate,
-    up and down linears under `names`: Mixtral's release calls them w1, w3, w2) or the fused one."""
+    """Fill HostStore rows base .. base + E - 1 from the per-expert layout (each expert's gate, up and down
+    linears under `names`: Mixtral's release calls them w1, w3, w2) or the fused one."""
     cfg, fmt = spec.moe, spec.moe.format
     h, e, i = cfg.hidden, cfg.num_experts, cfg.expert_intermediate
-    base = index * e
     if reader.has(p + "gate_up_proj") and not reader.has(p + f"0.{names[0]}.weight"):
         gate_up = reader.raw(p + "gate_up_proj", (e, 2 * i, h))
         down = reader.raw(p + "down_proj", (e, h, i))
@@ -444,14 +472,14 @@ def _load_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p: st
             store.tensor(bank_name("down", part.suffix))[base + x] = down[part.suffix]
 
 
-def _load_oai_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p: str, index: int) -> None:
-    """gpt-oss's experts into HostStore rows index * E ..: gate_up_proj [E, H, 2I] holds gate in its even
+def _load_oai_experts(reader: TensorReader, spec: ModelSpec, store: HostStore, p: str, base: int) -> None:
+    """gpt-oss's experts into HostStore rows base ..: gate_up_proj [E, H, 2I] holds gate in its even
     columns and up in its odd ones, down_proj is [E, I, H] (both the transpose of this project's [out, in]);
     the biases gate_up_proj_bias [E, 2I] (interleaved alike) and down_proj_bias [E, H] go to the bias
     banks in the model dtype. The experts are stored in spec.moe's format (a cast for a dense one)."""
     cfg, fmt = spec.moe, spec.moe.format
     h, e, i = cfg.hidden, cfg.num_experts, cfg.expert_intermediate
-    base, dtype = index * e, TORCH_DTYPES[cfg.dtype]
+    dtype = TORCH_DTYPES[cfg.dtype]
     if reader.quant is not None and reader.quant.method == "mxfp4":
         for name, out, inn, stack in (("gate_up", 2 * i, h, 2), ("down", h, i, 1)):
             _write_mxfp4_experts(reader, store, fmt, p + f"{name}_proj", name, out, inn, stack, base, e)

@@ -17,6 +17,7 @@ from expertcache.ranks import rank_keys
 from moe.engine.expert_parallel import ExpertShard, shard_store
 from moe.engine.loading import load_model
 from moe.model.checkpoint import load_checkpoint
+from moe.model.errors import CheckpointError
 from tests.moe.families import FAMILIES, assert_near, hf_logits, num_experts, random_tokens
 
 CALLS, ACCESSES, MISSES = 0, 1, 2
@@ -93,8 +94,10 @@ def test_shard_store_holds_the_ranks_rows(checkpoint):
     for rank in range(RANKS):
         store = shard_store(weights.store, layers, ExpertShard(experts, RANKS, rank))
         rows = torch.from_numpy(rank_keys(layers, experts, RANKS, rank))
+        kept = load_checkpoint(path, "cpu", progress=False, keys=rows.numpy()).store  # read that way at load
         for bank in weights.store.banks:  # every bank (biases too), row for row
             assert torch.equal(store.tensor(bank.name), weights.store.tensor(bank.name)[rows]), bank.name
+            assert torch.equal(kept.tensor(bank.name), store.tensor(bank.name)), bank.name
         seen.append(rows.numpy())
     assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(layers * experts))
 
@@ -113,6 +116,9 @@ def test_expert_shard_refusals(checkpoint):
     with pytest.raises(ValueError, match="ranks must be"):
         ExpertShard(experts, experts + 1, 0)
     weights = load_checkpoint(path, "cpu", progress=False)
+    for keys in ([], [0, 0], [-1], [weights.store.num_keys]):
+        with pytest.raises(CheckpointError, match="keys must be distinct expert keys"):
+            load_checkpoint(path, "cpu", progress=False, keys=keys)
     with pytest.raises(ValueError, match="shard the whole model's store"):
         shard_store(shard_store(weights.store, weights.spec.num_moe_layers, ExpertShard(experts, 2, 0)),
                     weights.spec.num_moe_layers, ExpertShard(experts, 2, 0))
