@@ -369,9 +369,10 @@ class CpuCachedMoE:
     split whose slots hold every routed expert runs as copy (expertcache.split.split_for_slots).
     `cache` (HostCache) is public: its counters [L_moe, 3] give calls, accesses, misses per MoE layer,
     its `served` [L_moe] the misses computed from the store.
-    With `shard` (moe.engine.expert_parallel), one rank's share of expert parallelism: `weights.store` holds
-    that rank's experts (shard_weights), the cache its L x E_r keys, and decode_routed / prefill_routed its
-    experts' partial sums, which moe.engine.expert_parallel.ExpertParallelMoE adds over the ranks.
+    With `shard` (moe.engine.expert_parallel), one rank's share of expert parallelism: `weights.store`
+    holds that rank's experts (load_checkpoint's keys, or shard_weights), the cache its L x E_r keys, and
+    decode_routed / prefill_routed its experts' partial sums, which moe.engine.expert_parallel.ExpertParallelMoE
+    adds over the ranks.
     """
 
     def __init__(self, weights: ModelWeights, num_slots: int, policy: str = "lru", *, max_batch: int = 1,
@@ -384,7 +385,7 @@ class CpuCachedMoE:
         layers = weights.spec.num_moe_layers
         if self.store.num_keys != layers * experts:
             raise ValueError(f"the HostStore holds {self.store.num_keys} expert rows, not {layers} MoE layers x "
-                             f"{experts} experts" + (" (the rank's: expert_parallel.shard_weights)" if shard else ""))
+                             f"{experts} experts" + (" (load the rank's: load_checkpoint's keys)" if shard else ""))
         if split is not None and not split.copies_all and max_batch > CPU_MAX_TOKENS:
             raise ValueError(f"--moe-miss-service {split.service} computes at most {CPU_MAX_TOKENS} rows on the CPU: "
                              f"lower --max-batch (got {max_batch})")

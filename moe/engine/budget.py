@@ -241,14 +241,15 @@ def resolve_slots(spec: ModelSpec, num_slots: int | None = None, cache_gb: float
     fitted = slots_for_bytes(cache_gb, per_expert, f"{fmt} expert of {per_expert:,} bytes "
                                                    f"(H {cfg.hidden}, I {cfg.expert_intermediate})")
     budget = SlotBudget(min(fitted, layers * experts), per_expert, fmt, layers, experts, cache_gb, fitted)
-    need = max_batch * min(cfg.top_k, experts)
+    top_k = min(cfg.top_k, experts)  # the most of one row's experts a cache of `experts` a layer is asked for
+    need = max_batch * top_k
     if budget.slots < need and fitted < need:
         raise ValueError(f"--moe-cache-gb {cache_gb:g} holds {counted(fitted, f'{fmt} expert')} of {per_expert:,} "
-                         f"bytes, below --max-batch {max_batch} x top_k {cfg.top_k} = {need}: one decode step could "
+                         f"bytes, below --max-batch {max_batch} x top_k {top_k} = {need}: one decode step could "
                          f"route to more distinct experts than slots; give --moe-cache-gb "
                          f"{gib_at_least(need * per_expert)} or more, or lower --max-batch")
     if budget.slots < need:
-        raise ValueError(_too_many_rows(max_batch, cfg.top_k, budget.keys))
+        raise ValueError(_too_many_rows(max_batch, top_k, budget.keys))
     return budget
 
 

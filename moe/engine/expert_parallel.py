@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from expertcache.pool import HostStore
-from expertcache.ranks import check_ranks, local_experts, rank_keys
+from expertcache.ranks import check_ranks, local_experts, rank_ids, rank_keys
 from moe.model.checkpoint import ModelWeights, MoEWeights
 from moe.model.reference import shared_expert
 
@@ -56,10 +56,11 @@ class ExpertShard:
         return local_experts(self.num_experts, self.ranks, self.rank)
 
     def local_ids(self, ids: torch.Tensor, other: int = -1) -> torch.Tensor:
-        """Global expert ids (any integer tensor, -1 = padding) -> this rank's local ids, `other` where
-        another rank owns the expert or the entry pads; same shape and dtype."""
-        mine = (ids >= 0) & (ids % self.ranks == self.rank)
-        return torch.where(mine, ids // self.ranks, other).to(ids.dtype)
+        """Global expert ids (a CPU integer tensor, -1 = padding) -> this rank's local ids
+        (expertcache.ranks.rank_ids), `other` where another rank owns the expert or the entry pads; same
+        shape and dtype."""
+        local = torch.from_numpy(rank_ids(ids.numpy(), self.ranks, self.rank))
+        return local if other == -1 else torch.where(local < 0, other, local).to(ids.dtype)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Every rank's float32 partial [T, H] (this one's given), gathered and added in rank order."""
