@@ -5,8 +5,8 @@
     --prompt-tokens + --answer positions each (the KV cache is allocated per row: refused up front, naming
     the flags, where it does not fit the device)
     -> moe.serve.scheduler.Scheduler (in process): the long prompt joins chunk by chunk (its prefill
-       chunks of --prefill-chunk tokens in the engine's spare row, a decode step of the other rows
-       between them), then streams --answer greedy tokens
+       chunks of --prefill-chunk tokens in the engine's spare row, the other rows' decode steps between
+       them for at least --decode-share of the time), then streams --answer greedy tokens
     -> run "alone": the long request by itself; run "sides": the same request with --side-calls short
        requests (--side-tokens prompt tokens, --side-answer tokens) submitted while it prefills and as
        many again once its answer streams
@@ -37,7 +37,7 @@ from bench_agent import GB, SMALL, Watch, _write, add_model_args, submit, write_
 from moe.engine.backends import make_backend
 from moe.engine.budget import context_bytes
 from moe.engine.engine import PREFILL_CHUNK, Engine
-from moe.serve.scheduler import Scheduler
+from moe.serve.scheduler import DECODE_SHARE, Scheduler
 from moe.serve.tokenizer import TextTokenizer
 from moe.testing import random_decoder as decoders
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer = TextTokenizer(write_word_tokenizer(Path(tmp), args.vocab))
     engine = Engine(weights, make_backend(weights, slots, "lru", max_batch=args.max_batch), max_batch=args.max_batch,
                     max_seq_len=max_seq_len, prefill_chunk=args.prefill_chunk)
-    scheduler = Scheduler(engine, tokenizer)
+    scheduler = Scheduler(engine, tokenizer, decode_share=args.decode_share)
     machine = benchmeta.machine() if device.type == "cuda" else benchmeta.cpu_machine()
     doc = {"bench": "long_context", "machine": machine,
            "args": {k: v for k, v in vars(args).items() if k != "out"}, "slots": slots,
@@ -138,6 +138,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-tokens", type=int, default=262144)
     ap.add_argument("--answer", type=int, default=128)
     ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK)
+    ap.add_argument("--decode-share", type=float, default=DECODE_SHARE,
+                    help="the streaming rows' least share of the time while the long prompt joins (serve's flag)")
     ap.add_argument("--side-calls", type=int, default=3, help="side calls during the prefill, and again during decode")
     ap.add_argument("--side-tokens", type=int, default=512)
     ap.add_argument("--side-answer", type=int, default=16)
@@ -155,6 +157,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--side-calls {args.side_calls} need as many rows beside the long one: raise --max-batch above it")
     if not 0 < args.slots_frac <= 1:
         ap.error("--slots-frac must be in (0, 1]")
+    if not 0 <= args.decode_share < 1:
+        ap.error("--decode-share must be >= 0 and < 1")
     return args
 
 

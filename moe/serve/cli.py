@@ -114,6 +114,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="prompt tokens a prefill pass takes at once (default 16384); a longer prompt "
                             "runs in chunks, between which the rows already streaming take a decode step; with "
                             "--kv-cache-gb a multiple of its 64-token blocks")
+    model.add_argument("--decode-share", type=float, metavar="FRACTION",
+                       help="while a long prompt prefills chunk by chunk, the least share of the time the rows "
+                            "already streaming get (default 0.2; 0 <= FRACTION < 1): short requests that join "
+                            "meanwhile answer within a chunk or two; 0 gives one decode step a chunk")
     model.add_argument("--record-routing", metavar="PATH",
                        help="write the decode routing as a trace (.npz) at shutdown, for expertcache sim PATH")
     _add_http_flags(p)
@@ -161,6 +165,8 @@ def _check(args: argparse.Namespace) -> None:
                         ("--keep-alive-timeout", args.keep_alive_timeout)):
         if not value > 0:
             raise SystemExit(f"error: {flag} must be > 0, got {value}")
+    if args.decode_share is not None and not 0 <= args.decode_share < 1:
+        raise SystemExit(f"error: --decode-share must be >= 0 and < 1, got {args.decode_share}")
     if not args.shutdown_timeout >= 0:
         raise SystemExit(f"error: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.tensor_parallel < 1:
@@ -246,7 +252,7 @@ def build_state(args: argparse.Namespace) -> ServeState:
     from moe.model.errors import CheckpointError
     from moe.model.spec import ModelSpec, read_config
     from moe.serve.http_guard import GuardOptions
-    from moe.serve.scheduler import Scheduler
+    from moe.serve.scheduler import DECODE_SHARE, Scheduler
     from moe.serve.server import ServeOptions, ServeState
     from moe.serve.tokenizer import TextTokenizer, TokenizerError
 
@@ -293,7 +299,8 @@ def build_state(args: argparse.Namespace) -> ServeState:
                                        "max_batch": args.max_batch},
                            shutdown_timeout=args.shutdown_timeout, read_timeout=args.read_timeout,
                            keep_alive_timeout=args.keep_alive_timeout, slot_budget=budget)
-    state = ServeState(Scheduler(engine, tokenizer), tokenizer, options)
+    share = DECODE_SHARE if args.decode_share is None else args.decode_share
+    state = ServeState(Scheduler(engine, tokenizer, decode_share=share), tokenizer, options)
     state.followers = followers
     return state
 

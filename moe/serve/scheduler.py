@@ -23,7 +23,12 @@ with more tokens to compute than the engine's prefill chunk (its length, less th
 cache restores) joins chunk by chunk instead (one such prompt at a time, in the
 engine's spare row): one chunk per loop turn, with a decode step of the active rows after it, so the
 sequences already streaming keep streaming and shorter requests keep joining (they pass a long
-prompt waiting for the spare row; long ones keep their order among themselves). A request
+prompt waiting for the spare row; long ones keep their order among themselves). While rows stream,
+loop turns after a chunk run decode steps only (admitting short requests as usual) until their time
+reaches decode_share / (1 - decode_share) of the chunk's: the streaming rows get at least that share
+of the scheduler's time, so a short request that joins during a long prefill finishes within a chunk
+or two instead of one token a chunk. The schedule depends on time; the tokens do not (a row's
+tokens are the same whatever shares its steps). A request
 whose consumer went away (`cancel()`, or an `emit` that raises) leaves at the next loop turn and
 frees its row. `emit` runs on the scheduler thread: it must be quick and thread-safe (the server's
 puts onto an asyncio queue with loop.call_soon_threadsafe). Token accounting: completion_tokens counts
@@ -52,6 +57,9 @@ from moe.serve.tokenizer import TextStream, TextTokenizer
 from moe.serve.tools import ToolCall, ToolParsing, ToolStream
 
 logger = logging.getLogger(__name__)
+
+
+DECODE_SHARE = 0.2  # the streaming rows' least share of the time while a long prompt joins (--decode-share)
 
 
 class SchedulerClosed(RuntimeError):
@@ -188,14 +196,20 @@ class _Call:
 class Scheduler:
     """Owns `engine` (max_batch rows) and generates for submitted Requests in one background thread.
 
-    eos_ids: token ids that end a sequence (default: the tokenizer's). `rows` mirrors the engine's
+    eos_ids: token ids that end a sequence (default: the tokenizer's). decode_share (0 <= x < 1): the
+    least share of the scheduler's time the streaming rows get while a long prompt joins chunk by
+    chunk (0: one decode step a chunk). `rows` mirrors the engine's
     rows: rows[b] is the sequence in row b. With engine.record_routing, `req_rows` keeps the request
     number of every row of every decode step (the trace's req_index). Counters are in `stats`.
     """
 
     def __init__(self, engine: Engine, tokenizer: TextTokenizer, *, eos_ids: Sequence[int] | None = None,
-                 poll_s: float = 0.1) -> None:
+                 poll_s: float = 0.1, decode_share: float = DECODE_SHARE) -> None:
+        if not 0.0 <= decode_share < 1.0:  # also refuses NaN
+            raise ValueError(f"decode_share must be in [0, 1), not {decode_share} (--decode-share)")
         self.engine, self.tokenizer = engine, tokenizer
+        self.decode_share = decode_share
+        self._decode_owed = 0.0  # seconds of decode steps still owed before the next chunk
         self.eos_ids = frozenset(tokenizer.eos_ids if eos_ids is None else eos_ids)
         self.harmony = harmony_ids(tokenizer)  # a harmony model's specials (gpt-oss), or None
         self.poll_s = poll_s
@@ -294,9 +308,15 @@ class Scheduler:
                 return
             self._drop_cancelled()
             self._admit()
-            self._advance_joining()
+            if self._joining is not None and (not self.rows or self._decode_owed <= 0.0):
+                start = time.perf_counter()
+                self._advance_joining()
+                share = self.decode_share
+                self._decode_owed = (time.perf_counter() - start) * share / (1.0 - share)
             if self.rows:
+                start = time.perf_counter()
                 self._step()
+                self._decode_owed -= time.perf_counter() - start
 
     @property
     def _busy(self) -> bool:

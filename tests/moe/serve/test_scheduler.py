@@ -346,6 +346,49 @@ def test_a_long_prompt_joins_chunk_by_chunk_beside_streaming_rows(tiny_dir, ref)
     assert firsts["short"] < firsts["long"] < firsts["long2"], order
 
 
+@pytest.mark.parametrize("share", [0.0, 0.6])
+def test_streaming_rows_get_their_share_of_the_time_while_a_long_prompt_joins(tiny_dir, ref, share):
+    """Each chunk of a long prompt (4 chunks of 8) made to take 0.4 s: with decode_share 0 the row
+    already streaming gets one token a chunk; with 0.6 (owed 1.5x a chunk's time in decode steps) it
+    finishes its 8 tokens between the first chunk and the second. Every text is the one its prompt gives
+    alone, whatever the schedule."""
+    from moe.engine.backends import make_backend
+    from moe.engine.engine import Engine
+
+    weights = _engine(tiny_dir).weights
+    engine = Engine(weights, make_backend(weights, 6, "lru", max_batch=2), max_batch=2, max_seq_len=64,
+                    prefill_chunk=8)
+    order = []
+    advance = engine.advance
+
+    def slow_advance(joining):
+        time.sleep(0.4)
+        order.append(("chunk", 0))
+        return advance(joining)
+
+    engine.advance = slow_advance
+    sched = Scheduler(engine, TextTokenizer(tiny_dir), decode_share=share)
+    prompts = {"a": list(range(10, 15)), "long": list(range(20, 50))}
+    sinks = {name: Logged(name, order) for name in prompts}
+    sched.start()
+    try:
+        with held(sched):
+            for name, prompt in prompts.items():
+                sched.submit(Request(prompt, SamplingParams(max_tokens=8), sinks[name]))
+        for name, prompt in prompts.items():
+            assert sinks[name].wait().finish_reason == "length", name
+            assert sinks[name].text == sched.tokenizer.decode(ref.generate([prompt], 8)[0]), name
+    finally:
+        sched.stop()
+    chunks = [i for i, (name, _) in enumerate(order) if name == "chunk"]
+    assert len(chunks) == 4, order
+    a_tokens = [i for i, (name, _) in enumerate(order) if name == "a"]
+    between = [sum(c < i < d for i in a_tokens) for c, d in zip(chunks, chunks[1:])]
+    assert between == ([1, 1, 1] if share == 0 else [7, 0, 0]), order
+    with pytest.raises(ValueError, match="--decode-share"):
+        Scheduler(engine, TextTokenizer(tiny_dir), decode_share=1.0)
+
+
 def test_a_long_prompt_whose_prefix_is_kept_joins_at_once(tiny_dir, ref):
     """With a prefix cache, a prompt counts by the tokens it must compute: one resending a kept 32-token
     prefix plus 4 (8-token chunks) joins at once and answers while a new long prompt is still joining in

@@ -123,16 +123,20 @@ def test_the_start_lines_give_the_prefix_cache(tiny_family, monkeypatch, capsys)
     assert re.search(r"\+ prefix cache [0-9.e-]+ GiB \([0-9,]+ blocks of 64 tokens: --kv-cache-gb\)", out), out
 
 
-def test_the_help_gives_the_prefill_chunk_default(capsys):
+def test_the_help_gives_the_prefill_chunk_and_decode_share_defaults(capsys):
     from moe.engine.engine import PREFILL_CHUNK
+    from moe.serve.scheduler import DECODE_SHARE
 
-    assert f"(default {PREFILL_CHUNK})" in " ".join(_help(capsys).split())
+    text = " ".join(_help(capsys).split())
+    assert f"(default {PREFILL_CHUNK})" in text and f"(default {DECODE_SHARE};" in text
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--prefill-chunk", "0"], "--prefill-chunk must be a whole number of tokens >= 1"),
     (["--prefill-chunk", "100", "--kv-cache-gb", "0.01"], "--prefill-chunk 100 must be a multiple of"),
     (["--tensor-parallel", "0"], "--tensor-parallel must be >= 1"),
+    (["--decode-share", "1"], "--decode-share must be >= 0 and < 1, got 1.0"),
+    (["--decode-share", "nan"], "--decode-share must be >= 0 and < 1, got nan"),
     (["--tensor-parallel", "2", "--moe-miss-service", "hybrid"], "drop --moe-miss-service hybrid"),
     (["--tensor-parallel", "999"], "--tensor-parallel 999 is above the model's"),
     (["--tensor-parallel", "2", "--moe-slots", "12"], "--moe-slots 12 is above"),  # 16 experts, 8 a rank
