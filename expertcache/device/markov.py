@@ -43,6 +43,12 @@ MAX_LAGS = markov.MAX_LAGS
 ROWS_JIT = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "row_cap", "freq_cap"]}
 PREDICT_JIT = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "prior", "recency"]}
 ROW_PROGRAMS = tl.constexpr(16)  # programs per lag of the rows launch: each updates marked rows i, i + 16, ...
+# The rows launch runs one warp a program: its membership reduction over [E, ids] and the layout changes
+# after it then stay within a warp (no shared-memory exchange between warps). With 4 warps a program,
+# Triton 3.6's code for it gave different rows on repeats of one launch from the same state on an H100
+# (tests/expertcache/test_device_ensure_gpu.py's repeat test); tests/expertcache/test_device_markov.py
+# checks that the kernel compiles as one warp.
+ROW_WARPS = 1
 PREDICT_CHUNK = 64  # experts a program of the predictions launch (E / 64 programs)
 PREDICT_ROWS = 16  # routed rows the predictions read at once, as one [16, PREDICT_CHUNK] tile
 
@@ -193,7 +199,7 @@ def launch_observe(kst, gst, params: tuple, layer: int, ids, slot_of, num_expert
     block, width = triton.next_power_of_2(num_experts), triton.next_power_of_2(max(ids.numel(), 2))
     _markov_rows_kernel[(MAX_LAGS * ROW_PROGRAMS.value,)](kst, gst, ids, scratch, layer, ids.numel(), kst.stride(0),
                                                          num_slots, lags, row_cap, freq_cap, E=num_experts,
-                                                         BLOCK=block, IDS=width)
+                                                         BLOCK=block, IDS=width, num_warps=ROW_WARPS)
     chunk = min(block, PREDICT_CHUNK)
     _markov_predict_kernel[(triton.cdiv(num_experts, chunk),)](
         kst, gst, ids, scratch, slot_of, layer, ids.numel(), kst.stride(0), num_slots, lags, prior, recency,
