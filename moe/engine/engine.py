@@ -167,6 +167,64 @@ class Engine:
         self._check_prompt(prompt)
         return self._join(prompt, False)
 
+    def join_many(self, prompts: Sequence[Sequence[int]]) -> list[tuple[int, torch.Tensor]]:
+        """Add several sequences in one prefill pass: rows B, B + 1, ... in the prompts' order, each
+        layer's routed experts fetched once for all of them where separate joins fetch them once each
+        (a burst of short requests: an agent's side calls). The tokens they compute (tokens_to_compute)
+        must fit one prefill chunk together. Returns [(row, logits float32 [V] after that prompt's last
+        token)], the same tokens as joining them one by one (float32 logits to rounding). With a prefix
+        cache that keeps linear-attention states, whose snapshots split a prompt at its last block
+        boundary, they join one by one. Raises ValueError naming max_batch, prefill_chunk, max_seq_len
+        or an out-of-range token id; nothing changes then."""
+        prompts = [list(p) for p in prompts]
+        if not prompts:
+            raise ValueError("join_many got no prompts")
+        if self.batch + len(prompts) > self.free_rows_limit:
+            raise ValueError(f"join_many: {len(prompts)} prompts do not fit the {self.free_rows_limit - self.batch} "
+                             f"free rows of max_batch={self.max_batch}{self._spare_note}; raise max_batch")
+        for prompt in prompts:
+            self._check_prompt(prompt)
+        tokens = [self._tokens(prompt) for prompt in prompts]  # every id checked before any row changes
+        computed = sum(self.tokens_to_compute(prompt) for prompt in prompts)
+        if computed > self.prefill_chunk:
+            raise ValueError(f"join_many: the prompts compute {computed} tokens together, more than "
+                             f"prefill_chunk={self.prefill_chunk}: join fewer at once")
+        if self.prefix is not None and self.prefix.num_states > 0:
+            return [self._join(prompt, False) for prompt in prompts]
+        states, segments, reserved, held = [], [], [], set()
+        try:
+            for k, prompt in enumerate(prompts):
+                row = self.batch + k
+                st, first = self._begin_row(prompt, row, False)
+                res = self._reserve(st, first, len(prompt), held)
+                if res is not None:
+                    self.prefix.trim(res, {key for r in reserved if r is not None for key in r.keys})
+                    held.add(st.chain[1])  # the block this row's new ones hang from: no later row evicts it
+                tap = None if res is None else (lambda layer, at, k_, v, r=res: self.prefix.write_chunk(r, layer, at,
+                                                                                                         k_, v))
+                states.append(st)
+                reserved.append(res)
+                segments.append((row, first, len(prompt) - first, tap))
+            ids = torch.cat([t[first:] for t, (_, first, _, _) in zip(tokens, segments)])
+            x = self._layers(self.weights.embed[ids], segments)  # [sum of computed tokens, H]
+        except BaseException:
+            for res in reserved:
+                if res is not None:
+                    self.prefix.release(res)
+            raise
+        last = torch.tensor([n for _, _, n, _ in segments], device=x.device).cumsum(0) - 1
+        logits = self._logits(x[last])  # [n, V]
+        out = []
+        for k, (prompt, st, res) in enumerate(zip(prompts, states, reserved)):
+            if res is not None:
+                self._extend_chain(st, self.prefix.commit(res))
+            row = self.batch
+            self._rows.append(st)
+            self._lengths.append(len(prompt))
+            self.kv.lengths[row] = len(prompt)
+            out.append((row, logits[k]))
+        return out
+
     @property
     def free_rows_limit(self) -> int:
         """The batch size join may grow to: max_batch, less the spare row while a prompt joins in chunks."""
@@ -340,16 +398,7 @@ class Engine:
             res = self._reserve(st, start, end)
             tap = None if res is None else (lambda layer, at, k, v, r=res: self.prefix.write_chunk(r, layer, at, k, v))
             try:
-                x = self.weights.embed[tokens[start:end]]  # [T_chunk, H]
-                for i, lw in enumerate(self.weights.layers):
-                    h = rms_norm(x, lw.input_norm, self.spec.rms_eps)
-                    if isinstance(lw.attn, LinearAttentionWeights):
-                        x = x + linear_attention_prefill(h[None], lw.attn, self.spec.linear,
-                                                         self.recurrent.rows(i, row, row + 1))[0]
-                    else:
-                        x = x + attention_prefill(h, lw.attn, self.spec, self.rope, self.kv, i, row, start, tap)
-                    h = rms_norm(x, lw.post_norm, self.spec.rms_eps)
-                    x = x + (self.moe.prefill(lw.mlp, h) if isinstance(lw.mlp, MoEWeights) else _dense(lw.mlp, h))
+                x = self._layers(self.weights.embed[tokens[start:end]], [(row, start, end - start, tap)])
             except BaseException:
                 if res is not None:
                     self.prefix.release(res)
@@ -365,6 +414,27 @@ class Engine:
             start = end
             yield
 
+    def _layers(self, x: torch.Tensor, segments: list) -> torch.Tensor:
+        """x [T, H] (the embedded tokens of one or more rows, one after another) through every decoder
+        layer. segments: per row, in x's order, (physical row, the position its first token takes, its
+        token count, the prefix cache's k/v tap or None): attention runs per row over its own KV, the
+        MoE and dense MLPs once over all T tokens (each layer's routed experts fetched once)."""
+        for i, lw in enumerate(self.weights.layers):
+            h = rms_norm(x, lw.input_norm, self.spec.rms_eps)
+            parts, lo = [], 0
+            for row, start, n, tap in segments:
+                if isinstance(lw.attn, LinearAttentionWeights):
+                    parts.append(linear_attention_prefill(h[None, lo:lo + n], lw.attn, self.spec.linear,
+                                                          self.recurrent.rows(i, row, row + 1))[0])
+                else:
+                    parts.append(attention_prefill(h[lo:lo + n], lw.attn, self.spec, self.rope, self.kv, i, row,
+                                                   start, tap))
+                lo += n
+            x = x + (parts[0] if len(parts) == 1 else torch.cat(parts))
+            h = rms_norm(x, lw.post_norm, self.spec.rms_eps)
+            x = x + (self.moe.prefill(lw.mlp, h) if isinstance(lw.mlp, MoEWeights) else _dense(lw.mlp, h))
+        return x
+
     def _chain_parent(self, st: _RowState, block: int) -> int | None:
         """The id under which block `block` of a sequence is saved (ROOT for block 0), or None where its
         saved chain does not reach it or its last block was evicted since."""
@@ -377,10 +447,10 @@ class Engine:
         if ids:
             st.chain = (st.chain[0] + len(ids), ids[-1], self.prefix.generation(ids[-1]))
 
-    def _reserve(self, st: _RowState, start: int, end: int):
+    def _reserve(self, st: _RowState, start: int, end: int, held: set[int] = frozenset()):
         """The prefix cache's reservation of the whole blocks in prompt positions start..end-1 of a
         sequence (start on a block boundary), after the blocks already cached; None without a cache or
-        where its chain is broken."""
+        where its chain is broken. held: blocks its evictions must spare (other rows' joining at once)."""
         if self.prefix is None:
             return None
         n = self.prefix.block_tokens
@@ -391,7 +461,7 @@ class Engine:
         known = self.prefix.follow(st.seq, parent, first, last)
         self._extend_chain(st, known)
         parent = known[-1] if known else parent
-        return self.prefix.reserve(st.seq, parent, first + len(known), last, keep={parent})
+        return self.prefix.reserve(st.seq, parent, first + len(known), last, keep={parent, *held})
 
     def _save_decoded(self, fed: list[int]) -> None:
         """After a decode step: each row's fed token into its sequence, and a block it has just completed

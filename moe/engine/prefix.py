@@ -276,6 +276,15 @@ class PrefixCache:
         self.stats.written += len(res.ids)
         return list(res.ids)
 
+    def trim(self, res: Reservation, taken: set) -> None:
+        """Cut `res` at its first block whose key another reservation in flight holds (prompts joining
+        in one pass that share blocks: the first one writes them), returning the ids from there on."""
+        cut = next((i for i, key in enumerate(res.keys) if key in taken), len(res.keys))
+        for bid in res.ids[cut:]:
+            self._gen[bid] += 1
+        self._free.extend(res.ids[cut:])
+        del res.ids[cut:], res.keys[cut:]
+
     def release(self, res: Reservation) -> None:
         """Return a reservation's ids unwritten (its chunk failed)."""
         for bid in res.ids:

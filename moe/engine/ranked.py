@@ -31,8 +31,8 @@ from moe.engine.loading import load_model
 from moe.model.spec import ModelSpec, read_config
 
 # the Engine calls that run the model or change its rows: the leader sends each to every other rank first
-STEP_CALLS = frozenset({"prefill", "join", "start_join", "advance", "abort_join", "leave", "decode_step",
-                        "generate"})
+STEP_CALLS = frozenset({"prefill", "join", "join_many", "start_join", "advance", "abort_join", "leave",
+                        "decode_step", "generate"})
 _CURRENT, _OTHER = "<the joining prompt>", "<another joining prompt>"  # a Joining argument, as sent
 _STOP = "<stop>"
 

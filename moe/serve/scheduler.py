@@ -5,7 +5,8 @@
     call(fn) ────────┴─► inbox ──────────►   run queued calls (metrics snapshot, trace write)
                         (queue.Queue)        drop cancelled sequences: engine.leave(row)
                                              admit waiting requests while a row is free:
-                                                 engine.join(prompt) → logits [V] → first token
+                                                 engine.join_many(short prompts, a chunk of tokens
+                                                 in all) → logits [V] each → first tokens
                                                  (more to compute than a prefill chunk: start_join,
                                                  then one chunk a loop turn, advance(), in the spare row)
                                              decode_step(every row's last token) → logits [B, V]
@@ -18,7 +19,9 @@
     Request.emit(Event) ◄── one Event per token (text delta), the last one with finish_reason
 
 A request joins between decode steps and runs in the same steps as every other active sequence
-(rows 0..B-1 of the engine, B <= max_batch); requests beyond max_batch wait in FIFO order. A prompt
+(rows 0..B-1 of the engine, B <= max_batch); requests beyond max_batch wait in FIFO order. The short
+requests waiting at a loop turn join in one prefill pass (each layer's experts fetched once for them),
+as many as fit the free rows and a prefill chunk of tokens. A prompt
 with more tokens to compute than the engine's prefill chunk (its length, less the prefix the prefix
 cache restores) joins chunk by chunk instead (one such prompt at a time, in the
 engine's spare row): one chunk per loop turn, with a decode step of the active rows after it, so the
@@ -355,31 +358,62 @@ class Scheduler:
             self._waiting = deque(kept)
 
     def _admit(self) -> None:
+        """Waiting requests into free rows, in order: a long prompt starts joining chunk by chunk (one at a
+        time, in the spare row); the short ones join together, one prefill pass for as many as fit the
+        free rows and one prefill chunk of tokens (so a burst of side calls fetches each layer's experts
+        once, not once a request)."""
         engine = self.engine
         passed: deque[Request] = deque()  # long prompts left waiting for the spare row, in their order
-        while self._waiting and engine.batch < engine.max_batch:
+        group: list[Request] = []  # short requests joining in one pass
+        tokens = 0  # the tokens the group computes
+        while self._waiting and engine.batch + len(group) < engine.max_batch:
             req = self._waiting.popleft()
-            admitted = time.monotonic()
-            if engine.tokens_to_compute(req.prompt) > engine.prefill_chunk:
+            need = engine.tokens_to_compute(req.prompt)
+            if need > engine.prefill_chunk:
                 if self._joining is not None:
                     passed.append(req)
                     continue
+                self._join_group(group)
+                group, tokens = [], 0
                 try:
-                    self._joining = (req, engine.start_join(req.prompt), admitted)
+                    self._joining = (req, engine.start_join(req.prompt), time.monotonic())
                 except ValueError as e:
                     self._refuse(req, e)
                 continue
-            if engine.batch >= engine.free_rows_limit:  # the rows left are the spare one, joining
+            if engine.batch + len(group) >= engine.free_rows_limit:  # the rows left are the spare one, joining
                 passed.append(req)
                 break
+            if tokens + need > engine.prefill_chunk:
+                self._join_group(group)
+                group, tokens = [], 0
+            group.append(req)
+            tokens += need
+        self._join_group(group)
+        passed.extend(self._waiting)
+        self._waiting = passed
+
+    def _join_group(self, group: list[Request]) -> None:
+        """Join `group`'s prompts in one prefill pass (each alone when that pass refuses, so a bad prompt
+        is refused by itself) and choose each one's first token."""
+        if not group:
+            return
+        admitted = time.monotonic()
+        try:
+            joined = self.engine.join_many([req.prompt for req in group]) if len(group) > 1 else None
+        except ValueError:
+            joined = None
+        if joined is not None:  # every row seated before any leaves (a leave moves the last row)
+            done = [row for req, (row, logits) in zip(group, joined) if self._seat(req, row, logits, admitted)]
+            for row in reversed(done):
+                self._leave(row)
+            return
+        for req in group:
             try:
-                row, logits = engine.join(req.prompt)  # logits [V]
+                row, logits = self.engine.join(req.prompt)  # logits [V]
             except ValueError as e:
                 self._refuse(req, e)
                 continue
             self._first_token(req, row, logits, admitted)
-        passed.extend(self._waiting)
-        self._waiting = passed
 
     def _advance_joining(self) -> None:
         """One prefill chunk of the long prompt joining chunk by chunk; its first token after the last."""
@@ -402,7 +436,12 @@ class Scheduler:
 
     def _first_token(self, req: Request, row: int, logits, admitted: float) -> None:
         """A request whose prompt is now in `row` (logits [V] after its last token): its sequence, its
-        first token chosen and emitted."""
+        first token chosen and emitted; its row left when that token ends it."""
+        if self._seat(req, row, logits, admitted):
+            self._leave(row)
+
+    def _seat(self, req: Request, row: int, logits, admitted: float) -> bool:
+        """_first_token but for leaving: True when the first token ends the request (its row stays)."""
         engine = self.engine
         seq = _Seq(req, Sampler(req.params), self._stream(req), admitted=admitted, cached=engine.cached_tokens(row))
         self.rows.append(seq)
@@ -411,8 +450,7 @@ class Scheduler:
         token = choose([seq.sampler], logits[None])[0]
         seq.first_token = time.monotonic()
         logprob = logprobs_of([seq.sampler], logits[None], [token])[0]
-        if self._advance(seq, token, engine.lengths()[row], logprob):
-            self._leave(row)
+        return self._advance(seq, token, engine.lengths()[row], logprob)
 
     def _stream(self, req: Request) -> TextStream | HarmonyStream | ToolStream:
         """The detokenizer of `req`'s reply: harmony channels, tool calls, or plain text."""

@@ -42,7 +42,10 @@ def _rank_main(rank: int, ranks: int, path: str, init: str, experts: int, slots:
                            expert_shard=shard)
         tokens = fresh.generate([random_tokens(5, seed=6), random_tokens(3, seed=7)], max_new_tokens=6)
         cache = fresh.moe.cache
-        torch.save({"logits": logits, "tokens": tokens, "counters": cache.counters.copy(),
+        grouped = load_model(path, "cpu", num_slots=slots, max_batch=2, max_seq_len=48, progress=False,
+                             expert_shard=shard)
+        joined = torch.stack([g for _, g in grouped.join_many([random_tokens(5, seed=6), random_tokens(3, seed=7)])])
+        torch.save({"logits": logits, "tokens": tokens, "joined": joined, "counters": cache.counters.copy(),
                     "key_of": cache.key_of.copy(), "experts": shard.experts}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -77,6 +80,11 @@ def test_ranks_match_one_rank_and_transformers(checkpoint, world, tmp_path):
     one = load_model(path, "cpu", num_slots=2 * k, max_batch=2, max_seq_len=48, progress=False)
     want = one.generate([random_tokens(5, seed=6), random_tokens(3, seed=7)], max_new_tokens=6)
     assert all(r["tokens"] == want for r in ranks)
+    single = load_model(path, "cpu", num_slots=2 * k, max_batch=2, max_seq_len=48, progress=False)
+    alone = torch.stack([single.join(p)[1] for p in (random_tokens(5, seed=6), random_tokens(3, seed=7))])
+    for r in ranks:  # two prompts joined in one pass over the ranks: one rank's joins one by one
+        assert_near(r["joined"], alone, rel=1e-4)
+        assert torch.equal(r["joined"].argmax(dim=-1), alone.argmax(dim=-1))
     counters = one.moe.cache.counters
     assert (sum(r["counters"][:, ACCESSES] for r in ranks) == counters[:, ACCESSES]).all()
     assert (ranks[0]["counters"][:, CALLS] == counters[:, CALLS]).all()

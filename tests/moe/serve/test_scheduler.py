@@ -346,6 +346,53 @@ def test_a_long_prompt_joins_chunk_by_chunk_beside_streaming_rows(tiny_dir, ref)
     assert firsts["short"] < firsts["long"] < firsts["long2"], order
 
 
+def test_a_burst_of_short_requests_joins_in_one_pass(tiny_dir, ref):
+    """Three short requests submitted together beside a streaming row join in one prefill pass (one
+    join_many of the three, in order); the first ends at its first token (its row leaves while the
+    others' are seated), and every text is the one its prompt gives alone. A burst whose tokens pass
+    the prefill chunk is split into passes that fit."""
+    from moe.engine.backends import make_backend
+    from moe.engine.engine import Engine
+
+    weights = _engine(tiny_dir).weights
+    engine = Engine(weights, make_backend(weights, 16, "lru", max_batch=4), max_batch=4, max_seq_len=64,
+                    prefill_chunk=16)
+    passes, join_many = [], engine.join_many
+
+    def logged(prompts):
+        passes.append([len(p) for p in prompts])
+        return join_many(prompts)
+
+    engine.join_many = logged
+    sched = Scheduler(engine, TextTokenizer(tiny_dir))
+    prompts = {"a": (list(range(10, 15)), 8), "one": (list(range(30, 34)), 1), "b": (list(range(40, 46)), 5),
+               "c": (list(range(50, 53)), 6)}
+    sinks = {name: Sink() for name in prompts}
+    sched.start()
+    try:
+        sched.submit(Request(prompts["a"][0], SamplingParams(max_tokens=8), sinks["a"]))
+        wait_until(lambda: sched.active == 1)
+        with held(sched):
+            for name in ("one", "b", "c"):
+                sched.submit(Request(prompts[name][0], SamplingParams(max_tokens=prompts[name][1]), sinks[name]))
+        for name, (prompt, n) in prompts.items():
+            assert sinks[name].wait().finish_reason == "length", name
+            assert sinks[name].text == sched.tokenizer.decode(ref.generate([prompt], n)[0]), name
+        assert passes == [[4, 6, 3]]
+        passes.clear()
+        burst = {name: Sink() for name in ("d", "e", "f")}
+        with held(sched):
+            for k, name in enumerate(burst):
+                sched.submit(Request(list(range(20 + k, 27 + k)), SamplingParams(max_tokens=2), burst[name]))
+        for k, name in enumerate(burst):
+            burst[name].wait()
+            want = sched.tokenizer.decode(ref.generate([list(range(20 + k, 27 + k))], 2)[0])
+            assert burst[name].text == want, name
+        assert passes == [[7, 7]]  # 21 tokens: two in one pass (14 <= 16), the third joins by itself
+    finally:
+        sched.stop()
+
+
 @pytest.mark.parametrize("share", [0.0, 0.6])
 def test_streaming_rows_get_their_share_of_the_time_while_a_long_prompt_joins(tiny_dir, ref, share):
     """Each chunk of a long prompt (4 chunks of 8) made to take 0.4 s: with decode_share 0 the row
