@@ -190,32 +190,33 @@ class Engine:
             raise ValueError(f"join_many: the prompts compute {computed} tokens together, more than "
                              f"prefill_chunk={self.prefill_chunk}: join fewer at once")
         if self.prefix is not None and self.prefix.num_states > 0:
-            return [self._join(prompt, False) for prompt in prompts]
-        states, segments, reserved, held = [], [], [], set()
+            return self._join_each(prompts)
+        # every kept prefix restored before any reservation, so none evicts what a later row restores (the
+        # pass stays within its chunk); the blocks the rows' new ones hang from are spared by them all
+        begun = [self._begin_row(prompt, self.batch + k, False) for k, prompt in enumerate(prompts)]
+        held = {st.chain[1] for st, _ in begun}
+        segments, reserved = [], []
         try:
-            for k, prompt in enumerate(prompts):
-                row = self.batch + k
-                st, first = self._begin_row(prompt, row, False)
+            for k, (prompt, (st, first)) in enumerate(zip(prompts, begun)):
                 res = self._reserve(st, first, len(prompt), held)
                 if res is not None:
                     self.prefix.trim(res, {key for r in reserved if r is not None for key in r.keys})
-                    held.add(st.chain[1])  # the block this row's new ones hang from: no later row evicts it
+                    held.add(st.chain[1])
                 tap = None if res is None else (lambda layer, at, k_, v, r=res: self.prefix.write_chunk(r, layer, at,
                                                                                                          k_, v))
-                states.append(st)
                 reserved.append(res)
-                segments.append((row, first, len(prompt) - first, tap))
+                segments.append((self.batch + k, first, len(prompt) - first, tap))
             ids = torch.cat([t[first:] for t, (_, first, _, _) in zip(tokens, segments)])
             x = self._layers(self.weights.embed[ids], segments)  # [sum of computed tokens, H]
+            last = torch.tensor([n for _, _, n, _ in segments], device=x.device).cumsum(0) - 1
+            logits = self._logits(x[last])  # [n, V]
         except BaseException:
             for res in reserved:
                 if res is not None:
                     self.prefix.release(res)
             raise
-        last = torch.tensor([n for _, _, n, _ in segments], device=x.device).cumsum(0) - 1
-        logits = self._logits(x[last])  # [n, V]
         out = []
-        for k, (prompt, st, res) in enumerate(zip(prompts, states, reserved)):
+        for k, (prompt, (st, _), res) in enumerate(zip(prompts, begun, reserved)):
             if res is not None:
                 self._extend_chain(st, self.prefix.commit(res))
             row = self.batch
@@ -223,6 +224,24 @@ class Engine:
             self._lengths.append(len(prompt))
             self.kv.lengths[row] = len(prompt)
             out.append((row, logits[k]))
+        if self.prefix is not None:  # a row whose blocks an earlier row of the pass wrote: its chain through them
+            n = self.prefix.block_tokens
+            for st, _ in begun:
+                parent = self._chain_parent(st, st.chain[0])
+                if parent is not None:
+                    self._extend_chain(st, self.prefix.follow(st.seq, parent, st.chain[0], len(st.seq) // n))
+        return out
+
+    def _join_each(self, prompts: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
+        """join of each prompt in turn, all or none: a failure leaves the rows it had added."""
+        out = []
+        try:
+            for prompt in prompts:
+                out.append(self._join(prompt, False))
+        except BaseException:
+            for row, _ in reversed(out):
+                self.leave(row)
+            raise
         return out
 
     @property

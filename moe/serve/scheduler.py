@@ -361,59 +361,83 @@ class Scheduler:
         """Waiting requests into free rows, in order: a long prompt starts joining chunk by chunk (one at a
         time, in the spare row); the short ones join together, one prefill pass for as many as fit the
         free rows and one prefill chunk of tokens (so a burst of side calls fetches each layer's experts
-        once, not once a request)."""
+        once, not once a request). A failure other than a refusal puts every request not yet in a row
+        back in the queue, in order, where the thread's end answers it."""
         engine = self.engine
         passed: deque[Request] = deque()  # long prompts left waiting for the spare row, in their order
-        group: list[Request] = []  # short requests joining in one pass
+        group: list[Request] = []  # short requests joining in one pass (each leaves it once in a row)
+        current = None  # the request taken from the queue and not yet placed
         tokens = 0  # the tokens the group computes
-        while self._waiting and engine.batch + len(group) < engine.max_batch:
-            req = self._waiting.popleft()
-            need = engine.tokens_to_compute(req.prompt)
-            if need > engine.prefill_chunk:
-                if self._joining is not None:
-                    passed.append(req)
+        try:
+            while self._waiting and engine.batch + len(group) < engine.max_batch:
+                current = req = self._waiting.popleft()
+                need = engine.tokens_to_compute(req.prompt)
+                if need > engine.prefill_chunk:
+                    if self._joining is None:
+                        self._join_group(group)
+                        tokens = 0
+                        try:
+                            self._joining = (req, engine.start_join(req.prompt), time.monotonic())
+                            self._decode_owed = 0.0
+                        except ValueError as e:
+                            self._refuse(req, e)
+                    else:
+                        passed.append(req)
+                    current = None
                     continue
-                self._join_group(group)
-                group, tokens = [], 0
-                try:
-                    self._joining = (req, engine.start_join(req.prompt), time.monotonic())
-                except ValueError as e:
-                    self._refuse(req, e)
-                continue
-            if engine.batch + len(group) >= engine.free_rows_limit:  # the rows left are the spare one, joining
-                passed.append(req)
-                break
-            if tokens + need > engine.prefill_chunk:
-                self._join_group(group)
-                group, tokens = [], 0
-            group.append(req)
-            tokens += need
-        self._join_group(group)
+                if engine.batch + len(group) >= engine.free_rows_limit:  # the rows left: the spare one, joining
+                    passed.append(req)
+                    current = None
+                    break
+                if tokens + need > engine.prefill_chunk:
+                    self._join_group(group)
+                    tokens = 0
+                group.append(req)
+                current = None
+                tokens += need
+            self._join_group(group)
+        except BaseException:
+            self._waiting = deque([*passed, *group, *([current] if current is not None else []), *self._waiting])
+            raise
         passed.extend(self._waiting)
         self._waiting = passed
 
     def _join_group(self, group: list[Request]) -> None:
         """Join `group`'s prompts in one prefill pass (each alone when that pass refuses, so a bad prompt
-        is refused by itself) and choose each one's first token."""
+        is refused by itself) and choose each one's first token; `group` is emptied as they are placed.
+        On a failure other than a refusal, the engine rows no sequence mirrors are released and `group`
+        keeps the requests that have no row."""
         if not group:
             return
         admitted = time.monotonic()
         try:
-            joined = self.engine.join_many([req.prompt for req in group]) if len(group) > 1 else None
-        except ValueError:
-            joined = None
-        if joined is not None:  # every row seated before any leaves (a leave moves the last row)
-            done = [row for req, (row, logits) in zip(group, joined) if self._seat(req, row, logits, admitted)]
-            for row in reversed(done):
-                self._leave(row)
-            return
-        for req in group:
             try:
-                row, logits = self.engine.join(req.prompt)  # logits [V]
-            except ValueError as e:
-                self._refuse(req, e)
-                continue
-            self._first_token(req, row, logits, admitted)
+                joined = self.engine.join_many([req.prompt for req in group]) if len(group) > 1 else None
+            except ValueError:
+                joined = None
+            if joined is not None:  # every row seated before any leaves (a leave moves the last row)
+                done = [row for req, (row, logits) in zip(list(group), joined)
+                        if self._seat(req, row, logits, admitted)]
+                group.clear()
+                for row in reversed(done):
+                    self._leave(row)
+                return
+            while group:
+                req = group[0]
+                try:
+                    row, logits = self.engine.join(req.prompt)  # logits [V]
+                except ValueError as e:
+                    group.pop(0)
+                    self._refuse(req, e)
+                    continue
+                self._first_token(req, row, logits, admitted)
+                group.pop(0)
+        except BaseException:
+            seated = {id(seq.request) for seq in self.rows}
+            group[:] = [req for req in group if id(req) not in seated]
+            for row in reversed(range(len(self.rows), self.engine.batch)):
+                _released(self.engine.leave, row)
+            raise
 
     def _advance_joining(self) -> None:
         """One prefill chunk of the long prompt joining chunk by chunk; its first token after the last."""

@@ -89,6 +89,8 @@ def test_a_pass_restores_and_saves_prefixes_once(checkpoint, blocks):
     kept.leave(0)
     prompts = [base + x, base + x, y]
     got = kept.join_many(prompts)
+    if blocks == 64:  # the second base + x chains through the x blocks the first wrote, and saves as it decodes
+        assert kept._rows[1].chain[0] == kept._rows[0].chain[0] == 5
     want = [plain.join(p) for p in prompts]
     # one by one, the second base + x restores x's blocks the first saved
     assert [kept.cached_tokens(r) for r in range(3)] == ([12, 20, 0] if name == "qwen3_next" else [12, 12, 0])
@@ -129,3 +131,17 @@ def test_refusals_name_the_limit_and_change_nothing(checkpoint):
     engine.abort_join(joining)
     rows = engine.join_many([random_tokens(3, seed=s) for s in range(3)])
     assert [row for row, _ in rows] == [1, 2, 3] and engine.batch == 4
+
+
+def test_a_pass_that_fails_returns_its_blocks_and_adds_no_row(checkpoint, monkeypatch):
+    name, _, path = checkpoint
+    engine = _engine(path, prefix_blocks=16, prefix_block_tokens=BLOCK)
+    engine.join(random_tokens(6, seed=91))
+    free = len(engine.prefix._free)
+    monkeypatch.setattr(engine, "_logits", lambda x: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.join_many([random_tokens(9, seed=92), random_tokens(13, seed=93)])
+    assert engine.batch == 1 and engine.lengths() == [6]
+    # Qwen3-Next's prompts join one by one: the first one's blocks stay kept, as a join of it alone keeps them
+    assert len(engine.prefix._free) == free or name == "qwen3_next"
+    assert len(engine.prefix) + len(engine.prefix._free) == 16

@@ -393,6 +393,35 @@ def test_a_burst_of_short_requests_joins_in_one_pass(tiny_dir, ref):
         sched.stop()
 
 
+def test_a_pass_that_fails_answers_every_request_it_held(tiny_dir):
+    """join_many failing with something other than a refusal (a device out of memory): the requests of
+    that pass and a long prompt passed over while another joins in chunks each get an error Event, the
+    streaming one too, and the scheduler stops."""
+    from moe.engine.backends import make_backend
+    from moe.engine.engine import Engine
+
+    weights = _engine(tiny_dir).weights
+    engine = Engine(weights, make_backend(weights, 16, "lru", max_batch=4), max_batch=4, max_seq_len=64,
+                    prefill_chunk=8)
+    sched = Scheduler(engine, TextTokenizer(tiny_dir))
+    sinks = {name: Sink() for name in ("a", "long", "long2", "s1", "s2")}
+    sched.start()
+    try:
+        sched.submit(Request(list(range(10, 15)), SamplingParams(max_tokens=40), sinks["a"]))
+        wait_until(lambda: sched.active == 1)
+        engine.join_many = lambda prompts: (_ for _ in ()).throw(RuntimeError("CUDA out of memory"))
+        with held(sched):
+            sched.submit(Request(list(range(20, 50)), SamplingParams(max_tokens=2), sinks["long"]))
+            sched.submit(Request(list(range(21, 51)), SamplingParams(max_tokens=2), sinks["long2"]))
+            sched.submit(Request([30, 31, 32], SamplingParams(max_tokens=2), sinks["s1"]))
+            sched.submit(Request([33, 34, 35], SamplingParams(max_tokens=2), sinks["s2"]))
+        for name, sink in sinks.items():
+            assert "CUDA out of memory" in (sink.wait().error or ""), name
+        wait_until(lambda: not sched.running)
+    finally:
+        sched.stop()
+
+
 @pytest.mark.parametrize("share", [0.0, 0.6])
 def test_streaming_rows_get_their_share_of_the_time_while_a_long_prompt_joins(tiny_dir, ref, share):
     """Each chunk of a long prompt (4 chunks of 8) made to take 0.4 s: with decode_share 0 the row
