@@ -112,7 +112,8 @@ def test_warm_all_makes_every_expert_resident_cpu():
 
 
 @pytest.mark.cpu_only
-@pytest.mark.parametrize("shared, norm", [(32, True), (0, False)], ids=["shared", "no-shared"])
+@pytest.mark.parametrize("shared, norm", [(32, True), pytest.param(0, False, marks=pytest.mark.slow)],
+                         ids=["shared", "no-shared"])
 def test_layer_matches_reference_cpu(shared, norm):
     cfg = dataclasses.replace(CPU_CFG, shared_intermediate=shared, norm_topk_prob=norm)
     model = SyntheticModel(random_weights(cfg, CPU_L, "cpu", seed=7), CPU_S, "cpu", copy_overlap=True)

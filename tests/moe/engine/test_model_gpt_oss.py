@@ -197,7 +197,7 @@ def test_bad_gpt_oss_fields_are_refused_naming_them(checkpoint, tmp_path, edit, 
         load_model(broken, "cpu", num_slots=K, progress=False)
 
 
-@pytest.mark.parametrize("which", ["bf16 layout", "mxfp4"])
+@pytest.mark.parametrize("which", ["bf16 layout", pytest.param("mxfp4", marks=pytest.mark.slow)])
 def test_the_gpu_backend_decodes_gpt_oss_like_transformers(checkpoint, mxfp4_checkpoint, which):
     """GpuMoE (MoELayer per layer: the router kernel with its bias, the device ensure, the miss copy of the
     experts with their bias rows, the routed launches with biases and the clamped SwiGLU) under Triton's

@@ -361,7 +361,8 @@ def test_the_packed_input_order_is_a_permutation_of_whole_chunks(cols):
     assert (places[:full] // 128 == i // 128).all()
 
 
-@pytest.mark.parametrize("fmt, hidden, inter", [("int4-f16-z", 2048, 768), ("nvfp4", 2048, 768), ("mxfp4", 2880, 2880)])
+@pytest.mark.parametrize("fmt, hidden, inter", [("int4-f16-z", 2048, 768), ("nvfp4", 2048, 768),
+                                                pytest.param("mxfp4", 2880, 2880, marks=pytest.mark.slow)])
 def test_wide_packed_rows_match_the_reference(fmt, hidden, inter):
     """Rows of many whole chunks: Qwen3-30B-A3B's expert (H = 2048, I = 768), gpt-oss's (2880: 22 chunks and a
     partial one), 1 and 5 tokens."""
