@@ -370,7 +370,7 @@ class CpuCachedMoE:
     `cache` (HostCache) is public: its counters [L_moe, 3] give calls, accesses, misses per MoE layer,
     its `served` [L_moe] the misses computed from the store.
     With `shard` (moe.engine.expert_parallel), one rank's share of expert parallelism: `weights.store`
-    holds that rank's experts (load_checkpoint's keys, or shard_weights), the cache its L x E_r keys, and
+    holds that rank's experts (load_checkpoint's keys, or shard_store), the cache its L x E_r keys, and
     decode_routed / prefill_routed its experts' partial sums, which moe.engine.expert_parallel.ExpertParallelMoE
     adds over the ranks.
     """

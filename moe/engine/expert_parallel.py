@@ -24,14 +24,14 @@ top-k order, then the ranks are added), so N ranks agree with one rank to float3
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from expertcache.pool import HostStore
 from expertcache.ranks import check_ranks, local_experts, rank_ids, rank_keys
-from moe.model.checkpoint import ModelWeights, MoEWeights
+from moe.model.checkpoint import MoEWeights
 from moe.model.reference import shared_expert
 
 
@@ -83,11 +83,6 @@ def shard_store(store: HostStore, num_layers: int, shard: ExpertShard) -> HostSt
     rows = torch.from_numpy(rank_keys(num_layers, shard.num_experts, shard.ranks, shard.rank))
     return HostStore.from_tensors({b.name: store.tensor(b.name).index_select(0, rows) for b in store.banks},
                                   pin=store.pinned)
-
-
-def shard_weights(weights: ModelWeights, shard: ExpertShard) -> ModelWeights:
-    """`weights` with the store of `shard`'s rank (shard_store); everything else shared with `weights`."""
-    return replace(weights, store=shard_store(weights.store, weights.spec.num_moe_layers, shard))
 
 
 class ExpertParallelMoE:

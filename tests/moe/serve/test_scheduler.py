@@ -317,12 +317,7 @@ def test_a_long_prompt_joins_chunk_by_chunk_beside_streaming_rows(tiny_dir, ref)
     the row already streaming gets a token after each chunk, a short request submitted after the long
     one joins and answers before it, a second long prompt waits for the spare row, and every text is
     the one each prompt gives alone."""
-    from moe.engine.backends import make_backend
-    from moe.engine.engine import Engine
-
-    weights = _engine(tiny_dir).weights
-    engine = Engine(weights, make_backend(weights, 6, "lru", max_batch=3), max_batch=3, max_seq_len=64,
-                    prefill_chunk=8)
+    engine = _engine(tiny_dir, max_batch=3, prefill_chunk=8)
     sched = Scheduler(engine, TextTokenizer(tiny_dir))
     order = []  # (name, token index) of every event, in the order the scheduler emitted them
 
@@ -351,12 +346,7 @@ def test_a_burst_of_short_requests_joins_in_one_pass(tiny_dir, ref):
     join_many of the three, in order); the first ends at its first token (its row leaves while the
     others' are seated), and every text is the one its prompt gives alone. A burst whose tokens pass
     the prefill chunk is split into passes that fit."""
-    from moe.engine.backends import make_backend
-    from moe.engine.engine import Engine
-
-    weights = _engine(tiny_dir).weights
-    engine = Engine(weights, make_backend(weights, 16, "lru", max_batch=4), max_batch=4, max_seq_len=64,
-                    prefill_chunk=16)
+    engine = _engine(tiny_dir, max_batch=4, prefill_chunk=16)
     passes, join_many = [], engine.join_many
 
     def logged(prompts):
@@ -397,12 +387,7 @@ def test_a_pass_that_fails_answers_every_request_it_held(tiny_dir):
     """join_many failing with something other than a refusal (a device out of memory): the requests of
     that pass and a long prompt passed over while another joins in chunks each get an error Event, the
     streaming one too, and the scheduler stops."""
-    from moe.engine.backends import make_backend
-    from moe.engine.engine import Engine
-
-    weights = _engine(tiny_dir).weights
-    engine = Engine(weights, make_backend(weights, 16, "lru", max_batch=4), max_batch=4, max_seq_len=64,
-                    prefill_chunk=8)
+    engine = _engine(tiny_dir, max_batch=4, prefill_chunk=8)
     sched = Scheduler(engine, TextTokenizer(tiny_dir))
     sinks = {name: Sink() for name in ("a", "long", "long2", "s1", "s2")}
     sched.start()
@@ -428,12 +413,7 @@ def test_streaming_rows_get_their_share_of_the_time_while_a_long_prompt_joins(ti
     already streaming gets one token a chunk; with 0.6 (owed 1.5x a chunk's time in decode steps) it
     finishes its 8 tokens between the first chunk and the second. Every text is the one its prompt gives
     alone, whatever the schedule."""
-    from moe.engine.backends import make_backend
-    from moe.engine.engine import Engine
-
-    weights = _engine(tiny_dir).weights
-    engine = Engine(weights, make_backend(weights, 6, "lru", max_batch=2), max_batch=2, max_seq_len=64,
-                    prefill_chunk=8)
+    engine = _engine(tiny_dir, max_batch=2, prefill_chunk=8)
     order = []
     advance = engine.advance
 
@@ -469,12 +449,7 @@ def test_a_long_prompt_whose_prefix_is_kept_joins_at_once(tiny_dir, ref):
     """With a prefix cache, a prompt counts by the tokens it must compute: one resending a kept 32-token
     prefix plus 4 (8-token chunks) joins at once and answers while a new long prompt is still joining in
     the spare row, with the text each prompt gives alone."""
-    from moe.engine.backends import make_backend
-    from moe.engine.engine import Engine
-
-    weights = _engine(tiny_dir).weights
-    engine = Engine(weights, make_backend(weights, 6, "lru", max_batch=3), max_batch=3, max_seq_len=64,
-                    prefill_chunk=8, prefix_blocks=32, prefix_block_tokens=4)
+    engine = _engine(tiny_dir, max_batch=3, prefill_chunk=8, prefix_blocks=32, prefix_block_tokens=4)
     sched = Scheduler(engine, TextTokenizer(tiny_dir))
     kept = list(range(10, 43))  # 33 tokens: 8 whole blocks kept after it joins
     order = []
