@@ -176,7 +176,7 @@ TINY = {"model_type": "qwen2_moe", "num_hidden_layers": 2, "hidden_size": 64, "n
 @pytest.mark.cpu_only
 def test_trace_driven_routing_gives_the_simulators_misses():
     weights = random_decoder(TINY, "cpu", seed=2)
-    trace = generate(SyntheticConfig(2, 16, 4, 6, batch=2, seed=9))  # [6, 2, 2, 4]
+    trace = generate(SyntheticConfig(2, 16, 4, 3, batch=2, seed=9))  # [3, 2, 2, 4]
     slots = 12
     backend = GpuMoE(weights, slots, "lru", max_batch=2, forced_routing=True)
     engine = Engine(weights, backend, max_batch=2, max_seq_len=16, record_routing=True)
@@ -187,6 +187,7 @@ def test_trace_driven_routing_gives_the_simulators_misses():
     np.testing.assert_array_equal(engine.routing(), trace.experts)
     sim = replay(trace, "lru", slots, use_logits=False)
     np.testing.assert_array_equal(backend.slots.cache.counters[:, 2].numpy(), sim.layer_misses)
+    assert sim.layer_misses.sum() > slots, "the trace must fill the pool and evict"
     with pytest.raises(ValueError, match="ids must be"):
         backend.set_routing(torch.from_numpy(trace.experts[0]).long(), torch.from_numpy(trace.weights[0]))
     with pytest.raises(ValueError, match="forced_routing"):
