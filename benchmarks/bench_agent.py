@@ -2,7 +2,8 @@
 
     --layers L decoder layers at --geometry (moe.testing.random_decoder, random weights, --vocab
     tokens, a word-level tokenizer of that vocabulary written beside), the routed experts in a
-    HostStore, --slots-frac of the L * E experts in slots, one Engine per run over the same weights
+    HostStore in --expert-format (default: the model's dtype), --slots-frac of the L * E experts in
+    slots, one Engine per run over the same weights
     -> moe.serve.scheduler.Scheduler (the server's continuous batching, in process: the GPU image has no
        HTTP stack), --max-batch rows
     -> a session of --turns turns: turn 0 sends --start-tokens random tokens, every later turn resends
@@ -40,6 +41,7 @@ import benchmeta
 import numpy as np
 import torch
 
+from expertcache.formats import format_names
 from moe.engine.backends import make_backend
 from moe.engine.budget import prefix_blocks_for
 from moe.engine.engine import Engine
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = getattr(decoders, GEOMETRIES[args.geometry])(args.layers, vocab_size=args.vocab)
     if args.small:
         config = {**config, **SMALL}
-    weights = decoders.random_decoder(config, device, seed=args.seed)
+    weights = decoders.random_decoder(config, device, seed=args.seed, expert_format=args.expert_format)
     spec = weights.spec
     slots = max(args.max_batch * spec.moe.top_k, round(args.slots_frac * spec.num_moe_layers * spec.moe.num_experts))
     blocks = prefix_blocks_for(spec, args.kv_cache_gb, PREFIX_BLOCK_TOKENS, args.max_seq_len)
@@ -172,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"the session's last prompt ({longest} tokens) and answer outgrow --max-seq-len "
                          f"{args.max_seq_len}: raise it or lower --turns / --grow / --start-tokens")
     doc = {"bench": "agent", "machine": benchmeta.machine() if device.type == "cuda" else benchmeta.cpu_machine(),
-           "args": {k: v for k, v in vars(args).items() if k != "out"}, "slots": slots, "prefix_blocks": blocks,
+           "args": {k: v for k, v in vars(args).items() if k != "out"}, "expert_format": spec.moe.expert_format,
+           "expert_bytes": weights.store.bytes_per_expert, "slots": slots, "prefix_blocks": blocks,
            "block_tokens": PREFIX_BLOCK_TOKENS, "runs": {}}
     contexts: list[list[int]] = []  # the kept run's first session's prompts, which the baseline resends
     baseline = {t for t in range(args.turns) if t % args.baseline_every == 0 or t == args.turns - 1}
@@ -238,6 +241,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--slots-frac", type=float, default=0.25, help="share of the L * E experts in slots")
     ap.add_argument("--max-batch", type=int, default=4)
+    ap.add_argument("--expert-format", choices=format_names(), default=None,
+                    help="the routed experts' format in the host store and the slots (default: the model's dtype)")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,7 +1,8 @@
 """A long prompt (256K tokens by default) decoding through the scheduler, alone and beside short side calls.
 
     --layers L decoder layers at Qwen3-30B-A3B's geometry (moe.testing.random_decoder, random weights,
-    a word-level tokenizer of --vocab tokens), --slots-frac of the experts in slots, --max-batch rows of
+    a word-level tokenizer of --vocab tokens), the routed experts in --expert-format (default: the
+    model's dtype), --slots-frac of the experts in slots, --max-batch rows of
     --prompt-tokens + --answer positions each (the KV cache is allocated per row: refused up front, naming
     the flags, where it does not fit the device)
     -> moe.serve.scheduler.Scheduler (in process): the long prompt joins chunk by chunk (its prefill
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.small:
         config = {**config, **SMALL}
     max_seq_len = args.prompt_tokens + args.answer
-    weights = decoders.random_decoder(config, device, seed=args.seed)
+    weights = decoders.random_decoder(config, device, seed=args.seed, expert_format=args.expert_format)
     spec = weights.spec
     need = context_bytes(spec, args.max_batch, max_seq_len)  # allocated after the weights, as load_model does
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else need
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     scheduler = Scheduler(engine, tokenizer, decode_share=args.decode_share)
     machine = benchmeta.machine() if device.type == "cuda" else benchmeta.cpu_machine()
     doc = {"bench": "long_context", "machine": machine,
-           "args": {k: v for k, v in vars(args).items() if k != "out"}, "slots": slots,
+           "args": {k: v for k, v in vars(args).items() if k != "out"}, "expert_format": spec.moe.expert_format,
+           "expert_bytes": weights.store.bytes_per_expert, "slots": slots,
            "kv_cache_gb": need / GB, "runs": {}}
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(1, args.vocab, args.prompt_tokens).tolist()

@@ -56,8 +56,18 @@ def test_the_soak_stops_after_the_turn_that_ends_its_time(tmp_path):
 
 @pytest.mark.parametrize("argv, flag", [(["--turns", "0"], "--turns"), (["--slots-frac", "0"], "--slots-frac"),
                                         (["--kv-cache-gb", "0"], "--kv-cache-gb"),
-                                        (["--baseline-every", "0"], "--baseline-every")])
+                                        (["--baseline-every", "0"], "--baseline-every"),
+                                        (["--expert-format", "int3"], "--expert-format")])
 def test_bad_options_are_refused_by_name(argv, flag, capsys):
     with pytest.raises(SystemExit):
         load_bench("bench_agent")._args(argv)
     assert flag in capsys.readouterr().err
+
+
+def test_the_session_runs_on_quantized_experts(tmp_path):
+    """--expert-format: the host store and the slots hold the experts in that format (fp8 here)."""
+    doc = load_bench("bench_agent").main([*"--device cpu --small --layers 2 --vocab 512 --turns 2 --start-tokens 70 "
+                                          "--grow 10 --answer 3 --side-every 0 --max-seq-len 256 --kv-cache-gb 0.01 "
+                                          "--expert-format fp8".split(), "--out", str(tmp_path / "agent.json")])
+    assert doc["expert_format"] == "fp8" and doc["expert_bytes"] < 3 * 256 * 64 * 2  # under bf16's bytes
+    assert sum(doc["runs"]["kept"]["finished"].values()) == 1 + 2
