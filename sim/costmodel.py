@@ -167,9 +167,10 @@ H200 = HardwareProfile(
     back_to_back_gbps=53.2,
     hbm_gbps=4219.0,
     layer_overhead_us=10.0,
-    # markov's two learning launches before its ensure: bench_ensure.py at m = 0, 1650 slots, above lru:
-    # 7.21 us at 128 experts a layer, 10.71 at 512 (benchmarks/results/ensure-markov.json)
-    policy_us=(("markov", 6.04, 0.00911),),
+    # markov's two learning launches before its ensure (the rows kernel at one warp a program):
+    # bench_ensure.py at m = 0, 1650 slots, above lru: 7.98 us at 128 experts a layer, 19.31 at 512
+    # (benchmarks/results/ensure-markov.json)
+    policy_us=(("markov", 4.20, 0.0295),),
 )
 
 
