@@ -62,6 +62,8 @@ def ceil_div(a: int, b: int) -> int:
 class ExpertFormat:
     """A storage format of expert matrices. Subclasses set the class constants and implement
     `_layout`, `_quantize`, `_dequantize` (and `_check_values` where codes or scales can be invalid).
+    `_dequantize` decodes parts that may carry the same leading dimensions (several matrices at once,
+    `decode_batch`): elementwise, so each matrix's values are those of decoding it alone.
 
     name: the registry key (`--moe-expert-format`). in_multiple: in_features must be a multiple of
     it (`in_rule` says why). main / pack: the part whose shape is [out, in / pack] (gives the matrix
@@ -184,6 +186,16 @@ class ExpertFormat:
 
         subs = [{k: v.chunk(stack)[i] for k, v in parts.items()} for i in range(stack)]
         return torch.cat([self._dequantize(p, out_features // stack, in_features) for p in subs])
+
+    def decode_batch(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int,
+                     stack: int = 1) -> torch.Tensor:
+        """W' float32 [G, out, in] of G matrices at once, each part [G, *its layout shape] (a store or
+        pool's rows of G experts, stacked): bit for bit `decode` of each, in the ops of one (prefill
+        decodes a group of experts so, where the host's op count per expert would bound it)."""
+        import torch
+
+        subs = [{k: v.chunk(stack, dim=1)[i] for k, v in parts.items()} for i in range(stack)]
+        return torch.cat([self._dequantize(p, out_features // stack, in_features) for p in subs], dim=1)
 
     def check(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int, stack: int = 1) -> None:
         """Refuse `parts` that are not exactly the layout of [out, in] (keys, shapes, dtypes, one device) or

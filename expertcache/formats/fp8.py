@@ -30,8 +30,8 @@ E4M3_MAX = 448.0
 
 
 def expand_blocks(s: torch.Tensor, rows: int, cols: int, block: int) -> torch.Tensor:
-    """s [ceil(rows / block), ceil(cols / block)] -> [rows, cols], each scale over its block."""
-    return s.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    """s [..., ceil(rows / block), ceil(cols / block)] -> [..., rows, cols], each scale over its block."""
+    return s.repeat_interleave(block, -2)[..., :rows, :].repeat_interleave(block, -1)[..., :cols]
 
 
 @dataclass(frozen=True)

@@ -102,5 +102,5 @@ class INT4(ExpertFormat):
 
         u = unpack_nibbles(parts["q"]).to(torch.int32)  # [out, in]
         z = parts["z"].to(torch.int32) if self.zero_points else torch.full_like(parts["s"], ZERO, dtype=torch.int32)
-        z, s = (t.repeat_interleave(GROUP, dim=1)[:, :in_features] for t in (z, parts["s"].float()))
+        z, s = (t.repeat_interleave(GROUP, dim=-1)[..., :in_features] for t in (z, parts["s"].float()))
         return (u - z).to(torch.float32) * s

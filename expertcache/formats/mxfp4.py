@@ -76,6 +76,7 @@ class MXFP4(ExpertFormat):
     def _dequantize(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
         from expertcache.formats.packing import e2m1_decode, unpack_nibbles
 
-        v = e2m1_decode(unpack_nibbles(parts["q"])).view(out_features, in_features // BLOCK, BLOCK)
+        lead = parts["q"].shape[:-2]  # decode_batch's matrices
+        v = e2m1_decode(unpack_nibbles(parts["q"])).view(*lead, out_features, in_features // BLOCK, BLOCK)
         scale = pow2(parts["s"].int() - E8M0_BIAS)
-        return (v * scale.unsqueeze(-1)).view(out_features, in_features)
+        return (v * scale.unsqueeze(-1)).view(*lead, out_features, in_features)

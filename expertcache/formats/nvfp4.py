@@ -75,6 +75,7 @@ class NVFP4(ExpertFormat):
     def _dequantize(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
         from expertcache.formats.packing import e2m1_decode, unpack_nibbles
 
-        v = e2m1_decode(unpack_nibbles(parts["q"])).view(out_features, in_features // BLOCK, BLOCK)
+        lead = parts["q"].shape[:-2]  # decode_batch's matrices
+        v = e2m1_decode(unpack_nibbles(parts["q"])).view(*lead, out_features, in_features // BLOCK, BLOCK)
         vs = v * parts["s"].float().unsqueeze(-1)  # exact: 2 x 4 significant bits
-        return (vs * parts["s2"]).view(out_features, in_features)
+        return (vs * parts["s2"].reshape(*lead, 1, 1, 1)).view(*lead, out_features, in_features)

@@ -50,7 +50,7 @@ from moe.kernels.routed import routed_reference
 from moe.model.checkpoint import EXPERT_BIAS_BANKS, ModelWeights, MoEWeights
 from moe.model.config import MoEConfig
 from moe.model.reference import gated_activation, route_block, shared_expert
-from moe.model.slot_matrix import SlotMatrix
+from moe.model.slot_matrix import SlotMatrix, dequantize_rows
 
 
 class MoEBackend(Protocol):
@@ -111,11 +111,6 @@ def prefill_groups(used: list[int], per: list[int], size: int) -> list[tuple[int
                 continue
         groups.append((u, [expert]))
     return groups
-
-
-def _stack(mats: list[torch.Tensor]) -> torch.Tensor:
-    """[G, out, in] of G matrices [out, in]."""
-    return mats[0].unsqueeze(0) if len(mats) == 1 else torch.stack(mats)
 
 
 def out_group(out: torch.Tensor, hidden: torch.Tensor, w_gu: torch.Tensor, w_dn: torch.Tensor, counts: list[int],
@@ -226,12 +221,18 @@ class PrefillStaging:
 class _StagedLayer:
     """One layer's keys through a PrefillStaging ring: slot(j) makes the current stream wait for the
     j-th key's copy and returns its ring slot; release(j) records that the current stream's reads of it
-    are queued, which lets the ring copy further keys into that slot."""
+    are queued, which lets the ring copy further keys into that slot; ready(j) says whether the j-th
+    copy is issued (copies take the ring's slots in order, so it may wait for the release of any one
+    before it)."""
 
     def __init__(self, staging: PrefillStaging, used: list[tuple[int, int, torch.cuda.Event]]) -> None:
         self.staging = staging
         self.copies = [(n, done) for _, n, done in used]
         staging._issue()
+
+    def ready(self, j: int) -> bool:
+        """Whether the j-th key's copy is issued (else it waits for a release of a copy before it)."""
+        return len(self.copies) + len(self.staging.pending) > j
 
     def slot(self, j: int) -> int:
         st = self.staging
@@ -268,9 +269,10 @@ def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: 
 
     Math and precision of moe.model.reference.moe_reference: float32 products (moe_prefill casts once); each expert's
     weights are its format's float32 decode (expertcache.formats). The used experts are computed in increasing id
-    order, in groups of up to PREFILL_GROUP (out_group: batched float32 GEMMs over their tokens padded to the group's
-    largest count; a prompt's MoE layer is bound by the host's ops per expert, not the GPU, until experts are
-    batched), each expert's rows then added in increasing id order (index_add_ into a float32 sum). An expert with a
+    order, in groups of up to PREFILL_GROUP, each group's weights decoded at once (dequantize_rows) and multiplied
+    in batched float32 GEMMs over their tokens padded to the group's largest count (out_group: a prompt's MoE layer
+    is bound by the host's ops per expert, not the GPU, until experts are batched), each expert's rows then added
+    in increasing id order (index_add_ into a float32 sum). An expert with a
     slot in `resident` = (slot_of [L_moe * E] int32, the SlotPool) is read from the pool (the same bytes, so the same
     result bit for bit) and nothing moves; the others are streamed: through `staging` (a GPU's PrefillStaging: copies
     on its stream, up to its ring size ahead of the compute; where T * k >= PREFETCH_MIN_USES * E the next MoE layer's
@@ -323,24 +325,38 @@ def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: 
         layer_biases = tuple(store.tensor(name)[base:base + e_count].to(hidden.device, torch.float32)
                              for name in EXPERT_BIAS_BANKS)
     j = 0  # the next streamed expert
+    rows: list = []  # the experts decoded next: their (gate_up, slot) and (down, slot), and the ring copies held
+    held: list[int] = []
+
+    def decode() -> tuple[torch.Tensor, torch.Tensor]:
+        """rows decoded at once into new tensors (float32 [G, 2I, H], [G, H, I]); their ring slots then free."""
+        mats = tuple(dequantize_rows([r[i] for r in rows], hidden.device) for i in (0, 1))
+        for n in held:
+            staged.release(n)
+        rows.clear()
+        held.clear()
+        return mats
+
     for u0, group in prefill_groups(used, per, size):
-        mats = []  # each expert's float32 (gate_up, down)
+        done = []  # a group whose streamed experts the ring cannot hold at once is decoded in parts
         for expert in group:
             slot = slot_of[expert]
             if slot >= 0:
-                mats.append((pool[0].dequantize_one(slot), pool[1].dequantize_one(slot)))
-            elif staged is not None:  # decoded into new tensors: the ring slot may then be refilled
+                rows.append(((pool[0], slot), (pool[1], slot)))
+            elif staged is not None:
+                if not staged.ready(j):  # its copy waits for a ring slot the rows hold
+                    done.append(decode())
                 r = staged.slot(j)
-                mats.append((st_gate_up.dequantize_one(r, copy=True), st_down.dequantize_one(r, copy=True)))
-                staged.release(j)
+                rows.append(((st_gate_up, r), (st_down, r)))
+                held.append(j)
             else:
-                mats.append((gate_up.dequantize_one(base + expert, hidden.device),
-                             down.dequantize_one(base + expert, hidden.device)))
+                rows.append(((gate_up, base + expert), (down, base + expert)))
             if counts is not None:
                 counts[int(slot >= 0)] += 1
             if slot < 0:
                 j += 1
-        w_gu, w_dn = (_stack([m[i] for m in mats]) for i in (0, 1))  # float32 [G, 2I, H], [G, H, I]
+        done.append(decode())
+        w_gu, w_dn = done[0] if len(done) == 1 else (torch.cat([d[i] for d in done]) for i in (0, 1))
         picked = None if layer_biases is None else tuple(b[group] for b in layer_biases)
         out_group(out, hidden, w_gu, w_dn, [per[e] for e in group], starts[group[0]], u0,
                   rows_all, weight_all, rank, used_at, cfg, picked)

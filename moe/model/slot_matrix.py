@@ -5,9 +5,10 @@
     a plain tensor [S, out, in] (bf16 / f16 / f32) ──SlotMatrix.dense──► the same for a dense format
     SlotMatrix ──kernel_args──► (q, s, s2, z) pointers (an absent part: q again) + FMT / ZP constexprs
                ──dequantize──► float32 [S', out, in] of chosen slots: the torch reference
+    (matrix, slot) rows of several matrices ──dequantize_rows──► float32 [G, out, in] in one decode (prefill)
 
 gate_up is a stack of 2 sub-matrices (gate_proj over up_proj, each with its own scales), down a stack
-of 1. No device work except `dequantize`. Legend: S = pool slots.
+of 1. No device work except the dequantizes. Legend: S = pool slots.
 """
 
 from __future__ import annotations
@@ -136,15 +137,36 @@ class SlotMatrix:
             return torch.empty((0, self.out_features, self.in_features), dtype=torch.float32, device=device)
         return torch.stack([self.dequantize_one(s, device) for s in ids])
 
-    def dequantize_one(self, slot: int, device: torch.device | None = None, copy: bool = False) -> torch.Tensor:
+    def dequantize_one(self, slot: int, device: torch.device | None = None) -> torch.Tensor:
         """float32 [out, in]: the format's decode of slot `slot` on `device` (default the matrix's), without
         a stack's copy and, for a dense format, in one cast (its decode is elementwise, so decoding the
-        stack whole equals decoding each sub-matrix): prefill's per-expert weights, where the host's op
-        count bounds it. copy=True: always a new tensor (a float32 dense matrix is otherwise the slot's
-        own memory), for a caller about to let the slot be overwritten."""
+        stack whole equals decoding each sub-matrix); a float32 dense matrix's is the slot's own memory."""
         device = self.device if device is None else torch.device(device)
         if self.fmt.dense:
-            return self.parts[0][slot].to(device, non_blocking=True).to(torch.float32, copy=copy)
+            return self.parts[0][slot].to(device, non_blocking=True).to(torch.float32)
         layout = self.fmt.layout(self.out_features, self.in_features, self.stack)
         parts = {p.suffix: t[slot].to(device, non_blocking=True) for p, t in zip(layout, self.parts)}
         return self.fmt.decode(parts, self.out_features, self.in_features, self.stack)
+
+
+def dequantize_rows(rows: list[tuple[SlotMatrix, int]], device: torch.device | str) -> torch.Tensor:
+    """float32 [G, out, in]: the decode of each (matrix, slot) in `rows`, matrices of one format and shape
+    (a pool's, a staging ring's, a store's), on `device`: each part of the G rows moved there and stacked,
+    then decoded at once (ExpertFormat.decode_batch), bit for bit SlotMatrix.dequantize_one of each. The
+    result is new memory, so a slot may be overwritten once the ops are queued. Prefill's group of experts:
+    a few ops for the group where one expert's decode alone takes a dozen or more. Raises ValueError naming
+    `rows` when they are empty or their formats or shapes differ."""
+    if not rows:
+        raise ValueError("dequantize_rows: rows is empty")
+    first = rows[0][0]
+    shape = (first.fmt, first.out_features, first.in_features, first.stack)
+    if any((m.fmt, m.out_features, m.in_features, m.stack) != shape for m, _ in rows):
+        raise ValueError("dequantize_rows: rows must be of one format, shape and stack")
+    device = torch.device(device)
+    parts = [torch.stack([m.parts[p][slot].to(device, non_blocking=True) for m, slot in rows])
+             for p in range(len(first.parts))]
+    if first.fmt.dense:
+        return parts[0].to(torch.float32)
+    layout = first.fmt.layout(first.out_features, first.in_features, first.stack)
+    return first.fmt.decode_batch({p.suffix: t for p, t in zip(layout, parts)}, first.out_features,
+                                  first.in_features, first.stack)

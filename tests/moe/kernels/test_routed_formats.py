@@ -22,7 +22,7 @@ from moe.kernels.plan import QUANTIZED_ROUTED_TILES
 from moe.kernels.routed import NO_SLOT, routed_down, routed_experts, routed_gate_up, routed_reference
 from moe.kernels.tiles import RoutedTiles
 from moe.model.reference import shared_expert
-from moe.model.slot_matrix import SlotMatrix
+from moe.model.slot_matrix import SlotMatrix, dequantize_rows
 from tests.conftest import compile_check, device_or_skip
 from tests.moe.kernels.test_routed import assert_close, make_route
 
@@ -50,26 +50,46 @@ def make_pool(fmt, slots: int, hidden: int, inter: int, device, seed: int) -> tu
             matrix(rnd(slots, hidden, inter, fan_in=inter), hidden, inter, 1))
 
 
+def format_pools(name: str, seed: int) -> tuple[SlotMatrix, SlotMatrix]:
+    """gate_up (stack 2) and down of 3 slots in format `name` (FORMATS, or the dense bf16 / float32)."""
+    if name in FORMATS:
+        return make_pool(FORMATS[name], 3, 128, 64, "cpu", seed=seed)
+    dtype = torch.bfloat16 if name == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    return (SlotMatrix.dense(torch.randn(3, 128, 128, generator=g).to(dtype), stack=2),
+            SlotMatrix.dense(torch.randn(3, 128, 64, generator=g).to(dtype)))
+
+
 @pytest.mark.parametrize("name", [*sorted(FORMATS), "bf16", "float32"])
 def test_dequantize_one_is_the_formats_dequantize_of_that_slot_bitwise(name):
-    """prefill's per-expert decode (no stack copy; a dense stack in one cast) gives the format's checked
-    dequantize of the slot's parts, sub-matrix by sub-matrix; copy=True never aliases the slot."""
-    if name in FORMATS:
-        gate_up, down = make_pool(FORMATS[name], 3, 128, 64, "cpu", seed=11)
-    else:
-        dtype = torch.bfloat16 if name == "bf16" else torch.float32
-        g = torch.Generator().manual_seed(12)
-        gate_up = SlotMatrix.dense(torch.randn(3, 128, 128, generator=g).to(dtype), stack=2)
-        down = SlotMatrix.dense(torch.randn(3, 128, 64, generator=g).to(dtype))
-    for m in (gate_up, down):
+    """The per-slot decode (no stack copy; a dense stack in one cast) gives the format's checked
+    dequantize of the slot's parts, sub-matrix by sub-matrix."""
+    for m in format_pools(name, seed=11):
         for slot in (0, 2):
             one = m.dequantize_one(slot)
             assert one.dtype == torch.float32 and one.shape == (m.out_features, m.in_features)
             parts = {p.suffix: t[slot] for p, t in zip(m.fmt.layout(m.out_features, m.in_features, m.stack), m.parts)}
             assert torch.equal(one, m.fmt.dequantize(parts, m.stack))
             assert torch.equal(m.dequantize([slot])[0], one)
-            fresh = m.dequantize_one(slot, copy=True)
-            assert torch.equal(fresh, one) and fresh.data_ptr() != m.parts[0].data_ptr() + slot * m.parts[0][0].nbytes
+
+
+@pytest.mark.parametrize("name", [*sorted(FORMATS), "bf16", "float32"])
+def test_dequantize_rows_decodes_a_group_of_several_matrices_bitwise(name):
+    """prefill's group decode: rows of two matrices of one format (a pool's and a ring's), slots in any
+    order and repeated, give each row's dequantize_one bit for bit, in new memory."""
+    pools = (format_pools(name, seed=21), format_pools(name, seed=22))
+    for i in (0, 1):  # gate_up, down
+        rows = [(pools[0][i], 2), (pools[1][i], 0), (pools[0][i], 0), (pools[1][i], 2), (pools[0][i], 2)]
+        got = dequantize_rows(rows, "cpu")
+        assert got.dtype == torch.float32 and got.shape == (len(rows), rows[0][0].out_features, rows[0][0].in_features)
+        for g, (m, slot) in zip(got, rows):
+            assert torch.equal(g, m.dequantize_one(slot))
+        owned = {t.untyped_storage().data_ptr() for m, _ in rows for t in m.parts}
+        assert got.untyped_storage().data_ptr() not in owned
+    with pytest.raises(ValueError, match="rows must be of one format"):
+        dequantize_rows([(pools[0][0], 0), (pools[0][1], 0)], "cpu")
+    with pytest.raises(ValueError, match="rows is empty"):
+        dequantize_rows([], "cpu")
 
 
 # chunks of 64 inputs (two tiles of 32 for the 128-blocks of fp8 and int4, four of 16 for nvfp4)
