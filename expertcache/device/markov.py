@@ -43,11 +43,12 @@ MAX_LAGS = markov.MAX_LAGS
 ROWS_JIT = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "row_cap", "freq_cap"]}
 PREDICT_JIT = {"do_not_specialize": ["layer", "num_ids", "row_stride", "num_slots", "lags", "prior", "recency"]}
 ROW_PROGRAMS = tl.constexpr(16)  # programs per lag of the rows launch: each updates marked rows i, i + 16, ...
-# The rows launch runs one warp a program: its membership reduction over [E, ids] and the layout changes
-# after it then stay within a warp (no shared-memory exchange between warps). With 4 warps a program,
-# Triton 3.6's code for it gave different rows on repeats of one launch from the same state on an H100
-# (tests/expertcache/test_device_ensure_gpu.py's repeat test); tests/expertcache/test_device_markov.py
-# checks that the kernel compiles as one warp.
+# The rows launch runs one warp a program: its reductions then stay within a warp (no shared-memory
+# exchange between warps). With 4 warps a program, Triton 3.6's code for it (then with the membership
+# reduced over an [E, ids] tile) gave different rows on repeats of one launch from the same state on an
+# H100 (tests/expertcache/test_device_ensure_gpu.py's repeat test). The membership is now counted id by
+# id, so one warp holds it in registers; tests/expertcache/test_device_markov.py checks that the kernel
+# compiles as one warp and spills nothing.
 ROW_WARPS = 1
 PREDICT_CHUNK = 64  # experts a program of the predictions launch (E / 64 programs)
 PREDICT_ROWS = 16  # routed rows the predictions read at once, as one [16, PREDICT_CHUNK] tile
@@ -56,14 +57,21 @@ PREDICT_ROWS = 16  # routed rows the predictions read at once, as one [16, PREDI
 @triton.jit
 def _routed(ids_ptr, num_ids, num_slots, offs, ok, E: tl.constexpr, IDS: tl.constexpr):
     """(routed[e] int64 0 / 1 over the layer's experts, n distinct, refused: an id outside [-1, E) or more
-    distinct experts than slots, as the ensure refuses them)."""
+    distinct experts than slots, as the ensure refuses them). Membership is counted id by id into an
+    int32 vector, elementwise (no [E, ids] tile and no reduction across it: a program of one warp keeps
+    it in registers); an id that int32 would wrap is outside [-1, E), so the call is refused anyway."""
+    own = offs.to(tl.int32)
+    hits = tl.zeros_like(own)
+    t = 0
+    while t < num_ids:
+        hits += (own == tl.load(ids_ptr + t).to(tl.int32)).to(tl.int32)
+        t += 1
+    routed = tl.where(ok & (hits > 0), 1, 0)
+    n = tl.sum(routed, axis=0).to(tl.int64)
     at = tl.arange(0, IDS)
     idv = tl.load(ids_ptr + at, mask=at < num_ids, other=-1).to(tl.int64)
-    hits = tl.sum((offs[:, None] == idv[None, :]).to(tl.int32), axis=1)
-    routed = tl.where(ok & (hits > 0), 1, 0).to(tl.int64)
-    n = tl.sum(routed, axis=0)
     bad = tl.sum(((at < num_ids) & ((idv < -1) | (idv >= E))).to(tl.int32), axis=0)
-    return routed, n, ((bad > 0) | (n > num_slots)).to(tl.int32)
+    return routed.to(tl.int64), n, ((bad > 0) | (n > num_slots)).to(tl.int32)
 
 
 @triton.jit(**ROWS_JIT)
@@ -92,13 +100,14 @@ def _markov_rows_kernel(kst_ptr, gst_ptr, ids_ptr, routed_ptr, layer, num_ids, r
                 total = tl.sum(tl.where(ok, freq, 0), axis=0)
             tl.store(kst_ptr + FREQ * row_stride + col, freq.to(tl.int32), mask=ok)
             tl.store(gst_ptr + layer, total)
-        bit = tl.where(ok, (tl.load(kst_ptr + HIST * row_stride + col, mask=ok, other=0).to(tl.int64) >> j) & 1, 0)
+        # the marked rows' ranks in int32 (E < 2^31), the row's address in int64
+        bit = tl.where(ok, (tl.load(kst_ptr + HIST * row_stride + col, mask=ok, other=0) >> j) & 1, 0)
         rank = tl.cumsum(bit, axis=0)  # the r-th marked row has rank r + 1
         marked = tl.sum(bit, axis=0)
         R = T + lags * E
-        r = i.to(tl.int64)
+        r = i
         while r < marked:
-            a = tl.sum(tl.where((bit == 1) & (rank == r + 1), offs, 0), axis=0)
+            a = tl.sum(tl.where((bit == 1) & (rank == r + 1), offs.to(tl.int32), 0), axis=0).to(tl.int64)
             row = kst_ptr + (T + j * E + a) * row_stride + col
             vals = tl.load(row, mask=ok, other=0).to(tl.int64) + Q4 * routed
             tot = tl.load(kst_ptr + (R + j) * row_stride + base + a).to(tl.int64) + Q4 * n
