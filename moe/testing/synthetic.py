@@ -31,7 +31,8 @@ from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig, copy_overlap_from_env
 from moe.model.reference import SharedWeights, moe_reference
 from moe.model.slot_matrix import SlotMatrix
 
-CHUNK_EXPERTS = 64  # experts generated on the device per host copy
+CHUNK_EXPERTS = 64  # experts generated on the device per host copy ...
+CHUNK_BYTES = 4 << 30  # ... fewer where their float32 draws (3 I H each) would pass this (Mixtral's experts: 5)
 
 
 @dataclass
@@ -63,7 +64,8 @@ def random_weights(cfg: MoEConfig, num_layers: int, device: str | torch.device =
     pin: pin the host store (default: when CUDA is available). gpt-oss's block (cfg.router_bias, cfg.expert_bias): a
     router bias and expert biases N(0, 0.02^2) too; GLM-4.5's (cfg.score_bias): a float32 correction bias N(0,
     0.02^2), and an ungated shared expert where cfg.shared_gate is False. Cost: one device randn and one host copy per
-    CHUNK_EXPERTS experts; host memory L * E * 3 * I * H * itemsize bytes.
+    chunk of CHUNK_EXPERTS experts (fewer where their float32 draws would pass CHUNK_BYTES: the device holds a
+    chunk's draws and its quantizing); host memory L * E * 3 * I * H * itemsize bytes.
     """
     device = torch.device(device)
     dtype = DTYPES[cfg.dtype]
@@ -80,8 +82,9 @@ def random_weights(cfg: MoEConfig, num_layers: int, device: str | torch.device =
     score_bias = _randn((num_layers, e), 0.02, torch.float32, device, gen) if cfg.score_bias else None
     fmt = cfg.format
     store = HostStore.empty(cfg.expert_banks(), num_layers * e, pin=pin)
-    for first in range(0, num_layers * e, CHUNK_EXPERTS):
-        n = min(CHUNK_EXPERTS, num_layers * e - first)
+    chunk = max(1, min(CHUNK_EXPERTS, CHUNK_BYTES // (3 * i * h * 4)))
+    for first in range(0, num_layers * e, chunk):
+        n = min(chunk, num_layers * e - first)
         gate_up = _randn((n, 2 * i, h), h ** -0.5, dtype, device, gen)
         down = _randn((n, h, i), i ** -0.5, dtype, device, gen)
         if fmt.dense and fmt.dtype == cfg.dtype:
