@@ -145,3 +145,24 @@ def test_a_pass_that_fails_returns_its_blocks_and_adds_no_row(checkpoint, monkey
     # Qwen3-Next's prompts join one by one: the first one's blocks stay kept, as a join of it alone keeps them
     assert len(engine.prefix._free) == free or name == "qwen3_next"
     assert len(engine.prefix) + len(engine.prefix._free) == 16
+
+
+def test_prefill_of_several_prompts_is_one_pass_where_they_fit_a_chunk(checkpoint):
+    """Engine.prefill: prompts computing at most a chunk together go through one pass, the same greedy
+    tokens and float32 logits to rounding as one by one; more than a chunk, or all_logits, one by one."""
+    _, _, path = checkpoint
+    prompts = [random_tokens(n, seed=80 + n) for n in (6, 11, 14)]  # 31 tokens: one chunk of 32
+    one = _engine(path)
+    want = torch.stack([one.prefill([p])[0] for p in prompts])
+    engine = _engine(path)
+    calls = _count_prefills(engine)
+    got = engine.prefill(prompts)
+    assert calls[0] == _moe_layers(engine) and engine.lengths() == [6, 11, 14]
+    assert torch.equal(got.argmax(dim=-1), want.argmax(dim=-1))
+    assert_near(got, want, rel=1e-4)
+    steps = _decode(engine, [[int(t)] for t in got.argmax(dim=-1)], 2)
+    assert all(s.shape == (3, got.shape[1]) for s in steps)
+    for over, kw in ((prompts + [random_tokens(2, seed=90)], {}), (prompts, {"all_logits": True})):
+        calls[0] = 0
+        engine.prefill(over, **kw)
+        assert calls[0] == _moe_layers(engine) * len(over)
