@@ -28,7 +28,8 @@ engine's spare row): one chunk per loop turn, with a decode step of the active r
 sequences already streaming keep streaming and shorter requests keep joining (they pass a long
 prompt waiting for the spare row; long ones keep their order among themselves). While rows stream,
 loop turns after a chunk run decode steps only (admitting short requests as usual) until their time
-reaches decode_share / (1 - decode_share) of the chunk's: the streaming rows get at least that share
+reaches decode_share / (1 - decode_share) of the chunk's and of the short prompts' joins since (both
+stall the streaming rows): the streaming rows get at least that share
 of the scheduler's time, so a short request that joins during a long prefill finishes within a chunk
 or two instead of one token a chunk. The schedule depends on time; the tokens do not (a row's
 tokens are the same whatever shares its steps). A request
@@ -310,11 +311,14 @@ class Scheduler:
             if self._closing and (time.monotonic() >= self._deadline or not self._busy):
                 return
             self._drop_cancelled()
+            share = self.decode_share
+            start = time.perf_counter()
             self._admit()
+            if self._joining is not None:  # short prompts joining stall the streaming rows as a chunk does
+                self._decode_owed += (time.perf_counter() - start) * share / (1.0 - share)
             if self._joining is not None and (not self.rows or self._decode_owed <= 0.0):
                 start = time.perf_counter()
                 self._advance_joining()
-                share = self.decode_share
                 self._decode_owed = (time.perf_counter() - start) * share / (1.0 - share)
             if self.rows:
                 start = time.perf_counter()

@@ -411,8 +411,9 @@ def test_a_pass_that_fails_answers_every_request_it_held(tiny_dir):
 def test_streaming_rows_get_their_share_of_the_time_while_a_long_prompt_joins(tiny_dir, ref, share):
     """Each chunk of a long prompt (4 chunks of 8) made to take 0.4 s: with decode_share 0 the row
     already streaming gets one token a chunk; with 0.6 (owed 1.5x a chunk's time in decode steps) it
-    finishes its 8 tokens between the first chunk and the second. Every text is the one its prompt gives
-    alone, whatever the schedule."""
+    finishes its 8 tokens before the second chunk (some before the first: its own join, beside the long
+    prompt's start, is owed its share too). Every text is the one its prompt gives alone, whatever the
+    schedule."""
     engine = _engine(tiny_dir, max_batch=2, prefill_chunk=8)
     order = []
     advance = engine.advance
@@ -440,7 +441,10 @@ def test_streaming_rows_get_their_share_of_the_time_while_a_long_prompt_joins(ti
     assert len(chunks) == 4, order
     a_tokens = [i for i, (name, _) in enumerate(order) if name == "a"]
     between = [sum(c < i < d for i in a_tokens) for c, d in zip(chunks, chunks[1:])]
-    assert between == ([1, 1, 1] if share == 0 else [7, 0, 0]), order
+    if share == 0:
+        assert between == [1, 1, 1], order
+    else:
+        assert len(a_tokens) == 8 and max(a_tokens) < chunks[1] and between[0] >= 1, order
     with pytest.raises(ValueError, match="--decode-share"):
         Scheduler(engine, TextTokenizer(tiny_dir), decode_share=1.0)
 
@@ -472,3 +476,48 @@ def test_a_long_prompt_whose_prefix_is_kept_joins_at_once(tiny_dir, ref):
     finally:
         sched.stop()
     assert order.index(("resent", 1)) < order.index(("new", 1)), order
+
+
+def test_short_prompts_joining_during_a_long_one_count_against_the_decode_share(tiny_dir, ref):
+    """decode_share 0.6 while a long prompt joins: a short prompt's join made to take 0.4 s is owed 0.6 s of
+    decode steps (each at least 0.05 s) before the long prompt's next chunk, as a chunk of 0.4 s would be;
+    without the charge one step would run."""
+    engine = _engine(tiny_dir, max_batch=3, prefill_chunk=8)
+    order = []
+    advance, join, decode_step = engine.advance, engine.join, engine.decode_step
+
+    def logged_advance(joining):
+        order.append(("chunk", 0))
+        return advance(joining)
+
+    def slow_join(prompt):
+        if len(prompt) == 3:
+            time.sleep(0.4)
+            order.append(("joined", 0))
+        return join(prompt)
+
+    def slow_step(tokens):
+        start = time.perf_counter()
+        time.sleep(0.05)
+        out = decode_step(tokens)
+        order.append(("step", time.perf_counter() - start))
+        return out
+
+    engine.advance, engine.join, engine.decode_step = logged_advance, slow_join, slow_step
+    sched = Scheduler(engine, TextTokenizer(tiny_dir), decode_share=0.6)
+    sinks = {name: Logged(name, order) for name in ("a", "long", "s")}
+    sched.start()
+    try:
+        sched.submit(Request(list(range(10, 15)), SamplingParams(max_tokens=40), sinks["a"]))
+        wait_until(lambda: sched.active == 1)
+        with held(sched):
+            sched.submit(Request(list(range(20, 50)), SamplingParams(max_tokens=2), sinks["long"]))
+            sched.submit(Request([30, 31, 32], SamplingParams(max_tokens=2), sinks["s"]))
+        for name in sinks:
+            assert sinks[name].wait().finish_reason == "length", name
+    finally:
+        sched.stop()
+    joined = order.index(("joined", 0))
+    chunk = next(i for i, (name, _) in enumerate(order) if name == "chunk" and i > joined)
+    stepped = sum(s for name, s in order[joined:chunk] if name == "step")
+    assert stepped >= 0.5, order  # 0.6 s owed, less what the scheduler times beyond the steps themselves
