@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
-# parts: any of env gpu-tests tests ensure copy sanitize moe formats formats-engine router routed overlap resident engine
+# parts: any of env gpu-tests tests ensure ensure-repeat markov-cost copy sanitize moe formats formats-engine router routed overlap resident engine
 # qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid decode-hybrid-trace mma mma-bench agent long-context agent-soak agent-soak-start agent-soak-wait peer-setup peer-wait peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
@@ -38,6 +38,35 @@ for part in $parts; do
         -k "${TESTS_K:-device or copy or pool}" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
     ensure)
       timeout ${ENSURE_TIMEOUT:-400} python3 benchmarks/bench_ensure.py ${ENSURE_ARGS:-} --out "$OUT/ensure.json" 2>&1 | tee "$OUT/ensure.log" | tail -22 ;;
+    ensure-repeat)
+      # the device ensure's GPU tests, then its repeat test (a call rerun from the same saved state must give
+      # the same state) at REPEAT_CALLS calls for every policy in REPEAT_PROCS processes at once: a shared GPU
+      # is where a nondeterministic kernel showed (benchmarks/results/ensure-determinism-x8.log)
+      timeout -s INT -k 20 ${ENSURE_TESTS_TIMEOUT:-240} python3 -m pytest -q -rfE -p no:cacheprovider -n 8 -m gpu \
+        tests/expertcache/test_device_ensure_gpu.py 2>&1 | tee "$OUT/gpu-tests-ensure.log" | tail -3
+      for i in $(seq 1 ${REPEAT_PROCS:-8}); do
+        ( timeout ${REPEAT_TIMEOUT:-200} python3 -c "
+import tests.expertcache.test_device_ensure_gpu as t
+t.CALLS = ${REPEAT_CALLS:-120}
+for p in t.device_policy_names():
+    t.test_a_call_repeated_from_the_same_state_gives_the_same_state(p); print('ok', p)
+" > "/tmp/repeat-$i.log" 2>&1; echo "exit $?" >> "/tmp/repeat-$i.log" ) &
+      done; wait
+      { echo "# the repeat test at ${REPEAT_CALLS:-120} calls, every device policy, ${REPEAT_PROCS:-8} processes at once"
+        for i in $(seq 1 ${REPEAT_PROCS:-8}); do echo "-- process $i"; tail -6 "/tmp/repeat-$i.log"; done; } > "$OUT/ensure-repeat.log"
+      echo "ensure-repeat: $(grep -c '^exit 0' "$OUT/ensure-repeat.log") of ${REPEAT_PROCS:-8} processes clean" ;;
+    markov-cost)
+      # markov's learning launches beside lru, its rows kernel at ROW_WARPS (the product's) and at 4 warps
+      timeout 200 python3 benchmarks/bench_ensure.py --reps 8 --calls 32 --policies lru,markov:E128,markov:E512 \
+        --out "$OUT/ensure-markov.json" 2>&1 | tail -4
+      timeout 150 python3 -c "
+import runpy, sys
+import expertcache.device.markov as m
+m.ROW_WARPS = 4
+sys.argv = ['bench_ensure.py', '--reps', '8', '--calls', '32', '--policies', 'markov:E128,markov:E512',
+            '--out', '$OUT/ensure-markov-w4.json']
+runpy.run_path('benchmarks/bench_ensure.py', run_name='__main__')
+" 2>&1 | tail -4 ;;
     copy)
       timeout 300 python3 benchmarks/bench_copy.py --out "$OUT/copy.json" 2>&1 | tee "$OUT/copy.log" | tail -20 ;;
     sanitize)
