@@ -28,8 +28,9 @@ engine's spare row): one chunk per loop turn, with a decode step of the active r
 sequences already streaming keep streaming and shorter requests keep joining (they pass a long
 prompt waiting for the spare row; long ones keep their order among themselves). While rows stream,
 loop turns after a chunk run decode steps only (admitting short requests as usual) until their time
-reaches decode_share / (1 - decode_share) of the chunk's and of the short prompts' joins since (both
-stall the streaming rows): the streaming rows get at least that share
+reaches decode_share / (1 - decode_share) of the chunk's and of the short prompts' joins before it
+(both stall the streaming rows; the joins counted up to the chunk's own time, so the long prompt still
+advances under a stream of short requests): the streaming rows get at least that share
 of the scheduler's time, so a short request that joins during a long prefill finishes within a chunk
 or two instead of one token a chunk. The schedule depends on time; the tokens do not (a row's
 tokens are the same whatever shares its steps). A request
@@ -214,6 +215,7 @@ class Scheduler:
         self.engine, self.tokenizer = engine, tokenizer
         self.decode_share = decode_share
         self._decode_owed = 0.0  # seconds of decode steps still owed before the next chunk
+        self._stalled = 0.0  # seconds of short prompts' joins since the last chunk, while a prompt joins
         self.eos_ids = frozenset(tokenizer.eos_ids if eos_ids is None else eos_ids)
         self.harmony = harmony_ids(tokenizer)  # a harmony model's specials (gpt-oss), or None
         self.poll_s = poll_s
@@ -311,15 +313,18 @@ class Scheduler:
             if self._closing and (time.monotonic() >= self._deadline or not self._busy):
                 return
             self._drop_cancelled()
-            share = self.decode_share
             start = time.perf_counter()
             self._admit()
             if self._joining is not None:  # short prompts joining stall the streaming rows as a chunk does
-                self._decode_owed += (time.perf_counter() - start) * share / (1.0 - share)
+                self._stalled += time.perf_counter() - start
             if self._joining is not None and (not self.rows or self._decode_owed <= 0.0):
                 start = time.perf_counter()
                 self._advance_joining()
-                self._decode_owed = (time.perf_counter() - start) * share / (1.0 - share)
+                chunk = time.perf_counter() - start
+                # owed for the chunk and the joins since the last one, these at most a chunk's worth: so
+                # the long prompt still advances while short requests keep arriving
+                self._decode_owed = (chunk + min(self._stalled, chunk)) * self.decode_share / (1.0 - self.decode_share)
+                self._stalled = 0.0
             if self.rows:
                 start = time.perf_counter()
                 self._step()
@@ -382,7 +387,7 @@ class Scheduler:
                         tokens = 0
                         try:
                             self._joining = (req, engine.start_join(req.prompt), time.monotonic())
-                            self._decode_owed = 0.0
+                            self._decode_owed = self._stalled = 0.0
                         except ValueError as e:
                             self._refuse(req, e)
                     else:

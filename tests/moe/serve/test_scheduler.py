@@ -478,37 +478,43 @@ def test_a_long_prompt_whose_prefix_is_kept_joins_at_once(tiny_dir, ref):
     assert order.index(("resent", 1)) < order.index(("new", 1)), order
 
 
-def test_short_prompts_joining_during_a_long_one_count_against_the_decode_share(tiny_dir, ref):
-    """decode_share 0.6 while a long prompt joins: a short prompt's join made to take 0.4 s is owed 0.6 s of
-    decode steps (each at least 0.05 s) before the long prompt's next chunk, as a chunk of 0.4 s would be;
-    without the charge one step would run."""
+def _timed_engine(tiny_dir, order: list, chunk_s: float, join_s: float, step_s: float):
+    """The tiny engine with each chunk, each 3-token prompt's join and each decode step made to take at
+    least these seconds; ("chunk", 0), ("joined", 0) and ("step", its seconds) appended to `order`."""
     engine = _engine(tiny_dir, max_batch=3, prefill_chunk=8)
-    order = []
     advance, join, decode_step = engine.advance, engine.join, engine.decode_step
 
-    def logged_advance(joining):
+    def slow_advance(joining):
+        time.sleep(chunk_s)
         order.append(("chunk", 0))
         return advance(joining)
 
     def slow_join(prompt):
         if len(prompt) == 3:
-            time.sleep(0.4)
+            time.sleep(join_s)
             order.append(("joined", 0))
         return join(prompt)
 
     def slow_step(tokens):
         start = time.perf_counter()
-        time.sleep(0.05)
+        time.sleep(step_s)
         out = decode_step(tokens)
         order.append(("step", time.perf_counter() - start))
         return out
 
-    engine.advance, engine.join, engine.decode_step = logged_advance, slow_join, slow_step
-    sched = Scheduler(engine, TextTokenizer(tiny_dir), decode_share=0.6)
+    engine.advance, engine.join, engine.decode_step = slow_advance, slow_join, slow_step
+    return engine
+
+
+def test_short_prompts_joining_during_a_long_one_count_against_the_decode_share(tiny_dir):
+    """decode_share 0.6 while a long prompt joins in chunks of 0.3 s: a short prompt's join of 0.3 s before
+    a chunk adds its share to the decode steps owed after it (0.9 s in all, 0.45 for the chunk alone)."""
+    order = []
+    sched = Scheduler(_timed_engine(tiny_dir, order, 0.3, 0.3, 0.05), TextTokenizer(tiny_dir), decode_share=0.6)
     sinks = {name: Logged(name, order) for name in ("a", "long", "s")}
     sched.start()
     try:
-        sched.submit(Request(list(range(10, 15)), SamplingParams(max_tokens=40), sinks["a"]))
+        sched.submit(Request(list(range(10, 15)), SamplingParams(max_tokens=60), sinks["a"]))
         wait_until(lambda: sched.active == 1)
         with held(sched):
             sched.submit(Request(list(range(20, 50)), SamplingParams(max_tokens=2), sinks["long"]))
@@ -517,7 +523,40 @@ def test_short_prompts_joining_during_a_long_one_count_against_the_decode_share(
             assert sinks[name].wait().finish_reason == "length", name
     finally:
         sched.stop()
-    joined = order.index(("joined", 0))
-    chunk = next(i for i, (name, _) in enumerate(order) if name == "chunk" and i > joined)
-    stepped = sum(s for name, s in order[joined:chunk] if name == "step")
-    assert stepped >= 0.5, order  # 0.6 s owed, less what the scheduler times beyond the steps themselves
+    chunks = [i for i, (name, _) in enumerate(order) if name == "chunk"]
+    after = next(c for c in chunks if c > order.index(("joined", 0)))
+    following = next((c for c in chunks if c > after), len(order))
+    stepped = sum(s for name, s in order[after:following] if name == "step")
+    assert stepped >= 0.8, order  # 0.9 s owed, less what the scheduler times beyond the steps themselves
+
+
+def test_a_stream_of_short_requests_does_not_hold_a_long_prompt_back(tiny_dir):
+    """Short requests keep arriving for 4 s, each join 0.2 s, while a long prompt (4 chunks) joins beside a
+    streaming row at decode_share 0.2: the long prompt still answers while they arrive."""
+    order = []
+    sched = Scheduler(_timed_engine(tiny_dir, order, 0.0, 0.2, 0.02), TextTokenizer(tiny_dir), decode_share=0.2)
+    long_sink, stop = Sink(), threading.Event()
+
+    def feed():
+        n = 0
+        while not stop.is_set():
+            sched.submit(Request([40 + n % 20, 41, 42], SamplingParams(max_tokens=1), Sink()))
+            n += 1
+            time.sleep(0.05)
+
+    sched.start()
+    feeder = threading.Thread(target=feed, daemon=True)
+    try:
+        sched.submit(Request(list(range(10, 15)), SamplingParams(max_tokens=400), Sink()))
+        wait_until(lambda: sched.active == 1)
+        feeder.start()
+        time.sleep(0.3)
+        began = time.monotonic()
+        sched.submit(Request(list(range(20, 52)), SamplingParams(max_tokens=1), long_sink))
+        assert long_sink.wait().finish_reason == "length"
+        took = time.monotonic() - began
+        assert feeder.is_alive() and took < 3.5, (took, order[-20:])
+    finally:
+        stop.set()
+        feeder.join(timeout=10)
+        sched.stop()
