@@ -136,11 +136,12 @@ class Engine:
         """Start a batch: prompts (B lists of token ids, lengths may differ) -> logits.
 
         Returns float32 [B, V], each row the logits after its prompt's last token; with all_logits, a
-        list of B tensors [T_b, V], the logits after every prompt token. Prompts whose tokens to compute
-        fit one prefill chunk together go through one pass (join_many: each layer's experts fetched once
-        for all of them; the same tokens as one by one, float32 logits to rounding); others, and
-        all_logits, one by one. Resets the KV cache; leaves the expert cache untouched. Raises
-        ValueError naming max_batch, max_seq_len or the token id.
+        list of B tensors [T_b, V], the logits after every prompt token. Without a prefix cache, prompts
+        that fit one prefill chunk together go through one pass (join_many: each layer's experts fetched
+        once for all of them; the same tokens as one by one, float32 logits to rounding); others, all_logits
+        and a prefix cache (where a later prompt restores what an earlier one of the batch just kept) one
+        by one. Resets the KV cache; leaves the expert cache untouched. Raises ValueError naming max_batch,
+        max_seq_len or the token id.
         """
         prompts = [list(p) for p in prompts]
         if not 1 <= len(prompts) <= self.max_batch:
@@ -152,7 +153,8 @@ class Engine:
                              "advance or drop it with abort_join first")
         self.kv.lengths.zero_()
         self._lengths, self._rows = [], []
-        if not all_logits and len(prompts) > 1 and sum(map(self.tokens_to_compute, prompts)) <= self.prefill_chunk:
+        if (not all_logits and self.prefix is None and len(prompts) > 1
+                and sum(map(len, prompts)) <= self.prefill_chunk):
             return torch.stack([logits for _, logits in self.join_many(prompts)])
         out = [self._join(prompt, all_logits)[1] for prompt in prompts]
         return out if all_logits else torch.stack(out)

@@ -148,9 +148,10 @@ def test_a_pass_that_fails_returns_its_blocks_and_adds_no_row(checkpoint, monkey
 
 
 def test_prefill_of_several_prompts_is_one_pass_where_they_fit_a_chunk(checkpoint):
-    """Engine.prefill: prompts computing at most a chunk together go through one pass, the same greedy
-    tokens and float32 logits to rounding as one by one; more than a chunk, or all_logits, one by one."""
-    _, _, path = checkpoint
+    """Engine.prefill: prompts of at most a chunk together go through one pass, the same greedy tokens and
+    float32 logits to rounding as one by one; more than a chunk, all_logits, or a prefix cache (where a
+    prompt restores what an earlier one of the batch kept), one by one."""
+    name, _, path = checkpoint
     prompts = [random_tokens(n, seed=80 + n) for n in (6, 11, 14)]  # 31 tokens: one chunk of 32
     one = _engine(path)
     want = torch.stack([one.prefill([p])[0] for p in prompts])
@@ -166,3 +167,10 @@ def test_prefill_of_several_prompts_is_one_pass_where_they_fit_a_chunk(checkpoin
         calls[0] = 0
         engine.prefill(over, **kw)
         assert calls[0] == _moe_layers(engine) * len(over)
+    kept = _engine(path, prefix_blocks=64, prefix_block_tokens=BLOCK)
+    calls = _count_prefills(kept)
+    shared = random_tokens(8, seed=91)
+    kept.prefill([shared + prompts[0][:4], shared + prompts[1][:4]])
+    assert calls[0] == _moe_layers(kept) * 2
+    # Qwen3-Next keeps the first prompt's state at its end (12 tokens) only, past the 8 the second shares
+    assert kept.cached_tokens(1) == (0 if name == "qwen3_next" else 8)
