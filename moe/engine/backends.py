@@ -329,13 +329,15 @@ def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: 
     held: list[int] = []
 
     def decode() -> tuple[torch.Tensor, torch.Tensor]:
-        """rows decoded at once into new tensors (float32 [G, 2I, H], [G, H, I]); their ring slots then free."""
-        mats = tuple(dequantize_rows([r[i] for r in rows], hidden.device) for i in (0, 1))
-        for n in held:
-            staged.release(n)
-        rows.clear()
-        held.clear()
-        return mats
+        """rows decoded at once into new tensors (float32 [G, 2I, H], [G, H, I]); their ring slots then free
+        (also when the decode fails, so the ring serves later prompts)."""
+        try:
+            return tuple(dequantize_rows([r[i] for r in rows], hidden.device) for i in (0, 1))
+        finally:
+            for n in held:
+                staged.release(n)
+            rows.clear()
+            held.clear()
 
     for u0, group in prefill_groups(used, per, size):
         done = []  # a group whose streamed experts the ring cannot hold at once is decoded in parts

@@ -162,3 +162,31 @@ def test_a_group_adds_each_experts_gated_mlp_as_moe_reference_does(seed):
     assert any(len(grp) > 1 for _, grp in backends.prefill_groups(used, per, 4))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(run(), got)
+
+
+def test_a_decode_that_fails_frees_its_ring_slots(checkpoint, device, monkeypatch):
+    """A group's decode that raises (out of memory, say) still releases the ring slots it held: the next
+    prompt streams through the same ring and gives the direct reads' logits bitwise."""
+    _, model, path = checkpoint
+    k = model.config.num_experts_per_tok
+    engines = [load_model(path, device.type, num_slots=k + 1, max_seq_len=128, progress=False, cuda_graphs=False)
+               for _ in range(2)]
+    direct, staged = engines
+    moe = staged.moe
+    direct.moe.staging = None
+    moe.staging = backends.PrefillStaging(moe.store, 3, device)
+    if device.type == "cpu":
+        moe.prefill = lambda w, hidden: backends.moe_prefill(moe.store, moe.cfg, w, hidden,
+                                                             (torch.from_numpy(moe.cache.slot_of), moe.pool),
+                                                             moe.prefill_counts, moe.staging)
+    real = backends.dequantize_rows
+
+    def failing(rows, dev):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(backends, "dequantize_rows", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        staged.prefill([random_tokens(60, seed=11)])
+    monkeypatch.setattr(backends, "dequantize_rows", real)
+    prompt = random_tokens(60, seed=12)
+    assert torch.equal(staged.prefill([prompt]), direct.prefill([prompt]))
