@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -71,8 +72,20 @@ def _driver(tiny: Path, mode: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def _end(proc: subprocess.Popen) -> None:
+    """Kill the driver's whole session (its follower too), whatever state the test left it in."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
 def _said(proc: subprocess.Popen, timeout: float = 300) -> dict:
-    out, err = proc.communicate(timeout=timeout)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        _end(proc)
     said = {}
     for line in out.splitlines():
         if line.startswith("{"):
@@ -94,17 +107,26 @@ def test_a_follower_that_fails_ends_and_the_leaders_next_call_fails(tiny):
 
 def test_a_follower_ends_when_its_leader_is_gone(tiny):
     proc = _driver(tiny, "orphan")
-    line = proc.stdout.readline()
-    while line and not line.startswith("{"):
-        line = proc.stdout.readline()
-    assert line, proc.stderr.read()[-2000:]
-    pid = json.loads(line)["follower"]
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _running(pid):
-        time.sleep(0.2)
-    assert not _running(pid), "the follower outlived its leader"
+    pid = None
+    try:
+        deadline = time.monotonic() + 300
+        while pid is None and time.monotonic() < deadline:  # rank 0 says its follower's pid once both loaded
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                line = proc.stdout.readline()
+                assert line, "the driver ended before its follower loaded"
+                if line.startswith("{"):
+                    pid = json.loads(line)["follower"]
+        assert pid is not None, "the ranks did not load in 300 s"
+        os.kill(proc.pid, signal.SIGKILL)  # rank 0 alone: the follower is left to notice
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _running(pid):
+            time.sleep(0.2)
+        assert not _running(pid), "the follower outlived its leader"
+    finally:
+        _end(proc)
+        if pid is not None and _running(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _running(pid: int) -> bool:
