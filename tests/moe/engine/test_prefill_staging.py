@@ -74,16 +74,11 @@ def test_the_ring_serves_each_key_its_bytes_and_drops_what_no_layer_reads(checkp
     assert len(staging.freed) <= ring  # each slot's last release waits for the next copy into it, no more
 
 
-@pytest.mark.parametrize("ring", [1, 3, 64])
-def test_prefill_through_the_ring_is_bitwise_the_direct_reads(checkpoint, device, ring):
-    """A prompt using every expert (prefetching the next layer's), a short one (no prefetch) and one
-    between, after decode steps that made some experts resident: logits and KV bitwise, the cache
-    untouched, the same counts, transformers within 1e-4."""
-    name, model, path = checkpoint
-    k = model.config.num_experts_per_tok
-    engines = [load_model(path, device.type, num_slots=k + 1, max_seq_len=128, progress=False, cuda_graphs=False)
-               for _ in range(2)]
-    direct, staged = engines
+def _direct_and_staged(path, k: int, device: torch.device, ring: int):
+    """Two engines of the checkpoint (k + 1 slots): one reading each streamed expert as it computes it, one
+    streaming through a PrefillStaging ring of `ring` slots (on the CPU too, whose backend has none)."""
+    direct, staged = (load_model(path, device.type, num_slots=k + 1, max_seq_len=128, progress=False,
+                                 cuda_graphs=False) for _ in range(2))
     moe = staged.moe
     direct.moe.staging = None
     moe.staging = backends.PrefillStaging(moe.store, ring, device)
@@ -91,6 +86,18 @@ def test_prefill_through_the_ring_is_bitwise_the_direct_reads(checkpoint, device
         moe.prefill = lambda w, hidden: backends.moe_prefill(moe.store, moe.cfg, w, hidden,
                                                              (torch.from_numpy(moe.cache.slot_of), moe.pool),
                                                              moe.prefill_counts, moe.staging)
+    return direct, staged
+
+
+@pytest.mark.parametrize("ring", [1, 3, 64])
+def test_prefill_through_the_ring_is_bitwise_the_direct_reads(checkpoint, device, ring):
+    """A prompt using every expert (prefetching the next layer's), a short one (no prefetch) and one
+    between, after decode steps that made some experts resident: logits and KV bitwise, the cache
+    untouched, the same counts, transformers within 1e-4."""
+    name, model, path = checkpoint
+    k = model.config.num_experts_per_tok
+    engines = direct, staged = _direct_and_staged(path, k, device, ring)
+    moe = staged.moe
     for engine in engines:
         engine.generate([random_tokens(5, seed=6)], max_new_tokens=4)
     before = _snapshot(moe)
@@ -168,17 +175,7 @@ def test_a_decode_that_fails_frees_its_ring_slots(checkpoint, device, monkeypatc
     """A group's decode that raises (out of memory, say) still releases the ring slots it held: the next
     prompt streams through the same ring and gives the direct reads' logits bitwise."""
     _, model, path = checkpoint
-    k = model.config.num_experts_per_tok
-    engines = [load_model(path, device.type, num_slots=k + 1, max_seq_len=128, progress=False, cuda_graphs=False)
-               for _ in range(2)]
-    direct, staged = engines
-    moe = staged.moe
-    direct.moe.staging = None
-    moe.staging = backends.PrefillStaging(moe.store, 3, device)
-    if device.type == "cpu":
-        moe.prefill = lambda w, hidden: backends.moe_prefill(moe.store, moe.cfg, w, hidden,
-                                                             (torch.from_numpy(moe.cache.slot_of), moe.pool),
-                                                             moe.prefill_counts, moe.staging)
+    direct, staged = _direct_and_staged(path, model.config.num_experts_per_tok, device, 3)
     real = backends.dequantize_rows
 
     def failing(rows, dev):
