@@ -181,11 +181,9 @@ class ExpertFormat:
     def decode(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int,
                stack: int = 1) -> torch.Tensor:
         """W' float32 [out, in] of parts already checked (a store or pool's own rows): `dequantize` without
-        the checks, so a GPU caller syncs nothing. The parts must have the layout's shapes."""
-        import torch
-
-        subs = [{k: v.chunk(stack)[i] for k, v in parts.items()} for i in range(stack)]
-        return torch.cat([self._dequantize(p, out_features // stack, in_features) for p in subs])
+        the checks, so a GPU caller syncs nothing. The parts must have the layout's shapes. decode_batch of
+        one matrix."""
+        return self.decode_batch({k: v.unsqueeze(0) for k, v in parts.items()}, out_features, in_features, stack)[0]
 
     def decode_batch(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int,
                      stack: int = 1) -> torch.Tensor:
