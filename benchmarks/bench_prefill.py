@@ -2,7 +2,8 @@
 limit of the experts that must cross PCIe.
 
     --layers L decoder layers at Qwen3-30B-A3B's geometry (moe.testing.random_decoder.qwen3_30b_like,
-    random bf16 weights, --vocab tokens), routed experts in a pinned HostStore
+    random bf16 weights, --vocab tokens), routed experts in a pinned HostStore in --expert-format (default
+    bf16)
     -> GpuMoE over --slots-frac of the L * E experts (default a quarter); decode steps routed to
        experts 0..S/L-1 of every layer fill the slots first (forced routing), so prefill finds that
        quarter resident and streams the rest from host memory
@@ -18,7 +19,7 @@ limit of the experts that must cross PCIe.
     -> table and --out JSON (GPU, versions, commit)
 
 Run: python benchmarks/bench_prefill.py [--layers 8] [--prompts 1024,8192,32768] [--slots-frac 0.25]
-     [--no-serial] [--out prefill.json] [--trace-out prefill-trace.json]
+     [--expert-format int4] [--no-serial] [--out prefill.json] [--trace-out prefill-trace.json]
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+from expertcache.formats import format_names
 
 
 def resident_routing(layers: int, experts: int, top_k: int, slots: int, batch: int = 1) -> np.ndarray:
@@ -118,6 +121,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-chunk", type=int, default=None, help="Engine prefill_chunk (default the engine's)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--expert-format", choices=format_names(), default=None,
+                    help="the routed experts' format in the host store and the slots (default: bf16)")
     ap.add_argument("--no-serial", dest="serial", action="store_false",
                     help="skip the same prefill without the staging ring's overlap")
     ap.add_argument("--out")
@@ -144,7 +149,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from moe.testing.random_decoder import qwen3_30b_like, random_decoder
 
-    weights = random_decoder(qwen3_30b_like(args.layers, vocab_size=args.vocab), "cuda", seed=args.seed)
+    weights = random_decoder(qwen3_30b_like(args.layers, vocab_size=args.vocab), "cuda", seed=args.seed,
+                             expert_format=args.expert_format)
     link = benchmeta.link_bandwidth()
     rows = []
     for i, p in enumerate(sorted(args.prompts)):
@@ -165,7 +171,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{r['copy_limit_s'] * 1e3:.1f} ms ({r['ttft_over_limit'] or 0:.2f}x){serial}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"bench": "bench_prefill", "machine": benchmeta.machine(),
-                                              "link_bytes_per_s": link, "settings": vars(args), "rows": rows},
+                                              "link_bytes_per_s": link, "settings": vars(args),
+                                              "expert_format": weights.spec.moe.expert_format, "rows": rows},
                                              indent=1) + "\n")
     return rows
 

@@ -33,7 +33,8 @@ def test_the_copy_limit_is_the_streamed_bytes_at_the_link_speed():
 
 @pytest.mark.parametrize("argv, message", [(["--prompts", "1k"], "--prompts: '1k'"),
                                            (["--prompts", "0"], "must be >= 1"),
-                                           (["--slots-frac", "0"], "--slots-frac must be in (0, 1]")])
+                                           (["--slots-frac", "0"], "--slots-frac must be in (0, 1]"),
+                                           (["--expert-format", "int3"], "--expert-format: invalid choice")])
 def test_bad_options_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
         _bench().parse(argv)
@@ -43,3 +44,4 @@ def test_bad_options_are_refused_by_name(argv, message, capsys):
 def test_defaults():
     args = _bench().parse([])
     assert (args.layers, args.prompts, args.slots_frac, args.prefill_chunk) == (8, [1024, 8192, 32768], 0.25, 16384)
+    assert args.expert_format is None and _bench().parse(["--expert-format", "int4"]).expert_format == "int4"
