@@ -27,12 +27,13 @@ cache restores) joins chunk by chunk instead (one such prompt at a time, in the
 engine's spare row): one chunk per loop turn, with a decode step of the active rows after it, so the
 sequences already streaming keep streaming and shorter requests keep joining (they pass a long
 prompt waiting for the spare row; long ones keep their order among themselves). While rows stream,
-loop turns after a chunk run decode steps only (admitting short requests as usual) until their time
-reaches decode_share / (1 - decode_share) of the chunk's and of the short prompts' joins before it
-(both stall the streaming rows; the joins counted up to the chunk's own time, so the long prompt still
-advances under a stream of short requests): the streaming rows get at least that share
-of the scheduler's time, so a short request that joins during a long prefill finishes within a chunk
-or two instead of one token a chunk. The schedule depends on time; the tokens do not (a row's
+loop turns after a chunk run decode steps only until their time reaches decode_share / (1 -
+decode_share) of the chunk's and of the short prompts' joins before it (both stall the streaming rows).
+Short requests join in those turns as usual until their joins since the chunk took as long as the
+chunk did (the join that passes that time completes); later ones wait for the next chunk. So under any
+stream of short requests the streaming rows keep about decode_share of the scheduler's time and the long
+prompt about half the rest or more, and a short request that joins during a long prefill finishes
+within a chunk or two instead of one token a chunk. The schedule depends on time; the tokens do not (a row's
 tokens are the same whatever shares its steps). A request
 whose consumer went away (`cancel()`, or an `emit` that raises) leaves at the next loop turn and
 frees its row. `emit` runs on the scheduler thread: it must be quick and thread-safe (the server's
@@ -46,6 +47,7 @@ Legend: B = active sequences, V = vocab.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -216,6 +218,7 @@ class Scheduler:
         self.decode_share = decode_share
         self._decode_owed = 0.0  # seconds of decode steps still owed before the next chunk
         self._stalled = 0.0  # seconds of short prompts' joins since the last chunk, while a prompt joins
+        self._last_chunk = math.inf  # seconds the joining prompt's last chunk took (none yet: inf)
         self.eos_ids = frozenset(tokenizer.eos_ids if eos_ids is None else eos_ids)
         self.harmony = harmony_ids(tokenizer)  # a harmony model's specials (gpt-oss), or None
         self.poll_s = poll_s
@@ -314,7 +317,10 @@ class Scheduler:
                 return
             self._drop_cancelled()
             start = time.perf_counter()
-            self._admit()
+            # while a prompt joins, short prompts join until their time since its last chunk reaches that
+            # chunk's; later ones wait for the next chunk, so joins, chunks and steps each keep a share
+            if self._joining is None or not self.rows or self._stalled < self._last_chunk:
+                self._admit()
             if self._joining is not None:  # short prompts joining stall the streaming rows as a chunk does
                 self._stalled += time.perf_counter() - start
             if self._joining is not None and (not self.rows or self._decode_owed <= 0.0):
@@ -324,7 +330,7 @@ class Scheduler:
                 # owed for the chunk and the joins since the last one, these at most a chunk's worth: so
                 # the long prompt still advances while short requests keep arriving
                 self._decode_owed = (chunk + min(self._stalled, chunk)) * self.decode_share / (1.0 - self.decode_share)
-                self._stalled = 0.0
+                self._stalled, self._last_chunk = 0.0, chunk
             if self.rows:
                 start = time.perf_counter()
                 self._step()
@@ -387,7 +393,8 @@ class Scheduler:
                         tokens = 0
                         try:
                             self._joining = (req, engine.start_join(req.prompt), time.monotonic())
-                            self._decode_owed = self._stalled = 0.0
+                            # what the last prompt's last chunk owes is still owed: its steps come first
+                            self._stalled, self._last_chunk = 0.0, math.inf
                         except ValueError as e:
                             self._refuse(req, e)
                     else:

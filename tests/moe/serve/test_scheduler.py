@@ -479,10 +479,11 @@ def test_a_long_prompt_whose_prefix_is_kept_joins_at_once(tiny_dir, ref):
 
 
 def _timed_engine(tiny_dir, order: list, chunk_s: float, join_s: float, step_s: float):
-    """The tiny engine with each chunk, each 3-token prompt's join and each decode step made to take at
-    least these seconds; ("chunk", 0), ("joined", 0) and ("step", its seconds) appended to `order`."""
+    """The tiny engine with each chunk, each join of 3-token prompts (alone or in one pass) and each decode
+    step made to take at least these seconds; ("chunk", 0), ("joined", 0) and ("step", its seconds) appended
+    to `order`."""
     engine = _engine(tiny_dir, max_batch=3, prefill_chunk=8)
-    advance, join, decode_step = engine.advance, engine.join, engine.decode_step
+    advance, join, join_many, decode_step = engine.advance, engine.join, engine.join_many, engine.decode_step
 
     def slow_advance(joining):
         time.sleep(chunk_s)
@@ -495,6 +496,12 @@ def _timed_engine(tiny_dir, order: list, chunk_s: float, join_s: float, step_s: 
             order.append(("joined", 0))
         return join(prompt)
 
+    def slow_join_many(prompts):
+        if all(len(p) == 3 for p in prompts):
+            time.sleep(join_s)
+            order.append(("joined", 0))
+        return join_many(prompts)
+
     def slow_step(tokens):
         start = time.perf_counter()
         time.sleep(step_s)
@@ -503,6 +510,7 @@ def _timed_engine(tiny_dir, order: list, chunk_s: float, join_s: float, step_s: 
         return out
 
     engine.advance, engine.join, engine.decode_step = slow_advance, slow_join, slow_step
+    engine.join_many = slow_join_many
     return engine
 
 
@@ -530,11 +538,10 @@ def test_short_prompts_joining_during_a_long_one_count_against_the_decode_share(
     assert stepped >= 0.8, order  # 0.9 s owed, less what the scheduler times beyond the steps themselves
 
 
-def test_a_stream_of_short_requests_does_not_hold_a_long_prompt_back(tiny_dir):
-    """Short requests keep arriving for 4 s, each join 0.2 s, while a long prompt (4 chunks) joins beside a
-    streaming row at decode_share 0.2: the long prompt still answers while they arrive."""
-    order = []
-    sched = Scheduler(_timed_engine(tiny_dir, order, 0.0, 0.2, 0.02), TextTokenizer(tiny_dir), decode_share=0.2)
+def _long_prompt_under_short_requests(sched: Scheduler, order: list, settle_s: float, stream_tokens: int):
+    """Beside one streaming row (`stream_tokens` to answer), 3-token requests arriving every 0.05 s from
+    `settle_s` before a 32-token prompt (4 chunks of 8) is submitted until it answered: (seconds it took,
+    the index in `order` it was submitted at, whether the requests still arrived when it answered)."""
     long_sink, stop = Sink(), threading.Event()
 
     def feed():
@@ -547,16 +554,62 @@ def test_a_stream_of_short_requests_does_not_hold_a_long_prompt_back(tiny_dir):
     sched.start()
     feeder = threading.Thread(target=feed, daemon=True)
     try:
-        sched.submit(Request(list(range(10, 15)), SamplingParams(max_tokens=400), Sink()))
+        sched.submit(Request(list(range(10, 15)), SamplingParams(max_tokens=stream_tokens), Sink()))
         wait_until(lambda: sched.active == 1)
         feeder.start()
-        time.sleep(0.3)
-        began = time.monotonic()
+        time.sleep(settle_s)
+        began, at = time.monotonic(), len(order)
         sched.submit(Request(list(range(20, 52)), SamplingParams(max_tokens=1), long_sink))
         assert long_sink.wait().finish_reason == "length"
-        took = time.monotonic() - began
-        assert feeder.is_alive() and took < 3.5, (took, order[-20:])
+        return time.monotonic() - began, at, feeder.is_alive()
     finally:
         stop.set()
         feeder.join(timeout=10)
         sched.stop()
+
+
+def test_a_stream_of_short_requests_does_not_hold_a_long_prompt_back(tiny_dir):
+    """Short requests keep arriving for 4 s, each join 0.2 s, while a long prompt (4 chunks) joins beside a
+    streaming row at decode_share 0.2: the long prompt still answers while they arrive."""
+    order = []
+    sched = Scheduler(_timed_engine(tiny_dir, order, 0.0, 0.2, 0.02), TextTokenizer(tiny_dir), decode_share=0.2)
+    took, _, arriving = _long_prompt_under_short_requests(sched, order, 0.3, 400)
+    assert arriving and took < 3.5, (took, order[-20:])
+
+
+def test_joins_between_two_chunks_stop_at_a_chunks_time(tiny_dir):
+    """Short requests keep arriving, each join 0.3 s, while a long prompt (4 chunks of 0.3 s) joins beside a
+    streaming row at decode_share 0.2: joins after a chunk stop once they took a chunk's time, so two chunks
+    are at most a chunk of joins, the join passing it and the owed steps apart (not as many joins as the
+    owed steps take turns)."""
+    order = []
+    sched = Scheduler(_timed_engine(tiny_dir, order, 0.3, 0.3, 0.01), TextTokenizer(tiny_dir), decode_share=0.2)
+    _, began, _ = _long_prompt_under_short_requests(sched, order, 0.5, 5000)
+    chunks = [i for i, (name, _) in enumerate(order) if name == "chunk" and i >= began]
+    assert len(chunks) == 4, order[began:]
+    for a, b in zip(chunks, chunks[1:]):
+        joins = sum(name == "joined" for name, _ in order[a:b])
+        assert joins <= 2, order[a:b]  # 0.15 s of steps owed: 15 turns, each with a join, before
+
+
+def test_the_steps_a_prompts_last_chunk_owes_come_before_the_next_prompt(tiny_dir):
+    """Three long prompts of 2 chunks (0.3 s each) queued beside a streaming row at decode_share 0.6: every
+    chunk, the last of a prompt too, is followed by its 0.45 s of decode steps before the next chunk."""
+    order = []
+    sched = Scheduler(_timed_engine(tiny_dir, order, 0.3, 0.0, 0.05), TextTokenizer(tiny_dir), decode_share=0.6)
+    sinks = [Sink() for _ in range(3)]
+    sched.start()
+    try:
+        sched.submit(Request(list(range(10, 15)), SamplingParams(max_tokens=400), Sink()))
+        wait_until(lambda: sched.active == 1)
+        for k, sink in enumerate(sinks):
+            sched.submit(Request(list(range(20 + k, 32 + k)), SamplingParams(max_tokens=1), sink))
+        for sink in sinks:
+            assert sink.wait().finish_reason == "length"
+    finally:
+        sched.stop()
+    chunks = [i for i, (name, _) in enumerate(order) if name == "chunk"]
+    assert len(chunks) == 6, order
+    for a, b in zip(chunks, chunks[1:]):
+        stepped = sum(s for name, s in order[a:b] if name == "step")
+        assert stepped >= 0.35, (a, order[a:b])  # 0.45 s owed, less the scheduler's own time
