@@ -32,7 +32,7 @@ from moe.model.reference import SharedWeights, moe_reference
 from moe.model.slot_matrix import SlotMatrix
 
 CHUNK_EXPERTS = 64  # experts generated on the device per host copy ...
-CHUNK_BYTES = 4 << 30  # ... fewer where their float32 draws (3 I H each) would pass this (Mixtral's experts: 5)
+CHUNK_BYTES = 4 << 30  # ... fewer where their float32 draws (3 I H each) would pass this (Mixtral's experts: 6)
 
 
 @dataclass
