@@ -168,9 +168,9 @@ H200 = HardwareProfile(
     hbm_gbps=4219.0,
     layer_overhead_us=10.0,
     # markov's two learning launches before its ensure (the rows kernel at one warp a program):
-    # bench_ensure.py at m = 0, 1650 slots, above lru: 7.98 us at 128 experts a layer, 19.31 at 512
+    # bench_ensure.py at m = 0, 1650 slots, above lru: 7.04 us at 128 experts a layer, 11.02 at 512
     # (benchmarks/results/ensure-markov.json)
-    policy_us=(("markov", 4.20, 0.0295),),
+    policy_us=(("markov", 5.713, 0.01036),),
 )
 
 

@@ -67,14 +67,14 @@ def test_no_arguments_replays_the_embedded_gemma_trace_and_says_where_it_is_from
 DEFAULT_CHOICES = """\
 choice by modeled tok/s (no overlap), never an oracle; belady (knows the whole future) is the limit, \
 next-token (knows the next token) an oracle to compare with:
-  384 slots (10.0 %): markov 132.8 tok/s, 1.185x lru's; limit: belady 191.6; oracle: next-token 130.3
+  384 slots (10.0 %): markov 133.3 tok/s, 1.190x lru's; limit: belady 191.6; oracle: next-token 130.3
   768 slots (20.0 %): lfuda 204.2 tok/s, 1.104x lru's; limit: belady 304.3; oracle: next-token 195.4
   1,152 slots (30.0 %): lfuda 301.7 tok/s, 1.081x lru's; limit: belady 404.3; oracle: next-token 285.7
 """
 # ... and of its miss services on the default host (copy and hybrid)
 DEFAULT_SERVICE_CHOICES = """\
 choice of miss service by modeled tok/s (never an oracle):
-  384 slots: hybrid with rule, 198.9 tok/s, 1.50x the best copy (markov, 132.8)
+  384 slots: hybrid with rule, 198.9 tok/s, 1.49x the best copy (markov, 133.3)
   768 slots: hybrid with rule, 256.6 tok/s, 1.26x the best copy (lfuda, 204.2)
   1,152 slots: hybrid with lfuda, 332.4 tok/s, 1.10x the best copy (lfuda, 301.7)
 """
