@@ -121,13 +121,11 @@ QUANT_SWEEP = (  # tiles for quantized weights (more rows per program); the firs
 )
 NAME_HELP = "i<block_i>x<chunk_h>w<warps>-h<block_h>x<chunk_i>w<warps>[-dr][-pfN]"
 NAME = re.compile(r"^i(\d+)x(\d+)w(\d+)-h(\d+)x(\d+)w(\d+)(-dr)?(?:-pf(\d+))?$")
-MMA_NAME_HELP = ("m<block_m>-i<block_n>w<warps>-h<down_block_n>w<warps>-c<block_h>w<warps>[-k<split_k>] "
-                 "(MmaTiles.name)")
+MMA_NAME_HELP = "m<block_m>-i<block_n>w<warps>-h<down_block_n>w<warps>-c<block_h>w<warps> (MmaTiles.name)"
 MMA_SWEEP = (  # MmaTiles names; the first is the default. More rows a program issue fewer instructions a weight
     # (probe_routed_sass.py) but fill fewer SMs at one token
     DEFAULT_MMA_TILES.name, "m16-i64w4-h128w4-c256w2", "m16-i64w8-h128w8-c256w2", "m16-i32w2-h64w2-c256w2",
     "m16-i16w2-h32w2-c256w2", "m32-i32w4-h64w4-c256w2", "m64-i64w8-h128w8-c256w2",
-    *(dataclasses.replace(DEFAULT_MMA_TILES, split_k=n).name for n in (2, 4)),  # more gate_up programs, few pairs
 )
 
 

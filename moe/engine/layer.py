@@ -90,7 +90,7 @@ from moe.kernels.cpu_experts import CpuExperts
 from moe.kernels.plan import GEMV_MAX_TOKENS, LaunchPlan, resolve_launch_plan
 from moe.kernels.routed import device_sms, routed_down, routed_experts, routed_gate_up
 from moe.kernels.routed_host import routed_scratch
-from moe.kernels.routed_mma import MmaAct, mma_down, mma_gate_up, mma_scratch, split_scratch
+from moe.kernels.routed_mma import MmaAct, mma_down, mma_gate_up, mma_scratch
 from moe.kernels.router import ROUTER_MAX_EXPERTS, router_scratch, router_topk
 from moe.model.config import EXPERT_BIAS_BANKS, MoEConfig, routed_mma_from_env
 from moe.model.reference import SharedWeights, check_shared
@@ -253,9 +253,6 @@ class MoELayer:
         _check_plan(plan, self.cfg, self.device, self.slots)
         if plan.routed_mma is not None:  # its scratch made outside any capture
             mma_scratch(self.device, self.cfg.top_k, self.cfg.hidden, self.cfg.expert_intermediate)
-            if plan.routed_mma.split_k > 1:
-                split_scratch(self.device, self.cfg.top_k, self.cfg.hidden, self.cfg.expert_intermediate,
-                              plan.routed_mma)
         self.plan = plan
         self.side = self.slots.side_stream() if plan.mode.side_stream else None
 

@@ -4,7 +4,7 @@ for all of its tokens (kernels: moe.kernels.routed_mma_kernels).
     hidden [T, H], slots [T, k] int32, weights [T, k] float32, gate_up / down SlotMatrix in any expert
     format (expertcache.formats) or dense tensors
         │
-        ├─ gate_up: 1 launch, grid (T * k, ceil(I / block_n), split_k); the leader pair of each slot's group
+        ├─ gate_up: 1 launch, grid (T * k, ceil(I / block_n)); the leader pair of each slot's group
         │     -> act [T * k, I] float32 = weight[t, j] * act(gate, up)   (gpt-oss: biases, clamped SwiGLU)
         ├─ down:    1 launch, grid (T * k, ceil(H / down_block_n))  -> y [T * k, H] float32 per pair
         └─ combine: 1 launch, grid (T, ceil(H / block_h))
@@ -46,7 +46,6 @@ FP8_CODE = CODES["fp8"]  # SlotMatrix.code of fp8, whose codes the kernels read 
 PRECISION = {torch.bfloat16: (0, 2), torch.float16: (1, 1), torch.float32: (1, 1)}
 
 _SCRATCH: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-_PARTS: dict[tuple[torch.device, int, int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def check_mma_capability(capability: tuple[int, int]) -> None:
@@ -80,23 +79,6 @@ def mma_scratch(device: torch.device | str, top_k: int, hidden: int, inter: int)
     return _SCRATCH[key]
 
 
-def split_scratch(device: torch.device | str, top_k: int, hidden: int, inter: int,
-                  tiles: MmaTiles) -> tuple[torch.Tensor, torch.Tensor]:
-    """(parts float32 [split_k, MMA_MAX_TOKENS * k, 2I], counters int32 [MMA_MAX_TOKENS * k, ceil(I /
-    block_n)], made zero) of the gate_up under tiles.split_k > 1 on `device`, made on first use and kept
-    (call it before CUDA-graph capture, as mma_scratch); each gate_up call leaves the counters at zero.
-    Calls that share them must be ordered on one stream. Raises ValueError for split_k 1 (no scratch)."""
-    device = _scratch_device(device)
-    if tiles.split_k == 1:
-        raise ValueError("split_scratch: tiles.split_k is 1: the gate_up runs one program a tile, with no parts")
-    rows = MMA_MAX_TOKENS * top_k
-    key = (device, top_k, hidden, inter, tiles.split_k, tiles.block_n)
-    if key not in _PARTS:
-        _PARTS[key] = (torch.empty((tiles.split_k, rows, 2 * inter), dtype=torch.float32, device=device),
-                       torch.zeros((rows, -(-inter // tiles.block_n)), dtype=torch.int32, device=device))
-    return _PARTS[key]
-
-
 class MmaAct(NamedTuple):
     """mma_gate_up's output for mma_down: the scratch `act` (float32 [MMA_MAX_TOKENS * k, I]; with
     `split` its bytes hold the bfloat16 high parts of T * k rows, then lo_off elements further the low
@@ -128,16 +110,14 @@ def mma_gate_up(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
     _check_words("mma_gate_up", "gate_up", gate_up)
     act = MmaAct(mma_scratch(hidden.device, top_k, hid, inter)[0], PRECISION[hidden.dtype][1] == 2, tokens, top_k)
     act_arg, lo_off = act.kernel_arg
-    # split_k 1 reads no parts and no counter: any float32 and int32 tensors stand in
-    parts, counters = (act.act, slots) if tiles.split_k == 1 else split_scratch(hidden.device, top_k, hid, inter, tiles)
     kernel = kernel_for(_gate_up_mma, hidden.device, MMA_JIT_OPTIONS, "mma_gate_up")
     with _device_ctx(hidden.device):
         kernel[tiles.grids(tokens, top_k, hid, inter)[0]](
             hidden, slots, weights, gate_up.kernel_args(), act_arg, num_slots, tokens,
-            act.act if gate_up_bias is None else gate_up_bias, lo_off, parts, counters,
+            act.act if gate_up_bias is None else gate_up_bias, lo_off,
             **_group_args(tokens, top_k, hid, inter, tiles, hidden.device.type != "cuda"),
             BLOCK_N=tiles.block_n, PREC=PRECISION[hidden.dtype][0], SPLIT=act.split, num_warps=tiles.warps_gate_up,
-            SPLIT_K=tiles.split_k, **_format_args(gate_up), **activation_args(cfg, gate_up_bias is not None),
+            **_format_args(gate_up), **activation_args(cfg, gate_up_bias is not None),
             **_pdl(hidden.device))
     return act
 
@@ -194,7 +174,7 @@ def routed_experts_mma(hidden: torch.Tensor, slots: torch.Tensor, weights: torch
     row counts twice, as in routed_experts); weights [T, k] float32; gate_up [S, 2I, H] and down
     [S, H, I]: SlotMatrix of one format, or dense tensors of hidden's dtype; out / addend / out_cast /
     cfg / gate_up_bias / down_bias as routed_experts. Three launches on the current stream, no host
-    sync, nothing allocated once mma_scratch (and, under tiles.split_k > 1, split_scratch) is made:
+    sync, nothing allocated once mma_scratch is made:
     CUDA-graph capturable. Returns out when given,
     else out_cast when given, else a new float32 [T, H]. Raises ValueError naming the argument whose
     shape, dtype, device or value is wrong.
@@ -257,9 +237,9 @@ def compile_mma_for_target(top_k: int, hidden: int, inter: int, dtype: str = "bf
     p = f"*{dtype}"
     return {
         "_gate_up_mma": compile_for_sm(
-            _gate_up_mma, (p, "*i32", "*fp32", w13, act, "i32", "i32", bias, "i32", "*fp32", "*i32"),
+            _gate_up_mma, (p, "*i32", "*fp32", w13, act, "i32", "i32", bias, "i32"),
             {**group, "BLOCK_N": tiles.block_n, "PREC": prec_up, "SPLIT": prec_down == 2,
-             "SPLIT_K": tiles.split_k, "GDC": True, **activation_args(cfg, expert_bias)},
+             "GDC": True, **activation_args(cfg, expert_bias)},
             tiles.warps_gate_up, arch, MMA_JIT_OPTIONS, divisible=("lo_off",)),
         "_down_mma": compile_for_sm(
             _down_mma, (act, "*i32", w2, "*fp32", "i32", "i32", "i32"),

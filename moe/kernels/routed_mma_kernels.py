@@ -3,7 +3,7 @@
     group (every launch, from slots [T, K] alone): pair p = t * K + j leads the group of its slot s when
         s is in [0, S) and p is s's first pair; the members are the pairs that hold s, in pair order
         (a slot twice in one row: two members), BLOCK_M of them a tile
-    gate_up, grid (T * K, ceil(I / BLOCK_N), split_k): the leader of each group (every other program returns)
+    gate_up, grid (T * K, ceil(I / BLOCK_N)): the leader of each group (every other program returns)
         acc [2 BLOCK_N, BLOCK_M] = A · B per BLOCK_K = 128 columns, float32 accumulation:
         A = the weights, gate rows [tile) then up rows I + [tile) of slot s, dequantized in registers
             to values exact in the dot's operand type, in the layout of the dot's register operand
@@ -44,9 +44,8 @@ SPLIT; two dots, about 16 significant bits of each activation against exact weig
 interpreter): the same values without inline PTX, decoded and multiplied in float32 (the interpreter
 holds bfloat16 as its bits, and its bfloat16 casts flush subnormals).
 
-Every output element is written by one program in one fixed order (under split_k, the gate_up's parts
-summed in z order by whichever of a tile's programs arrives last at its counter, the one atomic), and the
-combine sums the K experts of a token in order j, so the result is bitwise repeatable for fixed tiles; a
+Every output element is written by one program in one fixed order, and the combine sums the K experts
+of a token in order j, so the result is bitwise repeatable for fixed tiles; a
 pair with no slot is never read. No program waits for another and there is no grid barrier: any other
 stream's work may hold SMs meanwhile.
 On CUDA the three launches are programmatic dependent launches (GDC), as the one-program-a-pair kernels':
@@ -393,19 +392,15 @@ def _gate_up_out(acc, pair, valid, n, weights_ptr, b13_ptr, slot, act_ptr, lo_of
 
 
 @triton.jit(**MMA_JIT_OPTIONS)
-def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens, b13_ptr, lo_off, part_ptr,
-                 count_ptr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr,
+def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens, b13_ptr, lo_off,
+                 K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, ZP: tl.constexpr,
                  PREC: tl.constexpr, EMU: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr = 0,
                  ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0, BIAS: tl.constexpr = False,
-                 SPLIT_K: tl.constexpr = 1, GDC: tl.constexpr = False):
+                 GDC: tl.constexpr = False):
     """x_ptr [T, H] hidden; slots_ptr *i32 [T * K]; weights_ptr *fp32 [T * K]; w13 the gate_up banks (q, s, s2,
     z) [S, 2I, H] in format FMT; act_ptr *fp32 [T * K, I] out, or (SPLIT) *bf16 [T * K, I] of the high
     parts and lo_off elements further the low ones (act = hi + lo); b13_ptr [S, 2I] (read when BIAS).
-    SPLIT_K > 1: program (p, t, z) dots the z-th of SPLIT_K runs of whole BLOCK_K steps of H into
-    part_ptr *fp32 [SPLIT_K, T * K, 2I] (the members' gate then up rows); the last of a tile's SPLIT_K
-    programs to arrive at its counter (count_ptr *i32 [T * K, ceil(I / BLOCK_N)], zero between calls: that
-    program sets it back) sums the parts in z order and finishes as one program does. Nothing waits.
     GDC: launched programmatically: wait for the predecessors before reading, then let the down launch."""
     if GDC:
         gdc_wait()
@@ -417,52 +412,20 @@ def _gate_up_mma(x_ptr, slots_ptr, weights_ptr, w13, act_ptr, num_slots, tokens,
         rows = tl.program_id(1) * BLOCK_N + r % BLOCK_N + (r // BLOCK_N) * I  # A: the gate rows, then the up rows
         row_ok = (tl.program_id(1) * BLOCK_N + r % BLOCK_N) < I
         slot64 = slot.to(tl.int64)
-        STEPS: tl.constexpr = (H + BLOCK_K - 1) // BLOCK_K
-        RUN: tl.constexpr = (STEPS + SPLIT_K - 1) // SPLIT_K * BLOCK_K  # columns a split's run
-        # this program's run of columns; a run's steps past H (where SPLIT_K does not divide the steps)
-        # read nothing and add zeros
-        if SPLIT_K == 1:
-            k_lo = 0  # a constant: the one program's loop compiles as without a split
-        else:
-            k_lo = tl.program_id(2) * RUN
-        PZ: tl.constexpr = 2 * I  # a member's part row: its gate, then its up
+        COLS: tl.constexpr = (H + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # whole BLOCK_K steps over H
         m0 = 0
         while m0 < count:
             token, pair, valid = _members(hit, rank, m0, K, TB, KB, BLOCK_M)
             acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
             b_rows = x_ptr + token[:, None].to(tl.int64) * H  # [BLOCK_M, 1]
-            sa, sb = _tile_scales(w13, slot64, rows, row_ok, k_lo, 2 * I, H, I, FMT, ZP, EMU)
-            for kk in range(0, RUN, BLOCK_K):  # constant bounds: the compiler pipelines the loop
-                k0 = k_lo + kk
+            sa, sb = _tile_scales(w13, slot64, rows, row_ok, 0, 2 * I, H, I, FMT, ZP, EMU)
+            for k0 in range(0, COLS, BLOCK_K):  # constant bounds: the compiler pipelines the loop
                 na, nb = _tile_scales(w13, slot64, rows, row_ok, k0 + BLOCK_K, 2 * I, H, I, FMT, ZP, EMU)
                 acc = _block(acc, b_rows, 0, valid, w13, slot64, rows, row_ok, k0, sa, sb, 2 * I, H, FMT, ZP, PREC, EMU)
                 sa, sb = na, nb
-            if SPLIT_K == 1:
-                _gate_up_out(acc, pair, valid, n, weights_ptr, b13_ptr, slot, act_ptr, lo_off, I, BLOCK_N, BLOCK_M,
-                             ACT, ALPHA, LIMIT, BIAS, SPLIT)
-            else:
-                part = (tl.program_id(2) * (tokens * K) + pair[None, :]).to(tl.int64) * PZ + rows[:, None]
-                tl.store(part_ptr + part, acc, mask=valid[None, :] & row_ok[:, None])
+            _gate_up_out(acc, pair, valid, n, weights_ptr, b13_ptr, slot, act_ptr, lo_off, I, BLOCK_N, BLOCK_M,
+                         ACT, ALPHA, LIMIT, BIAS, SPLIT)
             m0 += BLOCK_M
-        if SPLIT_K > 1:
-            # every part of this program stored (the barrier orders the program's threads, the release
-            # publishes them), then one arrival; the last sums the SPLIT_K parts of each member in z order
-            tl.debug_barrier()
-            counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                tl.store(counter, 0)
-                tl.debug_barrier()
-                m0 = 0
-                while m0 < count:
-                    token, pair, valid = _members(hit, rank, m0, K, TB, KB, BLOCK_M)
-                    acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
-                    keep = valid[None, :] & row_ok[:, None]
-                    for z in tl.static_range(SPLIT_K):
-                        part = (z * (tokens * K) + pair[None, :]).to(tl.int64) * PZ + rows[:, None]
-                        acc += tl.load(part_ptr + part, mask=keep, other=0.0, cache_modifier=".cg")
-                    _gate_up_out(acc, pair, valid, n, weights_ptr, b13_ptr, slot, act_ptr, lo_off, I, BLOCK_N,
-                                 BLOCK_M, ACT, ALPHA, LIMIT, BIAS, SPLIT)
-                    m0 += BLOCK_M
 
 
 @triton.jit(**MMA_JIT_OPTIONS)

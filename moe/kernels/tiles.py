@@ -144,9 +144,7 @@ class MmaTiles:
     block_m: member tokens of a slot per dot (more members take more tiles). block_n: gate rows (and
     as many up rows) per gate_up program; warps_gate_up its num_warps. down_block_n: output rows per
     down program; warps_down its num_warps. block_h: output rows per combine program; warps_combine
-    its num_warps. split_k: the gate_up's hidden columns split over this many programs a tile (their
-    float32 partial dots summed in order by the last to finish), more programs where a call has few
-    pairs. Raises ValueError naming the field.
+    its num_warps. Raises ValueError naming the field.
     """
 
     block_m: int = 16
@@ -156,7 +154,6 @@ class MmaTiles:
     warps_down: int = 4
     block_h: int = 256
     warps_combine: int = 2
-    split_k: int = 1
 
     def __post_init__(self) -> None:
         _check_pow2_fields(self)
@@ -166,24 +163,23 @@ class MmaTiles:
                                  f"got {getattr(self, name)}")
 
     def grids(self, tokens: int, top_k: int, hidden: int, inter: int) -> tuple[tuple[int, ...], ...]:
-        """(gate_up, down, combine) grids: (T * k, ceil(I / block_n), split_k), (T * k, ceil(H /
+        """(gate_up, down, combine) grids: (T * k, ceil(I / block_n)), (T * k, ceil(H /
         down_block_n)), (T, ceil(H / block_h)); a gate_up or down program whose pair does not lead its
         slot's group returns at once."""
         pairs = tokens * top_k
-        return ((pairs, -(-inter // self.block_n), self.split_k), (pairs, -(-hidden // self.down_block_n)),
+        return ((pairs, -(-inter // self.block_n)), (pairs, -(-hidden // self.down_block_n)),
                 (tokens, -(-hidden // self.block_h)))
 
     @classmethod
     def from_name(cls, name: str) -> MmaTiles:
         """The tiles of a `name` label. Raises ValueError for a label of another form or bad tiles."""
-        m = re.fullmatch(r"m(\d+)-i(\d+)w(\d+)-h(\d+)w(\d+)-c(\d+)w(\d+)(?:-k(\d+))?", name)
+        m = re.fullmatch(r"m(\d+)-i(\d+)w(\d+)-h(\d+)w(\d+)-c(\d+)w(\d+)", name)
         if m is None:
-            raise ValueError(f"{name!r} is not like {cls().name} (or with -k<split_k>)")
-        return cls(*(int(g) for g in m.groups() if g is not None))
+            raise ValueError(f"{name!r} is not like {cls().name}")
+        return cls(*(int(g) for g in m.groups()))
 
     @property
     def name(self) -> str:
-        """Short label m<block_m>-i<block_n>w<warps>-h<down_block_n>w<warps>-c<block_h>w<warps>, then
-        -k<split_k> where the gate_up splits its columns."""
+        """Short label m<block_m>-i<block_n>w<warps>-h<down_block_n>w<warps>-c<block_h>w<warps>."""
         return (f"m{self.block_m}-i{self.block_n}w{self.warps_gate_up}-h{self.down_block_n}w{self.warps_down}"
-                f"-c{self.block_h}w{self.warps_combine}" + (f"-k{self.split_k}" if self.split_k > 1 else ""))
+                f"-c{self.block_h}w{self.warps_combine}")
