@@ -78,6 +78,9 @@ class ExpertFormat:
     main: ClassVar[str] = "q"
     pack: ClassVar[int] = 1
     in_block: ClassVar[int] = 1  # inputs one scale covers along a row (1: none, or one per row)
+    # each row decoded from its own rows of every part alone (no part of whole blocks of rows or of
+    # the matrix), so stacked sub-matrices decode as one matrix
+    row_wise: ClassVar[bool] = False
 
     @property
     def key(self) -> str:
@@ -192,6 +195,8 @@ class ExpertFormat:
         decodes a group of experts so, where the host's op count per expert would bound it)."""
         import torch
 
+        if self.row_wise or stack == 1:  # no copy of the sub-matrices into one
+            return self._dequantize(parts, out_features, in_features)
         subs = [{k: v.chunk(stack, dim=1)[i] for k, v in parts.items()} for i in range(stack)]
         return torch.cat([self._dequantize(p, out_features // stack, in_features) for p in subs], dim=1)
 

@@ -51,6 +51,7 @@ class INT4(ExpertFormat):
     in_block = GROUP
     in_rule = "two 4-bit values per byte"
     pack = 2
+    row_wise = True
 
     @property
     def key(self) -> str:
@@ -100,7 +101,14 @@ class INT4(ExpertFormat):
 
         from expertcache.formats.packing import unpack_nibbles
 
-        u = unpack_nibbles(parts["q"]).to(torch.int32)  # [out, in]
+        u = unpack_nibbles(parts["q"])  # [..., out, in] uint8
+        s = parts["s"].float()
+        if in_features % GROUP == 0:  # whole groups: the scale and zero point broadcast over each group
+            lead = u.shape[:-1]
+            z = parts["z"].float().unsqueeze(-1) if self.zero_points else float(ZERO)
+            v = u.view(*lead, in_features // GROUP, GROUP).float() - z  # u - z: small integers, exact in float32
+            return (v * s.unsqueeze(-1)).view(*lead, in_features)
+        u = u.to(torch.int32)
         z = parts["z"].to(torch.int32) if self.zero_points else torch.full_like(parts["s"], ZERO, dtype=torch.int32)
-        z, s = (t.repeat_interleave(GROUP, dim=-1)[..., :in_features] for t in (z, parts["s"].float()))
+        z, s = (t.repeat_interleave(GROUP, dim=-1)[..., :in_features] for t in (z, s))
         return (u - z).to(torch.float32) * s
