@@ -78,9 +78,6 @@ class ExpertFormat:
     main: ClassVar[str] = "q"
     pack: ClassVar[int] = 1
     in_block: ClassVar[int] = 1  # inputs one scale covers along a row (1: none, or one per row)
-    # each row decoded from its own rows of every part alone (no part of whole blocks of rows or of
-    # the matrix), so stacked sub-matrices decode as one matrix
-    row_wise: ClassVar[bool] = False
 
     @property
     def key(self) -> str:
@@ -195,10 +192,15 @@ class ExpertFormat:
         decodes a group of experts so, where the host's op count per expert would bound it)."""
         import torch
 
-        if self.row_wise or stack == 1:  # no copy of the sub-matrices into one
+        if stack == 1 or self._stacks_decode_whole(out_features // stack):  # no copy of sub-matrices into one
             return self._dequantize(parts, out_features, in_features)
         subs = [{k: v.chunk(stack, dim=1)[i] for k, v in parts.items()} for i in range(stack)]
         return torch.cat([self._dequantize(p, out_features // stack, in_features) for p in subs], dim=1)
+
+    def _stacks_decode_whole(self, sub_rows: int) -> bool:
+        """True where a stack of sub-matrices of `sub_rows` rows decodes as one matrix of all their rows (no
+        part spans rows across a sub-matrix's edge and none is per sub-matrix): the formats that say so."""
+        return False
 
     def check(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int, stack: int = 1) -> None:
         """Refuse `parts` that are not exactly the layout of [out, in] (keys, shapes, dtypes, one device) or

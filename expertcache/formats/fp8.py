@@ -45,6 +45,9 @@ class FP8(ExpertFormat):
         return (Part("q", (out_features, in_features), "float8_e4m3fn"),
                 Part("s", (ceil_div(out_features, BLOCK), ceil_div(in_features, BLOCK)), "float32"))
 
+    def _stacks_decode_whole(self, sub_rows: int) -> bool:
+        return sub_rows % BLOCK == 0  # each sub-matrix's scales then cover whole 128-row blocks of its own
+
     def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         import torch
 
@@ -68,5 +71,9 @@ class FP8(ExpertFormat):
     def _dequantize(self, parts: Mapping[str, torch.Tensor], out_features: int, in_features: int) -> torch.Tensor:
         import torch
 
+        if out_features % BLOCK == 0 and in_features % BLOCK == 0:  # whole blocks: each scale broadcast over its own
+            lead = parts["q"].shape[:-2]
+            q = parts["q"].view(*lead, out_features // BLOCK, BLOCK, in_features // BLOCK, BLOCK).to(torch.float32)
+            return (q * parts["s"][..., :, None, :, None]).view(*lead, out_features, in_features)
         s = expand_blocks(parts["s"], out_features, in_features, BLOCK)
         return parts["q"].to(torch.float32) * s

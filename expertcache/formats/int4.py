@@ -51,7 +51,6 @@ class INT4(ExpertFormat):
     in_block = GROUP
     in_rule = "two 4-bit values per byte"
     pack = 2
-    row_wise = True
 
     @property
     def key(self) -> str:
@@ -68,6 +67,9 @@ class INT4(ExpertFormat):
         groups = (out_features, ceil_div(in_features, GROUP))
         parts = (Part("q", (out_features, in_features // 2), "uint8"), Part("s", groups, self.scale_dtype))
         return parts + ((Part("z", groups, "uint8"),) if self.zero_points else ())
+
+    def _stacks_decode_whole(self, sub_rows: int) -> bool:
+        return True  # every part is per row
 
     def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         import torch

@@ -50,11 +50,13 @@ class MXFP4(ExpertFormat):
     in_block = BLOCK
     in_rule = "one e8m0 scale per 32 values along the input"
     pack = 2
-    row_wise = True
 
     def _layout(self, out_features: int, in_features: int) -> tuple[Part, ...]:
         return (Part("q", (out_features, in_features // 2), "uint8"),
                 Part("s", (out_features, in_features // BLOCK), "uint8"))
+
+    def _stacks_decode_whole(self, sub_rows: int) -> bool:
+        return True  # every part is per row
 
     def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         import torch

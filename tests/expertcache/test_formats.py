@@ -382,6 +382,24 @@ def test_a_stacked_matrix_is_its_sub_matrices_quantized_alone(fmt):
         fmt.layout(4, 256, stack=0)
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("sub_rows", [256, 130])
+def test_a_group_of_stacked_matrices_decodes_as_numpy_decodes_each_half(fmt, sub_rows):
+    """decode_batch of 3 gate_up matrices (stack 2) of whole 128-blocks and groups (sub_rows 256: int4,
+    mxfp4 and fp8 decode the stack as one matrix, broadcasting their scales) and of a partial block of
+    rows (130): each half of each matrix bit for bit the numpy decode of its own parts."""
+    gen = torch.Generator().manual_seed(sub_rows)
+    mats = [torch.randn(2 * sub_rows, 256, generator=gen) * 4 ** i for i in range(3)]
+    parts = [fmt.quantize(m, stack=2) for m in mats]
+    got = fmt.decode_batch({k: torch.stack([p[k] for p in parts]) for k in parts[0]}, 2 * sub_rows, 256, 2)
+    for g, p in zip(got, parts):
+        for half in range(2):
+            sub = {k: ref.raw(v.chunk(2)[half]) for k, v in p.items()}
+            want = ref.reference_dequantize(fmt.name, sub, sub_rows, 256)
+            have = g[half * sub_rows:(half + 1) * sub_rows].numpy()
+            assert np.array_equal(have.view(np.uint32), want.view(np.uint32)), (fmt.name, half)
+
+
 def test_stacking_changes_the_scale_shapes_where_a_block_would_span_both():
     # fp8: 2 x ceil(130 / 128) scale rows, not ceil(260 / 128); nvfp4: one global scale per sub-matrix
     assert FP8().layout(260, 256, stack=2)[1].shape == (4, 2) and FP8().layout(260, 256)[1].shape == (3, 2)
