@@ -51,6 +51,9 @@ class NVFP4(ExpertFormat):
                 Part("s", (out_features, in_features // BLOCK), "float8_e4m3fn"),
                 Part("s2", (1,), "float32"))
 
+    def _stacks_decode_whole(self, sub_rows: int) -> bool:
+        return True  # the per-sub-matrix global scales go to their own rows (_dequantize)
+
     def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         import torch
 
@@ -78,4 +81,6 @@ class NVFP4(ExpertFormat):
         lead = parts["q"].shape[:-2]  # decode_batch's matrices
         v = e2m1_decode(unpack_nibbles(parts["q"])).view(*lead, out_features, in_features // BLOCK, BLOCK)
         vs = v * parts["s"].float().unsqueeze(-1)  # exact: 2 x 4 significant bits
-        return (vs * parts["s2"].reshape(*lead, 1, 1, 1)).view(*lead, out_features, in_features)
+        # s2 [..., n]: the global scales of n stacked sub-matrices (decode_batch), each over its own rows
+        s2 = parts["s2"].repeat_interleave(out_features // parts["s2"].shape[-1], dim=-1)
+        return (vs * s2.reshape(*lead, out_features, 1, 1)).view(*lead, out_features, in_features)
