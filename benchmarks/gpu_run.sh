@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
-# parts: any of env gpu-tests tests ensure ensure-repeat markov-cost copy sanitize moe formats formats-engine router routed overlap resident engine
+# parts: any of env gpu-tests staging tests ensure ensure-repeat markov-cost copy sanitize moe formats formats-engine router routed overlap resident engine
 # qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid decode-hybrid-trace mma mma-bench agent long-context agent-soak agent-soak-start agent-soak-wait peer-setup peer-wait peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
@@ -30,6 +30,11 @@ for part in $parts; do
       timeout -s INT -k 20 ${GPU_TESTS_TIMEOUT:-560} python3 -m pytest -q -rfE -p no:cacheprovider -n "${GPU_TEST_WORKERS:-14}" -m gpu \
         tests/expertcache tests/moe/kernels tests/moe/model tests/moe/engine tests/moe/serve/test_scheduler.py \
         2>&1 | tee "$OUT/gpu-tests-all.log" | tail -15 ;;
+    staging)
+      # prefill's staging ring and grouped decode on the real copy stream and events: the file is not marked
+      # gpu (on the CPU it stands in no-op streams) and runs on CUDA where there is one
+      timeout -s INT -k 20 ${STAGING_TIMEOUT:-300} python3 -m pytest -q -rfE -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" \
+        tests/moe/engine/test_prefill_staging.py 2>&1 | tee "$OUT/gpu-tests-staging.log" | tail -4 ;;
     tests)
       # the real traces, when a git-ignored copy was carried along as .traces/
       if [ -d .traces ]; then export EXPERTCACHE_TRACES=$PWD/.traces; fi
