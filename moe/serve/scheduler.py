@@ -316,11 +316,13 @@ class Scheduler:
             if self._closing and (time.monotonic() >= self._deadline or not self._busy):
                 return
             self._drop_cancelled()
+            if not self.rows:  # steps are owed to streaming rows only
+                self._decode_owed = 0.0
             start = time.perf_counter()
             # while a prompt joins, short prompts join until their time since its last chunk reaches that
             # chunk's; later ones wait for the next chunk, so joins, chunks and steps each keep a share
-            if self._joining is None or not self.rows or self._stalled < self._last_chunk:
-                self._admit()
+            if not self._joins_spent(start):
+                self._admit(start)
             if self._joining is not None:  # short prompts joining stall the streaming rows as a chunk does
                 self._stalled += time.perf_counter() - start
             if self._joining is not None and (not self.rows or self._decode_owed <= 0.0):
@@ -372,7 +374,13 @@ class Scheduler:
             self.stats.finished["cancelled"] += len(self._waiting) - len(kept)
             self._waiting = deque(kept)
 
-    def _admit(self) -> None:
+    def _joins_spent(self, start: float) -> bool:
+        """Whether short prompts' joins since the joining prompt's last chunk (those of this turn counted from
+        `start`) took as long as that chunk, while rows stream: the rest wait for the next chunk."""
+        return (self._joining is not None and bool(self.rows)
+                and self._stalled + (time.perf_counter() - start) >= self._last_chunk)
+
+    def _admit(self, start: float | None = None) -> None:
         """Waiting requests into free rows, in order: a long prompt starts joining chunk by chunk (one at a
         time, in the spare row); the short ones join together, one prefill pass for as many as fit the
         free rows and one prefill chunk of tokens (so a burst of side calls fetches each layer's experts
@@ -393,8 +401,9 @@ class Scheduler:
                         tokens = 0
                         try:
                             self._joining = (req, engine.start_join(req.prompt), time.monotonic())
-                            # what the last prompt's last chunk owes is still owed: its steps come first
-                            self._stalled, self._last_chunk = 0.0, math.inf
+                            # what the last prompt's last chunk owes is still owed: its steps come first,
+                            # joins beside them capped by that chunk's time (_last_chunk) as between chunks
+                            self._stalled = 0.0
                         except ValueError as e:
                             self._refuse(req, e)
                     else:
@@ -408,6 +417,10 @@ class Scheduler:
                 if tokens + need > engine.prefill_chunk:
                     self._join_group(group)
                     tokens = 0
+                    if start is not None and self._joins_spent(start):  # one pass more than the share: the rest wait
+                        passed.append(req)
+                        current = None
+                        break
                 group.append(req)
                 current = None
                 tokens += need

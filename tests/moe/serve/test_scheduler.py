@@ -478,11 +478,11 @@ def test_a_long_prompt_whose_prefix_is_kept_joins_at_once(tiny_dir, ref):
     assert order.index(("resent", 1)) < order.index(("new", 1)), order
 
 
-def _timed_engine(tiny_dir, order: list, chunk_s: float, join_s: float, step_s: float):
+def _timed_engine(tiny_dir, order: list, chunk_s: float, join_s: float, step_s: float, max_batch: int = 3):
     """The tiny engine with each chunk, each join of 3-token prompts (alone or in one pass) and each decode
     step made to take at least these seconds; ("chunk", 0), ("joined", 0) and ("step", its seconds) appended
     to `order`."""
-    engine = _engine(tiny_dir, max_batch=3, prefill_chunk=8)
+    engine = _engine(tiny_dir, max_batch=max_batch, prefill_chunk=8)
     advance, join, join_many, decode_step = engine.advance, engine.join, engine.join_many, engine.decode_step
 
     def slow_advance(joining):
@@ -538,11 +538,13 @@ def test_short_prompts_joining_during_a_long_one_count_against_the_decode_share(
     assert stepped >= 0.8, order  # 0.9 s owed, less what the scheduler times beyond the steps themselves
 
 
-def _long_prompt_under_short_requests(sched: Scheduler, order: list, settle_s: float, stream_tokens: int):
+def _long_prompt_under_short_requests(sched: Scheduler, order: list, settle_s: float, stream_tokens: int,
+                                      longs: tuple[int, ...] = (32,)):
     """Beside one streaming row (`stream_tokens` to answer), 3-token requests arriving every 0.05 s from
-    `settle_s` before a 32-token prompt (4 chunks of 8) is submitted until it answered: (seconds it took,
-    the index in `order` it was submitted at, whether the requests still arrived when it answered)."""
-    long_sink, stop = Sink(), threading.Event()
+    `settle_s` before long prompts of `longs` tokens (chunks of 8) are submitted at once until they
+    answered: (seconds they took, the index in `order` they were submitted at, whether the requests still
+    arrived when they answered)."""
+    stop, sinks = threading.Event(), [Sink() for _ in longs]
 
     def feed():
         n = 0
@@ -559,8 +561,10 @@ def _long_prompt_under_short_requests(sched: Scheduler, order: list, settle_s: f
         feeder.start()
         time.sleep(settle_s)
         began, at = time.monotonic(), len(order)
-        sched.submit(Request(list(range(20, 52)), SamplingParams(max_tokens=1), long_sink))
-        assert long_sink.wait().finish_reason == "length"
+        for k, (n, sink) in enumerate(zip(longs, sinks)):
+            sched.submit(Request(list(range(20 + k, 20 + k + n)), SamplingParams(max_tokens=1), sink))
+        for sink in sinks:
+            assert sink.wait().finish_reason == "length"
         return time.monotonic() - began, at, feeder.is_alive()
     finally:
         stop.set()
@@ -585,11 +589,50 @@ def test_joins_between_two_chunks_stop_at_a_chunks_time(tiny_dir):
     order = []
     sched = Scheduler(_timed_engine(tiny_dir, order, 0.3, 0.3, 0.01), TextTokenizer(tiny_dir), decode_share=0.2)
     _, began, _ = _long_prompt_under_short_requests(sched, order, 0.5, 5000)
+    joins = _joins_between_chunks(order, began)
+    assert len(joins) == 3 and max(joins) <= 2, joins  # 0.15 s of steps owed: 15 turns, each with a join, before
+
+
+def _joins_between_chunks(order: list, began: int) -> list[int]:
     chunks = [i for i, (name, _) in enumerate(order) if name == "chunk" and i >= began]
-    assert len(chunks) == 4, order[began:]
-    for a, b in zip(chunks, chunks[1:]):
-        joins = sum(name == "joined" for name, _ in order[a:b])
-        assert joins <= 2, order[a:b]  # 0.15 s of steps owed: 15 turns, each with a join, before
+    return [sum(name == "joined" for name, _ in order[a:b]) for a, b in zip(chunks, chunks[1:])]
+
+
+def test_joins_before_the_next_long_prompts_first_chunk_stop_at_a_chunks_time(tiny_dir):
+    """Two long prompts of 2 chunks back to back under the same stream of short requests: the steps the
+    first one's last chunk owes are paid before the second's first chunk, with joins capped by that chunk's
+    time there too (not a join a step)."""
+    order = []
+    sched = Scheduler(_timed_engine(tiny_dir, order, 0.3, 0.3, 0.01), TextTokenizer(tiny_dir), decode_share=0.2)
+    _, began, _ = _long_prompt_under_short_requests(sched, order, 0.5, 5000, longs=(16, 16))
+    joins = _joins_between_chunks(order, began)
+    assert len(joins) == 3 and max(joins) <= 2, joins
+
+
+def test_a_burst_of_short_requests_after_a_chunk_joins_a_chunks_time_of_them(tiny_dir):
+    """8 short requests arriving at once after a long prompt's first chunk (0.3 s), 8 rows, so one turn
+    could join them all in 4 passes of 2 (a prefill chunk of 8 tokens), each pass 0.3 s: it joins passes
+    only until they took the chunk's time; the rest join after the next chunks, so the streaming row and
+    the long prompt keep their share."""
+    order = []
+    engine = _timed_engine(tiny_dir, order, 0.3, 0.3, 0.01, max_batch=8)
+    sched = Scheduler(engine, TextTokenizer(tiny_dir), decode_share=0.2)
+    long_sink, sinks = Sink(), [Sink() for _ in range(8)]
+    sched.start()
+    try:
+        sched.submit(Request(list(range(10, 15)), SamplingParams(max_tokens=5000), Sink()))
+        wait_until(lambda: sched.active == 1)
+        began = len(order)
+        sched.submit(Request(list(range(20, 52)), SamplingParams(max_tokens=1), long_sink))
+        wait_until(lambda: ("chunk", 0) in order[began:])
+        for n, sink in enumerate(sinks):
+            sched.submit(Request([40 + n, 41, 42], SamplingParams(max_tokens=1), sink))
+        for sink in (long_sink, *sinks):
+            assert sink.wait().finish_reason == "length"
+    finally:
+        sched.stop()
+    joins = _joins_between_chunks(order, began)
+    assert len(joins) == 3 and max(joins) <= 2, joins
 
 
 def test_the_steps_a_prompts_last_chunk_owes_come_before_the_next_prompt(tiny_dir):
