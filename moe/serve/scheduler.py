@@ -30,10 +30,12 @@ prompt waiting for the spare row; long ones keep their order among themselves). 
 loop turns after a chunk run decode steps only until their time reaches decode_share / (1 -
 decode_share) of the chunk's and of the short prompts' joins before it (both stall the streaming rows).
 Short requests join in those turns as usual until their joins since the chunk took as long as the
-chunk did (the join that passes that time completes); later ones wait for the next chunk. So under any
-stream of short requests the streaming rows keep about decode_share of the scheduler's time and the long
-prompt about half the rest or more, and a short request that joins during a long prefill finishes
-within a chunk or two instead of one token a chunk. The schedule depends on time; the tokens do not (a row's
+chunk did (the pass that passes that time completes); later ones wait for the next chunk. Before a long
+prompt's first chunk the last long prompt's chunk time caps them the same way, and the first long
+prompt's first chunk waits for one pass at most. So under any stream or burst of short requests the
+streaming rows keep about decode_share of the scheduler's time and the long prompt about half the rest
+or more, and a short request that joins during a long prefill finishes within a chunk or two instead
+of one token a chunk. The schedule depends on time; the tokens do not (a row's
 tokens are the same whatever shares its steps). A request
 whose consumer went away (`cancel()`, or an `emit` that raises) leaves at the next loop turn and
 frees its row. `emit` runs on the scheduler thread: it must be quick and thread-safe (the server's
@@ -402,8 +404,13 @@ class Scheduler:
                         try:
                             self._joining = (req, engine.start_join(req.prompt), time.monotonic())
                             # what the last prompt's last chunk owes is still owed: its steps come first,
-                            # joins beside them capped by that chunk's time (_last_chunk) as between chunks
-                            self._stalled = 0.0
+                            # joins beside them capped by that chunk's time (_last_chunk) as between chunks;
+                            # before the first chunk ever (nothing owed), the pass under way: that chunk runs
+                            # this turn.
+                            # Joins count from here, not from the turn's start (the loop adds the whole turn)
+                            if self._last_chunk == math.inf:
+                                self._last_chunk = 0.0
+                            self._stalled = 0.0 if start is None else start - time.perf_counter()
                         except ValueError as e:
                             self._refuse(req, e)
                     else:

@@ -635,6 +635,30 @@ def test_a_burst_of_short_requests_after_a_chunk_joins_a_chunks_time_of_them(tin
     assert len(joins) == 3 and max(joins) <= 2, joins
 
 
+def test_the_first_long_prompts_first_chunk_comes_before_a_burst_sent_with_it(tiny_dir):
+    """A fresh scheduler (no chunk yet to cap joins by) given a long prompt and 6 short requests at once,
+    8 rows: the long prompt's first chunk runs after one pass of them at most, not after all three."""
+    order = []
+    engine = _timed_engine(tiny_dir, order, 0.3, 0.3, 0.01, max_batch=8)
+    sched = Scheduler(engine, TextTokenizer(tiny_dir), decode_share=0.2)
+    sinks = [Sink() for _ in range(7)]
+    sched.start()
+    try:
+        sched.submit(Request(list(range(10, 15)), SamplingParams(max_tokens=5000), Sink()))
+        wait_until(lambda: sched.active == 1)
+        began = len(order)
+        with held(sched):
+            sched.submit(Request(list(range(20, 52)), SamplingParams(max_tokens=1), sinks[0]))
+            for n, sink in enumerate(sinks[1:]):
+                sched.submit(Request([40 + n, 41, 42], SamplingParams(max_tokens=1), sink))
+        for sink in sinks:
+            assert sink.wait().finish_reason == "length"
+    finally:
+        sched.stop()
+    names = [name for name, _ in order[began:] if name != "step"]
+    assert names.index("chunk") <= 1, names
+
+
 def test_the_steps_a_prompts_last_chunk_owes_come_before_the_next_prompt(tiny_dir):
     """Three long prompts of 2 chunks (0.3 s each) queued beside a streaming row at decode_share 0.6: every
     chunk, the last of a prompt too, is followed by its 0.45 s of decode steps before the next chunk."""
