@@ -49,7 +49,6 @@ Legend: B = active sequences, V = vocab.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
@@ -220,7 +219,9 @@ class Scheduler:
         self.decode_share = decode_share
         self._decode_owed = 0.0  # seconds of decode steps still owed before the next chunk
         self._stalled = 0.0  # seconds of short prompts' joins since the last chunk, while a prompt joins
-        self._last_chunk = math.inf  # seconds the joining prompt's last chunk took (none yet: inf)
+        # seconds the last long prompt's chunk took; none yet: 0, so before the first chunk ever only the
+        # pass under way joins (that chunk runs the same turn, nothing being owed)
+        self._last_chunk = 0.0
         self.eos_ids = frozenset(tokenizer.eos_ids if eos_ids is None else eos_ids)
         self.harmony = harmony_ids(tokenizer)  # a harmony model's specials (gpt-oss), or None
         self.poll_s = poll_s
@@ -382,12 +383,14 @@ class Scheduler:
         return (self._joining is not None and bool(self.rows)
                 and self._stalled + (time.perf_counter() - start) >= self._last_chunk)
 
-    def _admit(self, start: float | None = None) -> None:
+    def _admit(self, start: float) -> None:
         """Waiting requests into free rows, in order: a long prompt starts joining chunk by chunk (one at a
         time, in the spare row); the short ones join together, one prefill pass for as many as fit the
         free rows and one prefill chunk of tokens (so a burst of side calls fetches each layer's experts
-        once, not once a request). A failure other than a refusal puts every request not yet in a row
-        back in the queue, in order, where the thread's end answers it."""
+        once, not once a request); `start`, the turn's start, from which a pass after the first counts
+        against the joining prompt's share (`_joins_spent`): once spent, the rest wait in order. A failure
+        other than a refusal puts every request not yet in a row back in the queue, in order, where the
+        thread's end answers it."""
         engine = self.engine
         passed: deque[Request] = deque()  # long prompts left waiting for the spare row, in their order
         group: list[Request] = []  # short requests joining in one pass (each leaves it once in a row)
@@ -404,13 +407,9 @@ class Scheduler:
                         try:
                             self._joining = (req, engine.start_join(req.prompt), time.monotonic())
                             # what the last prompt's last chunk owes is still owed: its steps come first,
-                            # joins beside them capped by that chunk's time (_last_chunk) as between chunks;
-                            # before the first chunk ever (nothing owed), the pass under way: that chunk runs
-                            # this turn.
+                            # joins beside them capped by that chunk's time (_last_chunk) as between chunks.
                             # Joins count from here, not from the turn's start (the loop adds the whole turn)
-                            if self._last_chunk == math.inf:
-                                self._last_chunk = 0.0
-                            self._stalled = 0.0 if start is None else start - time.perf_counter()
+                            self._stalled = start - time.perf_counter()
                         except ValueError as e:
                             self._refuse(req, e)
                     else:
@@ -424,7 +423,7 @@ class Scheduler:
                 if tokens + need > engine.prefill_chunk:
                     self._join_group(group)
                     tokens = 0
-                    if start is not None and self._joins_spent(start):  # one pass more than the share: the rest wait
+                    if self._joins_spent(start):  # one pass more than the share: the rest wait
                         passed.append(req)
                         current = None
                         break
