@@ -46,11 +46,12 @@ from moe.engine.expert_parallel import ExpertShard
 from moe.engine.layer import MoELayer, SlotCache
 from moe.kernels.cpu_experts import MAX_TOKENS as CPU_MAX_TOKENS
 from moe.kernels.cpu_experts import CpuExperts
+from moe.kernels.decode_rows import dequantize_rows_fast
 from moe.kernels.routed import routed_reference
 from moe.model.checkpoint import EXPERT_BIAS_BANKS, ModelWeights, MoEWeights
 from moe.model.config import MoEConfig
 from moe.model.reference import gated_activation, route_block, shared_expert
-from moe.model.slot_matrix import SlotMatrix, dequantize_rows
+from moe.model.slot_matrix import SlotMatrix
 
 
 class MoEBackend(Protocol):
@@ -269,10 +270,11 @@ def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: 
 
     Math and precision of moe.model.reference.moe_reference: float32 products (moe_prefill casts once); each expert's
     weights are its format's float32 decode (expertcache.formats). The used experts are computed in increasing id
-    order, in groups of up to PREFILL_GROUP, each group's weights decoded at once (dequantize_rows) and multiplied
-    in batched float32 GEMMs over their tokens padded to the group's largest count (out_group: a prompt's MoE layer
-    is bound by the host's ops per expert, not the GPU, until experts are batched), each expert's rows then added
-    in increasing id order (index_add_ into a float32 sum). An expert with a
+    order, in groups of up to PREFILL_GROUP, each group's weights decoded at once (dequantize_rows_fast: one
+    Triton launch for a packed format on a GPU) and multiplied in batched float32 GEMMs over their tokens padded
+    to the group's largest count (out_group: a prompt's MoE layer is bound by the host's ops per expert, not the
+    GPU, until experts are batched), each expert's rows then added in increasing id order (index_add_ into a
+    float32 sum). An expert with a
     slot in `resident` = (slot_of [L_moe * E] int32, the SlotPool) is read from the pool (the same bytes, so the same
     result bit for bit) and nothing moves; the others are streamed: through `staging` (a GPU's PrefillStaging: copies
     on its stream, up to its ring size ahead of the compute; where T * k >= PREFETCH_MIN_USES * E the next MoE layer's
@@ -332,7 +334,7 @@ def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: 
         """rows decoded at once into new tensors (float32 [G, 2I, H], [G, H, I]); their ring slots then free
         (also when the decode fails, so the ring serves later prompts)."""
         try:
-            return tuple(dequantize_rows([r[i] for r in rows], hidden.device) for i in (0, 1))
+            return tuple(dequantize_rows_fast([r[i] for r in rows], hidden.device) for i in (0, 1))
         finally:
             for n in held:
                 staged.release(n)

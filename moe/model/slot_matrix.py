@@ -149,13 +149,9 @@ class SlotMatrix:
         return self.fmt.decode(parts, self.out_features, self.in_features, self.stack)
 
 
-def dequantize_rows(rows: list[tuple[SlotMatrix, int]], device: torch.device | str) -> torch.Tensor:
-    """float32 [G, out, in]: the decode of each (matrix, slot) in `rows`, matrices of one format and shape
-    (a pool's, a staging ring's, a store's), on `device`: each part of the G rows moved there and stacked,
-    then decoded at once (ExpertFormat.decode_batch), bit for bit SlotMatrix.dequantize_one of each. The
-    result is new memory, so a slot may be overwritten once the ops are queued. Prefill's group of experts:
-    a few ops for the group where one expert's decode alone takes a dozen or more. Raises ValueError naming
-    `rows` when they are empty or their formats or shapes differ."""
+def stack_rows(rows: list[tuple[SlotMatrix, int]], device: torch.device | str) -> tuple[SlotMatrix, list[torch.Tensor]]:
+    """(the first row's matrix, each part of the G rows moved to `device` and stacked [G, *part shape]): what
+    a group decode reads. Raises ValueError naming `rows` when they are empty or their formats or shapes differ."""
     if not rows:
         raise ValueError("dequantize_rows: rows is empty")
     first = rows[0][0]
@@ -163,8 +159,18 @@ def dequantize_rows(rows: list[tuple[SlotMatrix, int]], device: torch.device | s
     if any((m.fmt, m.out_features, m.in_features, m.stack) != shape for m, _ in rows):
         raise ValueError("dequantize_rows: rows must be of one format, shape and stack")
     device = torch.device(device)
-    parts = [torch.stack([m.parts[p][slot].to(device, non_blocking=True) for m, slot in rows])
-             for p in range(len(first.parts))]
+    return first, [torch.stack([m.parts[p][slot].to(device, non_blocking=True) for m, slot in rows])
+                   for p in range(len(first.parts))]
+
+
+def dequantize_rows(rows: list[tuple[SlotMatrix, int]], device: torch.device | str) -> torch.Tensor:
+    """float32 [G, out, in]: the decode of each (matrix, slot) in `rows`, matrices of one format and shape
+    (a pool's, a staging ring's, a store's), on `device`: each part of the G rows moved there and stacked,
+    then decoded at once (ExpertFormat.decode_batch), bit for bit SlotMatrix.dequantize_one of each. The
+    result is new memory, so a slot may be overwritten once the ops are queued. Prefill's group of experts:
+    a few ops for the group where one expert's decode alone takes a dozen or more. Raises ValueError naming
+    `rows` when they are empty or their formats or shapes differ."""
+    first, parts = stack_rows(rows, device)
     if first.fmt.dense:
         return parts[0].to(torch.float32)
     layout = first.fmt.layout(first.out_features, first.in_features, first.stack)

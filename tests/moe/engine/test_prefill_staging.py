@@ -176,14 +176,14 @@ def test_a_decode_that_fails_frees_its_ring_slots(checkpoint, device, monkeypatc
     prompt streams through the same ring and gives the direct reads' logits bitwise."""
     _, model, path = checkpoint
     direct, staged = _direct_and_staged(path, model.config.num_experts_per_tok, device, 3)
-    real = backends.dequantize_rows
+    real = backends.dequantize_rows_fast
 
     def failing(rows, dev):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(backends, "dequantize_rows", failing)
+    monkeypatch.setattr(backends, "dequantize_rows_fast", failing)
     with pytest.raises(RuntimeError, match="out of memory"):
         staged.prefill([random_tokens(60, seed=11)])
-    monkeypatch.setattr(backends, "dequantize_rows", real)
+    monkeypatch.setattr(backends, "dequantize_rows_fast", real)
     prompt = random_tokens(60, seed=12)
     assert torch.equal(staged.prefill([prompt]), direct.prefill([prompt]))

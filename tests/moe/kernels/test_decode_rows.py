@@ -1,0 +1,77 @@
+"""The packed formats' group decode kernel (moe.kernels.decode_rows) against their torch decode, bit for bit.
+
+Every code of a byte occurs (random bytes, not only quantized values), scales come from quantizing random
+weights (valid by construction) or, for mxfp4, every exponent but NaN's. CPU runs use Triton's interpreter.
+"""
+
+import pytest
+import torch
+
+from expertcache.formats import get_format
+from expertcache.formats.int4 import INT4
+from moe.kernels.decode_rows import decode_packed, dequantize_rows_fast
+from moe.model.slot_matrix import SlotMatrix, dequantize_rows
+from tests.conftest import device_or_skip
+
+FORMATS = {"int4": INT4(), "int4-f16-z": INT4(scale_dtype="float16", zero_points=True),
+           "nvfp4": get_format("nvfp4"), "mxfp4": get_format("mxfp4")}
+
+
+def random_parts(fmt, g: int, out_features: int, in_features: int, stack: int, seed: int) -> dict[str, torch.Tensor]:
+    """Parts [G, *layout] of G matrices: quantized random weights, then every byte of q redrawn at random
+    (and mxfp4's exponents, int4's zero points), so each code and sign occurs."""
+    gen = torch.Generator().manual_seed(seed)
+    mats = [fmt.quantize(torch.randn(out_features, in_features, generator=gen) * 3, stack) for _ in range(g)]
+    parts = {k: torch.stack([m[k] for m in mats]) for k in mats[0]}
+    parts["q"] = torch.randint(0, 256, parts["q"].shape, dtype=torch.uint8, generator=gen)
+    if fmt.name == "mxfp4":
+        parts["s"] = torch.randint(0, 255, parts["s"].shape, dtype=torch.uint8, generator=gen)
+    if "z" in parts:
+        parts["z"] = torch.randint(0, 16, parts["z"].shape, dtype=torch.uint8, generator=gen)
+    return parts
+
+
+def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("shape", [(3, 48, 256, 2), (2, 40, 96, 1), (1, 16, 416, 1)])
+def test_the_kernel_decodes_as_the_format_does_bit_for_bit(name, shape):
+    """G matrices of OUT x IN in STACK sub-matrices (nvfp4: a global scale each), IN a whole number of
+    128-groups, fewer than one (96) and a partial last one (416): the kernel's float32 values, signed
+    zeros included, are the torch decode's."""
+    device, _ = device_or_skip()
+    fmt = FORMATS[name]
+    g, out_features, in_features, stack = shape
+    parts = random_parts(fmt, g, out_features, in_features, stack, seed=hash((name, shape)) % 2**31)
+    want = fmt.decode_batch(parts, out_features, in_features, stack)
+    got = decode_packed({k: v.to(device) for k, v in parts.items()}, fmt, out_features, in_features, stack)
+    assert same_bits(got.cpu(), want)
+
+
+def test_dequantize_rows_fast_is_dequantize_rows_for_rows_of_several_matrices():
+    """Rows from two matrices of one format (a pool's and a ring's) decode as dequantize_rows does; on the
+    CPU the torch decode runs, on CUDA the kernel."""
+    device, _ = device_or_skip()
+    fmt = FORMATS["nvfp4"]
+    mats = []
+    for seed in (1, 2):
+        parts = random_parts(fmt, 4, 32, 64, 2, seed)
+        layout = fmt.layout(32, 64, 2)
+        mats.append(SlotMatrix(fmt, tuple(parts[p.suffix].to(device) for p in layout), 32, 64, stack=2))
+    rows = [(mats[0], 3), (mats[1], 0), (mats[0], 1)]
+    assert same_bits(dequantize_rows_fast(rows, device).cpu(), dequantize_rows(rows, "cpu"))
+
+
+@pytest.mark.gpu
+def test_the_kernel_decodes_a_group_of_qwen3_30b_experts_on_the_gpu_bit_for_bit():
+    """A prefill group at Qwen3-30B-A3B's shapes (gate_up [2 x 768, 2048], down [2048, 768]) on CUDA."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for name, fmt in FORMATS.items():
+        for out_features, in_features, stack in ((1536, 2048, 2), (2048, 768, 1)):
+            parts = random_parts(fmt, 8, out_features, in_features, stack, seed=7)
+            want = fmt.decode_batch({k: v.cuda() for k, v in parts.items()}, out_features, in_features, stack)
+            got = decode_packed({k: v.cuda() for k, v in parts.items()}, fmt, out_features, in_features, stack)
+            assert same_bits(got, want), name
