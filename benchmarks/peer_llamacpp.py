@@ -423,7 +423,7 @@ def bench_ours(args: argparse.Namespace) -> dict:
     llama = json.loads((Path(args.out) / "llama.json").read_text())
     rows = []
     for gtype, formats in FORMAT_PAIRS.items():
-        configs = [r for r in llama["rows"] if r["gguf"] == gtype]
+        configs = [r for r in llama["rows"] if r["gguf"] == gtype and r["share"] in args.shares]
         for fmt in (f for f in formats if f in args.formats):
             t0 = time.time()
             weights = load_checkpoint(args.model, "cuda", expert_format=fmt, progress=False)
@@ -455,7 +455,8 @@ def bench_ours(args: argparse.Namespace) -> dict:
     path = Path(args.out) / "ours.json"
     if path.exists():  # another --formats / --miss-services run's rows are kept
         rows[:0] = [r for r in json.loads(path.read_text())["rows"]
-                    if r["format"] not in args.formats or r.get("miss_service", "copy") not in args.miss_services]
+                    if r["format"] not in args.formats or r.get("miss_service", "copy") not in args.miss_services
+                    or r["share"] not in args.shares]
     _write(path, result)
     return result
 
@@ -638,6 +639,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    type=lambda s: s.split(","), help="expertcache formats to run (rows of others in ours.json stay)")
     p.add_argument("--miss-services", default="copy,hybrid", type=lambda s: s.split(","),
                    help="--moe-miss-service values to run (rows of others in ours.json stay)")
+    p.add_argument("--shares", default=",".join(name for name, _ in GPU_SHARES), type=lambda s: s.split(","),
+                   help="GPU shares of the experts to run (rows of others in ours.json stay)")
     p.add_argument("--warmup", type=int, default=64)
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
@@ -653,6 +656,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.command == "bench-ours" and not set(args.miss_services) <= set(MISS_SERVICE_CHOICES):
         ap.error(f"bench-ours: --miss-services {','.join(args.miss_services)}: each must be one of "
                  f"{', '.join(MISS_SERVICE_CHOICES)}")
+    shares = [name for name, _ in GPU_SHARES]
+    if args.command == "bench-ours" and not set(args.shares) <= set(shares):
+        ap.error(f"bench-ours: --shares {','.join(args.shares)}: each must be one of {', '.join(shares)}")
     if args.command == "checkpoint" and (args.layers < 1 or args.vocab < 300):
         ap.error("checkpoint: --layers must be >= 1 and --vocab >= 300 (the 256 bytes and merges)")
     return args

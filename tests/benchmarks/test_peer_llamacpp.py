@@ -244,6 +244,13 @@ def test_a_hybrid_row_stands_beside_the_bound_of_both_channels():
     assert "bf16+hybrid 120.0 / 120.0" in peer.table([row])
 
 
+def _llama_rows(layer: int, shares) -> dict:
+    """llama.json of BF16 rows, one per (share, n_cpu_moe) of `shares`, 12 layers of `layer` expert bytes."""
+    return {"rows": [{"gguf": "BF16", "share": share, "n_cpu_moe": n, "layer_expert_bytes": [layer] * 12,
+                      "gpu_expert_bytes": (12 - n) * layer, "cpu_expert_bytes": n * layer, "top_k": 8,
+                      "num_experts": 128, "tokens_per_s": 100.0, "device_peak_mib": 9000} for share, n in shares]}
+
+
 def test_bench_ours_refuses_an_unknown_miss_service(capsys):
     with pytest.raises(SystemExit):
         _peer().parse(["bench-ours", "--model", "m", "--out", "o", "--miss-services", "copy,fast"])
@@ -263,10 +270,7 @@ def test_bench_ours_runs_each_miss_service_over_one_load_and_the_report_pairs_th
 
     peer = _peer()
     layer = 128 * 3 * 2048 * 768 * 2
-    llama = {"rows": [{"gguf": "BF16", "share": share, "n_cpu_moe": n, "layer_expert_bytes": [layer] * 12,
-                       "gpu_expert_bytes": (12 - n) * layer, "cpu_expert_bytes": n * layer, "top_k": 8,
-                       "num_experts": 128, "tokens_per_s": 100.0, "device_peak_mib": 9000}
-                      for share, n in (("half", 6), ("none", 12))]}
+    llama = _llama_rows(layer, (("half", 6), ("none", 12)))
     (tmp_path / "llama.json").write_text(json.dumps(llama))
     loads, splits = [], []
     spec = types.SimpleNamespace(num_layers=12, moe=types.SimpleNamespace(num_experts=128, top_k=8))
@@ -314,10 +318,7 @@ def test_the_second_bound_adds_the_miss_free_step_of_the_same_format_and_service
     peer = _peer()
     layer = 128 * 3 * 2048 * 768 * 2
     bpe = layer // 128
-    llama = {"rows": [{"gguf": "BF16", "share": share, "n_cpu_moe": n, "layer_expert_bytes": [layer] * 12,
-                       "gpu_expert_bytes": (12 - n) * layer, "cpu_expert_bytes": n * layer, "top_k": 8,
-                       "num_experts": 128, "tokens_per_s": 100.0, "device_peak_mib": 9000}
-                      for share, n in (("all", 0), ("none", 12))]}
+    llama = _llama_rows(layer, (("all", 0), ("none", 12)))
     gbps = {"link_alone": 55.0, "link_together": 50.0, "cpu_alone": 60.0, "cpu_together": 45.0}
     mk = {"gguf": "BF16", "format": "bf16", "bytes_per_expert": bpe, "layers": 12, "hit_rate": 0.5,
           "routing": "trace", "miss_service": "hybrid", "channels": {"gbps": gbps}, "slots": 8}
@@ -340,3 +341,38 @@ def test_the_second_bound_adds_the_miss_free_step_of_the_same_format_and_service
     assert "channels_bound_tokens_per_s" not in at_all
     assert at_all["link_bound_tokens_per_s"] == pytest.approx(55e9 / (0.05 * 12 * bpe))
     assert "step_bound_tokens_per_s" not in none["ours"]["bf16"]["trace"]  # copy ran no `all` row here
+
+
+def test_bench_ours_runs_the_shares_asked_and_keeps_the_other_rows(tmp_path, monkeypatch):
+    """--shares all: only llama.cpp's `all` configuration runs; ours.json keeps the other shares' rows of
+    an earlier run (so `all` is rerun alone beside them), and an unknown share is refused by name."""
+    import types
+
+    import bench_decode
+    import decode_gpu
+
+    from moe.model import checkpoint
+
+    peer = _peer()
+    layer = 128 * 3 * 2048 * 768 * 2
+    llama = _llama_rows(layer, (("all", 0), ("none", 12)))
+    (tmp_path / "llama.json").write_text(json.dumps(llama))
+    old = [{"format": "bf16", "miss_service": "copy", "share": share, "routing": "model", "tokens_per_s": 1.0}
+           for share in ("all", "none")]
+    (tmp_path / "ours.json").write_text(json.dumps({"rows": old}))
+    spec = types.SimpleNamespace(num_layers=12, moe=types.SimpleNamespace(num_experts=128, top_k=8))
+    weights = types.SimpleNamespace(spec=spec, store=types.SimpleNamespace(bytes_per_expert=layer // 128))
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: weights)
+    monkeypatch.setattr(bench_decode, "make_trace", lambda run, batch: "trace")
+    monkeypatch.setattr(decode_gpu, "engine_split", lambda weights, service: (None, None))
+    slots = []
+    monkeypatch.setattr(decode_gpu, "measure", lambda weights, trace, run, *a: slots.append(run.slots) or
+                        {"tokens_per_s": 2.0, "hit_rate": 1.0})
+    args = peer.parse(["bench-ours", "--model", "m", "--out", str(tmp_path), "--formats", "bf16",
+                       "--miss-services", "copy", "--shares", "all"])
+    peer.bench_ours(args)
+    rows = json.loads((tmp_path / "ours.json").read_text())["rows"]
+    assert slots == [12 * 128, 12 * 128]  # model and trace routing, every expert in slots
+    assert sorted((r["share"], r["tokens_per_s"]) for r in rows) == [("all", 2.0), ("all", 2.0), ("none", 1.0)]
+    with pytest.raises(SystemExit):
+        peer.parse(["bench-ours", "--model", "m", "--out", "o", "--shares", "all,most"])
