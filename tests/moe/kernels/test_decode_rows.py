@@ -7,20 +7,25 @@ weights (valid by construction) or, for mxfp4, every exponent but NaN's. CPU run
 import pytest
 import torch
 
-from expertcache.formats import get_format
+from expertcache.formats import dense_format, get_format
 from expertcache.formats.int4 import INT4
-from moe.kernels.decode_rows import decode_packed, dequantize_rows_fast
+from moe.kernels.decode_rows import decode_packed, decode_slots, dequantize_rows_fast
 from moe.model.slot_matrix import SlotMatrix, dequantize_rows
 from tests.conftest import device_or_skip
 
 FORMATS = {"int4": INT4(), "int4-f16-z": INT4(scale_dtype="float16", zero_points=True),
-           "nvfp4": get_format("nvfp4"), "mxfp4": get_format("mxfp4")}
+           "nvfp4": get_format("nvfp4"), "mxfp4": get_format("mxfp4"),
+           **{dtype: dense_format(dtype) for dtype in ("bfloat16", "float16", "float32")}}
 
 
 def random_parts(fmt, g: int, out_features: int, in_features: int, stack: int, seed: int) -> dict[str, torch.Tensor]:
     """Parts [G, *layout] of G matrices: quantized random weights, then every byte of q redrawn at random
     (and mxfp4's exponents, int4's zero points), so each code and sign occurs."""
     gen = torch.Generator().manual_seed(seed)
+    if fmt.dense:  # the values themselves, signed zeros among them
+        w = torch.randn(g, out_features, in_features, generator=gen) * 3
+        w[:, 0, :2] = torch.tensor([0.0, -0.0])
+        return {"": w.to(getattr(torch, fmt.dtype))}
     mats = [fmt.quantize(torch.randn(out_features, in_features, generator=gen) * 3, stack) for _ in range(g)]
     parts = {k: torch.stack([m[k] for m in mats]) for k in mats[0]}
     parts["q"] = torch.randint(0, 256, parts["q"].shape, dtype=torch.uint8, generator=gen)
@@ -48,6 +53,23 @@ def test_the_kernel_decodes_as_the_format_does_bit_for_bit(name, shape):
     want = fmt.decode_batch(parts, out_features, in_features, stack)
     got = decode_packed({k: v.to(device) for k, v in parts.items()}, fmt, out_features, in_features, stack)
     assert same_bits(got.cpu(), want)
+
+
+@pytest.mark.parametrize("name", ["int4-f16-z", "nvfp4", "mxfp4", "bfloat16"])
+def test_the_kernel_reads_each_slot_from_its_own_source(name):
+    """A table of (source, slot) over two matrices of different slot counts, slots repeated and out of
+    order: each output matrix is the torch decode of the slot it names."""
+    device, _ = device_or_skip()
+    fmt = FORMATS[name]
+    out_features, in_features, stack = 32, 160 if name.startswith("int4") else 64, 2
+    a, b = (random_parts(fmt, n, out_features, in_features, stack, seed) for n, seed in ((5, 3), (3, 4)))
+    table = torch.tensor([[1, 2], [0, 4], [0, 0], [1, 0], [0, 4]], dtype=torch.int32)
+    layout = fmt.layout(out_features, in_features, stack)
+    got = decode_slots([[a[p.suffix].to(device) for p in layout], [b[p.suffix].to(device) for p in layout]],
+                       table.to(device), fmt, out_features, in_features, stack).cpu()
+    for i, (src, slot) in enumerate(table.tolist()):
+        parts = {k: v[slot:slot + 1] for k, v in (a, b)[src].items()}
+        assert same_bits(got[i:i + 1], fmt.decode_batch(parts, out_features, in_features, stack)), i
 
 
 def test_dequantize_rows_fast_is_dequantize_rows_for_rows_of_several_matrices():
