@@ -90,6 +90,7 @@ def expert_biases(banks, cfg: MoEConfig) -> dict[str, torch.Tensor]:
 PREFETCH_MIN_USES = 4  # T * k / E at which a prompt is expected to use nearly every expert (1 - e^-4 = 98 %)
 PREFILL_GROUP = 8  # used experts prefill computes in one batched GEMM (fewer host ops per expert)
 GROUP_BYTES = 256 << 20  # at most this many bytes of float32 expert weights a group (fewer experts when large)
+PAIR_BYTES = 256 << 20  # a layer's float32 [T * k, H] pair outputs kept whole up to this size (moe_prefill_routed)
 
 
 def expert_f32_bytes(cfg: MoEConfig) -> int:
@@ -117,13 +118,16 @@ def prefill_groups(used: list[int], per: list[int], size: int) -> list[tuple[int
 def out_group(out: torch.Tensor, hidden: torch.Tensor, w_gu: torch.Tensor, w_dn: torch.Tensor, counts: list[int],
               lo: int, u0: int, rows_all: torch.Tensor, weight_all: torch.Tensor, rank: torch.Tensor,
               used_at: torch.Tensor, cfg: MoEConfig | None = None,
-              biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+              biases: tuple[torch.Tensor, torch.Tensor] | None = None, pair_rows: torch.Tensor | None = None) -> None:
     """Add a group of G consecutive used experts' gated outputs to out [T, H] (float32): their tokens
     (sorted pairs lo .. lo + sum(counts), each expert's a run) padded to [G, max count, H], two batched
     float32 GEMMs (moe_reference's expert_mlp per expert: silu(gate) * up, then down), the padding
     dropped, each expert's rows times their gate weights added with one index_add_ per expert (a token
     appears once per expert, so the sum is deterministic: the experts in increasing id order). cfg: the
-    activation (gated_activation); biases: the group's (gate_up [G, 2I], down [G, H]) float32 (gpt-oss)."""
+    activation (gated_activation); biases: the group's (gate_up [G, 2I], down [G, H]) float32 (gpt-oss).
+    With pair_rows (int64 [T * k], each sorted pair's row of the layer's pair buffer), `out` is that buffer
+    [T * k, H] and the group's weighted rows are written to their rows in one index_copy_ (each row once), to
+    be summed by the caller; without, they are added to out [T, H] expert by expert."""
     g, n = len(counts), sum(counts)
     width = max(counts)
     x = hidden.index_select(0, rows_all.narrow(0, lo, n)).float()  # [n, H]
@@ -140,6 +144,9 @@ def out_group(out: torch.Tensor, hidden: torch.Tensor, w_gu: torch.Tensor, w_dn:
         y = y + biases[1][:, None, :]
     y = y.view(g * width, -1)  # [G * width, H]
     y = (y if at is None else y.index_select(0, at)) * weight_all.narrow(0, lo, n)  # [n, H], pair order
+    if pair_rows is not None:
+        out.index_copy_(0, pair_rows.narrow(0, lo, n), y)
+        return
     start = 0
     for c in counts:
         out.index_add_(0, rows_all.narrow(0, lo + start, c), y.narrow(0, start, c))
@@ -303,11 +310,12 @@ def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: 
 
     Math and precision of moe.model.reference.moe_reference: float32 products (moe_prefill casts once); each expert's
     weights are its format's float32 decode (expertcache.formats). The used experts are computed in increasing id
-    order, in groups of up to PREFILL_GROUP, each group's weights decoded at once (dequantize_rows_fast: one
-    Triton launch for a packed format on a GPU) and multiplied in batched float32 GEMMs over their tokens padded
-    to the group's largest count (out_group: a prompt's MoE layer is bound by the host's ops per expert, not the
-    GPU, until experts are batched), each expert's rows then added in increasing id order (index_add_ into a
-    float32 sum). An expert with a
+    order, in groups of up to PREFILL_GROUP, each group's weights decoded at once (dequantize_rows_fast: on a GPU
+    one Triton launch a matrix, reading each slot where it is) and multiplied in batched float32 GEMMs over their
+    tokens padded to the group's largest count (out_group: a prompt's MoE layer is bound by the host's ops per
+    expert, not the GPU, until experts are batched); each token's expert outputs are added in increasing expert
+    id order into a float32 sum (up to PAIR_BYTES through a [T * k, H] pair buffer, one write a group and k adds
+    a layer; beyond, one index_add_ an expert: the same additions in the same order). An expert with a
     slot in `resident` = (slot_of [L_moe * E] int32, the SlotPool) is read from the pool (the same bytes, so the same
     result bit for bit) and nothing moves; the others are streamed: through `staging` (a GPU's PrefillStaging: copies
     on its stream, up to its ring size ahead of the compute; where T * k >= PREFETCH_MIN_USES * E the next MoE layer's
@@ -354,6 +362,16 @@ def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: 
     rank = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(per_dev, 0) - per_dev)[flat_sorted]
     used_at = (torch.cumsum(per_dev > 0, 0) - 1)[flat_sorted]
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
+    # up to PAIR_BYTES, each pair's weighted output goes to row t * k + (its expert's place among token t's
+    # experts, increasing ids) of a pair buffer, one write a group, and the k columns are added in order at
+    # the end: the same additions per token, in the same order, as adding each expert's rows in turn
+    pairs = None
+    if ids.numel() * hidden.shape[1] * 4 <= PAIR_BYTES:
+        by_id = torch.argsort(ids, dim=1, stable=True)  # [T, k]: the token's choices in increasing expert id
+        place = torch.empty_like(by_id).scatter_(1, by_id, torch.arange(k, device=ids.device).expand_as(by_id))
+        slot_rows = torch.arange(ids.shape[0], device=ids.device)[:, None] * k + place  # [T, k]
+        pair_rows = slot_rows.reshape(-1)[order]
+        pairs = torch.zeros((ids.numel(), hidden.shape[1]), dtype=torch.float32, device=hidden.device)
     size = max(1, min(PREFILL_GROUP, GROUP_BYTES // expert_f32_bytes(cfg)))
     layer_biases = None  # gpt-oss: the layer's expert biases, float32 [E, 2I] and [E, H], the store's values
     if cfg.expert_bias:
@@ -395,8 +413,11 @@ def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: 
         done.append(decode())
         w_gu, w_dn = done[0] if len(done) == 1 else (torch.cat([d[i] for d in done]) for i in (0, 1))
         picked = None if layer_biases is None else tuple(b[group] for b in layer_biases)
-        out_group(out, hidden, w_gu, w_dn, [per[e] for e in group], starts[group[0]], u0,
-                  rows_all, weight_all, rank, used_at, cfg, picked)
+        out_group(out if pairs is None else pairs, hidden, w_gu, w_dn, [per[e] for e in group], starts[group[0]],
+                  u0, rows_all, weight_all, rank, used_at, cfg, picked, None if pairs is None else pair_rows)
+    if pairs is not None:  # a pair not computed (another rank's expert) adds its zero row last
+        for c in pairs.view(ids.shape[0], k, -1).unbind(1):
+            out += c
     if ahead:
         staging.prefetch([base + e_count + e for e in range(e_count) if next_slot_of[e] < 0])
     return out

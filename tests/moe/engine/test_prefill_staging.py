@@ -114,6 +114,23 @@ def test_prefill_through_the_ring_is_bitwise_the_direct_reads(checkpoint, device
     assert ring == 64 or moe.staging.issued > ring  # the small rings wrap
 
 
+def test_the_pair_buffer_sum_is_bitwise_the_expert_by_expert_sum(checkpoint, device, monkeypatch):
+    """A layer's pair outputs written to a buffer and added column by column (PAIR_BYTES above the prompt's
+    [T * k, H]) against each expert's rows added in turn (PAIR_BYTES 0): the same logits and KV bit for bit,
+    for a prompt using every expert and a short one, through the ring and through direct reads."""
+    name, model, path = checkpoint
+    k = model.config.num_experts_per_tok
+    runs = []
+    for limit in (1 << 30, 0):
+        monkeypatch.setattr(backends, "PAIR_BYTES", limit)
+        engines = _direct_and_staged(path, k, device, 3)
+        runs.append([engine.prefill([p], all_logits=True)[0] for engine in engines
+                     for p in (random_tokens(120, seed=7), random_tokens(5, seed=8))]
+                    + [t for engine in engines for t in engine.context_state()])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("size", [1, 3, 8])
 def test_prefill_groups_are_consecutive_bounded_and_pad_at_most_twice(seed, size):
