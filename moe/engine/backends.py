@@ -90,7 +90,7 @@ def expert_biases(banks, cfg: MoEConfig) -> dict[str, torch.Tensor]:
 PREFETCH_MIN_USES = 4  # T * k / E at which a prompt is expected to use nearly every expert (1 - e^-4 = 98 %)
 PREFILL_GROUP = 8  # used experts prefill computes in one batched GEMM (fewer host ops per expert)
 GROUP_BYTES = 256 << 20  # at most this many bytes of float32 expert weights a group (fewer experts when large)
-PAIR_BYTES = 256 << 20  # a layer's float32 [T * k, H] pair outputs kept whole up to this size (moe_prefill_routed)
+PAIR_BYTES = 128 << 20  # a layer's float32 [T * k, H] pair outputs kept whole up to this size (moe_prefill_routed)
 
 
 def expert_f32_bytes(cfg: MoEConfig) -> int:
@@ -170,9 +170,10 @@ class PrefillStaging:
         self.pool = SlotPool(store.banks, num_slots, device=device)
         self.stream = torch.cuda.Stream(device=self.pool.device)
         self.ring = num_slots
-        # on a GPU each bank's copy is one cudaMemcpyAsync between raw addresses: a torch copy_ of two
-        # row views costs the host several times more, and a long prompt's layer copies hundreds of rows
-        self._raw = _RawRowCopy(store, self.pool, self.stream) if self.pool.device.type == "cuda" else None
+        # on a GPU each bank's copy is one cudaMemcpyAsync between raw addresses (cuda-python, the 'gpu'
+        # extra; without it torch's copy_): a torch copy_ of two row views costs the host several times more,
+        # and a long prompt's layer copies hundreds of rows
+        self._raw = _RawRowCopy.where_possible(store, self.pool, self.stream)
         self.issued = 0  # copies issued so far: copy n is in ring slot n % ring
         self.freed: dict[int, torch.cuda.Event] = {}  # copy n -> its slot's last read is queued
         self.pending: list[tuple[int, int, torch.cuda.Event]] = []  # prefetched (key, copy n, copied)
@@ -237,12 +238,11 @@ class _RawRowCopy:
     a cudaMemcpyAsync a bank between the rows' addresses (cuda-python), what torch's copy_ of the two row
     views queues, without its dispatch. Raises RuntimeError naming the failed call."""
 
-    def __init__(self, store: HostStore, pool: SlotPool, stream: torch.cuda.Stream) -> None:
-        from expertcache.streams import load_cudart
-
-        self.cudart = load_cudart()
+    def __init__(self, store: HostStore, pool: SlotPool, stream: torch.cuda.Stream, cudart) -> None:
+        self.cudart = cudart
         self.kind = self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
         self.stream = stream
+        self.keys, self.slots = store.num_keys, pool.num_slots
         self.banks = []  # (host base, device base, row bytes)
         for bank in store.banks:
             src, dst = store.tensor(bank.name), pool.tensor(bank.name)
@@ -250,7 +250,20 @@ class _RawRowCopy:
                 raise RuntimeError(f"bank {bank.name!r}: the staging copy needs contiguous rows")
             self.banks.append((src.data_ptr(), dst.data_ptr(), bank.row_bytes))
 
+    @classmethod
+    def where_possible(cls, store: HostStore, pool: SlotPool, stream: torch.cuda.Stream) -> _RawRowCopy | None:
+        """The raw copy for a CUDA pool where cuda-python is installed, else None (torch's copy_)."""
+        if pool.device.type != "cuda":
+            return None
+        try:
+            from cuda.bindings import runtime as cudart
+        except ImportError:
+            return None
+        return cls(store, pool, stream, cudart)
+
     def copy(self, key: int, slot: int) -> None:
+        if not (0 <= key < self.keys and 0 <= slot < self.slots):  # raw addresses have no bounds check
+            raise IndexError(f"prefill staging: key {key} of {self.keys} or slot {slot} of {self.slots} out of range")
         handle = self.stream.cuda_stream
         for src, dst, row in self.banks:
             (err,) = self.cudart.cudaMemcpyAsync(dst + slot * row, src + key * row, row, self.kind, handle)
@@ -315,7 +328,8 @@ def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: 
     tokens padded to the group's largest count (out_group: a prompt's MoE layer is bound by the host's ops per
     expert, not the GPU, until experts are batched); each token's expert outputs are added in increasing expert
     id order into a float32 sum (up to PAIR_BYTES through a [T * k, H] pair buffer, one write a group and k adds
-    a layer; beyond, one index_add_ an expert: the same additions in the same order). An expert with a
+    a layer, without a shard; otherwise one index_add_ an expert: the same additions in the same
+    order). An expert with a
     slot in `resident` = (slot_of [L_moe * E] int32, the SlotPool) is read from the pool (the same bytes, so the same
     result bit for bit) and nothing moves; the others are streamed: through `staging` (a GPU's PrefillStaging: copies
     on its stream, up to its ring size ahead of the compute; where T * k >= PREFETCH_MIN_USES * E the next MoE layer's
@@ -366,7 +380,7 @@ def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: 
     # experts, increasing ids) of a pair buffer, one write a group, and the k columns are added in order at
     # the end: the same additions per token, in the same order, as adding each expert's rows in turn
     pairs = None
-    if ids.numel() * hidden.shape[1] * 4 <= PAIR_BYTES:
+    if shard is None and ids.numel() * hidden.shape[1] * 4 <= PAIR_BYTES:  # a rank computes a few of the pairs
         by_id = torch.argsort(ids, dim=1, stable=True)  # [T, k]: the token's choices in increasing expert id
         place = torch.empty_like(by_id).scatter_(1, by_id, torch.arange(k, device=ids.device).expand_as(by_id))
         slot_rows = torch.arange(ids.shape[0], device=ids.device)[:, None] * k + place  # [T, k]
@@ -415,8 +429,8 @@ def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: 
         picked = None if layer_biases is None else tuple(b[group] for b in layer_biases)
         out_group(out if pairs is None else pairs, hidden, w_gu, w_dn, [per[e] for e in group], starts[group[0]],
                   u0, rows_all, weight_all, rank, used_at, cfg, picked, None if pairs is None else pair_rows)
-    if pairs is not None:  # a pair not computed (another rank's expert) adds its zero row last
-        for c in pairs.view(ids.shape[0], k, -1).unbind(1):
+    if pairs is not None:
+        for c in pairs.view(ids.shape[0], k, hidden.shape[1]).unbind(1):
             out += c
     if ahead:
         staging.prefetch([base + e_count + e for e in range(e_count) if next_slot_of[e] < 0])

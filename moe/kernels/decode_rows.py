@@ -143,6 +143,8 @@ def dequantize_rows_fast(rows: list[tuple[SlotMatrix, int]], device: torch.devic
     where `device` is CUDA, the rows' format is dense or one of KERNEL_FORMATS and they come from at most two
     matrices on that device; else by torch. Raises ValueError as dequantize_rows does."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda": the current device, as the matrices name it
+        device = torch.device("cuda", torch.cuda.current_device())
     first = rows[0][0] if rows else None
     sources: list[SlotMatrix] = []
     if device.type == "cuda" and first is not None and (first.fmt.dense or first.fmt.name in KERNEL_FORMATS):

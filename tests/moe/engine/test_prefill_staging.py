@@ -120,13 +120,17 @@ def test_the_pair_buffer_sum_is_bitwise_the_expert_by_expert_sum(checkpoint, dev
     for a prompt using every expert and a short one, through the ring and through direct reads."""
     name, model, path = checkpoint
     k = model.config.num_experts_per_tok
-    runs = []
+    runs, paths = [], []
+    real = backends.out_group
+    monkeypatch.setattr(backends, "out_group", lambda *a: paths.append(a[-1] is not None) or real(*a))
     for limit in (1 << 30, 0):
         monkeypatch.setattr(backends, "PAIR_BYTES", limit)
         engines = _direct_and_staged(path, k, device, 3)
         runs.append([engine.prefill([p], all_logits=True)[0] for engine in engines
                      for p in (random_tokens(120, seed=7), random_tokens(5, seed=8))]
                     + [t for engine in engines for t in engine.context_state()])
+        assert set(paths) == {limit > 0}  # every group went the way PAIR_BYTES says
+        paths.clear()
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
 
@@ -204,3 +208,32 @@ def test_a_decode_that_fails_frees_its_ring_slots(checkpoint, device, monkeypatc
     monkeypatch.setattr(backends, "dequantize_rows_fast", real)
     prompt = random_tokens(60, seed=12)
     assert torch.equal(staged.prefill([prompt]), direct.prefill([prompt]))
+
+
+def test_the_raw_copy_addresses_each_banks_row_and_refuses_a_key_out_of_range(checkpoint):
+    """_RawRowCopy with a recording stand-in for cuda-python: one cudaMemcpyAsync a bank, from the key's
+    row of the store to the slot's row of the pool, on the ring's stream; a key or slot past the end raises
+    IndexError before any copy is queued."""
+    import types
+
+    name, model, path = checkpoint
+    engine = load_model(path, "cpu", num_slots=model.config.num_experts_per_tok, max_seq_len=16, progress=False,
+                        cuda_graphs=False)
+    store = engine.moe.store
+    pool = backends.SlotPool(store.banks, 3, device="cpu")
+    calls = []
+    success = object()
+    cudart = types.SimpleNamespace(
+        cudaMemcpyKind=types.SimpleNamespace(cudaMemcpyHostToDevice="h2d"),
+        cudaError_t=types.SimpleNamespace(cudaSuccess=success),
+        cudaMemcpyAsync=lambda *a: calls.append(a) or (success,))
+    raw = backends._RawRowCopy(store, pool, types.SimpleNamespace(cuda_stream=77), cudart)
+    raw.copy(store.num_keys - 1, 2)
+    want = [(pool.tensor(b.name)[2].data_ptr(), store.tensor(b.name)[store.num_keys - 1].data_ptr(), b.row_bytes,
+             "h2d", 77) for b in store.banks]
+    assert calls == want
+    for key, slot in ((store.num_keys, 0), (0, 3), (-1, 0)):
+        with pytest.raises(IndexError, match="out of range"):
+            raw.copy(key, slot)
+    assert len(calls) == len(store.banks)
+    assert backends._RawRowCopy.where_possible(store, pool, None) is None  # a CPU pool: torch's copy_
