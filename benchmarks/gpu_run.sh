@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run: environment, GPU tests, benchmarks, sanitizer; everything lands in $OUT.
 # Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_run.sh [parts]
-# parts: any of env gpu-tests staging tests ensure ensure-repeat markov-cost copy sanitize moe formats formats-engine router routed overlap resident engine
+# parts: any of env gpu-tests staging decode-rows tests ensure ensure-repeat markov-cost copy sanitize moe formats formats-engine router routed overlap resident engine
 # qwen3-next decode-qwen3-next gpt-oss decode-gpt-oss glm decode-glm mixtral-olmoe decode-mixtral decode-olmoe decode-trace-mixtral decode decode-formats decode-trace step prefill hybrid hybrid-step sanitize-hybrid decode-hybrid decode-hybrid-trace mma mma-bench agent long-context agent-soak agent-soak-start agent-soak-wait peer-setup peer-wait peer-build peer-convert peer-llama peer-ours peer-report (default: env tests ensure copy sanitize moe routed overlap; the others by name). Wheels for
 # packages the image lacks (flashlib) are read from .whl/ when present. The device tool brings
 # back at most 8 files from $OUT: run a few parts per call (overlap alone writes 5).
@@ -35,6 +35,12 @@ for part in $parts; do
       # gpu (on the CPU it stands in no-op streams) and runs on CUDA where there is one
       timeout -s INT -k 20 ${STAGING_TIMEOUT:-300} python3 -m pytest -q -rfE -p no:cacheprovider -n "${GPU_TEST_WORKERS:-8}" \
         tests/moe/engine/test_prefill_staging.py 2>&1 | tee "$OUT/gpu-tests-staging.log" | tail -4 ;;
+    decode-rows)
+      # prefill's group decode kernel at the real shapes, and every family's engine with quantized experts
+      # (prefill through the kernel) against transformers on the decoded experts
+      timeout -s INT -k 20 ${DECODE_ROWS_TIMEOUT:-240} python3 -m pytest -q -rfE -p no:cacheprovider -n "${GPU_TEST_WORKERS:-14}" \
+        -m gpu tests/moe/kernels/test_decode_rows.py tests/moe/engine/test_engine_gpu.py -k "decode or quantized_experts" \
+        2>&1 | tee "$OUT/gpu-tests-decode.log" | tail -4 ;;
     tests)
       # the real traces, when a git-ignored copy was carried along as .traces/
       if [ -d .traces ]; then export EXPERTCACHE_TRACES=$PWD/.traces; fi
