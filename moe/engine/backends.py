@@ -198,10 +198,12 @@ class PrefillStaging:
             self.pending.append((key, n, done))
             self.issued += 1
 
-    def _free(self, n: int) -> None:
+    def _free(self, ns: list[int]) -> None:
+        """Copies `ns`' slots are free once the current stream's work queued so far has run: one event."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream())
-        self.freed[n] = event
+        for n in ns:
+            self.freed[n] = event
 
     def prefetch(self, keys: list[int]) -> None:
         """Start copying `keys` (increasing) for the next layer, before its routing is known."""
@@ -230,7 +232,7 @@ class PrefillStaging:
         """A prefetched copy no layer reads: its slot is free (a later copy into it follows this one on
         the copy stream)."""
         self.prefetched_unused += 1
-        self._free(entry[1])
+        self._free([entry[1]])
 
 
 class _RawRowCopy:
@@ -273,11 +275,12 @@ class _RawRowCopy:
 
 
 class _StagedLayer:
-    """One layer's keys through a PrefillStaging ring: slot(j) makes the current stream wait for the
-    j-th key's copy and returns its ring slot; release(j) records that the current stream's reads of it
-    are queued, which lets the ring copy further keys into that slot; ready(j) says whether the j-th
-    copy is issued (copies take the ring's slots in order, so it may wait for the release of any one
-    before it)."""
+    """One layer's keys through a PrefillStaging ring: slot(j) returns the j-th key's ring slot and (unless
+    wait=False) makes the current stream wait for its copy; wait(j) makes it wait for copies 0..j at once
+    (the copies run in order on one stream, so the j-th one's event covers every earlier one);
+    release(js) records that the current stream's reads of those copies are queued, which lets the ring
+    copy further keys into their slots; ready(j) says whether the j-th copy is issued (copies take the
+    ring's slots in order, so it may wait for the release of any one before it)."""
 
     def __init__(self, staging: PrefillStaging, used: list[tuple[int, int, torch.cuda.Event]]) -> None:
         self.staging = staging
@@ -288,17 +291,20 @@ class _StagedLayer:
         """Whether the j-th key's copy is issued (else it waits for a release of a copy before it)."""
         return len(self.copies) + len(self.staging.pending) > j
 
-    def slot(self, j: int) -> int:
+    def slot(self, j: int, wait: bool = True) -> int:
         st = self.staging
         while len(self.copies) <= j:  # the key's copy is issued in order, as the ring frees slots
             key, n, done = st.pending.pop(0)
             self.copies.append((n, done))
-        n, done = self.copies[j]
-        torch.cuda.current_stream().wait_event(done)
-        return n % st.ring
+        if wait:
+            self.wait(j)
+        return self.copies[j][0] % st.ring
 
-    def release(self, j: int) -> None:
-        self.staging._free(self.copies[j][0])
+    def wait(self, j: int) -> None:
+        torch.cuda.current_stream().wait_event(self.copies[j][1])
+
+    def release(self, js: list[int]) -> None:
+        self.staging._free([self.copies[j][0] for j in js])
         self.staging._issue()
 
 
@@ -399,10 +405,12 @@ def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: 
         """rows decoded at once into new tensors (float32 [G, 2I, H], [G, H, I]); their ring slots then free
         (also when the decode fails, so the ring serves later prompts)."""
         try:
+            if held:  # the ring copies of the rows, waited for at once: the last one's event covers them all
+                staged.wait(held[-1])
             return tuple(dequantize_rows_fast([r[i] for r in rows], hidden.device) for i in (0, 1))
         finally:
-            for n in held:
-                staged.release(n)
+            if held:
+                staged.release(held)
             rows.clear()
             held.clear()
 
@@ -415,7 +423,7 @@ def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: 
             elif staged is not None:
                 if not staged.ready(j):  # its copy waits for a ring slot the rows hold
                     done.append(decode())
-                r = staged.slot(j)
+                r = staged.slot(j, wait=False)  # decode() waits for the group's copies
                 rows.append(((st_gate_up, r), (st_down, r)))
                 held.append(j)
             else:

@@ -69,7 +69,7 @@ def test_the_ring_serves_each_key_its_bytes_and_drops_what_no_layer_reads(checkp
             for bank in store.banks:
                 got = staging.pool.tensor(bank.name)[r].clone()  # read on the current stream, after the copy
                 assert torch.equal(got.cpu(), store.tensor(bank.name)[key]), (keys, key, bank.name)
-            layer.release(j)
+            layer.release([j])
     assert staging.issued == issued + (4 - used) + 3  # a used prefetched copy is not copied again
     assert len(staging.freed) <= ring  # each slot's last release waits for the next copy into it, no more
 
