@@ -30,12 +30,22 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """float32 x -> uint8 E2M1 codes: the nearest magnitude (ties to even, |x| > 6 saturates to 6),
     sign bit set where x < 0 (as ModelOpt's NVFP4 cast: -0.0 encodes as +0, a negative value that
-    rounds to zero as -0)."""
+    rounds to zero as -0).
+
+    The magnitudes are evenly spaced within three ranges, so the code is a rounding there: below 2 in steps
+    of 0.5 (code round(2 |x|)), from 2 to 4 in steps of 1 (code 2 + round(|x|)), from 4 in steps of 2 (code
+    4 + round(|x| / 2), at most 7). The scalings are exact and torch.round rounds half to even, which is the
+    even code at each midpoint (E2M1_MIDPOINTS; a value rounding up to a range's end gets that end's code
+    from either formula). The range's scale and offset come from two comparisons by arithmetic: a few
+    elementwise passes, where a search over the midpoints (or torch.where with scalars) costs several times
+    as much."""
     mag = x.abs()
-    mids = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
-    code = torch.bucketize(mag, mids)  # midpoints strictly below |x|: ties land on the lower code
-    code += torch.isin(mag, mids[1::2])  # ... and move up to the even code at the odd midpoints
-    return (code | ((x < 0).to(code.dtype) << 3)).to(torch.uint8)
+    ge2 = (mag >= 2).to(torch.float32)
+    ge4 = (mag >= 4).to(torch.float32)
+    offset = (ge2 + ge4).mul_(2.0)  # 0, 2, 4
+    scale = ge4.mul_(-0.5).sub_(ge2).add_(2.0)  # 2, 1, 0.5
+    code = mag.mul_(scale).round_().add_(offset).clamp_(max=7).to(torch.uint8)
+    return code | ((x < 0).to(torch.uint8) << 3)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:

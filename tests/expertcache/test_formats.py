@@ -412,3 +412,22 @@ def test_stacking_changes_the_scale_shapes_where_a_block_would_span_both():
         dense_format("int8")
     with raises(r"unknown expert format 'float64'"):
         resolve_format("float64")
+
+
+def test_e2m1_encode_is_the_nearest_code_ties_to_even():
+    """packing.e2m1_encode against the numpy brute force (nearest magnitude, ties to the even code, 6 above
+    6) at every magnitude and midpoint, one float32 step either side of each, and random values over every
+    range; the sign bit where x < 0 (-0.0 encodes as +0)."""
+    from expertcache.formats.packing import E2M1_MAGNITUDES, E2M1_MIDPOINTS, e2m1_encode
+
+    pts = np.array(E2M1_MAGNITUDES + E2M1_MIDPOINTS + (6.5, 7.0, 1e4), np.float32)
+    near = np.concatenate([pts, np.nextafter(pts, np.float32(np.inf)), np.nextafter(pts, np.float32(0))])
+    rng = np.random.default_rng(3)
+    mags = np.concatenate([near, rng.random(200_000).astype(np.float32) * 8, np.abs(rng.standard_normal(
+        50_000)).astype(np.float32) * 1e-30]).astype(np.float32)
+    x = np.concatenate([mags, -mags, np.array([-0.0], np.float32)])
+    want = ref.nearest_code(np.abs(x), ref.E2M1_VALUES, ref.E2M1_CODES) | ((x < 0) << 3)
+    got = e2m1_encode(torch.from_numpy(x)).numpy()
+    assert got.dtype == np.uint8 and np.array_equal(got, want.astype(np.uint8))
+    huge = torch.tensor([1e30, 3.4e38, -1e30, -3.4e38])  # beyond the brute force's float64 distances
+    assert e2m1_encode(huge).tolist() == [7, 7, 15, 15]
