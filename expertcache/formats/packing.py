@@ -36,9 +36,9 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     of 0.5 (code round(2 |x|)), from 2 to 4 in steps of 1 (code 2 + round(|x|)), from 4 in steps of 2 (code
     4 + round(|x| / 2), at most 7). The scalings are exact and torch.round rounds half to even, which is the
     even code at each midpoint (E2M1_MIDPOINTS; a value rounding up to a range's end gets that end's code
-    from either formula). The range's scale and offset come from two comparisons by arithmetic: a few
-    elementwise passes, where a search over the midpoints (or torch.where with scalars) costs several times
-    as much."""
+    from either formula). The range's scale and offset come from two comparisons by arithmetic, so the
+    encode is a few elementwise passes (a search over the midpoints, or torch.where with scalar operands,
+    measured slower on the CPU, where checkpoints are quantized at load)."""
     mag = x.abs()
     ge2 = (mag >= 2).to(torch.float32)
     ge4 = (mag >= 4).to(torch.float32)
