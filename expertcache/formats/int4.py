@@ -78,16 +78,23 @@ class INT4(ExpertFormat):
 
         out_features, in_features = w.shape
         groups = ceil_div(in_features, GROUP)
-        padded = torch.zeros(out_features, groups * GROUP, dtype=torch.float32, device=w.device)
-        padded[:, :in_features] = w.abs()
-        amax = padded.view(out_features, groups, GROUP).amax(dim=-1)
+        whole = in_features % GROUP == 0  # whole groups: no padded copy, the scales broadcast over them
+        if whole:
+            amax = w.view(out_features, groups, GROUP).abs().amax(dim=-1)
+        else:
+            padded = torch.zeros(out_features, groups * GROUP, dtype=torch.float32, device=w.device)
+            padded[:, :in_features] = w.abs()
+            amax = padded.view(out_features, groups, GROUP).amax(dim=-1)
         s = (amax / QMAX).to(getattr(torch, self.scale_dtype))
         if not bool(torch.isfinite(s).all()):
             raise FormatError(f"int4.quantize: w's |values| up to {float(amax.max())} overflow a "
                               f"{self.scale_dtype} scale; use scale_dtype='bfloat16'")
         s = torch.where(s > 0, s, torch.ones_like(s))
-        x = w / s.float().repeat_interleave(GROUP, dim=1)[:, :in_features]
-        u = (torch.round(x).clamp(-ZERO, QMAX) + ZERO).to(torch.uint8)
+        if whole:
+            x = (w.view(out_features, groups, GROUP) / s.float().unsqueeze(-1)).view(out_features, in_features)
+        else:
+            x = w / s.float().repeat_interleave(GROUP, dim=1)[:, :in_features]
+        u = x.round_().clamp_(-ZERO, QMAX).add_(ZERO).to(torch.uint8)
         parts = {"q": pack_nibbles(u).contiguous(), "s": s.contiguous()}
         if self.zero_points:
             parts["z"] = torch.full(s.shape, ZERO, dtype=torch.uint8, device=w.device)
