@@ -275,8 +275,8 @@ class _RawRowCopy:
 
 
 class _StagedLayer:
-    """One layer's keys through a PrefillStaging ring: slot(j) returns the j-th key's ring slot and (unless
-    wait=False) makes the current stream wait for its copy; wait(j) makes it wait for copies 0..j at once
+    """One layer's keys through a PrefillStaging ring: slot(j) returns the j-th key's ring slot (its copy
+    issued, perhaps not done); wait(j) makes the current stream wait for copies 0..j at once
     (the copies run in order on one stream, so the j-th one's event covers every earlier one);
     release(js) records that the current stream's reads of those copies are queued, which lets the ring
     copy further keys into their slots; ready(j) says whether the j-th copy is issued (copies take the
@@ -291,13 +291,11 @@ class _StagedLayer:
         """Whether the j-th key's copy is issued (else it waits for a release of a copy before it)."""
         return len(self.copies) + len(self.staging.pending) > j
 
-    def slot(self, j: int, wait: bool = True) -> int:
+    def slot(self, j: int) -> int:
         st = self.staging
         while len(self.copies) <= j:  # the key's copy is issued in order, as the ring frees slots
             key, n, done = st.pending.pop(0)
             self.copies.append((n, done))
-        if wait:
-            self.wait(j)
         return self.copies[j][0] % st.ring
 
     def wait(self, j: int) -> None:
@@ -423,7 +421,7 @@ def moe_prefill_routed(store: HostStore, cfg: MoEConfig, w: MoEWeights, hidden: 
             elif staged is not None:
                 if not staged.ready(j):  # its copy waits for a ring slot the rows hold
                     done.append(decode())
-                r = staged.slot(j, wait=False)  # decode() waits for the group's copies
+                r = staged.slot(j)  # decode() waits for the group's copies
                 rows.append(((st_gate_up, r), (st_down, r)))
                 held.append(j)
             else:

@@ -98,26 +98,18 @@ def _decode_rows_kernel(qa, sa, s2a, za, qb, sb, s2b, zb, table_ptr, out_ptr, RO
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * IN + c[None, :], v, mask=m)
 
 
-def _roles(fmt, out_features: int, in_features: int, stack: int, parts) -> tuple[torch.Tensor, ...]:
-    """(values, scales, global scales, zero points) of `parts` in fmt.layout order; a part the format
-    lacks is the values again (never read)."""
-    by = {p.suffix: t for p, t in zip(fmt.layout(out_features, in_features, stack), parts)}
-    q = by[fmt.main]
-    return q, by.get("s", q), by.get("s2", q), by.get("z", q)
-
-
-def decode_slots(sources: list, table: torch.Tensor, fmt, out_features: int, in_features: int,
-                 stack: int) -> torch.Tensor:
+def decode_slots(sources: list[SlotMatrix], table: torch.Tensor) -> torch.Tensor:
     """float32 [G, out, in]: the decode of the G slots table (int32 [G, 2]: source index, slot) names, in
-    one launch. sources: one or two sequences of parts in fmt.layout(out, in, stack) order, each [S, *part
-    shape], contiguous, on the table's device (CUDA, or the CPU under TRITON_INTERPRET=1). fmt: dense or one
-    of KERNEL_FORMATS. Bit for bit fmt.decode_batch of the slots' parts."""
+    one launch. sources: one or two SlotMatrix of one format (dense or one of KERNEL_FORMATS) and shape,
+    contiguous, on the table's device (CUDA, or the CPU under TRITON_INTERPRET=1). Bit for bit the format's
+    decode_batch of the slots' parts."""
+    first = sources[0]
+    fmt, out_features, in_features, stack = first.fmt, first.out_features, first.in_features, first.stack
     g = table.shape[0]
     out = torch.empty((g, out_features, in_features), dtype=torch.float32, device=table.device)
     if g == 0:
         return out
-    a = _roles(fmt, out_features, in_features, stack, sources[0])
-    b = _roles(fmt, out_features, in_features, stack, sources[-1])
+    a, b = sources[0].roles(), sources[-1].roles()
     s2n = stack if fmt.name == "nvfp4" else 1
     cols = in_features if fmt.dense else in_features // 2
     grid = (triton.cdiv(g * out_features, BR), triton.cdiv(cols, BC if not fmt.dense else 2 * BC))
@@ -126,16 +118,6 @@ def decode_slots(sources: list, table: torch.Tensor, fmt, out_features: int, in_
                  FMT=0 if fmt.dense else CODES[fmt.name], ZP=bool(getattr(fmt, "zero_points", False)), BR=BR,
                  BC=BC, num_warps=4)
     return out
-
-
-def decode_packed(parts: dict[str, torch.Tensor], fmt, out_features: int, in_features: int, stack: int) -> torch.Tensor:
-    """float32 [G, out, in]: the decode of G stacked matrices (parts [G, *layout shape], contiguous, on one
-    device) by the kernel, bit for bit fmt.decode_batch."""
-    layout = fmt.layout(out_features, in_features, stack)
-    g = parts[layout[0].suffix].shape[0]
-    table = torch.stack([torch.zeros(g, dtype=torch.int32), torch.arange(g, dtype=torch.int32)], dim=1)
-    return decode_slots([[parts[p.suffix] for p in layout]], table.to(parts[layout[0].suffix].device), fmt,
-                        out_features, in_features, stack)
 
 
 def dequantize_rows_fast(rows: list[tuple[SlotMatrix, int]], device: torch.device | str) -> torch.Tensor:
@@ -159,6 +141,5 @@ def dequantize_rows_fast(rows: list[tuple[SlotMatrix, int]], device: torch.devic
                 # from pinned memory, so the copy is queued like the kernel (a pageable source may sync)
                 table = torch.tensor([[next(i for i, s in enumerate(sources) if s is m), slot] for m, slot in rows],
                                      dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
-                return decode_slots([s.parts for s in sources], table, first.fmt, first.out_features,
-                                    first.in_features, first.stack)
+                return decode_slots(sources, table)
     return dequantize_rows(rows, device)

@@ -116,16 +116,23 @@ class SlotMatrix:
         words of 8 (in_features is a multiple of 8). Made once per SlotMatrix."""
         return self._kernel_args
 
-    @cached_property
-    def _kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def roles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(values, scales, global scales, zero points): the parts by role, as stored; a part the format lacks
+        is the values again (never read)."""
         by = {p.suffix: t for p, t in zip(self.fmt.layout(self.out_features, self.in_features, self.stack),
                                           self.parts)}
         q = by[self.fmt.main]
+        return q, by.get("s", q), by.get("s2", q), by.get("z", q)
+
+    @cached_property
+    def _kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        raw, s, s2, z = self.roles()
+        q = raw
         if q.dtype == torch.float8_e4m3fn:
             q = q.view(torch.uint8)
         elif self.fmt.pack == 2:  # 4-bit values two a byte: 8 a word
             q = q.view(torch.int32)
-        return q, by.get("s", q), by.get("s2", q), by.get("z", q)
+        return q, *((q if t is raw else t) for t in (s, s2, z))  # a lacking part: the kernels' view of q
 
     def dequantize(self, slots: torch.Tensor | list[int], device: torch.device | None = None) -> torch.Tensor:
         """float32 [n, out, in]: the format's torch dequantize of each slot in `slots` (ints, each in [0, S)),
@@ -149,20 +156,6 @@ class SlotMatrix:
         return self.fmt.decode(parts, self.out_features, self.in_features, self.stack)
 
 
-def stack_rows(rows: list[tuple[SlotMatrix, int]], device: torch.device | str) -> tuple[SlotMatrix, list[torch.Tensor]]:
-    """(the first row's matrix, each part of the G rows moved to `device` and stacked [G, *part shape]): what
-    a group decode reads. Raises ValueError naming `rows` when they are empty or their formats or shapes differ."""
-    if not rows:
-        raise ValueError("dequantize_rows: rows is empty")
-    first = rows[0][0]
-    shape = (first.fmt, first.out_features, first.in_features, first.stack)
-    if any((m.fmt, m.out_features, m.in_features, m.stack) != shape for m, _ in rows):
-        raise ValueError("dequantize_rows: rows must be of one format, shape and stack")
-    device = torch.device(device)
-    return first, [torch.stack([m.parts[p][slot].to(device, non_blocking=True) for m, slot in rows])
-                   for p in range(len(first.parts))]
-
-
 def dequantize_rows(rows: list[tuple[SlotMatrix, int]], device: torch.device | str) -> torch.Tensor:
     """float32 [G, out, in]: the decode of each (matrix, slot) in `rows`, matrices of one format and shape
     (a pool's, a staging ring's, a store's), on `device`: each part of the G rows moved there and stacked,
@@ -170,7 +163,15 @@ def dequantize_rows(rows: list[tuple[SlotMatrix, int]], device: torch.device | s
     result is new memory, so a slot may be overwritten once the ops are queued. Prefill's group of experts:
     a few ops for the group where one expert's decode alone takes a dozen or more. Raises ValueError naming
     `rows` when they are empty or their formats or shapes differ."""
-    first, parts = stack_rows(rows, device)
+    if not rows:
+        raise ValueError("dequantize_rows: rows is empty")
+    first = rows[0][0]
+    shape = (first.fmt, first.out_features, first.in_features, first.stack)
+    if any((m.fmt, m.out_features, m.in_features, m.stack) != shape for m, _ in rows):
+        raise ValueError("dequantize_rows: rows must be of one format, shape and stack")
+    device = torch.device(device)
+    parts = [torch.stack([m.parts[p][slot].to(device, non_blocking=True) for m, slot in rows])
+             for p in range(len(first.parts))]
     if first.fmt.dense:
         return parts[0].to(torch.float32)
     layout = first.fmt.layout(first.out_features, first.in_features, first.stack)

@@ -65,6 +65,7 @@ def test_the_ring_serves_each_key_its_bytes_and_drops_what_no_layer_reads(checkp
         assert staging.prefetched_unused == issued - used
         for j, key in enumerate(keys):
             r = layer.slot(j)
+            layer.wait(j)
             assert 0 <= r < ring
             for bank in store.banks:
                 got = staging.pool.tensor(bank.name)[r].clone()  # read on the current stream, after the copy

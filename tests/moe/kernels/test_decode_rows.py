@@ -11,7 +11,7 @@ import torch
 
 from expertcache.formats import dense_format, get_format
 from expertcache.formats.int4 import INT4
-from moe.kernels.decode_rows import decode_packed, decode_slots, dequantize_rows_fast
+from moe.kernels.decode_rows import decode_slots, dequantize_rows_fast
 from moe.model.slot_matrix import SlotMatrix, dequantize_rows
 from tests.conftest import device_or_skip
 
@@ -39,6 +39,16 @@ def random_parts(fmt, g: int, out_features: int, in_features: int, stack: int, s
     return parts
 
 
+def decode_stacked(parts: dict[str, torch.Tensor], fmt, out_features: int, in_features: int,
+                   stack: int) -> torch.Tensor:
+    """The kernel's decode of G stacked matrices (parts [G, *layout shape]): one source, slots 0..G-1."""
+    layout = fmt.layout(out_features, in_features, stack)
+    g = parts[layout[0].suffix].shape[0]
+    table = torch.stack([torch.zeros(g, dtype=torch.int32), torch.arange(g, dtype=torch.int32)], dim=1)
+    matrix = SlotMatrix(fmt, tuple(parts[p.suffix] for p in layout), out_features, in_features, stack)
+    return decode_slots([matrix], table.to(matrix.device))
+
+
 def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     return got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))
 
@@ -54,7 +64,7 @@ def test_the_kernel_decodes_as_the_format_does_bit_for_bit(name, shape):
     g, out_features, in_features, stack = shape
     parts = random_parts(fmt, g, out_features, in_features, stack, seed=zlib.crc32(repr((name, shape)).encode()))
     want = fmt.decode_batch(parts, out_features, in_features, stack)
-    got = decode_packed({k: v.to(device) for k, v in parts.items()}, fmt, out_features, in_features, stack)
+    got = decode_stacked({k: v.to(device) for k, v in parts.items()}, fmt, out_features, in_features, stack)
     assert same_bits(got.cpu(), want)
 
 
@@ -68,8 +78,9 @@ def test_the_kernel_reads_each_slot_from_its_own_source(name):
     a, b = (random_parts(fmt, n, out_features, in_features, stack, seed) for n, seed in ((5, 3), (3, 4)))
     table = torch.tensor([[1, 2], [0, 4], [0, 0], [1, 0], [0, 4]], dtype=torch.int32)
     layout = fmt.layout(out_features, in_features, stack)
-    got = decode_slots([[a[p.suffix].to(device) for p in layout], [b[p.suffix].to(device) for p in layout]],
-                       table.to(device), fmt, out_features, in_features, stack).cpu()
+    sources = [SlotMatrix(fmt, tuple(m[p.suffix].to(device) for p in layout), out_features, in_features, stack)
+               for m in (a, b)]
+    got = decode_slots(sources, table.to(device)).cpu()
     for i, (src, slot) in enumerate(table.tolist()):
         parts = {k: v[slot:slot + 1] for k, v in (a, b)[src].items()}
         assert same_bits(got[i:i + 1], fmt.decode_batch(parts, out_features, in_features, stack)), i
@@ -104,5 +115,5 @@ def test_the_kernel_decodes_a_group_of_qwen3_30b_experts_on_the_gpu_bit_for_bit(
         for out_features, in_features, stack in ((1536, 2048, 2), (2048, 768, 1)):
             parts = random_parts(fmt, 8, out_features, in_features, stack, seed=7)
             want = fmt.decode_batch({k: v.cuda() for k, v in parts.items()}, out_features, in_features, stack)
-            got = decode_packed({k: v.cuda() for k, v in parts.items()}, fmt, out_features, in_features, stack)
+            got = decode_stacked({k: v.cuda() for k, v in parts.items()}, fmt, out_features, in_features, stack)
             assert same_bits(got, want), name
